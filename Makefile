@@ -1,0 +1,18 @@
+# The two commands of the README: `make demo` (main job on the embedded data) and `make test`.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+
+.PHONY: setup demo test lint bench
+
+setup:
+	bash scripts/setup.sh
+
+demo: setup
+	bash scripts/demo.sh
+
+test: setup
+	$(PY) -m ruff check src tests bench
+	$(PY) -m pytest
+
+bench: setup
+	$(PY) bench/step_cost.py

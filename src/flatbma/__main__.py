@@ -1,0 +1,5 @@
+"""``python -m flatbma`` = the ``flatbma`` command."""
+
+from flatbma.experiment.cli import main
+
+raise SystemExit(main())

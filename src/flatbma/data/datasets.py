@@ -1,0 +1,723 @@
+"""In-memory image datasets and loaders for the formats flatbma reads.
+
+Every loader returns a :class:`DatasetSplits` of two :class:`ArrayDataset` objects that share one
+class list. Loaders read only local files; nothing is downloaded. The string registry
+:data:`DATASETS` (used by configs and the CLI) maps a name to its loader:
+
+============== ======================================================================================
+name           source
+============== ======================================================================================
+digits         scikit-learn's bundled 8x8 digits, split 2/3 train, 1/3 test (stratified, seed 0)
+animal-mnist   the files shipped in the ``animal-mnist`` PyPI package, split 80/20 (stratified, seed 0)
+idx            any MNIST-format directory (``train-images-idx3-ubyte[.gz]`` and friends)
+fashion-mnist  idx files, by default in ``/usr/share/datasets/fashion-mnist`` (Debian package)
+cifar10        the official ``cifar-10-batches-py`` folder
+cifar100       the official ``cifar-100-python`` folder
+image-folder   ``root/{train,test}/<class>/*.{png,jpg,jpeg,bmp}``
+============== ======================================================================================
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image, UnidentifiedImageError
+from torch import Tensor
+from torch.utils.data import Dataset
+
+from flatbma.data._readers import load_data_pickle, read_idx
+from flatbma.data.fewshot import stratified_split
+from flatbma.errors import FlatbmaError, suggest
+
+__all__ = [
+    "ANIMAL_MNIST_CLASSES",
+    "DATASETS",
+    "FASHION_MNIST_CLASSES",
+    "FASHION_MNIST_ROOT",
+    "ArrayDataset",
+    "DatasetSplits",
+    "dataset_names",
+    "load_animal_mnist",
+    "load_cifar10",
+    "load_cifar100",
+    "load_dataset",
+    "load_digits",
+    "load_fashion_mnist",
+    "load_idx",
+    "load_image_folder",
+]
+
+#: Seed of the stratified train/test splits of the datasets that ship without one.
+SPLIT_SEED = 0
+DIGITS_TEST_FRACTION = 1 / 3
+ANIMAL_MNIST_TEST_FRACTION = 0.2
+
+FASHION_MNIST_ROOT = Path("/usr/share/datasets/fashion-mnist")
+FASHION_MNIST_CLASSES = (
+    "T-shirt/top",
+    "Trouser",
+    "Pullover",
+    "Dress",
+    "Coat",
+    "Sandal",
+    "Shirt",
+    "Sneaker",
+    "Bag",
+    "Ankle boot",
+)
+# The animal-mnist package names its classes only in its PyPI description ("Bear, Bird, Cat, Cow,
+# Dog, Elephant, Giraffe, Horse, Sheep, Zebra"); its loader code has no names. That labels 0..9
+# follow this alphabetical order was checked by looking at the images of every label.
+ANIMAL_MNIST_CLASSES = (
+    "Bear",
+    "Bird",
+    "Cat",
+    "Cow",
+    "Dog",
+    "Elephant",
+    "Giraffe",
+    "Horse",
+    "Sheep",
+    "Zebra",
+)
+IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp")
+
+Transform = Callable[[Tensor], Tensor]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Containers
+# ---------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, eq=False, repr=False)
+class ArrayDataset(Dataset[tuple[Tensor, int]]):
+    """Images and labels held in memory.
+
+    Item ``i`` is ``(image, label)``: the image as float32 ``[C, H, W]`` in ``[0, 1]`` (``uint8``
+    storage is divided by 255), then passed through ``transform``; the label as an ``int``.
+
+    Args:
+        images: ``[N, C, H, W]``, either ``uint8`` (0-255) or floating point in ``[0, 1]`` (stored as
+            float32).
+        labels: ``[N]`` integer class indices in ``[0, len(classes))`` (stored as int64).
+        classes: Class names; index ``c`` names label ``c``. A class may have no examples.
+        transform: Applied to each float image.
+
+    Raises:
+        FlatbmaError: Wrong ranks, dtypes or lengths, labels out of range, non-finite or out-of-range
+            float pixels, or an empty or duplicated class list.
+    """
+
+    images: Tensor
+    labels: Tensor
+    classes: list[str]
+    transform: Transform | None = field(default=None)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "images", _check_images(self.images))
+        object.__setattr__(self, "classes", _check_classes(self.classes))
+        object.__setattr__(self, "labels", _check_labels(self.labels, len(self.images), self.classes))
+        if self.transform is not None and not callable(self.transform):
+            raise FlatbmaError(f"transform must be callable or None, got {type(self.transform).__name__}.")
+
+    def __len__(self) -> int:
+        return int(self.labels.shape[0])
+
+    def __getitem__(self, index: int) -> tuple[Tensor, int]:
+        image = self.images[index]
+        image = image.float().div_(255.0) if image.dtype == torch.uint8 else image.clone()
+        if self.transform is not None:
+            image = self.transform(image)
+        return image, int(self.labels[index])
+
+    def __repr__(self) -> str:
+        return (
+            f"ArrayDataset(n={len(self)}, image_shape={self.image_shape}, dtype={self.images.dtype}, "
+            f"num_classes={self.num_classes}, transform={self.transform!r})"
+        )
+
+    @property
+    def num_classes(self) -> int:
+        """Number of classes (the length of :attr:`classes`)."""
+        return len(self.classes)
+
+    @property
+    def image_shape(self) -> tuple[int, int, int]:
+        """Stored ``(C, H, W)`` (before ``transform``)."""
+        channels, height, width = self.images.shape[1:]
+        return int(channels), int(height), int(width)
+
+    def subset(self, indices: Tensor | Sequence[int] | np.ndarray) -> ArrayDataset:
+        """Return the examples at ``indices`` (in that order), with the same classes and transform.
+
+        Args:
+            indices: Non-negative integer indices (not a boolean mask).
+        """
+        idx = torch.as_tensor(np.asarray(indices) if not isinstance(indices, Tensor) else indices)
+        if idx.ndim != 1 or (idx.numel() and (idx.dtype == torch.bool or idx.dtype.is_floating_point)):
+            raise FlatbmaError(
+                f"subset indices must be a 1-D sequence of integers, got shape {tuple(idx.shape)} and dtype "
+                f"{idx.dtype}. For a boolean mask use mask.nonzero().flatten()."
+            )
+        idx = idx.to(torch.int64)
+        if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= len(self)):
+            bad = int(idx.min()) if int(idx.min()) < 0 else int(idx.max())
+            raise FlatbmaError(f"subset index {bad} is out of range for a dataset of {len(self)} examples.")
+        return ArrayDataset(self.images[idx], self.labels[idx], self.classes, self.transform)
+
+    def with_transform(self, transform: Transform | None) -> ArrayDataset:
+        """Return the same data with ``transform`` (which replaces the current one)."""
+        return ArrayDataset(self.images, self.labels, self.classes, transform)
+
+
+@dataclass(frozen=True)
+class DatasetSplits:
+    """The train and test parts of a dataset, sharing one class list.
+
+    Attributes:
+        train: Training examples (few-shot subsets and validation sets are drawn from here).
+        test: Held-out evaluation examples, never used for model selection.
+        name: Registry name of the dataset.
+    """
+
+    train: ArrayDataset
+    test: ArrayDataset
+    name: str
+
+    def __post_init__(self) -> None:
+        if self.train.classes != self.test.classes:
+            raise FlatbmaError(
+                f"dataset '{self.name}': train and test class lists differ ({self.train.classes} vs "
+                f"{self.test.classes}); both splits must use the same label indices."
+            )
+        if self.train.image_shape != self.test.image_shape:
+            raise FlatbmaError(
+                f"dataset '{self.name}': train images are {self.train.image_shape} but test images are "
+                f"{self.test.image_shape}."
+            )
+
+
+def _check_images(images: object) -> Tensor:
+    if not isinstance(images, Tensor):
+        raise FlatbmaError(f"images must be a torch.Tensor [N, C, H, W], got {type(images).__name__}.")
+    if images.ndim != 4:
+        raise FlatbmaError(
+            f"images must be 4-D [N, C, H, W], got shape {tuple(images.shape)}. Add a channel axis to "
+            f"grayscale data with images.unsqueeze(1)."
+        )
+    if images.dtype == torch.uint8:
+        return images
+    if not images.dtype.is_floating_point:
+        raise FlatbmaError(f"images must be uint8 (0-255) or floating point in [0, 1], got {images.dtype}.")
+    finite = torch.isfinite(images).flatten(1).all(dim=1)
+    if not bool(finite.all()):
+        bad = torch.nonzero(~finite).flatten()
+        raise FlatbmaError(
+            f"images contain NaN or infinite pixels in {bad.numel()} image(s) (first: index {int(bad[0])}); "
+            f"clean or drop them before building the dataset."
+        )
+    if images.numel() and (float(images.min()) < 0.0 or float(images.max()) > 1.0):
+        raise FlatbmaError(
+            f"float images must lie in [0, 1], got values in [{float(images.min()):g}, "
+            f"{float(images.max()):g}]. Scale them (e.g. divide 0-255 data by 255) and standardize with a "
+            f"transform instead."
+        )
+    return images.to(torch.float32)
+
+
+def _check_classes(classes: object) -> list[str]:
+    if isinstance(classes, str) or not isinstance(classes, Sequence):
+        raise FlatbmaError(f"classes must be a list of class names, got {type(classes).__name__}.")
+    names = list(classes)
+    if not names or not all(isinstance(c, str) for c in names):
+        raise FlatbmaError(f"classes must be a non-empty list of strings, got {names!r}.")
+    if len(set(names)) != len(names):
+        duplicates = sorted({c for c in names if names.count(c) > 1})
+        raise FlatbmaError(f"class names must be unique; duplicated: {duplicates}.")
+    return names
+
+
+def _check_labels(labels: object, n: int, classes: list[str]) -> Tensor:
+    if not isinstance(labels, Tensor):
+        raise FlatbmaError(f"labels must be a torch.Tensor [N] of class indices, got {type(labels).__name__}.")
+    if labels.ndim != 1 or labels.dtype.is_floating_point or labels.dtype.is_complex or labels.dtype == torch.bool:
+        raise FlatbmaError(
+            f"labels must be a 1-D integer tensor, got shape {tuple(labels.shape)} and dtype {labels.dtype}."
+        )
+    if labels.shape[0] != n:
+        raise FlatbmaError(f"there are {n} images but {labels.shape[0]} labels; they must match one to one.")
+    labels = labels.to(torch.int64)
+    bad = (labels < 0) | (labels >= len(classes))
+    if bool(bad.any()):
+        first = int(torch.nonzero(bad)[0])
+        raise FlatbmaError(
+            f"label {int(labels[first])} (at index {first}) is out of range: labels must lie in "
+            f"[0, {len(classes)}) for the {len(classes)} classes given."
+        )
+    return labels
+
+
+# ---------------------------------------------------------------------------------------------------
+# Helpers for loaders
+# ---------------------------------------------------------------------------------------------------
+
+
+def _existing_dir(root: str | Path | None, name: str, help_text: str) -> Path:
+    if root is None:
+        raise FlatbmaError(f"dataset '{name}' needs root, the directory holding its files. {help_text}")
+    path = Path(root).expanduser()
+    if not path.is_dir():
+        what = "is a file, not a directory" if path.exists() else "does not exist"
+        raise FlatbmaError(f"dataset '{name}': root {path} {what}. {help_text}")
+    return path
+
+
+def _splits(images: Tensor, labels: Tensor, classes: Sequence[str], fraction: float, name: str) -> DatasetSplits:
+    data = ArrayDataset(images, labels, list(classes))
+    train_idx, test_idx = stratified_split(data.labels, fraction, SPLIT_SEED)
+    return DatasetSplits(data.subset(train_idx), data.subset(test_idx), name)
+
+
+def _int_labels(values: object, path: Path, help_text: str) -> np.ndarray:
+    array = np.asarray(values)
+    if array.ndim != 1 or not np.issubdtype(array.dtype, np.integer):
+        raise FlatbmaError(
+            f"{path}: labels must be a 1-D sequence of integers, got {array.dtype} with shape "
+            f"{array.shape}. {help_text}"
+        )
+    return array.astype(np.int64)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Loaders
+# ---------------------------------------------------------------------------------------------------
+
+
+def load_digits(root: str | Path | None = None) -> DatasetSplits:
+    """Load scikit-learn's 8x8 handwritten digits (1,797 images, 10 classes).
+
+    Pixels have 17 grey levels (0-16) and are scaled to ``[0, 1]`` by dividing by 16, giving float32
+    images ``[N, 1, 8, 8]``. The split is stratified with 1/3 of each class held out for testing,
+    drawn with seed 0, so it is the same on every machine.
+
+    Args:
+        root: Must be ``None``: the data ships with scikit-learn.
+    """
+    if root is not None:
+        raise FlatbmaError("dataset 'digits' ships with scikit-learn and takes no root; leave root unset.")
+    from sklearn.datasets import load_digits as sklearn_load_digits
+
+    bunch = sklearn_load_digits()
+    images = torch.from_numpy(np.asarray(bunch.images, dtype=np.float32) / 16.0).unsqueeze(1)
+    labels = torch.from_numpy(np.asarray(bunch.target, dtype=np.int64))
+    classes = [str(c) for c in range(10)]
+    return _splits(images, labels, classes, DIGITS_TEST_FRACTION, "digits")
+
+
+_ANIMAL_HELP = (
+    "Install the data with `pip install --no-deps animal-mnist` (its Python modules need TensorFlow, "
+    "so skip the dependencies; flatbma reads only its two data files), or pass root=<directory holding "
+    "animal_data_version_3.gz and animal_label_version_3.gz>."
+)
+
+
+def load_animal_mnist(root: str | Path | None = None) -> DatasetSplits:
+    """Load Animal-MNIST: 10,000 grayscale 28x28 animal silhouettes, 1,000 per class.
+
+    The files come from the ``animal-mnist`` PyPI package, located with
+    ``importlib.util.find_spec`` without importing it (its modules import TensorFlow). Both are
+    gzip-compressed pickles of one numpy array each (images ``uint8 [10000, 28, 28]``, labels ``int64
+    [10000]``, sorted by class). They are read with the restricted unpickler of this package, which
+    rebuilds numpy arrays and nothing else. The split is stratified with 20 % of each class held out,
+    drawn with seed 0 (8,000 train / 2,000 test). Classes: :data:`ANIMAL_MNIST_CLASSES`.
+
+    Args:
+        root: Directory holding ``animal_data_version_3.gz`` and ``animal_label_version_3.gz``;
+            defaults to ``<animal_mnist package>/data/Animal_MNIST``.
+    """
+    if root is None:
+        spec = importlib.util.find_spec("animal_mnist")
+        if spec is None or not spec.submodule_search_locations:
+            raise FlatbmaError(f"dataset 'animal-mnist' is not installed. {_ANIMAL_HELP}")
+        directory = Path(next(iter(spec.submodule_search_locations))) / "data" / "Animal_MNIST"
+    else:
+        directory = _existing_dir(root, "animal-mnist", _ANIMAL_HELP)
+    images_path = directory / "animal_data_version_3.gz"
+    labels_path = directory / "animal_label_version_3.gz"
+    for path in (images_path, labels_path):
+        if not path.is_file():
+            raise FlatbmaError(f"dataset 'animal-mnist': {path} is missing. {_ANIMAL_HELP}")
+    images = load_data_pickle(images_path, compressed=True, source=_ANIMAL_HELP)
+    labels = load_data_pickle(labels_path, compressed=True, source=_ANIMAL_HELP)
+    if not isinstance(images, np.ndarray) or images.dtype != np.uint8 or images.ndim != 3:
+        raise FlatbmaError(
+            f"{images_path} should hold a uint8 array [N, H, W], got "
+            f"{getattr(images, 'dtype', type(images).__name__)} {getattr(images, 'shape', '')}. "
+            f"{_ANIMAL_HELP}"
+        )
+    labels = _int_labels(labels, labels_path, _ANIMAL_HELP)
+    return _splits(
+        torch.from_numpy(np.ascontiguousarray(images)).unsqueeze(1),
+        torch.from_numpy(labels),
+        ANIMAL_MNIST_CLASSES,
+        ANIMAL_MNIST_TEST_FRACTION,
+        "animal-mnist",
+    )
+
+
+_IDX_FILE = re.compile(r"(?P<kind>images|labels)[-_.]idx(?P<ndim>[13])[-_.]ubyte(?P<gz>\.gz)?$", re.IGNORECASE)
+_IDX_LAYOUT = (
+    "Expected an MNIST-format (idx) directory with train-images-idx3-ubyte, train-labels-idx1-ubyte, "
+    "t10k-images-idx3-ubyte and t10k-labels-idx1-ubyte (each optionally .gz; test files may start with "
+    "'test' instead of 't10k'), directly in root or in root/raw."
+)
+_FASHION_HELP = (
+    f"Get Fashion-MNIST with `sudo apt install dataset-fashion-mnist` (Debian/Ubuntu; it installs to "
+    f"{FASHION_MNIST_ROOT}/) or download the four .gz files from "
+    f"https://github.com/zalandoresearch/fashion-mnist (data/fashion) and pass root=<that directory>."
+)
+
+
+def _find_idx_files(root: Path) -> tuple[Path, dict[tuple[str, str], Path]]:
+    """Find the four idx files in ``root``, ``root/raw`` or ``root/*/raw`` (torchvision's layout)."""
+    candidates = [root, root / "raw", *sorted(p for p in root.glob("*/raw") if p.is_dir())]
+    for directory in candidates:
+        if not directory.is_dir():
+            continue
+        found: dict[tuple[str, str], list[Path]] = {}
+        for path in sorted(directory.iterdir()):
+            match = _IDX_FILE.search(path.name)
+            lower = path.name.lower()
+            if match is None or not path.is_file():
+                continue
+            split = "train" if lower.startswith("train") else "test" if lower.startswith(("t10k", "test")) else None
+            if split is not None:
+                found.setdefault((split, match["kind"].lower()), []).append(path)
+        if not found:
+            continue
+        chosen: dict[tuple[str, str], Path] = {}
+        for key, paths in found.items():
+            stems = {p.name.lower().removesuffix(".gz") for p in paths}
+            if len(stems) > 1:
+                raise FlatbmaError(
+                    f"{directory} holds several {key[0]} {key[1]} files ({[p.name for p in paths]}); keep one."
+                )
+            # The same file both raw and gzipped: read the raw one (no decompression).
+            chosen[key] = min(paths, key=lambda p: p.suffix == ".gz")
+        return directory, chosen
+    return root, {}
+
+
+def _load_idx(root: Path, classes: Sequence[str] | None, name: str, help_text: str) -> DatasetSplits:
+    directory, files = _find_idx_files(root)
+    keys = [(s, k) for s in ("train", "test") for k in ("images", "labels")]
+    missing = [f"{s} {k}" for s, k in keys if (s, k) not in files]
+    if missing:
+        raise FlatbmaError(
+            f"dataset '{name}': no {', '.join(missing)} file(s) found in {directory}. {_IDX_LAYOUT} {help_text}"
+        )
+    parts: dict[str, tuple[Tensor, Tensor]] = {}
+    for split in ("train", "test"):
+        images = read_idx(files[(split, "images")], ndim=3, source=help_text)
+        labels = read_idx(files[(split, "labels")], ndim=1, source=help_text)
+        if len(images) != len(labels):
+            raise FlatbmaError(
+                f"dataset '{name}': {files[(split, 'images')].name} has {len(images)} images but "
+                f"{files[(split, 'labels')].name} has {len(labels)} labels; the files do not belong together."
+                f" {help_text}"
+            )
+        parts[split] = (
+            torch.from_numpy(images.copy()).unsqueeze(1),
+            torch.from_numpy(labels.astype(np.int64)),
+        )
+    if classes is None:
+        top = max(int(labels.max()) if labels.numel() else -1 for _, labels in parts.values())
+        classes = [str(c) for c in range(top + 1)]
+    splits = {s: ArrayDataset(images, labels, list(classes)) for s, (images, labels) in parts.items()}
+    return DatasetSplits(splits["train"], splits["test"], name)
+
+
+def load_idx(root: str | Path | None = None, *, classes: Sequence[str] | None = None) -> DatasetSplits:
+    """Load an MNIST-format (idx) directory: MNIST, Fashion-MNIST, KMNIST, ...
+
+    Files are found by name in ``root`` (or ``root/raw``, or ``root/<name>/raw`` as torchvision
+    stores them): ``train*images-idx3-ubyte`` and ``train*labels-idx1-ubyte`` for training,
+    ``t10k*``/``test*`` for testing, each optionally gzipped. Headers are parsed and every size is
+    checked (truncated files are reported). Images become ``uint8 [N, 1, H, W]``.
+
+    Args:
+        root: The directory.
+        classes: Class names; defaults to ``"0"`` .. ``str(max label)``.
+    """
+    root = _existing_dir(root, "idx", _IDX_LAYOUT)
+    return _load_idx(root, classes, "idx", "")
+
+
+def load_fashion_mnist(root: str | Path | None = None) -> DatasetSplits:
+    """Load Fashion-MNIST (60,000 train / 10,000 test, 28x28 grayscale, 10 classes) from idx files.
+
+    Args:
+        root: The directory; defaults to :data:`FASHION_MNIST_ROOT`, where Debian's
+            ``dataset-fashion-mnist`` package installs it.
+    """
+    root = _existing_dir(FASHION_MNIST_ROOT if root is None else root, "fashion-mnist", _FASHION_HELP)
+    return _load_idx(root, FASHION_MNIST_CLASSES, "fashion-mnist", _FASHION_HELP)
+
+
+def _get(record: dict[Any, Any], key: str) -> Any:
+    """Look ``key`` up as bytes (official files, ``encoding='bytes'``) or as str (re-pickled files)."""
+    return record[key.encode()] if key.encode() in record else record.get(key)
+
+
+def _cifar_dir(root: str | Path | None, name: str, folder: str, required: Sequence[str], help_text: str) -> Path:
+    base = _existing_dir(root, name, help_text)
+    for directory in (base, base / folder):
+        if all((directory / f).is_file() for f in required):
+            return directory
+    tarballs = [p.name for p in base.glob("*.tar.gz")] if base.is_dir() else []
+    extract = f" Found {tarballs}: extract it first (tar xzf <file>)." if tarballs else ""
+    raise FlatbmaError(
+        f"dataset '{name}': {base} is not a {folder} folder (or its parent): missing "
+        f"{[f for f in required if not (base / f).is_file() and not (base / folder / f).is_file()]}."
+        f"{extract} {help_text}"
+    )
+
+
+def _cifar_batch(path: Path, label_key: str, help_text: str) -> tuple[np.ndarray, np.ndarray]:
+    record = load_data_pickle(path, source=help_text)
+    if not isinstance(record, dict):
+        raise FlatbmaError(f"{path} should hold a dict, got {type(record).__name__}. {help_text}")
+    data, labels = _get(record, "data"), _get(record, label_key)
+    if data is None or labels is None:
+        raise FlatbmaError(f"{path} has no 'data' or '{label_key}' entry (keys: {list(record)}). {help_text}")
+    if not isinstance(data, np.ndarray) or data.dtype != np.uint8 or data.ndim != 2 or data.shape[1] != 3072:
+        raise FlatbmaError(
+            f"{path}: 'data' must be a uint8 array [N, 3072] (32x32 RGB, channel-major), got "
+            f"{getattr(data, 'dtype', type(data).__name__)} {getattr(data, 'shape', '')}. {help_text}"
+        )
+    labels = _int_labels(labels, path, help_text)
+    if len(labels) != len(data):
+        raise FlatbmaError(f"{path}: {len(data)} images but {len(labels)} labels. {help_text}")
+    return data.reshape(-1, 3, 32, 32), labels
+
+
+def _cifar_names(path: Path, key: str, help_text: str) -> list[str]:
+    meta = load_data_pickle(path, source=help_text)
+    names = _get(meta, key) if isinstance(meta, dict) else None
+    if not isinstance(names, list) or not all(isinstance(n, (bytes, str)) for n in names):
+        raise FlatbmaError(f"{path} has no list of class names under '{key}'. {help_text}")
+    return [n.decode("utf-8") if isinstance(n, bytes) else n for n in names]
+
+
+def _cifar_splits(
+    directory: Path,
+    train: Sequence[str],
+    test: str,
+    label_key: str,
+    classes: list[str],
+    name: str,
+    help_text: str,
+) -> DatasetSplits:
+    parts = [_cifar_batch(directory / f, label_key, help_text) for f in train]
+    train_images = np.concatenate([p[0] for p in parts])
+    train_labels = np.concatenate([p[1] for p in parts])
+    test_images, test_labels = _cifar_batch(directory / test, label_key, help_text)
+    return DatasetSplits(
+        ArrayDataset(torch.from_numpy(train_images), torch.from_numpy(train_labels), classes),
+        ArrayDataset(torch.from_numpy(np.ascontiguousarray(test_images)), torch.from_numpy(test_labels), classes),
+        name,
+    )
+
+
+_CIFAR10_HELP = (
+    "Expected the official python version: cifar-10-batches-py/ with data_batch_1 .. data_batch_5, "
+    "test_batch and batches.meta. Download https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz, "
+    "extract it, and pass root=<the extracted folder or its parent>."
+)
+_CIFAR100_HELP = (
+    "Expected the official python version: cifar-100-python/ with train, test and meta. Download "
+    "https://www.cs.toronto.edu/~kriz/cifar-100-python.tar.gz, extract it, and pass root=<the "
+    "extracted folder or its parent>."
+)
+
+
+def load_cifar10(root: str | Path | None = None) -> DatasetSplits:
+    """Load CIFAR-10 (50,000 train / 10,000 test, 32x32 RGB, 10 classes) from the official pickles.
+
+    The batch files are pickles; they are read with a restricted unpickler that rebuilds only
+    built-in containers and plain numpy arrays, so a tampered file cannot run code. Images become
+    ``uint8 [N, 3, 32, 32]``; class names come from ``batches.meta``.
+
+    Args:
+        root: ``cifar-10-batches-py`` or the directory containing it.
+    """
+    train = [f"data_batch_{i}" for i in range(1, 6)]
+    directory = _cifar_dir(
+        root, "cifar10", "cifar-10-batches-py", [*train, "test_batch", "batches.meta"], _CIFAR10_HELP
+    )
+    classes = _cifar_names(directory / "batches.meta", "label_names", _CIFAR10_HELP)
+    return _cifar_splits(directory, train, "test_batch", "labels", classes, "cifar10", _CIFAR10_HELP)
+
+
+def load_cifar100(root: str | Path | None = None) -> DatasetSplits:
+    """Load CIFAR-100 (50,000 train / 10,000 test, 32x32 RGB, 100 fine classes) from the official pickles.
+
+    Read like :func:`load_cifar10`; labels are the ``fine_labels`` and class names the
+    ``fine_label_names`` of ``meta``.
+
+    Args:
+        root: ``cifar-100-python`` or the directory containing it.
+    """
+    directory = _cifar_dir(root, "cifar100", "cifar-100-python", ["train", "test", "meta"], _CIFAR100_HELP)
+    classes = _cifar_names(directory / "meta", "fine_label_names", _CIFAR100_HELP)
+    return _cifar_splits(directory, ["train"], "test", "fine_labels", classes, "cifar100", _CIFAR100_HELP)
+
+
+_FOLDER_HELP = (
+    "Expected root/train/<class>/*.png|jpg|jpeg|bmp and root/test/<class>/... (one sub-directory per "
+    "class; the class list is the sorted union of both splits' sub-directories)."
+)
+_GREY_MODES = frozenset({"1", "L", "LA"})
+
+
+def load_image_folder(root: str | Path | None = None, *, size: int | None = None) -> DatasetSplits:
+    """Load ``root/train/<class>/*`` and ``root/test/<class>/*`` image files with PIL.
+
+    Images are converted to single-channel ``L`` if every image is grayscale, otherwise to ``RGB``,
+    and stored as ``uint8 [N, C, H, W]``. All images must have one size unless ``size`` is given.
+
+    Args:
+        root: The directory holding ``train`` and ``test``.
+        size: Resize every image to ``size x size`` (bilinear, antialiased by PIL when shrinking).
+            Required when the images differ in size.
+    """
+    root = _existing_dir(root, "image-folder", _FOLDER_HELP)
+    if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
+        raise FlatbmaError(f"size must be a positive int or None, got {size!r}.")
+    split_dirs = {split: root / split for split in ("train", "test")}
+    missing = [str(d) for d in split_dirs.values() if not d.is_dir()]
+    if missing:
+        raise FlatbmaError(f"dataset 'image-folder': missing {missing}. {_FOLDER_HELP}")
+    classes = sorted(
+        {p.name for d in split_dirs.values() for p in d.iterdir() if p.is_dir() and not p.name.startswith(".")}
+    )
+    if not classes:
+        raise FlatbmaError(f"dataset 'image-folder': no class sub-directories in {root}. {_FOLDER_HELP}")
+    files: dict[str, list[tuple[Path, int]]] = {
+        split: [
+            (path, c)
+            for c, cls in enumerate(classes)
+            if (d / cls).is_dir()
+            for path in sorted((d / cls).iterdir())
+            if path.suffix.lower() in IMAGE_EXTENSIONS and path.is_file() and not path.name.startswith(".")
+        ]
+        for split, d in split_dirs.items()
+    }
+    for split, entries in files.items():
+        if not entries:
+            raise FlatbmaError(
+                f"dataset 'image-folder': no {'/'.join(IMAGE_EXTENSIONS)} images under {split_dirs[split]}. "
+                f"{_FOLDER_HELP}"
+            )
+    # First pass reads headers only: mode and size, without decoding pixels.
+    headers: dict[Path, tuple[str, tuple[int, int]]] = {}
+    for path, _ in files["train"] + files["test"]:
+        try:
+            with Image.open(path) as image:
+                headers[path] = (image.mode, image.size)
+        except (UnidentifiedImageError, OSError) as exc:
+            raise FlatbmaError(f"dataset 'image-folder': cannot read image {path} ({exc}).") from None
+    mode = "L" if all(m in _GREY_MODES for m, _ in headers.values()) else "RGB"
+    sizes: dict[tuple[int, int], Path] = {}
+    for path, (_, wh) in headers.items():
+        sizes.setdefault(wh, path)
+    if size is None and len(sizes) > 1:
+        (size_a, path_a), (size_b, path_b) = list(sizes.items())[:2]
+        raise FlatbmaError(
+            f"dataset 'image-folder': images differ in size ({path_a} is {size_a[0]}x{size_a[1]}, {path_b} "
+            f"is {size_b[0]}x{size_b[1]}; {len(sizes)} sizes in all). Pass size=<pixels> to resize every "
+            f"image to a square of that size."
+        )
+
+    def read(path: Path) -> np.ndarray:
+        try:
+            with Image.open(path) as image:
+                image = image.convert(mode)
+                if size is not None and image.size != (size, size):
+                    image = image.resize((size, size), Image.Resampling.BILINEAR)
+                array = np.asarray(image, dtype=np.uint8)
+        except (UnidentifiedImageError, OSError) as exc:
+            raise FlatbmaError(f"dataset 'image-folder': cannot read image {path} ({exc}).") from None
+        return array[None] if array.ndim == 2 else array.transpose(2, 0, 1)
+
+    splits = {
+        split: ArrayDataset(
+            torch.from_numpy(np.stack([read(p) for p, _ in entries])),
+            torch.tensor([c for _, c in entries], dtype=torch.int64),
+            classes,
+        )
+        for split, entries in files.items()
+    }
+    return DatasetSplits(splits["train"], splits["test"], "image-folder")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Registry
+# ---------------------------------------------------------------------------------------------------
+
+DATASETS: dict[str, Callable[..., DatasetSplits]] = {
+    "digits": load_digits,
+    "animal-mnist": load_animal_mnist,
+    "idx": load_idx,
+    "fashion-mnist": load_fashion_mnist,
+    "cifar10": load_cifar10,
+    "cifar100": load_cifar100,
+    "image-folder": load_image_folder,
+}
+
+
+def dataset_names() -> list[str]:
+    """Return the registered dataset names, sorted."""
+    return sorted(DATASETS)
+
+
+def load_dataset(name: str, root: str | Path | None = None, **options: Any) -> DatasetSplits:
+    """Load a registered dataset by name.
+
+    Names are case-insensitive and ``_`` is read as ``-`` (``"Animal_MNIST"`` is ``animal-mnist``).
+
+    Args:
+        name: One of :func:`dataset_names`.
+        root: Where the files are; see the loader of that name.
+        **options: Extra keyword arguments of that loader (e.g. ``size`` for ``image-folder``).
+
+    Raises:
+        FlatbmaError: Unknown name or option, or the loader's own errors (missing files, wrong format).
+    """
+    if not isinstance(name, str):
+        raise FlatbmaError(f"dataset name must be a string, got {type(name).__name__}.")
+    key = name.strip().lower().replace("_", "-")
+    if key not in DATASETS:
+        raise FlatbmaError(
+            f"unknown dataset '{name}'.{suggest(key, DATASETS)} Known datasets: {', '.join(dataset_names())}."
+        )
+    loader = DATASETS[key]
+    parameters = inspect.signature(loader).parameters
+    accepted = [p for p in parameters if p != "root"]
+    open_ended = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+    for option in [] if open_ended else options:
+        if option not in accepted:
+            raise FlatbmaError(
+                f"dataset '{key}' has no option '{option}'.{suggest(option, accepted)} "
+                f"Its options: {accepted or 'none'}."
+            )
+    return loader(root, **options)

@@ -1,0 +1,197 @@
+"""Reproducible class-stratified sampling: k-shot subsets and train/test splits.
+
+Few-shot protocol (METHODS.md §3 and §4 item 5): from each class, exactly ``k`` training images are
+drawn without replacement by a ``torch.Generator`` seeded with ``seed``. If a validation set is wanted,
+its ``val_per_class`` images per class come *out of that k-shot budget* (leaving ``k - val_per_class``
+for training), so model selection never sees more labelled data than the k-shot setting allows and
+never touches the test set. With ``val_per_class=0`` validation is explicitly disabled.
+
+Classes are visited in increasing label order and each draws one ``randperm`` of its full size, so
+for a fixed seed the draw of one class does not depend on ``k`` and the k-shot sets are nested:
+the 5-shot set is contained in the 10-shot set of the same seed (with ``val_per_class=0``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from flatbma.errors import FlatbmaError
+
+if TYPE_CHECKING:
+    from flatbma.data.datasets import ArrayDataset
+
+__all__ = ["few_shot", "few_shot_indices", "stratified_split"]
+
+
+def _check_int(value: object, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise FlatbmaError(f"{what} must be an integer, got {value!r} ({type(value).__name__}).")
+    return value
+
+
+def _generator(seed: object) -> torch.Generator:
+    seed = _check_int(seed, "seed")
+    if not 0 <= seed < 2**63:
+        raise FlatbmaError(f"seed must be in [0, 2**63), got {seed}.")
+    return torch.Generator().manual_seed(seed)
+
+
+def _check_labels(labels: object, num_classes: int | None) -> tuple[Tensor, int]:
+    """Validate a 1-D integer label tensor; return it as int64 with the number of classes."""
+    if not isinstance(labels, Tensor):
+        raise FlatbmaError(f"labels must be a torch.Tensor of class indices, got {type(labels).__name__}.")
+    if labels.ndim != 1 or labels.dtype.is_floating_point or labels.dtype.is_complex or labels.dtype == torch.bool:
+        raise FlatbmaError(
+            f"labels must be a 1-D integer tensor, got shape {tuple(labels.shape)} and dtype {labels.dtype}."
+        )
+    labels = labels.to(torch.int64)
+    if labels.numel() and int(labels.min()) < 0:
+        raise FlatbmaError(f"labels must be non-negative class indices, found {int(labels.min())}.")
+    observed = int(labels.max()) + 1 if labels.numel() else 0
+    if num_classes is None:
+        num_classes = observed
+    else:
+        num_classes = _check_int(num_classes, "num_classes")
+        if observed > num_classes:
+            raise FlatbmaError(
+                f"label {observed - 1} is out of range for num_classes={num_classes}; labels must lie in "
+                f"[0, {num_classes})."
+            )
+    if num_classes < 1:
+        raise FlatbmaError("labels is empty: there are no classes to sample from.")
+    return labels, num_classes
+
+
+def _describe(c: int, class_names: Sequence[str] | None) -> str:
+    return f"class {c} ('{class_names[c]}')" if class_names is not None else f"class {c}"
+
+
+def few_shot_indices(
+    labels: Tensor,
+    k: int,
+    *,
+    seed: int,
+    val_per_class: int = 0,
+    num_classes: int | None = None,
+    class_names: Sequence[str] | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Draw exactly ``k`` examples per class, ``val_per_class`` of which form a validation set.
+
+    Args:
+        labels: 1-D integer class labels of the full training set.
+        k: Labelled examples per class in total (training + validation), at least 1.
+        seed: Seed of the ``torch.Generator`` that draws the examples; the same seed gives the same
+            indices.
+        val_per_class: Examples per class moved from the k-shot budget to validation,
+            ``0 <= val_per_class < k``; ``0`` disables validation.
+        num_classes: Number of classes; defaults to ``max(labels) + 1``. Pass it when some class may
+            have no examples at all, so that the emptiness is detected.
+        class_names: Names used in error messages.
+
+    Returns:
+        ``(train_indices, val_indices)``: sorted int64 indices into ``labels`` with
+        ``k - val_per_class`` and ``val_per_class`` examples per class; disjoint. ``val_indices`` is
+        empty when ``val_per_class == 0``.
+
+    Raises:
+        FlatbmaError: ``k < 1``, ``val_per_class`` outside ``[0, k)``, a class with no examples, or a
+            class with fewer than ``k`` examples (the message names the smallest such class).
+    """
+    k = _check_int(k, "k")
+    val_per_class = _check_int(val_per_class, "val_per_class")
+    if k < 1:
+        raise FlatbmaError(f"k (examples per class) must be at least 1, got {k}.")
+    if not 0 <= val_per_class < k:
+        raise FlatbmaError(
+            f"val_per_class must satisfy 0 <= val_per_class < k={k} (validation comes out of the k-shot "
+            f"budget and at least one example per class must remain for training), got {val_per_class}."
+        )
+    labels, num_classes = _check_labels(labels, num_classes)
+    if class_names is not None and len(class_names) != num_classes:
+        raise FlatbmaError(f"class_names has {len(class_names)} entries but there are {num_classes} classes.")
+    counts = torch.bincount(labels, minlength=num_classes)
+    empty = [c for c in range(num_classes) if int(counts[c]) == 0]
+    if empty:
+        names = ", ".join(_describe(c, class_names) for c in empty[:5])
+        raise FlatbmaError(
+            f"{len(empty)} class(es) have no examples ({names}{', ...' if len(empty) > 5 else ''}); "
+            f"a {k}-shot subset needs at least {k} example(s) of every class. Check the dataset and its class list."
+        )
+    smallest = int(torch.argmin(counts))
+    if int(counts[smallest]) < k:
+        raise FlatbmaError(
+            f"k={k} is larger than the smallest class: {_describe(smallest, class_names)} has only "
+            f"{int(counts[smallest])} examples. Use k <= {int(counts[smallest])}."
+        )
+    generator = _generator(seed)
+    train_parts: list[Tensor] = []
+    val_parts: list[Tensor] = []
+    for c in range(num_classes):
+        members = torch.nonzero(labels == c).flatten()
+        chosen = members[torch.randperm(members.numel(), generator=generator)[:k]]
+        val_parts.append(chosen[:val_per_class])
+        train_parts.append(chosen[val_per_class:])
+    return torch.sort(torch.cat(train_parts)).values, torch.sort(torch.cat(val_parts)).values
+
+
+def few_shot(
+    dataset: ArrayDataset, k: int, *, seed: int, val_per_class: int = 0
+) -> tuple[ArrayDataset, ArrayDataset | None]:
+    """Return the k-shot training subset of ``dataset`` and its validation subset (or ``None``).
+
+    See :func:`few_shot_indices`; the dataset's class list is used, so a class with no examples is
+    reported even if it is the last one.
+
+    Args:
+        dataset: The full training set.
+        k: Labelled examples per class in total (training + validation).
+        seed: Seed of the draw.
+        val_per_class: Examples per class taken from the k-shot budget for validation; ``0`` returns
+            ``None`` as the validation set.
+
+    Returns:
+        ``(train, val)`` subsets sharing the classes and transform of ``dataset``.
+    """
+    train_idx, val_idx = few_shot_indices(
+        dataset.labels,
+        k,
+        seed=seed,
+        val_per_class=val_per_class,
+        num_classes=dataset.num_classes,
+        class_names=dataset.classes,
+    )
+    return dataset.subset(train_idx), (dataset.subset(val_idx) if val_per_class > 0 else None)
+
+
+def stratified_split(labels: Tensor, fraction: float, seed: int) -> tuple[Tensor, Tensor]:
+    """Split indices into (kept, held-out) with ``fraction`` of each class held out.
+
+    Each class ``c`` of size ``n_c`` contributes ``floor(fraction * n_c + 1/2)`` randomly chosen
+    examples (drawn by a ``torch.Generator`` seeded with ``seed``) to the held-out part.
+
+    Args:
+        labels: 1-D integer class labels.
+        fraction: Held-out fraction per class, strictly between 0 and 1.
+        seed: Seed of the draw.
+
+    Returns:
+        ``(kept_indices, held_out_indices)``: sorted, disjoint int64 indices covering all examples.
+    """
+    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction < 1:
+        raise FlatbmaError(f"fraction must be a number strictly between 0 and 1, got {fraction!r}.")
+    labels, num_classes = _check_labels(labels, None)
+    generator = _generator(seed)
+    kept: list[Tensor] = []
+    held: list[Tensor] = []
+    for c in range(num_classes):
+        members = torch.nonzero(labels == c).flatten()
+        n_held = math.floor(fraction * members.numel() + 0.5)
+        shuffled = members[torch.randperm(members.numel(), generator=generator)]
+        held.append(shuffled[:n_held])
+        kept.append(shuffled[n_held:])
+    return torch.sort(torch.cat(kept)).values, torch.sort(torch.cat(held)).values

@@ -1,0 +1,25 @@
+"""User-facing errors.
+
+Every error a user can fix by changing their input is a :class:`FlatbmaError`: the CLI prints its
+message on one line and exits non-zero, without a traceback. Messages say what was wrong and what to
+do about it.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable
+
+
+class FlatbmaError(ValueError):
+    """An actionable error caused by user input (config, data, paths, checkpoints)."""
+
+
+class DivergenceError(FlatbmaError):
+    """Training produced a non-finite loss; the last good checkpoint is kept."""
+
+
+def suggest(name: str, choices: Iterable[str]) -> str:
+    """Return ``" Did you mean 'x'?"`` for the closest choice, or an empty string."""
+    close = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.5)
+    return f" Did you mean '{close[0]}'?" if close else ""

@@ -1,0 +1,79 @@
+"""The ``flatbma`` command line: ``train``, ``evaluate``, ``methods``.
+
+Every :class:`~flatbma.errors.FlatbmaError` ends the command with one line on stderr and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+from flatbma.errors import FlatbmaError
+
+SUMMARY_KEYS = ("accuracy", "nll", "ece", "aece", "brier")
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, exit 2, like every other flatbma error
+        raise FlatbmaError(f"{message} (see '{self.prog} --help')")
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="flatbma", description="Flat-posterior-aware Bayesian deep learning.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    train = sub.add_parser("train", help="train a method from a YAML config and evaluate its BMA")
+    train.add_argument("--config", required=True, help="YAML config (see configs/)")
+    train.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config value, e.g. --set optim.lr=0.1 --set method.rho=0.1 (repeatable)",
+    )
+    train.add_argument("--force", action="store_true", help="overwrite a run directory holding another config")
+
+    evaluate = sub.add_parser("evaluate", help="re-evaluate a finished run directory")
+    evaluate.add_argument("run_dir", help="the output_dir of a run")
+
+    sub.add_parser("methods", help="list the registered methods")
+    return parser
+
+
+def _print_metrics(metrics: dict) -> None:
+    print("  ".join(f"{k}={metrics[k]:.4f}" for k in SUMMARY_KEYS if k in metrics))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``flatbma`` command."""
+    try:
+        args = _build_parser().parse_args(argv)
+        if args.command == "methods":
+            from flatbma.experiment.methods import METHODS
+
+            width = max(map(len, METHODS))
+            for name, spec in METHODS.items():
+                print(f"{name:<{width}}  {spec.summary}")
+        elif args.command == "train":
+            from flatbma.experiment.config import load_config
+            from flatbma.experiment.run import train_run
+
+            run_dir, metrics = train_run(load_config(args.config, args.overrides), force=args.force)
+            _print_metrics(metrics)
+            print(f"wrote {run_dir / 'metrics.json'}")
+        elif args.command == "evaluate":
+            from flatbma.experiment.run import evaluate_run
+
+            metrics = evaluate_run(args.run_dir)
+            _print_metrics(metrics)
+            print(json.dumps({k: metrics[k] for k in SUMMARY_KEYS if k in metrics}))
+    except FlatbmaError as e:
+        print(f"flatbma: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("flatbma: interrupted; finished checkpoints are kept", file=sys.stderr)
+        return 130
+    return 0

@@ -1,0 +1,243 @@
+"""Typed, frozen run configuration, parsed once from YAML (safe loader) and ``--set`` overrides."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from flatbma.errors import FlatbmaError, suggest
+from flatbma.experiment.methods import MethodConfig, parse_method
+from flatbma.experiment.parse import parse_dataclass, set_dotted
+
+
+def _positive(where: str, value: float | None, *, allow_none: bool = False, allow_zero: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    ok = value is not None and (value >= 0 if allow_zero else value > 0)
+    if not ok:
+        bound = ">= 0" if allow_zero else "> 0"
+        raise FlatbmaError(f"{where} must be {bound}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Data set, few-shot protocol, transforms and loaders.
+
+    Attributes:
+        name: data set name (``flatbma.data.dataset_names()``).
+        root: directory of the files, for data sets that are not embedded.
+        k_shot: images per class drawn (by ``seed``) from the training split; ``None`` = all.
+        val_per_class: images per class of the k-shot budget held out for validation (0 = none).
+        image_size: resize images to this square size.
+        to_rgb: repeat a single grey channel to three (for ImageNet backbones).
+        normalize: ``"imagenet"`` mean/std normalization, or none.
+        augment: random crop (padding 1/8 of the size) and horizontal flip during training.
+        batch_size: training mini-batch size.
+        eval_batch_size: evaluation batch size.
+        test_limit: evaluate on a seeded stratified subset of this many test images (``None`` = all).
+    """
+
+    name: str = "digits"
+    root: str | None = None
+    k_shot: int | None = None
+    val_per_class: int = 0
+    image_size: int | None = None
+    to_rgb: bool = False
+    normalize: Literal["imagenet"] | None = None
+    augment: bool = False
+    batch_size: int = 64
+    eval_batch_size: int = 256
+    test_limit: int | None = None
+
+    def __post_init__(self) -> None:
+        _positive("k_shot", self.k_shot, allow_none=True)
+        _positive("val_per_class", self.val_per_class, allow_zero=True)
+        _positive("image_size", self.image_size, allow_none=True)
+        _positive("batch_size", self.batch_size)
+        _positive("eval_batch_size", self.eval_batch_size)
+        _positive("test_limit", self.test_limit, allow_none=True)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Network.
+
+    Attributes:
+        name: ``mlp``, ``cnn``, ``resnet18``, ``mobilenet_v2``, ``torchvision:<name>``, ``timm:<name>``.
+        pretrained: ``"imagenet"`` (offline weights) or a path to a state dict; ``None`` = random init.
+        width: base width of the network (model-specific default when ``None``).
+        dropout: dropout rate before the classifier.
+    """
+
+    name: str = "mlp"
+    pretrained: str | None = None
+    width: int | None = None
+    dropout: float = 0.0
+
+    def __post_init__(self) -> None:
+        _positive("width", self.width, allow_none=True)
+        if not 0 <= self.dropout < 1:
+            raise FlatbmaError(f"dropout must be in [0, 1), got {self.dropout!r}")
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    """Descent optimizer of the trained variables.
+
+    Attributes:
+        name: ``sgd`` (momentum, coupled weight decay) or ``adam`` (decoupled weight decay).
+        lr: peak learning rate.
+        momentum: SGD momentum.
+        weight_decay: weight decay.
+        nesterov: Nesterov momentum (SGD).
+        schedule: ``cosine`` decay to 0 over training, or ``constant``.
+        warmup_epochs: linear warm-up length in epochs.
+    """
+
+    name: Literal["sgd", "adam"] = "sgd"
+    lr: float = 0.05
+    momentum: float = 0.9
+    weight_decay: float = 5e-4
+    nesterov: bool = False
+    schedule: Literal["cosine", "constant"] = "cosine"
+    warmup_epochs: float = 0.0
+
+    def __post_init__(self) -> None:
+        _positive("lr", self.lr)
+        _positive("weight_decay", self.weight_decay, allow_zero=True)
+        _positive("warmup_epochs", self.warmup_epochs, allow_zero=True)
+        if not 0 <= self.momentum < 1:
+            raise FlatbmaError(f"momentum must be in [0, 1), got {self.momentum!r}")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Training loop.
+
+    Attributes:
+        epochs: passes over the training data.
+        checkpoint_every: also checkpoint every this many steps (0 = at epoch ends only).
+        device: ``auto`` (CUDA when available), ``cpu``, ``cuda``, ``cuda:1``, ...
+        progress: show progress bars.
+    """
+
+    epochs: int = 10
+    checkpoint_every: int = 0
+    device: str = "auto"
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        _positive("epochs", self.epochs)
+        _positive("checkpoint_every", self.checkpoint_every, allow_zero=True)
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """Evaluation.
+
+    Attributes:
+        num_samples: posterior samples M in the BMA.
+        n_bins: ECE bins.
+    """
+
+    num_samples: int = 30
+    n_bins: int = 15
+
+    def __post_init__(self) -> None:
+        _positive("num_samples", self.num_samples)
+        _positive("n_bins", self.n_bins)
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """A whole run: ``flatbma train --config FILE`` parses one of these.
+
+    Attributes:
+        method: the method (``flatbma methods``) and its options.
+        seed: seed of initialization, k-shot draw, data order and posterior sampling.
+        output_dir: the run directory.
+    """
+
+    method: MethodConfig
+    seed: int = 0
+    output_dir: str = "runs/run"
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The resolved configuration, every value spelled out."""
+        out: dict[str, Any] = {"seed": self.seed, "output_dir": self.output_dir}
+        out["method"] = self.method.to_dict()
+        for section in ("data", "model", "optim", "train", "eval"):
+            out[section] = dataclasses.asdict(getattr(self, section))
+        return out
+
+
+SECTIONS = {"data": DataConfig, "model": ModelConfig, "optim": OptimConfig, "train": TrainConfig, "eval": EvalConfig}
+TOP_LEVEL = {"seed", "output_dir", "method", *SECTIONS}
+
+
+def config_from_dict(raw: Any) -> RunConfig:
+    """Validate a plain mapping into a :class:`RunConfig`."""
+    if not isinstance(raw, dict):
+        raise FlatbmaError("the config must be a YAML mapping with sections method, data, model, ...")
+    for key in raw:
+        if key not in TOP_LEVEL:
+            raise FlatbmaError(
+                f"unknown config key '{key}'.{suggest(str(key), TOP_LEVEL)} Valid: {', '.join(sorted(TOP_LEVEL))}"
+            )
+    if "method" not in raw:
+        raise FlatbmaError("the config has no 'method' section: add e.g. 'method: {name: sgd}'")
+    sections = {name: parse_dataclass(cls, raw.get(name), name) for name, cls in SECTIONS.items()}
+    top = parse_dataclass(_TopLevel, {k: raw[k] for k in ("seed", "output_dir") if k in raw}, "")
+    return RunConfig(method=parse_method(raw["method"]), seed=top.seed, output_dir=top.output_dir, **sections)
+
+
+@dataclass(frozen=True)
+class _TopLevel:
+    seed: int = 0
+    output_dir: str = "runs/run"
+
+
+def parse_override(item: str) -> tuple[str, Any]:
+    """Parse ``key.sub=value`` (the value as YAML: numbers, true/false, null, lists)."""
+    key, sep, text = item.partition("=")
+    if not sep or not key:
+        raise FlatbmaError(f"--set expects key=value (e.g. --set optim.lr=0.1), got {item!r}")
+    try:
+        value = yaml.safe_load(text) if text else ""
+    except yaml.YAMLError:
+        value = text
+    return key.strip(), value
+
+
+def load_raw(path: str | Path) -> dict[str, Any]:
+    """Read a YAML config file with the safe loader."""
+    path = Path(path)
+    if not path.is_file():
+        raise FlatbmaError(f"config file {path} does not exist (ready configs are in configs/)")
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise FlatbmaError(f"{path} is not valid YAML: {str(e).splitlines()[0]}") from None
+    except UnicodeDecodeError:
+        raise FlatbmaError(f"{path} is not a text (YAML) file") from None
+    if not isinstance(raw, dict):
+        raise FlatbmaError(f"{path} must hold a YAML mapping (sections method, data, model, ...)")
+    return raw
+
+
+def load_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig:
+    """Load ``path`` (or start from defaults when ``None``), apply ``--set`` overrides, validate."""
+    raw = load_raw(path) if path is not None else {}
+    for item in overrides:
+        key, value = parse_override(item)
+        set_dotted(raw, key, value)
+    return config_from_dict(raw)

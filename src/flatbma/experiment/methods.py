@@ -1,0 +1,131 @@
+"""The method registry: names used in configs and ``flatbma methods`` → (posterior family, ascent step).
+
+This is the only place where methods are looked up by string. A method is a posterior family's
+``build(objective, optimizer, ascent, **options)`` composed with an optional ascent step class, so a
+flat-seeking variant is an entry that names the same family with an ascent step — never a copy.
+Family options are the keyword-only parameters of ``build`` (their defaults live in its
+signature); ascent options are the fields of the ascent dataclass.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import typing
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from flatbma.errors import FlatbmaError, suggest
+from flatbma.experiment.parse import coerce, parse_dataclass
+from flatbma.optim import ASAM, SAM, FisherSAM
+from flatbma.posteriors import point
+from flatbma.types import Ascent, Posterior
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """A registered method.
+
+    Attributes:
+        name: the config/CLI name.
+        summary: one line for ``flatbma methods``.
+        family: the posterior family's ``build(objective, optimizer, ascent=None, *, ...options)``.
+        ascent: the ascent step dataclass, or ``None``.
+    """
+
+    name: str
+    summary: str
+    family: Callable[..., Posterior]
+    ascent: type | None = None
+
+    def family_options(self) -> dict[str, inspect.Parameter]:
+        """Keyword-only parameters of the family builder."""
+        sig = inspect.signature(self.family)
+        return {n: p for n, p in sig.parameters.items() if p.kind is inspect.Parameter.KEYWORD_ONLY}
+
+    def ascent_options(self) -> dict[str, dataclasses.Field]:
+        """Fields of the ascent step dataclass."""
+        return {f.name: f for f in dataclasses.fields(self.ascent)} if self.ascent else {}
+
+
+@dataclass(frozen=True)
+class MethodConfig:
+    """A method selected by name with its typed options (built by :func:`parse_method`).
+
+    Attributes:
+        name: registry name.
+        options: family options (keyword arguments of the family ``build``), defaults filled in.
+        ascent: the ascent step instance, or ``None``.
+    """
+
+    name: str
+    options: Mapping[str, Any]
+    ascent: Ascent | None
+
+    def build(self, objective: Any, optimizer: Any) -> Posterior:
+        """Build the method's transform for ``objective`` and ``optimizer``."""
+        return METHODS[self.name].family(objective, optimizer, self.ascent, **self.options)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The resolved section, every option spelled out (written to the run directory)."""
+        ascent = dataclasses.asdict(self.ascent) if self.ascent is not None else {}
+        return {"name": self.name, **dict(self.options), **ascent}
+
+
+METHODS: dict[str, MethodSpec] = {}
+
+
+def register(spec: MethodSpec) -> MethodSpec:
+    """Add ``spec`` to the registry (names are unique; family and ascent options must not collide)."""
+    if spec.name in METHODS:
+        raise ValueError(f"method {spec.name!r} is registered twice")
+    clash = set(spec.family_options()) & set(spec.ascent_options())
+    if clash:
+        raise ValueError(f"method {spec.name!r}: options {clash} belong to both the family and the ascent")
+    METHODS[spec.name] = spec
+    return spec
+
+
+def parse_method(data: Any, where: str = "method") -> MethodConfig:
+    """Parse the ``method`` config section: ``{name: sam, rho: 0.05, ...}``."""
+    if isinstance(data, str):
+        data = {"name": data}
+    if not isinstance(data, Mapping) or "name" not in data:
+        raise FlatbmaError(f"{where} must be a mapping with a 'name' key (one of: {', '.join(METHODS)})")
+    name = data["name"]
+    if name not in METHODS:
+        raise FlatbmaError(
+            f"unknown method {name!r}.{suggest(str(name), METHODS)} "
+            f"Run 'flatbma methods' to list them: {', '.join(METHODS)}"
+        )
+    spec = METHODS[name]
+    family_opts, ascent_opts = spec.family_options(), spec.ascent_options()
+    hints = typing.get_type_hints(spec.family)
+    options: dict[str, Any] = {}
+    ascent_data: dict[str, Any] = {}
+    for key, value in data.items():
+        if key == "name":
+            continue
+        if key in ascent_opts:
+            ascent_data[key] = value
+        elif key in family_opts:
+            options[key] = coerce(value, hints[key], f"{where}.{key}")
+        else:
+            valid = sorted([*family_opts, *ascent_opts])
+            raise FlatbmaError(
+                f"unknown config key '{where}.{key}' for method {name!r}.{suggest(str(key), valid)} "
+                f"Valid keys: {', '.join(valid) if valid else '(none)'}"
+            )
+    for key, param in family_opts.items():
+        options.setdefault(key, param.default)
+    ascent = parse_dataclass(spec.ascent, ascent_data, where) if spec.ascent else None
+    return MethodConfig(name=name, options=options, ascent=ascent)
+
+
+register(MethodSpec("sgd", "MAP point estimate by SGD (momentum, weight decay, cosine schedule)", point.build))
+register(MethodSpec("sam", "SAM: sharpness-aware minimization (Foret et al. 2021)", point.build, SAM))
+register(MethodSpec("asam", "ASAM: adaptive, scale-invariant SAM (Kwon et al. 2021)", point.build, ASAM))
+register(
+    MethodSpec("fsam", "Fisher-SAM: SAM in the diagonal-Fisher geometry (Kim et al. 2022)", point.build, FisherSAM)
+)

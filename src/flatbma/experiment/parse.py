@@ -1,0 +1,120 @@
+"""Parse plain mappings (from YAML or ``--set``) into typed frozen dataclasses, once, with clear errors."""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from collections.abc import Mapping
+from typing import Any, TypeVar, Union
+
+from flatbma.errors import FlatbmaError, suggest
+
+T = TypeVar("T")
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def coerce(value: Any, tp: Any, where: str) -> Any:
+    """Check ``value`` against the annotation ``tp`` (ints are accepted for floats; tuples from lists)."""
+    origin = typing.get_origin(tp)
+    if tp is Any:
+        return value
+    if origin in (Union, types.UnionType):
+        errors = []
+        for option in typing.get_args(tp):
+            try:
+                return coerce(value, option, where)
+            except FlatbmaError as e:
+                errors.append(str(e))
+        names = " or ".join(_type_name(a) for a in typing.get_args(tp))
+        raise FlatbmaError(f"{where} must be {names}, got {value!r}")
+    if tp is type(None):
+        if value is None:
+            return None
+        raise FlatbmaError(f"{where} must be null, got {value!r}")
+    if origin is typing.Literal:
+        allowed = typing.get_args(tp)
+        if value in allowed:
+            return value
+        hint = suggest(str(value), [str(a) for a in allowed])
+        raise FlatbmaError(f"{where} must be one of {', '.join(map(repr, allowed))}, got {value!r}.{hint}")
+    if origin is tuple:
+        args = typing.get_args(tp)
+        if not isinstance(value, (list, tuple)):
+            raise FlatbmaError(f"{where} must be a list, got {value!r}")
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(coerce(v, args[0], f"{where}[{i}]") for i, v in enumerate(value))
+        if len(args) != len(value):
+            raise FlatbmaError(f"{where} must be a list of {len(args)} values, got {value!r}")
+        return tuple(coerce(v, a, f"{where}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise FlatbmaError(f"{where} must be true or false, got {value!r}")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise FlatbmaError(f"{where} must be an integer, got {value!r}")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise FlatbmaError(f"{where} must be a number, got {value!r}")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise FlatbmaError(f"{where} must be a string, got {value!r}")
+    if dataclasses.is_dataclass(tp):
+        return parse_dataclass(tp, value, where)
+    raise TypeError(f"unsupported config annotation {tp!r} at {where}")
+
+
+def parse_dataclass(cls: type[T], data: Any, where: str) -> T:
+    """Build the frozen dataclass ``cls`` from a mapping, rejecting unknown keys with a suggestion.
+
+    Args:
+        cls: the dataclass type; field annotations drive the type checks, field defaults fill gaps.
+        data: a mapping (``None`` means all defaults).
+        where: the dotted config path, used in error messages.
+    """
+    if data is None:
+        data = {}
+    if not isinstance(data, Mapping):
+        raise FlatbmaError(f"{where or 'the config'} must be a mapping of keys to values, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    kwargs = {}
+    for key, value in data.items():
+        path = f"{where}.{key}" if where else str(key)
+        if key not in fields:
+            raise FlatbmaError(
+                f"unknown config key '{path}'.{suggest(str(key), fields)} Valid keys here: {', '.join(sorted(fields))}"
+            )
+        kwargs[key] = coerce(value, hints[key], path)
+    missing = [
+        name
+        for name, f in fields.items()
+        if name not in kwargs and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING  # type: ignore[misc]
+    ]
+    if missing:
+        raise FlatbmaError(f"missing config key(s) {', '.join(f'{where}.{m}' for m in missing)}")
+    try:
+        return cls(**kwargs)
+    except FlatbmaError as e:
+        raise FlatbmaError(f"{where}: {e}") from None
+
+
+def set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    """``tree['a']['b'] = value`` for ``dotted='a.b'``, creating mappings on the way."""
+    keys = dotted.split(".")
+    node = tree
+    for key in keys[:-1]:
+        child = node.get(key)
+        if child is None:
+            child = node[key] = {}
+        if not isinstance(child, dict):
+            raise FlatbmaError(f"--set {dotted}: '{key}' is a value, not a section")
+        node = child
+    node[keys[-1]] = value

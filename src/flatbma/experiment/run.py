@@ -1,0 +1,231 @@
+"""A run: config → data, model, method → the one loop → checkpoint → BMA evaluation → metrics.json."""
+
+from __future__ import annotations
+
+import json
+import platform
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import yaml
+from torch.utils.data import DataLoader
+
+from flatbma.data import ArrayDataset, build_transform, few_shot_indices, load_dataset, stratified_split
+from flatbma.errors import DivergenceError, FlatbmaError
+from flatbma.experiment.checkpoint import atomic_write_bytes, atomic_write_json, load_state, save_state
+from flatbma.experiment.config import RunConfig, config_from_dict, load_raw
+from flatbma.experiment.runner import fit
+from flatbma.models import build_model
+from flatbma.optim import SGD, Adam, constant, cosine
+from flatbma.params import Objective, model_buffers, trainable_params
+from flatbma.predict import evaluate
+from flatbma.types import Posterior, State
+
+CONFIG_FILE = "config.yaml"
+CHECKPOINT_FILE = "checkpoint.safetensors"
+METRICS_FILE = "metrics.json"
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python, NumPy and torch."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)  # noqa: NPY002 (seeds the legacy global generator users may rely on)
+    torch.manual_seed(seed)
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto`` → CUDA when available, else CPU; other names are checked."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise FlatbmaError(f"train.device {name!r} is not a device name (use auto, cpu, cuda, cuda:0, ...)") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise FlatbmaError(f"train.device is {name!r} but CUDA is not available here: use auto or cpu")
+    return device
+
+
+@dataclass
+class Experiment:
+    """Everything a run needs, built from a config."""
+
+    config: RunConfig
+    model: torch.nn.Module
+    method: Posterior
+    train_loader: DataLoader
+    val_loader: DataLoader | None
+    test_loader: DataLoader
+    num_classes: int
+    device: torch.device
+
+
+def _loader(ds: ArrayDataset, batch_size: int, *, shuffle: bool, seed: int) -> DataLoader:
+    generator = torch.Generator().manual_seed(seed)
+    # A trailing batch of one example would break BatchNorm in train mode.
+    drop_last = shuffle and len(ds) > batch_size and len(ds) % batch_size == 1
+    return DataLoader(ds, batch_size=batch_size, shuffle=shuffle, generator=generator, drop_last=drop_last)
+
+
+def build_experiment(cfg: RunConfig) -> Experiment:
+    """Load data, build the model and the method for ``cfg`` (seeded)."""
+    seed_everything(cfg.seed)
+    device = resolve_device(cfg.train.device)
+    d = cfg.data
+    splits = load_dataset(d.name, d.root)
+    train, test = splits.train, splits.test
+    val = None
+    if d.k_shot is not None:
+        train_idx, val_idx = few_shot_indices(train.labels, d.k_shot, seed=cfg.seed, val_per_class=d.val_per_class)
+        val = train.subset(val_idx) if len(val_idx) else None
+        train = train.subset(train_idx)
+    elif d.val_per_class:
+        raise FlatbmaError("data.val_per_class needs data.k_shot (validation comes from the k-shot budget)")
+    if d.test_limit is not None and d.test_limit < len(test):
+        _, kept = stratified_split(test.labels, d.test_limit / len(test), seed=0)
+        test = test.subset(kept)
+    eval_tf = build_transform(size=d.image_size, to_rgb=d.to_rgb, normalize=d.normalize, augment=False)
+    train_tf = build_transform(size=d.image_size, to_rgb=d.to_rgb, normalize=d.normalize, augment=d.augment)
+    train, test = train.with_transform(train_tf), test.with_transform(eval_tf)
+    val = val.with_transform(eval_tf) if val is not None else None
+
+    channels, height, _ = train[0][0].shape
+    model = build_model(
+        cfg.model.name,
+        num_classes=train.num_classes,
+        in_channels=channels,
+        image_size=height,
+        pretrained=cfg.model.pretrained,
+        width=cfg.model.width,
+        dropout=cfg.model.dropout,
+        seed=cfg.seed,
+    ).to(device)
+
+    train_loader = _loader(train, d.batch_size, shuffle=True, seed=cfg.seed)
+    steps = cfg.train.epochs * len(train_loader)
+    o = cfg.optim
+    warmup = round(o.warmup_epochs * len(train_loader))
+    lr = cosine(o.lr, steps, warmup) if o.schedule == "cosine" else constant(o.lr)
+    if o.name == "sgd":
+        optimizer = SGD(lr=lr, momentum=o.momentum, weight_decay=o.weight_decay, nesterov=o.nesterov)
+    else:
+        optimizer = Adam(lr=lr, weight_decay=o.weight_decay)
+    objective = Objective(model=model, num_data=len(train))
+    method = cfg.method.build(objective, optimizer)
+    return Experiment(
+        config=cfg,
+        model=model,
+        method=method,
+        train_loader=train_loader,
+        val_loader=_loader(val, d.eval_batch_size, shuffle=False, seed=0) if val is not None else None,
+        test_loader=_loader(test, d.eval_batch_size, shuffle=False, seed=0),
+        num_classes=train.num_classes,
+        device=device,
+    )
+
+
+def environment() -> dict[str, str]:
+    """Library versions recorded with every run."""
+    import flatbma
+
+    return {
+        "flatbma": flatbma.__version__,
+        "torch": torch.__version__,
+        "numpy": np.__version__,
+        "python": platform.python_version(),
+    }
+
+
+def _check_run_dir(run_dir: Path, resolved: dict[str, Any], force: bool) -> None:
+    existing = run_dir / CONFIG_FILE
+    if existing.is_file() and not force:
+        try:
+            old = yaml.safe_load(existing.read_text())
+        except yaml.YAMLError:
+            old = None
+        if old != resolved:
+            raise FlatbmaError(
+                f"{run_dir} already holds a run with a different config; choose another output_dir "
+                "(--set output_dir=...) or pass --force to overwrite it"
+            )
+
+
+def evaluate_state(exp: Experiment, state: State) -> dict[str, Any]:
+    """BMA metrics of ``state`` on the test set."""
+    generator = torch.Generator(device="cpu").manual_seed(exp.config.seed)
+    samples = exp.method.sample(state, exp.config.eval.num_samples, generator)
+    return evaluate(
+        exp.model,
+        samples,
+        exp.test_loader,
+        num_classes=exp.num_classes,
+        n_bins=exp.config.eval.n_bins,
+        device=exp.device,
+    )
+
+
+def train_run(cfg: RunConfig, *, force: bool = False) -> tuple[Path, dict[str, Any]]:
+    """Train ``cfg`` into its output directory and write ``metrics.json``; return (dir, metrics)."""
+    run_dir = Path(cfg.output_dir)
+    resolved = cfg.to_dict()
+    _check_run_dir(run_dir, resolved, force)
+    exp = build_experiment(cfg)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(run_dir / CONFIG_FILE, yaml.safe_dump(resolved, sort_keys=False).encode())
+
+    state = exp.method.init(trainable_params(exp.model), model_buffers(exp.model))
+    ckpt = run_dir / CHECKPOINT_FILE
+
+    def checkpoint(s: State, epoch: int) -> None:
+        save_state(s, ckpt, {"epoch": str(epoch)})
+
+    start = time.perf_counter()
+    exp.model.train()
+    try:
+        state, history = fit(
+            exp.method,
+            state,
+            exp.train_loader,
+            epochs=cfg.train.epochs,
+            device=exp.device,
+            checkpoint=checkpoint,
+            checkpoint_every=cfg.train.checkpoint_every,
+            progress=cfg.train.progress,
+        )
+    except DivergenceError as e:
+        kept = f"the last good checkpoint is kept at {ckpt}" if ckpt.exists() else "no checkpoint was written yet"
+        raise DivergenceError(
+            f"{e}; {kept}. Lower the learning rate (e.g. --set optim.lr={cfg.optim.lr / 10:g}) and train again"
+        ) from None
+    train_time = time.perf_counter() - start
+    metrics = evaluate_state(exp, state)
+    metrics.update(
+        method=cfg.method.name,
+        seed=cfg.seed,
+        train_time_s=train_time,
+        steps=state.step,
+        history=[vars(h) for h in history.epochs],
+        environment=environment(),
+    )
+    atomic_write_json(run_dir / METRICS_FILE, metrics)
+    return run_dir, metrics
+
+
+def evaluate_run(run_dir: str | Path) -> dict[str, Any]:
+    """Re-evaluate a finished run from its directory (config + checkpoint) and update metrics.json."""
+    run_dir = Path(run_dir)
+    if not (run_dir / CONFIG_FILE).is_file():
+        raise FlatbmaError(f"{run_dir} is not a run directory (no {CONFIG_FILE}); pass the output_dir of a run")
+    cfg = config_from_dict(load_raw(run_dir / CONFIG_FILE))
+    exp = build_experiment(cfg)
+    state = load_state(run_dir / CHECKPOINT_FILE, device=str(exp.device))
+    metrics_path = run_dir / METRICS_FILE
+    metrics = json.loads(metrics_path.read_text()) if metrics_path.is_file() else {}
+    metrics.update(evaluate_state(exp, state))
+    atomic_write_json(metrics_path, metrics)
+    return metrics

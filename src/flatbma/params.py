@@ -1,0 +1,145 @@
+"""Helpers for parameters held as ``dict[str, Tensor]``.
+
+Models are called functionally with :func:`torch.func.functional_call`; parameters are flattened to
+one vector only where linear algebra needs it (SWAG deviations, Lanczos).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.func import functional_call
+
+from flatbma.types import Batch, Params
+
+
+def trainable_params(model: nn.Module) -> Params:
+    """Detached copies of the parameters with ``requires_grad=True``, keyed by module name.
+
+    Parameters with ``requires_grad=False`` are left out: they stay fixed at the module's own values,
+    which is how a Bayesian subset (e.g. only normalization and classifier layers) is expressed.
+    """
+    return {k: v.detach().clone() for k, v in model.named_parameters() if v.requires_grad}
+
+
+def model_buffers(model: nn.Module) -> Params:
+    """Detached copies of the module's buffers (BatchNorm running statistics), keyed by name."""
+    return {k: v.detach().clone() for k, v in model.named_buffers()}
+
+
+def clone(params: Mapping[str, Tensor]) -> Params:
+    """Deep copy of a tensor dict."""
+    return {k: v.detach().clone() for k, v in params.items()}
+
+
+def add(a: Mapping[str, Tensor], b: Mapping[str, Tensor], alpha: float = 1.0) -> Params:
+    """``a + alpha * b`` for every key of ``b`` (keys of ``a`` missing from ``b`` are kept)."""
+    out = dict(a)
+    for k, v in b.items():
+        out[k] = a[k] + alpha * v
+    return out
+
+
+def dot(a: Mapping[str, Tensor], b: Mapping[str, Tensor]) -> Tensor:
+    """Euclidean inner product ``Σ_k ⟨a_k, b_k⟩`` over the keys of ``a``."""
+    return sum(((a[k] * b[k]).sum() for k in a), start=torch.zeros((), device=_device(a)))
+
+
+def global_norm(tensors: Mapping[str, Tensor]) -> Tensor:
+    """``‖t‖₂`` of all tensors concatenated."""
+    if not tensors:
+        return torch.zeros(())
+    norms = torch._foreach_norm(list(tensors.values()))
+    return torch.linalg.vector_norm(torch.stack(norms))
+
+
+def flatten(params: Mapping[str, Tensor]) -> Tensor:
+    """Concatenate all tensors into one vector (in key order)."""
+    return torch.cat([v.reshape(-1) for v in params.values()])
+
+
+def unflatten(vector: Tensor, like: Mapping[str, Tensor]) -> Params:
+    """Inverse of :func:`flatten`: split ``vector`` into tensors shaped like ``like``."""
+    out, offset = {}, 0
+    for k, v in like.items():
+        n = v.numel()
+        out[k] = vector[offset : offset + n].view_as(v)
+        offset += n
+    if offset != vector.numel():
+        raise ValueError(f"vector has {vector.numel()} entries but the template needs {offset}")
+    return out
+
+
+def _device(params: Mapping[str, Tensor]) -> torch.device:
+    return next(iter(params.values())).device if params else torch.device("cpu")
+
+
+def value_and_grad(
+    fn: Callable[[Params], tuple[Tensor, Tensor]], params: Mapping[str, Tensor]
+) -> tuple[Tensor, Tensor, Params]:
+    """Evaluate ``fn(params) -> (loss, aux)`` and the gradient of ``loss`` w.r.t. every tensor of ``params``.
+
+    Uses reverse-mode autograd on detached leaves that share storage with ``params``; the returned
+    ``loss`` and ``aux`` are detached.
+    """
+    leaves = {k: v.detach().requires_grad_(True) for k, v in params.items()}
+    loss, aux = fn(leaves)
+    grads = torch.autograd.grad(loss, list(leaves.values()), allow_unused=True)
+    out = {k: torch.zeros_like(v) if g is None else g for (k, v), g in zip(leaves.items(), grads)}
+    return loss.detach(), aux.detach(), out
+
+
+@dataclass(frozen=True)
+class Objective:
+    """The data term: a model called functionally and a mean loss over a mini-batch.
+
+    Attributes:
+        model: the template module. Its parameters that are not passed in a call keep their own
+            values (frozen parts); its train/eval mode decides BatchNorm/dropout behaviour.
+        loss_fn: ``loss_fn(logits, labels)`` returning the mean loss; cross-entropy by default.
+        num_data: size ``n`` of the training set (scales KL terms and SG-MCMC potentials).
+        reduce_grads: optional hook applied to every gradient dict (data-parallel all-reduce).
+    """
+
+    model: nn.Module
+    loss_fn: Callable[[Tensor, Tensor], Tensor] = F.cross_entropy
+    num_data: int = 1
+    reduce_grads: Callable[[Params], Params] | None = None
+
+    def logits(self, weights: Mapping[str, Tensor], x: Tensor) -> Tensor:
+        """``f(x; weights)``: the model called with ``weights`` (parameters and/or buffers)."""
+        return functional_call(self.model, dict(weights), (x,))
+
+    def loss(self, params: Mapping[str, Tensor], buffers: Mapping[str, Tensor], batch: Batch):
+        """Return ``(L_B(params), logits)``; in train mode BatchNorm updates ``buffers`` in place."""
+        x, y = batch
+        logits = self.logits({**params, **buffers}, x)
+        return self.loss_fn(logits, y), logits
+
+    def value_and_grad(
+        self,
+        params: Mapping[str, Tensor],
+        buffers: Mapping[str, Tensor],
+        batch: Batch,
+        *,
+        update_buffers: bool = True,
+    ) -> tuple[Tensor, Tensor, Params]:
+        """Loss, logits and (reduced) gradient at ``params``.
+
+        Args:
+            params: the weights to differentiate.
+            buffers: model buffers; updated in place by BatchNorm in train mode when
+                ``update_buffers`` is true, otherwise a throw-away copy is used so that running
+                statistics are not touched (e.g. in a SAM step's second pass).
+            batch: ``(x, y)``.
+            update_buffers: whether this pass may update running statistics.
+        """
+        bufs = buffers if update_buffers else clone(buffers)
+        loss, logits, grads = value_and_grad(lambda p: self.loss(p, bufs, batch), params)
+        if self.reduce_grads is not None:
+            grads = self.reduce_grads(grads)
+        return loss, logits, grads

@@ -1,0 +1,102 @@
+"""The one contract every optimizer and posterior in flatbma implements.
+
+A method is a :class:`Transform` — a pair of pure-looking functions ``init`` and ``update`` over a
+:class:`State` that holds the trained parameters as a ``dict[str, Tensor]`` — following the shape of
+`posteriors <https://github.com/normal-computing/posteriors>`_ and optax. A :class:`Posterior` is a
+transform that can also ``sample`` weights. The runner (:func:`flatbma.experiment.runner.fit`) drives
+any of them with the same loop: ``state, out = method.update(state, batch)``.
+
+``update`` may modify the tensors of the state it receives in place (like ``inplace=True`` in
+posteriors) and returns the state to use next; callers must not rely on the old state afterwards.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import NamedTuple, Protocol
+
+import torch
+from torch import Tensor
+
+Params = dict[str, Tensor]
+"""Named tensors: model parameters (``model.named_parameters()`` names) or method variables."""
+
+Batch = tuple[Tensor, Tensor]
+"""A mini-batch ``(inputs, integer labels)``."""
+
+
+@dataclass(frozen=True)
+class State:
+    """State of a method: a small frozen record of tensors and a step counter.
+
+    Attributes:
+        params: the trained variables. For point methods these are the model weights ``w``; for
+            variational families the variational parameters ``θ`` (keys carry a prefix such as
+            ``"mean/"``); a method documents its layout.
+        buffers: model buffers (BatchNorm running statistics) that forward passes update.
+        aux: method state — optimizer moments, SWAG moments, ... — as a flat ``dict[str, Tensor]``
+            with ``/``-separated keys, so that every state saves to safetensors without pickling.
+        step: number of ``update`` calls applied so far.
+    """
+
+    params: Params
+    buffers: Params = field(default_factory=dict)
+    aux: Params = field(default_factory=dict)
+    step: int = 0
+
+
+class StepOutput(NamedTuple):
+    """What one ``update`` reports: the (unperturbed) mini-batch loss and the logits it computed."""
+
+    loss: Tensor
+    logits: Tensor
+
+
+@dataclass(frozen=True)
+class Transform:
+    """``init(params, buffers) -> State`` and ``update(state, batch) -> (State, StepOutput)``."""
+
+    init: Callable[[Params, Params], State]
+    update: Callable[[State, Batch], tuple[State, StepOutput]]
+
+
+@dataclass(frozen=True)
+class Posterior(Transform):
+    """A transform whose state defines a distribution over weights.
+
+    ``sample(state, n, generator)`` returns ``n`` weight dictionaries, each holding parameters and
+    buffers by their module names, ready for ``torch.func.functional_call``. A point estimate returns
+    its single weight set regardless of ``n`` (the BMA of a point is the point).
+    """
+
+    sample: Callable[[State, int, torch.Generator | None], list[Params]]
+
+
+class Ascent(Protocol):
+    """An ascent (perturbation) step of the sharpness-aware family.
+
+    ``perturb(params, grads)`` returns ``ε`` (same keys as ``grads``) such that the descent gradient
+    is taken at ``params + ε``. SAM, ASAM and Fisher-SAM implement it on weights; FP-BMA implements it
+    on variational parameters.
+    """
+
+    def perturb(self, params: Mapping[str, Tensor], grads: Mapping[str, Tensor]) -> Params:
+        """Return the perturbation ε for every key of ``grads``."""
+        ...
+
+
+class GradientTransformation(Protocol):
+    """A first-order optimizer on a ``dict`` of tensors (the optax shape).
+
+    ``init(params)`` returns its state as a flat tensor dict; ``apply(params, grads, state, step)``
+    updates ``params`` in place and returns the new optimizer state.
+    """
+
+    def init(self, params: Mapping[str, Tensor]) -> Params:
+        """Return the initial optimizer state."""
+        ...
+
+    def apply(self, params: Params, grads: Mapping[str, Tensor], state: Params, step: int) -> Params:
+        """Apply one update to ``params`` in place and return the new optimizer state."""
+        ...

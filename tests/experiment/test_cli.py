@@ -1,0 +1,115 @@
+import json
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from flatbma.experiment.cli import main
+
+DIGITS = {
+    "seed": 0,
+    "method": {"name": "sam", "rho": 0.05},
+    "data": {"name": "digits", "batch_size": 64},
+    "model": {"name": "mlp"},
+    "optim": {"lr": 0.05},
+    "train": {"epochs": 8, "progress": False},
+    "eval": {"num_samples": 1},
+}
+
+
+def _write(tmp_path, cfg, name="c.yaml"):
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(cfg))
+    return str(path)
+
+
+def _run(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_methods_lists_the_sam_family():
+    out = subprocess.run(
+        [sys.executable, "-m", "flatbma", "methods"], capture_output=True, text=True, check=True
+    ).stdout
+    names = [line.split()[0] for line in out.splitlines()]
+    assert {"sgd", "sam", "asam", "fsam"} <= set(names)
+
+
+def test_train_then_evaluate_on_digits(tmp_path, capsys):
+    out_dir = tmp_path / "run"
+    cfg = _write(tmp_path, DIGITS)
+    code, out, err = _run(capsys, "train", "--config", cfg, "--set", f"output_dir={out_dir}")
+    assert code == 0, err
+    metrics = json.loads((out_dir / "metrics.json").read_text())
+    for key in ("accuracy", "nll", "ece", "aece", "brier", "train_time_s", "environment"):
+        assert key in metrics
+    assert metrics["accuracy"] > 0.85
+    assert (out_dir / "checkpoint.safetensors").is_file()
+    resolved = yaml.safe_load((out_dir / "config.yaml").read_text())
+    assert resolved["method"] == {"name": "sam", "rho": 0.05}
+    code, out, err = _run(capsys, "evaluate", str(out_dir))
+    assert code == 0, err
+    again = json.loads((out_dir / "metrics.json").read_text())
+    for key in ("accuracy", "nll", "ece", "brier"):
+        assert again[key] == pytest.approx(metrics[key], rel=1e-6)
+    # same config + seed -> identical metrics
+    code, _, err = _run(capsys, "train", "--config", cfg, "--set", f"output_dir={tmp_path / 'run2'}")
+    assert code == 0, err
+    rerun = json.loads((tmp_path / "run2" / "metrics.json").read_text())
+    assert all(rerun[k] == metrics[k] for k in ("accuracy", "nll", "ece", "brier"))
+
+
+def _error(capsys, *argv):
+    code, out, err = _run(capsys, *argv)
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("flatbma: error: "), err
+    return lines[0]
+
+
+def test_bad_inputs_give_one_line_errors(tmp_path, capsys):
+    cfg = _write(tmp_path, DIGITS)
+    out = f"output_dir={tmp_path / 'x'}"
+    assert "Did you mean 'sam'" in _error(capsys, "train", "--config", cfg, "--set", "method.name=sma")
+    assert "Did you mean 'epochs'" in _error(capsys, "train", "--config", cfg, "--set", "train.epoch=2")
+    msg = _error(
+        capsys,
+        "train",
+        "--config",
+        cfg,
+        "--set",
+        out,
+        "--set",
+        "data.name=idx",
+        "--set",
+        f"data.root={tmp_path / 'missing'}",
+    )
+    assert "idx" in msg or "missing" in msg
+    msg = _error(capsys, "train", "--config", cfg, "--set", out, "--set", "data.k_shot=1000")
+    assert "k" in msg
+    _error(capsys, "train", "--config", str(tmp_path / "nope.yaml"))
+    _error(capsys, "evaluate", str(tmp_path))
+    _error(capsys, "frobnicate")
+
+
+def test_divergence_stops_and_keeps_last_good_checkpoint(tmp_path, capsys):
+    cfg = _write(tmp_path, {**DIGITS, "method": {"name": "sgd"}, "optim": {"lr": 1e12, "schedule": "constant"}})
+    msg = _error(
+        capsys, "train", "--config", cfg, "--set", f"output_dir={tmp_path / 'div'}", "--set", "train.checkpoint_every=1"
+    )
+    assert "at step" in msg and "Lower the learning rate" in msg
+    assert not (tmp_path / "div" / "metrics.json").exists()
+
+
+def test_run_dir_with_another_config_is_not_overwritten(tmp_path, capsys):
+    cfg = _write(tmp_path, DIGITS)
+    out = f"output_dir={tmp_path / 'run'}"
+    assert _run(capsys, "train", "--config", cfg, "--set", out)[0] == 0
+    before = (tmp_path / "run" / "metrics.json").read_text()
+    msg = _error(capsys, "train", "--config", cfg, "--set", out, "--set", "optim.lr=0.01")
+    assert "--force" in msg
+    assert (tmp_path / "run" / "metrics.json").read_text() == before
+    assert _run(capsys, "train", "--config", cfg, "--set", out, "--set", "optim.lr=0.01", "--force")[0] == 0

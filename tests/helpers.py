@@ -1,0 +1,38 @@
+"""Tiny models and objectives shared by the tests."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from flatbma.params import Objective
+
+
+class Quadratic(nn.Module):
+    """A module whose output is its weight vector; pair it with :func:`quadratic_loss`."""
+
+    def __init__(self, w0: torch.Tensor) -> None:
+        super().__init__()
+        self.w = nn.Parameter(w0.clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w.expand(x.shape[0], -1)
+
+
+def quadratic_objective(A: torch.Tensor, c: torch.Tensor, w0: torch.Tensor) -> Objective:
+    """``L(w) = ½ (w − c)ᵀ A (w − c)`` as an Objective (the labels are ignored)."""
+
+    def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        d = out[0] - c
+        return 0.5 * d @ A @ d
+
+    return Objective(model=Quadratic(w0), loss_fn=loss_fn)
+
+
+def tiny_bn_net(in_features: int = 6, classes: int = 3) -> nn.Module:
+    return nn.Sequential(nn.Linear(in_features, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, classes))
+
+
+def toy_batch(n: int = 16, in_features: int = 6, classes: int = 3, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, in_features, generator=g), torch.randint(0, classes, (n,), generator=g)

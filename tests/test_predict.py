@@ -1,0 +1,61 @@
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from flatbma.errors import FlatbmaError
+from flatbma.predict import bma_log_probs, log_mean_exp, predict
+
+
+class Fixed(nn.Module):
+    """Returns the logits stored in its parameter for every input (one row per input index)."""
+
+    def __init__(self, logits: torch.Tensor) -> None:
+        super().__init__()
+        self.table = nn.Parameter(logits)
+
+    def forward(self, x):
+        return self.table[x.long()]
+
+
+def test_bma_is_log_of_mean_softmax():
+    g = torch.Generator().manual_seed(0)
+    samples = [{"table": torch.randn(5, 4, generator=g, dtype=torch.float64)} for _ in range(7)]
+    model = Fixed(torch.zeros(5, 4, dtype=torch.float64))
+    x = torch.arange(5)
+    got = bma_log_probs(model, samples, x)
+    expected = torch.stack([torch.softmax(s["table"], -1) for s in samples]).mean(0).log()
+    torch.testing.assert_close(got, expected)
+
+
+def test_bma_of_one_sample_is_its_log_softmax():
+    logits = torch.randn(3, 4)
+    model = Fixed(logits)
+    torch.testing.assert_close(bma_log_probs(model, [{"table": logits}], torch.arange(3)), logits.log_softmax(-1))
+
+
+def test_bma_stays_finite_when_one_sample_gives_probability_zero():
+    # sample 1 puts (numerically) zero mass on class 0; sample 2 does not: the BMA must not be -inf
+    a = torch.tensor([[-1e4, 0.0]])
+    b = torch.tensor([[0.0, 0.0]])
+    model = Fixed(a)
+    out = bma_log_probs(model, [{"table": a}, {"table": b}], torch.zeros(1))
+    assert torch.isfinite(out).all()
+    assert out[0, 0].item() == pytest.approx(math.log(0.25), rel=1e-6)
+
+
+def test_log_mean_exp_extreme_values():
+    a = torch.tensor([[-1000.0], [-1000.0 + math.log(3.0)]])
+    assert log_mean_exp(a).item() == pytest.approx(-1000.0 + math.log(2.0))
+
+
+def test_predict_restores_training_mode_and_needs_samples():
+    model = Fixed(torch.zeros(2, 3))
+    model.train()
+    loader = [(torch.arange(2), torch.tensor([0, 1]))]
+    out = list(predict(model, [{"table": torch.zeros(2, 3)}], loader))
+    assert out[0][0].shape == (2, 3)
+    assert model.training
+    with pytest.raises(FlatbmaError, match="at least one posterior sample"):
+        bma_log_probs(model, [], torch.arange(2))
