@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -55,9 +57,19 @@ def predict(
     loader: Iterable[Batch],
     *,
     device: torch.device | str = "cpu",
+    mode: Callable[[nn.Module], AbstractContextManager[Any]] | None = None,
 ) -> Iterator[tuple[Tensor, Tensor]]:
-    """Yield ``(BMA log-probabilities, labels)`` batch by batch, with the model in eval mode."""
-    with eval_mode(model):
+    """Yield ``(BMA log-probabilities, labels)`` batch by batch.
+
+    Args:
+        model: the template module.
+        samples: weight dicts (parameters and buffers) of the posterior samples.
+        loader: ``(x, y)`` batches.
+        device: where batches go.
+        mode: context manager factory for the model's prediction mode (a posterior's
+            ``predict_mode``); eval mode when ``None``.
+    """
+    with (mode or eval_mode)(model):
         for x, y in loader:
             yield bma_log_probs(model, samples, x.to(device)), y.to(device)
 
@@ -70,10 +82,11 @@ def evaluate(
     num_classes: int,
     n_bins: int = 15,
     device: torch.device | str = "cpu",
+    mode: Callable[[nn.Module], AbstractContextManager[Any]] | None = None,
 ) -> dict[str, float]:
     """Accuracy, NLL, ECE, adaptive ECE and Brier score of the BMA predictive over ``loader``."""
     metrics = StreamingMetrics(num_classes=num_classes, n_bins=n_bins)
-    for log_probs, labels in predict(model, samples, loader, device=device):
+    for log_probs, labels in predict(model, samples, loader, device=device, mode=mode):
         metrics.update(log_probs, labels)
     if metrics.compute()["n"] == 0:
         raise FlatbmaError("the evaluation data is empty: check the test split and data options")

@@ -14,10 +14,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import NamedTuple, Protocol
+from contextlib import AbstractContextManager
+from typing import Any, NamedTuple, Protocol
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 Params = dict[str, Tensor]
 """Named tensors: model parameters (``model.named_parameters()`` names) or method variables."""
@@ -68,9 +69,19 @@ class Posterior(Transform):
     ``sample(state, n, generator)`` returns ``n`` weight dictionaries, each holding parameters and
     buffers by their module names, ready for ``torch.func.functional_call``. A point estimate returns
     its single weight set regardless of ``n`` (the BMA of a point is the point).
+
+    Attributes:
+        sample: ``sample(state, n, generator) -> list of weight dicts``.
+        predict_mode: context manager factory that puts the model in its prediction mode; ``None``
+            means eval mode. MC dropout uses it to keep dropout stochastic at prediction time.
+        recompute_bn: whether BatchNorm statistics must be recomputed on training data for every
+            sample before predicting (weights that were never trained with their own statistics,
+            e.g. SWAG or VI samples); see :func:`flatbma.bn.recompute_bn_statistics`.
     """
 
     sample: Callable[[State, int, torch.Generator | None], list[Params]]
+    predict_mode: Callable[[nn.Module], AbstractContextManager[Any]] | None = None
+    recompute_bn: bool = False
 
 
 class Ascent(Protocol):

@@ -15,6 +15,7 @@ import torch
 import yaml
 from torch.utils.data import DataLoader
 
+from flatbma.bn import recompute_bn_statistics
 from flatbma.data import ArrayDataset, build_transform, few_shot_indices, load_dataset, stratified_split
 from flatbma.errors import DivergenceError, FlatbmaError
 from flatbma.experiment.checkpoint import atomic_write_bytes, atomic_write_json, load_state, save_state
@@ -159,6 +160,8 @@ def evaluate_state(exp: Experiment, state: State) -> dict[str, Any]:
     """BMA metrics of ``state`` on the test set."""
     generator = torch.Generator(device="cpu").manual_seed(exp.config.seed)
     samples = exp.method.sample(state, exp.config.eval.num_samples, generator)
+    if exp.method.recompute_bn:
+        samples = [recompute_bn_statistics(exp.model, w, exp.train_loader, device=exp.device) for w in samples]
     return evaluate(
         exp.model,
         samples,
@@ -166,6 +169,7 @@ def evaluate_state(exp: Experiment, state: State) -> dict[str, Any]:
         num_classes=exp.num_classes,
         n_bins=exp.config.eval.n_bins,
         device=exp.device,
+        mode=exp.method.predict_mode,
     )
 
 
