@@ -13,8 +13,8 @@ posteriors) and returns the state to use next; callers must not rely on the old 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
 
 import torch
