@@ -11,3 +11,4 @@ for method in sgd sam; do
   "$FLATBMA" train --config configs/animal-mnist-transfer.yaml \
     --set "method={name: $method}" --set "output_dir=runs/animal-mnist-transfer-$method"
 done
+"${PYTHON:-.venv/bin/python}" scripts/results_table.py runs/digits-sam runs/animal-mnist-transfer-sgd runs/animal-mnist-transfer-sam

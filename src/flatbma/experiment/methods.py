@@ -129,3 +129,10 @@ register(MethodSpec("asam", "ASAM: adaptive, scale-invariant SAM (Kwon et al. 20
 register(
     MethodSpec("fsam", "Fisher-SAM: SAM in the diagonal-Fisher geometry (Kim et al. 2022)", point.build, FisherSAM)
 )
+
+# SWAG family (Maddox et al. 2019); F-SWAG is the same family on a SAM trajectory (Nguyen et al. 2023).
+from flatbma.posteriors import swag  # noqa: E402
+
+register(MethodSpec("swag", "SWAG: diagonal + low-rank Gaussian of SGD iterates (Maddox et al. 2019)", swag.build))
+register(MethodSpec("swag-diag", "SWAG-Diagonal: diagonal Gaussian of SGD iterates (Maddox 2019)", swag.build_diag))
+register(MethodSpec("f-swag", "F-SWAG: SWAG collected along a SAM trajectory (Nguyen et al. 2023)", swag.build, SAM))

@@ -55,7 +55,7 @@ def fit(
         checkpoint: ``checkpoint(state, epoch)`` is called after every epoch and every
             ``checkpoint_every`` steps, always with a state whose losses were all finite.
         checkpoint_every: step interval of intra-epoch checkpoints (0 = epoch ends only).
-        progress: show a progress bar with ETA.
+        progress: show a progress bar with ETA (on a terminal; never in logs or pipes).
         history: a history to append to.
 
     Raises:

@@ -1,0 +1,300 @@
+"""SWAG: a Gaussian fitted to the SGD trajectory (Maddox et al., NeurIPS 2019), and F-SWAG.
+
+The weights are trained by a point estimate's update (:func:`flatbma.posteriors.point.build`: the
+optimizer, optionally sharpness-aware); every ``collect_every`` updates after the first
+``start_step`` ones, the current iterate ``w`` is a *snapshot* that updates the running moments and
+the deviation ring buffer. With an ascent step (SAM) the collected trajectory is a SAM trajectory:
+that is F-SWAG (Nguyen et al., NeurIPS 2023).
+
+State layout (``d`` = number of trained weights, ``K`` = ``rank``):
+
+* ``params``: the current iterate ``w`` (by module name); ``buffers``: its BatchNorm statistics;
+* ``aux["swag/mean/<name>"]``, ``aux["swag/sq_mean/<name>"]``: running means of ``w`` and ``w⊙w``
+  over the snapshots;
+* ``aux["swag/deviations"]``: ``[K, d]`` ring buffer of the last ``K`` deviations ``w_i − w̄_i``
+  (``w̄_i`` the mean *including* snapshot ``i``, as in the paper), flattened in sorted-name order;
+  absent for the diagonal-only variant;
+* ``aux["swag/n_collected"]``: number of snapshots (0-d int64); plus the optimizer's own state.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from dataclasses import replace
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from flatbma.errors import FlatbmaError
+from flatbma.params import Objective, flatten, unflatten
+from flatbma.posteriors import point
+from flatbma.types import Ascent, Batch, GradientTransformation, Params, Posterior, State, StepOutput
+
+PREFIX = "swag/"
+MEAN = "swag/mean/"
+SQ_MEAN = "swag/sq_mean/"
+DEVIATIONS = "swag/deviations"
+N_COLLECTED = "swag/n_collected"
+VAR_CLAMP = 1e-30
+"""Lower bound of the diagonal variance ``σ² = mean(w⊙w) − w̄⊙w̄``, which rounding can make ≤ 0."""
+
+_HOW_TO_COLLECT_MORE = "lower method.start_step or method.collect_every, or raise train.epochs"
+
+
+class SwagMoments(NamedTuple):
+    """The SWAG statistics as flat vectors (weights in the order of ``names``).
+
+    Attributes:
+        names: parameter names, in the (sorted) order of the flattening.
+        mean: ``w̄ ∈ R^d``, the SWA solution.
+        variance: ``σ² = clamp(mean of w⊙w − w̄⊙w̄, 1e-30) ∈ R^d``.
+        deviations: ``D ∈ R^{K_eff×d}``, the stored deviations oldest first (``K_eff = min(n, K)``;
+            empty for the diagonal-only variant).
+    """
+
+    names: tuple[str, ...]
+    mean: Tensor
+    variance: Tensor
+    deviations: Tensor
+
+
+class LowRankGaussian(NamedTuple):
+    """``N(mean, ½(diag σ² + L Lᵀ/(K−1)))`` by parameter name — the low-rank VI parameterization.
+
+    Attributes:
+        mean: ``μ`` by name.
+        sigma: ``σ`` by name (same shapes as ``mean``).
+        factor: ``L`` by name, shape ``(*param.shape, K)``; the ``K`` columns are the deviations.
+    """
+
+    mean: Params
+    sigma: Params
+    factor: Params
+
+
+def build(
+    objective: Objective,
+    optimizer: GradientTransformation,
+    ascent: Ascent | None = None,
+    *,
+    rank: int = 20,
+    scale: float = 1.0,
+    start_step: int = 0,
+    collect_every: int = 10,
+    diagonal_only: bool = False,
+) -> Posterior:
+    """SWAG (Maddox et al. 2019); with ``ascent=SAM`` F-SWAG (Nguyen et al. 2023).
+
+    Training is the point update ``w_{t+1} = opt(w_t, ∇L_B(w_t + ε_t))`` of
+    :func:`flatbma.posteriors.point.build` (``ε_t = 0`` without an ascent step). After update
+    ``s`` (counting from 1), with ``s > start_step`` and ``(s − start_step) % collect_every == 0``,
+    the iterate ``w`` is the ``(n+1)``-th snapshot::
+
+        w̄ ← w̄ + (w − w̄)/(n+1),   s̄ ← s̄ + (w⊙w − s̄)/(n+1),   D[n mod K] ← w − w̄ (new w̄),   n ← n+1.
+
+    (Maddox et al. collect once per epoch from epoch ``swa_start`` on: ``start_step = swa_start·E``,
+    ``collect_every = E`` for ``E`` updates per epoch.) Sampling draws ``z₁ ~ N(0, I_d)``,
+    ``z₂ ~ N(0, I_{K_eff})`` from the generator and returns::
+
+        w = w̄ + √scale · ( σ⊙z₁/√2 + Dᵀz₂/√(2(K_eff − 1)) ),   σ² = clamp(s̄ − w̄², 1e-30),
+
+    i.e. ``w ~ N(w̄, scale · ½(diag σ² + DᵀD/(K_eff − 1)))`` — METHODS.md §1 with the covariance
+    multiplied by ``scale``; ``diagonal_only`` drops the ``D`` term (SWAG-Diagonal,
+    ``N(w̄, scale · ½ diag σ²)``). ``K_eff = min(n, K)``: until ``K`` deviations exist, the available
+    ones are used with ``K_eff − 1`` in the denominator. Sampling needs ``n ≥ 2`` snapshots.
+
+    Note: the ½ is part of the sampler here; Maddox et al.'s code has no ½ in its sampler and
+    obtains it from ``scale=0.5`` — that corresponds to ``scale=1`` here.
+
+    The samples' BatchNorm statistics must be recomputed (``recompute_bn=True``): they are the
+    statistics of the last iterate, not of the sampled weights.
+
+    Args:
+        objective: model and mini-batch loss.
+        optimizer: the descent step producing the trajectory.
+        ascent: the ascent step (SAM → F-SWAG), or ``None`` for the SGD trajectory of SWAG.
+        rank: ``K``, the number of deviations kept (the rank of the low-rank part), at least 2.
+        scale: factor multiplying the sampling covariance.
+        start_step: updates done before the collection window opens (0 = collect from the start;
+            use a trained or pretrained starting point then).
+        collect_every: updates between two snapshots.
+        diagonal_only: keep no deviations and sample from the diagonal Gaussian (SWAG-Diagonal).
+
+    Raises:
+        FlatbmaError: for an invalid option (the message names the ``method.*`` key).
+    """
+    _check_options(rank=rank, scale=scale, start_step=start_step, collect_every=collect_every)
+    inner = point.build(objective, optimizer, ascent)
+    schedule = (
+        f"snapshots are taken every method.collect_every={collect_every} updates after the first "
+        f"method.start_step={start_step}: {_HOW_TO_COLLECT_MORE}"
+    )
+
+    def init(params: Params, buffers: Params) -> State:
+        state = inner.init(params, buffers)
+        w = state.params
+        aux = dict(state.aux)
+        for k in sorted(w):
+            aux[MEAN + k] = torch.zeros_like(w[k])
+            aux[SQ_MEAN + k] = torch.zeros_like(w[k])
+        if not diagonal_only:
+            d = sum(v.numel() for v in w.values())
+            first = next(iter(w.values()))
+            aux[DEVIATIONS] = first.new_zeros(rank, d)
+        aux[N_COLLECTED] = torch.zeros((), dtype=torch.int64, device=next(iter(w.values())).device)
+        return replace(state, aux=aux)
+
+    def update(state: State, batch: Batch) -> tuple[State, StepOutput]:
+        swag = {k: v for k, v in state.aux.items() if k.startswith(PREFIX)}
+        opt_state = {k: v for k, v in state.aux.items() if not k.startswith(PREFIX)}
+        state, out = inner.update(replace(state, aux=opt_state), batch)
+        aux = {**state.aux, **swag}
+        s = state.step
+        if s > start_step and (s - start_step) % collect_every == 0:
+            _collect(state.params, aux)
+        return replace(state, aux=aux), out
+
+    def sample(state: State, n: int, generator: torch.Generator | None = None) -> list[Params]:
+        m = _moments(state, schedule)
+        noise_device = generator.device if generator is not None else torch.device("cpu")
+        std = m.variance.sqrt()
+        k_eff = m.deviations.shape[0]
+        like = {k: state.params[k] for k in m.names}
+        if k_eff == 0 and not diagonal_only:
+            raise FlatbmaError(
+                "this SWAG state holds no deviations (it was trained with method swag-diag or "
+                "method.diagonal_only=true): sample it with diagonal_only=true"
+            )
+        samples = []
+        for _ in range(n):
+            z1 = torch.randn(m.mean.numel(), generator=generator, device=noise_device, dtype=m.mean.dtype)
+            noise = std * z1.to(m.mean.device)
+            if not diagonal_only:
+                z2 = torch.randn(k_eff, generator=generator, device=noise_device, dtype=m.mean.dtype)
+                noise = noise + (m.deviations.T @ z2.to(m.mean.device)) / math.sqrt(k_eff - 1)
+            w = m.mean + math.sqrt(scale / 2) * noise
+            samples.append({**unflatten(w, like), **state.buffers})
+        return samples
+
+    return Posterior(init=init, update=update, sample=sample, recompute_bn=True)
+
+
+def build_diag(
+    objective: Objective, optimizer: GradientTransformation, ascent: Ascent | None = None, **options
+) -> Posterior:
+    """SWAG-Diagonal (Maddox et al. 2019): :func:`build` with ``diagonal_only=True``.
+
+    Its options are those of :func:`build` without ``rank`` and ``diagonal_only`` (the signature is
+    derived from :func:`build`, so the defaults live in one place).
+    """
+    return build(objective, optimizer, ascent, diagonal_only=True, **options)
+
+
+def _derive_diag_signature() -> None:
+    dropped = {"rank", "diagonal_only"}
+    sig = inspect.signature(build)
+    build_diag.__signature__ = sig.replace(  # type: ignore[attr-defined]
+        parameters=[p for n, p in sig.parameters.items() if n not in dropped]
+    )
+    build_diag.__annotations__ = {k: v for k, v in build.__annotations__.items() if k not in dropped}
+
+
+_derive_diag_signature()
+
+
+def swag_moments(state: State) -> SwagMoments:
+    """Flat mean, diagonal variance and deviations (oldest first) of a SWAG state.
+
+    The sampling covariance of :func:`build` is ``scale · ½(diag variance + DᵀD/(K_eff − 1))``.
+
+    Raises:
+        FlatbmaError: if fewer than two snapshots were collected.
+    """
+    return _moments(state, _HOW_TO_COLLECT_MORE)
+
+
+def to_lowrank_gaussian(state: State, scale: float = 1.0) -> LowRankGaussian:
+    """The SWAG Gaussian in the low-rank + diagonal VI parameterization (METHODS.md §1).
+
+    Returns ``μ = w̄``, ``σ = √scale·σ_SWAG`` and ``L = √scale·Dᵀ`` (``K_eff`` columns, oldest
+    first), so that ``½(diag σ² + LLᵀ/(K_eff − 1)) = scale · ½(diag σ_SWAG² + DᵀD/(K_eff − 1))`` is
+    exactly the covariance :func:`build` samples from with the same ``scale``: a low-rank VI with
+    rank ``K_eff`` initialized from it starts at the SWAG posterior.
+
+    Raises:
+        FlatbmaError: if fewer than two snapshots were collected or the state is diagonal-only.
+    """
+    m = swag_moments(state)
+    if m.deviations.shape[0] == 0:
+        raise FlatbmaError("this SWAG state holds no deviations (method swag-diag): train it with method swag")
+    root = math.sqrt(scale)
+    like = {k: state.params[k] for k in m.names}
+    mean = unflatten(m.mean.clone(), like)
+    sigma = unflatten(root * m.variance.sqrt(), like)
+    columns = root * m.deviations.T  # [d, K_eff]
+    factor, offset = {}, 0
+    for k, v in like.items():
+        factor[k] = columns[offset : offset + v.numel()].reshape(*v.shape, -1)
+        offset += v.numel()
+    return LowRankGaussian(mean=mean, sigma=sigma, factor=factor)
+
+
+@torch.no_grad()
+def _collect(params: Params, aux: Params) -> None:
+    """Add the snapshot ``params`` to the moments and the ring buffer in ``aux`` (in place)."""
+    n = int(aux[N_COLLECTED])
+    names = sorted(params)
+    weight = 1.0 / (n + 1)
+    for k in names:
+        w = params[k]
+        aux[MEAN + k].lerp_(w, weight)
+        aux[SQ_MEAN + k].lerp_(w * w, weight)
+    if DEVIATIONS in aux:
+        dev = aux[DEVIATIONS]
+        w = flatten({k: params[k] for k in names})
+        dev[n % dev.shape[0]] = w - flatten({k: aux[MEAN + k] for k in names})
+    aux[N_COLLECTED].add_(1)
+
+
+def _moments(state: State, how_to_fix: str) -> SwagMoments:
+    aux = state.aux
+    if N_COLLECTED not in aux:
+        raise FlatbmaError("this state has no SWAG statistics (no 'swag/n_collected'): it was not trained with SWAG")
+    n = int(aux[N_COLLECTED])
+    if n < 2:
+        raise FlatbmaError(
+            f"SWAG collected {n} snapshot(s) of the weights in {state.step} updates, but sampling needs "
+            f"at least 2; {how_to_fix}"
+        )
+    names = tuple(sorted(k[len(MEAN) :] for k in aux if k.startswith(MEAN)))
+    mean = torch.cat([aux[MEAN + k].reshape(-1) for k in names])
+    sq_mean = torch.cat([aux[SQ_MEAN + k].reshape(-1) for k in names])
+    variance = torch.clamp(sq_mean - mean * mean, min=VAR_CLAMP)
+    if DEVIATIONS in aux:
+        dev = aux[DEVIATIONS]
+        k = dev.shape[0]
+        deviations = torch.roll(dev, -(n % k), dims=0) if n >= k else dev[:n]
+    else:
+        deviations = mean.new_zeros(0, mean.numel())
+    return SwagMoments(names=names, mean=mean, variance=variance, deviations=deviations)
+
+
+def _check_options(*, rank: int, scale: float, start_step: int, collect_every: int) -> None:
+    def is_int(v: object) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    if not is_int(rank) or rank < 2:
+        raise FlatbmaError(
+            f"method.rank must be an integer >= 2 (got {rank!r}): SWAG's low-rank covariance "
+            "DᵀD/(K−1) needs at least two deviations (use method swag-diag for no low-rank part)"
+        )
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale < math.inf:
+        raise FlatbmaError(f"method.scale must be a positive number (it multiplies the covariance), got {scale!r}")
+    if not is_int(start_step) or start_step < 0:
+        raise FlatbmaError(f"method.start_step must be an integer >= 0 (updates before collecting), got {start_step!r}")
+    if not is_int(collect_every) or collect_every < 1:
+        raise FlatbmaError(
+            f"method.collect_every must be an integer >= 1 (updates between snapshots), got {collect_every!r}"
+        )
