@@ -69,7 +69,7 @@ def fit(
             loader,
             total=total,
             desc=f"epoch {epoch + 1}/{epochs}",
-            disable=not progress,
+            disable=not progress or None,  # None: off when stderr is not a terminal
             leave=False,
             dynamic_ncols=True,
         )
