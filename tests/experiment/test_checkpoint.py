@@ -56,3 +56,9 @@ def test_pickle_disguised_as_checkpoint_is_refused_and_not_executed(tmp_path):
 def test_missing_checkpoint(tmp_path):
     with pytest.raises(FlatbmaError, match="does not exist"):
         load_state(tmp_path / "nope.safetensors")
+
+
+def test_key_order_survives_a_round_trip(tmp_path):
+    s = State(params={"z": torch.ones(1), "a": torch.zeros(1), "m": torch.ones(2)}, step=1)
+    save_state(s, tmp_path / "c.safetensors")
+    assert list(load_state(tmp_path / "c.safetensors").params) == ["z", "a", "m"]

@@ -1,5 +1,6 @@
 import json
 import math
+import re
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -171,11 +172,11 @@ def test_samples_have_the_analytic_mean_and_covariance():
 def test_diagonal_only_and_too_few_deviations():
     method, state, mean, var, _ = _hand_built(scale=2.0, diagonal_only=True)
     assert "swag/deviations" not in state.aux
-    samples = method.sample(state, 20_000, torch.Generator().manual_seed(1))
+    samples = method.sample(state, 10_000, torch.Generator().manual_seed(1))
     _check_gaussian(samples, mean, 2.0 * 0.5 * torch.diag(var))
     # 2 snapshots with rank 3: the two stored deviations with K_eff - 1 = 1 in the denominator
     method, state, mean, var, dev = _hand_built(n_collected=2, scale=1.0)
-    samples = method.sample(state, 20_000, torch.Generator().manual_seed(2))
+    samples = method.sample(state, 10_000, torch.Generator().manual_seed(2))
     _check_gaussian(samples, mean, 0.5 * (torch.diag(var) + dev[:2].T @ dev[:2] / 1))
 
 
@@ -203,7 +204,7 @@ def test_sampling_is_reproducible_and_uses_only_the_generator():
 )
 def test_bad_options_name_their_key(options, key):
     objective = Objective(model=tiny_bn_net())
-    with pytest.raises(FlatbmaError, match=key):
+    with pytest.raises(FlatbmaError, match=re.escape(key)):
         swag.build(objective, SGD(), **options)
 
 
@@ -214,9 +215,9 @@ def test_registry_options():
     cfg = parse_method({"name": "swag-diag", "collect_every": 3})
     method = cfg.build(Objective(model=tiny_bn_net()), SGD())
     assert "swag/deviations" not in method.init(trainable_params(tiny_bn_net()), {}).aux
-    with pytest.raises(FlatbmaError, match="method.rank"):
+    with pytest.raises(FlatbmaError, match=r"method\.rank"):
         parse_method({"name": "swag-diag", "rank": 4})
-    with pytest.raises(FlatbmaError, match="method.rank"):
+    with pytest.raises(FlatbmaError, match=r"method\.rank"):
         parse_method({"name": "swag", "rank": 1}).build(Objective(model=tiny_bn_net()), SGD())
 
 
@@ -286,7 +287,7 @@ def test_samples_of_a_batchnorm_cnn_get_recomputed_statistics():
     assert method.recompute_bn
     state = method.init(trainable_params(model), {k: v.clone() for k, v in model.named_buffers()})
     model.train()
-    for epoch in range(4):
+    for _ in range(4):
         for b in batches:
             state, _ = method.update(state, b)
     assert int(state.aux["swag/n_collected"]) == 6
@@ -308,17 +309,17 @@ DIGITS = {
     "data": {"name": "digits", "batch_size": 64},
     "model": {"name": "mlp"},
     "optim": {"lr": 0.05, "schedule": "constant"},
-    "train": {"epochs": 4, "progress": False},
-    "eval": {"num_samples": 4},
+    "train": {"epochs": 3, "progress": False},
+    "eval": {"num_samples": 3},
 }
 
 
 @pytest.mark.parametrize(
     ("method", "model"),
     [
-        ({"name": "swag", "rank": 5, "start_step": 36, "collect_every": 4}, {"name": "cnn", "width": 8}),
-        ({"name": "swag-diag", "start_step": 36, "collect_every": 4}, {"name": "mlp"}),
-        ({"name": "f-swag", "rho": 0.05, "rank": 5, "start_step": 36, "collect_every": 4}, {"name": "mlp"}),
+        ({"name": "swag", "rank": 5, "start_step": 25, "collect_every": 4}, {"name": "cnn", "width": 4}),
+        ({"name": "swag-diag", "start_step": 25, "collect_every": 4}, {"name": "mlp"}),
+        ({"name": "f-swag", "rho": 0.05, "rank": 5, "start_step": 25, "collect_every": 4}, {"name": "mlp"}),
     ],
 )
 def test_cli_trains_swag_on_digits(tmp_path, capsys, method, model):
@@ -328,8 +329,8 @@ def test_cli_trains_swag_on_digits(tmp_path, capsys, method, model):
     code = main(["train", "--config", str(cfg_path), "--set", f"output_dir={out_dir}"])
     assert code == 0, capsys.readouterr().err
     metrics = json.loads((out_dir / "metrics.json").read_text())
-    assert metrics["num_samples"] == 4 and metrics["accuracy"] > 0.8, metrics
+    assert metrics["num_samples"] == 3 and metrics["accuracy"] > 0.6, metrics  # digits: chance is 0.1
     state = load_state(out_dir / "checkpoint.safetensors")
     steps_per_epoch = metrics["history"][0]["steps"]
-    assert int(state.aux["swag/n_collected"]) == (4 * steps_per_epoch - 36) // 4
+    assert int(state.aux["swag/n_collected"]) == (3 * steps_per_epoch - 25) // 4
     assert ("swag/deviations" in state.aux) == (method["name"] != "swag-diag")

@@ -15,6 +15,7 @@ from typing import Any
 
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save
+from torch import Tensor
 
 from flatbma.errors import FlatbmaError
 from flatbma.types import State
@@ -43,20 +44,48 @@ def atomic_write_json(path: Path, obj: Any) -> None:
     atomic_write_bytes(Path(path), (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
 
 
-def save_state(state: State, path: str | Path, metadata: dict[str, str] | None = None) -> None:
-    """Save ``state`` atomically to ``path`` (safetensors)."""
+def save_state(
+    state: State,
+    path: str | Path,
+    metadata: dict[str, str] | None = None,
+    extra: dict[str, Tensor] | None = None,
+) -> None:
+    """Save ``state`` atomically to ``path`` (safetensors).
+
+    Args:
+        state: the method state.
+        path: the file.
+        metadata: extra string metadata (JSON text for structured values).
+        extra: extra tensors stored under ``extra/<key>`` (e.g. RNG states), read back by
+            :func:`load_checkpoint`.
+    """
     path = Path(path)
     tensors = {
         f"{section}/{k}": v.detach().contiguous().cpu()
         for section in SECTIONS
         for k, v in getattr(state, section).items()
     }
-    meta = {"format": FORMAT, "step": str(state.step), **(metadata or {})}
+    tensors.update({f"extra/{k}": v.detach().contiguous().cpu() for k, v in (extra or {}).items()})
+    # safetensors returns tensors sorted by name; the key order is part of the state (it fixes the
+    # summation order of global norms), so it is stored and restored.
+    order = {section: list(getattr(state, section)) for section in SECTIONS}
+    meta = {"format": FORMAT, "step": str(state.step), "order": json.dumps(order), **(metadata or {})}
     atomic_write_bytes(path, save(tensors, metadata=meta))
+
+
+def _in_order(tensors: dict[str, Tensor], order: list[str]) -> dict[str, Tensor]:
+    """``tensors`` re-keyed in the saved ``order`` (keys not listed keep their place after them)."""
+    listed = [k for k in order if k in tensors]
+    return {k: tensors[k] for k in listed} | {k: v for k, v in tensors.items() if k not in set(listed)}
 
 
 def load_state(path: str | Path, device: str = "cpu") -> State:
     """Load a state saved by :func:`save_state`; corrupt or foreign files raise :class:`FlatbmaError`."""
+    return load_checkpoint(path, device)[0]
+
+
+def load_checkpoint(path: str | Path, device: str = "cpu") -> tuple[State, dict[str, str], dict[str, Tensor]]:
+    """Load ``(state, metadata, extra tensors)`` saved by :func:`save_state`."""
     path = Path(path)
     if not path.is_file():
         raise FlatbmaError(f"checkpoint {path} does not exist: train first (flatbma train --config ...)")
@@ -71,10 +100,20 @@ def load_state(path: str | Path, device: str = "cpu") -> State:
         ) from None
     if meta.get("format") != FORMAT:
         raise FlatbmaError(f"{path} is not a flatbma checkpoint (format tag {meta.get('format')!r})")
-    sections: dict[str, dict] = {s: {} for s in SECTIONS}
+    sections: dict[str, dict] = {s: {} for s in (*SECTIONS, "extra")}
     for key, value in tensors.items():
         section, _, name = key.partition("/")
         if section not in sections:
             raise FlatbmaError(f"{path}: unexpected tensor {key!r}; the file is not a flatbma checkpoint")
         sections[section][name] = value
-    return State(step=int(meta["step"]), **sections)
+    extra = sections.pop("extra")
+    try:
+        order = json.loads(meta.get("order", "{}"))
+        sections = {name: _in_order(section, order.get(name, [])) for name, section in sections.items()}
+    except (ValueError, AttributeError, TypeError):
+        raise FlatbmaError(f"{path}: the checkpoint metadata is damaged (key order unreadable)") from None
+    try:
+        step = int(meta["step"])
+    except (KeyError, ValueError):
+        raise FlatbmaError(f"{path}: the checkpoint metadata has no valid step; the file is damaged") from None
+    return State(step=step, **sections), meta, {k: v.cpu() for k, v in extra.items()}

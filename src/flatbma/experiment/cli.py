@@ -25,7 +25,8 @@ def _build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     train = sub.add_parser("train", help="train a method from a YAML config and evaluate its BMA")
-    train.add_argument("--config", required=True, help="YAML config (see configs/)")
+    train.add_argument("--config", help="YAML config (see configs/)")
+    train.add_argument("--resume", metavar="RUN_DIR", help="continue an interrupted run from its last checkpoint")
     train.add_argument(
         "--set",
         dest="overrides",
@@ -59,9 +60,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"{name:<{width}}  {spec.summary}")
         elif args.command == "train":
             from flatbma.experiment.config import load_config
-            from flatbma.experiment.run import train_run
+            from flatbma.experiment.run import load_run_config, train_run
 
-            run_dir, metrics = train_run(load_config(args.config, args.overrides), force=args.force)
+            if args.resume:
+                if args.config or args.overrides:
+                    raise FlatbmaError("--resume continues a run with its own config: drop --config/--set")
+                run_dir, metrics = train_run(load_run_config(args.resume), resume=True)
+            elif args.config:
+                run_dir, metrics = train_run(load_config(args.config, args.overrides), force=args.force)
+            else:
+                raise FlatbmaError("train needs --config FILE (or --resume RUN_DIR)")
             _print_metrics(metrics)
             print(f"wrote {run_dir / 'metrics.json'}")
         elif args.command == "evaluate":

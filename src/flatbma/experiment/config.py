@@ -71,12 +71,17 @@ class ModelConfig:
         pretrained: ``"imagenet"`` (offline weights) or a path to a state dict; ``None`` = random init.
         width: base width of the network (model-specific default when ``None``).
         dropout: dropout rate before the classifier.
+        trainable: which parameters the method trains (and, for a posterior, makes Bayesian):
+            ``all``, ``norm+classifier`` (every normalization layer and the classifier, selected by
+            module type — FP-BMA's Bayesian transfer learning) or ``classifier``; the rest stays at
+            its pretrained (or initial) values.
     """
 
     name: str = "mlp"
     pretrained: str | None = None
     width: int | None = None
     dropout: float = 0.0
+    trainable: Literal["all", "norm+classifier", "classifier"] = "all"
 
     def __post_init__(self) -> None:
         _positive("width", self.width, allow_none=True)

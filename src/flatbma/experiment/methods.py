@@ -19,7 +19,7 @@ from typing import Any
 from flatbma.errors import FlatbmaError, suggest
 from flatbma.experiment.parse import coerce, parse_dataclass
 from flatbma.optim import ASAM, SAM, FisherSAM
-from flatbma.posteriors import point
+from flatbma.posteriors import bsam, ensemble, lowrank_vi, mc_dropout, mfvi, point, sgld, swag
 from flatbma.types import Ascent, Posterior
 
 
@@ -130,9 +130,24 @@ register(
     MethodSpec("fsam", "Fisher-SAM: SAM in the diagonal-Fisher geometry (Kim et al. 2022)", point.build, FisherSAM)
 )
 
-# SWAG family (Maddox et al. 2019); F-SWAG is the same family on a SAM trajectory (Nguyen et al. 2023).
-from flatbma.posteriors import swag  # noqa: E402
 
+# Posterior families; every F- variant is the same family composed with SAM (Nguyen et al. 2023).
 register(MethodSpec("swag", "SWAG: diagonal + low-rank Gaussian of SGD iterates (Maddox et al. 2019)", swag.build))
 register(MethodSpec("swag-diag", "SWAG-Diagonal: diagonal Gaussian of SGD iterates (Maddox 2019)", swag.build_diag))
 register(MethodSpec("f-swag", "F-SWAG: SWAG collected along a SAM trajectory (Nguyen et al. 2023)", swag.build, SAM))
+
+register(MethodSpec("mfvi", "Mean-field Gaussian VI: Bayes by backprop (Blundell et al. 2015)", mfvi.build))
+register(MethodSpec("lowrank-vi", "Low-rank + diagonal Gaussian VI, Σ = ½(diag σ² + LLᵀ/(K−1))", lowrank_vi.build))
+register(MethodSpec("f-mfvi", "F-MFVI: SAM on each sampled model of MFVI (Nguyen et al. 2023)", mfvi.build, SAM))
+register(
+    MethodSpec("f-lowrank-vi", "F-low-rank VI: SAM on each sampled model (Nguyen et al. 2023)", lowrank_vi.build, SAM)
+)
+register(MethodSpec("bsam", "Bayesian SAM: SAM as a relaxation of Bayes (Möllenhoff & Khan 2023)", bsam.build))
+
+register(MethodSpec("mc-dropout", "MC dropout: BMA over dropout masks (Gal & Ghahramani 2016)", mc_dropout.build))
+register(MethodSpec("f-mc-dropout", "F-MC-dropout: SAM on the dropout net (Nguyen et al. 2023)", mc_dropout.build, SAM))
+register(MethodSpec("ensemble", "Deep ensemble of independently trained nets (Lakshminarayanan 2017)", ensemble.build))
+register(MethodSpec("f-ensemble", "F-ensemble: each member trained with SAM (Nguyen et al. 2023)", ensemble.build, SAM))
+register(MethodSpec("sgld", "SGLD: Langevin dynamics on mini-batch gradients (Welling & Teh 2011)", sgld.build))
+register(MethodSpec("csgld", "Cyclical SGLD: cosine cyclical step size (Zhang et al. 2020)", sgld.build_cyclical))
+register(MethodSpec("f-sgld", "F-SGLD: SGLD with the SAM gradient (Nguyen et al. 2023)", sgld.build, SAM))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import platform
 import random
@@ -18,13 +19,14 @@ from torch.utils.data import DataLoader
 from flatbma.bn import recompute_bn_statistics
 from flatbma.data import ArrayDataset, build_transform, few_shot_indices, load_dataset, stratified_split
 from flatbma.errors import DivergenceError, FlatbmaError
-from flatbma.experiment.checkpoint import atomic_write_bytes, atomic_write_json, load_state, save_state
+from flatbma.experiment.checkpoint import atomic_write_bytes, atomic_write_json, load_checkpoint, load_state, save_state
 from flatbma.experiment.config import RunConfig, config_from_dict, load_raw
-from flatbma.experiment.runner import fit
+from flatbma.experiment.runner import EpochLog, History, Position, fit
 from flatbma.models import build_model
 from flatbma.optim import SGD, Adam, constant, cosine
 from flatbma.params import Objective, model_buffers, trainable_params
 from flatbma.predict import evaluate
+from flatbma.transfer import restrict_trainable, subset_names
 from flatbma.types import Posterior, State
 
 CONFIG_FILE = "config.yaml"
@@ -106,6 +108,7 @@ def build_experiment(cfg: RunConfig) -> Experiment:
         dropout=cfg.model.dropout,
         seed=cfg.seed,
     ).to(device)
+    restrict_trainable(model, subset_names(model, cfg.model.trainable))
 
     train_loader = _loader(train, d.batch_size, shuffle=True, seed=cfg.seed)
     steps = cfg.train.epochs * len(train_loader)
@@ -173,20 +176,59 @@ def evaluate_state(exp: Experiment, state: State) -> dict[str, Any]:
     )
 
 
-def train_run(cfg: RunConfig, *, force: bool = False) -> tuple[Path, dict[str, Any]]:
-    """Train ``cfg`` into its output directory and write ``metrics.json``; return (dir, metrics)."""
+def _save_checkpoint(path: Path, state: State, position: Position, history: History) -> None:
+    extra = {"torch_rng": position.torch_rng}
+    if position.loader_rng is not None:
+        extra["loader_rng"] = position.loader_rng
+    for i, rng in enumerate(position.cuda_rng or ()):
+        extra[f"cuda_rng/{i}"] = rng
+    meta = {
+        "epoch": str(position.epoch),
+        "batch": str(position.batch),
+        "partial": json.dumps(list(position.partial)),
+        "history": json.dumps([vars(h) for h in history.epochs]),
+    }
+    save_state(state, path, meta, extra)
+
+
+def _load_checkpoint(path: Path, device: torch.device) -> tuple[State, Position, History]:
+    state, meta, extra = load_checkpoint(path, device=str(device))
+    try:
+        cuda = tuple(extra[k] for k in sorted(k for k in extra if k.startswith("cuda_rng/"))) or None
+        position = Position(
+            epoch=int(meta["epoch"]),
+            batch=int(meta["batch"]),
+            loader_rng=extra.get("loader_rng"),
+            torch_rng=extra["torch_rng"],
+            cuda_rng=cuda,
+            partial=tuple(json.loads(meta["partial"])),
+        )
+        history = History([EpochLog(**h) for h in json.loads(meta["history"])])
+    except (KeyError, ValueError, TypeError):
+        raise FlatbmaError(f"{path} has no resumable position (written by another tool?); train again") from None
+    return state, position, history
+
+
+def train_run(cfg: RunConfig, *, force: bool = False, resume: bool = False) -> tuple[Path, dict[str, Any]]:
+    """Train ``cfg`` into its output directory and write ``metrics.json``; return (dir, metrics).
+
+    With ``resume``, continue from the directory's checkpoint exactly where it stopped (same data
+    order, same random draws) instead of starting over.
+    """
     run_dir = Path(cfg.output_dir)
     resolved = cfg.to_dict()
-    _check_run_dir(run_dir, resolved, force)
+    if not resume:
+        _check_run_dir(run_dir, resolved, force)
     exp = build_experiment(cfg)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    atomic_write_bytes(run_dir / CONFIG_FILE, yaml.safe_dump(resolved, sort_keys=False).encode())
-
-    state = exp.method.init(trainable_params(exp.model), model_buffers(exp.model))
     ckpt = run_dir / CHECKPOINT_FILE
-
-    def checkpoint(s: State, epoch: int) -> None:
-        save_state(s, ckpt, {"epoch": str(epoch)})
+    position = None
+    history = History()
+    if resume:
+        state, position, history = _load_checkpoint(ckpt, exp.device)
+    else:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        atomic_write_bytes(run_dir / CONFIG_FILE, yaml.safe_dump(resolved, sort_keys=False).encode())
+        state = exp.method.init(trainable_params(exp.model), model_buffers(exp.model))
 
     start = time.perf_counter()
     exp.model.train()
@@ -197,9 +239,11 @@ def train_run(cfg: RunConfig, *, force: bool = False) -> tuple[Path, dict[str, A
             exp.train_loader,
             epochs=cfg.train.epochs,
             device=exp.device,
-            checkpoint=checkpoint,
+            resume=position,
+            checkpoint=lambda s, p, h: _save_checkpoint(ckpt, s, p, h),
             checkpoint_every=cfg.train.checkpoint_every,
             progress=cfg.train.progress,
+            history=history,
         )
     except DivergenceError as e:
         kept = f"the last good checkpoint is kept at {ckpt}" if ckpt.exists() else "no checkpoint was written yet"
@@ -220,13 +264,19 @@ def train_run(cfg: RunConfig, *, force: bool = False) -> tuple[Path, dict[str, A
     return run_dir, metrics
 
 
-def evaluate_run(run_dir: str | Path) -> dict[str, Any]:
-    """Re-evaluate a finished run from its directory (config + checkpoint) and update metrics.json."""
+def load_run_config(run_dir: str | Path) -> RunConfig:
+    """The resolved config of a run directory."""
     run_dir = Path(run_dir)
     if not (run_dir / CONFIG_FILE).is_file():
         raise FlatbmaError(f"{run_dir} is not a run directory (no {CONFIG_FILE}); pass the output_dir of a run")
     cfg = config_from_dict(load_raw(run_dir / CONFIG_FILE))
-    exp = build_experiment(cfg)
+    return dataclasses.replace(cfg, output_dir=str(run_dir))
+
+
+def evaluate_run(run_dir: str | Path) -> dict[str, Any]:
+    """Re-evaluate a finished run from its directory (config + checkpoint) and update metrics.json."""
+    run_dir = Path(run_dir)
+    exp = build_experiment(load_run_config(run_dir))
     state = load_state(run_dir / CHECKPOINT_FILE, device=str(exp.device))
     metrics_path = run_dir / METRICS_FILE
     metrics = json.loads(metrics_path.read_text()) if metrics_path.is_file() else {}

@@ -1,9 +1,14 @@
-"""The one training loop. It trains any :class:`~flatbma.types.Transform`; it knows no method by name."""
+"""The one training loop. It trains any :class:`~flatbma.types.Transform`; it knows no method by name.
+
+The loop can stop anywhere (a crash, SIGKILL) and continue bit-identically from its last checkpoint:
+a :class:`Position` records the epoch, the batches of it already applied, the data-order generator's
+state at the start of the epoch and the global RNG states right after the last applied step.
+"""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -30,6 +35,53 @@ class History:
     epochs: list[EpochLog] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class Position:
+    """Where training stands, enough to continue it exactly.
+
+    Attributes:
+        epoch: index of the current epoch (0-based); equals ``epochs`` when training is complete.
+        batch: batches of that epoch already applied.
+        loader_rng: state of the loader's shuffling generator at the start of the epoch (or ``None``).
+        torch_rng: global CPU RNG state after the last applied step.
+        cuda_rng: global CUDA RNG states, when CUDA is initialized.
+        partial: running sums ``(loss·n, correct, n)`` of the current epoch.
+    """
+
+    epoch: int
+    batch: int
+    loader_rng: torch.Tensor | None
+    torch_rng: torch.Tensor
+    cuda_rng: tuple[torch.Tensor, ...] | None = None
+    partial: tuple[float, float, float] = (0.0, 0.0, 0.0)
+
+
+def _loader_generator(loader: Iterable[Batch]) -> torch.Generator | None:
+    generator = getattr(loader, "generator", None)
+    return generator if isinstance(generator, torch.Generator) else None
+
+
+def _here(epoch: int, batch: int, loader_rng: torch.Tensor | None, partial: tuple) -> Position:
+    cuda = tuple(torch.cuda.get_rng_state_all()) if torch.cuda.is_initialized() else None
+    return Position(epoch, batch, loader_rng, torch.get_rng_state(), cuda, partial)
+
+
+def _epoch_batches(loader: Iterable[Batch], resume: Position | None) -> tuple[Iterator[Batch], torch.Tensor | None]:
+    """An iterator over the epoch's batches, fast-forwarded past the ones ``resume`` already applied."""
+    generator = _loader_generator(loader)
+    if resume is not None and resume.loader_rng is not None and generator is not None:
+        generator.set_state(resume.loader_rng)
+    start_rng = generator.get_state() if generator is not None else None
+    iterator = iter(loader)
+    if resume is not None:
+        for _ in range(resume.batch):  # data order and augmentation draws as in the interrupted run
+            next(iterator)
+        torch.set_rng_state(resume.torch_rng)
+        if resume.cuda_rng is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(list(resume.cuda_rng))
+    return iterator, start_rng
+
+
 def fit(
     method: Transform,
     state: State,
@@ -37,8 +89,8 @@ def fit(
     *,
     epochs: int,
     device: torch.device | str = "cpu",
-    start_epoch: int = 0,
-    checkpoint: Callable[[State, int], None] | None = None,
+    resume: Position | None = None,
+    checkpoint: Callable[[State, Position, History], None] | None = None,
     checkpoint_every: int = 0,
     progress: bool = True,
     history: History | None = None,
@@ -48,26 +100,33 @@ def fit(
     Args:
         method: any transform (optimizer or posterior).
         state: its initial (or resumed) state.
-        loader: iterable of ``(x, y)`` batches; moved to ``device`` here.
-        epochs: index of the last epoch to run (exclusive), counting from 0.
+        loader: iterable of ``(x, y)`` batches (moved to ``device`` here). For exact resumption its
+            shuffling generator is read from ``loader.generator`` (a ``torch.utils.data.DataLoader``).
+        epochs: total number of epochs.
         device: where batches go.
-        start_epoch: first epoch to run (for resumed runs).
-        checkpoint: ``checkpoint(state, epoch)`` is called after every epoch and every
+        resume: the position of a checkpoint to continue from (``state`` and ``history`` must be the
+            ones saved with it).
+        checkpoint: ``checkpoint(state, position, history)`` is called after every epoch and every
             ``checkpoint_every`` steps, always with a state whose losses were all finite.
         checkpoint_every: step interval of intra-epoch checkpoints (0 = epoch ends only).
         progress: show a progress bar with ETA (on a terminal; never in logs or pipes).
-        history: a history to append to.
+        history: the history to append to.
 
     Raises:
         DivergenceError: on a non-finite loss; nothing is checkpointed after the last good state.
     """
     history = history if history is not None else History()
     total = _length(loader)
+    start_epoch = resume.epoch if resume is not None else 0
     for epoch in range(start_epoch, epochs):
-        loss_sum = correct = count = steps = 0.0
+        batches, start_rng = _epoch_batches(loader, resume)
+        loss_sum, correct, count = resume.partial if resume is not None else (0.0, 0.0, 0.0)
+        applied = resume.batch if resume is not None else 0
+        resume = None
         bar = tqdm(
-            loader,
+            batches,
             total=total,
+            initial=applied,
             desc=f"epoch {epoch + 1}/{epochs}",
             disable=not progress or None,  # None: off when stderr is not a terminal
             leave=False,
@@ -82,13 +141,15 @@ def fit(
             loss_sum += loss * len(y)
             correct += float((out.logits.argmax(-1) == y).sum())
             count += len(y)
-            steps += 1
+            applied += 1
             bar.set_postfix(loss=f"{loss_sum / count:.4f}", refresh=False)
             if checkpoint is not None and checkpoint_every and state.step % checkpoint_every == 0:
-                checkpoint(state, epoch)
-        history.epochs.append(EpochLog(epoch + 1, loss_sum / max(count, 1), correct / max(count, 1), int(steps)))
+                checkpoint(state, _here(epoch, applied, start_rng, (loss_sum, correct, count)), history)
+        history.epochs.append(EpochLog(epoch + 1, loss_sum / max(count, 1), correct / max(count, 1), applied))
         if checkpoint is not None:
-            checkpoint(state, epoch + 1)
+            generator = _loader_generator(loader)
+            next_rng = generator.get_state() if generator is not None else None
+            checkpoint(state, _here(epoch + 1, 0, next_rng, (0.0, 0.0, 0.0)), history)
     return state, history
 
 

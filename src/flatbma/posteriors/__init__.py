@@ -1,5 +1,5 @@
 """Posterior families. Each module has ``build(objective, optimizer, ascent=None, *, ...)``."""
 
-from flatbma.posteriors import point
+from flatbma.posteriors import bsam, ensemble, gaussian_vi, lowrank_vi, mc_dropout, mfvi, point, sgld, swag
 
-__all__ = ["point"]
+__all__ = ["bsam", "ensemble", "gaussian_vi", "lowrank_vi", "mc_dropout", "mfvi", "point", "sgld", "swag"]

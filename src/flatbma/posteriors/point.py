@@ -33,11 +33,41 @@ def build(objective: Objective, optimizer: GradientTransformation, ascent: Ascen
         return State(params=params, buffers=clone(buffers), aux=optimizer.init(params))
 
     def update(state: State, batch: Batch) -> tuple[State, StepOutput]:
-        loss, logits, grads = sharpness_aware_value_and_grad(objective, state.params, state.buffers, batch, ascent)
-        aux = optimizer.apply(state.params, grads, state.aux, state.step)
-        return replace(state, aux=aux, step=state.step + 1), StepOutput(loss, logits)
+        aux, out = step(objective, optimizer, ascent, state.params, state.buffers, state.aux, state.step, batch)
+        return replace(state, aux=aux, step=state.step + 1), out
 
     def sample(state: State, n: int, generator: torch.Generator | None = None) -> list[Params]:
         return [{**state.params, **state.buffers}]
 
     return Posterior(init=init, update=update, sample=sample)
+
+
+def step(
+    objective: Objective,
+    optimizer: GradientTransformation,
+    ascent: Ascent | None,
+    params: Params,
+    buffers: Params,
+    opt_state: Params,
+    step: int,
+    batch: Batch,
+) -> tuple[Params, StepOutput]:
+    """One (sharpness-aware) optimizer step on ``params``, in place: the update of :func:`build`.
+
+    Shared by every family that trains point weights (MC dropout, each member of an ensemble).
+
+    Args:
+        objective: model and mini-batch loss.
+        optimizer: the descent step.
+        ascent: the ascent step, or ``None``.
+        params: the weights, updated in place.
+        buffers: model buffers, updated in place by BatchNorm in train mode.
+        opt_state: the optimizer state of ``params``.
+        step: index of this step (schedules, bias corrections).
+        batch: ``(x, y)``.
+
+    Returns:
+        ``(new optimizer state, StepOutput(L_B(w), logits at w))``.
+    """
+    loss, logits, grads = sharpness_aware_value_and_grad(objective, params, buffers, batch, ascent)
+    return optimizer.apply(params, grads, opt_state, step), StepOutput(loss, logits)

@@ -1,0 +1,159 @@
+"""Bayesian SAM (bSAM; Möllenhoff & Khan, "SAM as an Optimal Relaxation of Bayes", ICLR 2023).
+
+A diagonal Gaussian posterior ``q(w) = N(m, diag(1/(N s)))`` with mean ``m`` and precision scale ``s``,
+trained by the paper's Algorithm 1 (a natural-gradient, Adam-like update on the relaxed Bayes
+objective whose inner maximization is a SAM step):
+
+    ``w = m + e``,  ``e ~ N(0, diag(1/(N s)))``               noisy weights
+    ``g = ∇L_B(w)``                                            gradient at the noisy weights
+    ``ε = ρ g / s``                                            preconditioned SAM ascent
+    ``g_ε = ∇L_B(m + ε)``                                      gradient at the perturbed mean
+    ``g_m ← β₁ g_m + (1 − β₁)(g_ε + δ m)``                     momentum
+    ``s ← β₂ s + (1 − β₂)(√s ⊙ |g| + δ + γ)``                  precision
+    ``m ← m − α_t g_m / s``
+
+where ``N = data_factor · objective.num_data`` is the (effective) data-set size, ``δ = λ₀ / N`` the
+L2 regularizer of the prior ``N(0, I/λ₀)`` (``λ₀ = prior_precision``, the authors' ``priorprec``),
+``γ`` the damping and ``α_t`` the learning rate. All operations are elementwise. The mean is updated
+with the new ``s``, as in the paper's Algorithm 1 (the authors' JAX code divides by the previous
+``s``; the difference is one β₂-step). ``data_factor`` is the authors' ``dafactor`` heuristic for data
+augmentation (they use 4 on CIFAR with augmentation).
+
+bSAM is its own optimizer: of the ``optimizer`` it is given it uses only the learning-rate schedule
+``optimizer.learning_rate(step)`` (``α_t``); momentum, betas and weight decay of that optimizer are
+ignored (``β₁``, ``β₂`` and ``prior_precision`` play those roles). It also brings its own ascent
+step (``ρ``), so it is registered without one. BatchNorm running statistics are updated by the first
+(noisy) pass only. Layout: ``θ = {"mean/<name>": m, "precision/<name>": s}``; ``aux`` holds the
+momentum ``"bsam/momentum/<name>"`` and the noise seed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import replace
+
+import torch
+from torch import Tensor
+
+from flatbma.errors import FlatbmaError
+from flatbma.params import Objective, clone
+from flatbma.posteriors.gaussian_vi import (
+    SEED_KEY,
+    check_sections,
+    is_theta,
+    new_seed,
+    section,
+    seeded_generator,
+    standard_normal_like,
+)
+from flatbma.types import Ascent, Batch, GradientTransformation, Params, Posterior, State, StepOutput
+
+PREFIXES = ("mean", "precision")
+
+
+def _check(name: str, value: float, low: float, high: float = float("inf"), *, closed_low: bool) -> None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    ok = ok and (low <= value if closed_low else low < value) and value < high
+    if not ok:
+        bound = f"in [{low}, {high})" if closed_low else f"in ({low}, {high})"
+        raise FlatbmaError(f"method.{name} must be a number {bound} (got {value!r})")
+
+
+def posterior_std(theta: Mapping[str, Tensor], num_data: float) -> Params:
+    """``σ = 1/√(N s)`` by parameter name, with ``N`` the effective data-set size."""
+    return {k: torch.rsqrt(num_data * s) for k, s in section(theta, "precision").items()}
+
+
+def build(
+    objective: Objective,
+    optimizer: GradientTransformation,
+    ascent: Ascent | None = None,
+    *,
+    rho: float = 0.01,
+    prior_precision: float = 10.0,
+    beta1: float = 0.9,
+    beta2: float = 0.999,
+    damping: float = 0.1,
+    init_precision: float = 1.0,
+    data_factor: float = 1.0,
+) -> Posterior:
+    """Bayesian SAM (Möllenhoff & Khan 2023, Algorithm 1); the update is in the module docstring.
+
+    The defaults are those of the paper's Algorithm 1 and of the authors' CIFAR-10 command line, where
+    the learning rate is ``α = 0.5`` with a cosine schedule. ``s`` only decays from ``s₀`` at rate
+    ``1 − β₂``, so early steps are ``≈ α(1 − β₁)·g/s₀``-sized: short runs need a larger ``α``.
+
+    Args:
+        objective: model and mini-batch loss; ``objective.num_data`` gives ``N``.
+        optimizer: only its ``learning_rate(step)`` schedule is used.
+        ascent: must be ``None`` (bSAM's ascent is built in; its radius is ``rho``).
+        rho: ``ρ``, the SAM radius in the precision-scaled ascent ``ε = ρ g / s`` (0 gives the noisy
+            natural-gradient update without SAM).
+        prior_precision: ``λ₀`` of the prior ``N(0, I/λ₀)``; ``δ = λ₀/N``.
+        beta1: momentum ``β₁`` of the gradient.
+        beta2: decay ``β₂`` of the precision.
+        damping: ``γ > 0``, added to the precision update (keeps ``s`` away from 0).
+        init_precision: ``s₀``, the initial precision scale (posterior variance ``1/(N s₀)``).
+        data_factor: multiplies ``objective.num_data`` to give ``N`` (augmentation heuristic).
+    """
+    if ascent is not None:
+        raise FlatbmaError("bsam has its own SAM-type ascent step (set method.rho); it takes no separate ascent")
+    learning_rate = getattr(optimizer, "learning_rate", None)
+    if not callable(learning_rate):
+        raise FlatbmaError(f"bsam needs an optimizer with a learning_rate(step) schedule, got {type(optimizer)}")
+    _check("rho", rho, 0.0, closed_low=True)
+    _check("prior_precision", prior_precision, 0.0, closed_low=True)
+    _check("beta1", beta1, 0.0, 1.0, closed_low=True)
+    _check("beta2", beta2, 0.0, 1.0, closed_low=True)
+    _check("damping", damping, 0.0, closed_low=False)
+    _check("init_precision", init_precision, 0.0, closed_low=False)
+    _check("data_factor", data_factor, 0.0, closed_low=False)
+    n_eff = float(data_factor) * objective.num_data
+    delta = float(prior_precision) / n_eff
+
+    def init(params: Params, buffers: Params) -> State:
+        seed = new_seed()
+        if is_theta(params):
+            theta = clone(params)
+            check_sections(theta, PREFIXES, "bsam")
+        else:
+            theta = {f"mean/{k}": v.detach().clone() for k, v in params.items()}
+            theta.update({f"precision/{k}": torch.full_like(v, float(init_precision)) for k, v in params.items()})
+        mean = section(theta, "mean")
+        aux = {f"bsam/momentum/{k}": torch.zeros_like(v) for k, v in mean.items()}
+        aux[SEED_KEY] = seed.to(next(iter(mean.values())).device)
+        return State(params=theta, buffers=clone(buffers), aux=aux)
+
+    def update(state: State, batch: Batch) -> tuple[State, StepOutput]:
+        mean, prec = section(state.params, "mean"), section(state.params, "precision")
+        std = posterior_std(state.params, n_eff)
+        device = next(iter(mean.values())).device
+        z = standard_normal_like(mean, seeded_generator(state.aux[SEED_KEY], state.step, device))
+        with torch.no_grad():
+            noisy = {k: mean[k] + std[k] * z[k] for k in mean}
+        loss, logits, g = objective.value_and_grad(noisy, state.buffers, batch)
+        with torch.no_grad():
+            perturbed = {k: mean[k] + rho * g[k] / prec[k] for k in mean}
+        _, _, g_eps = objective.value_and_grad(perturbed, state.buffers, batch, update_buffers=False)
+        lr = learning_rate(state.step)
+        with torch.no_grad():
+            for k in mean:
+                gm = state.aux[f"bsam/momentum/{k}"]
+                gm.mul_(beta1).add_(g_eps[k] + delta * mean[k], alpha=1 - beta1)
+                s = prec[k]
+                target = s.sqrt() * g[k].abs() + (delta + damping)
+                s.mul_(beta2).add_(target, alpha=1 - beta2)
+                mean[k].addcdiv_(gm, s, value=-lr)
+        return replace(state, step=state.step + 1), StepOutput(loss, logits)
+
+    @torch.no_grad()
+    def sample(state: State, n: int, generator: torch.Generator | None = None) -> list[Params]:
+        mean = section(state.params, "mean")
+        std = posterior_std(state.params, n_eff)
+        out = []
+        for _ in range(n):
+            z = standard_normal_like(mean, generator)
+            out.append({**{k: mean[k] + std[k] * z[k] for k in mean}, **clone(state.buffers)})
+        return out
+
+    return Posterior(init=init, update=update, sample=sample, recompute_bn=True)

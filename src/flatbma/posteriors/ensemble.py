@@ -1,0 +1,166 @@
+"""Deep ensembles (Lakshminarayanan et al., NeurIPS 2017) and F-ensembles (Nguyen et al. 2023).
+
+``M`` independently initialized networks trained on the same data; the BMA is their uniform mixture
+``p(y|x) = (1/M) Σ_m softmax(f(x; w_m))``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import replace
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from flatbma.errors import FlatbmaError
+from flatbma.params import Objective, clone
+from flatbma.posteriors import point
+from flatbma.types import Ascent, Batch, GradientTransformation, Params, Posterior, State, StepOutput
+
+_SEED_BOUND = 2**63 - 1
+
+
+def build(
+    objective: Objective,
+    optimizer: GradientTransformation,
+    ascent: Ascent | None = None,
+    *,
+    size: int = 5,
+    seed: int = 0,
+) -> Posterior:
+    """A deep ensemble of ``size`` members, each trained like :func:`flatbma.posteriors.point.build`.
+
+    Every member ``m`` takes the step ``w^m_{t+1} = opt(w^m_t, ∇L_B(w^m_t + ε^m_t))`` with
+    ``ε^m_t = ascent.perturb(w^m_t, ∇L_B(w^m_t))`` on the same mini-batch ``B`` (``ε = 0`` without an
+    ascent step; with SAM this is the F-ensemble of Nguyen et al. 2023). Diversity comes from the
+    independent initializations (and dropout masks, if any); the data order is shared.
+
+    Initialization (``init``): member 0 is the given ``params``. For member ``m ≥ 1``, every module of
+    ``objective.model`` that has ``reset_parameters`` and whose parameters are all in the trainable
+    set (the keys of ``params``) is re-initialized under a seed drawn from ``seed``; the rest — frozen
+    (pretrained) parts, and trainable parameters of modules without ``reset_parameters`` — is shared
+    with member 0. The buffers of re-initialized modules (BatchNorm statistics) are reset with them.
+    The template module's weights are restored afterwards.
+
+    State layout: ``params["member<m>/<name>"]``, ``buffers["member<m>/<name>"]`` (each member keeps
+    its own BatchNorm statistics) and ``aux["member<m>/<optimizer key>"]`` (each its own momentum).
+
+    ``update`` reports the mean member loss and, as logits, the ensemble's predictive log-probabilities
+    ``log (1/M) Σ_m softmax(f(x; w^m))`` (their argmax is the ensemble's prediction).
+    ``sample(state, n, generator)`` returns the first ``min(n, size)`` members (a BMA over the whole
+    ensemble needs ``n >= size``); the generator is not used.
+
+    Args:
+        objective: model and mini-batch loss.
+        optimizer: the descent step of every member.
+        ascent: the ascent step (SAM for F-ensembles), or ``None``.
+        size: number of members ``M``.
+        seed: seed of the members' initializations.
+
+    Raises:
+        FlatbmaError: ``size < 1`` or a non-integer ``seed``.
+    """
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise FlatbmaError(f"method.size must be an integer >= 1 (the number of ensemble members), got {size!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise FlatbmaError(f"method.seed must be a non-negative integer, got {seed!r}")
+
+    def init(params: Params, buffers: Params) -> State:
+        members = member_initializations(objective.model, params, buffers, size, seed)
+        state_params: Params = {}
+        state_buffers: Params = {}
+        aux: Params = {}
+        for m, (p, b) in enumerate(members):
+            state_params.update(_prefixed(m, p))
+            state_buffers.update(_prefixed(m, b))
+            aux.update(_prefixed(m, optimizer.init(p)))
+        return State(params=state_params, buffers=state_buffers, aux=aux)
+
+    def update(state: State, batch: Batch) -> tuple[State, StepOutput]:
+        aux: Params = {}
+        losses, log_probs = [], []
+        for m in range(size):
+            p, b, o = (_member(m, d) for d in (state.params, state.buffers, state.aux))
+            o, out = point.step(objective, optimizer, ascent, p, b, o, state.step, batch)
+            aux.update(_prefixed(m, o))
+            losses.append(out.loss)
+            log_probs.append(F.log_softmax(out.logits, dim=-1))
+        loss = torch.stack(losses).mean()
+        logits = torch.logsumexp(torch.stack(log_probs), dim=0) - math.log(size)
+        return replace(state, aux=aux, step=state.step + 1), StepOutput(loss, logits)
+
+    def sample(state: State, n: int, generator: torch.Generator | None = None) -> list[Params]:
+        if n < 1:
+            raise FlatbmaError(f"the number of samples must be >= 1 (eval.num_samples), got {n}")
+        return [{**_member(m, state.params), **_member(m, state.buffers)} for m in range(min(n, size))]
+
+    return Posterior(init=init, update=update, sample=sample)
+
+
+def member_initializations(
+    model: nn.Module, params: Params, buffers: Params, size: int, seed: int
+) -> list[tuple[Params, Params]]:
+    """``(params, buffers)`` of every member: member 0 = the given ones, others re-initialized (see :func:`build`).
+
+    Member ``m ≥ 1`` is drawn with torch's RNG seeded by the ``m``-th integer drawn from a generator
+    seeded with ``seed``, on a forked copy of the RNG (the global stream is untouched); the model's own
+    parameters and buffers are restored before returning.
+    """
+    trainable = set(params)
+    resettable = [
+        (name, module)
+        for name, module in model.named_modules()
+        if callable(getattr(module, "reset_parameters", None))
+        and (names := [_join(name, k) for k, _ in module.named_parameters()])
+        and all(k in trainable for k in names)
+    ]
+    reset_params = {_join(n, k) for n, mod in resettable for k, _ in mod.named_parameters()}
+    reset_buffers = {_join(n, k) for n, mod in resettable for k, _ in mod.named_buffers()} & set(buffers)
+    members = [(clone(params), clone(buffers))]
+    if size == 1:
+        return members
+    seeds = torch.randint(_SEED_BOUND, (size,), generator=torch.Generator().manual_seed(seed)).tolist()
+    template = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    saved = {k: v.detach().clone() for k, v in template.items()}
+    try:
+        for m in range(1, size):
+            with _forked_rng(seeds[m]), torch.no_grad():
+                for _, module in resettable:
+                    module.reset_parameters()
+            current = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+            p = {k: (current[k] if k in reset_params else v).detach().clone() for k, v in params.items()}
+            b = {k: (current[k] if k in reset_buffers else v).detach().clone() for k, v in buffers.items()}
+            members.append((p, b))
+    finally:
+        with torch.no_grad():
+            current = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+            for k, v in saved.items():
+                current[k].copy_(v)
+    return members
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+def _prefixed(m: int, tensors: Params) -> Params:
+    return {f"member{m}/{k}": v for k, v in tensors.items()}
+
+
+def _member(m: int, tensors: Params) -> Params:
+    prefix = f"member{m}/"
+    return {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
+
+
+@contextmanager
+def _forked_rng(seed: int) -> Iterator[None]:
+    """Run the body with torch's CPU (and initialized CUDA) generators seeded by ``seed``, restored afterwards."""
+    cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+    with torch.random.fork_rng(devices=cuda):
+        torch.default_generator.manual_seed(seed)
+        if cuda:
+            torch.cuda.manual_seed_all(seed)
+        yield

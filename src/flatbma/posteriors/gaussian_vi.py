@@ -1,0 +1,290 @@
+"""Reparameterized Gaussian variational inference, shared by mean-field and low-rank VI and their F-variants.
+
+A family ``q_θ`` is described by a :class:`ReparameterizedFamily`: how ``θ`` is initialized from the
+model's weights, how standard-normal noise is drawn, the differentiable map ``w = w(θ, z)`` and the
+closed-form ``KL(q_θ ‖ p)``. :func:`build` turns any such family into a
+:class:`~flatbma.types.Posterior` trained on the negative ELBO per example (Blundell et al. 2015)
+
+    ``ℒ(θ) = E_{z}[L_B(w(θ, z))] + κ · KL(q_θ ‖ p) / n``
+
+with ``n = objective.num_data`` (the KL is divided by the data-set size here and nowhere else) and
+``κ = kl_weight``. The expectation is estimated with ``M`` reparameterized samples per step.
+
+With an ascent step this is the flat-seeking variant (F-VI, Nguyen et al., NeurIPS 2023,
+Algorithm 1): for each sample ``w = w(θ, z)``, ``g = ∇_w L_B(w)``, ``ε = ascent.perturb(w, g)`` and the
+data gradient is ``∇L_B(w + ε)`` back-propagated to ``θ`` through the reparameterization, i.e. the
+vector-Jacobian product ``(∂w/∂θ)ᵀ ∇L_B(w + ε)``; the KL gradient is added unchanged. Without an
+ascent step the same composition is the plain reparameterization (ELBO) gradient.
+
+Randomness: the training noise comes from a generator reseeded every step from a seed stored in the
+state (``aux["rng/seed"]``, drawn from torch's global generator in ``init``) and the step number, so a
+saved-and-loaded state resumes with exactly the noise it would have drawn; ``sample`` uses the
+caller's generator.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
+from typing import NamedTuple, Protocol
+
+import torch
+from torch import Tensor
+
+from flatbma.errors import FlatbmaError
+from flatbma.optim.ascent import sharpness_aware_value_and_grad
+from flatbma.params import Objective, clone, dot
+from flatbma.types import Ascent, Batch, GradientTransformation, Params, Posterior, State, StepOutput
+
+SEED_KEY = "rng/seed"
+"""``aux`` key of the 0-d int64 seed from which the per-step training noise is derived."""
+
+_MASK64 = (1 << 64) - 1
+
+
+class GaussianNoise(NamedTuple):
+    """Standard-normal noise that a reparameterized family maps to weights.
+
+    Attributes:
+        z1: ``z₁ ~ N(0, I_d)`` shaped like the weights, keyed by parameter name.
+        z2: ``z₂ ~ N(0, I_K)`` for a low-rank factor (``None`` for a diagonal family).
+    """
+
+    z1: Params
+    z2: Tensor | None = None
+
+
+class ReparameterizedFamily(Protocol):
+    """A Gaussian family ``q_θ`` with a differentiable sampler ``w = w(θ, z)``."""
+
+    def init_theta(self, params: Params, generator: torch.Generator) -> Params:
+        """Variational parameters ``θ`` centred at the model weights ``params``."""
+        ...
+
+    def check_theta(self, theta: Mapping[str, Tensor]) -> None:
+        """Raise a :class:`FlatbmaError` unless ``theta`` has this family's layout and options."""
+        ...
+
+    def noise(self, theta: Mapping[str, Tensor], generator: torch.Generator | None) -> GaussianNoise:
+        """Draw the standard-normal noise of one sample."""
+        ...
+
+    def reparameterize(self, theta: Mapping[str, Tensor], noise: GaussianNoise) -> Params:
+        """Weights ``w(θ, z)`` by parameter name, differentiable in ``θ``."""
+        ...
+
+    def kl(self, theta: Mapping[str, Tensor]) -> Tensor:
+        """``KL(q_θ ‖ p)`` in closed form, differentiable in ``θ``."""
+        ...
+
+
+# ---------------------------------------------------------------------------------------------------
+# θ layout helpers
+
+
+def section(theta: Mapping[str, Tensor], prefix: str) -> Params:
+    """The tensors of ``theta`` under ``"<prefix>/"``, keyed by parameter name in sorted order.
+
+    The sorted order makes noise draws, reductions and dense layouts independent of the order of
+    ``theta``'s keys, which a checkpoint round trip does not preserve.
+    """
+    p = prefix + "/"
+    return {k[len(p) :]: theta[k] for k in sorted(theta) if k.startswith(p)}
+
+
+def is_theta(params: Mapping[str, Tensor]) -> bool:
+    """Whether ``params`` are variational parameters (``"/"``-prefixed keys), not model weights.
+
+    Module parameter names never contain ``/`` (PyTorch joins them with ``.``), so the two layouts
+    cannot be confused.
+    """
+    return bool(params) and all("/" in k for k in params)
+
+
+def check_sections(theta: Mapping[str, Tensor], prefixes: Sequence[str], method: str) -> Params:
+    """Check that ``theta`` holds exactly ``prefix/<name>`` for every prefix and the same names.
+
+    Returns:
+        The ``mean`` section (the first prefix), keyed by parameter name.
+    """
+    parts = {p: section(theta, p) for p in prefixes}
+    names = set(parts[prefixes[0]])
+    known = sum(len(v) for v in parts.values())
+    if not names or known != len(theta) or any(set(v) != names for v in parts.values()):
+        raise FlatbmaError(
+            f"{method}: variational parameters must be {', '.join(p + '/<name>' for p in prefixes)} for the "
+            f"same parameter names; got keys {sorted(theta)[:6]}..."
+        )
+    return parts[prefixes[0]]
+
+
+# ---------------------------------------------------------------------------------------------------
+# randomness
+
+
+def standard_normal_like(like: Mapping[str, Tensor], generator: torch.Generator | None) -> Params:
+    """``N(0, I)`` tensors shaped like ``like``, drawn on the generator's device and moved to ``like``'s."""
+    out = {}
+    for k, v in like.items():
+        device = generator.device if generator is not None else v.device
+        out[k] = torch.randn(v.shape, generator=generator, device=device, dtype=v.dtype).to(v.device)
+    return out
+
+
+def new_seed() -> Tensor:
+    """A 0-d int64 seed drawn from torch's global generator (so ``seed_everything`` fixes it)."""
+    return torch.randint(0, 2**62, (), dtype=torch.int64)
+
+
+def _splitmix64(seed: int, stream: int) -> int:
+    z = (seed + (stream + 1) * 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) & ((1 << 63) - 1)
+
+
+def seeded_generator(seed: Tensor | int, stream: int, device: torch.device | str) -> torch.Generator:
+    """A generator on ``device`` seeded with a SplitMix64 hash of ``(seed, stream)``.
+
+    ``stream`` is the step number for training noise (``-1`` for initialization), so every step draws
+    independent noise that is reproducible from the stored seed alone.
+    """
+    g = torch.Generator(device=device)
+    g.manual_seed(_splitmix64(int(seed), stream))
+    return g
+
+
+def _device(tensors: Mapping[str, Tensor]) -> torch.device:
+    return next(iter(tensors.values())).device
+
+
+# ---------------------------------------------------------------------------------------------------
+# the gradient
+
+
+def elbo_value_and_grad(
+    objective: Objective,
+    family: ReparameterizedFamily,
+    theta: Mapping[str, Tensor],
+    buffers: Mapping[str, Tensor],
+    batch: Batch,
+    noises: Sequence[GaussianNoise],
+    *,
+    ascent: Ascent | None = None,
+    kl_weight: float = 1.0,
+) -> tuple[Tensor, Tensor, Params]:
+    """Mini-batch loss, logits and the (flat-seeking) negative-ELBO gradient w.r.t. ``θ`` for given noise.
+
+    ``∇_θ ℒ = (1/M) Σ_m (∂w_m/∂θ)ᵀ ∇_w L_B(w_m + ε_m) + κ ∇_θ KL(q_θ‖p) / n`` with
+    ``w_m = w(θ, z_m)``, ``ε_m = ascent.perturb(w_m, ∇L_B(w_m))`` (``ε_m = 0`` without an ascent step)
+    and ``n = objective.num_data``. All vector-Jacobian products and the KL gradient come from one
+    backward pass through the scalar surrogate ``(1/M) Σ_m ⟨w_m, stopgrad(g_m)⟩ + κ KL / n``.
+
+    BatchNorm running statistics are updated once: by the first (unperturbed) pass of the first sample.
+
+    Args:
+        objective: model and mean mini-batch loss ``L_B``.
+        family: the variational family.
+        theta: variational parameters.
+        buffers: model buffers (updated in place by the first pass in train mode).
+        batch: ``(x, y)``.
+        noises: one :class:`GaussianNoise` per Monte-Carlo sample (``M = len(noises) ≥ 1``).
+        ascent: ascent step applied to each sampled ``w``, or ``None``.
+        kl_weight: ``κ``.
+
+    Returns:
+        ``(mean over samples of L_B(w_m), logits of the first sample, gradient by key of θ)``.
+    """
+    if not noises:
+        raise ValueError("elbo_value_and_grad needs at least one noise sample")
+    leaves = {k: v.detach().requires_grad_(True) for k, v in theta.items()}
+    m = len(noises)
+    surrogate = torch.zeros((), device=_device(leaves))
+    losses, first_logits = [], None
+    for i, noise in enumerate(noises):
+        w = family.reparameterize(leaves, noise)
+        w_point = {k: v.detach() for k, v in w.items()}
+        bufs = buffers if i == 0 else clone(buffers)
+        loss, logits, g = sharpness_aware_value_and_grad(objective, w_point, bufs, batch, ascent)
+        surrogate = surrogate + dot(w, g) / m
+        losses.append(loss)
+        if first_logits is None:
+            first_logits = logits
+    if kl_weight:
+        surrogate = surrogate + kl_weight * family.kl(leaves) / objective.num_data
+    grads = torch.autograd.grad(surrogate, list(leaves.values()), allow_unused=True)
+    out = {k: torch.zeros_like(v) if g is None else g for (k, v), g in zip(leaves.items(), grads)}
+    return torch.stack(losses).mean(), first_logits, out
+
+
+# ---------------------------------------------------------------------------------------------------
+# the posterior
+
+
+def check_options(*, num_mc_samples: int, init_std: float, prior_std: float, kl_weight: float) -> None:
+    """Validate the options every reparameterized VI family shares (config keys ``method.*``)."""
+    if isinstance(num_mc_samples, bool) or not isinstance(num_mc_samples, int) or num_mc_samples < 1:
+        raise FlatbmaError(f"method.num_mc_samples must be an integer >= 1 (got {num_mc_samples!r})")
+    for name, value in (("init_std", init_std), ("prior_std", prior_std)):
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value < float("inf"):
+            raise FlatbmaError(f"method.{name} must be a positive number (got {value!r})")
+    if not isinstance(kl_weight, (int, float)) or isinstance(kl_weight, bool) or not 0 <= kl_weight < float("inf"):
+        raise FlatbmaError(f"method.kl_weight must be a number >= 0 (got {kl_weight!r}); 1 is the ELBO")
+
+
+def build(
+    objective: Objective,
+    optimizer: GradientTransformation,
+    ascent: Ascent | None,
+    family: ReparameterizedFamily,
+    *,
+    num_mc_samples: int,
+    kl_weight: float,
+) -> Posterior:
+    """A :class:`~flatbma.types.Posterior` that fits ``family`` by (flat-seeking) reparameterized VI.
+
+    ``θ_{t+1} = optimizer(θ_t, ∇_θ ℒ)`` with the gradient of :func:`elbo_value_and_grad` on ``M`` fresh
+    noise samples per step. ``init`` accepts either the model weights (``θ`` is then centred at them
+    by ``family.init_theta``) or a ready ``θ`` in the family's layout (e.g. from
+    :func:`flatbma.posteriors.lowrank_vi.init_from_swag`). ``sample`` draws ``w ~ q_θ`` and attaches
+    the state's buffers; BatchNorm statistics must be recomputed per sample (``recompute_bn=True``).
+    ``update`` reports the data term (the mean of ``L_B`` over the ``M`` samples, without the KL) and
+    the logits of the first sample.
+
+    Args:
+        objective: model and mini-batch loss; ``objective.num_data`` scales the KL.
+        optimizer: the optimizer of ``θ``.
+        ascent: ascent step for the flat-seeking variant, or ``None``.
+        family: the variational family.
+        num_mc_samples: ``M``.
+        kl_weight: ``κ``.
+    """
+
+    def init(params: Params, buffers: Params) -> State:
+        seed = new_seed()
+        if is_theta(params):
+            theta = clone(params)
+            family.check_theta(theta)
+        else:
+            theta = family.init_theta(clone(params), seeded_generator(seed, -1, _device(params)))
+        aux = {**optimizer.init(theta), SEED_KEY: seed.to(_device(theta))}
+        return State(params=theta, buffers=clone(buffers), aux=aux)
+
+    def update(state: State, batch: Batch) -> tuple[State, StepOutput]:
+        generator = seeded_generator(state.aux[SEED_KEY], state.step, _device(state.params))
+        noises = [family.noise(state.params, generator) for _ in range(num_mc_samples)]
+        loss, logits, grads = elbo_value_and_grad(
+            objective, family, state.params, state.buffers, batch, noises, ascent=ascent, kl_weight=kl_weight
+        )
+        aux = optimizer.apply(state.params, grads, state.aux, state.step)
+        aux = {**aux, SEED_KEY: state.aux[SEED_KEY]}
+        return replace(state, aux=aux, step=state.step + 1), StepOutput(loss, logits)
+
+    @torch.no_grad()
+    def sample(state: State, n: int, generator: torch.Generator | None = None) -> list[Params]:
+        return [
+            {**family.reparameterize(state.params, family.noise(state.params, generator)), **clone(state.buffers)}
+            for _ in range(n)
+        ]
+
+    return Posterior(init=init, update=update, sample=sample, recompute_bn=True)

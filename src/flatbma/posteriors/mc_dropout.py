@@ -1,0 +1,165 @@
+"""MC dropout (Gal & Ghahramani, ICML 2016) and its flat-seeking variant F-MC-dropout (Nguyen et al. 2023).
+
+Training a network with dropout is approximate variational inference with ``q(W)`` = the weights
+multiplied by Bernoulli masks; the BMA averages ``M`` stochastic forward passes, each with a fresh
+mask: ``p(y|x) ≈ (1/M) Σ_m softmax(f(x; w ⊙ z_m))``, ``z_m ~ Bernoulli(1 − p)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+from torch.nn.modules.dropout import _DropoutNd
+
+from flatbma.errors import FlatbmaError
+from flatbma.models import classifier_of
+from flatbma.params import Objective
+from flatbma.posteriors import point
+from flatbma.types import Ascent, GradientTransformation, Params, Posterior, State
+
+_SEED_BOUND = 2**63 - 1
+
+
+def build(
+    objective: Objective,
+    optimizer: GradientTransformation,
+    ascent: Ascent | None = None,
+    *,
+    rate: float = 0.1,
+    override_existing: bool = True,
+) -> Posterior:
+    """MC dropout: train ``w`` with dropout active, predict with ``M`` fresh dropout masks.
+
+    Training is :func:`flatbma.posteriors.point.build`'s update on the dropout network,
+    ``w_{t+1} = opt(w_t, ∇L_B(w_t + ε_t; z'_t))`` with ``ε_t = ascent.perturb(w_t, ∇L_B(w_t; z_t))``,
+    where every forward pass draws its own mask: with an ascent step (F-MC-dropout, Nguyen et al.
+    2023) the second pass of SAM sees a fresh mask ``z'_t``. Without an ascent step it is ordinary
+    dropout training.
+
+    **This function mutates** ``objective.model`` **(in place):**
+
+    1. with ``override_existing``, every dropout layer (``nn.Dropout``, ``nn.Dropout1d/2d/3d``,
+       ``nn.AlphaDropout``, ...) gets ``p = rate``;
+    2. if ``rate > 0`` and afterwards no dropout layer has ``p > 0``, the classifier ``name`` found by
+       :func:`flatbma.models.classifier_of` is replaced by ``nn.Sequential(nn.Dropout(rate), linear)``
+       (the same ``nn.Linear`` object), so its parameters are renamed ``"<name>.weight"`` →
+       ``"<name>.1.weight"``. Take the parameters passed to ``init`` (e.g.
+       :func:`flatbma.params.trainable_params`) **after** ``build``; ``init`` rejects stale names.
+
+    Building twice on the same model inserts nothing the second time.
+
+    Sampling: ``sample(state, n, generator)`` returns ``n`` references to the same weights; the
+    masks come from the forward passes under ``predict_mode`` (eval mode, but dropout layers in train
+    mode). Determinism: ``sample`` draws a mask seed from ``generator`` (from torch's global RNG when
+    ``generator`` is ``None``); ``predict_mode`` runs its block on a forked copy of torch's RNG seeded
+    with the seed of the latest ``sample`` call, so the masks of a prediction pass depend only on the
+    generator's seed and the order of the forward passes, and the caller's RNG stream is left
+    untouched. Entered before any ``sample`` call, ``predict_mode`` draws masks from the global RNG.
+
+    Args:
+        objective: model and mini-batch loss; its model is modified as described above.
+        optimizer: the descent step.
+        ascent: the ascent step (SAM for F-MC-dropout), or ``None``.
+        rate: dropout probability ``p`` in ``[0, 1)``.
+        override_existing: set the dropout probability of the model's own dropout layers to ``rate``
+            (otherwise their rates are kept).
+
+    Raises:
+        FlatbmaError: ``rate`` outside ``[0, 1)``, or a dropout layer is needed but the model is a
+            bare ``nn.Linear``.
+    """
+    if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 <= rate < 1:
+        raise FlatbmaError(f"method.rate must be in [0, 1) (the dropout probability), got {rate!r}")
+    if not isinstance(override_existing, bool):
+        raise FlatbmaError(f"method.override_existing must be true or false, got {override_existing!r}")
+    prepare_dropout(objective.model, float(rate), override_existing=override_existing)
+    base = point.build(objective, optimizer, ascent)
+    seed_cell: list[int] = []
+
+    def init(params: Params, buffers: Params) -> State:
+        names = dict(objective.model.named_parameters())
+        unknown = sorted(k for k in params if k not in names)
+        if unknown:
+            raise FlatbmaError(
+                f"mc-dropout: parameters {unknown[:3]} are not parameters of the model; the model gained a "
+                "dropout layer before its classifier in build(), which renamed them. Take the parameters "
+                "after building the method (trainable_params(objective.model))."
+            )
+        return base.init(params, buffers)
+
+    def sample(state: State, n: int, generator: torch.Generator | None = None) -> list[Params]:
+        if n < 1:
+            raise FlatbmaError(f"the number of samples must be >= 1 (eval.num_samples), got {n}")
+        device = generator.device if generator is not None else "cpu"
+        seed_cell[:] = [int(torch.randint(_SEED_BOUND, (), generator=generator, device=device))]
+        weights = {**state.params, **state.buffers}
+        return [dict(weights) for _ in range(n)]
+
+    @contextmanager
+    def predict_mode(model: nn.Module) -> Iterator[nn.Module]:
+        with mc_dropout_mode(model):
+            if not seed_cell:
+                yield model
+                return
+            with _forked_rng(seed_cell[0]):
+                yield model
+
+    return Posterior(init=init, update=base.update, sample=sample, predict_mode=predict_mode)
+
+
+def prepare_dropout(model: nn.Module, rate: float, *, override_existing: bool = True) -> list[str]:
+    """Make ``model`` a dropout network with rate ``rate`` (see :func:`build`); return the renamed modules.
+
+    Args:
+        model: the network, modified in place.
+        rate: dropout probability.
+        override_existing: set every existing dropout layer's ``p`` to ``rate``.
+
+    Returns:
+        The names of classifiers wrapped into ``nn.Sequential(nn.Dropout(rate), linear)`` (empty when
+        the model already had an active dropout layer or ``rate`` is 0).
+    """
+    layers = [m for m in model.modules() if isinstance(m, _DropoutNd)]
+    if override_existing:
+        for m in layers:
+            m.p = rate
+    if rate == 0 or any(m.p > 0 for m in layers):
+        return []
+    name, linear = classifier_of(model)
+    if name == "":
+        raise FlatbmaError(
+            "mc-dropout needs a dropout layer, but the model is a bare nn.Linear with no parent to insert "
+            "one into; wrap it, e.g. nn.Sequential(nn.Dropout(p), linear)."
+        )
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent), child, nn.Sequential(nn.Dropout(rate), linear))
+    return [name]
+
+
+@contextmanager
+def mc_dropout_mode(model: nn.Module) -> Iterator[nn.Module]:
+    """Eval mode for every module except dropout layers, which stay stochastic; modes restored after."""
+    modes = [(m, m.training) for m in model.modules()]
+    model.eval()
+    for m in model.modules():
+        if isinstance(m, _DropoutNd):
+            m.train()
+    try:
+        yield model
+    finally:
+        for m, training in modes:
+            m.training = training
+
+
+@contextmanager
+def _forked_rng(seed: int) -> Iterator[None]:
+    """Run the body with torch's CPU (and initialized CUDA) generators seeded by ``seed``, restored afterwards."""
+    cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+    with torch.random.fork_rng(devices=cuda):
+        torch.default_generator.manual_seed(seed)
+        if cuda:
+            torch.cuda.manual_seed_all(seed)
+        yield

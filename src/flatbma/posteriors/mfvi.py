@@ -1,0 +1,120 @@
+"""Mean-field Gaussian variational inference: Bayes by backprop (Blundell et al., ICML 2015).
+
+``q_θ(w) = N(μ, diag σ²)`` with ``σ = softplus(ρ)``; ``θ`` is stored as ``"mean/<name>"`` (``μ``) and
+``"rho/<name>"`` (``ρ``) for every trainable parameter ``<name>``. The prior is ``p = N(0, s² I)``.
+Built with an ascent step this is F-MFVI (flat-seeking VI, Nguyen et al., NeurIPS 2023); the training
+step is :func:`flatbma.posteriors.gaussian_vi.elbo_value_and_grad`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from flatbma.params import Objective
+from flatbma.posteriors import gaussian_vi
+from flatbma.posteriors.gaussian_vi import GaussianNoise, check_sections, section, standard_normal_like
+from flatbma.types import Ascent, GradientTransformation, Params, Posterior
+
+PREFIXES = ("mean", "rho")
+
+
+def inverse_softplus(y: float) -> float:
+    """``ρ`` with ``softplus(ρ) = y > 0``: ``log(expm1(y))``, computed stably."""
+    return y + math.log(-math.expm1(-y))
+
+
+def reparameterize(theta: Mapping[str, Tensor], z: Mapping[str, Tensor]) -> Params:
+    """``w = μ + softplus(ρ) ⊙ z`` by parameter name (``z`` may carry leading sample dimensions)."""
+    mean, rho = section(theta, "mean"), section(theta, "rho")
+    return {k: mean[k] + F.softplus(rho[k]) * z[k] for k in mean}
+
+
+sample_weights = reparameterize
+
+
+def kl_divergence(theta: Mapping[str, Tensor], prior_std: float) -> Tensor:
+    """``KL(N(μ, diag σ²) ‖ N(0, s² I)) = Σ_i [log(s/σ_i) + (σ_i² + μ_i²)/(2s²) − ½]``."""
+    mean, rho = section(theta, "mean"), section(theta, "rho")
+    s2 = prior_std**2
+    total = torch.zeros((), device=next(iter(mean.values())).device)
+    for k, mu in mean.items():
+        sigma = F.softplus(rho[k])
+        total = total + (math.log(prior_std) - torch.log(sigma) + (sigma**2 + mu**2) / (2 * s2) - 0.5).sum()
+    return total
+
+
+@dataclass(frozen=True)
+class MeanFieldGaussian:
+    """The mean-field family as a :class:`~flatbma.posteriors.gaussian_vi.ReparameterizedFamily`.
+
+    Attributes:
+        init_std: ``σ`` at initialization (``ρ = softplus⁻¹(init_std)``); ``μ`` starts at the weights.
+        prior_std: ``s``.
+    """
+
+    init_std: float
+    prior_std: float
+
+    def init_theta(self, params: Params, generator: torch.Generator) -> Params:
+        """``μ = w₀``, ``ρ = softplus⁻¹(init_std)``."""
+        rho0 = inverse_softplus(self.init_std)
+        theta = {f"mean/{k}": v for k, v in params.items()}
+        theta.update({f"rho/{k}": torch.full_like(v, rho0) for k, v in params.items()})
+        return theta
+
+    def check_theta(self, theta: Mapping[str, Tensor]) -> None:
+        """Require ``mean/<name>`` and ``rho/<name>`` for the same names."""
+        check_sections(theta, PREFIXES, "mfvi")
+
+    def noise(self, theta: Mapping[str, Tensor], generator: torch.Generator | None) -> GaussianNoise:
+        """``z ~ N(0, I_d)``."""
+        return GaussianNoise(standard_normal_like(section(theta, "mean"), generator))
+
+    def reparameterize(self, theta: Mapping[str, Tensor], noise: GaussianNoise) -> Params:
+        """:func:`reparameterize`."""
+        return reparameterize(theta, noise.z1)
+
+    def kl(self, theta: Mapping[str, Tensor]) -> Tensor:
+        """:func:`kl_divergence` with ``s = prior_std``."""
+        return kl_divergence(theta, self.prior_std)
+
+
+def build(
+    objective: Objective,
+    optimizer: GradientTransformation,
+    ascent: Ascent | None = None,
+    *,
+    num_mc_samples: int = 1,
+    init_std: float = 1e-3,
+    prior_std: float = 1.0,
+    kl_weight: float = 1.0,
+) -> Posterior:
+    """Bayes by backprop (MFVI), or F-MFVI with an ascent step.
+
+    Minimizes ``E_{z~N(0,I)}[L_B(μ + σ⊙z)] + κ·KL(q_θ ‖ N(0, s²I)) / n`` over ``θ = (μ, ρ)`` with
+    ``optimizer``, where ``n = objective.num_data``; with an ascent step each sampled ``w`` is
+    perturbed by ``ε = ascent.perturb(w, ∇L_B(w))`` and ``∇L_B(w + ε)`` is back-propagated to ``θ``
+    (see :mod:`flatbma.posteriors.gaussian_vi`).
+
+    Args:
+        objective: model and mini-batch loss.
+        optimizer: optimizer of ``θ`` (Adam is the usual choice).
+        ascent: ascent step for F-MFVI, or ``None``.
+        num_mc_samples: Monte-Carlo samples ``M`` per step (their gradients are averaged).
+        init_std: ``σ`` at initialization.
+        prior_std: prior standard deviation ``s``.
+        kl_weight: ``κ`` (1 is the ELBO; smaller values temper the KL).
+    """
+    gaussian_vi.check_options(
+        num_mc_samples=num_mc_samples, init_std=init_std, prior_std=prior_std, kl_weight=kl_weight
+    )
+    family = MeanFieldGaussian(init_std=float(init_std), prior_std=float(prior_std))
+    return gaussian_vi.build(
+        objective, optimizer, ascent, family, num_mc_samples=num_mc_samples, kl_weight=float(kl_weight)
+    )

@@ -1,0 +1,278 @@
+"""Stochastic-gradient Langevin dynamics: SGLD, cyclical SGLD and the flat-seeking F-SGLD.
+
+SGLD: Welling & Teh (ICML 2011); cSGLD: Zhang et al. (ICLR 2020); F-SGLD: Nguyen et al. (NeurIPS 2023).
+The chain targets the tempered posterior ``p_T(w | S) ∝ exp(−U(w)/T)`` with the potential
+
+    U(w) = n·L_S(w) − log p(w),   p(w) = N(0, σ² I),
+
+estimated on a mini-batch as ``Û(w) = n·L_B(w) + ‖w‖²/(2σ²)``; the iterates after burn-in (or at the
+end of each cycle) are the posterior samples.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Literal
+
+import torch
+
+from flatbma.errors import FlatbmaError
+from flatbma.optim.ascent import sharpness_aware_value_and_grad
+from flatbma.params import Objective, clone
+from flatbma.types import Ascent, Batch, GradientTransformation, Params, Posterior, State, StepOutput
+
+COUNT_KEY = "sgld/collected"
+"""Aux key of the number of samples collected so far (a 0-d int64 tensor)."""
+SAMPLES_PREFIX = "samples/"
+"""Aux keys ``samples/<name>``: the stored iterates of parameter ``<name>``, stacked ``[S, ...]``."""
+
+LrScale = Literal["mean", "potential"]
+
+
+def build(
+    objective: Objective,
+    optimizer: GradientTransformation,
+    ascent: Ascent | None = None,
+    *,
+    prior_std: float = 1.0,
+    temperature: float = 1.0,
+    lr_scale: LrScale = "mean",
+    burn_in: int = 1000,
+    thin: int = 100,
+    max_samples: int = 30,
+) -> Posterior:
+    """SGLD (Welling & Teh 2011); with an ascent step, F-SGLD (Nguyen et al. 2023).
+
+    One step at ``t`` with step size ``ε_t``:
+
+        w ← w − ε_t ∇Û(w + δ_t) + √(2 ε_t T) ξ_t,   ξ_t ~ N(0, I),
+        ∇Û(w + δ) = n ∇L_B(w + δ) + w/σ²,
+
+    where ``δ_t = ascent.perturb(w, ∇L_B(w))`` (``δ = 0`` without an ascent step; the prior term is
+    taken at ``w``). For small ``ε`` the iterates are distributed as ``p_T(w|S) ∝ exp(−U(w)/T)``:
+    ``T = 1`` is the Bayesian posterior, ``T < 1`` a cold posterior. The noise is drawn from torch's
+    global RNG (seeded by the run; with data-parallel gradient reduction every process must draw the
+    same noise, i.e. be seeded alike).
+
+    Step size: ``η_t = optimizer.learning_rate(t)`` (the configured schedule). With
+    ``lr_scale="potential"``, ``ε_t = η_t`` multiplies the gradient of the full-data potential ``U``,
+    so ``η`` must be small: an SGD-sized learning rate divided by ``n`` (and ``η·λ_max(∇²U) < 2``). With
+    ``lr_scale="mean"``, ``ε_t = η_t/n``: ``η_t`` multiplies the gradient of the per-datum potential
+    ``U/n = L_B + ‖w‖²/(2nσ²)``, as an SGD learning rate does, and the noise scale is ``√(2 η_t T/n)``
+    (the parameterization of Zhang et al.'s code). Only the schedule of ``optimizer`` is used: SGLD
+    ignores its momentum, weight decay and state (the prior is the weight decay: ``1/(nσ²)`` per datum).
+
+    Samples: after step ``t`` (``t + 1`` steps taken) the iterate is stored when
+    ``t + 1 > burn_in`` and ``(t + 1 − burn_in)`` is a multiple of ``thin``; at most ``max_samples``
+    are kept (a ring buffer keeps the latest). ``sample(state, n, generator)`` returns ``min(n, S)`` of
+    the ``S`` stored iterates in chronological order, evenly spaced from the oldest to the latest (the
+    latest alone for ``n = 1``), with the current buffers; ``recompute_bn`` is true, so BatchNorm
+    statistics are recomputed for each sample. The generator is not used.
+
+    Args:
+        objective: model, mini-batch loss and ``num_data = n``.
+        optimizer: supplies ``learning_rate(step)``.
+        ascent: the ascent step (SAM for F-SGLD), or ``None``.
+        prior_std: ``σ`` of the Gaussian prior; ``inf`` gives a flat prior.
+        temperature: ``T > 0``.
+        lr_scale: ``"mean"`` or ``"potential"``, see above.
+        burn_in: steps before the first stored sample.
+        thin: steps between stored samples.
+        max_samples: samples kept.
+
+    Raises:
+        FlatbmaError: on an invalid option, or an optimizer without ``learning_rate``.
+    """
+    _check_common(optimizer, prior_std, temperature, lr_scale, max_samples)
+    _check_int("burn_in", burn_in, minimum=0)
+    _check_int("thin", thin, minimum=1)
+
+    def schedule(step: int) -> tuple[float, bool, bool]:
+        taken = step + 1
+        return 1.0, True, taken > burn_in and (taken - burn_in) % thin == 0
+
+    def empty(state: State) -> str:
+        return (
+            f"sgld has collected no samples in {state.step} steps (the first one is stored after "
+            f"method.burn_in + method.thin = {burn_in + thin} steps): lower method.burn_in or method.thin, "
+            "or train longer (train.epochs)"
+        )
+
+    return _langevin(objective, optimizer, ascent, prior_std, temperature, lr_scale, max_samples, schedule, empty)
+
+
+def build_cyclical(
+    objective: Objective,
+    optimizer: GradientTransformation,
+    ascent: Ascent | None = None,
+    *,
+    prior_std: float = 1.0,
+    temperature: float = 1.0,
+    lr_scale: LrScale = "mean",
+    cycle_length: int = 1000,
+    exploration: float = 0.8,
+    samples_per_cycle: int = 1,
+    max_samples: int = 30,
+) -> Posterior:
+    """Cyclical SGLD (cSGLD, Zhang et al. 2020): the SGLD step of :func:`build` with a cosine cyclical step size.
+
+    With ``L = cycle_length``, step ``t`` is at position ``j = t mod L`` of its cycle, ``r = j/L`` and
+
+        ε_t = ε⁰_t · ½ (cos(π r) + 1),
+
+    where ``ε⁰_t`` is :func:`build`'s step size (``η_t`` or ``η_t/n`` by ``lr_scale``; use
+    ``optim.schedule: constant`` for the paper's schedule, since a decaying ``η_t`` multiplies it).
+    Exploration stage ``r < exploration``: the step has no noise (SGD on ``U``, moving to a new mode).
+    Sampling stage ``r ≥ exploration``: Langevin steps with noise ``√(2 ε_t T) ξ``. Per cycle,
+    ``samples_per_cycle`` iterates are stored, spaced evenly over the sampling stage and ending with the
+    cycle's last step (where the step size is smallest). Storage and :attr:`Posterior.sample` are as in
+    :func:`build` (``max_samples`` latest kept).
+
+    Args:
+        objective: model, mini-batch loss and ``num_data = n``.
+        optimizer: supplies ``learning_rate(step)``.
+        ascent: the ascent step, or ``None``.
+        prior_std: ``σ`` of the Gaussian prior; ``inf`` gives a flat prior.
+        temperature: ``T > 0``.
+        lr_scale: ``"mean"`` or ``"potential"`` (see :func:`build`).
+        cycle_length: steps per cycle ``L``.
+        exploration: fraction of each cycle without noise, in ``[0, 1)``.
+        samples_per_cycle: iterates stored per cycle (at most the sampling stage's length).
+        max_samples: samples kept.
+
+    Raises:
+        FlatbmaError: on an invalid option.
+    """
+    _check_common(optimizer, prior_std, temperature, lr_scale, max_samples)
+    _check_int("cycle_length", cycle_length, minimum=1)
+    _check_int("samples_per_cycle", samples_per_cycle, minimum=1)
+    if isinstance(exploration, bool) or not isinstance(exploration, (int, float)) or not 0 <= exploration < 1:
+        raise FlatbmaError(
+            f"method.exploration must be in [0, 1) (the noise-free fraction of each cycle), got {exploration!r}"
+        )
+    first_sampling = math.ceil(exploration * cycle_length)
+    sampling_steps = cycle_length - first_sampling
+    if samples_per_cycle > sampling_steps:
+        raise FlatbmaError(
+            f"method.samples_per_cycle is {samples_per_cycle} but the sampling stage has only {sampling_steps} "
+            f"steps per cycle (method.cycle_length={cycle_length}, method.exploration={exploration}): lower "
+            "method.samples_per_cycle or method.exploration, or raise method.cycle_length"
+        )
+    spacing = sampling_steps // samples_per_cycle
+
+    def schedule(step: int) -> tuple[float, bool, bool]:
+        j = step % cycle_length
+        factor = 0.5 * (math.cos(math.pi * j / cycle_length) + 1)
+        sampling = j >= first_sampling
+        back = cycle_length - 1 - j
+        return factor, sampling, sampling and back % spacing == 0 and back // spacing < samples_per_cycle
+
+    def empty(state: State) -> str:
+        return (
+            f"csgld has collected no samples in {state.step} steps (the first is stored at the end of the "
+            f"first cycle, step {cycle_length}): lower method.cycle_length or train longer (train.epochs)"
+        )
+
+    return _langevin(objective, optimizer, ascent, prior_std, temperature, lr_scale, max_samples, schedule, empty)
+
+
+def _langevin(
+    objective: Objective,
+    optimizer: GradientTransformation,
+    ascent: Ascent | None,
+    prior_std: float,
+    temperature: float,
+    lr_scale: LrScale,
+    max_samples: int,
+    schedule: Callable[[int], tuple[float, bool, bool]],
+    empty_message: Callable[[State], str],
+) -> Posterior:
+    """The Langevin chain shared by SGLD and cSGLD; ``schedule(t) -> (step factor, noise?, store?)``."""
+    n = objective.num_data
+    prior_precision = 0.0 if math.isinf(prior_std) else 1.0 / prior_std**2
+
+    def init(params: Params, buffers: Params) -> State:
+        return State(params=clone(params), buffers=clone(buffers), aux={COUNT_KEY: torch.zeros((), dtype=torch.long)})
+
+    def update(state: State, batch: Batch) -> tuple[State, StepOutput]:
+        factor, noisy, store = schedule(state.step)
+        eps = optimizer.learning_rate(state.step) * factor  # type: ignore[attr-defined]
+        if lr_scale == "mean":
+            eps /= n
+        loss, logits, grads = sharpness_aware_value_and_grad(objective, state.params, state.buffers, batch, ascent)
+        with torch.no_grad():
+            for k, g in grads.items():
+                w = state.params[k]
+                grad_u = g * n + w * prior_precision if prior_precision else g * n
+                w.add_(grad_u, alpha=-eps)
+                if noisy:
+                    w.add_(torch.randn_like(w), alpha=math.sqrt(2 * eps * temperature))
+        aux = _store(state.aux, state.params, max_samples) if store else state.aux
+        return replace(state, aux=aux, step=state.step + 1), StepOutput(loss, logits)
+
+    def sample(state: State, n_samples: int, generator: torch.Generator | None = None) -> list[Params]:
+        if n_samples < 1:
+            raise FlatbmaError(f"the number of samples must be >= 1 (eval.num_samples), got {n_samples}")
+        stacked = stored_samples(state)
+        if not stacked:
+            raise FlatbmaError(empty_message(state))
+        count = next(iter(stacked.values())).shape[0]
+        k = min(n_samples, count)
+        picks = [count - 1] if k == 1 else [round(i * (count - 1) / (k - 1)) for i in range(k)]
+        return [{**{k: v[i] for k, v in stacked.items()}, **state.buffers} for i in picks]
+
+    return Posterior(init=init, update=update, sample=sample, recompute_bn=True)
+
+
+def stored_samples(state: State) -> Params:
+    """The stored iterates in chronological order: ``{name: tensor [S, ...]}`` (empty when none)."""
+    count = int(state.aux[COUNT_KEY]) if COUNT_KEY in state.aux else 0
+    stacked = {k[len(SAMPLES_PREFIX) :]: v for k, v in state.aux.items() if k.startswith(SAMPLES_PREFIX)}
+    if count == 0 or not stacked:
+        return {}
+    size = next(iter(stacked.values())).shape[0]
+    if count <= size:
+        return stacked
+    start = count % size  # ring buffer: the oldest entry
+    order = torch.arange(start, start + size) % size
+    return {k: v[order.to(v.device)] for k, v in stacked.items()}
+
+
+@torch.no_grad()
+def _store(aux: Params, params: Params, max_samples: int) -> Params:
+    count = int(aux[COUNT_KEY])
+    out = dict(aux)
+    for k, w in params.items():
+        key = SAMPLES_PREFIX + k
+        if count < max_samples:
+            out[key] = torch.cat([aux[key], w[None]]) if count else w[None].clone()
+        else:
+            out[key][count % max_samples].copy_(w)
+    out[COUNT_KEY] = torch.full((), count + 1, dtype=torch.long)
+    return out
+
+
+def _check_common(
+    optimizer: GradientTransformation, prior_std: float, temperature: float, lr_scale: str, max_samples: int
+) -> None:
+    if not callable(getattr(optimizer, "learning_rate", None)):
+        raise FlatbmaError(
+            f"SGLD takes its step size from optimizer.learning_rate(step), which {type(optimizer).__name__} "
+            "does not have; use flatbma.optim.SGD or Adam (only their learning-rate schedule is used)"
+        )
+    if isinstance(prior_std, bool) or not isinstance(prior_std, (int, float)) or not prior_std > 0:
+        raise FlatbmaError(f"method.prior_std must be > 0 (inf for a flat prior), got {prior_std!r}")
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not 0 < temperature < float("inf"):
+        raise FlatbmaError(
+            f"method.temperature must be a finite number > 0 (1 = the Bayesian posterior), got {temperature!r}"
+        )
+    if lr_scale not in ("mean", "potential"):
+        raise FlatbmaError(f"method.lr_scale must be 'mean' or 'potential', got {lr_scale!r}")
+    _check_int("max_samples", max_samples, minimum=1)
+
+
+def _check_int(name: str, value: int, *, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise FlatbmaError(f"method.{name} must be an integer >= {minimum}, got {value!r}")
