@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 from flatbma.errors import FlatbmaError
 
-SUMMARY_KEYS = ("accuracy", "nll", "ece", "aece", "brier")
+SUMMARY_KEYS = ("accuracy", "nll", "ece", "aece", "brier", "lambda1", "lambda1_over_lambda5", "sam_sharpness")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -39,6 +39,9 @@ def _build_parser() -> argparse.ArgumentParser:
 
     evaluate = sub.add_parser("evaluate", help="re-evaluate a finished run directory")
     evaluate.add_argument("run_dir", help="the output_dir of a run")
+    evaluate.add_argument(
+        "--flatness", action="store_true", help="add Hessian spectra and distribution-level flatness to metrics.json"
+    )
 
     sub.add_parser("methods", help="list the registered methods")
     return parser
@@ -75,7 +78,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         elif args.command == "evaluate":
             from flatbma.experiment.run import evaluate_run
 
-            metrics = evaluate_run(args.run_dir)
+            metrics = evaluate_run(args.run_dir, flatness=args.flatness)
             _print_metrics(metrics)
             print(json.dumps({k: metrics[k] for k in SUMMARY_KEYS if k in metrics}))
     except FlatbmaError as e:

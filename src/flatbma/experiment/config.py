@@ -147,14 +147,35 @@ class EvalConfig:
     Attributes:
         num_samples: posterior samples M in the BMA.
         n_bins: ECE bins.
+        flatness: also measure flatness after training (``flatbma evaluate --flatness`` does it
+            for a finished run).
+        flatness_samples: posterior samples whose Hessian spectra are computed.
+        hessian_k: number of top Hessian eigenvalues (λ₁ … λ_k; ``λ₁/λ_k`` is reported).
+        hessian_examples: training examples (without augmentation) the Hessian is taken over.
+        hessian_max_iter: Lanczos iterations (Hessian-vector products) per spectrum.
+        sharpness_rho: radius of the SAM sharpness ``E_w[max_{‖ε‖≤ρ} L(w+ε) − L(w)]``.
     """
 
     num_samples: int = 30
     n_bins: int = 15
+    flatness: bool = False
+    flatness_samples: int = 5
+    hessian_k: int = 5
+    hessian_examples: int = 512
+    hessian_max_iter: int = 100
+    sharpness_rho: float = 0.05
 
     def __post_init__(self) -> None:
-        _positive("num_samples", self.num_samples)
-        _positive("n_bins", self.n_bins)
+        for key in (
+            "num_samples",
+            "n_bins",
+            "flatness_samples",
+            "hessian_k",
+            "hessian_examples",
+            "hessian_max_iter",
+            "sharpness_rho",
+        ):
+            _positive(key, getattr(self, key))
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ from flatbma.errors import DivergenceError, FlatbmaError
 from flatbma.experiment.checkpoint import atomic_write_bytes, atomic_write_json, load_checkpoint, load_state, save_state
 from flatbma.experiment.config import RunConfig, config_from_dict, load_raw
 from flatbma.experiment.runner import EpochLog, History, Position, fit
+from flatbma.flatness.posterior import flatness_report
 from flatbma.models import build_model
 from flatbma.optim import SGD, Adam, constant, cosine
 from flatbma.params import Objective, model_buffers, trainable_params
@@ -64,6 +65,7 @@ class Experiment:
     train_loader: DataLoader
     val_loader: DataLoader | None
     test_loader: DataLoader
+    hessian_loader: DataLoader
     num_classes: int
     device: torch.device
 
@@ -94,6 +96,10 @@ def build_experiment(cfg: RunConfig) -> Experiment:
         test = test.subset(kept)
     eval_tf = build_transform(size=d.image_size, to_rgb=d.to_rgb, normalize=d.normalize, augment=False)
     train_tf = build_transform(size=d.image_size, to_rgb=d.to_rgb, normalize=d.normalize, augment=d.augment)
+    hessian_data = train.with_transform(eval_tf)
+    if cfg.eval.hessian_examples < len(hessian_data):
+        _, kept = stratified_split(hessian_data.labels, cfg.eval.hessian_examples / len(hessian_data), seed=0)
+        hessian_data = hessian_data.subset(kept)
     train, test = train.with_transform(train_tf), test.with_transform(eval_tf)
     val = val.with_transform(eval_tf) if val is not None else None
 
@@ -128,6 +134,7 @@ def build_experiment(cfg: RunConfig) -> Experiment:
         train_loader=train_loader,
         val_loader=_loader(val, d.eval_batch_size, shuffle=False, seed=0) if val is not None else None,
         test_loader=_loader(test, d.eval_batch_size, shuffle=False, seed=0),
+        hessian_loader=_loader(hessian_data, d.eval_batch_size, shuffle=False, seed=0),
         num_classes=train.num_classes,
         device=device,
     )
@@ -159,12 +166,49 @@ def _check_run_dir(run_dir: Path, resolved: dict[str, Any], force: bool) -> None
             )
 
 
-def evaluate_state(exp: Experiment, state: State) -> dict[str, Any]:
-    """BMA metrics of ``state`` on the test set."""
+def posterior_samples(exp: Experiment, state: State) -> list[dict[str, torch.Tensor]]:
+    """The ``eval.num_samples`` posterior samples of the BMA (BatchNorm recomputed when the method asks)."""
     generator = torch.Generator(device="cpu").manual_seed(exp.config.seed)
     samples = exp.method.sample(state, exp.config.eval.num_samples, generator)
     if exp.method.recompute_bn:
         samples = [recompute_bn_statistics(exp.model, w, exp.train_loader, device=exp.device) for w in samples]
+    return samples
+
+
+def flatness_metrics(exp: Experiment, samples: list[dict[str, torch.Tensor]]) -> dict[str, Any]:
+    """Hessian spectra of the first ``eval.flatness_samples`` samples and distribution-level flatness.
+
+    The Hessian is that of the mean training loss (no augmentation) over the trained parameters —
+    the Bayesian subset when ``model.trainable`` restricts it.
+    """
+    e = exp.config.eval
+    names = [n for n, p in exp.model.named_parameters() if p.requires_grad]
+    chosen = samples[: e.flatness_samples]
+    start = time.perf_counter()
+    report = flatness_report(
+        exp.model,
+        chosen,
+        [(x.to(exp.device), y.to(exp.device)) for x, y in exp.hessian_loader],
+        k=e.hessian_k,
+        params=names,
+        rho=e.sharpness_rho,
+        max_iter=e.hessian_max_iter,
+        seed=exp.config.seed,
+    )
+    report["flatness_time_s"] = time.perf_counter() - start
+    return report
+
+
+def evaluate_state(exp: Experiment, state: State, *, flatness: bool = False) -> dict[str, Any]:
+    """BMA metrics of ``state`` on the test set (and flatness when asked)."""
+    samples = posterior_samples(exp, state)
+    metrics = _bma_metrics(exp, samples)
+    if flatness:
+        metrics.update(flatness_metrics(exp, samples))
+    return metrics
+
+
+def _bma_metrics(exp: Experiment, samples: list[dict[str, torch.Tensor]]) -> dict[str, Any]:
     return evaluate(
         exp.model,
         samples,
@@ -251,7 +295,7 @@ def train_run(cfg: RunConfig, *, force: bool = False, resume: bool = False) -> t
             f"{e}; {kept}. Lower the learning rate (e.g. --set optim.lr={cfg.optim.lr / 10:g}) and train again"
         ) from None
     train_time = time.perf_counter() - start
-    metrics = evaluate_state(exp, state)
+    metrics = evaluate_state(exp, state, flatness=cfg.eval.flatness)
     metrics.update(
         method=cfg.method.name,
         seed=cfg.seed,
@@ -273,13 +317,13 @@ def load_run_config(run_dir: str | Path) -> RunConfig:
     return dataclasses.replace(cfg, output_dir=str(run_dir))
 
 
-def evaluate_run(run_dir: str | Path) -> dict[str, Any]:
+def evaluate_run(run_dir: str | Path, *, flatness: bool = False) -> dict[str, Any]:
     """Re-evaluate a finished run from its directory (config + checkpoint) and update metrics.json."""
     run_dir = Path(run_dir)
     exp = build_experiment(load_run_config(run_dir))
     state = load_state(run_dir / CHECKPOINT_FILE, device=str(exp.device))
     metrics_path = run_dir / METRICS_FILE
     metrics = json.loads(metrics_path.read_text()) if metrics_path.is_file() else {}
-    metrics.update(evaluate_state(exp, state))
+    metrics.update(evaluate_state(exp, state, flatness=flatness))
     atomic_write_json(metrics_path, metrics)
     return metrics

@@ -1,0 +1,374 @@
+"""Hessian-vector products of the mean training loss, as a linear operator on flat vectors.
+
+For data ``S`` split into batches ``B_1 … B_J`` of sizes ``n_j`` (``n = Σ_j n_j``) and a loss function
+that returns the *mean* loss of a batch, the training loss and its Hessian-vector product are
+
+    L_S(w) = Σ_j (n_j / n) · L_{B_j}(w),        H v = Σ_j (n_j / n) · ∇²L_{B_j}(w) v,
+
+accumulated batch by batch, so that memory is bounded by one batch whatever the size of ``S``.
+Each batch product is computed either by
+
+* ``"double_backward"`` (reverse-over-reverse): ``∇_w ⟨∇_w L_B(w), v⟩`` with
+  :func:`torch.autograd.grad` and ``create_graph=True``; when the data is one batch the gradient
+  graph is built once and reused by every product (as PyHessian does), or by
+* ``"func"`` (forward-over-reverse): ``jvp(grad(L_B), (w,), (v,))`` with :mod:`torch.func` over
+  :func:`torch.func.functional_call`.
+
+The model runs in eval mode (BatchNorm uses its running statistics, dropout is off), so that the
+loss is a deterministic function of ``w``; its mode is restored after each product. Only the chosen
+parameters are differentiated; all other parameters and buffers stay fixed.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from enum import Enum
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.func import functional_call
+
+from flatbma.errors import FlatbmaError, suggest
+from flatbma.params import flatten, unflatten
+from flatbma.predict import eval_mode
+from flatbma.types import Batch, Params
+
+__all__ = ["HVPMethod", "HessianOperator", "ParamSelection", "hvp_fn", "nonzero_checked"]
+
+ParamSelection = Mapping[str, Tensor] | Sequence[str] | None
+"""Which parameters the Hessian is taken over: a dict ``name -> value`` (the point), a list of
+names, or ``None`` for every parameter of the model with ``requires_grad=True``."""
+
+LossFn = Callable[[Tensor, Tensor], Tensor]
+
+
+class HVPMethod(str, Enum):
+    """How one Hessian-vector product is computed (strings and members are both accepted)."""
+
+    DOUBLE_BACKWARD = "double_backward"
+    FUNC = "func"
+
+    @classmethod
+    def parse(cls, value: HVPMethod | str) -> HVPMethod:
+        """Return the member for ``value`` or raise a :class:`FlatbmaError` naming the choices."""
+        return _parse_enum(cls, value, "hvp")
+
+
+def _parse_enum(cls: type[Enum], value: Any, key: str) -> Any:
+    try:
+        return cls(value)
+    except ValueError:
+        choices = [m.value for m in cls]
+        raise FlatbmaError(f"{key} must be one of {choices} (got {value!r}).{suggest(str(value), choices)}") from None
+
+
+class HessianOperator:
+    """``v ↦ ∇²L_S(w) v`` on flat vectors of the chosen parameters (see the module docstring).
+
+    Build it with :func:`hvp_fn`. Vectors are flat in the key order of :attr:`point`
+    (:func:`flatbma.params.flatten`); a product is computed in the parameters' dtype and returned in
+    the dtype of the input vector, so callers may keep their vectors in float64.
+
+    Attributes:
+        point: the chosen parameters ``w`` (detached), by module name.
+        dim: number of scalar parameters ``d``.
+        method: the :class:`HVPMethod` in use.
+        num_products: how many products have been evaluated so far.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        data: Iterable[Batch] | Batch,
+        *,
+        loss_fn: LossFn | None = None,
+        params: ParamSelection = None,
+        weights: Mapping[str, Tensor] | None = None,
+        hvp: HVPMethod | str = HVPMethod.DOUBLE_BACKWARD,
+    ) -> None:
+        self.model = model
+        self.method = HVPMethod.parse(hvp)
+        self.loss_fn = loss_fn if loss_fn is not None else F.cross_entropy
+        self.point, self.fixed = _resolve_weights(model, params, weights)
+        self.dim = sum(v.numel() for v in self.point.values())
+        self.num_products = 0
+        self._data = _reiterable(data)
+        self._dtype = next(iter(self.point.values())).dtype
+        self._leaves = {k: v.detach().requires_grad_(True) for k, v in self.point.items()}
+        self._cached: tuple[list[Tensor], list[int]] | None = None
+        self._check_first_batch()
+
+    @property
+    def device(self) -> torch.device:
+        """Device of the chosen parameters; batches are moved there."""
+        return next(iter(self.point.values())).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype the products are computed in (that of the parameters)."""
+        return self._dtype
+
+    @property
+    def eps(self) -> float:
+        """Machine epsilon of the dtype the products are computed in."""
+        return torch.finfo(self._dtype).eps
+
+    def flatten(self, tensors: Mapping[str, Tensor]) -> Tensor:
+        """Flat vector of ``tensors`` in the operator's key order."""
+        return flatten({k: tensors[k] for k in self.point})
+
+    def unflatten(self, vector: Tensor) -> Params:
+        """Split a flat vector into tensors shaped like :attr:`point`."""
+        return unflatten(vector, self.point)
+
+    def __call__(self, vector: Tensor) -> Tensor:
+        """Return ``H v`` for a flat vector ``v`` of length :attr:`dim`."""
+        if vector.shape != (self.dim,):
+            raise ValueError(f"expected a flat vector of shape ({self.dim},), got {tuple(vector.shape)}")
+        v = self.unflatten(vector.to(device=self.device, dtype=self._dtype))
+        with eval_mode(self.model):
+            if self._cached is not None:
+                out = self._cached_product(v)
+            else:
+                out = self._accumulated_product(v)
+        self.num_products += 1
+        return out.to(vector.dtype)
+
+    # -- products -----------------------------------------------------------------------------
+
+    def _batch_loss(self, p: Mapping[str, Tensor], x: Tensor, y: Tensor) -> Tensor:
+        return self.loss_fn(functional_call(self.model, {**self.fixed, **p}, (x,)), y)
+
+    def _accumulated_product(self, v: Params) -> Tensor:
+        total = torch.zeros(self.dim, device=self.device, dtype=self._dtype)
+        n = 0
+        for x, y in self._batches():
+            nb = x.shape[0]
+            if nb == 0:
+                continue
+            if self.method is HVPMethod.FUNC:
+                hv = self._func_product(v, x, y)
+            else:
+                hv = self._double_backward_product(v, x, y)
+            total.add_(hv, alpha=float(nb))
+            n += nb
+        if n == 0:
+            raise FlatbmaError(_EMPTY)
+        return total / n
+
+    def _func_product(self, v: Params, x: Tensor, y: Tensor) -> Tensor:
+        grad_fn = torch.func.grad(lambda p: self._batch_loss(p, x, y))
+        with torch.enable_grad():
+            _, hv = torch.func.jvp(grad_fn, (self.point,), (v,))
+        return self.flatten(hv)
+
+    def _double_backward_product(self, v: Params, x: Tensor, y: Tensor) -> Tensor:
+        with torch.enable_grad():
+            grads, idx = self._gradient_graph(x, y)
+            return self._backward_through(grads, idx, v, retain_graph=False)
+
+    def _cached_product(self, v: Params) -> Tensor:
+        grads, idx = self._cached
+        return self._backward_through(grads, idx, v, retain_graph=True)
+
+    def _gradient_graph(self, x: Tensor, y: Tensor) -> tuple[list[Tensor], list[int]]:
+        """``∇_w L_B(w)`` with its graph; only the entries that depend on ``w`` (``idx``) are kept."""
+        leaves = list(self._leaves.values())
+        loss = self._batch_loss(self._leaves, x, y)
+        if not loss.requires_grad:
+            return [], []
+        grads = torch.autograd.grad(loss, leaves, create_graph=True, allow_unused=True)
+        idx = [i for i, g in enumerate(grads) if g is not None and g.requires_grad]
+        return [grads[i] for i in idx], idx
+
+    def _backward_through(self, grads: list[Tensor], idx: list[int], v: Params, *, retain_graph: bool) -> Tensor:
+        leaves = list(self._leaves.values())
+        if not grads:
+            return torch.zeros(self.dim, device=self.device, dtype=self._dtype)
+        vs = list(v.values())
+        with torch.enable_grad():
+            hv = torch.autograd.grad(
+                grads, leaves, grad_outputs=[vs[i] for i in idx], retain_graph=retain_graph, allow_unused=True
+            )
+        return torch.cat([(torch.zeros_like(p) if h is None else h).reshape(-1) for p, h in zip(leaves, hv)])
+
+    # -- data -------------------------------------------------------------------------------------
+
+    def _batches(self) -> Iterator[Batch]:
+        for batch in self._data:
+            x, y = _unpack(batch)
+            yield x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+
+    def _check_first_batch(self) -> None:
+        """Fail early on empty data or parameters the loss does not depend on; cache a single batch."""
+        batch = next((b for b in self._batches() if b[0].shape[0] > 0), None)
+        if batch is None:
+            raise FlatbmaError(_EMPTY)
+        x, y = batch
+        # one batch given as a sequence: build its gradient graph once and reuse it in every product
+        cache = self.method is HVPMethod.DOUBLE_BACKWARD and isinstance(self._data, Sequence) and len(self._data) == 1
+        reached: set[int] = set()
+        with eval_mode(self.model), torch.enable_grad():
+            leaves = list(self._leaves.values())
+            loss = self._batch_loss(self._leaves, x, y)
+            if loss.requires_grad:
+                grads = torch.autograd.grad(loss, leaves, allow_unused=True, create_graph=cache)
+                reached = {i for i, g in enumerate(grads) if g is not None}
+                if cache:
+                    idx = [i for i, g in enumerate(grads) if g is not None and g.requires_grad]
+                    self._cached = ([grads[i] for i in idx], idx)
+            elif cache:
+                self._cached = ([], [])
+        names = list(self.point)
+        if not reached:
+            raise FlatbmaError(
+                f"the loss does not depend on any of the chosen parameters ({_shorten(names)}): there is "
+                "no gradient path from them to the loss. Choose parameters the model uses in its forward "
+                "pass (params=...), or leave params unset to use every trainable parameter."
+            )
+        unused = [names[i] for i in range(len(names)) if i not in reached]
+        if unused:
+            warnings.warn(
+                f"the loss does not depend on {len(unused)} chosen parameter tensor(s) ({_shorten(unused)}); "
+                "their rows and columns of the Hessian are zero",
+                stacklevel=3,
+            )
+
+
+_EMPTY = "the data for the Hessian is empty (no batch with at least one example): pass the training batches"
+
+
+def hvp_fn(
+    model: nn.Module,
+    data: Iterable[Batch] | Batch,
+    *,
+    loss_fn: LossFn | None = None,
+    params: ParamSelection = None,
+    weights: Mapping[str, Tensor] | None = None,
+    hvp: HVPMethod | str = HVPMethod.DOUBLE_BACKWARD,
+) -> HessianOperator:
+    """Return the Hessian-vector product ``v ↦ ∇²L_S(w) v`` of the mean loss over ``data``.
+
+    ``L_S(w) = Σ_j (n_j/n) L_{B_j}(w)`` over the batches ``B_j`` of ``data`` (see the module docstring
+    for how products are computed). The point ``w`` is taken, per tensor, from ``params`` if it is a
+    dict, else from ``weights``, else from the model itself.
+
+    Args:
+        model: the module, called as ``functional_call(model, weights, (x,))``; it is put in eval mode
+            during each product and its mode is restored afterwards.
+        data: a DataLoader or any re-iterable of ``(x, y)`` batches (a one-shot iterator is read into
+            a list), or a single batch ``(x, y)``. It is iterated once per product, so it should be
+            deterministic (no random augmentation, no ``drop_last`` with shuffling).
+        loss_fn: ``loss_fn(logits, y)`` returning the *mean* loss over the batch; cross-entropy when
+            ``None``.
+        params: the parameters to differentiate (:data:`ParamSelection`); the others stay fixed.
+        weights: parameters and/or buffers by module name at which to evaluate, e.g. a posterior
+            sample from ``Posterior.sample``; tensors not given keep the model's own values.
+        hvp: :class:`HVPMethod`.
+
+    Raises:
+        FlatbmaError: on empty data, unknown or duplicate parameter names, shape mismatches, or
+            parameters the loss does not depend on.
+    """
+    return HessianOperator(model, data, loss_fn=loss_fn, params=params, weights=weights, hvp=hvp)
+
+
+def _resolve_weights(
+    model: nn.Module, params: ParamSelection, weights: Mapping[str, Tensor] | None
+) -> tuple[Params, Params]:
+    """Split into ``(point, fixed)``: the chosen parameters and the other given tensors."""
+    named_params = dict(model.named_parameters())
+    known = {**dict(model.named_buffers()), **named_params}
+    weights = dict(weights or {})
+    for k in weights:
+        if k not in known:
+            raise FlatbmaError(
+                f"weights has a tensor {k!r} that the model does not have.{suggest(k, known)} "
+                "Pass the weights of this model (parameters and buffers by module name)."
+            )
+    if params is None:
+        names = [k for k, p in named_params.items() if p.requires_grad]
+        if not names:
+            raise FlatbmaError(
+                "the model has no trainable parameter (all have requires_grad=False): pass params= to "
+                "choose the parameters of the Hessian"
+            )
+    elif isinstance(params, str):
+        raise FlatbmaError(f"params must be a list of parameter names or a dict, not the string {params!r}")
+    else:
+        names = list(params)
+        if not names:
+            raise FlatbmaError("params is empty: choose at least one parameter, or pass None for all trainable ones")
+    seen: set[str] = set()
+    for k in names:
+        if k in seen:
+            raise FlatbmaError(f"parameter {k!r} is chosen twice in params")
+        seen.add(k)
+        if k not in named_params:
+            what = "is a buffer, not a parameter" if k in known else "is not a parameter of the model"
+            raise FlatbmaError(f"params: {k!r} {what}.{suggest(k, named_params)}")
+    point = {}
+    for k in names:
+        value = params[k] if isinstance(params, Mapping) else weights.get(k, named_params[k])
+        if value.shape != named_params[k].shape:
+            raise FlatbmaError(
+                f"parameter {k!r} has shape {tuple(value.shape)} but the model expects {tuple(named_params[k].shape)}"
+            )
+        if not value.is_floating_point():
+            raise FlatbmaError(f"parameter {k!r} is not floating point ({value.dtype})")
+        point[k] = value.detach()
+    # the parameters that are not chosen enter detached, so no graph is built through them
+    fixed = {k: v.detach() for k, v in named_params.items() if k not in point}
+    fixed.update({k: v.detach() for k, v in weights.items() if k not in point})
+    return point, fixed
+
+
+def _reiterable(data: Any) -> Iterable[Batch]:
+    if isinstance(data, (tuple, list)) and len(data) == 2 and all(isinstance(t, Tensor) for t in data):
+        return [(data[0], data[1])]
+    if isinstance(data, Tensor) or not isinstance(data, Iterable):
+        raise FlatbmaError(
+            f"data must be a DataLoader, an iterable of (x, y) batches or one (x, y) batch, not {type(data).__name__}"
+        )
+    if iter(data) is data:  # one-shot iterator: it would be exhausted after the first product
+        return list(data)
+    return data
+
+
+def _unpack(batch: Any) -> Batch:
+    if isinstance(batch, (tuple, list)) and len(batch) == 2:
+        return batch[0], batch[1]
+    raise FlatbmaError(
+        f"every batch of the Hessian data must be a pair (x, y); got {type(batch).__name__}"
+        + (f" of length {len(batch)}" if isinstance(batch, (tuple, list)) else "")
+    )
+
+
+def _shorten(names: Sequence[str], limit: int = 4) -> str:
+    shown = ", ".join(repr(n) for n in names[:limit])
+    return shown + (f", … ({len(names) - limit} more)" if len(names) > limit else "")
+
+
+def nonzero_checked(op: HessianOperator) -> Callable[[Tensor], Tensor]:
+    """``op`` as a matvec that raises if its first product (with a random vector) is exactly zero.
+
+    ``H v = 0`` for a random ``v`` means ``H = 0`` almost surely: the loss is at most linear in the
+    chosen parameters, so no curvature statistic is meaningful.
+    """
+    first = [True]
+
+    def matvec(v: Tensor) -> Tensor:
+        hv = op(v)
+        if first[0]:
+            first[0] = False
+            if not bool(hv.any()) and bool(v.any()):
+                raise FlatbmaError(
+                    "the Hessian of the loss with respect to the chosen parameters is identically zero "
+                    "(the loss is at most linear in them): choose parameters the loss depends on nonlinearly"
+                )
+        return hv
+
+    return matvec

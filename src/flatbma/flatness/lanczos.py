@@ -1,0 +1,415 @@
+"""The largest eigenvalues of a symmetric operator, and of the training-loss Hessian.
+
+* :func:`lanczos` — Lanczos with full reorthogonalization. After ``m`` products with the operator
+  ``A`` it holds an orthonormal basis ``V_m`` of the Krylov space ``span{v, Av, …, A^{m−1}v}`` and the
+  tridiagonal ``T_m = V_mᵀ A V_m``; the Ritz pairs ``(θ_i, y_i = V_m s_i)`` of ``T_m s_i = θ_i s_i``
+  have residuals ``‖A y_i − θ_i y_i‖ = β_m |e_mᵀ s_i|`` at no extra cost. For symmetric ``A`` some
+  eigenvalue lies within that residual of ``θ_i``, so the test
+  ``β_m |e_mᵀ s_i| ≤ tol · max(|θ_i|, √eps · max_j |θ_j|)`` for the ``k`` largest Ritz values bounds
+  their relative error by ``tol`` (an absolute error for eigenvalues below ``√eps`` times the
+  spectral radius, which products computed with machine epsilon ``eps`` cannot resolve relatively). Every new vector is
+  orthogonalized twice against the whole basis (classical Gram–Schmidt twice, which keeps the basis
+  orthonormal to working precision), so no spurious copies of converged Ritz values appear. When the
+  Krylov space becomes invariant (``β_m`` at the products' rounding level) the process continues
+  from a new random vector orthogonal to the basis (``T`` becomes block-diagonal) and does not stop
+  at that step, so eigenvalues outside the start vector's Krylov space are still found. Caveat of
+  every single-vector Krylov method: an eigenvalue of multiplicity > 1 *inside* a Krylov space that
+  is not invariant is seen once; :func:`power_iteration` (deflation) finds every copy.
+* :func:`power_iteration` — the reference: power iteration with deflation by projection, as in
+  PyHessian (Yao et al., 2020), on the shifted operator ``A + ρI`` (``ρ`` the spectral radius) so that
+  largest magnitude means largest algebraic eigenvalue.
+
+Lanczos (1950); Paige (1972); Parlett, *The Symmetric Eigenvalue Problem* (1998), §13;
+Giraud, Langou & Rozložník (2005) on Gram–Schmidt twice.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from enum import Enum
+
+import torch
+from torch import Tensor, nn
+
+from flatbma.errors import FlatbmaError
+from flatbma.flatness.hvp import HVPMethod, LossFn, ParamSelection, _parse_enum, hvp_fn, nonzero_checked
+from flatbma.types import Batch
+
+__all__ = [
+    "ConvergenceWarning",
+    "EigenMethod",
+    "EigenResult",
+    "hessian_eigenvalues",
+    "lanczos",
+    "lanczos_tridiagonal",
+    "power_iteration",
+]
+
+Matvec = Callable[[Tensor], Tensor]
+
+_EPS64 = torch.finfo(torch.float64).eps
+
+
+def _breakdown(dim: int, eps: float) -> float:
+    """``β ≤ 10 √d eps ‖T‖``: the Krylov space is invariant up to the precision of the products."""
+    return 10.0 * math.sqrt(dim) * eps
+
+
+class ConvergenceWarning(UserWarning):
+    """An iterative solver stopped at its iteration limit before meeting its tolerance."""
+
+
+class EigenMethod(str, Enum):
+    """Eigensolver of :func:`hessian_eigenvalues` (strings and members are both accepted)."""
+
+    LANCZOS = "lanczos"
+    POWER = "power"
+
+
+@dataclass(frozen=True)
+class EigenResult:
+    """The ``k`` largest eigenpairs found by an iterative solver.
+
+    Attributes:
+        eigenvalues: ``(k,)`` float64, descending.
+        eigenvectors: ``(k, d)`` orthonormal rows, in the order of ``eigenvalues`` (in the dtype of
+            the solver's vectors).
+        residuals: ``(k,)`` residual norms ``‖A y_i − θ_i y_i‖`` of the unit vectors ``y_i`` (for
+            Lanczos the recurrence's estimate ``β_m |e_mᵀ s_i|``; for power iteration that of the
+            deflated operator, which adds the errors of the eigenvectors deflated before).
+        num_matvecs: operator products used.
+        converged: whether every residual met the tolerance.
+    """
+
+    eigenvalues: Tensor
+    eigenvectors: Tensor
+    residuals: Tensor
+    num_matvecs: int
+    converged: bool
+
+
+def lanczos(
+    matvec: Matvec,
+    dim: int,
+    k: int,
+    *,
+    tol: float = 1e-4,
+    max_iter: int = 100,
+    eps: float = _EPS64,
+    generator: torch.Generator | None = None,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype = torch.float64,
+) -> EigenResult:
+    """The ``k`` largest (algebraic) eigenpairs of a symmetric operator by Lanczos (module docstring).
+
+    Memory: the basis, ``m × d`` in ``dtype`` for ``m`` products, grown as needed. ``T``, the Ritz
+    values and the scalars ``α, β`` are float64 whatever ``dtype``.
+
+    Args:
+        matvec: ``v ↦ A v`` on vectors of length ``dim`` in ``dtype``.
+        dim: dimension ``d``.
+        k: number of eigenpairs, ``1 ≤ k ≤ d``.
+        tol: relative residual tolerance.
+        max_iter: maximum Krylov dimension, i.e. number of products (capped at ``d``).
+        eps: relative precision of ``matvec`` (machine epsilon of the dtype it computes in). It sets
+            the ``floor = √eps`` of the tolerance and the breakdown threshold ``β ≤ 10 √d eps ‖T‖``
+            below which the Krylov space counts as invariant.
+        generator: CPU generator for the start vector(s).
+        device: where the basis lives.
+        dtype: of the basis vectors. float32 suffices (and halves the memory) when ``matvec``
+            computes in float32: its rounding, not the basis's, then limits the accuracy.
+    """
+    _check_solver_args(dim, k, tol, max_iter)
+    if max_iter < k:
+        raise FlatbmaError(f"max_iter must be >= k for Lanczos (got max_iter={max_iter}, k={k})")
+    m_max = min(max_iter, dim)
+    floor, breakdown = math.sqrt(eps), _breakdown(dim, eps)
+    basis = torch.empty(min(m_max, max(2 * k, 32)), dim, dtype=dtype, device=device)
+    basis[0] = _random_unit(dim, generator, basis.device, dtype)
+    alphas: list[float] = []
+    betas: list[float] = []  # betas[j] couples basis vectors j and j+1 (0 after a restart)
+    scale = 0.0
+    for j in range(m_max):
+        m = j + 1
+        alpha, w = _lanczos_step(matvec, basis[:m], betas[j - 1] if j > 0 else 0.0)
+        beta = _norm(w)
+        alphas.append(alpha)
+        scale = max(scale, abs(alpha), beta)
+        theta, s = torch.linalg.eigh(_tridiagonal(alphas, betas))
+        residuals = beta * s[-1].abs()
+        top = torch.arange(m - 1, max(m - 1 - k, -1), -1)  # the k largest Ritz values, descending
+        invariant = beta <= breakdown * scale
+        if m >= k:
+            bound = tol * torch.clamp(theta[top].abs(), min=floor * float(theta.abs().max()))
+            # an invariant Krylov space makes every residual vanish but says nothing about the
+            # eigenvalues outside it (repeated ones): go on from a new direction before stopping
+            converged = m == dim or (not invariant and bool((residuals[top] <= bound).all()))
+            if converged or m == m_max:
+                break
+        if invariant:  # restart orthogonally to the basis; the dropped coupling is below precision
+            w = _random_unit(dim, generator, basis.device, dtype)
+            _orthogonalize(w, basis[:m])
+            beta, w = 0.0, w / torch.linalg.vector_norm(w)
+        else:
+            w = w / beta
+        betas.append(beta)
+        if m == basis.shape[0]:  # grow geometrically: no m_max × d allocation up front
+            basis = torch.cat([basis, torch.empty(min(m, m_max - m), dim, dtype=dtype, device=basis.device)])
+        basis[m] = w
+    dev = basis.device
+    vectors = s[:, top].to(device=dev, dtype=dtype).T @ basis[:m]
+    result = EigenResult(theta[top].to(dev), vectors, residuals[top].to(dev), m, converged)
+    if not converged:
+        _warn_unconverged("Lanczos", result, max_iter)
+    return result
+
+
+def power_iteration(
+    matvec: Matvec,
+    dim: int,
+    k: int,
+    *,
+    tol: float = 1e-4,
+    max_iter: int = 100,
+    eps: float = _EPS64,
+    generator: torch.Generator | None = None,
+    device: torch.device | str | None = None,
+) -> EigenResult:
+    """The ``k`` largest (algebraic) eigenpairs by power iteration with deflation — the reference.
+
+    As in PyHessian (Yao et al., 2020): each eigenpair is found by iterating ``v ← P B v / ‖P B v‖``
+    with ``P`` projecting out the eigenvectors found so far, and accepted when the residual
+    ``‖P A v − θv‖`` with ``θ = vᵀAv`` meets the tolerance of :func:`lanczos` (with ``max|θ|`` replaced by
+    the largest ``|θ|`` found). ``B = A`` finds eigenvalues in order of *magnitude*; as long as they
+    come out non-negative they are the largest algebraic ones. The first negative one is ``λ_min``;
+    it is deflated and the search goes on with ``B = A − λ_min I``, positive semi-definite, whose
+    dominant direction is the largest algebraic eigenvalue left.
+
+    Args:
+        matvec: ``v ↦ A v`` on float64 vectors.
+        dim: dimension ``d``.
+        k: number of eigenpairs.
+        tol: relative residual tolerance.
+        max_iter: maximum products *per eigenpair*.
+        eps: relative precision of ``matvec``, as in :func:`lanczos`.
+        generator: CPU generator for the start vectors.
+        device: where the vectors live.
+    """
+    _check_solver_args(dim, k, tol, max_iter)
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    count, shift, scale, floor = 0, 0.0, 0.0, math.sqrt(eps)
+    deflate: list[Tensor] = []
+    pairs: list[tuple[float, Tensor, float, bool]] = []
+    while len(pairs) < k and len(deflate) < dim:
+        theta, y, res, ok, n = _power(matvec, dim, deflate, shift, tol, floor, scale, max_iter, generator, dev)
+        count += n
+        scale = max(scale, abs(theta))
+        deflate.append(y)
+        if theta < 0 and shift == 0.0:
+            shift = -theta  # λ_min: from now on iterate with A − λ_min I
+        else:
+            pairs.append((theta, y, res, ok))
+    if len(pairs) < k:  # every direction was deflated before k were accepted: only λ_min is left
+        pairs.append((-shift, deflate[-1], 0.0, True))
+    pairs.sort(key=lambda p: -p[0])
+    converged = all(p[3] for p in pairs)
+    result = EigenResult(
+        torch.tensor([p[0] for p in pairs], dtype=torch.float64, device=dev),
+        torch.stack([p[1] for p in pairs]),
+        torch.tensor([p[2] for p in pairs], dtype=torch.float64, device=dev),
+        count,
+        converged,
+    )
+    if not converged:
+        _warn_unconverged("power iteration", result, max_iter)
+    return result
+
+
+def _power(
+    matvec: Matvec,
+    dim: int,
+    found: list[Tensor],
+    shift: float,
+    tol: float,
+    floor: float,
+    scale: float,
+    max_iter: int,
+    generator: torch.Generator | None,
+    device: torch.device,
+) -> tuple[float, Tensor, float, bool, int]:
+    """One deflated power iteration on ``A + shift·I``: ``(θ, v, ‖Av − θv‖, converged, products)``."""
+    deflate = torch.stack(found) if found else None
+    w = _random_unit(dim, generator, device)
+    for i in range(max_iter):
+        if deflate is not None:
+            _orthogonalize(w, deflate)
+        v = w / torch.linalg.vector_norm(w)
+        av = matvec(v).to(torch.float64)
+        theta = float(v @ av)
+        if deflate is not None:  # the residual of the deflated operator P A P: errors of the
+            _orthogonalize(av, deflate)  # eigenvectors found before are theirs, not this one's
+        res = float(torch.linalg.vector_norm(av - theta * v))
+        if res <= tol * max(abs(theta), floor * max(scale, abs(theta))):
+            return theta, v, res, True, i + 1
+        w = av + shift * v
+    return theta, v, res, False, max_iter
+
+
+def _lanczos_step(matvec: Matvec, basis: Tensor, beta_prev: float) -> tuple[float, Tensor]:
+    """``α_j = v_jᵀ A v_j`` and ``w = A v_j − α_j v_j − β_{j−1} v_{j−1}`` reorthogonalized against ``basis``.
+
+    ``basis`` holds ``v_0 … v_j`` as rows (``v_j`` last).
+    """
+    v = basis[-1]
+    w = matvec(v).to(basis.dtype)
+    alpha = _dot(v, w)
+    w -= alpha * v
+    if basis.shape[0] > 1:
+        w -= beta_prev * basis[-2]
+    _orthogonalize(w, basis)
+    return alpha, w
+
+
+def _dot(a: Tensor, b: Tensor) -> float:
+    """``aᵀb`` accumulated in float64."""
+    return float(a.to(torch.float64) @ b.to(torch.float64))
+
+
+def _norm(a: Tensor) -> float:
+    return float(torch.linalg.vector_norm(a, dtype=torch.float64))
+
+
+def lanczos_tridiagonal(
+    matvec: Matvec, start: Tensor, num_steps: int, *, eps: float = _EPS64, dtype: torch.dtype = torch.float64
+) -> tuple[Tensor, Tensor]:
+    """``num_steps`` Lanczos steps from ``start`` (full reorthogonalization, no restart).
+
+    Stops early when the Krylov space is invariant (``β ≤ 10 √d eps ‖T‖``, ``eps`` the relative
+    precision of ``matvec``). Returns the tridiagonal ``T = Vᵀ A V`` (float64, ``m × m`` with
+    ``m ≤ num_steps``) and the basis ``V`` (``m × d`` rows in ``dtype``), with ``V[0] = start/‖start‖``.
+    """
+    dim = start.numel()
+    m_max = min(num_steps, dim)
+    basis = torch.empty(m_max, dim, dtype=dtype, device=start.device)
+    basis[0] = start.to(torch.float64) / _norm(start)
+    alphas: list[float] = []
+    betas: list[float] = []
+    scale, breakdown = 0.0, _breakdown(dim, eps)
+    for j in range(m_max):
+        alpha, w = _lanczos_step(matvec, basis[: j + 1], betas[j - 1] if j > 0 else 0.0)
+        beta = _norm(w)
+        alphas.append(alpha)
+        scale = max(scale, abs(alpha), beta)
+        if j + 1 == m_max or beta <= breakdown * scale:
+            break
+        betas.append(beta)
+        basis[j + 1] = w / beta
+    return _tridiagonal(alphas, betas), basis[: len(alphas)]
+
+
+def _orthogonalize(w: Tensor, basis: Tensor) -> None:
+    """Project the rows of ``basis`` (orthonormal) out of ``w`` in place, twice."""
+    for _ in range(2):
+        w -= basis.T @ (basis @ w)
+
+
+def _tridiagonal(alphas: list[float], betas: list[float]) -> Tensor:
+    m = len(alphas)
+    t = torch.diag(torch.tensor(alphas, dtype=torch.float64))
+    if m > 1:
+        off = torch.tensor(betas[: m - 1], dtype=torch.float64)
+        t += torch.diag(off, 1) + torch.diag(off, -1)
+    return t
+
+
+def _random_unit(
+    dim: int, generator: torch.Generator | None, device: torch.device, dtype: torch.dtype = torch.float64
+) -> Tensor:
+    v = torch.randn(dim, dtype=torch.float64, generator=generator)
+    return (v / torch.linalg.vector_norm(v)).to(device=device, dtype=dtype)
+
+
+def _check_solver_args(dim: int, k: int, tol: float, max_iter: int) -> None:
+    if not isinstance(k, int) or k < 1:
+        raise FlatbmaError(f"k must be a positive integer (got {k!r})")
+    if k > dim:
+        raise FlatbmaError(
+            f"k={k} eigenvalues were asked for but the Hessian has only {dim} parameters (its dimension): "
+            f"use k <= {dim}"
+        )
+    if not tol > 0:
+        raise FlatbmaError(f"tol must be > 0 (got {tol!r})")
+    if not isinstance(max_iter, int) or max_iter < 1:
+        raise FlatbmaError(f"max_iter must be a positive integer (got {max_iter!r})")
+
+
+def _warn_unconverged(name: str, result: EigenResult, max_iter: int) -> None:
+    rel = result.residuals / result.eigenvalues.abs().clamp_min(torch.finfo(torch.float64).tiny)
+    warnings.warn(
+        f"{name} did not converge within max_iter={max_iter} (largest relative residual "
+        f"{float(rel.max()):.2e}); raise max_iter or tol",
+        ConvergenceWarning,
+        stacklevel=3,
+    )
+
+
+def hessian_eigenvalues(
+    model: nn.Module,
+    data: Iterable[Batch] | Batch,
+    k: int = 5,
+    *,
+    loss_fn: LossFn | None = None,
+    params: ParamSelection = None,
+    weights: Mapping[str, Tensor] | None = None,
+    tol: float = 1e-4,
+    max_iter: int = 100,
+    method: EigenMethod | str = EigenMethod.LANCZOS,
+    seed: int = 0,
+    hvp: HVPMethod | str = HVPMethod.DOUBLE_BACKWARD,
+) -> Tensor:
+    """The ``k`` largest eigenvalues of the Hessian of the mean training loss ``L_S`` at ``w``.
+
+    ``λ_1 ≥ … ≥ λ_k`` of ``∇²L_S(w)`` over the chosen parameters, by :func:`lanczos` or the reference
+    :func:`power_iteration` on :func:`~flatbma.flatness.hvp_fn` products. The residual tolerance
+    ``tol`` bounds the relative error of each eigenvalue; eigenvalues smaller than ``√ε`` (of the
+    parameters' dtype) times ``λ_1`` in magnitude get an absolute bound instead.
+
+    Args:
+        model: the module (see :func:`~flatbma.flatness.hvp_fn`).
+        data: ``(x, y)`` batches of the training data, or one batch.
+        k: number of eigenvalues.
+        loss_fn: mean loss ``loss_fn(logits, y)``; cross-entropy when ``None``.
+        params: the parameters of the Hessian (a dict, a list of names, or all trainable ones).
+        weights: parameters and buffers at which to evaluate, e.g. a posterior sample.
+        tol: relative residual tolerance.
+        max_iter: maximum number of Hessian-vector products (Lanczos) or per eigenvalue (power).
+        method: :class:`EigenMethod`.
+        seed: seed of the random start vector(s).
+        hvp: :class:`~flatbma.flatness.HVPMethod`.
+
+    Returns:
+        ``(k,)`` float64 tensor, descending, on the parameters' device.
+
+    Raises:
+        FlatbmaError: on bad input (``k`` larger than the number of parameters, empty data, parameters
+            the loss does not depend on, a Hessian that is identically zero).
+    """
+    method = _parse_enum(EigenMethod, method, "method")
+    _check_solver_args(math.inf, k, tol, max_iter)
+    op = hvp_fn(model, data, loss_fn=loss_fn, params=params, weights=weights, hvp=hvp)
+    solver = lanczos if method is EigenMethod.LANCZOS else power_iteration
+    result = solver(
+        nonzero_checked(op),
+        op.dim,
+        k,
+        tol=tol,
+        max_iter=max_iter,
+        eps=op.eps,
+        generator=torch.Generator().manual_seed(seed),
+        device=op.device,
+        **({"dtype": op.dtype} if method is EigenMethod.LANCZOS else {}),
+    )
+    return result.eigenvalues

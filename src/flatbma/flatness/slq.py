@@ -1,0 +1,173 @@
+"""Spectral density of a symmetric operator, and of the Hessian, by stochastic Lanczos quadrature.
+
+The spectral density ``φ(t) = (1/d) Σ_i δ(t − λ_i)`` satisfies ``∫ f dφ = (1/d) tr f(A)
+= E_v[vᵀ f(A) v]`` for ``v = z/√d`` with Rademacher ``z``. For one such ``v``, ``m`` Lanczos steps give
+``T = Vᵀ A V`` with eigenpairs ``(θ_j, s_j)``, and the Gauss quadrature ``vᵀ f(A) v ≈ Σ_j τ_j f(θ_j)``
+with ``τ_j = (e_1ᵀ s_j)²`` is exact for polynomials of degree ``≤ 2m − 1``. Averaging over
+``n_v`` vectors gives nodes ``θ`` and weights ``τ / n_v`` (summing to 1); a smooth density on a grid is
+``Σ w_j N(t; θ_j, σ²)`` (Gaussian broadening). Its mean ``Σ w_j θ_j = (1/n_v) Σ vᵀAv`` is a
+Hutchinson estimate of ``tr A / d``.
+
+Golub & Meurant (2010); Lin, Saad & Yang, SIAM Review 58 (2016); Ubaru, Chen & Saad (2017);
+Ghorbani, Krishnan & Xiao (2019) and PyHessian (Yao et al., 2020) for neural-network Hessians.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from flatbma.errors import FlatbmaError
+from flatbma.flatness.hutchinson import rademacher
+from flatbma.flatness.hvp import HVPMethod, LossFn, ParamSelection, hvp_fn, nonzero_checked
+from flatbma.flatness.lanczos import lanczos_tridiagonal
+from flatbma.types import Batch
+
+__all__ = ["SpectralDensity", "spectral_density", "stochastic_lanczos_quadrature"]
+
+_DEFAULT_SIGMA_FRACTION = 0.01
+"""Default broadening σ as a fraction of the spread of the nodes."""
+_GRID_MARGIN = 5.0
+"""The default grid extends this many σ beyond the outermost nodes."""
+
+
+@dataclass(frozen=True)
+class SpectralDensity:
+    """A discrete approximation ``Σ_j w_j δ(t − θ_j)`` of the spectral density.
+
+    Attributes:
+        nodes: ``(n_v, m)`` float64 Ritz values, one row per probe vector. A run that stopped early
+            (invariant Krylov space) is padded with nodes of weight 0.
+        weights: ``(n_v, m)`` float64 quadrature weights; all of them sum to 1.
+        dim: dimension ``d`` of the operator.
+    """
+
+    nodes: Tensor
+    weights: Tensor
+    dim: int
+
+    def moment(self, p: int) -> float:
+        """``Σ_j w_j θ_j^p``, an estimate of ``tr(A^p) / d``."""
+        return float((self.weights * self.nodes.pow(p)).sum())
+
+    def mean(self) -> float:
+        """``Σ_j w_j θ_j``, an estimate of ``tr(A) / d``."""
+        return self.moment(1)
+
+    def trace(self) -> float:
+        """``d · mean``, an estimate of ``tr A``."""
+        return self.dim * self.mean()
+
+    def on_grid(
+        self, grid: Tensor | None = None, *, sigma: float | None = None, num_points: int = 1000
+    ) -> tuple[Tensor, Tensor]:
+        """The broadened density ``Σ_j w_j N(t; θ_j, σ²)`` evaluated on a grid.
+
+        Args:
+            grid: points ``t`` (1-D); when ``None``, ``num_points`` evenly spaced points covering the
+                nodes with a margin of ``_GRID_MARGIN`` σ on each side, so the density integrates to 1.
+            sigma: broadening; when ``None``, ``_DEFAULT_SIGMA_FRACTION`` of the spread of the nodes
+                (of their largest magnitude if they coincide, 1 if all are zero).
+            num_points: size of the default grid.
+
+        Returns:
+            ``(grid, density)``, float64 on the device of the nodes.
+        """
+        live = self.nodes[self.weights > 0]
+        lo, hi = float(live.min()), float(live.max())
+        if sigma is None:
+            spread = hi - lo if hi > lo else max(abs(lo), abs(hi)) or 1.0
+            sigma = _DEFAULT_SIGMA_FRACTION * spread
+        if not sigma > 0:
+            raise FlatbmaError(f"sigma must be > 0 (got {sigma!r})")
+        if grid is None:
+            if not isinstance(num_points, int) or num_points < 2:
+                raise FlatbmaError(f"num_points must be an integer >= 2 (got {num_points!r})")
+            margin = _GRID_MARGIN * sigma
+            grid = torch.linspace(lo - margin, hi + margin, num_points, dtype=torch.float64)
+        grid = grid.to(device=self.nodes.device, dtype=torch.float64)
+        z = (grid[:, None] - self.nodes.reshape(1, -1)) / sigma
+        kernel = torch.exp(-0.5 * z * z) / (sigma * math.sqrt(2 * math.pi))
+        return grid, kernel @ self.weights.reshape(-1)
+
+
+def stochastic_lanczos_quadrature(
+    matvec: Callable[[Tensor], Tensor],
+    dim: int,
+    *,
+    num_vectors: int = 1,
+    num_steps: int = 80,
+    eps: float = torch.finfo(torch.float64).eps,
+    generator: torch.Generator | None = None,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype = torch.float64,
+) -> SpectralDensity:
+    """SLQ nodes and weights of a symmetric operator (module docstring).
+
+    Args:
+        matvec: ``v ↦ A v`` on float64 vectors of length ``dim``.
+        dim: dimension ``d``.
+        num_vectors: number ``n_v`` of Rademacher probe vectors.
+        num_steps: Lanczos steps per probe (capped at ``d``); costs ``n_v · m`` products.
+        eps: relative precision of ``matvec`` (see :func:`~flatbma.flatness.lanczos_tridiagonal`).
+        generator: CPU generator for the probes.
+        device: where the Lanczos basis lives.
+        dtype: of the Lanczos basis (``num_steps × d``).
+    """
+    for key, value in (("num_vectors", num_vectors), ("num_steps", num_steps)):
+        if not isinstance(value, int) or value < 1:
+            raise FlatbmaError(f"{key} must be a positive integer (got {value!r})")
+    m = min(num_steps, dim)
+    nodes = torch.zeros(num_vectors, m, dtype=torch.float64)
+    weights = torch.zeros(num_vectors, m, dtype=torch.float64)
+    for i in range(num_vectors):
+        t, _ = lanczos_tridiagonal(matvec, rademacher(dim, generator).to(device), m, eps=eps, dtype=dtype)
+        theta, s = torch.linalg.eigh(t)
+        nodes[i, : len(theta)] = theta
+        weights[i, : len(theta)] = s[0] ** 2 / num_vectors
+    return SpectralDensity(nodes.to(device), weights.to(device), dim)
+
+
+def spectral_density(
+    model: nn.Module,
+    data: Iterable[Batch] | Batch,
+    *,
+    loss_fn: LossFn | None = None,
+    params: ParamSelection = None,
+    weights: Mapping[str, Tensor] | None = None,
+    num_vectors: int = 1,
+    num_steps: int = 80,
+    seed: int = 0,
+    hvp: HVPMethod | str = HVPMethod.DOUBLE_BACKWARD,
+) -> SpectralDensity:
+    """Eigenvalue density of ``∇²L_S(w)`` over the chosen parameters by stochastic Lanczos quadrature.
+
+    Args:
+        model: the module (see :func:`~flatbma.flatness.hvp_fn`).
+        data: ``(x, y)`` batches of the training data, or one batch.
+        loss_fn: mean loss ``loss_fn(logits, y)``; cross-entropy when ``None``.
+        params: the parameters of the Hessian (a dict, a list of names, or all trainable ones).
+        weights: parameters and buffers at which to evaluate, e.g. a posterior sample.
+        num_vectors: number of probe vectors.
+        num_steps: Lanczos steps per probe.
+        seed: seed of the probes.
+        hvp: :class:`~flatbma.flatness.HVPMethod`.
+
+    Raises:
+        FlatbmaError: on bad input (see :func:`~flatbma.flatness.hessian_eigenvalues`).
+    """
+    op = hvp_fn(model, data, loss_fn=loss_fn, params=params, weights=weights, hvp=hvp)
+    return stochastic_lanczos_quadrature(
+        nonzero_checked(op),
+        op.dim,
+        num_vectors=num_vectors,
+        num_steps=num_steps,
+        eps=op.eps,
+        dtype=op.dtype,
+        generator=torch.Generator().manual_seed(seed),
+        device=op.device,
+    )

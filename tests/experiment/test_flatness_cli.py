@@ -1,0 +1,49 @@
+"""`flatbma evaluate RUN_DIR --flatness` on a run of every registered method."""
+
+import json
+
+import pytest
+import yaml
+
+from flatbma.experiment.cli import main
+from flatbma.experiment.methods import METHODS
+
+# options that make each method produce samples within a one-epoch digits run (~19 steps)
+OPTIONS = {
+    "swag": {"start_step": 5, "collect_every": 2, "rank": 3},
+    "f-swag": {"start_step": 5, "collect_every": 2, "rank": 3},
+    "swag-diag": {"start_step": 5, "collect_every": 2},
+    "sgld": {"burn_in": 5, "thin": 2},
+    "f-sgld": {"burn_in": 5, "thin": 2},
+    "csgld": {"cycle_length": 6},
+    "ensemble": {"size": 2},
+    "f-ensemble": {"size": 2},
+    "lowrank-vi": {"rank": 3},
+    "f-lowrank-vi": {"rank": 3},
+    "fp-bma": {"rank": 3},
+    "sa-bma": {"rank": 3},
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", sorted(METHODS))
+def test_evaluate_with_flatness_on_every_method(tmp_path, capsys, method):
+    cfg = {
+        "method": {"name": method, **OPTIONS.get(method, {})},
+        "data": {"name": "digits", "batch_size": 64},
+        "model": {"name": "mlp"},
+        "optim": {"lr": 0.01},
+        "train": {"epochs": 1, "progress": False},
+        "eval": {"num_samples": 3, "flatness_samples": 2, "hessian_examples": 64, "hessian_max_iter": 20},
+        "output_dir": str(tmp_path / "run"),
+    }
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    assert main(["train", "--config", str(path)]) == 0, capsys.readouterr().err
+    assert main(["evaluate", str(tmp_path / "run"), "--flatness"]) == 0, capsys.readouterr().err
+    metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    for key in ("hessian_top_eigenvalues", "lambda1", "lambda1_over_lambda5", "distribution_lambda1",
+                "sam_sharpness", "accuracy"):
+        assert key in metrics, key
+    assert len(metrics["hessian_top_eigenvalues"]) == min(2, len(metrics["hessian_top_eigenvalues"]))
+    assert metrics["lambda1"] > 0 and metrics["lambda1_over_lambda5"] >= 1

@@ -1,0 +1,142 @@
+import pytest
+import torch
+from torch import nn
+
+from flatbma.flatness import HVPMethod, hvp_fn
+from tests.flatness.problems import make_problem
+
+METHODS = ["double_backward", "func"]
+
+
+def _vectors(d, n=3, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(d, generator=g, dtype=torch.float64) for _ in range(n)]
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_hvp_equals_dense_hessian_times_v_over_unequal_batches(problem, method):
+    H = problem.dense_hessian()
+    op = hvp_fn(problem.model, problem.batches, hvp=method)
+    assert op.dim == H.shape[0] == 219
+    for v in _vectors(op.dim):
+        torch.testing.assert_close(op(v), H @ v, rtol=1e-10, atol=1e-12)
+    assert op.num_products == 3
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_batch_accumulation_equals_full_batch(problem, method):
+    # one (x, y) batch takes the cached-graph path for double backward; three batches do not
+    full = hvp_fn(problem.model, (problem.x, problem.y), hvp=method)
+    parts = hvp_fn(problem.model, problem.batches, hvp=method)
+    for v in _vectors(full.dim):
+        torch.testing.assert_close(parts(v), full(v), rtol=1e-10, atol=1e-12)
+
+
+def test_both_implementations_agree_in_float32():
+    p = make_problem(torch.float32)
+    a = hvp_fn(p.model, p.batches, hvp=HVPMethod.DOUBLE_BACKWARD)
+    b = hvp_fn(p.model, iter(p.batches), hvp="func")  # a one-shot iterator is read once
+    for v in _vectors(a.dim):
+        hv = a(v)
+        assert hv.dtype == torch.float64  # returned in the dtype of v
+        torch.testing.assert_close(b(v), hv, rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(b(v), hv, rtol=1e-4, atol=1e-6)  # iterated again
+
+
+def test_eval_mode_is_used_and_restored_and_buffers_untouched(problem):
+    bn = problem.model[3]
+    stats = (bn.running_mean.clone(), bn.running_var.clone(), bn.num_batches_tracked.clone())
+    op = hvp_fn(problem.model, problem.batches)
+    v = _vectors(op.dim, 1)[0]
+    hv = op(v)
+    assert problem.model.training
+    torch.testing.assert_close(hv, problem.dense_hessian() @ v)  # the reference uses eval mode
+    for before, after in zip(stats, (bn.running_mean, bn.running_var, bn.num_batches_tracked)):
+        assert torch.equal(before, after)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_subset_by_names_gives_the_hessian_block(problem, method):
+    names = ["2.weight", "5.bias"]
+    H = problem.dense_hessian()
+    full = dict(problem.model.named_parameters())
+    sizes = [v.numel() for v in full.values()]
+    offsets = dict(zip(full, torch.tensor([0, *sizes[:-1]]).cumsum(0).tolist()))
+    idx = torch.cat([torch.arange(offsets[k], offsets[k] + full[k].numel()) for k in names])
+    block = H[idx][:, idx]
+    op = hvp_fn(problem.model, problem.batches, params=names, hvp=method)
+    assert list(op.point) == names and op.dim == idx.numel()
+    for v in _vectors(op.dim):
+        torch.testing.assert_close(op(v), block @ v, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(problem.dense_hessian(names=names), block)
+
+
+def test_weights_dict_with_buffers_is_the_evaluation_point(problem):
+    # a posterior sample: parameters and buffers by module name, different from the model's own
+    g = torch.Generator().manual_seed(3)
+    sample = {
+        k: v.detach() + 0.3 * torch.randn(v.shape, generator=g, dtype=v.dtype)
+        for k, v in problem.model.named_parameters()
+    }
+    sample["3.running_mean"] = torch.full((8,), 0.2, dtype=torch.float64)
+    sample["3.running_var"] = torch.full((8,), 1.7, dtype=torch.float64)
+    sample["3.num_batches_tracked"] = torch.tensor(5)
+    H = problem.dense_hessian(weights=sample)
+    op = hvp_fn(problem.model, problem.batches, weights=sample)
+    v = _vectors(op.dim, 1)[0]
+    torch.testing.assert_close(op(v), H @ v, rtol=1e-10, atol=1e-12)
+    assert not torch.allclose(H, problem.dense_hessian())
+    # a params dict is the point itself and overrides weights
+    sub = {"5.weight": sample["5.weight"] * 2}
+    op = hvp_fn(problem.model, problem.batches, params=sub, weights=sample)
+    Hs = problem.dense_hessian(names=["5.weight"], weights={**sample, **sub})
+    v = _vectors(op.dim, 1)[0]
+    torch.testing.assert_close(op(v), Hs @ v, rtol=1e-10, atol=1e-12)
+
+
+def test_frozen_parameters_are_left_out_by_default():
+    p = make_problem()
+    for q in p.model[0].parameters():
+        q.requires_grad_(False)
+    op = hvp_fn(p.model, p.batches)
+    assert "0.weight" not in op.point and op.dim == 219 - 72
+
+
+def test_unflatten_round_trip(problem):
+    op = hvp_fn(problem.model, problem.batches, params=["0.bias", "5.weight"])
+    v = torch.arange(op.dim, dtype=torch.float64)
+    parts = op.unflatten(v)
+    assert parts["0.bias"].shape == (12,) and parts["5.weight"].shape == (3, 8)
+    assert torch.equal(op.flatten(parts), v)
+
+
+def test_dataloader_input(problem):
+    ds = torch.utils.data.TensorDataset(problem.x, problem.y)
+    loader = torch.utils.data.DataLoader(ds, batch_size=16)  # batches 16, 16, 8
+    op = hvp_fn(problem.model, loader, hvp="func")
+    v = _vectors(op.dim, 1)[0]
+    torch.testing.assert_close(op(v), problem.dense_hessian() @ v, rtol=1e-10, atol=1e-12)
+
+
+def test_module_with_unused_parameter_warns():
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.used = nn.Linear(3, 2)
+            self.unused = nn.Linear(3, 2)
+
+        def forward(self, x):
+            return self.used(x)
+
+    x, y = torch.randn(4, 3), torch.tensor([0, 1, 0, 1])
+    with pytest.warns(UserWarning, match="does not depend on 2 chosen"):
+        hvp_fn(Net(), (x, y))
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_products_under_no_grad(problem, method):
+    v = _vectors(219, 1)[0]
+    expected = problem.dense_hessian() @ v
+    with torch.no_grad():
+        op = hvp_fn(problem.model, problem.batches, hvp=method)
+        torch.testing.assert_close(op(v), expected, rtol=1e-10, atol=1e-12)
