@@ -1,3 +1,5 @@
+import warnings
+
 import pytest
 import torch
 
@@ -61,7 +63,14 @@ def test_generic_solvers_return_orthonormal_eigenvectors_with_true_residuals():
 )
 def test_mlp_top5_match_dense_eigvalsh(problem, method, hvp):
     ref = torch.linalg.eigvalsh(problem.dense_hessian()).flip(0)[:5]
-    ev = hessian_eigenvalues(problem.model, problem.batches, k=5, method=method, hvp=hvp, max_iter=200)
+    # λ_min ≈ −0.45 makes power iteration run on A + 0.45 I (ratio λ_5/λ_4 ≈ 0.98 there): a residual
+    # tolerance of 1e-3 already gives eigenvalues to ~1e-5 (the error is ~ residual² / gap)
+    tol, max_iter = (1e-4, 100) if method == "lanczos" else (1e-3, 600)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ConvergenceWarning)
+        ev = hessian_eigenvalues(
+            problem.model, problem.batches, k=5, method=method, hvp=hvp, tol=tol, max_iter=max_iter
+        )
     assert ((ev - ref).abs() / ref.abs()).max() < 1e-4
 
 

@@ -3,8 +3,23 @@
 Loaders read local files only and return :class:`DatasetSplits`; :func:`load_dataset` looks them up
 by name in :data:`DATASETS`. :func:`few_shot` draws reproducible k-shot subsets whose validation
 examples come out of the k-shot budget.
+:func:`corrupt` applies the CIFAR-C corruptions to any images; :func:`load_cifar_c` reads the published files.
 """
 
+from flatbma.data.cifar_c import (
+    CIFAR10_CLASSES,
+    CIFAR_C_CORRUPTIONS,
+    cifar_c_corruptions,
+    load_cifar_c,
+)
+from flatbma.data.corruptions import (
+    BENCHMARK_CORRUPTIONS,
+    CORRUPTIONS,
+    applicable,
+    corrupt,
+    corrupt_dataset,
+    corruption_names,
+)
 from flatbma.data.datasets import (
     ANIMAL_MNIST_CLASSES,
     DATASETS,
@@ -37,6 +52,10 @@ from flatbma.data.transforms import (
 
 __all__ = [
     "ANIMAL_MNIST_CLASSES",
+    "BENCHMARK_CORRUPTIONS",
+    "CIFAR10_CLASSES",
+    "CIFAR_C_CORRUPTIONS",
+    "CORRUPTIONS",
     "DATASETS",
     "FASHION_MNIST_CLASSES",
     "FASHION_MNIST_ROOT",
@@ -50,13 +69,19 @@ __all__ = [
     "RandomCrop",
     "RandomHorizontalFlip",
     "Resize",
+    "applicable",
     "build_transform",
+    "cifar_c_corruptions",
+    "corrupt",
+    "corrupt_dataset",
+    "corruption_names",
     "dataset_names",
     "few_shot",
     "few_shot_indices",
     "load_animal_mnist",
     "load_cifar10",
     "load_cifar100",
+    "load_cifar_c",
     "load_dataset",
     "load_digits",
     "load_fashion_mnist",

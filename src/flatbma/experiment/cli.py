@@ -43,6 +43,14 @@ def _build_parser() -> argparse.ArgumentParser:
         "--flatness", action="store_true", help="add Hessian spectra and distribution-level flatness to metrics.json"
     )
 
+    compare = sub.add_parser("compare", help="compare methods x seeds: BMA metrics, corruptions, flatness, reports")
+    compare.add_argument("--config", required=True, help="YAML config with a 'compare' section (configs/demo.yaml)")
+    compare.add_argument(
+        "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="override a config value"
+    )
+    compare.add_argument("--quick", action="store_true", help="the reduced setting of the config's compare.quick")
+    compare.add_argument("--force", action="store_true", help="replace results of a different config")
+
     sub.add_parser("methods", help="list the registered methods")
     return parser
 
@@ -75,6 +83,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                 raise FlatbmaError("train needs --config FILE (or --resume RUN_DIR)")
             _print_metrics(metrics)
             print(f"wrote {run_dir / 'metrics.json'}")
+        elif args.command == "compare":
+            from flatbma.experiment.compare import load_plan, run_compare
+            from flatbma.experiment.report import summary_table
+
+            plan = load_plan(args.config, args.overrides, quick=args.quick)
+            results = run_compare(plan, force=args.force)
+            print(summary_table(results))
+            print(f"wrote {plan.out_dir / 'results.json'}, results.csv, report.md and report.html")
         elif args.command == "evaluate":
             from flatbma.experiment.run import evaluate_run
 

@@ -4,6 +4,8 @@
 * :func:`hessian_eigenvalues` — the top-``k`` eigenvalues (Lanczos, or power iteration as reference);
 * :func:`hessian_trace` — Hutchinson's trace estimate with its standard error;
 * :func:`spectral_density` — the eigenvalue density by stochastic Lanczos quadrature.
+* :func:`loss_along` / :func:`loss_surface` / :func:`posterior_landscape` — 1-D and 2-D loss landscapes
+  along filter-normalized random (:func:`random_direction`) or top-eigenvector directions.
 
 The solvers on flat vectors (:func:`lanczos`, :func:`power_iteration`, :func:`hutchinson_trace`,
 :func:`stochastic_lanczos_quadrature`) work for any symmetric operator.
@@ -20,14 +22,32 @@ from flatbma.flatness.lanczos import (
     lanczos_tridiagonal,
     power_iteration,
 )
+from flatbma.flatness.landscape import (
+    BiasBNPolicy,
+    EigenDirection,
+    LandscapeBand,
+    landscape_1d_png,
+    landscape_2d_png,
+    loss_along,
+    loss_along_samples,
+    loss_surface,
+    plot_landscape_1d,
+    plot_landscape_2d,
+    posterior_landscape,
+    random_direction,
+    top_eigen_direction,
+)
 from flatbma.flatness.slq import SpectralDensity, spectral_density, stochastic_lanczos_quadrature
 
 __all__ = [
+    "BiasBNPolicy",
     "ConvergenceWarning",
+    "EigenDirection",
     "EigenMethod",
     "EigenResult",
     "HVPMethod",
     "HessianOperator",
+    "LandscapeBand",
     "SpectralDensity",
     "TraceEstimate",
     "hessian_eigenvalues",
@@ -36,7 +56,17 @@ __all__ = [
     "hvp_fn",
     "lanczos",
     "lanczos_tridiagonal",
+    "landscape_1d_png",
+    "landscape_2d_png",
+    "loss_along",
+    "loss_along_samples",
+    "loss_surface",
+    "plot_landscape_1d",
+    "plot_landscape_2d",
+    "posterior_landscape",
     "power_iteration",
+    "random_direction",
     "spectral_density",
     "stochastic_lanczos_quadrature",
+    "top_eigen_direction",
 ]

@@ -1,0 +1,337 @@
+"""``flatbma compare``: methods × seeds through the one runner, evaluated for calibration, shift and flatness.
+
+A compare config is a run config (the shared data/model/optim/train/eval sections and a default
+``method``) plus a ``compare`` section listing what varies::
+
+    compare:
+      methods: [{name: sgd}, {name: sam, rho: 0.05}, {name: fp-bma, rank: 5}]
+      seeds: [0, 1, 2]
+      corruptions: [gaussian_noise, defocus_blur, contrast]
+      severities: [1, 3, 5]
+      bma_curve: [1, 2, 5, 10, 20, 30]
+      flatness: true
+      landscape: true
+      quick: {methods: [sgd, sam], seeds: [0], set: [train.epochs=2]}
+
+Each (method, seed) is an ordinary run directory under ``OUT/runs/<method>/seed<s>`` (trained with
+:func:`flatbma.experiment.run.train_run`); its comparison measurements are cached beside it in
+``compare.json`` together with the hash of the config that produced them, so a rerun skips every
+finished (method, seed) and reuses it. The output directory records its compare config and refuses
+to mix results of a different one unless ``--force`` is given.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+from tqdm.auto import tqdm
+
+from flatbma.errors import FlatbmaError
+from flatbma.experiment.checkpoint import atomic_write_bytes, atomic_write_json, load_state
+from flatbma.experiment.config import RunConfig, config_from_dict, load_raw, parse_override
+from flatbma.experiment.parse import parse_dataclass, set_dotted
+from flatbma.experiment.run import (
+    CHECKPOINT_FILE,
+    CONFIG_FILE,
+    METRICS_FILE,
+    Experiment,
+    build_experiment,
+    flatness_metrics,
+    posterior_samples,
+    train_run,
+)
+from flatbma.metrics import StreamingMetrics
+from flatbma.predict import eval_mode, log_mean_exp, sample_log_probs
+
+COMPARE_CONFIG = "compare_config.yaml"
+RESULTS_JSON = "results.json"
+RUN_CACHE = "compare.json"
+
+
+@dataclass(frozen=True)
+class QuickConfig:
+    """What ``--quick`` changes.
+
+    Attributes:
+        methods: method names to keep (``[]`` keeps all).
+        seeds: seeds to run (``[]`` keeps the full list).
+        set: ``key=value`` overrides of the shared run config (e.g. ``train.epochs=2``).
+    """
+
+    methods: tuple[str, ...] = ()
+    seeds: tuple[int, ...] = ()
+    set: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class CompareConfig:
+    """The ``compare`` section.
+
+    Attributes:
+        methods: method sections (``{name: ..., options...}``) to compare.
+        seeds: seeds; each (method, seed) is one run.
+        corruptions: corruption names evaluated on the test set (``flatbma.data.corruption_names()``).
+        severities: corruption severities in 1..5.
+        bma_curve: numbers of BMA samples M at which accuracy/NLL/ECE are also reported.
+        flatness: measure Hessian spectra and distribution-level flatness.
+        landscape: record a 1-D loss landscape of the posterior along a filter-normalized direction.
+        quick: the reduced setting of ``--quick``.
+    """
+
+    methods: tuple[Any, ...] = ()
+    seeds: tuple[int, ...] = (0,)
+    corruptions: tuple[str, ...] = ()
+    severities: tuple[int, ...] = (3,)
+    bma_curve: tuple[int, ...] = (1, 2, 5, 10, 20, 30)
+    flatness: bool = True
+    landscape: bool = True
+    quick: QuickConfig = field(default_factory=QuickConfig)
+
+    def __post_init__(self) -> None:
+        if not self.methods:
+            raise FlatbmaError("compare.methods is empty: list the methods to compare, e.g. [{name: sgd}, {name: sam}]")
+        if not self.seeds:
+            raise FlatbmaError("compare.seeds is empty: give at least one seed, e.g. [0, 1, 2]")
+        bad = [s for s in self.severities if not 1 <= s <= 5]
+        if bad:
+            raise FlatbmaError(f"compare.severities must lie in 1..5, got {bad}")
+        if any(m < 1 for m in self.bma_curve):
+            raise FlatbmaError(f"compare.bma_curve holds numbers of samples >= 1, got {list(self.bma_curve)}")
+        if self.corruptions:
+            from flatbma.data.corruptions import corruption_names
+
+            unknown = [c for c in self.corruptions if c not in corruption_names()]
+            if unknown:
+                from flatbma.errors import suggest
+
+                raise FlatbmaError(
+                    f"unknown corruption {unknown[0]!r}.{suggest(unknown[0], corruption_names())} "
+                    f"Available: {', '.join(corruption_names())}"
+                )
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A parsed compare: the shared run config, the compare section and the output directory."""
+
+    base: RunConfig
+    compare: CompareConfig
+    raw: dict[str, Any]
+    out_dir: Path
+
+    def runs(self) -> list[RunConfig]:
+        """One run config per (method, seed), each with its own output directory."""
+        out = []
+        for method in self.compare.methods:
+            for seed in self.compare.seeds:
+                raw = json.loads(json.dumps(self.raw))
+                raw["method"] = method
+                raw["seed"] = seed
+                raw["output_dir"] = str(self.out_dir / "runs" / _slug(method) / f"seed{seed}")
+                raw.setdefault("eval", {})["flatness"] = False  # measured by the comparison itself
+                out.append(config_from_dict(raw))
+        return out
+
+    def fingerprint(self) -> str:
+        """Hash of everything that determines the results (not the output directory)."""
+        payload = {
+            "base": {k: v for k, v in self.base.to_dict().items() if k != "output_dir"},
+            "compare": dataclasses.asdict(self.compare),
+        }
+        return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _slug(method: dict[str, Any]) -> str:
+    opts = {k: v for k, v in method.items() if k != "name"}
+    if not opts:
+        return str(method["name"])
+    digest = hashlib.sha256(json.dumps(opts, sort_keys=True).encode()).hexdigest()[:6]
+    return f"{method['name']}-{digest}"
+
+
+def load_plan(path: str | Path, overrides: list[str] = (), *, quick: bool = False) -> Plan:
+    """Parse a compare config file (+ ``--set`` overrides, + the ``--quick`` reduction)."""
+    raw = load_raw(path)
+    for item in overrides:
+        key, value = parse_override(item)
+        set_dotted(raw, key, value)
+    if "compare" not in raw:
+        raise FlatbmaError(f"{path} has no 'compare' section (methods, seeds, ...); see configs/demo.yaml")
+    section = raw.pop("compare")
+    if isinstance(section, dict) and isinstance(section.get("methods"), list):
+        section = {**section, "methods": [m if isinstance(m, dict) else {"name": m} for m in section["methods"]]}
+    compare = parse_dataclass(CompareConfig, section, "compare")
+    if quick:
+        q = compare.quick
+        for item in q.set:
+            key, value = parse_override(item)
+            set_dotted(raw, key, value)
+        methods = tuple(m for m in compare.methods if not q.methods or m["name"] in q.methods)
+        compare = dataclasses.replace(compare, methods=methods, seeds=q.seeds or compare.seeds)
+    raw.setdefault("method", compare.methods[0])
+    base = config_from_dict(raw)
+    for method in compare.methods:  # validate every method section up front
+        config_from_dict({**raw, "method": method})
+    return Plan(base=base, compare=compare, raw=raw, out_dir=Path(base.output_dir))
+
+
+# --------------------------------------------------------------------------------------------------
+# measurements of one run
+
+
+@torch.no_grad()
+def bma_curve_metrics(
+    exp: Experiment, samples: list[dict[str, torch.Tensor]], loader, sizes: tuple[int, ...]
+) -> tuple[dict[int, dict[str, float]], dict[str, list]]:
+    """Metrics of the BMA of the first ``m`` samples for every ``m`` in ``sizes``, in one pass.
+
+    Returns:
+        ``({m: metrics}, reliability diagram of the full BMA)``.
+    """
+    sizes = tuple(sorted({min(m, len(samples)) for m in sizes} | {len(samples)}))
+    states = {m: StreamingMetrics(num_classes=exp.num_classes, n_bins=exp.config.eval.n_bins) for m in sizes}
+    mode = exp.method.predict_mode or eval_mode
+    with mode(exp.model):
+        for x, y in loader:
+            x, y = x.to(exp.device), y.to(exp.device)
+            per_sample = sample_log_probs(exp.model, samples, x)
+            for m, state in states.items():
+                state.update(log_mean_exp(per_sample[:m]), y)
+    reliability = {
+        k: [None if v != v else float(v) for v in t.tolist()] for k, t in states[sizes[-1]].reliability().items()
+    }
+    return {m: s.compute() for m, s in states.items()}, reliability
+
+
+def corruption_metrics(
+    exp: Experiment, samples: list[dict[str, torch.Tensor]], names: tuple[str, ...], severities: tuple[int, ...]
+) -> dict[str, dict[str, dict[str, float]]]:
+    """BMA accuracy/NLL/ECE on each corrupted copy of the test set."""
+    from flatbma.data.corruptions import applicable, corrupt_dataset
+
+    test = exp.test_loader.dataset
+    channels = test.images.shape[1]
+    out: dict[str, dict[str, dict[str, float]]] = {}
+    for name in names:
+        if not applicable(name, channels):
+            continue
+        out[name] = {}
+        for severity in severities:
+            shifted = corrupt_dataset(test, name, severity, seed=exp.config.seed)
+            loader = torch.utils.data.DataLoader(shifted, batch_size=exp.config.data.eval_batch_size)
+            metrics, _ = bma_curve_metrics(exp, samples, loader, (len(samples),))
+            m = metrics[len(samples)]
+            out[name][str(severity)] = {k: m[k] for k in ("accuracy", "nll", "ece")}
+    return out
+
+
+def landscape_metrics(exp: Experiment, samples: list[dict[str, torch.Tensor]]) -> dict[str, list[float]]:
+    """Training loss of each sample along one filter-normalized random direction (mean ± std over samples)."""
+    from flatbma.flatness.landscape import posterior_landscape, random_direction
+
+    names = [n for n, p in exp.model.named_parameters() if p.requires_grad]
+    chosen = samples[: exp.config.eval.flatness_samples]
+    data = [(x.to(exp.device), y.to(exp.device)) for x, y in exp.hessian_loader]
+    direction = random_direction(chosen[0], names, seed=exp.config.seed)
+    alphas = torch.linspace(-1.0, 1.0, 21)
+    mean, std = posterior_landscape(exp.model, data, chosen, direction, alphas)
+    return {"alphas": alphas.tolist(), "mean": mean.tolist(), "std": std.tolist()}
+
+
+def measure_run(cfg: RunConfig, compare: CompareConfig) -> dict[str, Any]:
+    """Every comparison measurement of a finished run directory."""
+    run_dir = Path(cfg.output_dir)
+    exp = build_experiment(cfg)
+    state = load_state(run_dir / CHECKPOINT_FILE, device=str(exp.device))
+    start = time.perf_counter()
+    samples = posterior_samples(exp, state)
+    curve, reliability = bma_curve_metrics(exp, samples, exp.test_loader, compare.bma_curve)
+    full = curve[len(samples)]
+    result: dict[str, Any] = {k: full[k] for k in ("accuracy", "nll", "ece", "aece", "brier")}
+    result["bma_curve"] = {
+        "num_samples": list(curve),
+        **{k: [curve[m][k] for m in curve] for k in ("accuracy", "nll", "ece")},
+    }
+    result["reliability"] = reliability
+    result["corruptions"] = corruption_metrics(exp, samples, compare.corruptions, compare.severities)
+    if compare.flatness:
+        result.update(flatness_metrics(exp, samples))
+    result["landscape"] = landscape_metrics(exp, samples) if compare.landscape else None
+    result["eval_time_s"] = time.perf_counter() - start
+    return result
+
+
+# --------------------------------------------------------------------------------------------------
+# the whole comparison
+
+
+def _check_out_dir(plan: Plan, force: bool) -> None:
+    recorded = plan.out_dir / COMPARE_CONFIG
+    if recorded.is_file() and not force:
+        old = yaml.safe_load(recorded.read_text()) or {}
+        if old.get("fingerprint") != plan.fingerprint():
+            raise FlatbmaError(
+                f"{plan.out_dir} holds the results of a different compare config; choose another output_dir "
+                "(--set output_dir=...) or pass --force to replace them"
+            )
+
+
+def run_compare(plan: Plan, *, force: bool = False, progress: bool = True) -> dict[str, Any]:
+    """Train and measure every (method, seed) not already finished; write results and reports."""
+    _check_out_dir(plan, force)
+    plan.out_dir.mkdir(parents=True, exist_ok=True)
+    fingerprint = plan.fingerprint()
+    record = {"fingerprint": fingerprint, "config": plan.raw, "compare": dataclasses.asdict(plan.compare)}
+    atomic_write_bytes(plan.out_dir / COMPARE_CONFIG, yaml.safe_dump(record, sort_keys=False).encode())
+
+    runs = plan.runs()
+    rows = []
+    bar = tqdm(runs, desc="compare", disable=not progress or None, dynamic_ncols=True)
+    for cfg in bar:
+        bar.set_postfix(method=cfg.method.name, seed=cfg.seed, refresh=True)
+        rows.append(_run_one(cfg, plan.compare, fingerprint, force))
+    results = {
+        "config_hash": fingerprint,
+        "config": plan.raw,
+        "compare": dataclasses.asdict(plan.compare),
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "runs": rows,
+    }
+    atomic_write_json(plan.out_dir / RESULTS_JSON, results)
+    from flatbma.experiment.report import write_reports
+
+    write_reports(results, plan.out_dir)
+    return results
+
+
+def _run_one(cfg: RunConfig, compare: CompareConfig, fingerprint: str, force: bool) -> dict[str, Any]:
+    run_dir = Path(cfg.output_dir)
+    cache = run_dir / RUN_CACHE
+    resolved = cfg.to_dict()
+    finished = (run_dir / METRICS_FILE).is_file() and (run_dir / CONFIG_FILE).is_file()
+    if finished and yaml.safe_load((run_dir / CONFIG_FILE).read_text()) == resolved and not force:
+        if cache.is_file():
+            cached = json.loads(cache.read_text())
+            if cached.get("fingerprint") == fingerprint:
+                return cached["result"]
+        train_metrics = json.loads((run_dir / METRICS_FILE).read_text())
+    else:
+        _, train_metrics = train_run(cfg, force=True)
+    result = {
+        "method": cfg.method.name,
+        "method_options": cfg.method.to_dict(),
+        "seed": cfg.seed,
+        "run_dir": str(run_dir),
+        "train_time_s": train_metrics.get("train_time_s"),
+        **measure_run(cfg, compare),
+    }
+    atomic_write_json(cache, {"fingerprint": fingerprint, "result": result})
+    return result
