@@ -2,20 +2,31 @@
 
 ``log p(y|x) = log (1/M) Σ_m softmax(f(x; w_m))_y = logsumexp_m log_softmax(f(x; w_m))_y − log M``,
 computed in log space (never ``log`` of an averaged, clamped probability).
+
+The ``M`` forward passes ``f(x; w_m)`` run either one sample at a time (the *loop*) or several
+samples per call (*batched*): the weight dicts of a chunk of samples are stacked key by key
+(parameters and buffers alike, as ``torch.func.stack_module_state`` does) and
+``torch.func.vmap(functional_call(model, ·, (x,)), in_dims=(0, None))`` maps over the stacked
+dimension. Both give the same numbers up to float rounding; see :func:`sample_log_probs` for which
+one runs.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
+import logging
 import math
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from typing import Any
+from weakref import WeakKeyDictionary
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.func import functional_call
+from torch.func import functional_call, vmap
 
 from flatbma.errors import FlatbmaError
 from flatbma.metrics import StreamingMetrics
@@ -33,9 +44,225 @@ def eval_mode(model: nn.Module) -> Iterator[nn.Module]:
         model.train(was_training)
 
 
-def sample_log_probs(model: nn.Module, samples: Sequence[Mapping[str, Tensor]], x: Tensor) -> Tensor:
-    """``log_softmax(f(x; w_m))`` for every sample: a tensor ``[M, B, C]``."""
+ACTIVATION_BUDGET_BYTES = 256 * 2**20
+"""Budget for one batched call: the chunk's largest layer output plus its stacked weights.
+
+It sets the automatic chunk size (peak memory of a call is a small multiple of it)."""
+
+CPU_BATCHED_MAX_MEAN_ELEMENTS = 16_384
+"""On the CPU the automatic choice batches only forward passes whose leaf modules output at most
+this many elements on average (per sample, for the given input batch): those are dominated by
+per-operation overhead, which batching removes. Larger layers run slower under ``vmap`` on the CPU
+(its batching rules turn convolutions into grouped ones and normalization into several passes over
+the activations), see ``bench/bma.py``."""
+
+_UNSTACKED_CHUNK = 8
+"""Chunk size when the activation footprint of the model cannot be estimated."""
+
+_log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class _Footprint:
+    """Output sizes of the leaf modules in one forward pass of one sample on one input batch."""
+
+    leaf_calls: int
+    total_elements: int
+    peak_elements: int
+
+    @property
+    def mean_elements(self) -> float:
+        return self.total_elements / max(self.leaf_calls, 1)
+
+
+_TrainingFlags = tuple[bool, ...]
+_FootprintKey = tuple[_TrainingFlags, tuple[int, ...], torch.dtype]
+
+# Per model (weakly referenced, so dropped with the model): the train/eval configurations in which
+# vmap failed and the loop succeeded, and the memoized footprints.
+_VMAP_FAILED: WeakKeyDictionary[nn.Module, set[_TrainingFlags]] = WeakKeyDictionary()
+_FOOTPRINTS: WeakKeyDictionary[nn.Module, dict[_FootprintKey, _Footprint | None]] = WeakKeyDictionary()
+
+
+def sample_log_probs(
+    model: nn.Module,
+    samples: Sequence[Mapping[str, Tensor]],
+    x: Tensor,
+    *,
+    batched: bool | None = None,
+    chunk_size: int | None = None,
+) -> Tensor:
+    """``log_softmax(f(x; w_m))`` for every sample: a tensor ``[M, B, C]``.
+
+    Batched evaluation stacks the weight dicts of ``chunk_size`` samples key by key (parameters and
+    buffers, so per-sample BatchNorm statistics are kept) and maps
+    ``functional_call(model, w, (x,))`` over them with ``torch.func.vmap(in_dims=(0, None),
+    randomness="different")``. The loop calls ``functional_call`` once per sample. Both give the same
+    numbers up to float rounding, except that stochastic layers (dropout kept active by MC dropout's
+    prediction mode) draw other — equally valid, independent per sample — random numbers under
+    ``vmap`` than in the loop; either path is reproducible for a fixed global seed and chunk size.
+    Modules that update buffers in ``forward`` (train-mode BatchNorm) update the stacked copies when
+    batched and the sample dicts themselves in the loop; the outputs agree.
+
+    Automatic choice (``batched=None``): the loop for a single sample, once ``vmap`` failed for this
+    model in its current train/eval configuration, and when the dicts cannot be stacked (other keys,
+    shapes, dtypes or devices). Otherwise a shape-only forward pass on the meta device (once per model,
+    train/eval configuration and input shape; the model's forward hooks see it) measures the outputs
+    of the leaf modules. Accelerators batch whenever a chunk holds two samples or more; the CPU only
+    when the mean leaf output is at most :data:`CPU_BATCHED_MAX_MEAN_ELEMENTS`.
+
+    Fallback: when the batched call raises ``RuntimeError`` or ``NotImplementedError`` — what
+    functorch raises for ``.item()``, data-dependent control flow or an operator without a batching
+    rule — the loop recomputes the whole result, so a fallback never changes the numbers; if the loop
+    succeeds the model's configuration is remembered and not batched again. Errors of the model
+    itself are then raised by the loop. With ``batched=True`` there is no fallback.
+
+    Args:
+        model: the template module, already in its prediction mode.
+        samples: weight dicts (parameters and buffers by module name), one per posterior sample.
+        x: one input batch.
+        batched: ``True`` batches, ``False`` loops, ``None`` chooses as described above.
+        chunk_size: samples per batched call; ``None`` takes as many as fit
+            :data:`ACTIVATION_BUDGET_BYTES` (at least one, at most all).
+
+    Raises:
+        FlatbmaError: for invalid ``batched``/``chunk_size``, and with ``batched=True`` when the
+            samples cannot be stacked or ``vmap`` cannot evaluate the model.
+    """
+    _check_batching_options(batched, chunk_size)
+    if batched is False or (batched is None and len(samples) < 2):
+        return _loop_log_probs(model, samples, x)
+    flags = _training_flags(model)
+    if batched is None and flags in _VMAP_FAILED.get(model, ()):
+        return _loop_log_probs(model, samples, x)
+    footprint = _footprint(model, samples[0], x) if chunk_size is None or batched is None else None
+    chunk = chunk_size or _auto_chunk_size(footprint, samples[0], x, len(samples))
+    if batched is None and not _batching_pays(footprint, chunk, x.device):
+        return _loop_log_probs(model, samples, x)
+    problem = _stacking_problem(samples)
+    if problem is not None:
+        if batched:
+            raise FlatbmaError(f"batched=True needs samples that can be stacked: {problem}. Use batched=None.")
+        return _loop_log_probs(model, samples, x)
+    try:
+        return _batched_log_probs(model, samples, x, chunk)
+    except (RuntimeError, NotImplementedError) as err:
+        if batched:
+            raise FlatbmaError(
+                f"torch.func.vmap cannot evaluate {type(model).__name__} ({err}); use batched=None or False."
+            ) from err
+        out = _loop_log_probs(model, samples, x)
+        _VMAP_FAILED.setdefault(model, set()).add(flags)
+        _log.info("vmap cannot evaluate %s (%s); evaluating its samples one at a time", type(model).__name__, err)
+        return out
+
+
+def _loop_log_probs(model: nn.Module, samples: Sequence[Mapping[str, Tensor]], x: Tensor) -> Tensor:
     return torch.stack([F.log_softmax(functional_call(model, dict(w), (x,)), dim=-1) for w in samples])
+
+
+def _batched_log_probs(model: nn.Module, samples: Sequence[Mapping[str, Tensor]], x: Tensor, chunk: int) -> Tensor:
+    def log_probs(weights: dict[str, Tensor], inputs: Tensor) -> Tensor:
+        return F.log_softmax(functional_call(model, weights, (inputs,)), dim=-1)
+
+    mapped = vmap(log_probs, in_dims=(0, None), randomness="different")
+    keys = list(samples[0])
+    return torch.cat(
+        [
+            mapped({k: torch.stack([w[k] for w in samples[i : i + chunk]]) for k in keys}, x)
+            for i in range(0, len(samples), chunk)
+        ]
+    )
+
+
+def _check_batching_options(batched: object, chunk_size: object) -> None:
+    if batched is not None and not isinstance(batched, bool):
+        raise FlatbmaError(f"batched must be True, False or None (automatic), got {batched!r}.")
+    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
+        raise FlatbmaError(f"chunk_size must be a positive integer or None (automatic), got {chunk_size!r}.")
+
+
+def _stacking_problem(samples: Sequence[Mapping[str, Tensor]]) -> str | None:
+    """Why the weight dicts cannot be stacked key by key, or ``None`` when they can."""
+    first = samples[0]
+    for i, w in enumerate(samples[1:], start=1):
+        if w.keys() != first.keys():
+            return f"sample {i} has other keys than sample 0 ({sorted(set(w) ^ set(first))[:3]} differ)"
+        for key, t in w.items():
+            ref = first[key]
+            if t.shape != ref.shape or t.dtype != ref.dtype or t.device != ref.device:
+                return (
+                    f"'{key}' is {tuple(t.shape)} {t.dtype} on {t.device} in sample {i} but "
+                    f"{tuple(ref.shape)} {ref.dtype} on {ref.device} in sample 0"
+                )
+    return None
+
+
+def _training_flags(model: nn.Module) -> _TrainingFlags:
+    return tuple(m.training for m in model.modules())
+
+
+def _footprint(model: nn.Module, sample: Mapping[str, Tensor], x: Tensor) -> _Footprint | None:
+    """Leaf-module output sizes of one sample's forward pass, from a shape-only run on the meta device.
+
+    Memoized per model, train/eval configuration and input shape; ``None`` when the model does not
+    run on meta tensors.
+    """
+    key = (_training_flags(model), tuple(x.shape), x.dtype)
+    memo = _FOOTPRINTS.setdefault(model, {})
+    if key not in memo:
+        memo[key] = _measure_footprint(model, sample, x)
+    return memo[key]
+
+
+def _measure_footprint(model: nn.Module, sample: Mapping[str, Tensor], x: Tensor) -> _Footprint | None:
+    sizes: list[int] = []
+
+    def record(_module: nn.Module, _inputs: Any, output: Any) -> None:
+        sizes.append(_numel(output))
+
+    leaves = [m for m in model.modules() if next(m.children(), None) is None]
+    handles = [m.register_forward_hook(record) for m in leaves]
+    named = itertools.chain(model.named_parameters(), model.named_buffers(), sample.items())
+    weights = {name: torch.empty_like(t, device="meta") for name, t in named}
+    try:
+        with torch.no_grad():
+            functional_call(model, weights, (torch.empty_like(x, device="meta"),))
+    except Exception:  # a shape-only probe: whatever fails here only means "no estimate"
+        return None
+    finally:
+        for handle in handles:
+            handle.remove()
+    if not sizes:
+        return None
+    return _Footprint(leaf_calls=len(sizes), total_elements=sum(sizes), peak_elements=max(sizes))
+
+
+def _numel(output: Any) -> int:
+    """Elements of all tensors in a module output (a tensor, or tuples, lists and dicts of them)."""
+    if isinstance(output, Tensor):
+        return output.numel()
+    if isinstance(output, Mapping):
+        output = list(output.values())
+    if isinstance(output, list | tuple):
+        return sum(_numel(o) for o in output)
+    return 0
+
+
+def _auto_chunk_size(footprint: _Footprint | None, sample: Mapping[str, Tensor], x: Tensor, num_samples: int) -> int:
+    if footprint is None:
+        return min(num_samples, _UNSTACKED_CHUNK)
+    weight_bytes = sum(t.numel() * t.element_size() for t in sample.values())
+    per_sample = footprint.peak_elements * x.element_size() + weight_bytes
+    return max(1, min(num_samples, ACTIVATION_BUDGET_BYTES // max(per_sample, 1)))
+
+
+def _batching_pays(footprint: _Footprint | None, chunk: int, device: torch.device) -> bool:
+    if chunk < 2:
+        return False
+    if device.type != "cpu":
+        return True
+    return footprint is not None and footprint.mean_elements <= CPU_BATCHED_MAX_MEAN_ELEMENTS
 
 
 def log_mean_exp(log_probs: Tensor, dim: int = 0) -> Tensor:
@@ -44,11 +271,21 @@ def log_mean_exp(log_probs: Tensor, dim: int = 0) -> Tensor:
 
 
 @torch.no_grad()
-def bma_log_probs(model: nn.Module, samples: Sequence[Mapping[str, Tensor]], x: Tensor) -> Tensor:
-    """BMA predictive log-probabilities ``[B, C]`` of one input batch."""
+def bma_log_probs(
+    model: nn.Module,
+    samples: Sequence[Mapping[str, Tensor]],
+    x: Tensor,
+    *,
+    batched: bool | None = None,
+    chunk_size: int | None = None,
+) -> Tensor:
+    """BMA predictive log-probabilities ``[B, C]`` of one input batch.
+
+    ``batched`` and ``chunk_size`` choose how the samples are evaluated, see :func:`sample_log_probs`.
+    """
     if not samples:
         raise FlatbmaError("BMA needs at least one posterior sample (num_samples >= 1)")
-    return log_mean_exp(sample_log_probs(model, samples, x))
+    return log_mean_exp(sample_log_probs(model, samples, x, batched=batched, chunk_size=chunk_size))
 
 
 def predict(
@@ -58,6 +295,8 @@ def predict(
     *,
     device: torch.device | str = "cpu",
     mode: Callable[[nn.Module], AbstractContextManager[Any]] | None = None,
+    batched: bool | None = None,
+    chunk_size: int | None = None,
 ) -> Iterator[tuple[Tensor, Tensor]]:
     """Yield ``(BMA log-probabilities, labels)`` batch by batch.
 
@@ -68,10 +307,15 @@ def predict(
         device: where batches go.
         mode: context manager factory for the model's prediction mode (a posterior's
             ``predict_mode``); eval mode when ``None``.
+        batched: batch the samples (``True``), loop over them (``False``) or choose (``None``);
+            see :func:`sample_log_probs`.
+        chunk_size: samples per batched call; ``None`` sizes chunks automatically.
     """
+    _check_batching_options(batched, chunk_size)
     with (mode or eval_mode)(model):
         for x, y in loader:
-            yield bma_log_probs(model, samples, x.to(device)), y.to(device)
+            log_probs = bma_log_probs(model, samples, x.to(device), batched=batched, chunk_size=chunk_size)
+            yield log_probs, y.to(device)
 
 
 def evaluate(
@@ -83,10 +327,16 @@ def evaluate(
     n_bins: int = 15,
     device: torch.device | str = "cpu",
     mode: Callable[[nn.Module], AbstractContextManager[Any]] | None = None,
+    batched: bool | None = None,
+    chunk_size: int | None = None,
 ) -> dict[str, float]:
-    """Accuracy, NLL, ECE, adaptive ECE and Brier score of the BMA predictive over ``loader``."""
+    """Accuracy, NLL, ECE, adaptive ECE and Brier score of the BMA predictive over ``loader``.
+
+    The keyword arguments are those of :func:`predict`.
+    """
     metrics = StreamingMetrics(num_classes=num_classes, n_bins=n_bins)
-    for log_probs, labels in predict(model, samples, loader, device=device, mode=mode):
+    batches = predict(model, samples, loader, device=device, mode=mode, batched=batched, chunk_size=chunk_size)
+    for log_probs, labels in batches:
         metrics.update(log_probs, labels)
     if metrics.compute()["n"] == 0:
         raise FlatbmaError("the evaluation data is empty: check the test split and data options")
