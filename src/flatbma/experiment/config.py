@@ -263,6 +263,7 @@ def load_raw(path: str | Path) -> dict[str, Any]:
 def load_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig:
     """Load ``path`` (or start from defaults when ``None``), apply ``--set`` overrides, validate."""
     raw = load_raw(path) if path is not None else {}
+    raw.pop("compare", None)  # a compare config's shared sections are a run config (flatbma compare uses the rest)
     for item in overrides:
         key, value = parse_override(item)
         set_dotted(raw, key, value)
