@@ -8,7 +8,7 @@ setup:
 	bash scripts/setup.sh
 
 demo: setup
-	bash scripts/demo.sh
+	bash scripts/demo.sh $(ARGS)
 
 test: setup
 	$(PY) -m ruff check src tests bench
