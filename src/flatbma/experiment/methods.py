@@ -19,7 +19,8 @@ from typing import Any
 from flatbma.errors import FlatbmaError, suggest
 from flatbma.experiment.parse import coerce, parse_dataclass
 from flatbma.optim import ASAM, SAM, FisherSAM
-from flatbma.posteriors import bsam, ensemble, lowrank_vi, mc_dropout, mfvi, point, sgld, swag
+from flatbma.optim.fp_bma import FisherBall
+from flatbma.posteriors import bsam, ensemble, fp_bma, lowrank_vi, mc_dropout, mfvi, point, sgld, swag
 from flatbma.types import Ascent, Posterior
 
 
@@ -94,7 +95,7 @@ def parse_method(data: Any, where: str = "method") -> MethodConfig:
     if not isinstance(data, Mapping) or "name" not in data:
         raise FlatbmaError(f"{where} must be a mapping with a 'name' key (one of: {', '.join(METHODS)})")
     name = data["name"]
-    if name not in METHODS:
+    if not isinstance(name, str) or name not in METHODS:
         raise FlatbmaError(
             f"unknown method {name!r}.{suggest(str(name), METHODS)} "
             f"Run 'flatbma methods' to list them: {', '.join(METHODS)}"
@@ -151,3 +152,7 @@ register(MethodSpec("f-ensemble", "F-ensemble: each member trained with SAM (Ngu
 register(MethodSpec("sgld", "SGLD: Langevin dynamics on mini-batch gradients (Welling & Teh 2011)", sgld.build))
 register(MethodSpec("csgld", "Cyclical SGLD: cosine cyclical step size (Zhang et al. 2020)", sgld.build_cyclical))
 register(MethodSpec("f-sgld", "F-SGLD: SGLD with the SAM gradient (Nguyen et al. 2023)", sgld.build, SAM))
+
+# FP-BMA: the low-rank + diagonal Gaussian with the ascent in θ-space, inside a KL ball (Lim et al. 2025).
+register(MethodSpec("fp-bma", "FP-BMA: low-rank Gaussian VI, ascent in a KL ball (Lim 2025)", fp_bma.build, FisherBall))
+register(MethodSpec("sa-bma", "SA-BMA: alias of fp-bma (Lim et al. 2025)", fp_bma.build, FisherBall))

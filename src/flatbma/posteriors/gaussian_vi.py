@@ -14,7 +14,9 @@ With an ascent step this is the flat-seeking variant (F-VI, Nguyen et al., NeurI
 Algorithm 1): for each sample ``w = w(θ, z)``, ``g = ∇_w L_B(w)``, ``ε = ascent.perturb(w, g)`` and the
 data gradient is ``∇L_B(w + ε)`` back-propagated to ``θ`` through the reparameterization, i.e. the
 vector-Jacobian product ``(∂w/∂θ)ᵀ ∇L_B(w + ε)``; the KL gradient is added unchanged. Without an
-ascent step the same composition is the plain reparameterization (ELBO) gradient.
+ascent step the same composition is the plain reparameterization (ELBO) gradient. With
+``build(..., ascent_space="theta")`` the ascent step perturbs ``θ`` itself instead (FP-BMA, Lim et al.
+2025): :func:`theta_sharpness_value_and_grad`.
 
 Randomness: the training noise comes from a generator reseeded every step from a seed stored in the
 state (``aux["rng/seed"]``, drawn from torch's global generator in ``init``) and the step number, so a
@@ -26,14 +28,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
-from typing import NamedTuple, Protocol
+from typing import Literal, NamedTuple, Protocol
 
 import torch
 from torch import Tensor
 
 from flatbma.errors import FlatbmaError
 from flatbma.optim.ascent import sharpness_aware_value_and_grad
-from flatbma.params import Objective, clone, dot
+from flatbma.params import Objective, add, clone, dot
 from flatbma.types import Ascent, Batch, GradientTransformation, Params, Posterior, State, StepOutput
 
 SEED_KEY = "rng/seed"
@@ -217,6 +219,56 @@ def elbo_value_and_grad(
     return torch.stack(losses).mean(), first_logits, out
 
 
+def kl_grad(family: ReparameterizedFamily, theta: Mapping[str, Tensor]) -> Params:
+    """``∇_θ KL(q_θ ‖ p)`` by key of ``θ``: ``family.kl_grad(θ)`` when the family has a closed form, else autograd."""
+    closed_form = getattr(family, "kl_grad", None)
+    if closed_form is not None:
+        return closed_form(theta)
+    leaves = {k: v.detach().requires_grad_(True) for k, v in theta.items()}
+    grads = torch.autograd.grad(family.kl(leaves), list(leaves.values()), allow_unused=True)
+    return {k: torch.zeros_like(v) if g is None else g for (k, v), g in zip(leaves.items(), grads)}
+
+
+def theta_sharpness_value_and_grad(
+    objective: Objective,
+    family: ReparameterizedFamily,
+    theta: Mapping[str, Tensor],
+    buffers: Mapping[str, Tensor],
+    batch: Batch,
+    noises: Sequence[GaussianNoise],
+    *,
+    ascent: Ascent | None = None,
+    kl_weight: float = 1.0,
+) -> tuple[Tensor, Tensor, Params]:
+    """The sharpness-aware step applied to the variational parameters ``θ`` themselves (FP-BMA).
+
+    The θ-level counterpart of :func:`flatbma.optim.ascent.sharpness_aware_value_and_grad`
+    (Lim et al., UAI 2025): with the same noise ``z_m`` in both passes,
+
+    1. ``g = ∇_θ (1/M) Σ_m L_B(w(θ, z_m))`` — the reparameterized data-loss gradient, no KL;
+    2. ``δ = ascent.perturb(θ, g)`` (e.g. :class:`flatbma.optim.fp_bma.FisherBall`);
+    3. ``∇_θ ℒ = ∇_θ' (1/M) Σ_m L_B(w(θ', z_m))|_{θ'=θ+δ} + κ ∇_θ KL(q_θ‖p) / n`` — the KL at the
+       unperturbed ``θ``, ``n = objective.num_data``.
+
+    Without an ascent step this is the plain negative-ELBO gradient of :func:`elbo_value_and_grad`.
+    BatchNorm running statistics are updated once, by the first sample of the first pass.
+
+    Returns:
+        ``(mean over samples of L_B(w(θ, z_m)), logits of the first sample at θ, gradient by key of θ)``.
+    """
+    if ascent is None:
+        return elbo_value_and_grad(objective, family, theta, buffers, batch, noises, kl_weight=kl_weight)
+    loss, logits, grads = elbo_value_and_grad(objective, family, theta, buffers, batch, noises, kl_weight=0.0)
+    delta = ascent.perturb(theta, grads)
+    with torch.no_grad():
+        perturbed = add(theta, delta)
+    _, _, grads = elbo_value_and_grad(objective, family, perturbed, clone(buffers), batch, noises, kl_weight=0.0)
+    if kl_weight:
+        kl = kl_grad(family, theta)
+        grads = {k: g + (kl_weight / objective.num_data) * kl[k] for k, g in grads.items()}
+    return loss, logits, grads
+
+
 # ---------------------------------------------------------------------------------------------------
 # the posterior
 
@@ -240,11 +292,14 @@ def build(
     *,
     num_mc_samples: int,
     kl_weight: float,
+    ascent_space: Literal["weights", "theta"] = "weights",
 ) -> Posterior:
     """A :class:`~flatbma.types.Posterior` that fits ``family`` by (flat-seeking) reparameterized VI.
 
     ``θ_{t+1} = optimizer(θ_t, ∇_θ ℒ)`` with the gradient of :func:`elbo_value_and_grad` on ``M`` fresh
-    noise samples per step. ``init`` accepts either the model weights (``θ`` is then centred at them
+    noise samples per step (``ascent_space="weights"``: the ascent perturbs each sampled ``w``, F-VI)
+    or of :func:`theta_sharpness_value_and_grad` (``ascent_space="theta"``: the ascent perturbs ``θ``,
+    FP-BMA). ``init`` accepts either the model weights (``θ`` is then centred at them
     by ``family.init_theta``) or a ready ``θ`` in the family's layout (e.g. from
     :func:`flatbma.posteriors.lowrank_vi.init_from_swag`). ``sample`` draws ``w ~ q_θ`` and attaches
     the state's buffers; BatchNorm statistics must be recomputed per sample (``recompute_bn=True``).
@@ -258,7 +313,11 @@ def build(
         family: the variational family.
         num_mc_samples: ``M``.
         kl_weight: ``κ``.
+        ascent_space: where the ascent step acts: on sampled weights or on ``θ``.
     """
+    if ascent_space not in ("weights", "theta"):
+        raise ValueError(f"ascent_space must be 'weights' or 'theta', got {ascent_space!r}")
+    value_and_grad = elbo_value_and_grad if ascent_space == "weights" else theta_sharpness_value_and_grad
 
     def init(params: Params, buffers: Params) -> State:
         seed = new_seed()
@@ -273,7 +332,7 @@ def build(
     def update(state: State, batch: Batch) -> tuple[State, StepOutput]:
         generator = seeded_generator(state.aux[SEED_KEY], state.step, _device(state.params))
         noises = [family.noise(state.params, generator) for _ in range(num_mc_samples)]
-        loss, logits, grads = elbo_value_and_grad(
+        loss, logits, grads = value_and_grad(
             objective, family, state.params, state.buffers, batch, noises, ascent=ascent, kl_weight=kl_weight
         )
         aux = optimizer.apply(state.params, grads, state.aux, state.step)
