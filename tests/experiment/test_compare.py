@@ -10,13 +10,13 @@ from flatbma.experiment.cli import main
 
 CONFIG = {
     "output_dir": None,
-    "data": {"name": "digits", "batch_size": 64, "test_limit": 200},
+    "data": {"name": "digits", "batch_size": 64, "test_limit": 200, "k_shot": 30, "val_per_class": 5},
     "model": {"name": "mlp"},
     "optim": {"lr": 0.05},
     "train": {"epochs": 2, "progress": False},
     "eval": {"num_samples": 4, "flatness_samples": 2, "hessian_examples": 64, "hessian_max_iter": 10},
     "compare": {
-        "methods": [{"name": "sgd"}, {"name": "swag", "rank": 3, "start_step": 5, "collect_every": 2}],
+        "methods": [{"name": "sgd"}, {"name": "swag", "rank": 3, "start_step": 2, "collect_every": 1}],
         "seeds": [0, 1],
         "corruptions": ["gaussian_noise", "contrast"],
         "severities": [1, 5],
@@ -49,6 +49,8 @@ def test_compare_writes_every_output_and_resumes(tmp_path, capsys):
         assert set(run["corruptions"]) == {"gaussian_noise", "contrast"}
         assert set(run["corruptions"]["contrast"]) == {"1", "5"}
         assert run["bma_curve"]["num_samples"][-1] == (1 if run["method"] == "sgd" else 4)
+        assert run["temperature"] > 0 and set(run["temperature_scaled"]) >= {"accuracy", "nll", "ece"}
+        assert run["temperature_scaled"]["accuracy"] == run["accuracy"]  # scaling never changes the argmax
     rows = list(csv.DictReader((out / "results.csv").open()))
     assert len(rows) == 4
     html = (out / "report.html").read_text()

@@ -34,6 +34,7 @@ import torch
 import yaml
 from tqdm.auto import tqdm
 
+from flatbma.calibration import fit_temperature, scale
 from flatbma.errors import FlatbmaError
 from flatbma.experiment.checkpoint import atomic_write_bytes, atomic_write_json, load_state
 from flatbma.experiment.config import RunConfig, config_from_dict, load_raw, parse_override
@@ -188,10 +189,30 @@ def load_plan(path: str | Path, overrides: list[str] = (), *, quick: bool = Fals
 
 
 @torch.no_grad()
+def bma_log_probs_over(
+    exp: Experiment, samples: list[dict[str, torch.Tensor]], loader
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """BMA log-probabilities and labels of a whole (small) loader, e.g. the validation split."""
+    outs, labels = [], []
+    with (exp.method.predict_mode or eval_mode)(exp.model):
+        for x, y in loader:
+            outs.append(log_mean_exp(sample_log_probs(exp.model, samples, x.to(exp.device))).cpu())
+            labels.append(y)
+    return torch.cat(outs), torch.cat(labels)
+
+
+@torch.no_grad()
 def bma_curve_metrics(
-    exp: Experiment, samples: list[dict[str, torch.Tensor]], loader, sizes: tuple[int, ...]
+    exp: Experiment,
+    samples: list[dict[str, torch.Tensor]],
+    loader,
+    sizes: tuple[int, ...],
+    *,
+    temperature: float = 1.0,
 ) -> tuple[dict[int, dict[str, float]], dict[str, list]]:
     """Metrics of the BMA of the first ``m`` samples for every ``m`` in ``sizes``, in one pass.
+
+    ``temperature`` rescales every BMA predictive (``softmax(log p / T)``; 1 = none).
 
     Returns:
         ``({m: metrics}, reliability diagram of the full BMA)``.
@@ -204,7 +225,8 @@ def bma_curve_metrics(
             x, y = x.to(exp.device), y.to(exp.device)
             per_sample = sample_log_probs(exp.model, samples, x)
             for m, state in states.items():
-                state.update(log_mean_exp(per_sample[:m]), y)
+                bma = log_mean_exp(per_sample[:m])
+                state.update(bma if temperature == 1.0 else scale(bma, temperature), y)
     reliability = {
         k: [None if v != v else float(v) for v in t.tolist()] for k, t in states[sizes[-1]].reliability().items()
     }
@@ -261,6 +283,13 @@ def measure_run(cfg: RunConfig, compare: CompareConfig) -> dict[str, Any]:
         **{k: [curve[m][k] for m in curve] for k in ("accuracy", "nll", "ece")},
     }
     result["reliability"] = reliability
+    result["temperature"] = None
+    if exp.val_loader is not None:  # temperature scaling on the k-shot validation split, reported separately
+        val_log_probs, val_labels = bma_log_probs_over(exp, samples, exp.val_loader)
+        t = fit_temperature(val_log_probs, val_labels)
+        scaled, _ = bma_curve_metrics(exp, samples, exp.test_loader, (len(samples),), temperature=t)
+        result["temperature"] = t
+        result["temperature_scaled"] = {k: scaled[len(samples)][k] for k in ("accuracy", "nll", "ece", "aece", "brier")}
     result["corruptions"] = corruption_metrics(exp, samples, compare.corruptions, compare.severities)
     if compare.flatness:
         result.update(flatness_metrics(exp, samples))
