@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -21,6 +22,8 @@ def _positive(where: str, value: float | None, *, allow_none: bool = False, allo
     if not ok:
         bound = ">= 0" if allow_zero else "> 0"
         raise FlatbmaError(f"{where} must be {bound}, got {value!r}")
+    if not math.isfinite(value):
+        raise FlatbmaError(f"{where} must be a finite number, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -231,6 +234,12 @@ class _TopLevel:
     seed: int = 0
     output_dir: str = "runs/run"
 
+    def __post_init__(self) -> None:
+        if not 0 <= self.seed < 2**63:
+            raise FlatbmaError(f"seed must be an integer in [0, 2**63), got {self.seed}")
+        if not self.output_dir.strip() or "\0" in self.output_dir:
+            raise FlatbmaError(f"output_dir must be a directory path, got {self.output_dir!r}")
+
 
 def parse_override(item: str) -> tuple[str, Any]:
     """Parse ``key.sub=value`` (the value as YAML: numbers, true/false, null, lists)."""
@@ -239,7 +248,7 @@ def parse_override(item: str) -> tuple[str, Any]:
         raise FlatbmaError(f"--set expects key=value (e.g. --set optim.lr=0.1), got {item!r}")
     try:
         value = yaml.safe_load(text) if text else ""
-    except yaml.YAMLError:
+    except (yaml.YAMLError, RecursionError, ValueError):  # ValueError: an integer of > 4300 digits
         value = text
     return key.strip(), value
 
@@ -255,6 +264,12 @@ def load_raw(path: str | Path) -> dict[str, Any]:
         raise FlatbmaError(f"{path} is not valid YAML: {str(e).splitlines()[0]}") from None
     except UnicodeDecodeError:
         raise FlatbmaError(f"{path} is not a text (YAML) file") from None
+    except RecursionError:
+        raise FlatbmaError(f"{path} nests lists or mappings too deeply to be a config") from None
+    except OSError as e:
+        raise FlatbmaError(f"cannot read {path}: {e.strerror}") from None
+    except ValueError as e:  # e.g. an integer of more than 4300 digits
+        raise FlatbmaError(f"{path} holds a value YAML cannot read: {str(e).splitlines()[0]}") from None
     if not isinstance(raw, dict):
         raise FlatbmaError(f"{path} must hold a YAML mapping (sections method, data, model, ...)")
     return raw
@@ -263,7 +278,9 @@ def load_raw(path: str | Path) -> dict[str, Any]:
 def load_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig:
     """Load ``path`` (or start from defaults when ``None``), apply ``--set`` overrides, validate."""
     raw = load_raw(path) if path is not None else {}
-    raw.pop("compare", None)  # a compare config's shared sections are a run config (flatbma compare uses the rest)
+    compare = raw.pop("compare", None)  # a compare config's shared sections are a run config
+    if isinstance(compare, dict) and compare.get("methods") and "method" not in raw:
+        raw["method"] = compare["methods"][0]  # `flatbma train` on a compare config trains its first method
     for item in overrides:
         key, value = parse_override(item)
         set_dotted(raw, key, value)

@@ -1,0 +1,20 @@
+"""Every shipped config parses (compare configs with their compare section)."""
+
+from pathlib import Path
+
+import pytest
+
+from flatbma.experiment.compare import load_plan
+from flatbma.experiment.config import load_config
+
+CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_shipped_config_parses(path):
+    cfg = load_config(path)
+    assert cfg.method.name
+    if "compare:" in path.read_text():
+        plan = load_plan(path)
+        assert len(plan.runs()) == len(plan.compare.methods) * len(plan.compare.seeds)
+        assert load_plan(path, quick=True).compare.methods
