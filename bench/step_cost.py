@@ -4,6 +4,10 @@ For each model the methods are timed in interleaved rounds on the same batch (so
 machine affects all alike) and the median step time is reported as a ratio to SGD's.
 Goal: SAM, ASAM, FSAM <= 2.1x an SGD step (two forward/backward passes are the floor).
 
+A second table times FP-BMA (low-rank Gaussian over the Bayesian subset, FisherBall ascent in θ-space)
+against the SGD point update in the transfer setting: MobileNetV2 with only its BatchNorm and
+classifier parameters trainable (the rest ``requires_grad=False``). Goal: <= 2.1x.
+
     python bench/step_cost.py [--rounds 15] [--threads 2]
 """
 
@@ -14,11 +18,15 @@ import statistics
 import time
 
 import torch
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
 
 from flatbma.models import build_model
-from flatbma.optim import ASAM, SAM, SGD, FisherSAM
+from flatbma.models.heads import classifier_of
+from flatbma.optim import ASAM, SAM, SGD, Adam, FisherSAM
+from flatbma.optim.fp_bma import FisherBall
 from flatbma.params import Objective, model_buffers, trainable_params
-from flatbma.posteriors import point
+from flatbma.posteriors import fp_bma, lowrank_vi, point
 
 METHODS = {"sgd": None, "sam": SAM(0.05), "asam": ASAM(0.5), "fsam": FisherSAM(0.1)}
 CASES = {
@@ -61,6 +69,61 @@ def bench_case(model_kwargs: dict, batch_size: int, shape: tuple, rounds: int, d
     return {name: statistics.median(entry[2]) for name, entry in runs.items()}
 
 
+def bayesian_subset_only(model: nn.Module) -> None:
+    """Keep only BatchNorm and classifier parameters trainable (selected by module type)."""
+    keep = {id(p) for m in model.modules() if isinstance(m, _BatchNorm) for p in m.parameters()}
+    keep |= {id(p) for p in classifier_of(model)[1].parameters()}
+    for p in model.parameters():
+        p.requires_grad_(id(p) in keep)
+
+
+def time_updates(runs: dict[str, list], batch: tuple, rounds: int, device: str) -> dict[str, float]:
+    """Median seconds per ``update`` of every ``name: [method, state, []]`` in interleaved rounds."""
+    for entry in runs.values():
+        for _ in range(3):  # warm-up
+            entry[1], _ = entry[0].update(entry[1], batch)
+    for _ in range(rounds):
+        for entry in runs.values():
+            method, state, times = entry
+            if device == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            state, out = method.update(state, batch)
+            float(out.loss)
+            if device == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+            entry[1] = state
+    return {name: statistics.median(entry[2]) for name, entry in runs.items()}
+
+
+FP_BMA = {f"fp-bma (K=5, cg {n})": dict(rank=5, cg_iters=n) for n in (1, 3, 10)}
+
+
+def bench_fp_bma_transfer(rounds: int, device: str, batch_size: int = 32, image_size: int = 64) -> dict[str, float]:
+    """FP-BMA's update vs the SGD point update on MobileNetV2 with only BN + classifier trainable."""
+    model = build_model(name="mobilenet_v2", num_classes=10, in_channels=3, image_size=image_size, seed=0)
+    model = model.to(device).train()
+    bayesian_subset_only(model)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(batch_size, 3, image_size, image_size, generator=g).to(device)
+    y = torch.randint(0, 10, (batch_size,), generator=g).to(device)
+    objective = Objective(model=model, num_data=1000)
+    params, buffers = trainable_params(model), model_buffers(model)
+    sgd = point.build(objective, SGD(lr=1e-3, momentum=0.9, weight_decay=5e-4))
+    sam = point.build(objective, SGD(lr=1e-3, momentum=0.9, weight_decay=5e-4), SAM(0.05))
+    runs = {"sgd": [sgd, sgd.init(params, buffers), []], "sam": [sam, sam.init(params, buffers), []]}
+    for name, ascent in (("lowrank-vi (K=5)", None), ("f-lowrank-vi (K=5, SAM)", SAM(0.05))):
+        method = lowrank_vi.build(objective, Adam(lr=1e-3), ascent, rank=5)
+        runs[name] = [method, method.init(params, buffers), []]
+    for name, opts in FP_BMA.items():
+        method = fp_bma.build(objective, Adam(lr=1e-3), FisherBall(cg_iters=opts["cg_iters"]), rank=opts["rank"])
+        runs[name] = [method, method.init(params, buffers), []]
+    times = time_updates(runs, (x, y), rounds, device)
+    times["trainable"] = float(sum(v.numel() for v in params.values()))
+    return times
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=15)
@@ -75,6 +138,13 @@ def main() -> None:
         t = bench_case(kwargs, bs, shape, args.rounds, args.device)
         ratios = "".join(f"{t[m] / t['sgd']:>11.2f}x" for m in METHODS if m != "sgd")
         print(f"{case + f' (batch {bs})':<32}{t['sgd'] * 1e3:>10.1f}{ratios}")
+    t = bench_fp_bma_transfer(args.rounds, args.device)
+    print(f"\nmobilenet_v2 64x64 transfer, BN + classifier trainable ({int(t['trainable'])} weights), batch 32")
+    print(f"{'method':<32}{'ms':>10}{'/sgd':>12}")
+    for name in t:
+        if name == "trainable":
+            continue
+        print(f"{name:<32}{t[name] * 1e3:>10.1f}{t[name] / t['sgd']:>11.2f}x")
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ covariance parameters, ``F_ij = ∂_iμᵀΣ⁻¹∂_jμ + ½ tr(Σ⁻¹∂_iΣ 
   capacitance ``C = I + ŨᵀŨ``, ``Σ⁻¹ = A^{-1/2}(I − ŨC⁻¹Ũᵀ)A^{-1/2}``); no ``d×d`` matrix is formed.
   ``F_cov⁻¹g_cov`` is solved by conjugate gradients, preconditioned with the exact diagonal of ``F_cov``
   plus an exact coarse solve on the factor directions ``V = SL`` (``S`` symmetric), whose curvature is
-  ``~1/d`` of the rest; one iteration then gets within ~1e-2 of the solution, three within ~2e-3.
+  ``~1/d`` of the rest; one iteration then gets within ~2e-2 (relative) of the solution.
 
 The covariance block is singular: rotations of the factor (``V = ΩL`` with ``Ω`` skew, ``K(K−1)/2``
 directions; ``L`` is stored ``[K, d]``) leave ``Σ`` unchanged. The exact expected gradient has no
@@ -327,9 +327,9 @@ class FisherBall:
             with ``ρ = √(2γ)``; ``"data-fisher"``: ``F = 1 + η g⊙g`` on every block, i.e. Fisher-SAM
             on ``θ`` with ``ρ = √(2γ)``.
         cg_iters: conjugate-gradient steps for the covariance block (``"fisher"`` only). With the
-            two-level preconditioner one step is within ~1e-2 (three within ~2e-3) of the exact solve
-            on the problems of the tests — far below the noise of a single-sample ``g``; whatever
-            the number, ``½δ*ᵀF_λδ* = γ`` holds exactly.
+            two-level preconditioner one step is within ~2e-2 (relative) of the exact solve on the
+            problems of the tests — far below the noise of a single-sample ``g``; whatever the
+            number, ``½δ*ᵀF_λδ* = γ`` holds exactly.
         damping: Tikhonov damping ``λ ≥ 0`` of the covariance block, relative to its curvature scale
             (see the module docstring; ``"fisher"`` only).
         eta: ``η`` of the ``"data-fisher"`` metric.
