@@ -12,7 +12,7 @@ demo: setup
 
 test: setup
 	$(PY) -m ruff check src tests bench
-	$(PY) -m pytest
+	OMP_NUM_THREADS=1 $(PY) -m pytest -n 2
 
 bench: setup
 	$(PY) bench/step_cost.py

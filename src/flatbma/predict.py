@@ -329,15 +329,21 @@ def evaluate(
     mode: Callable[[nn.Module], AbstractContextManager[Any]] | None = None,
     batched: bool | None = None,
     chunk_size: int | None = None,
+    reduce_metrics: Callable[[StreamingMetrics], None] | None = None,
 ) -> dict[str, float]:
     """Accuracy, NLL, ECE, adaptive ECE and Brier score of the BMA predictive over ``loader``.
 
-    The keyword arguments are those of :func:`predict`.
+    The other keyword arguments are those of :func:`predict`. ``reduce_metrics`` is applied to the
+    accumulated :class:`~flatbma.metrics.StreamingMetrics` before they are computed: with each
+    process evaluating a shard of the data,
+    :func:`flatbma.experiment.distributed.all_reduce_metrics` sums them over the processes.
     """
     metrics = StreamingMetrics(num_classes=num_classes, n_bins=n_bins)
     batches = predict(model, samples, loader, device=device, mode=mode, batched=batched, chunk_size=chunk_size)
     for log_probs, labels in batches:
         metrics.update(log_probs, labels)
+    if reduce_metrics is not None:
+        reduce_metrics(metrics)
     if metrics.compute()["n"] == 0:
         raise FlatbmaError("the evaluation data is empty: check the test split and data options")
     return {**metrics.compute(), "num_samples": len(samples)}

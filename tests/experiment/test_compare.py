@@ -24,8 +24,23 @@ CONFIG = {
     },
 }
 
-RUN_KEYS = ("accuracy", "nll", "ece", "aece", "brier", "lambda1", "lambda1_over_lambda5", "corruptions",
-            "bma_curve", "reliability", "train_time_s", "eval_time_s", "landscape", "method", "seed")
+RUN_KEYS = (
+    "accuracy",
+    "nll",
+    "ece",
+    "aece",
+    "brier",
+    "lambda1",
+    "lambda1_over_lambda5",
+    "corruptions",
+    "bma_curve",
+    "reliability",
+    "train_time_s",
+    "eval_time_s",
+    "landscape",
+    "method",
+    "seed",
+)
 
 
 def _write(tmp_path, cfg):

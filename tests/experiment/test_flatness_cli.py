@@ -42,8 +42,14 @@ def test_evaluate_with_flatness_on_every_method(tmp_path, capsys, method):
     assert main(["train", "--config", str(path)]) == 0, capsys.readouterr().err
     assert main(["evaluate", str(tmp_path / "run"), "--flatness"]) == 0, capsys.readouterr().err
     metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
-    for key in ("hessian_top_eigenvalues", "lambda1", "lambda1_over_lambda5", "distribution_lambda1",
-                "sam_sharpness", "accuracy"):
+    for key in (
+        "hessian_top_eigenvalues",
+        "lambda1",
+        "lambda1_over_lambda5",
+        "distribution_lambda1",
+        "sam_sharpness",
+        "accuracy",
+    ):
         assert key in metrics, key
     assert len(metrics["hessian_top_eigenvalues"]) == min(2, len(metrics["hessian_top_eigenvalues"]))
     assert metrics["lambda1"] > 0 and metrics["lambda1_over_lambda5"] >= 1

@@ -194,6 +194,11 @@ class DatasetSplits:
     name: str
 
     def __post_init__(self) -> None:
+        for split, data in (("train", self.train), ("test", self.test)):
+            if len(data) == 0:
+                raise FlatbmaError(
+                    f"dataset '{self.name}': the {split} split has no examples; check that its files hold images."
+                )
         if self.train.classes != self.test.classes:
             raise FlatbmaError(
                 f"dataset '{self.name}': train and test class lists differ ({self.train.classes} vs "
@@ -214,6 +219,8 @@ def _check_images(images: object) -> Tensor:
             f"images must be 4-D [N, C, H, W], got shape {tuple(images.shape)}. Add a channel axis to "
             f"grayscale data with images.unsqueeze(1)."
         )
+    if 0 in images.shape[1:]:
+        raise FlatbmaError(f"images must have at least one channel and pixel, got shape {tuple(images.shape)}.")
     if images.dtype == torch.uint8:
         return images
     if not images.dtype.is_floating_point:
@@ -274,7 +281,10 @@ def _check_labels(labels: object, n: int, classes: list[str]) -> Tensor:
 def _existing_dir(root: str | Path | None, name: str, help_text: str) -> Path:
     if root is None:
         raise FlatbmaError(f"dataset '{name}' needs root, the directory holding its files. {help_text}")
-    path = Path(root).expanduser()
+    try:
+        path = Path(root).expanduser()
+    except RuntimeError:  # '~user/...' for an unknown user, or no home directory
+        raise FlatbmaError(f"dataset '{name}': cannot expand '~' in root {str(root)!r}. {help_text}") from None
     if not path.is_dir():
         what = "is a file, not a directory" if path.exists() else "does not exist"
         raise FlatbmaError(f"dataset '{name}': root {path} {what}. {help_text}")
@@ -442,6 +452,12 @@ def _load_idx(root: Path, classes: Sequence[str] | None, name: str, help_text: s
     if classes is None:
         top = max(int(labels.max()) if labels.numel() else -1 for _, labels in parts.values())
         classes = [str(c) for c in range(top + 1)]
+    for split, (_, labels) in parts.items():
+        if labels.numel() and int(labels.max()) >= len(classes):
+            raise FlatbmaError(
+                f"dataset '{name}': {files[(split, 'labels')]} holds label {int(labels.max())}, but the dataset has "
+                f"{len(classes)} classes (labels 0..{len(classes) - 1}); the file is not this dataset's. {help_text}"
+            )
     splits = {s: ArrayDataset(images, labels, list(classes)) for s, (images, labels) in parts.items()}
     return DatasetSplits(splits["train"], splits["test"], name)
 
@@ -644,8 +660,8 @@ def load_image_folder(root: str | Path | None = None, *, size: int | None = None
         (size_a, path_a), (size_b, path_b) = list(sizes.items())[:2]
         raise FlatbmaError(
             f"dataset 'image-folder': images differ in size ({path_a} is {size_a[0]}x{size_a[1]}, {path_b} "
-            f"is {size_b[0]}x{size_b[1]}; {len(sizes)} sizes in all). Pass size=<pixels> to resize every "
-            f"image to a square of that size."
+            f"is {size_b[0]}x{size_b[1]}; {len(sizes)} sizes in all). Pass size=<pixels> (data.image_size in "
+            f"a run config) to resize every image to a square of that size."
         )
 
     def read(path: Path) -> np.ndarray:

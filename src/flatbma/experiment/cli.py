@@ -12,6 +12,8 @@ from collections.abc import Sequence
 
 from flatbma.errors import FlatbmaError
 
+# What str.splitlines() breaks on: escaped in error messages (user values such as keys and paths may hold them).
+_ESCAPE_LINE_BREAKS = {ord(c): repr(c)[1:-1] for c in "\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029"}
 SUMMARY_KEYS = ("accuracy", "nll", "ece", "aece", "brier", "lambda1", "lambda1_over_lambda5", "sam_sharpness")
 
 
@@ -55,6 +57,15 @@ def _build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _out_of_memory(e: BaseException) -> str:
+    """``"out of memory (...)"`` when ``e`` reports a failed allocation (CPU or CUDA), else ``""``."""
+    text = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    if not (isinstance(e, MemoryError) or type(e).__name__ == "OutOfMemoryError" or "can't allocate memory" in text):
+        return ""
+    detail = text.split("DefaultCPUAllocator: ")[-1].translate(_ESCAPE_LINE_BREAKS)
+    return f"out of memory ({detail})" if detail else "out of memory"
+
+
 def _print_metrics(metrics: dict) -> None:
     print("  ".join(f"{k}={metrics[k]:.4f}" for k in SUMMARY_KEYS if k in metrics))
 
@@ -70,35 +81,60 @@ def main(argv: Sequence[str] | None = None) -> int:
             for name, spec in METHODS.items():
                 print(f"{name:<{width}}  {spec.summary}")
         elif args.command == "train":
+            from flatbma.experiment import distributed
             from flatbma.experiment.config import load_config
-            from flatbma.experiment.run import load_run_config, train_run
+            from flatbma.experiment.run import load_run_config, resolve_device, train_run
 
             if args.resume:
                 if args.config or args.overrides:
                     raise FlatbmaError("--resume continues a run with its own config: drop --config/--set")
-                run_dir, metrics = train_run(load_run_config(args.resume), resume=True)
+                cfg = load_run_config(args.resume)
             elif args.config:
-                run_dir, metrics = train_run(load_config(args.config, args.overrides), force=args.force)
+                cfg = load_config(args.config, args.overrides)
             else:
                 raise FlatbmaError("train needs --config FILE (or --resume RUN_DIR)")
-            _print_metrics(metrics)
-            print(f"wrote {run_dir / 'metrics.json'}")
+            with distributed.process_group(resolve_device(cfg.train.device)):  # under torchrun: data-parallel
+                run_dir, metrics = train_run(cfg, force=args.force, resume=bool(args.resume))
+                main_process = distributed.is_main()
+            if main_process:
+                _print_metrics(metrics)
+                print(f"wrote {run_dir / 'metrics.json'}")
         elif args.command == "compare":
+            from flatbma.experiment import distributed
             from flatbma.experiment.compare import load_plan, run_compare
             from flatbma.experiment.report import summary_table
 
+            if distributed.launched_world_size() > 1:
+                raise FlatbmaError(
+                    "compare runs in one process and does not support torchrun yet: launch 'flatbma compare' "
+                    "directly (data-parallel training is 'torchrun ... -m flatbma train')"
+                )
             plan = load_plan(args.config, args.overrides, quick=args.quick)
             results = run_compare(plan, force=args.force)
             print(summary_table(results))
             print(f"wrote {plan.out_dir / 'results.json'}, results.csv, report.md and report.html")
         elif args.command == "evaluate":
-            from flatbma.experiment.run import evaluate_run
+            from flatbma.experiment import distributed
+            from flatbma.experiment.run import evaluate_run, load_run_config, resolve_device
 
-            metrics = evaluate_run(args.run_dir, flatness=args.flatness)
-            _print_metrics(metrics)
-            print(json.dumps({k: metrics[k] for k in SUMMARY_KEYS if k in metrics}))
+            device = resolve_device(load_run_config(args.run_dir).train.device)
+            with distributed.process_group(device):  # under torchrun: each process evaluates a shard
+                metrics = evaluate_run(args.run_dir, flatness=args.flatness)
+                main_process = distributed.is_main()
+            if main_process:
+                _print_metrics(metrics)
+                print(json.dumps({k: metrics[k] for k in SUMMARY_KEYS if k in metrics}))
     except FlatbmaError as e:
-        print(f"flatbma: error: {e}", file=sys.stderr)
+        print(f"flatbma: error: {str(e).translate(_ESCAPE_LINE_BREAKS)}", file=sys.stderr)
+        return 2
+    except (MemoryError, RuntimeError) as e:  # a config too large for this machine (torch's OOM is a RuntimeError)
+        if not _out_of_memory(e):
+            raise
+        print(
+            f"flatbma: error: {_out_of_memory(e)}: lower data.batch_size, data.eval_batch_size, data.image_size, "
+            "model.width or eval.num_samples",
+            file=sys.stderr,
+        )
         return 2
     except KeyboardInterrupt:
         print("flatbma: interrupted; finished checkpoints are kept", file=sys.stderr)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 import types
 import typing
 from collections.abc import Mapping
@@ -11,9 +12,12 @@ from typing import Any, TypeVar, Union
 from flatbma.errors import FlatbmaError, suggest
 
 T = TypeVar("T")
+_FLOAT_TEXT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
 
 
 def _type_name(tp: Any) -> str:
+    if tp is type(None):
+        return "null"
     return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
 
 
@@ -28,6 +32,8 @@ def coerce(value: Any, tp: Any, where: str) -> Any:
             try:
                 return coerce(value, option, where)
             except FlatbmaError as e:
+                if isinstance(option, type) and isinstance(value, option) and not isinstance(value, bool):
+                    raise  # the right type but a bad value (e.g. an integer too large): that option says why
                 errors.append(str(e))
         names = " or ".join(_type_name(a) for a in typing.get_args(tp))
         raise FlatbmaError(f"{where} must be {names}, got {value!r}")
@@ -56,11 +62,24 @@ def coerce(value: Any, tp: Any, where: str) -> Any:
         raise FlatbmaError(f"{where} must be true or false, got {value!r}")
     if tp is int:
         if isinstance(value, int) and not isinstance(value, bool):
+            if not -(2**63) <= value < 2**63:  # torch and numpy take 64-bit integers
+                raise FlatbmaError(f"{where} must be a 64-bit integer, got one of {value.bit_length()} bits")
             return value
         raise FlatbmaError(f"{where} must be an integer, got {value!r}")
     if tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
+            try:
+                return float(value)
+            except OverflowError:
+                raise FlatbmaError(f"{where} must be a number within float range (about ±1.8e308)") from None
+        if isinstance(value, str) and _FLOAT_TEXT.fullmatch(value.strip()):  # YAML 1.1 reads 1e-3 as text
+            mantissa, exponent = f"{float(value):e}".split("e")
+            mantissa = mantissa.rstrip("0")
+            spelled = f"{mantissa}{'0' if mantissa.endswith('.') else ''}e{int(exponent):+d}"
+            raise FlatbmaError(
+                f"{where} must be a number, got the text {value!r}: YAML needs a dot and a signed exponent, "
+                f"write {spelled}"
+            )
         raise FlatbmaError(f"{where} must be a number, got {value!r}")
     if tp is str:
         if isinstance(value, str):
@@ -103,7 +122,7 @@ def parse_dataclass(cls: type[T], data: Any, where: str) -> T:
     try:
         return cls(**kwargs)
     except FlatbmaError as e:
-        raise FlatbmaError(f"{where}: {e}") from None
+        raise FlatbmaError(f"{where}: {e}" if where else str(e)) from None
 
 
 def set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
 import platform
 import random
@@ -17,10 +18,11 @@ import yaml
 from torch.utils.data import DataLoader
 
 from flatbma.bn import recompute_bn_statistics
-from flatbma.data import ArrayDataset, build_transform, few_shot_indices, load_dataset, stratified_split
+from flatbma.data import DATASETS, ArrayDataset, build_transform, few_shot_indices, load_dataset, stratified_split
 from flatbma.errors import DivergenceError, FlatbmaError
+from flatbma.experiment import distributed
 from flatbma.experiment.checkpoint import atomic_write_bytes, atomic_write_json, load_checkpoint, load_state, save_state
-from flatbma.experiment.config import RunConfig, config_from_dict, load_raw
+from flatbma.experiment.config import DataConfig, RunConfig, config_from_dict, load_raw
 from flatbma.experiment.runner import EpochLog, History, Position, fit
 from flatbma.flatness.posterior import flatness_report
 from flatbma.models import build_model
@@ -50,8 +52,14 @@ def resolve_device(name: str) -> torch.device:
         device = torch.device(name)
     except RuntimeError:
         raise FlatbmaError(f"train.device {name!r} is not a device name (use auto, cpu, cuda, cuda:0, ...)") from None
+    if device.type not in ("cpu", "cuda", "mps"):
+        raise FlatbmaError(f"train.device {name!r}: flatbma trains on cpu, cuda or mps devices; use auto, cpu or cuda")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise FlatbmaError(f"train.device is {name!r} but CUDA is not available here: use auto or cpu")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise FlatbmaError(f"train.device is {name!r} but there are {torch.cuda.device_count()} CUDA devices")
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise FlatbmaError(f"train.device is {name!r} but MPS is not available here: use auto or cpu")
     return device
 
 
@@ -68,6 +76,9 @@ class Experiment:
     hessian_loader: DataLoader
     num_classes: int
     device: torch.device
+    bn_loader: DataLoader | None = None
+    """Loader for BatchNorm recomputation when it is not ``train_loader`` (data-parallel runs: the
+    global batches, on every rank)."""
 
 
 def _loader(ds: ArrayDataset, batch_size: int, *, shuffle: bool, seed: int) -> DataLoader:
@@ -77,16 +88,30 @@ def _loader(ds: ArrayDataset, batch_size: int, *, shuffle: bool, seed: int) -> D
     return DataLoader(ds, batch_size=batch_size, shuffle=shuffle, generator=generator, drop_last=drop_last)
 
 
+def _dataset_options(d: DataConfig) -> dict[str, Any]:
+    """``data.image_size`` for the loaders that resize while reading (image-folder: files of mixed sizes)."""
+    loader = DATASETS.get(d.name.strip().lower().replace("_", "-"))
+    takes_size = loader is not None and "size" in inspect.signature(loader).parameters
+    return {"size": d.image_size} if takes_size and d.image_size is not None else {}
+
+
 def build_experiment(cfg: RunConfig) -> Experiment:
     """Load data, build the model and the method for ``cfg`` (seeded)."""
     seed_everything(cfg.seed)
-    device = resolve_device(cfg.train.device)
+    device = distributed.local_device(resolve_device(cfg.train.device))
     d = cfg.data
-    splits = load_dataset(d.name, d.root)
+    splits = load_dataset(d.name, d.root, **_dataset_options(d))
     train, test = splits.train, splits.test
     val = None
     if d.k_shot is not None:
-        train_idx, val_idx = few_shot_indices(train.labels, d.k_shot, seed=cfg.seed, val_per_class=d.val_per_class)
+        train_idx, val_idx = few_shot_indices(
+            train.labels,
+            d.k_shot,
+            seed=cfg.seed,
+            val_per_class=d.val_per_class,
+            num_classes=train.num_classes,  # so that a class missing from the training split is reported
+            class_names=train.classes,
+        )
         val = train.subset(val_idx) if len(val_idx) else None
         train = train.subset(train_idx)
     elif d.val_per_class:
@@ -94,12 +119,22 @@ def build_experiment(cfg: RunConfig) -> Experiment:
     if d.test_limit is not None and d.test_limit < len(test):
         _, kept = stratified_split(test.labels, d.test_limit / len(test), seed=0)
         test = test.subset(kept)
+        if len(test) == 0:
+            raise FlatbmaError(
+                f"data.test_limit={d.test_limit} keeps no test image (the subset is stratified, rounded per "
+                f"class): use data.test_limit >= {test.num_classes}, the number of classes"
+            )
     eval_tf = build_transform(size=d.image_size, to_rgb=d.to_rgb, normalize=d.normalize, augment=False)
     train_tf = build_transform(size=d.image_size, to_rgb=d.to_rgb, normalize=d.normalize, augment=d.augment)
     hessian_data = train.with_transform(eval_tf)
     if cfg.eval.hessian_examples < len(hessian_data):
         _, kept = stratified_split(hessian_data.labels, cfg.eval.hessian_examples / len(hessian_data), seed=0)
         hessian_data = hessian_data.subset(kept)
+        if len(hessian_data) == 0:
+            raise FlatbmaError(
+                f"eval.hessian_examples={cfg.eval.hessian_examples} keeps no training example (the subset is "
+                f"stratified, rounded per class): use eval.hessian_examples >= {hessian_data.num_classes}"
+            )
     train, test = train.with_transform(train_tf), test.with_transform(eval_tf)
     val = val.with_transform(eval_tf) if val is not None else None
 
@@ -116,7 +151,11 @@ def build_experiment(cfg: RunConfig) -> Experiment:
     ).to(device)
     restrict_trainable(model, subset_names(model, cfg.model.trainable))
 
-    train_loader = _loader(train, d.batch_size, shuffle=True, seed=cfg.seed)
+    parallel = distributed.is_distributed()
+    if parallel:  # data.batch_size is the global batch; this rank loads its shard of each
+        train_loader = distributed.train_loader(train, d.batch_size, seed=cfg.seed)
+    else:
+        train_loader = _loader(train, d.batch_size, shuffle=True, seed=cfg.seed)
     steps = cfg.train.epochs * len(train_loader)
     o = cfg.optim
     warmup = round(o.warmup_epochs * len(train_loader))
@@ -126,6 +165,8 @@ def build_experiment(cfg: RunConfig) -> Experiment:
     else:
         optimizer = Adam(lr=lr, weight_decay=o.weight_decay)
     objective = Objective(model=model, num_data=len(train))
+    if parallel:
+        objective = distributed.data_parallel(objective)
     method = cfg.method.build(objective, optimizer)
     return Experiment(
         config=cfg,
@@ -133,10 +174,15 @@ def build_experiment(cfg: RunConfig) -> Experiment:
         method=method,
         train_loader=train_loader,
         val_loader=_loader(val, d.eval_batch_size, shuffle=False, seed=0) if val is not None else None,
-        test_loader=_loader(test, d.eval_batch_size, shuffle=False, seed=0),
+        test_loader=(
+            distributed.shard_loader(test, d.eval_batch_size)
+            if parallel
+            else _loader(test, d.eval_batch_size, shuffle=False, seed=0)
+        ),
         hessian_loader=_loader(hessian_data, d.eval_batch_size, shuffle=False, seed=0),
         num_classes=train.num_classes,
         device=device,
+        bn_loader=distributed.train_loader(train, d.batch_size, seed=cfg.seed, shard=False) if parallel else None,
     )
 
 
@@ -171,7 +217,8 @@ def posterior_samples(exp: Experiment, state: State) -> list[dict[str, torch.Ten
     generator = torch.Generator(device="cpu").manual_seed(exp.config.seed)
     samples = exp.method.sample(state, exp.config.eval.num_samples, generator)
     if exp.method.recompute_bn:
-        samples = [recompute_bn_statistics(exp.model, w, exp.train_loader, device=exp.device) for w in samples]
+        loader = exp.bn_loader if exp.bn_loader is not None else exp.train_loader
+        samples = [recompute_bn_statistics(exp.model, w, loader, device=exp.device) for w in samples]
     return samples
 
 
@@ -217,6 +264,7 @@ def _bma_metrics(exp: Experiment, samples: list[dict[str, torch.Tensor]]) -> dic
         n_bins=exp.config.eval.n_bins,
         device=exp.device,
         mode=exp.method.predict_mode,
+        reduce_metrics=distributed.all_reduce_metrics if distributed.is_distributed() else None,
     )
 
 
@@ -258,6 +306,10 @@ def train_run(cfg: RunConfig, *, force: bool = False, resume: bool = False) -> t
 
     With ``resume``, continue from the directory's checkpoint exactly where it stopped (same data
     order, same random draws) instead of starting over.
+
+    Data-parallel when a process group is initialized (``torchrun``, see
+    :mod:`flatbma.experiment.distributed`): every rank trains on its shard of each global batch and
+    only rank 0 writes files.
     """
     run_dir = Path(cfg.output_dir)
     resolved = cfg.to_dict()
@@ -267,12 +319,24 @@ def train_run(cfg: RunConfig, *, force: bool = False, resume: bool = False) -> t
     ckpt = run_dir / CHECKPOINT_FILE
     position = None
     history = History()
+    parallel = distributed.is_distributed()
     if resume:
         state, position, history = _load_checkpoint(ckpt, exp.device)
+        position = distributed.local_position(position) if parallel else position
     else:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        atomic_write_bytes(run_dir / CONFIG_FILE, yaml.safe_dump(resolved, sort_keys=False).encode())
+        try:
+            if distributed.is_main():  # the other ranks of a data-parallel run write nothing
+                run_dir.mkdir(parents=True, exist_ok=True)
+                atomic_write_bytes(run_dir / CONFIG_FILE, yaml.safe_dump(resolved, sort_keys=False).encode())
+        except OSError as e:
+            raise FlatbmaError(
+                f"cannot write the run directory {run_dir} ({e.strerror}): choose another output_dir "
+                "(--set output_dir=...)"
+            ) from None
         state = exp.method.init(trainable_params(exp.model), model_buffers(exp.model))
+
+    def save(s: State, p: Position, h: History) -> None:
+        _save_checkpoint(ckpt, s, p, h)
 
     start = time.perf_counter()
     exp.model.train()
@@ -284,9 +348,9 @@ def train_run(cfg: RunConfig, *, force: bool = False, resume: bool = False) -> t
             epochs=cfg.train.epochs,
             device=exp.device,
             resume=position,
-            checkpoint=lambda s, p, h: _save_checkpoint(ckpt, s, p, h),
+            checkpoint=distributed.checkpoint_hook(save) if parallel else save,
             checkpoint_every=cfg.train.checkpoint_every,
-            progress=cfg.train.progress,
+            progress=cfg.train.progress and distributed.is_main(),
             history=history,
         )
     except DivergenceError as e:
@@ -295,6 +359,8 @@ def train_run(cfg: RunConfig, *, force: bool = False, resume: bool = False) -> t
             f"{e}; {kept}. Lower the learning rate (e.g. --set optim.lr={cfg.optim.lr / 10:g}) and train again"
         ) from None
     train_time = time.perf_counter() - start
+    if parallel:
+        state, history = distributed.finish(state, history)
     metrics = evaluate_state(exp, state, flatness=cfg.eval.flatness)
     metrics.update(
         method=cfg.method.name,
@@ -304,7 +370,10 @@ def train_run(cfg: RunConfig, *, force: bool = False, resume: bool = False) -> t
         history=[vars(h) for h in history.epochs],
         environment=environment(),
     )
-    atomic_write_json(run_dir / METRICS_FILE, metrics)
+    if parallel:
+        metrics["world_size"] = distributed.world_size()
+    if distributed.is_main():
+        atomic_write_json(run_dir / METRICS_FILE, metrics)
     return run_dir, metrics
 
 
@@ -323,7 +392,13 @@ def evaluate_run(run_dir: str | Path, *, flatness: bool = False) -> dict[str, An
     exp = build_experiment(load_run_config(run_dir))
     state = load_state(run_dir / CHECKPOINT_FILE, device=str(exp.device))
     metrics_path = run_dir / METRICS_FILE
-    metrics = json.loads(metrics_path.read_text()) if metrics_path.is_file() else {}
+    try:
+        metrics = json.loads(metrics_path.read_text()) if metrics_path.is_file() else {}
+    except ValueError:
+        metrics = None
+    if not isinstance(metrics, dict):
+        raise FlatbmaError(f"{metrics_path} is damaged (not a JSON object): delete it and evaluate again")
     metrics.update(evaluate_state(exp, state, flatness=flatness))
-    atomic_write_json(metrics_path, metrics)
+    if distributed.is_main():
+        atomic_write_json(metrics_path, metrics)
     return metrics
