@@ -146,7 +146,8 @@ class Normalize:
         channels = batch.shape[1]
         if channels != len(self.mean):
             hint = (
-                " Convert grayscale images to RGB first (GrayscaleToRGB, or build_transform(to_rgb=True))."
+                " Convert grayscale images to RGB first (data.to_rgb: true in a run config; GrayscaleToRGB, or "
+                "build_transform(to_rgb=True))."
                 if channels == 1 and len(self.mean) == 3
                 else ""
             )
