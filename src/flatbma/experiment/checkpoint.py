@@ -117,3 +117,30 @@ def load_checkpoint(path: str | Path, device: str = "cpu") -> tuple[State, dict[
     except (KeyError, ValueError):
         raise FlatbmaError(f"{path}: the checkpoint metadata has no valid step; the file is damaged") from None
     return State(step=step, **sections), meta, {k: v.cpu() for k, v in extra.items()}
+
+
+def check_compatible(state: State, reference: State, path: str | Path) -> None:
+    """Raise :class:`FlatbmaError` unless the loaded ``state`` has the structure of ``reference``.
+
+    ``reference`` is the state the run's method initializes for the run's model. ``params`` and
+    ``buffers`` must hold the same names with the same shapes; every ``aux`` entry of ``reference``
+    must be there with its shape (a method may add ``aux`` entries while it trains, e.g. samples).
+    """
+    for section in SECTIONS:
+        have, want = getattr(state, section), getattr(reference, section)
+        problem = next((f"{section}/{k} is missing" for k in want if k not in have), None)
+        problem = problem or next(
+            (
+                f"{section}/{k} has shape {tuple(have[k].shape)} instead of {tuple(v.shape)}"
+                for k, v in want.items()
+                if tuple(have[k].shape) != tuple(v.shape)
+            ),
+            None,
+        )
+        if problem is None and section != "aux":
+            problem = next((f"{section}/{k} is unexpected" for k in have if k not in want), None)
+        if problem is not None:
+            raise FlatbmaError(
+                f"{path} does not fit this run's config ({problem}): it was written for another method or "
+                "model; restore the run's own checkpoint or train again"
+            )

@@ -60,7 +60,8 @@ def _build_parser() -> argparse.ArgumentParser:
 def _out_of_memory(e: BaseException) -> str:
     """``"out of memory (...)"`` when ``e`` reports a failed allocation (CPU or CUDA), else ``""``."""
     text = str(e).strip().splitlines()[0] if str(e).strip() else ""
-    if not (isinstance(e, MemoryError) or type(e).__name__ == "OutOfMemoryError" or "can't allocate memory" in text):
+    too_large = "can't allocate memory" in text or "Storage size calculation overflowed" in text
+    if not (isinstance(e, MemoryError) or type(e).__name__ == "OutOfMemoryError" or too_large):
         return ""
     detail = text.split("DefaultCPUAllocator: ")[-1].translate(_ESCAPE_LINE_BREAKS)
     return f"out of memory ({detail})" if detail else "out of memory"

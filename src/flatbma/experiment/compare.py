@@ -175,7 +175,7 @@ def load_plan(path: str | Path, overrides: list[str] = (), *, quick: bool = Fals
         for item in q.set:
             key, value = parse_override(item)
             set_dotted(raw, key, value)
-        methods = tuple(m for m in compare.methods if not q.methods or m["name"] in q.methods)
+        methods = tuple(m for m in compare.methods if not q.methods or m.get("name") in q.methods)
         compare = dataclasses.replace(compare, methods=methods, seeds=q.seeds or compare.seeds)
     raw.setdefault("method", compare.methods[0])
     base = config_from_dict(raw)

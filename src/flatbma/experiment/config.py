@@ -14,6 +14,8 @@ from flatbma.errors import FlatbmaError, suggest
 from flatbma.experiment.methods import MethodConfig, parse_method
 from flatbma.experiment.parse import parse_dataclass, set_dotted
 
+_FLOAT32_MAX = 3.4028234663852886e38
+
 
 def _positive(where: str, value: float | None, *, allow_none: bool = False, allow_zero: bool = False) -> None:
     if value is None and allow_none:
@@ -22,8 +24,8 @@ def _positive(where: str, value: float | None, *, allow_none: bool = False, allo
     if not ok:
         bound = ">= 0" if allow_zero else "> 0"
         raise FlatbmaError(f"{where} must be {bound}, got {value!r}")
-    if not math.isfinite(value):
-        raise FlatbmaError(f"{where} must be a finite number, got {value!r}")
+    if not math.isfinite(value) or value > _FLOAT32_MAX:  # the values meet float32 tensors
+        raise FlatbmaError(f"{where} must be a finite number below 3.4e38 (float32 range), got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -279,8 +281,9 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig
     """Load ``path`` (or start from defaults when ``None``), apply ``--set`` overrides, validate."""
     raw = load_raw(path) if path is not None else {}
     compare = raw.pop("compare", None)  # a compare config's shared sections are a run config
-    if isinstance(compare, dict) and compare.get("methods") and "method" not in raw:
-        raw["method"] = compare["methods"][0]  # `flatbma train` on a compare config trains its first method
+    methods = compare.get("methods") if isinstance(compare, dict) else None
+    if isinstance(methods, list) and methods and "method" not in raw:
+        raw["method"] = methods[0]  # `flatbma train` on a compare config trains its first method
     for item in overrides:
         key, value = parse_override(item)
         set_dotted(raw, key, value)

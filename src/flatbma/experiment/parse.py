@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import types
 import typing
@@ -73,12 +74,9 @@ def coerce(value: Any, tp: Any, where: str) -> Any:
             except OverflowError:
                 raise FlatbmaError(f"{where} must be a number within float range (about ±1.8e308)") from None
         if isinstance(value, str) and _FLOAT_TEXT.fullmatch(value.strip()):  # YAML 1.1 reads 1e-3 as text
-            mantissa, exponent = f"{float(value):e}".split("e")
-            mantissa = mantissa.rstrip("0")
-            spelled = f"{mantissa}{'0' if mantissa.endswith('.') else ''}e{int(exponent):+d}"
             raise FlatbmaError(
-                f"{where} must be a number, got the text {value!r}: YAML needs a dot and a signed exponent, "
-                f"write {spelled}"
+                f"{where} must be a number, got the text {value!r} (YAML reads an exponent as a number only "
+                f"with a dot and a sign, like 1.0e-3): write {yaml_float(float(value))}"
             )
         raise FlatbmaError(f"{where} must be a number, got {value!r}")
     if tp is str:
@@ -88,6 +86,16 @@ def coerce(value: Any, tp: Any, where: str) -> Any:
     if dataclasses.is_dataclass(tp):
         return parse_dataclass(tp, value, where)
     raise TypeError(f"unsupported config annotation {tp!r} at {where}")
+
+
+def yaml_float(x: float) -> str:
+    """``x`` spelled so that YAML 1.1 (PyYAML) reads a float: ``1.0e-3``, not ``1e-3`` (which is text)."""
+    if not math.isfinite(x):
+        return ".nan" if math.isnan(x) else ("-.inf" if x < 0 else ".inf")
+    mantissa, _, exponent = repr(float(x)).partition("e")
+    if not exponent:
+        return mantissa
+    return f"{mantissa if '.' in mantissa else mantissa + '.0'}e{int(exponent):+d}"
 
 
 def parse_dataclass(cls: type[T], data: Any, where: str) -> T:
@@ -134,6 +142,6 @@ def set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
         if child is None:
             child = node[key] = {}
         if not isinstance(child, dict):
-            raise FlatbmaError(f"--set {dotted}: '{key}' is a value, not a section")
+            raise FlatbmaError(f"--set {dotted}: '{key}' is the value {child!r}, not a section of keys")
         node = child
     node[keys[-1]] = value

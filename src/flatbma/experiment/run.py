@@ -21,8 +21,16 @@ from flatbma.bn import recompute_bn_statistics
 from flatbma.data import DATASETS, ArrayDataset, build_transform, few_shot_indices, load_dataset, stratified_split
 from flatbma.errors import DivergenceError, FlatbmaError
 from flatbma.experiment import distributed
-from flatbma.experiment.checkpoint import atomic_write_bytes, atomic_write_json, load_checkpoint, load_state, save_state
+from flatbma.experiment.checkpoint import (
+    atomic_write_bytes,
+    atomic_write_json,
+    check_compatible,
+    load_checkpoint,
+    load_state,
+    save_state,
+)
 from flatbma.experiment.config import DataConfig, RunConfig, config_from_dict, load_raw
+from flatbma.experiment.parse import yaml_float
 from flatbma.experiment.runner import EpochLog, History, Position, fit
 from flatbma.flatness.posterior import flatness_report
 from flatbma.models import build_model
@@ -283,6 +291,14 @@ def _save_checkpoint(path: Path, state: State, position: Position, history: Hist
     save_state(state, path, meta, extra)
 
 
+def _check_fits(exp: Experiment, state: State, path: Path) -> None:
+    """A loaded state must have the structure the run's method gives a fresh state of the run's model."""
+    devices = list(range(torch.cuda.device_count())) if exp.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):  # the reference init leaves the run's random streams alone
+        reference = exp.method.init(trainable_params(exp.model), model_buffers(exp.model))
+    check_compatible(state, reference, path)
+
+
 def _load_checkpoint(path: Path, device: torch.device) -> tuple[State, Position, History]:
     state, meta, extra = load_checkpoint(path, device=str(device))
     try:
@@ -322,6 +338,7 @@ def train_run(cfg: RunConfig, *, force: bool = False, resume: bool = False) -> t
     parallel = distributed.is_distributed()
     if resume:
         state, position, history = _load_checkpoint(ckpt, exp.device)
+        _check_fits(exp, state, ckpt)
         position = distributed.local_position(position) if parallel else position
     else:
         try:
@@ -356,7 +373,8 @@ def train_run(cfg: RunConfig, *, force: bool = False, resume: bool = False) -> t
     except DivergenceError as e:
         kept = f"the last good checkpoint is kept at {ckpt}" if ckpt.exists() else "no checkpoint was written yet"
         raise DivergenceError(
-            f"{e}; {kept}. Lower the learning rate (e.g. --set optim.lr={cfg.optim.lr / 10:g}) and train again"
+            f"{e}; {kept}. Lower the learning rate (e.g. --set optim.lr={yaml_float(cfg.optim.lr / 10)}) and train "
+            "again"
         ) from None
     train_time = time.perf_counter() - start
     if parallel:
@@ -391,6 +409,7 @@ def evaluate_run(run_dir: str | Path, *, flatness: bool = False) -> dict[str, An
     run_dir = Path(run_dir)
     exp = build_experiment(load_run_config(run_dir))
     state = load_state(run_dir / CHECKPOINT_FILE, device=str(exp.device))
+    _check_fits(exp, state, run_dir / CHECKPOINT_FILE)
     metrics_path = run_dir / METRICS_FILE
     try:
         metrics = json.loads(metrics_path.read_text()) if metrics_path.is_file() else {}
