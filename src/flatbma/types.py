@@ -12,7 +12,7 @@ posteriors) and returns the state to use next; callers must not rely on the old 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
@@ -77,11 +77,31 @@ class Posterior(Transform):
         recompute_bn: whether BatchNorm statistics must be recomputed on training data for every
             sample before predicting (weights that were never trained with their own statistics,
             e.g. SWAG or VI samples); see :func:`flatbma.bn.recompute_bn_statistics`.
+        gaussian: ``gaussian(state) -> θ`` for posteriors that are a low-rank plus diagonal Gaussian
+            ``N(μ, ½(diag σ² + LLᵀ/(K−1)))``: its ``mean/``, ``log_std/`` and ``factor/`` tensors in the
+            layout of :mod:`flatbma.posteriors.lowrank_vi` (SWAG, low-rank VI, FP-BMA). A two-stage run
+            uses it as the prior and initialization of the second stage; ``None`` for other posteriors.
+        members: number ``M`` of independent components (ensemble members) when the posterior is the
+            uniform mixture ``q = (1/M) Σ_m q_m`` of components trained without interacting; 0 (the
+            default) when it has none. ``train.parallel: members`` spreads them over processes.
+            Contract: every component owns its own entries of ``params``/``buffers``/``aux``;
+            ``update`` on a :attr:`split` state trains exactly the components it holds, as in the full
+            state, and reports their mean loss and the log of their mixture predictive
+            ``log (1/m) Σ_{j held} p_j(y|x)`` (so the outputs of a partition combine exactly); random
+            draws of a component do not depend on which other components the state holds; ``sample``
+            on a split state returns samples of its components only.
+        split: ``split(state, indices) -> State``: the state of components ``indices ⊆ {0..M−1}``
+            alone — the entries of ``state`` they own (the same tensors) and the same ``step``. The
+            splits of a partition of ``{0..M−1}`` partition the entries, so the full state is their
+            union. ``None`` exactly when ``members == 0``.
     """
 
     sample: Callable[[State, int, torch.Generator | None], list[Params]]
     predict_mode: Callable[[nn.Module], AbstractContextManager[Any]] | None = None
     recompute_bn: bool = False
+    gaussian: Callable[[State], Params] | None = None
+    members: int = 0
+    split: Callable[[State, Sequence[int]], State] | None = None
 
 
 class Ascent(Protocol):

@@ -91,3 +91,16 @@ def test_compose_and_build_transform():
     assert torch.equal(build_transform()(IMAGE), IMAGE)
     with pytest.raises(FlatbmaError, match=r"Did you mean 'imagenet'"):
         build_transform(normalize="imagnet")
+
+
+def test_default_crop_padding_is_an_eighth_of_the_side():
+    """``build_transform(augment=True)`` pads by side/8 (at least 1): crops of an 8×8 image shift by ≤ 1 pixel."""
+    image = torch.arange(64.0).reshape(1, 1, 8, 8).repeat(200, 1, 1, 1)
+    crop = RandomCrop(None, padding=None, generator=torch.Generator().manual_seed(0))
+    out = crop(image)
+    # the top-left pixel of a crop shifted by (dy, dx) is image[dy, dx] (or 0 from the padding)
+    shifts = {(int(v) // 8, int(v) % 8) for v in out[:, 0, 1, 1]}  # pixel (1, 1) of the crop: never padding
+    assert shifts <= {(dy, dx) for dy in range(3) for dx in range(3)} and len(shifts) == 9
+    assert build_transform(augment=True).transforms[0].padding is None
+    big = RandomCrop(None, padding=None, generator=torch.Generator().manual_seed(0))(torch.zeros(1, 1, 32, 32))
+    assert big.shape == (1, 1, 32, 32)

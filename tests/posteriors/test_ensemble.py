@@ -193,3 +193,15 @@ def test_cli_trains_on_digits(tmp_path, capsys, method):
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["num_samples"] == method["size"]  # capped at the ensemble size
     assert metrics["accuracy"] > 0.7
+
+
+def test_default_member_seed_follows_the_run_seed():
+    """``seed=None``: members 1..M−1 come from the global generator, so run seeds give different ensembles."""
+    net = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))
+    method = ensemble.build(Objective(model=net), SGD(lr=0.1), size=3)
+    params, buffers = trainable_params(net), model_buffers(net)
+    inits = []
+    for run_seed in (0, 0, 1):
+        torch.manual_seed(run_seed)
+        inits.append(method.init(params, buffers).params["member2/0.weight"])
+    assert torch.equal(inits[0], inits[1]) and not torch.equal(inits[0], inits[2])

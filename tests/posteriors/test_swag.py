@@ -93,13 +93,27 @@ def test_moments_of_a_known_sequence_of_iterates_equal_numpy():
     m = swag.swag_moments(state)
     assert m.names == ("b", "w")
     np.testing.assert_allclose(m.mean.numpy(), snaps.mean(0), rtol=1e-13, atol=1e-15)
-    sq = (snaps**2).mean(0)
-    np.testing.assert_allclose(state.aux["swag/sq_mean/b"].numpy(), sq[:4], rtol=1e-13)
-    np.testing.assert_allclose(state.aux["swag/sq_mean/w"].numpy().ravel(), sq[4:], rtol=1e-13)
-    np.testing.assert_allclose(m.variance.numpy(), np.maximum(sq - snaps.mean(0) ** 2, 1e-30), rtol=1e-10)
+    m2 = ((snaps - snaps.mean(0)) ** 2).sum(0)
+    np.testing.assert_allclose(state.aux["swag/m2/b"].numpy(), m2[:4], rtol=1e-12)
+    np.testing.assert_allclose(state.aux["swag/m2/w"].numpy().ravel(), m2[4:], rtol=1e-12)
+    np.testing.assert_allclose(m.variance.numpy(), np.maximum(snaps.var(0), 1e-30), rtol=1e-10)
     np.testing.assert_allclose(state.aux["swag/mean/w"].numpy().ravel(), snaps.mean(0)[4:], rtol=1e-13)
     # deviations w_i - (running mean including w_i), the last K = 3 of them, oldest first
     np.testing.assert_allclose(m.deviations.numpy(), _numpy_deviations(snaps)[-3:], rtol=1e-12, atol=1e-14)
+
+
+def test_variance_keeps_float32_accuracy_for_weights_near_one():
+    """BatchNorm scales ≈ 1 moving by ~1e-4: ``mean(w²) − w̄²`` cancels to noise in float32, Welford does not."""
+    g = np.random.default_rng(0)
+    snaps = (1.0 + 1e-4 * g.standard_normal((40, 6))).astype(np.float32)
+    objective = quadratic_objective(torch.eye(6), torch.zeros(6), torch.zeros(6))
+    method = swag.build(objective, SGD(lr=0.1), rank=3)
+    state = method.init(trainable_params(objective.model), {})
+    aux = dict(state.aux)
+    for w in snaps:
+        swag._collect({"w": torch.from_numpy(w)}, aux)
+    variance = swag.swag_moments(replace(state, aux=aux)).variance.numpy()
+    np.testing.assert_allclose(variance, snaps.astype(np.float64).var(0), rtol=1e-3)
 
 
 def test_deviation_ring_buffer_keeps_the_last_k():
@@ -137,7 +151,7 @@ def _hand_built(d=5, k=3, n_collected=7, scale=0.7, diagonal_only=False, seed=1)
     aux = {
         **state.aux,
         "swag/mean/w": mean,
-        "swag/sq_mean/w": var + mean**2,
+        "swag/m2/w": var * n_collected,
         "swag/n_collected": torch.tensor(n_collected),
     }
     if not diagonal_only:

@@ -194,16 +194,17 @@ class RandomCrop:
     Args:
         size: Crop size, an int or ``(height, width)``; ``None`` keeps the input's own size (the usual
             "pad and crop back" augmentation).
-        padding: Zero padding added to each side before cropping.
+        padding: Zero padding added to each side before cropping; ``None`` is 1/8 of the input's
+            smaller side, at least 1 (4 pixels on 32×32 CIFAR, 1 on 8×8 digits).
         generator: Source of randomness; the global generator when ``None``.
     """
 
     def __init__(
-        self, size: int | Sequence[int] | None, padding: int = 0, generator: torch.Generator | None = None
+        self, size: int | Sequence[int] | None, padding: int | None = 0, generator: torch.Generator | None = None
     ) -> None:
         self.size = None if size is None else _pair(size, "RandomCrop size")
-        if isinstance(padding, bool) or not isinstance(padding, int) or padding < 0:
-            raise FlatbmaError(f"RandomCrop padding must be a non-negative int, got {padding!r}.")
+        if padding is not None and (isinstance(padding, bool) or not isinstance(padding, int) or padding < 0):
+            raise FlatbmaError(f"RandomCrop padding must be a non-negative int or None, got {padding!r}.")
         self.padding = padding
         self.generator = generator
 
@@ -211,8 +212,9 @@ class RandomCrop:
         """Return random crops of ``x``."""
         batch, single = _as_batch(x, "RandomCrop")
         height, width = self.size if self.size is not None else tuple(batch.shape[-2:])
-        if self.padding:
-            batch = F.pad(batch, (self.padding,) * 4)
+        padding = self.padding if self.padding is not None else max(1, min(batch.shape[-2:]) // 8)
+        if padding:
+            batch = F.pad(batch, (padding,) * 4)
         padded_h, padded_w = batch.shape[-2:]
         if height > padded_h or width > padded_w:
             raise FlatbmaError(
@@ -244,7 +246,7 @@ def build_transform(
     to_rgb: bool = False,
     normalize: str | None = None,
     augment: bool = False,
-    crop_padding: int = 4,
+    crop_padding: int | None = None,
     generator: torch.Generator | None = None,
 ) -> Compose:
     """Build the standard pipeline: to RGB, resize, augment, normalize (each step optional).
@@ -259,7 +261,7 @@ def build_transform(
         normalize: ``"imagenet"`` to standardize with :data:`IMAGENET_MEAN` / :data:`IMAGENET_STD`
             (three channels required), or ``None``.
         augment: Add random crop and flip (training only).
-        crop_padding: Zero padding on each side before the random crop.
+        crop_padding: Zero padding on each side before the random crop; ``None``: 1/8 of the side.
         generator: Source of randomness for the augmentation.
 
     Returns:

@@ -104,16 +104,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             from flatbma.experiment import distributed
             from flatbma.experiment.compare import load_plan, run_compare
             from flatbma.experiment.report import summary_table
+            from flatbma.experiment.run import resolve_device
 
-            if distributed.launched_world_size() > 1:
-                raise FlatbmaError(
-                    "compare runs in one process and does not support torchrun yet: launch 'flatbma compare' "
-                    "directly (data-parallel training is 'torchrun ... -m flatbma train')"
-                )
             plan = load_plan(args.config, args.overrides, quick=args.quick)
-            results = run_compare(plan, force=args.force)
-            print(summary_table(results))
-            print(f"wrote {plan.out_dir / 'results.json'}, results.csv, report.md and report.html")
+            with distributed.process_group(resolve_device(plan.base.train.device)):  # under torchrun: runs spread
+                results = run_compare(plan, force=args.force)
+                main_process = distributed.is_main()
+            if main_process:
+                print(summary_table(results))
+                print(f"wrote {plan.out_dir / 'results.json'}, results.csv, report.md and report.html")
         elif args.command == "evaluate":
             from flatbma.experiment import distributed
             from flatbma.experiment.run import evaluate_run, load_run_config, resolve_device

@@ -17,7 +17,8 @@ Each (method, seed) is an ordinary run directory under ``OUT/runs/<method>/seed<
 :func:`flatbma.experiment.run.train_run`); its comparison measurements are cached beside it in
 ``compare.json`` together with the hash of the config that produced them, so a rerun skips every
 finished (method, seed) and reuses it. The output directory records its compare config and refuses
-to mix results of a different one unless ``--force`` is given.
+to mix results of a different one unless ``--force`` is given. Under ``torchrun`` the runs are
+spread over the processes (:func:`run_compare`).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,6 +38,7 @@ from tqdm.auto import tqdm
 
 from flatbma.calibration import fit_temperature, scale
 from flatbma.errors import FlatbmaError
+from flatbma.experiment import distributed
 from flatbma.experiment.checkpoint import atomic_write_bytes, atomic_write_json, load_state
 from flatbma.experiment.config import RunConfig, config_from_dict, load_raw, parse_override
 from flatbma.experiment.parse import parse_dataclass, set_dotted
@@ -55,6 +58,8 @@ from flatbma.predict import eval_mode, log_mean_exp, sample_log_probs
 COMPARE_CONFIG = "compare_config.yaml"
 RESULTS_JSON = "results.json"
 RUN_CACHE = "compare.json"
+CLEAN_KEYS = ("accuracy", "nll", "ece", "aece", "brier")
+"""BMA metrics on the clean test set (also merged into a compared run's metrics.json)."""
 
 
 @dataclass(frozen=True)
@@ -77,7 +82,8 @@ class CompareConfig:
     """The ``compare`` section.
 
     Attributes:
-        methods: method sections (``{name: ..., options...}``) to compare.
+        methods: method sections (``{name: ..., options...}``) to compare; an entry may carry a ``prior``
+            section (a two-stage run, see :class:`~flatbma.experiment.config.PriorConfig`).
         seeds: seeds; each (method, seed) is one run.
         corruptions: corruption names evaluated on the test set (``flatbma.data.corruption_names()``).
         severities: corruption severities in 1..5.
@@ -128,13 +134,17 @@ class Plan:
     raw: dict[str, Any]
     out_dir: Path
 
+    def labels(self) -> list[str]:
+        """The method label of every run of :meth:`runs`, in the same order."""
+        return [label_of(method) for method in self.compare.methods for _ in self.compare.seeds]
+
     def runs(self) -> list[RunConfig]:
         """One run config per (method, seed), each with its own output directory."""
         out = []
         for method in self.compare.methods:
             for seed in self.compare.seeds:
                 raw = json.loads(json.dumps(self.raw))
-                raw["method"] = method
+                raw.update(_run_sections(method))
                 raw["seed"] = seed
                 raw["output_dir"] = str(self.out_dir / "runs" / _slug(method) / f"seed{seed}")
                 raw.setdefault("eval", {})["flatness"] = False  # measured by the comparison itself
@@ -150,8 +160,30 @@ class Plan:
         return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
+def _run_sections(method: Any) -> dict[str, Any]:
+    """The run config sections of one ``compare.methods`` entry.
+
+    An entry is a method section; its optional ``prior`` key becomes the run's ``prior`` section (a
+    two-stage run, e.g. ``{name: fp-bma, rank: 5, prior: {method: {name: swag, rank: 5}, epochs: 15}}``)
+    and its optional ``label`` (the name in tables and plots) is not part of the run's config.
+    """
+    if not isinstance(method, dict):
+        return {"method": method}
+    method = {k: v for k, v in method.items() if k != "label"}
+    if "prior" not in method:
+        return {"method": method}
+    return {"prior": method.pop("prior"), "method": method}
+
+
+def label_of(method: Any) -> str:
+    """The name of a ``compare.methods`` entry in tables and plots: its ``label``, else its method name."""
+    if isinstance(method, dict):
+        return str(method.get("label", method.get("name")))
+    return str(method)
+
+
 def _slug(method: dict[str, Any]) -> str:
-    opts = {k: v for k, v in method.items() if k != "name"}
+    opts = {k: v for k, v in method.items() if k not in ("name", "label")}  # a label is only a display name
     if not opts:
         return str(method["name"])
     digest = hashlib.sha256(json.dumps(opts, sort_keys=True).encode()).hexdigest()[:6]
@@ -175,12 +207,19 @@ def load_plan(path: str | Path, overrides: list[str] = (), *, quick: bool = Fals
         for item in q.set:
             key, value = parse_override(item)
             set_dotted(raw, key, value)
-        methods = tuple(m for m in compare.methods if not q.methods or m.get("name") in q.methods)
+        methods = tuple(m for m in compare.methods if not q.methods or {m.get("name"), label_of(m)} & set(q.methods))
         compare = dataclasses.replace(compare, methods=methods, seeds=q.seeds or compare.seeds)
-    raw.setdefault("method", compare.methods[0])
+    labels = [label_of(m) for m in compare.methods]
+    twice = sorted({x for x in labels if labels.count(x) > 1})
+    if twice:
+        raise FlatbmaError(
+            f"compare.methods has several entries named {twice[0]!r}: give them distinct 'label' keys "
+            "(e.g. label: fp-bma+swag-prior), the names their rows get in tables and plots"
+        )
+    raw.setdefault("method", _run_sections(compare.methods[0])["method"])
     base = config_from_dict(raw)
     for method in compare.methods:  # validate every method section up front
-        config_from_dict({**raw, "method": method})
+        config_from_dict({**raw, **_run_sections(method)})
     return Plan(base=base, compare=compare, raw=raw, out_dir=Path(base.output_dir))
 
 
@@ -277,7 +316,7 @@ def measure_run(cfg: RunConfig, compare: CompareConfig) -> dict[str, Any]:
     samples = posterior_samples(exp, state)
     curve, reliability = bma_curve_metrics(exp, samples, exp.test_loader, compare.bma_curve)
     full = curve[len(samples)]
-    result: dict[str, Any] = {k: full[k] for k in ("accuracy", "nll", "ece", "aece", "brier")}
+    result: dict[str, Any] = {k: full[k] for k in CLEAN_KEYS}
     result["bma_curve"] = {
         "num_samples": list(curve),
         **{k: [curve[m][k] for m in curve] for k in ("accuracy", "nll", "ece")},
@@ -289,7 +328,7 @@ def measure_run(cfg: RunConfig, compare: CompareConfig) -> dict[str, Any]:
         t = fit_temperature(val_log_probs, val_labels)
         scaled, _ = bma_curve_metrics(exp, samples, exp.test_loader, (len(samples),), temperature=t)
         result["temperature"] = t
-        result["temperature_scaled"] = {k: scaled[len(samples)][k] for k in ("accuracy", "nll", "ece", "aece", "brier")}
+        result["temperature_scaled"] = {k: scaled[len(samples)][k] for k in CLEAN_KEYS}
     result["corruptions"] = corruption_metrics(exp, samples, compare.corruptions, compare.severities)
     if compare.flatness:
         result.update(flatness_metrics(exp, samples))
@@ -314,19 +353,44 @@ def _check_out_dir(plan: Plan, force: bool) -> None:
 
 
 def run_compare(plan: Plan, *, force: bool = False, progress: bool = True) -> dict[str, Any]:
-    """Train and measure every (method, seed) not already finished; write results and reports."""
-    _check_out_dir(plan, force)
-    plan.out_dir.mkdir(parents=True, exist_ok=True)
-    fingerprint = plan.fingerprint()
-    record = {"fingerprint": fingerprint, "config": plan.raw, "compare": dataclasses.asdict(plan.compare)}
-    atomic_write_bytes(plan.out_dir / COMPARE_CONFIG, yaml.safe_dump(record, sort_keys=False).encode())
+    """Train and measure every (method, seed) not already finished; write results and reports.
 
-    runs = plan.runs()
-    rows = []
-    bar = tqdm(runs, desc="compare", disable=not progress or None, dynamic_ncols=True)
-    for cfg in bar:
-        bar.set_postfix(method=cfg.method.name, seed=cfg.seed, refresh=True)
-        rows.append(_run_one(cfg, plan.compare, fingerprint, force))
+    Under ``torchrun`` (a process group of ``N`` processes, see :mod:`flatbma.experiment.distributed`)
+    the runs are spread: process ``r`` does runs ``r, r+N, r+2N, …`` of :meth:`Plan.runs` (methods
+    outer, seeds inner) as ordinary single-process runs. When all have finished, every process reads
+    the other processes' rows from their runs' caches (``compare.json``), so ``output_dir`` must be on
+    a file system they share; rank 0 alone writes ``compare_config.yaml`` (first), ``results.json``
+    and the reports. Every process returns the same results.
+    """
+    me, world = distributed.rank(), distributed.world_size()
+    fingerprint = plan.fingerprint()
+    with distributed.all_or_none():  # rank 0 claims the output directory; an error stops every process
+        if me == 0:
+            _check_out_dir(plan, force)
+            plan.out_dir.mkdir(parents=True, exist_ok=True)
+            record = {"fingerprint": fingerprint, "config": plan.raw, "compare": dataclasses.asdict(plan.compare)}
+            atomic_write_bytes(plan.out_dir / COMPARE_CONFIG, yaml.safe_dump(record, sort_keys=False).encode())
+
+    runs = list(zip(plan.labels(), plan.runs(), strict=True))
+    mine = runs[me::world]
+    own = []
+    bar = tqdm(mine, desc="compare", disable=not progress or me > 0 or None, dynamic_ncols=True)
+    start = time.perf_counter()
+    with distributed.all_or_none(), distributed.single_process():  # each run is an ordinary one-process run
+        for i, (label, cfg) in enumerate(bar, 1):
+            bar.set_postfix(method=label, seed=cfg.seed, refresh=True)
+            begun = time.perf_counter()
+            own.append(_run_one(label, cfg, plan.compare, fingerprint, force))
+            if progress and bar.disable:  # no terminal (a log file, CI): one line per run instead of the bar
+                now = time.perf_counter()
+                left = (now - start) / i * (len(mine) - i)
+                print(
+                    f"compare{f' (process {me})' if world > 1 else ''}: [{i}/{len(mine)}] {label} "
+                    f"seed {cfg.seed} done in {now - begun:.0f} s; about {left / 60:.1f} min left",
+                    file=sys.stderr,
+                    flush=True,
+                )
+    rows = [own[k // world] if k % world == me else _cached_result(cfg, fingerprint) for k, (_, cfg) in enumerate(runs)]
     results = {
         "config_hash": fingerprint,
         "config": plan.raw,
@@ -334,14 +398,30 @@ def run_compare(plan: Plan, *, force: bool = False, progress: bool = True) -> di
         "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "runs": rows,
     }
-    atomic_write_json(plan.out_dir / RESULTS_JSON, results)
-    from flatbma.experiment.report import write_reports
+    if me == 0:
+        atomic_write_json(plan.out_dir / RESULTS_JSON, results)
+        from flatbma.experiment.report import write_reports
 
-    write_reports(results, plan.out_dir)
+        write_reports(results, plan.out_dir)
     return results
 
 
-def _run_one(cfg: RunConfig, compare: CompareConfig, fingerprint: str, force: bool) -> dict[str, Any]:
+def _cached_result(cfg: RunConfig, fingerprint: str) -> dict[str, Any]:
+    """The row another process wrote for run ``cfg`` (its ``compare.json``)."""
+    cache = Path(cfg.output_dir) / RUN_CACHE
+    try:
+        cached = json.loads(cache.read_text())
+    except (OSError, ValueError):
+        cached = None
+    if not isinstance(cached, dict) or cached.get("fingerprint") != fingerprint or "result" not in cached:
+        raise FlatbmaError(
+            f"{cache} holds no result of this comparison although another process finished that run: "
+            "put output_dir on a file system that every process shares"
+        )
+    return cached["result"]
+
+
+def _run_one(label: str, cfg: RunConfig, compare: CompareConfig, fingerprint: str, force: bool) -> dict[str, Any]:
     run_dir = Path(cfg.output_dir)
     cache = run_dir / RUN_CACHE
     resolved = cfg.to_dict()
@@ -352,15 +432,19 @@ def _run_one(cfg: RunConfig, compare: CompareConfig, fingerprint: str, force: bo
             if cached.get("fingerprint") == fingerprint:
                 return cached["result"]
         train_metrics = json.loads((run_dir / METRICS_FILE).read_text())
-    else:
-        _, train_metrics = train_run(cfg, force=True)
+    else:  # measure_run evaluates the BMA (and more); its clean-test metrics go into metrics.json below
+        _, train_metrics = train_run(cfg, force=True, evaluate=False)
     result = {
-        "method": cfg.method.name,
+        "method": label,
         "method_options": cfg.method.to_dict(),
+        "prior": cfg.prior.to_dict() if cfg.prior is not None else None,
         "seed": cfg.seed,
         "run_dir": str(run_dir),
         "train_time_s": train_metrics.get("train_time_s"),
         **measure_run(cfg, compare),
     }
+    if not all(k in train_metrics for k in CLEAN_KEYS):  # the run directory is complete on its own
+        train_metrics.update({k: result[k] for k in CLEAN_KEYS}, num_samples=cfg.eval.num_samples)
+        atomic_write_json(run_dir / METRICS_FILE, train_metrics)
     atomic_write_json(cache, {"fingerprint": fingerprint, "result": result})
     return result

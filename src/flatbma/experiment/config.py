@@ -8,10 +8,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+import torch
 import yaml
 
 from flatbma.errors import FlatbmaError, suggest
-from flatbma.experiment.methods import MethodConfig, parse_method
+from flatbma.experiment.methods import METHODS, MethodConfig, parse_method, prior_methods
 from flatbma.experiment.parse import parse_dataclass, set_dotted
 
 _FLOAT32_MAX = 3.4028234663852886e38
@@ -133,12 +134,17 @@ class TrainConfig:
         checkpoint_every: also checkpoint every this many steps (0 = at epoch ends only).
         device: ``auto`` (CUDA when available), ``cpu``, ``cuda``, ``cuda:1``, ...
         progress: show progress bars.
+        parallel: what the processes of a ``torchrun`` launch share out: ``data`` (every process
+            trains all of the method on its shard of each global batch) or ``members`` (each trains a
+            disjoint share of the posterior's independent members, e.g. ensemble members, on all the
+            data; only for methods with members). See :mod:`flatbma.experiment.distributed`.
     """
 
     epochs: int = 10
     checkpoint_every: int = 0
     device: str = "auto"
     progress: bool = True
+    parallel: Literal["data", "members"] = "data"
 
     def __post_init__(self) -> None:
         _positive("epochs", self.epochs)
@@ -184,6 +190,113 @@ class EvalConfig:
 
 
 @dataclass(frozen=True)
+class PriorConfig:
+    """The first stage of a two-stage run: a Gaussian posterior fitted on the run's (target) data.
+
+    It becomes the prior ``p`` in ``KL(q_θ ‖ p)`` and the initialization of the run's method.
+
+    This is the Bayesian transfer-learning pipeline of SA-BMA / FP-BMA (Lim et al., UAI 2025): SWAG on
+    the target data → FP-BMA with the SWAG prior, started at the SWAG posterior → BMA. The stage trains
+    into ``<output_dir>/prior`` (a run directory of its own, with its own BMA metrics) and is reused
+    when it has already finished with the same config.
+
+    Attributes:
+        method: the first stage's method; its posterior must be a low-rank plus diagonal Gaussian
+            (swag, f-swag, lowrank-vi, fp-bma, ...), e.g. ``{name: swag, rank: 5}``.
+        epochs: training epochs of the first stage.
+        optim: the first stage's optimizer; the run's ``optim`` section when ``None``.
+        init: start the run's method at the fitted posterior (its ``method.rank`` must then equal the
+            number of deviation columns the first stage collected); otherwise only the prior is used.
+        min_std: floor of the fitted Gaussian's diagonal standard deviations ``σ`` (prior and start).
+            SWAG's ``σ`` is ~0 for weights the snapshots barely move, and ``KL(q ‖ p)`` then has
+            curvature ``κ/(n σ²)`` in ``μ``: gradient descent with learning rate ``lr`` is stable only
+            for ``σ² > κ·lr/(2n)``, which this floor secures for usual ``lr`` and ``n``.
+    """
+
+    method: MethodConfig
+    epochs: int = 10
+    optim: OptimConfig | None = None
+    init: bool = True
+    min_std: float = 0.01
+
+    def __post_init__(self) -> None:
+        _positive("prior.epochs", self.epochs)
+        _positive("prior.min_std", self.min_std)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The resolved section."""
+        optim = dataclasses.asdict(self.optim) if self.optim is not None else None
+        return {
+            "method": self.method.to_dict(),
+            "epochs": self.epochs,
+            "optim": optim,
+            "init": self.init,
+            "min_std": self.min_std,
+        }
+
+
+@dataclass(frozen=True)
+class _PriorOptions:
+    epochs: int = 10
+    init: bool = True
+    min_std: float = PriorConfig.min_std
+
+
+def parse_prior(data: Any, method: MethodConfig) -> PriorConfig | None:
+    """Parse the ``prior`` section (``None`` or absent: a one-stage run) for the run's ``method``."""
+    if data is None:
+        return None
+    if not isinstance(data, dict) or "method" not in data:
+        raise FlatbmaError(
+            "prior must be a mapping with a 'method' key, e.g. prior: {method: {name: swag, rank: 5}, epochs: 10}"
+        )
+    if METHODS[method.name].with_prior is None:
+        raise FlatbmaError(
+            f"method {method.name!r} takes no Gaussian prior, so the prior section does not apply to it: use one of "
+            f"{', '.join(prior_methods())} or remove the prior section"
+        )
+    stage = parse_method(data["method"], "prior.method")
+    if not stage_has_gaussian(stage):
+        raise FlatbmaError(
+            f"prior.method {stage.name!r} is not a low-rank plus diagonal Gaussian posterior, so it cannot serve as "
+            f"a prior: use one of {', '.join(gaussian_methods())}"
+        )
+    rest = parse_dataclass(_PriorOptions, {k: v for k, v in data.items() if k not in ("method", "optim")}, "prior")
+    optim = parse_dataclass(OptimConfig, data["optim"], "prior.optim") if data.get("optim") is not None else None
+    ranks = (method.options.get("rank"), stage.options.get("rank"))
+    if rest.init and None not in ranks and ranks[0] != ranks[1]:
+        raise FlatbmaError(
+            f"prior.init starts {method.name} at the fitted prior, so method.rank ({ranks[0]}) must equal "
+            f"prior.method.rank ({ranks[1]}): set both to the same K, or prior.init: false"
+        )
+    return PriorConfig(method=stage, epochs=rest.epochs, optim=optim, init=rest.init, min_std=rest.min_std)
+
+
+def stage_has_gaussian(method: MethodConfig) -> bool:
+    """Whether ``method`` builds a posterior with a :attr:`~flatbma.types.Posterior.gaussian`.
+
+    Probed on a tiny classifier: building a method validates its options and touches no data.
+    """
+    from flatbma.optim import SGD
+    from flatbma.params import Objective
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    return method.build(Objective(model=model), SGD(lr=0.1)).gaussian is not None
+
+
+def gaussian_methods() -> list[str]:
+    """Names of the methods (with default options) whose posterior can serve as a ``prior`` stage."""
+    found = []
+    for name in METHODS:
+        try:
+            if stage_has_gaussian(parse_method(name)):
+                found.append(name)
+        except FlatbmaError:
+            continue
+    return found
+
+
+@dataclass(frozen=True)
 class RunConfig:
     """A whole run: ``flatbma train --config FILE`` parses one of these.
 
@@ -191,6 +304,7 @@ class RunConfig:
         method: the method (``flatbma methods``) and its options.
         seed: seed of initialization, k-shot draw, data order and posterior sampling.
         output_dir: the run directory.
+        prior: the first stage of a two-stage run (:class:`PriorConfig`), or ``None``.
     """
 
     method: MethodConfig
@@ -201,18 +315,21 @@ class RunConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    prior: PriorConfig | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        """The resolved configuration, every value spelled out."""
+        """The resolved configuration, every value spelled out (``prior`` only for a two-stage run)."""
         out: dict[str, Any] = {"seed": self.seed, "output_dir": self.output_dir}
         out["method"] = self.method.to_dict()
         for section in ("data", "model", "optim", "train", "eval"):
             out[section] = dataclasses.asdict(getattr(self, section))
+        if self.prior is not None:
+            out["prior"] = self.prior.to_dict()
         return out
 
 
 SECTIONS = {"data": DataConfig, "model": ModelConfig, "optim": OptimConfig, "train": TrainConfig, "eval": EvalConfig}
-TOP_LEVEL = {"seed", "output_dir", "method", *SECTIONS}
+TOP_LEVEL = {"seed", "output_dir", "method", "prior", *SECTIONS}
 
 
 def config_from_dict(raw: Any) -> RunConfig:
@@ -228,7 +345,9 @@ def config_from_dict(raw: Any) -> RunConfig:
         raise FlatbmaError("the config has no 'method' section: add e.g. 'method: {name: sgd}'")
     sections = {name: parse_dataclass(cls, raw.get(name), name) for name, cls in SECTIONS.items()}
     top = parse_dataclass(_TopLevel, {k: raw[k] for k in ("seed", "output_dir") if k in raw}, "")
-    return RunConfig(method=parse_method(raw["method"]), seed=top.seed, output_dir=top.output_dir, **sections)
+    method = parse_method(raw["method"])
+    prior = parse_prior(raw.get("prior"), method)
+    return RunConfig(method=method, seed=top.seed, output_dir=top.output_dir, prior=prior, **sections)
 
 
 @dataclass(frozen=True)

@@ -51,14 +51,30 @@ sums their states, so the metrics equal the single-process ones up to float roun
 recomputation for sampled weights runs on the full training data on every rank (identical results)
 and flatness diagnostics are computed redundantly on every rank (rank 0 writes them).
 
-Not supported yet: spreading ensemble members or seeds over the ranks (an ensemble trains all its
-members on every rank, data-parallel) and ``flatbma compare`` under ``torchrun``.
+Members (``train.parallel: members``, :class:`MemberParallel`): a posterior with independent
+components (:attr:`~flatbma.types.Posterior.members`, e.g. the ``M`` members of an ensemble or
+F-ensemble) can instead give each process a disjoint contiguous block of its members
+(:func:`member_share`; block sizes differ by at most one, so ``N ≤ M``). Every rank builds the same
+full state (same seed, same member initializations), keeps its block (``Posterior.split``) and
+trains it on ALL the data — the single-process loader, same shuffle and augmentation — with no
+gradient all-reduce; each step's outputs are combined over the ranks (one small ``all_gather``) into
+the mean loss and mixture predictive of all members, so the training history is that of one process.
+At every checkpoint and at the end the blocks are merged into the full state on every rank (one
+broadcast per rank); rank 0 saves it, and evaluation shards the test set as above. Since a member's
+initialization, data, and random draws do not depend on the other members (the ensemble seeds each
+member's step separately), the trained members equal those of one process; checkpoints hold the full
+state and the global position, so a run resumes with any number of processes.
+
+Runs (``flatbma compare``): under ``torchrun`` the comparison's (method, seed) runs are dealt out
+round-robin, each run an ordinary single-process run (:func:`single_process`: no collectives
+inside); rank 0 then collects the result rows from the run directories and writes the reports.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import os
 from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING
@@ -71,7 +87,7 @@ from torch.utils.data import BatchSampler, DataLoader, Dataset, RandomSampler, S
 from flatbma.errors import FlatbmaError
 from flatbma.metrics import StreamingMetrics
 from flatbma.params import Objective
-from flatbma.types import Params, State
+from flatbma.types import Batch, Params, Posterior, State, StepOutput
 
 if TYPE_CHECKING:
     from flatbma.experiment.runner import History, Position
@@ -92,19 +108,70 @@ def launched_world_size() -> int:
         raise FlatbmaError(f"WORLD_SIZE must be an integer, got {os.environ['WORLD_SIZE']!r}") from None
 
 
+_single_process_depth = 0
+"""How many :func:`single_process` blocks are open."""
+
+
+def _in_group() -> bool:
+    return _single_process_depth == 0 and dist.is_available() and dist.is_initialized()
+
+
 def is_distributed() -> bool:
-    """Whether a default process group with more than one process is initialized."""
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    """Whether a default process group with more than one process is initialized (outside :func:`single_process`)."""
+    return _in_group() and dist.get_world_size() > 1
 
 
 def world_size() -> int:
-    """Number of processes of the default group (1 when none is initialized)."""
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    """Number of processes of the default group (1 when none is initialized or in :func:`single_process`)."""
+    return dist.get_world_size() if _in_group() else 1
 
 
 def rank() -> int:
-    """Global rank of this process (0 when no group is initialized)."""
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    """Global rank of this process (0 when no group is initialized or in :func:`single_process`)."""
+    return dist.get_rank() if _in_group() else 0
+
+
+@contextlib.contextmanager
+def single_process() -> Iterator[None]:
+    """Within the block this process acts alone: one process, rank 0, no collectives, it writes its files.
+
+    ``flatbma compare`` runs each rank's share of its runs in such a block, as ordinary runs.
+    """
+    global _single_process_depth
+    _single_process_depth += 1
+    try:
+        yield
+    finally:
+        _single_process_depth -= 1
+
+
+@contextlib.contextmanager
+def all_or_none() -> Iterator[None]:
+    """Run the block on every process and agree on its outcome (a collective at its end).
+
+    A process whose block raises re-raises its own exception; the others raise a
+    :class:`FlatbmaError` naming it, instead of waiting forever in a later collective.
+    """
+    if not is_distributed():
+        yield
+        return
+    try:
+        yield
+    except Exception:
+        _failed_ranks(failed=True)
+        raise
+    failed = _failed_ranks(failed=False)
+    if failed:
+        raise FlatbmaError(
+            f"process {', '.join(map(str, failed))} failed (its error is printed above); fix that and launch again"
+        )
+
+
+def _failed_ranks(*, failed: bool) -> list[int]:
+    flags = torch.zeros(world_size(), device=_collective_device())
+    flags[rank()] = float(failed)
+    dist.all_reduce(flags)
+    return [r for r, f in enumerate(flags.tolist()) if f]
 
 
 def is_main() -> bool:
@@ -115,6 +182,18 @@ def is_main() -> bool:
 def local_rank() -> int:
     """``LOCAL_RANK`` from ``torchrun`` (the process's index on its node)."""
     return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def main_decides(flag: bool) -> bool:
+    """Rank 0's ``flag`` on every rank (``flag`` itself in one process).
+
+    For choices that read files only rank 0 may see, so that all ranks take the same branch.
+    """
+    if not is_distributed():
+        return flag
+    value = torch.tensor([int(flag)], device=_collective_device())
+    dist.broadcast(value, src=0)
+    return bool(value.item())
 
 
 def barrier() -> None:
@@ -276,6 +355,11 @@ def shard_loader(dataset: Dataset, batch_size: int) -> DataLoader:
     """An in-order loader over this rank's contiguous shard of ``dataset`` (for evaluation)."""
     start, stop = shard_bounds(len(dataset), world_size(), rank())
     return DataLoader(dataset, batch_size=batch_size, sampler=range(start, stop))
+
+
+def member_share(members: int, world: int, me: int) -> range:
+    """The members process ``me`` of ``world`` trains: a contiguous block (sizes differ by at most one)."""
+    return range(*shard_bounds(members, world, me))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -451,3 +535,136 @@ def finish(state: State, history: History) -> tuple[State, History]:
     """The trained state and history every rank evaluates: replicas checked, buffers and history averaged."""
     check_replicas(state)
     return average_buffers(state), global_history(history)
+
+
+# ---------------------------------------------------------------------------------------------------
+# independent members (train.parallel: members)
+
+_SECTIONS = ("params", "buffers", "aux")
+
+
+class MemberParallel:
+    """A posterior's independent members spread over the processes (``train.parallel: members``).
+
+    Built on every rank from the same FULL state (a fresh ``init`` or a loaded checkpoint). Process
+    ``r`` of ``N`` trains members ``member_share(M, N, r)``: :meth:`local` is its part of the state,
+    :attr:`method` the posterior to train it with (its ``update`` combines the step outputs of all
+    ranks), :meth:`merge` rebuilds the full state on every rank. In one process it trains all members
+    and changes nothing.
+
+    Combined outputs: with rank ``r`` holding ``m_r`` members, mean loss ``ℓ_r`` and mixture
+    log-predictive ``log p_r``, the ensemble's are ``ℓ = Σ_r m_r ℓ_r / M`` and
+    ``log p = logsumexp_r(log p_r + log m_r) − log M`` (exact up to float rounding).
+
+    Args:
+        method: a posterior with ``members > 0`` and ``split`` (:class:`~flatbma.types.Posterior`).
+        state: its full state, identical on every rank.
+        name: the method's name, for messages.
+
+    Raises:
+        FlatbmaError: the method has no independent members, or there are more processes than members.
+        ValueError: ``method.split`` does not partition the state (a broken posterior).
+    """
+
+    def __init__(self, method: Posterior, state: State, name: str) -> None:
+        if method.members < 1 or method.split is None:
+            raise FlatbmaError(f"method {name} has no independent members to spread; use train.parallel: data")
+        world, me = world_size(), rank()
+        if world > method.members:
+            raise FlatbmaError(
+                f"train.parallel: members gives each process at least one of the {method.members} members of "
+                f"{name}, but {world} processes were launched: launch at most {method.members} "
+                "(--nproc_per_node) or use train.parallel: data"
+            )
+        self.base, self.world, self.rank = method, world, me
+        self.shares = [member_share(method.members, world, r) for r in range(world)]
+        parts = [method.split(state, share) for share in self.shares]
+        self._order = {sec: list(getattr(state, sec)) for sec in _SECTIONS}
+        self._layouts = [
+            {sec: {k: (v.shape, v.dtype, v.device) for k, v in getattr(part, sec).items()} for sec in _SECTIONS}
+            for part in parts
+        ]
+        for sec in _SECTIONS:
+            owned = [k for layout in self._layouts for k in layout[sec]]
+            if len(owned) != len(self._order[sec]) or set(owned) != set(self._order[sec]):
+                raise ValueError(f"{name}: Posterior.split does not partition the state's {sec} entries")
+        self.method = dataclasses.replace(method, update=self._update)
+
+    def local(self, state: State) -> State:
+        """This process's members of the full ``state``."""
+        return self.base.split(state, self.shares[self.rank])
+
+    def _update(self, state: State, batch: Batch) -> tuple[State, StepOutput]:
+        state, out = self.base.update(state, batch)
+        return state, self._combine(out)
+
+    def _combine(self, out: StepOutput) -> StepOutput:
+        if self.world == 1:
+            return out
+        logits = out.logits.detach()
+        flat = torch.cat([out.loss.detach().reshape(1).to(logits.dtype), logits.reshape(-1)])
+        gathered = [torch.empty_like(flat) for _ in range(self.world)]
+        dist.all_gather(gathered, flat.to(_collective_device()))
+        both = torch.stack(gathered).to(logits.device)
+        counts = torch.tensor([len(s) for s in self.shares], dtype=both.dtype, device=both.device)
+        total = self.base.members
+        loss = (both[:, 0] * counts).sum() / total
+        log_probs = both[:, 1:].view(self.world, *logits.shape) + counts.log().view(-1, *[1] * logits.dim())
+        return StepOutput(loss, torch.logsumexp(log_probs, dim=0) - math.log(total))
+
+    def merge(self, state: State) -> State:
+        """The full state on every rank from each rank's part (a collective: one broadcast per rank)."""
+        if self.world == 1:
+            return state
+        merged: dict[tuple[str, str], Tensor] = {}
+        for r, layout in enumerate(self._layouts):
+            if r == self.rank:
+                tensors = {(sec, k): getattr(state, sec)[k] for sec in _SECTIONS for k in layout[sec]}
+            else:
+                tensors = {
+                    (sec, k): torch.empty(shape, dtype=dtype, device=device)
+                    for sec in _SECTIONS
+                    for k, (shape, dtype, device) in layout[sec].items()
+                }
+            merged.update(_broadcast(tensors, src=r))
+        sections = {sec: {k: merged[sec, k] for k in self._order[sec]} for sec in _SECTIONS}
+        return State(**sections, step=state.step)
+
+    def checkpoint_hook(
+        self, save: Callable[[State, Position, History], None]
+    ) -> Callable[[State, Position, History], None]:
+        """The runner's checkpoint callback (a collective): merge the members, rank 0 calls ``save``.
+
+        Position and history are the same on every rank (same data, same global random stream,
+        combined step outputs), so they are saved as they are.
+        """
+
+        def hook(state: State, position: Position, history: History) -> None:
+            full = self.merge(state)
+            if is_main():
+                save(full, position, history)
+
+        return hook
+
+
+def _broadcast(tensors: dict[tuple[str, str], Tensor], src: int) -> dict[tuple[str, str], Tensor]:
+    """``tensors`` of rank ``src`` on every rank (the others pass empty tensors of the same layout).
+
+    All tensors travel as the bytes of one buffer, whatever their dtypes (one ``broadcast``).
+    """
+    if not tensors:
+        return tensors
+    device = _collective_device()
+    sizes = [t.numel() * t.element_size() for t in tensors.values()]
+    if rank() == src:
+        buffer = torch.cat([t.detach().contiguous().view(-1).view(torch.uint8).to(device) for t in tensors.values()])
+    else:
+        buffer = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
+    dist.broadcast(buffer, src=src)
+    if rank() == src:
+        return tensors
+    out, offset = {}, 0
+    for (key, t), n in zip(tensors.items(), sizes):
+        out[key] = buffer[offset : offset + n].clone().view(t.dtype).view(t.shape).to(t.device)
+        offset += n
+    return out

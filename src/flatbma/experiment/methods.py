@@ -33,12 +33,16 @@ class MethodSpec:
         summary: one line for ``flatbma methods``.
         family: the posterior family's ``build(objective, optimizer, ascent=None, *, ...options)``.
         ascent: the ascent step dataclass, or ``None``.
+        with_prior: ``with_prior(objective, optimizer, ascent, prior_theta, *, ...options)``, the family
+            with a low-rank plus diagonal Gaussian prior in place of its default one (a two-stage run's
+            ``prior`` section), or ``None`` when the method takes no such prior.
     """
 
     name: str
     summary: str
     family: Callable[..., Posterior]
     ascent: type | None = None
+    with_prior: Callable[..., Posterior] | None = None
 
     def family_options(self) -> dict[str, inspect.Parameter]:
         """Keyword-only parameters of the family builder."""
@@ -64,9 +68,22 @@ class MethodConfig:
     options: Mapping[str, Any]
     ascent: Ascent | None
 
-    def build(self, objective: Any, optimizer: Any) -> Posterior:
-        """Build the method's transform for ``objective`` and ``optimizer``."""
-        return METHODS[self.name].family(objective, optimizer, self.ascent, **self.options)
+    def build(self, objective: Any, optimizer: Any, prior: Mapping[str, Any] | None = None) -> Posterior:
+        """Build the method's transform for ``objective`` and ``optimizer``.
+
+        With ``prior`` (a low-rank plus diagonal Gaussian in ``θ`` layout, e.g. the ``gaussian`` of a
+        SWAG posterior) the family's ``with_prior`` builder is used: the prior replaces the family's
+        default one, so options of that default (``prior_std``) do not apply.
+        """
+        spec = METHODS[self.name]
+        if prior is None:
+            return spec.family(objective, optimizer, self.ascent, **self.options)
+        if spec.with_prior is None:
+            takers = ", ".join(prior_methods())
+            raise FlatbmaError(f"method {self.name!r} takes no Gaussian prior (the prior section): use one of {takers}")
+        accepted = inspect.signature(spec.with_prior).parameters
+        options = {k: v for k, v in self.options.items() if k in accepted}
+        return spec.with_prior(objective, optimizer, self.ascent, prior, **options)
 
     def to_dict(self) -> dict[str, Any]:
         """The resolved section, every option spelled out (written to the run directory)."""
@@ -75,6 +92,11 @@ class MethodConfig:
 
 
 METHODS: dict[str, MethodSpec] = {}
+
+
+def prior_methods() -> list[str]:
+    """Names of the methods that accept a Gaussian prior (a run's ``prior`` section)."""
+    return [n for n, spec in METHODS.items() if spec.with_prior is not None]
 
 
 def register(spec: MethodSpec) -> MethodSpec:
@@ -138,7 +160,14 @@ register(MethodSpec("swag-diag", "SWAG-Diagonal: diagonal Gaussian of SGD iterat
 register(MethodSpec("f-swag", "F-SWAG: SWAG collected along a SAM trajectory (Nguyen et al. 2023)", swag.build, SAM))
 
 register(MethodSpec("mfvi", "Mean-field Gaussian VI: Bayes by backprop (Blundell et al. 2015)", mfvi.build))
-register(MethodSpec("lowrank-vi", "Low-rank + diagonal Gaussian VI, Σ = ½(diag σ² + LLᵀ/(K−1))", lowrank_vi.build))
+register(
+    MethodSpec(
+        "lowrank-vi",
+        "Low-rank + diagonal Gaussian VI, Σ = ½(diag σ² + LLᵀ/(K−1))",
+        lowrank_vi.build,
+        with_prior=fp_bma.build_with_prior,  # with no ascent step it is low-rank VI with that prior
+    )
+)
 register(MethodSpec("f-mfvi", "F-MFVI: SAM on each sampled model of MFVI (Nguyen et al. 2023)", mfvi.build, SAM))
 register(
     MethodSpec("f-lowrank-vi", "F-low-rank VI: SAM on each sampled model (Nguyen et al. 2023)", lowrank_vi.build, SAM)
@@ -154,5 +183,8 @@ register(MethodSpec("csgld", "Cyclical SGLD: cosine cyclical step size (Zhang et
 register(MethodSpec("f-sgld", "F-SGLD: SGLD with the SAM gradient (Nguyen et al. 2023)", sgld.build, SAM))
 
 # FP-BMA: the low-rank + diagonal Gaussian with the ascent in θ-space, inside a KL ball (Lim et al. 2025).
-register(MethodSpec("fp-bma", "FP-BMA: low-rank Gaussian VI, ascent in a KL ball (Lim 2025)", fp_bma.build, FisherBall))
-register(MethodSpec("sa-bma", "SA-BMA: alias of fp-bma (Lim et al. 2025)", fp_bma.build, FisherBall))
+for _name, _summary in [
+    ("fp-bma", "FP-BMA: low-rank Gaussian VI, ascent in a KL ball (Lim 2025)"),
+    ("sa-bma", "SA-BMA: alias of fp-bma (Lim et al. 2025)"),
+]:
+    register(MethodSpec(_name, _summary, fp_bma.build, FisherBall, with_prior=fp_bma.build_with_prior))

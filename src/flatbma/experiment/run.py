@@ -5,9 +5,12 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import json
+import math
 import platform
 import random
 import time
+import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,13 +35,14 @@ from flatbma.experiment.checkpoint import (
 from flatbma.experiment.config import DataConfig, RunConfig, config_from_dict, load_raw
 from flatbma.experiment.parse import yaml_float
 from flatbma.experiment.runner import EpochLog, History, Position, fit
+from flatbma.flatness.lanczos import ConvergenceWarning
 from flatbma.flatness.posterior import flatness_report
 from flatbma.models import build_model
 from flatbma.optim import SGD, Adam, constant, cosine
 from flatbma.params import Objective, model_buffers, trainable_params
 from flatbma.predict import evaluate
 from flatbma.transfer import restrict_trainable, subset_names
-from flatbma.types import Posterior, State
+from flatbma.types import Params, Posterior, State
 
 CONFIG_FILE = "config.yaml"
 CHECKPOINT_FILE = "checkpoint.safetensors"
@@ -103,8 +107,13 @@ def _dataset_options(d: DataConfig) -> dict[str, Any]:
     return {"size": d.image_size} if takes_size and d.image_size is not None else {}
 
 
-def build_experiment(cfg: RunConfig) -> Experiment:
-    """Load data, build the model and the method for ``cfg`` (seeded)."""
+def build_experiment(cfg: RunConfig, prior: Params | None = None) -> Experiment:
+    """Load data, build the model and the method for ``cfg`` (seeded).
+
+    ``prior`` is a fitted Gaussian in ``θ`` layout (:func:`fit_prior`) that replaces the method's
+    default prior; without it a two-stage run's method keeps its default prior, which is all that
+    sampling and evaluation need.
+    """
     seed_everything(cfg.seed)
     device = distributed.local_device(resolve_device(cfg.train.device))
     d = cfg.data
@@ -159,7 +168,7 @@ def build_experiment(cfg: RunConfig) -> Experiment:
     ).to(device)
     restrict_trainable(model, subset_names(model, cfg.model.trainable))
 
-    parallel = distributed.is_distributed()
+    parallel = distributed.is_distributed() and cfg.train.parallel == "data"  # members: all data on every rank
     if parallel:  # data.batch_size is the global batch; this rank loads its shard of each
         train_loader = distributed.train_loader(train, d.batch_size, seed=cfg.seed)
     else:
@@ -175,7 +184,7 @@ def build_experiment(cfg: RunConfig) -> Experiment:
     objective = Objective(model=model, num_data=len(train))
     if parallel:
         objective = distributed.data_parallel(objective)
-    method = cfg.method.build(objective, optimizer)
+    method = cfg.method.build(objective, optimizer, prior)
     return Experiment(
         config=cfg,
         model=model,
@@ -184,7 +193,7 @@ def build_experiment(cfg: RunConfig) -> Experiment:
         val_loader=_loader(val, d.eval_batch_size, shuffle=False, seed=0) if val is not None else None,
         test_loader=(
             distributed.shard_loader(test, d.eval_batch_size)
-            if parallel
+            if distributed.is_distributed()
             else _loader(test, d.eval_batch_size, shuffle=False, seed=0)
         ),
         hessian_loader=_loader(hessian_data, d.eval_batch_size, shuffle=False, seed=0),
@@ -234,22 +243,32 @@ def flatness_metrics(exp: Experiment, samples: list[dict[str, torch.Tensor]]) ->
     """Hessian spectra of the first ``eval.flatness_samples`` samples and distribution-level flatness.
 
     The Hessian is that of the mean training loss (no augmentation) over the trained parameters —
-    the Bayesian subset when ``model.trainable`` restricts it.
+    the Bayesian subset when ``model.trainable`` restricts it. Lanczos runs that stop at
+    ``eval.hessian_max_iter`` before reaching their tolerance are reported (``hessian_converged``,
+    ``hessian_warnings`` with their residuals) rather than printed.
     """
     e = exp.config.eval
     names = [n for n, p in exp.model.named_parameters() if p.requires_grad]
     chosen = samples[: e.flatness_samples]
     start = time.perf_counter()
-    report = flatness_report(
-        exp.model,
-        chosen,
-        [(x.to(exp.device), y.to(exp.device)) for x, y in exp.hessian_loader],
-        k=e.hessian_k,
-        params=names,
-        rho=e.sharpness_rho,
-        max_iter=e.hessian_max_iter,
-        seed=exp.config.seed,
-    )
+    with warnings.catch_warnings(record=True) as caught:  # recorded in the report instead of printed per spectrum
+        warnings.simplefilter("always", ConvergenceWarning)
+        report = flatness_report(
+            exp.model,
+            chosen,
+            [(x.to(exp.device), y.to(exp.device)) for x, y in exp.hessian_loader],
+            k=e.hessian_k,
+            params=names,
+            rho=e.sharpness_rho,
+            max_iter=e.hessian_max_iter,
+            seed=exp.config.seed,
+        )
+    unconverged = [str(w.message) for w in caught if issubclass(w.category, ConvergenceWarning)]
+    for w in caught:
+        if not issubclass(w.category, ConvergenceWarning):
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    report["hessian_converged"] = not unconverged
+    report["hessian_warnings"] = unconverged
     report["flatness_time_s"] = time.perf_counter() - start
     return report
 
@@ -317,55 +336,203 @@ def _load_checkpoint(path: Path, device: torch.device) -> tuple[State, Position,
     return state, position, history
 
 
-def train_run(cfg: RunConfig, *, force: bool = False, resume: bool = False) -> tuple[Path, dict[str, Any]]:
+PRIOR_DIR = "prior"
+"""Subdirectory of a two-stage run that holds its first stage (a run directory of its own)."""
+
+
+@dataclass(frozen=True)
+class FittedPrior:
+    """The first stage of a two-stage run, ready for the second.
+
+    Attributes:
+        theta: the fitted Gaussian in low-rank VI's ``θ`` layout (:attr:`Posterior.gaussian`), its ``σ``
+            floored at ``prior.min_std``.
+        buffers: the model buffers at the end of the first stage (BatchNorm statistics).
+        run_dir: the first stage's run directory.
+    """
+
+    theta: Params
+    buffers: Params
+    run_dir: Path
+
+
+def prior_stage(cfg: RunConfig) -> RunConfig | None:
+    """The run config of the first stage of a two-stage ``cfg`` (``None`` for a one-stage run).
+
+    The stage shares the run's data, model, seed and evaluation settings (without flatness), trains
+    ``prior.method`` for ``prior.epochs`` with ``prior.optim`` (or the run's optimizer) and writes to
+    ``<output_dir>/prior``; it is not evaluated (``flatbma evaluate <output_dir>/prior`` does it).
+    """
+    p = cfg.prior
+    if p is None:
+        return None
+    return dataclasses.replace(
+        cfg,
+        method=p.method,
+        prior=None,
+        optim=p.optim or cfg.optim,
+        train=dataclasses.replace(cfg.train, epochs=p.epochs),
+        eval=dataclasses.replace(cfg.eval, flatness=False),
+        output_dir=str(Path(cfg.output_dir) / PRIOR_DIR),
+    )
+
+
+def _finished(run_dir: Path, resolved: dict[str, Any]) -> bool:
+    """Whether ``run_dir`` holds a finished run (metrics written) of exactly the config ``resolved``."""
+    if not ((run_dir / METRICS_FILE).is_file() and (run_dir / CHECKPOINT_FILE).is_file()):
+        return False
+    try:
+        return yaml.safe_load((run_dir / CONFIG_FILE).read_text()) == resolved
+    except (OSError, yaml.YAMLError):
+        return False
+
+
+def fit_prior(cfg: RunConfig, *, force: bool = False, resume: bool = False) -> FittedPrior | None:
+    """Train (or reuse, when it finished with the same config and not ``force``) the first stage of ``cfg``.
+
+    Returns ``None`` for a one-stage run. With ``resume`` an unfinished first stage continues from its
+    checkpoint. Under ``torchrun`` rank 0 decides whether to reuse, so every rank does the same.
+    """
+    stage = prior_stage(cfg)
+    if stage is None:
+        return None
+    run_dir = Path(stage.output_dir)
+    if distributed.main_decides(not force and _finished(run_dir, stage.to_dict())):
+        exp = build_experiment(stage)
+        _check_stable_with_prior(cfg, len(exp.train_loader.dataset))
+        state = load_state(run_dir / CHECKPOINT_FILE, device=str(exp.device))
+        _check_fits(exp, state, run_dir / CHECKPOINT_FILE)
+    else:
+        resumable = distributed.main_decides(resume and (run_dir / CHECKPOINT_FILE).is_file())
+        exp, state, _ = _train(
+            stage,
+            force=True,
+            resume=resumable,
+            evaluate=False,  # `flatbma evaluate <output_dir>/prior` measures the first stage on its own
+            check=lambda e: _check_stable_with_prior(cfg, len(e.train_loader.dataset)),  # before training
+        )
+    assert exp.method.gaussian is not None and cfg.prior is not None  # checked when the config was parsed
+    theta = exp.method.gaussian(state)
+    floor = math.log(cfg.prior.min_std)
+    theta = {k: v.clamp_min(floor) if k.startswith("log_std/") else v for k, v in theta.items()}
+    return FittedPrior(theta=theta, buffers=dict(state.buffers), run_dir=run_dir)
+
+
+def _check_stable_with_prior(cfg: RunConfig, num_data: int) -> None:
+    """Refuse an SGD learning rate that the KL to the fitted prior makes diverge (before stage 1 trains).
+
+    ``κ KL(q ‖ p)/n`` has curvature ``κ/(n σ²)`` in ``μ`` along a weight whose prior ``σ`` sits at the
+    floor ``prior.min_std``; gradient descent on it diverges for ``lr > 2nσ²/κ`` (Adam's normalized steps
+    do not).
+    """
+    assert cfg.prior is not None
+    kl_weight = float(cfg.method.options.get("kl_weight", 1.0))
+    bound = 2 * num_data * cfg.prior.min_std**2 / kl_weight if kl_weight > 0 else math.inf
+    if cfg.optim.name == "sgd" and cfg.optim.lr > bound:
+        raise FlatbmaError(
+            f"optim.lr={cfg.optim.lr:g} is above {bound:.3g} = 2·n·prior.min_std²/kl_weight (n={num_data}), where "
+            "SGD on the KL to the fitted prior diverges: lower optim.lr, raise prior.min_std, or use optim.name=adam"
+        )
+
+
+def train_run(
+    cfg: RunConfig, *, force: bool = False, resume: bool = False, evaluate: bool = True
+) -> tuple[Path, dict[str, Any]]:
     """Train ``cfg`` into its output directory and write ``metrics.json``; return (dir, metrics).
 
     With ``resume``, continue from the directory's checkpoint exactly where it stopped (same data
-    order, same random draws) instead of starting over.
+    order, same random draws) instead of starting over. A two-stage run (``cfg.prior``) first fits
+    its prior stage (:func:`fit_prior`), then trains its method with that prior and, with
+    ``prior.init``, from it. Without ``evaluate`` the BMA evaluation is left to the caller
+    (``flatbma compare`` measures more and merges its metrics in).
 
     Data-parallel when a process group is initialized (``torchrun``, see
     :mod:`flatbma.experiment.distributed`): every rank trains on its shard of each global batch and
     only rank 0 writes files.
+    With ``train.parallel: members`` every rank instead trains its share of the posterior's independent
+    members on all the data (:class:`~flatbma.experiment.distributed.MemberParallel`).
     """
+    run_dir = Path(cfg.output_dir)
+    if not resume:
+        _check_run_dir(run_dir, cfg.to_dict(), force)
+        if cfg.prior is not None:  # `train --resume` finds the run (and its config) while stage 1 trains
+            _write_config(run_dir, cfg.to_dict())
+    prior = fit_prior(cfg, force=force, resume=resume)
+    if prior is not None and resume:  # interrupted in the first stage: the second starts afresh
+        resume = distributed.main_decides((run_dir / CHECKPOINT_FILE).is_file())
+        force = True
+    _, _, metrics = _train(cfg, force=force, resume=resume, evaluate=evaluate, prior=prior)
+    return run_dir, metrics
+
+
+def _write_config(run_dir: Path, resolved: dict[str, Any]) -> None:
+    """Write the resolved config into ``run_dir`` (rank 0 only: the other ranks write nothing)."""
+    try:
+        if distributed.is_main():
+            run_dir.mkdir(parents=True, exist_ok=True)
+            atomic_write_bytes(run_dir / CONFIG_FILE, yaml.safe_dump(resolved, sort_keys=False).encode())
+    except OSError as e:
+        raise FlatbmaError(
+            f"cannot write the run directory {run_dir} ({e.strerror}): choose another output_dir (--set output_dir=...)"
+        ) from None
+
+
+def _train(
+    cfg: RunConfig,
+    *,
+    force: bool,
+    resume: bool,
+    evaluate: bool,
+    prior: FittedPrior | None = None,
+    check: Callable[[Experiment], None] | None = None,
+) -> tuple[Experiment, State, dict[str, Any]]:
     run_dir = Path(cfg.output_dir)
     resolved = cfg.to_dict()
     if not resume:
         _check_run_dir(run_dir, resolved, force)
-    exp = build_experiment(cfg)
+    exp = build_experiment(cfg, prior=prior.theta if prior is not None else None)
+    if check is not None:
+        check(exp)
     ckpt = run_dir / CHECKPOINT_FILE
     position = None
     history = History()
-    parallel = distributed.is_distributed()
+    parallel = distributed.is_distributed() and cfg.train.parallel == "data"
     if resume:
         state, position, history = _load_checkpoint(ckpt, exp.device)
         _check_fits(exp, state, ckpt)
         position = distributed.local_position(position) if parallel else position
     else:
+        _write_config(run_dir, resolved)
+        at_prior = prior is not None and cfg.prior is not None and cfg.prior.init  # start at the fitted posterior
+        start = (prior.theta, prior.buffers) if at_prior else (trainable_params(exp.model), model_buffers(exp.model))
         try:
-            if distributed.is_main():  # the other ranks of a data-parallel run write nothing
-                run_dir.mkdir(parents=True, exist_ok=True)
-                atomic_write_bytes(run_dir / CONFIG_FILE, yaml.safe_dump(resolved, sort_keys=False).encode())
-        except OSError as e:
+            state = exp.method.init(*start)
+        except FlatbmaError as e:
+            if not at_prior:
+                raise
             raise FlatbmaError(
-                f"cannot write the run directory {run_dir} ({e.strerror}): choose another output_dir "
-                "(--set output_dir=...)"
+                f"{cfg.method.name} cannot start at the prior fitted in {prior.run_dir}: {e} — or let the first "
+                "stage collect more snapshots (raise prior.epochs, lower prior.method.start_step or collect_every)"
             ) from None
-        state = exp.method.init(trainable_params(exp.model), model_buffers(exp.model))
 
     def save(s: State, p: Position, h: History) -> None:
         _save_checkpoint(ckpt, s, p, h)
 
+    method, checkpoint, spread = exp.method, (distributed.checkpoint_hook(save) if parallel else save), None
+    if cfg.train.parallel == "members":  # each process trains its share of the members on all the data
+        spread = distributed.MemberParallel(exp.method, state, cfg.method.name)
+        method, state, checkpoint = spread.method, spread.local(state), spread.checkpoint_hook(save)
     start = time.perf_counter()
     exp.model.train()
     try:
         state, history = fit(
-            exp.method,
+            method,
             state,
             exp.train_loader,
             epochs=cfg.train.epochs,
             device=exp.device,
             resume=position,
-            checkpoint=distributed.checkpoint_hook(save) if parallel else save,
+            checkpoint=checkpoint,
             checkpoint_every=cfg.train.checkpoint_every,
             progress=cfg.train.progress and distributed.is_main(),
             history=history,
@@ -379,7 +546,9 @@ def train_run(cfg: RunConfig, *, force: bool = False, resume: bool = False) -> t
     train_time = time.perf_counter() - start
     if parallel:
         state, history = distributed.finish(state, history)
-    metrics = evaluate_state(exp, state, flatness=cfg.eval.flatness)
+    if spread is not None:
+        state = spread.merge(state)
+    metrics = evaluate_state(exp, state, flatness=cfg.eval.flatness) if evaluate else {}
     metrics.update(
         method=cfg.method.name,
         seed=cfg.seed,
@@ -388,11 +557,13 @@ def train_run(cfg: RunConfig, *, force: bool = False, resume: bool = False) -> t
         history=[vars(h) for h in history.epochs],
         environment=environment(),
     )
-    if parallel:
+    if prior is not None:
+        metrics["prior_run"] = str(prior.run_dir)
+    if distributed.is_distributed():
         metrics["world_size"] = distributed.world_size()
     if distributed.is_main():
         atomic_write_json(run_dir / METRICS_FILE, metrics)
-    return run_dir, metrics
+    return exp, state, metrics
 
 
 def load_run_config(run_dir: str | Path) -> RunConfig:

@@ -113,7 +113,8 @@ def fit(
         history: the history to append to.
 
     Raises:
-        DivergenceError: on a non-finite loss; nothing is checkpointed after the last good state.
+        DivergenceError: on a non-finite loss or a failed linear solve (a covariance that is no longer
+            positive definite); nothing is checkpointed after the last good state.
     """
     history = history if history is not None else History()
     total = _length(loader)
@@ -134,7 +135,14 @@ def fit(
         )
         for x, y in bar:
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-            state, out = method.update(state, (x, y))
+            try:
+                state, out = method.update(state, (x, y))
+            except torch.linalg.LinAlgError as e:  # e.g. a covariance that is no longer positive definite
+                detail = str(e).splitlines()[0].rstrip(". ")
+                raise DivergenceError(
+                    f"a linear solve failed at step {state.step + 1} (epoch {epoch + 1}): {detail}; the trained "
+                    "variables diverged"
+                ) from None
             loss = float(out.loss)
             if not math.isfinite(loss):
                 raise DivergenceError(f"the training loss became {loss} at step {state.step} (epoch {epoch + 1})")

@@ -7,7 +7,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
 
@@ -29,7 +29,7 @@ def build(
     ascent: Ascent | None = None,
     *,
     size: int = 5,
-    seed: int = 0,
+    seed: int | None = None,
 ) -> Posterior:
     """A deep ensemble of ``size`` members, each trained like :func:`flatbma.posteriors.point.build`.
 
@@ -40,7 +40,9 @@ def build(
 
     Initialization (``init``): member 0 is the given ``params``. For member ``m ≥ 1``, every module of
     ``objective.model`` that has ``reset_parameters`` and whose parameters are all in the trainable
-    set (the keys of ``params``) is re-initialized under a seed drawn from ``seed``; the rest — frozen
+    set (the keys of ``params``) is re-initialized under a seed drawn from ``seed`` (``None``: one integer
+    drawn from torch's global generator at ``init``, so that runs with different seeds have different
+    members, as their member 0 differs); the rest — frozen
     (pretrained) parts, and trainable parameters of modules without ``reset_parameters`` — is shared
     with member 0. The buffers of re-initialized modules (BatchNorm statistics) are reset with them.
     The template module's weights are restored afterwards.
@@ -48,28 +50,38 @@ def build(
     State layout: ``params["member<m>/<name>"]``, ``buffers["member<m>/<name>"]`` (each member keeps
     its own BatchNorm statistics) and ``aux["member<m>/<optimizer key>"]`` (each its own momentum).
 
+    Randomness of a step (dropout masks): ``update`` draws one integer ``s_t`` from torch's global
+    generator and runs member ``m``'s step with the global generators seeded by a hash of
+    ``(s_t, m)`` (restored afterwards), so member ``m``'s draws do not depend on the other members.
+
     ``update`` reports the mean member loss and, as logits, the ensemble's predictive log-probabilities
     ``log (1/M) Σ_m softmax(f(x; w^m))`` (their argmax is the ensemble's prediction).
     ``sample(state, n, generator)`` returns the first ``min(n, size)`` members (a BMA over the whole
     ensemble needs ``n >= size``); the generator is not used.
+
+    The members are the posterior's independent components (:attr:`Posterior.members` ``= size``):
+    ``split(state, indices)`` keeps the ``member<m>/`` entries of the members ``indices``; ``update``
+    and ``sample`` act on the members a state holds (all of them, or a split's), with the mean loss
+    and mixture predictive over those, which is what ``train.parallel: members`` spreads over processes.
 
     Args:
         objective: model and mini-batch loss.
         optimizer: the descent step of every member.
         ascent: the ascent step (SAM for F-ensembles), or ``None``.
         size: number of members ``M``.
-        seed: seed of the members' initializations.
+        seed: seed of the members' initializations; ``None`` draws it from the global generator.
 
     Raises:
-        FlatbmaError: ``size < 1`` or a non-integer ``seed``.
+        FlatbmaError: ``size < 1`` or a ``seed`` that is not a non-negative integer or ``None``.
     """
     if isinstance(size, bool) or not isinstance(size, int) or size < 1:
         raise FlatbmaError(f"method.size must be an integer >= 1 (the number of ensemble members), got {size!r}")
-    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-        raise FlatbmaError(f"method.seed must be a non-negative integer, got {seed!r}")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
+        raise FlatbmaError(f"method.seed must be a non-negative integer or null, got {seed!r}")
 
     def init(params: Params, buffers: Params) -> State:
-        members = member_initializations(objective.model, params, buffers, size, seed)
+        base = seed if seed is not None else int(torch.randint(_SEED_BOUND, (), dtype=torch.int64))
+        members = member_initializations(objective.model, params, buffers, size, base)
         state_params: Params = {}
         state_buffers: Params = {}
         aux: Params = {}
@@ -82,22 +94,36 @@ def build(
     def update(state: State, batch: Batch) -> tuple[State, StepOutput]:
         aux: Params = {}
         losses, log_probs = [], []
-        for m in range(size):
+        members = _members(state)
+        step_seed = int(torch.randint(_SEED_BOUND, (), dtype=torch.int64))  # one draw, whatever the members
+        for m in members:
             p, b, o = (_member(m, d) for d in (state.params, state.buffers, state.aux))
-            o, out = point.step(objective, optimizer, ascent, p, b, o, state.step, batch)
+            with _forked_rng(_mix(step_seed, m)):
+                o, out = point.step(objective, optimizer, ascent, p, b, o, state.step, batch)
             aux.update(_prefixed(m, o))
             losses.append(out.loss)
             log_probs.append(F.log_softmax(out.logits, dim=-1))
         loss = torch.stack(losses).mean()
-        logits = torch.logsumexp(torch.stack(log_probs), dim=0) - math.log(size)
+        logits = torch.logsumexp(torch.stack(log_probs), dim=0) - math.log(len(members))
         return replace(state, aux=aux, step=state.step + 1), StepOutput(loss, logits)
 
     def sample(state: State, n: int, generator: torch.Generator | None = None) -> list[Params]:
         if n < 1:
             raise FlatbmaError(f"the number of samples must be >= 1 (eval.num_samples), got {n}")
-        return [{**_member(m, state.params), **_member(m, state.buffers)} for m in range(min(n, size))]
+        return [{**_member(m, state.params), **_member(m, state.buffers)} for m in _members(state)[:n]]
 
-    return Posterior(init=init, update=update, sample=sample)
+    def split(state: State, indices: Sequence[int]) -> State:
+        chosen = list(indices)
+        if not chosen or len(set(chosen)) != len(chosen) or not all(0 <= m < size for m in chosen):
+            raise ValueError(f"split needs distinct member indices in 0..{size - 1}, got {chosen}")
+        keep = tuple(f"member{m}/" for m in chosen)
+
+        def pick(tensors: Params) -> Params:
+            return {k: v for k, v in tensors.items() if k.startswith(keep)}
+
+        return replace(state, params=pick(state.params), buffers=pick(state.buffers), aux=pick(state.aux))
+
+    return Posterior(init=init, update=update, sample=sample, members=size, split=split)
 
 
 def member_initializations(
@@ -153,6 +179,20 @@ def _prefixed(m: int, tensors: Params) -> Params:
 def _member(m: int, tensors: Params) -> Params:
     prefix = f"member{m}/"
     return {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
+
+
+def _members(state: State) -> list[int]:
+    """Indices of the members ``state`` holds (all of them, or those of a split), ascending."""
+    found = {k[len("member") : k.index("/")] for d in (state.params, state.buffers, state.aux) for k in d}
+    return sorted(map(int, found))
+
+
+def _mix(seed: int, m: int) -> int:
+    """A seed for member ``m`` from ``seed`` (SplitMix64 finalizer of ``seed + (m+1)·φ``), in [0, 2⁶³)."""
+    z = (seed + (m + 1) * 0x9E3779B97F4A7C15) % 2**64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) % 2**64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) % 2**64
+    return (z ^ (z >> 31)) >> 1
 
 
 @contextmanager

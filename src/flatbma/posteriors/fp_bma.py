@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import Tensor
@@ -36,7 +36,7 @@ from flatbma.optim.fp_bma import geometry
 from flatbma.params import Objective
 from flatbma.posteriors import gaussian_vi
 from flatbma.posteriors.gaussian_vi import check_sections, section
-from flatbma.posteriors.lowrank_vi import PREFIXES, LowRankGaussian, rank_of
+from flatbma.posteriors.lowrank_vi import PREFIXES, LowRankGaussian, rank_of, theta_of
 from flatbma.types import Ascent, GradientTransformation, Params, Posterior
 
 
@@ -217,7 +217,7 @@ def build(
         num_mc_samples=num_mc_samples, init_std=init_std, prior_std=prior_std, kl_weight=kl_weight
     )
     family = LowRankGaussianClosedFormKL(rank=rank, init_std=float(init_std), prior_std=float(prior_std))
-    return gaussian_vi.build(
+    posterior = gaussian_vi.build(
         objective,
         optimizer,
         ascent,
@@ -226,6 +226,7 @@ def build(
         kl_weight=float(kl_weight),
         ascent_space="theta",
     )
+    return replace(posterior, gaussian=theta_of)
 
 
 def build_with_prior(
@@ -274,7 +275,7 @@ def build_with_prior(
         raise FlatbmaError("the fp-bma prior contains non-finite values")
     prior = {k: v.detach() for k, v in prior_theta.items()}
     family = LowRankGaussianWithPrior(rank=rank, init_std=float(init_std), prior_std=1.0, prior=prior)
-    return gaussian_vi.build(
+    posterior = gaussian_vi.build(
         objective,
         optimizer,
         ascent,
@@ -283,3 +284,4 @@ def build_with_prior(
         kl_weight=float(kl_weight),
         ascent_space="theta",
     )
+    return replace(posterior, gaussian=theta_of)

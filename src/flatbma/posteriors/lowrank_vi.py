@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
@@ -30,7 +30,7 @@ from flatbma.errors import FlatbmaError
 from flatbma.params import Objective, flatten
 from flatbma.posteriors import gaussian_vi
 from flatbma.posteriors.gaussian_vi import GaussianNoise, check_sections, section, standard_normal_like
-from flatbma.types import Ascent, GradientTransformation, Params, Posterior
+from flatbma.types import Ascent, GradientTransformation, Params, Posterior, State
 
 PREFIXES = ("mean", "log_std", "factor")
 MIN_VARIANCE = 1e-30
@@ -51,16 +51,27 @@ def sample_weights(theta: Mapping[str, Tensor], z1: Mapping[str, Tensor], z2: Te
         z2: ``N(0, I_K)`` noise of shape ``[K]``, or ``[*batch, K]`` matching ``z1``'s leading dimensions.
     """
     mean, log_std, factor = section(theta, "mean"), section(theta, "log_std"), section(theta, "factor")
+    names = list(mean)
     k = z2.shape[-1]
     c = 1.0 / math.sqrt(2.0 * (k - 1))
-    out = {}
-    for name, mu in mean.items():
-        low = torch.tensordot(z2, factor[name], dims=([-1], [0]))
-        out[name] = mu + math.sqrt(0.5) * torch.exp(log_std[name]) * z1[name] + c * low
-    return out
+    batch = z2.shape[:-1]
+    # One flat [K, d] pass instead of one small product per tensor: a few large kernels (and as many in
+    # the backward pass) for the ~100 BatchNorm and classifier tensors of a transfer subset.
+    mu = torch.cat([mean[n].reshape(-1) for n in names])
+    std = torch.exp(torch.cat([log_std[n].reshape(-1) for n in names]))
+    noise = torch.cat([z1[n].reshape(*batch, -1) for n in names], dim=-1)
+    low = z2 @ torch.cat([factor[n].reshape(k, -1) for n in names], dim=1)
+    flat = mu + math.sqrt(0.5) * std * noise + c * low
+    pieces = flat.split([mean[n].numel() for n in names], dim=-1)
+    return {n: piece.reshape(*batch, *mean[n].shape) for n, piece in zip(names, pieces, strict=True)}
 
 
 reparameterize = sample_weights
+
+
+def theta_of(state: State) -> Params:
+    """The Gaussian ``q_θ`` of a low-rank VI (or FP-BMA) state: its ``θ`` (:attr:`Posterior.gaussian`)."""
+    return {k: v.detach().clone() for k, v in state.params.items()}
 
 
 def _diag_and_factor_blocks(theta: Mapping[str, Tensor]) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
@@ -283,6 +294,7 @@ def build(
         num_mc_samples=num_mc_samples, init_std=init_std, prior_std=prior_std, kl_weight=kl_weight
     )
     family = LowRankGaussian(rank=rank, init_std=float(init_std), prior_std=float(prior_std))
-    return gaussian_vi.build(
+    posterior = gaussian_vi.build(
         objective, optimizer, ascent, family, num_mc_samples=num_mc_samples, kl_weight=float(kl_weight)
     )
+    return replace(posterior, gaussian=theta_of)

@@ -9,8 +9,10 @@ that is F-SWAG (Nguyen et al., NeurIPS 2023).
 State layout (``d`` = number of trained weights, ``K`` = ``rank``):
 
 * ``params``: the current iterate ``w`` (by module name); ``buffers``: its BatchNorm statistics;
-* ``aux["swag/mean/<name>"]``, ``aux["swag/sq_mean/<name>"]``: running means of ``w`` and ``w⊙w``
-  over the snapshots;
+* ``aux["swag/mean/<name>"]``, ``aux["swag/m2/<name>"]``: running mean ``w̄`` of the snapshots and
+  their sum of squared deviations ``Σ_i (w_i − w̄_{i−1})⊙(w_i − w̄_i)`` (Welford's update, so the
+  diagonal variance ``m2/n`` keeps its accuracy in float32 where ``mean(w⊙w) − w̄⊙w̄`` cancels
+  catastrophically, e.g. for BatchNorm scales near 1 that move by 1e-4);
 * ``aux["swag/deviations"]``: ``[K, d]`` ring buffer of the last ``K`` deviations ``w_i − w̄_i``
   (``w̄_i`` the mean *including* snapshot ``i``, as in the paper), flattened in sorted-name order;
   absent for the diagonal-only variant;
@@ -29,16 +31,16 @@ from torch import Tensor
 
 from flatbma.errors import FlatbmaError
 from flatbma.params import Objective, flatten, unflatten
-from flatbma.posteriors import point
+from flatbma.posteriors import lowrank_vi, point
 from flatbma.types import Ascent, Batch, GradientTransformation, Params, Posterior, State, StepOutput
 
 PREFIX = "swag/"
 MEAN = "swag/mean/"
-SQ_MEAN = "swag/sq_mean/"
+M2 = "swag/m2/"
 DEVIATIONS = "swag/deviations"
 N_COLLECTED = "swag/n_collected"
 VAR_CLAMP = 1e-30
-"""Lower bound of the diagonal variance ``σ² = mean(w⊙w) − w̄⊙w̄``, which rounding can make ≤ 0."""
+"""Lower bound of the diagonal variance ``σ² = m2/n`` (0 for a weight no snapshot moved)."""
 
 _HOW_TO_COLLECT_MORE = "lower method.start_step or method.collect_every, or raise train.epochs"
 
@@ -49,7 +51,7 @@ class SwagMoments(NamedTuple):
     Attributes:
         names: parameter names, in the (sorted) order of the flattening.
         mean: ``w̄ ∈ R^d``, the SWA solution.
-        variance: ``σ² = clamp(mean of w⊙w − w̄⊙w̄, 1e-30) ∈ R^d``.
+        variance: ``σ² = clamp(m2/n, 1e-30) ∈ R^d``, the population variance of the snapshots.
         deviations: ``D ∈ R^{K_eff×d}``, the stored deviations oldest first (``K_eff = min(n, K)``;
             empty for the diagonal-only variant).
     """
@@ -138,7 +140,7 @@ def build(
         aux = dict(state.aux)
         for k in sorted(w):
             aux[MEAN + k] = torch.zeros_like(w[k])
-            aux[SQ_MEAN + k] = torch.zeros_like(w[k])
+            aux[M2 + k] = torch.zeros_like(w[k])
         if not diagonal_only:
             d = sum(v.numel() for v in w.values())
             first = next(iter(w.values()))
@@ -178,7 +180,14 @@ def build(
             samples.append({**unflatten(w, like), **state.buffers})
         return samples
 
-    return Posterior(init=init, update=update, sample=sample, recompute_bn=True)
+    def gaussian(state: State) -> Params:  # the sampling distribution above, in low-rank VI's θ layout
+        m = _moments(state, schedule)
+        like = {k: state.params[k] for k in m.names}
+        return lowrank_vi.init_from_swag(m.mean, m.variance, m.deviations, like, scale=scale)
+
+    return Posterior(
+        init=init, update=update, sample=sample, recompute_bn=True, gaussian=None if diagonal_only else gaussian
+    )
 
 
 def build_diag(
@@ -249,8 +258,9 @@ def _collect(params: Params, aux: Params) -> None:
     weight = 1.0 / (n + 1)
     for k in names:
         w = params[k]
+        before = w - aux[MEAN + k]
         aux[MEAN + k].lerp_(w, weight)
-        aux[SQ_MEAN + k].lerp_(w * w, weight)
+        aux[M2 + k].addcmul_(before, w - aux[MEAN + k])
     if DEVIATIONS in aux:
         dev = aux[DEVIATIONS]
         w = flatten({k: params[k] for k in names})
@@ -270,8 +280,8 @@ def _moments(state: State, how_to_fix: str) -> SwagMoments:
         )
     names = tuple(sorted(k[len(MEAN) :] for k in aux if k.startswith(MEAN)))
     mean = torch.cat([aux[MEAN + k].reshape(-1) for k in names])
-    sq_mean = torch.cat([aux[SQ_MEAN + k].reshape(-1) for k in names])
-    variance = torch.clamp(sq_mean - mean * mean, min=VAR_CLAMP)
+    m2 = torch.cat([aux[M2 + k].reshape(-1) for k in names])
+    variance = torch.clamp(m2 / n, min=VAR_CLAMP)
     if DEVIATIONS in aux:
         dev = aux[DEVIATIONS]
         k = dev.shape[0]

@@ -1,0 +1,233 @@
+"""Two-stage runs (a ``prior`` section): SWAG on the target data → FP-BMA with that prior, started there.
+
+The pipeline of SA-BMA / FP-BMA's Bayesian transfer learning (Lim et al., UAI 2025), checked on digits
+with an MLP: both stages write their run directories, the second stage starts exactly at the fitted
+posterior and is penalized by the KL to it, a finished first stage is reused, and bad sections fail
+with one actionable error.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from flatbma.errors import FlatbmaError
+from flatbma.experiment.checkpoint import load_state
+from flatbma.experiment.cli import main
+from flatbma.experiment.config import config_from_dict
+from flatbma.experiment.run import build_experiment, fit_prior, prior_stage, train_run
+from flatbma.optim import SGD
+from flatbma.params import Objective
+from flatbma.posteriors import fp_bma
+from flatbma.posteriors.gaussian_vi import section
+
+TWO_STAGE = {
+    "seed": 0,
+    "method": {"name": "fp-bma", "rank": 3, "gamma": 0.01},
+    "prior": {
+        "method": {"name": "swag", "rank": 3, "start_step": 20, "collect_every": 5},
+        "epochs": 3,
+        "optim": {"lr": 0.2},
+    },
+    "data": {"name": "digits", "batch_size": 64},
+    "model": {"name": "mlp", "width": 16},
+    "optim": {"lr": 0.05},
+    "train": {"epochs": 2, "progress": False},
+    "eval": {"num_samples": 4},
+}
+
+
+def _config(tmp_path: Path, **changes) -> dict:
+    raw = copy.deepcopy(TWO_STAGE)
+    raw["output_dir"] = str(tmp_path / "run")
+    for dotted, value in changes.items():
+        *parents, key = dotted.split("__")
+        node = raw
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[key] = value
+    return raw
+
+
+def test_cli_train_writes_both_stages_and_evaluate_reads_them(tmp_path: Path, capsys) -> None:
+    path = tmp_path / "two.yaml"
+    path.write_text(yaml.safe_dump(_config(tmp_path)))
+    assert main(["train", "--config", str(path)]) == 0, capsys.readouterr().err
+    run_dir = tmp_path / "run"
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    prior_metrics = json.loads((run_dir / "prior" / "metrics.json").read_text())
+    assert metrics["method"] == "fp-bma" and prior_metrics["method"] == "swag"
+    assert metrics["prior_run"] == str(run_dir / "prior")
+    assert metrics["accuracy"] > 0.6 and "accuracy" not in prior_metrics  # stage 1 is evaluated on request
+    stage = yaml.safe_load((run_dir / "prior" / "config.yaml").read_text())
+    assert stage["train"]["epochs"] == 3 and "prior" not in stage
+    assert yaml.safe_load((run_dir / "config.yaml").read_text())["prior"]["method"]["name"] == "swag"
+    capsys.readouterr()
+    assert main(["evaluate", str(run_dir)]) == 0, capsys.readouterr().err
+    again = json.loads((run_dir / "metrics.json").read_text())
+    assert again["accuracy"] == pytest.approx(metrics["accuracy"])
+    assert main(["evaluate", str(run_dir / "prior")]) == 0, capsys.readouterr().err
+    assert json.loads((run_dir / "prior" / "metrics.json").read_text())["accuracy"] > 0.6
+
+
+def test_second_stage_starts_at_the_fitted_posterior(tmp_path: Path) -> None:
+    """With a vanishing learning rate the trained θ is the SWAG posterior in θ layout (and not without init)."""
+    cfg = config_from_dict(_config(tmp_path, optim__lr=1e-12))
+    train_run(cfg)
+    fitted = fit_prior(cfg)  # reused: the first stage finished with this config
+    state = load_state(Path(cfg.output_dir) / "checkpoint.safetensors")
+    assert set(state.params) == set(fitted.theta)
+    for k, v in fitted.theta.items():
+        torch.testing.assert_close(state.params[k], v, rtol=1e-6, atol=1e-6)
+    swag_mean = section(fitted.theta, "mean")
+    assert any(not torch.equal(v, 0 * v) for v in section(fitted.theta, "factor").values())
+
+    cold = config_from_dict(_config(tmp_path / "cold", optim__lr=1e-12, prior__init=False))
+    train_run(cold)
+    cold_state = load_state(Path(cold.output_dir) / "checkpoint.safetensors")
+    assert not all(torch.allclose(cold_state.params[f"mean/{k}"], v) for k, v in swag_mean.items())
+
+
+def test_finished_first_stage_is_reused_and_force_retrains_it(tmp_path: Path) -> None:
+    cfg = config_from_dict(_config(tmp_path))
+    train_run(cfg)
+    ckpt = Path(cfg.output_dir) / "prior" / "checkpoint.safetensors"
+    stamp = ckpt.stat().st_mtime_ns
+    train_run(cfg)  # same config: the main stage trains again, the first stage is reused
+    assert ckpt.stat().st_mtime_ns == stamp
+    train_run(cfg, force=True)
+    assert ckpt.stat().st_mtime_ns != stamp
+
+
+def test_the_second_stage_minimizes_the_kl_to_the_fitted_prior(tmp_path: Path) -> None:
+    """The registry build with a prior is ``fp_bma.build_with_prior``: same update as built by hand."""
+    cfg = config_from_dict(_config(tmp_path))
+    train_run(prior_stage(cfg))
+    fitted = fit_prior(cfg)
+    exp = build_experiment(cfg, prior=fitted.theta)
+    by_hand = fp_bma.build_with_prior(
+        Objective(model=exp.model, num_data=len(exp.train_loader.dataset)),
+        SGD(lr=0.05, momentum=0.9, weight_decay=5e-4),
+        cfg.method.ascent,
+        fitted.theta,
+        rank=3,
+    )
+    batch = next(iter(exp.train_loader))
+    torch.manual_seed(0)
+    a, _ = exp.method.update(exp.method.init(fitted.theta, fitted.buffers), batch)
+    torch.manual_seed(0)
+    b, _ = by_hand.update(by_hand.init(fitted.theta, fitted.buffers), batch)
+    for k in a.params:
+        torch.testing.assert_close(a.params[k], b.params[k])
+    # and it differs from the isotropic prior N(0, I): the prior is really used
+    plain = build_experiment(cfg).method
+    torch.manual_seed(0)
+    c, _ = plain.update(plain.init(fitted.theta, fitted.buffers), batch)
+    assert any(not torch.allclose(a.params[k], c.params[k]) for k in a.params)
+
+
+@pytest.mark.parametrize(
+    ("changes", "needle"),
+    [
+        ({"method": {"name": "sgd"}}, "takes no Gaussian prior"),
+        ({"prior__method": {"name": "mfvi"}}, "cannot serve as a prior: use one of swag"),
+        ({"prior__method": {"name": "swag-diag"}}, "cannot serve as a prior"),
+        ({"prior__method__rank": 4}, "method.rank (3) must equal prior.method.rank (4)"),
+        ({"prior__epoch": 3}, "Did you mean 'epochs'"),
+        ({"prior__epochs": 0}, "prior.epochs must be > 0"),
+        ({"prior__optim": {"lr": -1}}, "lr must be > 0"),
+        ({"prior": "swag"}, "prior must be a mapping with a 'method' key"),
+    ],
+)
+def test_bad_prior_sections_are_one_line_errors(tmp_path: Path, capsys, changes: dict, needle: str) -> None:
+    raw = _config(tmp_path, **changes)
+    with pytest.raises(FlatbmaError, match=None) as info:
+        config_from_dict(raw)
+    assert needle in str(info.value)
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    assert main(["train", "--config", str(path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and needle in err[0]
+
+
+def test_fpbma_transfer_config_parses_as_two_stage() -> None:
+    from flatbma.experiment.config import load_config
+
+    cfg = load_config(Path(__file__).parents[2] / "configs" / "fpbma-transfer.yaml")
+    assert cfg.method.name == "fp-bma" and cfg.prior is not None and cfg.prior.method.name == "swag"
+    assert cfg.model.trainable == "norm+classifier" and cfg.model.pretrained == "imagenet"
+    assert cfg.data.k_shot == 10 and cfg.eval.num_samples == 30
+
+
+def test_sgd_learning_rate_beyond_the_kl_stability_bound_is_refused_before_training(tmp_path: Path) -> None:
+    cfg = config_from_dict(_config(tmp_path, optim__lr=0.5))  # 2·1198·0.01² = 0.24 < 0.5 (n: digits train split)
+    with pytest.raises(FlatbmaError, match=r"optim.lr=0.5 is above 0.24 = 2·n·prior.min_std²/kl_weight \(n=1198\)"):
+        train_run(cfg)
+    assert not (Path(cfg.output_dir) / "prior" / "checkpoint.safetensors").exists()  # refused before stage 1
+
+
+def test_resume_after_a_crash_in_the_first_stage_matches_an_uninterrupted_run(tmp_path: Path, monkeypatch) -> None:
+    import flatbma.experiment.run as run_module
+
+    whole = config_from_dict(_config(tmp_path / "whole", train__checkpoint_every=5))
+    train_run(whole)
+    crashed = config_from_dict(_config(tmp_path / "crashed", train__checkpoint_every=5))
+    save = run_module._save_checkpoint
+
+    def save_then_crash(path, state, position, history):
+        save(path, state, position, history)
+        if path.parent.name == "prior" and state.step == 10:
+            raise KeyboardInterrupt  # the process dies right after a mid-epoch checkpoint of stage 1
+
+    monkeypatch.setattr(run_module, "_save_checkpoint", save_then_crash)
+    with pytest.raises(KeyboardInterrupt):
+        train_run(crashed)
+    monkeypatch.setattr(run_module, "_save_checkpoint", save)
+    assert not (Path(crashed.output_dir) / "checkpoint.safetensors").exists()
+    run_dir, _ = train_run(run_module.load_run_config(crashed.output_dir), resume=True)  # what `--resume` does
+    a = load_state(Path(whole.output_dir) / "checkpoint.safetensors")
+    b = load_state(run_dir / "checkpoint.safetensors")
+    for k in a.params:
+        assert torch.equal(a.params[k], b.params[k]), k
+
+
+def test_compare_entries_may_carry_a_prior_and_a_label(tmp_path: Path) -> None:
+    from flatbma.experiment.compare import load_plan
+
+    raw = _config(tmp_path)
+    prior = raw.pop("prior")
+    raw["compare"] = {
+        "methods": [
+            {"name": "fp-bma", "rank": 3},
+            {"name": "fp-bma", "rank": 3, "prior": prior, "label": "fp-bma+swag"},
+            {"name": "sgd"},
+        ],
+        "seeds": [0, 1],
+        "quick": {"methods": ["fp-bma+swag"]},
+    }
+    path = tmp_path / "compare.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    plan = load_plan(path)
+    runs = plan.runs()
+    assert plan.labels() == ["fp-bma", "fp-bma", "fp-bma+swag", "fp-bma+swag", "sgd", "sgd"]
+    assert [r.prior is not None for r in runs] == [False, False, True, True, False, False]
+    assert runs[2].prior.method.name == "swag" and runs[2].method.name == "fp-bma"
+    assert len({r.output_dir for r in runs}) == 6
+    quick = load_plan(path, quick=True)
+    assert quick.labels() == ["fp-bma+swag", "fp-bma+swag"]
+
+    del raw["compare"]["methods"][1]["label"]
+    path.write_text(yaml.safe_dump(raw))
+    with pytest.raises(FlatbmaError, match="several entries named 'fp-bma': give them distinct 'label' keys"):
+        load_plan(path)
+    raw["compare"]["methods"][1]["prior"]["method"] = {"name": "mfvi"}
+    raw["compare"]["methods"][1]["label"] = "x"
+    path.write_text(yaml.safe_dump(raw))
+    with pytest.raises(FlatbmaError, match="cannot serve as a prior"):
+        load_plan(path)
