@@ -220,6 +220,33 @@ def test_the_perturbed_posterior_lies_on_the_kl_sphere():
         assert sum((grads[k] * delta[k]).sum() for k in theta) > 0
 
 
+def test_trust_region_caps_the_exact_kl_where_the_damped_fisher_is_degenerate():
+    """The factor carries almost all the variance, so log σ's Fisher falls below the damping: the quadratic
+    model lets log σ jump far; the exact-KL trust region shrinks the step to ``max_kl_ratio·γ``."""
+    eye = torch.eye(2, dtype=torch.float64)
+    theta = {"mean/w": torch.zeros(2, dtype=torch.float64), "log_std/w": torch.full((2,), -3.0, dtype=torch.float64)}
+    theta["factor/w"] = 3.0 * eye  # K = d = 2: the factor carries the variance, σ² = e⁻⁶ is negligible
+    grads = {"mean/w": torch.zeros(2, dtype=torch.float64), "log_std/w": torch.ones(2, dtype=torch.float64)}
+    grads["factor/w"] = torch.zeros(2, 2, dtype=torch.float64)
+
+    def exact_kl(ascent):
+        delta = ascent.perturb(theta, grads)
+        return float(fp_bma.kl_lowrank({k: theta[k] + delta[k] for k in theta}, theta)), delta
+
+    gamma = 0.5
+    unbounded, _ = exact_kl(FisherBall(gamma=gamma, max_kl_ratio=math.inf))
+    capped, delta = exact_kl(FisherBall(gamma=gamma))
+    assert unbounded > 10 * gamma  # the quadratic model's promise of KL ≈ γ fails badly here
+    assert capped <= 2.0 * gamma and capped > 0.5 * gamma  # shrunk to the trust region, not to nothing
+    assert sum(float((grads[k] * delta[k]).sum()) for k in theta) > 0  # still an ascent direction
+    # where the quadratic model holds, the trust region changes nothing
+    regular = _theta(seed=5)
+    small = {k: torch.full_like(v, 1e-3) for k, v in regular.items()}
+    a = FisherBall(gamma=1e-4).perturb(regular, small)
+    b = FisherBall(gamma=1e-4, max_kl_ratio=math.inf).perturb(regular, small)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_fisher_ball_handles_single_precision_parameters():
     theta = {k: v.float() for k, v in _theta(seed=7).items()}
     grads = {k: torch.randn_like(v) for k, v in theta.items()}
@@ -433,6 +460,8 @@ def test_bad_options_raise_errors_naming_the_key():
         ({"damping": -1e-3}, "damping"),
         ({"metric": "fischer"}, "metric"),
         ({"eta": -1.0}, "eta"),
+        ({"max_kl_ratio": 0.5}, "max_kl_ratio"),
+        ({"max_kl_ratio": float("nan")}, "max_kl_ratio"),
     ):
         with pytest.raises(FlatbmaError, match=key):
             FisherBall(**kwargs)

@@ -312,6 +312,9 @@ def natural_gradient(
 # the ascent step
 
 
+_TRUST_REGION_BISECTIONS = 12
+
+
 @dataclass(frozen=True)
 class FisherBall:
     """FP-BMA's ascent step on ``θ``: the maximizer of the linearized loss in a KL ball of radius ``γ``.
@@ -333,6 +336,11 @@ class FisherBall:
         damping: Tikhonov damping ``λ ≥ 0`` of the covariance block, relative to its curvature scale
             (see the module docstring; ``"fisher"`` only).
         eta: ``η`` of the ``"data-fisher"`` metric.
+        max_kl_ratio: trust region on the exact divergence (``"fisher"`` only): when
+            ``KL(q_{θ+δ*} ‖ q_θ)`` exceeds ``max_kl_ratio · γ``, ``δ*`` is scaled by the largest ``t ∈ [0, 1]``
+            (bisection to 2⁻¹²) that keeps it within. The quadratic
+            model ``½δᵀF_λδ`` can badly underestimate the KL along directions the damping dominates
+            (e.g. ``log σ`` when the factor carries almost all of the variance); ``inf`` turns it off.
     """
 
     gamma: float = 0.01
@@ -340,6 +348,7 @@ class FisherBall:
     cg_iters: int = 1
     damping: float = 1e-2
     eta: float = 1.0
+    max_kl_ratio: float = 2.0
 
     def __post_init__(self) -> None:
         if not _is_number(self.gamma) or not 0 < self.gamma < float("inf"):
@@ -352,6 +361,11 @@ class FisherBall:
             raise FlatbmaError(f"damping must be a number >= 0 (Tikhonov damping of the Fisher), got {self.damping!r}")
         if not _is_number(self.eta) or not 0 <= self.eta < float("inf"):
             raise FlatbmaError(f"eta must be a number >= 0 (data-Fisher weight in F = 1 + eta g²), got {self.eta!r}")
+        if not _is_number(self.max_kl_ratio) or not self.max_kl_ratio >= 1:
+            raise FlatbmaError(
+                f"max_kl_ratio must be a number >= 1 (or .inf: the exact KL of the step may reach max_kl_ratio·gamma), "
+                f"got {self.max_kl_ratio!r}"
+            )
 
     @property
     def rho(self) -> float:
@@ -367,8 +381,29 @@ class FisherBall:
             return FisherSAM(rho=self.rho, eta=self.eta).perturb(params, grads)
         theta = {k: v.detach() for k, v in params.items()}
         x, quad = natural_gradient(theta, grads, damping=self.damping, cg_iters=self.cg_iters)
-        scale = (self.rho / (quad.clamp_min(0).sqrt() + TINY)).to(x[next(iter(x))].dtype)
+        scale = float(self.rho / (quad.clamp_min(0).sqrt() + TINY))
+        if math.isfinite(self.max_kl_ratio):
+            scale *= self._trust_region(theta, x, scale)
         return {k: x[k] * scale for k in grads}
+
+    def _trust_region(self, theta: Mapping[str, Tensor], x: Mapping[str, Tensor], scale: float) -> float:
+        """The factor ``t ≤ 1`` with ``KL(q_{θ+t·scale·x} ‖ q_θ) ≤ max_kl_ratio·γ`` (see ``max_kl_ratio``)."""
+        from flatbma.posteriors.fp_bma import kl_lowrank  # the posterior module builds on this one
+
+        bound = self.max_kl_ratio * self.gamma
+
+        def within(t: float) -> bool:
+            moved = {k: v + (t * scale) * x[k] if k in x else v for k, v in theta.items()}
+            kl = float(kl_lowrank(moved, theta))
+            return math.isfinite(kl) and kl <= bound
+
+        if within(1.0):
+            return 1.0
+        lo, hi = 0.0, 1.0  # bisection: KL grows along the ray (exponentially in log σ, so no t² model)
+        for _ in range(_TRUST_REGION_BISECTIONS):
+            mid = 0.5 * (lo + hi)
+            lo, hi = (mid, hi) if within(mid) else (lo, mid)
+        return lo
 
 
 def _is_number(x: object) -> bool:
