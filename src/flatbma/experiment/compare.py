@@ -207,8 +207,12 @@ def load_plan(path: str | Path, overrides: list[str] = (), *, quick: bool = Fals
         for item in q.set:
             key, value = parse_override(item)
             set_dotted(raw, key, value)
-        methods = tuple(m for m in compare.methods if not q.methods or {m.get("name"), label_of(m)} & set(q.methods))
+        keep = set(q.methods)
+        methods = tuple(m for m in compare.methods if not keep or {str(m.get("name")), label_of(m)} & keep)
         compare = dataclasses.replace(compare, methods=methods, seeds=q.seeds or compare.seeds)
+    bad = [m["label"] for m in compare.methods if isinstance(m, dict) and not isinstance(m.get("label", ""), str)]
+    if bad:
+        raise FlatbmaError(f"compare.methods: a label is the row's display name, a text; got {bad[0]!r}")
     labels = [label_of(m) for m in compare.methods]
     twice = sorted({x for x in labels if labels.count(x) > 1})
     if twice:
