@@ -20,6 +20,7 @@ CONFIG = {
         "seeds": [0, 1],
         "corruptions": ["gaussian_noise", "contrast"],
         "severities": [1, 5],
+        "corruption_samples": 2,
         "bma_curve": [1, 2, 4],
     },
 }
@@ -64,13 +65,14 @@ def test_compare_writes_every_output_and_resumes(tmp_path, capsys):
         assert set(run["corruptions"]) == {"gaussian_noise", "contrast"}
         assert set(run["corruptions"]["contrast"]) == {"1", "5"}
         assert run["bma_curve"]["num_samples"][-1] == (1 if run["method"] == "sgd" else 4)
+        assert run["corruption_samples"] == (1 if run["method"] == "sgd" else 2)  # the first 2 of the 4
         assert run["temperature"] > 0 and set(run["temperature_scaled"]) >= {"accuracy", "nll", "ece"}
         assert run["temperature_scaled"]["accuracy"] == run["accuracy"]  # scaling never changes the argmax
     rows = list(csv.DictReader((out / "results.csv").open()))
     assert len(rows) == 4
     html = (out / "report.html").read_text()
     assert html.count("data:image/png;base64,") >= 4 and 'src="figures/' not in html
-    assert (out / "report.md").is_file()
+    assert "BMA of the first 1/2 posterior samples" in (out / "report.md").read_text()
     printed = capsys.readouterr().out
     assert "sgd" in printed and "swag" in printed
 
@@ -91,6 +93,7 @@ def test_compare_writes_every_output_and_resumes(tmp_path, capsys):
         ({"corruptions": ["gaussian_nosie"]}, "Did you mean 'gaussian_noise'"),
         ({"severities": [0, 6]}, "severities must lie in 1..5"),
         ({"methods": []}, "compare.methods is empty"),
+        ({"corruption_samples": 0}, "corruption_samples must be >= 1"),
     ],
 )
 def test_bad_compare_configs(tmp_path, capsys, change, message):

@@ -46,6 +46,15 @@ def test_per_sample_and_distribution_spectra_of_a_quartic():
     assert dist[0] <= spectra[:, 0].mean() + 1e-9
 
 
+def test_a_single_sample_reports_its_own_spectrum_as_the_distribution_spectrum():
+    model = Vector(6)
+    one = SAMPLES[:1]
+    report = flatness_report(model, one, DATA, k=2, loss_fn=quartic, tol=1e-8, max_iter=6)
+    direct = distribution_spectrum(model, one, DATA, k=2, loss_fn=quartic, tol=1e-8, max_iter=6)
+    torch.testing.assert_close(torch.tensor(report["distribution_top_eigenvalues"], dtype=torch.float64), direct)
+    assert report["distribution_top_eigenvalues"] == report["hessian_top_eigenvalues"][0]
+
+
 def test_sam_sharpness_of_a_quadratic_is_exact():
     model = Vector(6)
     rho = 0.1

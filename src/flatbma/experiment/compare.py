@@ -87,16 +87,21 @@ class CompareConfig:
         seeds: seeds; each (method, seed) is one run.
         corruptions: corruption names evaluated on the test set (``flatbma.data.corruption_names()``).
         severities: corruption severities in 1..5.
+        corruption_samples: BMA samples on the corrupted test sets: the first ones of the run's
+            ``eval.num_samples`` (``None``: all). Every corrupted copy costs a pass per sample, so on a
+            CPU a smaller BMA there keeps the shift evaluation affordable; the clean test set always
+            uses every sample.
         bma_curve: numbers of BMA samples M at which accuracy/NLL/ECE are also reported.
         flatness: measure Hessian spectra and distribution-level flatness.
         landscape: record a 1-D loss landscape of the posterior along a filter-normalized direction.
-        quick: the reduced setting of ``--quick``.
+        quick: the reduced setting of ``--quick`` (written to ``<output_dir>-quick``, beside the full run).
     """
 
     methods: tuple[Any, ...] = ()
     seeds: tuple[int, ...] = (0,)
     corruptions: tuple[str, ...] = ()
     severities: tuple[int, ...] = (3,)
+    corruption_samples: int | None = None
     bma_curve: tuple[int, ...] = (1, 2, 5, 10, 20, 30)
     flatness: bool = True
     landscape: bool = True
@@ -110,6 +115,8 @@ class CompareConfig:
         bad = [s for s in self.severities if not 1 <= s <= 5]
         if bad:
             raise FlatbmaError(f"compare.severities must lie in 1..5, got {bad}")
+        if self.corruption_samples is not None and self.corruption_samples < 1:
+            raise FlatbmaError(f"compare.corruption_samples must be >= 1 (or null: all), got {self.corruption_samples}")
         if any(m < 1 for m in self.bma_curve):
             raise FlatbmaError(f"compare.bma_curve holds numbers of samples >= 1, got {list(self.bma_curve)}")
         if self.corruptions:
@@ -204,6 +211,9 @@ def load_plan(path: str | Path, overrides: list[str] = (), *, quick: bool = Fals
     compare = parse_dataclass(CompareConfig, section, "compare")
     if quick:
         q = compare.quick
+        if isinstance(raw.get("output_dir", ""), str):  # its own directory: a quick run never clashes with the full one
+            raw["output_dir"] = raw.get("output_dir", RunConfig.__dataclass_fields__["output_dir"].default).rstrip("/")
+            raw["output_dir"] += "-quick"
         for item in q.set:
             key, value = parse_override(item)
             set_dotted(raw, key, value)
@@ -333,7 +343,9 @@ def measure_run(cfg: RunConfig, compare: CompareConfig) -> dict[str, Any]:
         scaled, _ = bma_curve_metrics(exp, samples, exp.test_loader, (len(samples),), temperature=t)
         result["temperature"] = t
         result["temperature_scaled"] = {k: scaled[len(samples)][k] for k in CLEAN_KEYS}
-    result["corruptions"] = corruption_metrics(exp, samples, compare.corruptions, compare.severities)
+    shifted = samples[: compare.corruption_samples] if compare.corruption_samples else samples
+    result["corruptions"] = corruption_metrics(exp, shifted, compare.corruptions, compare.severities)
+    result["corruption_samples"] = len(shifted)
     if compare.flatness:
         result.update(flatness_metrics(exp, samples))
     result["landscape"] = landscape_metrics(exp, samples) if compare.landscape else None

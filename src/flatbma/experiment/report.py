@@ -265,6 +265,8 @@ def report_tables(results: Mapping[str, Any]) -> list[Table]:
         )
     severities = _severities(runs)
     if severities:
+        sizes = sorted({n for r in runs if (n := _num(r.get("corruption_samples"))) is not None})
+        note = f"BMA of the first {'/'.join(f'{n:g}' for n in sizes)} posterior samples." if sizes else ""
         for key, label in CORRUPTION_METRICS:
             rows = []
             for method, rs in groups.items():
@@ -276,6 +278,7 @@ def report_tables(results: Mapping[str, Any]) -> list[Table]:
                     f"Corrupted test sets: {label} (mean over corruptions, mean ± std over seeds)",
                     ["method", *(f"severity {s}" for s in severities), "all severities"],
                     rows,
+                    note,
                 )
             )
     return tables

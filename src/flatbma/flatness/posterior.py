@@ -164,14 +164,16 @@ def flatness_report(
     Keys: ``hessian_top_eigenvalues`` (``[S][k]``), ``lambda1`` / ``lambda1_std`` (mean ± std over
     samples), ``lambda1_over_lambdak`` / its std with ``k`` (``lambda1_over_lambda5`` when ``k = 5``),
     ``distribution_top_eigenvalues`` (the averaged Hessian), ``distribution_lambda1``,
-    ``sam_sharpness`` / ``sam_sharpness_std`` and ``flatness_samples``.
+    ``sam_sharpness`` / ``sam_sharpness_std`` and ``flatness_samples``. With a single sample the
+    distribution spectrum is that sample's spectrum.
     """
     data = list(data)
     opts = dict(k=k, params=params, loss_fn=loss_fn, tol=tol, max_iter=max_iter, seed=seed)
     spectra = sample_spectra(model, samples, data, **opts)
     lam1 = spectra[:, 0]
     ratio = spectra[:, 0] / spectra[:, -1]
-    dist = distribution_spectrum(model, samples, data, **opts)
+    # with one sample (a point estimate) the averaged Hessian is that sample's: not computed twice
+    dist = spectra[0] if len(samples) == 1 else distribution_spectrum(model, samples, data, **opts)
     sharp = sam_sharpness(model, samples, data, rho=rho, params=params, loss_fn=loss_fn)
 
     def std(x: Tensor) -> float:
