@@ -313,6 +313,21 @@ def natural_gradient(
 
 
 _TRUST_REGION_BISECTIONS = 12
+_QUADRATIC_REGIME = 0.1
+"""Largest change of any ``log σ`` (and relative change of the factor) for which the KL of a step is
+within ~10% of its quadratic model, so the exact check is skipped (the mean block is exactly quadratic)."""
+
+
+def _leaves_quadratic_regime(theta: Mapping[str, Tensor], x: Mapping[str, Tensor], scale: float) -> bool:
+    """Whether the step ``scale·x`` moves some ``log σ`` or the factor by more than :data:`_QUADRATIC_REGIME`.
+
+    At fixed covariance the Gaussian KL is exactly ``½δμᵀΣ⁻¹δμ``, the mean block of the Fisher model;
+    only the covariance parameters make it non-quadratic (exponentially so in ``log σ``).
+    """
+    log_std = max((float(x[k].abs().max()) for k in x if k.startswith("log_std/")), default=0.0)
+    factor_step = sum(float(x[k].square().sum()) for k in x if k.startswith("factor/")) ** 0.5
+    factor = sum(float(theta[k].square().sum()) for k in x if k.startswith("factor/")) ** 0.5
+    return scale * log_std > _QUADRATIC_REGIME or scale * factor_step > _QUADRATIC_REGIME * factor
 
 
 @dataclass(frozen=True)
@@ -338,7 +353,9 @@ class FisherBall:
         eta: ``η`` of the ``"data-fisher"`` metric.
         max_kl_ratio: trust region on the exact divergence (``"fisher"`` only): when
             ``KL(q_{θ+δ*} ‖ q_θ)`` exceeds ``max_kl_ratio · γ``, ``δ*`` is scaled by the largest ``t ∈ [0, 1]``
-            (bisection to 2⁻¹²) that keeps it within. The quadratic
+            (bisection to 2⁻¹²) that keeps it within. The exact KL is only evaluated for steps that move
+            some ``log σ`` by more than 0.1 or the factor by more than 10% (smaller ones are within
+            ~10% of the quadratic model). The quadratic
             model ``½δᵀF_λδ`` can badly underestimate the KL along directions the damping dominates
             (e.g. ``log σ`` when the factor carries almost all of the variance); ``inf`` turns it off.
     """
@@ -382,7 +399,7 @@ class FisherBall:
         theta = {k: v.detach() for k, v in params.items()}
         x, quad = natural_gradient(theta, grads, damping=self.damping, cg_iters=self.cg_iters)
         scale = float(self.rho / (quad.clamp_min(0).sqrt() + TINY))
-        if math.isfinite(self.max_kl_ratio):
+        if math.isfinite(self.max_kl_ratio) and _leaves_quadratic_regime(theta, x, scale):
             scale *= self._trust_region(theta, x, scale)
         return {k: x[k] * scale for k in grads}
 
