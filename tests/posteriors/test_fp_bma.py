@@ -552,3 +552,32 @@ def test_trains_on_digits_via_cli(tmp_path):
     assert metrics["history"][-1]["loss"] < metrics["history"][0]["loss"]
     resolved = yaml.safe_load((out / "config.yaml").read_text())["method"]
     assert resolved["gamma"] == FisherBall().gamma and resolved["metric"] == "fisher"
+
+
+def test_closed_form_pullback_equals_autograd_through_the_sampler():
+    theta = _theta(seed=11)
+    family = lowrank_vi.LowRankGaussian(rank=K, init_std=0.1, prior_std=1.0)
+    noise = family.noise(theta, torch.Generator().manual_seed(12))
+    g = {
+        n: torch.randn(shape, dtype=torch.float64, generator=torch.Generator().manual_seed(13))
+        for n, shape in SHAPES.items()
+    }
+    leaves = {k: v.clone().requires_grad_(True) for k, v in theta.items()}
+    w = lowrank_vi.sample_weights(leaves, noise.z1, noise.z2)
+    expected = torch.autograd.grad(sum((w[n] * g[n]).sum() for n in w), list(leaves.values()))
+    pulled = family.pullback(theta, noise, g)
+    assert set(pulled) == set(theta)
+    for (k, _), e in zip(leaves.items(), expected, strict=True):
+        torch.testing.assert_close(pulled[k], e, rtol=1e-12, atol=1e-12)
+
+
+def test_geometry_is_reused_only_for_unchanged_tensors():
+    theta = _theta(seed=14)
+    first = geometry(theta, torch.float64)
+    assert geometry(theta, torch.float64) is first  # same storages, same versions
+    assert geometry({k: v.detach() for k, v in theta.items()}, torch.float64) is first  # a detached view too
+    theta["log_std/fc.bias"].add_(0.5)  # an in-place update (what the optimizer does) invalidates it
+    second = geometry(theta, torch.float64)
+    assert second is not first and not torch.equal(second.a, first.a)
+    fresh = {k: v.clone() for k, v in theta.items()}
+    torch.testing.assert_close(geometry(fresh, torch.float64).c_inv, second.c_inv)

@@ -101,9 +101,33 @@ class LowRankGeometry(NamedTuple):
     w: Tensor
 
 
+_GEOMETRY_CACHE: list[tuple[tuple, list[Tensor], LowRankGeometry]] = []
+"""The last :func:`geometry` (one entry): an FP-BMA step needs it at the same ``θ`` twice, for the
+ascent's Fisher solve and for the closed-form KL gradient."""
+
+
 def geometry(theta: Mapping[str, Tensor], dtype: torch.dtype | None = None) -> LowRankGeometry:
-    """The Woodbury quantities of ``q_θ``'s covariance, computed in ``dtype`` (default: ``θ``'s)."""
+    """The Woodbury quantities of ``q_θ``'s covariance, computed in ``dtype`` (default: ``θ``'s).
+
+    The last result is reused when called again on the same storages at the same versions (an in-place
+    update bumps a tensor's version; the cached entry holds references, so a storage address cannot be
+    reused while it is cached). Inputs that require gradients bypass the cache.
+    """
     log_std, factor = section(theta, "log_std"), section(theta, "factor")
+    tensors = [*log_std.values(), *factor.values()]
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return _geometry(log_std, factor, dtype)
+    key = (dtype, tuple((t.data_ptr(), t._version, t.shape, t.dtype, t.device) for t in tensors))
+    if _GEOMETRY_CACHE and _GEOMETRY_CACHE[0][0] == key:
+        return _GEOMETRY_CACHE[0][2]
+    result = _geometry(log_std, factor, dtype)
+    _GEOMETRY_CACHE[:] = [(key, tensors, result)]
+    return result
+
+
+def _geometry(
+    log_std: Mapping[str, Tensor], factor: Mapping[str, Tensor], dtype: torch.dtype | None
+) -> LowRankGeometry:
     k = next(iter(factor.values())).shape[0]
     c = 1.0 / math.sqrt(2.0 * (k - 1))
     s = flatten(log_std).to(dtype)

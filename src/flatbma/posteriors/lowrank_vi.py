@@ -248,6 +248,28 @@ class LowRankGaussian:
         """:func:`sample_weights`."""
         return sample_weights(theta, noise.z1, noise.z2)
 
+    def pullback(self, theta: Mapping[str, Tensor], noise: GaussianNoise, grads: Mapping[str, Tensor]) -> Params:
+        """``(∂w/∂θ)ᵀ g`` for ``w = sample_weights(θ, z₁, z₂)``, in closed form (no autograd graph).
+
+        ``w`` is linear in ``μ``, ``σ`` and ``L``: ``∂/∂μ = g``, ``∂/∂log σ = g ⊙ σ ⊙ z₁/√2`` and
+        ``∂/∂L_k = c·z₂ₖ·g`` with ``c = 1/√(2(K−1))`` — one flat pass over all tensors.
+        """
+        mean, log_std = section(theta, "mean"), section(theta, "log_std")
+        names = list(mean)
+        k = noise.z2.shape[-1]
+        c = 1.0 / math.sqrt(2.0 * (k - 1))
+        g = torch.cat([grads[n].reshape(-1) for n in names])
+        std = torch.exp(torch.cat([log_std[n].reshape(-1) for n in names]))
+        z1 = torch.cat([noise.z1[n].reshape(-1) for n in names])
+        g_log_std = (math.sqrt(0.5) * std * z1 * g).split([mean[n].numel() for n in names])
+        g_factor = (c * noise.z2[:, None] * g[None, :]).split([mean[n].numel() for n in names], dim=1)
+        out: Params = {}
+        for i, n in enumerate(names):
+            out[f"mean/{n}"] = grads[n]
+            out[f"log_std/{n}"] = g_log_std[i].view(mean[n].shape)
+            out[f"factor/{n}"] = g_factor[i].reshape(k, *mean[n].shape)
+        return out
+
     def kl(self, theta: Mapping[str, Tensor]) -> Tensor:
         """:func:`kl_divergence` with ``s = prior_std``."""
         return kl_divergence(theta, self.prior_std)
