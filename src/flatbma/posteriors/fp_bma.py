@@ -174,6 +174,27 @@ class LowRankGaussianWithPrior(LowRankGaussian):
         return kl_lowrank(theta, self.prior)
 
 
+def _posterior(
+    objective: Objective,
+    optimizer: GradientTransformation,
+    ascent: Ascent | None,
+    family: LowRankGaussian,
+    num_mc_samples: int,
+    kl_weight: float,
+) -> Posterior:
+    """The Gaussian VI posterior with the ascent in θ-space; its ``gaussian`` is ``q_θ`` itself."""
+    posterior = gaussian_vi.build(
+        objective,
+        optimizer,
+        ascent,
+        family,
+        num_mc_samples=num_mc_samples,
+        kl_weight=float(kl_weight),
+        ascent_space="theta",
+    )
+    return replace(posterior, gaussian=theta_of)
+
+
 def _check_rank(rank: int) -> None:
     if isinstance(rank, bool) or not isinstance(rank, int) or rank < 2:
         raise FlatbmaError(
@@ -217,16 +238,7 @@ def build(
         num_mc_samples=num_mc_samples, init_std=init_std, prior_std=prior_std, kl_weight=kl_weight
     )
     family = LowRankGaussianClosedFormKL(rank=rank, init_std=float(init_std), prior_std=float(prior_std))
-    posterior = gaussian_vi.build(
-        objective,
-        optimizer,
-        ascent,
-        family,
-        num_mc_samples=num_mc_samples,
-        kl_weight=float(kl_weight),
-        ascent_space="theta",
-    )
-    return replace(posterior, gaussian=theta_of)
+    return _posterior(objective, optimizer, ascent, family, num_mc_samples, kl_weight)
 
 
 def build_with_prior(
@@ -275,13 +287,4 @@ def build_with_prior(
         raise FlatbmaError("the fp-bma prior contains non-finite values")
     prior = {k: v.detach() for k, v in prior_theta.items()}
     family = LowRankGaussianWithPrior(rank=rank, init_std=float(init_std), prior_std=1.0, prior=prior)
-    posterior = gaussian_vi.build(
-        objective,
-        optimizer,
-        ascent,
-        family,
-        num_mc_samples=num_mc_samples,
-        kl_weight=float(kl_weight),
-        ascent_space="theta",
-    )
-    return replace(posterior, gaussian=theta_of)
+    return _posterior(objective, optimizer, ascent, family, num_mc_samples, kl_weight)

@@ -26,7 +26,7 @@ caller's generator.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Literal, NamedTuple, Protocol
 
@@ -179,8 +179,8 @@ def elbo_value_and_grad(
 
     ``∇_θ ℒ = (1/M) Σ_m (∂w_m/∂θ)ᵀ ∇_w L_B(w_m + ε_m) + κ ∇_θ KL(q_θ‖p) / n`` with
     ``w_m = w(θ, z_m)``, ``ε_m = ascent.perturb(w_m, ∇L_B(w_m))`` (``ε_m = 0`` without an ascent step)
-    and ``n = objective.num_data``. All vector-Jacobian products and the KL gradient come from one
-    backward pass through the scalar surrogate ``(1/M) Σ_m ⟨w_m, stopgrad(g_m)⟩ + κ KL / n``.
+    and ``n = objective.num_data``. Each vector-Jacobian product ``(∂w_m/∂θ)ᵀg_m`` is the family's
+    closed-form ``pullback`` when it has one, else autograd; the KL gradient is :func:`kl_grad`.
 
     BatchNorm running statistics are updated once: by the first (unperturbed) pass of the first sample.
 
@@ -199,59 +199,20 @@ def elbo_value_and_grad(
     """
     if not noises:
         raise ValueError("elbo_value_and_grad needs at least one noise sample")
-    if getattr(family, "pullback", None) is not None and all(n.z2 is None or n.z2.dim() == 1 for n in noises):
-        return _elbo_by_pullback(objective, family, theta, buffers, batch, noises, ascent=ascent, kl_weight=kl_weight)
-    leaves = {k: v.detach().requires_grad_(True) for k, v in theta.items()}
-    m = len(noises)
-    surrogate = torch.zeros((), device=_device(leaves))
-    losses, first_logits = [], None
-    for i, noise in enumerate(noises):
-        w = family.reparameterize(leaves, noise)
-        w_point = {k: v.detach() for k, v in w.items()}
-        bufs = buffers if i == 0 else clone(buffers)
-        loss, logits, g = sharpness_aware_value_and_grad(objective, w_point, bufs, batch, ascent)
-        surrogate = surrogate + dot(w, g) / m
-        losses.append(loss)
-        if first_logits is None:
-            first_logits = logits
-    if kl_weight:
-        surrogate = surrogate + kl_weight * family.kl(leaves) / objective.num_data
-    grads = torch.autograd.grad(surrogate, list(leaves.values()), allow_unused=True)
-    out = {k: torch.zeros_like(v) if g is None else g for (k, v), g in zip(leaves.items(), grads)}
-    return torch.stack(losses).mean(), first_logits, out
-
-
-def _elbo_by_pullback(
-    objective: Objective,
-    family: ReparameterizedFamily,
-    theta: Mapping[str, Tensor],
-    buffers: Mapping[str, Tensor],
-    batch: Batch,
-    noises: Sequence[GaussianNoise],
-    *,
-    ascent: Ascent | None,
-    kl_weight: float,
-) -> tuple[Tensor, Tensor, Params]:
-    """:func:`elbo_value_and_grad` for families with a closed-form ``pullback(θ, noise, g) = (∂w/∂θ)ᵀg``.
-
-    The same gradient without an autograd graph through the sampler (a fixed per-step cost that matters
-    for the ~300 tensors of a transfer subset): ``(1/M) Σ_m pullback(θ, z_m, g_m) + κ ∇KL/n``.
-    """
     theta = {k: v.detach() for k, v in theta.items()}
     m = len(noises)
-    total: Params | None = None
+    total: Params = {}
     losses, first_logits = [], None
     for i, noise in enumerate(noises):
         with torch.no_grad():
             w = family.reparameterize(theta, noise)
         bufs = buffers if i == 0 else clone(buffers)
         loss, logits, g = sharpness_aware_value_and_grad(objective, w, bufs, batch, ascent)
-        pulled = family.pullback(theta, noise, g)
-        total = pulled if total is None else {k: total[k] + pulled[k] for k in total}
+        pulled = _pullback(family, theta, noise, g)
+        total = {k: total[k] + pulled[k] for k in total} if total else pulled
         losses.append(loss)
         if first_logits is None:
             first_logits = logits
-    assert total is not None
     out = {k: v / m for k, v in total.items()} if m > 1 else total
     if kl_weight:
         kl = kl_grad(family, theta)
@@ -259,14 +220,31 @@ def _elbo_by_pullback(
     return torch.stack(losses).mean(), first_logits, out
 
 
+def _pullback(family: ReparameterizedFamily, theta: Params, noise: GaussianNoise, g: Params) -> Params:
+    """``(∂w/∂θ)ᵀ g`` for ``w = family.reparameterize(θ, noise)``.
+
+    ``family.pullback`` when the family has it in closed form (no autograd graph through the sampler:
+    a fixed per-step cost that matters for the ~300 tensors of a transfer subset), else autograd.
+    """
+    closed_form = getattr(family, "pullback", None)
+    if closed_form is not None and (noise.z2 is None or noise.z2.dim() == 1):
+        return closed_form(theta, noise, g)
+    return _autograd(lambda leaves: dot(family.reparameterize(leaves, noise), g), theta)
+
+
+def _autograd(scalar: Callable[[Params], Tensor], theta: Mapping[str, Tensor]) -> Params:
+    """``∇_θ scalar(θ)`` by key of ``θ`` (zeros for keys it does not depend on)."""
+    leaves = {k: v.detach().requires_grad_(True) for k, v in theta.items()}
+    grads = torch.autograd.grad(scalar(leaves), list(leaves.values()), allow_unused=True)
+    return {k: torch.zeros_like(v) if d is None else d for (k, v), d in zip(leaves.items(), grads)}
+
+
 def kl_grad(family: ReparameterizedFamily, theta: Mapping[str, Tensor]) -> Params:
     """``∇_θ KL(q_θ ‖ p)`` by key of ``θ``: ``family.kl_grad(θ)`` when the family has a closed form, else autograd."""
     closed_form = getattr(family, "kl_grad", None)
     if closed_form is not None:
         return closed_form(theta)
-    leaves = {k: v.detach().requires_grad_(True) for k, v in theta.items()}
-    grads = torch.autograd.grad(family.kl(leaves), list(leaves.values()), allow_unused=True)
-    return {k: torch.zeros_like(v) if g is None else g for (k, v), g in zip(leaves.items(), grads)}
+    return _autograd(family.kl, theta)
 
 
 def theta_sharpness_value_and_grad(
