@@ -44,10 +44,10 @@ from flatbma.experiment.config import RunConfig, config_from_dict, load_raw, par
 from flatbma.experiment.parse import parse_dataclass, set_dotted
 from flatbma.experiment.run import (
     CHECKPOINT_FILE,
-    CONFIG_FILE,
     METRICS_FILE,
     Experiment,
     build_experiment,
+    finished_run,
     flatness_metrics,
     posterior_samples,
     train_run,
@@ -441,8 +441,7 @@ def _run_one(label: str, cfg: RunConfig, compare: CompareConfig, fingerprint: st
     run_dir = Path(cfg.output_dir)
     cache = run_dir / RUN_CACHE
     resolved = cfg.to_dict()
-    finished = (run_dir / METRICS_FILE).is_file() and (run_dir / CONFIG_FILE).is_file()
-    if finished and yaml.safe_load((run_dir / CONFIG_FILE).read_text()) == resolved and not force:
+    if finished_run(run_dir, resolved) and not force:
         if cache.is_file():
             cached = json.loads(cache.read_text())
             if cached.get("fingerprint") == fingerprint:

@@ -377,7 +377,7 @@ def prior_stage(cfg: RunConfig) -> RunConfig | None:
     )
 
 
-def _finished(run_dir: Path, resolved: dict[str, Any]) -> bool:
+def finished_run(run_dir: Path, resolved: dict[str, Any]) -> bool:
     """Whether ``run_dir`` holds a finished run (metrics written) of exactly the config ``resolved``."""
     if not ((run_dir / METRICS_FILE).is_file() and (run_dir / CHECKPOINT_FILE).is_file()):
         return False
@@ -397,7 +397,7 @@ def fit_prior(cfg: RunConfig, *, force: bool = False, resume: bool = False) -> F
     if stage is None:
         return None
     run_dir = Path(stage.output_dir)
-    if distributed.main_decides(not force and _finished(run_dir, stage.to_dict())):
+    if distributed.main_decides(not force and finished_run(run_dir, stage.to_dict())):
         exp = build_experiment(stage)
         _check_stable_with_prior(cfg, len(exp.train_loader.dataset))
         state = load_state(run_dir / CHECKPOINT_FILE, device=str(exp.device))
