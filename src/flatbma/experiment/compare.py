@@ -154,7 +154,7 @@ class Plan:
                 raw.update(_run_sections(method))
                 raw["seed"] = seed
                 raw["output_dir"] = str(self.out_dir / "runs" / _slug(method) / f"seed{seed}")
-                raw.setdefault("eval", {})["flatness"] = False  # measured by the comparison itself
+                raw["eval"] = {**(raw.get("eval") or {}), "flatness": False}  # measured by the comparison itself
                 out.append(config_from_dict(raw))
         return out
 
