@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -65,7 +66,7 @@ def _torchrun(*args: str, nproc: int = 2) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args]
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, cwd=Path(__file__).parents[2])
-    assert out.returncode == 0, out.stderr[-4000:]
+    assert out.returncode == 0, out.stderr[-12000:]  # long enough to show every rank's traceback
     return out
 
 
@@ -198,13 +199,19 @@ def _worker(root: Path) -> None:
 
             return real_fit(*args, checkpoint=hook, **kwargs)
 
-        run.fit = crashing_fit
+        real_save = run._save_checkpoint
+
+        def slow_save(*args):  # rank 0 writes late: the others must still resume from this checkpoint
+            time.sleep(0.5 if len(calls) == CRASH_AFTER - 1 else 0.0)
+            real_save(*args)
+
+        run.fit, run._save_checkpoint = crashing_fit, slow_save
         try:
             train_run(config_from_dict({**RESUME, "output_dir": str(root / "crashed")}))
         except Crash:
             pass
         finally:
-            run.fit = real_fit
+            run.fit, run._save_checkpoint = real_fit, real_save
         if me == 0:
             (root / "crash-position.json").write_text(
                 json.dumps(load_checkpoint(root / "crashed/checkpoint.safetensors")[1])

@@ -171,7 +171,7 @@ def _torchrun(*args: str, nproc: int = 2) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args]
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, cwd=Path(__file__).parents[2])
-    assert out.returncode == 0, out.stderr[-4000:]
+    assert out.returncode == 0, out.stderr[-12000:]  # long enough to show every rank's traceback
     return out
 
 

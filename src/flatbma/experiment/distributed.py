@@ -517,7 +517,8 @@ def checkpoint_hook(
     """The runner's checkpoint callback for data-parallel training (a collective: all ranks call it).
 
     Checks the replicas, averages BatchNorm statistics, globalizes position and history, and lets
-    rank 0 alone call ``save``.
+    rank 0 alone call ``save``. Returns on every rank only once the checkpoint is written, so that a
+    rank which stops right after it and resumes at once reads this checkpoint, not the one before.
     """
 
     def hook(state: State, position: Position, history: History) -> None:
@@ -527,6 +528,7 @@ def checkpoint_hook(
         history = global_history(history)
         if is_main():
             save(state, position, history)
+        barrier()
 
     return hook
 
@@ -636,13 +638,15 @@ class MemberParallel:
         """The runner's checkpoint callback (a collective): merge the members, rank 0 calls ``save``.
 
         Position and history are the same on every rank (same data, same global random stream,
-        combined step outputs), so they are saved as they are.
+        combined step outputs), so they are saved as they are. Returns once the file is written
+        (a barrier), as :func:`checkpoint_hook` does.
         """
 
         def hook(state: State, position: Position, history: History) -> None:
             full = self.merge(state)
             if is_main():
                 save(full, position, history)
+            barrier()
 
         return hook
 
