@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call
 
+from flatbma import packed
 from flatbma.types import Batch, Params
 
 
@@ -36,12 +37,36 @@ def clone(params: Mapping[str, Tensor]) -> Params:
     return {k: v.detach().clone() for k, v in params.items()}
 
 
+def detached(params: Mapping[str, Tensor]) -> Mapping[str, Tensor]:
+    """``params`` without autograd history: the same tensors (packing kept) when none requires grad."""
+    if isinstance(params, packed.Packed):
+        return params if not params.flat.requires_grad else params.layout.lazy(params.flat.detach().clone())
+    if not any(v.requires_grad for v in params.values()):
+        return dict(params)
+    return {k: v.detach() for k, v in params.items()}
+
+
 def add(a: Mapping[str, Tensor], b: Mapping[str, Tensor], alpha: float = 1.0) -> Params:
-    """``a + alpha * b`` for every key of ``b`` (keys of ``a`` missing from ``b`` are kept)."""
+    """``a + alpha * b`` for every key of ``b`` (keys of ``a`` missing from ``b`` are kept).
+
+    Two dicts packed in one layout (:mod:`flatbma.packed`) are added as one tensor; the result is then a
+    :class:`~flatbma.packed.Packed` mapping.
+    """
+    layout = packed.layout_of(a)
+    if layout is not None and packed.layout_of(b) == layout:
+        return layout.lazy(packed.flat_of(a) + alpha * packed.flat_of(b))
     out = dict(a)
     for k, v in b.items():
         out[k] = a[k] + alpha * v
     return out
+
+
+def scale(a: Mapping[str, Tensor], factor: float) -> Params:
+    """``factor * a`` (one tensor operation, and a :class:`~flatbma.packed.Packed` result, when ``a`` is packed)."""
+    layout = packed.layout_of(a)
+    if layout is not None:
+        return layout.lazy(packed.flat_of(a) * factor)
+    return {k: v * factor for k, v in a.items()}
 
 
 def dot(a: Mapping[str, Tensor], b: Mapping[str, Tensor]) -> Tensor:

@@ -350,7 +350,7 @@ def test_the_step_uses_the_data_gradient_the_same_noise_and_the_kl_at_theta():
     obj = Objective(model=model, num_data=n_data)
     batch = _tiny_batch(1)
     theta = _theta(seed=9, k=3)
-    family = fp_bma.LowRankGaussianClosedFormKL(rank=3, init_std=0.1, prior_std=s)
+    family = lowrank_vi.LowRankGaussian(rank=3, init_std=0.1, prior_std=s)
     gen = torch.Generator().manual_seed(2)
     noises = [family.noise(theta, gen) for _ in range(2)]
     ball = FisherBall(gamma=0.01, cg_iters=50)

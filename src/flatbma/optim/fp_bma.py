@@ -45,6 +45,7 @@ Metrics: ``"fisher"`` (the above), ``"euclidean"`` (``F = I``: SAM on ``θ`` wit
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -57,9 +58,9 @@ from flatbma.errors import FlatbmaError
 from flatbma.optim.ascent import TINY
 from flatbma.optim.fisher_sam import FisherSAM
 from flatbma.optim.sam import SAM
-from flatbma.params import flatten
-from flatbma.posteriors.gaussian_vi import check_sections, section
-from flatbma.posteriors.lowrank_vi import PREFIXES
+from flatbma.params import detached, scale
+from flatbma.posteriors.gaussian_vi import check_sections
+from flatbma.posteriors.lowrank_vi import PREFIXES, LowRankGeometry, blocks, from_rows, geometry, rows
 from flatbma.types import Params
 
 Metric = Literal["fisher", "euclidean", "data-fisher"]
@@ -70,76 +71,8 @@ METRICS = ("fisher", "euclidean", "data-fisher")
 # the low-rank plus diagonal Gaussian in flat, whitened form
 #
 # A covariance-block vector v = (v_logσ, V) is stored as one [K+1, d] tensor: row 0 is v_logσ, rows
-# 1..K are V (the factor, row k = column k of L). Parameters follow sorted name order.
-
-
-class LowRankGeometry(NamedTuple):
-    """``Σ = A + UᵀU`` (``U`` stored ``[K, d]``) and the Woodbury quantities of its Fisher.
-
-    Attributes:
-        a: ``diag A = σ²/2``, shape ``[d]``.
-        u: ``U = L/√(2(K−1))``, shape ``[K, d]``.
-        c: ``1/√(2(K−1))``.
-        cs: ``c A^{-1/2}``, shape ``[d]`` (maps ``V`` to the whitened ``Ṽ = cVA^{-1/2}``).
-        ut: whitened factor ``Ũᵀ = U A^{-1/2}``, shape ``[K, d]``.
-        cap: the capacitance ``C = I + ŨᵀŨ``.
-        c_inv: ``C⁻¹``.
-        pt: ``C⁻¹Ũᵀ`` (``= ŨᵀT`` with ``T = I − ŨC⁻¹Ũᵀ = A^{1/2}Σ⁻¹A^{1/2}``), shape ``[K, d]``.
-        e: ``I − C⁻¹ = ŨᵀTŨ``.
-        w: ``diag(ŨC⁻¹Ũᵀ) = 1 − diag T``, shape ``[d]``.
-    """
-
-    a: Tensor
-    u: Tensor
-    c: float
-    cs: Tensor
-    ut: Tensor
-    cap: Tensor
-    c_inv: Tensor
-    pt: Tensor
-    e: Tensor
-    w: Tensor
-
-
-_GEOMETRY_CACHE: list[tuple[tuple, list[Tensor], LowRankGeometry]] = []
-"""The last :func:`geometry` (one entry): an FP-BMA step needs it at the same ``θ`` twice, for the
-ascent's Fisher solve and for the closed-form KL gradient."""
-
-
-def geometry(theta: Mapping[str, Tensor], dtype: torch.dtype | None = None) -> LowRankGeometry:
-    """The Woodbury quantities of ``q_θ``'s covariance, computed in ``dtype`` (default: ``θ``'s).
-
-    The last result is reused when called again on the same storages at the same versions (an in-place
-    update bumps a tensor's version; the cached entry holds references, so a storage address cannot be
-    reused while it is cached). Inputs that require gradients bypass the cache.
-    """
-    log_std, factor = section(theta, "log_std"), section(theta, "factor")
-    tensors = [*log_std.values(), *factor.values()]
-    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        return _geometry(log_std, factor, dtype)
-    key = (dtype, tuple((t.data_ptr(), t._version, t.shape, t.dtype, t.device) for t in tensors))
-    if _GEOMETRY_CACHE and _GEOMETRY_CACHE[0][0] == key:
-        return _GEOMETRY_CACHE[0][2]
-    result = _geometry(log_std, factor, dtype)
-    _GEOMETRY_CACHE[:] = [(key, tensors, result)]
-    return result
-
-
-def _geometry(
-    log_std: Mapping[str, Tensor], factor: Mapping[str, Tensor], dtype: torch.dtype | None
-) -> LowRankGeometry:
-    k = next(iter(factor.values())).shape[0]
-    c = 1.0 / math.sqrt(2.0 * (k - 1))
-    s = flatten(log_std).to(dtype)
-    a = 0.5 * torch.exp(2 * s)
-    inv_sqrt_a = math.sqrt(2.0) * torch.exp(-s)
-    u = c * torch.cat([f.reshape(k, -1) for f in factor.values()], dim=1).to(s.dtype)
-    ut = u * inv_sqrt_a
-    eye = torch.eye(k, dtype=u.dtype, device=u.device)
-    cap = eye + ut @ ut.T
-    c_inv = torch.cholesky_inverse(torch.linalg.cholesky(cap))
-    pt = c_inv @ ut
-    return LowRankGeometry(a, u, c, c * inv_sqrt_a, ut, cap, c_inv, pt, eye - c_inv, (ut * pt).sum(0))
+# 1..K are V (the factor, row k = column k of L). Parameters follow sorted name order. The Woodbury
+# quantities (LowRankGeometry, geometry) live with the family in flatbma.posteriors.lowrank_vi.
 
 
 def covariance_fisher_product(geo: LowRankGeometry, v: Tensor) -> Tensor:
@@ -196,8 +129,8 @@ class _Preconditioner(NamedTuple):
 
     jacobi: Tensor  # [K+1, d]: 1 / (diag F_cov + λB)
     basis: Tensor  # [m, K, K]: a basis of the symmetric K×K matrices, m = K(K+1)/2
-    coarse_inv: Tensor  # [m, m]: pseudo-inverse of the Galerkin matrix ZᵀF_λZ
-    factor: Tensor  # L, [K, d]
+    coarse_inv: Tensor  # [m, m]: pseudo-inverse of the Galerkin matrix ZᵀF_λZ (Z spanned by S·U)
+    factor: Tensor  # U = cL, [K, d]
 
     def __call__(self, r: Tensor) -> Tensor:
         z = self.jacobi * r
@@ -212,6 +145,17 @@ def damping_scale(geo: LowRankGeometry) -> Tensor:
     return torch.cat([torch.ones_like(geo.cs)[None], (geo.cs**2).expand(geo.u.shape[0], -1)])
 
 
+@functools.cache
+def _symmetric_basis(k: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """``[K(K+1)/2, K, K]``: the matrices ``e_ie_jᵀ + e_je_iᵀ`` (``i ≤ j``), a basis of the symmetric ``K×K``."""
+    rows, cols = torch.triu_indices(k, k)
+    basis = torch.zeros(rows.numel(), k, k, dtype=dtype, device=device)
+    index = torch.arange(rows.numel())
+    basis[index, rows, cols] = 1.0
+    basis[index, cols, rows] = 1.0
+    return basis
+
+
 def _preconditioner(geo: LowRankGeometry, damping: float) -> _Preconditioner:
     """Two-level additive preconditioner ``J⁻¹ + Z(ZᵀF_λZ)⁻¹Zᵀ`` of ``F_λ = F_cov + λB``.
 
@@ -219,25 +163,28 @@ def _preconditioner(geo: LowRankGeometry, damping: float) -> _Preconditioner:
     directions ``V = SL`` (``S`` symmetric: rescaling and mixing the columns of ``L``), whose curvature is
     ``~1/d`` of the rest (``Σ`` is already wide along ``L``); with ``Z`` spanning them (``m = K(K+1)/2``
     columns), the Galerkin matrix is closed-form: ``⟨S'L, F_cov SL⟩ = 2 tr(S'ESE)``, ``E = I − C⁻¹``,
-    and ``⟨S'L, λB SL⟩ = λ tr(S'S(C − I))``, so the coarse solve costs ``O(dK²)`` per application.
+    and ``⟨S'L, λB SL⟩ = λ tr(S'S(C − I))``, so the coarse solve costs ``O(dK²)`` per application. ``Z`` is
+    spanned by ``SU = cSL`` instead (the same space, Galerkin matrix ``c²`` times the above), which
+    saves rescaling ``U``.
     """
     k = geo.u.shape[0]
-    factor = geo.u / geo.c
-    rows, cols = torch.triu_indices(k, k)
-    basis = torch.zeros(rows.numel(), k, k, dtype=factor.dtype, device=factor.device)
-    eye_k = torch.eye(k, dtype=factor.dtype, device=factor.device)
-    index = torch.arange(rows.numel())
-    basis[index, rows, cols] = 1.0
-    basis[index, cols, rows] = 1.0
+    basis = _symmetric_basis(k, geo.u.dtype, geo.u.device)
+    eye_k = torch.eye(k, dtype=geo.u.dtype, device=geo.u.device)
     ebe = geo.e @ basis @ geo.e
     galerkin = 2 * torch.einsum("mij,nji->mn", basis, ebe)
     galerkin = galerkin + damping * torch.einsum("mij,njk,ki->mn", basis, basis, geo.cap - eye_k)
+    galerkin = geo.c**2 * galerkin
     # pseudo-inverse: the matrix is ~‖L‖² and exactly 0 for L = 0 (then there is no coarse correction)
     lam, q = torch.linalg.eigh(galerkin)
     keep = lam > lam.abs().max() * torch.finfo(lam.dtype).eps * 64
     coarse_inv = (q * torch.where(keep, 1 / torch.where(keep, lam, 1.0), 0.0)) @ q.T
-    jacobi = 1 / (covariance_fisher_diagonal(geo) + damping * damping_scale(geo))
-    return _Preconditioner(jacobi, basis, coarse_inv, factor)
+    # 1 / (diag F_cov + λB), fused: rows 1.. are (P² + (1 − w)E_kk + λ)·c²/a (see covariance_fisher_diagonal)
+    one_minus_w = 1 - geo.w
+    jacobi = torch.empty((k + 1, geo.w.numel()), dtype=geo.w.dtype, device=geo.w.device)
+    torch.mul(one_minus_w.square(), 2.0, out=jacobi[0]).add_(damping)
+    torch.square(geo.pt, out=jacobi[1:])
+    jacobi[1:].addcmul_(geo.e.diagonal()[:, None], one_minus_w[None]).add_(damping).mul_(geo.cs.square())
+    return _Preconditioner(jacobi.reciprocal_(), basis, coarse_inv, geo.u)
 
 
 def solve_covariance_fisher(geo: LowRankGeometry, g: Tensor, *, damping: float, cg_iters: int) -> Tensor:
@@ -247,10 +194,12 @@ def solve_covariance_fisher(geo: LowRankGeometry, g: Tensor, *, damping: float, 
     satisfies ``xᵀ(F_cov + λB)x = gᵀx`` (the residual is orthogonal to the Krylov space holding ``x``), so the
     damped quadratic form is ``gᵀx`` at any stopping point. Converged or numerically exhausted
     iterations are frozen with masks rather than a data-dependent ``break``, so the loop never
-    synchronizes with an accelerator.
+    synchronizes with an accelerator. The last iteration stops at the new iterate (its residual and
+    search direction would not be used), so ``cg_iters = 1`` costs one preconditioner application and
+    one Fisher product.
     """
     precondition = _preconditioner(geo, damping)
-    damp = damping * damping_scale(geo)
+    factor_damping = damping * geo.cs.square()  # λB on the factor rows (λ on the log σ row)
     x = torch.zeros_like(g)
     r = g.clone()
     z = precondition(r)
@@ -258,12 +207,16 @@ def solve_covariance_fisher(geo: LowRankGeometry, g: Tensor, *, damping: float, 
     rz = torch.vdot(r.reshape(-1), z.reshape(-1))
     floor = rz * torch.finfo(g.dtype).eps ** 2
     zero = torch.zeros((), dtype=g.dtype, device=g.device)
-    for _ in range(cg_iters):
-        f = covariance_fisher_product(geo, p).addcmul_(damp, p)
+    for i in range(cg_iters):
+        f = covariance_fisher_product(geo, p)
+        f[0].add_(p[0], alpha=damping)
+        f[1:].addcmul_(factor_damping, p[1:])
         curvature = torch.vdot(p.reshape(-1), f.reshape(-1))
         active = (rz > floor) & (curvature > 0)
         alpha = torch.where(active, rz / torch.where(active, curvature, 1.0), zero)
         x.addcmul_(p, alpha)
+        if i == cg_iters - 1:
+            break
         r.addcmul_(f, -alpha)
         z = precondition(r)
         rz_new = torch.vdot(r.reshape(-1), z.reshape(-1))
@@ -298,38 +251,19 @@ def natural_gradient(
     Returns:
         ``(x by key of θ, gᵀx)``; ``x`` in ``θ``'s dtype.
     """
-    mean = check_sections(theta, PREFIXES, "fp-bma")
-    names = list(mean)
-    out_dtype = mean[names[0]].dtype
-    k = theta[f"factor/{names[0]}"].shape[0]
+    check_sections(theta, PREFIXES, "fp-bma")
+    out_dtype = rows(theta).dtype
     # The products cancel terms of size ~‖Ũ‖² ≫ 1 (σ small next to L's columns): single precision loses
     # them entirely, so the O(dK²) algebra always runs in double precision.
     geo = geometry(theta, torch.float64)
-    wide = geo.a.dtype
-    g_mu = flatten({n: grads[f"mean/{n}"] for n in names}).to(wide)
-    g_cov = torch.cat(
-        [
-            flatten({n: grads[f"log_std/{n}"] for n in names}).to(wide)[None],
-            torch.cat([grads[f"factor/{n}"].reshape(k, -1) for n in names], dim=1).to(wide),
-        ]
-    )
+    g = rows(grads).to(geo.a.dtype, copy=True)  # [g_μ; g_cov] with g_cov = [g_logσ; g_L]
+    g_mu, g_cov = g[0], g[1:]
     x_mu = torch.addcmul((geo.u @ g_mu) @ geo.u, geo.a, g_mu)  # Σ g_μ
-    factor = geo.u / geo.c
     if project:
-        g_cov[1:] = project_rotations(factor, g_cov[1:])
+        g_cov[1:] = project_rotations(geo.u, g_cov[1:])  # U = cL spans the same rotations
     x_cov = solve_covariance_fisher(geo, g_cov, damping=damping, cg_iters=cg_iters)
     quad = torch.vdot(g_mu, x_mu) + torch.vdot(g_cov.reshape(-1), x_cov.reshape(-1))
-    x_mu, x_cov = x_mu.to(out_dtype), x_cov.to(out_dtype)
-    out: Params = {}
-    offset = 0
-    for n in names:
-        shape, size = mean[n].shape, mean[n].numel()
-        sl = slice(offset, offset + size)
-        out[f"mean/{n}"] = x_mu[sl].view(shape)
-        out[f"log_std/{n}"] = x_cov[0, sl].view(shape)
-        out[f"factor/{n}"] = x_cov[1:, sl].reshape(k, *shape)
-        offset += size
-    return out, quad
+    return from_rows(torch.cat([x_mu[None], x_cov]).to(out_dtype), theta), quad
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -348,10 +282,11 @@ def _leaves_quadratic_regime(theta: Mapping[str, Tensor], x: Mapping[str, Tensor
     At fixed covariance the Gaussian KL is exactly ``½δμᵀΣ⁻¹δμ``, the mean block of the Fisher model;
     only the covariance parameters make it non-quadratic (exponentially so in ``log σ``).
     """
-    log_std = max((float(x[k].abs().max()) for k in x if k.startswith("log_std/")), default=0.0)
-    factor_step = sum(float(x[k].square().sum()) for k in x if k.startswith("factor/")) ** 0.5
-    factor = sum(float(theta[k].square().sum()) for k in x if k.startswith("factor/")) ** 0.5
-    return scale * log_std > _QUADRATIC_REGIME or scale * factor_step > _QUADRATIC_REGIME * factor
+    _, x_log_std, x_factor = blocks(x)
+    log_std_step = float(x_log_std.abs().max())
+    factor_step = float(torch.linalg.vector_norm(x_factor))
+    factor = float(torch.linalg.vector_norm(blocks(theta)[2]))
+    return scale * log_std_step > _QUADRATIC_REGIME or scale * factor_step > _QUADRATIC_REGIME * factor
 
 
 @dataclass(frozen=True)
@@ -420,12 +355,12 @@ class FisherBall:
             return SAM(rho=self.rho).perturb(params, grads)
         if self.metric == "data-fisher":
             return FisherSAM(rho=self.rho, eta=self.eta).perturb(params, grads)
-        theta = {k: v.detach() for k, v in params.items()}
+        theta = detached(params)
         x, quad = natural_gradient(theta, grads, damping=self.damping, cg_iters=self.cg_iters)
-        scale = float(self.rho / (quad.clamp_min(0).sqrt() + TINY))
-        if math.isfinite(self.max_kl_ratio) and _leaves_quadratic_regime(theta, x, scale):
-            scale *= self._trust_region(theta, x, scale)
-        return {k: x[k] * scale for k in grads}
+        length = float(self.rho / (quad.clamp_min(0).sqrt() + TINY))
+        if math.isfinite(self.max_kl_ratio) and _leaves_quadratic_regime(theta, x, length):
+            length *= self._trust_region(theta, x, length)
+        return scale(x, length)
 
     def _trust_region(self, theta: Mapping[str, Tensor], x: Mapping[str, Tensor], scale: float) -> float:
         """The factor ``t ≤ 1`` with ``KL(q_{θ+t·scale·x} ‖ q_θ) ≤ max_kl_ratio·γ`` (see ``max_kl_ratio``)."""

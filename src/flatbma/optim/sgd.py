@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from flatbma import packed
 from flatbma.optim.schedules import Schedule, constant
 from flatbma.types import Params
 
@@ -36,21 +37,27 @@ class SGD:
         return self.lr(step) if callable(self.lr) else constant(self.lr)(step)
 
     def init(self, params: Mapping[str, Tensor]) -> Params:
-        """Momentum buffers ``m = 0``."""
+        """Momentum buffers ``m = 0`` (packed like ``params``, see :mod:`flatbma.packed`)."""
         if not self.momentum:
             return {}
-        return {f"momentum/{k}": torch.zeros_like(v) for k, v in params.items()}
+        return {f"momentum/{k}": v for k, v in packed.zeros_like(params).items()}
 
     @torch.no_grad()
     def apply(self, params: Params, grads: Mapping[str, Tensor], state: Params, step: int) -> Params:
-        """Update ``params`` in place with one SGD step; return the new momentum state."""
+        """Update ``params`` in place with one SGD step; return the new momentum state.
+
+        Packed parameters, gradients and momenta (:mod:`flatbma.packed`) are updated as one tensor each.
+        """
         keys = list(grads)
-        w = [params[k] for k in keys]
-        d = [g.clone() for g in (grads[k] for k in keys)]
+        lists = [params, grads]
+        if self.momentum:
+            lists.append([state[f"momentum/{k}"] for k in keys])
+        w, g, *momenta = packed.coalesce(keys, *lists)
+        d = [t.clone() for t in g]
         if self.weight_decay:
             torch._foreach_add_(d, w, alpha=self.weight_decay)
         if self.momentum:
-            m = [state[f"momentum/{k}"] for k in keys]
+            (m,) = momenta
             if step == 0:
                 torch._foreach_copy_(m, d)
             else:
@@ -82,19 +89,25 @@ class Adam:
         return self.lr(step) if callable(self.lr) else constant(self.lr)(step)
 
     def init(self, params: Mapping[str, Tensor]) -> Params:
-        """First and second moments ``m = v = 0``."""
-        state = {f"exp_avg/{k}": torch.zeros_like(v) for k, v in params.items()}
-        state.update({f"exp_avg_sq/{k}": torch.zeros_like(v) for k, v in params.items()})
+        """First and second moments ``m = v = 0`` (packed like ``params``, see :mod:`flatbma.packed`)."""
+        state = {f"exp_avg/{k}": v for k, v in packed.zeros_like(params).items()}
+        state.update({f"exp_avg_sq/{k}": v for k, v in packed.zeros_like(params).items()})
         return state
 
     @torch.no_grad()
     def apply(self, params: Params, grads: Mapping[str, Tensor], state: Params, step: int) -> Params:
-        """Update ``params`` in place with one Adam step; return the new moment state."""
+        """Update ``params`` in place with one Adam step; return the new moment state.
+
+        Packed parameters, gradients and moments (:mod:`flatbma.packed`) are updated as one tensor each.
+        """
         keys = list(grads)
-        w = [params[k] for k in keys]
-        g = [grads[k] for k in keys]
-        m = [state[f"exp_avg/{k}"] for k in keys]
-        v = [state[f"exp_avg_sq/{k}"] for k in keys]
+        w, g, m, v = packed.coalesce(
+            keys,
+            params,
+            grads,
+            [state[f"exp_avg/{k}"] for k in keys],
+            [state[f"exp_avg_sq/{k}"] for k in keys],
+        )
         b1, b2 = self.betas
         lr = self.learning_rate(step)
         torch._foreach_lerp_(m, g, 1 - b1)

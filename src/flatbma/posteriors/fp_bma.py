@@ -32,7 +32,6 @@ import torch
 from torch import Tensor
 
 from flatbma.errors import FlatbmaError
-from flatbma.optim.fp_bma import geometry
 from flatbma.params import Objective
 from flatbma.posteriors import gaussian_vi
 from flatbma.posteriors.gaussian_vi import check_sections, section
@@ -108,39 +107,6 @@ def kl_lowrank(theta_q: Mapping[str, Tensor], prior_theta: Mapping[str, Tensor])
     return (0.5 * (trace + mahalanobis - d + logdet_ratio)).to(out_dtype)
 
 
-@dataclass(frozen=True)
-class LowRankGaussianClosedFormKL(LowRankGaussian):
-    """:class:`~flatbma.posteriors.lowrank_vi.LowRankGaussian` with the KL gradient in closed form.
-
-    For ``p = N(0, s²I)`` and ``Σ = A + UUᵀ`` (``A = diag(σ²/2)``, ``U = L/√(2(K−1))``):
-    ``∇_μ KL = μ/s²``, ``∇_logσ KL = σ²/(2s²) − σ²⊙diag(Σ⁻¹)/2`` and
-    ``∇_L KL = (L/s² − Σ⁻¹L)/(2(K−1))`` (``L`` as ``d×K``), with ``diag Σ⁻¹`` and ``Σ⁻¹L`` from the
-    Woodbury quantities of :func:`flatbma.optim.fp_bma.geometry` — cheaper than differentiating
-    :func:`flatbma.posteriors.lowrank_vi.kl_divergence` through its per-parameter loop.
-    """
-
-    def kl_grad(self, theta: Mapping[str, Tensor]) -> Params:
-        """``∇_θ KL(q_θ ‖ N(0, s²I))`` by key of ``θ``."""
-        mean = section(theta, "mean")
-        dtype = next(iter(mean.values())).dtype
-        geo = geometry(theta, torch.float64)
-        s2 = self.prior_std**2
-        # σ²(Σ⁻¹)_ii/2 = 1 − wᵢ;  Σ⁻¹L/(2(K−1)) = c·C⁻¹ŨᵀA^{-1/2} (as rows of the [K, d] layout)
-        g_s = (geo.a / s2 - (1 - geo.w)).to(dtype)
-        g_l = (geo.pt * geo.cs).to(dtype)
-        out: Params = {}
-        offset = 0
-        for n, mu in mean.items():
-            size = mu.numel()
-            out[f"mean/{n}"] = mu / s2
-            out[f"log_std/{n}"] = g_s[offset : offset + size].reshape(mu.shape)
-            out[f"factor/{n}"] = theta[f"factor/{n}"] * (geo.c**2 / s2) - g_l[:, offset : offset + size].reshape(
-                -1, *mu.shape
-            )
-            offset += size
-        return out
-
-
 @dataclass(frozen=True, eq=False)
 class LowRankGaussianWithPrior(LowRankGaussian):
     """:class:`~flatbma.posteriors.lowrank_vi.LowRankGaussian` whose prior is a low-rank Gaussian.
@@ -172,6 +138,10 @@ class LowRankGaussianWithPrior(LowRankGaussian):
     def kl(self, theta: Mapping[str, Tensor]) -> Tensor:
         """:func:`kl_lowrank` to the prior."""
         return kl_lowrank(theta, self.prior)
+
+    def kl_grad(self, theta: Mapping[str, Tensor]) -> Params:
+        """``∇_θ KL(q_θ ‖ p)`` by autograd through :func:`kl_lowrank` (the base's closed form is for ``N(0, s²I)``)."""
+        return gaussian_vi.autograd_gradient(self.kl, theta)
 
 
 def _posterior(
@@ -237,7 +207,7 @@ def build(
     gaussian_vi.check_options(
         num_mc_samples=num_mc_samples, init_std=init_std, prior_std=prior_std, kl_weight=kl_weight
     )
-    family = LowRankGaussianClosedFormKL(rank=rank, init_std=float(init_std), prior_std=float(prior_std))
+    family = LowRankGaussian(rank=rank, init_std=float(init_std), prior_std=float(prior_std))
     return _posterior(objective, optimizer, ascent, family, num_mc_samples, kl_weight)
 
 

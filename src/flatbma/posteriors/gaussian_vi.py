@@ -33,9 +33,10 @@ from typing import Literal, NamedTuple, Protocol
 import torch
 from torch import Tensor
 
+from flatbma import packed
 from flatbma.errors import FlatbmaError
 from flatbma.optim.ascent import sharpness_aware_value_and_grad
-from flatbma.params import Objective, add, clone, dot
+from flatbma.params import Objective, add, clone, detached, dot, scale
 from flatbma.types import Ascent, Batch, GradientTransformation, Params, Posterior, State, StepOutput
 
 SEED_KEY = "rng/seed"
@@ -78,6 +79,11 @@ class ReparameterizedFamily(Protocol):
     def kl(self, theta: Mapping[str, Tensor]) -> Tensor:
         """``KL(q_θ ‖ p)`` in closed form, differentiable in ``θ``."""
         ...
+
+    # Optional, used when present:
+    #   pullback(θ, noise, g) -> (∂w/∂θ)ᵀg in closed form (else autograd through reparameterize);
+    #   kl_grad(θ) -> ∇_θ KL in closed form (else autograd through kl);
+    #   layout(θ) -> flatbma.packed.Layout: θ and its optimizer state are kept packed in it.
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -125,12 +131,27 @@ def check_sections(theta: Mapping[str, Tensor], prefixes: Sequence[str], method:
 
 
 def standard_normal_like(like: Mapping[str, Tensor], generator: torch.Generator | None) -> Params:
-    """``N(0, I)`` tensors shaped like ``like``, drawn on the generator's device and moved to ``like``'s."""
-    out = {}
-    for k, v in like.items():
-        device = generator.device if generator is not None else v.device
-        out[k] = torch.randn(v.shape, generator=generator, device=device, dtype=v.dtype).to(v.device)
-    return out
+    """``N(0, I)`` tensors shaped like ``like``, drawn on the generator's device and moved to ``like``'s.
+
+    Drawn in key order into the views of one contiguous buffer (:mod:`flatbma.packed`; the same numbers
+    as one ``torch.randn`` per tensor), so that a flat consumer needs no concatenation.
+    """
+    values = list(like.values())
+    ref = values[0]
+    if any(v.dtype != ref.dtype or v.device != ref.device for v in values):
+        out = {}
+        for k, v in like.items():
+            device = generator.device if generator is not None else v.device
+            out[k] = torch.randn(v.shape, generator=generator, device=device, dtype=v.dtype).to(v.device)
+        return out
+    layout = packed.Layout.contiguous(like)
+    device = generator.device if generator is not None else ref.device
+    views = layout.views(torch.empty(layout.numel, dtype=ref.dtype, device=device))
+    for v in views.values():
+        v.normal_(generator=generator)
+    if device != ref.device:
+        views = layout.views(packed.flat_of(views).to(ref.device))
+    return views
 
 
 def new_seed() -> Tensor:
@@ -199,7 +220,7 @@ def elbo_value_and_grad(
     """
     if not noises:
         raise ValueError("elbo_value_and_grad needs at least one noise sample")
-    theta = {k: v.detach() for k, v in theta.items()}
+    theta = detached(theta)
     m = len(noises)
     total: Params = {}
     losses, first_logits = [], None
@@ -209,14 +230,13 @@ def elbo_value_and_grad(
         bufs = buffers if i == 0 else clone(buffers)
         loss, logits, g = sharpness_aware_value_and_grad(objective, w, bufs, batch, ascent)
         pulled = _pullback(family, theta, noise, g)
-        total = {k: total[k] + pulled[k] for k in total} if total else pulled
+        total = add(total, pulled) if total else pulled
         losses.append(loss)
         if first_logits is None:
             first_logits = logits
-    out = {k: v / m for k, v in total.items()} if m > 1 else total
+    out = scale(total, 1 / m) if m > 1 else total
     if kl_weight:
-        kl = kl_grad(family, theta)
-        out = {k: v + (kl_weight / objective.num_data) * kl[k] for k, v in out.items()}
+        out = add(out, kl_grad(family, theta), kl_weight / objective.num_data)
     return torch.stack(losses).mean(), first_logits, out
 
 
@@ -229,10 +249,10 @@ def _pullback(family: ReparameterizedFamily, theta: Params, noise: GaussianNoise
     closed_form = getattr(family, "pullback", None)
     if closed_form is not None and (noise.z2 is None or noise.z2.dim() == 1):
         return closed_form(theta, noise, g)
-    return _autograd(lambda leaves: dot(family.reparameterize(leaves, noise), g), theta)
+    return autograd_gradient(lambda leaves: dot(family.reparameterize(leaves, noise), g), theta)
 
 
-def _autograd(scalar: Callable[[Params], Tensor], theta: Mapping[str, Tensor]) -> Params:
+def autograd_gradient(scalar: Callable[[Params], Tensor], theta: Mapping[str, Tensor]) -> Params:
     """``∇_θ scalar(θ)`` by key of ``θ`` (zeros for keys it does not depend on)."""
     leaves = {k: v.detach().requires_grad_(True) for k, v in theta.items()}
     grads = torch.autograd.grad(scalar(leaves), list(leaves.values()), allow_unused=True)
@@ -244,7 +264,7 @@ def kl_grad(family: ReparameterizedFamily, theta: Mapping[str, Tensor]) -> Param
     closed_form = getattr(family, "kl_grad", None)
     if closed_form is not None:
         return closed_form(theta)
-    return _autograd(family.kl, theta)
+    return autograd_gradient(family.kl, theta)
 
 
 def theta_sharpness_value_and_grad(
@@ -282,13 +302,24 @@ def theta_sharpness_value_and_grad(
         perturbed = add(theta, delta)
     _, _, grads = elbo_value_and_grad(objective, family, perturbed, clone(buffers), batch, noises, kl_weight=0.0)
     if kl_weight:
-        kl = kl_grad(family, theta)
-        grads = {k: g + (kl_weight / objective.num_data) * kl[k] for k, g in grads.items()}
+        grads = add(grads, kl_grad(family, theta), kl_weight / objective.num_data)
     return loss, logits, grads
 
 
 # ---------------------------------------------------------------------------------------------------
 # the posterior
+
+
+def _repacked(family: ReparameterizedFamily, state: State) -> State:
+    """``state`` with ``θ`` and its optimizer state packed in ``family.layout`` (:mod:`flatbma.packed`).
+
+    A state from :func:`build`'s ``init`` is packed already; one loaded from a checkpoint or moved to
+    another device is packed again here, once (same values: packing only changes the storage).
+    """
+    if not hasattr(family, "layout") or packed.layout_of(state.params) is not None:
+        return state
+    params, aux = packed.pack_with_mirrors(state.params, state.aux, family.layout(state.params))
+    return replace(state, params=params, aux=aux)
 
 
 def check_options(*, num_mc_samples: int, init_std: float, prior_std: float, kl_weight: float) -> None:
@@ -344,10 +375,13 @@ def build(
             family.check_theta(theta)
         else:
             theta = family.init_theta(clone(params), seeded_generator(seed, -1, _device(params)))
+        if hasattr(family, "layout"):
+            theta = packed.pack(theta, family.layout(theta))
         aux = {**optimizer.init(theta), SEED_KEY: seed.to(_device(theta))}
         return State(params=theta, buffers=clone(buffers), aux=aux)
 
     def update(state: State, batch: Batch) -> tuple[State, StepOutput]:
+        state = _repacked(family, state)
         generator = seeded_generator(state.aux[SEED_KEY], state.step, _device(state.params))
         noises = [family.noise(state.params, generator) for _ in range(num_mc_samples)]
         loss, logits, grads = value_and_grad(

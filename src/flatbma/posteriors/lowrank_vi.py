@@ -22,11 +22,14 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
+from flatbma import packed
 from flatbma.errors import FlatbmaError
+from flatbma.packed import Layout
 from flatbma.params import Objective, flatten
 from flatbma.posteriors import gaussian_vi
 from flatbma.posteriors.gaussian_vi import GaussianNoise, check_sections, section, standard_normal_like
@@ -42,6 +45,100 @@ def rank_of(theta: Mapping[str, Tensor]) -> int:
     return next(iter(section(theta, "factor").values())).shape[0]
 
 
+def theta_layout(theta: Mapping[str, Tensor]) -> Layout:
+    """The packed layout of ``θ`` (:mod:`flatbma.packed`): one ``[K+2, d]`` matrix.
+
+    Row 0 holds ``μ``, row 1 ``log σ`` and rows ``2..K+1`` the factor ``L`` (row ``k+2`` = column ``k`` of
+    ``L``); parameter ``<name>`` owns the same columns in every row, in sorted name order. So
+    ``[log σ; L]`` is the contiguous ``[K+1, d]`` block the Fisher algebra works on and ``L`` the
+    ``[K, d]`` matrix the sampler multiplies, without any copy.
+    """
+    mean = section(theta, "mean")
+    k = rank_of(theta)
+    d = sum(v.numel() for v in mean.values())
+    keys, shapes, strides, offsets = [], [], [], []
+    for row, prefix in enumerate(("mean", "log_std")):
+        offset = row * d
+        for n, v in mean.items():
+            keys.append(f"{prefix}/{n}")
+            shapes.append(v.shape)
+            strides.append(packed.contiguous_strides(v.shape))
+            offsets.append(offset)
+            offset += v.numel()
+    offset = 2 * d
+    for n, v in mean.items():
+        keys.append(f"factor/{n}")
+        shapes.append(torch.Size((k, *v.shape)))
+        strides.append((d, *packed.contiguous_strides(v.shape)))
+        offsets.append(offset)
+        offset += v.numel()
+    return Layout(tuple(keys), tuple(shapes), tuple(strides), tuple(offsets), (k + 2, d), kind=_KIND)
+
+
+_KIND = "lowrank"
+
+
+def packed_rows(theta: Mapping[str, Tensor]) -> Tensor | None:
+    """The ``[K+2, d]`` buffer of a ``θ`` packed in :func:`theta_layout`, else ``None``."""
+    layout = packed.layout_of(theta)
+    return packed.flat_of(theta) if layout is not None and layout.kind == _KIND else None
+
+
+def rows(theta: Mapping[str, Tensor]) -> Tensor:
+    """``θ`` (or a gradient with its keys) as its ``[K+2, d]`` matrix ``[μ; log σ; L]`` (:func:`theta_layout`).
+
+    The packed buffer itself (no copy) when ``theta`` is packed, else a new matrix.
+    """
+    matrix = packed_rows(theta)
+    if matrix is not None:
+        return matrix
+    mean, log_std, factor = section(theta, "mean"), section(theta, "log_std"), section(theta, "factor")
+    k = rank_of(theta)
+    return torch.cat(
+        [
+            torch.cat([v.reshape(1, -1) for v in mean.values()], dim=1),
+            torch.cat([v.reshape(1, -1) for v in log_std.values()], dim=1),
+            torch.cat([v.reshape(k, -1) for v in factor.values()], dim=1),
+        ]
+    )
+
+
+def blocks(theta: Mapping[str, Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+    """``(μ [d], log σ [d], L [K, d])`` in sorted name order: the rows of :func:`rows`."""
+    matrix = rows(theta)
+    return matrix[0], matrix[1], matrix[2:]
+
+
+def from_rows(matrix: Tensor, like: Mapping[str, Tensor]) -> Mapping[str, Tensor]:
+    """The ``θ``-keyed mapping (e.g. a gradient) of a ``[K+2, d]`` matrix, packed (:func:`theta_layout` of ``like``).
+
+    ``matrix`` should be a freshly computed tensor: it becomes the buffer of the returned
+    :class:`~flatbma.packed.Packed` mapping.
+    """
+    layout = packed.layout_of(like)
+    if layout is None or layout.kind != _KIND:
+        layout = theta_layout(like)
+    return layout.lazy(matrix)
+
+
+def _names_and_shapes(theta: Mapping[str, Tensor]) -> tuple[list[str], list[torch.Size]]:
+    """The parameter names (sorted) and shapes of ``θ``, from its layout when packed (no views made)."""
+    layout = packed.layout_of(theta)
+    if layout is not None and layout.kind == _KIND:
+        count = len(layout.keys) // 3
+        return [k[len("mean/") :] for k in layout.keys[:count]], list(layout.shapes[:count])
+    mean = section(theta, "mean")
+    return list(mean), [v.shape for v in mean.values()]
+
+
+def _flat_noise(z1: Mapping[str, Tensor], names: list[str], batch: torch.Size) -> Tensor:
+    """``z₁`` as ``[*batch, d]`` in ``names`` order: its buffer when packed that way, else concatenated."""
+    flat = packed.flat_of(z1, names) if not batch else None
+    if flat is not None:
+        return flat.view(-1)
+    return torch.cat([z1[n].reshape(*batch, -1) for n in names], dim=-1)
+
+
 def sample_weights(theta: Mapping[str, Tensor], z1: Mapping[str, Tensor], z2: Tensor) -> Params:
     """``w = μ + (1/√2)(σ ⊙ z₁ + L z₂ / √(K−1))`` by parameter name, differentiable in ``θ``.
 
@@ -50,20 +147,17 @@ def sample_weights(theta: Mapping[str, Tensor], z1: Mapping[str, Tensor], z2: Te
         z1: ``N(0, I)`` noise shaped like the weights, by name; may carry leading sample dimensions.
         z2: ``N(0, I_K)`` noise of shape ``[K]``, or ``[*batch, K]`` matching ``z1``'s leading dimensions.
     """
-    mean, log_std, factor = section(theta, "mean"), section(theta, "log_std"), section(theta, "factor")
-    names = list(mean)
+    names, shapes = _names_and_shapes(theta)
     k = z2.shape[-1]
     c = 1.0 / math.sqrt(2.0 * (k - 1))
     batch = z2.shape[:-1]
     # One flat [K, d] pass instead of one small product per tensor: a few large kernels (and as many in
     # the backward pass) for the ~100 BatchNorm and classifier tensors of a transfer subset.
-    mu = torch.cat([mean[n].reshape(-1) for n in names])
-    std = torch.exp(torch.cat([log_std[n].reshape(-1) for n in names]))
-    noise = torch.cat([z1[n].reshape(*batch, -1) for n in names], dim=-1)
-    low = z2 @ torch.cat([factor[n].reshape(k, -1) for n in names], dim=1)
-    flat = mu + math.sqrt(0.5) * std * noise + c * low
-    pieces = flat.split([mean[n].numel() for n in names], dim=-1)
-    return {n: piece.reshape(*batch, *mean[n].shape) for n, piece in zip(names, pieces, strict=True)}
+    mu, log_std, factor = blocks(theta)
+    noise = _flat_noise(z1, names, batch)
+    flat = mu + math.sqrt(0.5) * torch.exp(log_std) * noise + c * (z2 @ factor)
+    pieces = flat.split([shape.numel() for shape in shapes], dim=-1)
+    return {n: piece.view(*batch, *shape) for n, piece, shape in zip(names, pieces, shapes, strict=True)}
 
 
 reparameterize = sample_weights
@@ -72,6 +166,80 @@ reparameterize = sample_weights
 def theta_of(state: State) -> Params:
     """The Gaussian ``q_θ`` of a low-rank VI (or FP-BMA) state: its ``θ`` (:attr:`Posterior.gaussian`)."""
     return {k: v.detach().clone() for k, v in state.params.items()}
+
+
+# ---------------------------------------------------------------------------------------------------
+# the covariance in whitened form (Woodbury), shared by the closed-form KL gradient and FP-BMA's Fisher
+
+
+class LowRankGeometry(NamedTuple):
+    """``Σ = A + UᵀU`` (``U`` stored ``[K, d]``) and the Woodbury quantities of its Fisher.
+
+    Attributes:
+        a: ``diag A = σ²/2``, shape ``[d]``.
+        u: ``U = L/√(2(K−1))``, shape ``[K, d]``.
+        c: ``1/√(2(K−1))``.
+        cs: ``c A^{-1/2}``, shape ``[d]`` (maps ``V`` to the whitened ``Ṽ = cVA^{-1/2}``).
+        ut: whitened factor ``Ũᵀ = U A^{-1/2}``, shape ``[K, d]``.
+        cap: the capacitance ``C = I + ŨᵀŨ``.
+        c_inv: ``C⁻¹``.
+        pt: ``C⁻¹Ũᵀ`` (``= ŨᵀT`` with ``T = I − ŨC⁻¹Ũᵀ = A^{1/2}Σ⁻¹A^{1/2}``), shape ``[K, d]``.
+        e: ``I − C⁻¹ = ŨᵀTŨ``.
+        w: ``diag(ŨC⁻¹Ũᵀ) = 1 − diag T``, shape ``[d]``.
+    """
+
+    a: Tensor
+    u: Tensor
+    c: float
+    cs: Tensor
+    ut: Tensor
+    cap: Tensor
+    c_inv: Tensor
+    pt: Tensor
+    e: Tensor
+    w: Tensor
+
+
+_GEOMETRY_CACHE: list[tuple[tuple, list[Tensor], LowRankGeometry]] = []
+"""The last :func:`geometry` (one entry): an FP-BMA step needs it at the same ``θ`` twice, for the
+ascent's Fisher solve and for the closed-form KL gradient."""
+
+
+def geometry(theta: Mapping[str, Tensor], dtype: torch.dtype | None = None) -> LowRankGeometry:
+    """The Woodbury quantities of ``q_θ``'s covariance, computed in ``dtype`` (default: ``θ``'s).
+
+    The last result is reused when called again on the same storages at the same versions (an in-place
+    update bumps a tensor's version; the cached entry holds references, so a storage address cannot be
+    reused while it is cached). Inputs that require gradients bypass the cache.
+    """
+    matrix = packed_rows(theta)
+    tensors = (
+        [matrix] if matrix is not None else [*section(theta, "log_std").values(), *section(theta, "factor").values()]
+    )
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return _geometry(*blocks(theta)[1:], dtype)
+    key = (dtype, tuple((t.data_ptr(), t._version, t.shape, t.dtype, t.device) for t in tensors))
+    if _GEOMETRY_CACHE and _GEOMETRY_CACHE[0][0] == key:
+        return _GEOMETRY_CACHE[0][2]
+    result = _geometry(*blocks(theta)[1:], dtype)
+    _GEOMETRY_CACHE[:] = [(key, tensors, result)]
+    return result
+
+
+def _geometry(log_std: Tensor, factor: Tensor, dtype: torch.dtype | None) -> LowRankGeometry:
+    """:class:`LowRankGeometry` of ``log σ`` (``[d]``) and ``L`` (``[K, d]``)."""
+    k = factor.shape[0]
+    c = 1.0 / math.sqrt(2.0 * (k - 1))
+    s = log_std.to(dtype)
+    a = 0.5 * torch.exp(2 * s)
+    inv_sqrt_a = math.sqrt(2.0) * torch.exp(-s)
+    u = c * factor.to(s.dtype)
+    ut = u * inv_sqrt_a
+    eye = torch.eye(k, dtype=u.dtype, device=u.device)
+    cap = eye + ut @ ut.T
+    c_inv = torch.cholesky_inverse(torch.linalg.cholesky(cap))
+    pt = c_inv @ ut
+    return LowRankGeometry(a, u, c, c * inv_sqrt_a, ut, cap, c_inv, pt, eye - c_inv, (ut * pt).sum(0))
 
 
 def _diag_and_factor_blocks(theta: Mapping[str, Tensor]) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
@@ -252,23 +420,42 @@ class LowRankGaussian:
         """``(∂w/∂θ)ᵀ g`` for ``w = sample_weights(θ, z₁, z₂)``, in closed form (no autograd graph).
 
         ``w`` is linear in ``μ``, ``σ`` and ``L``: ``∂/∂μ = g``, ``∂/∂log σ = g ⊙ σ ⊙ z₁/√2`` and
-        ``∂/∂L_k = c·z₂ₖ·g`` with ``c = 1/√(2(K−1))`` — one flat pass over all tensors.
+        ``∂/∂L_k = c·z₂ₖ·g`` with ``c = 1/√(2(K−1))`` — one flat pass over all tensors, returned packed
+        like ``θ`` (:func:`theta_layout`).
         """
-        mean, log_std = section(theta, "mean"), section(theta, "log_std")
-        names = list(mean)
+        names, _ = _names_and_shapes(theta)
         k = noise.z2.shape[-1]
         c = 1.0 / math.sqrt(2.0 * (k - 1))
+        _, log_std, _ = blocks(theta)
         g = torch.cat([grads[n].reshape(-1) for n in names])
-        std = torch.exp(torch.cat([log_std[n].reshape(-1) for n in names]))
-        z1 = torch.cat([noise.z1[n].reshape(-1) for n in names])
-        g_log_std = (math.sqrt(0.5) * std * z1 * g).split([mean[n].numel() for n in names])
-        g_factor = (c * noise.z2[:, None] * g[None, :]).split([mean[n].numel() for n in names], dim=1)
-        out: Params = {}
-        for i, n in enumerate(names):
-            out[f"mean/{n}"] = grads[n]
-            out[f"log_std/{n}"] = g_log_std[i].view(mean[n].shape)
-            out[f"factor/{n}"] = g_factor[i].reshape(k, *mean[n].shape)
-        return out
+        z1 = _flat_noise(noise.z1, names, torch.Size())
+        out = torch.empty((k + 2, g.numel()), dtype=g.dtype, device=g.device)
+        out[0] = g
+        torch.mul(math.sqrt(0.5) * torch.exp(log_std) * z1, g, out=out[1])
+        torch.outer(c * noise.z2.to(g.dtype), g, out=out[2:])
+        return from_rows(out, theta)
+
+    def layout(self, theta: Mapping[str, Tensor]) -> Layout:
+        """:func:`theta_layout`: how a state's ``θ`` (and its optimizer moments) are packed."""
+        return theta_layout(theta)
+
+    def kl_grad(self, theta: Mapping[str, Tensor]) -> Mapping[str, Tensor]:
+        """``∇_θ KL(q_θ ‖ N(0, s²I))`` in closed form, packed like ``θ`` (:func:`theta_layout`).
+
+        For ``Σ = A + UUᵀ`` (``A = diag(σ²/2)``, ``U = L/√(2(K−1))``): ``∇_μ KL = μ/s²``,
+        ``∇_logσ KL = σ²/(2s²) − σ²⊙diag(Σ⁻¹)/2`` and ``∇_L KL = (L/s² − Σ⁻¹L)/(2(K−1))`` (``L`` as
+        ``d×K``), with ``diag Σ⁻¹`` and ``Σ⁻¹L`` from the Woodbury quantities of :func:`geometry` —
+        a few flat operations instead of differentiating :func:`kl_divergence` through its per-parameter loop.
+        """
+        mu, _, factor = blocks(theta)
+        geo = geometry(theta, torch.float64)
+        s2 = self.prior_std**2
+        out = torch.empty((factor.shape[0] + 2, mu.numel()), dtype=mu.dtype, device=mu.device)
+        torch.div(mu, s2, out=out[0])
+        # σ²(Σ⁻¹)_ii/2 = 1 − wᵢ;  Σ⁻¹L/(2(K−1)) = c·C⁻¹ŨᵀA^{-1/2} (as rows of the [K, d] layout)
+        out[1] = geo.a / s2 - (1 - geo.w)
+        torch.sub(factor * (geo.c**2 / s2), (geo.pt * geo.cs).to(mu.dtype), out=out[2:])
+        return from_rows(out, theta)
 
     def kl(self, theta: Mapping[str, Tensor]) -> Tensor:
         """:func:`kl_divergence` with ``s = prior_std``."""

@@ -1,0 +1,236 @@
+"""Tensor dicts stored as views of one flat buffer, so per-step updates run as a few large kernels.
+
+A variational posterior over a transfer subset holds hundreds of small tensors (three per BatchNorm
+and classifier parameter for low-rank VI: ``mean/``, ``log_std/``, ``factor/``). Updating them one by
+one costs a fixed ~10–20 µs of dispatch per tensor and operation, which on CPU adds up to tens of
+milliseconds per step — more than the arithmetic. :func:`pack` lays such a dict out in one flat
+buffer described by a :class:`Layout` and returns views of it under the same keys; code that knows
+the layout (:func:`flat_of`) works on the buffer directly, everything else sees an ordinary
+``dict[str, Tensor]`` and works unchanged (the views behave like any tensor; in-place updates of a
+view show in the buffer and vice versa).
+
+Two forms:
+
+* a plain ``dict`` of views (:meth:`Layout.views`) — what a posterior keeps in its state. It is
+  recognized by identity: its keys are the layout's, in its order, and every value is a view of the
+  buffer the layout is attached to (``tensor._base``). Values replaced by other tensors, a reordered or
+  partial dict, copies and checkpoint round trips all fall back to the per-tensor path, which
+  computes the same numbers;
+* a :class:`Packed` mapping (:meth:`Layout.lazy`) — what intermediate results (gradients, steps) are
+  returned as: a read-only ``Mapping`` that creates its views only if some code asks for a tensor by
+  key, so a chain of flat operations never pays for ~300 view objects.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from flatbma.types import Params
+
+_ATTRIBUTE = "_flatbma_layout"
+"""Python attribute of a flat buffer holding its :class:`Layout`."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where every tensor of a dict lies in one flat buffer of ``numel`` elements.
+
+    Attributes:
+        keys: the dict's keys, in order.
+        shapes: the shape of each tensor.
+        strides: the strides of each view into the buffer (not necessarily contiguous).
+        offsets: the element offset of each view in the buffer.
+        shape: the natural shape of the whole buffer (e.g. ``[K+2, d]`` for low-rank VI's ``θ``); its
+            product is ``numel``.
+        kind: who laid it out (``"contiguous"`` or a family's name), so that code relying on a
+            particular arrangement of the buffer can tell.
+    """
+
+    keys: tuple[str, ...]
+    shapes: tuple[torch.Size, ...]
+    strides: tuple[tuple[int, ...], ...]
+    offsets: tuple[int, ...]
+    shape: tuple[int, ...]
+    kind: str = "contiguous"
+
+    @property
+    def numel(self) -> int:
+        """Number of elements of the buffer."""
+        return math.prod(self.shape)
+
+    @staticmethod
+    def contiguous(tensors: Mapping[str, Tensor]) -> Layout:
+        """Every tensor contiguous, one after the other in key order."""
+        keys, shapes, strides, offsets, offset = [], [], [], [], 0
+        for k, v in tensors.items():
+            keys.append(k)
+            shapes.append(v.shape)
+            strides.append(contiguous_strides(v.shape))
+            offsets.append(offset)
+            offset += v.numel()
+        return Layout(tuple(keys), tuple(shapes), tuple(strides), tuple(offsets), (offset,))
+
+    def views(self, flat: Tensor) -> Params:
+        """The dict of views of ``flat`` (``numel`` elements, any shape), registering the layout on it.
+
+        ``flat`` must own its contiguous storage (not be a view itself) so that the views' ``_base``
+        is ``flat``; anything else is copied first.
+        """
+        flat = _root(flat, self)
+        setattr(flat, _ATTRIBUTE, self)
+        return {
+            k: flat.as_strided(shape, stride, offset)
+            for k, shape, stride, offset in zip(self.keys, self.shapes, self.strides, self.offsets, strict=True)
+        }
+
+    def lazy(self, flat: Tensor) -> Packed:
+        """``flat`` (``numel`` elements) as a :class:`Packed` mapping; views are made only when needed."""
+        return Packed(_root(flat, self), self)
+
+
+def _root(flat: Tensor, layout: Layout) -> Tensor:
+    """``flat`` if it owns its contiguous storage (so views of it have ``_base is flat``), else a copy."""
+    if flat.numel() != layout.numel:
+        raise ValueError(f"a buffer of {flat.numel()} elements does not hold a layout of {layout.numel}")
+    if flat._base is not None or flat.storage_offset() != 0 or not flat.is_contiguous():
+        flat = flat.clone(memory_format=torch.contiguous_format)
+    return flat
+
+
+class Packed(Mapping[str, Tensor]):
+    """A read-only mapping ``key -> tensor`` backed by one buffer laid out by ``layout``.
+
+    Looking a key up creates all the views once (:meth:`Layout.views`); code that knows the layout uses
+    :func:`flat_of` and never does. ``dict(packed)`` is an ordinary packed dict of views.
+    """
+
+    __slots__ = ("_views", "flat", "layout")
+
+    def __init__(self, flat: Tensor, layout: Layout) -> None:
+        self.flat = flat
+        self.layout = layout
+        self._views: Params | None = None
+
+    def _materialized(self) -> Params:
+        if self._views is None:
+            self._views = self.layout.views(self.flat)
+        return self._views
+
+    def __getitem__(self, key: str) -> Tensor:
+        return self._materialized()[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.layout.keys)
+
+    def __len__(self) -> int:
+        return len(self.layout.keys)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.layout.keys
+
+    def __repr__(self) -> str:
+        return f"Packed({len(self)} tensors in {tuple(self.layout.shape)}, {self.flat.dtype})"
+
+
+def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    """The strides of a contiguous (row-major) tensor of ``shape``."""
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+def pack(tensors: Mapping[str, Tensor], layout: Layout | None = None) -> Params:
+    """Copies of ``tensors`` as views of one new buffer laid out by ``layout`` (default: contiguous).
+
+    The tensors must share one dtype and device and match the layout's keys and shapes; the result
+    has the layout's key order.
+    """
+    layout = Layout.contiguous(tensors) if layout is None else layout
+    ref = tensors[layout.keys[0]]
+    if set(tensors) != set(layout.keys):
+        raise ValueError(f"pack: the keys {sorted(tensors)[:4]}... are not the layout's {list(layout.keys)[:4]}...")
+    flat = torch.empty(layout.numel, dtype=ref.dtype, device=ref.device)
+    out = layout.views(flat)
+    with torch.no_grad():
+        for k, v in out.items():
+            v.copy_(tensors[k])
+    return out
+
+
+def layout_of(tensors: Mapping[str, Tensor] | Sequence[Tensor], keys: Sequence[str] | None = None) -> Layout | None:
+    """The layout of a packed mapping (or of a list of its values with their ``keys``), else ``None``."""
+    if isinstance(tensors, Packed):
+        return tensors.layout if keys is None or tuple(keys) == tensors.layout.keys else None
+    if isinstance(tensors, Mapping):
+        if keys is not None and tuple(keys) != tuple(tensors):
+            return None
+        keys, values = tuple(tensors), list(tensors.values())
+    else:
+        values = list(tensors)
+    if not values:
+        return None
+    base = values[0]._base
+    layout = getattr(base, _ATTRIBUTE, None) if base is not None else None
+    if layout is None or tuple(keys) != layout.keys or any(v._base is not base for v in values):
+        return None
+    return layout
+
+
+def flat_of(tensors: Mapping[str, Tensor] | Sequence[Tensor], keys: Sequence[str] | None = None) -> Tensor | None:
+    """The buffer (in its layout's ``shape``) that a packed mapping's values are views of, else ``None``."""
+    layout = layout_of(tensors, keys)
+    if layout is None:
+        return None
+    if isinstance(tensors, Packed):
+        return tensors.flat.view(layout.shape)
+    values = tensors.values() if isinstance(tensors, Mapping) else tensors
+    return next(iter(values))._base.view(layout.shape)
+
+
+def coalesce(keys: Sequence[str], *sources: Mapping[str, Tensor] | Sequence[Tensor]) -> tuple[list[Tensor], ...]:
+    """One flat tensor per source when all are packed alike, else each source's tensors in ``keys`` order.
+
+    A source is a mapping with the keys ``keys`` or the list of its values in that order. Returns
+    ``([flat₁], [flat₂], ...)`` when all are packed in one common layout (for ``keys``, in order): a
+    ``torch._foreach_*`` update then runs on one tensor per source instead of one per key, with the
+    same result.
+    """
+    layouts = [layout_of(source, keys) for source in sources]
+    if layouts[0] is not None and all(layout == layouts[0] for layout in layouts[1:]):
+        return tuple([flat_of(source, keys).view(-1)] for source in sources)
+    return tuple([source[k] for k in keys] if isinstance(source, Mapping) else list(source) for source in sources)
+
+
+def zeros_like(tensors: Mapping[str, Tensor]) -> Params:
+    """Zeros shaped like ``tensors``, packed in the same layout when ``tensors`` is packed."""
+    layout = layout_of(tensors)
+    if layout is None:
+        return {k: torch.zeros_like(v) for k, v in tensors.items()}
+    return layout.views(torch.zeros(layout.shape, dtype=flat_of(tensors).dtype, device=flat_of(tensors).device))
+
+
+def pack_with_mirrors(params: Mapping[str, Tensor], aux: Mapping[str, Tensor], layout: Layout) -> tuple[Params, Params]:
+    """Pack ``params`` and every group of ``aux`` entries ``"<prefix>/<key>"`` that covers all its keys.
+
+    The optimizer state of packed parameters (e.g. Adam's ``exp_avg/<key>``) is then packed alike, so
+    a state that lost its packing (loaded from a checkpoint, moved between devices) gets it back.
+    Other ``aux`` entries are kept as they are, in their order.
+    """
+    packed = pack(params, layout)
+    groups: dict[str, dict[str, Tensor]] = {}
+    for key, value in aux.items():
+        prefix, _, rest = key.partition("/")
+        if rest in packed and value.shape == packed[rest].shape:
+            groups.setdefault(prefix, {})[rest] = value
+    new_aux = dict(aux)
+    for prefix, group in groups.items():
+        if len(group) == len(packed) and len({(v.dtype, v.device) for v in group.values()}) == 1:
+            new_aux.update({f"{prefix}/{k}": v for k, v in pack(group, layout).items()})
+    return packed, new_aux
