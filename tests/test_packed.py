@@ -179,3 +179,24 @@ def test_fp_bma_state_is_packed_and_a_loaded_state_is_packed_again_with_the_same
     assert packed.layout_of([loaded.aux[f"exp_avg_sq/{k}"] for k in keys], keys) is not None
     assert all(torch.equal(state.params[k], loaded.params[k]) for k in keys)
     assert all(torch.equal(state.aux[k], loaded.aux[k]) for k in state.aux)
+
+
+def test_noise_of_packed_and_unpacked_theta_is_the_same_draw():
+    theta = _theta(5)
+    family = lowrank_vi.LowRankGaussian(rank=3, init_std=0.1, prior_std=1.0)
+    packed_theta = packed.pack(theta, lowrank_vi.theta_layout(theta))
+    a = family.noise(theta, torch.Generator().manual_seed(4))
+    b = family.noise(packed.as_packed(packed_theta), torch.Generator().manual_seed(4))
+    assert list(a.z1) == list(b.z1) == sorted(SHAPES)
+    assert all(torch.equal(a.z1[n], b.z1[n]) for n in SHAPES) and torch.equal(a.z2, b.z2)
+    wa, wb = family.reparameterize(theta, a), family.reparameterize(packed_theta, b)
+    assert all(torch.equal(wa[n], wb[n]) for n in SHAPES)
+
+
+def test_as_packed_wraps_a_packed_dict_without_copying():
+    p = packed.pack(_tensors())
+    view = packed.as_packed(p)
+    assert isinstance(view, packed.Packed) and view._views is not None
+    assert all(view[k] is p[k] for k in p) and packed.flat_of(view).data_ptr() == packed.flat_of(p).data_ptr()
+    plain = _tensors()
+    assert packed.as_packed(plain) is plain and packed.as_packed(view) is view

@@ -111,10 +111,10 @@ class Packed(Mapping[str, Tensor]):
 
     __slots__ = ("_views", "flat", "layout")
 
-    def __init__(self, flat: Tensor, layout: Layout) -> None:
+    def __init__(self, flat: Tensor, layout: Layout, views: Params | None = None) -> None:
         self.flat = flat
         self.layout = layout
-        self._views: Params | None = None
+        self._views = views
 
     def _materialized(self) -> Params:
         if self._views is None:
@@ -192,6 +192,19 @@ def flat_of(tensors: Mapping[str, Tensor] | Sequence[Tensor], keys: Sequence[str
         return tensors.flat.view(layout.shape)
     values = tensors.values() if isinstance(tensors, Mapping) else tensors
     return next(iter(values))._base.view(layout.shape)
+
+
+def as_packed(tensors: Mapping[str, Tensor]) -> Mapping[str, Tensor]:
+    """A packed dict as a :class:`Packed` mapping over the same tensors (anything else unchanged).
+
+    Checking a plain dict walks all its values; a :class:`Packed` mapping is recognized at once, so a
+    step that consults the layout many times converts its parameters once.
+    """
+    layout = layout_of(tensors)
+    if layout is None or isinstance(tensors, Packed):
+        return tensors
+    base = next(iter(tensors.values()))._base
+    return Packed(base, layout, dict(tensors))
 
 
 def coalesce(keys: Sequence[str], *sources: Mapping[str, Tensor] | Sequence[Tensor]) -> tuple[list[Tensor], ...]:

@@ -60,7 +60,7 @@ from flatbma.optim.fisher_sam import FisherSAM
 from flatbma.optim.sam import SAM
 from flatbma.params import detached, scale
 from flatbma.posteriors.gaussian_vi import check_sections
-from flatbma.posteriors.lowrank_vi import PREFIXES, LowRankGeometry, blocks, from_rows, geometry, rows
+from flatbma.posteriors.lowrank_vi import PREFIXES, LowRankGeometry, blocks, from_rows, geometry, packed_rows, rows
 from flatbma.types import Params
 
 Metric = Literal["fisher", "euclidean", "data-fisher"]
@@ -114,14 +114,18 @@ def project_rotations(factor: Tensor, g_l: Tensor) -> Tensor:
     the eigenbasis of ``G`` (pairs with ``λᵢ + λⱼ = 0``, i.e. columns of a rank-deficient ``L``, are left
     alone).
     """
+    return torch.addmm(g_l, _rotation(factor, g_l), factor, alpha=-1.0)
+
+
+def _rotation(factor: Tensor, g_l: Tensor) -> Tensor:
+    """The skew ``Ω`` of :func:`project_rotations` (``g_l − ΩL`` is the projected gradient)."""
     gram = factor @ factor.T
     lam, q = torch.linalg.eigh(gram)
     x = g_l @ factor.T
     rhs = q.T @ (x - x.T) @ q
     denom = lam[:, None] + lam[None, :]
     keep = denom > denom.abs().max() * torch.finfo(denom.dtype).eps * 8
-    omega = q @ torch.where(keep, rhs / torch.where(keep, denom, torch.ones_like(denom)), 0.0) @ q.T
-    return torch.addmm(g_l, omega, factor, alpha=-1.0)
+    return q @ torch.where(keep, rhs / torch.where(keep, denom, torch.ones_like(denom)), 0.0) @ q.T
 
 
 class _Preconditioner(NamedTuple):
@@ -198,15 +202,16 @@ def solve_covariance_fisher(geo: LowRankGeometry, g: Tensor, *, damping: float, 
     search direction would not be used), so ``cg_iters = 1`` costs one preconditioner application and
     one Fisher product.
     """
+    if cg_iters < 1:
+        raise ValueError(f"cg_iters must be >= 1, got {cg_iters}")
     precondition = _preconditioner(geo, damping)
     factor_damping = damping * geo.cs.square()  # λB on the factor rows (λ on the log σ row)
-    x = torch.zeros_like(g)
-    r = g.clone()
-    z = precondition(r)
-    p = z.clone()
+    r = g  # never updated in place: the caller's g is left alone
+    p = z = precondition(r)
     rz = torch.vdot(r.reshape(-1), z.reshape(-1))
     floor = rz * torch.finfo(g.dtype).eps ** 2
     zero = torch.zeros((), dtype=g.dtype, device=g.device)
+    x = None
     for i in range(cg_iters):
         f = covariance_fisher_product(geo, p)
         f[0].add_(p[0], alpha=damping)
@@ -214,10 +219,10 @@ def solve_covariance_fisher(geo: LowRankGeometry, g: Tensor, *, damping: float, 
         curvature = torch.vdot(p.reshape(-1), f.reshape(-1))
         active = (rz > floor) & (curvature > 0)
         alpha = torch.where(active, rz / torch.where(active, curvature, 1.0), zero)
-        x.addcmul_(p, alpha)
+        x = p * alpha if x is None else x.addcmul_(p, alpha)
         if i == cg_iters - 1:
             break
-        r.addcmul_(f, -alpha)
+        r = torch.addcmul(r, f, -alpha)
         z = precondition(r)
         rz_new = torch.vdot(r.reshape(-1), z.reshape(-1))
         beta = torch.where(active, rz_new / torch.where(active, rz, 1.0), zero)
@@ -251,19 +256,23 @@ def natural_gradient(
     Returns:
         ``(x by key of θ, gᵀx)``; ``x`` in ``θ``'s dtype.
     """
-    check_sections(theta, PREFIXES, "fp-bma")
-    out_dtype = rows(theta).dtype
+    matrix = packed_rows(theta)
+    if matrix is None:  # a packed θ has the layout by construction
+        check_sections(theta, PREFIXES, "fp-bma")
+    out_dtype = (matrix if matrix is not None else next(iter(theta.values()))).dtype
     # The products cancel terms of size ~‖Ũ‖² ≫ 1 (σ small next to L's columns): single precision loses
     # them entirely, so the O(dK²) algebra always runs in double precision.
     geo = geometry(theta, torch.float64)
     g = rows(grads).to(geo.a.dtype, copy=True)  # [g_μ; g_cov] with g_cov = [g_logσ; g_L]
     g_mu, g_cov = g[0], g[1:]
     x_mu = torch.addcmul((geo.u @ g_mu) @ geo.u, geo.a, g_mu)  # Σ g_μ
-    if project:
-        g_cov[1:] = project_rotations(geo.u, g_cov[1:])  # U = cL spans the same rotations
+    if project:  # in place; U = cL spans the same rotations as L
+        g_cov[1:].addmm_(_rotation(geo.u, g_cov[1:]), geo.u, alpha=-1.0)
     x_cov = solve_covariance_fisher(geo, g_cov, damping=damping, cg_iters=cg_iters)
     quad = torch.vdot(g_mu, x_mu) + torch.vdot(g_cov.reshape(-1), x_cov.reshape(-1))
-    return from_rows(torch.cat([x_mu[None], x_cov]).to(out_dtype), theta), quad
+    out = torch.empty(g.shape, dtype=out_dtype, device=g.device)
+    out[0], out[1:] = x_mu, x_cov
+    return from_rows(out, theta), quad
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -133,8 +133,8 @@ def check_sections(theta: Mapping[str, Tensor], prefixes: Sequence[str], method:
 def standard_normal_like(like: Mapping[str, Tensor], generator: torch.Generator | None) -> Params:
     """``N(0, I)`` tensors shaped like ``like``, drawn on the generator's device and moved to ``like``'s.
 
-    Drawn in key order into the views of one contiguous buffer (:mod:`flatbma.packed`; the same numbers
-    as one ``torch.randn`` per tensor), so that a flat consumer needs no concatenation.
+    Drawn in key order into the views of one contiguous buffer (:func:`standard_normal`), so that a flat
+    consumer needs no concatenation; tensors of mixed dtypes or devices are drawn one by one.
     """
     values = list(like.values())
     ref = values[0]
@@ -144,13 +144,23 @@ def standard_normal_like(like: Mapping[str, Tensor], generator: torch.Generator 
             device = generator.device if generator is not None else v.device
             out[k] = torch.randn(v.shape, generator=generator, device=device, dtype=v.dtype).to(v.device)
         return out
-    layout = packed.Layout.contiguous(like)
-    device = generator.device if generator is not None else ref.device
-    views = layout.views(torch.empty(layout.numel, dtype=ref.dtype, device=device))
+    return standard_normal(packed.Layout.contiguous(like), ref.dtype, ref.device, generator)
+
+
+def standard_normal(
+    layout: packed.Layout, dtype: torch.dtype, device: torch.device, generator: torch.Generator | None
+) -> Params:
+    """``N(0, I)`` tensors for every key of ``layout``, as views of one buffer on ``device``.
+
+    Drawn key after key on the generator's device (the same numbers as one ``torch.randn`` per tensor
+    in that order) and moved to ``device`` in one copy.
+    """
+    source = generator.device if generator is not None else device
+    views = layout.views(torch.empty(layout.numel, dtype=dtype, device=source))
     for v in views.values():
         v.normal_(generator=generator)
-    if device != ref.device:
-        views = layout.views(packed.flat_of(views).to(ref.device))
+    if source != device:
+        views = layout.views(packed.flat_of(views).to(device))
     return views
 
 
@@ -383,9 +393,10 @@ def build(
     def update(state: State, batch: Batch) -> tuple[State, StepOutput]:
         state = _repacked(family, state)
         generator = seeded_generator(state.aux[SEED_KEY], state.step, _device(state.params))
-        noises = [family.noise(state.params, generator) for _ in range(num_mc_samples)]
+        theta = packed.as_packed(state.params)  # one layout check for the whole step
+        noises = [family.noise(theta, generator) for _ in range(num_mc_samples)]
         loss, logits, grads = value_and_grad(
-            objective, family, state.params, state.buffers, batch, noises, ascent=ascent, kl_weight=kl_weight
+            objective, family, theta, state.buffers, batch, noises, ascent=ascent, kl_weight=kl_weight
         )
         aux = optimizer.apply(state.params, grads, state.aux, state.step)
         aux = {**aux, SEED_KEY: state.aux[SEED_KEY]}

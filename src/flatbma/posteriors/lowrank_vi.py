@@ -32,7 +32,13 @@ from flatbma.errors import FlatbmaError
 from flatbma.packed import Layout
 from flatbma.params import Objective, flatten
 from flatbma.posteriors import gaussian_vi
-from flatbma.posteriors.gaussian_vi import GaussianNoise, check_sections, section, standard_normal_like
+from flatbma.posteriors.gaussian_vi import (
+    GaussianNoise,
+    check_sections,
+    section,
+    standard_normal,
+    standard_normal_like,
+)
 from flatbma.types import Ascent, GradientTransformation, Params, Posterior, State
 
 PREFIXES = ("mean", "log_std", "factor")
@@ -119,6 +125,32 @@ def from_rows(matrix: Tensor, like: Mapping[str, Tensor]) -> Mapping[str, Tensor
     if layout is None or layout.kind != _KIND:
         layout = theta_layout(like)
     return layout.lazy(matrix)
+
+
+_NOISE_LAYOUTS: dict[int, tuple[Layout, Layout]] = {}
+"""``id(θ layout) -> (θ layout, z₁ layout)``; the entry keeps the θ layout alive, so its id is not reused."""
+
+
+def _noise_layout(theta: Mapping[str, Tensor]) -> Layout | None:
+    """The layout of ``z₁`` (keys: parameter names) for a packed ``θ``: row 0 of its buffer, cached."""
+    layout = packed.layout_of(theta)
+    if layout is None or layout.kind != _KIND:
+        return None
+    cached = _NOISE_LAYOUTS.get(id(layout))
+    if cached is not None and cached[0] is layout:
+        return cached[1]
+    count = len(layout.keys) // 3  # the mean/ entries come first and tile row 0
+    z_layout = Layout(
+        tuple(k[len("mean/") :] for k in layout.keys[:count]),
+        layout.shapes[:count],
+        layout.strides[:count],
+        layout.offsets[:count],
+        (layout.shape[1],),
+    )
+    if len(_NOISE_LAYOUTS) >= 8:
+        _NOISE_LAYOUTS.clear()
+    _NOISE_LAYOUTS[id(layout)] = (layout, z_layout)
+    return z_layout
 
 
 def _names_and_shapes(theta: Mapping[str, Tensor]) -> tuple[list[str], list[torch.Size]]:
@@ -405,12 +437,17 @@ class LowRankGaussian:
                 )
 
     def noise(self, theta: Mapping[str, Tensor], generator: torch.Generator | None) -> GaussianNoise:
-        """``z₁ ~ N(0, I_d)``, ``z₂ ~ N(0, I_K)``."""
-        mean = section(theta, "mean")
-        ref = next(iter(mean.values()))
+        """``z₁ ~ N(0, I_d)`` (by parameter name, in sorted order), ``z₂ ~ N(0, I_K)``."""
+        layout = _noise_layout(theta)
+        if layout is None:
+            z1 = standard_normal_like(section(theta, "mean"), generator)
+        else:
+            matrix = packed_rows(theta)
+            z1 = standard_normal(layout, matrix.dtype, matrix.device, generator)
+        ref = next(iter(z1.values()))
         device = generator.device if generator is not None else ref.device
         z2 = torch.randn(self.rank, generator=generator, device=device, dtype=ref.dtype).to(ref.device)
-        return GaussianNoise(standard_normal_like(mean, generator), z2)
+        return GaussianNoise(z1, z2)
 
     def reparameterize(self, theta: Mapping[str, Tensor], noise: GaussianNoise) -> Params:
         """:func:`sample_weights`."""
