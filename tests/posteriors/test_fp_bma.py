@@ -12,6 +12,7 @@ from torch.autograd.functional import jacobian
 from torch.distributions import LowRankMultivariateNormal, MultivariateNormal, kl_divergence
 from torch.func import functional_call
 
+from flatbma import packed
 from flatbma.errors import FlatbmaError
 from flatbma.experiment.checkpoint import load_state, save_state
 from flatbma.experiment.cli import main
@@ -29,6 +30,7 @@ from flatbma.params import Objective, flatten, model_buffers, trainable_params, 
 from flatbma.posteriors import fp_bma, lowrank_vi
 from flatbma.posteriors.gaussian_vi import (
     GaussianNoise,
+    autograd_gradient,
     elbo_value_and_grad,
     kl_grad,
     section,
@@ -376,6 +378,26 @@ def test_the_step_uses_the_data_gradient_the_same_noise_and_the_kl_at_theta():
     closed = kl_grad(family, theta)
     for k in theta:
         torch.testing.assert_close(closed[k], kl_g[k])
+
+
+@pytest.mark.parametrize(("q_scale", "p_scale", "k_p"), [(0.4, 0.3, 4), (4.0, 0.05, 2), (0.01, 3.0, 3)])
+def test_closed_form_kl_gradient_to_a_low_rank_prior_is_the_autograd_one(q_scale, p_scale, k_p):
+    # including factors far wider than σ (Ũ ≫ 1: the cancellations double precision is there for)
+    theta = _theta(seed=3, k=3, factor_scale=q_scale)
+    prior = _theta(seed=4, k=k_p, factor_scale=p_scale)
+    family = fp_bma.LowRankGaussianWithPrior(rank=3, init_std=0.1, prior_std=1.0, prior=prior)
+    closed = kl_grad(family, theta)
+    auto = autograd_gradient(family.kl, theta)
+    for k in theta:
+        torch.testing.assert_close(closed[k], auto[k], rtol=1e-7, atol=1e-10, msg=k)
+    # a float32 θ (the training dtype) against the double-precision reference, and a packed one
+    theta32 = {k: v.float() for k, v in theta.items()}
+    packed32 = packed.pack(theta32, lowrank_vi.theta_layout(theta32))
+    for candidate in (theta32, packed32):
+        got = kl_grad(family, candidate)
+        for k in theta:
+            assert got[k].dtype == torch.float32
+            torch.testing.assert_close(got[k].double(), auto[k], rtol=1e-4, atol=1e-6 * auto[k].abs().max().item())
 
 
 def test_batchnorm_statistics_are_updated_by_the_first_pass_only():

@@ -35,7 +35,17 @@ from flatbma.errors import FlatbmaError
 from flatbma.params import Objective
 from flatbma.posteriors import gaussian_vi
 from flatbma.posteriors.gaussian_vi import check_sections, section
-from flatbma.posteriors.lowrank_vi import PREFIXES, LowRankGaussian, rank_of, theta_of
+from flatbma.posteriors.lowrank_vi import (
+    PREFIXES,
+    LowRankGaussian,
+    LowRankGeometry,
+    blocks,
+    from_rows,
+    geometry,
+    rank_of,
+    rows,
+    theta_of,
+)
 from flatbma.types import Ascent, GradientTransformation, Params, Posterior
 
 
@@ -116,6 +126,7 @@ class LowRankGaussianWithPrior(LowRankGaussian):
     """
 
     prior: Mapping[str, Tensor] = field(default_factory=dict)
+    _prior_cache: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def _check_names(self, names: list[str]) -> None:
         prior_names = sorted(section(self.prior, "mean"))
@@ -139,9 +150,37 @@ class LowRankGaussianWithPrior(LowRankGaussian):
         """:func:`kl_lowrank` to the prior."""
         return kl_lowrank(theta, self.prior)
 
-    def kl_grad(self, theta: Mapping[str, Tensor]) -> Params:
-        """``∇_θ KL(q_θ ‖ p)`` by autograd through :func:`kl_lowrank` (the base's closed form is for ``N(0, s²I)``)."""
-        return gaussian_vi.autograd_gradient(self.kl, theta)
+    def _prior_terms(self, device: torch.device) -> tuple[Tensor, Tensor, Tensor, LowRankGeometry]:
+        """``(μ_p, A_p^{-1/2}, diag Σ_p⁻¹, geometry of p)`` in double precision on ``device``, computed once."""
+        if device not in self._prior_cache:
+            prior = {k: v.to(device=device, dtype=torch.float64) for k, v in self.prior.items()}
+            geo = geometry(prior, torch.float64, cache=False)
+            inv_sqrt_a = geo.cs / geo.c
+            self._prior_cache[device] = (rows(prior)[0], inv_sqrt_a, (1 - geo.w) / geo.a, geo)
+        return self._prior_cache[device]
+
+    def kl_grad(self, theta: Mapping[str, Tensor]) -> Mapping[str, Tensor]:
+        """``∇_θ KL(q_θ ‖ p)`` in closed form, packed like ``θ``.
+
+        With ``∇_{Σ_q} KL = ½(Σ_p⁻¹ − Σ_q⁻¹)``: ``∇_μ = Σ_p⁻¹(μ_q − μ_p)``,
+        ``∇_logσ = a_q ⊙ (diag Σ_p⁻¹ − diag Σ_q⁻¹)`` (``a = σ²/2``) and
+        ``∇_L = (Σ_p⁻¹ − Σ_q⁻¹)L/(2(K_q−1))``; ``Σ_p⁻¹x = A_p^{-1/2}(x̃ − Ũ_pC_p⁻¹Ũ_pᵀx̃)``,
+        ``x̃ = A_p^{-1/2}x``, with the prior's Woodbury quantities computed once and ``q``'s shared with the
+        ascent (:func:`~flatbma.posteriors.lowrank_vi.geometry`). Double precision, as :func:`kl_lowrank`.
+        """
+        mu, _, factor = blocks(theta)
+        geo = geometry(theta, torch.float64)
+        mu_p, inv_sqrt_a_p, prior_diag, geo_p = self._prior_terms(mu.device)
+
+        def prior_precision(x: Tensor) -> Tensor:  # Σ_p⁻¹ applied to each row of x [r, d]
+            xt = x * inv_sqrt_a_p
+            return (xt - (xt @ geo_p.ut.T) @ geo_p.pt) * inv_sqrt_a_p
+
+        out = torch.empty((factor.shape[0] + 2, mu.numel()), dtype=mu.dtype, device=mu.device)
+        out[0] = prior_precision((mu.to(torch.float64) - mu_p)[None])[0]
+        out[1] = geo.a * prior_diag - (1 - geo.w)  # a_q(Σ_q⁻¹)_ii = 1 − w_i
+        out[2:] = geo.c**2 * prior_precision(factor.to(torch.float64)) - geo.pt * geo.cs  # c²Σ_q⁻¹L = P·cA^{-1/2}
+        return from_rows(out, theta)
 
 
 def _posterior(

@@ -237,18 +237,19 @@ _GEOMETRY_CACHE: list[tuple[tuple, list[Tensor], LowRankGeometry]] = []
 ascent's Fisher solve and for the closed-form KL gradient."""
 
 
-def geometry(theta: Mapping[str, Tensor], dtype: torch.dtype | None = None) -> LowRankGeometry:
+def geometry(theta: Mapping[str, Tensor], dtype: torch.dtype | None = None, *, cache: bool = True) -> LowRankGeometry:
     """The Woodbury quantities of ``q_θ``'s covariance, computed in ``dtype`` (default: ``θ``'s).
 
     The last result is reused when called again on the same storages at the same versions (an in-place
     update bumps a tensor's version; the cached entry holds references, so a storage address cannot be
-    reused while it is cached). Inputs that require gradients bypass the cache.
+    reused while it is cached). Inputs that require gradients bypass the cache, and so does
+    ``cache=False`` (for a fixed second Gaussian, such as a prior, that must not evict ``θ``'s entry).
     """
     matrix = packed_rows(theta)
     tensors = (
         [matrix] if matrix is not None else [*section(theta, "log_std").values(), *section(theta, "factor").values()]
     )
-    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+    if not cache or (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)):
         return _geometry(*blocks(theta)[1:], dtype)
     key = (dtype, tuple((t.data_ptr(), t._version, t.shape, t.dtype, t.device) for t in tensors))
     if _GEOMETRY_CACHE and _GEOMETRY_CACHE[0][0] == key:
