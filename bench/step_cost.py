@@ -1,7 +1,8 @@
 """Cost of one sharpness-aware step relative to one SGD step, measured side by side in one run.
 
-For each model the methods are timed in interleaved rounds on the same batch (so drift of the
-machine affects all alike) and the median step time is reported as a ratio to SGD's.
+For each model the methods are timed in interleaved rounds on the same batch. The ratio of a method is
+the median over rounds of its step time divided by SGD's step time *in the same round* (paired, so a
+machine that speeds up or slows down during the run moves both alike); the ms columns are medians.
 Goal: SAM, ASAM, FSAM <= 2.1x an SGD step (two forward/backward passes are the floor).
 
 A second table times FP-BMA (low-rank Gaussian over the Bayesian subset, FisherBall ascent in θ-space)
@@ -41,8 +42,8 @@ CASES = {
 }
 
 
-def bench_case(model_kwargs: dict, batch_size: int, shape: tuple, rounds: int, device: str) -> dict[str, float]:
-    """Median seconds per step for every method on one model and batch."""
+def bench_case(model_kwargs: dict, batch_size: int, shape: tuple, rounds: int, device: str) -> dict[str, list[float]]:
+    """Seconds per step, one entry per round, for every method on one model and batch."""
     model = build_model(**model_kwargs, seed=0).to(device).train()
     g = torch.Generator().manual_seed(0)
     x = torch.randn(batch_size, *shape, generator=g).to(device)
@@ -51,23 +52,13 @@ def bench_case(model_kwargs: dict, batch_size: int, shape: tuple, rounds: int, d
     runs = {}
     for name, ascent in METHODS.items():
         method = point.build(objective, SGD(lr=1e-3, momentum=0.9, weight_decay=5e-4), ascent)
-        state = method.init(trainable_params(model), model_buffers(model))
-        for _ in range(3):  # warm-up
-            state, _ = method.update(state, (x, y))
-        runs[name] = [method, state, []]
-    for _ in range(rounds):
-        for entry in runs.values():
-            method, state, times = entry
-            if device == "cuda":
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            state, out = method.update(state, (x, y))
-            float(out.loss)
-            if device == "cuda":
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - t0)
-            entry[1] = state
-    return {name: statistics.median(entry[2]) for name, entry in runs.items()}
+        runs[name] = [method, method.init(trainable_params(model), model_buffers(model)), []]
+    return time_updates(runs, (x, y), rounds, device)
+
+
+def paired_ratio(times: dict[str, list[float]], name: str, base: str = "sgd") -> float:
+    """Median over rounds of ``times[name][r] / times[base][r]``."""
+    return statistics.median(t / b for t, b in zip(times[name], times[base], strict=True))
 
 
 def bayesian_subset_only(model: nn.Module) -> None:
@@ -78,8 +69,8 @@ def bayesian_subset_only(model: nn.Module) -> None:
         p.requires_grad_(id(p) in keep)
 
 
-def time_updates(runs: dict[str, list], batch: tuple, rounds: int, device: str) -> dict[str, float]:
-    """Median seconds per ``update`` of every ``name: [method, state, []]`` in interleaved rounds."""
+def time_updates(runs: dict[str, list], batch: tuple, rounds: int, device: str) -> dict[str, list[float]]:
+    """Seconds per ``update`` of every ``name: [method, state, []]``, one entry per interleaved round."""
     for entry in runs.values():
         for _ in range(3):  # warm-up
             entry[1], _ = entry[0].update(entry[1], batch)
@@ -95,14 +86,19 @@ def time_updates(runs: dict[str, list], batch: tuple, rounds: int, device: str) 
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - t0)
             entry[1] = state
-    return {name: statistics.median(entry[2]) for name, entry in runs.items()}
+    return {name: entry[2] for name, entry in runs.items()}
 
 
 FP_BMA = {f"fp-bma (K=5, cg {n})": dict(rank=5, cg_iters=n) for n in (1, 3, 10)}
 
 
-def bench_fp_bma_transfer(rounds: int, device: str, batch_size: int = 32, image_size: int = 64) -> dict[str, float]:
-    """FP-BMA's update vs the SGD point update on MobileNetV2 with only BN + classifier trainable."""
+def bench_fp_bma_transfer(
+    rounds: int, device: str, batch_size: int = 32, image_size: int = 64
+) -> tuple[dict[str, list[float]], int]:
+    """FP-BMA's update vs the SGD point update on MobileNetV2 with only BN + classifier trainable.
+
+    Returns the per-round step times of every method and the number of trainable weights.
+    """
     model = build_model(name="mobilenet_v2", num_classes=10, in_channels=3, image_size=image_size, seed=0)
     model = model.to(device).train()
     bayesian_subset_only(model)
@@ -124,9 +120,7 @@ def bench_fp_bma_transfer(rounds: int, device: str, batch_size: int = 32, image_
     prior = lowrank_vi.LowRankGaussian(rank=5, init_std=1e-2, prior_std=1.0).init_theta(params, g)
     method = fp_bma.build_with_prior(objective, Adam(lr=1e-3), FisherBall(), prior, rank=5)
     runs["fp-bma (K=5, cg 1, SWAG prior)"] = [method, method.init(prior, buffers), []]
-    times = time_updates(runs, (x, y), rounds, device)
-    times["trainable"] = float(sum(v.numel() for v in params.values()))
-    return times
+    return time_updates(runs, (x, y), rounds, device), sum(v.numel() for v in params.values())
 
 
 def main() -> None:
@@ -142,19 +136,15 @@ def main() -> None:
     print(f"{'model':<32}{'sgd ms':>10}" + "".join(f"{m + '/sgd':>12}" for m in METHODS if m != "sgd"))
     for case, (kwargs, bs, shape) in CASES.items():
         t = bench_case(kwargs, bs, shape, args.rounds, args.device)
-        ratios = "".join(f"{t[m] / t['sgd']:>11.2f}x" for m in METHODS if m != "sgd")
-        print(f"{case + f' (batch {bs})':<32}{t['sgd'] * 1e3:>10.1f}{ratios}")
+        ratios = "".join(f"{paired_ratio(t, m):>11.2f}x" for m in METHODS if m != "sgd")
+        print(f"{case + f' (batch {bs})':<32}{statistics.median(t['sgd']) * 1e3:>10.1f}{ratios}")
     for batch_size in args.transfer_batches:  # the VI overhead is per step, the passes scale with the batch
-        t = bench_fp_bma_transfer(args.rounds, args.device, batch_size=batch_size)
-        print(
-            f"\nmobilenet_v2 64x64 transfer, BN + classifier trainable ({int(t['trainable'])} weights), "
-            f"batch {batch_size}"
-        )
-        print(f"{'method':<32}{'ms':>10}{'/sgd':>12}")
+        t, trainable = bench_fp_bma_transfer(args.rounds, args.device, batch_size=batch_size)
+        print(f"\nmobilenet_v2 64x64 transfer, BN + classifier trainable ({trainable} weights), batch {batch_size}")
+        print(f"{'method':<32}{'ms':>10}{'/sgd':>12}{'/sam':>12}")
         for name in t:
-            if name == "trainable":
-                continue
-            print(f"{name:<32}{t[name] * 1e3:>10.1f}{t[name] / t['sgd']:>11.2f}x")
+            ratios = f"{paired_ratio(t, name):>11.2f}x{paired_ratio(t, name, 'sam'):>11.2f}x"
+            print(f"{name:<32}{statistics.median(t[name]) * 1e3:>10.1f}{ratios}")
 
 
 if __name__ == "__main__":
