@@ -51,6 +51,10 @@ def rank_of(theta: Mapping[str, Tensor]) -> int:
     return next(iter(section(theta, "factor").values())).shape[0]
 
 
+_KIND = "lowrank"
+"""``Layout.kind`` of :func:`theta_layout`."""
+
+
 def theta_layout(theta: Mapping[str, Tensor]) -> Layout:
     """The packed layout of ``θ`` (:mod:`flatbma.packed`): one ``[K+2, d]`` matrix.
 
@@ -79,9 +83,6 @@ def theta_layout(theta: Mapping[str, Tensor]) -> Layout:
         offsets.append(offset)
         offset += v.numel()
     return Layout(tuple(keys), tuple(shapes), tuple(strides), tuple(offsets), (k + 2, d), kind=_KIND)
-
-
-_KIND = "lowrank"
 
 
 def packed_rows(theta: Mapping[str, Tensor]) -> Tensor | None:
