@@ -46,7 +46,7 @@ def detached(params: Mapping[str, Tensor]) -> Mapping[str, Tensor]:
     return {k: v.detach() for k, v in params.items()}
 
 
-def add(a: Mapping[str, Tensor], b: Mapping[str, Tensor], alpha: float = 1.0) -> Params:
+def add(a: Mapping[str, Tensor], b: Mapping[str, Tensor], alpha: float = 1.0) -> Mapping[str, Tensor]:
     """``a + alpha * b`` for every key of ``b`` (keys of ``a`` missing from ``b`` are kept).
 
     Two dicts packed in one layout (:mod:`flatbma.packed`) are added as one tensor; the result is then a
@@ -61,7 +61,7 @@ def add(a: Mapping[str, Tensor], b: Mapping[str, Tensor], alpha: float = 1.0) ->
     return out
 
 
-def scale(a: Mapping[str, Tensor], factor: float) -> Params:
+def scale(a: Mapping[str, Tensor], factor: float) -> Mapping[str, Tensor]:
     """``factor * a`` (one tensor operation, and a :class:`~flatbma.packed.Packed` result, when ``a`` is packed)."""
     layout = packed.layout_of(a)
     if layout is not None:

@@ -72,7 +72,7 @@ def test_compare_writes_every_output_and_resumes(tmp_path, capsys):
     assert len(rows) == 4
     html = (out / "report.html").read_text()
     assert html.count("data:image/png;base64,") >= 4 and 'src="figures/' not in html
-    assert "BMA of the first 1/2 posterior samples" in (out / "report.md").read_text()
+    assert "BMA of the first 2 posterior samples (1 for methods that have fewer)" in (out / "report.md").read_text()
     printed = capsys.readouterr().out
     assert "sgd" in printed and "swag" in printed
 

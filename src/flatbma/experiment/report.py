@@ -171,6 +171,16 @@ def _cell(stats: Stats | None) -> str:
     return mean if stats.std is None else f"{mean} ± {_fmt(stats.std, decimals)}"
 
 
+def _corruption_note(sizes: list[float]) -> str:
+    """The caption of the corruption tables: how many posterior samples the BMA on corrupted data used."""
+    if not sizes:
+        return ""
+    if len(sizes) == 1:
+        return f"BMA of the first {sizes[0]:g} posterior samples."
+    fewer = ", ".join(f"{n:g}" for n in sizes[:-1])
+    return f"BMA of the first {sizes[-1]:g} posterior samples ({fewer} for methods that have fewer)."
+
+
 def _severities(runs: Sequence[Run]) -> list[str]:
     found: dict[str, None] = {}
     for run in runs:
@@ -266,7 +276,7 @@ def report_tables(results: Mapping[str, Any]) -> list[Table]:
     severities = _severities(runs)
     if severities:
         sizes = sorted({n for r in runs if (n := _num(r.get("corruption_samples"))) is not None})
-        note = f"BMA of the first {'/'.join(f'{n:g}' for n in sizes)} posterior samples." if sizes else ""
+        note = _corruption_note(sizes)
         for key, label in CORRUPTION_METRICS:
             rows = []
             for method, rs in groups.items():

@@ -61,7 +61,6 @@ from flatbma.optim.sam import SAM
 from flatbma.params import detached, scale
 from flatbma.posteriors.gaussian_vi import check_sections
 from flatbma.posteriors.lowrank_vi import PREFIXES, LowRankGeometry, blocks, from_rows, geometry, packed_rows, rows
-from flatbma.types import Params
 
 Metric = Literal["fisher", "euclidean", "data-fisher"]
 METRICS = ("fisher", "euclidean", "data-fisher")
@@ -238,7 +237,7 @@ def natural_gradient(
     damping: float,
     cg_iters: int,
     project: bool = True,
-) -> tuple[Params, Tensor]:
+) -> tuple[Mapping[str, Tensor], Tensor]:
     """``x = F_λ⁻¹g`` for the low-rank plus diagonal Gaussian and the quadratic form ``gᵀx``.
 
     ``F_λ`` is the variational Fisher with Tikhonov damping ``λB`` on the covariance block. With
@@ -358,7 +357,7 @@ class FisherBall:
         return math.sqrt(2.0 * self.gamma)
 
     @torch.no_grad()
-    def perturb(self, params: Mapping[str, Tensor], grads: Mapping[str, Tensor]) -> Params:
+    def perturb(self, params: Mapping[str, Tensor], grads: Mapping[str, Tensor]) -> Mapping[str, Tensor]:
         """Return ``δ* = √(2γ) F⁻¹g / √(gᵀF⁻¹g)`` for every key of ``grads``."""
         if self.metric == "euclidean":
             return SAM(rho=self.rho).perturb(params, grads)
