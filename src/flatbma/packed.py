@@ -164,34 +164,50 @@ def pack(tensors: Mapping[str, Tensor], layout: Layout | None = None) -> Params:
     return out
 
 
-def layout_of(tensors: Mapping[str, Tensor] | Sequence[Tensor], keys: Sequence[str] | None = None) -> Layout | None:
-    """The layout of a packed mapping (or of a list of its values with their ``keys``), else ``None``."""
+def buffer(
+    tensors: Mapping[str, Tensor] | Sequence[Tensor], keys: Sequence[str] | None = None, *, kind: str | None = None
+) -> tuple[Layout, Tensor] | None:
+    """``(layout, buffer)`` of a packed mapping (or of a list of its values with their ``keys``), else ``None``.
+
+    The buffer comes in the layout's ``shape``. With ``kind``, only a layout of that kind counts. A plain
+    dict or list is checked by one walk over its values; a :class:`Packed` mapping at once.
+    """
     if isinstance(tensors, Packed):
-        return tensors.layout if keys is None or tuple(keys) == tensors.layout.keys else None
-    if isinstance(tensors, Mapping):
-        if keys is not None and tuple(keys) != tuple(tensors):
+        layout, base = tensors.layout, tensors.flat
+        if keys is not None and tuple(keys) != layout.keys:
             return None
-        keys, values = tuple(tensors), list(tensors.values())
     else:
-        values = list(tensors)
-    if not values:
+        if isinstance(tensors, Mapping):
+            if keys is not None and tuple(keys) != tuple(tensors):
+                return None
+            keys, values = tuple(tensors), list(tensors.values())
+        else:
+            values = list(tensors)
+        if not values:
+            return None
+        base = values[0]._base
+        layout = getattr(base, _ATTRIBUTE, None) if base is not None else None
+        if layout is None or tuple(keys) != layout.keys or any(v._base is not base for v in values):
+            return None
+    if kind is not None and layout.kind != kind:
         return None
-    base = values[0]._base
-    layout = getattr(base, _ATTRIBUTE, None) if base is not None else None
-    if layout is None or tuple(keys) != layout.keys or any(v._base is not base for v in values):
-        return None
-    return layout
+    return layout, base.view(layout.shape)
 
 
-def flat_of(tensors: Mapping[str, Tensor] | Sequence[Tensor], keys: Sequence[str] | None = None) -> Tensor | None:
+def layout_of(
+    tensors: Mapping[str, Tensor] | Sequence[Tensor], keys: Sequence[str] | None = None, *, kind: str | None = None
+) -> Layout | None:
+    """The layout of a packed mapping (or of a list of its values with their ``keys``), else ``None``."""
+    found = buffer(tensors, keys, kind=kind)
+    return None if found is None else found[0]
+
+
+def flat_of(
+    tensors: Mapping[str, Tensor] | Sequence[Tensor], keys: Sequence[str] | None = None, *, kind: str | None = None
+) -> Tensor | None:
     """The buffer (in its layout's ``shape``) that a packed mapping's values are views of, else ``None``."""
-    layout = layout_of(tensors, keys)
-    if layout is None:
-        return None
-    if isinstance(tensors, Packed):
-        return tensors.flat.view(layout.shape)
-    values = tensors.values() if isinstance(tensors, Mapping) else tensors
-    return next(iter(values))._base.view(layout.shape)
+    found = buffer(tensors, keys, kind=kind)
+    return None if found is None else found[1]
 
 
 def as_packed(tensors: Mapping[str, Tensor]) -> Mapping[str, Tensor]:
@@ -200,11 +216,13 @@ def as_packed(tensors: Mapping[str, Tensor]) -> Mapping[str, Tensor]:
     Checking a plain dict walks all its values; a :class:`Packed` mapping is recognized at once, so a
     step that consults the layout many times converts its parameters once.
     """
-    layout = layout_of(tensors)
-    if layout is None or isinstance(tensors, Packed):
+    if isinstance(tensors, Packed):
         return tensors
-    base = next(iter(tensors.values()))._base
-    return Packed(base, layout, dict(tensors))
+    found = buffer(tensors)
+    if found is None:
+        return tensors
+    layout = found[0]
+    return Packed(next(iter(tensors.values()))._base, layout, dict(tensors))
 
 
 def coalesce(keys: Sequence[str], *sources: Mapping[str, Tensor] | Sequence[Tensor]) -> tuple[list[Tensor], ...]:
@@ -215,9 +233,9 @@ def coalesce(keys: Sequence[str], *sources: Mapping[str, Tensor] | Sequence[Tens
     ``torch._foreach_*`` update then runs on one tensor per source instead of one per key, with the
     same result.
     """
-    layouts = [layout_of(source, keys) for source in sources]
-    if layouts[0] is not None and all(layout == layouts[0] for layout in layouts[1:]):
-        return tuple([flat_of(source, keys).view(-1)] for source in sources)
+    found = [buffer(source, keys) for source in sources]
+    if found[0] is not None and all(f is not None and f[0] == found[0][0] for f in found[1:]):
+        return tuple([flat.view(-1)] for _, flat in found)
     return tuple([source[k] for k in keys] if isinstance(source, Mapping) else list(source) for source in sources)
 
 

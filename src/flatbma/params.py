@@ -40,7 +40,7 @@ def clone(params: Mapping[str, Tensor]) -> Params:
 def detached(params: Mapping[str, Tensor]) -> Mapping[str, Tensor]:
     """``params`` without autograd history: the same tensors (packing kept) when none requires grad."""
     if isinstance(params, packed.Packed):
-        return params if not params.flat.requires_grad else params.layout.lazy(params.flat.detach().clone())
+        return params if not params.flat.requires_grad else params.layout.lazy(params.flat.detach())
     if not any(v.requires_grad for v in params.values()):
         return dict(params)
     return {k: v.detach() for k, v in params.items()}
@@ -52,9 +52,10 @@ def add(a: Mapping[str, Tensor], b: Mapping[str, Tensor], alpha: float = 1.0) ->
     Two dicts packed in one layout (:mod:`flatbma.packed`) are added as one tensor; the result is then a
     :class:`~flatbma.packed.Packed` mapping.
     """
-    layout = packed.layout_of(a)
-    if layout is not None and packed.layout_of(b) == layout:
-        return layout.lazy(packed.flat_of(a) + alpha * packed.flat_of(b))
+    packed_a = packed.buffer(a)
+    packed_b = packed.buffer(b) if packed_a is not None else None
+    if packed_b is not None and packed_b[0] == packed_a[0]:
+        return packed_a[0].lazy(packed_a[1] + alpha * packed_b[1])
     out = dict(a)
     for k, v in b.items():
         out[k] = a[k] + alpha * v
@@ -63,9 +64,10 @@ def add(a: Mapping[str, Tensor], b: Mapping[str, Tensor], alpha: float = 1.0) ->
 
 def scale(a: Mapping[str, Tensor], factor: float) -> Mapping[str, Tensor]:
     """``factor * a`` (one tensor operation, and a :class:`~flatbma.packed.Packed` result, when ``a`` is packed)."""
-    layout = packed.layout_of(a)
-    if layout is not None:
-        return layout.lazy(packed.flat_of(a) * factor)
+    found = packed.buffer(a)
+    if found is not None:
+        layout, flat = found
+        return layout.lazy(flat * factor)
     return {k: v * factor for k, v in a.items()}
 
 

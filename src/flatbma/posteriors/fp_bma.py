@@ -49,14 +49,11 @@ from flatbma.posteriors.lowrank_vi import (
 from flatbma.types import Ascent, GradientTransformation, Params, Posterior
 
 
-def _whitened_blocks(theta: Mapping[str, Tensor], names: list[str]) -> tuple[Tensor, Tensor, Tensor]:
-    """``(log σ [d], μ [d], U = L/√(2(K−1)) [K, d])`` in the order of ``names``."""
-    k = rank_of(theta)
-    c = 1.0 / math.sqrt(2.0 * (k - 1))
-    log_std = torch.cat([theta[f"log_std/{n}"].reshape(-1) for n in names])
-    mean = torch.cat([theta[f"mean/{n}"].reshape(-1) for n in names])
-    u = c * torch.cat([theta[f"factor/{n}"].reshape(k, -1) for n in names], dim=1)
-    return log_std, mean, u
+def _whitened_blocks(theta: Mapping[str, Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+    """``(log σ [d], μ [d], U = L/√(2(K−1)) [K, d])`` in sorted name order (the rows of :func:`rows`)."""
+    matrix = rows(theta)
+    k = matrix.shape[0] - 2
+    return matrix[1], matrix[0], (1.0 / math.sqrt(2.0 * (k - 1))) * matrix[2:]
 
 
 def kl_lowrank(theta_q: Mapping[str, Tensor], prior_theta: Mapping[str, Tensor]) -> Tensor:
@@ -92,8 +89,8 @@ def kl_lowrank(theta_q: Mapping[str, Tensor], prior_theta: Mapping[str, Tensor])
     ref = theta_q[f"mean/{names_q[0]}"].to(torch.float64)
     q64 = {k: v.to(torch.float64) for k, v in theta_q.items()}
     prior = {k: v.to(device=ref.device, dtype=ref.dtype) for k, v in prior_theta.items()}
-    s_q, mu_q, u_q = _whitened_blocks(q64, names_q)
-    s_p, mu_p, u_p = _whitened_blocks(prior, names_q)
+    s_q, mu_q, u_q = _whitened_blocks(q64)  # both in sorted name order, as names_q
+    s_p, mu_p, u_p = _whitened_blocks(prior)
     d = mu_q.numel()
     inv_sqrt_ap = math.sqrt(2.0) * torch.exp(-s_p)
     up_t = u_p * inv_sqrt_ap  # Ũ_pᵀ, [K_p, d]

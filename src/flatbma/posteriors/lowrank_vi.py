@@ -87,8 +87,7 @@ def theta_layout(theta: Mapping[str, Tensor]) -> Layout:
 
 def packed_rows(theta: Mapping[str, Tensor]) -> Tensor | None:
     """The ``[K+2, d]`` buffer of a ``θ`` packed in :func:`theta_layout`, else ``None``."""
-    layout = packed.layout_of(theta)
-    return packed.flat_of(theta) if layout is not None and layout.kind == _KIND else None
+    return packed.flat_of(theta, kind=_KIND)
 
 
 def rows(theta: Mapping[str, Tensor]) -> Tensor:
@@ -122,8 +121,8 @@ def from_rows(matrix: Tensor, like: Mapping[str, Tensor]) -> Mapping[str, Tensor
     ``matrix`` should be a freshly computed tensor: it becomes the buffer of the returned
     :class:`~flatbma.packed.Packed` mapping.
     """
-    layout = packed.layout_of(like)
-    if layout is None or layout.kind != _KIND:
+    layout = packed.layout_of(like, kind=_KIND)
+    if layout is None:
         layout = theta_layout(like)
     return layout.lazy(matrix)
 
@@ -134,8 +133,8 @@ _NOISE_LAYOUTS: dict[int, tuple[Layout, Layout]] = {}
 
 def _noise_layout(theta: Mapping[str, Tensor]) -> Layout | None:
     """The layout of ``z₁`` (keys: parameter names) for a packed ``θ``: row 0 of its buffer, cached."""
-    layout = packed.layout_of(theta)
-    if layout is None or layout.kind != _KIND:
+    layout = packed.layout_of(theta, kind=_KIND)
+    if layout is None:
         return None
     cached = _NOISE_LAYOUTS.get(id(layout))
     if cached is not None and cached[0] is layout:
@@ -156,8 +155,8 @@ def _noise_layout(theta: Mapping[str, Tensor]) -> Layout | None:
 
 def _names_and_shapes(theta: Mapping[str, Tensor]) -> tuple[list[str], list[torch.Size]]:
     """The parameter names (sorted) and shapes of ``θ``, from its layout when packed (no views made)."""
-    layout = packed.layout_of(theta)
-    if layout is not None and layout.kind == _KIND:
+    layout = packed.layout_of(theta, kind=_KIND)
+    if layout is not None:
         count = len(layout.keys) // 3
         return [k[len("mean/") :] for k in layout.keys[:count]], list(layout.shapes[:count])
     mean = section(theta, "mean")
@@ -246,16 +245,19 @@ def geometry(theta: Mapping[str, Tensor], dtype: torch.dtype | None = None, *, c
     reused while it is cached). Inputs that require gradients bypass the cache, and so does
     ``cache=False`` (for a fixed second Gaussian, such as a prior, that must not evict ``θ``'s entry).
     """
+    if not cache:
+        return _geometry(*blocks(theta)[1:], dtype)
     matrix = packed_rows(theta)
     tensors = (
         [matrix] if matrix is not None else [*section(theta, "log_std").values(), *section(theta, "factor").values()]
     )
-    if not cache or (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)):
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         return _geometry(*blocks(theta)[1:], dtype)
     key = (dtype, tuple((t.data_ptr(), t._version, t.shape, t.dtype, t.device) for t in tensors))
     if _GEOMETRY_CACHE and _GEOMETRY_CACHE[0][0] == key:
         return _GEOMETRY_CACHE[0][2]
-    result = _geometry(*blocks(theta)[1:], dtype)
+    matrix = matrix if matrix is not None else rows(theta)
+    result = _geometry(matrix[1], matrix[2:], dtype)
     _GEOMETRY_CACHE[:] = [(key, tensors, result)]
     return result
 
