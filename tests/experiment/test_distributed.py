@@ -9,8 +9,6 @@ the mean of two shard means instead of one mean), BMA metrics within ``rel 1e-5`
 
 import copy
 import json
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -25,6 +23,7 @@ from flatbma.experiment import distributed
 from flatbma.experiment.checkpoint import load_checkpoint
 from flatbma.experiment.config import config_from_dict
 from flatbma.experiment.run import train_run
+from tests.experiment.torchrun_helpers import crash_after, torchrun
 
 BASE = {
     "seed": 0,
@@ -60,14 +59,6 @@ def _config(method: str, output_dir) -> dict:
     cfg.update(method=dict(options), output_dir=str(output_dir))
     cfg["eval"]["num_samples"] = num_samples
     return cfg
-
-
-def _torchrun(*args: str, nproc: int = 2) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args]
-    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, cwd=Path(__file__).parents[2])
-    assert out.returncode == 0, out.stderr[-12000:]  # long enough to show every rank's traceback
-    return out
 
 
 def _assert_same_run(one: Path, many: Path) -> None:
@@ -162,7 +153,7 @@ def test_torchrun_cli_trains_like_one_process_and_only_rank0_writes(tmp_path):
     cfg = tmp_path / "c.yaml"
     cfg.write_text(yaml.safe_dump(_config("sgd", one)))
     train_run(config_from_dict(_config("sgd", one)))
-    out = _torchrun("-m", "flatbma", "train", "--config", str(cfg), "--set", f"output_dir={many}")
+    out = torchrun("-m", "flatbma", "train", "--config", str(cfg), "--set", f"output_dir={many}")
     assert out.stdout.count("wrote ") == 1 and out.stdout.count("accuracy=") == 1  # rank 0 prints
     assert sorted(p.name for p in many.iterdir()) == ["checkpoint.safetensors", "config.yaml", "metrics.json"]
     _assert_same_run(one, many)
@@ -185,33 +176,18 @@ def _worker(root: Path) -> None:
 
         cfg = config_from_dict({**RESUME, "output_dir": str(root / "ref")})
         train_run(cfg)
-        real_fit, calls = run.fit, []
-
-        class Crash(Exception):
-            pass
-
-        def crashing_fit(*args, checkpoint, **kwargs):
-            def hook(*a):
-                checkpoint(*a)
-                calls.append(1)
-                if len(calls) == CRASH_AFTER:
-                    raise Crash  # on every rank, right after the same collective checkpoint
-
-            return real_fit(*args, checkpoint=hook, **kwargs)
-
         real_save = run._save_checkpoint
+        with crash_after(run, CRASH_AFTER) as calls:
 
-        def slow_save(*args):  # rank 0 writes late: the others must still resume from this checkpoint
-            time.sleep(0.5 if len(calls) == CRASH_AFTER - 1 else 0.0)
-            real_save(*args)
+            def slow_save(*args):  # rank 0 writes late: the others must still resume from this checkpoint
+                time.sleep(0.5 if len(calls) == CRASH_AFTER - 1 else 0.0)
+                real_save(*args)
 
-        run.fit, run._save_checkpoint = crashing_fit, slow_save
-        try:
-            train_run(config_from_dict({**RESUME, "output_dir": str(root / "crashed")}))
-        except Crash:
-            pass
-        finally:
-            run.fit, run._save_checkpoint = real_fit, real_save
+            run._save_checkpoint = slow_save
+            try:
+                train_run(config_from_dict({**RESUME, "output_dir": str(root / "crashed")}))
+            finally:
+                run._save_checkpoint = real_save
         if me == 0:
             (root / "crash-position.json").write_text(
                 json.dumps(load_checkpoint(root / "crashed/checkpoint.safetensors")[1])
@@ -231,7 +207,7 @@ def _worker(root: Path) -> None:
 @pytest.mark.slow
 def test_torchrun_matches_one_process_for_sam_swag_fpbma_and_resumes_exactly(tmp_path):
     many = tmp_path / "many"
-    _torchrun(str(Path(__file__).resolve()), str(many))
+    torchrun(str(Path(__file__).resolve()), str(many))
     for method in ("sam", "swag", "fp-bma"):
         assert not (many / f"{method}-rank1").exists(), "rank 1 wrote files"
         train_run(config_from_dict(_config(method, tmp_path / "one" / method)))

@@ -17,8 +17,6 @@ import copy
 import dataclasses
 import json
 import math
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -37,6 +35,7 @@ from flatbma.experiment.run import load_run_config, train_run
 from flatbma.optim import SAM, SGD
 from flatbma.params import Objective, model_buffers, trainable_params
 from flatbma.posteriors import ensemble
+from tests.experiment.torchrun_helpers import crash_after, torchrun
 
 MEMBERS = {
     "seed": 0,
@@ -167,14 +166,6 @@ def test_one_process_helpers_inside_single_process():
 # two processes vs one
 
 
-def _torchrun(*args: str, nproc: int = 2) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args]
-    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, cwd=Path(__file__).parents[2])
-    assert out.returncode == 0, out.stderr[-12000:]  # long enough to show every rank's traceback
-    return out
-
-
 def _worker(root: Path) -> None:
     """Run under torchrun (2 processes): members training, a crash, too many processes, compare via the CLI."""
     from flatbma.experiment import compare, report, run
@@ -185,27 +176,8 @@ def _worker(root: Path) -> None:
         # rank 1 is given a directory of its own: it must never be created
         train_run(config_from_dict(_members_config(root / ("members" if me == 0 else "members-rank1"))))
 
-        real_fit, calls = run.fit, []
-
-        class Crash(Exception):
-            pass
-
-        def crashing_fit(*args, checkpoint, **kwargs):
-            def hook(*a):
-                checkpoint(*a)
-                calls.append(1)
-                if len(calls) == CRASH_AFTER:
-                    raise Crash  # on every rank, right after the same collective checkpoint
-
-            return real_fit(*args, checkpoint=hook, **kwargs)
-
-        run.fit = crashing_fit
-        try:
+        with crash_after(run, CRASH_AFTER):
             train_run(config_from_dict(_members_config(root / "crashed")))
-        except Crash:
-            pass
-        finally:
-            run.fit = real_fit
 
         too_many = _members_config(root / "too-many")
         too_many["method"]["size"] = 1
@@ -255,7 +227,7 @@ def _worker(root: Path) -> None:
 @pytest.mark.slow
 def test_torchrun_spreads_members_and_compare_runs_like_one_process(tmp_path):
     many = tmp_path / "many"
-    out = _torchrun(str(Path(__file__).resolve()), str(many))
+    out = torchrun(str(Path(__file__).resolve()), str(many))
 
     # members on 2 processes = one process (members and optimizer state bit for bit)
     with _one_thread():
