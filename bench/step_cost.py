@@ -25,8 +25,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from flatbma.models import build_model
 from flatbma.models.heads import classifier_of
-from flatbma.optim import ASAM, SAM, SGD, Adam, FisherSAM
-from flatbma.optim.fp_bma import FisherBall
+from flatbma.optim import ASAM, SAM, SGD, Adam, FisherBall, FisherSAM
 from flatbma.params import Objective, model_buffers, trainable_params
 from flatbma.posteriors import fp_bma, lowrank_vi, point
 
@@ -114,7 +113,7 @@ def bench_fp_bma_transfer(
         method = lowrank_vi.build(objective, Adam(lr=1e-3), ascent, rank=5)
         runs[name] = [method, method.init(params, buffers), []]
     for name, opts in FP_BMA.items():
-        method = fp_bma.build(objective, Adam(lr=1e-3), FisherBall(cg_iters=opts["cg_iters"]), rank=opts["rank"])
+        method = lowrank_vi.build(objective, Adam(lr=1e-3), FisherBall(cg_iters=opts["cg_iters"]), rank=opts["rank"])
         runs[name] = [method, method.init(params, buffers), []]
     # the transfer pipeline's form: KL to a low-rank + diagonal prior (a SWAG posterior), started there
     prior = lowrank_vi.LowRankGaussian(rank=5, init_std=1e-2, prior_std=1.0).init_theta(params, g)

@@ -5,11 +5,10 @@ import torch
 
 from flatbma import packed
 from flatbma.experiment.checkpoint import load_state, save_state
-from flatbma.optim import SGD, Adam
-from flatbma.optim.fp_bma import FisherBall
+from flatbma.gaussian import standard_normal_like
+from flatbma.optim import SGD, Adam, FisherBall
 from flatbma.params import Objective, add, detached, model_buffers, scale, trainable_params
 from flatbma.posteriors import fp_bma, lowrank_vi
-from flatbma.posteriors.gaussian_vi import standard_normal_like
 from tests.helpers import tiny_bn_net, toy_batch
 
 SHAPES = {"conv.weight": (4, 3, 3, 3), "bn.weight": (4,), "bn.bias": (4,), "fc.weight": (5, 4), "fc.bias": (5,)}

@@ -4,8 +4,10 @@ import pytest
 import torch
 from torch import nn
 
+from flatbma.calibration import scale
 from flatbma.errors import FlatbmaError
-from flatbma.predict import bma_log_probs, log_mean_exp, predict
+from flatbma.metrics import StreamingMetrics
+from flatbma.predict import bma_log_probs, evaluate, log_mean_exp, predict, stream_metrics
 
 
 class Fixed(nn.Module):
@@ -59,3 +61,24 @@ def test_predict_restores_training_mode_and_needs_samples():
     assert model.training
     with pytest.raises(FlatbmaError, match="at least one posterior sample"):
         bma_log_probs(model, [], torch.arange(2))
+
+
+def test_stream_metrics_gives_every_prefix_bma_in_one_pass():
+    """The state of the first m samples equals ``evaluate`` on those m samples alone, bit for bit."""
+    g = torch.Generator().manual_seed(3)
+    samples = [{"table": torch.randn(40, 5, generator=g, dtype=torch.float64)} for _ in range(6)]
+    model = Fixed(torch.zeros(40, 5, dtype=torch.float64))
+    labels = torch.randint(0, 5, (40,), generator=g)
+    loader = [(torch.arange(i, i + 8), labels[i : i + 8]) for i in range(0, 40, 8)]
+    states = stream_metrics(model, samples, loader, num_classes=5, n_bins=7, sizes=(2, 4, 99))
+    assert list(states) == [2, 4, 6]  # 99 is cut to M = 6, which is always there
+    for m, state in states.items():
+        alone = evaluate(model, samples[:m], loader, num_classes=5, n_bins=7)
+        assert {**state.compute(), "num_samples": m} == alone
+    scaled = stream_metrics(model, samples, loader, num_classes=5, n_bins=7, temperature=2.5)[6]
+    by_hand = StreamingMetrics(num_classes=5, n_bins=7)
+    for x, y in loader:
+        by_hand.update(scale(bma_log_probs(model, samples, x), 2.5), y)
+    assert scaled.compute() == by_hand.compute()
+    with pytest.raises(FlatbmaError, match="at least one posterior sample"):
+        stream_metrics(model, [], loader, num_classes=5)

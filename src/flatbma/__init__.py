@@ -1,9 +1,24 @@
 """flatbma: flat-posterior-aware Bayesian deep learning in PyTorch.
 
-The public API is exactly what this module re-exports.
+The public API is exactly what this module re-exports: the subpackages and modules below, the
+contract types of :mod:`flatbma.types`, the training objective and parameter helpers of
+:mod:`flatbma.params`, and the BMA predictive of :mod:`flatbma.predict`. Importing flatbma loads
+neither matplotlib (:mod:`flatbma.plotting` imports it when a figure is drawn) nor the experiment
+layer (:mod:`flatbma.experiment`: configs, the training loop, the CLI and reports).
 """
 
-from flatbma import data, metrics, models, optim, posteriors
+from flatbma import (
+    bn,
+    calibration,
+    data,
+    flatness,
+    metrics,
+    models,
+    optim,
+    plotting,
+    posteriors,
+    transfer,
+)
 from flatbma.errors import DivergenceError, FlatbmaError
 from flatbma.params import Objective, model_buffers, trainable_params
 from flatbma.predict import bma_log_probs, evaluate, predict
@@ -34,13 +49,18 @@ __all__ = [
     "Transform",
     "__version__",
     "bma_log_probs",
+    "bn",
+    "calibration",
     "data",
     "evaluate",
+    "flatness",
     "metrics",
     "model_buffers",
     "models",
     "optim",
+    "plotting",
     "posteriors",
     "predict",
     "trainable_params",
+    "transfer",
 ]

@@ -25,6 +25,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from flatbma.checks import check_int
 from flatbma.errors import FlatbmaError
 
 __all__ = [
@@ -119,9 +120,7 @@ def _check_labels(labels: object, batch: int, num_classes: int, device: torch.de
 
 
 def _check_positive_int(value: object, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise FlatbmaError(f"{name} must be an integer ≥ 1, got {value!r}.")
-    return value
+    return check_int(value, f"{name} must be an integer ≥ 1, got {value!r}.", minimum=1)
 
 
 def _check_scores(scores: object, name: str) -> Tensor:

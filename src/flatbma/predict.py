@@ -28,6 +28,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call, vmap
 
+from flatbma.calibration import scale
+from flatbma.checks import is_int
 from flatbma.errors import FlatbmaError
 from flatbma.metrics import StreamingMetrics
 from flatbma.types import Batch
@@ -178,7 +180,7 @@ def _batched_log_probs(model: nn.Module, samples: Sequence[Mapping[str, Tensor]]
 def _check_batching_options(batched: object, chunk_size: object) -> None:
     if batched is not None and not isinstance(batched, bool):
         raise FlatbmaError(f"batched must be True, False or None (automatic), got {batched!r}.")
-    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
+    if chunk_size is not None and (not is_int(chunk_size) or chunk_size < 1):
         raise FlatbmaError(f"chunk_size must be a positive integer or None (automatic), got {chunk_size!r}.")
 
 
@@ -338,12 +340,78 @@ def evaluate(
     process evaluating a shard of the data,
     :func:`flatbma.experiment.distributed.all_reduce_metrics` sums them over the processes.
     """
-    metrics = StreamingMetrics(num_classes=num_classes, n_bins=n_bins)
-    batches = predict(model, samples, loader, device=device, mode=mode, batched=batched, chunk_size=chunk_size)
-    for log_probs, labels in batches:
-        metrics.update(log_probs, labels)
-    if reduce_metrics is not None:
-        reduce_metrics(metrics)
+    states = stream_metrics(
+        model,
+        samples,
+        loader,
+        num_classes=num_classes,
+        n_bins=n_bins,
+        device=device,
+        mode=mode,
+        batched=batched,
+        chunk_size=chunk_size,
+        reduce_metrics=reduce_metrics,
+    )
+    metrics = states[len(samples)]
     if metrics.compute()["n"] == 0:
         raise FlatbmaError("the evaluation data is empty: check the test split and data options")
     return {**metrics.compute(), "num_samples": len(samples)}
+
+
+@torch.no_grad()
+def stream_metrics(
+    model: nn.Module,
+    samples: Sequence[Mapping[str, Tensor]],
+    loader: Iterable[Batch],
+    *,
+    num_classes: int,
+    n_bins: int = 15,
+    sizes: Iterable[int] = (),
+    temperature: float = 1.0,
+    device: torch.device | str = "cpu",
+    mode: Callable[[nn.Module], AbstractContextManager[Any]] | None = None,
+    batched: bool | None = None,
+    chunk_size: int | None = None,
+    reduce_metrics: Callable[[StreamingMetrics], None] | None = None,
+) -> dict[int, StreamingMetrics]:
+    """The metric states of the BMA of the first ``m`` samples for every ``m`` in ``sizes``, in one pass.
+
+    Every batch's ``M`` per-sample log-probabilities (:func:`sample_log_probs`) are computed once;
+    the BMA of the first ``m`` is ``log p_m(y|x) = logsumexp_{i<m} log softmax(f(x; w_i))_y − log m``
+    (for ``m = M`` exactly :func:`bma_log_probs`). ``temperature`` ``T`` rescales each predictive to
+    ``log softmax(log p_m / T)`` (:func:`flatbma.calibration.scale`; 1 leaves it unchanged).
+
+    Args:
+        model: the template module.
+        samples: weight dicts (parameters and buffers) of the posterior samples.
+        loader: ``(x, y)`` batches.
+        num_classes: number of classes of the :class:`~flatbma.metrics.StreamingMetrics`.
+        n_bins: their number of ECE bins.
+        sizes: numbers of samples; each is cut to ``M`` and ``M`` itself is always included.
+        temperature: ``T > 0`` of the rescaled predictives.
+        device: where batches go.
+        mode: the model's prediction mode (a posterior's ``predict_mode``); eval mode when ``None``.
+        batched: batch the samples, loop over them or choose (``None``); see :func:`sample_log_probs`.
+        chunk_size: samples per batched call; ``None`` sizes chunks automatically.
+        reduce_metrics: applied to every state at the end, in increasing ``m`` (see :func:`evaluate`).
+
+    Returns:
+        ``{m: state}`` in increasing ``m``.
+    """
+    if not samples:
+        raise FlatbmaError("BMA needs at least one posterior sample (num_samples >= 1)")
+    _check_batching_options(batched, chunk_size)
+    total = len(samples)
+    chosen = sorted({min(m, total) for m in sizes} | {total})
+    states = {m: StreamingMetrics(num_classes=num_classes, n_bins=n_bins) for m in chosen}
+    with (mode or eval_mode)(model):
+        for x, y in loader:
+            x, y = x.to(device), y.to(device)
+            per_sample = sample_log_probs(model, samples, x, batched=batched, chunk_size=chunk_size)
+            for m, state in states.items():
+                log_probs = log_mean_exp(per_sample[:m])
+                state.update(log_probs if temperature == 1.0 else scale(log_probs, temperature), y)
+    if reduce_metrics is not None:
+        for state in states.values():
+            reduce_metrics(state)
+    return states

@@ -11,7 +11,7 @@ honours because :func:`flatbma.params.trainable_params` only returns trainable p
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Literal
+from enum import Enum
 
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
@@ -23,7 +23,18 @@ from flatbma.models import classifier_of
 NORM_TYPES: tuple[type[nn.Module], ...] = (_BatchNorm, nn.LayerNorm, nn.GroupNorm, _InstanceNorm)
 """Module types whose affine parameters count as normalization parameters."""
 
-Subset = Literal["all", "norm+classifier", "classifier"]
+
+
+class Subset(str, Enum):
+    """Which parameters are trained and Bayesian (``model.trainable``; strings and members are both accepted).
+
+    ``all``; ``norm+classifier``: every normalization layer and the classifier (FP-BMA's transfer
+    scheme); ``classifier``: the final ``nn.Linear`` only.
+    """
+
+    ALL = "all"
+    NORM_CLASSIFIER = "norm+classifier"
+    CLASSIFIER = "classifier"
 
 
 def normalization_parameters(model: nn.Module) -> list[str]:
@@ -42,16 +53,19 @@ def classifier_parameters(model: nn.Module) -> list[str]:
     return [f"{name}.{p}" if name else p for p, _ in linear.named_parameters(recurse=False)]
 
 
-def subset_names(model: nn.Module, subset: Subset) -> list[str]:
+def subset_names(model: nn.Module, subset: Subset | str) -> list[str]:
     """Parameter names of a named subset (in ``model.named_parameters()`` order)."""
-    if subset == "all":
+    try:
+        subset = Subset(subset)
+    except (ValueError, TypeError):
+        choices = "'all', 'norm+classifier' or 'classifier'"
+        raise FlatbmaError(f"model.trainable must be {choices}, got {subset!r}") from None
+    if subset is Subset.ALL:
         chosen = {n for n, _ in model.named_parameters()}
-    elif subset == "classifier":
+    elif subset is Subset.CLASSIFIER:
         chosen = set(classifier_parameters(model))
-    elif subset == "norm+classifier":
-        chosen = set(normalization_parameters(model)) | set(classifier_parameters(model))
     else:
-        raise FlatbmaError(f"model.trainable must be 'all', 'norm+classifier' or 'classifier', got {subset!r}")
+        chosen = set(normalization_parameters(model)) | set(classifier_parameters(model))
     return [n for n, _ in model.named_parameters() if n in chosen]
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any, NamedTuple, Protocol
 
 import torch
@@ -79,7 +80,7 @@ class Posterior(Transform):
             e.g. SWAG or VI samples); see :func:`flatbma.bn.recompute_bn_statistics`.
         gaussian: ``gaussian(state) -> θ`` for posteriors that are a low-rank plus diagonal Gaussian
             ``N(μ, ½(diag σ² + LLᵀ/(K−1)))``: its ``mean/``, ``log_std/`` and ``factor/`` tensors in the
-            layout of :mod:`flatbma.posteriors.lowrank_vi` (SWAG, low-rank VI, FP-BMA). A two-stage run
+            layout of :mod:`flatbma.gaussian` (SWAG, low-rank VI, FP-BMA). A two-stage run
             uses it as the prior and initialization of the second stage; ``None`` for other posteriors.
         members: number ``M`` of independent components (ensemble members) when the posterior is the
             uniform mixture ``q = (1/M) Σ_m q_m`` of components trained without interacting; 0 (the
@@ -104,17 +105,37 @@ class Posterior(Transform):
     split: Callable[[State, Sequence[int]], State] | None = None
 
 
+class AscentSpace(str, Enum):
+    """Where an ascent step acts (strings and members are both accepted).
+
+    ``WEIGHTS``: on network weights ``w`` — a point estimate's, or each weight sample ``w(θ, z)`` of a
+    variational posterior (F-VI, Nguyen et al. 2023). ``THETA``: on a variational posterior's own
+    parameters ``θ`` (FP-BMA, Lim et al. 2025).
+    """
+
+    WEIGHTS = "weights"
+    THETA = "theta"
+
+
 class Ascent(Protocol):
     """An ascent (perturbation) step of the sharpness-aware family.
 
     ``perturb(params, grads)`` returns ``ε`` (same keys as ``grads``) such that the descent gradient
-    is taken at ``params + ε``. SAM, ASAM and Fisher-SAM implement it on weights; FP-BMA implements it
-    on variational parameters.
+    is taken at ``params + ε``; ``space`` says what ``params`` are. SAM, ASAM and Fisher-SAM act on
+    weights; FP-BMA's Fisher ball acts on variational parameters. An ascent step without a ``space``
+    attribute acts on weights (:func:`ascent_space`).
     """
+
+    space: AscentSpace
 
     def perturb(self, params: Mapping[str, Tensor], grads: Mapping[str, Tensor]) -> Params:
         """Return the perturbation ε for every key of ``grads``."""
         ...
+
+
+def ascent_space(ascent: Ascent | None) -> AscentSpace:
+    """The space ``ascent`` acts in: its ``space`` attribute, ``WEIGHTS`` when it has none or is ``None``."""
+    return AscentSpace(getattr(ascent, "space", AscentSpace.WEIGHTS))
 
 
 class GradientTransformation(Protocol):

@@ -91,6 +91,13 @@ def test_bad_severity(tmp_path, severity):
         load_cifar_c(tmp_path, "fog", severity)
 
 
+def test_numpy_integer_severity_is_an_integer_but_numpy_bool_is_not(tmp_path):
+    root = write_cifar_c(tmp_path)
+    assert torch.equal(load_cifar_c(root, "fog", np.int64(2)).images, load_cifar_c(root, "fog", 2).images)
+    with pytest.raises(FlatbmaError, match="severity must be an integer from 1 to 5"):
+        load_cifar_c(root, "fog", np.bool_(True))
+
+
 @pytest.mark.parametrize(
     ("images", "message"),
     [

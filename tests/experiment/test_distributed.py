@@ -88,7 +88,7 @@ def _assert_same_run(one: Path, many: Path) -> None:
 
 
 def _single_process_batches(n, batch_size, generator):
-    drop_last = n > batch_size and n % batch_size == 1  # flatbma.experiment.run._loader's rule
+    drop_last = n > batch_size and n % batch_size == 1  # flatbma.experiment.distributed.seeded_loader's rule
     loader = DataLoader(range(n), batch_size=batch_size, shuffle=True, generator=generator, drop_last=drop_last)
     return [b.tolist() for b in loader]
 
@@ -161,7 +161,7 @@ def test_torchrun_cli_trains_like_one_process_and_only_rank0_writes(tmp_path):
 
 def _worker(root: Path) -> None:
     """Run under torchrun (2 processes): SAM, SWAG, FP-BMA; SGLD crash + resume; evaluate; replica check."""
-    from flatbma.experiment import run
+    from flatbma.experiment import stage
     from flatbma.experiment.run import evaluate_run, load_run_config
     from flatbma.types import State
 
@@ -176,18 +176,18 @@ def _worker(root: Path) -> None:
 
         cfg = config_from_dict({**RESUME, "output_dir": str(root / "ref")})
         train_run(cfg)
-        real_save = run._save_checkpoint
-        with crash_after(run, CRASH_AFTER) as calls:
+        real_save = stage.save_position
+        with crash_after(stage, CRASH_AFTER) as calls:
 
             def slow_save(*args):  # rank 0 writes late: the others must still resume from this checkpoint
                 time.sleep(0.5 if len(calls) == CRASH_AFTER - 1 else 0.0)
                 real_save(*args)
 
-            run._save_checkpoint = slow_save
+            stage.save_position = slow_save
             try:
                 train_run(config_from_dict({**RESUME, "output_dir": str(root / "crashed")}))
             finally:
-                run._save_checkpoint = real_save
+                stage.save_position = real_save
         if me == 0:
             (root / "crash-position.json").write_text(
                 json.dumps(load_checkpoint(root / "crashed/checkpoint.safetensors")[1])

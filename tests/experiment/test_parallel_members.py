@@ -168,7 +168,7 @@ def test_one_process_helpers_inside_single_process():
 
 def _worker(root: Path) -> None:
     """Run under torchrun (2 processes): members training, a crash, too many processes, compare via the CLI."""
-    from flatbma.experiment import compare, report, run
+    from flatbma.experiment import compare, report, stage
     from flatbma.experiment.cli import main
 
     with distributed.process_group(torch.device("cpu")):
@@ -176,7 +176,7 @@ def _worker(root: Path) -> None:
         # rank 1 is given a directory of its own: it must never be created
         train_run(config_from_dict(_members_config(root / ("members" if me == 0 else "members-rank1"))))
 
-        with crash_after(run, CRASH_AFTER):
+        with crash_after(stage, CRASH_AFTER):
             train_run(config_from_dict(_members_config(root / "crashed")))
 
         too_many = _members_config(root / "too-many")
@@ -204,9 +204,9 @@ def _worker(root: Path) -> None:
         for module, name in [
             (compare, "atomic_write_json"),
             (compare, "atomic_write_bytes"),
-            (run, "atomic_write_json"),
-            (run, "atomic_write_bytes"),
-            (run, "_save_checkpoint"),
+            (stage, "atomic_write_json"),
+            (stage, "atomic_write_bytes"),
+            (stage, "save_position"),
         ]:
             recording(module, name)
         real_reports = report.write_reports

@@ -17,14 +17,16 @@ import torch
 import yaml
 
 from flatbma.errors import FlatbmaError
+from flatbma.experiment.build import build_experiment
 from flatbma.experiment.checkpoint import load_state
 from flatbma.experiment.cli import main
 from flatbma.experiment.config import config_from_dict
-from flatbma.experiment.run import build_experiment, fit_prior, prior_stage, train_run
+from flatbma.experiment.prior import fit_prior, prior_stage
+from flatbma.experiment.run import train_run
+from flatbma.gaussian import section
 from flatbma.optim import SGD
 from flatbma.params import Objective
 from flatbma.posteriors import fp_bma
-from flatbma.posteriors.gaussian_vi import section
 
 TWO_STAGE = {
     "seed": 0,
@@ -172,23 +174,31 @@ def test_sgd_learning_rate_beyond_the_kl_stability_bound_is_refused_before_train
     assert not (Path(cfg.output_dir) / "prior" / "checkpoint.safetensors").exists()  # refused before stage 1
 
 
+def test_a_first_stage_whose_options_drop_the_low_rank_part_is_refused_before_it_trains(tmp_path: Path) -> None:
+    cfg = config_from_dict(_config(tmp_path, prior__method__diagonal_only=True))  # swag is a Gaussian method...
+    with pytest.raises(FlatbmaError, match=r"prior\.method 'swag' is not a low-rank plus diagonal Gaussian posterior"):
+        train_run(cfg)  # ... but not with this option
+    assert not (Path(cfg.output_dir) / "prior" / "checkpoint.safetensors").exists()
+
+
 def test_resume_after_a_crash_in_the_first_stage_matches_an_uninterrupted_run(tmp_path: Path, monkeypatch) -> None:
     import flatbma.experiment.run as run_module
+    import flatbma.experiment.stage as stage_module
 
     whole = config_from_dict(_config(tmp_path / "whole", train__checkpoint_every=5))
     train_run(whole)
     crashed = config_from_dict(_config(tmp_path / "crashed", train__checkpoint_every=5))
-    save = run_module._save_checkpoint
+    save = stage_module.save_position
 
     def save_then_crash(path, state, position, history):
         save(path, state, position, history)
         if path.parent.name == "prior" and state.step == 10:
             raise KeyboardInterrupt  # the process dies right after a mid-epoch checkpoint of stage 1
 
-    monkeypatch.setattr(run_module, "_save_checkpoint", save_then_crash)
+    monkeypatch.setattr(stage_module, "save_position", save_then_crash)
     with pytest.raises(KeyboardInterrupt):
         train_run(crashed)
-    monkeypatch.setattr(run_module, "_save_checkpoint", save)
+    monkeypatch.setattr(stage_module, "save_position", save)
     assert not (Path(crashed.output_dir) / "checkpoint.safetensors").exists()
     run_dir, _ = train_run(run_module.load_run_config(crashed.output_dir), resume=True)  # what `--resume` does
     a = load_state(Path(whole.output_dir) / "checkpoint.safetensors")

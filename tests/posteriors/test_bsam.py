@@ -13,10 +13,11 @@ from flatbma.errors import FlatbmaError
 from flatbma.experiment.checkpoint import load_state, save_state
 from flatbma.experiment.cli import main
 from flatbma.experiment.methods import METHODS, parse_method
+from flatbma.gaussian import section, standard_normal_like
 from flatbma.optim import SAM, SGD, Adam, constant
 from flatbma.params import Objective, model_buffers, trainable_params
 from flatbma.posteriors import bsam
-from flatbma.posteriors.gaussian_vi import SEED_KEY, section, seeded_generator, standard_normal_like
+from flatbma.rng import SEED_KEY, seeded_generator
 from tests.helpers import tiny_bn_net, toy_batch
 
 

@@ -17,25 +17,26 @@ from flatbma.errors import FlatbmaError
 from flatbma.experiment.checkpoint import load_state, save_state
 from flatbma.experiment.cli import main
 from flatbma.experiment.methods import METHODS, parse_method
+from flatbma.gaussian import GaussianNoise, geometry, section
 from flatbma.optim import SAM, SGD, Adam, FisherSAM, sharpness_aware_value_and_grad
-from flatbma.optim.fp_bma import (
+from flatbma.optim.fisher_ball import (
+    BallMetric,
     FisherBall,
     covariance_fisher_diagonal,
     covariance_fisher_product,
     damping_scale,
-    geometry,
     natural_gradient,
 )
 from flatbma.params import Objective, flatten, model_buffers, trainable_params, unflatten
 from flatbma.posteriors import fp_bma, lowrank_vi
 from flatbma.posteriors.gaussian_vi import (
-    GaussianNoise,
     autograd_gradient,
     elbo_value_and_grad,
     kl_grad,
-    section,
     theta_sharpness_value_and_grad,
 )
+from flatbma.rng import SEED_KEY, seeded_generator
+from flatbma.types import AscentSpace, ascent_space
 from tests.helpers import tiny_bn_net, toy_batch
 
 K = 4
@@ -62,7 +63,7 @@ def _cov_keys(theta):
 
 
 def _stack(tensors, names, k):
-    """A covariance-block vector by key → the [K+1, d] layout of flatbma.optim.fp_bma."""
+    """A covariance-block vector by key → the [K+1, d] layout of flatbma.optim.fisher_ball."""
     s = torch.cat([tensors[f"log_std/{n}"].reshape(-1) for n in names])
     return torch.cat([s[None], torch.cat([tensors[f"factor/{n}"].reshape(k, -1) for n in names], dim=1)])
 
@@ -603,3 +604,34 @@ def test_geometry_is_reused_only_for_unchanged_tensors():
     assert second is not first and not torch.equal(second.a, first.a)
     fresh = {k: v.clone() for k, v in theta.items()}
     torch.testing.assert_close(geometry(fresh, torch.float64).c_inv, second.c_inv)
+
+
+@pytest.mark.parametrize("ascent", [None, SAM(rho=0.1), FisherBall(gamma=0.05)], ids=["none", "sam", "fisher-ball"])
+def test_the_ascent_step_chooses_whether_the_update_perturbs_weights_or_theta(ascent):
+    # low-rank VI + SAM is F-low-rank-VI (each sampled w perturbed); low-rank VI + FisherBall is FP-BMA (θ perturbed)
+    torch.manual_seed(0)
+    model = _Tiny().double()
+    obj = Objective(model=model, num_data=30)
+    batch = _tiny_batch(1)
+    method = lowrank_vi.build(obj, SGD(lr=1.0, momentum=0.0), ascent, rank=3, init_std=0.1)
+    state = method.init(trainable_params(model), {})
+    theta = {k: v.clone() for k, v in state.params.items()}
+    family = lowrank_vi.LowRankGaussian(rank=3, init_std=0.1, prior_std=1.0)
+    noises = [family.noise(state.params, seeded_generator(state.aux[SEED_KEY], 0, "cpu"))]
+    on_theta = ascent_space(ascent) is AscentSpace.THETA
+    step = theta_sharpness_value_and_grad if on_theta else elbo_value_and_grad
+    _, _, grads = step(obj, family, theta, {}, batch, noises, ascent=ascent, kl_weight=1.0)
+    state, _ = method.update(state, batch)
+    for k in theta:
+        torch.testing.assert_close(state.params[k], theta[k] - grads[k], rtol=1e-10, atol=1e-12)
+    assert on_theta == isinstance(ascent, FisherBall)
+
+
+def test_the_metric_is_an_enum_given_by_member_or_name():
+    assert FisherBall(metric="euclidean") == FisherBall(metric=BallMetric.EUCLIDEAN)
+    assert FisherBall(metric="data-fisher").metric is BallMetric.DATA_FISHER
+    assert FisherBall().metric is BallMetric.FISHER
+    cfg = parse_method({"name": "fp-bma", "metric": "euclidean"})
+    assert cfg.ascent.metric is BallMetric.EUCLIDEAN
+    with pytest.raises(FlatbmaError, match=r"metric must be one of 'fisher', 'euclidean', 'data-fisher'"):
+        FisherBall(metric=3)

@@ -57,8 +57,7 @@ import pytest
 import torch
 
 from flatbma.flatness.posterior import flatness_report
-from flatbma.optim import Adam
-from flatbma.optim.fp_bma import FisherBall
+from flatbma.optim import Adam, FisherBall
 from flatbma.params import Objective, trainable_params
 from flatbma.posteriors import fp_bma, lowrank_vi, swag
 from tests.posteriors.test_flat_variants import DATA, SEEDS, Valley, _start, valley_loss
@@ -80,6 +79,10 @@ class Reversed:
     """A control, not a method: ``−δ*`` of the wrapped ascent (the same KL radius, downhill)."""
 
     ascent: FisherBall
+
+    @property
+    def space(self):  # where the wrapped ascent acts (θ), so the posterior takes FP-BMA's θ-level step
+        return self.ascent.space
 
     def perturb(self, params, grads):
         return {k: -v for k, v in self.ascent.perturb(params, grads).items()}

@@ -1,3 +1,4 @@
+import dataclasses
 import json
 import math
 
@@ -282,3 +283,16 @@ def test_cli_trains_on_digits(tmp_path, capsys, method):
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["num_samples"] == 4
     assert metrics["accuracy"] > 0.5  # chance is 0.1
+
+
+def test_lr_scale_is_an_enum_given_by_member_or_name():
+    assert parse_method({"name": "sgld", "lr_scale": "potential"}).options["lr_scale"] is sgld.LrScale.POTENTIAL
+    assert parse_method({"name": "csgld"}).options["lr_scale"] is sgld.LrScale.MEAN
+    obj = dataclasses.replace(gaussian_objective(2), num_data=4)  # n > 1: the two scales differ
+    chains = {}
+    for scale in ("potential", sgld.LrScale.POTENTIAL, sgld.LrScale.MEAN):
+        torch.manual_seed(0)  # the Langevin noise comes from the global generator
+        method = sgld.build(obj, SGD(lr=1e-3), lr_scale=scale, burn_in=0, thin=1)
+        chains[scale] = sgld.stored_samples(run_chain(method, obj, 3))["w"]
+    assert torch.equal(chains["potential"], chains[sgld.LrScale.POTENTIAL])
+    assert not torch.equal(chains["potential"], chains[sgld.LrScale.MEAN])

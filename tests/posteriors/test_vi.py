@@ -15,10 +15,11 @@ from flatbma.errors import FlatbmaError
 from flatbma.experiment.checkpoint import load_state, save_state
 from flatbma.experiment.cli import main
 from flatbma.experiment.methods import METHODS, parse_method
+from flatbma.gaussian import GaussianNoise, section
 from flatbma.optim import SAM, SGD, Adam, cosine
 from flatbma.params import Objective, flatten, model_buffers, trainable_params, unflatten
 from flatbma.posteriors import lowrank_vi, mfvi
-from flatbma.posteriors.gaussian_vi import GaussianNoise, elbo_value_and_grad, section
+from flatbma.posteriors.gaussian_vi import elbo_value_and_grad
 from tests.helpers import tiny_bn_net, toy_batch
 
 # ------------------------------------------------------------------------------------------------

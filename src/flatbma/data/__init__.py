@@ -15,6 +15,7 @@ from flatbma.data.cifar_c import (
 from flatbma.data.corruptions import (
     BENCHMARK_CORRUPTIONS,
     CORRUPTIONS,
+    SEVERITIES,
     applicable,
     corrupt,
     corrupt_dataset,
@@ -61,6 +62,7 @@ __all__ = [
     "FASHION_MNIST_ROOT",
     "IMAGENET_MEAN",
     "IMAGENET_STD",
+    "SEVERITIES",
     "ArrayDataset",
     "Compose",
     "DatasetSplits",

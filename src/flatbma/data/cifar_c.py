@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from flatbma.checks import is_integral
 from flatbma.data.corruptions import CORRUPTIONS
 from flatbma.data.datasets import ArrayDataset
 from flatbma.errors import FlatbmaError, suggest
@@ -104,7 +105,7 @@ def cifar_c_corruptions(root: str | Path) -> list[str]:
 
 
 def _check_severity(severity: object) -> int:
-    if isinstance(severity, bool) or not isinstance(severity, int | np.integer) or not 1 <= severity <= SEVERITY_COUNT:
+    if not is_integral(severity) or not 1 <= severity <= SEVERITY_COUNT:
         raise FlatbmaError(f"CIFAR-C severity must be an integer from 1 to {SEVERITY_COUNT}, got {severity!r}.")
     return int(severity)
 

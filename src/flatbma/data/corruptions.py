@@ -101,6 +101,7 @@ import torch.nn.functional as F
 from PIL import Image
 from torch import Tensor
 
+from flatbma.checks import is_integral
 from flatbma.data.datasets import ArrayDataset
 from flatbma.errors import FlatbmaError, suggest
 
@@ -630,19 +631,19 @@ def _check_name(name: object) -> str:
 
 
 def _check_severity(severity: object) -> int:
-    if isinstance(severity, bool) or not isinstance(severity, int | np.integer) or not 1 <= severity <= 5:
+    if not is_integral(severity) or not 1 <= severity <= 5:
         raise FlatbmaError(f"corruption severity must be an integer from 1 to 5, got {severity!r}.")
     return int(severity)
 
 
 def _check_seed(seed: object) -> int:
-    if isinstance(seed, bool) or not isinstance(seed, int | np.integer) or not 0 <= seed < 2**63:
+    if not is_integral(seed) or not 0 <= seed < 2**63:
         raise FlatbmaError(f"corruption seed must be a non-negative integer below 2**63, got {seed!r}.")
     return int(seed)
 
 
 def _check_channels(channels: object) -> int:
-    if isinstance(channels, bool) or not isinstance(channels, int | np.integer):
+    if not is_integral(channels):
         raise FlatbmaError(f"channels must be an integer (1 or 3), got {channels!r}.")
     return int(channels)
 

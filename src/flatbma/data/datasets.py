@@ -33,6 +33,7 @@ from PIL import Image, UnidentifiedImageError
 from torch import Tensor
 from torch.utils.data import Dataset
 
+from flatbma.checks import check_int
 from flatbma.data._readers import load_data_pickle, read_idx
 from flatbma.data.fewshot import stratified_split
 from flatbma.errors import FlatbmaError, suggest
@@ -617,8 +618,8 @@ def load_image_folder(root: str | Path | None = None, *, size: int | None = None
             Required when the images differ in size.
     """
     root = _existing_dir(root, "image-folder", _FOLDER_HELP)
-    if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
-        raise FlatbmaError(f"size must be a positive int or None, got {size!r}.")
+    if size is not None:
+        check_int(size, f"size must be a positive int or None, got {size!r}.", minimum=1)
     split_dirs = {split: root / split for split in ("train", "test")}
     missing = [str(d) for d in split_dirs.values() if not d.is_dir()]
     if missing:

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from flatbma.checks import check_int, check_number
 from flatbma.errors import FlatbmaError
 
 if TYPE_CHECKING:
@@ -29,9 +30,7 @@ __all__ = ["few_shot", "few_shot_indices", "stratified_split"]
 
 
 def _check_int(value: object, what: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise FlatbmaError(f"{what} must be an integer, got {value!r} ({type(value).__name__}).")
-    return value
+    return check_int(value, f"{what} must be an integer, got {value!r} ({type(value).__name__}).")
 
 
 def _generator(seed: object) -> torch.Generator:
@@ -182,8 +181,8 @@ def stratified_split(labels: Tensor, fraction: float, seed: int) -> tuple[Tensor
     Returns:
         ``(kept_indices, held_out_indices)``: sorted, disjoint int64 indices covering all examples.
     """
-    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction < 1:
-        raise FlatbmaError(f"fraction must be a number strictly between 0 and 1, got {fraction!r}.")
+    message = f"fraction must be a number strictly between 0 and 1, got {fraction!r}."
+    check_number(fraction, message, low=0, high=1, low_open=True, high_open=True)
     labels, num_classes = _check_labels(labels, None)
     generator = _generator(seed)
     kept: list[Tensor] = []

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from flatbma.checks import check_int, is_int
 from flatbma.errors import FlatbmaError, suggest
 
 __all__ = [
@@ -43,8 +44,8 @@ def _as_batch(x: Tensor, who: str) -> tuple[Tensor, bool]:
 
 def _pair(size: int | Sequence[int], what: str) -> tuple[int, int]:
     """Return ``(height, width)`` from an int or a pair of positive ints."""
-    pair = (size, size) if isinstance(size, int) and not isinstance(size, bool) else tuple(size)
-    if len(pair) != 2 or not all(isinstance(s, int) and not isinstance(s, bool) and s > 0 for s in pair):
+    pair = (size, size) if is_int(size) else tuple(size)
+    if len(pair) != 2 or not all(is_int(s) and s > 0 for s in pair):
         raise FlatbmaError(f"{what} must be a positive int or a (height, width) pair, got {size!r}.")
     return int(pair[0]), int(pair[1])
 
@@ -203,8 +204,8 @@ class RandomCrop:
         self, size: int | Sequence[int] | None, padding: int | None = 0, generator: torch.Generator | None = None
     ) -> None:
         self.size = None if size is None else _pair(size, "RandomCrop size")
-        if padding is not None and (isinstance(padding, bool) or not isinstance(padding, int) or padding < 0):
-            raise FlatbmaError(f"RandomCrop padding must be a non-negative int or None, got {padding!r}.")
+        if padding is not None:
+            check_int(padding, f"RandomCrop padding must be a non-negative int or None, got {padding!r}.", minimum=0)
         self.padding = padding
         self.generator = generator
 

@@ -3,6 +3,10 @@
 A checkpoint is one ``.safetensors`` file whose tensors are the state's ``params/…``, ``buffers/…`` and
 ``aux/…`` entries and whose string metadata holds ``step`` and a format tag. Files are written to a
 temporary name in the same directory and renamed, so a crash never leaves a half-written checkpoint.
+
+A run's checkpoint also holds the loop position (:func:`save_position`, :func:`load_position`): the
+runner's :class:`~flatbma.experiment.runner.Position` (RNG states as ``extra/…`` tensors, counters
+and running sums as metadata) and the training history, so that training continues exactly.
 """
 
 from __future__ import annotations
@@ -13,12 +17,15 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save
-from torch import Tensor
+from torch import Tensor, nn
 
 from flatbma.errors import FlatbmaError
-from flatbma.types import State
+from flatbma.experiment.runner import EpochLog, History, Position
+from flatbma.params import model_buffers, trainable_params
+from flatbma.types import Posterior, State
 
 FORMAT = "flatbma-state-v1"
 SECTIONS = ("params", "buffers", "aux")
@@ -144,3 +151,49 @@ def check_compatible(state: State, reference: State, path: str | Path) -> None:
                 f"{path} does not fit this run's config ({problem}): it was written for another method or "
                 "model; restore the run's own checkpoint or train again"
             )
+
+
+def save_position(path: Path, state: State, position: Position, history: History) -> None:
+    """Save ``state`` with the loop ``position`` and ``history`` it was reached with (:func:`load_position`)."""
+    extra = {"torch_rng": position.torch_rng}
+    if position.loader_rng is not None:
+        extra["loader_rng"] = position.loader_rng
+    for i, rng in enumerate(position.cuda_rng or ()):
+        extra[f"cuda_rng/{i}"] = rng
+    meta = {
+        "epoch": str(position.epoch),
+        "batch": str(position.batch),
+        "partial": json.dumps(list(position.partial)),
+        "history": json.dumps([vars(h) for h in history.epochs]),
+    }
+    save_state(state, path, meta, extra)
+
+
+def load_position(path: Path, device: torch.device) -> tuple[State, Position, History]:
+    """``(state, position, history)`` saved by :func:`save_position`, the state on ``device``."""
+    state, meta, extra = load_checkpoint(path, device=str(device))
+    try:
+        cuda = tuple(extra[k] for k in sorted(k for k in extra if k.startswith("cuda_rng/"))) or None
+        position = Position(
+            epoch=int(meta["epoch"]),
+            batch=int(meta["batch"]),
+            loader_rng=extra.get("loader_rng"),
+            torch_rng=extra["torch_rng"],
+            cuda_rng=cuda,
+            partial=tuple(json.loads(meta["partial"])),
+        )
+        history = History([EpochLog(**h) for h in json.loads(meta["history"])])
+    except (KeyError, ValueError, TypeError):
+        raise FlatbmaError(f"{path} has no resumable position (written by another tool?); train again") from None
+    return state, position, history
+
+
+def check_fits(state: State, method: Posterior, model: nn.Module, path: Path, *, device: torch.device) -> None:
+    """A loaded state must have the structure ``method`` gives a fresh state of ``model`` (:func:`check_compatible`).
+
+    The reference state is initialized under a forked RNG, so the run's random streams are left alone.
+    """
+    devices = list(range(torch.cuda.device_count())) if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        reference = method.init(trainable_params(model), model_buffers(model))
+    check_compatible(state, reference, path)

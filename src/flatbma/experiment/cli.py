@@ -11,6 +11,13 @@ import sys
 from collections.abc import Sequence
 
 from flatbma.errors import FlatbmaError
+from flatbma.experiment import distributed
+from flatbma.experiment.build import resolve_device
+from flatbma.experiment.compare import load_plan, run_compare
+from flatbma.experiment.config import load_config
+from flatbma.experiment.methods import METHODS
+from flatbma.experiment.report import summary_table
+from flatbma.experiment.run import evaluate_run, load_run_config, train_run
 
 # What str.splitlines() breaks on: escaped in error messages (user values such as keys and paths may hold them).
 _ESCAPE_LINE_BREAKS = {ord(c): repr(c)[1:-1] for c in "\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029"}
@@ -76,16 +83,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = _build_parser().parse_args(argv)
         if args.command == "methods":
-            from flatbma.experiment.methods import METHODS
-
             width = max(map(len, METHODS))
             for name, spec in METHODS.items():
                 print(f"{name:<{width}}  {spec.summary}")
         elif args.command == "train":
-            from flatbma.experiment import distributed
-            from flatbma.experiment.config import load_config
-            from flatbma.experiment.run import load_run_config, resolve_device, train_run
-
             if args.resume:
                 if args.config or args.overrides:
                     raise FlatbmaError("--resume continues a run with its own config: drop --config/--set")
@@ -101,11 +102,6 @@ def main(argv: Sequence[str] | None = None) -> int:
                 _print_metrics(metrics)
                 print(f"wrote {run_dir / 'metrics.json'}")
         elif args.command == "compare":
-            from flatbma.experiment import distributed
-            from flatbma.experiment.compare import load_plan, run_compare
-            from flatbma.experiment.report import summary_table
-            from flatbma.experiment.run import resolve_device
-
             plan = load_plan(args.config, args.overrides, quick=args.quick)
             with distributed.process_group(resolve_device(plan.base.train.device)):  # under torchrun: runs spread
                 results = run_compare(plan, force=args.force)
@@ -114,9 +110,6 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(summary_table(results))
                 print(f"wrote {plan.out_dir / 'results.json'}, results.csv, report.md and report.html")
         elif args.command == "evaluate":
-            from flatbma.experiment import distributed
-            from flatbma.experiment.run import evaluate_run, load_run_config, resolve_device
-
             device = resolve_device(load_run_config(args.run_dir).train.device)
             with distributed.process_group(device):  # under torchrun: each process evaluates a shard
                 metrics = evaluate_run(args.run_dir, flatness=args.flatness)

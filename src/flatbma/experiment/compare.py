@@ -14,7 +14,8 @@ A compare config is a run config (the shared data/model/optim/train/eval section
       quick: {methods: [sgd, sam], seeds: [0], set: [train.epochs=2]}
 
 Each (method, seed) is an ordinary run directory under ``OUT/runs/<method>/seed<s>`` (trained with
-:func:`flatbma.experiment.run.train_run`); its comparison measurements are cached beside it in
+:func:`flatbma.experiment.run.train` and measured, on the experiment and state it just trained, by
+:func:`flatbma.experiment.evaluate.measure`); its comparison measurements are cached beside it in
 ``compare.json`` together with the hash of the config that produced them, so a rerun skips every
 finished (method, seed) and reuses it. The output directory records its compare config and refuses
 to mix results of a different one unless ``--force`` is given. Under ``torchrun`` the runs are
@@ -32,34 +33,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
 import yaml
 from tqdm.auto import tqdm
 
-from flatbma.calibration import fit_temperature, scale
-from flatbma.errors import FlatbmaError
-from flatbma.experiment import distributed
-from flatbma.experiment.checkpoint import atomic_write_bytes, atomic_write_json, load_state
+from flatbma.data.corruptions import corruption_names
+from flatbma.errors import FlatbmaError, suggest
+from flatbma.experiment import distributed, report
+from flatbma.experiment.checkpoint import atomic_write_bytes, atomic_write_json
 from flatbma.experiment.config import RunConfig, config_from_dict, load_raw, parse_override
+from flatbma.experiment.evaluate import CLEAN_KEYS, measure
 from flatbma.experiment.parse import parse_dataclass, set_dotted
-from flatbma.experiment.run import (
-    CHECKPOINT_FILE,
-    METRICS_FILE,
-    Experiment,
-    build_experiment,
-    finished_run,
-    flatness_metrics,
-    posterior_samples,
-    train_run,
-)
-from flatbma.metrics import StreamingMetrics
-from flatbma.predict import eval_mode, log_mean_exp, sample_log_probs
+from flatbma.experiment.run import load_run, train
+from flatbma.experiment.stage import METRICS_FILE, finished_run
 
 COMPARE_CONFIG = "compare_config.yaml"
 RESULTS_JSON = "results.json"
 RUN_CACHE = "compare.json"
-CLEAN_KEYS = ("accuracy", "nll", "ece", "aece", "brier")
-"""BMA metrics on the clean test set (also merged into a compared run's metrics.json)."""
 
 
 @dataclass(frozen=True)
@@ -120,12 +109,8 @@ class CompareConfig:
         if any(m < 1 for m in self.bma_curve):
             raise FlatbmaError(f"compare.bma_curve holds numbers of samples >= 1, got {list(self.bma_curve)}")
         if self.corruptions:
-            from flatbma.data.corruptions import corruption_names
-
             unknown = [c for c in self.corruptions if c not in corruption_names()]
             if unknown:
-                from flatbma.errors import suggest
-
                 raise FlatbmaError(
                     f"unknown corruption {unknown[0]!r}.{suggest(unknown[0], corruption_names())} "
                     f"Available: {', '.join(corruption_names())}"
@@ -238,122 +223,6 @@ def load_plan(path: str | Path, overrides: list[str] = (), *, quick: bool = Fals
 
 
 # --------------------------------------------------------------------------------------------------
-# measurements of one run
-
-
-@torch.no_grad()
-def bma_log_probs_over(
-    exp: Experiment, samples: list[dict[str, torch.Tensor]], loader
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """BMA log-probabilities and labels of a whole (small) loader, e.g. the validation split."""
-    outs, labels = [], []
-    with (exp.method.predict_mode or eval_mode)(exp.model):
-        for x, y in loader:
-            outs.append(log_mean_exp(sample_log_probs(exp.model, samples, x.to(exp.device))).cpu())
-            labels.append(y)
-    return torch.cat(outs), torch.cat(labels)
-
-
-@torch.no_grad()
-def bma_curve_metrics(
-    exp: Experiment,
-    samples: list[dict[str, torch.Tensor]],
-    loader,
-    sizes: tuple[int, ...],
-    *,
-    temperature: float = 1.0,
-) -> tuple[dict[int, dict[str, float]], dict[str, list]]:
-    """Metrics of the BMA of the first ``m`` samples for every ``m`` in ``sizes``, in one pass.
-
-    ``temperature`` rescales every BMA predictive (``softmax(log p / T)``; 1 = none).
-
-    Returns:
-        ``({m: metrics}, reliability diagram of the full BMA)``.
-    """
-    sizes = tuple(sorted({min(m, len(samples)) for m in sizes} | {len(samples)}))
-    states = {m: StreamingMetrics(num_classes=exp.num_classes, n_bins=exp.config.eval.n_bins) for m in sizes}
-    mode = exp.method.predict_mode or eval_mode
-    with mode(exp.model):
-        for x, y in loader:
-            x, y = x.to(exp.device), y.to(exp.device)
-            per_sample = sample_log_probs(exp.model, samples, x)
-            for m, state in states.items():
-                bma = log_mean_exp(per_sample[:m])
-                state.update(bma if temperature == 1.0 else scale(bma, temperature), y)
-    reliability = {
-        k: [None if v != v else float(v) for v in t.tolist()] for k, t in states[sizes[-1]].reliability().items()
-    }
-    return {m: s.compute() for m, s in states.items()}, reliability
-
-
-def corruption_metrics(
-    exp: Experiment, samples: list[dict[str, torch.Tensor]], names: tuple[str, ...], severities: tuple[int, ...]
-) -> dict[str, dict[str, dict[str, float]]]:
-    """BMA accuracy/NLL/ECE on each corrupted copy of the test set."""
-    from flatbma.data.corruptions import applicable, corrupt_dataset
-
-    test = exp.test_loader.dataset
-    channels = test.images.shape[1]
-    out: dict[str, dict[str, dict[str, float]]] = {}
-    for name in names:
-        if not applicable(name, channels):
-            continue
-        out[name] = {}
-        for severity in severities:
-            shifted = corrupt_dataset(test, name, severity, seed=exp.config.seed)
-            loader = torch.utils.data.DataLoader(shifted, batch_size=exp.config.data.eval_batch_size)
-            metrics, _ = bma_curve_metrics(exp, samples, loader, (len(samples),))
-            m = metrics[len(samples)]
-            out[name][str(severity)] = {k: m[k] for k in ("accuracy", "nll", "ece")}
-    return out
-
-
-def landscape_metrics(exp: Experiment, samples: list[dict[str, torch.Tensor]]) -> dict[str, list[float]]:
-    """Training loss of each sample along one filter-normalized random direction (mean ± std over samples)."""
-    from flatbma.flatness.landscape import posterior_landscape, random_direction
-
-    names = [n for n, p in exp.model.named_parameters() if p.requires_grad]
-    chosen = samples[: exp.config.eval.flatness_samples]
-    data = [(x.to(exp.device), y.to(exp.device)) for x, y in exp.hessian_loader]
-    direction = random_direction(chosen[0], names, seed=exp.config.seed)
-    alphas = torch.linspace(-1.0, 1.0, 21)
-    mean, std = posterior_landscape(exp.model, data, chosen, direction, alphas)
-    return {"alphas": alphas.tolist(), "mean": mean.tolist(), "std": std.tolist()}
-
-
-def measure_run(cfg: RunConfig, compare: CompareConfig) -> dict[str, Any]:
-    """Every comparison measurement of a finished run directory."""
-    run_dir = Path(cfg.output_dir)
-    exp = build_experiment(cfg)
-    state = load_state(run_dir / CHECKPOINT_FILE, device=str(exp.device))
-    start = time.perf_counter()
-    samples = posterior_samples(exp, state)
-    curve, reliability = bma_curve_metrics(exp, samples, exp.test_loader, compare.bma_curve)
-    full = curve[len(samples)]
-    result: dict[str, Any] = {k: full[k] for k in CLEAN_KEYS}
-    result["bma_curve"] = {
-        "num_samples": list(curve),
-        **{k: [curve[m][k] for m in curve] for k in ("accuracy", "nll", "ece")},
-    }
-    result["reliability"] = reliability
-    result["temperature"] = None
-    if exp.val_loader is not None:  # temperature scaling on the k-shot validation split, reported separately
-        val_log_probs, val_labels = bma_log_probs_over(exp, samples, exp.val_loader)
-        t = fit_temperature(val_log_probs, val_labels)
-        scaled, _ = bma_curve_metrics(exp, samples, exp.test_loader, (len(samples),), temperature=t)
-        result["temperature"] = t
-        result["temperature_scaled"] = {k: scaled[len(samples)][k] for k in CLEAN_KEYS}
-    shifted = samples[: compare.corruption_samples] if compare.corruption_samples else samples
-    result["corruptions"] = corruption_metrics(exp, shifted, compare.corruptions, compare.severities)
-    result["corruption_samples"] = len(shifted)
-    if compare.flatness:
-        result.update(flatness_metrics(exp, samples))
-    result["landscape"] = landscape_metrics(exp, samples) if compare.landscape else None
-    result["eval_time_s"] = time.perf_counter() - start
-    return result
-
-
-# --------------------------------------------------------------------------------------------------
 # the whole comparison
 
 
@@ -416,9 +285,7 @@ def run_compare(plan: Plan, *, force: bool = False, progress: bool = True) -> di
     }
     if me == 0:
         atomic_write_json(plan.out_dir / RESULTS_JSON, results)
-        from flatbma.experiment.report import write_reports
-
-        write_reports(results, plan.out_dir)
+        report.write_reports(results, plan.out_dir)
     return results
 
 
@@ -447,16 +314,27 @@ def _run_one(label: str, cfg: RunConfig, compare: CompareConfig, fingerprint: st
             if cached.get("fingerprint") == fingerprint:
                 return cached["result"]
         train_metrics = json.loads((run_dir / METRICS_FILE).read_text())
-    else:  # measure_run evaluates the BMA (and more); its clean-test metrics go into metrics.json below
-        _, train_metrics = train_run(cfg, force=True, evaluate=False)
+        exp, state = load_run(cfg)
+    else:  # measure evaluates the BMA (and more); its clean-test metrics go into metrics.json below
+        trained = train(cfg, force=True, evaluate=False)
+        train_metrics, exp, state = trained.metrics, trained.experiment, trained.state
     result = {
         "method": label,
-        "method_options": cfg.method.to_dict(),
+        "method_options": resolved["method"],
         "prior": cfg.prior.to_dict() if cfg.prior is not None else None,
         "seed": cfg.seed,
         "run_dir": str(run_dir),
         "train_time_s": train_metrics.get("train_time_s"),
-        **measure_run(cfg, compare),
+        **measure(
+            exp,
+            state,
+            bma_curve=compare.bma_curve,
+            corruptions=compare.corruptions,
+            severities=compare.severities,
+            corruption_samples=compare.corruption_samples,
+            flatness=compare.flatness,
+            landscape=compare.landscape,
+        ),
     }
     if not all(k in train_metrics for k in CLEAN_KEYS):  # the run directory is complete on its own
         train_metrics.update({k: result[k] for k in CLEAN_KEYS}, num_samples=cfg.eval.num_samples)

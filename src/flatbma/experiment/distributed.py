@@ -11,6 +11,12 @@ of its ``env://`` rendezvous — backend NCCL when the run's device is CUDA (eac
 (:func:`process_group` does both). Library code (:func:`flatbma.experiment.run.train_run`) is
 data-parallel whenever a default process group with more than one process is initialized.
 
+Strategy: a run chooses its parallel mode once, when its experiment is built (:func:`strategy`:
+:class:`Strategy` for one process, :class:`DataParallel`, :class:`Members`), and asks it for every
+part that depends on the processes — loaders, objective, the transform each process trains, the
+checkpoint callback, the resumed position, the state at the end and the metric reduction — so the
+run itself has no parallel branches.
+
 Data: ``data.batch_size`` is the GLOBAL batch; it must be divisible by the number of processes
 ``N``. :class:`ShardedBatchSampler` draws the global batches exactly as one process does (the same
 seeded ``RandomSampler`` on the same generator, consumed identically) and gives rank ``r`` the
@@ -77,7 +83,7 @@ import dataclasses
 import math
 import os
 from collections.abc import Callable, Iterator, Mapping
-from typing import TYPE_CHECKING
+from enum import Enum
 
 import torch
 import torch.distributed as dist
@@ -85,12 +91,13 @@ from torch import Tensor
 from torch.utils.data import BatchSampler, DataLoader, Dataset, RandomSampler, Sampler
 
 from flatbma.errors import FlatbmaError
+from flatbma.experiment.runner import History, Position
 from flatbma.metrics import StreamingMetrics
 from flatbma.params import Objective
-from flatbma.types import Batch, Params, Posterior, State, StepOutput
+from flatbma.types import Batch, Params, Posterior, State, StepOutput, Transform
 
-if TYPE_CHECKING:
-    from flatbma.experiment.runner import History, Position
+Save = Callable[[State, Position, History], None]
+"""A checkpoint callback of the runner: ``save(state, position, history)``."""
 
 REPLICA_RTOL = 1e-6
 """Relative tolerance of :func:`check_replicas` (replicas are bitwise equal when in sync)."""
@@ -333,6 +340,16 @@ class ShardedBatchSampler(Sampler[list[int]]):
         return len(self.sizes)
 
 
+def seeded_loader(dataset: Dataset, batch_size: int, *, shuffle: bool, seed: int) -> DataLoader:
+    """The loader of one process: ``loader.generator`` (seeded by ``seed``) shuffles when ``shuffle``.
+
+    A shuffled epoch drops a trailing batch of one example, which would break BatchNorm in train mode.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    drop_last = shuffle and len(dataset) > batch_size and len(dataset) % batch_size == 1
+    return DataLoader(dataset, batch_size=batch_size, shuffle=shuffle, generator=generator, drop_last=drop_last)
+
+
 def train_loader(dataset: Dataset, batch_size: int, *, seed: int, shard: bool = True) -> DataLoader:
     """The shuffled training loader of this rank (``shard=False``: the global batches, for every rank).
 
@@ -466,8 +483,6 @@ def global_history(history: History) -> History:
     With equal shards this is the mean over the global batches; epochs already global (identical on
     every rank, e.g. restored from a checkpoint) are left unchanged.
     """
-    from flatbma.experiment.runner import History
-
     if not is_distributed() or not history.epochs:
         return history
     values = torch.tensor([[h.loss, h.accuracy] for h in history.epochs], dtype=torch.float64)
@@ -511,9 +526,7 @@ def local_position(position: Position) -> Position:
     return dataclasses.replace(position, partial=partial, cuda_rng=cuda)
 
 
-def checkpoint_hook(
-    save: Callable[[State, Position, History], None],
-) -> Callable[[State, Position, History], None]:
+def checkpoint_hook(save: Save) -> Save:
     """The runner's checkpoint callback for data-parallel training (a collective: all ranks call it).
 
     Checks the replicas, averages BatchNorm statistics, globalizes position and history, and lets
@@ -632,9 +645,7 @@ class MemberParallel:
         sections = {sec: {k: merged[sec, k] for k in self._order[sec]} for sec in _SECTIONS}
         return State(**sections, step=state.step)
 
-    def checkpoint_hook(
-        self, save: Callable[[State, Position, History], None]
-    ) -> Callable[[State, Position, History], None]:
+    def checkpoint_hook(self, save: Save) -> Save:
         """The runner's checkpoint callback (a collective): merge the members, rank 0 calls ``save``.
 
         Position and history are the same on every rank (same data, same global random stream,
@@ -672,3 +683,160 @@ def _broadcast(tensors: dict[tuple[str, str], Tensor], src: int) -> dict[tuple[s
         out[key] = buffer[offset : offset + n].clone().view(t.dtype).view(t.shape).to(t.device)
         offset += n
     return out
+
+
+# ---------------------------------------------------------------------------------------------------
+# the parallel mode of a run, chosen once
+
+
+class Parallel(str, Enum):
+    """What the processes of a ``torchrun`` launch share out (``train.parallel``; strings and members are accepted).
+
+    ``data``: every process trains all of the method on its shard of each global batch; ``members``:
+    each trains a disjoint share of the posterior's independent members on all the data
+    (:class:`MemberParallel`).
+    """
+
+    DATA = "data"
+    MEMBERS = "members"
+
+
+class Strategy:
+    """How the processes share a run; this base class is one process training everything alone.
+
+    A run asks its strategy, and only it, for what depends on the processes: the loaders, the
+    objective, the transform and state this process trains, the checkpoint callback, the position a
+    resumed run continues from, the state every process evaluates, and how test metrics combine.
+    :func:`strategy` chooses it once, when the run's experiment is built.
+
+    Args:
+        sharded: every process evaluates a contiguous shard of the test set (:func:`shard_loader`)
+            and the metric states are summed over the processes (:func:`all_reduce_metrics`); the
+            run records its ``world_size``.
+    """
+
+    def __init__(self, *, sharded: bool = False) -> None:
+        self.sharded = sharded
+
+    def train_loader(self, dataset: Dataset, batch_size: int, *, seed: int) -> DataLoader:
+        """The shuffled training loader of this process (``loader.generator`` seeded by ``seed``)."""
+        return seeded_loader(dataset, batch_size, shuffle=True, seed=seed)
+
+    def bn_loader(self, dataset: Dataset, batch_size: int, *, seed: int) -> DataLoader:
+        """A fresh loader of the global training batches for BatchNorm recomputation, drawn as the training loader's.
+
+        Evaluation builds it anew, so the batches and their augmentation draws do not depend on what
+        trained before in the process.
+        """
+        return self.train_loader(dataset, batch_size, seed=seed)
+
+    def test_loader(self, dataset: Dataset, batch_size: int) -> DataLoader:
+        """The in-order loader of the test data this process evaluates."""
+        if self.sharded:
+            return shard_loader(dataset, batch_size)
+        return seeded_loader(dataset, batch_size, shuffle=False, seed=0)
+
+    def objective(self, objective: Objective) -> Objective:
+        """The objective the method is built with."""
+        return objective
+
+    def start(self, method: Posterior, state: State, name: str) -> tuple[Transform, State]:
+        """The transform this process trains and its part of the full ``state`` (``name``: for messages)."""
+        return method, state
+
+    def resume(self, position: Position) -> Position:
+        """This process's position from the saved (global) one."""
+        return position
+
+    def checkpoint(self, save: Save) -> Save:
+        """The runner's checkpoint callback that ends in ``save`` of the full state (on rank 0)."""
+        return save
+
+    def finish(self, state: State, history: History) -> tuple[State, History]:
+        """The full trained state and the history every process evaluates and records."""
+        return state, history
+
+    @property
+    def reduce_metrics(self) -> Callable[[StreamingMetrics], None] | None:
+        """Combines the metric states of the processes (``None``: this process saw all the test data)."""
+        return all_reduce_metrics if self.sharded else None
+
+    def record(self) -> dict[str, int]:
+        """What the run's ``metrics.json`` records about its processes."""
+        return {"world_size": world_size()} if self.sharded else {}
+
+
+class DataParallel(Strategy):
+    """``train.parallel: data`` on ``N`` processes: shards of every global batch, all-reduced gradients.
+
+    See the module docstring: the same global batches as one process, replicas checked and
+    BatchNorm statistics averaged in every checkpoint and at the end, rank 0 saves.
+    """
+
+    def __init__(self) -> None:
+        super().__init__(sharded=True)
+
+    def train_loader(self, dataset: Dataset, batch_size: int, *, seed: int) -> DataLoader:
+        """This rank's slice of each global batch (:class:`ShardedBatchSampler`)."""
+        return train_loader(dataset, batch_size, seed=seed)
+
+    def bn_loader(self, dataset: Dataset, batch_size: int, *, seed: int) -> DataLoader:
+        """The global batches, on every rank (BatchNorm statistics are then identical on all of them)."""
+        return train_loader(dataset, batch_size, seed=seed, shard=False)
+
+    def objective(self, objective: Objective) -> Objective:
+        """:func:`data_parallel`."""
+        return data_parallel(objective)
+
+    def resume(self, position: Position) -> Position:
+        """:func:`local_position`."""
+        return local_position(position)
+
+    def checkpoint(self, save: Save) -> Save:
+        """:func:`checkpoint_hook`."""
+        return checkpoint_hook(save)
+
+    def finish(self, state: State, history: History) -> tuple[State, History]:
+        """:func:`finish`."""
+        return finish(state, history)
+
+
+class Members(Strategy):
+    """``train.parallel: members``: each process trains its share of the independent members (:class:`MemberParallel`).
+
+    In one process it trains all members. A method without members, or more processes than members,
+    is refused when training starts (:class:`MemberParallel`).
+    """
+
+    def __init__(self, *, sharded: bool) -> None:
+        super().__init__(sharded=sharded)
+        self._spread: MemberParallel | None = None
+
+    def start(self, method: Posterior, state: State, name: str) -> tuple[Transform, State]:
+        """Spread the members of the full ``state``; this process trains :meth:`MemberParallel.local`."""
+        self._spread = MemberParallel(method, state, name)
+        return self._spread.method, self._spread.local(state)
+
+    def checkpoint(self, save: Save) -> Save:
+        """:meth:`MemberParallel.checkpoint_hook` (after :meth:`start`)."""
+        return self._started().checkpoint_hook(save)
+
+    def finish(self, state: State, history: History) -> tuple[State, History]:
+        """The members merged into the full state on every rank."""
+        return self._started().merge(state), history
+
+    def _started(self) -> MemberParallel:
+        if self._spread is None:
+            raise RuntimeError("Members.start must be called before training")
+        return self._spread
+
+
+def strategy(parallel: Parallel | str) -> Strategy:
+    """The strategy of a run with ``train.parallel = parallel`` in the current process group.
+
+    ``members`` spreads the members (over one process or many); ``data`` is data-parallel under a
+    process group of several processes and one process otherwise.
+    """
+    if Parallel(parallel) is Parallel.MEMBERS:
+        return Members(sharded=is_distributed())
+    return DataParallel() if is_distributed() else Strategy()

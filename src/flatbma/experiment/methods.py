@@ -18,8 +18,7 @@ from typing import Any
 
 from flatbma.errors import FlatbmaError, suggest
 from flatbma.experiment.parse import coerce, parse_dataclass
-from flatbma.optim import ASAM, SAM, FisherSAM
-from flatbma.optim.fp_bma import FisherBall
+from flatbma.optim import ASAM, SAM, FisherBall, FisherSAM
 from flatbma.posteriors import bsam, ensemble, fp_bma, lowrank_vi, mc_dropout, mfvi, point, sgld, swag
 from flatbma.types import Ascent, Posterior
 
@@ -36,6 +35,10 @@ class MethodSpec:
         with_prior: ``with_prior(objective, optimizer, ascent, prior_theta, *, ...options)``, the family
             with a low-rank plus diagonal Gaussian prior in place of its default one (a two-stage run's
             ``prior`` section), or ``None`` when the method takes no such prior.
+        gaussian: whether the posterior is a low-rank plus diagonal Gaussian (its
+            :attr:`~flatbma.types.Posterior.gaussian` gives ``θ``), so that it can be the first stage
+            of a two-stage run; an option may still turn the low-rank part off (SWAG's
+            ``diagonal_only``), which the run reports when it builds that stage.
     """
 
     name: str
@@ -43,6 +46,7 @@ class MethodSpec:
     family: Callable[..., Posterior]
     ascent: type | None = None
     with_prior: Callable[..., Posterior] | None = None
+    gaussian: bool = False
 
     def family_options(self) -> dict[str, inspect.Parameter]:
         """Keyword-only parameters of the family builder."""
@@ -155,9 +159,17 @@ register(
 
 
 # Posterior families; every F- variant is the same family composed with SAM (Nguyen et al. 2023).
-register(MethodSpec("swag", "SWAG: diagonal + low-rank Gaussian of SGD iterates (Maddox et al. 2019)", swag.build))
+register(
+    MethodSpec(
+        "swag", "SWAG: diagonal + low-rank Gaussian of SGD iterates (Maddox et al. 2019)", swag.build, gaussian=True
+    )
+)
 register(MethodSpec("swag-diag", "SWAG-Diagonal: diagonal Gaussian of SGD iterates (Maddox 2019)", swag.build_diag))
-register(MethodSpec("f-swag", "F-SWAG: SWAG collected along a SAM trajectory (Nguyen et al. 2023)", swag.build, SAM))
+register(
+    MethodSpec(
+        "f-swag", "F-SWAG: SWAG collected along a SAM trajectory (Nguyen et al. 2023)", swag.build, SAM, gaussian=True
+    )
+)
 
 register(MethodSpec("mfvi", "Mean-field Gaussian VI: Bayes by backprop (Blundell et al. 2015)", mfvi.build))
 register(
@@ -166,11 +178,18 @@ register(
         "Low-rank + diagonal Gaussian VI, Σ = ½(diag σ² + LLᵀ/(K−1))",
         lowrank_vi.build,
         with_prior=fp_bma.build_with_prior,  # with no ascent step it is low-rank VI with that prior
+        gaussian=True,
     )
 )
 register(MethodSpec("f-mfvi", "F-MFVI: SAM on each sampled model of MFVI (Nguyen et al. 2023)", mfvi.build, SAM))
 register(
-    MethodSpec("f-lowrank-vi", "F-low-rank VI: SAM on each sampled model (Nguyen et al. 2023)", lowrank_vi.build, SAM)
+    MethodSpec(
+        "f-lowrank-vi",
+        "F-low-rank VI: SAM on each sampled model (Nguyen et al. 2023)",
+        lowrank_vi.build,
+        SAM,
+        gaussian=True,
+    )
 )
 register(MethodSpec("bsam", "Bayesian SAM: SAM as a relaxation of Bayes (Möllenhoff & Khan 2023)", bsam.build))
 
@@ -182,9 +201,24 @@ register(MethodSpec("sgld", "SGLD: Langevin dynamics on mini-batch gradients (We
 register(MethodSpec("csgld", "Cyclical SGLD: cosine cyclical step size (Zhang et al. 2020)", sgld.build_cyclical))
 register(MethodSpec("f-sgld", "F-SGLD: SGLD with the SAM gradient (Nguyen et al. 2023)", sgld.build, SAM))
 
-# FP-BMA: the low-rank + diagonal Gaussian with the ascent in θ-space, inside a KL ball (Lim et al. 2025).
-for _name, _summary in [
-    ("fp-bma", "FP-BMA: low-rank Gaussian VI, ascent in a KL ball (Lim 2025)"),
-    ("sa-bma", "SA-BMA: alias of fp-bma (Lim et al. 2025)"),
-]:
-    register(MethodSpec(_name, _summary, fp_bma.build, FisherBall, with_prior=fp_bma.build_with_prior))
+# FP-BMA: the low-rank + diagonal Gaussian with the Fisher-ball ascent on θ, a KL ball (Lim et al. 2025).
+register(
+    MethodSpec(
+        "fp-bma",
+        "FP-BMA: low-rank Gaussian VI, ascent in a KL ball (Lim 2025)",
+        lowrank_vi.build,
+        FisherBall,
+        with_prior=fp_bma.build_with_prior,
+        gaussian=True,
+    )
+)
+register(
+    MethodSpec(
+        "sa-bma",
+        "SA-BMA: alias of fp-bma (Lim et al. 2025)",
+        lowrank_vi.build,
+        FisherBall,
+        with_prior=fp_bma.build_with_prior,
+        gaussian=True,
+    )
+)

@@ -8,8 +8,10 @@ import re
 import types
 import typing
 from collections.abc import Mapping
+from enum import Enum
 from typing import Any, TypeVar, Union
 
+from flatbma.checks import is_int, is_number
 from flatbma.errors import FlatbmaError, suggest
 
 T = TypeVar("T")
@@ -23,7 +25,10 @@ def _type_name(tp: Any) -> str:
 
 
 def coerce(value: Any, tp: Any, where: str) -> Any:
-    """Check ``value`` against the annotation ``tp`` (ints are accepted for floats; tuples from lists)."""
+    """Check ``value`` against the annotation ``tp`` (ints are accepted for floats; tuples from lists).
+
+    A ``str`` Enum annotation accepts its members and their values and returns the member.
+    """
     origin = typing.get_origin(tp)
     if tp is Any:
         return value
@@ -46,8 +51,12 @@ def coerce(value: Any, tp: Any, where: str) -> Any:
         allowed = typing.get_args(tp)
         if value in allowed:
             return value
-        hint = suggest(str(value), [str(a) for a in allowed])
-        raise FlatbmaError(f"{where} must be one of {', '.join(map(repr, allowed))}, got {value!r}.{hint}")
+        raise FlatbmaError(_not_one_of(where, allowed, value))
+    if isinstance(tp, type) and issubclass(tp, Enum):
+        try:
+            return tp(value)
+        except (ValueError, TypeError):
+            raise FlatbmaError(_not_one_of(where, tuple(m.value for m in tp), value)) from None
     if origin is tuple:
         args = typing.get_args(tp)
         if not isinstance(value, (list, tuple)):
@@ -62,13 +71,13 @@ def coerce(value: Any, tp: Any, where: str) -> Any:
             return value
         raise FlatbmaError(f"{where} must be true or false, got {value!r}")
     if tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
+        if is_int(value):
             if not -(2**63) <= value < 2**63:  # torch and numpy take 64-bit integers
                 raise FlatbmaError(f"{where} must be a 64-bit integer, got one of {value.bit_length()} bits")
             return value
         raise FlatbmaError(f"{where} must be an integer, got {value!r}")
     if tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if is_number(value):
             try:
                 return float(value)
             except OverflowError:
@@ -86,6 +95,11 @@ def coerce(value: Any, tp: Any, where: str) -> Any:
     if dataclasses.is_dataclass(tp):
         return parse_dataclass(tp, value, where)
     raise TypeError(f"unsupported config annotation {tp!r} at {where}")
+
+
+def _not_one_of(where: str, allowed: tuple[Any, ...], value: Any) -> str:
+    hint = suggest(str(value), [str(a) for a in allowed])
+    return f"{where} must be one of {', '.join(map(repr, allowed))}, got {value!r}.{hint}"
 
 
 def yaml_float(x: float) -> str:

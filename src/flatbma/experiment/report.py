@@ -38,6 +38,8 @@ from typing import Any
 
 import yaml
 
+from flatbma import plotting
+from flatbma.checks import is_number
 from flatbma.errors import FlatbmaError
 from flatbma.experiment.checkpoint import atomic_write_bytes
 
@@ -110,7 +112,7 @@ def _by_method(runs: Sequence[Run]) -> dict[str, list[Run]]:
 
 def _num(value: Any) -> float | None:
     """A number, or ``None`` for null, missing and non-numeric values."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if not is_number(value):
         return None
     return float(value)
 
@@ -356,23 +358,17 @@ def _csv_text(results: Mapping[str, Any]) -> str:
 # figures
 
 
+_DPI = 100
+"""Resolution of the report's own figures (the landscape figure keeps :func:`~flatbma.plotting.landscape_1d_png`'s)."""
+
+
 def _figure(nrows: int, ncols: int, width: float, height: float) -> tuple[Any, list[Any]]:
-    """A matplotlib ``Figure`` (no pyplot state) and its axes, flattened; explains how to install it."""
-    try:
-        from matplotlib.figure import Figure
-    except ImportError:
-        raise FlatbmaError(
-            "report figures need matplotlib: pip install matplotlib (or pip install flatbma[plots])"
-        ) from None
-    fig = Figure(figsize=(width * ncols, height * nrows), layout="constrained")
-    axes = fig.subplots(nrows, ncols, squeeze=False)
-    return fig, [ax for row in axes for ax in row]
+    """:func:`flatbma.plotting.figure` of ``nrows × ncols`` panels of ``width × height`` inches."""
+    return plotting.figure(nrows, ncols, width, height, what="report figures")
 
 
 def _png(fig: Any) -> bytes:
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=100, metadata={"Software": None})
-    return buf.getvalue()
+    return plotting.png(fig, dpi=_DPI)
 
 
 def _band(ax: Any, xs: Sequence[float], stats: Sequence[Stats], label: str) -> None:
@@ -574,12 +570,10 @@ def landscape_curves(results: Mapping[str, Any]) -> dict[str, tuple[list[float],
 
 def landscape_figure(results: Mapping[str, Any]) -> bytes | None:
     """1-D posterior loss landscapes per method (:func:`landscape_curves`); ``None`` without data."""
-    from flatbma.flatness.landscape import landscape_1d_png
-
     curves = landscape_curves(results)
     if not curves:
         return None
-    return landscape_1d_png(
+    return plotting.landscape_1d_png(
         curves,
         xlabel="α (filter-normalized random direction)",
         title="training loss of posterior samples (mean ± std)",

@@ -6,13 +6,20 @@
 * :func:`spectral_density` — the eigenvalue density by stochastic Lanczos quadrature.
 * :func:`loss_along` / :func:`loss_surface` / :func:`posterior_landscape` — 1-D and 2-D loss landscapes
   along filter-normalized random (:func:`random_direction`) or top-eigenvector directions.
+* :func:`sample_spectra` / :func:`distribution_spectrum` / :func:`sam_sharpness` /
+  :func:`flatness_report` — the flatness of a posterior: per-sample spectra and distribution-level
+  measures.
 
 The solvers on flat vectors (:func:`lanczos`, :func:`power_iteration`, :func:`hutchinson_trace`,
 :func:`stochastic_lanczos_quadrature`) work for any symmetric operator.
+
+The landscape plots (:func:`plot_landscape_1d`, :func:`plot_landscape_2d` and their ``*_png``
+forms) live in :mod:`flatbma.plotting` and are re-exported here; they need matplotlib
+(``pip install flatbma[plots]``), imported only when a plot is drawn.
 """
 
-from flatbma.flatness.hutchinson import TraceEstimate, hessian_trace, hutchinson_trace
-from flatbma.flatness.hvp import HessianOperator, HVPMethod, hvp_fn
+from flatbma.flatness.hutchinson import TraceEstimate, hessian_trace, hutchinson_trace, rademacher
+from flatbma.flatness.hvp import HessianOperator, HVPMethod, ParamSelection, hvp_fn, nonzero_checked
 from flatbma.flatness.lanczos import (
     ConvergenceWarning,
     EigenMethod,
@@ -26,18 +33,16 @@ from flatbma.flatness.landscape import (
     BiasBNPolicy,
     EigenDirection,
     LandscapeBand,
-    landscape_1d_png,
-    landscape_2d_png,
     loss_along,
     loss_along_samples,
     loss_surface,
-    plot_landscape_1d,
-    plot_landscape_2d,
     posterior_landscape,
     random_direction,
     top_eigen_direction,
 )
+from flatbma.flatness.posterior import distribution_spectrum, flatness_report, sam_sharpness, sample_spectra
 from flatbma.flatness.slq import SpectralDensity, spectral_density, stochastic_lanczos_quadrature
+from flatbma.plotting import landscape_1d_png, landscape_2d_png, plot_landscape_1d, plot_landscape_2d
 
 __all__ = [
     "BiasBNPolicy",
@@ -48,8 +53,11 @@ __all__ = [
     "HVPMethod",
     "HessianOperator",
     "LandscapeBand",
+    "ParamSelection",
     "SpectralDensity",
     "TraceEstimate",
+    "distribution_spectrum",
+    "flatness_report",
     "hessian_eigenvalues",
     "hessian_trace",
     "hutchinson_trace",
@@ -61,11 +69,15 @@ __all__ = [
     "loss_along",
     "loss_along_samples",
     "loss_surface",
+    "nonzero_checked",
     "plot_landscape_1d",
     "plot_landscape_2d",
     "posterior_landscape",
     "power_iteration",
+    "rademacher",
     "random_direction",
+    "sam_sharpness",
+    "sample_spectra",
     "spectral_density",
     "stochastic_lanczos_quadrature",
     "top_eigen_direction",

@@ -22,24 +22,22 @@ Directions:
 * :func:`top_eigen_direction` — the unit eigenvector of the largest Hessian eigenvalue ``λ₁``
   (Lanczos on Hessian-vector products), along which ``f(α) ≈ L_S(w) + α gᵀv + ½ λ₁ α²``.
 
-Plots (:func:`plot_landscape_1d`, :func:`plot_landscape_2d`) need matplotlib
-(``pip install flatbma[plots]``); it is imported only when a plot is drawn.
+This module computes the values only; :mod:`flatbma.plotting` draws them
+(:func:`~flatbma.plotting.plot_landscape_1d`, :func:`~flatbma.plotting.plot_landscape_2d`).
 """
 
 from __future__ import annotations
 
-import io
-import math
 from collections.abc import Iterable, Mapping, Sequence
 from enum import Enum
-from pathlib import Path
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call
 
+from flatbma.checks import check_finite_vector
 from flatbma.errors import FlatbmaError, suggest
 from flatbma.flatness.hvp import (
     HVPMethod,
@@ -59,20 +57,13 @@ __all__ = [
     "BiasBNPolicy",
     "EigenDirection",
     "LandscapeBand",
-    "landscape_1d_png",
-    "landscape_2d_png",
     "loss_along",
     "loss_along_samples",
     "loss_surface",
-    "plot_landscape_1d",
-    "plot_landscape_2d",
     "posterior_landscape",
     "random_direction",
     "top_eigen_direction",
 ]
-
-Curve = tuple[Any, Any, Any]
-"""``(alphas, mean, std | None)``: one curve of :func:`plot_landscape_1d` (tensors, arrays or lists)."""
 
 _NORM_EPS = 1e-10  # as in Li et al.'s code: d · ‖w‖ / (‖d‖ + 1e-10)
 
@@ -267,7 +258,7 @@ def loss_along(
     Returns:
         ``(len(alphas),)`` float64 tensor on the CPU.
     """
-    a = _check_steps(alphas, "alphas")
+    a = check_finite_vector(alphas, "alphas")
     return _grid_losses(model, data, [weights or {}], [direction], a[:, None], loss_fn)[0]
 
 
@@ -287,7 +278,7 @@ def loss_surface(
     Returns:
         ``(len(alphas), len(betas))`` float64 CPU tensor with ``surface[i, j] = f(alphas[i], betas[j])``.
     """
-    a, b = _check_steps(alphas, "alphas"), _check_steps(betas, "betas")
+    a, b = check_finite_vector(alphas, "alphas"), check_finite_vector(betas, "betas")
     grid = torch.stack(torch.meshgrid(a, b, indexing="ij"), dim=-1).reshape(-1, 2)
     return _grid_losses(model, data, [weights or {}], [d1, d2], grid, loss_fn)[0].reshape(len(a), len(b))
 
@@ -307,7 +298,7 @@ def loss_along_samples(
     """
     if not samples:
         raise FlatbmaError("a posterior landscape needs at least one sample (eval.flatness_samples >= 1)")
-    a = _check_steps(alphas, "alphas")
+    a = check_finite_vector(alphas, "alphas")
     return _grid_losses(model, data, list(samples), [direction], a[:, None], loss_fn)
 
 
@@ -328,18 +319,6 @@ def posterior_landscape(
     losses = loss_along_samples(model, data, samples, direction, alphas, loss_fn=loss_fn)
     std = losses.std(dim=0, unbiased=True) if losses.shape[0] > 1 else torch.zeros(losses.shape[1], dtype=losses.dtype)
     return LandscapeBand(losses.mean(dim=0), std)
-
-
-def _check_steps(values: Sequence[float] | Tensor, name: str) -> Tensor:
-    try:
-        t = torch.as_tensor(values, dtype=torch.float64).detach().cpu()
-    except (TypeError, ValueError, RuntimeError):
-        raise FlatbmaError(f"{name} must be a sequence of numbers (got {type(values).__name__})") from None
-    if t.dim() != 1 or t.numel() == 0:
-        raise FlatbmaError(f"{name} must be a non-empty 1-D sequence of numbers (got shape {tuple(t.shape)})")
-    if not bool(torch.isfinite(t).all()):
-        raise FlatbmaError(f"{name} must be finite (got {t.tolist()})")
-    return t
 
 
 def _check_direction(model: nn.Module, direction: Mapping[str, Tensor], base: Mapping[str, Tensor], label: str) -> None:
@@ -412,129 +391,3 @@ def _grid_losses(
     if n == 0:
         raise FlatbmaError("the data for the landscape is empty (no batch with at least one example)")
     return totals / n
-
-
-# --------------------------------------------------------------------------------------------------
-# plots
-
-
-def _figure(width: float, height: float, ncols: int = 1) -> tuple[Any, Any]:
-    """A matplotlib ``Figure`` (no pyplot state, Agg canvas) and its axes; explains how to install it."""
-    try:
-        from matplotlib.figure import Figure
-    except ImportError:
-        raise FlatbmaError("plots need matplotlib: pip install matplotlib (or pip install flatbma[plots])") from None
-    fig = Figure(figsize=(width, height), layout="constrained")
-    axes = fig.subplots(1, ncols, squeeze=False)[0]
-    return fig, axes
-
-
-def _png(fig: Any) -> bytes:
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=110, metadata={"Software": None})
-    return buf.getvalue()
-
-
-def _as_list(values: Any) -> list[float]:
-    if isinstance(values, Tensor):
-        return values.detach().cpu().to(torch.float64).reshape(-1).tolist()
-    return [math.nan if v is None else float(v) for v in values]
-
-
-def _draw_curves(ax: Any, curves: Mapping[str, Curve]) -> None:
-    """Draw ``{label: (alphas, mean, std | None)}`` on matplotlib axes: lines with ±std bands."""
-    for label, curve in curves.items():
-        if len(curve) != 3:
-            raise FlatbmaError(f"curve {label!r} must be (alphas, mean, std or None), got {len(curve)} items")
-        alphas, mean, std = curve
-        a, m = _as_list(alphas), _as_list(mean)
-        if len(a) != len(m):
-            raise FlatbmaError(f"curve {label!r}: {len(a)} alphas but {len(m)} losses")
-        (line,) = ax.plot(a, m, label=str(label), marker=".")
-        if std is not None:
-            s = _as_list(std)
-            if len(s) != len(m):
-                raise FlatbmaError(f"curve {label!r}: {len(m)} losses but {len(s)} standard deviations")
-            lo = [mi - si for mi, si in zip(m, s)]
-            hi = [mi + si for mi, si in zip(m, s)]
-            ax.fill_between(a, lo, hi, color=line.get_color(), alpha=0.2, linewidth=0)
-
-
-def landscape_1d_png(
-    curves: Mapping[str, Curve], *, xlabel: str = "α", ylabel: str = "training loss", title: str | None = None
-) -> bytes:
-    """PNG bytes of 1-D loss curves ``{label: (alphas, mean, std | None)}`` (std drawn as a band)."""
-    if not curves:
-        raise FlatbmaError("no curve to plot: pass at least one {label: (alphas, mean, std)}")
-    fig, (ax,) = _figure(6.0, 4.0)
-    _draw_curves(ax, curves)
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel(ylabel)
-    ax.grid(alpha=0.3)
-    ax.legend()
-    if title:
-        ax.set_title(title)
-    return _png(fig)
-
-
-def plot_landscape_1d(
-    curves: Mapping[str, Curve],
-    path: str | Path,
-    *,
-    xlabel: str = "α",
-    ylabel: str = "training loss",
-    title: str | None = None,
-) -> Path:
-    """Write :func:`landscape_1d_png` to ``path`` (parent folders are created); returns the path."""
-    return _write(path, landscape_1d_png(curves, xlabel=xlabel, ylabel=ylabel, title=title))
-
-
-def landscape_2d_png(
-    alphas: Sequence[float] | Tensor,
-    betas: Sequence[float] | Tensor,
-    surface: Any,
-    *,
-    levels: int = 20,
-    title: str | None = None,
-) -> bytes:
-    """PNG bytes of a contour plot of ``surface[i, j] = f(alphas[i], betas[j])`` (from :func:`loss_surface`)."""
-    a, b = _check_steps(alphas, "alphas"), _check_steps(betas, "betas")
-    z = torch.as_tensor(surface, dtype=torch.float64).detach().cpu()
-    if tuple(z.shape) != (len(a), len(b)):
-        raise FlatbmaError(
-            f"surface must have shape (len(alphas), len(betas)) = {(len(a), len(b))}, got {tuple(z.shape)}"
-        )
-    if len(a) < 2 or len(b) < 2:
-        raise FlatbmaError("a contour plot needs at least 2 alphas and 2 betas")
-    fig, (ax,) = _figure(5.5, 4.5)
-    xs, ys, zs = a.tolist(), b.tolist(), z.T.tolist()  # contour wants Z[y, x]
-    filled = ax.contourf(xs, ys, zs, levels=levels, cmap="viridis")
-    lines = ax.contour(xs, ys, zs, levels=levels, colors="k", linewidths=0.4)
-    ax.clabel(lines, inline=True, fontsize=6, fmt="%.3g")
-    fig.colorbar(filled, ax=ax, label="training loss")
-    ax.plot([0.0], [0.0], marker="*", color="w", markeredgecolor="k", markersize=10)
-    ax.set_xlabel("α (d₁)")
-    ax.set_ylabel("β (d₂)")
-    if title:
-        ax.set_title(title)
-    return _png(fig)
-
-
-def plot_landscape_2d(
-    alphas: Sequence[float] | Tensor,
-    betas: Sequence[float] | Tensor,
-    surface: Any,
-    path: str | Path,
-    *,
-    levels: int = 20,
-    title: str | None = None,
-) -> Path:
-    """Write :func:`landscape_2d_png` to ``path`` (parent folders are created); returns the path."""
-    return _write(path, landscape_2d_png(alphas, betas, surface, levels=levels, title=title))
-
-
-def _write(path: str | Path, data: bytes) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(data)
-    return path

@@ -31,6 +31,8 @@ from flatbma.flatness.lanczos import hessian_eigenvalues, lanczos
 from flatbma.predict import eval_mode
 from flatbma.types import Batch
 
+__all__ = ["distribution_spectrum", "flatness_report", "sam_sharpness", "sample_spectra"]
+
 
 def _check_samples(samples: Sequence[Mapping[str, Tensor]]) -> None:
     if not samples:

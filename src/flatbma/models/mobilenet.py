@@ -18,6 +18,7 @@ from pathlib import Path
 
 from torch import Tensor, nn
 
+from flatbma.checks import check_number
 from flatbma.errors import FlatbmaError
 from flatbma.models._checks import check_dropout, check_positive_int
 from flatbma.models.checkpoint import load_matching, load_state_dict_file
@@ -124,8 +125,7 @@ class MobileNetV2(nn.Module):
         check_positive_int("num_classes", num_classes)
         check_positive_int("in_channels", in_channels)
         p = check_dropout(dropout)
-        if isinstance(width_mult, bool) or not isinstance(width_mult, int | float) or not width_mult > 0:
-            raise FlatbmaError(f"width_mult must be a positive number, got {width_mult!r}.")
+        check_number(width_mult, f"width_mult must be a positive number, got {width_mult!r}.", low=0, low_open=True)
         channels = make_divisible(_STEM_CHANNELS * width_mult)
         self.last_channel = make_divisible(_LAST_CHANNELS * max(1.0, width_mult))
         stages: list[nn.Module] = [_conv_bn_relu6(in_channels, channels, kernel=3, stride=2)]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
+from flatbma.checks import is_int
 from flatbma.errors import FlatbmaError
 from flatbma.models._checks import check_dropout, check_positive_int
 
@@ -28,9 +29,7 @@ class MLP(nn.Module):
         check_positive_int("in_features", in_features)
         check_positive_int("num_classes", num_classes)
         p = check_dropout(dropout)
-        if isinstance(hidden, int | str) or not all(
-            isinstance(h, int) and not isinstance(h, bool) and h >= 1 for h in hidden
-        ):
+        if isinstance(hidden, int | str) or not all(is_int(h) and h >= 1 for h in hidden):
             raise FlatbmaError(f"hidden must be a tuple of positive integers, got {hidden!r}.")
         layers: list[nn.Module] = [nn.Flatten()]
         width = in_features

@@ -1,8 +1,13 @@
-"""Optimizers (gradient transformations) and ascent steps of the sharpness-aware family."""
+"""Optimizers (gradient transformations) and ascent steps of the sharpness-aware family.
+
+Ascent steps on weights: :class:`SAM`, :class:`ASAM`, :class:`FisherSAM`; on a low-rank Gaussian's
+variational parameters: :class:`FisherBall` (FP-BMA). Each declares where it acts (``space``).
+"""
 
 from flatbma.bn import disable_running_stats, enable_running_stats
 from flatbma.optim.asam import ASAM
 from flatbma.optim.ascent import sharpness_aware_value_and_grad
+from flatbma.optim.fisher_ball import BallMetric, FisherBall
 from flatbma.optim.fisher_sam import FisherSAM
 from flatbma.optim.sam import SAM
 from flatbma.optim.schedules import constant, cosine
@@ -14,6 +19,8 @@ __all__ = [
     "SAM",
     "SGD",
     "Adam",
+    "BallMetric",
+    "FisherBall",
     "FisherSAM",
     "SAMOptimizer",
     "constant",

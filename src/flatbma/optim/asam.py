@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import Tensor
@@ -11,7 +12,7 @@ from torch import Tensor
 from flatbma.errors import FlatbmaError
 from flatbma.optim.ascent import TINY, check_radius
 from flatbma.params import global_norm
-from flatbma.types import Params
+from flatbma.types import AscentSpace, Params
 
 
 @dataclass(frozen=True)
@@ -22,9 +23,12 @@ class ASAM:
     ``‖T_w⁻¹ ε‖ ≤ ρ``, which makes the sharpness invariant to parameter re-scaling.
 
     Attributes:
+        space: :attr:`~flatbma.types.AscentSpace.WEIGHTS`: the step perturbs weights.
         rho: radius ρ in the normalized space (ASAM's usual value is 10× SAM's).
         eta: η, keeps zero weights perturbable; ``eta=0`` gives ``T_w = |w|`` exactly.
     """
+
+    space: ClassVar[AscentSpace] = AscentSpace.WEIGHTS
 
     rho: float = 0.5
     eta: float = 0.01

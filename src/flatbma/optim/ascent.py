@@ -8,12 +8,13 @@ the ascent steps differ only in ``perturb``.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 
 import torch
 from torch import Tensor
 
-from flatbma.errors import FlatbmaError
+from flatbma.checks import check_number
 from flatbma.params import Objective, add
 from flatbma.types import Ascent, Batch, Params
 
@@ -23,8 +24,8 @@ TINY = 1e-12
 
 def check_radius(rho: float, name: str = "rho") -> None:
     """Raise a :class:`FlatbmaError` unless ``rho`` is a positive finite number."""
-    if not isinstance(rho, (int, float)) or isinstance(rho, bool) or not 0 < rho < float("inf"):
-        raise FlatbmaError(f"{name} must be a positive number (the ascent radius), got {rho!r}")
+    message = f"{name} must be a positive number (the ascent radius), got {rho!r}"
+    check_number(rho, message, low=0, low_open=True, high=math.inf, high_open=True)
 
 
 def sharpness_aware_value_and_grad(

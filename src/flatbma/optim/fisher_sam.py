@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import Tensor
@@ -11,7 +12,7 @@ from torch import Tensor
 from flatbma.errors import FlatbmaError
 from flatbma.optim.ascent import TINY, check_radius
 from flatbma.params import dot
-from flatbma.types import Params
+from flatbma.types import AscentSpace, Params
 
 
 @dataclass(frozen=True)
@@ -22,9 +23,12 @@ class FisherSAM:
     ``εᵀFε ≤ ρ²`` (so ``εᵀFε = ρ²`` exactly), i.e. SAM in the information geometry.
 
     Attributes:
+        space: :attr:`~flatbma.types.AscentSpace.WEIGHTS`: the step perturbs weights.
         rho: radius ρ of the Fisher ball.
         eta: η, weight of the empirical Fisher ``g⊙g``; ``eta=0`` recovers SAM.
     """
+
+    space: ClassVar[AscentSpace] = AscentSpace.WEIGHTS
 
     rho: float = 0.1
     eta: float = 1.0

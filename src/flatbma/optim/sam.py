@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import Tensor
 
 from flatbma.optim.ascent import TINY, check_radius
 from flatbma.params import global_norm
-from flatbma.types import Params
+from flatbma.types import AscentSpace, Params
 
 
 @dataclass(frozen=True)
@@ -18,8 +19,11 @@ class SAM:
     """SAM ascent step: ``ε = ρ g / ‖g‖₂`` (the first-order solution of ``max_{‖ε‖≤ρ} L(w+ε)``).
 
     Attributes:
+        space: :attr:`~flatbma.types.AscentSpace.WEIGHTS`: the step perturbs weights.
         rho: neighbourhood radius ρ.
     """
+
+    space: ClassVar[AscentSpace] = AscentSpace.WEIGHTS
 
     rho: float = 0.05
 

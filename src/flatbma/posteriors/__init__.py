@@ -1,5 +1,32 @@
-"""Posterior families. Each module has ``build(objective, optimizer, ascent=None, *, ...)``."""
+"""Posterior families. Each module has ``build(objective, optimizer, ascent=None, *, ...)``.
 
-from flatbma.posteriors import bsam, ensemble, gaussian_vi, lowrank_vi, mc_dropout, mfvi, point, sgld, swag
+``fp_bma`` is low-rank VI composed with the Fisher-ball ascent (:class:`flatbma.optim.FisherBall`);
+it adds the builder with a low-rank Gaussian prior. ``gaussian_vi`` is the reparameterized-VI
+machinery the VI families share.
+"""
 
-__all__ = ["bsam", "ensemble", "gaussian_vi", "lowrank_vi", "mc_dropout", "mfvi", "point", "sgld", "swag"]
+from flatbma.posteriors import (
+    bsam,
+    ensemble,
+    fp_bma,
+    gaussian_vi,
+    lowrank_vi,
+    mc_dropout,
+    mfvi,
+    point,
+    sgld,
+    swag,
+)
+
+__all__ = [
+    "bsam",
+    "ensemble",
+    "fp_bma",
+    "gaussian_vi",
+    "lowrank_vi",
+    "mc_dropout",
+    "mfvi",
+    "point",
+    "sgld",
+    "swag",
+]

@@ -35,28 +35,20 @@ from dataclasses import replace
 import torch
 from torch import Tensor
 
+from flatbma.checks import check_number
 from flatbma.errors import FlatbmaError
+from flatbma.gaussian import check_sections, is_theta, section, standard_normal_like
 from flatbma.params import Objective, clone
-from flatbma.posteriors.gaussian_vi import (
-    SEED_KEY,
-    check_sections,
-    is_theta,
-    new_seed,
-    section,
-    seeded_generator,
-    standard_normal_like,
-)
+from flatbma.rng import SEED_KEY, new_seed, seeded_generator
 from flatbma.types import Ascent, Batch, GradientTransformation, Params, Posterior, State, StepOutput
 
 PREFIXES = ("mean", "precision")
 
 
 def _check(name: str, value: float, low: float, high: float = float("inf"), *, closed_low: bool) -> None:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-    ok = ok and (low <= value if closed_low else low < value) and value < high
-    if not ok:
-        bound = f"in [{low}, {high})" if closed_low else f"in ({low}, {high})"
-        raise FlatbmaError(f"method.{name} must be a number {bound} (got {value!r})")
+    bound = f"in [{low}, {high})" if closed_low else f"in ({low}, {high})"
+    message = f"method.{name} must be a number {bound} (got {value!r})"
+    check_number(value, message, low=low, low_open=not closed_low, high=high, high_open=True)
 
 
 def posterior_std(theta: Mapping[str, Tensor], num_data: float) -> Params:

@@ -7,20 +7,19 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from flatbma.checks import check_int
 from flatbma.errors import FlatbmaError
 from flatbma.params import Objective, clone
 from flatbma.posteriors import point
+from flatbma.rng import SEED_BOUND, forked_rng, splitmix64
 from flatbma.types import Ascent, Batch, GradientTransformation, Params, Posterior, State, StepOutput
-
-_SEED_BOUND = 2**63 - 1
 
 
 def build(
@@ -74,13 +73,12 @@ def build(
     Raises:
         FlatbmaError: ``size < 1`` or a ``seed`` that is not a non-negative integer or ``None``.
     """
-    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-        raise FlatbmaError(f"method.size must be an integer >= 1 (the number of ensemble members), got {size!r}")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
-        raise FlatbmaError(f"method.seed must be a non-negative integer or null, got {seed!r}")
+    check_int(size, f"method.size must be an integer >= 1 (the number of ensemble members), got {size!r}", minimum=1)
+    if seed is not None:
+        check_int(seed, f"method.seed must be a non-negative integer or null, got {seed!r}", minimum=0)
 
     def init(params: Params, buffers: Params) -> State:
-        base = seed if seed is not None else int(torch.randint(_SEED_BOUND, (), dtype=torch.int64))
+        base = seed if seed is not None else int(torch.randint(SEED_BOUND, (), dtype=torch.int64))
         members = member_initializations(objective.model, params, buffers, size, base)
         state_params: Params = {}
         state_buffers: Params = {}
@@ -95,10 +93,10 @@ def build(
         aux: Params = {}
         losses, log_probs = [], []
         members = _members(state)
-        step_seed = int(torch.randint(_SEED_BOUND, (), dtype=torch.int64))  # one draw, whatever the members
+        step_seed = int(torch.randint(SEED_BOUND, (), dtype=torch.int64))  # one draw, whatever the members
         for m in members:
             p, b, o = (_member(m, d) for d in (state.params, state.buffers, state.aux))
-            with _forked_rng(_mix(step_seed, m)):
+            with forked_rng(_member_seed(step_seed, m)):
                 o, out = point.step(objective, optimizer, ascent, p, b, o, state.step, batch)
             aux.update(_prefixed(m, o))
             losses.append(out.loss)
@@ -148,12 +146,12 @@ def member_initializations(
     members = [(clone(params), clone(buffers))]
     if size == 1:
         return members
-    seeds = torch.randint(_SEED_BOUND, (size,), generator=torch.Generator().manual_seed(seed)).tolist()
+    seeds = torch.randint(SEED_BOUND, (size,), generator=torch.Generator().manual_seed(seed)).tolist()
     template = {**dict(model.named_parameters()), **dict(model.named_buffers())}
     saved = {k: v.detach().clone() for k, v in template.items()}
     try:
         for m in range(1, size):
-            with _forked_rng(seeds[m]), torch.no_grad():
+            with forked_rng(seeds[m]), torch.no_grad():
                 for _, module in resettable:
                     module.reset_parameters()
             current = {**dict(model.named_parameters()), **dict(model.named_buffers())}
@@ -187,20 +185,6 @@ def _members(state: State) -> list[int]:
     return sorted(map(int, found))
 
 
-def _mix(seed: int, m: int) -> int:
-    """A seed for member ``m`` from ``seed`` (SplitMix64 finalizer of ``seed + (m+1)·φ``), in [0, 2⁶³)."""
-    z = (seed + (m + 1) * 0x9E3779B97F4A7C15) % 2**64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) % 2**64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) % 2**64
-    return (z ^ (z >> 31)) >> 1
-
-
-@contextmanager
-def _forked_rng(seed: int) -> Iterator[None]:
-    """Run the body with torch's CPU (and initialized CUDA) generators seeded by ``seed``, restored afterwards."""
-    cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
-    with torch.random.fork_rng(devices=cuda):
-        torch.default_generator.manual_seed(seed)
-        if cuda:
-            torch.cuda.manual_seed_all(seed)
-        yield
+def _member_seed(seed: int, m: int) -> int:
+    """A seed for member ``m`` from ``seed``: the high 63 bits of :func:`flatbma.rng.splitmix64` of ``(seed, m)``."""
+    return splitmix64(seed, m) >> 1

@@ -14,47 +14,43 @@ With an ascent step this is the flat-seeking variant (F-VI, Nguyen et al., NeurI
 Algorithm 1): for each sample ``w = w(θ, z)``, ``g = ∇_w L_B(w)``, ``ε = ascent.perturb(w, g)`` and the
 data gradient is ``∇L_B(w + ε)`` back-propagated to ``θ`` through the reparameterization, i.e. the
 vector-Jacobian product ``(∂w/∂θ)ᵀ ∇L_B(w + ε)``; the KL gradient is added unchanged. Without an
-ascent step the same composition is the plain reparameterization (ELBO) gradient. With
-``build(..., ascent_space="theta")`` the ascent step perturbs ``θ`` itself instead (FP-BMA, Lim et al.
-2025): :func:`theta_sharpness_value_and_grad`.
+ascent step the same composition is the plain reparameterization (ELBO) gradient. An ascent step
+whose ``space`` is :attr:`~flatbma.types.AscentSpace.THETA` (:class:`flatbma.optim.FisherBall`)
+perturbs ``θ`` itself instead (FP-BMA, Lim et al. 2025): :func:`theta_sharpness_value_and_grad`.
 
 Randomness: the training noise comes from a generator reseeded every step from a seed stored in the
-state (``aux["rng/seed"]``, drawn from torch's global generator in ``init``) and the step number, so a
-saved-and-loaded state resumes with exactly the noise it would have drawn; ``sample`` uses the
-caller's generator.
+state (``aux["rng/seed"]``, drawn from torch's global generator in ``init``) and the step number
+(:func:`flatbma.rng.seeded_generator`), so a saved-and-loaded state resumes with exactly the noise it
+would have drawn; ``sample`` uses the caller's generator. The Gaussian maths (``θ`` layouts, noise,
+KL divergences) is :mod:`flatbma.gaussian`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
-from typing import Literal, NamedTuple, Protocol
+from typing import Protocol
 
 import torch
 from torch import Tensor
 
 from flatbma import packed
-from flatbma.errors import FlatbmaError
+from flatbma.checks import check_int, check_number
+from flatbma.gaussian import GaussianNoise, is_theta
 from flatbma.optim.ascent import sharpness_aware_value_and_grad
 from flatbma.params import Objective, add, clone, detached, dot, scale
-from flatbma.types import Ascent, Batch, GradientTransformation, Params, Posterior, State, StepOutput
-
-SEED_KEY = "rng/seed"
-"""``aux`` key of the 0-d int64 seed from which the per-step training noise is derived."""
-
-_MASK64 = (1 << 64) - 1
-
-
-class GaussianNoise(NamedTuple):
-    """Standard-normal noise that a reparameterized family maps to weights.
-
-    Attributes:
-        z1: ``z₁ ~ N(0, I_d)`` shaped like the weights, keyed by parameter name.
-        z2: ``z₂ ~ N(0, I_K)`` for a low-rank factor (``None`` for a diagonal family).
-    """
-
-    z1: Params
-    z2: Tensor | None = None
+from flatbma.rng import SEED_KEY, new_seed, seeded_generator
+from flatbma.types import (
+    Ascent,
+    AscentSpace,
+    Batch,
+    GradientTransformation,
+    Params,
+    Posterior,
+    State,
+    StepOutput,
+    ascent_space,
+)
 
 
 class ReparameterizedFamily(Protocol):
@@ -84,107 +80,6 @@ class ReparameterizedFamily(Protocol):
     #   pullback(θ, noise, g) -> (∂w/∂θ)ᵀg in closed form (else autograd through reparameterize);
     #   kl_grad(θ) -> ∇_θ KL in closed form (else autograd through kl);
     #   layout(θ) -> flatbma.packed.Layout: θ and its optimizer state are kept packed in it.
-
-
-# ---------------------------------------------------------------------------------------------------
-# θ layout helpers
-
-
-def section(theta: Mapping[str, Tensor], prefix: str) -> Params:
-    """The tensors of ``theta`` under ``"<prefix>/"``, keyed by parameter name in sorted order.
-
-    The sorted order makes noise draws, reductions and dense layouts independent of the order of
-    ``theta``'s keys, which a checkpoint round trip does not preserve.
-    """
-    p = prefix + "/"
-    return {k[len(p) :]: theta[k] for k in sorted(theta) if k.startswith(p)}
-
-
-def is_theta(params: Mapping[str, Tensor]) -> bool:
-    """Whether ``params`` are variational parameters (``"/"``-prefixed keys), not model weights.
-
-    Module parameter names never contain ``/`` (PyTorch joins them with ``.``), so the two layouts
-    cannot be confused.
-    """
-    return bool(params) and all("/" in k for k in params)
-
-
-def check_sections(theta: Mapping[str, Tensor], prefixes: Sequence[str], method: str) -> Params:
-    """Check that ``theta`` holds exactly ``prefix/<name>`` for every prefix and the same names.
-
-    Returns:
-        The ``mean`` section (the first prefix), keyed by parameter name.
-    """
-    parts = {p: section(theta, p) for p in prefixes}
-    names = set(parts[prefixes[0]])
-    known = sum(len(v) for v in parts.values())
-    if not names or known != len(theta) or any(set(v) != names for v in parts.values()):
-        raise FlatbmaError(
-            f"{method}: variational parameters must be {', '.join(p + '/<name>' for p in prefixes)} for the "
-            f"same parameter names; got keys {sorted(theta)[:6]}..."
-        )
-    return parts[prefixes[0]]
-
-
-# ---------------------------------------------------------------------------------------------------
-# randomness
-
-
-def standard_normal_like(like: Mapping[str, Tensor], generator: torch.Generator | None) -> Params:
-    """``N(0, I)`` tensors shaped like ``like``, drawn on the generator's device and moved to ``like``'s.
-
-    Drawn in key order into the views of one contiguous buffer (:func:`standard_normal`), so that a flat
-    consumer needs no concatenation; tensors of mixed dtypes or devices are drawn one by one.
-    """
-    values = list(like.values())
-    ref = values[0]
-    if any(v.dtype != ref.dtype or v.device != ref.device for v in values):
-        out = {}
-        for k, v in like.items():
-            device = generator.device if generator is not None else v.device
-            out[k] = torch.randn(v.shape, generator=generator, device=device, dtype=v.dtype).to(v.device)
-        return out
-    return standard_normal(packed.Layout.contiguous(like), ref.dtype, ref.device, generator)
-
-
-def standard_normal(
-    layout: packed.Layout, dtype: torch.dtype, device: torch.device, generator: torch.Generator | None
-) -> Params:
-    """``N(0, I)`` tensors for every key of ``layout``, as views of one buffer on ``device``.
-
-    Drawn key after key on the generator's device (the same numbers as one ``torch.randn`` per tensor
-    in that order) and moved to ``device`` in one copy.
-    """
-    source = generator.device if generator is not None else device
-    views = layout.views(torch.empty(layout.numel, dtype=dtype, device=source))
-    for v in views.values():
-        v.normal_(generator=generator)
-    if source != device:
-        views = layout.views(packed.flat_of(views).to(device))
-    return views
-
-
-def new_seed() -> Tensor:
-    """A 0-d int64 seed drawn from torch's global generator (so ``seed_everything`` fixes it)."""
-    return torch.randint(0, 2**62, (), dtype=torch.int64)
-
-
-def _splitmix64(seed: int, stream: int) -> int:
-    z = (seed + (stream + 1) * 0x9E3779B97F4A7C15) & _MASK64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return (z ^ (z >> 31)) & ((1 << 63) - 1)
-
-
-def seeded_generator(seed: Tensor | int, stream: int, device: torch.device | str) -> torch.Generator:
-    """A generator on ``device`` seeded with a SplitMix64 hash of ``(seed, stream)``.
-
-    ``stream`` is the step number for training noise (``-1`` for initialization), so every step draws
-    independent noise that is reproducible from the stored seed alone.
-    """
-    g = torch.Generator(device=device)
-    g.manual_seed(_splitmix64(int(seed), stream))
-    return g
 
 
 def _device(tensors: Mapping[str, Tensor]) -> torch.device:
@@ -294,7 +189,7 @@ def theta_sharpness_value_and_grad(
     (Lim et al., UAI 2025): with the same noise ``z_m`` in both passes,
 
     1. ``g = ∇_θ (1/M) Σ_m L_B(w(θ, z_m))`` — the reparameterized data-loss gradient, no KL;
-    2. ``δ = ascent.perturb(θ, g)`` (e.g. :class:`flatbma.optim.fp_bma.FisherBall`);
+    2. ``δ = ascent.perturb(θ, g)`` (e.g. :class:`flatbma.optim.FisherBall`);
     3. ``∇_θ ℒ = ∇_θ' (1/M) Σ_m L_B(w(θ', z_m))|_{θ'=θ+δ} + κ ∇_θ KL(q_θ‖p) / n`` — the KL at the
        unperturbed ``θ``, ``n = objective.num_data``.
 
@@ -334,13 +229,13 @@ def _repacked(family: ReparameterizedFamily, state: State) -> State:
 
 def check_options(*, num_mc_samples: int, init_std: float, prior_std: float, kl_weight: float) -> None:
     """Validate the options every reparameterized VI family shares (config keys ``method.*``)."""
-    if isinstance(num_mc_samples, bool) or not isinstance(num_mc_samples, int) or num_mc_samples < 1:
-        raise FlatbmaError(f"method.num_mc_samples must be an integer >= 1 (got {num_mc_samples!r})")
+    check_int(num_mc_samples, f"method.num_mc_samples must be an integer >= 1 (got {num_mc_samples!r})", minimum=1)
+    inf = float("inf")
     for name, value in (("init_std", init_std), ("prior_std", prior_std)):
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value < float("inf"):
-            raise FlatbmaError(f"method.{name} must be a positive number (got {value!r})")
-    if not isinstance(kl_weight, (int, float)) or isinstance(kl_weight, bool) or not 0 <= kl_weight < float("inf"):
-        raise FlatbmaError(f"method.kl_weight must be a number >= 0 (got {kl_weight!r}); 1 is the ELBO")
+        message = f"method.{name} must be a positive number (got {value!r})"
+        check_number(value, message, low=0, low_open=True, high=inf, high_open=True)
+    message = f"method.kl_weight must be a number >= 0 (got {kl_weight!r}); 1 is the ELBO"
+    check_number(kl_weight, message, low=0, high=inf, high_open=True)
 
 
 def build(
@@ -351,16 +246,16 @@ def build(
     *,
     num_mc_samples: int,
     kl_weight: float,
-    ascent_space: Literal["weights", "theta"] = "weights",
 ) -> Posterior:
     """A :class:`~flatbma.types.Posterior` that fits ``family`` by (flat-seeking) reparameterized VI.
 
-    ``θ_{t+1} = optimizer(θ_t, ∇_θ ℒ)`` with the gradient of :func:`elbo_value_and_grad` on ``M`` fresh
-    noise samples per step (``ascent_space="weights"``: the ascent perturbs each sampled ``w``, F-VI)
-    or of :func:`theta_sharpness_value_and_grad` (``ascent_space="theta"``: the ascent perturbs ``θ``,
-    FP-BMA). ``init`` accepts either the model weights (``θ`` is then centred at them
+    ``θ_{t+1} = optimizer(θ_t, ∇_θ ℒ)`` with the gradient on ``M`` fresh noise samples per step chosen by
+    where the ascent step acts (its ``space``, :func:`flatbma.types.ascent_space`): on weights (SAM and
+    the like, or no ascent step) :func:`elbo_value_and_grad` perturbs each sampled ``w`` (F-VI); on
+    ``θ`` (:class:`flatbma.optim.FisherBall`) :func:`theta_sharpness_value_and_grad` perturbs ``θ``
+    (FP-BMA). ``init`` accepts either the model weights (``θ`` is then centred at them
     by ``family.init_theta``) or a ready ``θ`` in the family's layout (e.g. from
-    :func:`flatbma.posteriors.lowrank_vi.init_from_swag`). ``sample`` draws ``w ~ q_θ`` and attaches
+    :func:`flatbma.gaussian.init_from_swag`). ``sample`` draws ``w ~ q_θ`` and attaches
     the state's buffers; BatchNorm statistics must be recomputed per sample (``recompute_bn=True``).
     ``update`` reports the data term (the mean of ``L_B`` over the ``M`` samples, without the KL) and
     the logits of the first sample.
@@ -368,15 +263,13 @@ def build(
     Args:
         objective: model and mini-batch loss; ``objective.num_data`` scales the KL.
         optimizer: the optimizer of ``θ``.
-        ascent: ascent step for the flat-seeking variant, or ``None``.
+        ascent: ascent step for the flat-seeking variant (on weights or on ``θ``), or ``None``.
         family: the variational family.
         num_mc_samples: ``M``.
         kl_weight: ``κ``.
-        ascent_space: where the ascent step acts: on sampled weights or on ``θ``.
     """
-    if ascent_space not in ("weights", "theta"):
-        raise ValueError(f"ascent_space must be 'weights' or 'theta', got {ascent_space!r}")
-    value_and_grad = elbo_value_and_grad if ascent_space == "weights" else theta_sharpness_value_and_grad
+    on_theta = ascent_space(ascent) is AscentSpace.THETA
+    value_and_grad = theta_sharpness_value_and_grad if on_theta else elbo_value_and_grad
 
     def init(params: Params, buffers: Params) -> State:
         seed = new_seed()

@@ -14,13 +14,13 @@ import torch
 from torch import nn
 from torch.nn.modules.dropout import _DropoutNd
 
+from flatbma.checks import is_number
 from flatbma.errors import FlatbmaError
 from flatbma.models import classifier_of
 from flatbma.params import Objective
 from flatbma.posteriors import point
+from flatbma.rng import SEED_BOUND, forked_rng
 from flatbma.types import Ascent, GradientTransformation, Params, Posterior, State
-
-_SEED_BOUND = 2**63 - 1
 
 
 def build(
@@ -71,7 +71,7 @@ def build(
         FlatbmaError: ``rate`` outside ``[0, 1)``, or a dropout layer is needed but the model is a
             bare ``nn.Linear``.
     """
-    if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 <= rate < 1:
+    if not is_number(rate) or not 0 <= rate < 1:
         raise FlatbmaError(f"method.rate must be in [0, 1) (the dropout probability), got {rate!r}")
     if not isinstance(override_existing, bool):
         raise FlatbmaError(f"method.override_existing must be true or false, got {override_existing!r}")
@@ -94,7 +94,7 @@ def build(
         if n < 1:
             raise FlatbmaError(f"the number of samples must be >= 1 (eval.num_samples), got {n}")
         device = generator.device if generator is not None else "cpu"
-        seed_cell[:] = [int(torch.randint(_SEED_BOUND, (), generator=generator, device=device))]
+        seed_cell[:] = [int(torch.randint(SEED_BOUND, (), generator=generator, device=device))]
         weights = {**state.params, **state.buffers}
         return [dict(weights) for _ in range(n)]
 
@@ -104,7 +104,7 @@ def build(
             if not seed_cell:
                 yield model
                 return
-            with _forked_rng(seed_cell[0]):
+            with forked_rng(seed_cell[0]):
                 yield model
 
     return Posterior(init=init, update=base.update, sample=sample, predict_mode=predict_mode)
@@ -153,13 +153,3 @@ def mc_dropout_mode(model: nn.Module) -> Iterator[nn.Module]:
         for m, training in modes:
             m.training = training
 
-
-@contextmanager
-def _forked_rng(seed: int) -> Iterator[None]:
-    """Run the body with torch's CPU (and initialized CUDA) generators seeded by ``seed``, restored afterwards."""
-    cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
-    with torch.random.fork_rng(devices=cuda):
-        torch.default_generator.manual_seed(seed)
-        if cuda:
-            torch.cuda.manual_seed_all(seed)
-        yield

@@ -16,9 +16,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from flatbma.gaussian import GaussianNoise, check_sections, section, standard_normal_like
 from flatbma.params import Objective
 from flatbma.posteriors import gaussian_vi
-from flatbma.posteriors.gaussian_vi import GaussianNoise, check_sections, section, standard_normal_like
 from flatbma.types import Ascent, GradientTransformation, Params, Posterior
 
 PREFIXES = ("mean", "rho")

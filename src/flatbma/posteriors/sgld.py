@@ -14,10 +14,11 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import replace
-from typing import Literal
+from enum import Enum
 
 import torch
 
+from flatbma.checks import check_int, is_number
 from flatbma.errors import FlatbmaError
 from flatbma.optim.ascent import sharpness_aware_value_and_grad
 from flatbma.params import Objective, clone
@@ -28,7 +29,17 @@ COUNT_KEY = "sgld/collected"
 SAMPLES_PREFIX = "samples/"
 """Aux keys ``samples/<name>``: the stored iterates of parameter ``<name>``, stacked ``[S, ...]``."""
 
-LrScale = Literal["mean", "potential"]
+
+
+class LrScale(str, Enum):
+    """What the learning rate ``η_t`` multiplies (``method.lr_scale``; strings and members are both accepted).
+
+    ``MEAN``: the gradient of the per-datum potential ``U/n``, so ``ε_t = η_t/n`` (an SGD-sized ``η``).
+    ``POTENTIAL``: the gradient of the full-data potential ``U``, so ``ε_t = η_t``.
+    """
+
+    MEAN = "mean"
+    POTENTIAL = "potential"
 
 
 def build(
@@ -38,7 +49,7 @@ def build(
     *,
     prior_std: float = 1.0,
     temperature: float = 1.0,
-    lr_scale: LrScale = "mean",
+    lr_scale: LrScale = LrScale.MEAN,
     burn_in: int = 1000,
     thin: int = 100,
     max_samples: int = 30,
@@ -77,7 +88,7 @@ def build(
         ascent: the ascent step (SAM for F-SGLD), or ``None``.
         prior_std: ``σ`` of the Gaussian prior; ``inf`` gives a flat prior.
         temperature: ``T > 0``.
-        lr_scale: ``"mean"`` or ``"potential"``, see above.
+        lr_scale: :class:`LrScale` (or its name, ``"mean"`` or ``"potential"``), see above.
         burn_in: steps before the first stored sample.
         thin: steps between stored samples.
         max_samples: samples kept.
@@ -85,7 +96,7 @@ def build(
     Raises:
         FlatbmaError: on an invalid option, or an optimizer without ``learning_rate``.
     """
-    _check_common(optimizer, prior_std, temperature, lr_scale, max_samples)
+    scale = _check_common(optimizer, prior_std, temperature, lr_scale, max_samples)
     _check_int("burn_in", burn_in, minimum=0)
     _check_int("thin", thin, minimum=1)
 
@@ -100,7 +111,7 @@ def build(
             "or train longer (train.epochs)"
         )
 
-    return _langevin(objective, optimizer, ascent, prior_std, temperature, lr_scale, max_samples, schedule, empty)
+    return _langevin(objective, optimizer, ascent, prior_std, temperature, scale, max_samples, schedule, empty)
 
 
 def build_cyclical(
@@ -110,7 +121,7 @@ def build_cyclical(
     *,
     prior_std: float = 1.0,
     temperature: float = 1.0,
-    lr_scale: LrScale = "mean",
+    lr_scale: LrScale = LrScale.MEAN,
     cycle_length: int = 1000,
     exploration: float = 0.8,
     samples_per_cycle: int = 1,
@@ -136,7 +147,7 @@ def build_cyclical(
         ascent: the ascent step, or ``None``.
         prior_std: ``σ`` of the Gaussian prior; ``inf`` gives a flat prior.
         temperature: ``T > 0``.
-        lr_scale: ``"mean"`` or ``"potential"`` (see :func:`build`).
+        lr_scale: :class:`LrScale` (or its name; see :func:`build`).
         cycle_length: steps per cycle ``L``.
         exploration: fraction of each cycle without noise, in ``[0, 1)``.
         samples_per_cycle: iterates stored per cycle (at most the sampling stage's length).
@@ -145,10 +156,10 @@ def build_cyclical(
     Raises:
         FlatbmaError: on an invalid option.
     """
-    _check_common(optimizer, prior_std, temperature, lr_scale, max_samples)
+    scale = _check_common(optimizer, prior_std, temperature, lr_scale, max_samples)
     _check_int("cycle_length", cycle_length, minimum=1)
     _check_int("samples_per_cycle", samples_per_cycle, minimum=1)
-    if isinstance(exploration, bool) or not isinstance(exploration, (int, float)) or not 0 <= exploration < 1:
+    if not is_number(exploration) or not 0 <= exploration < 1:
         raise FlatbmaError(
             f"method.exploration must be in [0, 1) (the noise-free fraction of each cycle), got {exploration!r}"
         )
@@ -175,7 +186,7 @@ def build_cyclical(
             f"first cycle, step {cycle_length}): lower method.cycle_length or train longer (train.epochs)"
         )
 
-    return _langevin(objective, optimizer, ascent, prior_std, temperature, lr_scale, max_samples, schedule, empty)
+    return _langevin(objective, optimizer, ascent, prior_std, temperature, scale, max_samples, schedule, empty)
 
 
 def _langevin(
@@ -199,7 +210,7 @@ def _langevin(
     def update(state: State, batch: Batch) -> tuple[State, StepOutput]:
         factor, noisy, store = schedule(state.step)
         eps = optimizer.learning_rate(state.step) * factor  # type: ignore[attr-defined]
-        if lr_scale == "mean":
+        if lr_scale is LrScale.MEAN:
             eps /= n
         loss, logits, grads = sharpness_aware_value_and_grad(objective, state.params, state.buffers, batch, ascent)
         with torch.no_grad():
@@ -255,24 +266,27 @@ def _store(aux: Params, params: Params, max_samples: int) -> Params:
 
 
 def _check_common(
-    optimizer: GradientTransformation, prior_std: float, temperature: float, lr_scale: str, max_samples: int
-) -> None:
+    optimizer: GradientTransformation, prior_std: float, temperature: float, lr_scale: LrScale | str, max_samples: int
+) -> LrScale:
+    """Validate the options SGLD and cSGLD share; return ``lr_scale`` as a :class:`LrScale` member."""
     if not callable(getattr(optimizer, "learning_rate", None)):
         raise FlatbmaError(
             f"SGLD takes its step size from optimizer.learning_rate(step), which {type(optimizer).__name__} "
             "does not have; use flatbma.optim.SGD or Adam (only their learning-rate schedule is used)"
         )
-    if isinstance(prior_std, bool) or not isinstance(prior_std, (int, float)) or not prior_std > 0:
+    if not is_number(prior_std) or not prior_std > 0:
         raise FlatbmaError(f"method.prior_std must be > 0 (inf for a flat prior), got {prior_std!r}")
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not 0 < temperature < float("inf"):
+    if not is_number(temperature) or not 0 < temperature < float("inf"):
         raise FlatbmaError(
             f"method.temperature must be a finite number > 0 (1 = the Bayesian posterior), got {temperature!r}"
         )
-    if lr_scale not in ("mean", "potential"):
-        raise FlatbmaError(f"method.lr_scale must be 'mean' or 'potential', got {lr_scale!r}")
+    try:
+        scale = LrScale(lr_scale)
+    except (ValueError, TypeError):
+        raise FlatbmaError(f"method.lr_scale must be 'mean' or 'potential', got {lr_scale!r}") from None
     _check_int("max_samples", max_samples, minimum=1)
+    return scale
 
 
 def _check_int(name: str, value: int, *, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise FlatbmaError(f"method.{name} must be an integer >= {minimum}, got {value!r}")
+    check_int(value, f"method.{name} must be an integer >= {minimum}, got {value!r}", minimum=minimum)

@@ -29,9 +29,11 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from flatbma.checks import is_int, is_number
 from flatbma.errors import FlatbmaError
+from flatbma.gaussian import init_from_swag
 from flatbma.params import Objective, flatten, unflatten
-from flatbma.posteriors import lowrank_vi, point
+from flatbma.posteriors import point
 from flatbma.types import Ascent, Batch, GradientTransformation, Params, Posterior, State, StepOutput
 
 PREFIX = "swag/"
@@ -92,15 +94,18 @@ def build(
     Training is the point update ``w_{t+1} = opt(w_t, ∇L_B(w_t + ε_t))`` of
     :func:`flatbma.posteriors.point.build` (``ε_t = 0`` without an ascent step). After update
     ``s`` (counting from 1), with ``s > start_step`` and ``(s − start_step) % collect_every == 0``,
-    the iterate ``w`` is the ``(n+1)``-th snapshot::
+    the iterate ``w`` is the ``(n+1)``-th snapshot, added by Welford's update (``w̄'`` the new mean)::
 
-        w̄ ← w̄ + (w − w̄)/(n+1),   s̄ ← s̄ + (w⊙w − s̄)/(n+1),   D[n mod K] ← w − w̄ (new w̄),   n ← n+1.
+        w̄' = w̄ + (w − w̄)/(n+1),   m₂ ← m₂ + (w − w̄)⊙(w − w̄'),   D[n mod K] ← w − w̄',   w̄ ← w̄',   n ← n+1.
+
+    ``m₂`` is the sum of squared deviations of the snapshots from their mean, so ``m₂/n`` is their
+    (population) variance without the cancellation of ``mean(w⊙w) − w̄⊙w̄`` in float32.
 
     (Maddox et al. collect once per epoch from epoch ``swa_start`` on: ``start_step = swa_start·E``,
     ``collect_every = E`` for ``E`` updates per epoch.) Sampling draws ``z₁ ~ N(0, I_d)``,
     ``z₂ ~ N(0, I_{K_eff})`` from the generator and returns::
 
-        w = w̄ + √scale · ( σ⊙z₁/√2 + Dᵀz₂/√(2(K_eff − 1)) ),   σ² = clamp(s̄ − w̄², 1e-30),
+        w = w̄ + √scale · ( σ⊙z₁/√2 + Dᵀz₂/√(2(K_eff − 1)) ),   σ² = clamp(m₂/n, 1e-30),
 
     i.e. ``w ~ N(w̄, scale · ½(diag σ² + DᵀD/(K_eff − 1)))`` — METHODS.md §1 with the covariance
     multiplied by ``scale``; ``diagonal_only`` drops the ``D`` term (SWAG-Diagonal,
@@ -180,10 +185,10 @@ def build(
             samples.append({**unflatten(w, like), **state.buffers})
         return samples
 
-    def gaussian(state: State) -> Params:  # the sampling distribution above, in low-rank VI's θ layout
+    def gaussian(state: State) -> Params:  # the sampling distribution above, in the θ layout of flatbma.gaussian
         m = _moments(state, schedule)
         like = {k: state.params[k] for k in m.names}
-        return lowrank_vi.init_from_swag(m.mean, m.variance, m.deviations, like, scale=scale)
+        return init_from_swag(m.mean, m.variance, m.deviations, like, scale=scale)
 
     return Posterior(
         init=init, update=update, sample=sample, recompute_bn=True, gaussian=None if diagonal_only else gaussian
@@ -292,15 +297,12 @@ def _moments(state: State, how_to_fix: str) -> SwagMoments:
 
 
 def _check_options(*, rank: int, scale: float, start_step: int, collect_every: int) -> None:
-    def is_int(v: object) -> bool:
-        return isinstance(v, int) and not isinstance(v, bool)
-
     if not is_int(rank) or rank < 2:
         raise FlatbmaError(
             f"method.rank must be an integer >= 2 (got {rank!r}): SWAG's low-rank covariance "
             "DᵀD/(K−1) needs at least two deviations (use method swag-diag for no low-rank part)"
         )
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale < math.inf:
+    if not is_number(scale) or not 0 < scale < math.inf:
         raise FlatbmaError(f"method.scale must be a positive number (it multiplies the covariance), got {scale!r}")
     if not is_int(start_step) or start_step < 0:
         raise FlatbmaError(f"method.start_step must be an integer >= 0 (updates before collecting), got {start_step!r}")

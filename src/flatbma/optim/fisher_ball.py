@@ -7,7 +7,7 @@ FP-BMA perturbs the *distribution* ``q_θ`` inside a KL ball:
 whose linearized solution is ``δ* = √(2γ) F⁻¹g / √(gᵀF⁻¹g)`` with ``g = ∇_θ E_z L_B(w(θ, z))`` the
 reparameterized *data-loss* gradient and ``F(θ)`` the Fisher information of the variational family
 (not the data Fisher). :class:`FisherBall` computes ``δ*`` for the low-rank plus diagonal Gaussian of
-:mod:`flatbma.posteriors.lowrank_vi`,
+:mod:`flatbma.gaussian`,
 
     ``Σ = ½(diag σ² + LLᵀ/(K−1)) = A + UUᵀ``,  ``A = diag(σ²/2)``,  ``U = L/√(2(K−1))``,
 
@@ -39,8 +39,12 @@ vanish for the small ``σ`` of network posteriors. It bounds the step along dege
 damped metric, so ``½δ*ᵀF_λδ* = γ`` exactly (and ``KL(q_{θ+δ*} ‖ q_θ) ≈ γ`` up to third order and the
 damping).
 
-Metrics: ``"fisher"`` (the above), ``"euclidean"`` (``F = I``: SAM on ``θ`` with ``ρ = √(2γ)``) and
-``"data-fisher"`` (``F = 1 + η g⊙g`` on every block: Fisher-SAM's metric on ``θ``).
+Metrics (:class:`BallMetric`): ``"fisher"`` (the above), ``"euclidean"`` (``F = I``: SAM on ``θ`` with
+``ρ = √(2γ)``) and ``"data-fisher"`` (``F = 1 + η g⊙g`` on every block: Fisher-SAM's metric on ``θ``).
+
+The step acts on ``θ`` (``FisherBall.space`` is :attr:`~flatbma.types.AscentSpace.THETA`), so a
+Gaussian VI posterior built with it takes the θ-level sharpness-aware step
+(:func:`flatbma.posteriors.gaussian_vi.theta_sharpness_value_and_grad`): that composition is FP-BMA.
 """
 
 from __future__ import annotations
@@ -49,21 +53,41 @@ import functools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Literal, NamedTuple
+from enum import Enum
+from typing import ClassVar, NamedTuple
 
 import torch
 from torch import Tensor
 
+from flatbma.checks import check_int, check_number
 from flatbma.errors import FlatbmaError
+from flatbma.gaussian import (
+    PREFIXES,
+    LowRankGeometry,
+    blocks,
+    check_sections,
+    from_rows,
+    geometry,
+    kl_lowrank,
+    packed_rows,
+    rows,
+)
 from flatbma.optim.ascent import TINY
 from flatbma.optim.fisher_sam import FisherSAM
 from flatbma.optim.sam import SAM
 from flatbma.params import detached, scale
-from flatbma.posteriors.gaussian_vi import check_sections
-from flatbma.posteriors.lowrank_vi import PREFIXES, LowRankGeometry, blocks, from_rows, geometry, packed_rows, rows
+from flatbma.types import AscentSpace
 
-Metric = Literal["fisher", "euclidean", "data-fisher"]
-METRICS = ("fisher", "euclidean", "data-fisher")
+
+class BallMetric(str, Enum):
+    """The metric ``F`` of :class:`FisherBall` (strings and members are both accepted)."""
+
+    FISHER = "fisher"
+    """The Fisher information of the low-rank plus diagonal Gaussian ``q_θ``."""
+    EUCLIDEAN = "euclidean"
+    """``F = I``: SAM on ``θ``."""
+    DATA_FISHER = "data-fisher"
+    """``F = 1 + η g⊙g``: Fisher-SAM on ``θ``."""
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -71,7 +95,7 @@ METRICS = ("fisher", "euclidean", "data-fisher")
 #
 # A covariance-block vector v = (v_logσ, V) is stored as one [K+1, d] tensor: row 0 is v_logσ, rows
 # 1..K are V (the factor, row k = column k of L). Parameters follow sorted name order. The Woodbury
-# quantities (LowRankGeometry, geometry) live with the family in flatbma.posteriors.lowrank_vi.
+# quantities (LowRankGeometry, geometry) live with the family in flatbma.gaussian.
 
 
 def covariance_fisher_product(geo: LowRankGeometry, v: Tensor) -> Tensor:
@@ -303,14 +327,16 @@ class FisherBall:
 
     ``δ* = √(2γ) F⁻¹g / √(gᵀF⁻¹g)`` (Lim et al., UAI 2025, the SA-BMA step), so ``½δ*ᵀFδ* = γ`` and, for
     small ``γ``, ``KL(q_{θ+δ*} ‖ q_θ) ≈ γ``. ``g`` must be the reparameterized data-loss gradient
-    ``∇_θ E_z L_B(w(θ, z))`` (see :func:`flatbma.posteriors.gaussian_vi.theta_sharpness_value_and_grad`).
+    ``∇_θ E_z L_B(w(θ, z))`` (see :func:`flatbma.posteriors.gaussian_vi.theta_sharpness_value_and_grad`,
+    which a Gaussian VI posterior uses because this step's :attr:`space` is ``θ``).
 
     Attributes:
+        space: :attr:`AscentSpace.THETA <flatbma.types.AscentSpace.THETA>`: the step perturbs ``θ``.
         gamma: ``γ``, radius of the KL ball (nats).
-        metric: ``"fisher"``: the Fisher of the low-rank plus diagonal Gaussian ``q_θ`` (needs the
-            ``mean/``, ``log_std/``, ``factor/`` layout); ``"euclidean"``: ``F = I``, i.e. SAM on ``θ``
-            with ``ρ = √(2γ)``; ``"data-fisher"``: ``F = 1 + η g⊙g`` on every block, i.e. Fisher-SAM
-            on ``θ`` with ``ρ = √(2γ)``.
+        metric: a :class:`BallMetric` (its name is accepted and stored as the member). ``"fisher"``: the
+            Fisher of the low-rank plus diagonal Gaussian ``q_θ`` (needs the ``mean/``, ``log_std/``, ``factor/``
+            layout); ``"euclidean"``: ``F = I``, i.e. SAM on ``θ`` with ``ρ = √(2γ)``; ``"data-fisher"``:
+            ``F = 1 + η g⊙g`` on every block, i.e. Fisher-SAM on ``θ`` with ``ρ = √(2γ)``.
         cg_iters: conjugate-gradient steps for the covariance block (``"fisher"`` only). With the
             two-level preconditioner one step is within ~2e-2 (relative) of the exact solve on the
             problems of the tests — far below the noise of a single-sample ``g``; whatever the
@@ -327,29 +353,48 @@ class FisherBall:
             (e.g. ``log σ`` when the factor carries almost all of the variance); ``inf`` turns it off.
     """
 
+    space: ClassVar[AscentSpace] = AscentSpace.THETA
+
     gamma: float = 0.01
-    metric: Metric = "fisher"
+    metric: BallMetric = BallMetric.FISHER
     cg_iters: int = 1
     damping: float = 1e-2
     eta: float = 1.0
     max_kl_ratio: float = 2.0
 
     def __post_init__(self) -> None:
-        if not _is_number(self.gamma) or not 0 < self.gamma < float("inf"):
-            raise FlatbmaError(f"gamma must be a positive number (the KL radius of FP-BMA), got {self.gamma!r}")
-        if self.metric not in METRICS:
-            raise FlatbmaError(f"metric must be one of {', '.join(map(repr, METRICS))}, got {self.metric!r}")
-        if isinstance(self.cg_iters, bool) or not isinstance(self.cg_iters, int) or self.cg_iters < 1:
-            raise FlatbmaError(f"cg_iters must be an integer >= 1 (conjugate-gradient steps), got {self.cg_iters!r}")
-        if not _is_number(self.damping) or not 0 <= self.damping < float("inf"):
-            raise FlatbmaError(f"damping must be a number >= 0 (Tikhonov damping of the Fisher), got {self.damping!r}")
-        if not _is_number(self.eta) or not 0 <= self.eta < float("inf"):
-            raise FlatbmaError(f"eta must be a number >= 0 (data-Fisher weight in F = 1 + eta g²), got {self.eta!r}")
-        if not _is_number(self.max_kl_ratio) or not self.max_kl_ratio >= 1:
-            raise FlatbmaError(
-                f"max_kl_ratio must be a number >= 1 (or .inf: the exact KL of the step may reach max_kl_ratio·gamma), "
-                f"got {self.max_kl_ratio!r}"
-            )
+        inf = float("inf")
+        check_number(
+            self.gamma,
+            f"gamma must be a positive number (the KL radius of FP-BMA), got {self.gamma!r}",
+            low=0,
+            low_open=True,
+            high=inf,
+            high_open=True,
+        )
+        object.__setattr__(self, "metric", _parse_metric(self.metric))
+        message = f"cg_iters must be an integer >= 1 (conjugate-gradient steps), got {self.cg_iters!r}"
+        check_int(self.cg_iters, message, minimum=1)
+        check_number(
+            self.damping,
+            f"damping must be a number >= 0 (Tikhonov damping of the Fisher), got {self.damping!r}",
+            low=0,
+            high=inf,
+            high_open=True,
+        )
+        check_number(
+            self.eta,
+            f"eta must be a number >= 0 (data-Fisher weight in F = 1 + eta g²), got {self.eta!r}",
+            low=0,
+            high=inf,
+            high_open=True,
+        )
+        check_number(
+            self.max_kl_ratio,
+            f"max_kl_ratio must be a number >= 1 (or .inf: the exact KL of the step may reach max_kl_ratio·gamma), "
+            f"got {self.max_kl_ratio!r}",
+            low=1,
+        )
 
     @property
     def rho(self) -> float:
@@ -359,9 +404,9 @@ class FisherBall:
     @torch.no_grad()
     def perturb(self, params: Mapping[str, Tensor], grads: Mapping[str, Tensor]) -> Mapping[str, Tensor]:
         """Return ``δ* = √(2γ) F⁻¹g / √(gᵀF⁻¹g)`` for every key of ``grads``."""
-        if self.metric == "euclidean":
+        if self.metric is BallMetric.EUCLIDEAN:
             return SAM(rho=self.rho).perturb(params, grads)
-        if self.metric == "data-fisher":
+        if self.metric is BallMetric.DATA_FISHER:
             return FisherSAM(rho=self.rho, eta=self.eta).perturb(params, grads)
         theta = detached(params)
         x, quad = natural_gradient(theta, grads, damping=self.damping, cg_iters=self.cg_iters)
@@ -372,8 +417,6 @@ class FisherBall:
 
     def _trust_region(self, theta: Mapping[str, Tensor], x: Mapping[str, Tensor], scale: float) -> float:
         """The factor ``t ≤ 1`` with ``KL(q_{θ+t·scale·x} ‖ q_θ) ≤ max_kl_ratio·γ`` (see ``max_kl_ratio``)."""
-        from flatbma.posteriors.fp_bma import kl_lowrank  # the posterior module builds on this one
-
         bound = self.max_kl_ratio * self.gamma
 
         def within(t: float) -> bool:
@@ -390,5 +433,10 @@ class FisherBall:
         return lo
 
 
-def _is_number(x: object) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
+def _parse_metric(value: object) -> BallMetric:
+    """The :class:`BallMetric` named by ``value`` (a member or its name), else a :class:`FlatbmaError`."""
+    try:
+        return BallMetric(value)
+    except (ValueError, TypeError):
+        names = ", ".join(repr(m.value) for m in BallMetric)
+        raise FlatbmaError(f"metric must be one of {names}, got {value!r}") from None

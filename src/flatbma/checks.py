@@ -1,0 +1,84 @@
+"""Argument checks shared by every layer (the ``_check_*`` habit of torch-uncertainty).
+
+Python's ``bool`` is an ``int``, so ``isinstance(True, int)`` holds; a config value ``true`` must not
+pass as the integer 1 or the number 1.0. These predicates and checks say it once. The checks raise
+:class:`~flatbma.errors.FlatbmaError` with the caller's own message (what was wrong and how to fix
+it), so each call site keeps its wording.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from flatbma.errors import FlatbmaError
+
+
+def is_int(value: object) -> bool:
+    """Whether ``value`` is an ``int`` and not a ``bool``."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_integral(value: object) -> bool:
+    """Whether ``value`` is a Python or NumPy integer and not a ``bool`` (e.g. an index read from an array)."""
+    return isinstance(value, int | np.integer) and not isinstance(value, bool)
+
+
+def is_number(value: object) -> bool:
+    """Whether ``value`` is an ``int`` or ``float`` and not a ``bool`` (NaN and ±inf included)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def is_finite_number(value: object) -> bool:
+    """Whether ``value`` is a finite ``int`` or ``float`` (not a ``bool``)."""
+    return is_number(value) and math.isfinite(value)
+
+
+def check_int(value: object, message: str, *, minimum: int | None = None) -> int:
+    """``value`` if it is an integer (not a bool) ``>= minimum``; else :class:`FlatbmaError` (``message``)."""
+    if not is_int(value) or (minimum is not None and value < minimum):
+        raise FlatbmaError(message)
+    return value
+
+
+def check_number(
+    value: object,
+    message: str,
+    *,
+    low: float = -math.inf,
+    high: float = math.inf,
+    low_open: bool = False,
+    high_open: bool = False,
+) -> float:
+    """``value`` if it is a number (not a bool) in the interval ``[low, high]``; else :class:`FlatbmaError`.
+
+    ``low_open``/``high_open`` exclude the bound; NaN is never inside. The value is returned as given
+    (an ``int`` stays an ``int``).
+    """
+    if not is_number(value):
+        raise FlatbmaError(message)
+    above = value > low if low_open else value >= low
+    below = value < high if high_open else value <= high
+    if not (above and below):
+        raise FlatbmaError(message)
+    return value
+
+
+def check_finite_vector(values: object, name: str) -> Tensor:
+    """``values`` as a float64 CPU tensor if it is a non-empty 1-D sequence of finite numbers.
+
+    Accepts a list, tuple, array or tensor (detached and copied to the CPU); anything else raises
+    :class:`FlatbmaError` with a message that names the argument ``name``.
+    """
+    try:
+        t = torch.as_tensor(values, dtype=torch.float64).detach().cpu()
+    except (TypeError, ValueError, RuntimeError):
+        raise FlatbmaError(f"{name} must be a sequence of numbers (got {type(values).__name__})") from None
+    if t.dim() != 1 or t.numel() == 0:
+        raise FlatbmaError(f"{name} must be a non-empty 1-D sequence of numbers (got shape {tuple(t.shape)})")
+    if not bool(torch.isfinite(t).all()):
+        raise FlatbmaError(f"{name} must be finite (got {t.tolist()})")
+    return t

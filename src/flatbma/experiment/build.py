@@ -1,0 +1,195 @@
+"""An experiment: a run config assembled into data loaders, the model and the method (seeded).
+
+Building is deterministic: :func:`build_experiment` seeds every generator first, and the experiment
+records the global RNG state it leaves (:attr:`Experiment.rng`), so that its evaluation draws the
+same random numbers whether it runs right after building or after training in the same process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import random
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+from torch.utils.data import DataLoader
+
+from flatbma.data import DATASETS, build_transform, few_shot_indices, load_dataset, stratified_split
+from flatbma.errors import FlatbmaError
+from flatbma.experiment import distributed
+from flatbma.experiment.config import RunConfig
+from flatbma.experiment.distributed import Strategy, seeded_loader
+from flatbma.experiment.sections import DataConfig
+from flatbma.models import build_model
+from flatbma.params import Objective
+from flatbma.transfer import restrict_trainable, subset_names
+from flatbma.types import Params, Posterior
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python, NumPy and torch."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)  # noqa: NPY002 (seeds the legacy global generator users may rely on)
+    torch.manual_seed(seed)
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto`` → CUDA when available, else CPU; other names are checked."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise FlatbmaError(f"train.device {name!r} is not a device name (use auto, cpu, cuda, cuda:0, ...)") from None
+    if device.type not in ("cpu", "cuda", "mps"):
+        raise FlatbmaError(f"train.device {name!r}: flatbma trains on cpu, cuda or mps devices; use auto, cpu or cuda")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise FlatbmaError(f"train.device is {name!r} but CUDA is not available here: use auto or cpu")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise FlatbmaError(f"train.device is {name!r} but there are {torch.cuda.device_count()} CUDA devices")
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise FlatbmaError(f"train.device is {name!r} but MPS is not available here: use auto or cpu")
+    return device
+
+
+@dataclass(frozen=True)
+class GlobalRNG:
+    """A snapshot of torch's global generators: the CPU one and, on a CUDA run, every GPU's."""
+
+    cpu: Tensor
+    cuda: tuple[Tensor, ...] = ()
+
+    @classmethod
+    def capture(cls, device: torch.device) -> GlobalRNG:
+        """The current states (the GPUs' only when ``device`` is a CUDA device)."""
+        cuda = tuple(torch.cuda.get_rng_state_all()) if device.type == "cuda" else ()
+        return cls(cpu=torch.get_rng_state(), cuda=cuda)
+
+    @contextlib.contextmanager
+    def restored(self) -> Iterator[None]:
+        """Within the block the global generators start from this snapshot; afterwards they are as before it."""
+        with torch.random.fork_rng(devices=list(range(len(self.cuda)))):
+            torch.set_rng_state(self.cpu)
+            if self.cuda:
+                torch.cuda.set_rng_state_all(list(self.cuda))
+            yield
+
+
+@dataclass
+class Experiment:
+    """Everything a run needs, built from a config.
+
+    Attributes:
+        strategy: how the processes share the run (:func:`flatbma.experiment.distributed.strategy`).
+        bn_loader: makes a fresh loader of the training data for BatchNorm recomputation, drawn as
+            the training loader's first epoch (:meth:`~flatbma.experiment.distributed.Strategy.bn_loader`).
+        rng: the global RNG state at the end of building; evaluation starts from it.
+    """
+
+    config: RunConfig
+    model: torch.nn.Module
+    method: Posterior
+    train_loader: DataLoader
+    val_loader: DataLoader | None
+    test_loader: DataLoader
+    hessian_loader: DataLoader
+    num_classes: int
+    device: torch.device
+    strategy: Strategy
+    bn_loader: Callable[[], DataLoader]
+    rng: GlobalRNG
+
+
+def _dataset_options(d: DataConfig) -> dict[str, Any]:
+    """``data.image_size`` for the loaders that resize while reading (image-folder: files of mixed sizes)."""
+    loader = DATASETS.get(d.name.strip().lower().replace("_", "-"))
+    takes_size = loader is not None and "size" in inspect.signature(loader).parameters
+    return {"size": d.image_size} if takes_size and d.image_size is not None else {}
+
+
+def build_experiment(cfg: RunConfig, prior: Params | None = None) -> Experiment:
+    """Load data, build the model and the method for ``cfg`` (seeded).
+
+    ``prior`` is a fitted Gaussian in ``θ`` layout (:func:`flatbma.experiment.prior.fit_prior`) that
+    replaces the method's default prior; without it a two-stage run's method keeps its default
+    prior, which is all that sampling and evaluation need.
+    """
+    seed_everything(cfg.seed)
+    device = distributed.local_device(resolve_device(cfg.train.device))
+    strategy = distributed.strategy(cfg.train.parallel)
+    d = cfg.data
+    splits = load_dataset(d.name, d.root, **_dataset_options(d))
+    train, test = splits.train, splits.test
+    val = None
+    if d.k_shot is not None:
+        train_idx, val_idx = few_shot_indices(
+            train.labels,
+            d.k_shot,
+            seed=cfg.seed,
+            val_per_class=d.val_per_class,
+            num_classes=train.num_classes,  # so that a class missing from the training split is reported
+            class_names=train.classes,
+        )
+        val = train.subset(val_idx) if len(val_idx) else None
+        train = train.subset(train_idx)
+    elif d.val_per_class:
+        raise FlatbmaError("data.val_per_class needs data.k_shot (validation comes from the k-shot budget)")
+    if d.test_limit is not None and d.test_limit < len(test):
+        _, kept = stratified_split(test.labels, d.test_limit / len(test), seed=0)
+        test = test.subset(kept)
+        if len(test) == 0:
+            raise FlatbmaError(
+                f"data.test_limit={d.test_limit} keeps no test image (the subset is stratified, rounded per "
+                f"class): use data.test_limit >= {test.num_classes}, the number of classes"
+            )
+    eval_tf = build_transform(size=d.image_size, to_rgb=d.to_rgb, normalize=d.normalize, augment=False)
+    train_tf = build_transform(size=d.image_size, to_rgb=d.to_rgb, normalize=d.normalize, augment=d.augment)
+    hessian_data = train.with_transform(eval_tf)
+    if cfg.eval.hessian_examples < len(hessian_data):
+        _, kept = stratified_split(hessian_data.labels, cfg.eval.hessian_examples / len(hessian_data), seed=0)
+        hessian_data = hessian_data.subset(kept)
+        if len(hessian_data) == 0:
+            raise FlatbmaError(
+                f"eval.hessian_examples={cfg.eval.hessian_examples} keeps no training example (the subset is "
+                f"stratified, rounded per class): use eval.hessian_examples >= {hessian_data.num_classes}"
+            )
+    train, test = train.with_transform(train_tf), test.with_transform(eval_tf)
+    val = val.with_transform(eval_tf) if val is not None else None
+
+    channels, height, _ = train[0][0].shape
+    model = build_model(
+        cfg.model.name,
+        num_classes=train.num_classes,
+        in_channels=channels,
+        image_size=height,
+        pretrained=cfg.model.pretrained,
+        width=cfg.model.width,
+        dropout=cfg.model.dropout,
+        seed=cfg.seed,
+    ).to(device)
+    restrict_trainable(model, subset_names(model, cfg.model.trainable))
+
+    train_loader = strategy.train_loader(train, d.batch_size, seed=cfg.seed)  # data.batch_size: the global batch
+    optimizer = cfg.optim.build(steps_per_epoch=len(train_loader), epochs=cfg.train.epochs)
+    objective = strategy.objective(Objective(model=model, num_data=len(train)))
+    method = cfg.method.build(objective, optimizer, prior)
+    return Experiment(
+        config=cfg,
+        model=model,
+        method=method,
+        train_loader=train_loader,
+        val_loader=seeded_loader(val, d.eval_batch_size, shuffle=False, seed=0) if val is not None else None,
+        test_loader=strategy.test_loader(test, d.eval_batch_size),
+        hessian_loader=seeded_loader(hessian_data, d.eval_batch_size, shuffle=False, seed=0),
+        num_classes=train.num_classes,
+        device=device,
+        strategy=strategy,
+        bn_loader=functools.partial(strategy.bn_loader, train, d.batch_size, seed=cfg.seed),
+        rng=GlobalRNG.capture(device),
+    )

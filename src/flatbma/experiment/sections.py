@@ -1,0 +1,259 @@
+"""The sections of a run config — data, model, optimizer, training loop, evaluation — as typed frozen dataclasses.
+
+Each is parsed once from YAML by :func:`flatbma.experiment.parse.parse_dataclass` and validated in
+``__post_init__``. Options with a fixed set of values are ``str`` Enums: a config gives the string,
+Python code may give the string or the member, and :func:`plain` spells the members as their
+strings again for the resolved ``config.yaml``. The run config that holds them, and the two-stage
+``prior`` section, are in :mod:`flatbma.experiment.config` and :mod:`flatbma.experiment.prior_config`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any, Literal
+
+from flatbma.errors import FlatbmaError
+from flatbma.experiment.distributed import Parallel
+from flatbma.optim import SGD, Adam, constant, cosine
+from flatbma.optim.schedules import Schedule as LearningRate
+from flatbma.transfer import Subset
+from flatbma.types import GradientTransformation
+
+_FLOAT32_MAX = 3.4028234663852886e38
+
+
+def check_positive(where: str, value: float | None, *, allow_none: bool = False, allow_zero: bool = False) -> None:
+    """Raise unless ``value > 0`` (``>= 0``: ``allow_zero``; ``None`` passes: ``allow_none``), finite in float32."""
+    if value is None and allow_none:
+        return
+    ok = value is not None and (value >= 0 if allow_zero else value > 0)
+    if not ok:
+        bound = ">= 0" if allow_zero else "> 0"
+        raise FlatbmaError(f"{where} must be {bound}, got {value!r}")
+    if not math.isfinite(value) or value > _FLOAT32_MAX:  # the values meet float32 tensors
+        raise FlatbmaError(f"{where} must be a finite number below 3.4e38 (float32 range), got {value!r}")
+
+
+def _set_member(section: Any, key: str, enum: type[Enum]) -> None:
+    """Replace the string in ``section.key`` by its ``enum`` member (a frozen dataclass, in ``__post_init__``)."""
+    value = getattr(section, key)
+    try:
+        member = enum(value)
+    except (ValueError, TypeError):
+        choices = ", ".join(repr(m.value) for m in enum)
+        raise FlatbmaError(f"{key} must be one of {choices}, got {value!r}") from None
+    object.__setattr__(section, key, member)
+
+
+def plain(section: Any) -> dict[str, Any]:
+    """``dataclasses.asdict(section)`` with every Enum member spelled as its value (as YAML and JSON hold it)."""
+    return plain_values(dataclasses.asdict(section))
+
+
+def plain_values(mapping: Mapping[str, Any]) -> dict[str, Any]:
+    """``mapping`` with every Enum member among its values spelled as its value (e.g. a method's options)."""
+    return {k: v.value if isinstance(v, Enum) else v for k, v in mapping.items()}
+
+
+class Optimizer(str, Enum):
+    """The descent optimizer (``optim.name``; strings and members are both accepted)."""
+
+    SGD = "sgd"
+    ADAM = "adam"
+
+
+class Schedule(str, Enum):
+    """The learning-rate schedule (``optim.schedule``; strings and members are both accepted)."""
+
+    COSINE = "cosine"
+    CONSTANT = "constant"
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Data set, few-shot protocol, transforms and loaders.
+
+    Attributes:
+        name: data set name (``flatbma.data.dataset_names()``).
+        root: directory of the files, for data sets that are not embedded.
+        k_shot: images per class drawn (by ``seed``) from the training split; ``None`` = all.
+        val_per_class: images per class of the k-shot budget held out for validation (0 = none).
+        image_size: resize images to this square size.
+        to_rgb: repeat a single grey channel to three (for ImageNet backbones).
+        normalize: ``"imagenet"`` mean/std normalization, or none.
+        augment: random crop (padding 1/8 of the size) and horizontal flip during training.
+        batch_size: training mini-batch size.
+        eval_batch_size: evaluation batch size.
+        test_limit: evaluate on a seeded stratified subset of this many test images (``None`` = all).
+    """
+
+    name: str = "digits"
+    root: str | None = None
+    k_shot: int | None = None
+    val_per_class: int = 0
+    image_size: int | None = None
+    to_rgb: bool = False
+    normalize: Literal["imagenet"] | None = None
+    augment: bool = False
+    batch_size: int = 64
+    eval_batch_size: int = 256
+    test_limit: int | None = None
+
+    def __post_init__(self) -> None:
+        check_positive("k_shot", self.k_shot, allow_none=True)
+        check_positive("val_per_class", self.val_per_class, allow_zero=True)
+        check_positive("image_size", self.image_size, allow_none=True)
+        check_positive("batch_size", self.batch_size)
+        check_positive("eval_batch_size", self.eval_batch_size)
+        check_positive("test_limit", self.test_limit, allow_none=True)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Network.
+
+    Attributes:
+        name: ``mlp``, ``cnn``, ``resnet18``, ``mobilenet_v2``, ``torchvision:<name>``, ``timm:<name>``.
+        pretrained: ``"imagenet"`` (offline weights) or a path to a state dict; ``None`` = random init.
+        width: base width of the network (model-specific default when ``None``).
+        dropout: dropout rate before the classifier.
+        trainable: which parameters the method trains (and, for a posterior, makes Bayesian):
+            ``all``, ``norm+classifier`` (every normalization layer and the classifier, selected by
+            module type — FP-BMA's Bayesian transfer learning) or ``classifier``; the rest stays at
+            its pretrained (or initial) values.
+    """
+
+    name: str = "mlp"
+    pretrained: str | None = None
+    width: int | None = None
+    dropout: float = 0.0
+    trainable: Subset = Subset.ALL
+
+    def __post_init__(self) -> None:
+        _set_member(self, "trainable", Subset)
+        check_positive("width", self.width, allow_none=True)
+        if not 0 <= self.dropout < 1:
+            raise FlatbmaError(f"dropout must be in [0, 1), got {self.dropout!r}")
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    """Descent optimizer of the trained variables.
+
+    Attributes:
+        name: ``sgd`` (momentum, coupled weight decay) or ``adam`` (decoupled weight decay).
+        lr: peak learning rate.
+        momentum: SGD momentum.
+        weight_decay: weight decay.
+        nesterov: Nesterov momentum (SGD).
+        schedule: ``cosine`` decay to 0 over training, or ``constant``.
+        warmup_epochs: linear warm-up length in epochs.
+    """
+
+    name: Optimizer = Optimizer.SGD
+    lr: float = 0.05
+    momentum: float = 0.9
+    weight_decay: float = 5e-4
+    nesterov: bool = False
+    schedule: Schedule = Schedule.COSINE
+    warmup_epochs: float = 0.0
+
+    def __post_init__(self) -> None:
+        _set_member(self, "name", Optimizer)
+        _set_member(self, "schedule", Schedule)
+        check_positive("lr", self.lr)
+        check_positive("weight_decay", self.weight_decay, allow_zero=True)
+        check_positive("warmup_epochs", self.warmup_epochs, allow_zero=True)
+        if not 0 <= self.momentum < 1:
+            raise FlatbmaError(f"momentum must be in [0, 1), got {self.momentum!r}")
+
+    def build(self, steps_per_epoch: int, epochs: int) -> GradientTransformation:
+        """The optimizer, its learning rate following the schedule over ``epochs`` epochs of ``steps_per_epoch`` steps.
+
+        The warm-up lasts ``round(warmup_epochs · steps_per_epoch)`` steps (cosine schedule).
+        """
+        warmup = round(self.warmup_epochs * steps_per_epoch)
+        lr = SCHEDULES[self.schedule](self.lr, epochs * steps_per_epoch, warmup)
+        return OPTIMIZERS[self.name](self, lr)
+
+
+OPTIMIZERS: dict[Optimizer, Callable[[OptimConfig, LearningRate], GradientTransformation]] = {
+    Optimizer.SGD: lambda o, lr: SGD(lr=lr, momentum=o.momentum, weight_decay=o.weight_decay, nesterov=o.nesterov),
+    Optimizer.ADAM: lambda o, lr: Adam(lr=lr, weight_decay=o.weight_decay),
+}
+"""Each ``optim.name`` → its optimizer built from the section and a learning-rate schedule."""
+
+SCHEDULES: dict[Schedule, Callable[[float, int, int], LearningRate]] = {
+    Schedule.COSINE: cosine,
+    Schedule.CONSTANT: lambda lr, _steps, _warmup: constant(lr),
+}
+"""Each ``optim.schedule`` → ``schedule(peak lr, total steps, warm-up steps)``."""
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Training loop.
+
+    Attributes:
+        epochs: passes over the training data.
+        checkpoint_every: also checkpoint every this many steps (0 = at epoch ends only).
+        device: ``auto`` (CUDA when available), ``cpu``, ``cuda``, ``cuda:1``, ...
+        progress: show progress bars.
+        parallel: what the processes of a ``torchrun`` launch share out: ``data`` (every process
+            trains all of the method on its shard of each global batch) or ``members`` (each trains a
+            disjoint share of the posterior's independent members, e.g. ensemble members, on all the
+            data; only for methods with members). See :mod:`flatbma.experiment.distributed`.
+    """
+
+    epochs: int = 10
+    checkpoint_every: int = 0
+    device: str = "auto"
+    progress: bool = True
+    parallel: Parallel = Parallel.DATA
+
+    def __post_init__(self) -> None:
+        _set_member(self, "parallel", Parallel)
+        check_positive("epochs", self.epochs)
+        check_positive("checkpoint_every", self.checkpoint_every, allow_zero=True)
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """Evaluation.
+
+    Attributes:
+        num_samples: posterior samples M in the BMA.
+        n_bins: ECE bins.
+        flatness: also measure flatness after training (``flatbma evaluate --flatness`` does it
+            for a finished run).
+        flatness_samples: posterior samples whose Hessian spectra are computed.
+        hessian_k: number of top Hessian eigenvalues (λ₁ … λ_k; ``λ₁/λ_k`` is reported).
+        hessian_examples: training examples (without augmentation) the Hessian is taken over.
+        hessian_max_iter: Lanczos iterations (Hessian-vector products) per spectrum.
+        sharpness_rho: radius of the SAM sharpness ``E_w[max_{‖ε‖≤ρ} L(w+ε) − L(w)]``.
+    """
+
+    num_samples: int = 30
+    n_bins: int = 15
+    flatness: bool = False
+    flatness_samples: int = 5
+    hessian_k: int = 5
+    hessian_examples: int = 512
+    hessian_max_iter: int = 100
+    sharpness_rho: float = 0.05
+
+    def __post_init__(self) -> None:
+        for key in (
+            "num_samples",
+            "n_bins",
+            "flatness_samples",
+            "hessian_k",
+            "hessian_examples",
+            "hessian_max_iter",
+            "sharpness_rho",
+        ):
+            check_positive(key, getattr(self, key))

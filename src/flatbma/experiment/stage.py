@@ -1,0 +1,211 @@
+"""One stage of a run: a config trained into its run directory — build, start or resume, the one loop, metrics.
+
+A run directory holds the resolved ``config.yaml``, ``checkpoint.safetensors`` (the state with its
+loop position, :func:`~flatbma.experiment.checkpoint.save_position`) and ``metrics.json``. A
+one-stage run is one stage; a two-stage run (:mod:`flatbma.experiment.prior`) trains its first
+stage into ``<output_dir>/prior`` and then its own, started from the :class:`FittedPrior`. How
+processes share a stage is its experiment's strategy (:mod:`flatbma.experiment.distributed`).
+"""
+
+from __future__ import annotations
+
+import platform
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import yaml
+
+import flatbma
+from flatbma.errors import DivergenceError, FlatbmaError
+from flatbma.experiment import distributed
+from flatbma.experiment.build import Experiment, build_experiment
+from flatbma.experiment.checkpoint import (
+    atomic_write_bytes,
+    atomic_write_json,
+    check_fits,
+    load_position,
+    save_position,
+)
+from flatbma.experiment.config import RunConfig
+from flatbma.experiment.evaluate import evaluate_state
+from flatbma.experiment.parse import yaml_float
+from flatbma.experiment.runner import History, Position, fit
+from flatbma.params import model_buffers, trainable_params
+from flatbma.types import Params, State
+
+CONFIG_FILE = "config.yaml"
+CHECKPOINT_FILE = "checkpoint.safetensors"
+METRICS_FILE = "metrics.json"
+
+
+def environment() -> dict[str, str]:
+    """Library versions recorded with every run."""
+    return {
+        "flatbma": flatbma.__version__,
+        "torch": torch.__version__,
+        "numpy": np.__version__,
+        "python": platform.python_version(),
+    }
+
+
+def finished_run(run_dir: Path, resolved: dict[str, Any]) -> bool:
+    """Whether ``run_dir`` holds a finished run (metrics written) of exactly the config ``resolved``."""
+    if not ((run_dir / METRICS_FILE).is_file() and (run_dir / CHECKPOINT_FILE).is_file()):
+        return False
+    try:
+        return yaml.safe_load((run_dir / CONFIG_FILE).read_text()) == resolved
+    except (OSError, yaml.YAMLError):
+        return False
+
+
+def check_run_dir(run_dir: Path, resolved: dict[str, Any], force: bool) -> None:
+    """Refuse a ``run_dir`` that holds a run of another config (unless ``force``)."""
+    existing = run_dir / CONFIG_FILE
+    if existing.is_file() and not force:
+        try:
+            old = yaml.safe_load(existing.read_text())
+        except yaml.YAMLError:
+            old = None
+        if old != resolved:
+            raise FlatbmaError(
+                f"{run_dir} already holds a run with a different config; choose another output_dir "
+                "(--set output_dir=...) or pass --force to overwrite it"
+            )
+
+
+def write_config(run_dir: Path, resolved: dict[str, Any]) -> None:
+    """Write the resolved config into ``run_dir`` (rank 0 only: the other ranks write nothing)."""
+    try:
+        if distributed.is_main():
+            run_dir.mkdir(parents=True, exist_ok=True)
+            atomic_write_bytes(run_dir / CONFIG_FILE, yaml.safe_dump(resolved, sort_keys=False).encode())
+    except OSError as e:
+        raise FlatbmaError(
+            f"cannot write the run directory {run_dir} ({e.strerror}): choose another output_dir (--set output_dir=...)"
+        ) from None
+
+
+@dataclass(frozen=True)
+class FittedPrior:
+    """The first stage of a two-stage run, ready for the second (:func:`flatbma.experiment.prior.fit_prior`).
+
+    Attributes:
+        theta: the fitted Gaussian in low-rank VI's ``θ`` layout (:attr:`Posterior.gaussian`), its ``σ``
+            floored at ``prior.min_std``.
+        buffers: the model buffers at the end of the first stage (BatchNorm statistics).
+        run_dir: the first stage's run directory.
+    """
+
+    theta: Params
+    buffers: Params
+    run_dir: Path
+
+
+@dataclass(frozen=True)
+class Trained:
+    """A trained stage: its experiment, final state and the metrics written to ``metrics.json``."""
+
+    experiment: Experiment
+    state: State
+    metrics: dict[str, Any]
+
+
+def train_stage(
+    cfg: RunConfig,
+    *,
+    force: bool,
+    resume: bool,
+    evaluate: bool,
+    prior: FittedPrior | None = None,
+    check: Callable[[Experiment], None] | None = None,
+) -> Trained:
+    """Train ``cfg`` into its output directory and write ``metrics.json``.
+
+    Args:
+        cfg: the stage's config.
+        force: overwrite a run directory that holds another config.
+        resume: continue from the directory's checkpoint exactly where it stopped.
+        evaluate: add the BMA evaluation (:func:`~flatbma.experiment.evaluate.evaluate_state`) to the metrics.
+        prior: the fitted first stage: the method's prior and, with ``prior.init``, its start.
+        check: called with the built experiment before anything is written or trained.
+    """
+    run_dir = Path(cfg.output_dir)
+    resolved = cfg.to_dict()
+    if not resume:
+        check_run_dir(run_dir, resolved, force)
+    exp = build_experiment(cfg, prior=prior.theta if prior is not None else None)
+    if check is not None:
+        check(exp)
+    ckpt = run_dir / CHECKPOINT_FILE
+    position: Position | None = None
+    history = History()
+    if resume:
+        state, position, history = load_position(ckpt, exp.device)
+        check_fits(state, exp.method, exp.model, ckpt, device=exp.device)
+        position = exp.strategy.resume(position)
+    else:
+        write_config(run_dir, resolved)
+        state = _initial_state(cfg, exp, prior)
+
+    def save(s: State, p: Position, h: History) -> None:
+        save_position(ckpt, s, p, h)
+
+    method, state = exp.strategy.start(exp.method, state, cfg.method.name)
+    start = time.perf_counter()
+    exp.model.train()
+    try:
+        state, history = fit(
+            method,
+            state,
+            exp.train_loader,
+            epochs=cfg.train.epochs,
+            device=exp.device,
+            resume=position,
+            checkpoint=exp.strategy.checkpoint(save),
+            checkpoint_every=cfg.train.checkpoint_every,
+            progress=cfg.train.progress and distributed.is_main(),
+            history=history,
+        )
+    except DivergenceError as e:
+        kept = f"the last good checkpoint is kept at {ckpt}" if ckpt.exists() else "no checkpoint was written yet"
+        raise DivergenceError(
+            f"{e}; {kept}. Lower the learning rate (e.g. --set optim.lr={yaml_float(cfg.optim.lr / 10)}) and train "
+            "again"
+        ) from None
+    train_time = time.perf_counter() - start
+    state, history = exp.strategy.finish(state, history)
+    metrics = evaluate_state(exp, state, flatness=cfg.eval.flatness) if evaluate else {}
+    metrics.update(
+        method=cfg.method.name,
+        seed=cfg.seed,
+        train_time_s=train_time,
+        steps=state.step,
+        history=[vars(h) for h in history.epochs],
+        environment=environment(),
+    )
+    if prior is not None:
+        metrics["prior_run"] = str(prior.run_dir)
+    metrics.update(exp.strategy.record())
+    if distributed.is_main():
+        atomic_write_json(run_dir / METRICS_FILE, metrics)
+    return Trained(experiment=exp, state=state, metrics=metrics)
+
+
+def _initial_state(cfg: RunConfig, exp: Experiment, prior: FittedPrior | None) -> State:
+    """The method's fresh state: at the model's weights, or at the fitted prior's posterior (``prior.init``)."""
+    at_prior = prior is not None and cfg.prior is not None and cfg.prior.init
+    start = (prior.theta, prior.buffers) if at_prior else (trainable_params(exp.model), model_buffers(exp.model))
+    try:
+        return exp.method.init(*start)
+    except FlatbmaError as e:
+        if not at_prior:
+            raise
+        raise FlatbmaError(
+            f"{cfg.method.name} cannot start at the prior fitted in {prior.run_dir}: {e} — or let the first "
+            "stage collect more snapshots (raise prior.epochs, lower prior.method.start_step or collect_every)"
+        ) from None

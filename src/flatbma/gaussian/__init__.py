@@ -1,0 +1,89 @@
+"""The low-rank plus diagonal Gaussian: its ``θ`` layout, sampler, covariance geometry and KL divergences.
+
+``q_θ(w) = N(μ, Σ)`` with ``Σ = ½(diag σ² + L Lᵀ / (K − 1))``, ``L ∈ R^{d×K}``, sampled as
+
+    ``w = μ + (1/√2)(σ ⊙ z₁ + L z₂ / √(K − 1))``,  ``z₁ ~ N(0, I_d)``, ``z₂ ~ N(0, I_K)`` (mean 0),
+
+exactly the SWAG sampler (Maddox et al. 2019), so a SWAG posterior converts to it exactly
+(:func:`init_from_swag`). Layout of ``θ`` for every trained parameter ``<name>`` of shape ``S``:
+``"mean/<name>"`` (``μ``, shape ``S``), ``"log_std/<name>"`` (``log σ``, shape ``S``) and
+``"factor/<name>"`` of shape ``[K, *S]``: row ``k`` of the factor block is the part of column ``k`` of
+``L`` that belongs to ``<name>``. Keeping the factor per parameter (rather than one flat ``[d, K]``
+matrix) keeps ``θ`` a dict of named tensors, so optimizers, checkpoints and Bayesian-subset
+selection work unchanged; :func:`dense_covariance` assembles ``Σ`` (parameters in sorted name order)
+where linear algebra needs it. ``z₂`` is shared by all parameters (one global ``L``).
+
+This is the maths shared by the methods built on the family — low-rank VI and its flat variants
+(:mod:`flatbma.posteriors.lowrank_vi`), FP-BMA's Fisher-ball ascent (:mod:`flatbma.optim.fisher_ball`),
+SWAG's Gaussian (:mod:`flatbma.posteriors.swag`) — and it depends on none of them:
+
+* :mod:`~flatbma.gaussian.layout`: the sections of ``θ``, the packed ``[K+2, d]`` matrix, SWAG's ``θ``;
+* :mod:`~flatbma.gaussian.sampling`: standard-normal noise, the sampler and its closed-form pullback;
+* :mod:`~flatbma.gaussian.geometry`: ``Σ = A + UUᵀ`` in whitened (Woodbury) form, and dense ``Σ``;
+* :mod:`~flatbma.gaussian.kl`: ``KL`` to ``N(0, s²I)`` and to another low-rank Gaussian, with gradients.
+"""
+
+from flatbma.gaussian.geometry import LowRankGeometry, dense_covariance, diag_and_factor_blocks, geometry
+from flatbma.gaussian.kl import (
+    PriorPrecision,
+    kl_divergence,
+    kl_divergence_grad,
+    kl_lowrank,
+    kl_lowrank_grad,
+    prior_precision,
+)
+from flatbma.gaussian.layout import (
+    MIN_VARIANCE,
+    PREFIXES,
+    blocks,
+    check_sections,
+    from_rows,
+    init_from_swag,
+    is_theta,
+    names_and_shapes,
+    packed_rows,
+    rank_of,
+    rows,
+    section,
+    theta_layout,
+)
+from flatbma.gaussian.sampling import (
+    GaussianNoise,
+    draw_noise,
+    pullback,
+    sample_weights,
+    standard_normal,
+    standard_normal_like,
+)
+
+__all__ = [
+    "MIN_VARIANCE",
+    "PREFIXES",
+    "GaussianNoise",
+    "LowRankGeometry",
+    "PriorPrecision",
+    "blocks",
+    "check_sections",
+    "dense_covariance",
+    "diag_and_factor_blocks",
+    "draw_noise",
+    "from_rows",
+    "geometry",
+    "init_from_swag",
+    "is_theta",
+    "kl_divergence",
+    "kl_divergence_grad",
+    "kl_lowrank",
+    "kl_lowrank_grad",
+    "names_and_shapes",
+    "packed_rows",
+    "prior_precision",
+    "pullback",
+    "rank_of",
+    "rows",
+    "sample_weights",
+    "section",
+    "standard_normal",
+    "standard_normal_like",
+    "theta_layout",
+]

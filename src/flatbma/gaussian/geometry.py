@@ -1,0 +1,119 @@
+"""The covariance ``Σ = A + UUᵀ`` in whitened (Woodbury) form, its cache, and dense ``Σ`` for tests.
+
+With ``A = diag(σ²/2)`` and ``U = L/√(2(K−1))`` (stored ``[K, d]``), the coordinates whitened by ``A``
+(``Ũ = A^{-1/2}U``, capacitance ``C = I + ŨᵀŨ``) give ``Σ⁻¹ = A^{-1/2}(I − ŨC⁻¹Ũᵀ)A^{-1/2}`` and
+``log det Σ = Σ log aᵢ + log det C`` in ``O(dK²)``; the closed-form KL gradients and the Fisher-ball
+ascent (:mod:`flatbma.optim.fisher_ball`) share these quantities.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from flatbma.gaussian.layout import blocks, packed_rows, rank_of, rows, section
+
+
+class LowRankGeometry(NamedTuple):
+    """``Σ = A + UᵀU`` (``U`` stored ``[K, d]``) and the Woodbury quantities of its Fisher.
+
+    Attributes:
+        a: ``diag A = σ²/2``, shape ``[d]``.
+        u: ``U = L/√(2(K−1))``, shape ``[K, d]``.
+        c: ``1/√(2(K−1))``.
+        cs: ``c A^{-1/2}``, shape ``[d]`` (maps ``V`` to the whitened ``Ṽ = cVA^{-1/2}``).
+        ut: whitened factor ``Ũᵀ = U A^{-1/2}``, shape ``[K, d]``.
+        cap: the capacitance ``C = I + ŨᵀŨ``.
+        c_inv: ``C⁻¹``.
+        pt: ``C⁻¹Ũᵀ`` (``= ŨᵀT`` with ``T = I − ŨC⁻¹Ũᵀ = A^{1/2}Σ⁻¹A^{1/2}``), shape ``[K, d]``.
+        e: ``I − C⁻¹ = ŨᵀTŨ``.
+        w: ``diag(ŨC⁻¹Ũᵀ) = 1 − diag T``, shape ``[d]``.
+    """
+
+    a: Tensor
+    u: Tensor
+    c: float
+    cs: Tensor
+    ut: Tensor
+    cap: Tensor
+    c_inv: Tensor
+    pt: Tensor
+    e: Tensor
+    w: Tensor
+
+
+_GEOMETRY_CACHE: list[tuple[tuple, list[Tensor], LowRankGeometry]] = []
+"""The last :func:`geometry` (one entry): an FP-BMA step needs it at the same ``θ`` twice, for the
+ascent's Fisher solve and for the closed-form KL gradient."""
+
+
+def geometry(theta: Mapping[str, Tensor], dtype: torch.dtype | None = None, *, cache: bool = True) -> LowRankGeometry:
+    """The Woodbury quantities of ``q_θ``'s covariance, computed in ``dtype`` (default: ``θ``'s).
+
+    The last result is reused when called again on the same storages at the same versions (an in-place
+    update bumps a tensor's version; the cached entry holds references, so a storage address cannot be
+    reused while it is cached). Inputs that require gradients bypass the cache, and so does
+    ``cache=False`` (for a fixed second Gaussian, such as a prior, that must not evict ``θ``'s entry).
+    """
+    if not cache:
+        return _geometry(*blocks(theta)[1:], dtype)
+    matrix = packed_rows(theta)
+    tensors = (
+        [matrix] if matrix is not None else [*section(theta, "log_std").values(), *section(theta, "factor").values()]
+    )
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return _geometry(*blocks(theta)[1:], dtype)
+    key = (dtype, tuple((t.data_ptr(), t._version, t.shape, t.dtype, t.device) for t in tensors))
+    if _GEOMETRY_CACHE and _GEOMETRY_CACHE[0][0] == key:
+        return _GEOMETRY_CACHE[0][2]
+    matrix = matrix if matrix is not None else rows(theta)
+    result = _geometry(matrix[1], matrix[2:], dtype)
+    _GEOMETRY_CACHE[:] = [(key, tensors, result)]
+    return result
+
+
+def _geometry(log_std: Tensor, factor: Tensor, dtype: torch.dtype | None) -> LowRankGeometry:
+    """:class:`LowRankGeometry` of ``log σ`` (``[d]``) and ``L`` (``[K, d]``)."""
+    k = factor.shape[0]
+    c = 1.0 / math.sqrt(2.0 * (k - 1))
+    s = log_std.to(dtype)
+    a = 0.5 * torch.exp(2 * s)
+    inv_sqrt_a = math.sqrt(2.0) * torch.exp(-s)
+    u = c * factor.to(s.dtype)
+    ut = u * inv_sqrt_a
+    eye = torch.eye(k, dtype=u.dtype, device=u.device)
+    cap = eye + ut @ ut.T
+    c_inv = torch.cholesky_inverse(torch.linalg.cholesky(cap))
+    pt = c_inv @ ut
+    return LowRankGeometry(a, u, c, c * inv_sqrt_a, ut, cap, c_inv, pt, eye - c_inv, (ut * pt).sum(0))
+
+
+def diag_and_factor_blocks(theta: Mapping[str, Tensor]) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+    """``Σ = diag(a) + U Uᵀ`` with ``a = σ²/2`` and ``U = L / √(2(K−1))``, per parameter block.
+
+    Returns:
+        ``(a by name, flat [d_name]; U by name, [K, d_name])``.
+    """
+    log_std, factor = section(theta, "log_std"), section(theta, "factor")
+    k = rank_of(theta)
+    c = 1.0 / math.sqrt(2.0 * (k - 1))
+    a = {n: 0.5 * torch.exp(2 * v).reshape(-1) for n, v in log_std.items()}
+    u = {n: c * f.reshape(k, -1) for n, f in factor.items()}
+    return a, u
+
+
+def dense_covariance(theta: Mapping[str, Tensor]) -> Tensor:
+    """``Σ = ½(diag σ² + L Lᵀ/(K−1))`` as a dense ``[d, d]`` matrix.
+
+    Rows follow ``flatten(section(theta, "mean"))``: parameters in sorted name order. For tests and
+    small models only (``O(d²)`` memory).
+    """
+    a, u = diag_and_factor_blocks(theta)
+    names = list(section(theta, "mean"))
+    a_vec = torch.cat([a[n] for n in names])
+    u_mat = torch.cat([u[n] for n in names], dim=1)  # [K, d]
+    return torch.diag(a_vec) + u_mat.T @ u_mat

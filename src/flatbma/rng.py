@@ -1,0 +1,67 @@
+"""Reproducible randomness shared by the methods: SplitMix64 seeds, seeded generators, forked RNG.
+
+A method that must draw the same numbers after a checkpoint round trip, or whatever else runs in the
+process, derives its seeds from a stored seed and a stream number with SplitMix64 (Steele, Lea and
+Flood, "Fast splittable pseudorandom number generators", OOPSLA 2014) — the output function of
+``splitmix64`` applied to ``seed + (stream + 1)·φ`` (``φ`` the 64-bit golden ratio) — instead of
+advancing one global stream whose position depends on the history of the run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import Tensor
+
+SEED_KEY = "rng/seed"
+"""``State.aux`` key of a method's 0-d int64 seed from which its per-step noise is derived."""
+
+SEED_BOUND = 2**63 - 1
+"""Exclusive upper bound of the seeds drawn with ``torch.randint`` for ``manual_seed`` (63 bits)."""
+
+_GOLDEN = 0x9E3779B97F4A7C15
+_MASK64 = (1 << 64) - 1
+_MASK63 = (1 << 63) - 1
+
+
+def splitmix64(seed: int, stream: int) -> int:
+    """The SplitMix64 value of ``(seed, stream)``, a 64-bit unsigned integer.
+
+    ``z = seed + (stream + 1)·φ mod 2⁶⁴``, then ``z ← (z ⊕ z≫30)·0xBF58476D1CE4E5B9``,
+    ``z ← (z ⊕ z≫27)·0x94D049BB133111EB``, ``z ⊕ z≫31`` (all mod 2⁶⁴): distinct streams of one seed give
+    statistically independent values. ``torch.Generator.manual_seed`` takes 63 bits; callers keep the
+    low (:func:`seeded_generator`) or the high ones (:func:`flatbma.posteriors.ensemble.build`).
+    """
+    z = (seed + (stream + 1) * _GOLDEN) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def new_seed() -> Tensor:
+    """A 0-d int64 seed drawn from torch's global generator (so ``seed_everything`` fixes it)."""
+    return torch.randint(0, 2**62, (), dtype=torch.int64)
+
+
+def seeded_generator(seed: Tensor | int, stream: int, device: torch.device | str) -> torch.Generator:
+    """A generator on ``device`` seeded with the low 63 bits of :func:`splitmix64` of ``(seed, stream)``.
+
+    ``stream`` is the step number for training noise (``-1`` for initialization), so every step draws
+    independent noise that is reproducible from the stored seed alone.
+    """
+    g = torch.Generator(device=device)
+    g.manual_seed(splitmix64(int(seed), stream) & _MASK63)
+    return g
+
+
+@contextmanager
+def forked_rng(seed: int) -> Iterator[None]:
+    """Run the body with torch's CPU (and initialized CUDA) generators seeded by ``seed``, restored afterwards."""
+    cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+    with torch.random.fork_rng(devices=cuda):
+        torch.default_generator.manual_seed(seed)
+        if cuda:
+            torch.cuda.manual_seed_all(seed)
+        yield
