@@ -18,6 +18,7 @@ LAYERS: dict[str, int] = {
     "rng": 1,
     "types": 1,
     "calibration": 1,
+    "stats": 1,
     "packed": 2,
     "metrics": 2,
     "plotting": 2,
