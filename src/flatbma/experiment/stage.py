@@ -35,6 +35,7 @@ from flatbma.experiment.config import RunConfig
 from flatbma.experiment.evaluate import evaluate_state
 from flatbma.experiment.parse import yaml_float
 from flatbma.experiment.runner import History, Position, fit
+from flatbma.gaussian import PREFIXES, kl_lowrank
 from flatbma.params import model_buffers, trainable_params
 from flatbma.types import Params, State
 
@@ -148,9 +149,12 @@ def train_stage(
         state, position, history = load_position(ckpt, exp.device)
         check_fits(state, exp.method, exp.model, ckpt, device=exp.device)
         position = exp.strategy.resume(position)
+        with exp.rng.restored():  # the start as the interrupted run drew it, right after its build
+            start_theta = _lowrank_theta(_initial_state(cfg, exp, prior))
     else:
         write_config(run_dir, resolved)
         state = _initial_state(cfg, exp, prior)
+        start_theta = _lowrank_theta(state)
 
     def save(s: State, p: Position, h: History) -> None:
         save_position(ckpt, s, p, h)
@@ -190,6 +194,8 @@ def train_stage(
     )
     if prior is not None:
         metrics["prior_run"] = str(prior.run_dir)
+    if start_theta is not None:  # how far q moved: a flat-seeking step that barely changes q cannot matter
+        metrics["kl_from_start"] = float(kl_lowrank(_lowrank_theta(state), start_theta))
     metrics.update(exp.strategy.record())
     if distributed.is_main():
         atomic_write_json(run_dir / METRICS_FILE, metrics)
@@ -209,3 +215,14 @@ def _initial_state(cfg: RunConfig, exp: Experiment, prior: FittedPrior | None) -
             f"{cfg.method.name} cannot start at the prior fitted in {prior.run_dir}: {e} — or let the first "
             "stage collect more snapshots (raise prior.epochs, lower prior.method.start_step or collect_every)"
         ) from None
+
+
+def _lowrank_theta(state: State) -> Params | None:
+    """A copy of ``state``'s variational parameters when they are a low-rank plus diagonal Gaussian ``q_θ``.
+
+    That is the state of low-rank VI and FP-BMA (``mean/``, ``log_std/``, ``factor/``); ``None`` for every
+    other method. Its ``KL(q_T ‖ q_0)`` to the start is recorded as ``kl_from_start``.
+    """
+    if not state.params or {k.split("/", 1)[0] for k in state.params} != set(PREFIXES):
+        return None
+    return {k: v.detach().clone() for k, v in state.params.items()}
