@@ -12,11 +12,13 @@ from flatbma import (
     calibration,
     data,
     flatness,
+    gaussian,
     metrics,
     models,
     optim,
     plotting,
     posteriors,
+    stats,
     transfer,
 )
 from flatbma.errors import DivergenceError, FlatbmaError
@@ -54,6 +56,7 @@ __all__ = [
     "data",
     "evaluate",
     "flatness",
+    "gaussian",
     "metrics",
     "model_buffers",
     "models",
@@ -61,6 +64,7 @@ __all__ = [
     "plotting",
     "posteriors",
     "predict",
+    "stats",
     "trainable_params",
     "transfer",
 ]
