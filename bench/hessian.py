@@ -28,6 +28,18 @@ the peak of that call. Where ``clear_refs`` is not available the script falls ba
 
     pip install --no-deps pyhessian   # bench-only dependency
     python bench/hessian.py [--resnet] [--batch-size 32] [--repeats 3] [--threads 1]
+
+``--transfer`` runs a different case instead (no PyHessian needed): **λ₁ of 8 posterior samples on the
+transfer model** of the demo (``configs/demo.yaml``: ImageNet MobileNetV2 at 48×48, ``norm+classifier``
+trainable, 10-shot animal-mnist, every training image un-augmented in one batch). It trains the demo's
+SWAG (~10 s), draws 8 samples with recomputed BatchNorm statistics and prints the time of one
+Hessian-vector product (with the lean second-order graph of :mod:`flatbma.flatness.hvp` — frozen
+convolutions without weight gradients, eval-mode BatchNorm as an affine map — and with PyTorch's own
+double backward, interleaved), of λ₁ of the 8 samples (Lanczos to
+``eval.hessian_tol``), and of each part of the full flatness protocol of one method
+(:func:`flatbma.experiment.evaluate.flatness_metrics` with the default ``eval`` settings)::
+
+    python bench/hessian.py --transfer [--threads 2]
 """
 
 from __future__ import annotations
@@ -246,6 +258,94 @@ def bench_case(args, case_key: str) -> None:
     )
 
 
+def bench_transfer(args) -> None:
+    """λ₁ of 8 posterior samples on the demo's transfer model, and the full protocol of one method (module doc)."""
+    import dataclasses
+    import tempfile
+    from pathlib import Path
+
+    import yaml
+
+    from flatbma.experiment import evaluate
+    from flatbma.experiment.config import config_from_dict
+    from flatbma.experiment.run import train
+    from flatbma.flatness import hvp as hvp_module
+    from flatbma.flatness import measure_samples
+
+    root = Path(__file__).resolve().parents[1]
+    raw = yaml.safe_load((root / "configs" / "demo.yaml").read_text())
+    swag = next(m for m in raw.pop("compare")["methods"] if m["name"] == "swag")
+    with tempfile.TemporaryDirectory() as out:
+        raw.update(method=swag, output_dir=out, eval={"num_samples": 8})
+        raw["train"]["progress"] = False
+        cfg = config_from_dict(raw)
+        t0 = time.perf_counter()
+        trained = train(cfg, evaluate=False)
+        print(f"trained the demo's SWAG in {time.perf_counter() - t0:.1f} s")
+    exp, state = trained.experiment, trained.state
+    e = exp.config.eval
+    names = [n for n, p in exp.model.named_parameters() if p.requires_grad]
+    data = list(exp.hessian_loader)
+    n_images = sum(len(y) for _, y in data)
+    with exp.rng.restored():
+        samples = evaluate.posterior_samples(exp, state, 8)
+    print(
+        f"transfer model: d = {sum(exp.model.get_parameter(n).numel() for n in names):,} trained parameters, "
+        f"{n_images} training images ({len(data)} batch(es)), k = {e.hessian_k}, tol = {e.hessian_tol:g}"
+    )
+
+    patches = (hvp_module._frozen_convolutions, hvp_module._eval_batch_norms)
+    ops = {"lean second-order graph (default)": hvp_fn(exp.model, data, params=names, weights=samples[0])}
+    hvp_module._frozen_convolutions = lambda model, point: []
+    hvp_module._eval_batch_norms = lambda model: []
+    try:
+        ops["PyTorch's own double backward"] = hvp_fn(exp.model, data, params=names, weights=samples[0])
+    finally:
+        hvp_module._frozen_convolutions, hvp_module._eval_batch_norms = patches
+    v = torch.randn(ops["lean second-order graph (default)"].dim)
+    times: dict[str, list[float]] = {label: [] for label in ops}
+    for _ in range(args.repeats + 1):
+        for label, op in ops.items():
+            t0 = time.perf_counter()
+            op(v)
+            times[label].append(time.perf_counter() - t0)
+    for label, t in times.items():
+        print(f"  one Hessian-vector product, {label}: median {statistics.median(t[1:]):.3f} s")
+
+    t0 = time.perf_counter()
+    measured = measure_samples(
+        exp.model, samples, data, k=e.hessian_k, params=names, tol=e.hessian_tol, max_iter=e.hessian_max_iter
+    )
+    elapsed = time.perf_counter() - t0
+    products = sum(m.products for m in measured)
+    values = ", ".join(f"{float(m.eigen.eigenvalues[0]):.0f}" for m in measured)
+    print(
+        f"  λ₁ of 8 posterior samples: {elapsed:.1f} s, {products} products ({elapsed / products:.3f} s per product, "
+        f"operator set-up included); λ₁ = {values}; converged: {all(bool(m.eigen.converged_each[0]) for m in measured)}"
+    )
+
+    for label, changes in (
+        ("λ₁ per sample + at the mean + sharpness + width", dict(trace=False, distribution_spectrum=False)),
+        ("  + trace (4 probes per sample)", dict(trace=True, distribution_spectrum=False)),
+        ("  + averaged-Hessian spectrum", dict(trace=True, distribution_spectrum=True)),
+    ):
+        exp = dataclasses.replace(exp, config=dataclasses.replace(exp.config, eval=dataclasses.replace(e, **changes)))
+        with exp.rng.restored():
+            t0 = time.perf_counter()
+            report = evaluate.flatness_metrics(exp, state, samples)
+            total = time.perf_counter() - t0
+        repeat = report.get("repeatability_time_s", 0.0)
+        interval = report["lambda1_summary"]["interval"]
+        second = report["repeatability"]["second"]
+        print(
+            f"  full protocol, {label}: {total:.1f} s (of which repeatability {repeat:.1f} s), "
+            f"{report['hessian_products']} products before the repeat; λ₁ = {report['lambda1']:.0f} "
+            f"[{interval['low']:.0f}, {interval['high']:.0f}], at the mean {report['lambda1_at_mean']:.0f}, "
+            f"repeat: {second['mean']:.0f} [{second['interval']['low']:.0f}, {second['interval']['high']:.0f}], "
+            f"agrees: {report['repeatability']['agree']}"
+        )
+
+
 def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(((a - b).abs() / b.abs()).max())
 
@@ -265,9 +365,18 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--no-memory", action="store_true", help="skip the memory subprocesses")
+    parser.add_argument(
+        "--transfer", action="store_true", help="time λ₁ of 8 posterior samples on the demo's transfer model instead"
+    )
     parser.add_argument("--measure", help=argparse.SUPPRESS)
     parser.add_argument("--case", default="cnn", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.transfer:
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        print(f"threads={torch.get_num_threads()} torch={torch.__version__}")
+        bench_transfer(args)
+        return
     if pyhessian_module() is None:
         print(
             "PyHessian is not installed: this benchmark compares against it.\n"

@@ -57,8 +57,15 @@ def recompute_bn_statistics(
     """BatchNorm running statistics of ``weights`` recomputed on ``loader`` (SWAG's ``bn_update``).
 
     A weight sample drawn from a posterior does not come with statistics that match it; this pass
-    estimates them as the exact average of the batch statistics over one epoch of ``loader``
-    (cumulative moving average, ``momentum=None``), with the model in train mode and no gradient.
+    estimates them as the average of the batch statistics over one epoch of ``loader``, each batch
+    weighted by its size: with batches ``B_1 … B_J`` of sizes ``n_j``, the running mean is
+    ``Σ_j n_j μ_{B_j} / Σ_j n_j`` and the running variance ``Σ_j n_j s²_{B_j} / Σ_j n_j`` (``s²`` the
+    unbiased batch variance), computed by the layers' own update with momentum ``n_j / (n_1 + … + n_j)``
+    for batch ``j``. One batch gives the statistics of all the data exactly. The pass runs without
+    gradient with the BatchNorm layers in train mode and every other module in eval mode (dropout
+    off, so that a dropout network's statistics are those of its deterministic forward pass, not of
+    one draw of masks). The statistics are a deterministic function of ``weights`` and the loader's
+    batches: give it a loader without randomness (no shuffling, no augmentation) for reproducible ones.
 
     Returns:
         ``weights`` with every BatchNorm buffer replaced by the recomputed one (a new dict).
@@ -74,20 +81,26 @@ def recompute_bn_statistics(
         buffers[p + "running_var"].fill_(1.0)
         buffers[p + "num_batches_tracked"].zero_()
     momenta = [m.momentum for m in bn_layers]
-    was_training = model.training
+    modes = [(m, m.training) for m in model.modules()]
     try:
+        model.eval()
         for m in bn_layers:
-            m.momentum = None
-        model.train()
+            m.train()
         params = {k: v for k, v in weights.items() if k not in buffers}
-        seen = False
+        seen = 0
         for x, _ in loader:
+            n = x.shape[0]
+            if n == 0:
+                continue
+            for m in bn_layers:
+                m.momentum = n / (seen + n)
             functional_call(model, {**params, **buffers}, (x.to(device),))
-            seen = True
+            seen += n
         if not seen:
             raise FlatbmaError("recomputing BatchNorm statistics needs training data, but the loader is empty")
     finally:
         for m, momentum in zip(bn_layers, momenta):
             m.momentum = momentum
-        model.train(was_training)
+        for m, training in modes:
+            m.training = training
     return {**weights, **buffers}

@@ -118,7 +118,12 @@ def summarize(
         resamples: bootstrap resamples.
         seed: bootstrap seed.
     """
-    method = Method(method)
+    try:
+        method = Method(method)
+    except ValueError:
+        raise FlatbmaError(
+            f"summarize: method must be one of {', '.join(m.value for m in Method)}, got {method!r}"
+        ) from None
     _check_level(level)
     x = _values(values, "summarize")
     n = x.size

@@ -75,9 +75,11 @@ class Posterior(Transform):
         sample: ``sample(state, n, generator) -> list of weight dicts``.
         predict_mode: context manager factory that puts the model in its prediction mode; ``None``
             means eval mode. MC dropout uses it to keep dropout stochastic at prediction time.
-        recompute_bn: whether BatchNorm statistics must be recomputed on training data for every
-            sample before predicting (weights that were never trained with their own statistics,
-            e.g. SWAG or VI samples); see :func:`flatbma.bn.recompute_bn_statistics`.
+        recompute_bn: whether the samples' own BatchNorm statistics do not match them (weights that
+            were never trained with their own statistics, e.g. SWAG or VI samples). The evaluation
+            (:func:`flatbma.experiment.evaluate.posterior_samples`) recomputes the statistics of every
+            method's samples, point estimates included, on the un-augmented training data in a fixed
+            order (:func:`flatbma.bn.recompute_bn_statistics`), so that every method is measured alike.
         gaussian: ``gaussian(state) -> θ`` for posteriors that are a low-rank plus diagonal Gaussian
             ``N(μ, ½(diag σ² + LLᵀ/(K−1)))``: its ``mean/``, ``log_std/`` and ``factor/`` tensors in the
             layout of :mod:`flatbma.gaussian` (SWAG, low-rank VI, FP-BMA). A two-stage run
@@ -95,6 +97,18 @@ class Posterior(Transform):
             alone — the entries of ``state`` they own (the same tensors) and the same ``step``. The
             splits of a partition of ``{0..M−1}`` partition the entries, so the full state is their
             union. ``None`` exactly when ``members == 0``.
+        mean: ``mean(state) -> weights`` at the posterior mean ``E_q[w]``, in the form of a sample
+            (parameters and buffers by module name): ``μ`` for a Gaussian (SWAG's SWA mean ``w̄``, VI's
+            ``μ``, bSAM's ``m``), the point itself for a point estimate, the trained weights for MC
+            dropout (``E[w ⊙ z/(1−p)] = w``). ``None`` for posteriors without a closed-form mean
+            (ensembles, SG-MCMC): the evaluation then takes the average of the BMA's samples — the
+            member average of an ensemble, the average of a chain's kept iterates. The flatness
+            protocol measures λ₁ there (``lambda1_at_mean``).
+        marginal_variance: ``marginal_variance(state) -> v`` with ``v[name]`` the diagonal of the
+            posterior covariance ``Σ`` over trained parameter ``name`` (same shape), in closed form:
+            exact for the Gaussian families, ``0`` for a point estimate. ``None`` where the posterior
+            has none (ensembles, SG-MCMC): the width is then estimated from the BMA's samples
+            (:mod:`flatbma.flatness.width`).
     """
 
     sample: Callable[[State, int, torch.Generator | None], list[Params]]
@@ -103,6 +117,8 @@ class Posterior(Transform):
     gaussian: Callable[[State], Params] | None = None
     members: int = 0
     split: Callable[[State, Sequence[int]], State] | None = None
+    mean: Callable[[State], Params] | None = None
+    marginal_variance: Callable[[State], Params] | None = None
 
 
 class AscentSpace(str, Enum):

@@ -32,7 +32,9 @@ RUN_KEYS = (
     "aece",
     "brier",
     "lambda1",
-    "lambda1_over_lambda5",
+    "lambda1_summary",  # the flatness protocol (k = 1 by default: no λ₁/λ₅ unless eval.hessian_k asks)
+    "width",
+    "repeatability",
     "corruptions",
     "bma_curve",
     "reliability",
@@ -41,6 +43,8 @@ RUN_KEYS = (
     "landscape",
     "method",
     "seed",
+    "optim",
+    "selection",  # None: one setting per method, nothing chosen (tests/experiment/test_selection.py)
 )
 
 

@@ -2,8 +2,8 @@
 
 ``flatbma compare`` measures the experiment and state it just trained; ``flatbma evaluate`` rebuilds the
 experiment and reads the checkpoint. On a BatchNorm CNN with augmentation, for SWAG (BatchNorm recomputed
-on shuffled, augmented training batches for every sample) and MC dropout (masks drawn at prediction),
-both must give the same numbers bit for bit.
+for every sample, posterior samples drawn twice for the flatness protocol's repeat) and MC dropout (masks
+drawn at prediction), both must give the same numbers bit for bit.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ SWAG_CNN = {
     "model": {"name": "cnn", "width": 4},
     "optim": {"lr": 0.05},
     "train": {"epochs": 3, "progress": False},
-    "eval": {"num_samples": 3, "flatness_samples": 1, "hessian_examples": 30, "hessian_max_iter": 6},
+    "eval": {"num_samples": 3, "flatness_samples": 3, "hessian_examples": 30, "hessian_max_iter": 6, "trace_probes": 2},
 }
 
 MEASURES = {
@@ -53,7 +53,7 @@ def _without_times(result: dict) -> dict:
 @pytest.mark.parametrize(
     "method",
     [
-        SWAG_CNN["method"],  # BatchNorm recomputed on shuffled, augmented batches
+        SWAG_CNN["method"],  # BatchNorm recomputed per sample, two draws of samples
         {"name": "mc-dropout"},  # dropout masks at prediction from the global RNG
     ],
 )

@@ -21,9 +21,9 @@ from flatbma.experiment.build import build_experiment
 from flatbma.experiment.checkpoint import load_state
 from flatbma.experiment.cli import main
 from flatbma.experiment.config import config_from_dict
-from flatbma.experiment.prior import fit_prior, prior_stage
+from flatbma.experiment.prior import check_stable_with_prior, fit_prior, floor_std, prior_stage, sgd_stability_bound
 from flatbma.experiment.run import train_run
-from flatbma.gaussian import section
+from flatbma.gaussian import init_from_swag, kl_lowrank, section
 from flatbma.optim import SGD
 from flatbma.params import Objective
 from flatbma.posteriors import fp_bma
@@ -168,10 +168,76 @@ def test_fpbma_transfer_config_parses_as_two_stage() -> None:
 
 
 def test_sgd_learning_rate_beyond_the_kl_stability_bound_is_refused_before_training(tmp_path: Path) -> None:
-    cfg = config_from_dict(_config(tmp_path, optim__lr=0.5))  # 2·1198·0.01² = 0.24 < 0.5 (n: digits train split)
-    with pytest.raises(FlatbmaError, match=r"optim.lr=0.5 is above 0.24 = 2·n·prior.min_std²/kl_weight \(n=1198\)"):
+    cfg = config_from_dict(_config(tmp_path, optim__lr=0.5))  # 1.9·1198·0.01² = 0.228 < 0.5 (n: digits train split)
+    message = r"optim.lr=0.5 is above 0.228 = \(1\+m\)·n·prior.min_std²/kl_weight \(n=1198, m=optim.momentum=0.9\)"
+    with pytest.raises(FlatbmaError, match=message):
         train_run(cfg)
     assert not (Path(cfg.output_dir) / "prior" / "checkpoint.safetensors").exists()  # refused before stage 1
+
+
+def _swag_like_prior(min_std: float, k: int = 3) -> dict[str, torch.Tensor]:
+    """A fitted prior as ``fit_prior`` makes it: a SWAG Gaussian (σ mostly ~0.002) with σ floored at ``min_std``."""
+    g = torch.Generator().manual_seed(0)
+    like = {"fc.weight": torch.zeros(4, 5, dtype=torch.float64), "fc.bias": torch.zeros(4, dtype=torch.float64)}
+    d = 24
+    std = torch.exp(torch.randn(d, generator=g, dtype=torch.float64) - 6.2)  # median ~0.002, as SWAG's
+    std[:4] = torch.tensor([0.3, 0.5, 0.8, 1.2], dtype=torch.float64)  # a few weights the snapshots do move
+    deviations = 0.05 * torch.randn(k, d, generator=g, dtype=torch.float64)
+    mean = torch.randn(d, generator=g, dtype=torch.float64)
+    return floor_std(init_from_swag(mean, std**2, deviations, like), min_std)
+
+
+def _kl_hessian_in_mean(prior: dict, kl_weight: float, n: int) -> torch.Tensor:
+    """The dense Hessian of ``κ·KL(q ‖ p)/n`` in ``q``'s mean, by autograd through ``kl_lowrank``."""
+    names = list(section(prior, "mean"))
+    shapes = [prior[f"mean/{name}"].shape for name in names]
+    q_cov = {k: v for k, v in prior.items() if not k.startswith("mean/")}  # any q covariance: the KL is quadratic in μ
+
+    def objective(mu: torch.Tensor) -> torch.Tensor:
+        means = dict(zip(names, torch.split(mu, [s.numel() for s in shapes]), strict=True))
+        theta = {**q_cov, **{f"mean/{name}": means[name].reshape(shape) for name, shape in zip(names, shapes)}}
+        return kl_weight * kl_lowrank(theta, prior) / n
+
+    mu_p = torch.cat([prior[f"mean/{name}"].reshape(-1) for name in names])
+    return torch.autograd.functional.hessian(objective, mu_p + 0.1)
+
+
+@pytest.mark.parametrize(("momentum", "nesterov"), [(0.0, False), (0.9, False), (0.9, True)])
+def test_the_sgd_stability_bound_is_the_edge_of_stability_of_the_kl_to_the_prior(
+    tmp_path: Path, momentum: float, nesterov: bool
+) -> None:
+    """``bound·(1 ± ε)``: SGD on the prior's actual curvature converges / diverges; the check agrees."""
+    n, kl_weight, min_std, eps = 50, 0.5, 0.05, 0.05
+    hessian = _kl_hessian_in_mean(_swag_like_prior(min_std), kl_weight, n)
+    lam_max = float(torch.linalg.eigvalsh(hessian).max())
+    assert lam_max == pytest.approx(2 * kl_weight / (n * min_std**2), rel=1e-9)  # variance σ²/2 at the floor
+    bound = sgd_stability_bound(n, min_std, kl_weight, momentum=momentum, nesterov=nesterov)
+    if momentum == 0:
+        assert bound == pytest.approx(2 / lam_max, rel=1e-9) == n * min_std**2 / kl_weight
+    top = torch.linalg.eigh(hessian).eigenvectors[:, -1]
+    for lr, stable in ((bound * (1 - eps), True), (bound * (1 + eps), False)):
+        x = {"mu": top.clone()}  # μ − μ_p along the stiffest direction; the KL gradient is H(μ − μ_p)
+        optimizer = SGD(lr=lr, momentum=momentum, nesterov=nesterov)
+        state = optimizer.init(x)
+        for step in range(1500):
+            state = optimizer.apply(x, {"mu": hessian @ x["mu"]}, state, step)
+        size = float(x["mu"].norm())
+        assert (size < 1e-3) if stable else (size > 1e3), (lr / bound, size)
+        cfg = config_from_dict(
+            _config(
+                tmp_path,
+                optim__lr=lr,
+                optim__momentum=momentum,
+                optim__nesterov=nesterov,
+                method__kl_weight=kl_weight,
+                prior__min_std=min_std,
+            )
+        )
+        if stable:
+            check_stable_with_prior(cfg, n)
+        else:
+            with pytest.raises(FlatbmaError, match="where SGD on the KL to the fitted prior diverges"):
+                check_stable_with_prior(cfg, n)
 
 
 def test_a_first_stage_whose_options_drop_the_low_rank_part_is_refused_before_it_trains(tmp_path: Path) -> None:

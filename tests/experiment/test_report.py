@@ -1,25 +1,31 @@
 import base64
 import copy
 import csv
+import html
+import json
 import math
+import re
 import statistics
 import sys
 
 import pytest
+import yaml
+from scipy import stats as scipy_stats
 
 from flatbma.errors import FlatbmaError
-from flatbma.experiment.report import (
+from flatbma.experiment import figures
+from flatbma.experiment.figures import (
     FIGURES,
-    MISSING,
     bma_curve_figure,
     corruption_figure,
     lambda1_figure,
     landscape_curves,
     landscape_figure,
     reliability_figure,
-    summary_table,
-    write_reports,
 )
+from flatbma.experiment.findings import comparisons, findings
+from flatbma.experiment.report import summary_table, write_reports
+from flatbma.experiment.rows import MISSING
 
 PNG = b"\x89PNG\r\n\x1a\n"
 CORRUPTIONS = ("gaussian_noise", "contrast")
@@ -85,32 +91,42 @@ def _results():
     }
 
 
-def _table_rows(markdown, title):
-    """{method: [cells]} of the Markdown table under the heading ``## {title}``."""
+def _table_rows(markdown, title, *, bold=False):
+    """{method: {column: cell}} of the Markdown table under the heading ``## {title}`` (or the first one
+    starting with ``title`` when it ends with "…"); bold markers removed unless ``bold``."""
     lines = markdown.splitlines()
-    start = lines.index(f"## {title}") + 2
+    if title.endswith("…"):
+        start = next(i for i, line in enumerate(lines) if line.startswith(f"## {title[:-1]}")) + 2
+    else:
+        start = lines.index(f"## {title}") + 2
     header = [c.strip() for c in lines[start].strip("|").split("|")]
     rows = {}
     for line in lines[start + 2 :]:
         if not line.startswith("|"):
             break
-        cells = [c.strip() for c in line.strip("|").split("|")]
+        cells = [c.strip() if bold else c.strip().strip("*") for c in line.strip("|").split("|")]
         rows[cells[0]] = dict(zip(header, cells))
     return rows
 
 
 def _parse(cell):
-    mean, _, std = cell.partition(" ± ")
-    return float(mean), (float(std) if std else None)
+    """``mean ± std [low, high]`` -> (mean, std, (low, high)); missing parts are None."""
+    head, _, interval = cell.partition(" [")
+    mean, _, std = head.partition(" ± ")
+    bounds = tuple(float(x) for x in interval.rstrip("]").split(", ")) if interval else None
+    return float(mean), (float(std) if std else None), bounds
 
 
 def _check_cell(cell, values):
-    """The printed mean ± std equal the hand-computed ones to the printed precision."""
-    mean, std = _parse(cell)
+    """The printed mean ± std [t interval] equal the hand-computed ones to the printed precision."""
+    mean, std, bounds = _parse(cell)
     decimals = len(cell.split(" ± ")[0].partition(".")[2])
     tol = 0.5 * 10**-decimals + 1e-12
+    n = len(values)
     assert mean == pytest.approx(statistics.mean(values), abs=tol, rel=0)
     assert std == pytest.approx(statistics.stdev(values), abs=tol, rel=0)
+    half = scipy_stats.t.ppf(0.975, n - 1) * statistics.stdev(values) / math.sqrt(n)
+    assert bounds == pytest.approx((statistics.mean(values) - half, statistics.mean(values) + half), abs=tol, rel=0)
 
 
 @pytest.fixture(scope="module")
@@ -166,7 +182,7 @@ def test_markdown_tables_hold_mean_and_std_over_seeds(written):
     md = (out / "report.md").read_text()
     for rel in (f"figures/{f.name}.png" for f in FIGURES):
         assert f"]({rel})" in md
-    rows = _table_rows(md, "Results (mean ± std over seeds)")
+    rows = _table_rows(md, "Results (mean ± std and 95% t interval over 2 seeds)")
     assert set(rows) == {"SWAG", "F-SWAG"}
     for method, row in rows.items():
         runs = [r for r in results["runs"] if r["method"] == method]
@@ -176,15 +192,16 @@ def test_markdown_tables_hold_mean_and_std_over_seeds(written):
         _check_cell(row["Brier"], [r["brier"] for r in runs])
         _check_cell(row["λ₁"], [r["lambda1"] for r in runs])
         _check_cell(row["λ₁/λ₅"], [r["lambda1_over_lambda5"] for r in runs])
-    # SWAG: accuracy 0.80, 0.81 -> 0.8050 ± 0.0071 exactly as printed
-    assert rows["SWAG"]["accuracy"] == "0.8050 ± 0.0071"
-    assert rows["SWAG"]["λ₁"] == "123.5 ± 4.9"  # 120 and 127: about 4 significant digits
-    assert rows["SWAG"]["AECE"] == "0.0405 ± 0.0007"
+    # SWAG: accuracy 0.80, 0.81 -> 0.8050 ± 0.0071, t interval 0.805 ± 12.706 · 0.005 exactly as printed
+    assert rows["SWAG"]["accuracy"] == "0.8050 ± 0.0071 [0.7415, 0.8685]"
+    assert rows["SWAG"]["λ₁"] == "123.5 ± 4.9 [79.0, 168.0]"  # 120 and 127: about 4 significant digits
+    assert rows["SWAG"]["AECE"] == "0.0405 ± 0.0007 [0.0341, 0.0469]"
+    assert rows["SWAG"]["tr Σ"] == MISSING  # the width beside λ₁, not measured in these results
     assert summary_table(results) in md
 
     # corruptions: per run the mean over corruptions at a severity, then mean ± std over seeds
     for metric, label in [("accuracy", "accuracy"), ("nll", "NLL"), ("ece", "ECE")]:
-        title = f"Corrupted test sets: {label} (mean over corruptions, mean ± std over seeds)"
+        title = f"Corrupted test sets: {label} (mean over corruptions; mean ± std and 95% t interval over 2 seeds)"
         crow = _table_rows(md, title)
         for method, row in crow.items():
             runs = [r for r in results["runs"] if r["method"] == method]
@@ -206,13 +223,15 @@ def test_nulls_and_missing_fields_are_tolerated(tmp_path):
     results["runs"][1]["corruptions"]["contrast"]["3"]["nll"] = None
     files = write_reports(results, tmp_path)
     md = (tmp_path / "report.md").read_text()
-    rows = _table_rows(md, "Results (mean ± std over seeds)")
-    assert rows["SGLD"]["accuracy"] == "0.7000"  # one seed: the mean only
+    rows = _table_rows(
+        md, "Results (mean ± std and 95% t interval over seeds; a method with one seed: its value alone)"
+    )
+    assert rows["SGLD"]["accuracy"] == "0.7000"  # one seed: the value alone
     assert rows["SGLD"]["NLL"] == MISSING and rows["SGLD"]["λ₁"] == MISSING
     assert rows["SWAG"]["λ₁"] == "127.0"  # the one seed that has it
     assert len(list(csv.DictReader(open(tmp_path / "results.csv")))) == 5
-    html = (tmp_path / "report.html").read_text()
-    assert html.count("data:image/png;base64,") == sum(rel.startswith("figures/") for rel in files)
+    page = (tmp_path / "report.html").read_text()
+    assert page.count("data:image/png;base64,") == sum(rel.startswith("figures/") for rel in files)
 
     # nothing to draw: every figure skipped with a note, stale PNGs removed
     bare = {"runs": [{"method": "SGD", "seed": 0, "accuracy": 0.5}, {"method": "SGD", "seed": 1}]}
@@ -225,6 +244,8 @@ def test_nulls_and_missing_fields_are_tolerated(tmp_path):
     assert "data:image/png" not in (tmp_path / "report.html").read_text()
     assert all(f(bare) is None for f in (reliability_figure, bma_curve_figure, lambda1_figure, corruption_figure))
     assert landscape_figure(bare) is None
+    assert findings(bare)["text"] == ["One method (SGD): there is nothing to compare."]
+    assert "- One method (SGD): there is nothing to compare." in md
 
 
 def test_figure_functions_return_png_bytes():
@@ -258,3 +279,340 @@ def test_bad_results_and_missing_matplotlib(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
     with pytest.raises(FlatbmaError, match=r"pip install flatbma\[plots\]"):
         write_reports(_results(), tmp_path)
+
+
+# --------------------------------------------------------------------------------------------------
+# statistics: paired differences, findings, the flatness protocol
+
+NOISE = (0.013, -0.021, 0.008, 0.017, -0.004)
+METHODS = ("sgd", "swag", "fp-bma")
+
+
+def _protocol_run(method, seed, k):
+    """A run with the flatness protocol's keys; seed-to-seed noise that differs between methods."""
+    e = NOISE[(seed + 2 * k) % len(NOISE)]
+    lam = 1000.0 + 400.0 * k + 20000.0 * e
+    return {
+        "method": method,
+        "seed": seed,
+        "accuracy": 0.70 + 0.1 * k + e,  # a large shift against the noise: significant
+        "nll": 0.90 - 0.002 * k + 3 * e,  # a small one: no significant difference
+        "ece": 0.05 + 0.01 * k + e / 10,
+        "aece": 0.04,
+        "brier": 0.35 - 0.001 * k + e,
+        "lambda1": lam,
+        "lambda1_summary": {
+            "n": 8,
+            "mean": lam,
+            "std": 300.0,
+            "median": lam - 50.0,
+            "interval": {"low": lam - 200.0, "high": lam + 260.0, "level": 0.95},
+            "method": "bootstrap",
+        },
+        "lambda1_at_mean": lam / 2,
+        "width": {"trace_cov": 2.0 + k + e, "median_std": 0.01 * (k + 1), "exact": k != 2},
+        "repeatability": {
+            "agree": seed != 1 or k != 2,
+            "first": {"n": 8, "mean": lam, "interval": {"low": lam - 200.0, "high": lam + 260.0, "level": 0.95}},
+            "second": {"n": 8, "mean": lam + 30, "interval": {"low": lam - 150.0, "high": lam + 300.0, "level": 0.95}},
+        },
+        "hessian_trace": 5000.0 + k,
+        "lambda1_unconverged": k,
+        "hessian_examples": 100,
+        "bn_statistics": "recomputed on un-augmented training images in a fixed order",
+    }
+
+
+def _protocol_results(seeds=(0, 1, 2, 3), reference=None):
+    runs = [_protocol_run(m, s, k) for k, m in enumerate(METHODS) for s in seeds]
+    return {"compare": {"reference": reference}, "runs": runs}
+
+
+def _values(results, method, metric):
+    """{seed: value} of one method, read from the rows as a user would."""
+    get = {
+        "lambda1": lambda r: r["lambda1_summary"]["mean"],
+        "trace_cov": lambda r: r["width"]["trace_cov"],
+    }.get(metric, lambda r: r[metric])
+    return {r["seed"]: get(r) for r in results["runs"] if r["method"] == method}
+
+
+def test_paired_differences_match_scipy_ttest_rel():
+    results = _protocol_results(reference="swag")
+    found = findings(results)
+    assert found["reference"] == "swag" and found["claimed"]
+    assert {c["method"] for c in found["comparisons"]} == {"sgd", "fp-bma"}
+    assert {c["metric"] for c in found["comparisons"]} == {"accuracy", "nll", "ece", "brier", "lambda1", "trace_cov"}
+    verdicts = set()
+    for c in found["comparisons"]:
+        mine, ref = _values(results, c["method"], c["metric"]), _values(results, "swag", c["metric"])
+        seeds = sorted(ref)
+        a, b = [mine[s] for s in seeds], [ref[s] for s in seeds]
+        ci = scipy_stats.ttest_rel(a, b).confidence_interval(0.95)
+        assert c["seeds"] == seeds and c["n"] == 4
+        assert c["mean"] == pytest.approx(statistics.mean(x - y for x, y in zip(a, b)), abs=1e-12)
+        assert (c["interval"]["low"], c["interval"]["high"]) == pytest.approx((ci.low, ci.high), abs=1e-9)
+        includes_zero = ci.low <= 0 <= ci.high
+        assert c["significant"] == (not includes_zero)
+        if includes_zero:
+            assert c["verdict"] == "no significant difference"
+        else:
+            words = {
+                "accuracy": ("worse", "better"),
+                "lambda1": ("flatter", "sharper"),
+                "trace_cov": ("narrower", "wider"),
+            }.get(c["metric"], ("better", "worse"))
+            assert c["verdict"] == words[c["mean"] > 0]
+        verdicts.add(c["verdict"])
+    assert "no significant difference" in verdicts and "better" in verdicts and "worse" in verdicts
+    assert json.loads(json.dumps(found)) == found  # what results.json stores
+
+
+def _number(text):
+    return float(text.replace("−", "-").lstrip("+"))
+
+
+FINDING = re.compile(
+    r"^(?P<method>\S+) vs (?P<ref>\S+): (?P<label>.+?) (?P<mean>[+−]?[\d.]+) \[(?P<low>−?[\d.]+), (?P<high>−?[\d.]+)\]"
+    r" over (?P<n>\d+) seeds \((?P<reading>[a-z ]+)\): (?P<verdict>.+)$"
+)
+
+
+def test_findings_text_is_written_from_the_numbers(tmp_path):
+    results = _protocol_results(reference="swag")
+    found = findings(results)
+    assert found["text"] == [c["text"] for c in found["comparisons"]]
+    for c in found["comparisons"]:
+        m = FINDING.match(c["text"])
+        assert m, c["text"]
+        assert (m["method"], m["ref"], m["label"], int(m["n"])) == (c["method"], "swag", c["label"], c["n"])
+        assert (m["reading"], m["verdict"]) == (c["reading"], c["verdict"])
+        decimals = len(m["low"].partition(".")[2])
+        tol = 0.5 * 10**-decimals + 1e-12
+        for key, value in [("mean", c["mean"]), ("low", c["interval"]["low"]), ("high", c["interval"]["high"])]:
+            assert _number(m[key]) == pytest.approx(value, abs=tol, rel=0)
+        assert (m["verdict"] == "no significant difference") == (_number(m["low"]) <= 0 <= _number(m["high"]))
+    # λ₁ is followed by its width, in the report as in results.json
+    order = [(c["method"], c["metric"]) for c in found["comparisons"]]
+    i = order.index(("fp-bma", "lambda1"))
+    assert order[i + 1] == ("fp-bma", "trace_cov")
+    write_reports(results, tmp_path)
+    md = (tmp_path / "report.md").read_text()
+    listed = md.split("## Findings\n\n")[1].split("\n\n")[0].splitlines()
+    assert listed == [f"- {line}" for line in found["text"]]
+    assert html.escape(found["text"][0]) in (tmp_path / "report.html").read_text()
+    # the paired-difference table holds the same numbers
+    rows = _table_rows(md, "Paired differences from swag …", bold=True)
+    nll = next(c for c in found["comparisons"] if c["method"] == "sgd" and c["metric"] == "nll")
+    cell = rows["sgd"]["NLL"]
+    assert nll["text"].split(": NLL ")[1].startswith(cell.strip("*").split(" [")[0])
+    assert cell.startswith("**") == nll["significant"]
+
+
+def test_reference_defaults_to_the_first_method_and_must_exist():
+    results = _protocol_results()
+    assert findings(results)["reference"] == "sgd"
+    assert {c.method for c in comparisons(results)} == {"swag", "fp-bma"}
+    results["compare"]["reference"] = "swg"
+    with pytest.raises(FlatbmaError, match=r"compare\.reference 'swg' is not one of the compared methods"):
+        findings(results)
+    with pytest.raises(FlatbmaError, match=r"compare\.reference"):
+        write_reports(results, "/nonexistent/never-written")
+
+
+def test_compare_config_validates_the_reference(tmp_path):
+    from flatbma.experiment.compare import CompareConfig, load_plan
+    from flatbma.experiment.parse import parse_dataclass
+
+    methods = [{"name": "sgd"}, {"name": "swag"}, {"name": "sam", "label": "SAM-0.1"}]
+    assert parse_dataclass(CompareConfig, {"methods": methods}, "compare").reference is None
+    assert (
+        parse_dataclass(CompareConfig, {"methods": methods, "reference": "SAM-0.1"}, "compare").reference == "SAM-0.1"
+    )
+    did_you_mean = r"compare\.reference 'swg' is not a compared method\. Did you mean 'swag'\?"
+    with pytest.raises(FlatbmaError, match=did_you_mean):
+        parse_dataclass(CompareConfig, {"methods": methods, "reference": "swg"}, "compare")
+    with pytest.raises(FlatbmaError, match=r"compare\.reference must be"):
+        parse_dataclass(CompareConfig, {"methods": methods, "reference": 3}, "compare")
+
+    cfg = {
+        "output_dir": str(tmp_path / "out"),
+        "data": {"name": "digits", "k_shot": 5, "val_per_class": 1},
+        "model": {"name": "mlp"},
+        "compare": {"methods": methods, "reference": "swag", "quick": {"methods": ["sgd", "sam"]}},
+    }
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    full = load_plan(path)
+    assert full.compare.reference == "swag"
+    quick = load_plan(path, quick=True)  # the reference is left out: the first kept method is the reference
+    assert quick.compare.reference is None
+    changed = load_plan(path, ["compare.reference=sgd"])
+    assert changed.fingerprint() == full.fingerprint()  # the reference shapes the report, not the results
+
+
+def test_one_seed_claims_nothing_and_never_says_mean_and_std(tmp_path):
+    results = _protocol_results(seeds=(0,))
+    found = findings(results)
+    assert not found["claimed"]
+    assert found["text"] == [
+        "One seed: no comparison between methods is claimed (a difference needs its interval over paired seeds: "
+        "run at least two seeds)."
+    ]
+    for c in found["comparisons"]:
+        assert c["n"] == 1 and c["interval"] is None and not c["significant"]
+        assert c["verdict"] == "no comparison claimed (one seed)"
+    write_reports(results, tmp_path)
+    md = (tmp_path / "report.md").read_text()
+    page = (tmp_path / "report.html").read_text()
+    assert "mean ± std" not in md and "mean ± std" not in page
+    assert "## Results (one seed)" in md and "Paired differences" not in md
+    rows = _table_rows(md, "Results (one seed)")
+    assert rows["swag"]["accuracy"] == f"{0.80 + NOISE[2]:.4f}"  # the value alone
+    assert "### BMA quality vs number of samples (one seed)" in md
+
+
+def test_a_method_with_one_common_seed_is_not_compared():
+    results = _protocol_results(seeds=(0, 1, 2))
+    results["runs"] = [r for r in results["runs"] if r["method"] != "fp-bma" or r["seed"] == 2]
+    found = findings(results)
+    assert "fp-bma vs sgd: fewer than two seeds in common: no comparison claimed" in found["text"]
+    one = [c for c in found["comparisons"] if c["method"] == "fp-bma"]
+    assert one and all(c["n"] == 1 and c["verdict"] == "no comparison claimed (one seed)" for c in one)
+    assert any(line.startswith("swag vs sgd: accuracy") for line in found["text"])
+
+
+def test_rows_without_the_protocol_keys(tmp_path):
+    # older results (no width, no lambda1_summary): λ₁ is not compared without the width beside it
+    found = findings(_results())
+    lam = next(c for c in found["comparisons"] if c["metric"] == "lambda1")
+    assert lam["verdict"] == "not compared: the posterior width tr Σ is not measured beside it"
+    assert lam["n"] == 0 and lam["mean"] is None
+    assert "trace_cov" not in {c["metric"] for c in found["comparisons"]}
+    assert "F-SWAG vs SWAG: λ₁: not compared: the posterior width tr Σ is not measured beside it" in found["text"]
+    # a mix: one method reports its width, the other does not
+    results = _protocol_results(seeds=(0, 1))
+    for r in results["runs"]:
+        if r["method"] == "swag":
+            for key in ("width", "lambda1_summary", "repeatability", "lambda1_at_mean", "lambda1_unconverged"):
+                del r[key]
+    found = findings(results)
+    verdicts = {(c["method"], c["metric"]): c["verdict"] for c in found["comparisons"]}
+    assert verdicts[("swag", "lambda1")].startswith("not compared")
+    assert ("swag", "trace_cov") not in verdicts and ("fp-bma", "lambda1") in verdicts
+    write_reports(results, tmp_path)
+    rows = _table(tmp_path / "report.md", "Flatness per run …")
+    swag = next(r for r in rows if r["method"] == "swag")
+    assert swag["λ₁ mean"] == _four(results["runs"][2]["lambda1"]) and swag["tr Σ"] == MISSING
+    assert swag["λ₁ median"] == MISSING and swag["repeatable"] == MISSING
+
+
+def _four(x):
+    """``x`` with 4 significant digits, as the tables print it (between 1e-3 and 1e6)."""
+    return f"{x:.{min(4, max(0, 3 - math.floor(math.log10(abs(x)))))}f}"
+
+
+def _table(path, title):
+    """Rows of a Markdown table as dicts (several rows per method allowed)."""
+    lines = path.read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(f"## {title.rstrip('…')}")) + 2
+    header = [c.strip() for c in lines[start].strip("|").split("|")]
+    rows = []
+    for line in lines[start + 2 :]:
+        if not line.startswith("|"):
+            break
+        rows.append(dict(zip(header, (c.strip() for c in line.strip("|").split("|")))))
+    return rows
+
+
+def test_flatness_table_shows_the_protocol(tmp_path):
+    results = _protocol_results(seeds=(0, 1))
+    write_reports(results, tmp_path)
+    md = (tmp_path / "report.md").read_text()
+    rows = _table(tmp_path / "report.md", "Flatness per run (one protocol for every method)")
+    assert [(r["method"], r["seed"]) for r in rows] == [(m, str(s)) for m in METHODS for s in (0, 1)]
+    run = results["runs"][5]  # fp-bma, seed 1
+    row = rows[5]
+    lam = run["lambda1_summary"]["mean"]
+    assert row["λ₁ mean"] == _four(lam) and row["λ₁ median"] == _four(lam - 50)
+    decimals = len(_four(lam).partition(".")[2])
+    assert row["λ₁ 95% interval"] == f"[{lam - 200:.{decimals}f}, {lam + 260:.{decimals}f}]"
+    assert (row["samples"], row["unconverged"], row["repeatable"]) == ("8", "2", "no")
+    assert row["tr Σ"] == f"≈{run['width']['trace_cov']:.3f}"  # estimated from samples (exact: false)
+    assert rows[0]["tr Σ"] == f"{results['runs'][0]['width']['trace_cov']:.3f}"
+    assert row["λ₁ at mean"] == _four(lam / 2) and row["Hessian trace"] == "5002"
+    assert "Hessian on 100 training examples" in md and "un-augmented training images in a fixed order" in md
+    assert "bootstrap 95% interval" in md
+    assert "- measurement repeatability, sgd: agrees on 2 of 2 seeds" in md
+    assert "- measurement repeatability, fp-bma: agrees on 1 of 2 seeds" in md
+    # the summary table carries the width beside λ₁
+    summary = _table_rows(md, "Results …")
+    assert list(summary["sgd"])[7:9] == ["λ₁", "tr Σ"]
+
+
+def test_best_value_per_column_is_bold_respecting_its_direction(tmp_path):
+    results = _protocol_results()
+    write_reports(results, tmp_path)
+    md = (tmp_path / "report.md").read_text()
+    rows = _table_rows(md, "Results …", bold=True)
+    means = {
+        key: {m: statistics.mean(_values(results, m, key).values()) for m in METHODS}
+        for key in ("accuracy", "nll", "ece", "brier", "lambda1")
+    }
+    for key, label, pick in [("accuracy", "accuracy", max), ("nll", "NLL", min), ("ece", "ECE", min)]:
+        best = pick(means[key], key=means[key].get)
+        for m in METHODS:
+            assert rows[m][label].startswith("**") == (m == best), (label, m)
+    assert not any(rows[m]["λ₁"].startswith("**") or rows[m]["tr Σ"].startswith("**") for m in METHODS)
+    assert all(rows[m]["AECE"].startswith("**") for m in METHODS)  # a tie: every best is bold
+    page = (tmp_path / "report.html").read_text()
+    assert "<td><b>" in page
+
+
+@pytest.fixture
+def figures_as_objects(monkeypatch):
+    """Figure functions return the matplotlib Figure instead of its PNG."""
+    monkeypatch.setattr(figures, "_png", lambda fig: fig)
+
+
+def test_lambda1_figure_draws_the_intervals(figures_as_objects):
+    results = _protocol_results(seeds=(0, 1, 2))
+    fig = lambda1_figure(results)
+    (ax,) = fig.axes
+    segments = [
+        tuple(map(tuple, seg))
+        for c in ax.containers
+        if hasattr(c, "lines")
+        for col in c.lines[2]
+        for seg in col.get_segments()
+    ]
+    for run in results["runs"]:
+        low, high = run["lambda1_summary"]["interval"]["low"], run["lambda1_summary"]["interval"]["high"]
+        assert any(seg[0][1] == pytest.approx(low) and seg[1][1] == pytest.approx(high) for seg in segments)
+    for m in METHODS:  # the bar's error bar: the t interval over seeds
+        s = scipy_stats.t.interval(
+            0.95,
+            2,
+            loc=statistics.mean(v := list(_values(results, m, "lambda1").values())),
+            scale=statistics.stdev(v) / math.sqrt(3),
+        )
+        assert any(seg[0][1] == pytest.approx(s[0]) and seg[1][1] == pytest.approx(s[1]) for seg in segments)
+
+
+def test_reliability_diagrams_show_bin_counts(figures_as_objects):
+    fig = reliability_figure(_results())
+    texts = [t.get_text() for t in fig.axes[0].texts]
+    assert texts == ["10", "30", "60"]  # the non-empty bins of the first seed
+
+
+def test_a_single_severity_is_not_a_line_from_clean(figures_as_objects):
+    results = _results()
+    for run in results["runs"]:
+        for per in run["corruptions"].values():
+            del per["1"]
+    fig = corruption_figure(results)
+    for ax in fig.axes:
+        assert all(line.get_linestyle() in ("None", "none", "") for line in ax.get_lines())
+        assert [t.get_text() for t in ax.get_xticklabels()] == ["clean", "3"]
+    fig = corruption_figure(_results())  # two severities: a curve over severities
+    assert any(line.get_linestyle() == "-" for line in fig.axes[0].get_lines())

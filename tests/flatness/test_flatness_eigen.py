@@ -110,3 +110,22 @@ def test_eigenvalues_at_a_posterior_sample(problem):
     ref = torch.linalg.eigvalsh(problem.dense_hessian(weights=sample)).flip(0)[:2]
     ev = hessian_eigenvalues(problem.model, problem.batches, k=2, weights=sample, tol=1e-8)
     torch.testing.assert_close(ev, ref, rtol=1e-7, atol=0)
+
+
+def test_lanczos_flags_each_eigenvalue_and_can_stay_silent():
+    """λ₁ = 50 is far from the rest and converges in a few steps; λ₂ ≈ λ₃ (gap 1e-4) do not by then."""
+    lam = torch.tensor([50.0, 1.0, 0.9999] + [0.5 - 0.01 * i for i in range(30)], dtype=torch.float64)
+    g = torch.Generator().manual_seed(0)
+    q, _ = torch.linalg.qr(torch.randn(len(lam), len(lam), generator=g, dtype=torch.float64))
+    a = (q * lam) @ q.T
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ConvergenceWarning)
+        res = lanczos(lambda v: a @ v, len(lam), 2, tol=1e-8, max_iter=6, generator=g, warn=False)
+    assert res.converged_each.tolist() == [True, False] and not res.converged
+    assert float(res.eigenvalues[0]) == pytest.approx(50.0, rel=1e-8)
+    rel = res.residuals / res.eigenvalues.abs()
+    assert bool(rel[0] <= 1e-8) and bool(rel[1] > 1e-8)
+    with pytest.warns(ConvergenceWarning):
+        lanczos(lambda v: a @ v, len(lam), 2, tol=1e-8, max_iter=6, generator=torch.Generator().manual_seed(0))
+    done = power_iteration(lambda v: a @ v, len(lam), 1, tol=1e-6, max_iter=200, generator=g)
+    assert done.converged_each.tolist() == [True]

@@ -140,3 +140,41 @@ def test_products_under_no_grad(problem, method):
     with torch.no_grad():
         op = hvp_fn(problem.model, problem.batches, hvp=method)
         torch.testing.assert_close(op(v), expected, rtol=1e-10, atol=1e-12)
+
+
+def test_frozen_convolutions_and_eval_batch_norms_give_the_same_products_and_are_restored():
+    """Strided, dilated, grouped frozen convolutions (odd sizes) and eval-mode BatchNorm (with and without
+    affine parameters) go through the lean second-order graph; PyTorch's forward-over-reverse is the reference."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(3, 8, 3, stride=2, padding=1),
+        nn.BatchNorm2d(8),
+        nn.Tanh(),
+        nn.Conv2d(8, 8, 3, padding=2, dilation=2, groups=8, bias=False),
+        nn.BatchNorm2d(8, affine=False),
+        nn.Tanh(),
+        nn.Conv2d(8, 4, 1, stride=2, padding="valid"),
+        nn.Tanh(),
+        nn.Flatten(),
+        nn.Linear(4 * 3 * 3, 3),
+    ).double()
+    with torch.no_grad():
+        for bn in (model[1], model[4]):
+            bn.running_mean.uniform_(-0.5, 0.5)
+            bn.running_var.uniform_(0.5, 2.0)
+    model.train()  # the operator evaluates in eval mode and restores the mode
+    x = torch.randn(6, 3, 11, 9, dtype=torch.float64)
+    y = torch.randint(0, 3, (6,))
+    names = [n for n, _ in model.named_parameters() if n.split(".")[0] in ("1", "9")]
+    op = hvp_fn(model, (x, y), params=names)  # cached graph (one batch)
+    parts = hvp_fn(model, [(x[:4], y[:4]), (x[4:], y[4:])], params=names)  # graph per product
+    reference = hvp_fn(model, (x, y), params=names, hvp="func")  # forward-over-reverse: PyTorch's own ops
+    assert len(op._frozen_convs) == 3 and len(op._batch_norms) == 2
+    for v in _vectors(op.dim):
+        torch.testing.assert_close(op(v), reference(v), rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(parts(v), reference(v), rtol=1e-10, atol=1e-12)
+    assert not any("_conv_forward" in vars(m) or "forward" in vars(m) for m in model.modules())
+    assert model.training and model[1].training
+    # a trained convolution keeps PyTorch's backward
+    trained = hvp_fn(model, (x, y), params=["0.weight", "1.weight"])
+    assert model[0] not in trained._frozen_convs and len(trained._frozen_convs) == 2

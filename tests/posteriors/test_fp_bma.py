@@ -22,10 +22,12 @@ from flatbma.optim import SAM, SGD, Adam, FisherSAM, sharpness_aware_value_and_g
 from flatbma.optim.fisher_ball import (
     BallMetric,
     FisherBall,
+    _preconditioner,
     covariance_fisher_diagonal,
     covariance_fisher_product,
     damping_scale,
     natural_gradient,
+    solve_covariance_fisher,
 )
 from flatbma.params import Objective, flatten, model_buffers, trainable_params, unflatten
 from flatbma.posteriors import fp_bma, lowrank_vi
@@ -187,11 +189,90 @@ def test_natural_gradient_equals_a_dense_solve(project):
     torch.testing.assert_close(quad, g_mu @ flatten(section(x, "mean")) + g_cov @ expected)
 
 
+def _reparameterized_problem(ratio, seed, floored, k=K):
+    """θ with factor entries ~ ratio·σ and a single-sample reparameterized gradient (g_logσ ∝ σ, g_L ∝ z₂).
+
+    ``floored``: σ at a floor of 0.01 (a fitted SWAG prior) with a per-weight factor/σ ratio of
+    ``ratio·e^(1.5·N)``; otherwise σ ~ e^U[−6, −3] and the ratio is the same everywhere.
+    """
+    g = torch.Generator().manual_seed(seed)
+    theta, grads = {}, {}
+    for n, shape in {"fc.weight": (5, 5), "fc.bias": (5,)}.items():  # d = 30
+        if floored:
+            log_std = torch.full(shape, math.log(0.01), dtype=torch.float64)
+            coord = ratio * torch.exp(1.5 * torch.randn(shape, generator=g, dtype=torch.float64))
+        else:
+            log_std = torch.rand(shape, generator=g, dtype=torch.float64) * 3 - 6
+            coord = torch.full(shape, ratio, dtype=torch.float64)
+        sigma = log_std.exp()
+        theta[f"mean/{n}"] = torch.randn(shape, generator=g, dtype=torch.float64)
+        theta[f"log_std/{n}"] = log_std
+        theta[f"factor/{n}"] = torch.randn((k, *shape), generator=g, dtype=torch.float64) * sigma * coord
+        g_w = torch.randn(shape, generator=g, dtype=torch.float64)  # ∇_w L at w = μ + (σ⊙z₁ + Lz₂/√(K−1))/√2
+        z1 = torch.randn(shape, generator=g, dtype=torch.float64)
+        z2 = torch.randn(k, generator=g, dtype=torch.float64).reshape(k, *([1] * len(shape)))
+        grads[f"mean/{n}"] = g_w
+        grads[f"log_std/{n}"] = g_w * sigma * z1 / math.sqrt(2)
+        grads[f"factor/{n}"] = z2 * g_w / math.sqrt(2 * (k - 1))
+    return theta, grads
+
+
+def _cosine(a, b):
+    return float(a @ b / (a.norm() * b.norm()))
+
+
+@pytest.mark.parametrize("floored", [False, True])
+@pytest.mark.parametrize("ratio", [0.01, 0.1, 0.3, 1.0, 3.0])
+def test_the_default_fisher_ball_step_matches_a_dense_pseudo_inverse_solve_on_every_block(ratio, floored):
+    """δ* at the default solver settings against ``[Σg_μ; (F + λB)⁺Pg_cov]`` from the autograd Fisher.
+
+    factor ≈ 0.3σ is where one CG iteration (the former default) gave the log σ block a cosine of ~0.0.
+    """
+    ball = FisherBall()
+    for seed in range(2):
+        theta, grads = _reparameterized_problem(ratio, seed, floored)
+        delta = ball.perturb(theta, grads)
+        fisher, _, like = _dense_fisher(theta)
+        names = _names(theta)
+        sigma2 = [theta[f"log_std/{n}"].exp().reshape(-1) ** 2 for n in names]  # B: 1 on log σ, 1/((K−1)σ²) on L
+        b = torch.cat([torch.ones(30, dtype=torch.float64)] + [(1 / ((K - 1) * s2)).repeat(K) for s2 in sigma2])
+        g_cov = _rotation_projector(theta, like) @ flatten({key: grads[key] for key in like})
+        x_cov = unflatten(torch.linalg.pinv(fisher + ball.damping * torch.diag(b), hermitian=True) @ g_cov, like)
+        x_mean = lowrank_vi.dense_covariance(theta) @ flatten(section(grads, "mean"))
+        blocks = {
+            "mean": (flatten(section(delta, "mean")), x_mean),
+            "log σ": (flatten(section(delta, "log_std")), flatten(section(x_cov, "log_std"))),
+            "L": (flatten(section(delta, "factor")), flatten(section(x_cov, "factor"))),
+        }
+        for block, (got, exact) in blocks.items():
+            assert _cosine(got, exact) > 0.99, (block, seed, _cosine(got, exact))
+
+
+def test_the_conjugate_gradients_stop_at_the_residual_tolerance_or_the_cap():
+    theta, grads = _reparameterized_problem(0.3, 0, floored=True)
+    geo = geometry(theta)
+    g = torch.cat([flatten(section(grads, "log_std"))[None], lowrank_vi.rows(grads)[2:]])
+    for tol in (1e-2, 1e-3, 1e-5):
+        loose, tight = (solve_covariance_fisher(geo, g, damping=1e-2, cg_iters=200, cg_tol=t) for t in (tol, tol / 10))
+        assert loose.residual <= tol and loose.iterations < tight.iterations < 200
+        # the residual reported is the true relative preconditioned residual of the returned x
+        fx = covariance_fisher_product(geo, loose.x) + 1e-2 * damping_scale(geo) * loose.x
+        r = g - fx
+        m = _preconditioner(geo, 1e-2)
+        assert math.sqrt(float((r * m(r.clone())).sum() / (g * m(g.clone())).sum())) == pytest.approx(loose.residual)
+    capped = solve_covariance_fisher(geo, g, damping=1e-2, cg_iters=3, cg_tol=1e-12)
+    assert capped.iterations == 3
+    exact = solve_covariance_fisher(geo, g, damping=1e-2, cg_iters=500, cg_tol=0.0)
+    assert exact.iterations < 500  # numerically exhausted: the zero-curvature stop, not the cap
+    zero = solve_covariance_fisher(geo, torch.zeros_like(g), damping=1e-2, cg_iters=5, cg_tol=1e-3)
+    assert zero.iterations == 0 and torch.equal(zero.x, torch.zeros_like(g))
+
+
 @pytest.mark.parametrize(
     ("k", "log_std_range", "factor_scale"),
     [(5, (-5, -5), 1.0), (5, (-8, -2), 1.0), (5, (-5, -5), 0.01), (12, (-8, -2), 1.0)],
 )
-def test_few_cg_steps_suffice_thanks_to_the_coarse_correction(k, log_std_range, factor_scale):
+def test_the_default_solve_is_accurate_and_stops_early_on_large_problems(k, log_std_range, factor_scale):
     # factor entries ~ factor_scale·σ: Σ is ~d times wider along L's columns than across them, the
     # hard case for a diagonal preconditioner alone
     g = torch.Generator().manual_seed(4)
@@ -205,10 +286,14 @@ def test_few_cg_steps_suffice_thanks_to_the_coarse_correction(k, log_std_range, 
     }
     grads = {key: torch.randn(v.shape, generator=g) for key, v in theta.items()}
     exact, _ = natural_gradient(theta, grads, damping=1e-2, cg_iters=60)  # converged to ~1e-9
-    for iters, tol in ((FisherBall().cg_iters, 2e-2), (3, 1e-2)):
-        approx, _ = natural_gradient(theta, grads, damping=1e-2, cg_iters=iters)
-        err = (flatten(approx) - flatten(exact)).norm() / flatten(exact).norm()
-        assert err < tol, (iters, err)
+    ball = FisherBall()
+    approx, _ = natural_gradient(theta, grads, damping=1e-2, cg_iters=ball.cg_iters, cg_tol=ball.cg_tol)
+    for block in ("log_std", "factor"):
+        cosine = _cosine(approx[f"{block}/w"].double().reshape(-1), exact[f"{block}/w"].double().reshape(-1))
+        assert cosine > 0.999, (block, cosine)
+    g = torch.cat([grads["log_std/w"][None], grads["factor/w"]]).double()
+    used = solve_covariance_fisher(geometry(theta, torch.float64), g, damping=1e-2, cg_iters=20, cg_tol=1e-3)
+    assert used.iterations <= 10  # d ≫ K: the coarse correction makes large problems converge fast
 
 
 def test_the_perturbed_posterior_lies_on_the_kl_sphere():
@@ -366,7 +451,7 @@ def test_the_step_uses_the_data_gradient_the_same_noise_and_the_kl_at_theta():
     leaves = {k: v.clone().requires_grad_(True) for k, v in theta.items()}
     first = expected_data_loss(leaves)
     g = dict(zip(leaves, torch.autograd.grad(first, list(leaves.values()))))
-    x, quad = natural_gradient(theta, g, damping=ball.damping, cg_iters=50)
+    x, quad = natural_gradient(theta, g, damping=ball.damping, cg_iters=ball.cg_iters, cg_tol=ball.cg_tol)
     shifted = {k: (theta[k] + math.sqrt(2 * ball.gamma) * x[k] / quad.sqrt()).requires_grad_(True) for k in theta}
     second = dict(zip(shifted, torch.autograd.grad(expected_data_loss(shifted), list(shifted.values()))))
     kl_leaves = {k: v.clone().requires_grad_(True) for k, v in theta.items()}
@@ -480,6 +565,8 @@ def test_bad_options_raise_errors_naming_the_key():
         ({"gamma": 0.0}, "gamma"),
         ({"gamma": -1.0}, "gamma"),
         ({"cg_iters": 0}, "cg_iters"),
+        ({"cg_tol": -1e-3}, "cg_tol"),
+        ({"cg_tol": 1.0}, "cg_tol"),
         ({"damping": -1e-3}, "damping"),
         ({"metric": "fischer"}, "metric"),
         ({"eta": -1.0}, "eta"),

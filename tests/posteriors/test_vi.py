@@ -16,9 +16,9 @@ from flatbma.experiment.checkpoint import load_state, save_state
 from flatbma.experiment.cli import main
 from flatbma.experiment.methods import METHODS, parse_method
 from flatbma.gaussian import GaussianNoise, section
-from flatbma.optim import SAM, SGD, Adam, cosine
+from flatbma.optim import SAM, SGD, Adam, FisherBall, cosine
 from flatbma.params import Objective, flatten, model_buffers, trainable_params, unflatten
-from flatbma.posteriors import lowrank_vi, mfvi
+from flatbma.posteriors import fp_bma, lowrank_vi, mfvi
 from flatbma.posteriors.gaussian_vi import elbo_value_and_grad
 from tests.helpers import tiny_bn_net, toy_batch
 
@@ -285,6 +285,48 @@ def test_without_ascent_the_gradient_is_the_elbo_gradient(name):
     expected = dict(zip(leaves, torch.autograd.grad(elbo, list(leaves.values()))))
     for k in theta:
         torch.testing.assert_close(grads[k], expected[k], rtol=1e-4, atol=1e-6)
+
+
+def _zero_loss(logits, labels):
+    """A loss whose gradient is exactly 0 (so only the weight decay moves θ)."""
+    return 0.0 * logits.sum()
+
+
+_DECAY_VARIANTS = {
+    "mfvi": lambda obj, opt: mfvi.build(obj, opt, kl_weight=0.0),
+    "f-mfvi": lambda obj, opt: mfvi.build(obj, opt, SAM(rho=0.1), kl_weight=0.0),
+    "lowrank-vi": lambda obj, opt: lowrank_vi.build(obj, opt, rank=4, kl_weight=0.0),
+    "fp-bma": lambda obj, opt: lowrank_vi.build(obj, opt, FisherBall(gamma=0.1), rank=4, kl_weight=0.0),
+    "fp-bma with prior": lambda obj, opt: fp_bma.build_with_prior(
+        obj, opt, FisherBall(gamma=0.1), _lr_theta(seed=5), rank=4, kl_weight=0.0
+    ),
+}
+
+
+@pytest.mark.parametrize("variant", list(_DECAY_VARIANTS))
+@pytest.mark.parametrize("optim", ["sgd", "adam"])
+def test_weight_decay_acts_on_the_mean_only(variant, optim):
+    """With a zero data gradient and no KL, log σ / ρ and L stay put and μ decays by the SGD / AdamW formula."""
+    lr, wd, steps = 0.1, 0.05, 4
+    optimizer = SGD(lr=lr, momentum=0.9, weight_decay=wd) if optim == "sgd" else Adam(lr=lr, weight_decay=wd)
+    method = _DECAY_VARIANTS[variant](Objective(model=_Tiny(), loss_fn=_zero_loss, num_data=10), optimizer)
+    theta0 = _mf_theta() if "mfvi" in variant else _lr_theta()
+    state = method.init({k: v.clone() for k, v in theta0.items()}, {})
+    for _ in range(steps):
+        state, _ = method.update(state, _tiny_batch())
+    means = {k: v.clone().requires_grad_(True) for k, v in theta0.items() if k.startswith("mean/")}
+    ref_cls = torch.optim.SGD if optim == "sgd" else torch.optim.AdamW
+    ref = ref_cls(means.values(), lr=lr, weight_decay=wd, **({"momentum": 0.9} if optim == "sgd" else {}))
+    for _ in range(steps):
+        for v in means.values():
+            v.grad = torch.zeros_like(v)
+        ref.step()
+    for k, v in theta0.items():
+        if k in means:
+            torch.testing.assert_close(state.params[k], means[k].detach(), rtol=1e-6, atol=0)
+            assert not torch.equal(state.params[k], v)  # it did decay
+        else:  # log σ, ρ and the factor: untouched
+            torch.testing.assert_close(state.params[k], v, rtol=0, atol=0)
 
 
 def test_batchnorm_statistics_are_updated_once_per_step():

@@ -8,17 +8,16 @@ same random numbers whether it runs right after building or after training in th
 from __future__ import annotations
 
 import contextlib
-import functools
 import inspect
 import random
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 from torch import Tensor
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Dataset
 
 from flatbma.data import DATASETS, build_transform, few_shot_indices, load_dataset, stratified_split
 from flatbma.errors import FlatbmaError
@@ -86,9 +85,11 @@ class Experiment:
     """Everything a run needs, built from a config.
 
     Attributes:
+        hessian_loader: the training examples the Hessian is taken over (``eval.hessian_examples``;
+            all of them by default), without augmentation, in batches of ``data.eval_batch_size``.
         strategy: how the processes share the run (:func:`flatbma.experiment.distributed.strategy`).
-        bn_loader: makes a fresh loader of the training data for BatchNorm recomputation, drawn as
-            the training loader's first epoch (:meth:`~flatbma.experiment.distributed.Strategy.bn_loader`).
+        bn_loader: the training data for BatchNorm recomputation (:func:`statistics_loader`): the
+            un-augmented images in a fixed order, the same on every process and every evaluation.
         rng: the global RNG state at the end of building; evaluation starts from it.
     """
 
@@ -102,8 +103,27 @@ class Experiment:
     num_classes: int
     device: torch.device
     strategy: Strategy
-    bn_loader: Callable[[], DataLoader]
+    bn_loader: DataLoader
     rng: GlobalRNG
+
+
+def statistics_loader(dataset: Dataset, batch_size: int) -> DataLoader:
+    """``dataset`` in a fixed order, in batches of ``batch_size``, for BatchNorm statistics.
+
+    The order is one permutation of ``range(len(dataset))`` drawn from a generator seeded with 0: it
+    depends on the size of the data set only, not on the run's seed or on any RNG state, so every
+    evaluation and every process gets the same batches. (A permutation rather than the data set's
+    order, because that order may be sorted by class — image folders are — and class-pure batches
+    would give every batch, and so the recomputed statistics, the spread of one class only.) A
+    trailing batch of one example (BatchNorm cannot normalize it) joins the batch before it. Give it
+    data without random augmentation: the statistics are then a function of the weights alone.
+    """
+    order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(0)).tolist()
+    batches = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
+    if len(batches) > 1 and len(batches[-1]) == 1:
+        last = batches.pop()
+        batches[-1] = batches[-1] + last
+    return DataLoader(dataset, batch_sampler=batches)
 
 
 def _dataset_options(d: DataConfig) -> dict[str, Any]:
@@ -150,8 +170,8 @@ def build_experiment(cfg: RunConfig, prior: Params | None = None) -> Experiment:
             )
     eval_tf = build_transform(size=d.image_size, to_rgb=d.to_rgb, normalize=d.normalize, augment=False)
     train_tf = build_transform(size=d.image_size, to_rgb=d.to_rgb, normalize=d.normalize, augment=d.augment)
-    hessian_data = train.with_transform(eval_tf)
-    if cfg.eval.hessian_examples < len(hessian_data):
+    statistics_data = hessian_data = train.with_transform(eval_tf)  # the training images, un-augmented
+    if cfg.eval.hessian_examples is not None and cfg.eval.hessian_examples < len(hessian_data):
         _, kept = stratified_split(hessian_data.labels, cfg.eval.hessian_examples / len(hessian_data), seed=0)
         hessian_data = hessian_data.subset(kept)
         if len(hessian_data) == 0:
@@ -190,6 +210,6 @@ def build_experiment(cfg: RunConfig, prior: Params | None = None) -> Experiment:
         num_classes=train.num_classes,
         device=device,
         strategy=strategy,
-        bn_loader=functools.partial(strategy.bn_loader, train, d.batch_size, seed=cfg.seed),
+        bn_loader=statistics_loader(statistics_data, d.eval_batch_size),
         rng=GlobalRNG.capture(device),
     )

@@ -75,7 +75,7 @@ def _out_of_memory(e: BaseException) -> str:
 
 
 def _print_metrics(metrics: dict) -> None:
-    print("  ".join(f"{k}={metrics[k]:.4f}" for k in SUMMARY_KEYS if k in metrics))
+    print("  ".join(f"{k}={metrics[k]:.4f}" for k in SUMMARY_KEYS if isinstance(metrics.get(k), (int, float))))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -11,6 +11,7 @@ A compare config is a run config (the shared data/model/optim/train/eval section
       bma_curve: [1, 2, 5, 10, 20, 30]
       flatness: true
       landscape: true
+      reference: sgd        # the others' paired differences and findings are against it (default: the first)
       quick: {methods: [sgd, sam], seeds: [0], set: [train.epochs=2]}
 
 Each (method, seed) is an ordinary run directory under ``OUT/runs/<method>/seed<s>`` (trained with
@@ -20,6 +21,12 @@ Each (method, seed) is an ordinary run directory under ``OUT/runs/<method>/seed<
 finished (method, seed) and reuses it. The output directory records its compare config and refuses
 to mix results of a different one unless ``--force`` is given. Under ``torchrun`` the runs are
 spread over the processes (:func:`run_compare`).
+
+An entry may carry its own ``optim`` section (its keys override the shared one's) and give lists of
+candidate values, e.g. ``{name: sam, rho: [0.01, 0.05, 0.1], optim: {lr: [0.01, 0.05]}}``: every
+combination is then a run of its own in ``OUT/runs/<method>/seed<s>/cand-<options>``, and the row of
+that (method, seed) is the candidate with the best validation NLL, the only one measured on the test
+set (:mod:`flatbma.experiment.selection`; ``selection`` in the row records every candidate's score).
 """
 
 from __future__ import annotations
@@ -29,26 +36,34 @@ import hashlib
 import json
 import sys
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import yaml
 from tqdm.auto import tqdm
 
 from flatbma.data.corruptions import corruption_names
-from flatbma.errors import FlatbmaError, suggest
-from flatbma.experiment import distributed, report
+from flatbma.errors import DivergenceError, FlatbmaError, suggest
+from flatbma.experiment import distributed, entries, report, selection
+from flatbma.experiment.build import Experiment
 from flatbma.experiment.checkpoint import atomic_write_bytes, atomic_write_json
 from flatbma.experiment.config import RunConfig, config_from_dict, load_raw, parse_override
 from flatbma.experiment.evaluate import CLEAN_KEYS, measure
 from flatbma.experiment.parse import parse_dataclass, set_dotted
+from flatbma.experiment.prior import FittedPrior, fit_prior, prior_stage
 from flatbma.experiment.run import load_run, train
-from flatbma.experiment.stage import METRICS_FILE, finished_run
+from flatbma.experiment.stage import METRICS_FILE, finished_run, train_stage
+from flatbma.types import State
 
 COMPARE_CONFIG = "compare_config.yaml"
 RESULTS_JSON = "results.json"
 RUN_CACHE = "compare.json"
+CANDIDATE_FILE = "candidate.json"
+"""A candidate's validation score, in its run directory, beside the resolved config it belongs to."""
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -72,7 +87,11 @@ class CompareConfig:
 
     Attributes:
         methods: method sections (``{name: ..., options...}``) to compare; an entry may carry a ``prior``
-            section (a two-stage run, see :class:`~flatbma.experiment.config.PriorConfig`).
+            section (a two-stage run, see :class:`~flatbma.experiment.config.PriorConfig`), an ``optim``
+            section (its keys override the shared ``optim``'s; a first stage without ``prior.optim``
+            trains with it too), a ``label`` (its name in tables and plots) and lists of candidate
+            values for scalar options and ``optim`` keys, chosen per seed on the validation split
+            (:mod:`flatbma.experiment.selection`).
         seeds: seeds; each (method, seed) is one run.
         corruptions: corruption names evaluated on the test set (``flatbma.data.corruption_names()``).
         severities: corruption severities in 1..5.
@@ -83,6 +102,9 @@ class CompareConfig:
         bma_curve: numbers of BMA samples M at which accuracy/NLL/ECE are also reported.
         flatness: measure Hessian spectra and distribution-level flatness.
         landscape: record a 1-D loss landscape of the posterior along a filter-normalized direction.
+        reference: the label of the method every other one is compared with (paired differences over
+            seeds and the report's findings, :func:`flatbma.experiment.report.findings`); ``None``: the
+            first method. It only shapes the report, so it is not part of the results' fingerprint.
         quick: the reduced setting of ``--quick`` (written to ``<output_dir>-quick``, beside the full run).
     """
 
@@ -94,6 +116,7 @@ class CompareConfig:
     bma_curve: tuple[int, ...] = (1, 2, 5, 10, 20, 30)
     flatness: bool = True
     landscape: bool = True
+    reference: str | None = None
     quick: QuickConfig = field(default_factory=QuickConfig)
 
     def __post_init__(self) -> None:
@@ -115,6 +138,44 @@ class CompareConfig:
                     f"unknown corruption {unknown[0]!r}.{suggest(unknown[0], corruption_names())} "
                     f"Available: {', '.join(corruption_names())}"
                 )
+        labels = [label_of(m) for m in self.methods]
+        if self.reference is not None and self.reference not in labels:
+            raise FlatbmaError(
+                f"compare.reference {self.reference!r} is not a compared method.{suggest(self.reference, labels)} "
+                f"Give one of: {', '.join(labels)} (a method's label, else its name), or leave it out for the first"
+            )
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One run of a compare entry: a point of its candidate grid (``{}`` when it lists none) and its config."""
+
+    options: dict[str, Any]
+    config: RunConfig
+
+
+@dataclass(frozen=True)
+class Job:
+    """One (method entry, seed): one row of ``results.json``.
+
+    Attributes:
+        label: the entry's name in tables and plots.
+        seed: the seed.
+        row_dir: where the row is cached (``compare.json``): the run directory of a lone candidate, else
+            the directory holding the candidates' run directories and their shared first stages.
+        candidates: the entry's runs for this seed; of several, the row is the one chosen on validation
+            data (:meth:`selects`).
+    """
+
+    label: str
+    seed: int
+    row_dir: Path
+    candidates: tuple[Candidate, ...]
+
+    @property
+    def selects(self) -> bool:
+        """Whether the row is chosen among several candidates."""
+        return len(self.candidates) > 1
 
 
 @dataclass(frozen=True)
@@ -126,45 +187,45 @@ class Plan:
     raw: dict[str, Any]
     out_dir: Path
 
+    def jobs(self) -> list[Job]:
+        """One job per (method, seed), methods outer, each with the entry's candidates for that seed."""
+        out = []
+        for i, entry in enumerate(self.compare.methods):
+            grid_points = entries.points(entry, f"compare.methods[{i}]")
+            names = entries.directory_names(grid_points)
+            for seed in self.compare.seeds:
+                row_dir = self.out_dir / "runs" / _slug(entry) / f"seed{seed}"
+                dirs = [row_dir] if len(grid_points) == 1 else [row_dir / name for name in names]
+                candidates = tuple(
+                    Candidate(point, self._config(entries.at(entry, point), seed, run_dir))
+                    for point, run_dir in zip(grid_points, dirs, strict=True)
+                )
+                out.append(Job(label=label_of(entry), seed=seed, row_dir=row_dir, candidates=candidates))
+        return out
+
     def labels(self) -> list[str]:
         """The method label of every run of :meth:`runs`, in the same order."""
-        return [label_of(method) for method in self.compare.methods for _ in self.compare.seeds]
+        return [job.label for job in self.jobs() for _ in job.candidates]
 
     def runs(self) -> list[RunConfig]:
-        """One run config per (method, seed), each with its own output directory."""
-        out = []
-        for method in self.compare.methods:
-            for seed in self.compare.seeds:
-                raw = json.loads(json.dumps(self.raw))
-                raw.update(_run_sections(method))
-                raw["seed"] = seed
-                raw["output_dir"] = str(self.out_dir / "runs" / _slug(method) / f"seed{seed}")
-                raw["eval"] = {**(raw.get("eval") or {}), "flatness": False}  # measured by the comparison itself
-                out.append(config_from_dict(raw))
-        return out
+        """Every run config — one per (method, seed, candidate) — each with its own output directory."""
+        return [c.config for job in self.jobs() for c in job.candidates]
+
+    def _config(self, entry: Any, seed: int, run_dir: Path) -> RunConfig:
+        raw = json.loads(json.dumps(self.raw))
+        raw.update(entries.run_sections(entry, raw.get("optim")))
+        raw["seed"] = seed
+        raw["output_dir"] = str(run_dir)
+        raw["eval"] = {**(raw.get("eval") or {}), "flatness": False}  # measured by the comparison itself
+        return config_from_dict(raw)
 
     def fingerprint(self) -> str:
         """Hash of everything that determines the results (not the output directory)."""
         payload = {
             "base": {k: v for k, v in self.base.to_dict().items() if k != "output_dir"},
-            "compare": dataclasses.asdict(self.compare),
+            "compare": {k: v for k, v in dataclasses.asdict(self.compare).items() if k != "reference"},
         }
         return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-
-def _run_sections(method: Any) -> dict[str, Any]:
-    """The run config sections of one ``compare.methods`` entry.
-
-    An entry is a method section; its optional ``prior`` key becomes the run's ``prior`` section (a
-    two-stage run, e.g. ``{name: fp-bma, rank: 5, prior: {method: {name: swag, rank: 5}, epochs: 15}}``)
-    and its optional ``label`` (the name in tables and plots) is not part of the run's config.
-    """
-    if not isinstance(method, dict):
-        return {"method": method}
-    method = {k: v for k, v in method.items() if k != "label"}
-    if "prior" not in method:
-        return {"method": method}
-    return {"prior": method.pop("prior"), "method": method}
 
 
 def label_of(method: Any) -> str:
@@ -204,7 +265,10 @@ def load_plan(path: str | Path, overrides: list[str] = (), *, quick: bool = Fals
             set_dotted(raw, key, value)
         keep = set(q.methods)
         methods = tuple(m for m in compare.methods if not keep or {str(m.get("name")), label_of(m)} & keep)
-        compare = dataclasses.replace(compare, methods=methods, seeds=q.seeds or compare.seeds)
+        kept = compare.reference in {label_of(m) for m in methods}  # a reference left out: the first kept method
+        compare = dataclasses.replace(
+            compare, methods=methods, seeds=q.seeds or compare.seeds, reference=compare.reference if kept else None
+        )
     bad = [m["label"] for m in compare.methods if isinstance(m, dict) and not isinstance(m.get("label", ""), str)]
     if bad:
         raise FlatbmaError(f"compare.methods: a label is the row's display name, a text; got {bad[0]!r}")
@@ -215,11 +279,26 @@ def load_plan(path: str | Path, overrides: list[str] = (), *, quick: bool = Fals
             f"compare.methods has several entries named {twice[0]!r}: give them distinct 'label' keys "
             "(e.g. label: fp-bma+swag-prior), the names their rows get in tables and plots"
         )
-    raw.setdefault("method", _run_sections(compare.methods[0])["method"])
+    raw.setdefault("method", entries.first_run_sections(compare.methods[0])["method"])
     base = config_from_dict(raw)
-    for method in compare.methods:  # validate every method section up front
-        config_from_dict({**raw, **_run_sections(method)})
-    return Plan(base=base, compare=compare, raw=raw, out_dir=Path(base.output_dir))
+    for i, entry in enumerate(compare.methods):  # validate every candidate's run config up front
+        for point in entries.points(entry, f"compare.methods[{i}]"):
+            config_from_dict({**raw, **entries.run_sections(entries.at(entry, point), raw.get("optim"))})
+    plan = Plan(base=base, compare=compare, raw=raw, out_dir=Path(base.output_dir))
+    _check_selection(plan.jobs(), base)
+    return plan
+
+
+def _check_selection(jobs: list[Job], base: RunConfig) -> None:
+    """Refuse candidate lists without a validation split to choose on (before anything trains)."""
+    selecting = [job for job in jobs if job.selects]
+    if selecting and not (base.data.k_shot is not None and base.data.val_per_class > 0):
+        job = selecting[0]
+        raise FlatbmaError(
+            f"compare.methods entry {job.label!r} lists candidate values ({', '.join(job.candidates[0].options)}) "
+            "to choose on validation data, but there is none: set data.k_shot and data.val_per_class > 0 (held "
+            "out of the k-shot images; the test set never chooses), or give each option one value"
+        )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -240,12 +319,18 @@ def _check_out_dir(plan: Plan, force: bool) -> None:
 def run_compare(plan: Plan, *, force: bool = False, progress: bool = True) -> dict[str, Any]:
     """Train and measure every (method, seed) not already finished; write results and reports.
 
+    A (method, seed) with candidate lists takes two phases: first every candidate is trained (a
+    finished one is reused) and scored on the validation split (:func:`_train_candidates`); then the
+    best one is measured like any run (:func:`_run_selected`).
+
     Under ``torchrun`` (a process group of ``N`` processes, see :mod:`flatbma.experiment.distributed`)
-    the runs are spread: process ``r`` does runs ``r, r+N, r+2N, …`` of :meth:`Plan.runs` (methods
-    outer, seeds inner) as ordinary single-process runs. When all have finished, every process reads
-    the other processes' rows from their runs' caches (``compare.json``), so ``output_dir`` must be on
-    a file system they share; rank 0 alone writes ``compare_config.yaml`` (first), ``results.json``
-    and the reports. Every process returns the same results.
+    the work is spread, each piece as an ordinary single-process run: process ``r`` first trains the
+    candidate groups ``r, r+N, r+2N, …`` (a group is one candidate, or the candidates that share a
+    first stage), then, once every process has finished, does the (method, seed) rows ``r, r+N, …`` of
+    :meth:`Plan.jobs` (methods outer, seeds inner). When all have finished, every process reads the
+    other processes' rows from their caches (``compare.json``), so ``output_dir`` must be on a file
+    system they share; rank 0 alone writes ``compare_config.yaml`` (first), ``results.json`` and the
+    reports. Every process returns the same results.
     """
     me, world = distributed.rank(), distributed.world_size()
     fingerprint = plan.fingerprint()
@@ -256,26 +341,20 @@ def run_compare(plan: Plan, *, force: bool = False, progress: bool = True) -> di
             record = {"fingerprint": fingerprint, "config": plan.raw, "compare": dataclasses.asdict(plan.compare)}
             atomic_write_bytes(plan.out_dir / COMPARE_CONFIG, yaml.safe_dump(record, sort_keys=False).encode())
 
-    runs = list(zip(plan.labels(), plan.runs(), strict=True))
-    mine = runs[me::world]
+    jobs = plan.jobs()
+    groups = [(job, group) for job in jobs if job.selects for group in _shared_stages(job)]
+    if groups:  # the same on every process
+        with distributed.all_or_none(), distributed.single_process():  # each an ordinary one-process run
+            for job, group in _progress(groups[me::world], "candidates", _describe_group, progress, me, world):
+                _train_candidates(job, group, force)
     own = []
-    bar = tqdm(mine, desc="compare", disable=not progress or me > 0 or None, dynamic_ncols=True)
-    start = time.perf_counter()
-    with distributed.all_or_none(), distributed.single_process():  # each run is an ordinary one-process run
-        for i, (label, cfg) in enumerate(bar, 1):
-            bar.set_postfix(method=label, seed=cfg.seed, refresh=True)
-            begun = time.perf_counter()
-            own.append(_run_one(label, cfg, plan.compare, fingerprint, force))
-            if progress and bar.disable:  # no terminal (a log file, CI): one line per run instead of the bar
-                now = time.perf_counter()
-                left = (now - start) / i * (len(mine) - i)
-                print(
-                    f"compare{f' (process {me})' if world > 1 else ''}: [{i}/{len(mine)}] {label} "
-                    f"seed {cfg.seed} done in {now - begun:.0f} s; about {left / 60:.1f} min left",
-                    file=sys.stderr,
-                    flush=True,
-                )
-    rows = [own[k // world] if k % world == me else _cached_result(cfg, fingerprint) for k, (_, cfg) in enumerate(runs)]
+    with distributed.all_or_none(), distributed.single_process():
+        for job in _progress(jobs[me::world], "compare", lambda j: f"{j.label} seed {j.seed}", progress, me, world):
+            run = _run_selected if job.selects else _run_one
+            own.append(run(job, plan.compare, fingerprint, force))
+    rows = [
+        own[k // world] if k % world == me else _cached_result(job.row_dir, fingerprint) for k, job in enumerate(jobs)
+    ]
     results = {
         "config_hash": fingerprint,
         "config": plan.raw,
@@ -283,44 +362,83 @@ def run_compare(plan: Plan, *, force: bool = False, progress: bool = True) -> di
         "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "runs": rows,
     }
+    results["findings"] = report.findings(results)  # generated from the rows' numbers, quoted by README
     if me == 0:
         atomic_write_json(plan.out_dir / RESULTS_JSON, results)
         report.write_reports(results, plan.out_dir)
     return results
 
 
-def _cached_result(cfg: RunConfig, fingerprint: str) -> dict[str, Any]:
-    """The row another process wrote for run ``cfg`` (its ``compare.json``)."""
-    cache = Path(cfg.output_dir) / RUN_CACHE
-    try:
-        cached = json.loads(cache.read_text())
-    except (OSError, ValueError):
-        cached = None
+def _progress(items: list[T], what: str, describe: Callable[[T], str], show: bool, me: int, world: int) -> Iterator[T]:
+    """``items`` with a progress bar, or without a terminal (a log file, CI) one line on stderr per item done.
+
+    ``me`` and ``world`` are the process's rank and the number of processes (only rank 0 shows a bar).
+    """
+    bar = tqdm(items, desc=what, disable=not show or me > 0 or None, dynamic_ncols=True)
+    start = time.perf_counter()
+    for i, item in enumerate(bar, 1):
+        bar.set_postfix_str(describe(item), refresh=True)
+        begun = time.perf_counter()
+        yield item
+        if show and bar.disable:
+            now = time.perf_counter()
+            left = (now - start) / i * (len(items) - i)
+            print(
+                f"{what}{f' (process {me})' if world > 1 else ''}: [{i}/{len(items)}] {describe(item)} "
+                f"done in {now - begun:.0f} s; about {left / 60:.1f} min left",
+                file=sys.stderr,
+                flush=True,
+            )
+
+
+def _cached_result(row_dir: Path, fingerprint: str) -> dict[str, Any]:
+    """The row another process wrote into ``row_dir`` (its ``compare.json``)."""
+    cached = _read_json(row_dir / RUN_CACHE)
     if not isinstance(cached, dict) or cached.get("fingerprint") != fingerprint or "result" not in cached:
         raise FlatbmaError(
-            f"{cache} holds no result of this comparison although another process finished that run: "
-            "put output_dir on a file system that every process shares"
+            f"{row_dir / RUN_CACHE} holds no result of this comparison although another process finished that "
+            "run: put output_dir on a file system that every process shares"
         )
     return cached["result"]
 
 
-def _run_one(label: str, cfg: RunConfig, compare: CompareConfig, fingerprint: str, force: bool) -> dict[str, Any]:
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _run_one(job: Job, compare: CompareConfig, fingerprint: str, force: bool) -> dict[str, Any]:
+    """The row of a (method, seed) with one candidate: train it (or reuse it) and measure it."""
+    cfg = job.candidates[0].config
     run_dir = Path(cfg.output_dir)
     cache = run_dir / RUN_CACHE
-    resolved = cfg.to_dict()
-    if finished_run(run_dir, resolved) and not force:
-        if cache.is_file():
-            cached = json.loads(cache.read_text())
-            if cached.get("fingerprint") == fingerprint:
-                return cached["result"]
+    if finished_run(run_dir, cfg.to_dict()) and not force:
+        cached = _read_json(cache)
+        if isinstance(cached, dict) and cached.get("fingerprint") == fingerprint and "result" in cached:
+            return cached["result"]
         train_metrics = json.loads((run_dir / METRICS_FILE).read_text())
         exp, state = load_run(cfg)
     else:  # measure evaluates the BMA (and more); its clean-test metrics go into metrics.json below
         trained = train(cfg, force=True, evaluate=False)
         train_metrics, exp, state = trained.metrics, trained.experiment, trained.state
+    result = _measured(job.label, cfg, exp, state, train_metrics, compare)
+    result["selection"] = None
+    atomic_write_json(cache, {"fingerprint": fingerprint, "result": result})
+    return result
+
+
+def _measured(
+    label: str, cfg: RunConfig, exp: Experiment, state: State, train_metrics: dict[str, Any], compare: CompareConfig
+) -> dict[str, Any]:
+    """The row of run ``cfg``: :func:`~flatbma.experiment.evaluate.measure` on the test set (and more)."""
+    run_dir = Path(cfg.output_dir)
+    resolved = cfg.to_dict()
     result = {
         "method": label,
         "method_options": resolved["method"],
+        "optim": resolved["optim"],
         "prior": cfg.prior.to_dict() if cfg.prior is not None else None,
         "seed": cfg.seed,
         "run_dir": str(run_dir),
@@ -339,5 +457,128 @@ def _run_one(label: str, cfg: RunConfig, compare: CompareConfig, fingerprint: st
     if not all(k in train_metrics for k in CLEAN_KEYS):  # the run directory is complete on its own
         train_metrics.update({k: result[k] for k in CLEAN_KEYS}, num_samples=cfg.eval.num_samples)
         atomic_write_json(run_dir / METRICS_FILE, train_metrics)
+    return result
+
+
+# --------------------------------------------------------------------------------------------------
+# hyperparameter selection on the validation split
+
+
+def _shared_stages(job: Job) -> list[tuple[Candidate, ...]]:
+    """The candidates of ``job`` grouped by their first stage: a group shares one (a one-stage candidate is alone)."""
+    groups: dict[str, list[Candidate]] = {}
+    for c in job.candidates:
+        stage = prior_stage(c.config)
+        groups.setdefault(c.config.output_dir if stage is None else _stage_key(stage), []).append(c)
+    return [tuple(g) for g in groups.values()]
+
+
+def _stage_key(stage: RunConfig) -> str:
+    """Short hash of a first stage's resolved config (its directory aside): equal keys, the same run."""
+    resolved = {k: v for k, v in stage.to_dict().items() if k != "output_dir"}
+    return hashlib.sha256(json.dumps(resolved, sort_keys=True, default=str).encode()).hexdigest()[:8]
+
+
+def _describe_group(item: tuple[Job, tuple[Candidate, ...]]) -> str:
+    job, group = item
+    options = "; ".join(",".join(f"{k}={v}" for k, v in c.options.items()) for c in group)
+    return f"{job.label} seed {job.seed} {options}"
+
+
+def _record(cfg: RunConfig) -> dict[str, Any] | None:
+    """The validation record of candidate ``cfg`` (``candidate.json``) if it belongs to exactly this config."""
+    run_dir = Path(cfg.output_dir)
+    record = _read_json(run_dir / CANDIDATE_FILE)
+    resolved = json.loads(json.dumps(cfg.to_dict()))
+    if not isinstance(record, dict) or record.get("config") != resolved:
+        return None
+    if record.get("error") is None and not finished_run(run_dir, cfg.to_dict()):
+        return None
+    return record
+
+
+def _train_candidates(job: Job, group: tuple[Candidate, ...], force: bool) -> None:
+    """Train (or reuse) the candidates of ``group`` and record each one's validation NLL in its ``candidate.json``.
+
+    Nothing here reads the test set: training does not evaluate, and the score reads only the
+    validation split (:func:`flatbma.experiment.selection.validation_nll`). A two-stage group trains its
+    shared first stage once, into ``<row_dir>/prior-<hash of its config>`` (reused when finished). A
+    candidate whose training diverges is recorded as such and not chosen.
+    """
+    fitted: FittedPrior | None = None
+    stage_error: str | None = None
+    for cand in group:
+        cfg = cand.config
+        run_dir = Path(cfg.output_dir)
+        if not force and _record(cfg) is not None:
+            continue
+        try:
+            if not force and finished_run(run_dir, cfg.to_dict()):
+                exp, state = load_run(cfg)
+                train_time = json.loads((run_dir / METRICS_FILE).read_text()).get("train_time_s")
+            else:
+                if cfg.prior is not None and fitted is None:
+                    if stage_error is not None:
+                        raise DivergenceError(stage_error)
+                    try:
+                        fitted = fit_prior(
+                            cfg, force=force, run_dir=job.row_dir / f"prior-{_stage_key(prior_stage(cfg))}"
+                        )
+                    except DivergenceError as e:
+                        stage_error = f"its first stage diverged: {e}"
+                        raise DivergenceError(stage_error) from None
+                trained = train_stage(cfg, force=True, resume=False, evaluate=False, prior=fitted)
+                exp, state, train_time = trained.experiment, trained.state, trained.metrics.get("train_time_s")
+            record = {"val_nll": selection.validation_nll(exp, state), "train_time_s": train_time, "error": None}
+        except DivergenceError as e:
+            record = {"val_nll": None, "train_time_s": None, "error": str(e)}
+        atomic_write_json(run_dir / CANDIDATE_FILE, {"config": cfg.to_dict(), **record})
+
+
+def _run_selected(job: Job, compare: CompareConfig, fingerprint: str, force: bool) -> dict[str, Any]:
+    """The row of a (method, seed) with candidates: the one with the best validation NLL, measured on the test set.
+
+    Its run is read back from its directory (another process may have trained it) and measured by
+    :func:`_measured` like a lone run; ``selection`` in the row records every candidate.
+    """
+    records = [_record(c.config) for c in job.candidates]
+    missing = [c.config.output_dir for c, r in zip(job.candidates, records, strict=True) if r is None]
+    if missing:
+        raise FlatbmaError(
+            f"{missing[0]} holds no validation score although its candidate was trained: put output_dir on a "
+            "file system that every process shares"
+        )
+    scores = [r["val_nll"] for r in records]
+    best = selection.choose(scores)
+    if best is None:
+        raise FlatbmaError(
+            f"no candidate of {job.label} (seed {job.seed}) has a finite validation NLL "
+            f"({records[0]['error'] or scores[0]}): change its candidate values (e.g. lower optim.lr)"
+        )
+    chosen = job.candidates[best]
+    record = {
+        "criterion": selection.CRITERION,
+        "candidates": [
+            {
+                "options": c.options,
+                "val_nll": r["val_nll"],
+                "train_time_s": r["train_time_s"],
+                "error": r["error"],
+                "run_dir": c.config.output_dir,
+            }
+            for c, r in zip(job.candidates, records, strict=True)
+        ],
+        "chosen": chosen.options,
+    }
+    cache = job.row_dir / RUN_CACHE
+    cached = _read_json(cache)
+    if not force and isinstance(cached, dict) and cached.get("fingerprint") == fingerprint:
+        if (cached.get("result") or {}).get("selection") == json.loads(json.dumps(record)):
+            return cached["result"]
+    cfg = chosen.config
+    exp, state = load_run(cfg)
+    train_metrics = json.loads((Path(cfg.output_dir) / METRICS_FILE).read_text())
+    result = _measured(job.label, cfg, exp, state, train_metrics, compare)
+    result["selection"] = record
     atomic_write_json(cache, {"fingerprint": fingerprint, "result": result})
     return result

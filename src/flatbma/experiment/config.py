@@ -14,6 +14,7 @@ from typing import Any
 import yaml
 
 from flatbma.errors import FlatbmaError, suggest
+from flatbma.experiment.entries import first_run_sections
 from flatbma.experiment.methods import MethodConfig, parse_method
 from flatbma.experiment.parse import parse_dataclass, set_dotted
 from flatbma.experiment.prior_config import PriorConfig, parse_prior
@@ -134,7 +135,7 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig
     compare = raw.pop("compare", None)  # a compare config's shared sections are a run config
     methods = compare.get("methods") if isinstance(compare, dict) else None
     if isinstance(methods, list) and methods and "method" not in raw:
-        raw["method"] = methods[0]  # `flatbma train` on a compare config trains its first method
+        raw.update(first_run_sections(methods[0], raw.get("optim")))  # `flatbma train` trains the first one
     for item in overrides:
         key, value = parse_override(item)
         set_dotted(raw, key, value)

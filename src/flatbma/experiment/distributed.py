@@ -54,8 +54,9 @@ accuracy) is averaged over the ranks, i.e. it is that of the global batches.
 Evaluation: the test set is split into contiguous shards (:func:`shard_loader`), each rank
 accumulates :class:`~flatbma.metrics.StreamingMetrics` on its shard and :func:`all_reduce_metrics`
 sums their states, so the metrics equal the single-process ones up to float rounding. BatchNorm
-recomputation for sampled weights runs on the full training data on every rank (identical results)
-and flatness diagnostics are computed redundantly on every rank (rank 0 writes them).
+recomputation runs on the full un-augmented training data, in the same fixed order, on every rank
+(:func:`flatbma.experiment.build.statistics_loader`: identical results) and flatness diagnostics are
+computed redundantly on every rank (rank 0 writes them).
 
 Members (``train.parallel: members``, :class:`MemberParallel`): a posterior with independent
 components (:attr:`~flatbma.types.Posterior.members`, e.g. the ``M`` members of an ensemble or
@@ -350,14 +351,13 @@ def seeded_loader(dataset: Dataset, batch_size: int, *, shuffle: bool, seed: int
     return DataLoader(dataset, batch_size=batch_size, shuffle=shuffle, generator=generator, drop_last=drop_last)
 
 
-def train_loader(dataset: Dataset, batch_size: int, *, seed: int, shard: bool = True) -> DataLoader:
-    """The shuffled training loader of this rank (``shard=False``: the global batches, for every rank).
+def train_loader(dataset: Dataset, batch_size: int, *, seed: int) -> DataLoader:
+    """The shuffled training loader of this rank: its slice of every global batch.
 
     ``loader.generator`` is the shuffling generator (seeded by ``seed``), as the runner expects.
     """
     generator = torch.Generator().manual_seed(seed)
-    world, me = (world_size(), rank()) if shard else (1, 0)
-    sampler = ShardedBatchSampler(len(dataset), batch_size, generator=generator, rank=me, world_size=world)
+    sampler = ShardedBatchSampler(len(dataset), batch_size, generator=generator, rank=rank(), world_size=world_size())
     return DataLoader(dataset, batch_sampler=sampler, generator=generator)
 
 
@@ -722,14 +722,6 @@ class Strategy:
         """The shuffled training loader of this process (``loader.generator`` seeded by ``seed``)."""
         return seeded_loader(dataset, batch_size, shuffle=True, seed=seed)
 
-    def bn_loader(self, dataset: Dataset, batch_size: int, *, seed: int) -> DataLoader:
-        """A fresh loader of the global training batches for BatchNorm recomputation, drawn as the training loader's.
-
-        Evaluation builds it anew, so the batches and their augmentation draws do not depend on what
-        trained before in the process.
-        """
-        return self.train_loader(dataset, batch_size, seed=seed)
-
     def test_loader(self, dataset: Dataset, batch_size: int) -> DataLoader:
         """The in-order loader of the test data this process evaluates."""
         if self.sharded:
@@ -779,10 +771,6 @@ class DataParallel(Strategy):
     def train_loader(self, dataset: Dataset, batch_size: int, *, seed: int) -> DataLoader:
         """This rank's slice of each global batch (:class:`ShardedBatchSampler`)."""
         return train_loader(dataset, batch_size, seed=seed)
-
-    def bn_loader(self, dataset: Dataset, batch_size: int, *, seed: int) -> DataLoader:
-        """The global batches, on every rank (BatchNorm statistics are then identical on all of them)."""
-        return train_loader(dataset, batch_size, seed=seed, shard=False)
 
     def objective(self, objective: Objective) -> Objective:
         """:func:`data_parallel`."""

@@ -1,59 +1,141 @@
 """Evaluation in one place: a trained (experiment, state) → metrics.
 
 * :func:`posterior_samples` — the ``eval.num_samples`` weight samples of the BMA, BatchNorm statistics
-  recomputed on the training data when the method asks (SWAG's ``bn_update``);
+  recomputed for every method whose model has BatchNorm — point estimates included — on the
+  un-augmented training images in a fixed order (:attr:`Experiment.bn_loader`): the BMA and the
+  flatness use the same, deterministic statistics;
 * :func:`bma_metrics` — accuracy, NLL, ECE, adaptive ECE and Brier score of the BMA predictive
   ``log p(y|x) = logsumexp_m log softmax(f(x; w_m))_y − log M`` (:func:`flatbma.predict.evaluate`);
 * :func:`bma_curve_metrics` — the same for the BMA of the first ``m`` samples, every ``m`` of a list,
   in one pass (:func:`flatbma.predict.stream_metrics`), with the reliability diagram of the full BMA;
 * temperature scaling on the validation split (Guo et al. 2017), corrupted test sets (Hendrycks &
-  Dietterich 2019), Hessian spectra and distribution-level flatness, a 1-D loss landscape;
+  Dietterich 2019), a 1-D loss landscape;
+* :func:`flatness_metrics` — the flatness protocol, the same for every method: λ₁ of the Hessian of
+  the mean training loss over all training examples (``eval.hessian_examples``), per sample over
+  ``eval.flatness_samples`` samples, every eigenvalue to a residual tolerance, summarized with a
+  bootstrap interval; λ₁ at the posterior mean; the averaged Hessian's spectrum, the Hessian trace
+  and the SAM sharpness; the posterior's width; and the measurement repeated with another seed and
+  another draw of samples (:func:`flatbma.flatness.flatness_report`, :func:`flatbma.flatness.repeatability`);
 * :func:`evaluate_state` (what ``flatbma train``/``evaluate`` record) and :func:`measure` (what
   ``flatbma compare`` records) put them together.
 
-Both entry points draw their random numbers (BatchNorm batches and augmentation, MC-dropout masks,
-corruption seeds' loaders) from the state the experiment's build left (:attr:`Experiment.rng`, and
-a fresh BatchNorm loader), under a forked RNG: the metrics of a state do not depend on what ran
-before in the process — right after training or from a checkpoint on disk, they are the same.
+Both entry points draw their random numbers (posterior samples, MC-dropout masks, corruption seeds'
+loaders) from the state the experiment's build left (:attr:`Experiment.rng`) under a forked RNG, and
+BatchNorm statistics involve no randomness: the metrics of a state do not depend on what ran before
+in the process — right after training or from a checkpoint on disk, they are the same.
 """
 
 from __future__ import annotations
 
 import time
-import warnings
 from collections.abc import Iterable
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from flatbma.bn import recompute_bn_statistics
+from flatbma.bn import has_batchnorm, recompute_bn_statistics
 from flatbma.calibration import fit_temperature
 from flatbma.data.corruptions import applicable, corrupt_dataset
 from flatbma.experiment.build import Experiment
-from flatbma.flatness.lanczos import ConvergenceWarning
+from flatbma.flatness import (
+    distinct_samples,
+    flatness_report,
+    lambda1_summary,
+    measure_samples,
+    repeatability,
+    sample_variance,
+    width,
+)
 from flatbma.flatness.landscape import posterior_landscape, random_direction
-from flatbma.flatness.posterior import flatness_report
 from flatbma.metrics import StreamingMetrics
 from flatbma.predict import evaluate, predict, stream_metrics
+from flatbma.rng import splitmix64
 from flatbma.types import Batch, Params, State
 
 CLEAN_KEYS = ("accuracy", "nll", "ece", "aece", "brier")
 """BMA metrics on the clean test set."""
 
 
-def posterior_samples(exp: Experiment, state: State) -> list[Params]:
-    """The ``eval.num_samples`` posterior samples of the BMA (BatchNorm recomputed when the method asks).
+BN_RECOMPUTED = "recomputed (un-augmented training set)"
+"""``bn_statistics`` of a model with BatchNorm: every sample's statistics, the point's included, recomputed."""
+BN_NONE = "none (the model has no BatchNorm)"
+"""``bn_statistics`` of a model without BatchNorm."""
 
-    Sampling uses a generator seeded by the run's seed; BatchNorm recomputation runs every sample
-    through one fresh loader of the training data (:attr:`Experiment.bn_loader`), one epoch each.
+REPEAT_STREAM = 1
+"""Stream of the run's seed (:func:`flatbma.rng.splitmix64`) that seeds the repeated flatness measurement."""
+
+
+def posterior_samples(exp: Experiment, state: State, n: int | None = None, *, seed: int | None = None) -> list[Params]:
+    """``n`` posterior samples (default ``eval.num_samples``), with recomputed BatchNorm statistics.
+
+    Sampling uses a CPU generator seeded with ``seed`` (default: the run's seed). Every sample of a
+    model with BatchNorm — whatever the method, point estimates included — gets the statistics of one
+    pass over :attr:`Experiment.bn_loader` (:func:`with_bn_statistics`).
     """
-    generator = torch.Generator(device="cpu").manual_seed(exp.config.seed)
-    samples = exp.method.sample(state, exp.config.eval.num_samples, generator)
-    if exp.method.recompute_bn:
-        loader = exp.bn_loader()
-        samples = [recompute_bn_statistics(exp.model, w, loader, device=exp.device) for w in samples]
-    return samples
+    generator = torch.Generator(device="cpu").manual_seed(exp.config.seed if seed is None else seed)
+    samples = exp.method.sample(state, exp.config.eval.num_samples if n is None else n, generator)
+    return with_bn_statistics(exp, samples)
+
+
+def with_bn_statistics(exp: Experiment, samples: list[Params]) -> list[Params]:
+    """``samples`` with BatchNorm statistics recomputed on the un-augmented training data in a fixed order.
+
+    :func:`flatbma.bn.recompute_bn_statistics` over :attr:`Experiment.bn_loader` (dropout off, so that
+    MC dropout's statistics are those of its deterministic network). Repeats of the same weights (the
+    same tensors, as MC dropout's samples are) are recomputed once and share one dict, which the
+    flatness protocol then measures once. Samples of a model without BatchNorm are returned as given.
+    """
+    if not has_batchnorm(exp.model):
+        return list(samples)
+    done: dict[tuple[int, ...], Params] = {}
+    out = []
+    for w in samples:
+        key = tuple(id(v) for v in w.values())  # the samples are alive: ids are not reused
+        if key not in done:
+            done[key] = recompute_bn_statistics(exp.model, w, exp.bn_loader, device=exp.device)
+        out.append(done[key])
+    return out
+
+
+def posterior_mean(exp: Experiment, state: State, samples: list[Params]) -> Params:
+    """The weights at the posterior mean, with recomputed BatchNorm statistics.
+
+    :attr:`flatbma.types.Posterior.mean` when the method has it; otherwise the average of ``samples``
+    (the BMA's) over the trained parameters — an ensemble's member average, a chain's kept iterates —
+    with the first sample's other tensors.
+    """
+    if exp.method.mean is not None:
+        mean = exp.method.mean(state)
+    else:
+        names = _trained_names(exp)
+        mean = dict(samples[0])
+        for name in names:
+            mean[name] = torch.stack([w[name].detach() for w in samples]).mean(0)
+    return with_bn_statistics(exp, [mean])[0]
+
+
+def posterior_width(exp: Experiment, state: State, samples: list[Params]) -> dict[str, Any]:
+    """``tr Σ`` and the median marginal std over the trained parameters (:mod:`flatbma.flatness.width`).
+
+    Exact (:attr:`flatbma.types.Posterior.marginal_variance`) for the Gaussian families, MC dropout
+    (the variance of its masked weights) and point estimates (0); otherwise the per-coordinate
+    variance over the BMA's ``samples`` (ensemble members, SG-MCMC iterates).
+    """
+    if exp.method.marginal_variance is not None:
+        return width(exp.method.marginal_variance(state), exact=True, source="closed form").to_dict()
+    distinct = distinct_samples(samples)
+    variance = sample_variance(distinct, _trained_names(exp))
+    return width(variance, exact=False, source=f"sample variance over {len(distinct)} samples").to_dict()
+
+
+def bn_statistics(exp: Experiment) -> str:
+    """What the samples' BatchNorm statistics are (:data:`BN_RECOMPUTED` or :data:`BN_NONE`), for the results."""
+    return BN_RECOMPUTED if has_batchnorm(exp.model) else BN_NONE
+
+
+def _trained_names(exp: Experiment) -> list[str]:
+    return [n for n, p in exp.model.named_parameters() if p.requires_grad]
 
 
 def bma_metrics(exp: Experiment, samples: list[Params]) -> dict[str, Any]:
@@ -70,38 +152,64 @@ def bma_metrics(exp: Experiment, samples: list[Params]) -> dict[str, Any]:
     )
 
 
-def flatness_metrics(exp: Experiment, samples: list[Params]) -> dict[str, Any]:
-    """Hessian spectra of the first ``eval.flatness_samples`` samples and distribution-level flatness.
+def flatness_metrics(exp: Experiment, state: State, samples: list[Params]) -> dict[str, Any]:
+    """The flatness protocol of ``state``, its posterior width and the measurement's repeatability.
 
-    The Hessian is that of the mean training loss (no augmentation) over the trained parameters —
-    the Bayesian subset when ``model.trainable`` restricts it. Lanczos runs that stop at
-    ``eval.hessian_max_iter`` before reaching their tolerance are reported (``hessian_converged``,
-    ``hessian_warnings`` with their residuals) rather than printed.
+    The Hessian is that of the mean training loss (no augmentation) over the trained parameters — the
+    Bayesian subset when ``model.trainable`` restricts it — on :attr:`Experiment.hessian_loader`,
+    every sample with recomputed BatchNorm statistics (those of the BMA). λ₁ per sample is measured
+    on the first ``eval.flatness_samples`` samples (drawn anew when the BMA has fewer), λ₁ at the
+    posterior mean (:func:`posterior_mean`) and the extras ``eval.trace`` and
+    ``eval.distribution_spectrum`` ask for (:func:`flatbma.flatness.flatness_report`). With
+    ``eval.repeatability`` λ₁ per sample is measured again on a second draw of samples with another
+    measurement seed (both from stream :data:`REPEAT_STREAM` of the run's seed) and the two
+    summaries are compared (:func:`flatbma.flatness.repeatability`).
+
+    Note: a second draw of MC dropout re-seeds its prediction masks (its ``sample``), so nothing that
+    predicts runs after this.
     """
     e = exp.config.eval
-    names = [n for n, p in exp.model.named_parameters() if p.requires_grad]
-    chosen = samples[: e.flatness_samples]
     start = time.perf_counter()
-    with warnings.catch_warnings(record=True) as caught:  # recorded in the report instead of printed per spectrum
-        warnings.simplefilter("always", ConvergenceWarning)
-        report = flatness_report(
-            exp.model,
-            chosen,
-            [(x.to(exp.device), y.to(exp.device)) for x, y in exp.hessian_loader],
-            k=e.hessian_k,
-            params=names,
-            rho=e.sharpness_rho,
-            max_iter=e.hessian_max_iter,
-            seed=exp.config.seed,
-        )
-    unconverged = [str(w.message) for w in caught if issubclass(w.category, ConvergenceWarning)]
-    for w in caught:
-        if not issubclass(w.category, ConvergenceWarning):
-            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
-    report["hessian_converged"] = not unconverged
-    report["hessian_warnings"] = unconverged
+    names = _trained_names(exp)
+    data = [(x.to(exp.device), y.to(exp.device)) for x, y in exp.hessian_loader]
+    if len(samples) < e.flatness_samples:
+        samples = posterior_samples(exp, state, e.flatness_samples)
+    chosen = samples[: e.flatness_samples]
+    options = dict(k=e.hessian_k, params=names, tol=e.hessian_tol, max_iter=e.hessian_max_iter)
+    report = flatness_report(
+        exp.model,
+        chosen,
+        data,
+        mean=posterior_mean(exp, state, samples),
+        rho=e.sharpness_rho,
+        seed=exp.config.seed,
+        trace_probes=e.trace_probes if e.trace else 0,
+        distribution=e.distribution_spectrum,
+        **options,
+    )
+    report["width"] = posterior_width(exp, state, samples)
+    report["hessian_examples"] = sum(len(y) for _, y in data)
+    report["hessian_tol"] = e.hessian_tol
     report["flatness_time_s"] = time.perf_counter() - start
+    if e.repeatability:
+        start = time.perf_counter()
+        report["repeatability"] = _repeat(exp, state, report, data, options)
+        report["repeatability_time_s"] = time.perf_counter() - start
     return report
+
+
+def _repeat(
+    exp: Experiment, state: State, first: dict[str, Any], data: list[Batch], options: dict[str, Any]
+) -> dict[str, Any]:
+    """λ₁ per sample measured again (another measurement seed, another draw), compared with the first."""
+    seed = splitmix64(exp.config.seed, REPEAT_STREAM) >> 1
+    again = posterior_samples(exp, state, exp.config.eval.flatness_samples, seed=seed)
+    measured = measure_samples(exp.model, distinct_samples(again), data, seed=seed, **options)
+    second, unconverged = lambda1_summary(measured, seed=seed)
+    result = repeatability(first["lambda1_summary"], second, tol=exp.config.eval.hessian_tol)
+    result["second_unconverged"] = unconverged
+    result["seed"] = seed
+    return result
 
 
 def evaluate_state(exp: Experiment, state: State, *, flatness: bool = False) -> dict[str, Any]:
@@ -109,8 +217,9 @@ def evaluate_state(exp: Experiment, state: State, *, flatness: bool = False) -> 
     with exp.rng.restored():
         samples = posterior_samples(exp, state)
         metrics = bma_metrics(exp, samples)
+        metrics["bn_statistics"] = bn_statistics(exp)
         if flatness:
-            metrics.update(flatness_metrics(exp, samples))
+            metrics.update(flatness_metrics(exp, state, samples))
     return metrics
 
 
@@ -179,9 +288,12 @@ def corruption_metrics(
 
 
 def landscape_metrics(exp: Experiment, samples: list[Params]) -> dict[str, list[float]]:
-    """Training loss of each sample along one filter-normalized random direction (mean ± std over samples)."""
-    names = [n for n, p in exp.model.named_parameters() if p.requires_grad]
-    chosen = samples[: exp.config.eval.flatness_samples]
+    """Training loss of the samples along one filter-normalized random direction (mean ± std over samples).
+
+    The samples are the distinct ones among the first ``eval.flatness_samples``.
+    """
+    names = _trained_names(exp)
+    chosen = distinct_samples(samples[: exp.config.eval.flatness_samples])
     data = [(x.to(exp.device), y.to(exp.device)) for x, y in exp.hessian_loader]
     direction = random_direction(chosen[0], names, seed=exp.config.seed)
     alphas = torch.linspace(-1.0, 1.0, 21)
@@ -223,6 +335,7 @@ def measure(
             **{k: [curve[m][k] for m in curve] for k in ("accuracy", "nll", "ece")},
         }
         result["reliability"] = reliability
+        result["bn_statistics"] = bn_statistics(exp)
         result["temperature"] = None
         if exp.val_loader is not None:  # temperature scaling on the k-shot validation split, reported separately
             val_log_probs, val_labels = bma_log_probs_over(exp, samples, exp.val_loader)
@@ -234,7 +347,7 @@ def measure(
         result["corruptions"] = corruption_metrics(exp, shifted, corruptions, severities)
         result["corruption_samples"] = len(shifted)
         if flatness:
-            result.update(flatness_metrics(exp, samples))
+            result.update(flatness_metrics(exp, state, samples))
         result["landscape"] = landscape_metrics(exp, samples) if landscape else None
         result["eval_time_s"] = time.perf_counter() - start
     return result

@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
 from pathlib import Path
+
+from torch import Tensor
 
 from flatbma.errors import FlatbmaError
 from flatbma.experiment import distributed
@@ -22,19 +25,29 @@ from flatbma.experiment.config import RunConfig
 from flatbma.experiment.prior_config import not_gaussian_message
 from flatbma.experiment.sections import Optimizer
 from flatbma.experiment.stage import CHECKPOINT_FILE, FittedPrior, finished_run, train_stage
+from flatbma.types import Params
 
 PRIOR_DIR = "prior"
 """Subdirectory of a two-stage run that holds its first stage (a run directory of its own)."""
 
-__all__ = ["PRIOR_DIR", "FittedPrior", "check_stable_with_prior", "fit_prior", "prior_stage"]
+__all__ = [
+    "PRIOR_DIR",
+    "FittedPrior",
+    "check_stable_with_prior",
+    "fit_prior",
+    "floor_std",
+    "prior_stage",
+    "sgd_stability_bound",
+]
 
 
-def prior_stage(cfg: RunConfig) -> RunConfig | None:
+def prior_stage(cfg: RunConfig, run_dir: str | Path | None = None) -> RunConfig | None:
     """The run config of the first stage of a two-stage ``cfg`` (``None`` for a one-stage run).
 
     The stage shares the run's data, model, seed and evaluation settings (without flatness), trains
     ``prior.method`` for ``prior.epochs`` with ``prior.optim`` (or the run's optimizer) and writes to
-    ``<output_dir>/prior``; it is not evaluated (``flatbma evaluate <output_dir>/prior`` does it).
+    ``run_dir`` (default ``<output_dir>/prior``; ``flatbma compare`` shares one between the candidates
+    of a hyperparameter selection); it is not evaluated (``flatbma evaluate <output_dir>/prior`` does it).
     """
     p = cfg.prior
     if p is None:
@@ -46,19 +59,22 @@ def prior_stage(cfg: RunConfig) -> RunConfig | None:
         optim=p.optim or cfg.optim,
         train=dataclasses.replace(cfg.train, epochs=p.epochs),
         eval=dataclasses.replace(cfg.eval, flatness=False),
-        output_dir=str(Path(cfg.output_dir) / PRIOR_DIR),
+        output_dir=str(run_dir if run_dir is not None else Path(cfg.output_dir) / PRIOR_DIR),
     )
 
 
-def fit_prior(cfg: RunConfig, *, force: bool = False, resume: bool = False) -> FittedPrior | None:
+def fit_prior(
+    cfg: RunConfig, *, force: bool = False, resume: bool = False, run_dir: str | Path | None = None
+) -> FittedPrior | None:
     """Train (or reuse, when it finished with the same config and not ``force``) the first stage of ``cfg``.
 
-    Returns ``None`` for a one-stage run. With ``resume`` an unfinished first stage continues from its
-    checkpoint. Under ``torchrun`` rank 0 decides whether to reuse, so every rank does the same.
+    Returns ``None`` for a one-stage run. The stage trains into ``run_dir`` (:func:`prior_stage`). With
+    ``resume`` an unfinished first stage continues from its checkpoint. Under ``torchrun`` rank 0
+    decides whether to reuse, so every rank does the same.
     Before the stage trains, its posterior must be a Gaussian and the run's learning rate stable
     with the prior (:func:`check_stable_with_prior`).
     """
-    stage = prior_stage(cfg)
+    stage = prior_stage(cfg, run_dir)
     if stage is None:
         return None
 
@@ -83,24 +99,56 @@ def fit_prior(cfg: RunConfig, *, force: bool = False, resume: bool = False) -> F
             check=check,  # before training
         )
         exp, state = trained.experiment, trained.state
-    theta = exp.method.gaussian(state)
-    floor = math.log(cfg.prior.min_std)
-    theta = {k: v.clamp_min(floor) if k.startswith("log_std/") else v for k, v in theta.items()}
+    theta = floor_std(exp.method.gaussian(state), cfg.prior.min_std)
     return FittedPrior(theta=theta, buffers=dict(state.buffers), run_dir=run_dir)
+
+
+def floor_std(theta: Mapping[str, Tensor], min_std: float) -> Params:
+    """``θ`` of a low-rank plus diagonal Gaussian with every diagonal ``σ`` raised to at least ``min_std``."""
+    floor = math.log(min_std)
+    return {k: v.clamp_min(floor) if k.startswith("log_std/") else v for k, v in theta.items()}
+
+
+def sgd_stability_bound(
+    num_data: int, min_std: float, kl_weight: float, *, momentum: float = 0.0, nesterov: bool = False
+) -> float:
+    """The largest SGD learning rate at which descent on ``κ·KL(q ‖ p)/n`` in ``μ`` does not diverge.
+
+    The prior ``p = N(μ_p, Σ_p)``, ``Σ_p = ½(diag σ² + LLᵀ/(K−1))``, enters the KL through
+    ``½(μ − μ_p)ᵀΣ_p⁻¹(μ − μ_p)``, so the curvature in ``μ`` is the Hessian ``(κ/n)Σ_p⁻¹``. Since
+    ``Σ_p ⪰ ½ diag σ² ⪰ ½ s² I`` with ``s = min_std`` the floor of ``σ``, its largest eigenvalue is
+    ``λ_max ≤ 2κ/(n s²)``, with equality as soon as more than ``K`` coordinates sit at the floor (a
+    direction among them orthogonal to ``L``'s columns sees only ``½s²``), as for SWAG's ``σ`` (most
+    below any usable floor). On a quadratic of curvature ``λ``, heavy-ball SGD with momentum ``β``
+    (PyTorch's convention, :class:`flatbma.optim.SGD`) is stable iff ``lr·λ < 2(1 + β)``, Nesterov's iff
+    ``lr·λ < 2(1 + β)/(1 + 2β)`` (both ``2`` for ``β = 0``), so the bound is
+
+        ``n s²/κ · (1 + β)``  (heavy ball),  ``n s²/κ · (1 + β)/(1 + 2β)``  (Nesterov),
+
+    ``n s²/κ`` for plain gradient descent (``∞`` for ``κ = 0``). Weight decay ``λ_wd`` adds ``λ_wd`` to the
+    curvature (negligible beside ``2κ/(n s²)``); the data loss adds its own.
+    """
+    if kl_weight <= 0:
+        return math.inf
+    factor = (1 + momentum) / (1 + 2 * momentum) if nesterov else 1 + momentum
+    return factor * num_data * min_std**2 / kl_weight
 
 
 def check_stable_with_prior(cfg: RunConfig, num_data: int) -> None:
     """Refuse an SGD learning rate that the KL to the fitted prior makes diverge (before stage 1 trains).
 
-    ``κ KL(q ‖ p)/n`` has curvature ``κ/(n σ²)`` in ``μ`` along a weight whose prior ``σ`` sits at the
-    floor ``prior.min_std``; gradient descent on it diverges for ``lr > 2nσ²/κ`` (Adam's normalized steps
-    do not). ``κ`` is the method's resolved ``kl_weight`` option.
+    The bound is :func:`sgd_stability_bound` for ``n = num_data``, the floor ``prior.min_std``, ``κ`` the
+    method's resolved ``kl_weight`` option and the run's momentum (Adam's normalized steps are not
+    affected). The learning rate checked is the peak ``optim.lr``.
     """
     assert cfg.prior is not None
+    o = cfg.optim
     kl_weight = float(cfg.method.options["kl_weight"])
-    bound = 2 * num_data * cfg.prior.min_std**2 / kl_weight if kl_weight > 0 else math.inf
-    if cfg.optim.name is Optimizer.SGD and cfg.optim.lr > bound:
+    bound = sgd_stability_bound(num_data, cfg.prior.min_std, kl_weight, momentum=o.momentum, nesterov=o.nesterov)
+    if o.name is Optimizer.SGD and o.lr > bound:
+        factor = "(1+m)/(1+2m)" if o.nesterov else "(1+m)"
         raise FlatbmaError(
-            f"optim.lr={cfg.optim.lr:g} is above {bound:.3g} = 2·n·prior.min_std²/kl_weight (n={num_data}), where "
-            "SGD on the KL to the fitted prior diverges: lower optim.lr, raise prior.min_std, or use optim.name=adam"
+            f"optim.lr={o.lr:g} is above {bound:.3g} = {factor}·n·prior.min_std²/kl_weight (n={num_data}, "
+            f"m=optim.momentum={o.momentum:g}), where SGD on the KL to the fitted prior diverges: lower "
+            "optim.lr, raise prior.min_std, or use optim.name=adam"
         )

@@ -43,9 +43,11 @@ class PriorConfig:
         init: start the run's method at the fitted posterior (its ``method.rank`` must then equal the
             number of deviation columns the first stage collected); otherwise only the prior is used.
         min_std: floor of the fitted Gaussian's diagonal standard deviations ``σ`` (prior and start).
-            SWAG's ``σ`` is ~0 for weights the snapshots barely move, and ``KL(q ‖ p)`` then has
-            curvature ``κ/(n σ²)`` in ``μ``: gradient descent with learning rate ``lr`` is stable only
-            for ``σ² > κ·lr/(2n)``, which this floor secures for usual ``lr`` and ``n``.
+            SWAG's ``σ`` is ~0 for weights the snapshots barely move, and ``κ·KL(q ‖ p)/n`` then has
+            curvature up to ``2κ/(n σ²)`` in ``μ`` (the prior's variance along such a weight is ``σ²/2``):
+            gradient descent with learning rate ``lr`` is stable only for ``σ² > κ·lr/n`` (heavy-ball
+            momentum ``β`` relaxes it to ``κ·lr/((1+β)n)``), which this floor secures for usual ``lr`` and
+            ``n`` (:func:`flatbma.experiment.prior.sgd_stability_bound`).
     """
 
     method: MethodConfig

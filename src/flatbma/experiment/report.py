@@ -1,25 +1,15 @@
-"""Reports of a comparison: tables (mean ± std over seeds), figures, CSV, Markdown and HTML.
+"""Reports of a comparison: tables with intervals, paired differences, generated findings, figures, CSV, Markdown, HTML.
 
-Input is the ``results.json`` dict written by ``flatbma compare``::
-
-    {"config_hash": str, "config": {...}, "created": str,
-     "runs": [{"method": str, "seed": int, "run_dir": str,
-               "accuracy", "nll", "ece", "aece", "brier": float,
-               "lambda1", "lambda1_std", "lambda1_over_lambda5", "distribution_lambda1",
-               "sam_sharpness": float | null, "train_time_s", "eval_time_s": float,
-               "bma_curve": {"num_samples": [...], "accuracy": [...], "nll": [...], "ece": [...]},
-               "reliability": {"bin_edges": [n+1], "count": [n], "confidence": [n], "accuracy": [n]},
-               "corruptions": {name: {severity: {"accuracy", "nll", "ece"}}},
-               "landscape": {"alphas": [...], "mean": [...], "std": [...]} | null}, ...]}
-
-Any field may be missing or null: tables then show "–" and a figure without data is skipped with a
-note. Aggregates over the seeds of a method are the mean and the sample standard deviation
-(``ddof = 1``) of the runs that have the value; with one such run only the mean is shown.
+Input is the ``results.json`` dict written by ``flatbma compare``, read by
+:mod:`flatbma.experiment.rows` (its runs, the metrics, their statistics and numbers); the methods
+are compared and the findings written by :mod:`flatbma.experiment.findings`, the figures drawn by
+:mod:`flatbma.experiment.figures`. This module lays out the tables and writes the documents.
 
 :func:`write_reports` writes, into one folder, ``results.csv`` (one row per run, flat columns),
-``figures/*.png``, ``report.md`` (tables, and the figures by relative path) and ``report.html``, which
-is self-contained: its figures are embedded as base64 PNG data URIs. Figures need matplotlib
-(``pip install flatbma[plots]``).
+``figures/*.png``, ``report.md`` (findings, tables, and the figures by relative path) and
+``report.html``, which is self-contained: its figures are embedded as base64 PNG data URIs. In every
+table the best mean of a column with a better end (higher accuracy; lower NLL, ECE, AECE, Brier) is
+bold. Figures need matplotlib (``pip install flatbma[plots]``).
 """
 
 from __future__ import annotations
@@ -28,149 +18,320 @@ import base64
 import csv
 import html
 import io
-import itertools
 import json
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from flatbma import plotting
-from flatbma.checks import is_number
-from flatbma.errors import FlatbmaError
 from flatbma.experiment.checkpoint import atomic_write_bytes
+from flatbma.experiment.figures import FIGURES, FigureSpec
+from flatbma.experiment.findings import _difference_text, _reference, comparisons, findings
+from flatbma.experiment.rows import (
+    COMPARED,
+    CORRUPTION_METRICS,
+    EXTRA_METRICS,
+    FLATNESS_METRICS,
+    LAMBDA1,
+    LEVEL,
+    MISSING,
+    PREDICTIVE_METRICS,
+    TRACE_COV,
+    Metric,
+    Run,
+    _by_method,
+    _cell,
+    _corruption_average,
+    _decimals,
+    _fmt,
+    _fmt4,
+    _get,
+    _lambda1,
+    _mean,
+    _num,
+    _runs,
+    _seed_counts,
+    _severities,
+    _spread,
+    _stats,
+    _width,
+)
+from flatbma.stats import Summary
 
 __all__ = [
-    "FIGURES",
-    "FigureSpec",
-    "Stats",
     "Table",
-    "bma_curve_figure",
-    "corruption_figure",
     "csv_rows",
-    "lambda1_figure",
-    "landscape_curves",
-    "landscape_figure",
-    "reliability_figure",
     "report_tables",
     "summary_table",
     "write_reports",
 ]
 
-MISSING = "–"
-"""What a table shows for a value no run has."""
-
-SUMMARY_METRICS: tuple[tuple[str, str], ...] = (
-    ("accuracy", "accuracy"),
-    ("nll", "NLL"),
-    ("ece", "ECE"),
-    ("aece", "AECE"),
-    ("brier", "Brier"),
-    ("lambda1", "λ₁"),
-    ("lambda1_over_lambda5", "λ₁/λ₅"),
-)
-EXTRA_METRICS: tuple[tuple[str, str], ...] = (
-    ("distribution_lambda1", "λ₁ of the mean Hessian"),
-    ("sam_sharpness", "SAM sharpness"),
-    ("train_time_s", "train time (s)"),
-    ("eval_time_s", "eval time (s)"),
-)
-CORRUPTION_METRICS: tuple[tuple[str, str], ...] = (("accuracy", "accuracy"), ("nll", "NLL"), ("ece", "ECE"))
-_STRUCTURED = ("bma_curve", "reliability", "corruptions", "landscape")
-
-Run = Mapping[str, Any]
-
 
 # --------------------------------------------------------------------------------------------------
-# reading the results
-
-
-def _runs(results: Mapping[str, Any]) -> list[Run]:
-    if not isinstance(results, Mapping):
-        raise FlatbmaError(f"results must be a dict as written to results.json, not {type(results).__name__}")
-    runs = results.get("runs")
-    if not isinstance(runs, Sequence) or isinstance(runs, str) or not runs:
-        raise FlatbmaError("results has no runs: run `flatbma compare` first (results.json needs a non-empty 'runs')")
-    for i, run in enumerate(runs):
-        if not isinstance(run, Mapping) or not isinstance(run.get("method"), str):
-            raise FlatbmaError(f"results['runs'][{i}] must be a dict with a 'method' name")
-    return list(runs)
-
-
-def _by_method(runs: Sequence[Run]) -> dict[str, list[Run]]:
-    """Runs grouped by method, methods in order of appearance, runs sorted by seed."""
-    out: dict[str, list[Run]] = {}
-    for run in runs:
-        out.setdefault(run["method"], []).append(run)
-    return {
-        m: sorted(rs, key=lambda r: (_num(r.get("seed")) is None, _num(r.get("seed")) or 0.0)) for m, rs in out.items()
-    }
-
-
-def _num(value: Any) -> float | None:
-    """A number, or ``None`` for null, missing and non-numeric values."""
-    if not is_number(value):
-        return None
-    return float(value)
-
-
-def _get(mapping: Any, *keys: Any) -> Any:
-    """``mapping[k1][k2]…`` or ``None`` where a level is missing or not a dict."""
-    for k in keys:
-        if not isinstance(mapping, Mapping):
-            return None
-        mapping = mapping.get(k)
-    return mapping
+# tables
 
 
 @dataclass(frozen=True)
-class Stats:
-    """Mean and sample standard deviation (``None`` for one value) of ``n`` values."""
+class Table:
+    """A table of strings, rendered to Markdown or HTML.
 
-    mean: float
-    std: float | None
-    n: int
+    Attributes:
+        title: its heading.
+        header: column names.
+        rows: cells, row by row.
+        note: a caption under it.
+        bold: ``(row, column)`` of the cells shown bold (e.g. the best of a column).
+        lines: lines listed under it (e.g. the measurement repeatability of each method).
+    """
+
+    title: str
+    header: list[str]
+    rows: list[list[str]]
+    note: str = ""
+    bold: frozenset[tuple[int, int]] = frozenset()
+    lines: tuple[str, ...] = ()
+
+    def markdown(self) -> str:
+        """GitHub-flavoured Markdown (``|`` in cells escaped, bold cells in ``**``)."""
+
+        def line(cells: Sequence[str], i: int = -1) -> str:
+            shown = [f"**{c}**" if (i, j) in self.bold else c for j, c in enumerate(cells)]
+            return "| " + " | ".join(c.replace("|", "\\|") for c in shown) + " |"
+
+        lines = [line(self.header), "|" + "|".join(["---"] + [":-:"] * (len(self.header) - 1)) + "|"]
+        return "\n".join(lines + [line(r, i) for i, r in enumerate(self.rows)])
+
+    def html(self) -> str:
+        """An HTML ``<table>`` with escaped cells (bold cells in ``<b>``)."""
+
+        def cell(text: str, bold: bool) -> str:
+            return f"<td><b>{html.escape(text)}</b></td>" if bold else f"<td>{html.escape(text)}</td>"
+
+        head = "".join(f"<th>{html.escape(h)}</th>" for h in self.header)
+        body = "".join(
+            "<tr>" + "".join(cell(c, (i, j) in self.bold) for j, c in enumerate(r)) + "</tr>"
+            for i, r in enumerate(self.rows)
+        )
+        return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
 
-def _stats(values: Sequence[float | None]) -> Stats | None:
-    xs = [v for v in values if v is not None]
-    if not xs:
+def _best_rows(stats: Sequence[Summary | None], metric: Metric) -> list[int]:
+    """Rows holding the best mean of a column (all of them when tied); none without a better end or rival."""
+    means = {i: s.mean for i, s in enumerate(stats) if s is not None and math.isfinite(s.mean)}
+    if metric.best is None or len(means) < 2:
+        return []
+    best = metric.best(means.values())
+    return [i for i, m in means.items() if m == best]
+
+
+def _metric_table(title: str, groups: dict[str, list[Run]], metrics: Sequence[Metric], note: str) -> Table:
+    stats = [[_stats([m.get(r) for r in runs]) for m in metrics] for runs in groups.values()]
+    rows = [[method, str(len(runs)), *map(_cell, row)] for (method, runs), row in zip(groups.items(), stats)]
+    bold = {(i, j + 2) for j, m in enumerate(metrics) for i in _best_rows([row[j] for row in stats], m)}
+    return Table(title, ["method", "seeds", *(m.label for m in metrics)], rows, note, frozenset(bold))
+
+
+def _summary_metrics(runs: Sequence[Run]) -> tuple[Metric, ...]:
+    """The predictive metrics, then the flatness ones some run has (λ₁ always with the width beside it)."""
+    flat = [m for m in FLATNESS_METRICS if any(m.get(r) is not None for r in runs)]
+    if LAMBDA1 in flat and TRACE_COV not in flat:
+        flat.insert(1, TRACE_COV)
+    return (*PREDICTIVE_METRICS, *flat)
+
+
+def _summary(groups: dict[str, list[Run]]) -> Table:
+    runs = [r for rs in groups.values() for r in rs]
+    metrics = _summary_metrics(runs)
+    note = "BMA metrics on the test set."
+    if _seed_counts(groups)[1] > 1:
+        note += f" Per method over its seeds: mean ± std [{LEVEL:.0%} Student t interval of the mean]."
+    if LAMBDA1 in metrics:
+        note += (
+            " λ₁: top Hessian eigenvalue of the training loss at a posterior sample, mean over the run's samples "
+            "(details in the flatness table); tr Σ: the posterior's width, read beside λ₁ (– : not measured)."
+        )
+    note += " Bold: the best mean of a column with a better end (higher accuracy; lower NLL, ECE, AECE, Brier)."
+    return _metric_table(f"Results ({_spread(groups)})", groups, metrics, note)
+
+
+def summary_table(results: Mapping[str, Any]) -> str:
+    """The main table as Markdown: per method, accuracy … λ₁ and its width over seeds (bold: best)."""
+    return _summary(_by_method(_runs(results))).markdown()
+
+
+def _differences_table(results: Mapping[str, Any], groups: dict[str, list[Run]]) -> Table | None:
+    """Every method − the reference per metric, with intervals; ``None`` when no pair of two seeds exists."""
+    found = comparisons(results)
+    if not any(c.claimed for c in found):
         return None
-    mean = math.fsum(xs) / len(xs)
-    std = math.sqrt(math.fsum((x - mean) ** 2 for x in xs) / (len(xs) - 1)) if len(xs) > 1 else None
-    return Stats(mean, std, len(xs))
+    reference = _reference(results, groups)
+    metrics = [m for m in COMPARED if any(c.metric is m for c in found)]
+    rows, bold = [], set()
+    for method in groups:
+        mine = {c.metric.key: c for c in found if c.method == method}
+        if not mine:
+            continue
+        cells = []
+        for j, metric in enumerate(metrics):
+            c = mine.get(metric.key)
+            if c is None:
+                cells.append(MISSING)
+            elif c.difference is None:
+                cells.append("not compared")
+            else:
+                cells.append(_difference_text(c.difference) + ("" if c.claimed else " (one seed)"))
+                if c.difference.significant:
+                    bold.add((len(rows), j + 2))
+        n = max((c.difference.n for c in mine.values() if c.difference is not None), default=0)
+        rows.append([method, str(n), *cells])
+    return Table(
+        f"Paired differences from {reference} (method − {reference}: mean [{LEVEL:.0%} t interval] over common seeds)",
+        ["method", "seeds", *(m.label for m in metrics)],
+        rows,
+        "Per seed the method's value minus the reference's (the same seed: the same k-shot training set and "
+        "initialization), then the mean and Student t interval over the seeds both ran. Bold: the interval "
+        "excludes 0. λ₁ is compared only on seeds where both runs report their width (tr Σ).",
+        frozenset(bold),
+    )
 
 
-def _mean(values: Sequence[float | None]) -> float | None:
-    stats = _stats(values)
-    return stats.mean if stats is not None else None
+def _count(value: Any) -> int | None:
+    """A count given as a number or as the list of the items counted."""
+    if isinstance(value, (list, tuple)):
+        return len(value)
+    number = _num(value)
+    return int(number) if number is not None else None
 
 
-def _decimals(x: float) -> int | None:
-    """Decimals that show ``x`` with about 4 significant digits (at most 4); ``None``: use scientific."""
-    if x == 0 or not math.isfinite(x):
-        return 4
-    if abs(x) >= 1e6 or abs(x) < 1e-3:
-        return None
-    return min(4, max(0, 3 - math.floor(math.log10(abs(x)))))
+def _scalar(value: Any) -> float | None:
+    """A number, or the ``mean``/``estimate``/``value`` of a dict holding one."""
+    if isinstance(value, Mapping):
+        return next((_num(value[k]) for k in ("mean", "estimate", "value") if _num(value.get(k)) is not None), None)
+    return _num(value)
 
 
-def _fmt(x: float, decimals: int | None = 4) -> str:
-    if not math.isfinite(x):
-        return str(x)
-    return f"{x:.3e}" if decimals is None else f"{x:.{decimals}f}"
-
-
-def _cell(stats: Stats | None) -> str:
-    """``mean ± std``, both with the decimals that suit the mean; ``–`` when no run has the value."""
-    if stats is None:
+def _summary_text(summary: Any) -> str:
+    """``mean [low, high]`` of a :class:`~flatbma.stats.Summary` given as its dict."""
+    mean = _num(_get(summary, "mean"))
+    if mean is None:
         return MISSING
-    decimals = _decimals(stats.mean)
-    mean = _fmt(stats.mean, decimals)
-    return mean if stats.std is None else f"{mean} ± {_fmt(stats.std, decimals)}"
+    decimals = _decimals(mean)
+    low, high = _num(_get(summary, "interval", "low")), _num(_get(summary, "interval", "high"))
+    text = _fmt(mean, decimals)
+    return text if low is None or high is None else f"{text} [{_fmt(low, decimals)}, {_fmt(high, decimals)}]"
+
+
+def _distinct(runs: Sequence[Run], key: str) -> list[str]:
+    values = [run.get(key) for run in runs if run.get(key) is not None]
+    return list(dict.fromkeys(v if isinstance(v, str) else json.dumps(v, sort_keys=True) for v in values))
+
+
+def _repeatability_lines(groups: dict[str, list[Run]]) -> list[str]:
+    """One "measurement repeatability" line per method that repeated its measurement."""
+    lines = []
+    for method, runs in groups.items():
+        reps = [(r.get("seed"), r["repeatability"]) for r in runs if isinstance(r.get("repeatability"), Mapping)]
+        if not reps:
+            continue
+        agree = sum(rep.get("agree") is True for _, rep in reps)
+        head = (
+            ("agrees" if agree else "does not agree") if len(reps) == 1 else f"agrees on {agree} of {len(reps)} seeds"
+        )
+        details = "; ".join(
+            f"seed {seed}: {_summary_text(rep.get('first'))} vs {_summary_text(rep.get('second'))}"
+            for seed, rep in reps
+        )
+        lines.append(
+            f"measurement repeatability, {method}: {head} within the reported interval "
+            f"(λ₁ measured, then measured again with another measurement seed and samples — {details})"
+        )
+    return lines
+
+
+def _has_flatness(run: Run) -> bool:
+    return _lambda1(run) is not None or isinstance(run.get("lambda1_summary"), Mapping)
+
+
+def _flatness_table(groups: dict[str, list[Run]]) -> Table | None:
+    """Per run: λ₁ over the posterior samples with its interval, convergence, the width beside it, λ₁ at the mean."""
+    runs = [(m, r) for m, rs in groups.items() for r in rs if _has_flatness(r)]
+    if not runs:
+        return None
+    levels = {_num(_get(r, "lambda1_summary", "interval", "level")) for _, r in runs} - {None}
+    kinds = {str(_get(r, "lambda1_summary", "method")) for _, r in runs if _get(r, "lambda1_summary", "method")}
+    level = f"{levels.pop():.0%}" if len(levels) == 1 else ""
+    rows = []
+    for method, run in runs:
+        summary = run.get("lambda1_summary") if isinstance(run.get("lambda1_summary"), Mapping) else {}
+        mean = _lambda1(run)
+        low, high = _num(_get(summary, "interval", "low")), _num(_get(summary, "interval", "high"))
+        decimals = _decimals(mean) if mean is not None else 4
+        samples = _count(summary.get("n")) or _count(run.get("flatness_samples"))
+        unconverged = _count(run.get("lambda1_unconverged"))
+        width = run.get("width") if isinstance(run.get("width"), Mapping) else {}
+        trace = _num(width.get("trace_cov"))
+        agree = _get(run, "repeatability", "agree")
+        rows.append(
+            [
+                method,
+                str(run.get("seed", MISSING)),
+                _fmt4(mean),
+                _fmt4(_num(summary.get("median"))),
+                MISSING if low is None or high is None else f"[{_fmt(low, decimals)}, {_fmt(high, decimals)}]",
+                MISSING if samples is None else str(samples),
+                (
+                    str(unconverged)
+                    if unconverged is not None
+                    else "some"
+                    if run.get("hessian_converged") is False
+                    else MISSING
+                ),
+                MISSING if trace is None else ("≈" if width.get("exact") is False else "") + _fmt4(trace),
+                _fmt4(_num(width.get("median_std"))),
+                _fmt4(_num(run.get("lambda1_at_mean"))),
+                _fmt4(_scalar(run.get("hessian_trace"))),
+                MISSING if not isinstance(agree, bool) else "yes" if agree else "no",
+            ]
+        )
+    if any(isinstance(r.get("lambda1_summary"), Mapping) for _, r in runs):
+        interval = f"{' and '.join(sorted(kinds)) or 'the'} {level} interval".replace("  ", " ")
+        note = [
+            "Per run: λ₁ of each posterior sample (top eigenvalue of the Hessian of the mean training loss), its "
+            f"mean, median and {interval} of the mean over the run's samples; eigenvalues that did not converge "
+            "are counted (unconverged), not averaged."
+        ]
+    else:
+        note = [
+            "Per run: λ₁ of each posterior sample (top eigenvalue of the Hessian of the mean training loss), mean over "
+            "the run's samples. These results predate the flatness protocol: no median or interval, and "
+            "eigenvalues that did not converge (unconverged: some) are averaged in."
+        ]
+    examples, bn = _distinct([r for _, r in runs], "hessian_examples"), _distinct([r for _, r in runs], "bn_statistics")
+    if examples:
+        note.append(f"Hessian on {' or '.join(examples)} training examples.")
+    if bn:
+        note.append(f"BatchNorm statistics: {'; '.join(bn)}.")
+    note.append(
+        "tr Σ and median σ: the posterior's width over the Bayesian subset (exact for Gaussians; ≈: estimated from "
+        "samples); λ₁ at mean: λ₁ at the posterior mean; Hessian trace: Hutchinson's estimate; repeatable: a second "
+        "measurement (another measurement seed and samples) agrees within the interval."
+    )
+    if all(_width("trace_cov")(r) is None for _, r in runs):
+        note.append(
+            "No run reports its width: these λ₁ are not compared between methods (a wider posterior puts samples in "
+            "sharper places whatever its flatness)."
+        )
+    title = "Flatness per run" + (
+        " (one protocol for every method)"
+        if any(isinstance(r.get("lambda1_summary"), Mapping) for _, r in runs)
+        else ""
+    )
+    header = ["method", "seed", "λ₁ mean", "λ₁ median", f"λ₁ {level} interval".replace("  ", " "), "samples"]
+    header += ["unconverged", "tr Σ", "median σ", "λ₁ at mean", "Hessian trace", "repeatable"]
+    return Table(title, header, rows, " ".join(note), lines=tuple(_repeatability_lines(groups)))
 
 
 def _corruption_note(sizes: list[float]) -> str:
@@ -183,127 +344,69 @@ def _corruption_note(sizes: list[float]) -> str:
     return f"BMA of the first {sizes[-1]:g} posterior samples ({fewer} for methods that have fewer)."
 
 
-def _severities(runs: Sequence[Run]) -> list[str]:
-    found: dict[str, None] = {}
-    for run in runs:
-        for per_severity in (run.get("corruptions") or {}).values():
-            if isinstance(per_severity, Mapping):
-                found.update(dict.fromkeys(str(s) for s in per_severity))
-    return sorted(found, key=lambda s: (_to_number(s) is None, _to_number(s) or 0.0, s))
-
-
-def _to_number(text: str) -> float | None:
-    try:
-        return float(text)
-    except ValueError:
-        return None
-
-
-def _corruption_average(run: Run, severity: str, metric: str) -> float | None:
-    """Mean of ``metric`` over the corruptions evaluated at ``severity`` in one run."""
-    corruptions = run.get("corruptions")
-    if not isinstance(corruptions, Mapping):
-        return None
-    stats = _stats([_num(_get(per, severity, metric)) for per in corruptions.values()])
-    return stats.mean if stats is not None else None
-
-
-# --------------------------------------------------------------------------------------------------
-# tables
-
-
-@dataclass(frozen=True)
-class Table:
-    """A table of strings, rendered to Markdown or HTML."""
-
-    title: str
-    header: list[str]
-    rows: list[list[str]]
-    note: str = ""
-
-    def markdown(self) -> str:
-        """GitHub-flavoured Markdown (``|`` in cells escaped)."""
-
-        def line(cells: Sequence[str]) -> str:
-            return "| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |"
-
-        lines = [line(self.header), "|" + "|".join(["---"] + [":-:"] * (len(self.header) - 1)) + "|"]
-        return "\n".join(lines + [line(r) for r in self.rows])
-
-    def html(self) -> str:
-        """An HTML ``<table>`` with escaped cells."""
-        head = "".join(f"<th>{html.escape(h)}</th>" for h in self.header)
-        body = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in r) + "</tr>" for r in self.rows)
-        return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
-
-
-def _metric_table(title: str, groups: dict[str, list[Run]], metrics: Sequence[tuple[str, str]], note: str) -> Table:
-    rows = [
-        [method, str(len(runs))] + [_cell(_stats([_num(r.get(key)) for r in runs])) for key, _ in metrics]
-        for method, runs in groups.items()
-    ]
-    return Table(title, ["method", "seeds"] + [label for _, label in metrics], rows, note)
-
-
-def _summary(groups: dict[str, list[Run]]) -> Table:
-    return _metric_table(
-        "Results (mean ± std over seeds)",
-        groups,
-        SUMMARY_METRICS,
-        "BMA metrics on the test set; λ₁ and λ₁/λ₅: top Hessian eigenvalues of sampled models, averaged "
-        "over samples, then over seeds.",
-    )
-
-
-def summary_table(results: Mapping[str, Any]) -> str:
-    """The main table as Markdown: per method, mean ± std over seeds of accuracy … λ₁/λ₅."""
-    return _summary(_by_method(_runs(results))).markdown()
+def _corruption_tables(runs: Sequence[Run], groups: dict[str, list[Run]]) -> list[Table]:
+    severities = _severities(runs)
+    if not severities:
+        return []
+    sizes = sorted({n for r in runs if (n := _num(r.get("corruption_samples"))) is not None})
+    note = _corruption_note(sizes)
+    tables = []
+    for metric in CORRUPTION_METRICS:
+        stats = []
+        for rs in groups.values():
+            per_run = {s: [_corruption_average(r, s, metric.key) for r in rs] for s in severities}
+            overall = [_mean([per_run[s][i] for s in severities]) for i in range(len(rs))]
+            stats.append([*(_stats(per_run[s]) for s in severities), _stats(overall)])
+        rows = [[method, *map(_cell, row)] for method, row in zip(groups, stats)]
+        bold = {(i, j + 1) for j in range(len(severities) + 1) for i in _best_rows([r[j] for r in stats], metric)}
+        tables.append(
+            Table(
+                f"Corrupted test sets: {metric.label} (mean over corruptions; {_spread(groups)})",
+                ["method", *(f"severity {s}" for s in severities), "all severities"],
+                rows,
+                note,
+                frozenset(bold),
+            )
+        )
+    return tables
 
 
 def report_tables(results: Mapping[str, Any]) -> list[Table]:
-    """Every table of the report: the summary, flatness/cost extras and, with corruptions, one per metric."""
+    """Every table of the report: results, paired differences, flatness, distribution flatness and cost, corruptions."""
     runs = _runs(results)
     groups = _by_method(runs)
     tables = [_summary(groups)]
-    if any(_num(r.get(k)) is not None for r in runs for k, _ in EXTRA_METRICS):
+    differences = _differences_table(results, groups)
+    if differences is not None:
+        tables.append(differences)
+    flatness = _flatness_table(groups)
+    if flatness is not None:
+        tables.append(flatness)
+    if any(m.get(r) is not None for r in runs for m in EXTRA_METRICS):
         tables.append(
             _metric_table(
-                "Flatness of the distribution and cost (mean ± std over seeds)",
+                f"Flatness of the distribution and cost ({_spread(groups)})",
                 groups,
                 EXTRA_METRICS,
                 "λ₁ of the mean Hessian: top eigenvalue of the Hessian of E_q[L] (the averaged Hessian of the "
                 "samples); SAM sharpness: E_w[L(w + ρ g/‖g‖) − L(w)].",
             )
         )
-    severities = _severities(runs)
-    if severities:
-        sizes = sorted({n for r in runs if (n := _num(r.get("corruption_samples"))) is not None})
-        note = _corruption_note(sizes)
-        for key, label in CORRUPTION_METRICS:
-            rows = []
-            for method, rs in groups.items():
-                per_run = {s: [_corruption_average(r, s, key) for r in rs] for s in severities}
-                overall = [_mean([per_run[s][i] for s in severities]) for i in range(len(rs))]
-                rows.append([method, *(_cell(_stats(per_run[s])) for s in severities), _cell(_stats(overall))])
-            tables.append(
-                Table(
-                    f"Corrupted test sets: {label} (mean over corruptions, mean ± std over seeds)",
-                    ["method", *(f"severity {s}" for s in severities), "all severities"],
-                    rows,
-                    note,
-                )
-            )
-    return tables
+    return tables + _corruption_tables(runs, groups)
 
 
 # --------------------------------------------------------------------------------------------------
 # CSV
 
 
+_STRUCTURED = ("bma_curve", "reliability", "corruptions", "landscape")
+
+
 def csv_rows(results: Mapping[str, Any]) -> tuple[list[str], list[dict[str, Any]]]:
     """``(columns, rows)``: one flat row per run.
 
-    Scalars keep their key; other dicts are flattened one level (``method_options.rank``); the BMA
+    Scalars keep their key; dicts are flattened with dotted keys (``method_options.rank``,
+    ``lambda1_summary.interval.low``) and lists are written as JSON; the BMA
     curve becomes ``bma_<metric>_m<M>``, corruptions ``corr_<name>_s<severity>_<metric>``. The
     reliability diagram and the landscape curve are left out (see ``results.json``). Columns are
     the union over runs in order of appearance; a run without a column leaves it empty.
@@ -318,11 +421,7 @@ def _flat_run(run: Run) -> dict[str, Any]:
     for key, value in run.items():
         if key in _STRUCTURED:
             continue
-        if isinstance(value, Mapping):
-            for sub, v in value.items():
-                out[f"{key}.{sub}"] = v if _is_scalar(v) else json.dumps(v)
-        else:
-            out[key] = value if _is_scalar(value) else json.dumps(value)
+        _flatten(str(key), value, out)
     curve = run.get("bma_curve")
     if isinstance(curve, Mapping):
         sizes = curve.get("num_samples") or []
@@ -340,6 +439,14 @@ def _flat_run(run: Run) -> dict[str, Any]:
     return out
 
 
+def _flatten(key: str, value: Any, out: dict[str, Any]) -> None:
+    if isinstance(value, Mapping):
+        for sub, v in value.items():
+            _flatten(f"{key}.{sub}", v, out)
+    else:
+        out[key] = value if _is_scalar(value) else json.dumps(value)
+
+
 def _is_scalar(value: Any) -> bool:
     return value is None or isinstance(value, (str, int, float, bool))
 
@@ -355,294 +462,13 @@ def _csv_text(results: Mapping[str, Any]) -> str:
 
 
 # --------------------------------------------------------------------------------------------------
-# figures
-
-
-_DPI = 100
-"""Resolution of the report's own figures (the landscape figure keeps :func:`~flatbma.plotting.landscape_1d_png`'s)."""
-
-
-def _figure(nrows: int, ncols: int, width: float, height: float) -> tuple[Any, list[Any]]:
-    """:func:`flatbma.plotting.figure` of ``nrows × ncols`` panels of ``width × height`` inches."""
-    return plotting.figure(nrows, ncols, width, height, what="report figures")
-
-
-def _png(fig: Any) -> bytes:
-    return plotting.png(fig, dpi=_DPI)
-
-
-def _band(ax: Any, xs: Sequence[float], stats: Sequence[Stats], label: str) -> None:
-    means = [s.mean for s in stats]
-    (line,) = ax.plot(xs, means, marker="o", markersize=3, label=label)
-    if any(s.std is not None for s in stats):
-        lo = [s.mean - (s.std or 0.0) for s in stats]
-        hi = [s.mean + (s.std or 0.0) for s in stats]
-        ax.fill_between(xs, lo, hi, color=line.get_color(), alpha=0.2, linewidth=0)
-
-
-def reliability_figure(results: Mapping[str, Any]) -> bytes | None:
-    """Reliability diagrams of the full BMA, one panel per method (its first seed); ``None`` without data."""
-    panels = []
-    for method, runs in _by_method(_runs(results)).items():
-        run = next((r for r in runs if _reliability(r) is not None), None)
-        if run is not None:
-            panels.append((method, run, _reliability(run)))
-    if not panels:
-        return None
-    ncols = min(len(panels), 4)
-    nrows = math.ceil(len(panels) / ncols)
-    fig, axes = _figure(nrows, ncols, 3.2, 3.2)
-    for ax, (method, run, (edges, conf, acc)) in zip(axes, panels):
-        centers = [(a + b) / 2 for a, b in itertools.pairwise(edges)]
-        widths = [b - a for a, b in itertools.pairwise(edges)]
-        keep = [i for i in range(len(centers)) if acc[i] is not None and conf[i] is not None]
-        ax.bar(
-            [centers[i] for i in keep],
-            [acc[i] for i in keep],
-            [widths[i] for i in keep],
-            color="tab:blue",
-            edgecolor="k",
-            linewidth=0.4,
-            label="accuracy",
-        )
-        ax.bar(
-            [centers[i] for i in keep],
-            [conf[i] - acc[i] for i in keep],
-            [widths[i] for i in keep],
-            bottom=[acc[i] for i in keep],
-            color="tab:red",
-            alpha=0.3,
-            hatch="//",
-            linewidth=0.4,
-            label="gap to confidence",
-        )
-        ax.plot([0, 1], [0, 1], "k--", linewidth=0.8)
-        ax.set_xlim(0, 1)
-        ax.set_ylim(0, 1)
-        ece = _num(run.get("ece"))
-        seed = run.get("seed")
-        ax.set_title(f"{method} (seed {seed})" + (f"\nECE {ece:.4f}" if ece is not None else ""), fontsize=9)
-        ax.set_xlabel("confidence")
-        ax.set_ylabel("accuracy")
-    for ax in axes[len(panels) :]:
-        ax.set_visible(False)
-    axes[0].legend(fontsize=7, loc="upper left")
-    return _png(fig)
-
-
-def _reliability(run: Run) -> tuple[list[float], list[float | None], list[float | None]] | None:
-    rel = run.get("reliability")
-    if not isinstance(rel, Mapping):
-        return None
-    edges = [_num(e) for e in rel.get("bin_edges") or []]
-    conf = [_num(c) for c in rel.get("confidence") or []]
-    acc = [_num(a) for a in rel.get("accuracy") or []]
-    n = len(edges) - 1
-    if n < 1 or None in edges or len(conf) != n or len(acc) != n:
-        return None
-    if all(a is None for a in acc):
-        return None
-    return edges, conf, acc
-
-
-def _curve_stats(runs: Sequence[Run], metric: str) -> tuple[list[float], list[Stats]]:
-    """Mean ± std over seeds of a BMA-curve metric at every number of samples any seed has."""
-    per_m: dict[float, list[float | None]] = {}
-    for run in runs:
-        curve = run.get("bma_curve")
-        if not isinstance(curve, Mapping):
-            continue
-        values = curve.get(metric) or []
-        for m, v in zip(curve.get("num_samples") or [], values):
-            if _num(m) is not None:
-                per_m.setdefault(_num(m), []).append(_num(v))
-    xs = sorted(m for m, vs in per_m.items() if _stats(vs) is not None)
-    return xs, [_stats(per_m[m]) for m in xs]
-
-
-def bma_curve_figure(results: Mapping[str, Any]) -> bytes | None:
-    """NLL, accuracy and ECE of the BMA vs number of samples ``M`` (mean ± std over seeds); ``None`` without data."""
-    groups = _by_method(_runs(results))
-    metrics = (("nll", "NLL"), ("accuracy", "accuracy"), ("ece", "ECE"))
-    curves = {m: {k: _curve_stats(rs, k) for k, _ in metrics} for m, rs in groups.items()}
-    if not any(xs for per in curves.values() for xs, _ in per.values()):
-        return None
-    fig, axes = _figure(1, len(metrics), 3.6, 3.0)
-    all_m = [x for per in curves.values() for xs, _ in per.values() for x in xs]
-    for ax, (key, label) in zip(axes, metrics):
-        for method, per in curves.items():
-            xs, stats = per[key]
-            if xs:
-                _band(ax, xs, stats, method)
-        ax.set_xlabel("number of BMA samples M")
-        ax.set_ylabel(label)
-        if min(all_m) > 0 and max(all_m) / min(all_m) >= 10:
-            ax.set_xscale("log")
-        ticks = sorted(set(all_m))
-        ax.set_xticks(ticks, [f"{t:g}" for t in ticks])
-        ax.minorticks_off()
-        ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=8)
-    return _png(fig)
-
-
-def lambda1_figure(results: Mapping[str, Any]) -> bytes | None:
-    """λ₁ per method: bar = mean over seeds ± std over seeds; dots = runs ± std over their samples."""
-    groups = _by_method(_runs(results))
-    methods = [m for m, rs in groups.items() if any(_num(r.get("lambda1")) is not None for r in rs)]
-    if not methods:
-        return None
-    fig, (ax,) = _figure(1, 1, max(4.0, 1.0 + 0.9 * len(methods)), 3.4)
-    for i, method in enumerate(methods):
-        runs = [r for r in groups[method] if _num(r.get("lambda1")) is not None]
-        s = _stats([_num(r.get("lambda1")) for r in runs])
-        ax.bar(i, s.mean, 0.6, yerr=s.std or 0.0, capsize=4, color="tab:blue", alpha=0.5)
-        offsets = [0.0] if len(runs) == 1 else [-0.2 + 0.4 * j / (len(runs) - 1) for j in range(len(runs))]
-        for off, r in zip(offsets, runs):
-            ax.errorbar(
-                i + off,
-                _num(r.get("lambda1")),
-                yerr=_num(r.get("lambda1_std")) or 0.0,
-                fmt="o",
-                color="k",
-                markersize=3,
-                capsize=2,
-                linewidth=0.8,
-            )
-    ax.set_xticks(range(len(methods)))
-    ax.set_xticklabels(methods, rotation=20, ha="right")
-    ax.set_ylabel("λ₁ (top Hessian eigenvalue)")
-    ax.grid(axis="y", alpha=0.3)
-    return _png(fig)
-
-
-def corruption_figure(results: Mapping[str, Any]) -> bytes | None:
-    """BMA accuracy/NLL/ECE vs corruption severity (0 = clean), mean over corruptions ± std over seeds."""
-    runs = _runs(results)
-    severities = [s for s in _severities(runs) if _to_number(s) is not None]
-    if not severities:
-        return None
-    groups = _by_method(runs)
-    fig, axes = _figure(1, len(CORRUPTION_METRICS), 3.6, 3.0)
-    for ax, (key, label) in zip(axes, CORRUPTION_METRICS):
-        for method, rs in groups.items():
-            xs, stats = [], []
-            clean = _stats([_num(r.get(key)) for r in rs])
-            if clean is not None:
-                xs.append(0.0)
-                stats.append(clean)
-            for s in severities:
-                st = _stats([_corruption_average(r, s, key) for r in rs])
-                if st is not None:
-                    xs.append(float(s))
-                    stats.append(st)
-            if xs:
-                _band(ax, xs, stats, method)
-        ax.set_xticks([0.0, *(float(s) for s in severities)])
-        ax.set_xlabel("severity (0 = clean)")
-        ax.set_ylabel(label)
-        ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=8)
-    return _png(fig)
-
-
-def landscape_curves(results: Mapping[str, Any]) -> dict[str, tuple[list[float], list[float], list[float]]]:
-    """Per method ``{label: (alphas, mean, std)}`` of the 1-D posterior loss landscapes, pooled over seeds.
-
-    Each run holds the mean ``m_s(α)`` and standard deviation ``σ_s(α)`` over its samples; the seeds of
-    a method (those with the alphas of its first seed) are pooled as an equal mixture: mean
-    ``m = mean_s m_s`` and std ``√(mean_s σ_s² + mean_s (m_s − m)²)`` (the law of total variance,
-    population variance over seeds). Methods without a landscape are left out.
-    """
-    curves = {}
-    for method, runs in _by_method(_runs(results)).items():
-        found = [c for c in (_landscape(r) for r in runs) if c is not None]
-        if not found:
-            continue
-        alphas = found[0][0]
-        same = [c for c in found if c[0] == alphas]
-        k = len(same)
-        mean = [math.fsum(c[1][i] for c in same) / k for i in range(len(alphas))]
-        var = [math.fsum(c[2][i] ** 2 + (c[1][i] - mean[i]) ** 2 for c in same) / k for i in range(len(alphas))]
-        curves[f"{method} ({k} seed{'s' if k > 1 else ''})"] = (alphas, mean, [math.sqrt(v) for v in var])
-    return curves
-
-
-def landscape_figure(results: Mapping[str, Any]) -> bytes | None:
-    """1-D posterior loss landscapes per method (:func:`landscape_curves`); ``None`` without data."""
-    curves = landscape_curves(results)
-    if not curves:
-        return None
-    return plotting.landscape_1d_png(
-        curves,
-        xlabel="α (filter-normalized random direction)",
-        title="training loss of posterior samples (mean ± std)",
-    )
-
-
-def _landscape(run: Run) -> tuple[list[float], list[float], list[float]] | None:
-    land = run.get("landscape")
-    if not isinstance(land, Mapping):
-        return None
-    alphas = [_num(a) for a in land.get("alphas") or []]
-    mean = [_num(m) for m in land.get("mean") or []]
-    std = land.get("std")
-    std = [_num(s) or 0.0 for s in std] if isinstance(std, Sequence) else [0.0] * len(mean)
-    if not alphas or len(alphas) != len(mean) or len(std) != len(mean) or None in alphas or None in mean:
-        return None
-    return alphas, mean, std
-
-
-@dataclass(frozen=True)
-class FigureSpec:
-    """One figure of the report: file stem, caption, the function drawing it, why it may be missing."""
-
-    name: str
-    title: str
-    draw: Callable[[Mapping[str, Any]], bytes | None]
-    missing: str
-
-
-FIGURES: tuple[FigureSpec, ...] = (
-    FigureSpec(
-        "reliability",
-        "Reliability diagrams (full BMA, first seed)",
-        reliability_figure,
-        "no run has a reliability diagram",
-    ),
-    FigureSpec(
-        "bma_curve",
-        "BMA quality vs number of samples (mean ± std over seeds)",
-        bma_curve_figure,
-        "no run has a BMA curve",
-    ),
-    FigureSpec(
-        "lambda1",
-        "Top Hessian eigenvalue λ₁ per method",
-        lambda1_figure,
-        "no run has λ₁ (flatness was not measured)",
-    ),
-    FigureSpec(
-        "corruptions",
-        "Accuracy, NLL and ECE vs corruption severity",
-        corruption_figure,
-        "no corrupted test sets were evaluated",
-    ),
-    FigureSpec(
-        "landscape",
-        "1-D loss landscape of the posterior",
-        landscape_figure,
-        "no run has a loss landscape",
-    ),
-)
-
-
-# --------------------------------------------------------------------------------------------------
 # documents
 
 
 def write_reports(results: Mapping[str, Any], out_dir: str | Path) -> dict[str, Path]:
     """Write ``results.csv``, ``figures/<name>.png``, ``report.md`` and a self-contained ``report.html``.
+
+    The findings are generated anew from ``results`` (:func:`findings`), never copied from it.
 
     Args:
         results: the ``results.json`` dict (see the module docstring).
@@ -654,10 +480,11 @@ def write_reports(results: Mapping[str, Any], out_dir: str | Path) -> dict[str, 
         ``"report.html"``, ``"figures/<name>.png"``).
 
     Raises:
-        FlatbmaError: if ``results`` has no runs, or matplotlib is missing.
+        FlatbmaError: if ``results`` has no runs or an unknown ``compare.reference``, or matplotlib is missing.
     """
     out_dir = Path(out_dir)
     tables = report_tables(results)
+    found = findings(results)
     figures: list[tuple[FigureSpec, bytes | None]] = [(spec, spec.draw(results)) for spec in FIGURES]
     written: dict[str, Path] = {}
 
@@ -674,19 +501,28 @@ def write_reports(results: Mapping[str, Any], out_dir: str | Path) -> dict[str, 
             put(rel, png)
         else:
             (out_dir / rel).unlink(missing_ok=True)
-    put("report.md", _markdown(results, tables, figures).encode())
-    put("report.html", _html(results, tables, figures).encode())
+    put("report.md", _markdown(results, found, tables, figures).encode())
+    put("report.html", _html(results, found, tables, figures).encode())
     return written
 
 
 def _header_lines(results: Mapping[str, Any]) -> list[tuple[str, str]]:
     runs = _runs(results)
-    methods = list(_by_method(runs))
+    groups = _by_method(runs)
+    seeds = sorted({str(r.get("seed")) for r in runs if r.get("seed") is not None}, key=lambda s: (len(s), s))
     return [
         ("config hash", str(results.get("config_hash") or MISSING)),
         ("created", str(results.get("created") or MISSING)),
-        ("runs", f"{len(runs)} ({len(methods)} methods: {', '.join(methods)})"),
+        ("runs", f"{len(runs)} ({len(groups)} methods: {', '.join(groups)}; seeds: {', '.join(seeds) or MISSING})"),
+        ("reference", _reference(results, groups)),
     ]
+
+
+_FINDINGS_NOTE = (
+    "Generated from the paired differences over seeds (method − reference, Student t interval at {level:.0%}); "
+    "a difference whose interval includes 0 is written as no significant difference. λ₁ has no better end "
+    "(lower: flatter) and is compared only with the width tr Σ beside it (lower: narrower)."
+)
 
 
 def _config_text(results: Mapping[str, Any]) -> str:
@@ -694,17 +530,27 @@ def _config_text(results: Mapping[str, Any]) -> str:
     return yaml.safe_dump(shown, sort_keys=False, allow_unicode=True) if shown else ""
 
 
-def _markdown(results: Mapping[str, Any], tables: list[Table], figures: list[tuple[FigureSpec, bytes | None]]) -> str:
+def _markdown(
+    results: Mapping[str, Any],
+    found: Mapping[str, Any],
+    tables: list[Table],
+    figures: list[tuple[FigureSpec, bytes | None]],
+) -> str:
     out = ["# flatbma comparison", ""]
     out += [f"- **{k}**: {v}" for k, v in _header_lines(results)]
+    out += ["", "## Findings", "", *(f"- {line}" for line in found["text"])]
+    out += ["", f"_{_FINDINGS_NOTE.format(level=found['level'])}_"]
     for table in tables:
         out += ["", f"## {table.title}", "", table.markdown()]
         if table.note:
             out += ["", f"_{table.note}_"]
+        if table.lines:
+            out += ["", *(f"- {line}" for line in table.lines)]
     out += ["", "## Figures"]
     for spec, png in figures:
-        out += ["", f"### {spec.title}", ""]
-        out.append(f"![{spec.title}](figures/{spec.name}.png)" if png is not None else f"_Skipped: {spec.missing}._")
+        caption = spec.caption(results)
+        out += ["", f"### {caption}", ""]
+        out.append(f"![{caption}](figures/{spec.name}.png)" if png is not None else f"_Skipped: {spec.missing}._")
     config = _config_text(results)
     if config:
         out += ["", "## Configuration", "", "```yaml", config.rstrip(), "```"]
@@ -721,7 +567,12 @@ img { max-width: 100%; } .note { color: #555; font-style: italic; } pre { backgr
 """
 
 
-def _html(results: Mapping[str, Any], tables: list[Table], figures: list[tuple[FigureSpec, bytes | None]]) -> str:
+def _html(
+    results: Mapping[str, Any],
+    found: Mapping[str, Any],
+    tables: list[Table],
+    figures: list[tuple[FigureSpec, bytes | None]],
+) -> str:
     e = html.escape
     out = [
         "<!DOCTYPE html>",
@@ -730,19 +581,25 @@ def _html(results: Mapping[str, Any], tables: list[Table], figures: list[tuple[F
         "<h1>flatbma comparison</h1><ul>",
         *(f"<li><b>{e(k)}</b>: {e(v)}</li>" for k, v in _header_lines(results)),
         "</ul>",
+        "<h2>Findings</h2><ul>",
+        *(f"<li>{e(line)}</li>" for line in found["text"]),
+        f'</ul><p class="note">{e(_FINDINGS_NOTE.format(level=found["level"]))}</p>',
     ]
     for table in tables:
         out += [f"<h2>{e(table.title)}</h2>", table.html()]
         if table.note:
             out.append(f'<p class="note">{e(table.note)}</p>')
+        if table.lines:
+            out.append("<ul>" + "".join(f"<li>{e(line)}</li>" for line in table.lines) + "</ul>")
     out.append("<h2>Figures</h2>")
     for spec, png in figures:
+        caption = spec.caption(results)
         if png is None:
-            out.append(f'<h3>{e(spec.title)}</h3><p class="note">Skipped: {e(spec.missing)}.</p>')
+            out.append(f'<h3>{e(caption)}</h3><p class="note">Skipped: {e(spec.missing)}.</p>')
         else:
             data = base64.b64encode(png).decode("ascii")
             out.append(
-                f'<figure><figcaption>{e(spec.title)}</figcaption><img alt="{e(spec.title)}" '
+                f'<figure><figcaption>{e(caption)}</figcaption><img alt="{e(caption)}" '
                 f'src="data:image/png;base64,{data}"></figure>'
             )
     config = _config_text(results)

@@ -8,7 +8,10 @@
   along filter-normalized random (:func:`random_direction`) or top-eigenvector directions.
 * :func:`sample_spectra` / :func:`distribution_spectrum` / :func:`sam_sharpness` /
   :func:`flatness_report` — the flatness of a posterior: per-sample spectra and distribution-level
-  measures.
+  measures; :func:`flatness_report` is the measurement protocol (every eigenvalue to a residual
+  tolerance, λ₁ over samples with a bootstrap interval, λ₁ at the mean, trace, sharpness) and
+  :func:`repeatability` compares two measurements of one posterior.
+* :func:`width` / :func:`sample_variance` — the posterior's width (``tr Σ``, median marginal std).
 
 The solvers on flat vectors (:func:`lanczos`, :func:`power_iteration`, :func:`hutchinson_trace`,
 :func:`stochastic_lanczos_quadrature`) work for any symmetric operator.
@@ -40,8 +43,19 @@ from flatbma.flatness.landscape import (
     random_direction,
     top_eigen_direction,
 )
-from flatbma.flatness.posterior import distribution_spectrum, flatness_report, sam_sharpness, sample_spectra
+from flatbma.flatness.posterior import (
+    SampleFlatness,
+    distinct_samples,
+    distribution_spectrum,
+    flatness_report,
+    lambda1_summary,
+    measure_samples,
+    repeatability,
+    sam_sharpness,
+    sample_spectra,
+)
 from flatbma.flatness.slq import SpectralDensity, spectral_density, stochastic_lanczos_quadrature
+from flatbma.flatness.width import Width, sample_variance, width
 from flatbma.plotting import landscape_1d_png, landscape_2d_png, plot_landscape_1d, plot_landscape_2d
 
 __all__ = [
@@ -54,14 +68,18 @@ __all__ = [
     "HessianOperator",
     "LandscapeBand",
     "ParamSelection",
+    "SampleFlatness",
     "SpectralDensity",
     "TraceEstimate",
+    "Width",
+    "distinct_samples",
     "distribution_spectrum",
     "flatness_report",
     "hessian_eigenvalues",
     "hessian_trace",
     "hutchinson_trace",
     "hvp_fn",
+    "lambda1_summary",
     "lanczos",
     "lanczos_tridiagonal",
     "landscape_1d_png",
@@ -69,6 +87,7 @@ __all__ = [
     "loss_along",
     "loss_along_samples",
     "loss_surface",
+    "measure_samples",
     "nonzero_checked",
     "plot_landscape_1d",
     "plot_landscape_2d",
@@ -76,9 +95,12 @@ __all__ = [
     "power_iteration",
     "rademacher",
     "random_direction",
+    "repeatability",
     "sam_sharpness",
     "sample_spectra",
+    "sample_variance",
     "spectral_density",
     "stochastic_lanczos_quadrature",
     "top_eigen_direction",
+    "width",
 ]

@@ -82,6 +82,8 @@ class EigenResult:
             deflated operator, which adds the errors of the eigenvectors deflated before).
         num_matvecs: operator products used.
         converged: whether every residual met the tolerance.
+        converged_each: ``(k,)`` bool, whether each eigenvalue met it (``converged`` is their conjunction).
+            A result reports its eigenvalues with these flags so that a caller can keep the converged ones.
     """
 
     eigenvalues: Tensor
@@ -89,6 +91,7 @@ class EigenResult:
     residuals: Tensor
     num_matvecs: int
     converged: bool
+    converged_each: Tensor
 
 
 def lanczos(
@@ -102,6 +105,7 @@ def lanczos(
     generator: torch.Generator | None = None,
     device: torch.device | str | None = None,
     dtype: torch.dtype = torch.float64,
+    warn: bool = True,
 ) -> EigenResult:
     """The ``k`` largest (algebraic) eigenpairs of a symmetric operator by Lanczos (module docstring).
 
@@ -121,6 +125,8 @@ def lanczos(
         device: where the basis lives.
         dtype: of the basis vectors. float32 suffices (and halves the memory) when ``matvec``
             computes in float32: its rounding, not the basis's, then limits the accuracy.
+        warn: issue a :class:`ConvergenceWarning` when some eigenvalue misses the tolerance (callers
+            that report :attr:`EigenResult.converged_each` themselves turn it off).
     """
     _check_solver_args(dim, k, tol, max_iter)
     if max_iter < k:
@@ -146,7 +152,8 @@ def lanczos(
             bound = tol * torch.clamp(theta[top].abs(), min=floor * float(theta.abs().max()))
             # an invariant Krylov space makes every residual vanish but says nothing about the
             # eigenvalues outside it (repeated ones): go on from a new direction before stopping
-            converged = m == dim or (not invariant and bool((residuals[top] <= bound).all()))
+            each = (residuals[top] <= bound) & (not invariant) if m < dim else torch.ones(len(top), dtype=torch.bool)
+            converged = bool(each.all())
             if converged or m == m_max:
                 break
         if invariant:  # restart orthogonally to the basis; the dropped coupling is below precision
@@ -161,8 +168,8 @@ def lanczos(
         basis[m] = w
     dev = basis.device
     vectors = s[:, top].to(device=dev, dtype=dtype).T @ basis[:m]
-    result = EigenResult(theta[top].to(dev), vectors, residuals[top].to(dev), m, converged)
-    if not converged:
+    result = EigenResult(theta[top].to(dev), vectors, residuals[top].to(dev), m, converged, each.to(dev))
+    if not converged and warn:
         _warn_unconverged("Lanczos", result, max_iter)
     return result
 
@@ -222,6 +229,7 @@ def power_iteration(
         torch.tensor([p[2] for p in pairs], dtype=torch.float64, device=dev),
         count,
         converged,
+        torch.tensor([p[3] for p in pairs], dtype=torch.bool, device=dev),
     )
     if not converged:
         _warn_unconverged("power iteration", result, max_iter)

@@ -19,11 +19,17 @@ SWAG's Gaussian (:mod:`flatbma.posteriors.swag`) — and it depends on none of t
 
 * :mod:`~flatbma.gaussian.layout`: the sections of ``θ``, the packed ``[K+2, d]`` matrix, SWAG's ``θ``;
 * :mod:`~flatbma.gaussian.sampling`: standard-normal noise, the sampler and its closed-form pullback;
-* :mod:`~flatbma.gaussian.geometry`: ``Σ = A + UUᵀ`` in whitened (Woodbury) form, and dense ``Σ``;
+* :mod:`~flatbma.gaussian.geometry`: ``Σ = A + UUᵀ`` in whitened (Woodbury) form, dense ``Σ`` and ``diag Σ``;
 * :mod:`~flatbma.gaussian.kl`: ``KL`` to ``N(0, s²I)`` and to another low-rank Gaussian, with gradients.
 """
 
-from flatbma.gaussian.geometry import LowRankGeometry, dense_covariance, diag_and_factor_blocks, geometry
+from flatbma.gaussian.geometry import (
+    LowRankGeometry,
+    dense_covariance,
+    diag_and_factor_blocks,
+    geometry,
+    marginal_variance,
+)
 from flatbma.gaussian.kl import (
     PriorPrecision,
     kl_divergence,
@@ -75,6 +81,7 @@ __all__ = [
     "kl_divergence_grad",
     "kl_lowrank",
     "kl_lowrank_grad",
+    "marginal_variance",
     "names_and_shapes",
     "packed_rows",
     "prior_precision",

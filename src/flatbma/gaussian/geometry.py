@@ -117,3 +117,14 @@ def dense_covariance(theta: Mapping[str, Tensor]) -> Tensor:
     a_vec = torch.cat([a[n] for n in names])
     u_mat = torch.cat([u[n] for n in names], dim=1)  # [K, d]
     return torch.diag(a_vec) + u_mat.T @ u_mat
+
+
+def marginal_variance(theta: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """``diag Σ = σ²/2 + Σ_k L_{·k}²/(2(K−1))`` by parameter name, shaped like the parameter.
+
+    The marginal variances of ``q_θ`` (the diagonal of :func:`dense_covariance`) in ``O(dK)``, without
+    forming ``Σ``: the posterior's width (:mod:`flatbma.flatness.width`).
+    """
+    a, u = diag_and_factor_blocks(theta)
+    mean = section(theta, "mean")
+    return {n: (a[n] + (u[n] * u[n]).sum(0)).reshape(mean[n].shape) for n in mean}

@@ -11,7 +11,7 @@ from flatbma.optim.fisher_ball import BallMetric, FisherBall
 from flatbma.optim.fisher_sam import FisherSAM
 from flatbma.optim.sam import SAM
 from flatbma.optim.schedules import constant, cosine
-from flatbma.optim.sgd import SGD, Adam
+from flatbma.optim.sgd import SGD, Adam, DecayMask, with_decay_mask
 from flatbma.optim.torch_sam import SAMOptimizer
 
 __all__ = [
@@ -20,6 +20,7 @@ __all__ = [
     "SGD",
     "Adam",
     "BallMetric",
+    "DecayMask",
     "FisherBall",
     "FisherSAM",
     "SAMOptimizer",
@@ -28,4 +29,5 @@ __all__ = [
     "disable_running_stats",
     "enable_running_stats",
     "sharpness_aware_value_and_grad",
+    "with_decay_mask",
 ]

@@ -1,16 +1,106 @@
-"""Stochastic gradient descent with momentum and coupled weight decay, on tensor dicts."""
+"""SGD with momentum and coupled weight decay, and Adam with decoupled weight decay, on tensor dicts.
+
+Weight decay is an L2 prior on the *weights*. When the optimized tensors are not all weights — the
+variational parameters ``θ`` of a Gaussian posterior hold ``mean/`` (weights) beside ``log_std/``,
+``factor/`` or ``rho/`` (the covariance) — the owner of ``θ`` restricts the decay with a
+:data:`DecayMask`, a predicate on the keys: :func:`with_decay_mask` composes it with an optimizer
+(:func:`flatbma.posteriors.gaussian_vi.build` does so with its family's ``decays``). Without a mask the
+decay acts on every tensor, as for point methods, SWAG, SGLD and ensembles. On a packed dict
+(:mod:`flatbma.packed`) the decayed entries are taken as slices of the one buffer, merged where they
+are contiguous (the mean is row 0 of low-rank VI's ``[K+2, d]`` buffer: one slice, one kernel).
+"""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass
+import functools
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, fields, is_dataclass, replace
+from typing import TypeVar
 
 import torch
 from torch import Tensor
 
 from flatbma import packed
+from flatbma.errors import FlatbmaError
 from flatbma.optim.schedules import Schedule, constant
+from flatbma.packed import Layout
 from flatbma.types import Params
+
+DecayMask = Callable[[str], bool]
+"""Which tensors weight decay acts on: ``mask(key)`` for every key of the optimized dict."""
+
+_Optimizer = TypeVar("_Optimizer")
+
+
+def with_decay_mask(optimizer: _Optimizer, mask: DecayMask) -> _Optimizer:
+    """``optimizer`` with its weight decay restricted to the keys where ``mask(key)`` holds.
+
+    An existing mask is kept and combined with ``mask`` (both must hold). An optimizer without a
+    ``decay_mask`` field is returned as it is when it has no weight decay; with one it cannot
+    restrict, it is refused.
+    """
+    if is_dataclass(optimizer) and any(f.name == "decay_mask" for f in fields(optimizer)):
+        old = optimizer.decay_mask
+        return replace(optimizer, decay_mask=mask if old is None else _Both(old, mask))
+    if getattr(optimizer, "weight_decay", 0):
+        raise FlatbmaError(
+            f"{type(optimizer).__name__} applies weight decay to every variational parameter (log σ and the "
+            "factor too) and cannot be restricted to the mean; set optim.weight_decay=0 or use sgd/adam"
+        )
+    return optimizer
+
+
+@dataclass(frozen=True)
+class _Both:
+    """The conjunction of two decay masks."""
+
+    first: DecayMask
+    second: DecayMask
+
+    def __call__(self, key: str) -> bool:
+        return self.first(key) and self.second(key)
+
+
+@functools.lru_cache(maxsize=16)
+def _decayed_views(layout: Layout, mask: DecayMask) -> tuple[tuple[tuple[int, ...], tuple[int, ...], int], ...]:
+    """``(shape, stride, offset)`` of the parts of a packed buffer that ``mask`` selects, merged where contiguous.
+
+    Contiguous selected tensors that follow each other in the buffer become one 1-D run.
+    """
+    views: list[tuple[tuple[int, ...], tuple[int, ...], int]] = []
+    run_start = run_end = None
+    for key, shape, stride, offset in zip(layout.keys, layout.shapes, layout.strides, layout.offsets, strict=True):
+        if not mask(key):
+            continue
+        numel = shape.numel()
+        if tuple(stride) != packed.contiguous_strides(shape) and numel > 1:
+            views.append((tuple(shape), tuple(stride), offset))
+            continue
+        if run_end == offset:
+            run_end += numel
+            continue
+        if run_start is not None:
+            views.append(((run_end - run_start,), (1,), run_start))
+        run_start, run_end = offset, offset + numel
+    if run_start is not None:
+        views.append(((run_end - run_start,), (1,), run_start))
+    return tuple(views)
+
+
+def _decay_targets(
+    mask: DecayMask | None, keys: Sequence[str], params: Mapping[str, Tensor], *lists: list[Tensor]
+) -> tuple[list[Tensor], ...]:
+    """The parts of each list (as :func:`flatbma.packed.coalesce` returned it for ``keys``) that decay acts on.
+
+    Views of the given tensors, so in-place updates reach them.
+    """
+    if mask is None:
+        return lists
+    if len(lists[0]) == len(keys):  # one tensor per key (a single packed key selects all or nothing alike)
+        chosen = [i for i, k in enumerate(keys) if mask(k)]
+        return tuple([tensors[i] for i in chosen] for tensors in lists)
+    views = _decayed_views(packed.layout_of(params, keys), mask)  # one flat buffer per list
+    return tuple([tensors[0].as_strided(*view) for view in views] for tensors in lists)
 
 
 @dataclass(frozen=True)
@@ -25,12 +115,14 @@ class SGD:
         momentum: μ.
         weight_decay: λ (L2 penalty added to the gradient).
         nesterov: Nesterov momentum.
+        decay_mask: the keys the weight decay acts on (:data:`DecayMask`); ``None``: every key.
     """
 
     lr: Schedule | float = 0.05
     momentum: float = 0.9
     weight_decay: float = 0.0
     nesterov: bool = False
+    decay_mask: DecayMask | None = None
 
     def learning_rate(self, step: int) -> float:
         """``η_t`` at ``step``."""
@@ -55,7 +147,9 @@ class SGD:
         w, g, *momenta = packed.coalesce(keys, *lists)
         d = [t.clone() for t in g]
         if self.weight_decay:
-            torch._foreach_add_(d, w, alpha=self.weight_decay)
+            d_decayed, w_decayed = _decay_targets(self.decay_mask, keys, params, d, w)
+            if w_decayed:
+                torch._foreach_add_(d_decayed, w_decayed, alpha=self.weight_decay)
         if self.momentum:
             (m,) = momenta
             if step == 0:
@@ -76,13 +170,15 @@ class Adam:
     """Adam (Kingma & Ba 2015) with decoupled weight decay (AdamW, Loshchilov & Hutter 2019).
 
     ``m_t = β₁m + (1−β₁)g``; ``v_t = β₂v + (1−β₂)g²``;
-    ``w ← w(1 − ηλ) − η m̂_t / (√v̂_t + ε)`` with bias-corrected ``m̂, v̂``.
+    ``w ← w(1 − ηλ) − η m̂_t / (√v̂_t + ε)`` with bias-corrected ``m̂, v̂``; the factor ``1 − ηλ`` only on
+    the keys selected by ``decay_mask`` (:data:`DecayMask`; ``None``: every key).
     """
 
     lr: Schedule | float = 1e-3
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
     weight_decay: float = 0.0
+    decay_mask: DecayMask | None = None
 
     def learning_rate(self, step: int) -> float:
         """``η_t`` at ``step``."""
@@ -118,6 +214,8 @@ class Adam:
         torch._foreach_div_(denom, (1 - b2**t) ** 0.5)
         torch._foreach_add_(denom, self.eps)
         if self.weight_decay:
-            torch._foreach_mul_(w, 1 - lr * self.weight_decay)
+            (w_decayed,) = _decay_targets(self.decay_mask, keys, params, w)
+            if w_decayed:
+                torch._foreach_mul_(w_decayed, 1 - lr * self.weight_decay)
         torch._foreach_addcdiv_(w, m, denom, value=-lr / (1 - b1**t))
         return state

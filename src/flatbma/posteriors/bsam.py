@@ -148,4 +148,12 @@ def build(
             out.append({**{k: mean[k] + std[k] * z[k] for k in mean}, **clone(state.buffers)})
         return out
 
-    return Posterior(init=init, update=update, sample=sample, recompute_bn=True)
+    def mean(state: State) -> Params:  # m, with the buffers
+        return {**{k: v.detach().clone() for k, v in section(state.params, "mean").items()}, **clone(state.buffers)}
+
+    def marginal_variance(state: State) -> Params:  # 1/(N s), exactly the sampler's
+        return {k: v.detach() ** 2 for k, v in posterior_std(state.params, n_eff).items()}
+
+    return Posterior(
+        init=init, update=update, sample=sample, recompute_bn=True, mean=mean, marginal_variance=marginal_variance
+    )

@@ -116,7 +116,7 @@ def build_with_prior(
 
     Args:
         objective: model and mini-batch loss.
-        optimizer: optimizer of ``θ``.
+        optimizer: optimizer of ``θ``; its weight decay acts on ``μ`` only.
         ascent: the ascent step (:class:`~flatbma.optim.FisherBall` for FP-BMA), or ``None``.
         prior_theta: the prior's ``mean/``, ``log_std/``, ``factor/`` tensors for exactly the trainable
             parameters (its rank ``K_p ≥ 2`` may differ from ``rank``).

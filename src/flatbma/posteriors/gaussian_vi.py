@@ -38,6 +38,7 @@ from flatbma import packed
 from flatbma.checks import check_int, check_number
 from flatbma.gaussian import GaussianNoise, is_theta
 from flatbma.optim.ascent import sharpness_aware_value_and_grad
+from flatbma.optim.sgd import with_decay_mask
 from flatbma.params import Objective, add, clone, detached, dot, scale
 from flatbma.rng import SEED_KEY, new_seed, seeded_generator
 from flatbma.types import (
@@ -74,6 +75,10 @@ class ReparameterizedFamily(Protocol):
 
     def kl(self, theta: Mapping[str, Tensor]) -> Tensor:
         """``KL(q_θ ‖ p)`` in closed form, differentiable in ``θ``."""
+        ...
+
+    def decays(self, key: str) -> bool:
+        """Whether the optimizer's weight decay (an L2 prior on the weights) acts on ``θ[key]``: the means only."""
         ...
 
     # Optional, used when present:
@@ -249,8 +254,10 @@ def build(
 ) -> Posterior:
     """A :class:`~flatbma.types.Posterior` that fits ``family`` by (flat-seeking) reparameterized VI.
 
-    ``θ_{t+1} = optimizer(θ_t, ∇_θ ℒ)`` with the gradient on ``M`` fresh noise samples per step chosen by
-    where the ascent step acts (its ``space``, :func:`flatbma.types.ascent_space`): on weights (SAM and
+    ``θ_{t+1} = optimizer(θ_t, ∇_θ ℒ)``, the optimizer's weight decay restricted to the entries
+    ``family.decays`` selects (the mean: it is an L2 prior on the weights, not on ``σ`` or ``L``;
+    :func:`flatbma.optim.sgd.with_decay_mask`), with the gradient on ``M`` fresh noise samples per
+    step chosen by where the ascent step acts (its ``space``, :func:`flatbma.types.ascent_space`): on weights (SAM and
     the like, or no ascent step) :func:`elbo_value_and_grad` perturbs each sampled ``w`` (F-VI); on
     ``θ`` (:class:`flatbma.optim.FisherBall`) :func:`theta_sharpness_value_and_grad` perturbs ``θ``
     (FP-BMA). ``init`` accepts either the model weights (``θ`` is then centred at them
@@ -262,12 +269,13 @@ def build(
 
     Args:
         objective: model and mini-batch loss; ``objective.num_data`` scales the KL.
-        optimizer: the optimizer of ``θ``.
+        optimizer: the optimizer of ``θ`` (its weight decay is restricted to ``family.decays``).
         ascent: ascent step for the flat-seeking variant (on weights or on ``θ``), or ``None``.
         family: the variational family.
         num_mc_samples: ``M``.
         kl_weight: ``κ``.
     """
+    optimizer = with_decay_mask(optimizer, family.decays)  # weight decay on μ, never on σ or L
     on_theta = ascent_space(ascent) is AscentSpace.THETA
     value_and_grad = theta_sharpness_value_and_grad if on_theta else elbo_value_and_grad
 

@@ -39,6 +39,7 @@ from flatbma.gaussian import (
     init_from_swag,
     kl_divergence,
     kl_divergence_grad,
+    marginal_variance,
     pullback,
     rank_of,
     rows,
@@ -144,6 +145,10 @@ class LowRankGaussian:
         """:func:`~flatbma.gaussian.kl_divergence` with ``s = prior_std``."""
         return kl_divergence(theta, self.prior_std)
 
+    def decays(self, key: str) -> bool:
+        """Weight decay acts on ``mean/<name>`` (the weights) only, not on the covariance parameters."""
+        return key.startswith("mean/")
+
 
 def check_rank(rank: int) -> None:
     """Raise a :class:`FlatbmaError` unless ``rank`` (``method.rank``) is an integer ``K ≥ 2``."""
@@ -162,11 +167,23 @@ def posterior(
     num_mc_samples: int,
     kl_weight: float,
 ) -> Posterior:
-    """The Gaussian VI posterior of a low-rank ``family``; its ``gaussian`` is ``q_θ`` itself (:func:`theta_of`)."""
+    """The Gaussian VI posterior of a low-rank ``family``; its ``gaussian`` is ``q_θ`` itself (:func:`theta_of`).
+
+    Its mean is ``μ`` (:func:`mean_of`) and its marginal variances ``diag Σ``
+    (:func:`flatbma.gaussian.marginal_variance`).
+    """
     built = gaussian_vi.build(
         objective, optimizer, ascent, family, num_mc_samples=num_mc_samples, kl_weight=float(kl_weight)
     )
-    return replace(built, gaussian=theta_of)
+    return replace(
+        built, gaussian=theta_of, mean=mean_of, marginal_variance=lambda state: marginal_variance(state.params)
+    )
+
+
+def mean_of(state: State) -> Params:
+    """The weights at the mean ``μ`` of a Gaussian VI state (``mean/`` section), with its buffers."""
+    mean = {n: v.detach().clone() for n, v in section(state.params, "mean").items()}
+    return {**mean, **{k: v.detach().clone() for k, v in state.buffers.items()}}
 
 
 def build(
@@ -202,7 +219,7 @@ def build(
 
     Args:
         objective: model and mini-batch loss.
-        optimizer: optimizer of ``θ`` (Adam is the usual choice).
+        optimizer: optimizer of ``θ`` (Adam is the usual choice); its weight decay acts on ``μ`` only.
         ascent: ascent step for the flat-seeking variants, or ``None``.
         rank: ``K ≥ 2``, the number of factor columns.
         num_mc_samples: Monte-Carlo samples ``M`` per step (their gradients are averaged; FP-BMA's two

@@ -2,11 +2,13 @@
 
 Training a network with dropout is approximate variational inference with ``q(W)`` = the weights
 multiplied by Bernoulli masks; the BMA averages ``M`` stochastic forward passes, each with a fresh
-mask: ``p(y|x) ≈ (1/M) Σ_m softmax(f(x; w ⊙ z_m))``, ``z_m ~ Bernoulli(1 − p)``.
+mask: ``p(y|x) ≈ (1/M) Σ_m softmax(f(x; w ⊙ z_m))``, ``z_m ~ Bernoulli(1 − p)``. Its mean is the
+trained ``w`` and its width that of the masked weights (:func:`dropout_weight_variance`).
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -107,7 +109,43 @@ def build(
             with forked_rng(seed_cell[0]):
                 yield model
 
-    return Posterior(init=init, update=base.update, sample=sample, predict_mode=predict_mode)
+    model = objective.model
+
+    def marginal_variance(state: State) -> Params:
+        return dropout_weight_variance(model, state.params)
+
+    return Posterior(
+        init=init,
+        update=base.update,
+        sample=sample,
+        predict_mode=predict_mode,
+        mean=point.weights_of,
+        marginal_variance=marginal_variance,
+    )
+
+
+def dropout_weight_variance(model: nn.Module, params: Params) -> Params:
+    """The marginal variances of MC dropout's weight distribution, by trained parameter name.
+
+    An ``nn.Linear`` right after an ``nn.Dropout(p)`` in an ``nn.Sequential`` (the classifier that
+    :func:`build` inserts, or a torchvision-style ``Dropout → Linear`` head) computes
+    ``W (x ⊙ z)/(1−p) = (W diag(z)/(1−p)) x`` with ``z_j ~ Bernoulli(1−p)``: its weights are distributed as
+    ``W_ij z_j/(1−p)``, with mean ``W_ij`` and variance ``W_ij² p/(1−p)`` (Gal & Ghahramani 2016's
+    view of dropout as a distribution over weights). Those are its width; every other trained parameter
+    (the bias, layers without dropout before them) has variance 0. Dropout layers elsewhere (on
+    activations inside blocks) have no such form in weight space and are not counted.
+    """
+    variance = {k: torch.zeros_like(v) for k, v in params.items()}
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.Sequential):
+            continue
+        children = list(module.named_children())
+        for (_, first), (child, second) in itertools.pairwise(children):
+            key = f"{name}.{child}.weight" if name else f"{child}.weight"
+            if type(first) is nn.Dropout and first.p > 0 and isinstance(second, nn.Linear) and key in params:
+                w = params[key].detach()
+                variance[key] = w * w * (first.p / (1 - first.p))
+    return variance
 
 
 def prepare_dropout(model: nn.Module, rate: float, *, override_existing: bool = True) -> list[str]:
@@ -152,4 +190,3 @@ def mc_dropout_mode(model: nn.Module) -> Iterator[nn.Module]:
     finally:
         for m, training in modes:
             m.training = training
-

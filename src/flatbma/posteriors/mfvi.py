@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -19,7 +19,7 @@ from torch import Tensor
 from flatbma.gaussian import GaussianNoise, check_sections, section, standard_normal_like
 from flatbma.params import Objective
 from flatbma.posteriors import gaussian_vi
-from flatbma.types import Ascent, GradientTransformation, Params, Posterior
+from flatbma.types import Ascent, GradientTransformation, Params, Posterior, State
 
 PREFIXES = ("mean", "rho")
 
@@ -84,6 +84,10 @@ class MeanFieldGaussian:
         """:func:`kl_divergence` with ``s = prior_std``."""
         return kl_divergence(theta, self.prior_std)
 
+    def decays(self, key: str) -> bool:
+        """Weight decay acts on ``mean/<name>`` (the weights) only, not on the covariance parameters."""
+        return key.startswith("mean/")
+
 
 def build(
     objective: Objective,
@@ -104,7 +108,7 @@ def build(
 
     Args:
         objective: model and mini-batch loss.
-        optimizer: optimizer of ``θ`` (Adam is the usual choice).
+        optimizer: optimizer of ``θ`` (Adam is the usual choice); its weight decay acts on ``μ`` only.
         ascent: ascent step for F-MFVI, or ``None``.
         num_mc_samples: Monte-Carlo samples ``M`` per step (their gradients are averaged).
         init_std: ``σ`` at initialization.
@@ -115,6 +119,18 @@ def build(
         num_mc_samples=num_mc_samples, init_std=init_std, prior_std=prior_std, kl_weight=kl_weight
     )
     family = MeanFieldGaussian(init_std=float(init_std), prior_std=float(prior_std))
-    return gaussian_vi.build(
+    built = gaussian_vi.build(
         objective, optimizer, ascent, family, num_mc_samples=num_mc_samples, kl_weight=float(kl_weight)
     )
+    return replace(built, mean=mean_of, marginal_variance=marginal_variance)
+
+
+def mean_of(state: State) -> Params:
+    """The weights at the mean ``μ`` of an MFVI state, with its buffers (:attr:`Posterior.mean`)."""
+    mean = {n: v.detach().clone() for n, v in section(state.params, "mean").items()}
+    return {**mean, **{k: v.detach().clone() for k, v in state.buffers.items()}}
+
+
+def marginal_variance(state: State) -> Params:
+    """``σ² = softplus(ρ)²`` by parameter name: the exact marginal variances of ``q_θ``."""
+    return {n: F.softplus(rho.detach()) ** 2 for n, rho in section(state.params, "rho").items()}

@@ -1,6 +1,7 @@
 """Point estimates (MAP): SGD and the sharpness-aware optimizers SAM, ASAM and Fisher-SAM.
 
-The "posterior" is a Dirac mass at ``w``; sampling returns ``w`` (the BMA of a point is the point).
+The "posterior" is a Dirac mass at ``w``; sampling returns ``w`` (the BMA of a point is the point), and
+so does its mean; its width is 0.
 """
 
 from __future__ import annotations
@@ -39,7 +40,17 @@ def build(objective: Objective, optimizer: GradientTransformation, ascent: Ascen
     def sample(state: State, n: int, generator: torch.Generator | None = None) -> list[Params]:
         return [{**state.params, **state.buffers}]
 
-    return Posterior(init=init, update=update, sample=sample)
+    return Posterior(init=init, update=update, sample=sample, mean=weights_of, marginal_variance=zero_variance)
+
+
+def weights_of(state: State) -> Params:
+    """The point ``w`` with its buffers: the mean of a Dirac posterior (:attr:`Posterior.mean`)."""
+    return {**state.params, **state.buffers}
+
+
+def zero_variance(state: State) -> Params:
+    """``0`` for every trained weight: a Dirac posterior has no width (:attr:`Posterior.marginal_variance`)."""
+    return {k: torch.zeros_like(v) for k, v in state.params.items()}
 
 
 def step(

@@ -116,7 +116,8 @@ def build(
     obtains it from ``scale=0.5`` — that corresponds to ``scale=1`` here.
 
     The samples' BatchNorm statistics must be recomputed (``recompute_bn=True``): they are the
-    statistics of the last iterate, not of the sampled weights.
+    statistics of the last iterate, not of the sampled weights. The posterior's mean is ``w̄`` and its
+    marginal variances are ``scale · ½(σ² + Σ_k D_k²/(K_eff − 1))`` (``scale · ½σ²`` diagonal-only).
 
     Args:
         objective: model and mini-batch loss.
@@ -190,8 +191,25 @@ def build(
         like = {k: state.params[k] for k in m.names}
         return init_from_swag(m.mean, m.variance, m.deviations, like, scale=scale)
 
+    def mean(state: State) -> Params:  # the SWA mean w̄, with the last iterate's buffers
+        m = _moments(state, schedule)
+        return {**unflatten(m.mean.clone(), {k: state.params[k] for k in m.names}), **state.buffers}
+
+    def marginal_variance(state: State) -> Params:  # diag of the sampling covariance above
+        m = _moments(state, schedule)
+        variance = m.variance
+        if not diagonal_only:
+            variance = variance + (m.deviations * m.deviations).sum(0) / (m.deviations.shape[0] - 1)
+        return unflatten(scale / 2 * variance, {k: state.params[k] for k in m.names})
+
     return Posterior(
-        init=init, update=update, sample=sample, recompute_bn=True, gaussian=None if diagonal_only else gaussian
+        init=init,
+        update=update,
+        sample=sample,
+        recompute_bn=True,
+        gaussian=None if diagonal_only else gaussian,
+        mean=mean,
+        marginal_variance=marginal_variance,
     )
 
 

@@ -1,0 +1,155 @@
+"""Compare entries as written: candidate grids and the run config sections of one candidate.
+
+A ``compare.methods`` entry is a method section with optional ``label``, ``prior`` and ``optim`` keys
+(:func:`run_sections`). It may give a list of values for any option whose type is a scalar (a number,
+a flag or a name): a method option (``rho``, ``gamma``, ``rank``, …, typed by the registry's
+signatures) or a key of the entry's own ``optim`` section::
+
+    {name: sam, rho: [0.01, 0.05, 0.1], optim: {lr: [0.01, 0.05]}}
+
+Every combination — the Cartesian product of the lists, in the order written (:func:`points`) — is a
+*candidate*, an ordinary run of its own; :mod:`flatbma.experiment.selection` scores them on
+validation data. An option whose type is itself a list (a tuple annotation) is a value, never a grid;
+so is anything in an entry's ``prior`` section. This module works on the raw config mappings, below
+the typed run config (``flatbma train`` on a compare config trains :func:`first_run_sections`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import re
+import types
+import typing
+from collections.abc import Mapping
+from enum import Enum
+from typing import Any, Literal, Union
+
+from flatbma.errors import FlatbmaError
+from flatbma.experiment.methods import METHODS
+from flatbma.experiment.sections import OptimConfig
+
+ENTRY_KEYS = ("name", "label", "prior", "optim")
+"""Keys of a compare entry that are not method options."""
+
+OPTIM = "optim"
+"""The entry's own optimizer section; its keys take lists too (``optim.lr`` in a candidate's options)."""
+
+_DIR_TEXT = re.compile(r"[A-Za-z0-9_.+=,-]{1,80}")
+
+
+def is_scalar(tp: Any) -> bool:
+    """Whether the annotation ``tp`` holds one number, flag or name (``None`` allowed), not a list."""
+    if typing.get_origin(tp) in (Union, types.UnionType):
+        return all(is_scalar(a) for a in typing.get_args(tp))
+    if typing.get_origin(tp) is Literal:
+        return True
+    return tp in (int, float, bool, str, type(None)) or (isinstance(tp, type) and issubclass(tp, Enum))
+
+
+def _option_types(name: Any) -> dict[str, Any]:
+    """The annotation of every option of method ``name`` (family and ascent step; ``{}``: unknown name)."""
+    spec = METHODS.get(name) if isinstance(name, str) else None
+    if spec is None:
+        return {}  # the entry's parse reports the unknown method
+    hints = typing.get_type_hints(spec.family)
+    out = {k: hints.get(k, Any) for k in spec.family_options()}
+    if spec.ascent is not None:
+        ascent = typing.get_type_hints(spec.ascent)
+        out.update({k: ascent.get(k, Any) for k in spec.ascent_options()})
+    return out
+
+
+def grid(entry: Mapping[str, Any], where: str) -> dict[str, list[Any]]:
+    """The lists of candidate values of a compare entry: ``{option: values}``, ``optim.<key>`` for its optimizer.
+
+    A list counts only where the option's type is a scalar (:func:`is_scalar`); any other list is left
+    to the option's own parse.
+
+    Raises:
+        FlatbmaError: an empty list of candidates, or an ``optim`` entry that is not a mapping.
+    """
+    types_ = _option_types(entry.get("name"))
+    axes: dict[str, list[Any]] = {}
+    for key, value in entry.items():
+        if key not in ENTRY_KEYS and isinstance(value, list) and is_scalar(types_.get(key, Any)):
+            axes[key] = value
+    optim = entry.get(OPTIM)
+    if optim is not None and not isinstance(optim, Mapping):
+        raise FlatbmaError(f"{where}.optim must be a mapping of optim keys (e.g. {{lr: [0.01, 0.05]}}), got {optim!r}")
+    hints = typing.get_type_hints(OptimConfig)
+    for key, value in (optim or {}).items():
+        if isinstance(value, list) and is_scalar(hints.get(key, Any)):
+            axes[f"{OPTIM}.{key}"] = value
+    for key, values in axes.items():
+        if not values:
+            raise FlatbmaError(f"{where}.{key} is an empty list: give the candidate values, e.g. [0.01, 0.05]")
+    return axes
+
+
+def points(entry: Mapping[str, Any], where: str) -> list[dict[str, Any]]:
+    """Every combination of the entry's candidate lists (:func:`grid`), in the order written; ``[{}]`` without lists."""
+    axes = grid(entry, where)
+    return [dict(zip(axes, values, strict=True)) for values in itertools.product(*axes.values())]
+
+
+def at(entry: Mapping[str, Any], point: Mapping[str, Any]) -> dict[str, Any]:
+    """The entry with each candidate list replaced by its value at ``point`` (a result of :func:`points`)."""
+    out = dict(entry)
+    optim = dict(out[OPTIM]) if isinstance(out.get(OPTIM), Mapping) else None
+    for key, value in point.items():
+        section, _, sub = key.partition(".")
+        if sub and section == OPTIM and optim is not None:
+            optim[sub] = value
+        else:
+            out[key] = value
+    if optim is not None:
+        out[OPTIM] = optim
+    return out
+
+
+def directory_names(grid_points: list[dict[str, Any]]) -> list[str]:
+    """A directory name per candidate: ``cand-rho=0.05,optim.lr=0.01``, or ``cand-<hash of the point>``.
+
+    The readable names are used when every candidate has one (path-safe characters, at most 80) and no
+    two coincide.
+    """
+    readable = [",".join(f"{k}={_text(v)}" for k, v in p.items()) for p in grid_points]
+    if all(_DIR_TEXT.fullmatch(r) for r in readable) and len(set(readable)) == len(readable):
+        return [f"cand-{r}" for r in readable]
+    return [f"cand-{hashlib.sha256(json.dumps(p, sort_keys=True).encode()).hexdigest()[:8]}" for p in grid_points]
+
+
+def _text(value: Any) -> str:
+    return repr(value) if isinstance(value, float) else str(value.value if isinstance(value, Enum) else value)
+
+
+def run_sections(method: Any, shared_optim: Any = None) -> dict[str, Any]:
+    """The run config sections of one ``compare.methods`` entry (at one point of its candidate grid).
+
+    An entry is a method section; its optional ``prior`` key becomes the run's ``prior`` section (a
+    two-stage run, e.g. ``{name: fp-bma, rank: 5, prior: {method: {name: swag, rank: 5}, epochs: 15}}``),
+    its optional ``optim`` section overrides the keys it gives of the ``shared_optim`` section (e.g.
+    ``{name: sgd, optim: {lr: 0.1}}``), and its optional ``label`` (the name in tables and plots) is not
+    part of the run's config.
+    """
+    if not isinstance(method, dict):
+        return {"method": method}
+    method = {k: v for k, v in method.items() if k != "label"}
+    sections: dict[str, Any] = {}
+    if "optim" in method:
+        own = method.pop("optim")
+        shared = shared_optim if isinstance(shared_optim, dict) else {}
+        sections["optim"] = {**shared, **own} if isinstance(own, dict) else own
+    if "prior" in method:
+        sections["prior"] = method.pop("prior")
+    sections["method"] = method
+    return sections
+
+
+def first_run_sections(entry: Any, shared_optim: Any = None) -> dict[str, Any]:
+    """The run config sections of the first candidate of a ``compare.methods`` entry (``flatbma train`` trains it)."""
+    if isinstance(entry, dict):
+        entry = at(entry, points(entry, "compare.methods[0]")[0])
+    return run_sections(entry, shared_optim)
