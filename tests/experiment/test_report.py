@@ -616,3 +616,12 @@ def test_a_single_severity_is_not_a_line_from_clean(figures_as_objects):
         assert [t.get_text() for t in ax.get_xticklabels()] == ["clean", "3"]
     fig = corruption_figure(_results())  # two severities: a curve over severities
     assert any(line.get_linestyle() == "-" for line in fig.axes[0].get_lines())
+
+
+def test_lambda1_axis_is_logarithmic_only_when_the_runs_span_a_decade(figures_as_objects):
+    results = _protocol_results(seeds=(0, 1, 2))
+    assert lambda1_figure(results).axes[0].get_yscale() == "linear"
+    values = [r["lambda1"] for r in results["runs"]]
+    results["runs"][0]["lambda1"] = 11 * max(values)  # one heavy-tailed run mean
+    results["runs"][0].pop("lambda1_summary", None)
+    assert lambda1_figure(results).axes[0].get_yscale() == "log"

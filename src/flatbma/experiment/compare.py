@@ -443,6 +443,8 @@ def _measured(
         "seed": cfg.seed,
         "run_dir": str(run_dir),
         "train_time_s": train_metrics.get("train_time_s"),
+        # KL(q_T || q_0) of a low-rank Gaussian run: whether training moved q (stage.train_stage)
+        **({"kl_from_start": train_metrics["kl_from_start"]} if "kl_from_start" in train_metrics else {}),
         **measure(
             exp,
             state,

@@ -216,7 +216,8 @@ def lambda1_figure(results: Mapping[str, Any]) -> bytes | None:
     Bar: the mean over seeds of the runs' λ₁, with its 95% t interval over seeds (two or more seeds).
     Dots: each run's mean over its posterior samples with its interval over samples (the bootstrap
     interval of ``lambda1_summary``; older results: ± the std over samples); a bar marker: the run's
-    median; a cross: λ₁ at the posterior mean.
+    median; a cross: λ₁ at the posterior mean. The axis is logarithmic when the runs' λ₁ span more
+    than a factor of 10 (one sharp sample can make a mean dwarf every median).
     """
     groups = _by_method(_runs(results))
     methods = [m for m, rs in groups.items() if any(_lambda1(r) is not None for r in rs)]
@@ -259,7 +260,11 @@ def lambda1_figure(results: Mapping[str, Any]) -> bytes | None:
     ax.legend([shown[k] for k in labels if k in shown], [v for k, v in labels.items() if k in shown], fontsize=7)
     ax.set_xticks(range(len(methods)))
     ax.set_xticklabels(methods, rotation=20, ha="right")
-    ax.set_ylabel("λ₁ (top Hessian eigenvalue)")
+    values = [v for rs in groups.values() for r in rs if (v := _lambda1(r)) is not None]
+    heavy = min(values) > 0 and max(values) > 10 * min(values)  # λ₁ is heavy-tailed: one sample can dwarf the rest
+    if heavy:
+        ax.set_yscale("log")
+    ax.set_ylabel("λ₁ (top Hessian eigenvalue)" + (", log scale" if heavy else ""))
     ax.grid(axis="y", alpha=0.3)
     return _png(fig)
 
