@@ -16,5 +16,7 @@ def test_shipped_config_parses(path):
     assert cfg.method.name
     if "compare:" in path.read_text():
         plan = load_plan(path)
-        assert len(plan.runs()) == len(plan.compare.methods) * len(plan.compare.seeds)
+        # one row per (entry, seed); an entry with candidate lists trains several runs for its row
+        assert len(plan.jobs()) == len(plan.compare.methods) * len(plan.compare.seeds)
+        assert len(plan.runs()) == sum(len(job.candidates) for job in plan.jobs())
         assert load_plan(path, quick=True).compare.methods

@@ -27,6 +27,21 @@ candidate values, e.g. ``{name: sam, rho: [0.01, 0.05, 0.1], optim: {lr: [0.01, 
 combination is then a run of its own in ``OUT/runs/<method>/seed<s>/cand-<options>``, and the row of
 that (method, seed) is the candidate with the best validation NLL, the only one measured on the test
 set (:mod:`flatbma.experiment.selection`; ``selection`` in the row records every candidate's score).
+
+**Width-matched posteriors.** An entry of a method whose posterior is a low-rank plus diagonal Gaussian
+(``swag``, ``lowrank-vi``, ``fp-bma``, …: :attr:`MethodSpec.gaussian`) may name an earlier entry in
+``match_width``, e.g. ``{name: swag, label: swag-wide, rank: 5, match_width: fp-bma}``. It trains (and
+selects) as usual, but is *measured* as ``N(μ, cΣ)`` with
+
+    ``c = tr Σ_ref / tr Σ``,
+
+``tr Σ_ref`` the posterior width (``width.trace_cov``, :mod:`flatbma.flatness.width`) of the
+referenced entry's row for the same seed and ``tr Σ`` the entry's own (closed form), so both rows have
+the same ``tr Σ`` and a flatness comparison between them is not confounded by width. The scaled ``θ``
+(:func:`flatbma.gaussian.scale_covariance`) is sampled by the low-rank family's sampler
+(:func:`flatbma.posteriors.lowrank_vi.fixed`), which is SWAG's sampler distribution; the row records
+``width_matched: {to, factor, ...}``. Under ``torchrun`` these rows are measured in a second phase,
+after every other row (:func:`run_compare`).
 """
 
 from __future__ import annotations
@@ -34,6 +49,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -41,9 +57,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+import torch
 import yaml
 from tqdm.auto import tqdm
 
+from flatbma import gaussian
 from flatbma.data.corruptions import corruption_names
 from flatbma.errors import DivergenceError, FlatbmaError, suggest
 from flatbma.experiment import distributed, entries, report, selection
@@ -51,10 +69,12 @@ from flatbma.experiment.build import Experiment
 from flatbma.experiment.checkpoint import atomic_write_bytes, atomic_write_json
 from flatbma.experiment.config import RunConfig, config_from_dict, load_raw, parse_override
 from flatbma.experiment.evaluate import CLEAN_KEYS, measure
+from flatbma.experiment.methods import METHODS
 from flatbma.experiment.parse import parse_dataclass, set_dotted
 from flatbma.experiment.prior import FittedPrior, fit_prior, prior_stage
 from flatbma.experiment.run import load_run, train
 from flatbma.experiment.stage import METRICS_FILE, finished_run, train_stage
+from flatbma.posteriors import lowrank_vi
 from flatbma.types import State
 
 COMPARE_CONFIG = "compare_config.yaml"
@@ -91,7 +111,8 @@ class CompareConfig:
             section (its keys override the shared ``optim``'s; a first stage without ``prior.optim``
             trains with it too), a ``label`` (its name in tables and plots) and lists of candidate
             values for scalar options and ``optim`` keys, chosen per seed on the validation split
-            (:mod:`flatbma.experiment.selection`).
+            (:mod:`flatbma.experiment.selection`), and ``match_width`` (the label of an earlier entry
+            whose posterior width this Gaussian one is measured at; module docstring).
         seeds: seeds; each (method, seed) is one run.
         corruptions: corruption names evaluated on the test set (``flatbma.data.corruption_names()``).
         severities: corruption severities in 1..5.
@@ -165,12 +186,14 @@ class Job:
             the directory holding the candidates' run directories and their shared first stages.
         candidates: the entry's runs for this seed; of several, the row is the one chosen on validation
             data (:meth:`selects`).
+        match_width: the label of the entry whose width (same seed) the row is measured at, or ``None``.
     """
 
     label: str
     seed: int
     row_dir: Path
     candidates: tuple[Candidate, ...]
+    match_width: str | None = None
 
     @property
     def selects(self) -> bool:
@@ -200,7 +223,15 @@ class Plan:
                     Candidate(point, self._config(entries.at(entry, point), seed, run_dir))
                     for point, run_dir in zip(grid_points, dirs, strict=True)
                 )
-                out.append(Job(label=label_of(entry), seed=seed, row_dir=row_dir, candidates=candidates))
+                out.append(
+                    Job(
+                        label=label_of(entry),
+                        seed=seed,
+                        row_dir=row_dir,
+                        candidates=candidates,
+                        match_width=entry.get(entries.MATCH_WIDTH),
+                    )
+                )
         return out
 
     def labels(self) -> list[str]:
@@ -265,6 +296,8 @@ def load_plan(path: str | Path, overrides: list[str] = (), *, quick: bool = Fals
             set_dotted(raw, key, value)
         keep = set(q.methods)
         methods = tuple(m for m in compare.methods if not keep or {str(m.get("name")), label_of(m)} & keep)
+        kept_labels = {label_of(m) for m in methods}  # a width-matched entry goes with the entry it is matched to
+        methods = tuple(m for m in methods if m.get(entries.MATCH_WIDTH) in (None, *kept_labels))
         kept = compare.reference in {label_of(m) for m in methods}  # a reference left out: the first kept method
         compare = dataclasses.replace(
             compare, methods=methods, seeds=q.seeds or compare.seeds, reference=compare.reference if kept else None
@@ -279,6 +312,7 @@ def load_plan(path: str | Path, overrides: list[str] = (), *, quick: bool = Fals
             f"compare.methods has several entries named {twice[0]!r}: give them distinct 'label' keys "
             "(e.g. label: fp-bma+swag-prior), the names their rows get in tables and plots"
         )
+    _check_match_width(compare)
     raw.setdefault("method", entries.first_run_sections(compare.methods[0])["method"])
     base = config_from_dict(raw)
     for i, entry in enumerate(compare.methods):  # validate every candidate's run config up front
@@ -287,6 +321,34 @@ def load_plan(path: str | Path, overrides: list[str] = (), *, quick: bool = Fals
     plan = Plan(base=base, compare=compare, raw=raw, out_dir=Path(base.output_dir))
     _check_selection(plan.jobs(), base)
     return plan
+
+
+def _check_match_width(compare: CompareConfig) -> None:
+    """Refuse a ``match_width`` the comparison cannot honour (before anything trains; module docstring)."""
+    earlier: dict[str, dict[str, Any]] = {}
+    for i, entry in enumerate(compare.methods):
+        target = entry.get(entries.MATCH_WIDTH)
+        where = f"compare.methods[{i}] ({label_of(entry)!r}).match_width"
+        if target is not None:
+            spec = METHODS.get(entry.get("name"))  # type: ignore[arg-type]
+            gaussians = ", ".join(n for n, m in METHODS.items() if m.gaussian)
+            if spec is None or not spec.gaussian or entry.get("diagonal_only") is True:
+                raise FlatbmaError(
+                    f"{where}: method {entry.get('name')!r} has no low-rank plus diagonal Gaussian posterior to "
+                    f"rescale; match_width works for {gaussians} (without diagonal_only)"
+                )
+            if target not in earlier:
+                raise FlatbmaError(
+                    f"{where} is {target!r}, which is not the label of an earlier entry"
+                    f".{suggest(str(target), list(earlier))} Put the entry it is matched to first"
+                )
+            if earlier[target].get(entries.MATCH_WIDTH) is not None:
+                raise FlatbmaError(
+                    f"{where}: {target!r} is itself width-matched; match to an entry measured as trained"
+                )
+            if not compare.flatness:
+                raise FlatbmaError(f"{where} needs the reference's measured width: set compare.flatness: true")
+        earlier[label_of(entry)] = entry
 
 
 def _check_selection(jobs: list[Job], base: RunConfig) -> None:
@@ -331,6 +393,9 @@ def run_compare(plan: Plan, *, force: bool = False, progress: bool = True) -> di
     other processes' rows from their caches (``compare.json``), so ``output_dir`` must be on a file
     system they share; rank 0 alone writes ``compare_config.yaml`` (first), ``results.json`` and the
     reports. Every process returns the same results.
+
+    Width-matched rows (``match_width``, module docstring) need their reference's row: they are dealt
+    out in a second round after every other row (a collective in between), then read it from its cache.
     """
     me, world = distributed.rank(), distributed.world_size()
     fingerprint = plan.fingerprint()
@@ -347,14 +412,21 @@ def run_compare(plan: Plan, *, force: bool = False, progress: bool = True) -> di
         with distributed.all_or_none(), distributed.single_process():  # each an ordinary one-process run
             for job, group in _progress(groups[me::world], "candidates", _describe_group, progress, me, world):
                 _train_candidates(job, group, force)
-    own = []
-    with distributed.all_or_none(), distributed.single_process():
-        for job in _progress(jobs[me::world], "compare", lambda j: f"{j.label} seed {j.seed}", progress, me, world):
-            run = _run_selected if job.selects else _run_one
-            own.append(run(job, plan.compare, fingerprint, force))
-    rows = [
-        own[k // world] if k % world == me else _cached_result(job.row_dir, fingerprint) for k, job in enumerate(jobs)
-    ]
+    own: dict[int, dict[str, Any]] = {}
+    phases = (
+        [k for k, j in enumerate(jobs) if j.match_width is None],
+        [k for k, j in enumerate(jobs) if j.match_width],
+    )
+    for phase in phases:  # the same on every process
+        if not phase:
+            continue
+        describe = lambda k: f"{jobs[k].label} seed {jobs[k].seed}"  # noqa: E731
+        with distributed.all_or_none(), distributed.single_process():
+            for k in _progress(phase[me::world], "compare", describe, progress, me, world):
+                job = jobs[k]
+                run = _run_selected if job.selects else _run_one
+                own[k] = run(job, plan.compare, fingerprint, force, _width_reference(job, jobs, fingerprint))
+    rows = [own[k] if k in own else _cached_result(job.row_dir, fingerprint) for k, job in enumerate(jobs)]
     results = {
         "config_hash": fingerprint,
         "config": plan.raw,
@@ -409,30 +481,98 @@ def _read_json(path: Path) -> Any:
         return None
 
 
-def _run_one(job: Job, compare: CompareConfig, fingerprint: str, force: bool) -> dict[str, Any]:
-    """The row of a (method, seed) with one candidate: train it (or reuse it) and measure it."""
+def _width_reference(job: Job, jobs: list[Job], fingerprint: str) -> tuple[str, float] | None:
+    """``(label, tr Σ_ref)`` of the row ``job`` is width-matched to (same seed, from its cache), or ``None``."""
+    if job.match_width is None:
+        return None
+    ref = next(j for j in jobs if j.label == job.match_width and j.seed == job.seed)
+    width = _cached_result(ref.row_dir, fingerprint).get("width")
+    if not isinstance(width, dict) or not isinstance(width.get("trace_cov"), (int, float)):
+        raise FlatbmaError(
+            f"the row of {ref.label!r} (seed {ref.seed}) has no measured width to match {job.label!r} to"
+        )
+    return ref.label, float(width["trace_cov"])
+
+
+def _width_matched(
+    exp: Experiment, state: State, label: str, trace_ref: float
+) -> tuple[Experiment, State, dict[str, Any]]:
+    """``exp`` and ``state`` with the Gaussian posterior's covariance scaled to ``tr Σ = trace_ref`` (module docstring).
+
+    Returns the experiment measuring :func:`flatbma.posteriors.lowrank_vi.fixed` of the scaled ``θ``, its
+    state and the row's ``width_matched`` record.
+    """
+    theta = exp.method.gaussian(state) if exp.method.gaussian is not None else None
+    if theta is None:
+        raise FlatbmaError(f"{exp.config.method.name} has no Gaussian posterior to rescale (match_width)")
+    own = float(sum(v.to(torch.float64).sum() for v in gaussian.marginal_variance(theta).values()))
+    if not (own > 0 and math.isfinite(own) and math.isfinite(trace_ref) and trace_ref > 0):
+        raise FlatbmaError(f"match_width needs positive widths; got tr Σ = {own} here and {trace_ref} for {label!r}")
+    factor = trace_ref / own
+    posterior, scaled = lowrank_vi.fixed(gaussian.scale_covariance(theta, factor), state.buffers)
+    posterior = dataclasses.replace(posterior, predict_mode=exp.method.predict_mode)
+    record = {
+        "to": label,
+        "factor": factor,
+        "reference_trace": trace_ref,
+        "trained_trace": own,
+        "sampler": "low-rank Gaussian sampler over the scaled θ (SWAG's sampler distribution)",
+    }
+    return dataclasses.replace(exp, method=posterior), scaled, record
+
+
+def _fresh(cached: Any, fingerprint: str, width_to: tuple[str, float] | None) -> bool:
+    """Whether a cached row belongs to this comparison and, width-matched, to the reference's current width."""
+    if not (isinstance(cached, dict) and cached.get("fingerprint") == fingerprint and "result" in cached):
+        return False
+    matched = cached["result"].get("width_matched")
+    if width_to is None:
+        return matched is None
+    return isinstance(matched, dict) and (matched.get("to"), matched.get("reference_trace")) == width_to
+
+
+def _run_one(
+    job: Job, compare: CompareConfig, fingerprint: str, force: bool, width_to: tuple[str, float] | None = None
+) -> dict[str, Any]:
+    """The row of a (method, seed) with one candidate: train it (or reuse it) and measure it.
+
+    ``width_to``: ``(label, tr Σ_ref)`` of a width-matched row (:func:`_width_reference`).
+    """
     cfg = job.candidates[0].config
     run_dir = Path(cfg.output_dir)
     cache = run_dir / RUN_CACHE
     if finished_run(run_dir, cfg.to_dict()) and not force:
         cached = _read_json(cache)
-        if isinstance(cached, dict) and cached.get("fingerprint") == fingerprint and "result" in cached:
+        if _fresh(cached, fingerprint, width_to):
             return cached["result"]
         train_metrics = json.loads((run_dir / METRICS_FILE).read_text())
         exp, state = load_run(cfg)
     else:  # measure evaluates the BMA (and more); its clean-test metrics go into metrics.json below
         trained = train(cfg, force=True, evaluate=False)
         train_metrics, exp, state = trained.metrics, trained.experiment, trained.state
-    result = _measured(job.label, cfg, exp, state, train_metrics, compare)
+    result = _measured(job.label, cfg, exp, state, train_metrics, compare, width_to)
     result["selection"] = None
     atomic_write_json(cache, {"fingerprint": fingerprint, "result": result})
     return result
 
 
 def _measured(
-    label: str, cfg: RunConfig, exp: Experiment, state: State, train_metrics: dict[str, Any], compare: CompareConfig
+    label: str,
+    cfg: RunConfig,
+    exp: Experiment,
+    state: State,
+    train_metrics: dict[str, Any],
+    compare: CompareConfig,
+    width_to: tuple[str, float] | None = None,
 ) -> dict[str, Any]:
-    """The row of run ``cfg``: :func:`~flatbma.experiment.evaluate.measure` on the test set (and more)."""
+    """The row of run ``cfg``: :func:`~flatbma.experiment.evaluate.measure` on the test set (and more).
+
+    With ``width_to = (label, tr Σ_ref)`` the Gaussian posterior is measured at that width
+    (:func:`_width_matched`); the run directory's own metrics then stay those of the trained posterior.
+    """
+    matched = None
+    if width_to is not None:
+        exp, state, matched = _width_matched(exp, state, *width_to)
     run_dir = Path(cfg.output_dir)
     resolved = cfg.to_dict()
     result = {
@@ -455,8 +595,9 @@ def _measured(
             flatness=compare.flatness,
             landscape=compare.landscape,
         ),
+        "width_matched": matched,
     }
-    if not all(k in train_metrics for k in CLEAN_KEYS):  # the run directory is complete on its own
+    if matched is None and not all(k in train_metrics for k in CLEAN_KEYS):  # the run directory is complete on its own
         train_metrics.update({k: result[k] for k in CLEAN_KEYS}, num_samples=cfg.eval.num_samples)
         atomic_write_json(run_dir / METRICS_FILE, train_metrics)
     return result
@@ -537,7 +678,9 @@ def _train_candidates(job: Job, group: tuple[Candidate, ...], force: bool) -> No
         atomic_write_json(run_dir / CANDIDATE_FILE, {"config": cfg.to_dict(), **record})
 
 
-def _run_selected(job: Job, compare: CompareConfig, fingerprint: str, force: bool) -> dict[str, Any]:
+def _run_selected(
+    job: Job, compare: CompareConfig, fingerprint: str, force: bool, width_to: tuple[str, float] | None = None
+) -> dict[str, Any]:
     """The row of a (method, seed) with candidates: the one with the best validation NLL, measured on the test set.
 
     Its run is read back from its directory (another process may have trained it) and measured by
@@ -574,13 +717,13 @@ def _run_selected(job: Job, compare: CompareConfig, fingerprint: str, force: boo
     }
     cache = job.row_dir / RUN_CACHE
     cached = _read_json(cache)
-    if not force and isinstance(cached, dict) and cached.get("fingerprint") == fingerprint:
+    if not force and _fresh(cached, fingerprint, width_to):
         if (cached.get("result") or {}).get("selection") == json.loads(json.dumps(record)):
             return cached["result"]
     cfg = chosen.config
     exp, state = load_run(cfg)
     train_metrics = json.loads((Path(cfg.output_dir) / METRICS_FILE).read_text())
-    result = _measured(job.label, cfg, exp, state, train_metrics, compare)
+    result = _measured(job.label, cfg, exp, state, train_metrics, compare, width_to)
     result["selection"] = record
     atomic_write_json(cache, {"fingerprint": fingerprint, "result": result})
     return result

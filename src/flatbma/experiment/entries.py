@@ -30,8 +30,11 @@ from flatbma.errors import FlatbmaError
 from flatbma.experiment.methods import METHODS
 from flatbma.experiment.sections import OptimConfig
 
-ENTRY_KEYS = ("name", "label", "prior", "optim")
-"""Keys of a compare entry that are not method options."""
+ENTRY_KEYS = ("name", "label", "prior", "optim", "match_width")
+"""Keys of a compare entry that are not method options (``match_width``: :mod:`flatbma.experiment.compare`)."""
+
+MATCH_WIDTH = "match_width"
+"""The entry key naming the entry whose posterior width this one is measured at (a measurement, not a run option)."""
 
 OPTIM = "optim"
 """The entry's own optimizer section; its keys take lists too (``optim.lr`` in a candidate's options)."""
@@ -131,12 +134,12 @@ def run_sections(method: Any, shared_optim: Any = None) -> dict[str, Any]:
     An entry is a method section; its optional ``prior`` key becomes the run's ``prior`` section (a
     two-stage run, e.g. ``{name: fp-bma, rank: 5, prior: {method: {name: swag, rank: 5}, epochs: 15}}``),
     its optional ``optim`` section overrides the keys it gives of the ``shared_optim`` section (e.g.
-    ``{name: sgd, optim: {lr: 0.1}}``), and its optional ``label`` (the name in tables and plots) is not
-    part of the run's config.
+    ``{name: sgd, optim: {lr: 0.1}}``), and its optional ``label`` (the name in tables and plots) and
+    ``match_width`` (how the trained posterior is measured) are not part of the run's config.
     """
     if not isinstance(method, dict):
         return {"method": method}
-    method = {k: v for k, v in method.items() if k != "label"}
+    method = {k: v for k, v in method.items() if k not in ("label", MATCH_WIDTH)}  # measurement keys, not the run's
     sections: dict[str, Any] = {}
     if "optim" in method:
         own = method.pop("optim")

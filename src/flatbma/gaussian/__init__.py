@@ -19,7 +19,7 @@ SWAG's Gaussian (:mod:`flatbma.posteriors.swag`) — and it depends on none of t
 
 * :mod:`~flatbma.gaussian.layout`: the sections of ``θ``, the packed ``[K+2, d]`` matrix, SWAG's ``θ``;
 * :mod:`~flatbma.gaussian.sampling`: standard-normal noise, the sampler and its closed-form pullback;
-* :mod:`~flatbma.gaussian.geometry`: ``Σ = A + UUᵀ`` in whitened (Woodbury) form, dense ``Σ`` and ``diag Σ``;
+* :mod:`~flatbma.gaussian.geometry`: ``Σ = A + UUᵀ`` in whitened (Woodbury) form, dense ``Σ``, ``diag Σ`` and ``cΣ``;
 * :mod:`~flatbma.gaussian.kl`: ``KL`` to ``N(0, s²I)`` and to another low-rank Gaussian, with gradients.
 """
 
@@ -29,6 +29,7 @@ from flatbma.gaussian.geometry import (
     diag_and_factor_blocks,
     geometry,
     marginal_variance,
+    scale_covariance,
 )
 from flatbma.gaussian.kl import (
     PriorPrecision,
@@ -89,6 +90,7 @@ __all__ = [
     "rank_of",
     "rows",
     "sample_weights",
+    "scale_covariance",
     "section",
     "standard_normal",
     "standard_normal_like",

@@ -128,3 +128,28 @@ def marginal_variance(theta: Mapping[str, Tensor]) -> dict[str, Tensor]:
     a, u = diag_and_factor_blocks(theta)
     mean = section(theta, "mean")
     return {n: (a[n] + (u[n] * u[n]).sum(0)).reshape(mean[n].shape) for n in mean}
+
+
+def scale_covariance(theta: Mapping[str, Tensor], c: float) -> dict[str, Tensor]:
+    """``θ`` of ``N(μ, cΣ)``: ``log σ += ½ log c`` and ``L *= √c``, ``μ`` unchanged (new tensors, by key).
+
+    Both terms of ``Σ = ½(diag σ² + LLᵀ/(K−1))`` scale by ``c``, so :func:`dense_covariance` and
+    :func:`marginal_variance` of the result are ``c`` times those of ``θ`` (``tr`` too). ``flatbma compare``'s
+    ``match_width`` uses it to give two posteriors the same ``tr Σ``.
+
+    Raises:
+        ValueError: unless ``c`` is finite and > 0.
+    """
+    if not (math.isfinite(c) and c > 0):
+        raise ValueError(f"a covariance scale must be finite and > 0, got {c!r}")
+    shift, root = 0.5 * math.log(c), math.sqrt(c)
+    out: dict[str, Tensor] = {}
+    for key, value in theta.items():
+        v = value.detach()
+        if key.startswith("log_std/"):
+            out[key] = v + shift
+        elif key.startswith("factor/"):
+            out[key] = v * root
+        else:
+            out[key] = v.clone()
+    return out

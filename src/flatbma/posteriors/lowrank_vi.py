@@ -50,7 +50,7 @@ from flatbma.gaussian import (
 from flatbma.packed import Layout
 from flatbma.params import Objective
 from flatbma.posteriors import gaussian_vi
-from flatbma.types import Ascent, GradientTransformation, Params, Posterior, State
+from flatbma.types import Ascent, GradientTransformation, Params, Posterior, State, StepOutput
 
 __all__ = [
     "MIN_VARIANCE",
@@ -60,6 +60,7 @@ __all__ = [
     "build",
     "check_rank",
     "dense_covariance",
+    "fixed",
     "from_rows",
     "geometry",
     "init_from_swag",
@@ -184,6 +185,44 @@ def mean_of(state: State) -> Params:
     """The weights at the mean ``μ`` of a Gaussian VI state (``mean/`` section), with its buffers."""
     mean = {n: v.detach().clone() for n, v in section(state.params, "mean").items()}
     return {**mean, **{k: v.detach().clone() for k, v in state.buffers.items()}}
+
+
+def fixed(theta: Mapping[str, Tensor], buffers: Mapping[str, Tensor]) -> tuple[Posterior, State]:
+    """The Gaussian ``q_θ`` itself as a posterior to measure, not to train, and its state.
+
+    It samples with the family's sampler :func:`~flatbma.gaussian.sample_weights` —
+    ``w = μ + (1/√2)(σ ⊙ z₁ + L z₂/√(K−1))``, which is SWAG's sampler distribution (Maddox et al. 2019) —
+    with ``buffers`` beside every sample (``recompute_bn=True``: the evaluation recomputes them); its mean
+    is ``μ`` and its marginal variances ``diag Σ`` in closed form. ``flatbma compare``'s ``match_width``
+    measures a Gaussian posterior with its covariance scaled this way
+    (:func:`~flatbma.gaussian.scale_covariance`).
+    """
+    rank = rank_of(theta)
+    check_rank(rank)
+
+    def untrainable(*_: object) -> tuple[State, StepOutput]:
+        raise FlatbmaError("a fixed Gaussian (a width-matched posterior) is measured, not trained")
+
+    @torch.no_grad()
+    def sample(state: State, n: int, generator: torch.Generator | None = None) -> list[Params]:
+        out = []
+        for _ in range(n):
+            noise = draw_noise(state.params, rank, generator)
+            w = sample_weights(state.params, noise.z1, noise.z2)
+            out.append({**w, **{k: v.clone() for k, v in state.buffers.items()}})
+        return out
+
+    posterior = Posterior(
+        init=untrainable,
+        update=untrainable,
+        sample=sample,
+        recompute_bn=True,
+        gaussian=theta_of,
+        mean=mean_of,
+        marginal_variance=lambda state: marginal_variance(state.params),
+    )
+    state = State(params={k: v.detach().clone() for k, v in theta.items()}, buffers=dict(buffers))
+    return posterior, state
 
 
 def build(
