@@ -23,7 +23,8 @@ def test_flatness_study_expands_to_the_study():
     assert len(jobs) == len(labels) * len(plan.compare.seeds)
     first = {j.label: j for j in jobs if j.seed == plan.compare.seeds[0]}
     assert [c.options for c in first["fp-bma"].candidates] == [{"gamma": g} for g in (0.01, 0.1, 0.5)]
-    assert all(len(j.candidates) == 1 for label, j in first.items() if label != "fp-bma")
+    assert [c.options for c in first["sam"].candidates] == [{"rho": r} for r in (0.01, 0.05, 0.1)]
+    assert all(len(j.candidates) == 1 for label, j in first.items() if label not in ("fp-bma", "sam"))
     assert first["swag-wide"].match_width == "fp-bma"
     assert all(j.match_width is None for label, j in first.items() if label != "swag-wide")
 
