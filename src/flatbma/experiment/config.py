@@ -16,7 +16,7 @@ import yaml
 from flatbma.errors import FlatbmaError, suggest
 from flatbma.experiment.entries import first_run_sections
 from flatbma.experiment.methods import MethodConfig, parse_method
-from flatbma.experiment.parse import parse_dataclass, set_dotted
+from flatbma.experiment.parse import load_yaml, parse_dataclass, set_dotted
 from flatbma.experiment.prior_config import PriorConfig, parse_prior
 from flatbma.experiment.sections import (
     DataConfig,
@@ -101,8 +101,10 @@ def parse_override(item: str) -> tuple[str, Any]:
     if not sep or not key:
         raise FlatbmaError(f"--set expects key=value (e.g. --set optim.lr=0.1), got {item!r}")
     try:
-        value = yaml.safe_load(text) if text else ""
-    except (yaml.YAMLError, RecursionError, ValueError):  # ValueError: an integer of > 4300 digits
+        value = load_yaml(text, f"--set {key.strip()}") if text else ""
+    except (yaml.YAMLError, RecursionError, ValueError) as e:  # ValueError: an integer of > 4300 digits
+        if isinstance(e, FlatbmaError):  # an alias bomb is refused, not read as text
+            raise
         value = text
     return key.strip(), value
 
@@ -113,7 +115,9 @@ def load_raw(path: str | Path) -> dict[str, Any]:
     if not path.is_file():
         raise FlatbmaError(f"config file {path} does not exist (ready configs are in configs/)")
     try:
-        raw = yaml.safe_load(path.read_text())
+        raw = load_yaml(path.read_text(), str(path))
+    except FlatbmaError:
+        raise
     except yaml.YAMLError as e:
         raise FlatbmaError(f"{path} is not valid YAML: {str(e).splitlines()[0]}") from None
     except UnicodeDecodeError:

@@ -1,20 +1,87 @@
-"""Parse plain mappings (from YAML or ``--set``) into typed frozen dataclasses, once, with clear errors."""
+"""Parse plain mappings (from YAML or ``--set``) into typed frozen dataclasses, once, with clear errors.
+
+YAML is read by :func:`load_yaml`: the safe loader, with a budget on the size of the document once its
+aliases are expanded, so that an expansion bomb ("billion laughs") is refused before anything iterates
+it. Values quoted in error messages are :func:`shown` at a bounded size.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import math
 import re
+import reprlib
 import types
 import typing
 from collections.abc import Mapping
 from enum import Enum
 from typing import Any, TypeVar, Union
 
+import yaml
+
 from flatbma.checks import is_int, is_number
 from flatbma.errors import FlatbmaError, suggest
 
 T = TypeVar("T")
+
+MAX_YAML_NODES = 100_000
+"""Budget of :func:`load_yaml`: scalars, lists and mappings of a document with every alias expanded (a
+config has a few hundred; a 9-level billion-laughs document has ~10⁹)."""
+
+_SHOWN = reprlib.Repr()
+_SHOWN.maxlevel, _SHOWN.maxlist, _SHOWN.maxtuple, _SHOWN.maxdict = 3, 6, 6, 6
+_SHOWN.maxstring = _SHOWN.maxother = _SHOWN.maxlong = 60
+
+
+def shown(value: Any, limit: int = 80) -> str:
+    """``repr(value)`` for an error message, at most ``limit`` characters whatever the value's size."""
+    text = _SHOWN.repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def load_yaml(text: str, where: str) -> Any:
+    """The YAML document ``text``, read with the safe loader and a budget on its expanded size.
+
+    It is refused when it expands to over :data:`MAX_YAML_NODES` nodes or refers to itself, in time
+    linear in the text's size: the composed node graph shares the node of every alias, so its expanded
+    size is counted with one memoized walk before any Python object is built.
+
+    Raises:
+        FlatbmaError: an expansion bomb or a recursive alias, naming ``where``.
+        yaml.YAMLError: invalid YAML (callers word that error themselves).
+    """
+    loader = yaml.SafeLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        size = _expanded_size(node, {}, where)
+        if size > MAX_YAML_NODES:
+            raise FlatbmaError(
+                f"{where} expands to over {MAX_YAML_NODES:,} YAML values through its aliases (&anchor / *alias), "
+                "more than a config may hold: write the values out instead of nesting aliases"
+            )
+        return loader.construct_document(node)
+    finally:
+        loader.dispose()
+
+
+def _expanded_size(node: yaml.Node, sizes: dict[int, int | None], where: str) -> int:
+    key = id(node)
+    if key in sizes:
+        size = sizes[key]
+        if size is None:  # still being counted: the node contains itself
+            raise FlatbmaError(f"{where} has an alias that refers to itself (a recursive &anchor): remove it")
+        return size
+    sizes[key] = None
+    if isinstance(node, yaml.SequenceNode):
+        total = 1 + sum(_expanded_size(child, sizes, where) for child in node.value)
+    elif isinstance(node, yaml.MappingNode):
+        total = 1 + sum(_expanded_size(k, sizes, where) + _expanded_size(v, sizes, where) for k, v in node.value)
+    else:
+        total = 1
+    sizes[key] = total = min(total, MAX_YAML_NODES + 1)  # saturate: the counts stay small integers
+    return total
 _FLOAT_TEXT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
 
 
@@ -42,11 +109,11 @@ def coerce(value: Any, tp: Any, where: str) -> Any:
                     raise  # the right type but a bad value (e.g. an integer too large): that option says why
                 errors.append(str(e))
         names = " or ".join(_type_name(a) for a in typing.get_args(tp))
-        raise FlatbmaError(f"{where} must be {names}, got {value!r}")
+        raise FlatbmaError(f"{where} must be {names}, got {shown(value)}")
     if tp is type(None):
         if value is None:
             return None
-        raise FlatbmaError(f"{where} must be null, got {value!r}")
+        raise FlatbmaError(f"{where} must be null, got {shown(value)}")
     if origin is typing.Literal:
         allowed = typing.get_args(tp)
         if value in allowed:
@@ -60,22 +127,22 @@ def coerce(value: Any, tp: Any, where: str) -> Any:
     if origin is tuple:
         args = typing.get_args(tp)
         if not isinstance(value, (list, tuple)):
-            raise FlatbmaError(f"{where} must be a list, got {value!r}")
+            raise FlatbmaError(f"{where} must be a list, got {shown(value)}")
         if len(args) == 2 and args[1] is Ellipsis:
             return tuple(coerce(v, args[0], f"{where}[{i}]") for i, v in enumerate(value))
         if len(args) != len(value):
-            raise FlatbmaError(f"{where} must be a list of {len(args)} values, got {value!r}")
+            raise FlatbmaError(f"{where} must be a list of {len(args)} values, got {shown(value)}")
         return tuple(coerce(v, a, f"{where}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
     if tp is bool:
         if isinstance(value, bool):
             return value
-        raise FlatbmaError(f"{where} must be true or false, got {value!r}")
+        raise FlatbmaError(f"{where} must be true or false, got {shown(value)}")
     if tp is int:
         if is_int(value):
             if not -(2**63) <= value < 2**63:  # torch and numpy take 64-bit integers
                 raise FlatbmaError(f"{where} must be a 64-bit integer, got one of {value.bit_length()} bits")
             return value
-        raise FlatbmaError(f"{where} must be an integer, got {value!r}")
+        raise FlatbmaError(f"{where} must be an integer, got {shown(value)}")
     if tp is float:
         if is_number(value):
             try:
@@ -84,14 +151,14 @@ def coerce(value: Any, tp: Any, where: str) -> Any:
                 raise FlatbmaError(f"{where} must be a number within float range (about ±1.8e308)") from None
         if isinstance(value, str) and _FLOAT_TEXT.fullmatch(value.strip()):  # YAML 1.1 reads 1e-3 as text
             raise FlatbmaError(
-                f"{where} must be a number, got the text {value!r} (YAML reads an exponent as a number only "
+                f"{where} must be a number, got the text {shown(value)} (YAML reads an exponent as a number only "
                 f"with a dot and a sign, like 1.0e-3): write {yaml_float(float(value))}"
             )
-        raise FlatbmaError(f"{where} must be a number, got {value!r}")
+        raise FlatbmaError(f"{where} must be a number, got {shown(value)}")
     if tp is str:
         if isinstance(value, str):
             return value
-        raise FlatbmaError(f"{where} must be a string, got {value!r}")
+        raise FlatbmaError(f"{where} must be a string, got {shown(value)}")
     if dataclasses.is_dataclass(tp):
         return parse_dataclass(tp, value, where)
     raise TypeError(f"unsupported config annotation {tp!r} at {where}")
@@ -99,7 +166,7 @@ def coerce(value: Any, tp: Any, where: str) -> Any:
 
 def _not_one_of(where: str, allowed: tuple[Any, ...], value: Any) -> str:
     hint = suggest(str(value), [str(a) for a in allowed])
-    return f"{where} must be one of {', '.join(map(repr, allowed))}, got {value!r}.{hint}"
+    return f"{where} must be one of {', '.join(map(repr, allowed))}, got {shown(value)}.{hint}"
 
 
 def yaml_float(x: float) -> str:
@@ -123,7 +190,7 @@ def parse_dataclass(cls: type[T], data: Any, where: str) -> T:
     if data is None:
         data = {}
     if not isinstance(data, Mapping):
-        raise FlatbmaError(f"{where or 'the config'} must be a mapping of keys to values, got {data!r}")
+        raise FlatbmaError(f"{where or 'the config'} must be a mapping of keys to values, got {shown(data)}")
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     kwargs = {}
@@ -156,6 +223,6 @@ def set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
         if child is None:
             child = node[key] = {}
         if not isinstance(child, dict):
-            raise FlatbmaError(f"--set {dotted}: '{key}' is the value {child!r}, not a section of keys")
+            raise FlatbmaError(f"--set {dotted}: '{key}' is the value {shown(child)}, not a section of keys")
         node = child
     node[keys[-1]] = value
