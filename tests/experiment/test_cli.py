@@ -113,3 +113,24 @@ def test_run_dir_with_another_config_is_not_overwritten(tmp_path, capsys):
     assert "--force" in msg
     assert (tmp_path / "run" / "metrics.json").read_text() == before
     assert _run(capsys, "train", "--config", cfg, "--set", out, "--set", "optim.lr=0.01", "--force")[0] == 0
+
+
+def test_version_and_method_options(capsys):
+    import flatbma
+    from flatbma.experiment.cli import main
+    from flatbma.experiment.methods import METHODS, parse_method
+
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0 and capsys.readouterr().out.startswith(f"flatbma {flatbma.__version__} ")
+    assert main(["methods", "fp-bma"]) == 0
+    out = capsys.readouterr().out
+    defaults = parse_method("fp-bma")
+    rows = {line.split()[0]: line.split()[1] for line in out.splitlines()[2:]}
+    assert rows["gamma"] == repr(defaults.ascent.gamma) and rows["rank"] == repr(defaults.options["rank"])
+    assert "fisher | euclidean | data-fisher" in out  # an Enum option lists its spellings
+    for name in METHODS:  # every registered method describes itself
+        assert main(["methods", name]) == 0
+    capsys.readouterr()
+    assert main(["methods", "fpbma"]) == 2
+    assert "Did you mean 'fp-bma'?" in capsys.readouterr().err

@@ -6,16 +6,22 @@ Every :class:`~flatbma.errors.FlatbmaError` ends the command with one line on st
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
+import typing
 from collections.abc import Sequence
+from enum import Enum
 
-from flatbma.errors import FlatbmaError
+import torch
+
+import flatbma
+from flatbma.errors import FlatbmaError, suggest
 from flatbma.experiment import distributed
 from flatbma.experiment.build import resolve_device
 from flatbma.experiment.compare import load_plan, run_compare
 from flatbma.experiment.config import load_config
-from flatbma.experiment.methods import METHODS
+from flatbma.experiment.methods import METHODS, parse_method
 from flatbma.experiment.report import summary_table
 from flatbma.experiment.run import evaluate_run, load_run_config, train_run
 
@@ -31,6 +37,9 @@ class _Parser(argparse.ArgumentParser):
 
 def _build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="flatbma", description="Flat-posterior-aware Bayesian deep learning.")
+    parser.add_argument(
+        "--version", action="version", version=f"flatbma {flatbma.__version__} (torch {torch.__version__})"
+    )
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     train = sub.add_parser("train", help="train a method from a YAML config and evaluate its BMA")
@@ -60,8 +69,42 @@ def _build_parser() -> argparse.ArgumentParser:
     compare.add_argument("--quick", action="store_true", help="the reduced setting of the config's compare.quick")
     compare.add_argument("--force", action="store_true", help="replace results of a different config")
 
-    sub.add_parser("methods", help="list the registered methods")
+    methods = sub.add_parser("methods", help="list the registered methods, or one method's options and defaults")
+    methods.add_argument("name", nargs="?", help="a method name: show its options, their types and defaults")
     return parser
+
+
+def _plain(value: object) -> object:
+    return value.value if isinstance(value, Enum) else value
+
+
+def _describe_method(name: str) -> str:
+    """A method's summary and every option it takes, with its type and default (``flatbma methods NAME``)."""
+    if name not in METHODS:
+        raise FlatbmaError(f"unknown method {name!r}.{suggest(name, METHODS)} Run 'flatbma methods' to list them")
+    spec = METHODS[name]
+    defaults = parse_method(name)
+    hints = typing.get_type_hints(spec.family)
+    rows = [(key, hints.get(key), value) for key, value in defaults.options.items()]
+    if defaults.ascent is not None:
+        ascent_hints = typing.get_type_hints(type(defaults.ascent))
+        rows += [
+            (f.name, ascent_hints.get(f.name), getattr(defaults.ascent, f.name))
+            for f in dataclasses.fields(defaults.ascent)
+        ]
+    lines = [f"{name}: {spec.summary}"]
+    ascent = f" + {spec.ascent.__name__}" if spec.ascent is not None else ""
+    lines.append(f"  family: {spec.family.__module__}.{spec.family.__name__}{ascent}")
+    if not rows:
+        lines.append("  (no options)")
+    width = max((len(key) for key, _, _ in rows), default=0)
+    for key, tp, value in rows:
+        if isinstance(tp, type) and issubclass(tp, Enum):
+            kind = " | ".join(str(member.value) for member in tp)  # the spellings a config may use
+        else:
+            kind = getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+        lines.append(f"  {key:<{width}}  {_plain(value)!r:<12}  {kind}")
+    return "\n".join(lines)
 
 
 def _out_of_memory(e: BaseException) -> str:
@@ -82,10 +125,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``flatbma`` command."""
     try:
         args = _build_parser().parse_args(argv)
-        if args.command == "methods":
+        if args.command == "methods" and args.name:
+            print(_describe_method(args.name))
+        elif args.command == "methods":
             width = max(map(len, METHODS))
             for name, spec in METHODS.items():
                 print(f"{name:<{width}}  {spec.summary}")
+            print("('flatbma methods NAME' shows a method's options, their types and defaults)", file=sys.stderr)
         elif args.command == "train":
             if args.resume:
                 if args.config or args.overrides:
