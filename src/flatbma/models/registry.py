@@ -1,12 +1,14 @@
 """Build models by name — the configuration/CLI edge; library code takes ``nn.Module`` objects.
 
 Built-in names: ``mlp``, ``cnn``, ``resnet18``, ``mobilenet_v2``. Names ``torchvision:<arch>`` and
-``timm:<arch>`` build models of those optional libraries, imported only when asked for.
+``timm:<arch>`` build models of those optional libraries, imported only when asked for; any other
+``package.module:factory`` builds the user's own model (:func:`build_model`).
 """
 
 from __future__ import annotations
 
 import importlib
+import inspect
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -95,7 +97,9 @@ def build_model(
     (PyTorch's default ``nn.Linear`` initialization) and everything else is loaded.
 
     Args:
-        name: a name of :func:`model_names`, or ``"torchvision:<arch>"`` / ``"timm:<arch>"``.
+        name: a name of :func:`model_names`, ``"torchvision:<arch>"`` / ``"timm:<arch>"``, or the user's own
+            ``"package.module:factory"`` (called with ``num_classes``, ``in_channels``, ``image_size`` where it
+            takes them, and ``width`` / ``dropout`` when set; it returns an ``nn.Module``).
         num_classes: number of output logits.
         in_channels: number of image channels the data provides.
         image_size: side length of the (square) input images.
@@ -130,12 +134,9 @@ def build_model(
         dropout=check_dropout(dropout),
     )
     library, sep, arch = name.partition(":")
-    if sep:
-        if library not in _EXTRAS:
-            raise FlatbmaError(
-                f"unknown model library {library!r} in {name!r}; use 'torchvision:<arch>' or 'timm:<arch>'."
-                f"{suggest(library, _EXTRAS)}"
-            )
+    if sep and library not in _EXTRAS:  # the user's own model: 'package.module:factory'
+        builder = partial(_build_user_model, name)
+    elif sep:
         if not arch:
             raise FlatbmaError(f"model name {name!r} lacks the architecture: write '{library}:<arch>'.")
         builder: Callable[[_Request], nn.Module] = partial(
@@ -145,11 +146,65 @@ def build_model(
         builder = _BUILDERS[name]
     else:
         raise FlatbmaError(
-            f"unknown model {name!r}; choose one of {list(model_names())} or 'torchvision:<arch>' / "
-            f"'timm:<arch>'.{suggest(name, model_names())}"
+            f"unknown model {name!r}; choose one of {list(model_names())}, 'torchvision:<arch>' / "
+            f"'timm:<arch>', or your own 'package.module:factory'.{suggest(name, model_names())}"
         )
     with seeded(seed):
         return builder(request)
+
+
+# ---------------------------------------------------------------------------------------------- user models
+
+
+def _build_user_model(name: str, req: _Request) -> nn.Module:
+    """``package.module:factory`` — the user's own model, built as ``factory(num_classes=..., ...)``.
+
+    The factory (a class or function, importable from ``sys.path``) is called with ``num_classes``,
+    ``in_channels`` and ``image_size`` where its signature takes them, and with ``width`` / ``dropout``
+    when they are set (an error when it does not take a set one); it must return an ``nn.Module``.
+    ``pretrained`` may be a checkpoint path of that model (loaded like the built-ins'). Naming a module
+    imports it and runs its code, as Python's own ``import`` does: use configs you trust.
+    """
+    module_name, _, attr = name.partition(":")
+    if not module_name or not attr:
+        raise FlatbmaError(f"model name {name!r}: write your own model as 'package.module:factory'.")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as e:  # the user's module may fail in any way while importing
+        raise FlatbmaError(
+            f"cannot import {module_name!r} for model {name!r} ({type(e).__name__}: {str(e)[:80]}): put its "
+            f"package on PYTHONPATH (or install it), or use a built-in model.{suggest(module_name, _EXTRAS)}"
+        ) from None
+    factory = module
+    for part in attr.split("."):
+        factory = getattr(factory, part, None)
+        if factory is None:
+            raise FlatbmaError(f"module {module_name!r} has no {attr!r} (model {name!r}).")
+    if not callable(factory):
+        raise FlatbmaError(f"{name!r} is not callable: name a model class or a function that returns an nn.Module.")
+    try:
+        params = inspect.signature(factory).parameters
+    except (TypeError, ValueError):
+        params = {}
+    takes_all = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    given = {"num_classes": req.num_classes, "in_channels": req.in_channels, "image_size": req.image_size}
+    kwargs = {k: v for k, v in given.items() if takes_all or k in params}
+    for key, value, unset in (("width", req.width, None), ("dropout", req.dropout, 0.0)):
+        if value == unset:
+            continue
+        if not (takes_all or key in params):
+            raise FlatbmaError(f"model.{key} is set but {name!r} takes no {key!r} argument: unset it.")
+        kwargs[key] = value
+    try:
+        model = factory(**kwargs)
+    except (TypeError, ValueError) as e:  # the factory's own signature or argument checks
+        raise FlatbmaError(
+            f"{name!r} could not be built with {sorted(kwargs)} ({type(e).__name__}: {str(e)[:80]}): a model "
+            "factory takes num_classes (and in_channels, image_size, width, dropout where it uses them)."
+        ) from None
+    if not isinstance(model, nn.Module):
+        raise FlatbmaError(f"{name!r} returned a {type(model).__name__}, not a torch.nn.Module.")
+    return _load_user_checkpoint(model, req, name)
 
 
 # ---------------------------------------------------------------------------------------------- built-ins
