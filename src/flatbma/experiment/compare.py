@@ -70,7 +70,7 @@ from flatbma.experiment.checkpoint import atomic_write_bytes, atomic_write_json
 from flatbma.experiment.config import RunConfig, config_from_dict, load_raw, parse_override
 from flatbma.experiment.evaluate import CLEAN_KEYS, measure
 from flatbma.experiment.methods import METHODS
-from flatbma.experiment.parse import parse_dataclass, set_dotted
+from flatbma.experiment.parse import parse_dataclass, set_dotted, shown
 from flatbma.experiment.prior import FittedPrior, fit_prior, prior_stage
 from flatbma.experiment.run import load_run, train
 from flatbma.experiment.stage import METRICS_FILE, finished_run, train_stage
@@ -330,7 +330,10 @@ def _check_match_width(compare: CompareConfig) -> None:
         target = entry.get(entries.MATCH_WIDTH)
         where = f"compare.methods[{i}] ({label_of(entry)!r}).match_width"
         if target is not None:
-            spec = METHODS.get(entry.get("name"))  # type: ignore[arg-type]
+            if not isinstance(target, str):
+                raise FlatbmaError(f"{where} must be the label of an earlier entry (a text), got {shown(target)}")
+            name = entry.get("name")
+            spec = METHODS.get(name) if isinstance(name, str) else None
             gaussians = ", ".join(n for n, m in METHODS.items() if m.gaussian)
             if spec is None or not spec.gaussian or entry.get("diagonal_only") is True:
                 raise FlatbmaError(
