@@ -303,6 +303,12 @@ def build(
         aux = {**aux, SEED_KEY: state.aux[SEED_KEY]}
         return replace(state, aux=aux, step=state.step + 1), StepOutput(loss, logits)
 
+    return Posterior(init=init, update=update, sample=sampler(family), recompute_bn=True)
+
+
+def sampler(family: ReparameterizedFamily) -> Callable[[State, int, torch.Generator | None], list[Params]]:
+    """``sample(state, n, generator)``: ``n`` draws ``w = reparameterize(θ, noise)`` of ``q_θ``, with the buffers."""
+
     @torch.no_grad()
     def sample(state: State, n: int, generator: torch.Generator | None = None) -> list[Params]:
         return [
@@ -310,4 +316,4 @@ def build(
             for _ in range(n)
         ]
 
-    return Posterior(init=init, update=update, sample=sample, recompute_bn=True)
+    return sample

@@ -203,19 +203,11 @@ def fixed(theta: Mapping[str, Tensor], buffers: Mapping[str, Tensor]) -> tuple[P
     def untrainable(*_: object) -> tuple[State, StepOutput]:
         raise FlatbmaError("a fixed Gaussian (a width-matched posterior) is measured, not trained")
 
-    @torch.no_grad()
-    def sample(state: State, n: int, generator: torch.Generator | None = None) -> list[Params]:
-        out = []
-        for _ in range(n):
-            noise = draw_noise(state.params, rank, generator)
-            w = sample_weights(state.params, noise.z1, noise.z2)
-            out.append({**w, **{k: v.clone() for k, v in state.buffers.items()}})
-        return out
-
+    family = LowRankGaussian(rank=rank, init_std=1.0, prior_std=1.0)  # init_std and prior_std: unused by sampling
     posterior = Posterior(
         init=untrainable,
         update=untrainable,
-        sample=sample,
+        sample=gaussian_vi.sampler(family),
         recompute_bn=True,
         gaussian=theta_of,
         mean=mean_of,
