@@ -352,10 +352,10 @@ def evaluate(
         chunk_size=chunk_size,
         reduce_metrics=reduce_metrics,
     )
-    metrics = states[len(samples)]
-    if metrics.compute()["n"] == 0:
+    metrics = states[len(samples)].compute()
+    if metrics["n"] == 0:
         raise FlatbmaError("the evaluation data is empty: check the test split and data options")
-    return {**metrics.compute(), "num_samples": len(samples)}
+    return {**metrics, "num_samples": len(samples)}
 
 
 @torch.no_grad()
