@@ -32,11 +32,6 @@ def is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def is_finite_number(value: object) -> bool:
-    """Whether ``value`` is a finite ``int`` or ``float`` (not a ``bool``)."""
-    return is_number(value) and math.isfinite(value)
-
-
 def check_int(value: object, message: str, *, minimum: int | None = None) -> int:
     """``value`` if it is an integer (not a bool) ``>= minimum``; else :class:`FlatbmaError` (``message``)."""
     if not is_int(value) or (minimum is not None and value < minimum):
