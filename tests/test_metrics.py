@@ -204,6 +204,19 @@ def test_float32_and_float64_inputs_agree():
     assert M.accuracy(lp32, y) == M.accuracy(lp, y)
 
 
+def test_binary_brier_is_twice_sklearns_brier_score_loss():
+    # flatbma sums the squared error over both classes (the multi-class definition); scikit-learn's
+    # binary brier_score_loss scores the positive class only, so the two differ by exactly a factor 2
+    from sklearn.metrics import brier_score_loss
+
+    lp, y = _random_case(n=500, c=2, seed=3)
+    p1 = lp.exp()[:, 1].numpy()
+    assert M.brier(lp, y) == pytest.approx(2 * brier_score_loss(y.numpy(), p1), rel=1e-12)
+    streaming = M.StreamingMetrics(2)
+    streaming.update(lp, y)
+    assert streaming.compute()["brier"] == pytest.approx(2 * brier_score_loss(y.numpy(), p1), rel=1e-12)
+
+
 def test_ood_auroc_equals_sklearn():
     g = torch.Generator().manual_seed(1)
     for n_in, n_out, rounding in [(300, 200, None), (500, 50, 1), (40, 400, 0)]:

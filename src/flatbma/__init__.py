@@ -2,9 +2,11 @@
 
 The public API is exactly what this module re-exports: the subpackages and modules below, the
 contract types of :mod:`flatbma.types`, the training objective and parameter helpers of
-:mod:`flatbma.params`, and the BMA predictive of :mod:`flatbma.predict`. Importing flatbma loads
-neither matplotlib (:mod:`flatbma.plotting` imports it when a figure is drawn) nor the experiment
-layer (:mod:`flatbma.experiment`: configs, the training loop, the CLI and reports).
+:mod:`flatbma.params`, the BMA predictive of :mod:`flatbma.predict` and its predictor
+:class:`~flatbma.predictor.BMA`. Importing flatbma loads neither matplotlib (:mod:`flatbma.plotting`
+imports it when a figure is drawn) nor the experiment layer (:mod:`flatbma.experiment`: configs, the
+training loop, the CLI and reports): :func:`fit_posterior` and :func:`load_posterior`, which train and
+reload through it (:mod:`flatbma.experiment.api`), are imported when first used.
 """
 
 from flatbma import (
@@ -22,8 +24,9 @@ from flatbma import (
     transfer,
 )
 from flatbma.errors import DivergenceError, FlatbmaError
-from flatbma.params import Objective, model_buffers, trainable_params
+from flatbma.params import Objective, load_into, model_buffers, trainable_params
 from flatbma.predict import bma_log_probs, evaluate, predict
+from flatbma.predictor import BMA
 from flatbma.types import (
     Ascent,
     Batch,
@@ -37,7 +40,26 @@ from flatbma.types import (
 
 __version__ = "0.1.0"
 
+_LAZY = ("fit_posterior", "load_posterior")
+"""Names of :mod:`flatbma.experiment.api`, imported with the experiment layer when first used."""
+
+
+def __getattr__(name: str) -> object:
+    if name in _LAZY:
+        from flatbma.experiment import api
+
+        value = getattr(api, name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'flatbma' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})
+
+
 __all__ = [
+    "BMA",
     "Ascent",
     "Batch",
     "DivergenceError",
@@ -55,8 +77,11 @@ __all__ = [
     "calibration",
     "data",
     "evaluate",
+    "fit_posterior",
     "flatness",
     "gaussian",
+    "load_into",
+    "load_posterior",
     "metrics",
     "model_buffers",
     "models",

@@ -2,20 +2,25 @@
 
 * :func:`disable_running_stats` / :func:`enable_running_stats` for users' own SAM loops (the second
   pass must not update running statistics);
-* :func:`recompute_bn_statistics` for weights sampled from a posterior (SWAG's ``bn_update``).
+* :func:`recompute_bn_statistics` for weights sampled from a posterior (SWAG's ``bn_update``), and
+  :func:`with_recomputed_statistics` for every sample of a BMA, on the training data in the fixed order
+  of :func:`statistics_loader`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 from torch.func import functional_call
 from torch.nn.modules.batchnorm import _BatchNorm
+from torch.utils.data import DataLoader, Dataset
 
+from flatbma import progress
 from flatbma.errors import FlatbmaError
-from flatbma.types import Params
+from flatbma.types import Params, split_batch
 
 
 def disable_running_stats(model: nn.Module) -> None:
@@ -50,7 +55,7 @@ def has_batchnorm(model: nn.Module) -> bool:
 def recompute_bn_statistics(
     model: nn.Module,
     weights: Mapping[str, Tensor],
-    loader: Iterable[tuple[Tensor, Tensor]],
+    loader: Iterable[Any],
     *,
     device: torch.device | str = "cpu",
 ) -> Params:
@@ -66,6 +71,7 @@ def recompute_bn_statistics(
     off, so that a dropout network's statistics are those of its deterministic forward pass, not of
     one draw of masks). The statistics are a deterministic function of ``weights`` and the loader's
     batches: give it a loader without randomness (no shuffling, no augmentation) for reproducible ones.
+    The batches are ``(x, y)``, ``(x,)`` or inputs ``x`` alone; labels are not used.
 
     Returns:
         ``weights`` with every BatchNorm buffer replaced by the recomputed one (a new dict).
@@ -88,7 +94,8 @@ def recompute_bn_statistics(
             m.train()
         params = {k: v for k, v in weights.items() if k not in buffers}
         seen = 0
-        for x, _ in loader:
+        for batch in loader:
+            x, _ = split_batch(batch)
             n = x.shape[0]
             if n == 0:
                 continue
@@ -104,3 +111,53 @@ def recompute_bn_statistics(
         for m, training in modes:
             m.training = training
     return {**weights, **buffers}
+
+
+def with_recomputed_statistics(
+    model: nn.Module,
+    samples: Sequence[Mapping[str, Tensor]],
+    loader: Iterable[Any],
+    *,
+    device: torch.device | str = "cpu",
+) -> list[Params]:
+    """``samples`` with their BatchNorm statistics recomputed on ``loader`` (:func:`recompute_bn_statistics`).
+
+    Repeats of the same weights (the same tensors, as MC dropout's samples are) are recomputed once and
+    share one dict. Samples of a model without BatchNorm are returned as given. Give it the training
+    data without augmentation in a fixed order (:func:`statistics_loader`), so that the statistics are a
+    function of the weights alone; the evaluation of runs
+    (:func:`flatbma.experiment.evaluate.with_bn_statistics`) and the predictor
+    (:class:`flatbma.predictor.BMA`) both call this.
+    """
+    if not has_batchnorm(model):
+        return list(samples)
+    done: dict[tuple[int, ...], Params] = {}
+    out = []
+    for w in progress.current().bar(samples, desc="BatchNorm statistics", unit="sample"):
+        key = tuple(id(v) for v in w.values())  # the samples are alive: ids are not reused
+        if key not in done:
+            done[key] = recompute_bn_statistics(model, w, loader, device=device)
+        out.append(done[key])
+    return out
+
+
+def statistics_loader(
+    dataset: Dataset, batch_size: int, *, collate_fn: Callable[[list[Any]], Any] | None = None
+) -> DataLoader:
+    """``dataset`` in a fixed order, in batches of ``batch_size``, for BatchNorm statistics.
+
+    The order is one permutation of ``range(len(dataset))`` drawn from a generator seeded with 0: it
+    depends on the size of the data set only, not on the run's seed or on any RNG state, so every
+    evaluation and every process gets the same batches. (A permutation rather than the data set's
+    order, because that order may be sorted by class — image folders are — and class-pure batches
+    would give every batch, and so the recomputed statistics, the spread of one class only.) A
+    trailing batch of one example (BatchNorm cannot normalize it) joins the batch before it. Give it
+    data without random augmentation: the statistics are then a function of the weights alone.
+    ``collate_fn`` is the DataLoader's (``None``: PyTorch's default).
+    """
+    order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(0)).tolist()
+    batches = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
+    if len(batches) > 1 and len(batches[-1]) == 1:
+        last = batches.pop()
+        batches[-1] = batches[-1] + last
+    return DataLoader(dataset, batch_sampler=batches, collate_fn=collate_fn)

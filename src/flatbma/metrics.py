@@ -271,6 +271,11 @@ def nll(log_probs: Tensor, labels: Tensor) -> float:
 def brier(log_probs: Tensor, labels: Tensor) -> float:
     """Brier score summed over classes, averaged over examples: ``(1/n) Σ_i Σ_c (p_ic − 1[y_i = c])²``.
 
+    The multi-class definition (Brier 1950), applied to every number of classes: with two classes it
+    is **twice** scikit-learn's ``brier_score_loss(y, p_1)``, which scores only the positive class,
+    ``(1/n) Σ_i (p_i1 − y_i)²`` — both classes contribute the same squared error. Halve it to compare
+    with binary Brier scores reported that way.
+
     Args:
         log_probs: ``[B, C]`` predictive log-probabilities (float32 or float64).
         labels: ``[B]`` integer class labels in ``[0, C)``.

@@ -15,6 +15,7 @@ from torch import Tensor, nn
 from torch.func import functional_call
 
 from flatbma import packed
+from flatbma.errors import FlatbmaError, suggest
 from flatbma.types import Batch, Params
 
 
@@ -30,6 +31,39 @@ def trainable_params(model: nn.Module) -> Params:
 def model_buffers(model: nn.Module) -> Params:
     """Detached copies of the module's buffers (BatchNorm running statistics), keyed by name."""
     return {k: v.detach().clone() for k, v in model.named_buffers()}
+
+
+def load_into(model: nn.Module, weights: Mapping[str, Tensor]) -> nn.Module:
+    """Copy ``weights`` into ``model``'s own parameters and buffers, in place.
+
+    The inverse of :func:`trainable_params` and :func:`model_buffers`.
+    ``weights`` holds tensors by module name — a posterior's mean (:attr:`flatbma.types.Posterior.mean`,
+    :meth:`flatbma.predictor.BMA.mean`), one sample, or a point estimate's ``{**state.params,
+    **state.buffers}``. Tensors it does not name keep their values (a frozen backbone). After this the
+    module computes ``f(x; weights)`` when called as usual, and tools that read the module's own weights
+    (:func:`flatbma.flatness.hessian_eigenvalues` without ``weights=``) measure them.
+
+    Returns:
+        ``model``.
+
+    Raises:
+        FlatbmaError: a name the module does not have, or a tensor of another shape.
+    """
+    own = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    for name, value in weights.items():
+        if name not in own:
+            raise FlatbmaError(
+                f"load_into: the module has no parameter or buffer {name!r}.{suggest(name, own)} Pass weights of "
+                "this module, by the names of its named_parameters() and named_buffers()"
+            )
+        if tuple(value.shape) != tuple(own[name].shape):
+            raise FlatbmaError(
+                f"load_into: {name!r} has shape {tuple(value.shape)} but the module's is {tuple(own[name].shape)}"
+            )
+    with torch.no_grad():
+        for name, value in weights.items():
+            own[name].copy_(value)
+    return model
 
 
 def clone(params: Mapping[str, Tensor]) -> Params:

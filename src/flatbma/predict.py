@@ -28,22 +28,28 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call, vmap
 
+from flatbma import progress
 from flatbma.calibration import scale
 from flatbma.checks import is_int
 from flatbma.errors import FlatbmaError
 from flatbma.metrics import StreamingMetrics
-from flatbma.types import Batch
+from flatbma.types import Batch, split_batch
 
 
 @contextlib.contextmanager
 def eval_mode(model: nn.Module) -> Iterator[nn.Module]:
-    """Put ``model`` in eval mode for the block and restore its previous mode afterwards."""
-    was_training = model.training
+    """Put ``model`` in eval mode for the block and restore every submodule's previous mode afterwards.
+
+    Each module gets its own mode back (a module with a frozen, eval-mode part stays so), not the
+    root's mode for all.
+    """
+    modes = [(m, m.training) for m in model.modules()]
     model.eval()
     try:
         yield model
     finally:
-        model.train(was_training)
+        for m, training in modes:
+            m.training = training
 
 
 ACTIVATION_BUDGET_BYTES = 256 * 2**20
@@ -305,7 +311,7 @@ def predict(
     Args:
         model: the template module.
         samples: weight dicts (parameters and buffers) of the posterior samples.
-        loader: ``(x, y)`` batches.
+        loader: ``(x, y)`` batches (inputs alone: :meth:`flatbma.predictor.BMA.predict_log_proba`).
         device: where batches go.
         mode: context manager factory for the model's prediction mode (a posterior's
             ``predict_mode``); eval mode when ``None``.
@@ -315,9 +321,25 @@ def predict(
     """
     _check_batching_options(batched, chunk_size)
     with (mode or eval_mode)(model):
-        for x, y in loader:
+        for batch in loader:
+            x, y = labelled(batch)
             log_probs = bma_log_probs(model, samples, x.to(device), batched=batched, chunk_size=chunk_size)
             yield log_probs, y.to(device)
+
+
+def labelled(batch: object) -> Batch:
+    """``(x, y)`` of a labelled batch (:func:`flatbma.types.split_batch`).
+
+    Raises:
+        FlatbmaError: for inputs without labels, saying where inputs alone are predicted.
+    """
+    x, y = split_batch(batch)
+    if y is None:
+        raise FlatbmaError(
+            "metrics need labelled (x, y) batches, but a batch holds inputs alone; to predict inputs alone use "
+            "flatbma.BMA(model, method, state).predict_proba(x)"
+        )
+    return x, y
 
 
 def evaluate(
@@ -405,7 +427,8 @@ def stream_metrics(
     chosen = sorted({min(m, total) for m in sizes} | {total})
     states = {m: StreamingMetrics(num_classes=num_classes, n_bins=n_bins) for m in chosen}
     with (mode or eval_mode)(model):
-        for x, y in loader:
+        for batch in progress.current().bar(loader, desc=f"BMA of {total}", unit="batch"):  # a bar on a terminal
+            x, y = labelled(batch)
             x, y = x.to(device), y.to(device)
             per_sample = sample_log_probs(model, samples, x, batched=batched, chunk_size=chunk_size)
             for m, state in states.items():

@@ -45,14 +45,25 @@ def new_seed() -> Tensor:
     return torch.randint(0, 2**62, (), dtype=torch.int64)
 
 
-def seeded_generator(seed: Tensor | int, stream: int, device: torch.device | str) -> torch.Generator:
+def draw_seed(generator: torch.Generator | None = None) -> int:
+    """A seed in ``[0, SEED_BOUND)`` drawn from ``generator`` (torch's global generator when ``None``)."""
+    device = generator.device if generator is not None else "cpu"
+    return int(torch.randint(SEED_BOUND, (), dtype=torch.int64, generator=generator, device=device))
+
+
+def derive_seed(seed: int, stream: int) -> int:
+    """The seed of stream ``stream`` of ``seed``: the low 63 bits of :func:`splitmix64` (a valid ``manual_seed``)."""
+    return splitmix64(seed, stream) & _MASK63
+
+
+def seeded_generator(seed: Tensor | int, stream: int, device: torch.device | str = "cpu") -> torch.Generator:
     """A generator on ``device`` seeded with the low 63 bits of :func:`splitmix64` of ``(seed, stream)``.
 
     ``stream`` is the step number for training noise (``-1`` for initialization), so every step draws
     independent noise that is reproducible from the stored seed alone.
     """
     g = torch.Generator(device=device)
-    g.manual_seed(splitmix64(int(seed), stream) & _MASK63)
+    g.manual_seed(derive_seed(int(seed), stream))
     return g
 
 

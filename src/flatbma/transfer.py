@@ -3,7 +3,7 @@
 FP-BMA's transfer scheme (Lim et al., UAI 2025, §4) makes only the normalization layers and the
 classifier Bayesian; everything else stays at the pretrained values. Selection is by module *type*
 (every BatchNorm / LayerNorm / GroupNorm / InstanceNorm — including those inside downsample
-branches — plus the final ``nn.Linear``), never by name substrings (METHODS.md §4, defect 4).
+branches — plus the final ``nn.Linear``), never by name substrings (docs/methods.md §10.1, item 4).
 The rest is frozen by ``requires_grad=False`` (the laplace-torch convention), which every method
 honours because :func:`flatbma.params.trainable_params` only returns trainable parameters.
 """

@@ -21,11 +21,33 @@ from typing import Any, NamedTuple, Protocol
 import torch
 from torch import Tensor, nn
 
+from flatbma.errors import FlatbmaError
+
 Params = dict[str, Tensor]
 """Named tensors: model parameters (``model.named_parameters()`` names) or method variables."""
 
 Batch = tuple[Tensor, Tensor]
 """A mini-batch ``(inputs, integer labels)``."""
+
+
+def split_batch(batch: object) -> tuple[Tensor, Tensor | None]:
+    """``(x, y)`` of one batch given as ``(x, y)`` or ``(x,)`` (a tuple or a list, as DataLoaders yield) or ``x``.
+
+    ``y`` is ``None`` for inputs alone (``x`` or ``(x,)``).
+
+    Raises:
+        FlatbmaError: for anything else (a dict, three tensors, a non-tensor entry).
+    """
+    if isinstance(batch, Tensor):
+        return batch, None
+    if isinstance(batch, tuple | list) and len(batch) in (1, 2) and all(isinstance(t, Tensor) for t in batch):
+        return batch[0], batch[1] if len(batch) == 2 else None
+    kinds = ", ".join(type(t).__name__ for t in batch) if isinstance(batch, tuple | list) else ""
+    raise FlatbmaError(
+        f"a batch must be inputs x, (x,) or (x, y) of tensors, got a {type(batch).__name__}"
+        + (f" of ({kinds})" if kinds else "")
+        + "; give a DataLoader of such batches"
+    )
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ from PIL import Image
 from flatbma.data import ArrayDataset
 from flatbma.errors import FlatbmaError
 from flatbma.experiment.cli import main
+from tests.data.test_bad_headers import with_png_size
 
 BASE = {
     "seed": 0,
@@ -31,7 +32,7 @@ BASE = {
     "model": {"name": "mlp", "width": 8},
     "optim": {"lr": 0.05},
     "train": {"epochs": 1, "progress": False},
-    "eval": {"num_samples": 1, "hessian_examples": 16},
+    "eval": {"num_samples": 1, "hessian_examples": 16, "n_bins": 4},  # 12 test images: a few calibration bins
 }
 
 
@@ -46,6 +47,12 @@ def train(tmp_path: Path, **data: Any) -> tuple[int, str]:
 
 
 _COUNT = itertools.count()
+
+
+def trains(tmp_path: Path, **data: Any) -> None:
+    """Train on ``data``, expect success (stderr may hold progress lines, but no error)."""
+    code, err = train(tmp_path, **data)
+    assert code == 0 and "error" not in err, err
 
 
 def one_error(tmp_path: Path, *needles: str, **data: Any) -> str:
@@ -116,9 +123,9 @@ SQUARE = [(6, 6)] * 6
 
 def test_good_image_folder_and_idx_train(tmp_path: Path) -> None:
     folder = image_folder(tmp_path / "f", {"train": {"a": SQUARE, "b": SQUARE}, "test": {"a": SQUARE, "b": SQUARE}})
-    assert train(tmp_path, name="image-folder", root=str(folder), k_shot=3) == (0, "")
+    trains(tmp_path, name="image-folder", root=str(folder), k_shot=3)
     idx = idx_dir(tmp_path / "i", LABELS, TEST_LABELS)
-    assert train(tmp_path, name="idx", root=str(idx), k_shot=5) == (0, "")
+    trains(tmp_path, name="idx", root=str(idx), k_shot=5)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -149,7 +156,7 @@ def test_images_of_several_sizes_need_data_image_size(tmp_path: Path) -> None:
     root = image_folder(tmp_path / "f", layout)
     one_error(tmp_path, "differ in size", "b/5.png is 5x7", "data.image_size", name="image-folder", root=str(root))
     # ... and the fix the message names works: the loader resizes while reading
-    assert train(tmp_path, name="image-folder", root=str(root), image_size=6) == (0, "")
+    trains(tmp_path, name="image-folder", root=str(root), image_size=6)
 
 
 def test_train_and_test_idx_images_of_different_sizes(tmp_path: Path) -> None:
@@ -237,6 +244,31 @@ def test_folder_problems(tmp_path: Path) -> None:
     png = root / "train" / "b" / "2.png"
     png.write_bytes(png.read_bytes()[:60])
     one_error(tmp_path, "cannot read image", "2.png", name="image-folder", root=str(root))
+
+
+def test_a_decompression_bomb_png_is_one_error_line(tmp_path: Path) -> None:
+    """A PNG of a few dozen pixels whose header declares 10⁸ (PIL only warned about it) ends in one line (#13)."""
+    root = image_folder(tmp_path / "f", {"train": {"a": SQUARE, "b": SQUARE}, "test": {"a": SQUARE, "b": SQUARE}})
+    png = root / "test" / "b" / "1.png"
+    png.write_bytes(with_png_size(png.read_bytes(), 10_000, 10_000))
+    one_error(
+        tmp_path,
+        "b/1.png",
+        "decompression bomb",
+        "100,000,000 pixels",
+        f"{Image.MAX_IMAGE_PIXELS:,}",
+        name="image-folder",
+        root=str(root),
+        image_size=6,
+    )
+    assert not (tmp_path / "run" / "checkpoint.safetensors").exists()
+
+
+def test_idx_sizes_overflowing_64_bits_are_one_error_line(tmp_path: Path) -> None:
+    """(2³¹, 2³¹, 4) images declare 2⁶⁴ bytes, which int64 wrapped to 0, the size of an empty file (#13)."""
+    root = idx_dir(tmp_path / "i", LABELS, TEST_LABELS)
+    (root / "t10k-images-idx3-ubyte").write_bytes(bytes([0, 0, 8, 3]) + struct.pack(">III", 2**31, 2**31, 4))
+    one_error(tmp_path, "t10k-images-idx3-ubyte is truncated", "18446744073709551616 bytes", name="idx", root=str(root))
 
 
 def test_damaged_idx_files_are_named(tmp_path: Path) -> None:

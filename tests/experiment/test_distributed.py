@@ -9,6 +9,9 @@ the mean of two shard means instead of one mean), BMA metrics within ``rel 1e-5`
 
 import copy
 import json
+import os
+import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -23,7 +26,7 @@ from flatbma.experiment import distributed
 from flatbma.experiment.checkpoint import load_checkpoint
 from flatbma.experiment.config import config_from_dict
 from flatbma.experiment.run import train_run
-from tests.experiment.torchrun_helpers import crash_after, torchrun
+from tests.experiment.torchrun_helpers import ROOT, crash_after, torchrun
 
 BASE = {
     "seed": 0,
@@ -155,7 +158,8 @@ def test_torchrun_cli_trains_like_one_process_and_only_rank0_writes(tmp_path):
     train_run(config_from_dict(_config("sgd", one)))
     out = torchrun("-m", "flatbma", "train", "--config", str(cfg), "--set", f"output_dir={many}")
     assert out.stdout.count("wrote ") == 1 and out.stdout.count("accuracy=") == 1  # rank 0 prints
-    assert sorted(p.name for p in many.iterdir()) == ["checkpoint.safetensors", "config.yaml", "metrics.json"]
+    expected = ["checkpoint.safetensors", "config.yaml", "log.csv", "metrics.json"]
+    assert sorted(p.name for p in many.iterdir()) == expected
     _assert_same_run(one, many)
 
 
@@ -240,6 +244,72 @@ def test_torchrun_matches_one_process_for_sam_swag_fpbma_and_resumes_exactly(tmp
 
     error = json.loads((many / "replicas.json").read_text())["error"]
     assert error is not None and "'params/w'" in error and "step 5" in error
+
+
+# --------------------------------------------------------------------------------------------------
+# a stopped process: the others end with one line naming it (flatbma.experiment.liveness)
+
+_STOPPING_WORKER = """
+import dataclasses, os, signal, sys
+from pathlib import Path
+from flatbma.experiment import cli, distributed, stage
+
+config, pidfile = sys.argv[1:]
+real_fit = stage.fit
+
+def fit(method, *args, **kwargs):  # rank 1 stops itself (SIGSTOP) before its third step
+    def update(state, batch):
+        if distributed.rank() == 1 and state.step == 2:
+            Path(pidfile).write_text(str(os.getpid()))
+            os.kill(os.getpid(), signal.SIGSTOP)
+        return method.update(state, batch)
+    return real_fit(dataclasses.replace(method, update=update), *args, **kwargs)
+
+stage.fit = fit
+code = cli.main(["train", "--config", config])
+Path(pidfile).with_name(f"exit{distributed.rank()}").write_text(str(code))
+sys.exit(code)
+"""
+
+
+@pytest.mark.slow
+def test_a_stopped_rank_ends_the_job_with_a_line_naming_it(tmp_path):
+    (tmp_path / "worker.py").write_text(_STOPPING_WORKER)
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(_config("sgd", tmp_path / "run")))
+    pidfile, logs = tmp_path / "rank1.pid", tmp_path / "logs"
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p),
+        "FLATBMA_COLLECTIVE_TIMEOUT": "4",
+    }
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    cmd += ["--log-dir", str(logs), "--redirects", "3", str(tmp_path / "worker.py"), str(tmp_path / "c.yaml")]
+    launcher = subprocess.Popen(
+        [*cmd, str(pidfile)], env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
+    try:
+        deadline, stopped_at, exit0 = time.monotonic() + 50, None, tmp_path / "exit0"
+        while time.monotonic() < deadline and not exit0.exists():
+            time.sleep(0.2)
+            if stopped_at is None and pidfile.exists():
+                stopped_at = time.monotonic()
+        assert stopped_at is not None, "rank 1 never stopped"
+        waited = time.monotonic() - stopped_at
+        assert exit0.read_text() == "2"  # rank 0 ended with flatbma's exit code for errors
+    finally:
+        if pidfile.exists():
+            os.kill(int(pidfile.read_text()), signal.SIGKILL)  # the stopped rank: torchrun ends the job then
+        try:
+            launcher.communicate(timeout=60)
+        finally:
+            launcher.kill()
+    stderr0 = "".join(p.read_text() for p in logs.glob("*/attempt_0/0/stderr.log"))  # rank 0's
+    lines = [line for line in stderr0.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("flatbma: error: rank 1 did not answer within 4 s"), stderr0
+    assert waited < 4 + 15  # the timeout, the diagnosis (2.5 heartbeats of 0.4 s) and a loaded machine's slack
+    assert not (tmp_path / "exit1").exists()  # rank 1 never got to answer
+    assert not (tmp_path / "run" / "metrics.json").exists()
 
 
 if __name__ == "__main__":  # the torchrun worker of the test above

@@ -87,6 +87,7 @@ def test_evaluation_leaves_the_global_rng_as_it_found_it(tmp_path: Path) -> None
     raw["output_dir"] = str(tmp_path / "run")
     raw["train"]["epochs"] = 1
     raw["method"]["start_step"] = 1
+    raw["method"]["rank"] = 2  # the 2 snapshots of 6 updates (a rank above them is refused before training)
     cfg = config_from_dict(raw)
     trained = train(cfg, evaluate=False)
     torch.manual_seed(123)

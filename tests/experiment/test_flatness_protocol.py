@@ -9,9 +9,9 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
+from flatbma import bn
 from flatbma.bn import recompute_bn_statistics
 from flatbma.errors import FlatbmaError
-from flatbma.experiment import evaluate
 from flatbma.experiment.build import build_experiment, statistics_loader
 from flatbma.experiment.config import config_from_dict
 from flatbma.experiment.evaluate import BN_RECOMPUTED, evaluate_state, posterior_samples
@@ -87,7 +87,7 @@ def test_every_method_takes_the_same_bn_path(tmp_path, monkeypatch, method, call
         seen.append(loader)
         return recompute_bn_statistics(model, weights, loader, **kw)
 
-    monkeypatch.setattr(evaluate, "recompute_bn_statistics", counting)
+    monkeypatch.setattr(bn, "recompute_bn_statistics", counting)  # what flatbma.bn.with_recomputed_statistics calls
     samples = posterior_samples(exp, state)
     assert len(seen) == calls and all(loader is exp.bn_loader for loader in seen)
     assert len(samples) == (1 if method["name"] == "sgd" else 4)

@@ -256,8 +256,8 @@ def test_resume_after_a_crash_in_the_first_stage_matches_an_uninterrupted_run(tm
     crashed = config_from_dict(_config(tmp_path / "crashed", train__checkpoint_every=5))
     save = stage_module.save_position
 
-    def save_then_crash(path, state, position, history):
-        save(path, state, position, history)
+    def save_then_crash(path, state, position, history, *written_by):
+        save(path, state, position, history, *written_by)
         if path.parent.name == "prior" and state.step == 10:
             raise KeyboardInterrupt  # the process dies right after a mid-epoch checkpoint of stage 1
 

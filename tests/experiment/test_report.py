@@ -466,10 +466,22 @@ def test_one_seed_claims_nothing_and_never_says_mean_and_std(tmp_path):
     md = (tmp_path / "report.md").read_text()
     page = (tmp_path / "report.html").read_text()
     assert "mean ± std" not in md and "mean ± std" not in page
-    assert "## Results (one seed)" in md and "Paired differences" not in md
-    rows = _table_rows(md, "Results (one seed)")
+    assert "## Results (one seed; no interval)" in md and "Paired differences" not in md
+    rows = _table_rows(md, "Results (one seed; no interval)")
     assert rows["swag"]["accuracy"] == f"{0.80 + NOISE[2]:.4f}"  # the value alone
-    assert "### BMA quality vs number of samples (one seed)" in md
+    assert "### BMA quality vs number of samples (one seed; no interval)" in md
+    assert "each cell is that run's value, with no spread and no interval" in md
+    assert "Bold: the best value of a column" in md
+    assert "_One seed; no interval: a difference between methods is claimed only" in md
+    assert "One seed; no interval" in page and "Generated from the paired differences" not in page
+
+
+def test_the_brier_column_says_it_sums_over_both_classes(written):
+    results, out, _ = written
+    for name in ("report.md", "report.html"):
+        text = (out / name).read_text()
+        assert "Brier: Σ_c (p_c − 1[y = c])² summed over all classes" in text
+        assert "twice scikit-learn" in text and "brier_score_loss" in text
 
 
 def test_a_method_with_one_common_seed_is_not_compared():

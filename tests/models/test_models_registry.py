@@ -85,7 +85,7 @@ def test_torchvision_names_use_the_library_when_importable(monkeypatch: pytest.M
     fake = types.ModuleType("torchvision")
     fake.models = types.SimpleNamespace(list_models=lambda: ["tiny"], get_model=get_model)  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "torchvision", fake)
-    model = _build("torchvision:tiny", in_channels=3, image_size=4, pretrained="imagenet")
+    model = _build("torchvision:tiny", in_channels=3, image_size=4)  # ImageNet weights: test_pretrained_local.py
     assert classifier_of(model)[1].out_features == 10
     with pytest.raises(FlatbmaError, match="Did you mean 'tiny'"):
         _build("torchvision:tinyy", in_channels=3, image_size=4)

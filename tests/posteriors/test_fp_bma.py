@@ -140,7 +140,7 @@ def test_fisher_products_and_diagonal_match_the_dense_fisher():
 
 
 def test_a_vanishing_factor_leaves_the_diagonal_gaussian_fisher():
-    # METHODS.md §2: for a diagonal Gaussian F_μ = Σ⁻¹ and F_logσ = 2I
+    # docs/methods.md §5: for a diagonal Gaussian F_μ = Σ⁻¹ and F_logσ = 2I
     theta = _theta(seed=15, factor_scale=1e-9)
     geo = geometry(theta)
     torch.testing.assert_close(covariance_fisher_diagonal(geo)[0], torch.full((15,), 2.0, dtype=torch.float64))
@@ -626,7 +626,7 @@ def test_save_load_sample_and_resume_are_exact(tmp_path):
 
 
 def test_noise_has_mean_zero_and_the_sampler_matches_sigma():
-    # METHODS.md §4: z₂ ~ N(0, I) (not mean 1) and Σ = ½(diag σ² + LLᵀ/(K−1)) in sampler and Fisher alike
+    # docs/methods.md §10.1: z₂ ~ N(0, I) (not mean 1) and Σ = ½(diag σ² + LLᵀ/(K−1)) in sampler and Fisher alike
     theta = _theta(seed=14, k=3, dtype=torch.float32)
     family = lowrank_vi.LowRankGaussian(rank=3, init_std=0.1, prior_std=1.0)
     gen = torch.Generator().manual_seed(0)

@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import gzip
 import io
+import math
+import os
 import pickle
 import zlib
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 
@@ -121,6 +123,11 @@ def read_idx(path: Path, *, ndim: int, source: str) -> np.ndarray:
     The header is four bytes ``0, 0, type, ndim`` followed by ``ndim`` big-endian ``uint32`` sizes;
     images files have magic ``0x00000803`` (2051) and label files ``0x00000801`` (2049).
 
+    The header is read first and the data size it declares, ``∏ sizes`` bytes, is computed with
+    Python integers (three ``uint32`` sizes overflow 64 bits) and compared with the file before the
+    data is read: with the file's length for a plain file, and for a ``.gz`` file by decompressing at
+    most one byte more than declared. So a damaged header never allocates what it declares.
+
     Args:
         path: The file; a name ending in ``.gz`` is decompressed first.
         ndim: Expected number of dimensions (3 for images, 1 for labels).
@@ -133,15 +140,35 @@ def read_idx(path: Path, *, ndim: int, source: str) -> np.ndarray:
         FlatbmaError: Wrong magic number, unexpected element type or rank, or a size mismatch
             (for example a truncated download).
     """
+    compressed = path.suffix == ".gz"
     try:
-        raw = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
+        with gzip.open(path, "rb") if compressed else path.open("rb") as f:
+            return _read_idx(f, path, ndim, source, compressed)
     except (OSError, EOFError, zlib.error) as exc:
         raise FlatbmaError(f"{path} could not be read or decompressed ({exc}). {source}") from None
+
+
+_CHUNK = 1 << 24
+
+
+def _read_at_most(f: BinaryIO, limit: int) -> bytearray:
+    """Up to ``limit`` bytes of ``f``, read in chunks so that only what the file holds is allocated."""
+    data = bytearray()
+    while len(data) < limit:
+        chunk = f.read(min(_CHUNK, limit - len(data)))
+        if not chunk:
+            break
+        data += chunk
+    return data
+
+
+def _read_idx(f: BinaryIO, path: Path, ndim: int, source: str, compressed: bool) -> np.ndarray:
     expected_magic = 0x800 + ndim
-    if len(raw) < 4:
-        raise FlatbmaError(f"{path} is {len(raw)} bytes long, too short for an idx header. {source}")
-    zero0, zero1, type_code, file_ndim = raw[0], raw[1], raw[2], raw[3]
-    magic = int.from_bytes(raw[:4], "big")
+    head = f.read(4)
+    if len(head) < 4:
+        raise FlatbmaError(f"{path} is {len(head)} bytes long, too short for an idx header. {source}")
+    zero0, zero1, type_code, file_ndim = head
+    magic = int.from_bytes(head, "big")
     if zero0 != 0 or zero1 != 0 or type_code not in _IDX_DTYPES:
         raise FlatbmaError(
             f"{path} is not an idx file: magic number 0x{magic:08X}, expected 0x{expected_magic:08X} "
@@ -153,16 +180,111 @@ def read_idx(path: Path, *, ndim: int, source: str) -> np.ndarray:
             f"dimensions); expected 0x{expected_magic:08X} (uint8, {ndim} dimensions). Check that images "
             f"and labels files are not swapped. {source}"
         )
-    header_len = 4 + 4 * ndim
-    if len(raw) < header_len:
-        raise FlatbmaError(f"{path} is truncated inside its header ({len(raw)} bytes). {source}")
-    shape = tuple(int(d) for d in np.frombuffer(raw, dtype=">u4", count=ndim, offset=4))
-    expected = int(np.prod(shape, dtype=np.int64))
-    found = len(raw) - header_len
+    sizes = f.read(4 * ndim)
+    if len(sizes) < 4 * ndim:
+        raise FlatbmaError(f"{path} is truncated inside its header ({4 + len(sizes)} bytes). {source}")
+    shape = tuple(int.from_bytes(sizes[4 * i : 4 * i + 4], "big") for i in range(ndim))
+    expected = math.prod(shape)  # Python integers: exact, never wraps around
+    if compressed:
+        data = _read_at_most(f, expected + 1)
+        found = len(data)
+    else:
+        found = os.fstat(f.fileno()).st_size - 4 - 4 * ndim
+        data = _read_at_most(f, expected + 1) if found == expected else bytearray()
+        found = len(data) if found == expected else found  # the file may change while it is read
+    if found != expected:
+        if found < expected:
+            what, holds = "truncated", f"holds {found} bytes"
+        else:
+            what = "longer than its header says"
+            holds = "holds more than that" if compressed else f"holds {found} bytes"
+        raise FlatbmaError(
+            f"{path} is {what}: its header declares shape {shape} ({expected} bytes of data) but the file "
+            f"{holds} after the header. Download it again. {source}"
+        )
+    return np.frombuffer(data, dtype=np.uint8).reshape(shape)
+
+
+# ---------------------------------------------------------------------------------------------------
+# .npy (NumPy's array format)
+# ---------------------------------------------------------------------------------------------------
+
+_NUMERIC_KINDS = "biuf"
+
+
+_NPY_HEADER_READERS = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}
+_NPY_HEADER_ERRORS = (ValueError, TypeError, KeyError, IndexError, OverflowError, RecursionError)
+
+
+def _npy_header(f: BinaryIO, path: Path, source: str) -> tuple[tuple[int, ...], np.dtype]:
+    """``(shape, dtype)`` from the header of the ``.npy`` file open as ``f``, which is left after the header."""
+    try:
+        version = np.lib.format.read_magic(f)
+        reader = _NPY_HEADER_READERS.get(version)
+        shape, _, dtype = reader(f) if reader is not None else ((), False, None)
+    except _NPY_HEADER_ERRORS as exc:
+        text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise FlatbmaError(f"cannot read {path}: not a valid .npy file ({_short(text)}). {source}") from None
+    if reader is None:
+        raise FlatbmaError(
+            f"cannot read {path}: a .npy file of format version {version[0]}.{version[1]}; flatbma reads "
+            f"versions 1.0 and 2.0 (plain numeric arrays). {source}"
+        )
+    return shape, dtype
+
+
+def _short(value: object, limit: int = 80) -> str:
+    """``str(value)``, cut to ``limit`` characters (shapes and texts read from a damaged header)."""
+    text = str(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def read_npy(path: Path, *, source: str) -> np.ndarray:
+    """Memory-map a ``.npy`` file of a plain numeric array, after checking its header against its size.
+
+    The header (``numpy.lib.format``: magic, version 1.0 or 2.0, then a literal dict of ``descr``,
+    ``fortran_order`` and ``shape``) is read with numpy's own reader. The array is accepted only when
+    its dtype is a plain boolean, integer or floating-point type (no object arrays, which need
+    pickle, no records or sub-arrays), every size is ``>= 0`` and ``∏ shape × itemsize`` (Python
+    integers) equals the bytes that follow the header. Only then is the file mapped
+    (``mmap_mode="r"``): nothing is read or allocated before the sizes agree.
+
+    Args:
+        path: The file.
+        source: Where a good copy of the file comes from; appended to error messages.
+
+    Returns:
+        A read-only memory-mapped array.
+
+    Raises:
+        FlatbmaError: The file is missing or unreadable, not a ``.npy`` file, of an unsupported
+            version or dtype, or its size disagrees with its header.
+    """
+    try:
+        with path.open("rb") as f:
+            header = _npy_header(f, path, source)
+            header_end, size = f.tell(), os.fstat(f.fileno()).st_size
+    except FileNotFoundError:
+        raise FlatbmaError(f"{path} does not exist. {source}") from None
+    except OSError as exc:
+        raise FlatbmaError(f"cannot read {path} ({exc.strerror or exc}). {source}") from None
+    shape, dtype = header
+    if dtype.kind not in _NUMERIC_KINDS or dtype.fields is not None or dtype.subdtype is not None:
+        raise FlatbmaError(
+            f"cannot read {path}: it holds an array of dtype {_short(dtype, 60)}; only plain boolean, integer and "
+            f"floating-point arrays are read (object arrays would need pickle, which can run code). {source}"
+        )
+    if any(d < 0 for d in shape):
+        raise FlatbmaError(f"{path} declares the negative shape {_short(shape)} in its header. {source}")
+    expected = math.prod(shape) * dtype.itemsize  # Python integers: exact, never wraps around
+    found = size - header_end
     if found != expected:
         what = "truncated" if found < expected else "longer than its header says"
         raise FlatbmaError(
-            f"{path} is {what}: its header declares shape {shape} ({expected} bytes of data) but the file "
+            f"{path} is {what}: its header declares {dtype} {_short(shape)} ({expected} bytes of data) but the file "
             f"holds {found} bytes after the header. Download it again. {source}"
         )
-    return np.frombuffer(raw, dtype=np.uint8, offset=header_len).reshape(shape)
+    try:
+        return np.load(path, allow_pickle=False, mmap_mode="r")
+    except (ValueError, OSError, EOFError) as exc:
+        raise FlatbmaError(f"cannot read {path} as a .npy array ({exc}). {source}") from None

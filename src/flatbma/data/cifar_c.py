@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from flatbma.checks import is_integral
+from flatbma.data._readers import read_npy
 from flatbma.data.corruptions import CORRUPTIONS
 from flatbma.data.datasets import ArrayDataset
 from flatbma.errors import FlatbmaError, suggest
@@ -77,10 +78,7 @@ def _root(root: str | Path) -> Path:
 
 
 def _load(path: Path) -> np.ndarray:
-    try:
-        return np.load(path, allow_pickle=False, mmap_mode="r")
-    except (ValueError, OSError, EOFError) as exc:
-        raise FlatbmaError(f"CIFAR-C: cannot read {path} as a .npy array ({exc}). {_HELP}") from None
+    return read_npy(path, source=f"CIFAR-C: {_HELP}")  # header checked against the file before mapping it
 
 
 def _stems(directory: Path) -> list[str]:
@@ -167,7 +165,7 @@ def load_cifar_c(
         )
     rows = slice((level - 1) * n, level * n)
     block = np.ascontiguousarray(images[rows].transpose(0, 3, 1, 2))  # reads and copies these rows only
-    targets = np.asarray(labels[rows] if labels.shape[0] == total else labels, dtype=np.int64)
+    targets = np.array(labels[rows] if labels.shape[0] == total else labels, dtype=np.int64)  # a copy, not the map
     names = list(CIFAR10_CLASSES if classes is None else classes)
     if targets.size and (targets.min() < 0 or targets.max() >= len(names)):
         hint = " For CIFAR-100-C pass classes=<the 100 CIFAR-100 class names>." if classes is None else ""

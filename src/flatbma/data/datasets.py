@@ -21,11 +21,14 @@ from __future__ import annotations
 
 import importlib.util
 import inspect
+import logging
 import re
+import struct
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -90,8 +93,11 @@ ANIMAL_MNIST_CLASSES = (
     "Zebra",
 )
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp")
+# The formats PIL may decode them as (whatever a file's extension): PIL's rarer decoders are kept out.
+_IMAGE_FORMATS = ("PNG", "JPEG", "BMP")
 
 Transform = Callable[[Tensor], Tensor]
+T = TypeVar("T")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -299,7 +305,10 @@ def _splits(images: Tensor, labels: Tensor, classes: Sequence[str], fraction: fl
 
 
 def _int_labels(values: object, path: Path, help_text: str) -> np.ndarray:
-    array = np.asarray(values)
+    try:
+        array = np.asarray(values)
+    except (ValueError, TypeError, OverflowError) as exc:  # e.g. a ragged list: [[1], 2]
+        raise FlatbmaError(f"{path}: labels must be a 1-D sequence of integers ({exc}). {help_text}") from None
     if array.ndim != 1 or not np.issubdtype(array.dtype, np.integer):
         raise FlatbmaError(
             f"{path}: labels must be a 1-D sequence of integers, got {array.dtype} with shape "
@@ -604,6 +613,62 @@ _FOLDER_HELP = (
     "class; the class list is the sorted union of both splits' sub-directories)."
 )
 _GREY_MODES = frozenset({"1", "L", "LA"})
+# What PIL's decoders raise on a damaged file besides OSError (truncated data, UnidentifiedImageError):
+# its plugins parse headers with struct and indexing, check them with ValueError and SyntaxError, and
+# refuse variants they do not implement (found by tests/data/test_bad_headers.py and longer fuzzing).
+_DECODE_ERRORS = (
+    OSError,
+    ValueError,
+    SyntaxError,
+    EOFError,
+    struct.error,
+    IndexError,
+    KeyError,
+    TypeError,
+    NotImplementedError,
+    ZeroDivisionError,
+    OverflowError,
+)
+_BOMB_PIXELS = re.compile(r"\((\d+) pixels\)")
+
+
+def _decoded(path: Path, use: Callable[[Image.Image], T]) -> T:
+    """``use(image)`` for the image file ``path`` opened with PIL; every decoding failure is a :class:`FlatbmaError`.
+
+    PIL refuses an image of more than twice ``PIL.Image.MAX_IMAGE_PIXELS`` pixels and only warns above
+    ``MAX_IMAGE_PIXELS``; here the warning is an error too, so a decompression bomb (a small file that
+    decodes to gigabytes) is refused from its header, before any pixel is decoded. PIL's other warnings
+    and log records about a damaged file (``Corrupt EXIF data``, ...) are dropped: the image either
+    decodes or the error says what was wrong, in one line. Only PNG, JPEG and BMP decoders are used
+    (the formats of :data:`IMAGE_EXTENSIONS`), so a file holding, say, TIFF data is refused by name.
+    """
+    pil_log = logging.getLogger("PIL")  # its plugins log to child loggers, which inherit this level
+    level = pil_log.level
+    pil_log.setLevel(logging.CRITICAL)
+    try:
+        with warnings.catch_warnings(record=True):
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            with Image.open(path, formats=_IMAGE_FORMATS) as image:
+                return use(image)
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
+        found = _BOMB_PIXELS.search(str(exc))
+        pixels = f"{int(found[1]):,} pixels, " if found else ""
+        raise FlatbmaError(
+            f"dataset 'image-folder': image {path} is refused as a possible decompression bomb ({pixels}over the "
+            f"limit of {Image.MAX_IMAGE_PIXELS:,} pixels, PIL.Image.MAX_IMAGE_PIXELS): remove the file or store it "
+            "at a smaller size."
+        ) from None
+    except _DECODE_ERRORS as exc:
+        if isinstance(exc, UnidentifiedImageError):  # its message repeats the path
+            detail = f"not a {', '.join(_IMAGE_FORMATS[:-1])} or {_IMAGE_FORMATS[-1]} image"
+        else:
+            detail = str(exc).splitlines()[0][:120] if str(exc).strip() else type(exc).__name__
+        raise FlatbmaError(
+            f"dataset 'image-folder': cannot read image {path} ({detail}); the file is damaged or not an image: "
+            "replace or remove it."
+        ) from None
+    finally:
+        pil_log.setLevel(level)
 
 
 def load_image_folder(root: str | Path | None = None, *, size: int | None = None) -> DatasetSplits:
@@ -611,6 +676,9 @@ def load_image_folder(root: str | Path | None = None, *, size: int | None = None
 
     Images are converted to single-channel ``L`` if every image is grayscale, otherwise to ``RGB``,
     and stored as ``uint8 [N, C, H, W]``. All images must have one size unless ``size`` is given.
+    Files are decoded as PNG, JPEG or BMP, whatever their extension; a damaged file, another format or
+    an image over PIL's decompression-bomb limit (``PIL.Image.MAX_IMAGE_PIXELS``) is a
+    :class:`FlatbmaError` naming the file.
 
     Args:
         root: The directory holding ``train`` and ``test``.
@@ -646,13 +714,9 @@ def load_image_folder(root: str | Path | None = None, *, size: int | None = None
                 f"{_FOLDER_HELP}"
             )
     # First pass reads headers only: mode and size, without decoding pixels.
-    headers: dict[Path, tuple[str, tuple[int, int]]] = {}
-    for path, _ in files["train"] + files["test"]:
-        try:
-            with Image.open(path) as image:
-                headers[path] = (image.mode, image.size)
-        except (UnidentifiedImageError, OSError) as exc:
-            raise FlatbmaError(f"dataset 'image-folder': cannot read image {path} ({exc}).") from None
+    headers = {
+        path: _decoded(path, lambda image: (image.mode, image.size)) for path, _ in files["train"] + files["test"]
+    }
     mode = "L" if all(m in _GREY_MODES for m, _ in headers.values()) else "RGB"
     sizes: dict[tuple[int, int], Path] = {}
     for path, (_, wh) in headers.items():
@@ -665,15 +729,14 @@ def load_image_folder(root: str | Path | None = None, *, size: int | None = None
             f"a run config) to resize every image to a square of that size."
         )
 
+    def pixels(image: Image.Image) -> np.ndarray:
+        image = image.convert(mode)
+        if size is not None and image.size != (size, size):
+            image = image.resize((size, size), Image.Resampling.BILINEAR)
+        return np.asarray(image, dtype=np.uint8)
+
     def read(path: Path) -> np.ndarray:
-        try:
-            with Image.open(path) as image:
-                image = image.convert(mode)
-                if size is not None and image.size != (size, size):
-                    image = image.resize((size, size), Image.Resampling.BILINEAR)
-                array = np.asarray(image, dtype=np.uint8)
-        except (UnidentifiedImageError, OSError) as exc:
-            raise FlatbmaError(f"dataset 'image-folder': cannot read image {path} ({exc}).") from None
+        array = _decoded(path, pixels)
         return array[None] if array.ndim == 2 else array.transpose(2, 0, 1)
 
     splits = {

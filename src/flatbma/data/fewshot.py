@@ -1,6 +1,6 @@
 """Reproducible class-stratified sampling: k-shot subsets and train/test splits.
 
-Few-shot protocol (METHODS.md §3 and §4 item 5): from each class, exactly ``k`` training images are
+Few-shot protocol (docs/methods.md §6 and §10.1 item 5): from each class, exactly ``k`` training images are
 drawn without replacement by a ``torch.Generator`` seeded with ``seed``. If a validation set is wanted,
 its ``val_per_class`` images per class come *out of that k-shot budget* (leaving ``k - val_per_class``
 for training), so model selection never sees more labelled data than the k-shot setting allows and

@@ -17,9 +17,19 @@ from typing import Any
 import numpy as np
 import torch
 from torch import Tensor
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
-from flatbma.data import DATASETS, build_transform, few_shot_indices, load_dataset, stratified_split
+from flatbma.bn import statistics_loader
+from flatbma.data import (
+    DATASETS,
+    ArrayDataset,
+    DatasetSplits,
+    build_transform,
+    few_shot_indices,
+    load_dataset,
+    stratified_split,
+)
+from flatbma.data.transforms import Transform
 from flatbma.errors import FlatbmaError
 from flatbma.experiment import distributed
 from flatbma.experiment.config import RunConfig
@@ -107,25 +117,6 @@ class Experiment:
     rng: GlobalRNG
 
 
-def statistics_loader(dataset: Dataset, batch_size: int) -> DataLoader:
-    """``dataset`` in a fixed order, in batches of ``batch_size``, for BatchNorm statistics.
-
-    The order is one permutation of ``range(len(dataset))`` drawn from a generator seeded with 0: it
-    depends on the size of the data set only, not on the run's seed or on any RNG state, so every
-    evaluation and every process gets the same batches. (A permutation rather than the data set's
-    order, because that order may be sorted by class — image folders are — and class-pure batches
-    would give every batch, and so the recomputed statistics, the spread of one class only.) A
-    trailing batch of one example (BatchNorm cannot normalize it) joins the batch before it. Give it
-    data without random augmentation: the statistics are then a function of the weights alone.
-    """
-    order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(0)).tolist()
-    batches = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
-    if len(batches) > 1 and len(batches[-1]) == 1:
-        last = batches.pop()
-        batches[-1] = batches[-1] + last
-    return DataLoader(dataset, batch_sampler=batches)
-
-
 def _dataset_options(d: DataConfig) -> dict[str, Any]:
     """``data.image_size`` for the loaders that resize while reading (image-folder: files of mixed sizes)."""
     loader = DATASETS.get(d.name.strip().lower().replace("_", "-"))
@@ -133,18 +124,37 @@ def _dataset_options(d: DataConfig) -> dict[str, Any]:
     return {"size": d.image_size} if takes_size and d.image_size is not None else {}
 
 
-def build_experiment(cfg: RunConfig, prior: Params | None = None) -> Experiment:
-    """Load data, build the model and the method for ``cfg`` (seeded).
+@dataclass(frozen=True)
+class RunData:
+    """The examples of a run (:func:`select_data`), without transforms.
 
-    ``prior`` is a fitted Gaussian in ``θ`` layout (:func:`flatbma.experiment.prior.fit_prior`) that
-    replaces the method's default prior; without it a two-stage run's method keeps its default
-    prior, which is all that sampling and evaluation need.
+    Attributes:
+        train: the training examples (the k-shot draw of ``data.k_shot``, else the whole training split).
+        val: the validation examples held out of the k-shot budget (``data.val_per_class``), or ``None``.
+        test: the test examples (the stratified subset of ``data.test_limit``, else the whole test split).
+        hessian: indices into ``train`` of the examples the Hessian is taken over (``eval.hessian_examples``),
+            or ``None`` for all of them.
     """
-    seed_everything(cfg.seed)
-    device = distributed.local_device(resolve_device(cfg.train.device))
-    strategy = distributed.strategy(cfg.train.parallel)
+
+    train: ArrayDataset
+    val: ArrayDataset | None
+    test: ArrayDataset
+    hessian: Tensor | None
+
+
+def load_data(d: DataConfig) -> DatasetSplits:
+    """The data set of the ``data`` section, as read from its files (or the embedded copy)."""
+    return load_dataset(d.name, d.root, **_dataset_options(d))
+
+
+def select_data(cfg: RunConfig, splits: DatasetSplits) -> RunData:
+    """The examples ``cfg`` trains, validates, tests and measures the Hessian on, drawn from ``splits`` (seeded).
+
+    Raises:
+        FlatbmaError: a k-shot draw the data cannot give, or a ``data.test_limit`` or
+            ``eval.hessian_examples`` that keeps no example.
+    """
     d = cfg.data
-    splits = load_dataset(d.name, d.root, **_dataset_options(d))
     train, test = splits.train, splits.test
     val = None
     if d.k_shot is not None:
@@ -168,20 +178,26 @@ def build_experiment(cfg: RunConfig, prior: Params | None = None) -> Experiment:
                 f"data.test_limit={d.test_limit} keeps no test image (the subset is stratified, rounded per "
                 f"class): use data.test_limit >= {test.num_classes}, the number of classes"
             )
-    eval_tf = build_transform(size=d.image_size, to_rgb=d.to_rgb, normalize=d.normalize, augment=False)
-    train_tf = build_transform(size=d.image_size, to_rgb=d.to_rgb, normalize=d.normalize, augment=d.augment)
-    statistics_data = hessian_data = train.with_transform(eval_tf)  # the training images, un-augmented
-    if cfg.eval.hessian_examples is not None and cfg.eval.hessian_examples < len(hessian_data):
-        _, kept = stratified_split(hessian_data.labels, cfg.eval.hessian_examples / len(hessian_data), seed=0)
-        hessian_data = hessian_data.subset(kept)
-        if len(hessian_data) == 0:
+    hessian = None
+    if cfg.eval.hessian_examples is not None and cfg.eval.hessian_examples < len(train):
+        _, hessian = stratified_split(train.labels, cfg.eval.hessian_examples / len(train), seed=0)
+        if len(hessian) == 0:
             raise FlatbmaError(
                 f"eval.hessian_examples={cfg.eval.hessian_examples} keeps no training example (the subset is "
-                f"stratified, rounded per class): use eval.hessian_examples >= {hessian_data.num_classes}"
+                f"stratified, rounded per class): use eval.hessian_examples >= {train.num_classes}"
             )
-    train, test = train.with_transform(train_tf), test.with_transform(eval_tf)
-    val = val.with_transform(eval_tf) if val is not None else None
+    return RunData(train=train, val=val, test=test, hessian=hessian)
 
+
+def transforms(d: DataConfig) -> tuple[Transform, Transform]:
+    """``(training, evaluation)`` transforms of the ``data`` section (the evaluation one never augments)."""
+    train_tf = build_transform(size=d.image_size, to_rgb=d.to_rgb, normalize=d.normalize, augment=d.augment)
+    eval_tf = build_transform(size=d.image_size, to_rgb=d.to_rgb, normalize=d.normalize, augment=False)
+    return train_tf, eval_tf
+
+
+def build_network(cfg: RunConfig, train: ArrayDataset) -> torch.nn.Module:
+    """The network of ``cfg`` (on the CPU, seeded) for the images of ``train``, only ``model.trainable`` trainable."""
     channels, height, _ = train[0][0].shape
     model = build_model(
         cfg.model.name,
@@ -192,8 +208,29 @@ def build_experiment(cfg: RunConfig, prior: Params | None = None) -> Experiment:
         width=cfg.model.width,
         dropout=cfg.model.dropout,
         seed=cfg.seed,
-    ).to(device)
+    )
     restrict_trainable(model, subset_names(model, cfg.model.trainable))
+    return model
+
+
+def build_experiment(cfg: RunConfig, prior: Params | None = None) -> Experiment:
+    """Load data, build the model and the method for ``cfg`` (seeded).
+
+    ``prior`` is a fitted Gaussian in ``θ`` layout (:func:`flatbma.experiment.prior.fit_prior`) that
+    replaces the method's default prior; without it a two-stage run's method keeps its default
+    prior, which is all that sampling and evaluation need.
+    """
+    seed_everything(cfg.seed)
+    device = distributed.local_device(resolve_device(cfg.train.device))
+    strategy = distributed.strategy(cfg.train.parallel)
+    d = cfg.data
+    data = select_data(cfg, load_data(d))
+    train_tf, eval_tf = transforms(d)
+    statistics_data = train_eval = data.train.with_transform(eval_tf)  # the training images, un-augmented
+    hessian_data = train_eval.subset(data.hessian) if data.hessian is not None else train_eval
+    train, test = data.train.with_transform(train_tf), data.test.with_transform(eval_tf)
+    val = data.val.with_transform(eval_tf) if data.val is not None else None
+    model = build_network(cfg, train).to(device)
 
     train_loader = strategy.train_loader(train, d.batch_size, seed=cfg.seed)  # data.batch_size: the global batch
     optimizer = cfg.optim.build(steps_per_epoch=len(train_loader), epochs=cfg.train.epochs)

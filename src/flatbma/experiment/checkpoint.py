@@ -2,53 +2,158 @@
 
 A checkpoint is one ``.safetensors`` file whose tensors are the state's ``params/…``, ``buffers/…`` and
 ``aux/…`` entries and whose string metadata holds ``step`` and a format tag. Files are written to a
-temporary name in the same directory and renamed, so a crash never leaves a half-written checkpoint.
+temporary name in the same directory and renamed, so a crash never leaves a half-written checkpoint;
+a temporary file left by a killed write is removed when the next run starts in that directory
+(:func:`remove_stale_temps`). Every write (:func:`atomic_write_bytes`) ends in one
+:class:`~flatbma.errors.FlatbmaError` line when the disk is full, read-only or not writable, and gives
+the file the mode the user's umask asks for.
 
 A run's checkpoint also holds the loop position (:func:`save_position`, :func:`load_position`): the
 runner's :class:`~flatbma.experiment.runner.Position` (RNG states as ``extra/…`` tensors, counters
-and running sums as metadata) and the training history, so that training continues exactly.
+and running sums as metadata), the training history, and who wrote it (:class:`Provenance`: the
+method, fingerprints of its options and of the model, the flatbma version). Loading it checks it
+against the run that loads it (:class:`Template`): who wrote it, every tensor's name, dtype and
+shape, the RNG states and the position, so that a checkpoint of another run, an altered one or a
+damaged one ends in one line naming both sides instead of training or evaluating something else.
+
+A ``flatbma train --resume RUN --set key=value`` may change the keys of :data:`RESUMABLE` (they do
+not change what the trained state means); the change is appended to the run's ``resumes.json``
+(:func:`resume_change`, :func:`append_resume`).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import errno
+import hashlib
 import json
+import math
 import os
+import re
 import tempfile
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save
 from torch import Tensor, nn
 
+import flatbma
 from flatbma.errors import FlatbmaError
+from flatbma.experiment.parse import shown
 from flatbma.experiment.runner import EpochLog, History, Position
+from flatbma.experiment.sections import plain, plain_values
 from flatbma.params import model_buffers, trainable_params
 from flatbma.types import Posterior, State
 
+if TYPE_CHECKING:
+    from flatbma.experiment.build import Experiment
+
 FORMAT = "flatbma-state-v1"
 SECTIONS = ("params", "buffers", "aux")
+WRITTEN_BY = "written_by"
+"""Metadata key of a run checkpoint's :class:`Provenance` (JSON)."""
+RESUMES_FILE = "resumes.json"
+"""The run directory's record of the config changes made on ``--resume`` (:func:`append_resume`)."""
+
+# ---------------------------------------------------------------------------------------------------
+# writing files
 
 
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` via a temporary file and ``os.replace``."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+_TEMP_NAME = re.compile(r"^\..+\.[a-z0-9_]{8}\.tmp$")
+"""The names :func:`atomic_write_bytes` writes first: ``.<name>.<8 random characters of mkstemp>.tmp``."""
+
+_WRITE_PROBLEMS = {
+    errno.ENOSPC: ("no space left on {path}", "free space or choose another output_dir"),
+    errno.EDQUOT: ("disk quota exceeded on {path}", "free space or choose another output_dir"),
+    errno.EROFS: ("cannot write {path}: read-only file system", "choose another output_dir"),
+    errno.EACCES: ("cannot write {path}: permission denied", "choose another output_dir or fix its permissions"),
+    errno.EPERM: ("cannot write {path}: operation not permitted", "choose another output_dir or fix its permissions"),
+}
+
+
+def write_error(path: Path, error: OSError, note: str = "") -> FlatbmaError:
+    """The one-line :class:`FlatbmaError` of a failed write of ``path`` (``note``: what is still intact)."""
+    what, todo = _WRITE_PROBLEMS.get(
+        error.errno or 0, (f"cannot write {{path}} ({error.strerror or error})", "choose another output_dir")
+    )
+    return FlatbmaError(f"{what.format(path=path)}: {todo}" + (f"; {note}" if note else ""))
+
+
+def _umask() -> int:
+    """The process's umask (read from ``/proc`` where possible: ``os.umask`` must set it to read it)."""
     try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def atomic_write_bytes(path: Path, data: bytes, *, note: str = "") -> None:
+    """Write ``data`` to ``path`` via a temporary file and ``os.replace``; the file gets mode ``0o666 & ~umask``.
+
+    A failed write leaves ``path`` as it was and raises :class:`FlatbmaError` (disk full, read-only
+    file system, permission denied, ...) saying what to do, followed by ``note`` (e.g. which
+    checkpoint is intact). An interruption (``KeyboardInterrupt``) propagates after the temporary
+    file is removed.
+    """
+    path = Path(path)
+    tmp: str | None = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
         with os.fdopen(fd, "wb") as f:
+            os.fchmod(f.fileno(), 0o666 & ~_umask())  # mkstemp creates 0600
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+    except BaseException as e:
+        if tmp is not None:
+            try:
+                Path(tmp).unlink(missing_ok=True)
+            except OSError:
+                pass
+        if isinstance(e, OSError):
+            raise write_error(path, e, note) from None
         raise
 
 
-def atomic_write_json(path: Path, obj: Any) -> None:
-    """Write ``obj`` as indented JSON atomically."""
-    atomic_write_bytes(Path(path), (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
+def atomic_write_json(path: Path, obj: Any, *, note: str = "") -> None:
+    """Write ``obj`` as indented JSON atomically (:func:`atomic_write_bytes`)."""
+    atomic_write_bytes(Path(path), (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode(), note=note)
+
+
+def remove_stale_temps(directory: str | Path) -> list[Path]:
+    """Remove the temporary files (``.<name>.<random>.tmp``) that killed writes left in ``directory``.
+
+    Call it where a run starts writing into ``directory`` (one process: rank 0), never while another
+    process writes there. Returns the files removed; files that cannot be removed are left.
+    """
+    removed = []
+    try:
+        candidates = [p for p in Path(directory).iterdir() if _TEMP_NAME.match(p.name)]
+    except OSError:  # no such directory yet, or unreadable: nothing of ours is there
+        return removed
+    for path in candidates:
+        try:
+            if path.is_file() and not path.is_symlink():
+                path.unlink()
+                removed.append(path)
+        except OSError:
+            pass
+    return removed
+
+
+# ---------------------------------------------------------------------------------------------------
+# states
 
 
 def save_state(
@@ -65,6 +170,9 @@ def save_state(
         metadata: extra string metadata (JSON text for structured values).
         extra: extra tensors stored under ``extra/<key>`` (e.g. RNG states), read back by
             :func:`load_checkpoint`.
+
+    Raises:
+        FlatbmaError: the file cannot be written (the message says which checkpoint at ``path`` is intact).
     """
     path = Path(path)
     tensors = {
@@ -77,7 +185,27 @@ def save_state(
     # summation order of global norms), so it is stored and restored.
     order = {section: list(getattr(state, section)) for section in SECTIONS}
     meta = {"format": FORMAT, "step": str(state.step), "order": json.dumps(order), **(metadata or {})}
-    atomic_write_bytes(path, save(tensors, metadata=meta))
+    data = save(tensors, metadata=meta)
+    try:
+        atomic_write_bytes(path, data)
+    except FlatbmaError as e:
+        raise FlatbmaError(f"{e}; {_intact(path)}") from None
+
+
+def _intact(path: Path) -> str:
+    """What a failed write of the checkpoint ``path`` left: the one before it (its step), or none."""
+    meta = checkpoint_metadata(path)
+    step = meta.get("step") if meta is not None else None
+    return f"the last checkpoint at step {step} is intact" if step is not None else "no checkpoint was written yet"
+
+
+def checkpoint_metadata(path: str | Path) -> dict[str, str] | None:
+    """The string metadata of the checkpoint at ``path`` (its tensors are not read); ``None`` if unreadable."""
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return dict(f.metadata() or {})
+    except (SafetensorError, OSError, ValueError, RuntimeError):
+        return None
 
 
 def _in_order(tensors: dict[str, Tensor], order: list[str]) -> dict[str, Tensor]:
@@ -102,16 +230,16 @@ def load_checkpoint(path: str | Path, device: str = "cpu") -> tuple[State, dict[
         tensors = load_file(str(path), device=device)
     except (SafetensorError, OSError, ValueError, RuntimeError) as e:
         raise FlatbmaError(
-            f"checkpoint {path} is not a readable safetensors file ({e}); it may be truncated or "
+            f"checkpoint {path} is not a readable safetensors file ({_clip(str(e))}); it may be truncated or "
             "corrupted: delete it and resume from an earlier checkpoint or retrain"
         ) from None
     if meta.get("format") != FORMAT:
-        raise FlatbmaError(f"{path} is not a flatbma checkpoint (format tag {meta.get('format')!r})")
+        raise FlatbmaError(f"{path} is not a flatbma checkpoint (format tag {shown(meta.get('format'))})")
     sections: dict[str, dict] = {s: {} for s in (*SECTIONS, "extra")}
     for key, value in tensors.items():
         section, _, name = key.partition("/")
         if section not in sections:
-            raise FlatbmaError(f"{path}: unexpected tensor {key!r}; the file is not a flatbma checkpoint")
+            raise FlatbmaError(f"{path}: unexpected tensor {shown(key)}; the file is not a flatbma checkpoint")
         sections[section][name] = value
     extra = sections.pop("extra")
     try:
@@ -126,35 +254,253 @@ def load_checkpoint(path: str | Path, device: str = "cpu") -> tuple[State, dict[
     return State(step=step, **sections), meta, {k: v.cpu() for k, v in extra.items()}
 
 
+def _stacked_copy(name: str, value: Tensor, params: Mapping[str, Tensor]) -> bool:
+    """Whether aux entry ``name`` stacks copies of a parameter: ``<prefix>/<param>``, ``[S, *shape]``, its dtype."""
+    for i, c in enumerate(name):
+        p = params.get(name[i + 1 :]) if c == "/" else None
+        if p is not None and value.dtype == p.dtype and value.dim() == p.dim() + 1 and value.shape[1:] == p.shape:
+            return value.shape[0] >= 1
+    return False
+
+
 def check_compatible(state: State, reference: State, path: str | Path) -> None:
     """Raise :class:`FlatbmaError` unless the loaded ``state`` has the structure of ``reference``.
 
-    ``reference`` is the state the run's method initializes for the run's model. ``params`` and
-    ``buffers`` must hold the same names with the same shapes; every ``aux`` entry of ``reference``
-    must be there with its shape (a method may add ``aux`` entries while it trains, e.g. samples).
+    ``reference`` is the state the run's method initializes for the run's model. ``params``,
+    ``buffers`` and ``aux`` must hold its names with the same dtypes and shapes. The only entries
+    ``reference`` lacks that are accepted are ``aux`` stacks of copies of a parameter
+    (``<prefix>/<name>`` of shape ``[S, *shape]`` and the parameter's dtype): the iterates a sampler
+    keeps as it trains (SGLD). Every other entry is refused (e.g. a SWAG state in a SAM run).
     """
+    problem = None
     for section in SECTIONS:
         have, want = getattr(state, section), getattr(reference, section)
-        problem = next((f"{section}/{k} is missing" for k in want if k not in have), None)
-        problem = problem or next(
-            (
-                f"{section}/{k} has shape {tuple(have[k].shape)} instead of {tuple(v.shape)}"
-                for k, v in want.items()
-                if tuple(have[k].shape) != tuple(v.shape)
-            ),
-            None,
-        )
-        if problem is None and section != "aux":
-            problem = next((f"{section}/{k} is unexpected" for k in have if k not in want), None)
-        if problem is not None:
+        for k, v in want.items():
+            if k not in have:
+                problem = f"{section}/{k} is missing"
+            elif have[k].dtype != v.dtype:
+                problem = f"{section}/{k} is {_dtype(have[k])} instead of {_dtype(v)}"
+            elif tuple(have[k].shape) != tuple(v.shape):
+                problem = f"{section}/{k} has shape {tuple(have[k].shape)} instead of {tuple(v.shape)}"
+            if problem:
+                break
+        for k, v in have.items():
+            if problem:
+                break
+            if k not in want and not (section == "aux" and _stacked_copy(k, v, reference.params)):
+                problem = f"{section}/{k} is unexpected"
+        if problem:
             raise FlatbmaError(
-                f"{path} does not fit this run's config ({problem}): it was written for another method or "
-                "model; restore the run's own checkpoint or train again"
+                f"{path} does not fit this run ({_clip(problem)}): it was written for another method "
+                "or model, or altered; restore the run's own checkpoint or train again"
             )
 
 
-def save_position(path: Path, state: State, position: Position, history: History) -> None:
-    """Save ``state`` with the loop ``position`` and ``history`` it was reached with (:func:`load_position`)."""
+def _clip(text: str, limit: int = 160) -> str:
+    """``text`` cut to at most ``limit`` characters (names read from a file may be of any length)."""
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _dtype(t: Tensor) -> str:
+    return str(t.dtype).removeprefix("torch.")
+
+
+# ---------------------------------------------------------------------------------------------------
+# who wrote a run's checkpoint
+
+
+def fingerprint(value: Any) -> str:
+    """A short hash of a JSON-like ``value`` (keys sorted): equal values, equal fingerprints."""
+    text = json.dumps(value, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def model_fingerprint(model: nn.Module, config: Mapping[str, Any]) -> str:
+    """:func:`fingerprint` of the model's structure and config.
+
+    The structure is every parameter's and buffer's name, shape, dtype and whether it is trained
+    (sorted by name); the config is the run's ``model`` section.
+    """
+    structure = sorted(
+        [f"param:{k}", list(v.shape), _dtype(v), bool(v.requires_grad)] for k, v in model.named_parameters()
+    ) + sorted([f"buffer:{k}", list(v.shape), _dtype(v)] for k, v in model.named_buffers())
+    return fingerprint({"structure": structure, "config": dict(config)})
+
+
+@dataclass(frozen=True)
+class Provenance:
+    """Who wrote a run's checkpoint, saved in its metadata and checked when it is loaded.
+
+    Attributes:
+        method: the method's name (``method.name``).
+        options: the resolved ``method`` section (name and every option), JSON values.
+        model: the resolved ``model`` section.
+        model_fingerprint: :func:`model_fingerprint` of the model and ``model``.
+        flatbma: the flatbma version that wrote it (``None``: not recorded). Recorded, not checked: the
+            format tag decides whether a file can be read, and a newer flatbma resumes an older run.
+    """
+
+    method: str
+    options: Mapping[str, Any]
+    model: Mapping[str, Any]
+    model_fingerprint: str
+    flatbma: str | None = flatbma.__version__
+
+    @property
+    def options_fingerprint(self) -> str:
+        """:func:`fingerprint` of :attr:`options`."""
+        return fingerprint(dict(self.options))
+
+    def to_json(self) -> str:
+        """The metadata text (:meth:`from_json` reads it)."""
+        record = dataclasses.asdict(self) | {"options_fingerprint": self.options_fingerprint}
+        return json.dumps(record, sort_keys=True, default=str)
+
+    @classmethod
+    def from_json(cls, text: str) -> Provenance:
+        """Read :meth:`to_json`'s text; ``ValueError`` when it is damaged or its fingerprints do not match."""
+        record = json.loads(text)
+        fields = {f.name for f in dataclasses.fields(cls)}
+        if not isinstance(record, dict) or set(record) != fields | {"options_fingerprint"}:
+            raise ValueError("fields")
+        kinds = {"method": str, "options": dict, "model": dict, "model_fingerprint": str}
+        if not all(isinstance(record[k], t) for k, t in kinds.items()):
+            raise ValueError("types")
+        if not isinstance(record["flatbma"], str | None):
+            raise ValueError("version")
+        made = cls(**{k: record[k] for k in fields})
+        if made.options_fingerprint != record["options_fingerprint"]:
+            raise ValueError("options fingerprint")
+        return made
+
+
+def _differences(have: Mapping[str, Any], want: Mapping[str, Any]) -> str:
+    """``"key=old → new, ..."`` for the keys whose values differ (missing: ``—``)."""
+    keys = sorted({*have, *want}, key=str)
+    parts = [
+        f"{k}={'—' if k not in have else shown(have[k], 30)} vs {'—' if k not in want else shown(want[k], 30)}"
+        for k in keys
+        if have.get(k, _MISSING) != want.get(k, _MISSING)
+    ]
+    return _clip(", ".join(parts))
+
+
+_MISSING = object()
+
+
+def check_provenance(meta: Mapping[str, str], want: Provenance, path: str | Path) -> Provenance | None:
+    """Raise :class:`FlatbmaError` unless the checkpoint's metadata says ``want`` wrote it.
+
+    A checkpoint without the record (written before flatbma recorded it) is accepted: its tensors and
+    position are still checked (:func:`check_compatible`, :func:`check_position`), which tells apart
+    every two methods whose states differ. Returns the recorded provenance (``None`` without one).
+    """
+    text = meta.get(WRITTEN_BY)
+    if text is None:
+        return None
+    try:
+        have = Provenance.from_json(text)
+    except (ValueError, TypeError):
+        raise FlatbmaError(
+            f"checkpoint {path}: the record of who wrote it is damaged; restore the run's own checkpoint or train again"
+        ) from None
+    todo = "restore the run's own checkpoint, or train this config into another output_dir"
+    if have.method != want.method:
+        raise FlatbmaError(
+            f"checkpoint {path} was written by method {shown(have.method)} but this run is {shown(want.method)}: {todo}"
+        )
+    if have.options_fingerprint != want.options_fingerprint:
+        raise FlatbmaError(
+            f"checkpoint {path} was written with other {want.method} options than this run's "
+            f"({_differences(have.options, want.options)}; checkpoint vs run): {todo}"
+        )
+    if have.model_fingerprint != want.model_fingerprint:
+        detail = (
+            f"model {_differences(have.model, want.model)}; checkpoint vs run"
+            if dict(have.model) != dict(want.model)
+            else f"the same model section, but parameters of other names, shapes or dtypes: fingerprint "
+            f"{have.model_fingerprint} vs {want.model_fingerprint}, e.g. another number of classes"
+        )
+        raise FlatbmaError(f"checkpoint {path} was written for another model than this run's ({detail}): {todo}")
+    return have
+
+
+# ---------------------------------------------------------------------------------------------------
+# what a run's checkpoint must hold
+
+
+@dataclass(frozen=True)
+class Template:
+    """What a checkpoint must hold to be a given run's (:func:`template` builds it from the run's experiment).
+
+    Attributes:
+        provenance: who must have written it.
+        state: the fresh state of the run's method and model: every tensor's name, dtype and shape.
+        epochs: the run's ``train.epochs`` (the position's epoch lies in ``[0, epochs]``).
+        batches: batches per epoch (the position's batch lies in ``[0, batches]``); ``None`` if unknown.
+        loader_rng: a state of the data-order generator (its size and dtype), ``None`` if the loader has none.
+        device: where the loaded state goes.
+    """
+
+    provenance: Provenance
+    state: State
+    epochs: int
+    batches: int | None
+    loader_rng: Tensor | None
+    device: torch.device
+
+
+def provenance(exp: Experiment) -> Provenance:
+    """The :class:`Provenance` of checkpoints written by ``exp``'s run."""
+    cfg = exp.config
+    model = plain(cfg.model)
+    return Provenance(
+        method=cfg.method.name,
+        options=json.loads(json.dumps(plain_values(cfg.method.to_dict()), default=str)),
+        model=json.loads(json.dumps(model, default=str)),
+        model_fingerprint=model_fingerprint(exp.model, model),
+    )
+
+
+def template(exp: Experiment) -> Template:
+    """The :class:`Template` of ``exp``'s run.
+
+    The reference state is initialized under a forked RNG, so the run's random streams are left alone.
+    """
+    state = reference_state(exp.method, exp.model, exp.device)
+    generator = getattr(exp.train_loader, "generator", None)
+    try:
+        batches: int | None = len(exp.train_loader)
+    except TypeError:
+        batches = None
+    return Template(
+        provenance=provenance(exp),
+        state=state,
+        epochs=exp.config.train.epochs,
+        batches=batches,
+        loader_rng=generator.get_state() if isinstance(generator, torch.Generator) else None,
+        device=exp.device,
+    )
+
+
+def reference_state(method: Posterior, model: nn.Module, device: torch.device) -> State:
+    """``method``'s fresh state of ``model`` drawn under a forked RNG (the global streams are left alone)."""
+    devices = list(range(torch.cuda.device_count())) if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        return method.init(trainable_params(model), model_buffers(model))
+
+
+# ---------------------------------------------------------------------------------------------------
+# the loop position
+
+
+def save_position(
+    path: Path, state: State, position: Position, history: History, written_by: Provenance | None = None
+) -> None:
+    """Save ``state`` with the loop ``position`` and ``history`` it was reached with (:func:`load_position`).
+
+    ``written_by`` is recorded for :func:`load_position` to check.
+    """
     extra = {"torch_rng": position.torch_rng}
     if position.loader_rng is not None:
         extra["loader_rng"] = position.loader_rng
@@ -166,34 +512,218 @@ def save_position(path: Path, state: State, position: Position, history: History
         "partial": json.dumps(list(position.partial)),
         "history": json.dumps([vars(h) for h in history.epochs]),
     }
+    if written_by is not None:
+        meta[WRITTEN_BY] = written_by.to_json()
     save_state(state, path, meta, extra)
 
 
-def load_position(path: Path, device: torch.device) -> tuple[State, Position, History]:
-    """``(state, position, history)`` saved by :func:`save_position`, the state on ``device``."""
-    state, meta, extra = load_checkpoint(path, device=str(device))
+def load_position(path: Path, template: Template) -> tuple[State, Position, History]:
+    """``(state, position, history)`` saved by :func:`save_position`, checked against the run's ``template``.
+
+    Checks, each refused with one :class:`FlatbmaError` line naming both sides: who wrote it
+    (:func:`check_provenance`), every tensor's name, dtype and shape (:func:`check_compatible`), the RNG
+    states and the position (:func:`check_position`). The state is on ``template.device``.
+    """
+    state, meta, extra = load_checkpoint(path, device=str(template.device))
+    check_provenance(meta, template.provenance, path)
+    check_compatible(state, template.state, path)
     try:
-        cuda = tuple(extra[k] for k in sorted(k for k in extra if k.startswith("cuda_rng/"))) or None
+        cuda = tuple(extra[f"cuda_rng/{i}"] for i in range(sum(k.startswith("cuda_rng/") for k in extra))) or None
         position = Position(
-            epoch=int(meta["epoch"]),
-            batch=int(meta["batch"]),
+            epoch=_integer(meta["epoch"]),
+            batch=_integer(meta["batch"]),
             loader_rng=extra.get("loader_rng"),
             torch_rng=extra["torch_rng"],
             cuda_rng=cuda,
             partial=tuple(json.loads(meta["partial"])),
         )
-        history = History([EpochLog(**h) for h in json.loads(meta["history"])])
+        history = History([_epoch_log(h) for h in json.loads(meta["history"])])
     except (KeyError, ValueError, TypeError):
         raise FlatbmaError(f"{path} has no resumable position (written by another tool?); train again") from None
+    known = {"torch_rng", "loader_rng"} | {f"cuda_rng/{i}" for i in range(len(cuda or ()))}
+    unexpected = sorted(set(extra) - known)
+    if unexpected:
+        raise _bad_position(path, f"unexpected tensor extra/{unexpected[0]}")
+    check_position(state, position, template, path)
     return state, position, history
 
 
-def check_fits(state: State, method: Posterior, model: nn.Module, path: Path, *, device: torch.device) -> None:
-    """A loaded state must have the structure ``method`` gives a fresh state of ``model`` (:func:`check_compatible`).
+def _integer(text: str) -> int:
+    value = int(text)
+    if str(value) != text.strip():  # int() also reads "1_000" and "+3"
+        raise ValueError(text)
+    return value
 
-    The reference state is initialized under a forked RNG, so the run's random streams are left alone.
+
+def _epoch_log(record: Any) -> EpochLog:
+    kinds = {"epoch": int, "loss": float, "accuracy": float, "steps": int}
+    if not isinstance(record, dict) or set(record) != set(kinds):
+        raise ValueError("history entry")
+    for key, kind in kinds.items():
+        value = record[key]
+        number = isinstance(value, int | float) and not isinstance(value, bool)
+        if not number or (kind is int and not isinstance(value, int)):
+            raise ValueError(key)
+    return EpochLog(**record)
+
+
+def _bad_position(path: Path, problem: str) -> FlatbmaError:
+    return FlatbmaError(
+        f"checkpoint {path} holds an impossible loop position ({problem}): it was altered or damaged, or written "
+        "for another config; restore the run's own checkpoint or train again"
+    )
+
+
+def _valid_generator_state(state: Tensor, like: Tensor) -> str | None:
+    """Why ``state`` cannot be a CPU generator's state like ``like`` (``None`` when it can)."""
+    if state.dtype != like.dtype or tuple(state.shape) != tuple(like.shape):
+        return f"{_dtype(state)} {tuple(state.shape)} instead of {_dtype(like)} {tuple(like.shape)}"
+    try:
+        torch.Generator().set_state(state)
+    except RuntimeError as e:
+        return str(e).splitlines()[0] if str(e).strip() else "rejected by torch"
+    return None
+
+
+def check_position(state: State, position: Position, template: Template, path: Path) -> None:
+    """Raise :class:`FlatbmaError` unless ``position`` is a place in the run ``template`` describes.
+
+    ``step >= 0`` (at most ``epochs · batches``); ``epoch`` in ``[0, epochs]``; ``batch`` in
+    ``[0, batches]`` and 0 at ``epoch == epochs``; ``partial`` three finite numbers ``(loss·n, correct,
+    n)`` with ``0 <= correct <= n``; the CPU and data-order generator states of the size and dtype
+    torch uses, and accepted by a generator; CUDA generator states 1-d ``uint8`` tensors.
     """
-    devices = list(range(torch.cuda.device_count())) if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices):
-        reference = method.init(trainable_params(model), model_buffers(model))
-    check_compatible(state, reference, path)
+    steps = template.epochs * template.batches if template.batches is not None else None
+    if state.step < 0 or (steps is not None and state.step > steps):
+        bound = f"[0, {steps}]" if steps is not None else ">= 0"
+        raise _bad_position(path, f"step {state.step} is not in {bound}")
+    if not 0 <= position.epoch <= template.epochs:
+        raise _bad_position(path, f"epoch {position.epoch} is not in [0, train.epochs={template.epochs}]")
+    top = template.batches if position.epoch < template.epochs else 0
+    if position.batch < 0 or (top is not None and position.batch > top):
+        raise _bad_position(path, f"batch {position.batch} of epoch {position.epoch} is not in [0, {top}]")
+    partial = position.partial
+    numbers = len(partial) == 3 and all(
+        isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) for v in partial
+    )
+    if not numbers or not 0 <= partial[1] <= partial[2]:
+        raise _bad_position(path, f"partial sums {shown(list(partial))} are not (loss·n, correct, n)")
+    why = _valid_generator_state(position.torch_rng, torch.get_rng_state())
+    if why is not None:
+        raise _bad_position(path, f"torch RNG state: {why}")
+    if template.loader_rng is not None:
+        if position.loader_rng is None:
+            raise _bad_position(path, "no data-order RNG state")
+        why = _valid_generator_state(position.loader_rng, template.loader_rng)
+        if why is not None:
+            raise _bad_position(path, f"data-order RNG state: {why}")
+    for rng in position.cuda_rng or ():
+        if rng.dtype != torch.uint8 or rng.dim() != 1 or rng.numel() == 0:
+            raise _bad_position(path, f"CUDA RNG state of {_dtype(rng)} {tuple(rng.shape)}, not 1-d uint8")
+
+
+def load_run_state(path: Path, template: Template) -> State:
+    """The state of a run's checkpoint, every check of :func:`load_position` passed (for evaluation)."""
+    return load_position(path, template)[0]
+
+
+# ---------------------------------------------------------------------------------------------------
+# changing a run's config on --resume
+
+
+RESUMABLE = (
+    "optim.lr",
+    "optim.schedule",
+    "optim.warmup_epochs",
+    "train.epochs",
+    "train.checkpoint_every",
+    "train.progress",
+    "train.log",
+    "eval.*",
+)
+"""The config keys ``flatbma train --resume RUN --set key=value`` may change: the learning rate and its
+schedule, the number of epochs (not below those done), the checkpoint cadence, the progress bar, the
+logs and the evaluation. They change how training goes on, not what the saved state means."""
+
+
+def _resumable(key: str) -> bool:
+    return any(key == k or (k.endswith(".*") and key.startswith(k[:-1])) for k in RESUMABLE)
+
+
+def config_changes(old: Mapping[str, Any], new: Mapping[str, Any], prefix: str = "") -> dict[str, tuple[Any, Any]]:
+    """``{dotted key: (old, new)}`` for every leaf of two resolved configs that differs."""
+    changes: dict[str, tuple[Any, Any]] = {}
+    for key in sorted({*old, *new}, key=str):
+        a, b = old.get(key), new.get(key)
+        if isinstance(a, Mapping) and isinstance(b, Mapping):
+            changes.update(config_changes(a, b, f"{prefix}{key}."))
+        elif a != b or type(a) is not type(b):
+            changes[f"{prefix}{key}"] = (a, b)
+    return changes
+
+
+@dataclass(frozen=True)
+class Resume:
+    """A change of a run's config on ``--resume``, recorded in its ``resumes.json`` (:func:`append_resume`).
+
+    Attributes:
+        changed: ``{dotted key: (old, new)}``.
+        step, epoch, batch: where the checkpoint it continues from stands (``None``: no checkpoint yet).
+        resolved: the whole changed config, as its ``config.yaml`` is to hold it.
+    """
+
+    changed: Mapping[str, tuple[Any, Any]]
+    step: int | None
+    epoch: int | None
+    batch: int | None
+    resolved: Mapping[str, Any]
+
+    def record(self) -> dict[str, Any]:
+        """The entry of ``resumes.json``."""
+        return {
+            "step": self.step,
+            "epoch": self.epoch,
+            "batch": self.batch,
+            "changed": {k: {"old": a, "new": b} for k, (a, b) in self.changed.items()},
+            "flatbma": flatbma.__version__,
+        }
+
+
+def resume_change(checkpoint: Path, old: Mapping[str, Any], new: Mapping[str, Any]) -> Resume:
+    """The :class:`Resume` from the resolved config ``old`` to ``new``, or a :class:`FlatbmaError`.
+
+    Refused: a key outside :data:`RESUMABLE`, and ``train.epochs`` below the epochs the checkpoint
+    has done (an epoch under way counts as done).
+    """
+    changed = config_changes(old, new)
+    refused = [k for k in changed if not _resumable(k)]
+    if refused:
+        raise FlatbmaError(
+            f"--resume cannot change {_clip(', '.join(refused), 80)} (it would change what the checkpoint's "
+            f"state means); a resume may change only {', '.join(RESUMABLE)}: train a new run (--config ... "
+            "--set ...) instead"
+        )
+    meta = checkpoint_metadata(checkpoint) if checkpoint.is_file() else None
+    try:
+        step, epoch, batch = (int(meta[k]) for k in ("step", "epoch", "batch")) if meta else (None, None, None)
+    except (KeyError, ValueError):
+        step = epoch = batch = None  # resuming reports the damage
+    if "train.epochs" in changed and epoch is not None and batch is not None:
+        done = epoch + (batch > 0)
+        if changed["train.epochs"][1] < done:
+            raise FlatbmaError(
+                f"train.epochs={changed['train.epochs'][1]} is below the {done} epochs this run has done or begun: "
+                f"use train.epochs >= {done}"
+            )
+    return Resume(changed=changed, step=step, epoch=epoch, batch=batch, resolved=dict(new))
+
+
+def append_resume(path: Path, resume: Resume) -> None:
+    """Append ``resume`` to the JSON list at ``path`` (``resumes.json``; created when missing)."""
+    try:
+        history = json.loads(path.read_text()) if path.is_file() else []
+    except (OSError, ValueError, UnicodeDecodeError):
+        history = None
+    if not isinstance(history, list):
+        raise FlatbmaError(f"{path} is damaged (not a JSON list): delete it or restore it, then resume again")
+    atomic_write_json(path, [*history, resume.record()])

@@ -6,6 +6,7 @@ Every :class:`~flatbma.errors.FlatbmaError` ends the command with one line on st
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import sys
@@ -16,6 +17,7 @@ from enum import Enum
 import torch
 
 import flatbma
+from flatbma import progress
 from flatbma.errors import FlatbmaError, suggest
 from flatbma.experiment import distributed
 from flatbma.experiment.build import resolve_device
@@ -23,7 +25,7 @@ from flatbma.experiment.compare import load_plan, run_compare
 from flatbma.experiment.config import load_config
 from flatbma.experiment.methods import METHODS, parse_method
 from flatbma.experiment.report import summary_table
-from flatbma.experiment.run import evaluate_run, load_run_config, train_run
+from flatbma.experiment.run import evaluate_run, load_run_config, record_resume, resume_config, train_run
 
 # What str.splitlines() breaks on: escaped in error messages (user values such as keys and paths may hold them).
 _ESCAPE_LINE_BREAKS = {ord(c): repr(c)[1:-1] for c in "\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029"}
@@ -54,12 +56,14 @@ def _build_parser() -> argparse.ArgumentParser:
         help="override a config value, e.g. --set optim.lr=0.1 --set method.rho=0.1 (repeatable)",
     )
     train.add_argument("--force", action="store_true", help="overwrite a run directory holding another config")
+    _add_quiet(train)
 
     evaluate = sub.add_parser("evaluate", help="re-evaluate a finished run directory")
     evaluate.add_argument("run_dir", help="the output_dir of a run")
     evaluate.add_argument(
         "--flatness", action="store_true", help="add Hessian spectra and distribution-level flatness to metrics.json"
     )
+    _add_quiet(evaluate)
 
     compare = sub.add_parser("compare", help="compare methods x seeds: BMA metrics, corruptions, flatness, reports")
     compare.add_argument("--config", required=True, help="YAML config with a 'compare' section (configs/demo.yaml)")
@@ -68,10 +72,29 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     compare.add_argument("--quick", action="store_true", help="the reduced setting of the config's compare.quick")
     compare.add_argument("--force", action="store_true", help="replace results of a different config")
+    _add_quiet(compare)
 
     methods = sub.add_parser("methods", help="list the registered methods, or one method's options and defaults")
     methods.add_argument("name", nargs="?", help="a method name: show its options, their types and defaults")
     return parser
+
+
+def _add_quiet(command: argparse.ArgumentParser) -> None:
+    command.add_argument(
+        "--quiet",
+        action="store_true",
+        help="no progress on stderr: no bars on a terminal, no line per epoch or phase elsewhere (errors still print)",
+    )
+
+
+def _reporting(args: argparse.Namespace, *, every_process: bool = False) -> contextlib.AbstractContextManager:
+    """The command's :class:`~flatbma.progress.Reporter`, set once for the whole command.
+
+    Quiet with ``--quiet`` and, unless ``every_process`` (compare: each process runs runs of its own),
+    on every process but rank 0.
+    """
+    quiet = args.quiet or not (every_process or distributed.is_main())
+    return progress.reporting(progress.Reporter(quiet=quiet))
 
 
 def _plain(value: object) -> object:
@@ -133,15 +156,22 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"{name:<{width}}  {spec.summary}")
             print("('flatbma methods NAME' shows a method's options, their types and defaults)", file=sys.stderr)
         elif args.command == "train":
+            resumed = None
             if args.resume:
-                if args.config or args.overrides:
-                    raise FlatbmaError("--resume continues a run with its own config: drop --config/--set")
-                cfg = load_run_config(args.resume)
+                if args.config:
+                    raise FlatbmaError(
+                        "--resume continues a run with its own config: drop --config (--set may change the "
+                        "learning rate, epochs, checkpoint cadence or eval options)"
+                    )
+                cfg, resumed = resume_config(args.resume, args.overrides)
             elif args.config:
                 cfg = load_config(args.config, args.overrides)
             else:
                 raise FlatbmaError("train needs --config FILE (or --resume RUN_DIR)")
-            with distributed.process_group(resolve_device(cfg.train.device)):  # under torchrun: data-parallel
+            device = resolve_device(cfg.train.device)
+            with distributed.process_group(device), _reporting(args):  # under torchrun: data-parallel
+                if resumed is not None:
+                    record_resume(args.resume, resumed)  # the changed config.yaml, and the change in resumes.json
                 run_dir, metrics = train_run(cfg, force=args.force, resume=bool(args.resume))
                 main_process = distributed.is_main()
             if main_process:
@@ -149,7 +179,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"wrote {run_dir / 'metrics.json'}")
         elif args.command == "compare":
             plan = load_plan(args.config, args.overrides, quick=args.quick)
-            with distributed.process_group(resolve_device(plan.base.train.device)):  # under torchrun: runs spread
+            device = resolve_device(plan.base.train.device)
+            with distributed.process_group(device), _reporting(args, every_process=True):  # torchrun: runs spread
                 results = run_compare(plan, force=args.force)
                 main_process = distributed.is_main()
             if main_process:
@@ -157,7 +188,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"wrote {plan.out_dir / 'results.json'}, results.csv, report.md and report.html")
         elif args.command == "evaluate":
             device = resolve_device(load_run_config(args.run_dir).train.device)
-            with distributed.process_group(device):  # under torchrun: each process evaluates a shard
+            with distributed.process_group(device), _reporting(args):  # under torchrun: each evaluates a shard
                 metrics = evaluate_run(args.run_dir, flatness=args.flatness)
                 main_process = distributed.is_main()
             if main_process:

@@ -59,21 +59,22 @@ from typing import Any, TypeVar
 
 import torch
 import yaml
-from tqdm.auto import tqdm
 
-from flatbma import gaussian
+from flatbma import gaussian, progress
 from flatbma.data.corruptions import corruption_names
 from flatbma.errors import DivergenceError, FlatbmaError, suggest
 from flatbma.experiment import distributed, entries, report, selection
 from flatbma.experiment.build import Experiment
-from flatbma.experiment.checkpoint import atomic_write_bytes, atomic_write_json
+from flatbma.experiment.checkpoint import atomic_write_bytes, atomic_write_json, remove_stale_temps
 from flatbma.experiment.config import RunConfig, config_from_dict, load_raw, parse_override
 from flatbma.experiment.evaluate import CLEAN_KEYS, measure
 from flatbma.experiment.methods import METHODS
-from flatbma.experiment.parse import parse_dataclass, set_dotted, shown
+from flatbma.experiment.outdir import check_compare_output
+from flatbma.experiment.parse import load_yaml, parse_dataclass, set_dotted, shown
 from flatbma.experiment.prior import FittedPrior, fit_prior, prior_stage
 from flatbma.experiment.run import load_run, train
-from flatbma.experiment.stage import METRICS_FILE, finished_run, train_stage
+from flatbma.experiment.stage import CONFIG_FILE, METRICS_FILE, finished_run, run_identity, train_stage
+from flatbma.experiment.validate import validate_runs
 from flatbma.posteriors import lowrank_vi
 from flatbma.types import State
 
@@ -253,7 +254,7 @@ class Plan:
     def fingerprint(self) -> str:
         """Hash of everything that determines the results (not the output directory)."""
         payload = {
-            "base": {k: v for k, v in self.base.to_dict().items() if k != "output_dir"},
+            "base": {k: v for k, v in run_identity(self.base.to_dict()).items() if k != "output_dir"},
             "compare": {k: v for k, v in dataclasses.asdict(self.compare).items() if k != "reference"},
         }
         return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:16]
@@ -371,10 +372,11 @@ def _check_selection(jobs: list[Job], base: RunConfig) -> None:
 
 
 def _check_out_dir(plan: Plan, force: bool) -> None:
+    check_compare_output(plan.out_dir, force=force)  # never /, ~ or a mount point; another's files only with --force
     recorded = plan.out_dir / COMPARE_CONFIG
-    if recorded.is_file() and not force:
-        old = yaml.safe_load(recorded.read_text()) or {}
-        if old.get("fingerprint") != plan.fingerprint():
+    if recorded.exists() and not force:
+        old = _read_cache(recorded, _recorded_config)
+        if old["fingerprint"] != plan.fingerprint():
             raise FlatbmaError(
                 f"{plan.out_dir} holds the results of a different compare config; choose another output_dir "
                 "(--set output_dir=...) or pass --force to replace them"
@@ -403,9 +405,11 @@ def run_compare(plan: Plan, *, force: bool = False, progress: bool = True) -> di
     me, world = distributed.rank(), distributed.world_size()
     fingerprint = plan.fingerprint()
     with distributed.all_or_none():  # rank 0 claims the output directory; an error stops every process
+        validate_runs(_every_run(plan), flatness=plan.compare.flatness)  # every run's demands, before any trains
         if me == 0:
             _check_out_dir(plan, force)
-            plan.out_dir.mkdir(parents=True, exist_ok=True)
+            for folder in (plan.out_dir, plan.out_dir / "figures"):
+                remove_stale_temps(folder)  # left by a killed write
             record = {"fingerprint": fingerprint, "config": plan.raw, "compare": dataclasses.asdict(plan.compare)}
             atomic_write_bytes(plan.out_dir / COMPARE_CONFIG, yaml.safe_dump(record, sort_keys=False).encode())
 
@@ -444,18 +448,30 @@ def run_compare(plan: Plan, *, force: bool = False, progress: bool = True) -> di
     return results
 
 
+def _every_run(plan: Plan) -> Iterator[tuple[str, RunConfig]]:
+    """``(where, config)`` of every run of the comparison: each entry × seed × candidate."""
+    for job in plan.jobs():
+        for cand in job.candidates:
+            where = f"compare.methods entry {shown(job.label)}, seed {job.seed}"
+            if cand.options:
+                where += ", candidate " + ", ".join(f"{k}={shown(v)}" for k, v in cand.options.items())
+            yield where, cand.config
+
+
 def _progress(items: list[T], what: str, describe: Callable[[T], str], show: bool, me: int, world: int) -> Iterator[T]:
     """``items`` with a progress bar, or without a terminal (a log file, CI) one line on stderr per item done.
 
     ``me`` and ``world`` are the process's rank and the number of processes (only rank 0 shows a bar).
+    Bar or lines as :func:`flatbma.progress.current` decides (none with ``--quiet``).
     """
-    bar = tqdm(items, desc=what, disable=not show or me > 0 or None, dynamic_ncols=True)
+    reporter = progress.current()
+    bar = reporter.bar(items, desc=what, enabled=show and me == 0, leave=True)
     start = time.perf_counter()
     for i, item in enumerate(bar, 1):
         bar.set_postfix_str(describe(item), refresh=True)
         begun = time.perf_counter()
         yield item
-        if show and bar.disable:
+        if show and bar.disable and not reporter.quiet:  # no bar here: a log, or a process other than rank 0
             now = time.perf_counter()
             left = (now - start) / i * (len(items) - i)
             print(
@@ -468,7 +484,7 @@ def _progress(items: list[T], what: str, describe: Callable[[T], str], show: boo
 
 def _cached_result(row_dir: Path, fingerprint: str) -> dict[str, Any]:
     """The row another process wrote into ``row_dir`` (its ``compare.json``)."""
-    cached = _read_json(row_dir / RUN_CACHE)
+    cached = _read_cache(row_dir / RUN_CACHE, _row_cache)
     if not isinstance(cached, dict) or cached.get("fingerprint") != fingerprint or "result" not in cached:
         raise FlatbmaError(
             f"{row_dir / RUN_CACHE} holds no result of this comparison although another process finished that "
@@ -477,11 +493,71 @@ def _cached_result(row_dir: Path, fingerprint: str) -> dict[str, Any]:
     return cached["result"]
 
 
-def _read_json(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
+def _read_cache(path: Path, check: Callable[[Any], bool]) -> Any:
+    """What ``path`` (a file of an earlier compare) holds, or ``None`` if it does not exist.
+
+    ``check`` says whether the content has the shape flatbma writes there. A file that cannot be read,
+    is not JSON or YAML, or fails ``check`` is refused by name: a traceback later, or redoing its part
+    without a word, would hide that the directory was damaged.
+    """
+    if not path.exists():
         return None
+    try:
+        text = path.read_text()
+        content = load_yaml(text, str(path)) if path.suffix == ".yaml" else json.loads(text)
+    except (OSError, ValueError, RecursionError, yaml.YAMLError) as e:  # ValueError: not JSON or UTF-8, a YAML bomb
+        raise _damaged(path, str(e).splitlines()[0] if str(e).strip() else type(e).__name__) from None
+    if not check(content):
+        raise _damaged(path, "not what flatbma writes there")
+    return content
+
+
+def _damaged(path: Path, why: str) -> FlatbmaError:
+    if path.name == COMPARE_CONFIG:  # without it the directory is no longer a compare directory (outdir module)
+        way_out = "pass --force to start the comparison over in this directory, or choose another output_dir"
+    else:
+        way_out = "delete it (that part is redone), or pass --force to start the comparison over"
+    return FlatbmaError(f"{path} is damaged ({why[:100]}): {way_out}")
+
+
+def _recorded_config(content: Any) -> bool:
+    return isinstance(content, dict) and isinstance(content.get("fingerprint"), str)
+
+
+def _row_cache(content: Any) -> bool:
+    """A ``compare.json``: the fingerprint of its comparison and the row, with its clean-test metrics."""
+    if not (isinstance(content, dict) and isinstance(content.get("fingerprint"), str)):
+        return False
+    row = content.get("result")
+    if not (isinstance(row, dict) and isinstance(row.get("method"), str)):
+        return False
+    return all(_is_number(row.get(k)) for k in CLEAN_KEYS)
+
+
+def _candidate_record(content: Any) -> bool:
+    """A ``candidate.json``: the candidate's resolved config, its validation NLL, train time and error."""
+    return (
+        isinstance(content, dict)
+        and isinstance(content.get("config"), dict)
+        and (content.get("val_nll") is None or _is_number(content["val_nll"]))
+        and (content.get("error") is None or isinstance(content["error"], str))
+        and {"val_nll", "train_time_s", "error"} <= set(content)
+    )
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _train_metrics(run_dir: Path) -> dict[str, Any]:
+    """The ``metrics.json`` of a finished run that compare reuses."""
+    return _read_cache(run_dir / METRICS_FILE, lambda content: isinstance(content, dict)) or {}
+
+
+def _finished(run_dir: Path, cfg: RunConfig) -> bool:
+    """:func:`~flatbma.experiment.stage.finished_run`, after refusing a damaged ``config.yaml`` in ``run_dir``."""
+    _read_cache(run_dir / CONFIG_FILE, lambda content: isinstance(content, dict))
+    return finished_run(run_dir, cfg.to_dict())
 
 
 def _width_reference(job: Job, jobs: list[Job], fingerprint: str) -> tuple[str, float] | None:
@@ -544,11 +620,11 @@ def _run_one(
     cfg = job.candidates[0].config
     run_dir = Path(cfg.output_dir)
     cache = run_dir / RUN_CACHE
-    if finished_run(run_dir, cfg.to_dict()) and not force:
-        cached = _read_json(cache)
+    if not force and _finished(run_dir, cfg):
+        cached = _read_cache(cache, _row_cache)
         if _fresh(cached, fingerprint, width_to):
             return cached["result"]
-        train_metrics = json.loads((run_dir / METRICS_FILE).read_text())
+        train_metrics = _train_metrics(run_dir)
         exp, state = load_run(cfg)
     else:  # measure evaluates the BMA (and more); its clean-test metrics go into metrics.json below
         trained = train(cfg, force=True, evaluate=False)
@@ -634,11 +710,11 @@ def _describe_group(item: tuple[Job, tuple[Candidate, ...]]) -> str:
 def _record(cfg: RunConfig) -> dict[str, Any] | None:
     """The validation record of candidate ``cfg`` (``candidate.json``) if it belongs to exactly this config."""
     run_dir = Path(cfg.output_dir)
-    record = _read_json(run_dir / CANDIDATE_FILE)
+    record = _read_cache(run_dir / CANDIDATE_FILE, _candidate_record)
     resolved = json.loads(json.dumps(cfg.to_dict()))
     if not isinstance(record, dict) or record.get("config") != resolved:
         return None
-    if record.get("error") is None and not finished_run(run_dir, cfg.to_dict()):
+    if record.get("error") is None and not _finished(run_dir, cfg):
         return None
     return record
 
@@ -659,9 +735,9 @@ def _train_candidates(job: Job, group: tuple[Candidate, ...], force: bool) -> No
         if not force and _record(cfg) is not None:
             continue
         try:
-            if not force and finished_run(run_dir, cfg.to_dict()):
+            if not force and _finished(run_dir, cfg):
                 exp, state = load_run(cfg)
-                train_time = json.loads((run_dir / METRICS_FILE).read_text()).get("train_time_s")
+                train_time = _train_metrics(run_dir).get("train_time_s")
             else:
                 if cfg.prior is not None and fitted is None:
                     if stage_error is not None:
@@ -719,13 +795,13 @@ def _run_selected(
         "chosen": chosen.options,
     }
     cache = job.row_dir / RUN_CACHE
-    cached = _read_json(cache)
+    cached = None if force else _read_cache(cache, _row_cache)
     if not force and _fresh(cached, fingerprint, width_to):
         if (cached.get("result") or {}).get("selection") == json.loads(json.dumps(record)):
             return cached["result"]
     cfg = chosen.config
     exp, state = load_run(cfg)
-    train_metrics = json.loads((Path(cfg.output_dir) / METRICS_FILE).read_text())
+    train_metrics = _train_metrics(Path(cfg.output_dir))
     result = _measured(job.label, cfg, exp, state, train_metrics, compare, width_to)
     result["selection"] = record
     atomic_write_json(cache, {"fingerprint": fingerprint, "result": result})

@@ -9,7 +9,10 @@ Process group: with ``WORLD_SIZE > 1`` (set by ``torchrun``), :func:`init_from_e
 of its ``env://`` rendezvous — backend NCCL when the run's device is CUDA (each process then uses
 ``cuda:LOCAL_RANK``), gloo otherwise — and :func:`destroy` leaves it at the end
 (:func:`process_group` does both). Library code (:func:`flatbma.experiment.run.train_run`) is
-data-parallel whenever a default process group with more than one process is initialized.
+data-parallel whenever a default process group with more than one process is initialized. Every
+collective waits at most ``$FLATBMA_COLLECTIVE_TIMEOUT`` seconds (default 300); a process that stops
+or hangs then ends the block of :func:`process_group` with a :class:`FlatbmaError` naming its rank
+(:mod:`flatbma.experiment.liveness`; gloo tested, NCCL untested).
 
 Strategy: a run chooses its parallel mode once, when its experiment is built (:func:`strategy`:
 :class:`Strategy` for one process, :class:`DataParallel`, :class:`Members`), and asks it for every
@@ -81,6 +84,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import datetime
 import math
 import os
 from collections.abc import Callable, Iterator, Mapping
@@ -92,6 +96,7 @@ from torch import Tensor
 from torch.utils.data import BatchSampler, DataLoader, Dataset, RandomSampler, Sampler
 
 from flatbma.errors import FlatbmaError
+from flatbma.experiment import liveness
 from flatbma.experiment.runner import History, Position
 from flatbma.metrics import StreamingMetrics
 from flatbma.params import Objective
@@ -165,8 +170,9 @@ def all_or_none() -> Iterator[None]:
         return
     try:
         yield
-    except Exception:
-        _failed_ranks(failed=True)
+    except Exception as e:
+        if not liveness.is_timeout(e):  # after a timed-out collective the group cannot agree on anything
+            _failed_ranks(failed=True)
         raise
     failed = _failed_ranks(failed=False)
     if failed:
@@ -176,6 +182,9 @@ def all_or_none() -> Iterator[None]:
 
 
 def _failed_ranks(*, failed: bool) -> list[int]:
+    heartbeat = liveness.current()
+    if heartbeat is not None:  # waits as long as the others live (compare: their share of the runs)
+        return heartbeat.agree(failed)
     flags = torch.zeros(world_size(), device=_collective_device())
     flags[rank()] = float(failed)
     dist.all_reduce(flags)
@@ -214,7 +223,9 @@ def init_from_env(device: torch.device) -> bool:
     """Join the process group described by ``torchrun``'s environment when ``WORLD_SIZE > 1``.
 
     Backend NCCL for a CUDA ``device`` (after ``torch.cuda.set_device(LOCAL_RANK)``), gloo otherwise;
-    rendezvous ``env://`` (``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``).
+    rendezvous ``env://`` (``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``). The rendezvous
+    and every collective wait at most :func:`~flatbma.experiment.liveness.collective_timeout` seconds,
+    and a :class:`~flatbma.experiment.liveness.Heartbeat` runs until :func:`destroy`.
 
     Args:
         device: the run's resolved ``train.device``.
@@ -223,8 +234,9 @@ def init_from_env(device: torch.device) -> bool:
         Whether a group was created here (``False`` in one process or when one already exists).
 
     Raises:
-        FlatbmaError: if the device names one GPU (each process must take ``cuda:LOCAL_RANK``) or
-            the node has fewer GPUs than processes.
+        FlatbmaError: if the device names one GPU (each process must take ``cuda:LOCAL_RANK``), the
+            node has fewer GPUs than processes, the timeout is not a number of seconds, or not every
+            process joined within it.
     """
     if launched_world_size() <= 1 or (dist.is_available() and dist.is_initialized()):
         return False
@@ -245,22 +257,50 @@ def init_from_env(device: torch.device) -> bool:
         backend = "nccl"
     else:
         backend = "gloo"
-    dist.init_process_group(backend=backend, init_method="env://")
+    timeout = liveness.collective_timeout()
+    wait = datetime.timedelta(seconds=timeout)
+    try:
+        store, me, world = next(dist.rendezvous("env://", timeout=wait))
+    except (RuntimeError, TimeoutError) as e:  # e.g. a process that never started
+        if not (isinstance(e, TimeoutError) or liveness.is_timeout(e)):
+            raise
+        raise FlatbmaError(
+            f"not every one of the {launched_world_size()} processes joined within {timeout:g} s: one did not start "
+            f"or cannot reach MASTER_ADDR:MASTER_PORT; check the launch, or raise {liveness.ENV}"
+        ) from None
+    store.set_timeout(wait)
+    # as init_process_group(init_method="env://", timeout=...) does, keeping the store for the heartbeat
+    dist.init_process_group(
+        backend=backend, store=dist.PrefixStore("default_pg", store), rank=me, world_size=world, timeout=wait
+    )
+    group = getattr(dist.distributed_c10d, "_get_default_group", lambda: None)()
+    sequence = getattr(group, "_get_sequence_number_for_group", None)  # private: it names a hung rank
+    liveness.start(store, me, world, timeout, sequence)
     return True
 
 
 def destroy() -> None:
     """Leave and destroy the default process group (no-op when none is initialized)."""
+    liveness.stop()
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
 
 
 @contextlib.contextmanager
 def process_group(device: torch.device) -> Iterator[None]:
-    """:func:`init_from_env` for the block and :func:`destroy` after it (if the group was created here)."""
+    """:func:`init_from_env` for the block and :func:`destroy` after it (if the group was created here).
+
+    A collective that times out within the block (:mod:`flatbma.experiment.liveness`) ends it with a
+    :class:`FlatbmaError` naming the process that did not answer.
+    """
     created = init_from_env(device)
     try:
         yield
+    except RuntimeError as e:
+        heartbeat = liveness.current()
+        if heartbeat is None or not liveness.is_timeout(e):
+            raise
+        raise heartbeat.diagnose(e) from None
     finally:
         if created:
             destroy()

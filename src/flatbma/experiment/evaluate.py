@@ -29,12 +29,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
+from contextlib import nullcontext
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from flatbma.bn import has_batchnorm, recompute_bn_statistics
+from flatbma import progress
+from flatbma.bn import has_batchnorm, with_recomputed_statistics
 from flatbma.calibration import fit_temperature
 from flatbma.data.corruptions import applicable, corrupt_dataset
 from flatbma.experiment.build import Experiment
@@ -50,6 +52,8 @@ from flatbma.flatness import (
 from flatbma.flatness.landscape import posterior_landscape, random_direction
 from flatbma.metrics import StreamingMetrics
 from flatbma.predict import evaluate, predict, stream_metrics
+from flatbma.predictor import posterior_mean as mean_weights
+from flatbma.predictor import trained_names
 from flatbma.rng import splitmix64
 from flatbma.types import Batch, Params, State
 
@@ -81,38 +85,23 @@ def posterior_samples(exp: Experiment, state: State, n: int | None = None, *, se
 def with_bn_statistics(exp: Experiment, samples: list[Params]) -> list[Params]:
     """``samples`` with BatchNorm statistics recomputed on the un-augmented training data in a fixed order.
 
-    :func:`flatbma.bn.recompute_bn_statistics` over :attr:`Experiment.bn_loader` (dropout off, so that
-    MC dropout's statistics are those of its deterministic network). Repeats of the same weights (the
-    same tensors, as MC dropout's samples are) are recomputed once and share one dict, which the
-    flatness protocol then measures once. Samples of a model without BatchNorm are returned as given.
+    :func:`flatbma.bn.with_recomputed_statistics` over :attr:`Experiment.bn_loader` (dropout off, so
+    that MC dropout's statistics are those of its deterministic network; the predictor
+    :class:`flatbma.predictor.BMA` takes the same path). Repeats of the same weights (the same tensors,
+    as MC dropout's samples are) are recomputed once and share one dict, which the flatness protocol
+    then measures once. Samples of a model without BatchNorm are returned as given.
     """
-    if not has_batchnorm(exp.model):
-        return list(samples)
-    done: dict[tuple[int, ...], Params] = {}
-    out = []
-    for w in samples:
-        key = tuple(id(v) for v in w.values())  # the samples are alive: ids are not reused
-        if key not in done:
-            done[key] = recompute_bn_statistics(exp.model, w, exp.bn_loader, device=exp.device)
-        out.append(done[key])
-    return out
+    return with_recomputed_statistics(exp.model, samples, exp.bn_loader, device=exp.device)
 
 
 def posterior_mean(exp: Experiment, state: State, samples: list[Params]) -> Params:
     """The weights at the posterior mean, with recomputed BatchNorm statistics.
 
-    :attr:`flatbma.types.Posterior.mean` when the method has it; otherwise the average of ``samples``
-    (the BMA's) over the trained parameters — an ensemble's member average, a chain's kept iterates —
-    with the first sample's other tensors.
+    :func:`flatbma.predictor.posterior_mean`: :attr:`flatbma.types.Posterior.mean` when the method has
+    it; otherwise the average of ``samples`` (the BMA's) over the trained parameters — an ensemble's
+    member average, a chain's kept iterates — with the first sample's other tensors.
     """
-    if exp.method.mean is not None:
-        mean = exp.method.mean(state)
-    else:
-        names = _trained_names(exp)
-        mean = dict(samples[0])
-        for name in names:
-            mean[name] = torch.stack([w[name].detach() for w in samples]).mean(0)
-    return with_bn_statistics(exp, [mean])[0]
+    return with_bn_statistics(exp, [mean_weights(exp.method, state, samples, _trained_names(exp))])[0]
 
 
 def posterior_width(exp: Experiment, state: State, samples: list[Params]) -> dict[str, Any]:
@@ -135,7 +124,7 @@ def bn_statistics(exp: Experiment) -> str:
 
 
 def _trained_names(exp: Experiment) -> list[str]:
-    return [n for n, p in exp.model.named_parameters() if p.requires_grad]
+    return trained_names(exp.model)
 
 
 def bma_metrics(exp: Experiment, samples: list[Params]) -> dict[str, Any]:
@@ -176,24 +165,27 @@ def flatness_metrics(exp: Experiment, state: State, samples: list[Params]) -> di
         samples = posterior_samples(exp, state, e.flatness_samples)
     chosen = samples[: e.flatness_samples]
     options = dict(k=e.hessian_k, params=names, tol=e.hessian_tol, max_iter=e.hessian_max_iter)
-    report = flatness_report(
-        exp.model,
-        chosen,
-        data,
-        mean=posterior_mean(exp, state, samples),
-        rho=e.sharpness_rho,
-        seed=exp.config.seed,
-        trace_probes=e.trace_probes if e.trace else 0,
-        distribution=e.distribution_spectrum,
-        **options,
-    )
+    spectrum = "λ₁" if e.hessian_k == 1 else f"λ₁…λ{e.hessian_k}"
+    with progress.current().phase("flatness", f"{progress.count(len(chosen), 'sample')} {spectrum}"):
+        report = flatness_report(
+            exp.model,
+            chosen,
+            data,
+            mean=posterior_mean(exp, state, samples),
+            rho=e.sharpness_rho,
+            seed=exp.config.seed,
+            trace_probes=e.trace_probes if e.trace else 0,
+            distribution=e.distribution_spectrum,
+            **options,
+        )
     report["width"] = posterior_width(exp, state, samples)
     report["hessian_examples"] = sum(len(y) for _, y in data)
     report["hessian_tol"] = e.hessian_tol
     report["flatness_time_s"] = time.perf_counter() - start
     if e.repeatability:
         start = time.perf_counter()
-        report["repeatability"] = _repeat(exp, state, report, data, options)
+        with progress.current().phase("repeatability", "λ₁ again (another seed, another draw)"):
+            report["repeatability"] = _repeat(exp, state, report, data, options)
         report["repeatability_time_s"] = time.perf_counter() - start
     return report
 
@@ -214,9 +206,11 @@ def _repeat(
 
 def evaluate_state(exp: Experiment, state: State, *, flatness: bool = False) -> dict[str, Any]:
     """BMA metrics of ``state`` on the test set (and flatness when asked), from the build's RNG state."""
+    what = f"{progress.count(exp.config.eval.num_samples, 'sample')} on the test set"
     with exp.rng.restored():
-        samples = posterior_samples(exp, state)
-        metrics = bma_metrics(exp, samples)
+        with progress.current().phase("BMA", what):
+            samples = posterior_samples(exp, state)
+            metrics = bma_metrics(exp, samples)
         metrics["bn_statistics"] = bn_statistics(exp)
         if flatness:
             metrics.update(flatness_metrics(exp, state, samples))
@@ -273,12 +267,12 @@ def corruption_metrics(
     """BMA accuracy/NLL/ECE on each corrupted copy of the test set."""
     test = exp.test_loader.dataset
     channels = test.images.shape[1]
-    out: dict[str, dict[str, dict[str, float]]] = {}
-    for name in names:
-        if not applicable(name, channels):
-            continue
-        out[name] = {}
-        for severity in severities:
+    out: dict[str, dict[str, dict[str, float]]] = {name: {} for name in names if applicable(name, channels)}
+    sets = [(name, severity) for name in out for severity in severities]
+    report = progress.current()
+    what = f"{progress.count(len(sets), 'test set')}, {progress.count(len(samples), 'sample')}"
+    with report.phase("corruptions", what) if sets else nullcontext():
+        for name, severity in report.bar(sets, desc="corruptions", unit="set"):
             shifted = corrupt_dataset(test, name, severity, seed=exp.config.seed)
             loader = torch.utils.data.DataLoader(shifted, batch_size=exp.config.data.eval_batch_size)
             metrics, _ = bma_curve_metrics(exp, samples, loader, (len(samples),))
@@ -324,10 +318,12 @@ def measure(
         flatness: measure Hessian spectra and distribution-level flatness.
         landscape: record a 1-D loss landscape.
     """
+    report = progress.current()
     with exp.rng.restored():
         start = time.perf_counter()
-        samples = posterior_samples(exp, state)
-        curve, reliability = bma_curve_metrics(exp, samples, exp.test_loader, bma_curve)
+        with report.phase("BMA", f"{progress.count(exp.config.eval.num_samples, 'sample')} on the test set"):
+            samples = posterior_samples(exp, state)
+            curve, reliability = bma_curve_metrics(exp, samples, exp.test_loader, bma_curve)
         full = curve[len(samples)]
         result: dict[str, Any] = {k: full[k] for k in CLEAN_KEYS}
         result["bma_curve"] = {
@@ -338,9 +334,10 @@ def measure(
         result["bn_statistics"] = bn_statistics(exp)
         result["temperature"] = None
         if exp.val_loader is not None:  # temperature scaling on the k-shot validation split, reported separately
-            val_log_probs, val_labels = bma_log_probs_over(exp, samples, exp.val_loader)
-            t = fit_temperature(val_log_probs, val_labels)
-            scaled, _ = bma_curve_metrics(exp, samples, exp.test_loader, (len(samples),), temperature=t)
+            with report.phase("temperature", "fitted on the validation split, test set again"):
+                val_log_probs, val_labels = bma_log_probs_over(exp, samples, exp.val_loader)
+                t = fit_temperature(val_log_probs, val_labels)
+                scaled, _ = bma_curve_metrics(exp, samples, exp.test_loader, (len(samples),), temperature=t)
             result["temperature"] = t
             result["temperature_scaled"] = {k: scaled[len(samples)][k] for k in CLEAN_KEYS}
         shifted = samples[:corruption_samples] if corruption_samples else samples
@@ -348,6 +345,9 @@ def measure(
         result["corruption_samples"] = len(shifted)
         if flatness:
             result.update(flatness_metrics(exp, state, samples))
-        result["landscape"] = landscape_metrics(exp, samples) if landscape else None
+        result["landscape"] = None
+        if landscape:
+            with report.phase("landscape", "one random direction"):
+                result["landscape"] = landscape_metrics(exp, samples)
         result["eval_time_s"] = time.perf_counter() - start
     return result

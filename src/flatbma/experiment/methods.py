@@ -14,13 +14,16 @@ import inspect
 import typing
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from flatbma.errors import FlatbmaError, suggest
 from flatbma.experiment.parse import coerce, parse_dataclass
 from flatbma.optim import ASAM, SAM, FisherBall, FisherSAM
 from flatbma.posteriors import bsam, ensemble, fp_bma, lowrank_vi, mc_dropout, mfvi, point, sgld, swag
 from flatbma.types import Ascent, Posterior
+
+if TYPE_CHECKING:
+    from flatbma.experiment.validate import Stage
 
 
 @dataclass(frozen=True)
@@ -39,6 +42,9 @@ class MethodSpec:
             :attr:`~flatbma.types.Posterior.gaussian` gives ``θ``), so that it can be the first stage
             of a two-stage run; an option may still turn the low-rank part off (SWAG's
             ``diagonal_only``), which the run reports when it builds that stage.
+        check: ``check(method, stage)`` raises a :class:`FlatbmaError` when the method's options ask more
+            of a run than the ``stage`` (:class:`~flatbma.experiment.validate.Stage`: its updates, its keys)
+            gives — e.g. more snapshots than it collects — before anything trains; ``None``: nothing to check.
     """
 
     name: str
@@ -47,6 +53,7 @@ class MethodSpec:
     ascent: type | None = None
     with_prior: Callable[..., Posterior] | None = None
     gaussian: bool = False
+    check: Callable[[MethodConfig, Stage], None] | None = None
 
     def family_options(self) -> dict[str, inspect.Parameter]:
         """Keyword-only parameters of the family builder."""
@@ -88,6 +95,12 @@ class MethodConfig:
         accepted = inspect.signature(spec.with_prior).parameters
         options = {k: v for k, v in self.options.items() if k in accepted}
         return spec.with_prior(objective, optimizer, self.ascent, prior, **options)
+
+    def check(self, stage: Stage) -> None:
+        """Refuse options that ask more of a run than ``stage`` gives (:attr:`MethodSpec.check`), before it trains."""
+        spec = METHODS[self.name]
+        if spec.check is not None:
+            spec.check(self, stage)
 
     def to_dict(self) -> dict[str, Any]:
         """The resolved section, every option spelled out (written to the run directory)."""
@@ -150,6 +163,68 @@ def parse_method(data: Any, where: str = "method") -> MethodConfig:
     return MethodConfig(name=name, options=options, ascent=ascent)
 
 
+def check_snapshots(method: MethodConfig, stage: Stage) -> None:
+    """SWAG's families: the run must collect ``K = rank`` snapshots (2 for the diagonal variant).
+
+    The snapshots of a stage are :func:`flatbma.posteriors.swag.snapshots`. Sampling needs two; with
+    fewer than ``K`` the low-rank part has only as many columns as snapshots, a smaller rank than the
+    one asked for — and a second stage started at the fitted posterior (``prior.init``) with ``K``
+    columns cannot start at all.
+    """
+    o, key = method.options, stage.key
+    low_rank = "rank" in o and not o.get("diagonal_only", False)
+    if low_rank and o["rank"] < 2:
+        return  # the builder refuses it with its own message
+    needed = o["rank"] if low_rank else 2
+    start, every = o["start_step"], o["collect_every"]
+
+    def count(steps: int) -> int:
+        return swag.snapshots(steps, start_step=start, collect_every=every)
+
+    got = count(stage.steps)
+    if got >= needed:
+        return
+    purpose = f"for {key('rank')}={needed}" if low_rank else "to sample (a variance takes two)"
+    lower = f"{key('start_step')} or {key('collect_every')}" + (f", or {key('rank')}" if low_rank else "")
+    raise FlatbmaError(
+        f"{method.name} needs >= {needed} snapshots {purpose}, but {stage.describe()} with {key('start_step')}="
+        f"{start} and {key('collect_every')}={every} collect {got}: raise {stage.epochs_key} to >= "
+        f"{stage.epochs_for(stage.steps_for(count, needed))}, or lower {lower}"
+    )
+
+
+def check_burn_in(method: MethodConfig, stage: Stage) -> None:
+    """SGLD's families: the run must store at least one sample (:func:`flatbma.posteriors.sgld.samples_stored`)."""
+    o, key = method.options, stage.key
+    burn_in, thin = o["burn_in"], o["thin"]
+    if sgld.samples_stored(stage.steps, burn_in=burn_in, thin=thin) > 0:
+        return
+    first = burn_in + thin
+    raise FlatbmaError(
+        f"{method.name} stores its first sample after {key('burn_in')} + {key('thin')} = {burn_in} + {thin} = "
+        f"{first} updates, but {stage.describe()}: raise {stage.epochs_key} to >= {stage.epochs_for(first)}, "
+        f"or lower {key('burn_in')} or {key('thin')}"
+    )
+
+
+def check_cycles(method: MethodConfig, stage: Stage) -> None:
+    """Cyclical SGLD: the run must store a sample (:func:`flatbma.posteriors.sgld.cyclical_samples_stored`)."""
+    o, key = method.options, stage.key
+    options = {k: o[k] for k in ("cycle_length", "exploration", "samples_per_cycle")}
+
+    def count(steps: int) -> int:
+        return sgld.cyclical_samples_stored(steps, **options)
+
+    if count(stage.steps) > 0:
+        return
+    first = stage.steps_for(count, 1)
+    raise FlatbmaError(
+        f"{method.name} stores its first sample after {first} updates (in the sampling stage of the first cycle of "
+        f"{key('cycle_length')}={o['cycle_length']}), but {stage.describe()}: raise {stage.epochs_key} to >= "
+        f"{stage.epochs_for(first)}, or lower {key('cycle_length')}"
+    )
+
+
 register(MethodSpec("sgd", "MAP point estimate by SGD (momentum, weight decay, cosine schedule)", point.build))
 register(MethodSpec("sam", "SAM: sharpness-aware minimization (Foret et al. 2021)", point.build, SAM))
 register(MethodSpec("asam", "ASAM: adaptive, scale-invariant SAM (Kwon et al. 2021)", point.build, ASAM))
@@ -161,13 +236,29 @@ register(
 # Posterior families; every F- variant is the same family composed with SAM (Nguyen et al. 2023).
 register(
     MethodSpec(
-        "swag", "SWAG: diagonal + low-rank Gaussian of SGD iterates (Maddox et al. 2019)", swag.build, gaussian=True
+        "swag",
+        "SWAG: diagonal + low-rank Gaussian of SGD iterates (Maddox et al. 2019)",
+        swag.build,
+        gaussian=True,
+        check=check_snapshots,
     )
 )
-register(MethodSpec("swag-diag", "SWAG-Diagonal: diagonal Gaussian of SGD iterates (Maddox 2019)", swag.build_diag))
 register(
     MethodSpec(
-        "f-swag", "F-SWAG: SWAG collected along a SAM trajectory (Nguyen et al. 2023)", swag.build, SAM, gaussian=True
+        "swag-diag",
+        "SWAG-Diagonal: diagonal Gaussian of SGD iterates (Maddox 2019)",
+        swag.build_diag,
+        check=check_snapshots,
+    )
+)
+register(
+    MethodSpec(
+        "f-swag",
+        "F-SWAG: SWAG collected along a SAM trajectory (Nguyen et al. 2023)",
+        swag.build,
+        SAM,
+        gaussian=True,
+        check=check_snapshots,
     )
 )
 
@@ -197,9 +288,24 @@ register(MethodSpec("mc-dropout", "MC dropout: BMA over dropout masks (Gal & Gha
 register(MethodSpec("f-mc-dropout", "F-MC-dropout: SAM on the dropout net (Nguyen et al. 2023)", mc_dropout.build, SAM))
 register(MethodSpec("ensemble", "Deep ensemble of independently trained nets (Lakshminarayanan 2017)", ensemble.build))
 register(MethodSpec("f-ensemble", "F-ensemble: each member trained with SAM (Nguyen et al. 2023)", ensemble.build, SAM))
-register(MethodSpec("sgld", "SGLD: Langevin dynamics on mini-batch gradients (Welling & Teh 2011)", sgld.build))
-register(MethodSpec("csgld", "Cyclical SGLD: cosine cyclical step size (Zhang et al. 2020)", sgld.build_cyclical))
-register(MethodSpec("f-sgld", "F-SGLD: SGLD with the SAM gradient (Nguyen et al. 2023)", sgld.build, SAM))
+register(
+    MethodSpec(
+        "sgld", "SGLD: Langevin dynamics on mini-batch gradients (Welling & Teh 2011)", sgld.build, check=check_burn_in
+    )
+)
+register(
+    MethodSpec(
+        "csgld",
+        "Cyclical SGLD: cosine cyclical step size (Zhang et al. 2020)",
+        sgld.build_cyclical,
+        check=check_cycles,
+    )
+)
+register(
+    MethodSpec(
+        "f-sgld", "F-SGLD: SGLD with the SAM gradient (Nguyen et al. 2023)", sgld.build, SAM, check=check_burn_in
+    )
+)
 
 # FP-BMA: the low-rank + diagonal Gaussian with the Fisher-ball ascent on θ, a KL ball (Lim et al. 2025).
 register(

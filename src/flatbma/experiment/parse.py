@@ -44,10 +44,11 @@ def load_yaml(text: str, where: str) -> Any:
 
     It is refused when it expands to over :data:`MAX_YAML_NODES` nodes or refers to itself, in time
     linear in the text's size: the composed node graph shares the node of every alias, so its expanded
-    size is counted with one memoized walk before any Python object is built.
+    size is counted with one memoized walk before any Python object is built. The same walk refuses a
+    mapping that names a key twice (:func:`_check_unique_keys`).
 
     Raises:
-        FlatbmaError: an expansion bomb or a recursive alias, naming ``where``.
+        FlatbmaError: an expansion bomb, a recursive alias or a duplicate key, naming ``where``.
         yaml.YAMLError: invalid YAML (callers word that error themselves).
     """
     loader = yaml.SafeLoader(text)
@@ -77,11 +78,34 @@ def _expanded_size(node: yaml.Node, sizes: dict[int, int | None], where: str) ->
     if isinstance(node, yaml.SequenceNode):
         total = 1 + sum(_expanded_size(child, sizes, where) for child in node.value)
     elif isinstance(node, yaml.MappingNode):
+        _check_unique_keys(node, where)
         total = 1 + sum(_expanded_size(k, sizes, where) + _expanded_size(v, sizes, where) for k, v in node.value)
     else:
         total = 1
     sizes[key] = total = min(total, MAX_YAML_NODES + 1)  # saturate: the counts stay small integers
     return total
+
+
+def _check_unique_keys(node: yaml.MappingNode, where: str) -> None:
+    """Refuse a mapping that names a key twice, which PyYAML reads silently as its last value.
+
+    Keys are compared as the loader resolves them: by tag and text, so ``method`` and ``"method"`` are
+    the same key and ``1`` and ``"1"`` are not. A merge key (``<<: *defaults``) is not a key of its own:
+    the keys written beside it override the merged ones, as YAML specifies.
+    """
+    first_line: dict[tuple[str, str], int] = {}
+    for key, _ in node.value:
+        if not isinstance(key, yaml.ScalarNode) or key.tag == "tag:yaml.org,2002:merge":
+            continue
+        line = key.start_mark.line + 1
+        if (key.tag, key.value) in first_line:
+            raise FlatbmaError(
+                f"duplicate key {shown(key.value)} in {where} line {line} (first on line "
+                f"{first_line[key.tag, key.value]}): YAML would keep only the last value; remove one of them"
+            )
+        first_line[key.tag, key.value] = line
+
+
 _FLOAT_TEXT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
 
 

@@ -20,7 +20,7 @@ from torch import Tensor
 from flatbma.errors import FlatbmaError
 from flatbma.experiment import distributed
 from flatbma.experiment.build import Experiment, build_experiment
-from flatbma.experiment.checkpoint import check_fits, load_state
+from flatbma.experiment.checkpoint import load_run_state, template
 from flatbma.experiment.config import RunConfig
 from flatbma.experiment.prior_config import not_gaussian_message
 from flatbma.experiment.sections import Optimizer
@@ -87,8 +87,7 @@ def fit_prior(
     if distributed.main_decides(not force and finished_run(run_dir, stage.to_dict())):
         exp = build_experiment(stage)
         check(exp)
-        state = load_state(run_dir / CHECKPOINT_FILE, device=str(exp.device))
-        check_fits(state, exp.method, exp.model, run_dir / CHECKPOINT_FILE, device=exp.device)
+        state = load_run_state(run_dir / CHECKPOINT_FILE, template(exp))
     else:
         resumable = distributed.main_decides(resume and (run_dir / CHECKPOINT_FILE).is_file())
         trained = train_stage(

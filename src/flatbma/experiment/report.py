@@ -9,7 +9,9 @@ are compared and the findings written by :mod:`flatbma.experiment.findings`, the
 ``figures/*.png``, ``report.md`` (findings, tables, and the figures by relative path) and
 ``report.html``, which is self-contained: its figures are embedded as base64 PNG data URIs. In every
 table the best mean of a column with a better end (higher accuracy; lower NLL, ECE, AECE, Brier) is
-bold. Figures need matplotlib (``pip install flatbma[plots]``).
+bold. With one seed per method the cells are the runs' values and the titles say "one seed; no
+interval". The Brier score sums over all classes (:data:`BRIER_NOTE`). Figures need matplotlib
+(``pip install flatbma[plots]``).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from typing import Any
 
 import yaml
 
-from flatbma.experiment.checkpoint import atomic_write_bytes
+from flatbma.experiment.checkpoint import atomic_write_bytes, write_error
 from flatbma.experiment.figures import FIGURES, FigureSpec
 from flatbma.experiment.findings import _difference_text, _reference, comparisons, findings
 from flatbma.experiment.rows import (
@@ -142,18 +144,30 @@ def _summary_metrics(runs: Sequence[Run]) -> tuple[Metric, ...]:
     return (*PREDICTIVE_METRICS, *flat)
 
 
+BRIER_NOTE = (
+    "Brier: Σ_c (p_c − 1[y = c])² summed over all classes, in [0, 2] (on two classes twice scikit-learn's "
+    "brier_score_loss, which scores the positive class only)."
+)
+"""The Brier column's caption: flatbma's convention (:func:`flatbma.metrics.brier`) against scikit-learn's."""
+
+
 def _summary(groups: dict[str, list[Run]]) -> Table:
     runs = [r for rs in groups.values() for r in rs]
     metrics = _summary_metrics(runs)
     note = "BMA metrics on the test set."
-    if _seed_counts(groups)[1] > 1:
+    one_seed = _seed_counts(groups)[1] == 1
+    if one_seed:
+        note += " One seed per method: each cell is that run's value, with no spread and no interval."
+    else:
         note += f" Per method over its seeds: mean ± std [{LEVEL:.0%} Student t interval of the mean]."
+    note += f" {BRIER_NOTE}"
     if LAMBDA1 in metrics:
         note += (
             " λ₁: top Hessian eigenvalue of the training loss at a posterior sample, mean over the run's samples "
             "(details in the flatness table); tr Σ: the posterior's width, read beside λ₁ (– : not measured)."
         )
-    note += " Bold: the best mean of a column with a better end (higher accuracy; lower NLL, ECE, AECE, Brier)."
+    best = "value" if one_seed else "mean"
+    note += f" Bold: the best {best} of a column with a better end (higher accuracy; lower NLL, ECE, AECE, Brier)."
     return _metric_table(f"Results ({_spread(groups)})", groups, metrics, note)
 
 
@@ -490,8 +504,7 @@ def write_reports(results: Mapping[str, Any], out_dir: str | Path) -> dict[str, 
 
     def put(rel: str, data: bytes) -> None:
         path = out_dir / rel
-        path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_bytes(path, data)
+        atomic_write_bytes(path, data)  # creates its folder; a failed write is one FlatbmaError line
         written[rel] = path
 
     put("results.csv", _csv_text(results).encode())
@@ -500,7 +513,10 @@ def write_reports(results: Mapping[str, Any], out_dir: str | Path) -> dict[str, 
         if png is not None:
             put(rel, png)
         else:
-            (out_dir / rel).unlink(missing_ok=True)
+            try:
+                (out_dir / rel).unlink(missing_ok=True)
+            except OSError as e:
+                raise write_error(out_dir / rel, e) from None
     put("report.md", _markdown(results, found, tables, figures).encode())
     put("report.html", _html(results, found, tables, figures).encode())
     return written
@@ -523,6 +539,16 @@ _FINDINGS_NOTE = (
     "a difference whose interval includes 0 is written as no significant difference. λ₁ has no better end "
     "(lower: flatter) and is compared only with the width tr Σ beside it (lower: narrower)."
 )
+_ONE_SEED_FINDINGS_NOTE = (
+    "One seed; no interval: a difference between methods is claimed only from paired differences over two or "
+    "more seeds (Student t interval at {level:.0%})."
+)
+
+
+def _findings_note(results: Mapping[str, Any], level: float) -> str:
+    """The caption of the findings: how they are made, or (one seed) why there are none."""
+    one_seed = _seed_counts(_by_method(_runs(results)))[1] == 1
+    return (_ONE_SEED_FINDINGS_NOTE if one_seed else _FINDINGS_NOTE).format(level=level)
 
 
 def _config_text(results: Mapping[str, Any]) -> str:
@@ -539,7 +565,7 @@ def _markdown(
     out = ["# flatbma comparison", ""]
     out += [f"- **{k}**: {v}" for k, v in _header_lines(results)]
     out += ["", "## Findings", "", *(f"- {line}" for line in found["text"])]
-    out += ["", f"_{_FINDINGS_NOTE.format(level=found['level'])}_"]
+    out += ["", f"_{_findings_note(results, found['level'])}_"]
     for table in tables:
         out += ["", f"## {table.title}", "", table.markdown()]
         if table.note:
@@ -583,7 +609,7 @@ def _html(
         "</ul>",
         "<h2>Findings</h2><ul>",
         *(f"<li>{e(line)}</li>" for line in found["text"]),
-        f'</ul><p class="note">{e(_FINDINGS_NOTE.format(level=found["level"]))}</p>',
+        f'</ul><p class="note">{e(_findings_note(results, found["level"]))}</p>',
     ]
     for table in tables:
         out += [f"<h2>{e(table.title)}</h2>", table.html()]

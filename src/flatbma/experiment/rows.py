@@ -22,7 +22,11 @@ tables then show "–" and a figure without data is skipped with a note.
 
 Statistics (:mod:`flatbma.stats`, level 95%), per method and metric, over the seeds whose run has the
 value: with two or more, the mean ± the sample standard deviation (``ddof = 1``) and Student's t
-interval of the mean, ``x̄ ± t_{0.975, n−1} s/√n``; with one seed, the value alone.
+interval of the mean, ``x̄ ± t_{0.975, n−1} s/√n``; with one seed, the value alone (titles say
+"one seed; no interval", never "mean ± std").
+
+Brier score: as :func:`flatbma.metrics.brier`, summed over all classes, ``(1/n) Σ_i Σ_c (p_ic − 1[y_i = c])²``
+— on a binary problem twice scikit-learn's ``brier_score_loss`` (which scores the positive class only).
 """
 
 from __future__ import annotations
@@ -48,6 +52,9 @@ MISSING = "–"
 
 LEVEL = 0.95
 """Confidence level of every interval of the report."""
+
+ONE_SEED = "one seed; no interval"
+"""What the cells of a comparison with one seed per method hold: each run's value, no spread, no interval."""
 
 Run = Mapping[str, Any]
 
@@ -230,10 +237,10 @@ def _seed_counts(groups: Mapping[str, Sequence[Run]]) -> tuple[int, int]:
 
 
 def _spread(groups: Mapping[str, Sequence[Run]], *, interval: bool = True) -> str:
-    """What a cell holds, for a title: "one seed", "mean ± std and 95% t interval over 3 seeds" and so on."""
+    """What a cell holds, for a title: "one seed; no interval", "mean ± std and 95% t interval over 3 seeds", ..."""
     low, high = _seed_counts(groups)
     if high == 1:
-        return "one seed"
+        return ONE_SEED
     what = f"mean ± std and {LEVEL:.0%} t interval" if interval else "mean ± std"
     if low == high:
         return f"{what} over {high} seeds"

@@ -17,10 +17,23 @@ from typing import Any
 from flatbma.errors import FlatbmaError
 from flatbma.experiment import distributed
 from flatbma.experiment.build import Experiment, build_experiment
-from flatbma.experiment.checkpoint import atomic_write_json, check_fits, load_state
-from flatbma.experiment.config import RunConfig, config_from_dict, load_raw
+from flatbma.experiment.checkpoint import (
+    RESUMES_FILE,
+    Resume,
+    append_resume,
+    atomic_write_json,
+    config_changes,
+    load_run_state,
+    remove_stale_temps,
+    resume_change,
+    template,
+)
+from flatbma.experiment.config import RunConfig, config_from_dict, load_raw, parse_override
 from flatbma.experiment.evaluate import evaluate_state
-from flatbma.experiment.prior import fit_prior
+from flatbma.experiment.logs import check_available
+from flatbma.experiment.outdir import check_run_output
+from flatbma.experiment.parse import set_dotted
+from flatbma.experiment.prior import fit_prior, prior_stage
 from flatbma.experiment.stage import (
     CHECKPOINT_FILE,
     CONFIG_FILE,
@@ -30,6 +43,7 @@ from flatbma.experiment.stage import (
     train_stage,
     write_config,
 )
+from flatbma.experiment.validate import validate_run
 from flatbma.types import State
 
 
@@ -49,7 +63,10 @@ def train(cfg: RunConfig, *, force: bool = False, resume: bool = False, evaluate
     members on all the data (:class:`~flatbma.experiment.distributed.Members`).
     """
     run_dir = Path(cfg.output_dir)
+    check_available(cfg.train.log)  # before a first stage trains or anything is written
+    validate_run(cfg)  # what the config asks of the run's length and data, both stages, before anything is written
     if not resume:
+        check_run_output(run_dir, force=force)  # never /, ~ or a mount point; another's files only with --force
         check_run_dir(run_dir, cfg.to_dict(), force)
         if cfg.prior is not None:  # `train --resume` finds the run (and its config) while stage 1 trains
             write_config(run_dir, cfg.to_dict())
@@ -83,16 +100,48 @@ def load_run(cfg: RunConfig) -> tuple[Experiment, State]:
     The experiment is built without the run's fitted prior: sampling and evaluation do not need it.
     """
     exp = build_experiment(cfg)
-    path = Path(cfg.output_dir) / CHECKPOINT_FILE
-    state = load_state(path, device=str(exp.device))
-    check_fits(state, exp.method, exp.model, path, device=exp.device)
-    return exp, state
+    return exp, load_run_state(Path(cfg.output_dir) / CHECKPOINT_FILE, template(exp))
+
+
+def resume_config(run_dir: str | Path, overrides: list[str]) -> tuple[RunConfig, Resume | None]:
+    """The config ``flatbma train --resume RUN_DIR --set ...`` continues with, and its change (``None``: no ``--set``).
+
+    A resume may change only :data:`~flatbma.experiment.checkpoint.RESUMABLE` keys
+    (:func:`~flatbma.experiment.checkpoint.resume_change`), and in a two-stage run only keys its
+    first stage does not share (the first stage is reused as it was trained).
+    """
+    cfg = load_run_config(run_dir)
+    if not overrides:
+        return cfg, None
+    raw = load_raw(Path(run_dir) / CONFIG_FILE)
+    old = config_from_dict(raw)
+    for item in overrides:
+        set_dotted(raw, *parse_override(item))
+    new = config_from_dict(raw)
+    resume = resume_change(Path(run_dir) / CHECKPOINT_FILE, old.to_dict(), new.to_dict())
+    shared = config_changes(prior_stage(old).to_dict(), prior_stage(new).to_dict()) if old.prior else {}
+    if shared:
+        raise FlatbmaError(
+            f"--resume cannot change {', '.join(shared)} of this two-stage run: its first stage shares "
+            f"{'it' if len(shared) == 1 else 'them'} and is reused as trained; train a new run (a prior.optim "
+            "section gives the first stage an optimizer of its own)"
+        )
+    return dataclasses.replace(new, output_dir=str(run_dir)), resume
+
+
+def record_resume(run_dir: str | Path, resume: Resume) -> None:
+    """Write a resume's changed ``config.yaml`` and append the change to the run's ``resumes.json`` (rank 0)."""
+    if resume.changed and distributed.is_main():
+        write_config(Path(run_dir), dict(resume.resolved))
+        append_resume(Path(run_dir) / RESUMES_FILE, resume)
 
 
 def evaluate_run(run_dir: str | Path, *, flatness: bool = False) -> dict[str, Any]:
     """Re-evaluate a finished run from its directory (config + checkpoint) and update metrics.json."""
     run_dir = Path(run_dir)
     exp, state = load_run(load_run_config(run_dir))
+    if distributed.is_main():
+        remove_stale_temps(run_dir)  # left by a killed write
     metrics_path = run_dir / METRICS_FILE
     try:
         metrics = json.loads(metrics_path.read_text()) if metrics_path.is_file() else {}

@@ -12,9 +12,9 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 import torch
-from tqdm.auto import tqdm
 
 from flatbma.errors import DivergenceError
+from flatbma.progress import current
 from flatbma.types import Batch, State, Transform
 
 
@@ -109,7 +109,9 @@ def fit(
         checkpoint: ``checkpoint(state, position, history)`` is called after every epoch and every
             ``checkpoint_every`` steps, always with a state whose losses were all finite.
         checkpoint_every: step interval of intra-epoch checkpoints (0 = epoch ends only).
-        progress: show a progress bar with ETA (on a terminal; never in logs or pipes).
+        progress: show a progress bar with ETA (on a terminal, unless quiet: :mod:`flatbma.progress`;
+            never in logs or pipes, where the run's line per epoch comes from ``checkpoint``,
+            :class:`flatbma.experiment.logs.EpochLogger`).
         history: the history to append to.
 
     Raises:
@@ -118,21 +120,14 @@ def fit(
     """
     history = history if history is not None else History()
     total = _length(loader)
+    reporter = current()
     start_epoch = resume.epoch if resume is not None else 0
     for epoch in range(start_epoch, epochs):
         batches, start_rng = _epoch_batches(loader, resume)
         loss_sum, correct, count = resume.partial if resume is not None else (0.0, 0.0, 0.0)
         applied = resume.batch if resume is not None else 0
         resume = None
-        bar = tqdm(
-            batches,
-            total=total,
-            initial=applied,
-            desc=f"epoch {epoch + 1}/{epochs}",
-            disable=not progress or None,  # None: off when stderr is not a terminal
-            leave=False,
-            dynamic_ncols=True,
-        )
+        bar = reporter.bar(batches, total=total, initial=applied, desc=f"epoch {epoch + 1}/{epochs}", enabled=progress)
         for x, y in bar:
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             try:

@@ -14,14 +14,18 @@ import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from flatbma.errors import FlatbmaError
 from flatbma.experiment.distributed import Parallel
+from flatbma.experiment.parse import shown
 from flatbma.optim import SGD, Adam, constant, cosine
 from flatbma.optim.schedules import Schedule as LearningRate
 from flatbma.transfer import Subset
 from flatbma.types import GradientTransformation
+
+if TYPE_CHECKING:
+    from flatbma.experiment.validate import RunShape
 
 _FLOAT32_MAX = 3.4028234663852886e38
 
@@ -49,14 +53,40 @@ def _set_member(section: Any, key: str, enum: type[Enum]) -> None:
     object.__setattr__(section, key, member)
 
 
+def _set_members(section: Any, key: str, enum: type[Enum]) -> None:
+    """Replace the list of strings in ``section.key`` by a tuple of ``enum`` members, repeats dropped."""
+    values = getattr(section, key)
+    if isinstance(values, (str, Enum)) or not isinstance(values, (tuple, list)):
+        raise FlatbmaError(f"{key} must be a list (e.g. [{next(iter(enum)).value}]), got {shown(values)}")
+    members = []
+    for value in values:
+        try:
+            member = enum(value)
+        except (ValueError, TypeError):
+            choices = ", ".join(repr(m.value) for m in enum)
+            raise FlatbmaError(f"{key} entries must be among {choices}, got {shown(value)}") from None
+        if member not in members:
+            members.append(member)
+    object.__setattr__(section, key, tuple(members))
+
+
 def plain(section: Any) -> dict[str, Any]:
     """``dataclasses.asdict(section)`` with every Enum member spelled as its value (as YAML and JSON hold it)."""
     return plain_values(dataclasses.asdict(section))
 
 
 def plain_values(mapping: Mapping[str, Any]) -> dict[str, Any]:
-    """``mapping`` with every Enum member among its values spelled as its value (e.g. a method's options)."""
-    return {k: v.value if isinstance(v, Enum) else v for k, v in mapping.items()}
+    """``mapping`` with every Enum member among its values spelled as its value (e.g. a method's options).
+
+    A tuple or list value becomes a list of plain values (as YAML reads it back, e.g. ``train.log``).
+    """
+    return {k: _plain_value(v) for k, v in mapping.items()}
+
+
+def _plain_value(value: Any) -> Any:
+    if isinstance(value, (tuple, list)):
+        return [_plain_value(v) for v in value]
+    return value.value if isinstance(value, Enum) else value
 
 
 class Optimizer(str, Enum):
@@ -176,9 +206,12 @@ class OptimConfig:
 
         The warm-up lasts ``round(warmup_epochs · steps_per_epoch)`` steps (cosine schedule).
         """
+        return OPTIMIZERS[self.name](self, self.learning_rate(steps_per_epoch, epochs))
+
+    def learning_rate(self, steps_per_epoch: int, epochs: int) -> LearningRate:
+        """The schedule ``step -> η_t`` of :meth:`build`'s optimizer (the training log reports it)."""
         warmup = round(self.warmup_epochs * steps_per_epoch)
-        lr = SCHEDULES[self.schedule](self.lr, epochs * steps_per_epoch, warmup)
-        return OPTIMIZERS[self.name](self, lr)
+        return SCHEDULES[self.schedule](self.lr, epochs * steps_per_epoch, warmup)
 
 
 OPTIMIZERS: dict[Optimizer, Callable[[OptimConfig, LearningRate], GradientTransformation]] = {
@@ -194,6 +227,15 @@ SCHEDULES: dict[Schedule, Callable[[float, int, int], LearningRate]] = {
 """Each ``optim.schedule`` → ``schedule(peak lr, total steps, warm-up steps)``."""
 
 
+class TrainLog(str, Enum):
+    """A per-epoch training log written into the run directory (``train.log``; strings and members accepted)."""
+
+    CSV = "csv"
+    """``log.csv``: one row per epoch (:mod:`flatbma.experiment.logs`)."""
+    TENSORBOARD = "tensorboard"
+    """TensorBoard event files under ``tensorboard/`` (needs the optional extra ``flatbma[tensorboard]``)."""
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     """Training loop.
@@ -202,7 +244,11 @@ class TrainConfig:
         epochs: passes over the training data.
         checkpoint_every: also checkpoint every this many steps (0 = at epoch ends only).
         device: ``auto`` (CUDA when available), ``cpu``, ``cuda``, ``cuda:1``, ...
-        progress: show progress bars.
+        progress: show the training progress: a bar on a terminal, one line per epoch on ``stderr``
+            elsewhere (``--quiet`` silences it too).
+        log: the per-epoch logs written into the run directory, any of ``csv`` (``log.csv``, on by
+            default: a few hundred bytes per run, readable by any tool without parsing JSON) and
+            ``tensorboard`` (optional extra ``flatbma[tensorboard]``); ``[]`` writes none.
         parallel: what the processes of a ``torchrun`` launch share out: ``data`` (every process
             trains all of the method on its shard of each global batch) or ``members`` (each trains a
             disjoint share of the posterior's independent members, e.g. ensemble members, on all the
@@ -213,10 +259,12 @@ class TrainConfig:
     checkpoint_every: int = 0
     device: str = "auto"
     progress: bool = True
+    log: tuple[TrainLog, ...] = (TrainLog.CSV,)
     parallel: Parallel = Parallel.DATA
 
     def __post_init__(self) -> None:
         _set_member(self, "parallel", Parallel)
+        _set_members(self, "log", TrainLog)
         check_positive("epochs", self.epochs)
         check_positive("checkpoint_every", self.checkpoint_every, allow_zero=True)
 
@@ -292,4 +340,27 @@ class EvalConfig:
         if not isinstance(self.trace_probes, int) or isinstance(self.trace_probes, bool) or self.trace_probes < 2:
             raise FlatbmaError(
                 f"trace_probes must be an integer >= 2 (Hutchinson probes per sample), got {self.trace_probes!r}"
+            )
+
+    def check(self, shape: RunShape, *, flatness: bool) -> None:
+        """Refuse settings the run's data sizes make meaningless or impossible (before it trains).
+
+        ``n_bins`` must not exceed the ``n`` test examples: with more bins than examples, at least
+        ``n_bins − n`` of ECE's equal-width bins are empty and every equal-mass chunk of adaptive ECE holds
+        less than one example, so both are binning noise rather than calibration (the usual 10–20 bins,
+        Guo et al. 2017, suit thousands of examples), and the metric state grows with ``n_bins``. With
+        ``flatness`` (the Hessian is measured), ``hessian_k`` must not exceed the Hessian's dimension, the
+        number of trained weights (when ``shape`` knows it).
+        """
+        if self.n_bins > shape.num_test:
+            raise FlatbmaError(
+                f"eval.n_bins={self.n_bins} is more than the {shape.num_test} test examples (data.test_limit "
+                f"and the data set decide them): most calibration bins would be empty; use eval.n_bins <= "
+                f"{shape.num_test} (15 suits a thousand examples) or test on more examples"
+            )
+        if flatness and shape.num_trainable is not None and self.hessian_k > shape.num_trainable:
+            raise FlatbmaError(
+                f"eval.hessian_k={self.hessian_k} eigenvalues were asked for, but the Hessian has only "
+                f"{shape.num_trainable} (one per trained weight, model.trainable): use eval.hessian_k <= "
+                f"{shape.num_trainable}"
             )

@@ -21,18 +21,22 @@ import torch
 import yaml
 
 import flatbma
+from flatbma import progress
 from flatbma.errors import DivergenceError, FlatbmaError
 from flatbma.experiment import distributed
 from flatbma.experiment.build import Experiment, build_experiment
 from flatbma.experiment.checkpoint import (
     atomic_write_bytes,
     atomic_write_json,
-    check_fits,
     load_position,
+    provenance,
+    remove_stale_temps,
     save_position,
+    template,
 )
 from flatbma.experiment.config import RunConfig
 from flatbma.experiment.evaluate import evaluate_state
+from flatbma.experiment.logs import EpochLogger, check_available
 from flatbma.experiment.parse import yaml_float
 from flatbma.experiment.runner import History, Position, fit
 from flatbma.gaussian import PREFIXES, kl_lowrank
@@ -54,13 +58,24 @@ def environment() -> dict[str, str]:
     }
 
 
+def run_identity(resolved: Any) -> Any:
+    """A resolved config without ``train.log``: what must match for two configs to be the same run.
+
+    Which logs a run writes changes none of its numbers (and configs written before ``train.log``
+    existed lack it), so a run directory holds the same run whatever its logs.
+    """
+    if not isinstance(resolved, dict) or not isinstance(resolved.get("train"), dict):
+        return resolved
+    return {**resolved, "train": {k: v for k, v in resolved["train"].items() if k != "log"}}
+
+
 def finished_run(run_dir: Path, resolved: dict[str, Any]) -> bool:
-    """Whether ``run_dir`` holds a finished run (metrics written) of exactly the config ``resolved``."""
+    """Whether ``run_dir`` holds a finished run (metrics written) of the config ``resolved`` (:func:`run_identity`)."""
     if not ((run_dir / METRICS_FILE).is_file() and (run_dir / CHECKPOINT_FILE).is_file()):
         return False
     try:
-        return yaml.safe_load((run_dir / CONFIG_FILE).read_text()) == resolved
-    except (OSError, yaml.YAMLError):
+        return run_identity(yaml.safe_load((run_dir / CONFIG_FILE).read_text())) == run_identity(resolved)
+    except (OSError, ValueError, yaml.YAMLError):  # ValueError: not UTF-8 (a damaged file is not a finished run)
         return False
 
 
@@ -72,7 +87,7 @@ def check_run_dir(run_dir: Path, resolved: dict[str, Any], force: bool) -> None:
             old = yaml.safe_load(existing.read_text())
         except yaml.YAMLError:
             old = None
-        if old != resolved:
+        if run_identity(old) != run_identity(resolved):
             raise FlatbmaError(
                 f"{run_dir} already holds a run with a different config; choose another output_dir "
                 "(--set output_dir=...) or pass --force to overwrite it"
@@ -137,17 +152,20 @@ def train_stage(
     """
     run_dir = Path(cfg.output_dir)
     resolved = cfg.to_dict()
+    check_available(cfg.train.log)
     if not resume:
         check_run_dir(run_dir, resolved, force)
     exp = build_experiment(cfg, prior=prior.theta if prior is not None else None)
     if check is not None:
         check(exp)
     ckpt = run_dir / CHECKPOINT_FILE
+    if distributed.is_main():
+        remove_stale_temps(run_dir)  # left by a killed write
+    written_by = provenance(exp)  # recorded in every checkpoint, checked when it is loaded
     position: Position | None = None
     history = History()
     if resume:
-        state, position, history = load_position(ckpt, exp.device)
-        check_fits(state, exp.method, exp.model, ckpt, device=exp.device)
+        state, position, history = load_position(ckpt, template(exp))
         position = exp.strategy.resume(position)
         with exp.rng.restored():  # the start as the interrupted run drew it, right after its build
             start_theta = _lowrank_theta(_initial_state(cfg, exp, prior))
@@ -156,8 +174,22 @@ def train_stage(
         state = _initial_state(cfg, exp, prior)
         start_theta = _lowrank_theta(state)
 
+    logger = None
+    if distributed.is_main():  # the one process that saves (with the history of all): it logs
+        steps = len(exp.train_loader)
+        if cfg.train.progress:
+            done = f", resumed after epoch {len(history.epochs)}" if resume else ""
+            progress.current().line(
+                f"train: {cfg.method.name} into {run_dir}, {cfg.train.epochs} epochs of {steps} steps{done}"
+            )
+        rate = cfg.optim.learning_rate(steps_per_epoch=steps, epochs=cfg.train.epochs)
+        kinds, lines = cfg.train.log, cfg.train.progress
+        logger = EpochLogger(run_dir, kinds, epochs=cfg.train.epochs, learning_rate=rate, history=history, lines=lines)
+
     def save(s: State, p: Position, h: History) -> None:
-        save_position(ckpt, s, p, h)
+        save_position(ckpt, s, p, h, written_by)
+        if logger is not None:
+            logger(h)  # after the checkpoint: the logs never run ahead of it
 
     method, state = exp.strategy.start(exp.method, state, cfg.method.name)
     start = time.perf_counter()
@@ -176,11 +208,22 @@ def train_stage(
             history=history,
         )
     except DivergenceError as e:
-        kept = f"the last good checkpoint is kept at {ckpt}" if ckpt.exists() else "no checkpoint was written yet"
-        raise DivergenceError(
-            f"{e}; {kept}. Lower the learning rate (e.g. --set optim.lr={yaml_float(cfg.optim.lr / 10)}) and train "
-            "again"
-        ) from None
+        lower = f"--set optim.lr={yaml_float(cfg.optim.lr / 10)}"
+        if not ckpt.exists():
+            todo = f"no checkpoint was written yet. Lower the learning rate (e.g. {lower}) and train again"
+        elif cfg.prior is None or cfg.prior.optim is not None:  # a resume may change the lr (of this stage only)
+            resume_lower = f"flatbma train --resume {run_dir} {lower}"
+            todo = (
+                f"the last checkpoint is kept at {ckpt}. Lower the learning rate and resume: {resume_lower} "
+                "(if that diverges at once, the checkpoint's weights are already past the divergence: train again "
+                f"with {lower})"
+            )
+        else:
+            todo = f"the last good checkpoint is kept at {ckpt}. Lower the learning rate (e.g. {lower}) and train again"
+        raise DivergenceError(f"{e}; {todo}") from None
+    finally:
+        if logger is not None:
+            logger.close()
     train_time = time.perf_counter() - start
     state, history = exp.strategy.finish(state, history)
     metrics = evaluate_state(exp, state, flatness=cfg.eval.flatness) if evaluate else {}
@@ -198,7 +241,7 @@ def train_stage(
         metrics["kl_from_start"] = float(kl_lowrank(_lowrank_theta(state), start_theta))
     metrics.update(exp.strategy.record())
     if distributed.is_main():
-        atomic_write_json(run_dir / METRICS_FILE, metrics)
+        atomic_write_json(run_dir / METRICS_FILE, metrics, note=f"the checkpoint at step {state.step} is intact")
     return Trained(experiment=exp, state=state, metrics=metrics)
 
 

@@ -43,12 +43,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call
 
+from flatbma import progress
 from flatbma.errors import FlatbmaError
 from flatbma.flatness.hutchinson import TraceEstimate, hutchinson_trace
 from flatbma.flatness.hvp import HessianOperator, LossFn, hvp_fn, nonzero_checked
 from flatbma.flatness.lanczos import EigenResult, hessian_eigenvalues, lanczos
 from flatbma.predict import eval_mode
-from flatbma.rng import splitmix64
+from flatbma.rng import derive_seed, seeded_generator
 from flatbma.stats import Summary, summarize
 from flatbma.types import Batch
 
@@ -64,7 +65,6 @@ __all__ = [
     "sample_spectra",
 ]
 
-_MASK63 = (1 << 63) - 1
 _MEAN_STREAM = -1
 """Stream of the measurement seed that seeds λ₁ at the posterior mean (samples use streams ``0, 1, …``)."""
 _DISTRIBUTION_STREAM = -2
@@ -74,11 +74,6 @@ _DISTRIBUTION_STREAM = -2
 def _check_samples(samples: Sequence[Mapping[str, Tensor]]) -> None:
     if not samples:
         raise FlatbmaError("flatness needs at least one posterior sample (eval.flatness_samples >= 1)")
-
-
-def _generator(seed: int, stream: int) -> torch.Generator:
-    """A CPU generator for stream ``stream`` of measurement seed ``seed`` (independent streams)."""
-    return torch.Generator().manual_seed(splitmix64(seed, stream) & _MASK63)
 
 
 def distinct_samples(samples: Sequence[Mapping[str, Tensor]]) -> list[Mapping[str, Tensor]]:
@@ -151,7 +146,7 @@ def measure_samples(
     _check_samples(samples)
     data = list(data)
     out = []
-    for i, w in enumerate(samples):
+    for i, w in enumerate(progress.current().bar(samples, desc="Hessian spectra", unit="sample")):
         op = hvp_fn(model, data, loss_fn=loss_fn, params=params, weights=w)
         matvec = nonzero_checked(op)
         eigen = lanczos(
@@ -161,7 +156,7 @@ def measure_samples(
             tol=tol,
             max_iter=max_iter,
             eps=op.eps,
-            generator=_generator(seed, 2 * i),
+            generator=seeded_generator(seed, 2 * i),
             device=op.device,
             dtype=op.dtype,
             warn=False,
@@ -169,7 +164,7 @@ def measure_samples(
         trace = None
         if trace_probes:
             trace = hutchinson_trace(
-                matvec, op.dim, num_samples=trace_probes, generator=_generator(seed, 2 * i + 1), device=op.device
+                matvec, op.dim, num_samples=trace_probes, generator=seeded_generator(seed, 2 * i + 1), device=op.device
             )
         out.append(SampleFlatness(eigen, trace, op.num_products))
     return out
@@ -401,7 +396,7 @@ def flatness_report(
         if len(chosen) == 1 and _same_weights(mean, chosen[0]):
             at_mean = measured[0].eigen  # a point: its mean is its sample
         else:
-            (m,) = measure_samples(model, [mean], data, seed=splitmix64(seed, _MEAN_STREAM) & _MASK63, **opts)
+            (m,) = measure_samples(model, [mean], data, seed=derive_seed(seed, _MEAN_STREAM), **opts)
             at_mean, products = m.eigen, products + m.products
             warnings_ += _unconverged_messages("posterior mean", at_mean, tol, max_iter)
         report["lambda1_at_mean"] = float(at_mean.eigenvalues[0]) if bool(at_mean.converged_each[0]) else None
@@ -413,7 +408,7 @@ def flatness_report(
         if len(chosen) == 1:
             dist = measured[0].eigen
         else:
-            generator = _generator(seed, _DISTRIBUTION_STREAM)
+            generator = seeded_generator(seed, _DISTRIBUTION_STREAM)
             dist = _distribution_eigen(model, chosen, data, generator=generator, warn=False, **opts)
             products += dist.num_matvecs * len(chosen)
             warnings_ += _unconverged_messages("averaged Hessian", dist, tol, max_iter)

@@ -15,7 +15,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from flatbma.gaussian.layout import blocks, packed_rows, rank_of, rows, section
+from flatbma.gaussian.layout import blocks, factor_scale, packed_rows, rank_of, rows, section
 
 
 class LowRankGeometry(NamedTuple):
@@ -79,7 +79,7 @@ def geometry(theta: Mapping[str, Tensor], dtype: torch.dtype | None = None, *, c
 def _geometry(log_std: Tensor, factor: Tensor, dtype: torch.dtype | None) -> LowRankGeometry:
     """:class:`LowRankGeometry` of ``log σ`` (``[d]``) and ``L`` (``[K, d]``)."""
     k = factor.shape[0]
-    c = 1.0 / math.sqrt(2.0 * (k - 1))
+    c = factor_scale(k)
     s = log_std.to(dtype)
     a = 0.5 * torch.exp(2 * s)
     inv_sqrt_a = math.sqrt(2.0) * torch.exp(-s)
@@ -100,7 +100,7 @@ def diag_and_factor_blocks(theta: Mapping[str, Tensor]) -> tuple[dict[str, Tenso
     """
     log_std, factor = section(theta, "log_std"), section(theta, "factor")
     k = rank_of(theta)
-    c = 1.0 / math.sqrt(2.0 * (k - 1))
+    c = factor_scale(k)
     a = {n: 0.5 * torch.exp(2 * v).reshape(-1) for n, v in log_std.items()}
     u = {n: c * f.reshape(k, -1) for n, f in factor.items()}
     return a, u

@@ -17,7 +17,7 @@ from torch import Tensor
 
 from flatbma.errors import FlatbmaError
 from flatbma.gaussian.geometry import LowRankGeometry, diag_and_factor_blocks, geometry
-from flatbma.gaussian.layout import PREFIXES, blocks, check_sections, from_rows, rank_of, rows, section
+from flatbma.gaussian.layout import PREFIXES, blocks, check_sections, factor_scale, from_rows, rank_of, rows, section
 
 
 def kl_divergence(theta: Mapping[str, Tensor], prior_std: float) -> Tensor:
@@ -70,7 +70,7 @@ def _whitened_blocks(theta: Mapping[str, Tensor]) -> tuple[Tensor, Tensor, Tenso
     """``(log σ [d], μ [d], U = L/√(2(K−1)) [K, d])`` in sorted name order (the rows of :func:`rows`)."""
     matrix = rows(theta)
     k = matrix.shape[0] - 2
-    return matrix[1], matrix[0], (1.0 / math.sqrt(2.0 * (k - 1))) * matrix[2:]
+    return matrix[1], matrix[0], factor_scale(k) * matrix[2:]
 
 
 def kl_lowrank(theta_q: Mapping[str, Tensor], prior_theta: Mapping[str, Tensor]) -> Tensor:

@@ -31,6 +31,14 @@ KIND = "lowrank"
 """``Layout.kind`` of :func:`theta_layout`."""
 
 
+def factor_scale(k: int) -> float:
+    """``c = 1/√(2(K−1))``: the scale of the rank-K factor in ``Σ = ½(diag σ² + LLᵀ/(K−1)) = diag(σ²/2) + (cL)(cL)ᵀ``.
+
+    SWAG's covariance (Maddox et al. 2019): the deviation matrix enters with ``1/(K−1)``, the whole with ``½``.
+    """
+    return 1.0 / math.sqrt(2.0 * (k - 1))
+
+
 def section(theta: Mapping[str, Tensor], prefix: str) -> Params:
     """The tensors of ``theta`` under ``"<prefix>/"``, keyed by parameter name in sorted order.
 

@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from flatbma import packed
-from flatbma.gaussian.layout import KIND, blocks, from_rows, names_and_shapes, packed_rows, section
+from flatbma.gaussian.layout import KIND, blocks, factor_scale, from_rows, names_and_shapes, packed_rows, section
 from flatbma.packed import Layout
 from flatbma.types import Params
 
@@ -125,7 +125,7 @@ def sample_weights(theta: Mapping[str, Tensor], z1: Mapping[str, Tensor], z2: Te
     """
     names, shapes = names_and_shapes(theta)
     k = z2.shape[-1]
-    c = 1.0 / math.sqrt(2.0 * (k - 1))
+    c = factor_scale(k)
     batch = z2.shape[:-1]
     # One flat [K, d] pass instead of one small product per tensor: a few large kernels (and as many in
     # the backward pass) for the ~100 BatchNorm and classifier tensors of a transfer subset.
@@ -145,7 +145,7 @@ def pullback(theta: Mapping[str, Tensor], noise: GaussianNoise, grads: Mapping[s
     """
     names, _ = names_and_shapes(theta)
     k = noise.z2.shape[-1]
-    c = 1.0 / math.sqrt(2.0 * (k - 1))
+    c = factor_scale(k)
     _, log_std, _ = blocks(theta)
     g = torch.cat([grads[n].reshape(-1) for n in names])
     z1 = _flat_noise(noise.z1, names, torch.Size())

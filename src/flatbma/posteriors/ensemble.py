@@ -18,7 +18,7 @@ from flatbma.checks import check_int
 from flatbma.errors import FlatbmaError
 from flatbma.params import Objective, clone
 from flatbma.posteriors import point
-from flatbma.rng import SEED_BOUND, forked_rng, splitmix64
+from flatbma.rng import SEED_BOUND, draw_seed, forked_rng, splitmix64
 from flatbma.types import Ascent, Batch, GradientTransformation, Params, Posterior, State, StepOutput
 
 
@@ -78,7 +78,7 @@ def build(
         check_int(seed, f"method.seed must be a non-negative integer or null, got {seed!r}", minimum=0)
 
     def init(params: Params, buffers: Params) -> State:
-        base = seed if seed is not None else int(torch.randint(SEED_BOUND, (), dtype=torch.int64))
+        base = seed if seed is not None else draw_seed()
         members = member_initializations(objective.model, params, buffers, size, base)
         state_params: Params = {}
         state_buffers: Params = {}
@@ -93,7 +93,7 @@ def build(
         aux: Params = {}
         losses, log_probs = [], []
         members = _members(state)
-        step_seed = int(torch.randint(SEED_BOUND, (), dtype=torch.int64))  # one draw, whatever the members
+        step_seed = draw_seed()  # one draw, whatever the members
         for m in members:
             p, b, o = (_member(m, d) for d in (state.params, state.buffers, state.aux))
             with forked_rng(_member_seed(step_seed, m)):

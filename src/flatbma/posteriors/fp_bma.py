@@ -18,7 +18,7 @@ Priors: :func:`build` uses ``p = N(0, s²I)``; :func:`build_with_prior` takes an
 Gaussian ``p`` in the same ``θ`` layout, e.g. a SWAG posterior fitted on the source task
 (``init_from_swag(...)``), for transfer learning; its KL is :func:`~flatbma.gaussian.kl_lowrank`.
 
-Unlike the authors' public code (see the project's METHODS.md §4), the perturbation follows the
+Unlike the authors' public code (docs/methods.md §10.1), the perturbation follows the
 data-loss gradient ``g`` (not the score of ``log q``), ``z₂`` has mean 0, and the Fisher matches the
 sampler's ``Σ = ½(diag σ² + LLᵀ/(K−1))``.
 """

@@ -36,7 +36,7 @@ from torch import Tensor
 
 from flatbma import packed
 from flatbma.checks import check_int, check_number
-from flatbma.gaussian import GaussianNoise, is_theta
+from flatbma.gaussian import GaussianNoise, is_theta, section
 from flatbma.optim.ascent import sharpness_aware_value_and_grad
 from flatbma.optim.sgd import with_decay_mask
 from flatbma.params import Objective, add, clone, detached, dot, scale
@@ -317,3 +317,12 @@ def sampler(family: ReparameterizedFamily) -> Callable[[State, int, torch.Genera
         ]
 
     return sample
+
+
+def mean_of(state: State) -> Params:
+    """The weights at the mean ``μ`` of a Gaussian VI state (its ``mean/`` section), with its buffers.
+
+    :attr:`~flatbma.types.Posterior.mean` of every family whose ``θ`` holds ``mean/`` (mean-field and low-rank VI).
+    """
+    mean = {n: v.detach().clone() for n, v in section(state.params, "mean").items()}
+    return {**mean, **{k: v.detach().clone() for k, v in state.buffers.items()}}

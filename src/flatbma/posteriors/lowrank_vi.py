@@ -170,21 +170,18 @@ def posterior(
 ) -> Posterior:
     """The Gaussian VI posterior of a low-rank ``family``; its ``gaussian`` is ``q_θ`` itself (:func:`theta_of`).
 
-    Its mean is ``μ`` (:func:`mean_of`) and its marginal variances ``diag Σ``
+    Its mean is ``μ`` (:func:`~flatbma.posteriors.gaussian_vi.mean_of`) and its marginal variances ``diag Σ``
     (:func:`flatbma.gaussian.marginal_variance`).
     """
     built = gaussian_vi.build(
         objective, optimizer, ascent, family, num_mc_samples=num_mc_samples, kl_weight=float(kl_weight)
     )
-    return replace(
-        built, gaussian=theta_of, mean=mean_of, marginal_variance=lambda state: marginal_variance(state.params)
-    )
+    return replace(built, gaussian=theta_of, mean=gaussian_vi.mean_of, marginal_variance=marginal_variance_of)
 
 
-def mean_of(state: State) -> Params:
-    """The weights at the mean ``μ`` of a Gaussian VI state (``mean/`` section), with its buffers."""
-    mean = {n: v.detach().clone() for n, v in section(state.params, "mean").items()}
-    return {**mean, **{k: v.detach().clone() for k, v in state.buffers.items()}}
+def marginal_variance_of(state: State) -> Params:
+    """``diag Σ`` of a low-rank VI state by parameter name (:func:`flatbma.gaussian.marginal_variance` of ``θ``)."""
+    return marginal_variance(state.params)
 
 
 def fixed(theta: Mapping[str, Tensor], buffers: Mapping[str, Tensor]) -> tuple[Posterior, State]:
@@ -210,8 +207,8 @@ def fixed(theta: Mapping[str, Tensor], buffers: Mapping[str, Tensor]) -> tuple[P
         sample=gaussian_vi.sampler(family),
         recompute_bn=True,
         gaussian=theta_of,
-        mean=mean_of,
-        marginal_variance=lambda state: marginal_variance(state.params),
+        mean=gaussian_vi.mean_of,
+        marginal_variance=marginal_variance_of,
     )
     state = State(params={k: v.detach().clone() for k, v in theta.items()}, buffers=dict(buffers))
     return posterior, state

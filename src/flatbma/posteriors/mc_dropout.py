@@ -21,7 +21,7 @@ from flatbma.errors import FlatbmaError
 from flatbma.models import classifier_of
 from flatbma.params import Objective
 from flatbma.posteriors import point
-from flatbma.rng import SEED_BOUND, forked_rng
+from flatbma.rng import draw_seed, forked_rng
 from flatbma.types import Ascent, GradientTransformation, Params, Posterior, State
 
 
@@ -95,8 +95,7 @@ def build(
     def sample(state: State, n: int, generator: torch.Generator | None = None) -> list[Params]:
         if n < 1:
             raise FlatbmaError(f"the number of samples must be >= 1 (eval.num_samples), got {n}")
-        device = generator.device if generator is not None else "cpu"
-        seed_cell[:] = [int(torch.randint(SEED_BOUND, (), generator=generator, device=device))]
+        seed_cell[:] = [draw_seed(generator)]
         weights = {**state.params, **state.buffers}
         return [dict(weights) for _ in range(n)]
 

@@ -122,13 +122,7 @@ def build(
     built = gaussian_vi.build(
         objective, optimizer, ascent, family, num_mc_samples=num_mc_samples, kl_weight=float(kl_weight)
     )
-    return replace(built, mean=mean_of, marginal_variance=marginal_variance)
-
-
-def mean_of(state: State) -> Params:
-    """The weights at the mean ``μ`` of an MFVI state, with its buffers (:attr:`Posterior.mean`)."""
-    mean = {n: v.detach().clone() for n, v in section(state.params, "mean").items()}
-    return {**mean, **{k: v.detach().clone() for k, v in state.buffers.items()}}
+    return replace(built, mean=gaussian_vi.mean_of, marginal_variance=marginal_variance)
 
 
 def marginal_variance(state: State) -> Params:

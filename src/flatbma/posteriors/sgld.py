@@ -157,21 +157,7 @@ def build_cyclical(
         FlatbmaError: on an invalid option.
     """
     scale = _check_common(optimizer, prior_std, temperature, lr_scale, max_samples)
-    _check_int("cycle_length", cycle_length, minimum=1)
-    _check_int("samples_per_cycle", samples_per_cycle, minimum=1)
-    if not is_number(exploration) or not 0 <= exploration < 1:
-        raise FlatbmaError(
-            f"method.exploration must be in [0, 1) (the noise-free fraction of each cycle), got {exploration!r}"
-        )
-    first_sampling = math.ceil(exploration * cycle_length)
-    sampling_steps = cycle_length - first_sampling
-    if samples_per_cycle > sampling_steps:
-        raise FlatbmaError(
-            f"method.samples_per_cycle is {samples_per_cycle} but the sampling stage has only {sampling_steps} "
-            f"steps per cycle (method.cycle_length={cycle_length}, method.exploration={exploration}): lower "
-            "method.samples_per_cycle or method.exploration, or raise method.cycle_length"
-        )
-    spacing = sampling_steps // samples_per_cycle
+    first_sampling, spacing = _cycle(cycle_length, exploration, samples_per_cycle)
 
     def schedule(step: int) -> tuple[float, bool, bool]:
         j = step % cycle_length
@@ -249,6 +235,55 @@ def stored_samples(state: State) -> Params:
     start = count % size  # ring buffer: the oldest entry
     order = torch.arange(start, start + size) % size
     return {k: v[order.to(v.device)] for k, v in stacked.items()}
+
+
+def samples_stored(steps: int, *, burn_in: int, thin: int) -> int:
+    """The number of iterates :func:`build` stores in ``steps`` steps: ``max(0, ⌊(steps − burn_in)/thin⌋)``.
+
+    Step ``t`` (``t + 1`` steps taken) stores when ``t + 1 > burn_in`` and ``thin`` divides ``t + 1 − burn_in``,
+    so the ``n``-th iterate is stored after ``burn_in + n·thin`` steps (at most ``max_samples`` are kept).
+
+    Raises:
+        FlatbmaError: ``burn_in < 0`` or ``thin < 1`` (as :func:`build`).
+    """
+    _check_int("burn_in", burn_in, minimum=0)
+    _check_int("thin", thin, minimum=1)
+    return max(0, (steps - burn_in) // thin)
+
+
+def cyclical_samples_stored(steps: int, *, cycle_length: int, exploration: float, samples_per_cycle: int) -> int:
+    """The number of iterates :func:`build_cyclical` stores in ``steps`` steps.
+
+    With ``L = cycle_length``, the iterates stored in a cycle are those at positions
+    ``j = L − 1 − i·s`` (``i < samples_per_cycle``, ``s`` the spacing of the sampling stage), so ``steps``
+    steps store ``⌊steps/L⌋·samples_per_cycle`` plus the positions ``j < steps mod L`` of the cycle begun.
+
+    Raises:
+        FlatbmaError: invalid options (as :func:`build_cyclical`).
+    """
+    _, spacing = _cycle(cycle_length, exploration, samples_per_cycle)
+    positions = [cycle_length - 1 - i * spacing for i in range(samples_per_cycle)]
+    full, rest = divmod(steps, cycle_length)
+    return full * samples_per_cycle + sum(j < rest for j in positions)
+
+
+def _cycle(cycle_length: int, exploration: float, samples_per_cycle: int) -> tuple[int, int]:
+    """Check cSGLD's cycle options; return the first sampling position of a cycle and the spacing of its samples."""
+    _check_int("cycle_length", cycle_length, minimum=1)
+    _check_int("samples_per_cycle", samples_per_cycle, minimum=1)
+    if not is_number(exploration) or not 0 <= exploration < 1:
+        raise FlatbmaError(
+            f"method.exploration must be in [0, 1) (the noise-free fraction of each cycle), got {exploration!r}"
+        )
+    first_sampling = math.ceil(exploration * cycle_length)
+    sampling_steps = cycle_length - first_sampling
+    if samples_per_cycle > sampling_steps:
+        raise FlatbmaError(
+            f"method.samples_per_cycle is {samples_per_cycle} but the sampling stage has only {sampling_steps} "
+            f"steps per cycle (method.cycle_length={cycle_length}, method.exploration={exploration}): lower "
+            "method.samples_per_cycle or method.exploration, or raise method.cycle_length"
+        )
+    return first_sampling, sampling_steps // samples_per_cycle
 
 
 @torch.no_grad()

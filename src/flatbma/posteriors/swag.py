@@ -107,7 +107,7 @@ def build(
 
         w = w̄ + √scale · ( σ⊙z₁/√2 + Dᵀz₂/√(2(K_eff − 1)) ),   σ² = clamp(m₂/n, 1e-30),
 
-    i.e. ``w ~ N(w̄, scale · ½(diag σ² + DᵀD/(K_eff − 1)))`` — METHODS.md §1 with the covariance
+    i.e. ``w ~ N(w̄, scale · ½(diag σ² + DᵀD/(K_eff − 1)))`` — docs/methods.md §3.2, with the covariance
     multiplied by ``scale``; ``diagonal_only`` drops the ``D`` term (SWAG-Diagonal,
     ``N(w̄, scale · ½ diag σ²)``). ``K_eff = min(n, K)``: until ``K`` deviations exist, the available
     ones are used with ``K_eff − 1`` in the denominator. Sampling needs ``n ≥ 2`` snapshots.
@@ -236,6 +236,20 @@ def _derive_diag_signature() -> None:
 _derive_diag_signature()
 
 
+def snapshots(steps: int, *, start_step: int, collect_every: int) -> int:
+    """The number of snapshots :func:`build` collects in ``steps`` updates: ``max(0, ⌊(steps − start)/every⌋)``.
+
+    Update ``s`` (counting from 1) collects when ``s > start_step`` and ``(s − start_step) % collect_every == 0``,
+    so snapshot ``n`` is taken at update ``start_step + n·collect_every``: ``n`` snapshots take that many updates.
+    Sampling needs ``n ≥ 2``; the low-rank part has its ``K = rank`` columns once ``n ≥ K``.
+
+    Raises:
+        FlatbmaError: ``start_step < 0`` or ``collect_every < 1`` (as :func:`build`).
+    """
+    _check_schedule(start_step, collect_every)
+    return max(0, (steps - start_step) // collect_every)
+
+
 def swag_moments(state: State) -> SwagMoments:
     """Flat mean, diagonal variance and deviations (oldest first) of a SWAG state.
 
@@ -248,7 +262,7 @@ def swag_moments(state: State) -> SwagMoments:
 
 
 def to_lowrank_gaussian(state: State, scale: float = 1.0) -> LowRankGaussian:
-    """The SWAG Gaussian in the low-rank + diagonal VI parameterization (METHODS.md §1).
+    """The SWAG Gaussian in the low-rank + diagonal VI parameterization (docs/methods.md §3.4).
 
     Returns ``μ = w̄``, ``σ = √scale·σ_SWAG`` and ``L = √scale·Dᵀ`` (``K_eff`` columns, oldest
     first), so that ``½(diag σ² + LLᵀ/(K_eff − 1)) = scale · ½(diag σ_SWAG² + DᵀD/(K_eff − 1))`` is
@@ -322,6 +336,10 @@ def _check_options(*, rank: int, scale: float, start_step: int, collect_every: i
         )
     if not is_number(scale) or not 0 < scale < math.inf:
         raise FlatbmaError(f"method.scale must be a positive number (it multiplies the covariance), got {scale!r}")
+    _check_schedule(start_step, collect_every)
+
+
+def _check_schedule(start_step: int, collect_every: int) -> None:
     if not is_int(start_step) or start_step < 0:
         raise FlatbmaError(f"method.start_step must be an integer >= 0 (updates before collecting), got {start_step!r}")
     if not is_int(collect_every) or collect_every < 1:

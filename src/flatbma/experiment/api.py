@@ -1,0 +1,188 @@
+"""From PyTorch in one call: train a registered method on your module and loader, get a :class:`~flatbma.predictor.BMA`.
+
+:func:`fit_posterior` is the manual path written once — parse the method by name
+(:func:`~flatbma.experiment.methods.parse_method`), build the optimizer of an ``optim`` section
+(:class:`~flatbma.experiment.sections.OptimConfig`, the CLI's defaults), ``method.init`` at the
+module's weights, :func:`~flatbma.experiment.runner.fit` (the one loop), then the predictor — so its
+numbers equal that path's exactly (the README shows both). :func:`load_posterior` reads back what
+:meth:`BMA.save <flatbma.predictor.BMA.save>` wrote, rebuilding the method from the recorded section.
+
+Both are reached as ``flatbma.fit_posterior`` / ``flatbma.load_posterior``; ``import flatbma`` loads
+this module only when one of them is first used.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from flatbma.checks import is_int
+from flatbma.errors import DivergenceError, FlatbmaError
+from flatbma.experiment.methods import parse_method
+from flatbma.experiment.parse import parse_dataclass, shown
+from flatbma.experiment.runner import fit
+from flatbma.experiment.sections import OptimConfig
+from flatbma.params import Objective, model_buffers, trainable_params
+from flatbma.predictor import BMA, read_file, target_device
+from flatbma.rng import forked_rng
+from flatbma.types import Batch
+
+
+def fit_posterior(
+    model: nn.Module,
+    loader: Iterable[Batch],
+    method: str | Mapping[str, Any] = "swag",
+    *,
+    epochs: int,
+    lr: float | None = None,
+    optim: Mapping[str, Any] | None = None,
+    num_samples: int = 30,
+    seed: int = 0,
+    device: torch.device | str | None = None,
+    recompute_bn: bool | None = None,
+    load_into: bool = False,
+    progress: bool = False,
+    **method_options: Any,
+) -> BMA:
+    """Train ``method`` on ``model`` over ``loader`` for ``epochs`` epochs and return its BMA predictor.
+
+    What it does, step by step (the README's manual block does the same by hand):
+
+    1. ``parse_method({"name": method, **method_options})`` — options as in a config's ``method``
+       section (``flatbma methods NAME`` lists them), checked, with their defaults;
+    2. the optimizer of the ``optim`` section ``{**optim, "lr": lr}`` with the CLI's defaults (SGD with
+       momentum and weight decay, cosine schedule over ``epochs · len(loader)`` steps);
+    3. ``method.build(Objective(model, num_data=len(loader.dataset)), optimizer)`` (MC dropout inserts
+       its dropout layer here), then ``method.init`` at the module's trainable parameters and buffers;
+    4. with torch's global generator forked and seeded with ``seed`` (the caller's stream is left
+       alone): ``init`` and :func:`~flatbma.experiment.runner.fit` with the module in train mode; its
+       train/eval mode is restored afterwards;
+    5. ``BMA(model, method, state, loader, num_samples=..., seed=seed, recompute_bn=...)``, and with
+       ``load_into`` :meth:`BMA.load_into <flatbma.predictor.BMA.load_into>`.
+
+    Two-stage runs (a ``prior`` section) and distributed training are the CLI's (``flatbma train``).
+
+    Args:
+        model: any classifier ``nn.Module`` returning logits; parameters with ``requires_grad=False``
+            stay fixed (not Bayesian). Without ``load_into`` its weights are left as they were.
+        loader: ``(x, y)`` training batches — a DataLoader over a sized dataset (its size scales KL
+            terms and SG-MCMC noise); its dataset, in a fixed order, also serves to recompute BatchNorm
+            statistics.
+        method: a registered method name (``flatbma methods``) or a method section ``{name: ..., ...}``.
+        epochs: passes over ``loader``.
+        lr: the peak learning rate (``optim.lr``); ``None`` keeps the section's.
+        optim: other ``optim`` keys (``name``, ``momentum``, ``weight_decay``, ``schedule``, ...).
+        num_samples: ``M``, samples of the BMA.
+        seed: seed of training's random draws (data order of a DataLoader without its own generator,
+            initialization noise, dropout masks) and of the BMA's samples.
+        device: where to train and predict (the module is moved there); ``None``: the module's device.
+        recompute_bn: see :class:`~flatbma.predictor.BMA`.
+        load_into: write the posterior mean (with the BMA's BatchNorm statistics) into ``model``.
+        progress: show a progress bar on a terminal.
+        **method_options: the method's options (e.g. ``rank=10``, ``rho=0.05``).
+
+    Raises:
+        FlatbmaError: invalid options or data; DivergenceError (a FlatbmaError) when training diverges.
+    """
+    if not isinstance(model, nn.Module):
+        raise FlatbmaError(f"model must be a torch.nn.Module, got a {type(model).__name__}")
+    if not is_int(epochs) or epochs < 1:
+        raise FlatbmaError(f"epochs must be a positive integer, got {shown(epochs)}")
+    config = parse_method(_method_section(method, method_options))
+    optim_config = parse_dataclass(OptimConfig, _optim_section(optim, lr), "optim")
+    steps, num_data = _sizes(loader)
+    train_device = target_device(device, model)
+    model.to(train_device)
+    objective = Objective(model=model, num_data=num_data)
+    posterior = config.build(objective, optim_config.build(steps_per_epoch=steps, epochs=epochs))
+    was_training = model.training
+    try:
+        with forked_rng(seed):
+            state = posterior.init(trainable_params(model), model_buffers(model))
+            model.train()
+            state, _ = fit(posterior, state, loader, epochs=epochs, device=train_device, progress=progress)
+    except DivergenceError as e:
+        raise DivergenceError(f"{e}; lower the learning rate (e.g. lr={optim_config.lr / 10:g})") from None
+    finally:
+        model.train(was_training)
+    bma = BMA(
+        model,
+        posterior,
+        state,
+        loader,
+        num_samples=num_samples,
+        seed=seed,
+        recompute_bn=recompute_bn,
+        device=train_device,
+        method_config=config.to_dict(),
+    )
+    if load_into:
+        bma.load_into()
+    return bma
+
+
+def load_posterior(
+    path: str | Path,
+    model: nn.Module,
+    train_loader: Iterable[Batch] | None = None,
+    *,
+    device: torch.device | str | None = None,
+) -> BMA:
+    """The predictor :func:`fit_posterior`'s :meth:`BMA.save <flatbma.predictor.BMA.save>` wrote to ``path``.
+
+    The method is rebuilt from the section recorded in the file for ``model`` — a fresh module of the
+    same architecture (MC dropout inserts its dropout layer into it again). Its optimizer is never used:
+    the predictor only samples. Predictions equal those of the saved predictor bit for bit.
+    ``train_loader`` is needed when the predictor recomputes BatchNorm statistics, as at saving.
+    """
+    _, settings = read_file(path)
+    section = settings["method"]
+    if not isinstance(section, Mapping):
+        raise FlatbmaError(
+            f"{path} records no method (the predictor was built by hand): rebuild the method and use "
+            "flatbma.BMA.load(path, model, method, train_loader)"
+        )
+    config = parse_method(section)
+    posterior = config.build(Objective(model=model), OptimConfig().build(steps_per_epoch=1, epochs=1))
+    return BMA.load(path, model, posterior, train_loader, device=device)
+
+
+def _method_section(method: str | Mapping[str, Any], options: Mapping[str, Any]) -> dict[str, Any]:
+    if isinstance(method, str):
+        return {"name": method, **options}
+    if not isinstance(method, Mapping):
+        raise FlatbmaError(f"method must be a method name or a method section {{name: ...}}, got {shown(method)}")
+    twice = sorted(set(method) & set(options))
+    if twice:
+        raise FlatbmaError(f"method option(s) {', '.join(twice)} given twice: in the method section and as keywords")
+    return {**method, **options}
+
+
+def _optim_section(optim: Mapping[str, Any] | None, lr: float | None) -> dict[str, Any]:
+    if optim is not None and not isinstance(optim, Mapping):
+        raise FlatbmaError(f"optim must be a mapping of optim keys (lr, momentum, ...), got {shown(optim)}")
+    section = dict(optim or {})
+    if lr is not None:
+        if "lr" in section:
+            raise FlatbmaError("the learning rate is given twice: as lr= and in optim; keep one")
+        section["lr"] = lr
+    return section
+
+
+def _sizes(loader: Iterable[Batch]) -> tuple[int, int]:
+    """``(steps per epoch, number of training examples)`` of ``loader``."""
+    dataset = getattr(loader, "dataset", None)
+    try:
+        steps, num_data = len(loader), len(dataset)  # type: ignore[arg-type]
+    except TypeError:
+        raise FlatbmaError(
+            f"loader must be a DataLoader over a dataset of known size (its length sets the schedule and the "
+            f"number of examples), got a {type(loader).__name__}"
+        ) from None
+    if steps == 0 or num_data == 0:
+        raise FlatbmaError("the training loader is empty")
+    return steps, num_data

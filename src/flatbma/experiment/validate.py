@@ -1,0 +1,187 @@
+"""Everything a config demands of its run, checked against the data sizes before anything trains or is written.
+
+A config is checked twice. Parsing (:mod:`flatbma.experiment.config`) checks each value on its own.
+This module checks what depends on the run's *shape* — how many updates the run takes, how many
+examples it trains and tests on — which is known once the data set is read, long before the first
+step: SWAG's snapshots against its rank, SG-MCMC's burn-in and thinning against the run's length,
+ECE's bins against the test set, the Hessian's eigenvalues against its dimension, the learning
+rate against the KL to a fitted prior. Without it such a config trains for minutes or hours and
+then fails in its evaluation (or, for a two-stage run, after its whole first stage).
+
+Each part of a config checks itself given a :class:`RunShape` — a method through its registry
+entry (:attr:`~flatbma.experiment.methods.MethodSpec.check`, so this module knows no method by name),
+the evaluation through :meth:`~flatbma.experiment.sections.EvalConfig.check` — and
+:func:`check_run` asks every stage of a run: a two-stage run's first stage with ``prior.epochs``
+and the ``prior.method.*`` keys, then its own. ``flatbma train`` calls :func:`validate_run` once,
+before its first stage (:func:`flatbma.experiment.run.train`); ``flatbma compare`` calls
+:func:`validate_runs` once for every entry × seed × candidate, before the first run starts.
+Every refusal is one :class:`~flatbma.errors.FlatbmaError` line naming the key, the numbers and the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from flatbma.data import DatasetSplits
+from flatbma.errors import FlatbmaError
+from flatbma.experiment import distributed
+from flatbma.experiment.build import build_network, load_data, select_data, transforms
+from flatbma.experiment.config import RunConfig
+from flatbma.experiment.prior import check_stable_with_prior, prior_stage
+from flatbma.experiment.sections import plain
+
+__all__ = ["RunShape", "Stage", "check_run", "run_shape", "validate_run", "validate_runs"]
+
+
+@dataclass(frozen=True)
+class RunShape:
+    """What a run's data decide about it, computed before it trains (:func:`run_shape`).
+
+    Attributes:
+        steps_per_epoch: updates per epoch: batches of ``data.batch_size`` of the training examples as
+            the run's loader deals them (one process, or the global batches of ``torchrun``).
+        num_train: training examples ``n`` (the k-shot draw, validation held out).
+        num_test: test examples the metrics are computed on (``data.test_limit`` applied).
+        num_trainable: trained weights (the Hessian's dimension), or ``None`` when not computed.
+    """
+
+    steps_per_epoch: int
+    num_train: int
+    num_test: int
+    num_trainable: int | None = None
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One stage of a run (a two-stage run has two) as its method sees it: its length and the keys that set it.
+
+    Attributes:
+        shape: the run's shape (both stages share the data).
+        epochs: the stage's epochs.
+        epochs_key: the key that sets them (``train.epochs``, or ``prior.epochs`` for a first stage).
+        method_key: the section of the stage's method (``method``, or ``prior.method``).
+    """
+
+    shape: RunShape
+    epochs: int
+    epochs_key: str = "train.epochs"
+    method_key: str = "method"
+
+    @property
+    def steps(self) -> int:
+        """Updates of the stage: ``epochs × steps_per_epoch``."""
+        return self.epochs * self.shape.steps_per_epoch
+
+    def key(self, option: str) -> str:
+        """The config key of a method option (``method.rank``, ``prior.method.rank``)."""
+        return f"{self.method_key}.{option}"
+
+    def describe(self) -> str:
+        """``train.epochs=2 × 4 steps per epoch = 8 updates``."""
+        spe = self.shape.steps_per_epoch
+        return f"{self.epochs_key}={self.epochs} × {spe} step{'s' * (spe != 1)} per epoch = {self.steps} updates"
+
+    def epochs_for(self, steps: int) -> int:
+        """The fewest epochs that take at least ``steps`` updates."""
+        return -(-steps // self.shape.steps_per_epoch)
+
+    @staticmethod
+    def steps_for(count: Callable[[int], int], needed: int) -> int:
+        """The fewest updates ``s`` with ``count(s) ≥ needed``, for a non-decreasing unbounded ``count`` (snapshots)."""
+        high = 1
+        while count(high) < needed:
+            high *= 2
+            if high > 2**62:
+                raise ValueError(f"count never reaches {needed}")
+        low = high // 2  # count(low) < needed (or low = 0)
+        while high - low > 1:
+            mid = (low + high) // 2
+            low, high = (low, mid) if count(mid) >= needed else (mid, high)
+        return high
+
+
+def run_shape(cfg: RunConfig, splits: DatasetSplits | None = None, *, trainable: bool = False) -> RunShape:
+    """The shape of run ``cfg``: its examples drawn as its build draws them, its loader's length.
+
+    Args:
+        cfg: the run.
+        splits: the data set of ``cfg.data`` already read (:func:`~flatbma.experiment.build.load_data`),
+            to share between runs on the same data; read here when ``None``.
+        trainable: also count the trained weights, which builds the network (on the CPU).
+
+    Raises:
+        FlatbmaError: whatever the data selection refuses (a k-shot draw the data cannot give, ...).
+    """
+    data = select_data(cfg, splits if splits is not None else load_data(cfg.data))
+    strategy = distributed.strategy(cfg.train.parallel)
+    loader = strategy.train_loader(data.train, cfg.data.batch_size, seed=cfg.seed)
+    count = None
+    if trainable:
+        _, eval_tf = transforms(cfg.data)
+        model = build_network(cfg, data.train.with_transform(eval_tf))
+        count = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return RunShape(
+        steps_per_epoch=len(loader), num_train=len(data.train), num_test=len(data.test), num_trainable=count
+    )
+
+
+def _needs_trainable(cfg: RunConfig, flatness: bool) -> bool:
+    """Whether a check needs the number of trained weights (only ``hessian_k > 1`` can exceed it)."""
+    return flatness and cfg.eval.hessian_k > 1
+
+
+def check_run(cfg: RunConfig, shape: RunShape, *, flatness: bool) -> None:
+    """Check every stage of ``cfg`` against ``shape`` (module docstring); ``flatness``: the Hessian is measured.
+
+    A two-stage run's first stage (:func:`~flatbma.experiment.prior.prior_stage`) trains ``prior.epochs``
+    on the same data; its method must leave the second stage what it needs (e.g. SWAG's ``K`` deviation
+    columns when the second starts there), and the run's learning rate must be stable with the
+    fitted prior (:func:`~flatbma.experiment.prior.check_stable_with_prior`).
+    """
+    first = prior_stage(cfg)
+    if first is not None:
+        first.method.check(Stage(shape, first.train.epochs, "prior.epochs", "prior.method"))
+        check_stable_with_prior(cfg, shape.num_train)
+    cfg.method.check(Stage(shape, cfg.train.epochs))
+    cfg.eval.check(shape, flatness=flatness)
+
+
+def validate_run(cfg: RunConfig, *, flatness: bool | None = None) -> RunShape:
+    """Check ``cfg`` before it trains (``flatbma train``); return its shape.
+
+    Args:
+        cfg: the run.
+        flatness: whether its flatness is measured (default ``eval.flatness``).
+    """
+    flatness = cfg.eval.flatness if flatness is None else flatness
+    shape = run_shape(cfg, trainable=_needs_trainable(cfg, flatness))
+    check_run(cfg, shape, flatness=flatness)
+    return shape
+
+
+def validate_runs(runs: Iterable[tuple[str, RunConfig]], *, flatness: bool) -> None:
+    """Check every ``(where, run)`` before the first one trains (``flatbma compare``), as one process each.
+
+    The data set is read once per ``data`` section; a refusal names the run (``where``) first.
+    """
+    loaded: dict[str, DatasetSplits] = {}
+    weights: dict[str, int] = {}
+    with distributed.single_process():  # each compared run is an ordinary one-process run
+        for where, cfg in runs:
+            try:
+                data_key = json.dumps(plain(cfg.data), sort_keys=True, default=str)
+                if data_key not in loaded:
+                    loaded[data_key] = load_data(cfg.data)
+                model_key = data_key + json.dumps(plain(cfg.model), sort_keys=True, default=str)
+                trainable = _needs_trainable(cfg, flatness) and model_key not in weights
+                shape = run_shape(cfg, loaded[data_key], trainable=trainable)
+                if shape.num_trainable is not None:
+                    weights[model_key] = shape.num_trainable
+                elif model_key in weights:
+                    shape = dataclasses.replace(shape, num_trainable=weights[model_key])
+                check_run(cfg, shape, flatness=flatness)
+            except FlatbmaError as e:
+                raise FlatbmaError(f"{where}: {e}") from None

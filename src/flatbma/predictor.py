@@ -1,0 +1,535 @@
+"""The BMA predictor: a trained posterior's predictive, with every detail of prediction owned by it.
+
+:class:`BMA` turns ``(model, method, state)`` into ``p(y|x) = (1/M) Σ_m softmax(f(x; w_m))``, i.e.
+``log p(y|x) = logsumexp_m log_softmax(f(x; w_m)) − log M`` (:func:`flatbma.predict.bma_log_probs`),
+and takes off the caller's hands what the functions below it leave to the caller:
+
+* **samples** — ``M`` weight samples drawn once, from a CPU generator seeded with ``seed``, and kept:
+  every prediction uses the same ones (so asking twice gives the same answer);
+* **BatchNorm** — when the posterior's samples carry no statistics of their own
+  (:attr:`flatbma.types.Posterior.recompute_bn`: SWAG, VI, SG-MCMC, bSAM), every sample's statistics
+  are recomputed on the training data in a fixed order (:func:`flatbma.bn.statistics_loader`,
+  :func:`flatbma.bn.with_recomputed_statistics`) — the path of ``flatbma train``'s evaluation;
+* **mode** — eval mode during prediction, or the posterior's prediction mode
+  (:attr:`~flatbma.types.Posterior.predict_mode`: MC dropout keeps dropout stochastic), with the
+  module's own train/eval modes restored afterwards, whatever they were;
+* **randomness of the prediction mode** — MC dropout's masks follow the seed of the method's latest
+  ``sample`` call; the predictor draws with its own seed right before predicting, so its answers
+  depend on its seed alone, not on what else sampled from the method;
+* **device** — samples and inputs on one device; inputs alone (``x``, ``(x,)``) or ``(x, y)`` batches,
+  one batch or a DataLoader of them.
+
+Its numbers equal the careful manual path exactly: ``method.sample(state, M,
+torch.Generator().manual_seed(seed))``, statistics recomputed per sample with
+:func:`flatbma.bn.recompute_bn_statistics` on ``statistics_loader(dataset, batch_size)``, then
+:func:`flatbma.predict.evaluate` with ``mode=method.predict_mode``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import os
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import load_file, save
+from torch import Tensor, nn
+from torch.func import functional_call
+from torch.utils.data import DataLoader, IterableDataset
+
+from flatbma.bn import has_batchnorm, statistics_loader, with_recomputed_statistics
+from flatbma.checks import is_int
+from flatbma.errors import FlatbmaError
+from flatbma.params import load_into, model_buffers, trainable_params
+from flatbma.predict import bma_log_probs, eval_mode, evaluate
+from flatbma.types import Params, Posterior, State, split_batch
+
+STATE_FORMAT = "flatbma-state-v1"
+"""Format tag of a flatbma state file: the tensors of ``State.params``/``buffers``/``aux`` as
+``params/<name>``, … with ``step`` and the key order as metadata — the layout of the run checkpoints
+(:mod:`flatbma.experiment.checkpoint`), so their ``load_state`` reads a predictor's file too."""
+
+PREDICTOR_KEY = "predictor"
+"""Metadata key of a saved predictor's settings (JSON) in its state file."""
+
+PREDICTOR_FORMAT = "flatbma-bma-v1"
+"""Format tag of those settings."""
+
+_SECTIONS = ("params", "buffers", "aux")
+
+
+def trained_names(model: nn.Module) -> list[str]:
+    """Names of ``model``'s parameters with ``requires_grad`` (the trained, Bayesian ones)."""
+    return [n for n, p in model.named_parameters() if p.requires_grad]
+
+
+def posterior_mean(
+    method: Posterior, state: State, samples: Sequence[Mapping[str, Tensor]], names: Iterable[str]
+) -> Params:
+    """The weights at the posterior mean ``E_q[w]``, in the form of a sample.
+
+    :attr:`flatbma.types.Posterior.mean` when the method has it; otherwise the average of ``samples``
+    over the trained parameters ``names`` — an ensemble's member average, a chain's kept iterates —
+    with the first sample's other tensors (buffers; BatchNorm statistics are the caller's business).
+    """
+    if method.mean is not None:
+        return method.mean(state)
+    mean = dict(samples[0])
+    for name in names:
+        mean[name] = torch.stack([w[name].detach() for w in samples]).mean(0)
+    return mean
+
+
+class BMA:
+    """The Bayesian model average of a trained posterior, ready to predict.
+
+    Args:
+        model: the module the method was built for (its frozen parameters are used as they are).
+        method: the trained :class:`~flatbma.types.Posterior` (a point estimate is a BMA of one sample).
+        state: its trained state.
+        train_loader: the training data, used only to recompute BatchNorm statistics: a DataLoader's
+            dataset is read in the fixed order of :func:`flatbma.bn.statistics_loader` in batches of its
+            ``batch_size`` (shuffling does not enter; give data without random augmentation, or its
+            draws enter the statistics); any other re-iterable of batches is read as it is. Required
+            when statistics are recomputed.
+        num_samples: ``M``, the number of posterior samples.
+        seed: seed of the CPU generator the samples are drawn from.
+        recompute_bn: recompute the samples' BatchNorm statistics: ``None`` when the posterior needs it
+            (:attr:`~flatbma.types.Posterior.recompute_bn`), ``True`` for every method (what ``flatbma
+            train`` reports: point estimates too), ``False`` never. Nothing happens without BatchNorm.
+        device: where the samples, the inputs and the module go (the module is moved there, as
+            ``model.to(device)`` would); ``None``: the module's device.
+        batched: how the samples are evaluated (:func:`flatbma.predict.sample_log_probs`).
+        method_config: the method's config section (``name`` and options), written by :meth:`save` so that
+            :func:`flatbma.load_posterior` can rebuild the method; :func:`flatbma.fit_posterior` sets it.
+
+    Raises:
+        FlatbmaError: invalid arguments, or statistics to recompute without ``train_loader``.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        method: Posterior,
+        state: State,
+        train_loader: Iterable[Any] | None = None,
+        *,
+        num_samples: int = 30,
+        seed: int = 0,
+        recompute_bn: bool | None = None,
+        device: torch.device | str | None = None,
+        batched: bool | None = None,
+        method_config: Mapping[str, Any] | None = None,
+    ) -> None:
+        _check_arguments(model, method, state, num_samples, seed, recompute_bn)
+        self.model = model
+        self.method = method
+        self.num_samples = num_samples
+        self.seed = seed
+        self.batched = batched
+        self.method_config = dict(method_config) if method_config is not None else None
+        self.device = target_device(device, model)
+        if device is not None:
+            model.to(self.device)
+        self.state = _state_on(state, self.device)
+        wanted = method.recompute_bn if recompute_bn is None else recompute_bn
+        self.recompute_bn = bool(wanted) and has_batchnorm(model)
+        """Whether the samples' BatchNorm statistics are recomputed (resolved at construction)."""
+        if self.recompute_bn and train_loader is None:
+            raise FlatbmaError(
+                "this posterior's samples need BatchNorm statistics of their own: pass train_loader= (the "
+                "training data, without augmentation) or recompute_bn=False to keep the state's statistics"
+            )
+        self.train_loader = train_loader
+        self._bn_loader = _fixed_order(train_loader) if self.recompute_bn else None
+        self._samples: list[Params] | None = None
+        self._num_classes: int | None = None
+
+    def __repr__(self) -> str:
+        name = (self.method_config or {}).get("name", "posterior")
+        bn = "recomputed per sample" if self.recompute_bn else "the state's"
+        return f"BMA({name}, num_samples={self.num_samples}, seed={self.seed}, bn={bn}, device={self.device})"
+
+    # ---------------------------------------------------------------- samples
+    @property
+    def samples(self) -> list[Params]:
+        """The ``M`` weight samples every prediction averages over (drawn at first use, then kept)."""
+        if self._samples is None:
+            self._samples = self._draw(self.num_samples)
+        return self._samples
+
+    def sample(self, n: int) -> list[Params]:
+        """``n`` weight samples drawn with the predictor's seed, statistics as the predictor's.
+
+        ``n = num_samples`` gives the predictor's own samples; other ``n`` draw anew from the same seed.
+        Each is a dict of parameters and buffers by module name (``functional_call`` ready; e.g.
+        ``hessian_eigenvalues(model, data, weights=w)``). The dicts are fresh; their tensors are shared.
+        """
+        if not is_int(n) or n < 1:
+            raise FlatbmaError(f"the number of samples must be a positive integer, got {n!r}")
+        drawn = self.samples if n == self.num_samples else self._draw(n)
+        return [dict(w) for w in drawn]
+
+    def mean(self) -> Params:
+        """The weights at the posterior mean (:func:`posterior_mean`), statistics as the predictor's samples'."""
+        mean = posterior_mean(self.method, self.state, self.samples, trained_names(self.model))
+        mean = {k: v.to(self.device) for k, v in mean.items()}
+        if self.recompute_bn:
+            with self._rng_kept():
+                mean = with_recomputed_statistics(self.model, [mean], self._bn_loader, device=self.device)[0]
+        return mean
+
+    def load_into(self, model: nn.Module | None = None) -> nn.Module:
+        """Write :meth:`mean` into ``model`` (default: the predictor's module), in place; return it.
+
+        The module then holds the posterior mean — SWAG's SWA mean, VI's ``μ``, a point estimate
+        itself — with its BatchNorm statistics, so tools that read the module's own weights measure
+        the posterior's. The predictor's samples do not change (they never read the module's weights
+        that they replace).
+        """
+        return load_into(self.model if model is None else model, self.mean())
+
+    # ---------------------------------------------------------------- prediction
+    def predict_log_proba(self, data: Any) -> Tensor:
+        """BMA log-probabilities ``[N, C]`` of ``data``, on the predictor's device.
+
+        ``data`` is one batch — inputs ``x``, a tuple ``(x,)`` or ``(x, y)``, or a list ``[x, y]`` whose
+        ``y`` holds integer labels (what a DataLoader yields) — or an iterable of such batches (a
+        DataLoader); labels are ignored. Rows follow the order of the inputs.
+        """
+        outs = []
+        with self._rng_kept():
+            samples = self._armed_samples()
+            with self._mode()(self.model):
+                for x in _inputs(data):
+                    outs.append(bma_log_probs(self.model, samples, x.to(self.device), batched=self.batched))
+        if not outs:
+            raise FlatbmaError("there is nothing to predict: the data holds no batch")
+        return torch.cat(outs)
+
+    def predict_proba(self, data: Any) -> Tensor:
+        """BMA probabilities ``[N, C]``: ``exp`` of :meth:`predict_log_proba` (same ``data``)."""
+        return self.predict_log_proba(data).exp()
+
+    def predict(self, data: Any) -> Tensor:
+        """The most probable class under the BMA, ``[N]`` (same ``data`` as :meth:`predict_log_proba`)."""
+        return self.predict_log_proba(data).argmax(-1)
+
+    def evaluate(self, loader: Iterable[Any], *, num_classes: int | None = None, n_bins: int = 15) -> dict[str, float]:
+        """Accuracy, NLL, ECE, adaptive ECE and Brier score of the BMA on ``(x, y)`` batches.
+
+        The dict of :func:`flatbma.predict.evaluate` (``n`` and ``num_samples`` included), computed by
+        it with the predictor's samples, device and prediction mode. ``num_classes``: ``None`` reads it
+        from the model's output on the first batch, read ahead under a forked RNG (a DataLoader's
+        iterator draws its base seed from the global RNG), so that the loader is then iterated exactly
+        as :func:`flatbma.predict.evaluate` alone would.
+        """
+        if num_classes is None:
+            if isinstance(loader, Iterator):  # one-shot: read its first batch and put it back
+                first = next(loader, None)
+                loader = itertools.chain([first], loader) if first is not None else []
+            else:
+                with torch.random.fork_rng(devices=[]):
+                    first = next(iter(loader), None)
+            if first is None:
+                raise FlatbmaError("the evaluation data is empty: the loader yields no batch")
+            num_classes = self._output_classes(first)
+        with self._rng_kept():
+            return evaluate(
+                self.model,
+                self._armed_samples(),
+                loader,
+                num_classes=num_classes,
+                n_bins=n_bins,
+                device=self.device,
+                mode=self.method.predict_mode,
+                batched=self.batched,
+            )
+
+    # ---------------------------------------------------------------- files
+    def save(self, path: str | Path) -> None:
+        """Write the state and the predictor's settings to ``path`` (safetensors, atomically, no pickle).
+
+        :meth:`load` (or :func:`flatbma.load_posterior` when the method's config is known) gives a
+        predictor with the same samples and the same predictions, bit for bit.
+        """
+        settings = {
+            "format": PREDICTOR_FORMAT,
+            "num_samples": self.num_samples,
+            "seed": self.seed,
+            "recompute_bn": self.recompute_bn,
+            "method": self.method_config,
+        }
+        write_file(path, self.state, settings)
+
+    @classmethod
+    def load(
+        cls,
+        path: str | Path,
+        model: nn.Module,
+        method: Posterior,
+        train_loader: Iterable[Any] | None = None,
+        *,
+        device: torch.device | str | None = None,
+        batched: bool | None = None,
+    ) -> BMA:
+        """The predictor :meth:`save` wrote to ``path``, for ``model`` and ``method`` built as before.
+
+        The state must have the structure ``method`` gives ``model`` (checked); the number of samples,
+        the seed and whether statistics are recomputed come from the file.
+        """
+        state, settings = read_file(path)
+        _check_fits(state, method, model, path)
+        return cls(
+            model,
+            method,
+            state,
+            train_loader,
+            num_samples=settings["num_samples"],
+            seed=settings["seed"],
+            recompute_bn=settings["recompute_bn"],
+            device=device,
+            batched=batched,
+            method_config=settings["method"],
+        )
+
+    # ---------------------------------------------------------------- internals
+    def _draw(self, n: int) -> list[Params]:
+        with self._rng_kept():
+            drawn = self.method.sample(self.state, n, torch.Generator(device="cpu").manual_seed(self.seed))
+            drawn = [{k: v.to(self.device) for k, v in w.items()} for w in drawn] if self._moves(drawn) else drawn
+            if self.recompute_bn:
+                drawn = with_recomputed_statistics(self.model, drawn, self._bn_loader, device=self.device)
+        return drawn
+
+    def _rng_kept(self) -> contextlib.AbstractContextManager[None]:
+        """A block after which torch's global generators (CPU, and the predictor's GPU) are as before it.
+
+        Prediction draws nothing from them that matters (the samples come from the seeded generator, MC
+        dropout's masks from its own seeded fork), but a DataLoader's iterator draws its base seed from
+        them: the caller's random stream is left alone.
+        """
+        cuda = self.device.type == "cuda"
+        devices = [self.device.index if self.device.index is not None else torch.cuda.current_device()] if cuda else []
+        return torch.random.fork_rng(devices=devices)
+
+    def _moves(self, samples: list[Params]) -> bool:
+        return any(v.device != self.device for w in samples for v in w.values())
+
+    def _armed_samples(self) -> list[Params]:
+        """The samples, with a prediction mode's randomness (MC dropout's masks) set to the predictor's seed."""
+        samples = self.samples
+        if self.method.predict_mode is not None:
+            self.method.sample(self.state, self.num_samples, torch.Generator(device="cpu").manual_seed(self.seed))
+        return samples
+
+    def _mode(self) -> Callable[[nn.Module], contextlib.AbstractContextManager[Any]]:
+        return self.method.predict_mode or eval_mode
+
+    def _output_classes(self, batch: Any) -> int:
+        """The number of classes: the width of the model's output on one example (eval mode, no randomness)."""
+        if self._num_classes is None:
+            x, _ = split_batch(batch)
+            with torch.no_grad(), eval_mode(self.model):
+                out = functional_call(self.model, self.samples[0], (x[:1].to(self.device),))
+            self._num_classes = int(out.shape[-1])
+        return self._num_classes
+
+
+def write_file(path: str | Path, state: State, settings: Mapping[str, Any]) -> None:
+    """Write ``state`` and the predictor ``settings`` to ``path``: a state file (:data:`STATE_FORMAT`).
+
+    Written to a temporary file in the same directory and renamed, so an interrupted write never leaves
+    a half-written file at ``path``.
+
+    Raises:
+        FlatbmaError: the file cannot be written.
+    """
+    path = Path(path)
+    tensors = {f"{s}/{k}": v.detach().contiguous().cpu() for s in _SECTIONS for k, v in getattr(state, s).items()}
+    order = {s: list(getattr(state, s)) for s in _SECTIONS}  # safetensors sorts by name; the order is state
+    meta = {
+        "format": STATE_FORMAT,
+        "step": str(state.step),
+        "order": json.dumps(order),
+        PREDICTOR_KEY: json.dumps(dict(settings)),
+    }
+    data = save(tensors, metadata=meta)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise FlatbmaError(f"cannot write the predictor to {path}: {e.strerror or e}") from None
+
+
+def read_file(path: str | Path) -> tuple[State, dict[str, Any]]:
+    """``(state, settings)`` written by :func:`write_file`, the state on the CPU.
+
+    Raises:
+        FlatbmaError: a missing, truncated or foreign file, or a state file without predictor settings.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FlatbmaError(f"{path} does not exist: save a predictor there first (bma.save(path))")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = dict(f.metadata() or {})
+        tensors = load_file(str(path))
+    except (SafetensorError, OSError, ValueError, RuntimeError):
+        raise FlatbmaError(
+            f"{path} is not a readable safetensors file (truncated?): save the predictor again"
+        ) from None
+    if meta.get("format") != STATE_FORMAT:
+        raise FlatbmaError(f"{path} is not a flatbma state file: save the predictor with bma.save(path)")
+    settings = read_settings(meta, path)
+    sections: dict[str, Params] = {s: {} for s in _SECTIONS}
+    try:
+        order = json.loads(meta["order"])
+        for key, value in tensors.items():
+            section, _, name = key.partition("/")
+            sections[section][name] = value
+        for s in _SECTIONS:
+            listed = [k for k in order.get(s, []) if k in sections[s]]
+            sections[s] = {k: sections[s][k] for k in listed} | {
+                k: v for k, v in sections[s].items() if k not in listed
+            }
+        step = int(meta["step"])
+    except (KeyError, ValueError, TypeError, AttributeError):
+        raise FlatbmaError(f"{path}: the state file is damaged (tensor names or metadata); save it again") from None
+    return State(step=step, **sections), settings
+
+
+def read_settings(meta: Mapping[str, str], path: str | Path) -> dict[str, Any]:
+    """The predictor settings in a state file's metadata (:meth:`BMA.save`)."""
+    if PREDICTOR_KEY not in meta:
+        raise FlatbmaError(
+            f"{path} holds a method state but no predictor settings (a run checkpoint?): build the predictor "
+            "with flatbma.BMA(model, method, load_state(path), train_loader)"
+        )
+    try:
+        settings = json.loads(meta[PREDICTOR_KEY])
+        valid = settings["format"] == PREDICTOR_FORMAT and is_int(settings["num_samples"]) and is_int(settings["seed"])
+    except (ValueError, KeyError, TypeError):
+        valid = False
+    if not valid:
+        raise FlatbmaError(f"{path}: the predictor settings are damaged or of another version; save it again")
+    return settings
+
+
+def _check_fits(state: State, method: Posterior, model: nn.Module, path: str | Path) -> None:
+    """``state`` must have the structure ``method`` gives a fresh state of ``model`` (under a forked RNG).
+
+    ``params`` and ``buffers``: the same names and shapes; ``aux``: every entry of the fresh state with
+    its shape (methods add entries while they train).
+    """
+    with torch.random.fork_rng(devices=[]):
+        reference = method.init(trainable_params(model), model_buffers(model))
+    for section in _SECTIONS:
+        have, want = getattr(state, section), getattr(reference, section)
+        missing = [k for k in want if k not in have]
+        unexpected = [k for k in have if k not in want] if section != "aux" else []
+        reshaped = [k for k in want if k in have and tuple(have[k].shape) != tuple(want[k].shape)]
+        for problem, names in (("missing", missing), ("unexpected", unexpected), ("of another shape", reshaped)):
+            if names:
+                raise FlatbmaError(
+                    f"{path} does not fit this model and method ({section}/{names[0]} is {problem}): load it with "
+                    "the architecture and method it was saved with"
+                )
+
+
+def _check_arguments(
+    model: object, method: object, state: object, num_samples: object, seed: object, recompute_bn: object
+) -> None:
+    if not isinstance(model, nn.Module):
+        raise FlatbmaError(f"model must be a torch.nn.Module, got a {type(model).__name__}")
+    if not isinstance(method, Posterior):
+        raise FlatbmaError(
+            f"method must be a flatbma Posterior (a posterior family's build(...)), got a {type(method).__name__}"
+        )
+    if not isinstance(state, State):
+        raise FlatbmaError(
+            f"state must be the method's flatbma State (from init and fit), got a {type(state).__name__}"
+        )
+    if not is_int(num_samples) or num_samples < 1:
+        raise FlatbmaError(f"num_samples must be a positive integer, got {num_samples!r}")
+    if not is_int(seed) or seed < 0:
+        raise FlatbmaError(f"seed must be a non-negative integer, got {seed!r}")
+    if recompute_bn is not None and not isinstance(recompute_bn, bool):
+        raise FlatbmaError(
+            f"recompute_bn must be True, False or None (when the posterior needs it), got {recompute_bn!r}"
+        )
+
+
+def target_device(device: torch.device | str | None, model: nn.Module) -> torch.device:
+    """``device`` as a ``torch.device``; ``None``: the device of the module's first parameter or buffer (or CPU)."""
+    if device is None:
+        first = next(itertools.chain(model.parameters(), model.buffers()), None)
+        return first.device if first is not None else torch.device("cpu")
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError):
+        raise FlatbmaError(f"device {device!r} is not a device name (use cpu, cuda, cuda:0, ...)") from None
+
+
+def _state_on(state: State, device: torch.device) -> State:
+    """``state`` with its tensors on ``device`` (the same object when they are there already)."""
+    sections = (state.params, state.buffers, state.aux)
+    if all(v.device == device for section in sections for v in section.values()):
+        return state
+    params, buffers, aux = ({k: v.to(device) for k, v in s.items()} for s in sections)
+    return State(params=params, buffers=buffers, aux=aux, step=state.step)
+
+
+def _fixed_order(loader: Iterable[Any]) -> Iterable[Any]:
+    """The data of ``loader`` in a fixed order for BatchNorm statistics (:func:`flatbma.bn.statistics_loader`)."""
+    if isinstance(loader, DataLoader):
+        if loader.batch_size is not None and not isinstance(loader.dataset, IterableDataset):
+            return statistics_loader(loader.dataset, loader.batch_size, collate_fn=loader.collate_fn)
+        return loader
+    if isinstance(loader, Iterator):
+        raise FlatbmaError(
+            "train_loader is read once per sample and must be re-iterable (a DataLoader or a list of batches), "
+            f"got a one-shot {type(loader).__name__}"
+        )
+    return loader
+
+
+def _inputs(data: Any) -> Iterator[Tensor]:
+    """The input tensors of one batch or of an iterable of batches (see :meth:`BMA.predict_log_proba`)."""
+    if isinstance(data, Tensor | tuple) or _is_labelled_list(data):
+        yield split_batch(data)[0]
+        return
+    if isinstance(data, Mapping | str) or not isinstance(data, Iterable):
+        raise FlatbmaError(
+            f"cannot predict a {type(data).__name__}: give inputs x, a batch (x,) or (x, y), or a DataLoader"
+        )
+    for batch in data:
+        yield split_batch(batch)[0]
+
+
+def _is_labelled_list(data: Any) -> bool:
+    """Whether ``data`` is a list ``[x]`` or ``[x, y]`` with integer labels ``y``: one batch, as DataLoaders yield."""
+    if not isinstance(data, list) or not data or not isinstance(data[0], Tensor):
+        return False
+    if len(data) == 1:
+        return True
+    y = data[1] if len(data) == 2 else None
+    return (
+        isinstance(y, Tensor)
+        and y.ndim == 1
+        and not y.is_floating_point()
+        and not y.is_complex()
+        and data[0].ndim > 0
+        and y.shape[0] == data[0].shape[0]
+    )
