@@ -19,6 +19,7 @@ import io
 import math
 import os
 import pickle
+import re
 import zlib
 from collections.abc import Callable
 from pathlib import Path
@@ -216,6 +217,9 @@ _NPY_HEADER_READERS = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.l
 _NPY_HEADER_ERRORS = (ValueError, TypeError, KeyError, IndexError, OverflowError, RecursionError)
 
 
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+
+
 def _npy_header(f: BinaryIO, path: Path, source: str) -> tuple[tuple[int, ...], np.dtype]:
     """``(shape, dtype)`` from the header of the ``.npy`` file open as ``f``, which is left after the header."""
     try:
@@ -224,6 +228,7 @@ def _npy_header(f: BinaryIO, path: Path, source: str) -> tuple[tuple[int, ...], 
         shape, _, dtype = reader(f) if reader is not None else ((), False, None)
     except _NPY_HEADER_ERRORS as exc:
         text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        text = _ADDRESS.sub("", text)  # numpy quotes the parsed node: "<ast.BinOp object at 0x7f...>"
         raise FlatbmaError(f"cannot read {path}: not a valid .npy file ({_short(text)}). {source}") from None
     if reader is None:
         raise FlatbmaError(

@@ -56,6 +56,12 @@ _HELP = (
     "CIFAR-10-C or CIFAR-100-C folder, or the directory containing it>."
 )
 
+_SOURCE = (
+    "CIFAR-C: get a good copy from https://zenodo.org/records/2535967 (CIFAR-10-C) or "
+    "https://zenodo.org/records/3555552 (CIFAR-100-C)"
+)
+"""What a damaged ``.npy`` error adds: where a good copy comes from (the layout help is for layout errors)."""
+
 
 def _root(root: str | Path) -> Path:
     """The directory holding ``labels.npy``: ``root`` itself or its one CIFAR-10-C / CIFAR-100-C folder."""
@@ -78,7 +84,7 @@ def _root(root: str | Path) -> Path:
 
 
 def _load(path: Path) -> np.ndarray:
-    return read_npy(path, source=f"CIFAR-C: {_HELP}")  # header checked against the file before mapping it
+    return read_npy(path, source=_SOURCE)  # header checked against the file before mapping it
 
 
 def _stems(directory: Path) -> list[str]:
