@@ -175,3 +175,47 @@ def test_a_damaged_candidate_record_is_named(tmp_path: Path, content: bytes) -> 
     (tmp_path / "cand" / compare.CANDIDATE_FILE).write_bytes(content)
     with pytest.raises(FlatbmaError, match=r"candidate\.json is damaged .*--force"):
         compare._record(cfg)
+
+
+def test_a_moved_comparison_is_reused_in_its_new_place(finished, tmp_path, monkeypatch):
+    """Runs record their directory, but where a comparison lies is not part of what it computed (stage.run_identity)."""
+    _, pristine = finished
+    moved = tmp_path / "moved"
+    shutil.copytree(pristine, moved)
+
+    def no_training(*args, **kwargs):
+        raise AssertionError("a finished run of a moved comparison was trained again")
+
+    monkeypatch.setattr(compare, "train", no_training)
+    monkeypatch.setattr(compare, "train_stage", no_training)
+    assert main(["compare", "--config", _config(tmp_path, moved), "--quiet"]) == 0
+    before = json.loads((pristine / "results.json").read_text())["runs"]
+    after = json.loads((moved / "results.json").read_text())["runs"]
+    assert [{k: r[k] for k in CLEAN_KEYS} for r in after] == [{k: r[k] for k in CLEAN_KEYS} for r in before]
+    assert [Path(r["run_dir"]) for r in after] == [moved / ROW]  # the rows say where they are now
+
+
+def test_a_moved_comparison_with_selection_is_reused_in_its_new_place(tmp_path, monkeypatch):
+    cfg = {
+        **CONFIG,
+        "data": {"name": "digits", "k_shot": 10, "val_per_class": 2, "batch_size": 20, "test_limit": 100},
+        "compare": {**CONFIG["compare"], "methods": [{"name": "sam", "rho": [0.01, 0.05]}]},
+    }
+    first, moved = tmp_path / "first", tmp_path / "moved"
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({**cfg, "output_dir": str(first)}))
+    assert main(["compare", "--config", str(path), "--quiet"]) == 0
+    shutil.copytree(first, moved)
+
+    def no_work(*args, **kwargs):
+        raise AssertionError("a moved comparison trained or measured again")
+
+    for name in ("train", "train_stage", "measure", "load_run"):
+        monkeypatch.setattr(compare, name, no_work)
+    assert main(["compare", "--config", str(path), "--set", f"output_dir={moved}", "--quiet"]) == 0
+    [before] = json.loads((first / "results.json").read_text())["runs"]
+    [after] = json.loads((moved / "results.json").read_text())["runs"]
+    assert {k: after[k] for k in CLEAN_KEYS} == {k: before[k] for k in CLEAN_KEYS}
+    assert after["selection"]["chosen"] == before["selection"]["chosen"]
+    dirs = [after["run_dir"], *(c["run_dir"] for c in after["selection"]["candidates"])]
+    assert all(Path(d).is_relative_to(moved) for d in dirs), dirs

@@ -623,7 +623,7 @@ def _run_one(
     if not force and _finished(run_dir, cfg):
         cached = _read_cache(cache, _row_cache)
         if _fresh(cached, fingerprint, width_to):
-            return cached["result"]
+            return {**cached["result"], "run_dir": str(run_dir)}  # where the row is now (a comparison may move)
         train_metrics = _train_metrics(run_dir)
         exp, state = load_run(cfg)
     else:  # measure evaluates the BMA (and more); its clean-test metrics go into metrics.json below
@@ -707,12 +707,22 @@ def _describe_group(item: tuple[Job, tuple[Candidate, ...]]) -> str:
     return f"{job.label} seed {job.seed} {options}"
 
 
+def _unplaced(selection: Any) -> Any:
+    """A row's selection record without its candidates' run directories (a comparison may move)."""
+    if not isinstance(selection, dict) or not isinstance(selection.get("candidates"), list):
+        return selection
+    candidates = [
+        {k: v for k, v in c.items() if k != "run_dir"} if isinstance(c, dict) else c for c in selection["candidates"]
+    ]
+    return {**selection, "candidates": candidates}
+
+
 def _record(cfg: RunConfig) -> dict[str, Any] | None:
     """The validation record of candidate ``cfg`` (``candidate.json``) if it belongs to exactly this config."""
     run_dir = Path(cfg.output_dir)
     record = _read_cache(run_dir / CANDIDATE_FILE, _candidate_record)
     resolved = json.loads(json.dumps(cfg.to_dict()))
-    if not isinstance(record, dict) or record.get("config") != resolved:
+    if not isinstance(record, dict) or run_identity(record.get("config")) != run_identity(resolved):
         return None
     if record.get("error") is None and not _finished(run_dir, cfg):
         return None
@@ -797,8 +807,8 @@ def _run_selected(
     cache = job.row_dir / RUN_CACHE
     cached = None if force else _read_cache(cache, _row_cache)
     if not force and _fresh(cached, fingerprint, width_to):
-        if (cached.get("result") or {}).get("selection") == json.loads(json.dumps(record)):
-            return cached["result"]
+        if _unplaced((cached.get("result") or {}).get("selection")) == _unplaced(json.loads(json.dumps(record))):
+            return {**cached["result"], "run_dir": chosen.config.output_dir, "selection": record}
     cfg = chosen.config
     exp, state = load_run(cfg)
     train_metrics = _train_metrics(Path(cfg.output_dir))

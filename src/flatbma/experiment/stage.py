@@ -59,14 +59,18 @@ def environment() -> dict[str, str]:
 
 
 def run_identity(resolved: Any) -> Any:
-    """A resolved config without ``train.log``: what must match for two configs to be the same run.
+    """A resolved config without ``output_dir`` and ``train.log``: what must match for two configs to be the same run.
 
-    Which logs a run writes changes none of its numbers (and configs written before ``train.log``
-    existed lack it), so a run directory holds the same run whatever its logs.
+    Where a run directory is and which logs it writes change none of its numbers (and configs written
+    before ``train.log`` existed lack it), so a run directory holds the same run after it is moved or
+    copied (a comparison's runs are reused in their new place) and whatever its logs.
     """
-    if not isinstance(resolved, dict) or not isinstance(resolved.get("train"), dict):
+    if not isinstance(resolved, dict):
         return resolved
-    return {**resolved, "train": {k: v for k, v in resolved["train"].items() if k != "log"}}
+    out = {k: v for k, v in resolved.items() if k != "output_dir"}
+    if isinstance(out.get("train"), dict):
+        out["train"] = {k: v for k, v in out["train"].items() if k != "log"}
+    return out
 
 
 def finished_run(run_dir: Path, resolved: dict[str, Any]) -> bool:
