@@ -15,13 +15,13 @@ from flatbma.experiment.methods import METHODS
 from flatbma.models import MLP
 from flatbma.optim import SAM, SGD, Adam
 from flatbma.params import Objective, model_buffers, trainable_params
-from flatbma.posteriors import ensemble, point
+from flatbma.posteriors import ensemble, members, point
 from flatbma.predict import evaluate
 from tests.helpers import tiny_bn_net, toy_batch
 
 
 def member(state, m, section="params"):
-    return ensemble._member(m, getattr(state, section))
+    return members.member(m, getattr(state, section))
 
 
 def test_members_are_independent_initializations_and_the_template_is_restored():

@@ -23,9 +23,10 @@ from flatbma.experiment import distributed
 from flatbma.experiment.build import resolve_device
 from flatbma.experiment.compare import load_plan, run_compare
 from flatbma.experiment.config import load_config
-from flatbma.experiment.methods import METHODS, parse_method
+from flatbma.experiment.methods import METHODS, MethodConfig, parse_method
 from flatbma.experiment.report import summary_table
 from flatbma.experiment.run import evaluate_run, load_run_config, record_resume, resume_config, train_run
+from flatbma.experiment.sections import plain_values
 
 # What str.splitlines() breaks on: escaped in error messages (user values such as keys and paths may hold them).
 _ESCAPE_LINE_BREAKS = {ord(c): repr(c)[1:-1] for c in "\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029"}
@@ -98,6 +99,8 @@ def _reporting(args: argparse.Namespace, *, every_process: bool = False) -> cont
 
 
 def _plain(value: object) -> object:
+    if isinstance(value, MethodConfig):  # a nested method section (multi's of)
+        return plain_values(value.to_dict())
     return value.value if isinstance(value, Enum) else value
 
 

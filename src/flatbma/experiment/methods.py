@@ -13,13 +13,13 @@ import dataclasses
 import inspect
 import typing
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from flatbma.errors import FlatbmaError, suggest
 from flatbma.experiment.parse import coerce, parse_dataclass
 from flatbma.optim import ASAM, SAM, FisherBall, FisherSAM
-from flatbma.posteriors import bsam, ensemble, fp_bma, lowrank_vi, mc_dropout, mfvi, point, sgld, swag
+from flatbma.posteriors import bsam, ensemble, fp_bma, lowrank_vi, mc_dropout, mfvi, multi, point, sgld, swag
 from flatbma.types import Ascent, Posterior
 
 if TYPE_CHECKING:
@@ -45,6 +45,10 @@ class MethodSpec:
         check: ``check(method, stage)`` raises a :class:`FlatbmaError` when the method's options ask more
             of a run than the ``stage`` (:class:`~flatbma.experiment.validate.Stage`: its updates, its keys)
             gives — e.g. more snapshots than it collects — before anything trains; ``None``: nothing to check.
+        parsers: ``parsers[option](value, where)`` parses a family option that is no plain value (a nested
+            method section: ``multi``'s ``of``) in place of the type check of its annotation.
+        prior_refusal: why the method takes no ``prior`` section, when there is more to say than that its
+            family has no ``with_prior`` (said in the refusal).
     """
 
     name: str
@@ -54,6 +58,8 @@ class MethodSpec:
     with_prior: Callable[..., Posterior] | None = None
     gaussian: bool = False
     check: Callable[[MethodConfig, Stage], None] | None = None
+    parsers: Mapping[str, Callable[[Any, str], Any]] = field(default_factory=dict)
+    prior_refusal: str | None = None
 
     def family_options(self) -> dict[str, inspect.Parameter]:
         """Keyword-only parameters of the family builder."""
@@ -105,7 +111,8 @@ class MethodConfig:
     def to_dict(self) -> dict[str, Any]:
         """The resolved section, every option spelled out (written to the run directory)."""
         ascent = dataclasses.asdict(self.ascent) if self.ascent is not None else {}
-        return {"name": self.name, **dict(self.options), **ascent}
+        options = {k: v.to_dict() if isinstance(v, MethodConfig) else v for k, v in self.options.items()}
+        return {"name": self.name, **options, **ascent}
 
 
 METHODS: dict[str, MethodSpec] = {}
@@ -149,6 +156,8 @@ def parse_method(data: Any, where: str = "method") -> MethodConfig:
             continue
         if key in ascent_opts:
             ascent_data[key] = value
+        elif key in spec.parsers:
+            options[key] = spec.parsers[key](value, f"{where}.{key}")
         elif key in family_opts:
             options[key] = coerce(value, hints[key], f"{where}.{key}")
         else:
@@ -328,3 +337,66 @@ register(
         gaussian=True,
     )
 )
+
+
+# Mixtures of independently trained posteriors of any family (MultiSWAG: Wilson & Izmailov 2020).
+_MULTI_PRIOR = (
+    "a mixture's members would share one prior stage fitted in one basin (per-member prior stages are not "
+    "implemented): remove the prior section (multi of fp-bma then uses its isotropic prior N(0, s²I))"
+)
+
+
+def multi_family(
+    objective: Any,
+    optimizer: Any,
+    ascent: Ascent | None = None,
+    *,
+    of: MethodConfig | None = None,
+    members: int = 5,
+    seed: int | None = None,
+) -> Posterior:
+    """:func:`flatbma.posteriors.multi.build` of ``members`` posteriors of the method ``of`` (a method section).
+
+    ``ascent`` is unused: the members' ascent step is part of ``of`` (e.g. ``{name: fp-bma, gamma: 0.01}``).
+    """
+    if of is None:
+        raise FlatbmaError("method.of must name the members' method, e.g. of: {name: swag} (see 'flatbma methods')")
+    return multi.build(objective, of.build(objective, optimizer), members=members, seed=seed)
+
+
+def check_members(method: MethodConfig, stage: Stage) -> None:
+    """``multi``: the members' method checks the stage under its own keys (``method.of.*``)."""
+    of = method.options["of"]
+    if of is not None:
+        of.check(dataclasses.replace(stage, method_key=f"{stage.method_key}.of"))
+
+
+def _multi_of(name: str) -> Callable[..., Posterior]:
+    """:func:`multi_family` with ``of`` defaulting to the method ``name`` (its signature says so)."""
+
+    def family(objective: Any, optimizer: Any, ascent: Ascent | None = None, **options: Any) -> Posterior:
+        return multi_family(objective, optimizer, ascent, **options)
+
+    sig = inspect.signature(multi_family)
+    family.__signature__ = sig.replace(  # type: ignore[attr-defined]
+        parameters=[p.replace(default=parse_method(name)) if p.name == "of" else p for p in sig.parameters.values()]
+    )
+    family.__annotations__ = dict(multi_family.__annotations__)
+    family.__name__ = family.__qualname__ = f"multi_family_of_{name.replace('-', '_')}"
+    return family
+
+
+def _multi(name: str, summary: str, family: Callable[..., Posterior]) -> MethodSpec:
+    return MethodSpec(
+        name,
+        summary,
+        family,
+        check=check_members,
+        parsers={"of": parse_method},
+        prior_refusal=_MULTI_PRIOR,
+    )
+
+
+register(_multi("multi", "Uniform mixture of M independently trained posteriors of method.of", multi_family))
+register(_multi("multiswag", "MultiSWAG: mixture of M SWAG posteriors (Wilson & Izmailov 2020)", _multi_of("swag")))
+register(_multi("multi-fp-bma", "Multi-FP-BMA: mixture of M FP-BMA posteriors, one per basin", _multi_of("fp-bma")))

@@ -93,7 +93,10 @@ def parse_prior(data: Any, method: MethodConfig) -> PriorConfig | None:
         raise FlatbmaError(
             "prior must be a mapping with a 'method' key, e.g. prior: {method: {name: swag, rank: 5}, epochs: 10}"
         )
-    if METHODS[method.name].with_prior is None:
+    spec = METHODS[method.name]
+    if spec.prior_refusal is not None:
+        raise FlatbmaError(f"method {method.name!r} takes no prior section: {spec.prior_refusal}")
+    if spec.with_prior is None:
         raise FlatbmaError(
             f"method {method.name!r} takes no Gaussian prior, so the prior section does not apply to it: use one of "
             f"{', '.join(prior_methods())} or remove the prior section"

@@ -84,6 +84,8 @@ def plain_values(mapping: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _plain_value(value: Any) -> Any:
+    if isinstance(value, Mapping):  # a nested section (multi's method.of)
+        return plain_values(value)
     if isinstance(value, (tuple, list)):
         return [_plain_value(v) for v in value]
     return value.value if isinstance(value, Enum) else value

@@ -6,19 +6,24 @@
 
 from __future__ import annotations
 
-import math
-from collections.abc import Sequence
 from dataclasses import replace
 
 import torch
-import torch.nn.functional as F
-from torch import nn
 
 from flatbma.checks import check_int
 from flatbma.errors import FlatbmaError
-from flatbma.params import Objective, clone
+from flatbma.params import Objective
 from flatbma.posteriors import point
-from flatbma.rng import SEED_BOUND, draw_seed, forked_rng, splitmix64
+from flatbma.posteriors.members import (
+    held,
+    member,
+    member_initializations,
+    member_seed,
+    mixture_output,
+    prefixed,
+    splitter,
+)
+from flatbma.rng import draw_seed, forked_rng
 from flatbma.types import Ascent, Batch, GradientTransformation, Params, Posterior, State, StepOutput
 
 
@@ -84,107 +89,26 @@ def build(
         state_buffers: Params = {}
         aux: Params = {}
         for m, (p, b) in enumerate(members):
-            state_params.update(_prefixed(m, p))
-            state_buffers.update(_prefixed(m, b))
-            aux.update(_prefixed(m, optimizer.init(p)))
+            state_params.update(prefixed(m, p))
+            state_buffers.update(prefixed(m, b))
+            aux.update(prefixed(m, optimizer.init(p)))
         return State(params=state_params, buffers=state_buffers, aux=aux)
 
     def update(state: State, batch: Batch) -> tuple[State, StepOutput]:
         aux: Params = {}
-        losses, log_probs = [], []
-        members = _members(state)
+        outs = []
         step_seed = draw_seed()  # one draw, whatever the members
-        for m in members:
-            p, b, o = (_member(m, d) for d in (state.params, state.buffers, state.aux))
-            with forked_rng(_member_seed(step_seed, m)):
+        for m in held(state):
+            p, b, o = (member(m, d) for d in (state.params, state.buffers, state.aux))
+            with forked_rng(member_seed(step_seed, m)):
                 o, out = point.step(objective, optimizer, ascent, p, b, o, state.step, batch)
-            aux.update(_prefixed(m, o))
-            losses.append(out.loss)
-            log_probs.append(F.log_softmax(out.logits, dim=-1))
-        loss = torch.stack(losses).mean()
-        logits = torch.logsumexp(torch.stack(log_probs), dim=0) - math.log(len(members))
-        return replace(state, aux=aux, step=state.step + 1), StepOutput(loss, logits)
+            aux.update(prefixed(m, o))
+            outs.append(out)
+        return replace(state, aux=aux, step=state.step + 1), mixture_output(outs)
 
     def sample(state: State, n: int, generator: torch.Generator | None = None) -> list[Params]:
         if n < 1:
             raise FlatbmaError(f"the number of samples must be >= 1 (eval.num_samples), got {n}")
-        return [{**_member(m, state.params), **_member(m, state.buffers)} for m in _members(state)[:n]]
+        return [{**member(m, state.params), **member(m, state.buffers)} for m in held(state)[:n]]
 
-    def split(state: State, indices: Sequence[int]) -> State:
-        chosen = list(indices)
-        if not chosen or len(set(chosen)) != len(chosen) or not all(0 <= m < size for m in chosen):
-            raise ValueError(f"split needs distinct member indices in 0..{size - 1}, got {chosen}")
-        keep = tuple(f"member{m}/" for m in chosen)
-
-        def pick(tensors: Params) -> Params:
-            return {k: v for k, v in tensors.items() if k.startswith(keep)}
-
-        return replace(state, params=pick(state.params), buffers=pick(state.buffers), aux=pick(state.aux))
-
-    return Posterior(init=init, update=update, sample=sample, members=size, split=split)
-
-
-def member_initializations(
-    model: nn.Module, params: Params, buffers: Params, size: int, seed: int
-) -> list[tuple[Params, Params]]:
-    """``(params, buffers)`` of every member: member 0 = the given ones, others re-initialized (see :func:`build`).
-
-    Member ``m ≥ 1`` is drawn with torch's RNG seeded by the ``m``-th integer drawn from a generator
-    seeded with ``seed``, on a forked copy of the RNG (the global stream is untouched); the model's own
-    parameters and buffers are restored before returning.
-    """
-    trainable = set(params)
-    resettable = [
-        (name, module)
-        for name, module in model.named_modules()
-        if callable(getattr(module, "reset_parameters", None))
-        and (names := [_join(name, k) for k, _ in module.named_parameters()])
-        and all(k in trainable for k in names)
-    ]
-    reset_params = {_join(n, k) for n, mod in resettable for k, _ in mod.named_parameters()}
-    reset_buffers = {_join(n, k) for n, mod in resettable for k, _ in mod.named_buffers()} & set(buffers)
-    members = [(clone(params), clone(buffers))]
-    if size == 1:
-        return members
-    seeds = torch.randint(SEED_BOUND, (size,), generator=torch.Generator().manual_seed(seed)).tolist()
-    template = {**dict(model.named_parameters()), **dict(model.named_buffers())}
-    saved = {k: v.detach().clone() for k, v in template.items()}
-    try:
-        for m in range(1, size):
-            with forked_rng(seeds[m]), torch.no_grad():
-                for _, module in resettable:
-                    module.reset_parameters()
-            current = {**dict(model.named_parameters()), **dict(model.named_buffers())}
-            p = {k: (current[k] if k in reset_params else v).detach().clone() for k, v in params.items()}
-            b = {k: (current[k] if k in reset_buffers else v).detach().clone() for k, v in buffers.items()}
-            members.append((p, b))
-    finally:
-        with torch.no_grad():
-            current = {**dict(model.named_parameters()), **dict(model.named_buffers())}
-            for k, v in saved.items():
-                current[k].copy_(v)
-    return members
-
-
-def _join(prefix: str, name: str) -> str:
-    return f"{prefix}.{name}" if prefix else name
-
-
-def _prefixed(m: int, tensors: Params) -> Params:
-    return {f"member{m}/{k}": v for k, v in tensors.items()}
-
-
-def _member(m: int, tensors: Params) -> Params:
-    prefix = f"member{m}/"
-    return {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
-
-
-def _members(state: State) -> list[int]:
-    """Indices of the members ``state`` holds (all of them, or those of a split), ascending."""
-    found = {k[len("member") : k.index("/")] for d in (state.params, state.buffers, state.aux) for k in d}
-    return sorted(map(int, found))
-
-
-def _member_seed(seed: int, m: int) -> int:
-    """A seed for member ``m`` from ``seed``: the high 63 bits of :func:`flatbma.rng.splitmix64` of ``(seed, m)``."""
-    return splitmix64(seed, m) >> 1
+    return Posterior(init=init, update=update, sample=sample, members=size, split=splitter(size))

@@ -1,0 +1,141 @@
+"""Independent components of a mixture posterior: their initializations, state layout, seeds and splits.
+
+Shared by the deep ensemble (:mod:`flatbma.posteriors.ensemble`) and the mixture of any family
+(:mod:`flatbma.posteriors.multi`). Component ``m`` owns the entries ``"member<m>/<key>"`` of a state's
+``params``, ``buffers`` and ``aux``; :func:`splitter` is the :attr:`~flatbma.types.Posterior.split` of
+that layout, which ``train.parallel: members`` uses to spread the components over processes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from flatbma.params import clone
+from flatbma.rng import SEED_BOUND, forked_rng, splitmix64
+from flatbma.types import Params, State, StepOutput
+
+__all__ = [
+    "held",
+    "member",
+    "member_initializations",
+    "member_seed",
+    "member_state",
+    "mixture_output",
+    "prefixed",
+    "splitter",
+]
+
+
+def member_initializations(
+    model: nn.Module, params: Params, buffers: Params, size: int, seed: int
+) -> list[tuple[Params, Params]]:
+    """``(params, buffers)`` of every member: member 0 = the given ones, others re-initialized.
+
+    Every module of ``model`` that has ``reset_parameters`` and whose parameters are all in the trainable
+    set (the keys of ``params``) is re-initialized for member ``m ≥ 1``; the rest — frozen (pretrained)
+    parts, and trainable parameters of modules without ``reset_parameters`` — is shared with member 0.
+    The buffers of re-initialized modules (BatchNorm statistics) are reset with them.
+
+    Member ``m ≥ 1`` is drawn with torch's RNG seeded by the ``m``-th integer drawn from a generator
+    seeded with ``seed``, on a forked copy of the RNG (the global stream is untouched); the model's own
+    parameters and buffers are restored before returning.
+    """
+    trainable = set(params)
+    resettable = [
+        (name, module)
+        for name, module in model.named_modules()
+        if callable(getattr(module, "reset_parameters", None))
+        and (names := [_join(name, k) for k, _ in module.named_parameters()])
+        and all(k in trainable for k in names)
+    ]
+    reset_params = {_join(n, k) for n, mod in resettable for k, _ in mod.named_parameters()}
+    reset_buffers = {_join(n, k) for n, mod in resettable for k, _ in mod.named_buffers()} & set(buffers)
+    members = [(clone(params), clone(buffers))]
+    if size == 1:
+        return members
+    seeds = torch.randint(SEED_BOUND, (size,), generator=torch.Generator().manual_seed(seed)).tolist()
+    template = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    saved = {k: v.detach().clone() for k, v in template.items()}
+    try:
+        for m in range(1, size):
+            with forked_rng(seeds[m]), torch.no_grad():
+                for _, module in resettable:
+                    module.reset_parameters()
+            current = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+            p = {k: (current[k] if k in reset_params else v).detach().clone() for k, v in params.items()}
+            b = {k: (current[k] if k in reset_buffers else v).detach().clone() for k, v in buffers.items()}
+            members.append((p, b))
+    finally:
+        with torch.no_grad():
+            current = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+            for k, v in saved.items():
+                current[k].copy_(v)
+    return members
+
+
+def prefixed(m: int, tensors: Params) -> Params:
+    """``tensors`` as member ``m``'s entries: keys ``"member<m>/<key>"``."""
+    return {f"member{m}/{k}": v for k, v in tensors.items()}
+
+
+def member(m: int, tensors: Params) -> Params:
+    """Member ``m``'s entries of ``tensors``, without their prefix (the same tensors)."""
+    prefix = f"member{m}/"
+    return {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
+
+
+def member_state(m: int, state: State) -> State:
+    """Member ``m``'s own state: its entries of every section, without their prefix, and the same ``step``."""
+    return State(
+        params=member(m, state.params), buffers=member(m, state.buffers), aux=member(m, state.aux), step=state.step
+    )
+
+
+def held(state: State) -> list[int]:
+    """Indices of the members ``state`` holds (all of them, or those of a split), ascending."""
+    found = {k[len("member") : k.index("/")] for d in (state.params, state.buffers, state.aux) for k in d}
+    return sorted(map(int, found))
+
+
+def member_seed(seed: int, m: int) -> int:
+    """A seed for member ``m`` from ``seed``: the high 63 bits of :func:`flatbma.rng.splitmix64` of ``(seed, m)``."""
+    return splitmix64(seed, m) >> 1
+
+
+def mixture_output(outs: Sequence[StepOutput]) -> StepOutput:
+    """The step output of a uniform mixture of the members that produced ``outs``.
+
+    The mean loss and, as logits, the mixture's predictive log-probabilities
+    ``log (1/m) Σ_j softmax(logits_j)`` (their argmax is the mixture's prediction), as
+    :attr:`~flatbma.types.Posterior.members` requires.
+    """
+    loss = torch.stack([o.loss for o in outs]).mean()
+    log_probs = torch.stack([F.log_softmax(o.logits, dim=-1) for o in outs])
+    return StepOutput(loss, torch.logsumexp(log_probs, dim=0) - math.log(len(outs)))
+
+
+def splitter(size: int) -> Callable[[State, Sequence[int]], State]:
+    """:attr:`~flatbma.types.Posterior.split` of the ``member<m>/`` layout of ``size`` members."""
+
+    def split(state: State, indices: Sequence[int]) -> State:
+        chosen = list(indices)
+        if not chosen or len(set(chosen)) != len(chosen) or not all(0 <= m < size for m in chosen):
+            raise ValueError(f"split needs distinct member indices in 0..{size - 1}, got {chosen}")
+        keep = tuple(f"member{m}/" for m in chosen)
+
+        def pick(tensors: Params) -> Params:
+            return {k: v for k, v in tensors.items() if k.startswith(keep)}
+
+        return replace(state, params=pick(state.params), buffers=pick(state.buffers), aux=pick(state.aux))
+
+    return split
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
