@@ -2,7 +2,8 @@
 
 ``fp_bma`` is low-rank VI composed with the Fisher-ball ascent (:class:`flatbma.optim.FisherBall`);
 it adds the builder with a low-rank Gaussian prior. ``gaussian_vi`` is the reparameterized-VI
-machinery the VI families share.
+machinery the VI families share; ``members`` the layout, initializations and seeds of the independent
+components that ``ensemble`` and ``multi`` (a mixture of any family) share.
 """
 
 from flatbma.posteriors import (
@@ -12,7 +13,9 @@ from flatbma.posteriors import (
     gaussian_vi,
     lowrank_vi,
     mc_dropout,
+    members,
     mfvi,
+    multi,
     point,
     sgld,
     swag,
@@ -25,7 +28,9 @@ __all__ = [
     "gaussian_vi",
     "lowrank_vi",
     "mc_dropout",
+    "members",
     "mfvi",
+    "multi",
     "point",
     "sgld",
     "swag",
