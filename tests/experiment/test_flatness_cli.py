@@ -22,6 +22,9 @@ OPTIONS = {
     "f-lowrank-vi": {"rank": 3},
     "fp-bma": {"rank": 3},
     "sa-bma": {"rank": 3},
+    "multi": {"members": 2, "of": {"name": "swag", "start_step": 5, "collect_every": 2, "rank": 3}},
+    "multiswag": {"members": 2, "of": {"name": "swag", "start_step": 5, "collect_every": 2, "rank": 3}},
+    "multi-fp-bma": {"members": 2, "of": {"name": "fp-bma", "rank": 3}},
 }
 
 
