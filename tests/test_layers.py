@@ -30,6 +30,7 @@ LAYERS: dict[str, int] = {
     "transfer": 3,
     "predict": 3,
     "gaussian": 4,
+    "state_io": 2,
     "predictor": 5,
     "optim": 5,
     "flatness": 5,

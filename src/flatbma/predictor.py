@@ -30,14 +30,13 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
-import os
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import load_file, save
+from safetensors.torch import load_file
 from torch import Tensor, nn
 from torch.func import functional_call
 from torch.utils.data import DataLoader, IterableDataset
@@ -47,20 +46,14 @@ from flatbma.checks import is_int
 from flatbma.errors import FlatbmaError
 from flatbma.params import load_into, model_buffers, trainable_params
 from flatbma.predict import bma_log_probs, eval_mode, evaluate
+from flatbma.state_io import FORMAT, SECTIONS, atomic_write_bytes, encode_state, in_order
 from flatbma.types import Params, Posterior, State, split_batch
-
-STATE_FORMAT = "flatbma-state-v1"
-"""Format tag of a flatbma state file: the tensors of ``State.params``/``buffers``/``aux`` as
-``params/<name>``, … with ``step`` and the key order as metadata — the layout of the run checkpoints
-(:mod:`flatbma.experiment.checkpoint`), so their ``load_state`` reads a predictor's file too."""
 
 PREDICTOR_KEY = "predictor"
 """Metadata key of a saved predictor's settings (JSON) in its state file."""
 
 PREDICTOR_FORMAT = "flatbma-bma-v1"
 """Format tag of those settings."""
-
-_SECTIONS = ("params", "buffers", "aux")
 
 
 def trained_names(model: nn.Module) -> list[str]:
@@ -342,35 +335,15 @@ class BMA:
 
 
 def write_file(path: str | Path, state: State, settings: Mapping[str, Any]) -> None:
-    """Write ``state`` and the predictor ``settings`` to ``path``: a state file (:data:`STATE_FORMAT`).
+    """Write ``state`` and the predictor ``settings`` to ``path``: a state file (:mod:`flatbma.state_io`).
 
-    Written to a temporary file in the same directory and renamed, so an interrupted write never leaves
-    a half-written file at ``path``.
+    The layout of the run checkpoints (so their ``load_state`` reads it too), written atomically by
+    :func:`flatbma.state_io.atomic_write_bytes`: an interrupted write never leaves a half-written file.
 
     Raises:
-        FlatbmaError: the file cannot be written.
+        FlatbmaError: the file cannot be written (one line saying why and what to do).
     """
-    path = Path(path)
-    tensors = {f"{s}/{k}": v.detach().contiguous().cpu() for s in _SECTIONS for k, v in getattr(state, s).items()}
-    order = {s: list(getattr(state, s)) for s in _SECTIONS}  # safetensors sorts by name; the order is state
-    meta = {
-        "format": STATE_FORMAT,
-        "step": str(state.step),
-        "order": json.dumps(order),
-        PREDICTOR_KEY: json.dumps(dict(settings)),
-    }
-    data = save(tensors, metadata=meta)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except OSError as e:
-        tmp.unlink(missing_ok=True)
-        raise FlatbmaError(f"cannot write the predictor to {path}: {e.strerror or e}") from None
+    atomic_write_bytes(Path(path), encode_state(state, {PREDICTOR_KEY: json.dumps(dict(settings))}))
 
 
 def read_file(path: str | Path) -> tuple[State, dict[str, Any]]:
@@ -390,20 +363,16 @@ def read_file(path: str | Path) -> tuple[State, dict[str, Any]]:
         raise FlatbmaError(
             f"{path} is not a readable safetensors file (truncated?): save the predictor again"
         ) from None
-    if meta.get("format") != STATE_FORMAT:
+    if meta.get("format") != FORMAT:
         raise FlatbmaError(f"{path} is not a flatbma state file: save the predictor with bma.save(path)")
     settings = read_settings(meta, path)
-    sections: dict[str, Params] = {s: {} for s in _SECTIONS}
+    sections: dict[str, Params] = {s: {} for s in SECTIONS}
     try:
         order = json.loads(meta["order"])
         for key, value in tensors.items():
             section, _, name = key.partition("/")
             sections[section][name] = value
-        for s in _SECTIONS:
-            listed = [k for k in order.get(s, []) if k in sections[s]]
-            sections[s] = {k: sections[s][k] for k in listed} | {
-                k: v for k, v in sections[s].items() if k not in listed
-            }
+        sections = {s: in_order(section, order.get(s, [])) for s, section in sections.items()}
         step = int(meta["step"])
     except (KeyError, ValueError, TypeError, AttributeError):
         raise FlatbmaError(f"{path}: the state file is damaged (tensor names or metadata); save it again") from None
@@ -435,7 +404,7 @@ def _check_fits(state: State, method: Posterior, model: nn.Module, path: str | P
     """
     with torch.random.fork_rng(devices=[]):
         reference = method.init(trainable_params(model), model_buffers(model))
-    for section in _SECTIONS:
+    for section in SECTIONS:
         have, want = getattr(state, section), getattr(reference, section)
         missing = [k for k in want if k not in have]
         unexpected = [k for k in have if k not in want] if section != "aux" else []

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from flatbma import state_io
 from flatbma.errors import FlatbmaError
-from flatbma.experiment import checkpoint
 from flatbma.experiment.checkpoint import (
     Provenance,
     Resume,
@@ -148,7 +148,7 @@ def test_an_interrupted_write_removes_its_temporary_file(tmp_path, monkeypatch):
 def test_written_files_get_the_mode_of_the_umask(tmp_path, mask):
     old = os.umask(mask)
     try:
-        assert checkpoint._umask() == mask
+        assert state_io._umask() == mask
         atomic_write_bytes(tmp_path / "x.bin", b"1")
         save_state(_state(), tmp_path / "c.safetensors")
         assert os.umask(mask) == mask  # reading it did not change it

@@ -24,13 +24,9 @@ not change what the trained state means); the change is appended to the run's ``
 from __future__ import annotations
 
 import dataclasses
-import errno
 import hashlib
 import json
 import math
-import os
-import re
-import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import load_file, save
+from safetensors.torch import load_file
 from torch import Tensor, nn
 
 import flatbma
@@ -47,13 +43,13 @@ from flatbma.experiment.parse import shown
 from flatbma.experiment.runner import EpochLog, History, Position
 from flatbma.experiment.sections import plain, plain_values
 from flatbma.params import model_buffers, trainable_params
+from flatbma.state_io import FORMAT, SECTIONS, TEMP_NAME, atomic_write_bytes, encode_state, in_order
+from flatbma.state_io import write_error as write_error
 from flatbma.types import Posterior, State
 
 if TYPE_CHECKING:
     from flatbma.experiment.build import Experiment
 
-FORMAT = "flatbma-state-v1"
-SECTIONS = ("params", "buffers", "aux")
 WRITTEN_BY = "written_by"
 """Metadata key of a run checkpoint's :class:`Provenance` (JSON)."""
 RESUMES_FILE = "resumes.json"
@@ -61,69 +57,6 @@ RESUMES_FILE = "resumes.json"
 
 # ---------------------------------------------------------------------------------------------------
 # writing files
-
-
-_TEMP_NAME = re.compile(r"^\..+\.[a-z0-9_]{8}\.tmp$")
-"""The names :func:`atomic_write_bytes` writes first: ``.<name>.<8 random characters of mkstemp>.tmp``."""
-
-_WRITE_PROBLEMS = {
-    errno.ENOSPC: ("no space left on {path}", "free space or choose another output_dir"),
-    errno.EDQUOT: ("disk quota exceeded on {path}", "free space or choose another output_dir"),
-    errno.EROFS: ("cannot write {path}: read-only file system", "choose another output_dir"),
-    errno.EACCES: ("cannot write {path}: permission denied", "choose another output_dir or fix its permissions"),
-    errno.EPERM: ("cannot write {path}: operation not permitted", "choose another output_dir or fix its permissions"),
-}
-
-
-def write_error(path: Path, error: OSError, note: str = "") -> FlatbmaError:
-    """The one-line :class:`FlatbmaError` of a failed write of ``path`` (``note``: what is still intact)."""
-    what, todo = _WRITE_PROBLEMS.get(
-        error.errno or 0, (f"cannot write {{path}} ({error.strerror or error})", "choose another output_dir")
-    )
-    return FlatbmaError(f"{what.format(path=path)}: {todo}" + (f"; {note}" if note else ""))
-
-
-def _umask() -> int:
-    """The process's umask (read from ``/proc`` where possible: ``os.umask`` must set it to read it)."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("Umask:"):
-                return int(line.split()[1], 8)
-    except (OSError, ValueError, IndexError):
-        pass
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
-
-
-def atomic_write_bytes(path: Path, data: bytes, *, note: str = "") -> None:
-    """Write ``data`` to ``path`` via a temporary file and ``os.replace``; the file gets mode ``0o666 & ~umask``.
-
-    A failed write leaves ``path`` as it was and raises :class:`FlatbmaError` (disk full, read-only
-    file system, permission denied, ...) saying what to do, followed by ``note`` (e.g. which
-    checkpoint is intact). An interruption (``KeyboardInterrupt``) propagates after the temporary
-    file is removed.
-    """
-    path = Path(path)
-    tmp: str | None = None
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        with os.fdopen(fd, "wb") as f:
-            os.fchmod(f.fileno(), 0o666 & ~_umask())  # mkstemp creates 0600
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException as e:
-        if tmp is not None:
-            try:
-                Path(tmp).unlink(missing_ok=True)
-            except OSError:
-                pass
-        if isinstance(e, OSError):
-            raise write_error(path, e, note) from None
-        raise
 
 
 def atomic_write_json(path: Path, obj: Any, *, note: str = "") -> None:
@@ -139,7 +72,7 @@ def remove_stale_temps(directory: str | Path) -> list[Path]:
     """
     removed = []
     try:
-        candidates = [p for p in Path(directory).iterdir() if _TEMP_NAME.match(p.name)]
+        candidates = [p for p in Path(directory).iterdir() if TEMP_NAME.match(p.name)]
     except OSError:  # no such directory yet, or unreadable: nothing of ours is there
         return removed
     for path in candidates:
@@ -175,17 +108,7 @@ def save_state(
         FlatbmaError: the file cannot be written (the message says which checkpoint at ``path`` is intact).
     """
     path = Path(path)
-    tensors = {
-        f"{section}/{k}": v.detach().contiguous().cpu()
-        for section in SECTIONS
-        for k, v in getattr(state, section).items()
-    }
-    tensors.update({f"extra/{k}": v.detach().contiguous().cpu() for k, v in (extra or {}).items()})
-    # safetensors returns tensors sorted by name; the key order is part of the state (it fixes the
-    # summation order of global norms), so it is stored and restored.
-    order = {section: list(getattr(state, section)) for section in SECTIONS}
-    meta = {"format": FORMAT, "step": str(state.step), "order": json.dumps(order), **(metadata or {})}
-    data = save(tensors, metadata=meta)
+    data = encode_state(state, metadata, extra)
     try:
         atomic_write_bytes(path, data)
     except FlatbmaError as e:
@@ -206,12 +129,6 @@ def checkpoint_metadata(path: str | Path) -> dict[str, str] | None:
             return dict(f.metadata() or {})
     except (SafetensorError, OSError, ValueError, RuntimeError):
         return None
-
-
-def _in_order(tensors: dict[str, Tensor], order: list[str]) -> dict[str, Tensor]:
-    """``tensors`` re-keyed in the saved ``order`` (keys not listed keep their place after them)."""
-    listed = [k for k in order if k in tensors]
-    return {k: tensors[k] for k in listed} | {k: v for k, v in tensors.items() if k not in set(listed)}
 
 
 def load_state(path: str | Path, device: str = "cpu") -> State:
@@ -244,7 +161,7 @@ def load_checkpoint(path: str | Path, device: str = "cpu") -> tuple[State, dict[
     extra = sections.pop("extra")
     try:
         order = json.loads(meta.get("order", "{}"))
-        sections = {name: _in_order(section, order.get(name, [])) for name, section in sections.items()}
+        sections = {name: in_order(section, order.get(name, [])) for name, section in sections.items()}
     except (ValueError, AttributeError, TypeError):
         raise FlatbmaError(f"{path}: the checkpoint metadata is damaged (key order unreadable)") from None
     try:

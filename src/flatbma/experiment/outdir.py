@@ -6,7 +6,7 @@ So before anything is written, the directory must be one of
 
 * **missing** — it is created;
 * **empty** — nothing in it but the temporary files of a killed flatbma write (``.<name>.<8 chars>.tmp``,
-  see :func:`flatbma.experiment.checkpoint.atomic_write_bytes`);
+  see :func:`flatbma.state_io.atomic_write_bytes`);
 * **a flatbma directory of the command's kind**:
 
   - a *run directory* (``flatbma train``) holds a regular file ``config.yaml`` that is what flatbma
@@ -26,7 +26,6 @@ whatever the spelling (``..``, symlinks): flatbma would mix its files with every
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -34,13 +33,12 @@ import yaml
 
 from flatbma.errors import FlatbmaError
 from flatbma.experiment.parse import load_yaml
+from flatbma.state_io import TEMP_NAME
 
 RUN_CONFIG = "config.yaml"
 COMPARE_CONFIG = "compare_config.yaml"
 RUN_KEYS = frozenset({"seed", "output_dir", "method", "data", "model", "optim", "train", "eval"})
 """The keys of every resolved run config (:meth:`flatbma.experiment.config.RunConfig.to_dict`)."""
-
-_TEMP_NAME = re.compile(r"^\..+\.[a-z0-9_]{8}\.tmp$")
 
 
 def check_run_output(path: str | Path, *, force: bool) -> None:
@@ -121,6 +119,6 @@ def _holds_files(path: Path) -> bool:
     """Whether directory ``path`` holds anything but the temporary files of killed flatbma writes."""
     try:
         with os.scandir(path) as entries:
-            return any(not _TEMP_NAME.match(entry.name) for entry in entries)
+            return any(not TEMP_NAME.match(entry.name) for entry in entries)
     except OSError as e:
         raise FlatbmaError(f"cannot list output_dir {path} ({e.strerror}): choose another output_dir") from None

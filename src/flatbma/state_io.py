@@ -1,0 +1,114 @@
+"""State files and atomic writes, below every layer that writes them (the run checkpoints, the BMA predictor).
+
+A state file is one ``.safetensors`` file: the tensors of a :class:`~flatbma.types.State`'s ``params``,
+``buffers`` and ``aux`` as ``<section>/<name>`` (plus optional ``extra/<name>``), and string metadata
+holding the format tag :data:`FORMAT`, the ``step`` and the key ``order`` of every section (safetensors
+returns tensors sorted by name; the order is part of the state: it fixes the summation order of global
+norms). Every file is written through :func:`atomic_write_bytes`: a temporary file in the same directory,
+``fsync``, rename — so an interrupted write never leaves a half-written file — and a failed write is one
+:class:`~flatbma.errors.FlatbmaError` line (:func:`write_error`).
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import re
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+
+from safetensors.torch import save
+from torch import Tensor
+
+from flatbma.errors import FlatbmaError
+from flatbma.types import State
+
+FORMAT = "flatbma-state-v1"
+"""Format tag of a state file."""
+SECTIONS = ("params", "buffers", "aux")
+"""The sections of a :class:`~flatbma.types.State` stored in a state file."""
+
+TEMP_NAME = re.compile(r"^\..+\.[a-z0-9_]{8}\.tmp$")
+"""The names :func:`atomic_write_bytes` writes first: ``.<name>.<8 random characters of mkstemp>.tmp``."""
+
+_WRITE_PROBLEMS = {
+    errno.ENOSPC: ("no space left on {path}", "free space or choose another output_dir"),
+    errno.EDQUOT: ("disk quota exceeded on {path}", "free space or choose another output_dir"),
+    errno.EROFS: ("cannot write {path}: read-only file system", "choose another output_dir"),
+    errno.EACCES: ("cannot write {path}: permission denied", "choose another output_dir or fix its permissions"),
+    errno.EPERM: ("cannot write {path}: operation not permitted", "choose another output_dir or fix its permissions"),
+}
+
+
+def write_error(path: Path, error: OSError, note: str = "") -> FlatbmaError:
+    """The one-line :class:`FlatbmaError` of a failed write of ``path`` (``note``: what is still intact)."""
+    what, todo = _WRITE_PROBLEMS.get(
+        error.errno or 0, (f"cannot write {{path}} ({error.strerror or error})", "choose another output_dir")
+    )
+    return FlatbmaError(f"{what.format(path=path)}: {todo}" + (f"; {note}" if note else ""))
+
+
+def _umask() -> int:
+    """The process's umask (read from ``/proc`` where possible: ``os.umask`` must set it to read it)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def atomic_write_bytes(path: Path, data: bytes, *, note: str = "") -> None:
+    """Write ``data`` to ``path`` via a temporary file and ``os.replace``; the file gets mode ``0o666 & ~umask``.
+
+    A failed write leaves ``path`` as it was and raises :class:`FlatbmaError` (disk full, read-only
+    file system, permission denied, ...) saying what to do, followed by ``note`` (e.g. which
+    checkpoint is intact). An interruption (``KeyboardInterrupt``) propagates after the temporary
+    file is removed.
+    """
+    path = Path(path)
+    tmp: str | None = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        with os.fdopen(fd, "wb") as f:
+            os.fchmod(f.fileno(), 0o666 & ~_umask())  # mkstemp creates 0600
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException as e:
+        if tmp is not None:
+            try:
+                Path(tmp).unlink(missing_ok=True)
+            except OSError:
+                pass
+        if isinstance(e, OSError):
+            raise write_error(path, e, note) from None
+        raise
+
+
+def encode_state(
+    state: State, metadata: Mapping[str, str] | None = None, extra: Mapping[str, Tensor] | None = None
+) -> bytes:
+    """The bytes of the state file of ``state`` (CPU tensors), with ``metadata`` and ``extra/<key>`` tensors."""
+    tensors = {
+        f"{section}/{k}": v.detach().contiguous().cpu()
+        for section in SECTIONS
+        for k, v in getattr(state, section).items()
+    }
+    tensors.update({f"extra/{k}": v.detach().contiguous().cpu() for k, v in (extra or {}).items()})
+    order = {section: list(getattr(state, section)) for section in SECTIONS}
+    meta = {"format": FORMAT, "step": str(state.step), "order": json.dumps(order), **(metadata or {})}
+    return save(tensors, metadata=meta)
+
+
+def in_order(tensors: Mapping[str, Tensor], order: list[str]) -> dict[str, Tensor]:
+    """``tensors`` re-keyed in the saved ``order`` (keys not listed keep their place after them)."""
+    listed = [k for k in order if k in tensors]
+    return {k: tensors[k] for k in listed} | {k: v for k, v in tensors.items() if k not in set(listed)}
