@@ -15,9 +15,7 @@
 
 from __future__ import annotations
 
-import contextlib
 import errno
-import io
 import json
 import os
 import tempfile
@@ -31,20 +29,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from flatbma.errors import FlatbmaError
-from flatbma.experiment.cli import main
 from flatbma.experiment.parse import MAX_YAML_NODES, load_yaml
+from tests.experiment.test_hostile_inputs import _cli
 
 SETTINGS = settings(deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
-
-
-def _cli(argv: list[str]) -> tuple[Any, str]:
-    err = io.StringIO()
-    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
-        try:
-            code = main(argv)
-        except SystemExit as e:
-            code = e.code
-    return code, err.getvalue()
 
 
 # ---------------------------------------------------------------------------------------------------
