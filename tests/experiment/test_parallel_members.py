@@ -3,7 +3,8 @@
 ``train.parallel: members``: an F-ensemble of 3 members (with training dropout) on 2 processes (members
 {0, 1} and {2}) gives bit-identical members, optimizer state and BMA metrics as one process, and the
 training history up to float rounding (the mixture of the per-process outputs is regrouped); a run
-killed mid-epoch on 2 processes resumes in ONE process to the same result. ``flatbma compare`` under
+killed mid-epoch on 2 processes resumes in ONE process to the same result. A ``multi`` mixture of 3 F-SWAG
+posteriors on 2 processes equals one process bit for bit (state) and its BMA metrics to 1e-12. ``flatbma compare`` under
 torchrun deals its 2 methods x 2 seeds to the 2 processes and writes the same ``results.json`` rows as
 one process (timings and run paths aside); only rank 0 writes the shared files and prints.
 
@@ -47,6 +48,10 @@ MEMBERS = {
     "eval": {"num_samples": 3},
 }
 CRASH_AFTER = 2  # checkpoints (steps 7 and 14: mid epoch 1)
+MULTI = {  # a mixture of 3 F-SWAG posteriors (SAM ascent, low-rank moments, dropout masks per member)
+    "method": {"name": "multi", "members": 3, "of": {"name": "f-swag", "rank": 2, "collect_every": 5, "rho": 0.05}},
+    "train": {"epochs": 2, "progress": False, "device": "cpu", "checkpoint_every": 7, "parallel": "members"},
+}
 COMPARE = {
     "seed": 0,
     "data": {"name": "digits", "batch_size": 64, "test_limit": 200},
@@ -71,6 +76,10 @@ def _members_config(output_dir, **train) -> dict:
     cfg["output_dir"] = str(output_dir)
     cfg["train"].update(train)
     return cfg
+
+
+def _multi_config(output_dir) -> dict:
+    return {**_members_config(output_dir), **copy.deepcopy(MULTI)}
 
 
 @contextlib.contextmanager
@@ -179,6 +188,8 @@ def _worker(root: Path) -> None:
         with crash_after(stage, CRASH_AFTER):
             train_run(config_from_dict(_members_config(root / "crashed")))
 
+        train_run(config_from_dict(_multi_config(root / "multi")))  # members {0, 1} and {2} of a mixture
+
         too_many = _members_config(root / "too-many")
         too_many["method"]["size"] = 1
         try:
@@ -264,6 +275,21 @@ def test_torchrun_spreads_members_and_compare_runs_like_one_process(tmp_path):
         assert all(torch.equal(x[k], y[k]) for k in x), section
     mc = json.loads((many / "crashed" / "metrics.json").read_text())
     assert all(mc[k] == pytest.approx(ma[k], rel=1e-12) for k in METRIC_KEYS)
+
+    # multi (a mixture of F-SWAG posteriors) on 2 processes = one process, bit for bit
+    with _one_thread():
+        train_run(config_from_dict(_multi_config(tmp_path / "multi-one")))
+    one, _, _ = load_checkpoint(tmp_path / "multi-one" / "checkpoint.safetensors")
+    two, _, _ = load_checkpoint(many / "multi" / "checkpoint.safetensors")
+    assert one.step == two.step == 38 and {k.split("/")[0] for k in one.aux} == {"member0", "member1", "member2"}
+    for section in ("params", "buffers", "aux"):
+        x, y = getattr(one, section), getattr(two, section)
+        assert list(x) == list(y) and all(torch.equal(x[k], y[k]) for k in x), section
+    ma = json.loads((tmp_path / "multi-one" / "metrics.json").read_text())
+    mb = json.loads((many / "multi" / "metrics.json").read_text())
+    assert mb["world_size"] == 2 and ma["num_samples"] == mb["num_samples"] == 3
+    for key in METRIC_KEYS:
+        assert mb[key] == pytest.approx(ma[key], rel=1e-12, abs=1e-12), key
 
     error = json.loads((many / "too-many.json").read_text())["error"]
     assert error is not None and "1 members of f-ensemble, but 2 processes" in error

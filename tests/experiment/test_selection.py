@@ -107,6 +107,25 @@ def test_lists_of_scalar_options_expand_into_candidates(tmp_path: Path) -> None:
     assert plan.labels() == ["sam"] * 6 + ["fp-bma"] * 4 + ["ens"] * 2 and len(plan.runs()) == 12
 
 
+def test_lists_in_a_mixtures_members_method_expand_into_of_candidates(tmp_path: Path) -> None:
+    methods = [
+        {"name": "multi-fp-bma", "members": [2, 3], "of": {"name": "fp-bma", "rank": 3, "gamma": [0.01, 0.1]}},
+        {"name": "multi", "members": 2, "of": {"name": "sam", "rho": [0.01, 0.05]}},
+    ]
+    jobs = load_plan(_write(tmp_path, methods)).jobs()
+    assert [c.options for c in jobs[0].candidates] == [
+        {"members": m, "of.gamma": g} for m in (2, 3) for g in (0.01, 0.1)
+    ]
+    for c in jobs[0].candidates:
+        cfg = c.config
+        of = cfg.method.options["of"]
+        assert cfg.method.options["members"] == c.options["members"] and of.name == "fp-bma"
+        assert of.ascent.gamma == c.options["of.gamma"] and of.options["rank"] == 3
+        assert Path(cfg.output_dir).name == f"cand-members={c.options['members']},of.gamma={c.options['of.gamma']!r}"
+    assert [c.config.method.options["of"].ascent.rho for c in jobs[1].candidates] == [0.01, 0.05]
+    assert methods[0]["of"]["gamma"] == [0.01, 0.1]  # the entry as written is not modified
+
+
 def test_entries_carry_their_own_optim(tmp_path: Path) -> None:
     """Issue #14: two entries with their own ``optim``; ``flatbma train`` on a compare config trains its first
     candidate; one value per key is a single run, not a selection."""

@@ -3,9 +3,11 @@
 A ``compare.methods`` entry is a method section with optional ``label``, ``prior`` and ``optim`` keys
 (:func:`run_sections`). It may give a list of values for any option whose type is a scalar (a number,
 a flag or a name): a method option (``rho``, ``gamma``, ``rank``, …, typed by the registry's
-signatures) or a key of the entry's own ``optim`` section::
+signatures), a key of the entry's own ``optim`` section, or an option of a nested method section (the
+members' method ``of`` of a mixture, typed by that method's signatures)::
 
     {name: sam, rho: [0.01, 0.05, 0.1], optim: {lr: [0.01, 0.05]}}
+    {name: multi-fp-bma, members: 3, of: {name: fp-bma, gamma: [0.01, 0.1]}}   # candidates of.gamma=…
 
 Every combination — the Cartesian product of the lists, in the order written (:func:`points`) — is a
 *candidate*, an ordinary run of its own; :mod:`flatbma.experiment.selection` scores them on
@@ -38,6 +40,9 @@ MATCH_WIDTH = "match_width"
 
 OPTIM = "optim"
 """The entry's own optimizer section; its keys take lists too (``optim.lr`` in a candidate's options)."""
+
+NESTED = (OPTIM, "of")
+"""Entry keys holding a section whose keys take lists too: ``optim``, and ``of`` (a nested method section)."""
 
 _DIR_TEXT = re.compile(r"[A-Za-z0-9_.+=,-]{1,80}")
 
@@ -73,22 +78,27 @@ def grid(entry: Mapping[str, Any], where: str) -> dict[str, list[Any]]:
     Raises:
         FlatbmaError: an empty list of candidates, or an ``optim`` entry that is not a mapping.
     """
-    types_ = _option_types(entry.get("name"))
-    axes: dict[str, list[Any]] = {}
-    for key, value in entry.items():
-        if key not in ENTRY_KEYS and isinstance(value, list) and is_scalar(types_.get(key, Any)):
-            axes[key] = value
+    axes = _scalar_lists(entry, _option_types(entry.get("name")), skip=ENTRY_KEYS)
     optim = entry.get(OPTIM)
     if optim is not None and not isinstance(optim, Mapping):
         raise FlatbmaError(f"{where}.optim must be a mapping of optim keys (e.g. {{lr: [0.01, 0.05]}}), got {optim!r}")
-    hints = typing.get_type_hints(OptimConfig)
-    for key, value in (optim or {}).items():
-        if isinstance(value, list) and is_scalar(hints.get(key, Any)):
-            axes[f"{OPTIM}.{key}"] = value
+    for key, value in _scalar_lists(optim or {}, typing.get_type_hints(OptimConfig)).items():
+        axes[f"{OPTIM}.{key}"] = value
+    of = entry.get("of")
+    if isinstance(of, Mapping):  # anything else is left to the option's own parse
+        for key, value in _scalar_lists(of, _option_types(of.get("name")), skip=("name",)).items():
+            axes[f"of.{key}"] = value
     for key, values in axes.items():
         if not values:
             raise FlatbmaError(f"{where}.{key} is an empty list: give the candidate values, e.g. [0.01, 0.05]")
     return axes
+
+
+def _scalar_lists(section: Mapping[str, Any], hints: Mapping[str, Any], skip: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The keys of ``section`` whose value is a list and whose type in ``hints`` is a scalar (:func:`is_scalar`)."""
+    return {
+        k: v for k, v in section.items() if k not in skip and isinstance(v, list) and is_scalar(hints.get(k, Any))
+    }
 
 
 def points(entry: Mapping[str, Any], where: str) -> list[dict[str, Any]]:
@@ -100,16 +110,14 @@ def points(entry: Mapping[str, Any], where: str) -> list[dict[str, Any]]:
 def at(entry: Mapping[str, Any], point: Mapping[str, Any]) -> dict[str, Any]:
     """The entry with each candidate list replaced by its value at ``point`` (a result of :func:`points`)."""
     out = dict(entry)
-    optim = dict(out[OPTIM]) if isinstance(out.get(OPTIM), Mapping) else None
+    nested = {k: dict(out[k]) for k in NESTED if isinstance(out.get(k), Mapping)}
     for key, value in point.items():
         section, _, sub = key.partition(".")
-        if sub and section == OPTIM and optim is not None:
-            optim[sub] = value
+        if sub and section in nested:
+            nested[section][sub] = value
         else:
             out[key] = value
-    if optim is not None:
-        out[OPTIM] = optim
-    return out
+    return {**out, **nested}
 
 
 def directory_names(grid_points: list[dict[str, Any]]) -> list[str]:
