@@ -96,9 +96,7 @@ def grid(entry: Mapping[str, Any], where: str) -> dict[str, list[Any]]:
 
 def _scalar_lists(section: Mapping[str, Any], hints: Mapping[str, Any], skip: tuple[str, ...] = ()) -> dict[str, Any]:
     """The keys of ``section`` whose value is a list and whose type in ``hints`` is a scalar (:func:`is_scalar`)."""
-    return {
-        k: v for k, v in section.items() if k not in skip and isinstance(v, list) and is_scalar(hints.get(k, Any))
-    }
+    return {k: v for k, v in section.items() if k not in skip and isinstance(v, list) and is_scalar(hints.get(k, Any))}
 
 
 def points(entry: Mapping[str, Any], where: str) -> list[dict[str, Any]]:
