@@ -149,7 +149,10 @@ def test_deleting_the_damaged_file_or_force_starts_over(tmp_path: Path, out: Pat
     (out / ROW / "config.yaml").write_bytes(b"\xff")
     (out / "compare_config.yaml").write_bytes(b"[")
     assert _rerun(tmp_path, out, capsys, "--force")[0] == 0
-    assert _good_row(out)["fingerprint"] == yaml.safe_load((out / "compare_config.yaml").read_text())["fingerprint"]
+    recorded = yaml.safe_load((out / "compare_config.yaml").read_text())
+    plan = compare.load_plan(_config(tmp_path, out))
+    assert recorded["fingerprint"] == plan.fingerprint() and recorded["study"] == plan.study()
+    assert _good_row(out)["fingerprint"] == plan.row_key(plan.jobs()[0])
     assert yaml.safe_load((out / ROW / "config.yaml").read_text())["method"]["name"] == "sgd"
 
 
@@ -219,3 +222,32 @@ def test_a_moved_comparison_with_selection_is_reused_in_its_new_place(tmp_path, 
     assert after["selection"]["chosen"] == before["selection"]["chosen"]
     dirs = [after["run_dir"], *(c["run_dir"] for c in after["selection"]["candidates"])]
     assert all(Path(d).is_relative_to(moved) for d in dirs), dirs
+
+
+def test_a_study_grows_in_place_reusing_its_finished_rows(tmp_path: Path, out: Path, capsys) -> None:
+    """More methods and seeds in the same output_dir: finished rows are neither retrained nor measured again.
+
+    The row caches are keyed by the measurement settings and the row's label (``Plan.row_key``), not by
+    the whole comparison, and the directory guard compares only what every row shares (``Plan.study``).
+    """
+    before = json.loads((out / "results.json").read_text())["runs"][0]
+    stamps = {f: (out / ROW / f).stat().st_mtime_ns for f in ("checkpoint.safetensors", "compare.json")}
+    grown = {**CONFIG, "output_dir": str(out)}
+    grown["compare"] = {
+        **CONFIG["compare"],
+        "methods": [{"name": "sgd"}, {"name": "sam", "rho": 0.05}],
+        "seeds": [0, 1],
+    }
+    path = tmp_path / "grown.yaml"
+    path.write_text(yaml.safe_dump(grown))
+    assert main(["compare", "--config", str(path)]) == 0
+    assert {f: (out / ROW / f).stat().st_mtime_ns for f in stamps} == stamps  # the finished row: untouched
+    runs = json.loads((out / "results.json").read_text())["runs"]
+    assert [(r["method"], r["seed"]) for r in runs] == [("sgd", 0), ("sgd", 1), ("sam", 0), ("sam", 1)]
+    assert {k: runs[0][k] for k in CLEAN_KEYS} == {k: before[k] for k in CLEAN_KEYS}
+    # what every row shares may not change in place: another learning rate is another study
+    grown["optim"] = {"lr": 0.1}
+    path.write_text(yaml.safe_dump(grown))
+    capsys.readouterr()
+    assert main(["compare", "--config", str(path)]) == 2
+    assert "holds the results of a compare config with other shared sections" in capsys.readouterr().err

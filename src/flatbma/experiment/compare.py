@@ -257,7 +257,42 @@ class Plan:
             "base": {k: v for k, v in run_identity(self.base.to_dict()).items() if k != "output_dir"},
             "compare": {k: v for k, v in dataclasses.asdict(self.compare).items() if k != "reference"},
         }
-        return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:16]
+        return _digest(payload)
+
+    def study(self) -> str:
+        """Hash of what every row shares: the base sections and the measurement settings, without the rows.
+
+        The method entries, seeds, ``reference`` and ``quick`` are left out, so a comparison that adds
+        methods or seeds (or drops some) is the same study in the same ``output_dir``: its finished rows
+        are reused and only the new ones train and are measured. The base's ``method``, ``seed`` and
+        ``prior`` are each run's own (every run's resolved config is checked when it is reused).
+        """
+        base = {k: v for k, v in run_identity(self.base.to_dict()).items() if k not in _PER_RUN}
+        return _digest({"base": base, "measure": _measurement(self.compare)})
+
+    def row_key(self, job: Job) -> str:
+        """The key of a row's cache (``compare.json``): the measurement settings and the row's label.
+
+        A cached row is reused when its key matches and its run (or, for a selection, every candidate
+        and the choice) is the same; the run's config itself is checked by :func:`_finished`.
+        """
+        return _digest({"measure": _measurement(self.compare), "label": job.label})
+
+
+_PER_RUN = ("output_dir", "method", "seed", "prior")
+"""Sections of the base config that every run sets for itself (not part of :meth:`Plan.study`)."""
+
+_ROWS = ("methods", "seeds", "reference", "quick")
+"""Fields of the compare section that choose the rows rather than how each row is measured."""
+
+
+def _measurement(compare: CompareConfig) -> dict[str, Any]:
+    """The compare section without the fields that choose the rows (:data:`_ROWS`): how every row is measured."""
+    return {k: v for k, v in dataclasses.asdict(compare).items() if k not in _ROWS}
+
+
+def _digest(payload: Any) -> str:
+    return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def label_of(method: Any) -> str:
@@ -376,10 +411,12 @@ def _check_out_dir(plan: Plan, force: bool) -> None:
     recorded = plan.out_dir / COMPARE_CONFIG
     if recorded.exists() and not force:
         old = _read_cache(recorded, _recorded_config)
-        if old["fingerprint"] != plan.fingerprint():
+        same = old["study"] == plan.study() if "study" in old else old["fingerprint"] == plan.fingerprint()
+        if not same:
             raise FlatbmaError(
-                f"{plan.out_dir} holds the results of a different compare config; choose another output_dir "
-                "(--set output_dir=...) or pass --force to replace them"
+                f"{plan.out_dir} holds the results of a compare config with other shared sections or measurement "
+                "settings (methods and seeds may differ); choose another output_dir (--set output_dir=...) or pass "
+                "--force to replace them"
             )
 
 
@@ -410,7 +447,12 @@ def run_compare(plan: Plan, *, force: bool = False, progress: bool = True) -> di
             _check_out_dir(plan, force)
             for folder in (plan.out_dir, plan.out_dir / "figures"):
                 remove_stale_temps(folder)  # left by a killed write
-            record = {"fingerprint": fingerprint, "config": plan.raw, "compare": dataclasses.asdict(plan.compare)}
+            record = {
+                "fingerprint": fingerprint,
+                "study": plan.study(),
+                "config": plan.raw,
+                "compare": dataclasses.asdict(plan.compare),
+            }
             atomic_write_bytes(plan.out_dir / COMPARE_CONFIG, yaml.safe_dump(record, sort_keys=False).encode())
 
     jobs = plan.jobs()
@@ -432,8 +474,8 @@ def run_compare(plan: Plan, *, force: bool = False, progress: bool = True) -> di
             for k in _progress(phase[me::world], "compare", describe, progress, me, world):
                 job = jobs[k]
                 run = _run_selected if job.selects else _run_one
-                own[k] = run(job, plan.compare, fingerprint, force, _width_reference(job, jobs, fingerprint))
-    rows = [own[k] if k in own else _cached_result(job.row_dir, fingerprint) for k, job in enumerate(jobs)]
+                own[k] = run(job, plan.compare, plan.row_key(job), force, _width_reference(job, jobs, plan))
+    rows = [own[k] if k in own else _cached_result(job.row_dir, plan.row_key(job)) for k, job in enumerate(jobs)]
     results = {
         "config_hash": fingerprint,
         "config": plan.raw,
@@ -482,10 +524,10 @@ def _progress(items: list[T], what: str, describe: Callable[[T], str], show: boo
             )
 
 
-def _cached_result(row_dir: Path, fingerprint: str) -> dict[str, Any]:
+def _cached_result(row_dir: Path, row_key: str) -> dict[str, Any]:
     """The row another process wrote into ``row_dir`` (its ``compare.json``)."""
     cached = _read_cache(row_dir / RUN_CACHE, _row_cache)
-    if not isinstance(cached, dict) or cached.get("fingerprint") != fingerprint or "result" not in cached:
+    if not isinstance(cached, dict) or cached.get("fingerprint") != row_key or "result" not in cached:
         raise FlatbmaError(
             f"{row_dir / RUN_CACHE} holds no result of this comparison although another process finished that "
             "run: put output_dir on a file system that every process shares"
@@ -525,7 +567,7 @@ def _recorded_config(content: Any) -> bool:
 
 
 def _row_cache(content: Any) -> bool:
-    """A ``compare.json``: the fingerprint of its comparison and the row, with its clean-test metrics."""
+    """A ``compare.json``: the row key (:meth:`Plan.row_key`, as "fingerprint") and the row with its test metrics."""
     if not (isinstance(content, dict) and isinstance(content.get("fingerprint"), str)):
         return False
     row = content.get("result")
@@ -560,12 +602,12 @@ def _finished(run_dir: Path, cfg: RunConfig) -> bool:
     return finished_run(run_dir, cfg.to_dict())
 
 
-def _width_reference(job: Job, jobs: list[Job], fingerprint: str) -> tuple[str, float] | None:
+def _width_reference(job: Job, jobs: list[Job], plan: Plan) -> tuple[str, float] | None:
     """``(label, tr Σ_ref)`` of the row ``job`` is width-matched to (same seed, from its cache), or ``None``."""
     if job.match_width is None:
         return None
     ref = next(j for j in jobs if j.label == job.match_width and j.seed == job.seed)
-    width = _cached_result(ref.row_dir, fingerprint).get("width")
+    width = _cached_result(ref.row_dir, plan.row_key(ref)).get("width")
     if not isinstance(width, dict) or not isinstance(width.get("trace_cov"), (int, float)):
         raise FlatbmaError(
             f"the row of {ref.label!r} (seed {ref.seed}) has no measured width to match {job.label!r} to"
@@ -600,9 +642,9 @@ def _width_matched(
     return dataclasses.replace(exp, method=posterior), scaled, record
 
 
-def _fresh(cached: Any, fingerprint: str, width_to: tuple[str, float] | None) -> bool:
+def _fresh(cached: Any, row_key: str, width_to: tuple[str, float] | None) -> bool:
     """Whether a cached row belongs to this comparison and, width-matched, to the reference's current width."""
-    if not (isinstance(cached, dict) and cached.get("fingerprint") == fingerprint and "result" in cached):
+    if not (isinstance(cached, dict) and cached.get("fingerprint") == row_key and "result" in cached):
         return False
     matched = cached["result"].get("width_matched")
     if width_to is None:
@@ -611,7 +653,7 @@ def _fresh(cached: Any, fingerprint: str, width_to: tuple[str, float] | None) ->
 
 
 def _run_one(
-    job: Job, compare: CompareConfig, fingerprint: str, force: bool, width_to: tuple[str, float] | None = None
+    job: Job, compare: CompareConfig, row_key: str, force: bool, width_to: tuple[str, float] | None = None
 ) -> dict[str, Any]:
     """The row of a (method, seed) with one candidate: train it (or reuse it) and measure it.
 
@@ -622,7 +664,7 @@ def _run_one(
     cache = run_dir / RUN_CACHE
     if not force and _finished(run_dir, cfg):
         cached = _read_cache(cache, _row_cache)
-        if _fresh(cached, fingerprint, width_to):
+        if _fresh(cached, row_key, width_to):
             return {**cached["result"], "run_dir": str(run_dir)}  # where the row is now (a comparison may move)
         train_metrics = _train_metrics(run_dir)
         exp, state = load_run(cfg)
@@ -631,7 +673,7 @@ def _run_one(
         train_metrics, exp, state = trained.metrics, trained.experiment, trained.state
     result = _measured(job.label, cfg, exp, state, train_metrics, compare, width_to)
     result["selection"] = None
-    atomic_write_json(cache, {"fingerprint": fingerprint, "result": result})
+    atomic_write_json(cache, {"fingerprint": row_key, "result": result})
     return result
 
 
@@ -768,7 +810,7 @@ def _train_candidates(job: Job, group: tuple[Candidate, ...], force: bool) -> No
 
 
 def _run_selected(
-    job: Job, compare: CompareConfig, fingerprint: str, force: bool, width_to: tuple[str, float] | None = None
+    job: Job, compare: CompareConfig, row_key: str, force: bool, width_to: tuple[str, float] | None = None
 ) -> dict[str, Any]:
     """The row of a (method, seed) with candidates: the one with the best validation NLL, measured on the test set.
 
@@ -806,7 +848,7 @@ def _run_selected(
     }
     cache = job.row_dir / RUN_CACHE
     cached = None if force else _read_cache(cache, _row_cache)
-    if not force and _fresh(cached, fingerprint, width_to):
+    if not force and _fresh(cached, row_key, width_to):
         if _unplaced((cached.get("result") or {}).get("selection")) == _unplaced(json.loads(json.dumps(record))):
             return {**cached["result"], "run_dir": chosen.config.output_dir, "selection": record}
     cfg = chosen.config
@@ -814,5 +856,5 @@ def _run_selected(
     train_metrics = _train_metrics(Path(cfg.output_dir))
     result = _measured(job.label, cfg, exp, state, train_metrics, compare, width_to)
     result["selection"] = record
-    atomic_write_json(cache, {"fingerprint": fingerprint, "result": result})
+    atomic_write_json(cache, {"fingerprint": row_key, "result": result})
     return result
