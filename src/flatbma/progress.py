@@ -8,7 +8,9 @@ works reads it with :func:`current`:
   and never when quiet; elsewhere the loop runs bare.
 * :meth:`Reporter.phase` times a block and, when ``stderr`` is not a terminal (a log file, CI, a pipe),
   prints one line when it ends: ``flatness: 8 samples λ₁ in 41.2 s``.
-* :meth:`Reporter.line` prints one line under the same condition (the training loop's line per epoch).
+* :meth:`Reporter.line` prints one line under the same condition (the training loop's line per epoch,
+  unless :attr:`Reporter.epochs` is off: ``flatbma compare`` trains many runs and shows one line per run;
+  every run's epochs are in its ``log.csv``).
 
 Everything goes to ``stderr``, so the results a command prints on ``stdout`` stay clean. Without a
 command line (Python code) the default reporter is not quiet: bars on a terminal, phase lines elsewhere.
@@ -50,10 +52,12 @@ class Reporter:
     Attributes:
         quiet: show nothing (no bars, no lines); errors and warnings are not progress and still print.
         terminal: whether ``stderr`` is a terminal; ``None`` asks ``sys.stderr.isatty()`` at every use.
+        epochs: whether the training loop prints its line per epoch (when :attr:`lines`).
     """
 
     quiet: bool = False
     terminal: bool | None = None
+    epochs: bool = True
 
     def on_terminal(self) -> bool:
         """Whether ``stderr`` is (taken as) a terminal."""

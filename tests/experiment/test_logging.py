@@ -87,6 +87,25 @@ def test_train_without_a_terminal_prints_one_line_per_epoch(trained):
     assert "wrote" in loud.stdout and "epoch" not in loud.stdout
 
 
+def test_compare_prints_a_line_per_run_not_per_epoch(tmp_path):
+    cfg = {
+        **TINY,
+        "output_dir": str(tmp_path / "cmp"),
+        "compare": {
+            "methods": [{"name": "sgd"}],
+            "seeds": [0, 1],
+            "bma_curve": [1],
+            "flatness": False,
+            "landscape": False,
+        },
+    }
+    out = _flatbma("compare", "--config", _config(tmp_path, cfg))
+    assert out.returncode == 0, out.stderr
+    assert not [line for line in out.stderr.splitlines() if line.startswith("epoch ")], out.stderr
+    assert re.search(r"^compare: \[2/2\] sgd seed 1 done in ", out.stderr, re.M), out.stderr
+    assert len(read_csv(tmp_path / "cmp" / "runs" / "sgd" / "seed1" / CSV_FILE)) == EPOCHS  # the epochs: in log.csv
+
+
 def test_quiet_prints_nothing_on_success_and_changes_no_number(trained):
     tmp, loud, quiet = trained
     assert quiet.returncode == 0, quiet.stderr

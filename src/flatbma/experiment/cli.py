@@ -92,10 +92,11 @@ def _reporting(args: argparse.Namespace, *, every_process: bool = False) -> cont
     """The command's :class:`~flatbma.progress.Reporter`, set once for the whole command.
 
     Quiet with ``--quiet`` and, unless ``every_process`` (compare: each process runs runs of its own),
-    on every process but rank 0.
+    on every process but rank 0. ``compare`` prints a line per run and phase, not per epoch of every run
+    (those are in each run's ``log.csv``).
     """
     quiet = args.quiet or not (every_process or distributed.is_main())
-    return progress.reporting(progress.Reporter(quiet=quiet))
+    return progress.reporting(progress.Reporter(quiet=quiet, epochs=args.command != "compare"))
 
 
 def _plain(value: object) -> object:

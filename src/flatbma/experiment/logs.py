@@ -106,7 +106,7 @@ class EpochLogger:
         now = time.perf_counter()
         for i in range(self._logged, len(history.epochs)):
             row = self._row(history.epochs, i, now - self._last)
-            if self._lines:
+            if self._lines and progress.current().epochs:
                 progress.current().line(
                     f"epoch {row['epoch']}/{self._epochs}  loss {row['loss']:.4f}  acc {row['accuracy']:.3f}  "
                     f"lr {row['lr']:.4g}  {_seconds(row['time_s'])} s"
