@@ -75,6 +75,29 @@ def test_animal_mnist_root_override(tmp_path):
     assert torch.bincount(splits.test.labels).tolist() == [1] * 10
 
 
+def test_animal_mnist_gzip_bomb_is_refused_before_it_is_decompressed(tmp_path, monkeypatch):
+    """A .gz that decompresses past the cap is refused by name; at most cap + 1 bytes are ever decompressed."""
+    from flatbma.data import datasets
+
+    monkeypatch.setattr(datasets, "ANIMAL_MNIST_MAX_BYTES", 1 << 20)
+    bomb = gzip.compress(b"\0" * (64 << 20))  # 64 MiB of zeros in 64 KiB
+    (tmp_path / "animal_data_version_3.gz").write_bytes(bomb)
+    (tmp_path / "animal_label_version_3.gz").write_bytes(gzip.compress(pickle.dumps(np.arange(10))))
+    reads = []
+    real_open = gzip.open
+
+    def recording_open(*a, **k):
+        f = real_open(*a, **k)
+        real_read = f.read
+        f.read = lambda n=-1: reads.append(n) or real_read(n)
+        return f
+
+    monkeypatch.setattr(gzip, "open", recording_open)
+    with pytest.raises(FlatbmaError, match=r"animal_data_version_3\.gz holds more than 1048576 bytes decompressed"):
+        load_animal_mnist(tmp_path)
+    assert reads == [(1 << 20) + 1]
+
+
 # --------------------------------------------------------------------------------------------------
 # Registry
 # --------------------------------------------------------------------------------------------------

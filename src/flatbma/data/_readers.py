@@ -70,13 +70,15 @@ class _DataUnpickler(pickle.Unpickler):
         return factory()
 
 
-def load_data_pickle(path: Path, *, compressed: bool = False, source: str) -> Any:
+def load_data_pickle(path: Path, *, compressed: bool = False, source: str, max_bytes: int = 1 << 30) -> Any:
     """Load a pickle that may contain only dicts, lists, bytes, str, numbers and numpy arrays.
 
     Args:
         path: The pickle file.
         compressed: Whether the file is gzip-compressed.
         source: Where a good copy of the file comes from; appended to error messages.
+        max_bytes: The most bytes the (decompressed) pickle may hold: a gzip bomb is refused after
+            reading ``max_bytes + 1`` bytes, before the rest is decompressed.
 
     Returns:
         The unpickled object.
@@ -86,11 +88,14 @@ def load_data_pickle(path: Path, *, compressed: bool = False, source: str) -> An
             allow-list (which a genuine data file never does).
     """
     try:
-        raw = gzip.decompress(path.read_bytes()) if compressed else path.read_bytes()
+        with gzip.open(path, "rb") if compressed else path.open("rb") as f:
+            raw = f.read(max_bytes + 1)
     except FileNotFoundError:
         raise FlatbmaError(f"{path} does not exist. {source}") from None
     except (OSError, EOFError, zlib.error) as exc:
         raise FlatbmaError(f"{path} could not be read or decompressed ({exc}). {source}") from None
+    if len(raw) > max_bytes:
+        raise FlatbmaError(f"{path} holds more than {max_bytes} bytes{' decompressed' if compressed else ''}. {source}")
     try:
         return _DataUnpickler(io.BytesIO(raw), encoding="bytes").load()
     except pickle.UnpicklingError as exc:

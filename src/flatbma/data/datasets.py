@@ -63,6 +63,8 @@ __all__ = [
 SPLIT_SEED = 0
 DIGITS_TEST_FRACTION = 1 / 3
 ANIMAL_MNIST_TEST_FRACTION = 0.2
+ANIMAL_MNIST_MAX_BYTES = 64 << 20
+"""The most bytes an animal-mnist pickle may decompress to (the images are 7.8 MB): a gzip bomb is refused."""
 
 FASHION_MNIST_ROOT = Path("/usr/share/datasets/fashion-mnist")
 FASHION_MNIST_CLASSES = (
@@ -376,8 +378,9 @@ def load_animal_mnist(root: str | Path | None = None) -> DatasetSplits:
     for path in (images_path, labels_path):
         if not path.is_file():
             raise FlatbmaError(f"dataset 'animal-mnist': {path} is missing. {_ANIMAL_HELP}")
-    images = load_data_pickle(images_path, compressed=True, source=_ANIMAL_HELP)
-    labels = load_data_pickle(labels_path, compressed=True, source=_ANIMAL_HELP)
+    # 10,000 images of 28×28 bytes (7.8 MB) and their labels: anything far larger is not the dataset
+    images = load_data_pickle(images_path, compressed=True, source=_ANIMAL_HELP, max_bytes=ANIMAL_MNIST_MAX_BYTES)
+    labels = load_data_pickle(labels_path, compressed=True, source=_ANIMAL_HELP, max_bytes=ANIMAL_MNIST_MAX_BYTES)
     if not isinstance(images, np.ndarray) or images.dtype != np.uint8 or images.ndim != 3:
         raise FlatbmaError(
             f"{images_path} should hold a uint8 array [N, H, W], got "
