@@ -106,6 +106,8 @@ class Posterior(Transform):
             ``N(μ, ½(diag σ² + LLᵀ/(K−1)))``: its ``mean/``, ``log_std/`` and ``factor/`` tensors in the
             layout of :mod:`flatbma.gaussian` (SWAG, low-rank VI, FP-BMA). A two-stage run
             uses it as the prior and initialization of the second stage; ``None`` for other posteriors.
+            A mixture of such Gaussians (:attr:`members` ``> 0``, ``multi``) gives every member's ``θ``
+            under its ``member<m>/`` prefix: one prior per member, not one Gaussian.
         members: number ``M`` of independent components (ensemble members) when the posterior is the
             uniform mixture ``q = (1/M) Σ_m q_m`` of components trained without interacting; 0 (the
             default) when it has none. ``train.parallel: members`` spreads them over processes.

@@ -20,10 +20,14 @@ from flatbma.transfer import Subset
 
 
 def _old_probe(name: str) -> bool:
-    """Whether the method (default options) builds a posterior with a ``gaussian`` — the probe the field replaced."""
+    """Whether the method (default options) builds one Gaussian posterior — the probe the field replaced.
+
+    A mixture's ``gaussian`` is its members' Gaussians (``member<m>/...``), not one: it is no prior stage.
+    """
     model = torch.nn.Sequential(torch.nn.Linear(2, 2))
     try:
-        return parse_method(name).build(Objective(model=model), SGD(lr=0.1)).gaussian is not None
+        posterior = parse_method(name).build(Objective(model=model), SGD(lr=0.1))
+        return posterior.gaussian is not None and not posterior.members
     except FlatbmaError:
         return False
 
@@ -39,8 +43,15 @@ def test_gaussian_methods_are_the_ones_a_prior_stage_accepts() -> None:
 
 @pytest.mark.parametrize("name", prior_methods())
 def test_methods_that_take_a_prior_resolve_kl_weight(name: str) -> None:
-    """The stability check of a two-stage run reads the resolved option (parse_method fills the default)."""
-    assert isinstance(parse_method(name).options["kl_weight"], float)
+    """The stability check of a two-stage run reads the resolved option (parse_method fills the default).
+
+    A mixture's is its members' method's (``multi-fp-bma``: ``method.of.kl_weight``).
+    """
+    assert isinstance(parse_method(name).component().options["kl_weight"], float)
+
+
+def test_the_methods_that_take_a_prior() -> None:
+    assert prior_methods() == ["lowrank-vi", "fp-bma", "sa-bma", "multi-fp-bma"]
 
 
 def test_options_accept_strings_and_members_and_resolve_to_plain_strings() -> None:

@@ -223,6 +223,11 @@ def test_options_and_nesting_are_refused_with_their_keys():
         multi.build(obj, base, members=0)
     with pytest.raises(FlatbmaError, match="nesting"):
         multi.build(obj, multi.build(obj, base, members=2), members=2)
+    with pytest.raises(FlatbmaError, match=r"one posterior per member: got 1 for method\.members=2"):
+        multi.build(obj, [base], members=2)
+    start = members.prefixed(0, trainable_params(obj.model))  # a posterior of one member for a mixture of two
+    with pytest.raises(FlatbmaError, match=r"the start holds members \[0\] but method.members is 2"):
+        multi.build(obj, base, members=2, seed=0).init(start, {})
     with pytest.raises(FlatbmaError, match=r"method\.of\.bogus"):
         parse_method({"name": "multi", "of": {"name": "swag", "bogus": 1}})
     with pytest.raises(FlatbmaError, match=r"method\.of must name"):
@@ -266,12 +271,16 @@ def test_cli_lists_describes_and_trains_multi_of_swag(tmp_path, capsys):
     assert written["method"]["of"]["name"] == "swag" and written["method"]["of"]["rank"] == 2
 
 
-def test_a_run_checks_the_members_method_under_its_keys_and_refuses_a_prior(tmp_path, capsys):
+def test_a_run_checks_the_members_method_under_its_keys_and_its_prior_under_method_of(tmp_path, capsys):
     method = {"name": "multi", "members": 2, "of": {"name": "swag", "rank": 20}}
     cfg = tmp_path / "c.yaml"
     cfg.write_text(yaml.safe_dump({**DIGITS, "method": method, "output_dir": str(tmp_path / "run")}))
     assert main(["train", "--config", str(cfg)]) != 0
     assert "method.of.rank" in capsys.readouterr().err
     prior = {"method": {"name": "swag", "rank": 2}, "epochs": 1}
-    with pytest.raises(FlatbmaError, match="per-member prior stages are not implemented"):
+    with pytest.raises(FlatbmaError, match=r"method\.of\.rank \(5\) must equal prior\.method\.rank \(2\)"):
         config_from_dict({**DIGITS, "method": {"name": "multi-fp-bma"}, "prior": prior})
+    with pytest.raises(FlatbmaError, match=r"method\.of 'swag' takes no Gaussian prior"):
+        config_from_dict({**DIGITS, "method": {"name": "multiswag"}, "prior": prior})
+    with pytest.raises(FlatbmaError, match=r"method\.of must name"):
+        config_from_dict({**DIGITS, "method": {"name": "multi"}, "prior": prior})

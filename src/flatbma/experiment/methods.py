@@ -20,6 +20,7 @@ from flatbma.errors import FlatbmaError, suggest
 from flatbma.experiment.parse import coerce, parse_dataclass
 from flatbma.optim import ASAM, SAM, FisherBall, FisherSAM
 from flatbma.posteriors import bsam, ensemble, fp_bma, lowrank_vi, mc_dropout, mfvi, multi, point, sgld, swag
+from flatbma.posteriors.members import member, prefixed_members
 from flatbma.types import Ascent, Posterior
 
 if TYPE_CHECKING:
@@ -41,7 +42,8 @@ class MethodSpec:
         gaussian: whether the posterior is a low-rank plus diagonal Gaussian (its
             :attr:`~flatbma.types.Posterior.gaussian` gives ``θ``), so that it can be the first stage
             of a two-stage run; an option may still turn the low-rank part off (SWAG's
-            ``diagonal_only``), which the run reports when it builds that stage.
+            ``diagonal_only``), which the run reports when it builds that stage. A mixture of Gaussians
+            (``multi``) is none: its ``gaussian`` gives one per member, for its own per-member stages.
         check: ``check(method, stage)`` raises a :class:`FlatbmaError` when the method's options ask more
             of a run than the ``stage`` (:class:`~flatbma.experiment.validate.Stage`: its updates, its keys)
             gives — e.g. more snapshots than it collects — before anything trains; ``None``: nothing to check.
@@ -49,6 +51,12 @@ class MethodSpec:
             method section: ``multi``'s ``of``) in place of the type check of its annotation.
         prior_refusal: why the method takes no ``prior`` section, when there is more to say than that its
             family has no ``with_prior`` (said in the refusal).
+        component: ``component(method) -> MethodConfig | None``, the method every independent member of a
+            mixture trains (``multi``: its ``of``), whose options a two-stage run's prior checks read
+            (``kl_weight``, ``rank``); ``None``: the method is its own component.
+        first_stage: ``first_stage(method, prior_method) -> MethodConfig``, the method a two-stage run's
+            first stage trains given the ``prior.method`` section (``multi``: a mixture of it, one prior
+            stage per member); ``None``: ``prior.method`` itself.
     """
 
     name: str
@@ -60,6 +68,8 @@ class MethodSpec:
     check: Callable[[MethodConfig, Stage], None] | None = None
     parsers: Mapping[str, Callable[[Any, str], Any]] = field(default_factory=dict)
     prior_refusal: str | None = None
+    component: Callable[[MethodConfig], MethodConfig | None] | None = None
+    first_stage: Callable[[MethodConfig, MethodConfig], MethodConfig] | None = None
 
     def family_options(self) -> dict[str, inspect.Parameter]:
         """Keyword-only parameters of the family builder."""
@@ -102,6 +112,21 @@ class MethodConfig:
         options = {k: v for k, v in self.options.items() if k in accepted}
         return spec.with_prior(objective, optimizer, self.ascent, prior, **options)
 
+    def component(self) -> MethodConfig | None:
+        """The method each independent member trains (:attr:`MethodSpec.component`); the method itself by default."""
+        spec = METHODS[self.name]
+        return spec.component(self) if spec.component is not None else self
+
+    def takes_prior(self) -> bool:
+        """Whether a ``prior`` section applies: the family has a ``with_prior``, and so has its members' method."""
+        inner = self.component()
+        return all(m is not None and METHODS[m.name].with_prior is not None for m in (self, inner))
+
+    def first_stage(self, prior_method: MethodConfig) -> MethodConfig:
+        """The method of a two-stage run's first stage, given ``prior.method`` (:attr:`MethodSpec.first_stage`)."""
+        spec = METHODS[self.name]
+        return spec.first_stage(self, prior_method) if spec.first_stage is not None else prior_method
+
     def check(self, stage: Stage) -> None:
         """Refuse options that ask more of a run than ``stage`` gives (:attr:`MethodSpec.check`), before it trains."""
         spec = METHODS[self.name]
@@ -119,8 +144,8 @@ METHODS: dict[str, MethodSpec] = {}
 
 
 def prior_methods() -> list[str]:
-    """Names of the methods that accept a Gaussian prior (a run's ``prior`` section)."""
-    return [n for n, spec in METHODS.items() if spec.with_prior is not None]
+    """Names of the methods that accept a Gaussian prior (a run's ``prior`` section) with their default options."""
+    return [n for n, spec in METHODS.items() if spec.with_prior is not None and parse_method(n).takes_prior()]
 
 
 def register(spec: MethodSpec) -> MethodSpec:
@@ -340,12 +365,6 @@ register(
 
 
 # Mixtures of independently trained posteriors of any family (MultiSWAG: Wilson & Izmailov 2020).
-_MULTI_PRIOR = (
-    "a mixture's members would share one prior stage fitted in one basin (per-member prior stages are not "
-    "implemented): remove the prior section (multi of fp-bma then uses its isotropic prior N(0, s²I))"
-)
-
-
 def multi_family(
     objective: Any,
     optimizer: Any,
@@ -362,6 +381,49 @@ def multi_family(
     if of is None:
         raise FlatbmaError("method.of must name the members' method, e.g. of: {name: swag} (see 'flatbma methods')")
     return multi.build(objective, of.build(objective, optimizer), members=members, seed=seed)
+
+
+def multi_with_prior(
+    objective: Any,
+    optimizer: Any,
+    ascent: Ascent | None,
+    prior_theta: Mapping[str, Any],
+    *,
+    of: MethodConfig | None = None,
+    members: int = 5,
+    seed: int | None = None,
+) -> Posterior:
+    """:func:`multi_family` whose member ``m`` has its own prior: member ``m``'s Gaussian in ``prior_theta``.
+
+    ``prior_theta`` is a mixture's ``θ`` (:attr:`~flatbma.types.Posterior.gaussian` of ``multi``: member
+    ``m``'s under ``member<m>/``), fitted by the per-member first stage (:func:`multi_first_stage`); member
+    ``m`` is ``of`` built with :func:`~flatbma.posteriors.members.member` ``(m, prior_theta)`` as its prior.
+    """
+    if of is None:
+        return multi_family(objective, optimizer, ascent, of=of, members=members, seed=seed)  # its refusal
+    held = prefixed_members(dict(prior_theta))
+    if held != list(range(members)):
+        raise FlatbmaError(
+            f"the fitted prior holds members {held} but method.members is {members}: a mixture's prior stage "
+            "must be a mixture of as many members"
+        )
+    bases = [of.build(objective, optimizer, member(m, dict(prior_theta))) for m in range(members)]
+    return multi.build(objective, bases, members=members, seed=seed)
+
+
+def multi_component(method: MethodConfig) -> MethodConfig | None:
+    """``multi``: its members' method ``of``."""
+    return method.options["of"]
+
+
+def multi_first_stage(method: MethodConfig, prior_method: MethodConfig) -> MethodConfig:
+    """``multi``'s first stage: ``multi`` of ``prior.method`` with the same members and member seed.
+
+    So member ``m`` of the first stage starts from the same independent initialization as member ``m`` of
+    the second (:func:`flatbma.posteriors.members.member_initializations`), and fits member ``m``'s prior.
+    """
+    options = {"of": prior_method, "members": method.options["members"], "seed": method.options["seed"]}
+    return MethodConfig(name="multi", options=options, ascent=None)
 
 
 def check_members(method: MethodConfig, stage: Stage) -> None:
@@ -391,9 +453,11 @@ def _multi(name: str, summary: str, family: Callable[..., Posterior]) -> MethodS
         name,
         summary,
         family,
+        with_prior=multi_with_prior,
         check=check_members,
         parsers={"of": parse_method},
-        prior_refusal=_MULTI_PRIOR,
+        component=multi_component,
+        first_stage=multi_first_stage,
     )
 
 

@@ -4,7 +4,10 @@ The Bayesian transfer-learning pipeline of SA-BMA / FP-BMA (Lim et al., UAI 2025
 (e.g. SWAG) trains into ``<output_dir>/prior`` — a run directory of its own, reused when it has
 finished with the same config — and its posterior, a low-rank plus diagonal Gaussian in ``θ``
 layout with ``σ`` floored at ``prior.min_std``, becomes the second stage's prior ``p`` in
-``KL(q_θ ‖ p)`` and, with ``prior.init``, its starting point. The section itself is parsed by
+``KL(q_θ ‖ p)`` and, with ``prior.init``, its starting point. A mixture (``multi``) has one prior per
+member: its first stage is ``multi`` of ``prior.method`` with the same members and seed, and member
+``m`` of the second stage takes member ``m``'s fitted Gaussian (:func:`flatbma.posteriors.multi.build`
+says why not one shared prior). The section itself is parsed by
 :mod:`flatbma.experiment.prior_config`; :func:`flatbma.experiment.run.train_run` runs both stages.
 """
 
@@ -25,6 +28,7 @@ from flatbma.experiment.config import RunConfig
 from flatbma.experiment.prior_config import not_gaussian_message
 from flatbma.experiment.sections import Optimizer
 from flatbma.experiment.stage import CHECKPOINT_FILE, FittedPrior, finished_run, train_stage
+from flatbma.posteriors.members import unprefixed
 from flatbma.types import Params
 
 PRIOR_DIR = "prior"
@@ -45,7 +49,9 @@ def prior_stage(cfg: RunConfig, run_dir: str | Path | None = None) -> RunConfig 
     """The run config of the first stage of a two-stage ``cfg`` (``None`` for a one-stage run).
 
     The stage shares the run's data, model, seed and evaluation settings (without flatness), trains
-    ``prior.method`` for ``prior.epochs`` with ``prior.optim`` (or the run's optimizer) and writes to
+    ``prior.method`` — for a mixture, a mixture of it (:meth:`~flatbma.experiment.methods.MethodConfig.first_stage`:
+    ``multi`` of it with the run's members and seed, one prior per member) — for ``prior.epochs`` with
+    ``prior.optim`` (or the run's optimizer) and writes to
     ``run_dir`` (default ``<output_dir>/prior``; ``flatbma compare`` shares one between the candidates
     of a hyperparameter selection); it is not evaluated (``flatbma evaluate <output_dir>/prior`` does it).
     """
@@ -54,7 +60,7 @@ def prior_stage(cfg: RunConfig, run_dir: str | Path | None = None) -> RunConfig 
         return None
     return dataclasses.replace(
         cfg,
-        method=p.method,
+        method=cfg.method.first_stage(p.method),
         prior=None,
         optim=p.optim or cfg.optim,
         train=dataclasses.replace(cfg.train, epochs=p.epochs),
@@ -80,7 +86,7 @@ def fit_prior(
 
     def check(exp: Experiment) -> None:
         if exp.method.gaussian is None:  # an option turned the low-rank part off (e.g. SWAG's diagonal_only)
-            raise FlatbmaError(not_gaussian_message(stage.method.name))
+            raise FlatbmaError(not_gaussian_message(cfg.prior.method.name))
         check_stable_with_prior(cfg, len(exp.train_loader.dataset))
 
     run_dir = Path(stage.output_dir)
@@ -103,9 +109,12 @@ def fit_prior(
 
 
 def floor_std(theta: Mapping[str, Tensor], min_std: float) -> Params:
-    """``θ`` of a low-rank plus diagonal Gaussian with every diagonal ``σ`` raised to at least ``min_std``."""
+    """``θ`` of a low-rank plus diagonal Gaussian with every diagonal ``σ`` raised to at least ``min_std``.
+
+    The same for a mixture's ``θ``, every member's ``σ`` (``member<m>/log_std/...``).
+    """
     floor = math.log(min_std)
-    return {k: v.clamp_min(floor) if k.startswith("log_std/") else v for k, v in theta.items()}
+    return {k: v.clamp_min(floor) if unprefixed(k).startswith("log_std/") else v for k, v in theta.items()}
 
 
 def sgd_stability_bound(
@@ -137,12 +146,15 @@ def check_stable_with_prior(cfg: RunConfig, num_data: int) -> None:
     """Refuse an SGD learning rate that the KL to the fitted prior makes diverge (before stage 1 trains).
 
     The bound is :func:`sgd_stability_bound` for ``n = num_data``, the floor ``prior.min_std``, ``κ`` the
-    method's resolved ``kl_weight`` option and the run's momentum (Adam's normalized steps are not
+    method's resolved ``kl_weight`` option (a mixture's: its members' method's, ``method.of.kl_weight``; every
+    member has its own prior, so the bound is each member's) and the run's momentum (Adam's normalized steps are not
     affected). The learning rate checked is the peak ``optim.lr``.
     """
     assert cfg.prior is not None
     o = cfg.optim
-    kl_weight = float(cfg.method.options["kl_weight"])
+    component = cfg.method.component()
+    assert component is not None  # parse_prior refuses a mixture without members' method
+    kl_weight = float(component.options["kl_weight"])
     bound = sgd_stability_bound(num_data, cfg.prior.min_std, kl_weight, momentum=o.momentum, nesterov=o.nesterov)
     if o.name is Optimizer.SGD and o.lr > bound:
         factor = "(1+m)/(1+2m)" if o.nesterov else "(1+m)"

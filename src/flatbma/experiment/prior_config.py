@@ -3,7 +3,8 @@
 It lies below :mod:`flatbma.experiment.config` (whose :class:`~flatbma.experiment.config.RunConfig`
 holds it) and knows methods only through the registry: whether a method's posterior is a low-rank
 plus diagonal Gaussian is its :attr:`~flatbma.experiment.methods.MethodSpec.gaussian`, whether it
-takes such a prior its :attr:`~flatbma.experiment.methods.MethodSpec.with_prior`.
+takes such a prior its :attr:`~flatbma.experiment.methods.MethodSpec.with_prior` (a mixture's: also its
+members' method's, :meth:`~flatbma.experiment.methods.MethodConfig.takes_prior`).
 """
 
 from __future__ import annotations
@@ -37,7 +38,9 @@ class PriorConfig:
 
     Attributes:
         method: the first stage's method; its posterior must be a low-rank plus diagonal Gaussian
-            (swag, f-swag, lowrank-vi, fp-bma, ...), e.g. ``{name: swag, rank: 5}``.
+            (swag, f-swag, lowrank-vi, fp-bma, ...), e.g. ``{name: swag, rank: 5}``. For a mixture
+            (``multi-fp-bma``) the first stage is a mixture of it with the run's members and seed, one
+            prior per member (:meth:`~flatbma.experiment.methods.MethodConfig.first_stage`).
         epochs: training epochs of the first stage.
         optim: the first stage's optimizer; the run's ``optim`` section when ``None``.
         init: start the run's method at the fitted posterior (its ``method.rank`` must then equal the
@@ -96,9 +99,13 @@ def parse_prior(data: Any, method: MethodConfig) -> PriorConfig | None:
     spec = METHODS[method.name]
     if spec.prior_refusal is not None:
         raise FlatbmaError(f"method {method.name!r} takes no prior section: {spec.prior_refusal}")
-    if spec.with_prior is None:
+    inner = method.component()  # a mixture's members' method (multi: method.of), else the method itself
+    if inner is None:
+        raise FlatbmaError("method.of must name the members' method, e.g. of: {name: fp-bma} (see 'flatbma methods')")
+    key = "method" if inner is method else "method.of"
+    if not method.takes_prior():
         raise FlatbmaError(
-            f"method {method.name!r} takes no Gaussian prior, so the prior section does not apply to it: use one of "
+            f"{key} {inner.name!r} takes no Gaussian prior, so the prior section does not apply to it: use one of "
             f"{', '.join(prior_methods())} or remove the prior section"
         )
     stage = parse_method(data["method"], "prior.method")
@@ -106,10 +113,10 @@ def parse_prior(data: Any, method: MethodConfig) -> PriorConfig | None:
         raise FlatbmaError(not_gaussian_message(stage.name))
     rest = parse_dataclass(_PriorOptions, {k: v for k, v in data.items() if k not in ("method", "optim")}, "prior")
     optim = parse_dataclass(OptimConfig, data["optim"], "prior.optim") if data.get("optim") is not None else None
-    ranks = (method.options.get(RANK_OPTION), stage.options.get(RANK_OPTION))
+    ranks = (inner.options.get(RANK_OPTION), stage.options.get(RANK_OPTION))
     if rest.init and None not in ranks and ranks[0] != ranks[1]:
         raise FlatbmaError(
-            f"prior.init starts {method.name} at the fitted prior, so method.rank ({ranks[0]}) must equal "
+            f"prior.init starts {method.name} at the fitted prior, so {key}.rank ({ranks[0]}) must equal "
             f"prior.method.rank ({ranks[1]}): set both to the same K, or prior.init: false"
         )
     return PriorConfig(method=stage, epochs=rest.epochs, optim=optim, init=rest.init, min_std=rest.min_std)

@@ -41,6 +41,7 @@ from flatbma.experiment.parse import yaml_float
 from flatbma.experiment.runner import History, Position, fit
 from flatbma.gaussian import PREFIXES, kl_lowrank
 from flatbma.params import model_buffers, trainable_params
+from flatbma.posteriors.members import member, prefixed_members
 from flatbma.types import Params, State
 
 CONFIG_FILE = "config.yaml"
@@ -172,11 +173,11 @@ def train_stage(
         state, position, history = load_position(ckpt, template(exp))
         position = exp.strategy.resume(position)
         with exp.rng.restored():  # the start as the interrupted run drew it, right after its build
-            start_theta = _lowrank_theta(_initial_state(cfg, exp, prior))
+            start_theta = _lowrank_thetas(_initial_state(cfg, exp, prior))
     else:
         write_config(run_dir, resolved)
         state = _initial_state(cfg, exp, prior)
-        start_theta = _lowrank_theta(state)
+        start_theta = _lowrank_thetas(state)
 
     logger = None
     if distributed.is_main():  # the one process that saves (with the history of all): it logs
@@ -242,7 +243,8 @@ def train_stage(
     if prior is not None:
         metrics["prior_run"] = str(prior.run_dir)
     if start_theta is not None:  # how far q moved: a flat-seeking step that barely changes q cannot matter
-        metrics["kl_from_start"] = float(kl_lowrank(_lowrank_theta(state), start_theta))
+        kls = [float(kl_lowrank(end, begin)) for end, begin in zip(_lowrank_thetas(state), start_theta, strict=True)]
+        metrics["kl_from_start"] = sum(kls) / len(kls)  # a mixture's: the mean over its members
     metrics.update(exp.strategy.record())
     if distributed.is_main():
         atomic_write_json(run_dir / METRICS_FILE, metrics, note=f"the checkpoint at step {state.step} is intact")
@@ -264,12 +266,18 @@ def _initial_state(cfg: RunConfig, exp: Experiment, prior: FittedPrior | None) -
         ) from None
 
 
-def _lowrank_theta(state: State) -> Params | None:
-    """A copy of ``state``'s variational parameters when they are a low-rank plus diagonal Gaussian ``q_θ``.
+def _lowrank_thetas(state: State) -> list[Params] | None:
+    """Copies of ``state``'s variational parameters when they are low-rank plus diagonal Gaussians ``q_θ``.
 
-    That is the state of low-rank VI and FP-BMA (``mean/``, ``log_std/``, ``factor/``); ``None`` for every
-    other method. Its ``KL(q_T ‖ q_0)`` to the start is recorded as ``kl_from_start``.
+    That is the state of low-rank VI and FP-BMA (``mean/``, ``log_std/``, ``factor/``: one ``θ``) and of a
+    mixture of them (``multi``: member ``m``'s ``θ_m`` under ``member<m>/``, one per member); ``None`` for
+    every other method. ``KL(q_T ‖ q_0)`` to the start — for a mixture the mean over its members of
+    ``KL(q_{m,T} ‖ q_{m,0})``, each member's own distance moved — is recorded as ``kl_from_start``.
     """
-    if not state.params or {k.split("/", 1)[0] for k in state.params} != set(PREFIXES):
+    if not state.params:
         return None
-    return {k: v.detach().clone() for k, v in state.params.items()}
+    held = prefixed_members(state.params)
+    thetas = [state.params] if held is None else [member(m, state.params) for m in held]
+    if any({k.split("/", 1)[0] for k in theta} != set(PREFIXES) for theta in thetas):
+        return None
+    return [{k: v.detach().clone() for k, v in theta.items()} for theta in thetas]

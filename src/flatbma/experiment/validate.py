@@ -142,8 +142,9 @@ def check_run(cfg: RunConfig, shape: RunShape, *, flatness: bool) -> None:
     fitted prior (:func:`~flatbma.experiment.prior.check_stable_with_prior`).
     """
     first = prior_stage(cfg)
-    if first is not None:
-        first.method.check(Stage(shape, first.train.epochs, "prior.epochs", "prior.method"))
+    if first is not None and cfg.prior is not None:
+        # the prior.method section checks itself (a mixture's first stage trains it in every member, each step)
+        cfg.prior.method.check(Stage(shape, first.train.epochs, "prior.epochs", "prior.method"))
         check_stable_with_prior(cfg, shape.num_train)
     cfg.method.check(Stage(shape, cfg.train.epochs))
     cfg.eval.check(shape, flatness=flatness)

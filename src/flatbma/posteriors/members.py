@@ -9,6 +9,7 @@ that layout, which ``train.parallel: members`` uses to spread the components ove
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
@@ -28,8 +29,12 @@ __all__ = [
     "member_state",
     "mixture_output",
     "prefixed",
+    "prefixed_members",
     "splitter",
+    "unprefixed",
 ]
+
+_PREFIX = re.compile(r"member(\d+)/")
 
 
 def member_initializations(
@@ -88,6 +93,23 @@ def member(m: int, tensors: Params) -> Params:
     """Member ``m``'s entries of ``tensors``, without their prefix (the same tensors)."""
     prefix = f"member{m}/"
     return {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
+
+
+def unprefixed(key: str) -> str:
+    """``key`` without its ``"member<m>/"`` prefix (``key`` itself when it has none)."""
+    found = _PREFIX.match(key)
+    return key[found.end() :] if found else key
+
+
+def prefixed_members(tensors: Params) -> list[int] | None:
+    """The members, ascending, whose entries ``tensors`` holds when every key is a member's; ``None`` otherwise.
+
+    ``None`` also for no keys at all: model weights (whose names never contain ``/``) are no member's.
+    """
+    found = [_PREFIX.match(k) for k in tensors]
+    if not found or not all(found):
+        return None
+    return sorted({int(f.group(1)) for f in found if f is not None})
 
 
 def member_state(m: int, state: State) -> State:

@@ -10,6 +10,7 @@ ensemble of flat posteriors: flatness within basins, diversity across them.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 
@@ -24,20 +25,28 @@ from flatbma.posteriors.members import (
     member_state,
     mixture_output,
     prefixed,
+    prefixed_members,
     splitter,
 )
 from flatbma.rng import draw_seed, forked_rng, seeded_generator
 from flatbma.types import Batch, Params, Posterior, State, StepOutput
 
 
-def build(objective: Objective, base: Posterior, *, members: int = 5, seed: int | None = None) -> Posterior:
+def build(
+    objective: Objective, base: Posterior | Sequence[Posterior], *, members: int = 5, seed: int | None = None
+) -> Posterior:
     """The uniform mixture of ``members`` independently trained posteriors ``base``.
 
-    Initialization (``init``): member ``m``'s starting weights are those of a deep ensemble
+    ``base`` is the family of every member, or one posterior per member (``base[m]`` is member ``m``'s,
+    all of one family): a two-stage run gives member ``m`` its own prior that way (below).
+
+    Initialization (``init(params, buffers)``): member ``m``'s starting weights are those of a deep ensemble
     (:func:`flatbma.posteriors.members.member_initializations`: member 0 the given ones, member ``m ≥ 1``
     every fully trainable module of ``objective.model`` re-initialized under a seed drawn from ``seed``;
     ``None``: one integer drawn from torch's global generator), and its state is ``base.init`` of them,
-    run with torch's global generators seeded by a hash of ``(seed, m)`` (restored afterwards).
+    run with torch's global generators seeded by a hash of ``(seed, m)`` (restored afterwards). Given a
+    start whose every key is a member's (``member<m>/...``, e.g. the ``θ`` of a mixture of Gaussians,
+    :attr:`Posterior.gaussian`, with its buffers), member ``m`` starts at its own entries instead.
 
     Training (``update``): every member takes ``base.update`` on the same mini-batch. The step draws one
     integer ``s_t`` from torch's global generator and runs member ``m``'s update with the global
@@ -61,12 +70,17 @@ def build(objective: Objective, base: Posterior, *, members: int = 5, seed: int 
     ``Var_q[w_i] = (1/M) Σ_m Var_{q_m}[w_i] + (1/M) Σ_m (μ_{m,i} − μ̄_i)²`` (the mean within-member
     variance plus the population variance of the member means). Both exist when the family has them.
 
-    A two-stage run (a ``prior`` section: FP-BMA after a SWAG stage) is not offered. One shared prior
-    stage would pull every member towards the one basin the prior was fitted in (and with ``prior.init``
-    start them all at the same posterior), which is not a multi-basin mixture; per-member prior stages
-    (MultiSWAG → Multi-FP-BMA, each member with its own SWAG prior) need one prior run per member, a
-    change of the two-stage pipeline that is not made yet. ``multi`` of ``fp-bma`` therefore uses the
-    family's isotropic prior ``N(0, s²I)``.
+    Gaussian members (``gaussian``): when the family's posterior is a low-rank plus diagonal Gaussian,
+    the mixture's ``gaussian(state)`` is every member's ``θ_m`` under its prefix (``member<m>/mean/...``,
+    ``member<m>/log_std/...``, ``member<m>/factor/...``) — not one Gaussian, but one per member.
+
+    Two-stage runs (a ``prior`` section, MultiSWAG → Multi-FP-BMA) have per-member prior stages: the
+    first stage is itself a mixture, ``multi`` of the prior's method with the same ``M`` and ``seed``,
+    so its member ``m`` starts from the same independent initialization as member ``m`` here; member
+    ``m`` then takes member ``m``'s fitted Gaussian as its own prior (``base[m]`` built with it) and,
+    with ``prior.init``, starts at it (the member-prefixed start above). One *shared* prior stage is not
+    offered: fitted in one basin, it would pull every member towards that basin through ``KL(q_m ‖ p)``
+    (and with ``prior.init`` start them all at the same posterior), which is not a multi-basin mixture.
 
     The members are the posterior's independent components (:attr:`Posterior.members` ``= M``):
     ``split(state, indices)`` keeps the ``member<m>/`` entries of ``indices``; ``update``, ``sample``,
@@ -75,34 +89,57 @@ def build(objective: Objective, base: Posterior, *, members: int = 5, seed: int 
 
     Args:
         objective: model and mini-batch loss (its model gives the members' initializations).
-        base: the family of every member, built for ``objective``.
+        base: the family of every member, built for ``objective``; or ``members`` posteriors, member ``m``'s
+            the ``m``-th, of one family.
         members: ``M ≥ 1``.
         seed: seed of the members' initializations; ``None`` draws it from the global generator.
 
     Raises:
-        FlatbmaError: ``members < 1``, a ``seed`` that is not a non-negative integer or ``None``, or a
-            ``base`` that is itself a mixture of members.
+        FlatbmaError: ``members < 1``, a ``seed`` that is not a non-negative integer or ``None``, a ``base``
+            that is itself a mixture of members, ``base`` posteriors not one per member, or a member-prefixed
+            start that does not hold exactly the members ``0..M−1``.
     """
     check_int(
         members, f"method.members must be an integer >= 1 (the number of mixture members), got {members!r}", minimum=1
     )
     if seed is not None:
         check_int(seed, f"method.seed must be a non-negative integer or null, got {seed!r}", minimum=0)
-    if base.members:
+    bases = list(base) if not isinstance(base, Posterior) else [base] * members
+    if len(bases) != members:
+        raise FlatbmaError(f"multi needs one posterior per member: got {len(bases)} for method.members={members}")
+    if any(b.members for b in bases):
         raise FlatbmaError(
             "method.of is itself a mixture of independent members (an ensemble or multi): "
             "raise method.members instead of nesting mixtures"
         )
+    first = bases[0]
     single = members == 1
 
+    def starts(params: Params, buffers: Params) -> list[tuple[Params, Params]] | None:
+        """Every member's own ``(params, buffers)`` in a member-prefixed start; ``None`` for model weights."""
+        found = prefixed_members(params)
+        if found is None:
+            return None
+        if found != list(range(members)):
+            raise FlatbmaError(
+                f"the start holds members {found} but method.members is {members}: start a mixture at a posterior "
+                "of as many members (a prior stage with the same members)"
+            )
+        own_buffers = prefixed_members(buffers) is not None  # else the buffers are the model's, every member's
+        return [(member(m, params), member(m, buffers) if own_buffers else buffers) for m in range(members)]
+
     def init(params: Params, buffers: Params) -> State:
+        own = starts(params, buffers)
         if single:
-            return _prefixed_state(0, base.init(params, buffers), State(params={}))
+            p, b = own[0] if own is not None else (params, buffers)
+            return _prefixed_state(0, first.init(p, b), State(params={}))
         start = seed if seed is not None else draw_seed()
+        if own is None:
+            own = member_initializations(objective.model, params, buffers, members, start)
         state = State(params={})
-        for m, (p, b) in enumerate(member_initializations(objective.model, params, buffers, members, start)):
+        for m, (p, b) in enumerate(own):
             with forked_rng(member_seed(start, m)):
-                state = _prefixed_state(m, base.init(p, b), state)
+                state = _prefixed_state(m, bases[m].init(p, b), state)
         return state
 
     def update(state: State, batch: Batch) -> tuple[State, StepOutput]:
@@ -111,10 +148,10 @@ def build(objective: Objective, base: Posterior, *, members: int = 5, seed: int 
         for m in held(state):
             own = member_state(m, state)
             if step_seed is None:
-                own, out = base.update(own, batch)
+                own, out = bases[m].update(own, batch)
             else:
                 with forked_rng(member_seed(step_seed, m)):
-                    own, out = base.update(own, batch)
+                    own, out = bases[m].update(own, batch)
             new = _prefixed_state(m, own, new)
             outs.append(out)
         return new, mixture_output(outs)
@@ -123,28 +160,27 @@ def build(objective: Objective, base: Posterior, *, members: int = 5, seed: int 
         if n < 1:
             raise FlatbmaError(f"the number of samples must be >= 1 (eval.num_samples), got {n}")
         if single:
-            return base.sample(member_state(0, state), n, generator)
+            return first.sample(member_state(0, state), n, generator)
         seed_ = draw_seed(generator)
         device = generator.device if generator is not None else torch.device("cpu")
         drawn = []
         for m in held(state):
             count = max(0, math.ceil((n - m) / members))
             own = seeded_generator(seed_, m, device)
-            drawn.append(base.sample(member_state(m, state), count, own) if count else [])
+            drawn.append(bases[m].sample(member_state(m, state), count, own) if count else [])
         return [samples[i] for i in range(max(map(len, drawn), default=0)) for samples in drawn if i < len(samples)]
 
     def mean(state: State) -> Params:
-        means = [base.mean(member_state(m, state)) for m in held(state)]  # type: ignore[misc]
-        first = held(state)[0]
-        buffers = set(member(first, state.buffers))
+        means = [bases[m].mean(member_state(m, state)) for m in held(state)]  # type: ignore[misc]
+        buffers = set(member(held(state)[0], state.buffers))
         return {k: v if k in buffers else torch.stack([mu[k] for mu in means]).mean(0) for k, v in means[0].items()}
 
     def marginal_variance(state: State) -> Params:
         means, variances = [], []
         for m in held(state):
             own = member_state(m, state)
-            means.append(base.mean(own))  # type: ignore[misc]
-            variances.append(base.marginal_variance(own))  # type: ignore[misc]
+            means.append(bases[m].mean(own))  # type: ignore[misc]
+            variances.append(bases[m].marginal_variance(own))  # type: ignore[misc]
         total = {}
         for k in variances[0]:
             mu = torch.stack([x[k] for x in means])
@@ -152,16 +188,26 @@ def build(objective: Objective, base: Posterior, *, members: int = 5, seed: int 
             total[k] = within + (mu - mu.mean(0)).square().mean(0)
         return total
 
+    def gaussian(state: State) -> Params:
+        theta: Params = {}
+        for m in held(state):
+            theta.update(prefixed(m, bases[m].gaussian(member_state(m, state))))  # type: ignore[misc]
+        return theta
+
+    def every(hook: str) -> bool:
+        return all(getattr(b, hook) is not None for b in bases)
+
     return Posterior(
         init=init,
         update=update,
         sample=sample,
-        predict_mode=base.predict_mode,
-        recompute_bn=base.recompute_bn,
+        predict_mode=first.predict_mode,
+        recompute_bn=first.recompute_bn,
+        gaussian=gaussian if every("gaussian") else None,
         members=members,
         split=splitter(members),
-        mean=mean if base.mean is not None else None,
-        marginal_variance=marginal_variance if base.mean is not None and base.marginal_variance is not None else None,
+        mean=mean if every("mean") else None,
+        marginal_variance=marginal_variance if every("mean") and every("marginal_variance") else None,
     )
 
 
