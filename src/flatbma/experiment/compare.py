@@ -12,6 +12,7 @@ A compare config is a run config (the shared data/model/optim/train/eval section
       flatness: true
       landscape: true
       reference: sgd        # the others' paired differences and findings are against it (default: the first)
+      pairs: [[fp-bma, swag], [sam, sgd]]   # further paired differences, each a − b (in addition)
       quick: {methods: [sgd, sam], seeds: [0], set: [train.epochs=2]}
 
 Each (method, seed) is an ordinary run directory under ``OUT/runs/<method>/seed<s>`` (trained with
@@ -68,6 +69,7 @@ from flatbma.experiment.build import Experiment
 from flatbma.experiment.checkpoint import atomic_write_bytes, atomic_write_json, remove_stale_temps
 from flatbma.experiment.config import RunConfig, config_from_dict, load_raw, parse_override
 from flatbma.experiment.evaluate import CLEAN_KEYS, measure
+from flatbma.experiment.findings import check_pairs
 from flatbma.experiment.methods import METHODS
 from flatbma.experiment.outdir import check_compare_output
 from flatbma.experiment.parse import load_yaml, parse_dataclass, set_dotted, shown
@@ -127,6 +129,11 @@ class CompareConfig:
         reference: the label of the method every other one is compared with (paired differences over
             seeds and the report's findings, :func:`flatbma.experiment.report.findings`); ``None``: the
             first method. It only shapes the report, so it is not part of the results' fingerprint.
+        pairs: further comparisons ``[a, b]`` of two method labels, each reported as the paired
+            difference ``a − b`` over the seeds both ran, in addition to the reference's
+            (:func:`flatbma.experiment.findings.pair_comparisons`). Like ``reference`` it only shapes the
+            report: not part of the fingerprint, the study or a row's cache key, and left out of the
+            recorded ``compare`` section when empty.
         quick: the reduced setting of ``--quick`` (written to ``<output_dir>-quick``, beside the full run).
     """
 
@@ -139,6 +146,7 @@ class CompareConfig:
     flatness: bool = True
     landscape: bool = True
     reference: str | None = None
+    pairs: tuple[tuple[str, str], ...] = ()
     quick: QuickConfig = field(default_factory=QuickConfig)
 
     def __post_init__(self) -> None:
@@ -166,6 +174,7 @@ class CompareConfig:
                 f"compare.reference {self.reference!r} is not a compared method.{suggest(self.reference, labels)} "
                 f"Give one of: {', '.join(labels)} (a method's label, else its name), or leave it out for the first"
             )
+        check_pairs(self.pairs, labels)
 
 
 @dataclass(frozen=True)
@@ -255,7 +264,7 @@ class Plan:
         """Hash of everything that determines the results (not the output directory)."""
         payload = {
             "base": {k: v for k, v in run_identity(self.base.to_dict()).items() if k != "output_dir"},
-            "compare": {k: v for k, v in dataclasses.asdict(self.compare).items() if k != "reference"},
+            "compare": {k: v for k, v in dataclasses.asdict(self.compare).items() if k not in _REPORT_ONLY},
         }
         return _digest(payload)
 
@@ -282,8 +291,23 @@ class Plan:
 _PER_RUN = ("output_dir", "method", "seed", "prior")
 """Sections of the base config that every run sets for itself (not part of :meth:`Plan.study`)."""
 
-_ROWS = ("methods", "seeds", "reference", "quick")
+_REPORT_ONLY = ("reference", "pairs")
+"""Fields of the compare section that only shape the report (not part of :meth:`Plan.fingerprint`)."""
+
+_ROWS = ("methods", "seeds", *_REPORT_ONLY, "quick")
 """Fields of the compare section that choose the rows rather than how each row is measured."""
+
+
+def compare_record(compare: CompareConfig) -> dict[str, Any]:
+    """The compare section as recorded in ``results.json`` and ``compare_config.yaml``.
+
+    Its fields as plain values; ``pairs`` only when some are listed, so a comparison without pairs
+    writes exactly what it wrote before they existed.
+    """
+    record = dataclasses.asdict(compare)
+    if not record["pairs"]:
+        del record["pairs"]
+    return record
 
 
 def _measurement(compare: CompareConfig) -> dict[str, Any]:
@@ -334,9 +358,15 @@ def load_plan(path: str | Path, overrides: list[str] = (), *, quick: bool = Fals
         methods = tuple(m for m in compare.methods if not keep or {str(m.get("name")), label_of(m)} & keep)
         kept_labels = {label_of(m) for m in methods}  # a width-matched entry goes with the entry it is matched to
         methods = tuple(m for m in methods if m.get(entries.MATCH_WIDTH) in (None, *kept_labels))
-        kept = compare.reference in {label_of(m) for m in methods}  # a reference left out: the first kept method
+        kept_labels = {label_of(m) for m in methods}
+        kept = compare.reference in kept_labels  # a reference left out: the first kept method
+        pairs = tuple(p for p in compare.pairs if set(p) <= kept_labels)  # a pair with a method left out is dropped
         compare = dataclasses.replace(
-            compare, methods=methods, seeds=q.seeds or compare.seeds, reference=compare.reference if kept else None
+            compare,
+            methods=methods,
+            seeds=q.seeds or compare.seeds,
+            reference=compare.reference if kept else None,
+            pairs=pairs,
         )
     bad = [m["label"] for m in compare.methods if isinstance(m, dict) and not isinstance(m.get("label", ""), str)]
     if bad:
@@ -451,7 +481,7 @@ def run_compare(plan: Plan, *, force: bool = False, progress: bool = True) -> di
                 "fingerprint": fingerprint,
                 "study": plan.study(),
                 "config": plan.raw,
-                "compare": dataclasses.asdict(plan.compare),
+                "compare": compare_record(plan.compare),
             }
             atomic_write_bytes(plan.out_dir / COMPARE_CONFIG, yaml.safe_dump(record, sort_keys=False).encode())
 
@@ -479,7 +509,7 @@ def run_compare(plan: Plan, *, force: bool = False, progress: bool = True) -> di
     results = {
         "config_hash": fingerprint,
         "config": plan.raw,
-        "compare": dataclasses.asdict(plan.compare),
+        "compare": compare_record(plan.compare),
         "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "runs": rows,
     }

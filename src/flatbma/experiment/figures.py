@@ -20,17 +20,17 @@ from flatbma.experiment.rows import (
     LEVEL,
     NLL,
     Run,
-    _by_method,
-    _corruption_average,
-    _get,
-    _lambda1,
-    _num,
-    _runs,
-    _seed_counts,
-    _severities,
-    _spread,
-    _stats,
-    _to_number,
+    as_number,
+    by_method,
+    corruption_average,
+    get_path,
+    read_runs,
+    run_lambda1,
+    seed_counts,
+    severities_of,
+    spread_text,
+    summary_of,
+    to_number,
 )
 from flatbma.stats import Summary
 
@@ -74,7 +74,7 @@ def reliability_figure(results: Mapping[str, Any]) -> bytes | None:
     ``None`` without data.
     """
     panels = []
-    for method, runs in _by_method(_runs(results)).items():
+    for method, runs in by_method(read_runs(results)).items():
         run = next((r for r in runs if _reliability(r) is not None), None)
         if run is not None:
             panels.append((method, run, _reliability(run)))
@@ -121,7 +121,7 @@ def reliability_figure(results: Mapping[str, Any]) -> bytes | None:
         ax.plot([0, 1], [0, 1], "k--", linewidth=0.8)
         ax.set_xlim(0, 1)
         ax.set_ylim(0, 1)
-        ece = _num(run.get("ece"))
+        ece = as_number(run.get("ece"))
         seed = run.get("seed")
         ax.set_title(f"{method} (seed {seed})" + (f"\nECE {ece:.4f}" if ece is not None else ""), fontsize=9)
         ax.set_xlabel("confidence")
@@ -139,10 +139,10 @@ def _reliability(
     rel = run.get("reliability")
     if not isinstance(rel, Mapping):
         return None
-    edges = [_num(e) for e in rel.get("bin_edges") or []]
-    conf = [_num(c) for c in rel.get("confidence") or []]
-    acc = [_num(a) for a in rel.get("accuracy") or []]
-    count = [_num(c) for c in rel.get("count") or []]
+    edges = [as_number(e) for e in rel.get("bin_edges") or []]
+    conf = [as_number(c) for c in rel.get("confidence") or []]
+    acc = [as_number(a) for a in rel.get("accuracy") or []]
+    count = [as_number(c) for c in rel.get("count") or []]
     n = len(edges) - 1
     if n < 1 or None in edges or len(conf) != n or len(acc) != n:
         return None
@@ -160,15 +160,15 @@ def _curve_stats(runs: Sequence[Run], metric: str) -> tuple[list[float], list[Su
             continue
         values = curve.get(metric) or []
         for m, v in zip(curve.get("num_samples") or [], values):
-            if _num(m) is not None:
-                per_m.setdefault(_num(m), []).append(_num(v))
-    xs = sorted(m for m, vs in per_m.items() if _stats(vs) is not None)
-    return xs, [_stats(per_m[m]) for m in xs]
+            if as_number(m) is not None:
+                per_m.setdefault(as_number(m), []).append(as_number(v))
+    xs = sorted(m for m, vs in per_m.items() if summary_of(vs) is not None)
+    return xs, [summary_of(per_m[m]) for m in xs]
 
 
 def bma_curve_figure(results: Mapping[str, Any]) -> bytes | None:
     """NLL, accuracy and ECE of the BMA vs number of samples ``M`` (mean ± std over seeds); ``None`` without data."""
-    groups = _by_method(_runs(results))
+    groups = by_method(read_runs(results))
     metrics = (NLL, ACCURACY, ECE)
     curves = {m: {k.key: _curve_stats(rs, k.key) for k in metrics} for m, rs in groups.items()}
     if not any(xs for per in curves.values() for xs, _ in per.values()):
@@ -195,12 +195,12 @@ def bma_curve_figure(results: Mapping[str, Any]) -> bytes | None:
 def _run_interval(run: Run) -> tuple[float, float] | None:
     """A run's λ₁ interval over its samples: the reported one, else (older results) mean ± std over samples."""
     low, high = (
-        _num(_get(run, "lambda1_summary", "interval", "low")),
-        _num(_get(run, "lambda1_summary", "interval", "high")),
+        as_number(get_path(run, "lambda1_summary", "interval", "low")),
+        as_number(get_path(run, "lambda1_summary", "interval", "high")),
     )
     if low is not None and high is not None:
         return low, high
-    mean, std = _lambda1(run), _num(run.get("lambda1_std"))
+    mean, std = run_lambda1(run), as_number(run.get("lambda1_std"))
     return (mean - std, mean + std) if mean is not None and std is not None else None
 
 
@@ -219,21 +219,21 @@ def lambda1_figure(results: Mapping[str, Any]) -> bytes | None:
     median; a cross: λ₁ at the posterior mean. The axis is logarithmic when the runs' λ₁ span more
     than a factor of 10 (one sharp sample can make a mean dwarf every median).
     """
-    groups = _by_method(_runs(results))
-    methods = [m for m, rs in groups.items() if any(_lambda1(r) is not None for r in rs)]
+    groups = by_method(read_runs(results))
+    methods = [m for m, rs in groups.items() if any(run_lambda1(r) is not None for r in rs)]
     if not methods:
         return None
     fig, (ax,) = _figure(1, 1, max(4.5, 1.0 + 0.9 * len(methods)), 3.6)
     summaries = any(isinstance(r.get("lambda1_summary"), Mapping) for rs in groups.values() for r in rs)
     shown: dict[str, Any] = {}
     for i, method in enumerate(methods):
-        runs = [r for r in groups[method] if _lambda1(r) is not None]
-        s = _stats([_lambda1(r) for r in runs])
+        runs = [r for r in groups[method] if run_lambda1(r) is not None]
+        s = summary_of([run_lambda1(r) for r in runs])
         interval = (s.interval.low, s.interval.high) if s.interval is not None else None
         shown["bar"] = ax.bar(i, s.mean, 0.6, yerr=_errorbar(s.mean, interval), capsize=4, color="tab:blue", alpha=0.4)
         offsets = [0.0] if len(runs) == 1 else [-0.2 + 0.4 * j / (len(runs) - 1) for j in range(len(runs))]
         for off, r in zip(offsets, runs):
-            y = _lambda1(r)
+            y = run_lambda1(r)
             shown["run"] = ax.errorbar(
                 i + off,
                 y,
@@ -244,13 +244,13 @@ def lambda1_figure(results: Mapping[str, Any]) -> bytes | None:
                 capsize=2,
                 linewidth=0.8,
             )
-            median = _num(_get(r, "lambda1_summary", "median"))
+            median = as_number(get_path(r, "lambda1_summary", "median"))
             if median is not None:
                 (shown["median"],) = ax.plot(i + off, median, marker="_", color="tab:orange", markersize=9)
-            at_mean = _num(r.get("lambda1_at_mean"))
+            at_mean = as_number(r.get("lambda1_at_mean"))
             if at_mean is not None:
                 (shown["at_mean"],) = ax.plot(i + off, at_mean, marker="x", color="tab:red", markersize=5)
-    seeds = _seed_counts(groups)[1] > 1
+    seeds = seed_counts(groups)[1] > 1
     labels = {
         "bar": f"mean over seeds ({LEVEL:.0%} t interval)" if seeds else "λ₁ (one seed)",
         "run": "run: mean over samples (" + ("bootstrap interval)" if summaries else "± std)"),
@@ -260,7 +260,7 @@ def lambda1_figure(results: Mapping[str, Any]) -> bytes | None:
     ax.legend([shown[k] for k in labels if k in shown], [v for k, v in labels.items() if k in shown], fontsize=7)
     ax.set_xticks(range(len(methods)))
     ax.set_xticklabels(methods, rotation=20, ha="right")
-    values = [v for rs in groups.values() for r in rs if (v := _lambda1(r)) is not None]
+    values = [v for rs in groups.values() for r in rs if (v := run_lambda1(r)) is not None]
     heavy = min(values) > 0 and max(values) > 10 * min(values)  # λ₁ is heavy-tailed: one sample can dwarf the rest
     if heavy:
         ax.set_yscale("log")
@@ -275,22 +275,22 @@ def corruption_figure(results: Mapping[str, Any]) -> bytes | None:
     With one severity there is nothing between clean and it to draw a line through: each method is a
     pair of points with error bars (offset side by side), not a line from clean.
     """
-    runs = _runs(results)
-    severities = [s for s in _severities(runs) if _to_number(s) is not None]
+    runs = read_runs(results)
+    severities = [s for s in severities_of(runs) if to_number(s) is not None]
     if not severities:
         return None
-    groups = _by_method(runs)
+    groups = by_method(runs)
     single = len(severities) == 1
     fig, axes = _figure(1, len(CORRUPTION_METRICS), 3.6, 3.0)
     for ax, metric in zip(axes, CORRUPTION_METRICS):
         for j, (method, rs) in enumerate(groups.items()):
             xs, stats = [], []
-            clean = _stats([metric.get(r) for r in rs])
+            clean = summary_of([metric.get(r) for r in rs])
             if clean is not None:
                 xs.append(0.0)
                 stats.append(clean)
             for s in severities:
-                st = _stats([_corruption_average(r, s, metric.key) for r in rs])
+                st = summary_of([corruption_average(r, s, metric.key) for r in rs])
                 if st is not None:
                     xs.append(float(s))
                     stats.append(st)
@@ -327,7 +327,7 @@ def landscape_curves(results: Mapping[str, Any]) -> dict[str, tuple[list[float],
     population variance over seeds). Methods without a landscape are left out.
     """
     curves = {}
-    for method, runs in _by_method(_runs(results)).items():
+    for method, runs in by_method(read_runs(results)).items():
         found = [c for c in (_landscape(r) for r in runs) if c is not None]
         if not found:
             continue
@@ -356,10 +356,10 @@ def _landscape(run: Run) -> tuple[list[float], list[float], list[float]] | None:
     land = run.get("landscape")
     if not isinstance(land, Mapping):
         return None
-    alphas = [_num(a) for a in land.get("alphas") or []]
-    mean = [_num(m) for m in land.get("mean") or []]
+    alphas = [as_number(a) for a in land.get("alphas") or []]
+    mean = [as_number(m) for m in land.get("mean") or []]
     std = land.get("std")
-    std = [_num(s) or 0.0 for s in std] if isinstance(std, Sequence) else [0.0] * len(mean)
+    std = [as_number(s) or 0.0 for s in std] if isinstance(std, Sequence) else [0.0] * len(mean)
     if not alphas or len(alphas) != len(mean) or len(std) != len(mean) or None in alphas or None in mean:
         return None
     return alphas, mean, std
@@ -380,7 +380,7 @@ class FigureSpec:
 
     def caption(self, results: Mapping[str, Any]) -> str:
         """The title for these results."""
-        return self.title.format(spread=_spread(_by_method(_runs(results)), interval=False))
+        return self.title.format(spread=spread_text(by_method(read_runs(results)), interval=False))
 
 
 FIGURES: tuple[FigureSpec, ...] = (

@@ -234,8 +234,11 @@ def parse_dataclass(cls: type[T], data: Any, where: str) -> T:
         raise FlatbmaError(f"missing config key(s) {', '.join(f'{where}.{m}' for m in missing)}")
     try:
         return cls(**kwargs)
-    except FlatbmaError as e:
-        raise FlatbmaError(f"{where}: {e}" if where else str(e)) from None
+    except FlatbmaError as e:  # a message that already names its key (``compare.pairs[1] ...``) is not prefixed again
+        text = str(e)
+        raise FlatbmaError(
+            f"{where}: {text}" if where and not text.startswith((f"{where}.", f"{where}[")) else text
+        ) from None
 
 
 def set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:

@@ -7,7 +7,9 @@ are compared and the findings written by :mod:`flatbma.experiment.findings`, the
 
 :func:`write_reports` writes, into one folder, ``results.csv`` (one row per run, flat columns),
 ``figures/*.png``, ``report.md`` (findings, tables, and the figures by relative path) and
-``report.html``, which is self-contained: its figures are embedded as base64 PNG data URIs. In every
+``report.html``, which is self-contained: its figures are embedded as base64 PNG data URIs. The paired
+differences are tabled against the reference and, with ``compare.pairs``, for each listed pair ``a − b``
+("Paired differences", :func:`flatbma.experiment.findings.pair_comparisons`). In every
 table the best mean of a column with a better end (higher accuracy; lower NLL, ECE, AECE, Brier) is
 bold. With one seed per method the cells are the runs' values and the titles say "one seed; no
 interval". The Brier score sums over all classes (:data:`BRIER_NOTE`). Figures need matplotlib
@@ -31,7 +33,15 @@ import yaml
 
 from flatbma.experiment.checkpoint import atomic_write_bytes, write_error
 from flatbma.experiment.figures import FIGURES, FigureSpec
-from flatbma.experiment.findings import _difference_text, _reference, comparisons, findings
+from flatbma.experiment.findings import (
+    Comparison,
+    comparisons,
+    difference_text,
+    findings,
+    pair_comparisons,
+    pairs_of,
+    reference_of,
+)
 from flatbma.experiment.rows import (
     COMPARED,
     CORRUPTION_METRICS,
@@ -44,22 +54,22 @@ from flatbma.experiment.rows import (
     TRACE_COV,
     Metric,
     Run,
-    _by_method,
-    _cell,
-    _corruption_average,
-    _decimals,
-    _fmt,
-    _fmt4,
-    _get,
-    _lambda1,
-    _mean,
-    _num,
-    _runs,
-    _seed_counts,
-    _severities,
-    _spread,
-    _stats,
-    _width,
+    as_number,
+    by_method,
+    corruption_average,
+    decimals_for,
+    format_number,
+    format_value,
+    get_path,
+    mean_of_present,
+    read_runs,
+    run_lambda1,
+    seed_counts,
+    severities_of,
+    spread_text,
+    summary_cell,
+    summary_of,
+    width_field,
 )
 from flatbma.stats import Summary
 
@@ -130,8 +140,8 @@ def _best_rows(stats: Sequence[Summary | None], metric: Metric) -> list[int]:
 
 
 def _metric_table(title: str, groups: dict[str, list[Run]], metrics: Sequence[Metric], note: str) -> Table:
-    stats = [[_stats([m.get(r) for r in runs]) for m in metrics] for runs in groups.values()]
-    rows = [[method, str(len(runs)), *map(_cell, row)] for (method, runs), row in zip(groups.items(), stats)]
+    stats = [[summary_of([m.get(r) for r in runs]) for m in metrics] for runs in groups.values()]
+    rows = [[method, str(len(runs)), *map(summary_cell, row)] for (method, runs), row in zip(groups.items(), stats)]
     bold = {(i, j + 2) for j, m in enumerate(metrics) for i in _best_rows([row[j] for row in stats], m)}
     return Table(title, ["method", "seeds", *(m.label for m in metrics)], rows, note, frozenset(bold))
 
@@ -155,7 +165,7 @@ def _summary(groups: dict[str, list[Run]]) -> Table:
     runs = [r for rs in groups.values() for r in rs]
     metrics = _summary_metrics(runs)
     note = "BMA metrics on the test set."
-    one_seed = _seed_counts(groups)[1] == 1
+    one_seed = seed_counts(groups)[1] == 1
     if one_seed:
         note += " One seed per method: each cell is that run's value, with no spread and no interval."
     else:
@@ -168,12 +178,33 @@ def _summary(groups: dict[str, list[Run]]) -> Table:
         )
     best = "value" if one_seed else "mean"
     note += f" Bold: the best {best} of a column with a better end (higher accuracy; lower NLL, ECE, AECE, Brier)."
-    return _metric_table(f"Results ({_spread(groups)})", groups, metrics, note)
+    return _metric_table(f"Results ({spread_text(groups)})", groups, metrics, note)
 
 
 def summary_table(results: Mapping[str, Any]) -> str:
     """The main table as Markdown: per method, accuracy … λ₁ and its width over seeds (bold: best)."""
-    return _summary(_by_method(_runs(results))).markdown()
+    return _summary(by_method(read_runs(results))).markdown()
+
+
+def _difference_cells(found: Sequence[Comparison], metrics: Sequence[Metric], i: int, bold: set) -> list[str]:
+    """Row ``i`` of a paired-difference table after its name: the seeds, then per metric ``mean [interval]``.
+
+    ``found`` holds the row's comparisons; the cells whose interval excludes 0 are added to ``bold``.
+    """
+    mine = {c.metric.key: c for c in found}
+    cells = []
+    for j, metric in enumerate(metrics):
+        c = mine.get(metric.key)
+        if c is None:
+            cells.append(MISSING)
+        elif c.difference is None:
+            cells.append("not compared")
+        else:
+            cells.append(difference_text(c.difference) + ("" if c.claimed else " (one seed)"))
+            if c.difference.significant:
+                bold.add((i, j + 2))
+    n = max((c.difference.n for c in mine.values() if c.difference is not None), default=0)
+    return [str(n), *cells]
 
 
 def _differences_table(results: Mapping[str, Any], groups: dict[str, list[Run]]) -> Table | None:
@@ -181,26 +212,14 @@ def _differences_table(results: Mapping[str, Any], groups: dict[str, list[Run]])
     found = comparisons(results)
     if not any(c.claimed for c in found):
         return None
-    reference = _reference(results, groups)
+    reference = reference_of(results, groups)
     metrics = [m for m in COMPARED if any(c.metric is m for c in found)]
-    rows, bold = [], set()
+    rows: list[list[str]] = []
+    bold: set[tuple[int, int]] = set()
     for method in groups:
-        mine = {c.metric.key: c for c in found if c.method == method}
-        if not mine:
-            continue
-        cells = []
-        for j, metric in enumerate(metrics):
-            c = mine.get(metric.key)
-            if c is None:
-                cells.append(MISSING)
-            elif c.difference is None:
-                cells.append("not compared")
-            else:
-                cells.append(_difference_text(c.difference) + ("" if c.claimed else " (one seed)"))
-                if c.difference.significant:
-                    bold.add((len(rows), j + 2))
-        n = max((c.difference.n for c in mine.values() if c.difference is not None), default=0)
-        rows.append([method, str(n), *cells])
+        mine = [c for c in found if c.method == method]
+        if mine:
+            rows.append([method, *_difference_cells(mine, metrics, len(rows), bold)])
     return Table(
         f"Paired differences from {reference} (method − {reference}: mean [{LEVEL:.0%} t interval] over common seeds)",
         ["method", "seeds", *(m.label for m in metrics)],
@@ -212,30 +231,60 @@ def _differences_table(results: Mapping[str, Any], groups: dict[str, list[Run]])
     )
 
 
+def _pairs_table(results: Mapping[str, Any], groups: dict[str, list[Run]]) -> Table | None:
+    """Every pair ``a − b`` of ``compare.pairs`` per metric, with intervals; ``None`` when none has two seeds."""
+    found = pair_comparisons(results)
+    if not any(c.claimed for c in found):
+        return None
+    metrics = [m for m in COMPARED if any(c.metric is m for c in found)]
+    rows: list[list[str]] = []
+    bold: set[tuple[int, int]] = set()
+    for a, b in pairs_of(results, groups):
+        mine = [c for c in found if (c.method, c.reference) == (a, b)]
+        if mine:
+            rows.append([f"{a} − {b}", *_difference_cells(mine, metrics, len(rows), bold)])
+    return Table(
+        f"Paired differences (each listed pair a − b: mean [{LEVEL:.0%} t interval] over common seeds)",
+        ["pair", "seeds", *(m.label for m in metrics)],
+        rows,
+        "compare.pairs: per seed a's value minus b's (the same seed: the same k-shot training set and "
+        "initialization), then the mean and Student t interval over the seeds both ran; seeds only one of them "
+        "ran are left out. Bold: the interval excludes 0. λ₁ is compared only on seeds where both runs report "
+        "their width (tr Σ).",
+        frozenset(bold),
+    )
+
+
 def _count(value: Any) -> int | None:
     """A count given as a number or as the list of the items counted."""
     if isinstance(value, (list, tuple)):
         return len(value)
-    number = _num(value)
+    number = as_number(value)
     return int(number) if number is not None else None
 
 
 def _scalar(value: Any) -> float | None:
     """A number, or the ``mean``/``estimate``/``value`` of a dict holding one."""
     if isinstance(value, Mapping):
-        return next((_num(value[k]) for k in ("mean", "estimate", "value") if _num(value.get(k)) is not None), None)
-    return _num(value)
+        return next(
+            (as_number(value[k]) for k in ("mean", "estimate", "value") if as_number(value.get(k)) is not None), None
+        )
+    return as_number(value)
 
 
 def _summary_text(summary: Any) -> str:
     """``mean [low, high]`` of a :class:`~flatbma.stats.Summary` given as its dict."""
-    mean = _num(_get(summary, "mean"))
+    mean = as_number(get_path(summary, "mean"))
     if mean is None:
         return MISSING
-    decimals = _decimals(mean)
-    low, high = _num(_get(summary, "interval", "low")), _num(_get(summary, "interval", "high"))
-    text = _fmt(mean, decimals)
-    return text if low is None or high is None else f"{text} [{_fmt(low, decimals)}, {_fmt(high, decimals)}]"
+    decimals = decimals_for(mean)
+    low, high = as_number(get_path(summary, "interval", "low")), as_number(get_path(summary, "interval", "high"))
+    text = format_number(mean, decimals)
+    return (
+        text
+        if low is None or high is None
+        else f"{text} [{format_number(low, decimals)}, {format_number(high, decimals)}]"
+    )
 
 
 def _distinct(runs: Sequence[Run], key: str) -> list[str]:
@@ -266,7 +315,7 @@ def _repeatability_lines(groups: dict[str, list[Run]]) -> list[str]:
 
 
 def _has_flatness(run: Run) -> bool:
-    return _lambda1(run) is not None or isinstance(run.get("lambda1_summary"), Mapping)
+    return run_lambda1(run) is not None or isinstance(run.get("lambda1_summary"), Mapping)
 
 
 def _flatness_table(groups: dict[str, list[Run]]) -> Table | None:
@@ -274,27 +323,29 @@ def _flatness_table(groups: dict[str, list[Run]]) -> Table | None:
     runs = [(m, r) for m, rs in groups.items() for r in rs if _has_flatness(r)]
     if not runs:
         return None
-    levels = {_num(_get(r, "lambda1_summary", "interval", "level")) for _, r in runs} - {None}
-    kinds = {str(_get(r, "lambda1_summary", "method")) for _, r in runs if _get(r, "lambda1_summary", "method")}
+    levels = {as_number(get_path(r, "lambda1_summary", "interval", "level")) for _, r in runs} - {None}
+    kinds = {str(get_path(r, "lambda1_summary", "method")) for _, r in runs if get_path(r, "lambda1_summary", "method")}
     level = f"{levels.pop():.0%}" if len(levels) == 1 else ""
     rows = []
     for method, run in runs:
         summary = run.get("lambda1_summary") if isinstance(run.get("lambda1_summary"), Mapping) else {}
-        mean = _lambda1(run)
-        low, high = _num(_get(summary, "interval", "low")), _num(_get(summary, "interval", "high"))
-        decimals = _decimals(mean) if mean is not None else 4
+        mean = run_lambda1(run)
+        low, high = as_number(get_path(summary, "interval", "low")), as_number(get_path(summary, "interval", "high"))
+        decimals = decimals_for(mean) if mean is not None else 4
         samples = _count(summary.get("n")) or _count(run.get("flatness_samples"))
         unconverged = _count(run.get("lambda1_unconverged"))
         width = run.get("width") if isinstance(run.get("width"), Mapping) else {}
-        trace = _num(width.get("trace_cov"))
-        agree = _get(run, "repeatability", "agree")
+        trace = as_number(width.get("trace_cov"))
+        agree = get_path(run, "repeatability", "agree")
         rows.append(
             [
                 method,
                 str(run.get("seed", MISSING)),
-                _fmt4(mean),
-                _fmt4(_num(summary.get("median"))),
-                MISSING if low is None or high is None else f"[{_fmt(low, decimals)}, {_fmt(high, decimals)}]",
+                format_value(mean),
+                format_value(as_number(summary.get("median"))),
+                MISSING
+                if low is None or high is None
+                else f"[{format_number(low, decimals)}, {format_number(high, decimals)}]",
                 MISSING if samples is None else str(samples),
                 (
                     str(unconverged)
@@ -303,10 +354,10 @@ def _flatness_table(groups: dict[str, list[Run]]) -> Table | None:
                     if run.get("hessian_converged") is False
                     else MISSING
                 ),
-                MISSING if trace is None else ("≈" if width.get("exact") is False else "") + _fmt4(trace),
-                _fmt4(_num(width.get("median_std"))),
-                _fmt4(_num(run.get("lambda1_at_mean"))),
-                _fmt4(_scalar(run.get("hessian_trace"))),
+                MISSING if trace is None else ("≈" if width.get("exact") is False else "") + format_value(trace),
+                format_value(as_number(width.get("median_std"))),
+                format_value(as_number(run.get("lambda1_at_mean"))),
+                format_value(_scalar(run.get("hessian_trace"))),
                 MISSING if not isinstance(agree, bool) else "yes" if agree else "no",
             ]
         )
@@ -333,7 +384,7 @@ def _flatness_table(groups: dict[str, list[Run]]) -> Table | None:
         "samples); λ₁ at mean: λ₁ at the posterior mean; Hessian trace: Hutchinson's estimate; repeatable: a second "
         "measurement (another measurement seed and samples) agrees within the interval."
     )
-    if all(_width("trace_cov")(r) is None for _, r in runs):
+    if all(width_field("trace_cov")(r) is None for _, r in runs):
         note.append(
             "No run reports its width: these λ₁ are not compared between methods (a wider posterior puts samples in "
             "sharper places whatever its flatness)."
@@ -359,23 +410,23 @@ def _corruption_note(sizes: list[float]) -> str:
 
 
 def _corruption_tables(runs: Sequence[Run], groups: dict[str, list[Run]]) -> list[Table]:
-    severities = _severities(runs)
+    severities = severities_of(runs)
     if not severities:
         return []
-    sizes = sorted({n for r in runs if (n := _num(r.get("corruption_samples"))) is not None})
+    sizes = sorted({n for r in runs if (n := as_number(r.get("corruption_samples"))) is not None})
     note = _corruption_note(sizes)
     tables = []
     for metric in CORRUPTION_METRICS:
         stats = []
         for rs in groups.values():
-            per_run = {s: [_corruption_average(r, s, metric.key) for r in rs] for s in severities}
-            overall = [_mean([per_run[s][i] for s in severities]) for i in range(len(rs))]
-            stats.append([*(_stats(per_run[s]) for s in severities), _stats(overall)])
-        rows = [[method, *map(_cell, row)] for method, row in zip(groups, stats)]
+            per_run = {s: [corruption_average(r, s, metric.key) for r in rs] for s in severities}
+            overall = [mean_of_present([per_run[s][i] for s in severities]) for i in range(len(rs))]
+            stats.append([*(summary_of(per_run[s]) for s in severities), summary_of(overall)])
+        rows = [[method, *map(summary_cell, row)] for method, row in zip(groups, stats)]
         bold = {(i, j + 1) for j in range(len(severities) + 1) for i in _best_rows([r[j] for r in stats], metric)}
         tables.append(
             Table(
-                f"Corrupted test sets: {metric.label} (mean over corruptions; {_spread(groups)})",
+                f"Corrupted test sets: {metric.label} (mean over corruptions; {spread_text(groups)})",
                 ["method", *(f"severity {s}" for s in severities), "all severities"],
                 rows,
                 note,
@@ -387,19 +438,19 @@ def _corruption_tables(runs: Sequence[Run], groups: dict[str, list[Run]]) -> lis
 
 def report_tables(results: Mapping[str, Any]) -> list[Table]:
     """Every table of the report: results, paired differences, flatness, distribution flatness and cost, corruptions."""
-    runs = _runs(results)
-    groups = _by_method(runs)
+    runs = read_runs(results)
+    groups = by_method(runs)
     tables = [_summary(groups)]
-    differences = _differences_table(results, groups)
-    if differences is not None:
-        tables.append(differences)
+    for differences in (_differences_table(results, groups), _pairs_table(results, groups)):
+        if differences is not None:
+            tables.append(differences)
     flatness = _flatness_table(groups)
     if flatness is not None:
         tables.append(flatness)
     if any(m.get(r) is not None for r in runs for m in EXTRA_METRICS):
         tables.append(
             _metric_table(
-                f"Flatness of the distribution and cost ({_spread(groups)})",
+                f"Flatness of the distribution and cost ({spread_text(groups)})",
                 groups,
                 EXTRA_METRICS,
                 "λ₁ of the mean Hessian: top eigenvalue of the Hessian of E_q[L] (the averaged Hessian of the "
@@ -425,7 +476,7 @@ def csv_rows(results: Mapping[str, Any]) -> tuple[list[str], list[dict[str, Any]
     reliability diagram and the landscape curve are left out (see ``results.json``). Columns are
     the union over runs in order of appearance; a run without a column leaves it empty.
     """
-    rows = [_flat_run(run) for run in _runs(results)]
+    rows = [_flat_run(run) for run in read_runs(results)]
     columns = list(dict.fromkeys(k for row in rows for k in row))
     return columns, rows
 
@@ -523,15 +574,19 @@ def write_reports(results: Mapping[str, Any], out_dir: str | Path) -> dict[str, 
 
 
 def _header_lines(results: Mapping[str, Any]) -> list[tuple[str, str]]:
-    runs = _runs(results)
-    groups = _by_method(runs)
+    runs = read_runs(results)
+    groups = by_method(runs)
     seeds = sorted({str(r.get("seed")) for r in runs if r.get("seed") is not None}, key=lambda s: (len(s), s))
-    return [
+    lines = [
         ("config hash", str(results.get("config_hash") or MISSING)),
         ("created", str(results.get("created") or MISSING)),
         ("runs", f"{len(runs)} ({len(groups)} methods: {', '.join(groups)}; seeds: {', '.join(seeds) or MISSING})"),
-        ("reference", _reference(results, groups)),
+        ("reference", reference_of(results, groups)),
     ]
+    pairs = pairs_of(results, groups)
+    if pairs:
+        lines.append(("pairs", ", ".join(f"{a} − {b}" for a, b in pairs)))
+    return lines
 
 
 _FINDINGS_NOTE = (
@@ -547,8 +602,13 @@ _ONE_SEED_FINDINGS_NOTE = (
 
 def _findings_note(results: Mapping[str, Any], level: float) -> str:
     """The caption of the findings: how they are made, or (one seed) why there are none."""
-    one_seed = _seed_counts(_by_method(_runs(results)))[1] == 1
-    return (_ONE_SEED_FINDINGS_NOTE if one_seed else _FINDINGS_NOTE).format(level=level)
+    groups = by_method(read_runs(results))
+    if seed_counts(groups)[1] == 1:
+        return _ONE_SEED_FINDINGS_NOTE.format(level=level)
+    note = _FINDINGS_NOTE.format(level=level)
+    if pairs_of(results, groups):
+        note = note.replace("(method − reference,", "(method − reference, and a − b for each pair of compare.pairs;")
+    return note
 
 
 def _config_text(results: Mapping[str, Any]) -> str:

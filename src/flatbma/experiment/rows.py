@@ -2,7 +2,8 @@
 
 Input is the ``results.json`` dict written by ``flatbma compare``::
 
-    {"config_hash": str, "config": {...}, "compare": {..., "reference": str | null}, "created": str,
+    {"config_hash": str, "config": {...}, "compare": {..., "reference": str | null, "pairs": [[a, b], ...]},
+     "created": str,
      "runs": [{"method": str, "seed": int, "run_dir": str,
                "accuracy", "nll", "ece", "aece", "brier": float,
                "lambda1", "lambda1_std", "lambda1_over_lambda5", "distribution_lambda1",
@@ -43,7 +44,26 @@ from flatbma.stats import Interval, Method, Summary, summarize
 __all__ = [
     "COMPARED",
     "LEVEL",
+    "MISSING",
     "Metric",
+    "Run",
+    "as_number",
+    "by_method",
+    "corruption_average",
+    "decimals_for",
+    "format_number",
+    "format_value",
+    "get_path",
+    "mean_of_present",
+    "read_runs",
+    "run_lambda1",
+    "seed_counts",
+    "severities_of",
+    "spread_text",
+    "summary_cell",
+    "summary_of",
+    "to_number",
+    "width_field",
 ]
 
 
@@ -63,7 +83,12 @@ Run = Mapping[str, Any]
 # reading the results
 
 
-def _runs(results: Mapping[str, Any]) -> list[Run]:
+def read_runs(results: Mapping[str, Any]) -> list[Run]:
+    """The runs of a ``results.json`` dict, each checked to be a dict with a ``method`` name.
+
+    Raises:
+        FlatbmaError: if ``results`` is not a dict, has no runs, or a run has no method name.
+    """
     if not isinstance(results, Mapping):
         raise FlatbmaError(f"results must be a dict as written to results.json, not {type(results).__name__}")
     runs = results.get("runs")
@@ -75,24 +100,25 @@ def _runs(results: Mapping[str, Any]) -> list[Run]:
     return list(runs)
 
 
-def _by_method(runs: Sequence[Run]) -> dict[str, list[Run]]:
+def by_method(runs: Sequence[Run]) -> dict[str, list[Run]]:
     """Runs grouped by method, methods in order of appearance, runs sorted by seed."""
     out: dict[str, list[Run]] = {}
     for run in runs:
         out.setdefault(run["method"], []).append(run)
     return {
-        m: sorted(rs, key=lambda r: (_num(r.get("seed")) is None, _num(r.get("seed")) or 0.0)) for m, rs in out.items()
+        m: sorted(rs, key=lambda r: (as_number(r.get("seed")) is None, as_number(r.get("seed")) or 0.0))
+        for m, rs in out.items()
     }
 
 
-def _num(value: Any) -> float | None:
+def as_number(value: Any) -> float | None:
     """A number, or ``None`` for null, missing and non-numeric values."""
     if not is_number(value):
         return None
     return float(value)
 
 
-def _get(mapping: Any, *keys: Any) -> Any:
+def get_path(mapping: Any, *keys: Any) -> Any:
     """``mapping[k1][k2]…`` or ``None`` where a level is missing or not a dict."""
     for k in keys:
         if not isinstance(mapping, Mapping):
@@ -101,18 +127,19 @@ def _get(mapping: Any, *keys: Any) -> Any:
     return mapping
 
 
-def _lambda1(run: Run) -> float | None:
+def run_lambda1(run: Run) -> float | None:
     """A run's λ₁: the mean over its posterior samples (``lambda1_summary``, else the older ``lambda1``)."""
-    summary = _num(_get(run, "lambda1_summary", "mean"))
-    return summary if summary is not None else _num(run.get("lambda1"))
+    summary = as_number(get_path(run, "lambda1_summary", "mean"))
+    return summary if summary is not None else as_number(run.get("lambda1"))
 
 
 def _key(name: str) -> Callable[[Run], float | None]:
-    return lambda run: _num(run.get(name))
+    return lambda run: as_number(run.get(name))
 
 
-def _width(name: str) -> Callable[[Run], float | None]:
-    return lambda run: _num(_get(run, "width", name))
+def width_field(name: str) -> Callable[[Run], float | None]:
+    """The getter of ``run["width"][name]`` (the posterior width, e.g. ``trace_cov``), ``None`` when missing."""
+    return lambda run: as_number(get_path(run, "width", name))
 
 
 @dataclass(frozen=True)
@@ -154,8 +181,8 @@ NLL = _lower_better("nll", "NLL")
 ECE = _lower_better("ece", "ECE")
 AECE = _lower_better("aece", "AECE")
 BRIER = _lower_better("brier", "Brier")
-LAMBDA1 = Metric("lambda1", "λ₁", _lambda1, lower="flatter", higher="sharper")
-TRACE_COV = Metric("trace_cov", "tr Σ", _width("trace_cov"), lower="narrower", higher="wider")
+LAMBDA1 = Metric("lambda1", "λ₁", run_lambda1, lower="flatter", higher="sharper")
+TRACE_COV = Metric("trace_cov", "tr Σ", width_field("trace_cov"), lower="narrower", higher="wider")
 RATIO = Metric("lambda1_over_lambda5", "λ₁/λ₅", _key("lambda1_over_lambda5"))
 
 PREDICTIVE_METRICS: tuple[Metric, ...] = (ACCURACY, NLL, ECE, AECE, BRIER)
@@ -175,7 +202,7 @@ CORRUPTION_METRICS: tuple[Metric, ...] = (ACCURACY, NLL, ECE)
 # statistics and numbers
 
 
-def _stats(values: Sequence[float | None]) -> Summary | None:
+def summary_of(values: Sequence[float | None]) -> Summary | None:
     """Mean, std and 95% t interval of the values that are present (:func:`flatbma.stats.summarize`).
 
     ``None`` when no value is present. A non-finite value (a diverged run's NLL) gives its mean
@@ -190,12 +217,13 @@ def _stats(values: Sequence[float | None]) -> Summary | None:
     return summarize(xs, level=LEVEL, method=Method.T)
 
 
-def _mean(values: Sequence[float | None]) -> float | None:
-    stats = _stats(values)
+def mean_of_present(values: Sequence[float | None]) -> float | None:
+    """The mean of the values that are present (:func:`summary_of`), ``None`` when none is."""
+    stats = summary_of(values)
     return stats.mean if stats is not None else None
 
 
-def _decimals(x: float) -> int | None:
+def decimals_for(x: float) -> int | None:
     """Decimals that show ``x`` with about 4 significant digits (at most 4); ``None``: use scientific."""
     if x == 0 or not math.isfinite(x):
         return 4
@@ -204,41 +232,43 @@ def _decimals(x: float) -> int | None:
     return min(4, max(0, 3 - math.floor(math.log10(abs(x)))))
 
 
-def _fmt(x: float, decimals: int | None = 4) -> str:
+def format_number(x: float, decimals: int | None = 4) -> str:
+    """``x`` with ``decimals`` decimals, in scientific notation for ``None``; ``inf``/``nan`` as themselves."""
     if not math.isfinite(x):
         return str(x)
     return f"{x:.3e}" if decimals is None else f"{x:.{decimals}f}"
 
 
-def _fmt4(x: float | None) -> str:
+def format_value(x: float | None) -> str:
     """``x`` with about 4 significant digits; ``–`` for ``None``."""
-    return MISSING if x is None else _fmt(x, _decimals(x))
+    return MISSING if x is None else format_number(x, decimals_for(x))
 
 
 def _interval_text(interval: Interval, decimals: int | None) -> str:
-    return f"[{_fmt(interval.low, decimals)}, {_fmt(interval.high, decimals)}]"
+    return f"[{format_number(interval.low, decimals)}, {format_number(interval.high, decimals)}]"
 
 
-def _cell(stats: Summary | None) -> str:
+def summary_cell(stats: Summary | None) -> str:
     """``mean ± std [low, high]`` with the decimals that suit the mean; the mean alone for one value."""
     if stats is None:
         return MISSING
-    decimals = _decimals(stats.mean)
-    mean = _fmt(stats.mean, decimals)
+    decimals = decimals_for(stats.mean)
+    mean = format_number(stats.mean, decimals)
     if stats.std is None:
         return mean
-    text = f"{mean} ± {_fmt(stats.std, decimals)}"
+    text = f"{mean} ± {format_number(stats.std, decimals)}"
     return text if stats.interval is None else f"{text} {_interval_text(stats.interval, decimals)}"
 
 
-def _seed_counts(groups: Mapping[str, Sequence[Run]]) -> tuple[int, int]:
+def seed_counts(groups: Mapping[str, Sequence[Run]]) -> tuple[int, int]:
+    """``(fewest, most)`` runs (seeds) of a method among ``groups`` (:func:`by_method`)."""
     counts = [len(rs) for rs in groups.values()]
     return min(counts), max(counts)
 
 
-def _spread(groups: Mapping[str, Sequence[Run]], *, interval: bool = True) -> str:
+def spread_text(groups: Mapping[str, Sequence[Run]], *, interval: bool = True) -> str:
     """What a cell holds, for a title: "one seed; no interval", "mean ± std and 95% t interval over 3 seeds", ..."""
-    low, high = _seed_counts(groups)
+    low, high = seed_counts(groups)
     if high == 1:
         return ONE_SEED
     what = f"mean ± std and {LEVEL:.0%} t interval" if interval else "mean ± std"
@@ -251,25 +281,27 @@ def _spread(groups: Mapping[str, Sequence[Run]], *, interval: bool = True) -> st
 # corrupted test sets
 
 
-def _severities(runs: Sequence[Run]) -> list[str]:
+def severities_of(runs: Sequence[Run]) -> list[str]:
+    """Every corruption severity some run was evaluated at, as text, in numeric order."""
     found: dict[str, None] = {}
     for run in runs:
         for per_severity in (run.get("corruptions") or {}).values():
             if isinstance(per_severity, Mapping):
                 found.update(dict.fromkeys(str(s) for s in per_severity))
-    return sorted(found, key=lambda s: (_to_number(s) is None, _to_number(s) or 0.0, s))
+    return sorted(found, key=lambda s: (to_number(s) is None, to_number(s) or 0.0, s))
 
 
-def _to_number(text: str) -> float | None:
+def to_number(text: str) -> float | None:
+    """``float(text)``, or ``None`` when ``text`` is not a number."""
     try:
         return float(text)
     except ValueError:
         return None
 
 
-def _corruption_average(run: Run, severity: str, metric: str) -> float | None:
+def corruption_average(run: Run, severity: str, metric: str) -> float | None:
     """Mean of ``metric`` over the corruptions evaluated at ``severity`` in one run."""
     corruptions = run.get("corruptions")
     if not isinstance(corruptions, Mapping):
         return None
-    return _mean([_num(_get(per, severity, metric)) for per in corruptions.values()])
+    return mean_of_present([as_number(get_path(per, severity, metric)) for per in corruptions.values()])
