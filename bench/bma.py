@@ -1,20 +1,28 @@
-"""BMA time per test batch: samples batched with vmap, and the automatic choice, against the per-sample loop.
+"""BMA time per test batch: the per-sample loop, samples batched with vmap, and the automatic choice.
 
 For each model, M weight samples (the model's weights with random relative perturbations; BatchNorm
 statistics kept) are evaluated on one test batch by the three paths of
 :func:`flatbma.predict.bma_log_probs` — ``batched=False`` (loop), ``batched=True`` (vmap, automatic
-chunk size) and ``batched=None`` (automatic choice) — in interleaved rounds (so drift of the machine
-affects all alike). Reported: the median loop time per batch and the speedups ``loop / path``
-(> 1 means faster than the loop), the path the automatic choice took, and the largest difference
-between the loop's and vmap's log-probabilities.
+chunk size) and ``batched=None`` (auto) — in interleaved rounds, so that drift of the machine
+affects all alike. The first auto call makes the choice (the agreement check and, where the paths
+agree bit for bit, the timed probe); its time is reported as "1st auto" and is not in the rounds.
 
-    python bench/bma.py [--rounds 5] [--threads 2] [--samples 30] [--cases cnn mobilenet_v2 ...]
+Reported per case: the median time per batch of each path; ``auto/best``, the median over rounds of
+``best / auto`` within a round, ``best`` the path with the lower median (paired, so that drift moves
+both alike; the goal is ≥ 0.95, 1 = as fast as the faster path); the path auto took and what decided
+it (``probe``: the paths agree bit for bit and the faster one was timed; ``rule``: they differ, so
+the footprint rule decides); and the largest difference between the loop's and vmap's
+log-probabilities (0 = bit-identical). The load average is printed before and after: the machine
+may be shared.
+
+    python bench/bma.py [--rounds 11] [--threads 1] [--samples 30] [--cases cnn mobilenet_v2 ...]
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import statistics
 import time
 
@@ -69,26 +77,18 @@ def _sync(device: str) -> None:
 
 @torch.no_grad()
 def bench_case(kwargs: dict, batch_size: int, shape: tuple, num_samples: int, rounds: int, device: str) -> dict:
-    """Median seconds per test batch of every path, the automatic path's choice and the loop/vmap gap."""
+    """Median seconds per test batch of every path, the faster path, auto's paired ratio to it, auto's choice."""
     model = build_model(**kwargs, seed=0).to(device).eval()
     samples = [{k: v.to(device) for k, v in w.items()} for w in perturbed_samples(model, num_samples)]
     x = torch.randn(batch_size, *shape, generator=torch.Generator().manual_seed(1)).to(device)
-    gap = sample_log_probs(model, samples, x, batched=True) - sample_log_probs(model, samples, x, batched=False)
-    chosen = []
-    real = predict_module._batched_log_probs
-
-    def spy(*args):
-        chosen.append(args[-1])
-        return real(*args)
-
-    predict_module._batched_log_probs = spy
-    try:
-        bma_log_probs(model, samples, x)  # warm-up of the automatic path, records its choice
-    finally:
-        predict_module._batched_log_probs = real
-    auto = f"vmap, chunk {chosen[0]}" if chosen else "loop"
-    for batched in PATHS.values():  # warm-up
-        bma_log_probs(model, samples, x, batched=batched)
+    loop = sample_log_probs(model, samples, x, batched=False)  # warm-up of the forced paths, and their gap
+    vmap = sample_log_probs(model, samples, x, batched=True)
+    _sync(device)
+    t0 = time.perf_counter()
+    bma_log_probs(model, samples, x)  # the first automatic call chooses
+    _sync(device)
+    first = time.perf_counter() - t0
+    (choice,) = predict_module._CHOICES[model].values()
     times: dict[str, list[float]] = {name: [] for name in PATHS}
     for _ in range(rounds):
         for name, batched in PATHS.items():
@@ -97,16 +97,21 @@ def bench_case(kwargs: dict, batch_size: int, shape: tuple, num_samples: int, ro
             bma_log_probs(model, samples, x, batched=batched)
             _sync(device)
             times[name].append(time.perf_counter() - t0)
+    median = {name: statistics.median(t) for name, t in times.items()}
+    best = min(("loop", "vmap"), key=median.__getitem__)
     return {
-        "median": {name: statistics.median(t) for name, t in times.items()},
-        "auto": auto,
-        "gap": gap.abs().max().item(),
+        "median": median,
+        "best": best,
+        "auto_vs_fastest": statistics.median(b / a for b, a in zip(times[best], times["auto"], strict=True)),
+        "first_auto": first,
+        "choice": choice,
+        "gap": (vmap - loop).abs().max().item(),
     }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=11)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--samples", type=int, default=30, help="M, the number of posterior samples")
     parser.add_argument("--cases", nargs="+", choices=list(CASES), default=list(CASES))
@@ -116,19 +121,29 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     print(
         f"device={args.device} threads={torch.get_num_threads()} torch={torch.__version__} "
-        f"M={args.samples} rounds={args.rounds}"
+        f"M={args.samples} rounds={args.rounds} load average (1, 5, 15 min) {_load()}"
     )
-    print(f"{'model':<42}{'loop ms':>10}{'vmap':>11}{'auto':>11}  {'auto chose':<16}{'max |diff|':>11}")
+    print(
+        f"{'model':<42}{'loop ms':>9}{'vmap ms':>9}{'auto ms':>9}{'auto/best':>10}  {'auto chose':<20}"
+        f"{'1st auto ms':>12}{'max |diff|':>11}"
+    )
     for case in args.cases:
         label, kwargs, batch_size, shape = CASES[case]
         r = bench_case(kwargs, batch_size, shape, args.samples, args.rounds, args.device)
-        t = r["median"]
+        t, choice = r["median"], r["choice"]
+        chose = f"{'vmap' if choice.batched else 'loop'} ({choice.by})"
         print(
-            f"{label + f' (batch {batch_size})':<42}{t['loop'] * 1e3:>10.1f}"
-            f"{t['loop'] / t['vmap']:>10.2f}x{t['loop'] / t['auto']:>10.2f}x  {r['auto']:<16}{r['gap']:>11.1e}",
+            f"{label + f' (batch {batch_size})':<42}{t['loop'] * 1e3:>9.1f}{t['vmap'] * 1e3:>9.1f}"
+            f"{t['auto'] * 1e3:>9.1f}{r['auto_vs_fastest']:>9.2f}x  {chose:<20}{r['first_auto'] * 1e3:>12.1f}"
+            f"{r['gap']:>11.1e}",
             flush=True,
         )
-    print("vmap, auto: speedup = loop time / path time per test batch (> 1: faster than the per-sample loop)")
+    print(f"load average after: {_load()}")
+    print("auto/best: median over rounds of (faster path's time) / (auto's time) in the same round (goal >= 0.95)")
+
+
+def _load() -> str:
+    return " ".join(f"{v:.2f}" for v in os.getloadavg())
 
 
 if __name__ == "__main__":

@@ -8,7 +8,8 @@ samples per call (*batched*): the weight dicts of a chunk of samples are stacked
 (parameters and buffers alike, as ``torch.func.stack_module_state`` does) and
 ``torch.func.vmap(functional_call(model, ·, (x,)), in_dims=(0, None))`` maps over the stacked
 dimension. Both give the same numbers up to float rounding; see :func:`sample_log_probs` for which
-one runs.
+one runs: the automatic choice times the two paths only where their results agree bit for bit, so
+that the numbers never depend on timing.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import contextlib
 import itertools
 import logging
 import math
+import threading
+import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -58,14 +61,23 @@ ACTIVATION_BUDGET_BYTES = 256 * 2**20
 It sets the automatic chunk size (peak memory of a call is a small multiple of it)."""
 
 CPU_BATCHED_MAX_MEAN_ELEMENTS = 16_384
-"""On the CPU the automatic choice batches only forward passes whose leaf modules output at most
-this many elements on average (per sample, for the given input batch): those are dominated by
-per-operation overhead, which batching removes. Larger layers run slower under ``vmap`` on the CPU
-(its batching rules turn convolutions into grouped ones and normalization into several passes over
-the activations), see ``bench/bma.py``."""
+"""The footprint rule (the automatic choice wherever the two paths' results differ): on the CPU it
+batches only forward passes whose leaf modules output at most this many elements on average (per
+sample, for the given input batch): those are dominated by per-operation overhead, which batching
+removes. Larger layers run slower under ``vmap`` on the CPU (its batching rules turn convolutions
+into grouped ones and normalization into several passes over the activations), see ``bench/bma.py``."""
 
 _UNSTACKED_CHUNK = 8
 """Chunk size when the activation footprint of the model cannot be estimated."""
+
+_PROBE_ROUNDS = 3
+"""Timed rounds (loop, then vmap) of the probe on the first batch; each path's fastest round counts."""
+
+_SCRAMBLE_OCTAVES = 2
+"""The agreement check scales every input and weight entry by ``2^k``, ``k`` uniform in ``±`` this."""
+
+_clock = time.perf_counter
+"""The probe's clock (a module attribute, so that tests can replace it)."""
 
 _log = logging.getLogger(__name__)
 
@@ -83,13 +95,35 @@ class _Footprint:
         return self.total_elements / max(self.leaf_calls, 1)
 
 
+@dataclass(frozen=True)
+class _Choice:
+    """The automatic choice for one key (:func:`_choice_key`).
+
+    ``by`` is ``"probe"`` when both paths gave bit-identical results and the faster one was taken
+    (``seconds``: the fastest probe round of the loop and of vmap), ``"rule"`` when the footprint
+    rule decided (the results differ, the model draws random numbers or updates buffers),
+    ``"fallback"`` when ``vmap`` failed during the probe (the loop, remembered in ``_VMAP_FAILED``).
+    """
+
+    batched: bool
+    by: str
+    seconds: tuple[float, float] | None = None
+
+
+_FELL_BACK = _Choice(batched=False, by="fallback")
+
 _TrainingFlags = tuple[bool, ...]
 _FootprintKey = tuple[_TrainingFlags, tuple[int, ...], torch.dtype]
+_ChoiceKey = tuple[Any, ...]
 
 # Per model (weakly referenced, so dropped with the model): the train/eval configurations in which
-# vmap failed and the loop succeeded, and the memoized footprints.
+# vmap failed and the loop succeeded, the memoized footprints and the automatic choices. _LOCK
+# guards the writes (two threads may both probe one key: either choice gives the same numbers, see
+# _probe; concurrent timing only makes the choice slower to be right).
 _VMAP_FAILED: WeakKeyDictionary[nn.Module, set[_TrainingFlags]] = WeakKeyDictionary()
 _FOOTPRINTS: WeakKeyDictionary[nn.Module, dict[_FootprintKey, _Footprint | None]] = WeakKeyDictionary()
+_CHOICES: WeakKeyDictionary[nn.Module, dict[_ChoiceKey, _Choice]] = WeakKeyDictionary()
+_LOCK = threading.Lock()
 
 
 def sample_log_probs(
@@ -112,12 +146,42 @@ def sample_log_probs(
     Modules that update buffers in ``forward`` (train-mode BatchNorm) update the stacked copies when
     batched and the sample dicts themselves in the loop; the outputs agree.
 
-    Automatic choice (``batched=None``): the loop for a single sample, once ``vmap`` failed for this
-    model in its current train/eval configuration, and when the dicts cannot be stacked (other keys,
-    shapes, dtypes or devices). Otherwise a shape-only forward pass on the meta device (once per model,
-    train/eval configuration and input shape; the model's forward hooks see it) measures the outputs
-    of the leaf modules. Accelerators batch whenever a chunk holds two samples or more; the CPU only
-    when the mean leaf output is at most :data:`CPU_BATCHED_MAX_MEAN_ELEMENTS`.
+    Automatic choice (``batched=None``). The loop when it is the only path: a single sample, dicts
+    that cannot be stacked (other keys, shapes, dtypes or devices), a chunk of one sample (the
+    activation budget), or ``vmap`` failed before for this model in its train/eval configuration.
+    Otherwise the choice is made once per key — model (weakly referenced) and train/eval
+    configuration, sample layout and count, input shape, dtype and device, chunk size, thread count
+    — and cached; how it is made keeps the results independent of timing:
+
+    1. *Agreement check* (no timing). Float rounding differs between the paths whenever their
+       kernels sum in another order (``vmap`` turns convolutions into grouped convolutions and
+       linear layers into batched matrix products). On this project's CPU the float32 MLP gives
+       bit-identical results; every convolutional net (small CNN, ResNet-18, MobileNetV2 with its
+       transfer subset) and the float64 MLP at batch 256 do not. Real data is a weak witness: the
+       small CNN of width 8 differs in 0–0.6% of the values of a batch (in none for 1 or 3
+       images), so one batch that agrees proves nothing. The check therefore runs both paths on two
+       samples and the batch with every floating-point entry scaled by a random power of two
+       (``2^k``, ``|k| ≤ 2``, from a private generator: exact, and the spread of magnitudes makes
+       any change of summation order show — 38–100% of the values of those nets differ). It
+       passes only if the results are finite and bit-identical, the forward pass draws no random
+       numbers and no module with buffers is in training mode.
+    2. If it passes, a *timed probe* on the first batch: both paths, :data:`_PROBE_ROUNDS`
+       interleaved rounds, the faster (by its fastest round) is kept — provided the whole batch
+       also agrees bit for bit. The choice then changes the speed, never the numbers.
+    3. Otherwise the deterministic *footprint rule*: a shape-only forward pass on the meta device
+       (once per model, train/eval configuration and input shape; the model's forward hooks see it)
+       measures the leaf modules' outputs; accelerators batch whenever a chunk holds two samples or
+       more, the CPU only when the mean leaf output is at most :data:`CPU_BATCHED_MAX_MEAN_ELEMENTS`.
+       Timing is not used here on purpose: where the paths round differently, a timed choice would
+       make the numbers depend on the machine's load. The price is the slower path where the rule
+       misjudges a close case (``bench/bma.py``).
+
+    The check and the probe leave torch's CPU (and the input's CUDA) generator as the chosen path
+    alone would: a model that draws random numbers gets its state back before the rule's path runs.
+    They call ``forward`` more often on the first batch of a key (hooks and Python-side counters see
+    it), cost a few extra passes once per key, and are off whenever ``batched`` is ``True`` or
+    ``False``. A check, not a proof: two different summation orders that agree on every scrambled
+    value would pass it; none of the models above comes close.
 
     Fallback: when the batched call raises ``RuntimeError`` or ``NotImplementedError`` — what
     functorch raises for ``.item()``, data-dependent control flow or an operator without a batching
@@ -140,29 +204,150 @@ def sample_log_probs(
     _check_batching_options(batched, chunk_size)
     if batched is False or (batched is None and len(samples) < 2):
         return _loop_log_probs(model, samples, x)
-    flags = _training_flags(model)
-    if batched is None and flags in _VMAP_FAILED.get(model, ()):
+    if batched is None and _training_flags(model) in _VMAP_FAILED.get(model, ()):
         return _loop_log_probs(model, samples, x)
     footprint = _footprint(model, samples[0], x) if chunk_size is None or batched is None else None
     chunk = chunk_size or _auto_chunk_size(footprint, samples[0], x, len(samples))
-    if batched is None and not _batching_pays(footprint, chunk, x.device):
-        return _loop_log_probs(model, samples, x)
+    if batched is None:
+        return _auto_log_probs(model, samples, x, chunk, _batching_pays(footprint, chunk, x.device))
     problem = _stacking_problem(samples)
     if problem is not None:
-        if batched:
-            raise FlatbmaError(f"batched=True needs samples that can be stacked: {problem}. Use batched=None.")
+        raise FlatbmaError(f"batched=True needs samples that can be stacked: {problem}. Use batched=None.")
+    try:
+        return _batched_log_probs(model, samples, x, chunk)
+    except (RuntimeError, NotImplementedError) as err:
+        raise FlatbmaError(
+            f"torch.func.vmap cannot evaluate {type(model).__name__} ({err}); use batched=None or False."
+        ) from err
+
+
+def _auto_log_probs(
+    model: nn.Module, samples: Sequence[Mapping[str, Tensor]], x: Tensor, chunk: int, rule: bool
+) -> Tensor:
+    """``batched=None`` once the samples are known to be several: the cached choice, probed when new."""
+    if chunk < 2 or _stacking_problem(samples) is not None:
+        return _loop_log_probs(model, samples, x)
+    key = _choice_key(model, samples, x, chunk)
+    with _LOCK:
+        choice = _CHOICES.get(model, {}).get(key)
+    if choice is None:
+        out, choice = _probe(model, samples, x, chunk, rule)
+        with _LOCK:
+            _CHOICES.setdefault(model, {})[key] = choice
+        if out is not None:
+            return out
+    if not choice.batched:
         return _loop_log_probs(model, samples, x)
     try:
         return _batched_log_probs(model, samples, x, chunk)
     except (RuntimeError, NotImplementedError) as err:
-        if batched:
-            raise FlatbmaError(
-                f"torch.func.vmap cannot evaluate {type(model).__name__} ({err}); use batched=None or False."
-            ) from err
-        out = _loop_log_probs(model, samples, x)
-        _VMAP_FAILED.setdefault(model, set()).add(flags)
-        _log.info("vmap cannot evaluate %s (%s); evaluating its samples one at a time", type(model).__name__, err)
-        return out
+        return _fall_back(model, samples, x, err)
+
+
+def _fall_back(model: nn.Module, samples: Sequence[Mapping[str, Tensor]], x: Tensor, err: Exception) -> Tensor:
+    """The loop's result after ``vmap`` raised ``err``; the configuration is remembered once the loop succeeds."""
+    out = _loop_log_probs(model, samples, x)
+    with _LOCK:
+        _VMAP_FAILED.setdefault(model, set()).add(_training_flags(model))
+    _log.info("vmap cannot evaluate %s (%s); evaluating its samples one at a time", type(model).__name__, err)
+    return out
+
+
+def _choice_key(model: nn.Module, samples: Sequence[Mapping[str, Tensor]], x: Tensor, chunk: int) -> _ChoiceKey:
+    layout = tuple((name, tuple(t.shape), t.dtype, t.device) for name, t in samples[0].items())
+    return (
+        _training_flags(model),
+        layout,
+        len(samples),
+        chunk,
+        tuple(x.shape),
+        x.dtype,
+        x.device,
+        torch.get_num_threads(),
+    )
+
+
+def _probe(
+    model: nn.Module, samples: Sequence[Mapping[str, Tensor]], x: Tensor, chunk: int, rule: bool
+) -> tuple[Tensor | None, _Choice]:
+    """The agreement check and timed probe of :func:`sample_log_probs` on the batch ``x``.
+
+    Returns ``(log-probs of x, choice)``, the log-probs ``None`` when the caller must still run the
+    chosen path (the probe did not compute them by it, or the model drew random numbers).
+    """
+    by_rule = _Choice(batched=rule, by="rule")
+    if _updates_buffers(model):
+        return None, by_rule
+    rng = _rng_state(x.device)
+    generator = torch.Generator().manual_seed(0)
+    few = [{name: _scrambled(t, generator) for name, t in w.items()} for w in samples[:2]]
+    scrambled_x = _scrambled(x, generator)
+    try:
+        batched_few = _batched_log_probs(model, few, scrambled_x, 2)
+    except (RuntimeError, NotImplementedError) as err:
+        _restore_rng(x.device, rng)
+        return _fall_back(model, samples, x, err), _FELL_BACK
+    loop_few = _loop_log_probs(model, few, scrambled_x)
+    if _restore_rng(x.device, rng):  # the model draws random numbers: the paths differ
+        return None, by_rule
+    if not (torch.equal(loop_few, batched_few) and bool(torch.isfinite(loop_few).all())):
+        return None, by_rule
+    seconds: dict[bool, list[float]] = {False: [], True: []}
+    outs: dict[bool, Tensor] = {}
+    try:
+        for _ in range(_PROBE_ROUNDS):
+            for path in (False, True):
+                _sync(x.device)
+                start = _clock()
+                out = _batched_log_probs(model, samples, x, chunk) if path else _loop_log_probs(model, samples, x)
+                _sync(x.device)
+                seconds[path].append(_clock() - start)
+                outs.setdefault(path, out)
+    except (RuntimeError, NotImplementedError) as err:
+        _restore_rng(x.device, rng)
+        return _fall_back(model, samples, x, err), _FELL_BACK
+    if _restore_rng(x.device, rng):
+        return None, by_rule
+    if not torch.equal(outs[False], outs[True]):
+        return outs[rule], by_rule
+    loop_s, batched_s = min(seconds[False]), min(seconds[True])
+    return outs[False], _Choice(batched=batched_s < loop_s, by="probe", seconds=(loop_s, batched_s))
+
+
+def _scrambled(t: Tensor, generator: torch.Generator) -> Tensor:
+    """``t`` with every entry times ``2^k``, ``k`` uniform in ``±_SCRAMBLE_OCTAVES`` (floating point only)."""
+    if not t.is_floating_point():
+        return t
+    k = torch.randint(-_SCRAMBLE_OCTAVES, _SCRAMBLE_OCTAVES + 1, t.shape, generator=generator)
+    return t * torch.exp2(k.to(device=t.device, dtype=t.dtype))
+
+
+def _updates_buffers(model: nn.Module) -> bool:
+    """Whether a module with buffers of its own is in training mode (train-mode BatchNorm updates them)."""
+    return any(m.training and next(m.buffers(recurse=False), None) is not None for m in model.modules())
+
+
+def _rng_state(device: torch.device) -> tuple[Tensor, Tensor | None]:
+    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    return torch.get_rng_state(), cuda
+
+
+def _restore_rng(device: torch.device, state: tuple[Tensor, Tensor | None]) -> bool:
+    """Put torch's CPU (and ``device``'s CUDA) generator back to ``state``; whether it had moved."""
+    cpu, cuda = state
+    moved = False
+    if not torch.equal(torch.get_rng_state(), cpu):
+        torch.set_rng_state(cpu)
+        moved = True
+    if cuda is not None and not torch.equal(torch.cuda.get_rng_state(device), cuda):
+        torch.cuda.set_rng_state(cuda, device)
+        moved = True
+    return moved
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _loop_log_probs(model: nn.Module, samples: Sequence[Mapping[str, Tensor]], x: Tensor) -> Tensor:
