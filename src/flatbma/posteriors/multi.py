@@ -27,7 +27,7 @@ from flatbma.posteriors.members import (
     splitter,
 )
 from flatbma.rng import draw_seed, forked_rng, seeded_generator
-from flatbma.types import Batch, Params, Posterior, State, StepOutput
+from flatbma.types import Batch, Params, Posterior, Predictive, State, StepOutput
 
 
 def build(objective: Objective, base: Posterior, *, members: int = 5, seed: int | None = None) -> Posterior:
@@ -53,7 +53,10 @@ def build(objective: Objective, base: Posterior, *, members: int = 5, seed: int 
     (``recompute_bn``, ``predict_mode``).
 
     ``members == 1`` is the family itself, bit for bit: no seed is drawn and ``base`` runs on the global
-    generators directly (the state's keys carry the ``member0/`` prefix).
+    generators directly (the state's keys carry the ``member0/`` prefix), with the family's predictive
+    (:attr:`~flatbma.types.Posterior.predictive`: Laplace's linearized ones included). More members
+    average their samples (a linearized predictive, one per member's mean, is refused); a family's
+    ``diagnostics`` are reported per member (``member<m>/...``).
 
     Mean and width: the mixture mean is the average of the members' means, ``E_q[w] = (1/M) Σ_m μ_m``
     (with member 0's buffers; the evaluation recomputes BatchNorm statistics); its marginal variance
@@ -94,6 +97,12 @@ def build(objective: Objective, base: Posterior, *, members: int = 5, seed: int 
             "raise method.members instead of nesting mixtures"
         )
     single = members == 1
+    if not single and base.predictive is not Predictive.SAMPLES:
+        raise FlatbmaError(
+            f"multi averages its members' samples, but method.of predicts with the network linearized at its mean "
+            f"(predictive: {base.predictive.value}), one per member: set method.of.predictive: samples, or "
+            "method.members: 1"
+        )
 
     def init(params: Params, buffers: Params) -> State:
         if single:
@@ -152,6 +161,14 @@ def build(objective: Objective, base: Posterior, *, members: int = 5, seed: int 
             total[k] = within + (mu - mu.mean(0)).square().mean(0)
         return total
 
+    def functional_variance(state: State, jac: Params) -> torch.Tensor:
+        return base.functional_variance(member_state(0, state), jac)  # type: ignore[misc]
+
+    def diagnostics(state: State) -> dict[str, float]:
+        if single:
+            return base.diagnostics(member_state(0, state))  # type: ignore[misc]
+        return {f"member{m}/{k}": v for m in held(state) for k, v in base.diagnostics(member_state(m, state)).items()}  # type: ignore[misc]
+
     return Posterior(
         init=init,
         update=update,
@@ -162,6 +179,9 @@ def build(objective: Objective, base: Posterior, *, members: int = 5, seed: int 
         split=splitter(members),
         mean=mean if base.mean is not None else None,
         marginal_variance=marginal_variance if base.mean is not None and base.marginal_variance is not None else None,
+        predictive=base.predictive,
+        functional_variance=functional_variance if single and base.functional_variance is not None else None,
+        diagnostics=diagnostics if base.diagnostics is not None else None,
     )
 
 
