@@ -31,6 +31,7 @@ import contextlib
 import itertools
 import json
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -45,9 +46,16 @@ from flatbma.bn import has_batchnorm, statistics_loader, with_recomputed_statist
 from flatbma.checks import is_int
 from flatbma.errors import FlatbmaError
 from flatbma.params import load_into, model_buffers, trainable_params
-from flatbma.predict import bma_log_probs, eval_mode, evaluate
+from flatbma.predict import (
+    LinearizedPredictive,
+    Predictions,
+    bma_log_probs,
+    eval_mode,
+    evaluate,
+    linearized_predictions,
+)
 from flatbma.state_io import FORMAT, SECTIONS, atomic_write_bytes, encode_state, in_order
-from flatbma.types import Params, Posterior, State, split_batch
+from flatbma.types import Params, Posterior, Predictive, State, split_batch
 
 PREDICTOR_KEY = "predictor"
 """Metadata key of a saved predictor's settings (JSON) in its state file."""
@@ -100,6 +108,14 @@ class BMA:
         batched: how the samples are evaluated (:func:`flatbma.predict.sample_log_probs`).
         method_config: the method's config section (``name`` and options), written by :meth:`save` so that
             :func:`flatbma.load_posterior` can rebuild the method; :func:`flatbma.fit_posterior` sets it.
+        num_data: the number of training examples the method was built with (``Objective.num_data``),
+            written by :meth:`save` beside ``method_config`` (the Laplace family's curvature scales with it);
+            :func:`flatbma.fit_posterior` sets it.
+
+    The predictive is the method's (:attr:`~flatbma.types.Posterior.predictive`): the samples' average, or
+    the network linearized at the posterior mean (``glm``: ``f(x; w̄) + J(x)(w_m − w̄)`` over the same
+    samples, drawn without statistics of their own; ``probit``), whose BatchNorm statistics are then
+    recomputed once, at ``w̄`` — what ``flatbma train`` reports (:func:`flatbma.predict.linearized_predictions`).
 
     Raises:
         FlatbmaError: invalid arguments, or statistics to recompute without ``train_loader``.
@@ -118,6 +134,7 @@ class BMA:
         device: torch.device | str | None = None,
         batched: bool | None = None,
         method_config: Mapping[str, Any] | None = None,
+        num_data: int | None = None,
     ) -> None:
         _check_arguments(model, method, state, num_samples, seed, recompute_bn)
         self.model = model
@@ -126,6 +143,7 @@ class BMA:
         self.seed = seed
         self.batched = batched
         self.method_config = dict(method_config) if method_config is not None else None
+        self.num_data = num_data
         self.device = target_device(device, model)
         if device is not None:
             model.to(self.device)
@@ -141,6 +159,7 @@ class BMA:
         self.train_loader = train_loader
         self._bn_loader = _fixed_order(train_loader) if self.recompute_bn else None
         self._samples: list[Params] | None = None
+        self._linearized: LinearizedPredictive | None = None
         self._num_classes: int | None = None
 
     def __repr__(self) -> str:
@@ -170,7 +189,8 @@ class BMA:
 
     def mean(self) -> Params:
         """The weights at the posterior mean (:func:`posterior_mean`), statistics as the predictor's samples'."""
-        mean = posterior_mean(self.method, self.state, self.samples, trained_names(self.model))
+        samples = self.samples if self.method.mean is None else []  # a closed-form mean needs no samples
+        mean = posterior_mean(self.method, self.state, samples, trained_names(self.model))
         mean = {k: v.to(self.device) for k, v in mean.items()}
         if self.recompute_bn:
             with self._rng_kept():
@@ -197,7 +217,7 @@ class BMA:
         """
         outs = []
         with self._rng_kept():
-            samples = self._armed_samples()
+            samples = self._predictions()
             with self._mode()(self.model):
                 for x in _inputs(data):
                     outs.append(bma_log_probs(self.model, samples, x.to(self.device), batched=self.batched))
@@ -235,7 +255,7 @@ class BMA:
         with self._rng_kept():
             return evaluate(
                 self.model,
-                self._armed_samples(),
+                self._predictions(),
                 loader,
                 num_classes=num_classes,
                 n_bins=n_bins,
@@ -258,6 +278,8 @@ class BMA:
             "recompute_bn": self.recompute_bn,
             "method": self.method_config,
         }
+        if self.num_data is not None:
+            settings["num_data"] = self.num_data
         write_file(path, self.state, settings)
 
     @classmethod
@@ -289,16 +311,39 @@ class BMA:
             device=device,
             batched=batched,
             method_config=settings["method"],
+            num_data=settings.get("num_data"),
         )
 
     # ---------------------------------------------------------------- internals
     def _draw(self, n: int) -> list[Params]:
         with self._rng_kept():
-            drawn = self.method.sample(self.state, n, torch.Generator(device="cpu").manual_seed(self.seed))
-            drawn = [{k: v.to(self.device) for k, v in w.items()} for w in drawn] if self._moves(drawn) else drawn
+            drawn = self._drawn(n)
             if self.recompute_bn:
                 drawn = with_recomputed_statistics(self.model, drawn, self._bn_loader, device=self.device)
         return drawn
+
+    def _drawn(self, n: int) -> list[Params]:
+        """``n`` samples from the seeded generator, on the predictor's device, with the state's statistics."""
+        drawn = self.method.sample(self.state, n, torch.Generator(device="cpu").manual_seed(self.seed))
+        return [{k: v.to(self.device) for k, v in w.items()} for w in drawn] if self._moves(drawn) else drawn
+
+    def _predictions(self) -> Predictions:
+        """What prediction averages: the armed samples, or the linearized predictive (built once, then kept)."""
+        if self.method.predictive is Predictive.SAMPLES:
+            return self._armed_samples()
+        if self._linearized is None:
+            with self._rng_kept():
+                drawn = self._drawn(self.num_samples) if self.method.predictive is Predictive.GLM else []
+                mean = self.mean()
+                fv = self.method.functional_variance
+                self._linearized = linearized_predictions(
+                    self.method.predictive,
+                    mean,
+                    drawn,
+                    trained_names(self.model),
+                    partial(fv, self.state) if fv is not None else None,
+                )
+        return self._linearized
 
     def _rng_kept(self) -> contextlib.AbstractContextManager[None]:
         """A block after which torch's global generators (CPU, and the predictor's GPU) are as before it.
@@ -328,8 +373,9 @@ class BMA:
         """The number of classes: the width of the model's output on one example (eval mode, no randomness)."""
         if self._num_classes is None:
             x, _ = split_batch(batch)
+            weights = self.samples[0] if self.method.predictive is Predictive.SAMPLES else self._predictions().mean
             with torch.no_grad(), eval_mode(self.model):
-                out = functional_call(self.model, self.samples[0], (x[:1].to(self.device),))
+                out = functional_call(self.model, weights, (x[:1].to(self.device),))
             self._num_classes = int(out.shape[-1])
         return self._num_classes
 

@@ -85,6 +85,21 @@ class Transform:
     update: Callable[[State, Batch], tuple[State, StepOutput]]
 
 
+class Predictive(str, Enum):
+    """How a posterior's BMA predicts (:attr:`Posterior.predictive`; strings and members are both accepted).
+
+    ``SAMPLES``: the Monte-Carlo average of the network's predictive over weight samples ``w_m``.
+    ``GLM``: the same average for the network linearized at the posterior mean ``w̄``,
+    ``f_lin(x; w_m) = f(x; w̄) + J(x)(w_m − w̄)`` (the MC-GLM predictive, Immer et al. 2021).
+    ``PROBIT``: the probit approximation of the GLM predictive, ``softmax(κ ⊙ f(x; w̄))``,
+    ``κ_c = (1 + π/8·σ²_c)^{−½}`` with ``σ²_c = (J Σ Jᵀ)_cc`` (MacKay 1992; deterministic).
+    """
+
+    SAMPLES = "samples"
+    GLM = "glm"
+    PROBIT = "probit"
+
+
 @dataclass(frozen=True)
 class Posterior(Transform):
     """A transform whose state defines a distribution over weights.
@@ -133,6 +148,18 @@ class Posterior(Transform):
             exact for the Gaussian families, ``0`` for a point estimate. ``None`` where the posterior
             has none (ensembles, SG-MCMC): the width is then estimated from the BMA's samples
             (:mod:`flatbma.flatness.width`).
+        predictive: how the BMA predicts (:class:`Predictive`): ``SAMPLES`` (every posterior but the
+            Laplace family's linearized ones) averages ``softmax(f(x; w_m))`` over the samples; ``GLM``
+            averages ``softmax(f(x; w̄) + J(x)(w_m − w̄))`` around :attr:`mean` ``w̄``; ``PROBIT`` is
+            the deterministic ``softmax(κ ⊙ f(x; w̄))`` with ``κ_c = (1 + π/8·σ²_c)^{−½}`` and ``σ²`` from
+            :attr:`functional_variance` (:mod:`flatbma.predict`). ``GLM`` needs :attr:`mean`, ``PROBIT``
+            also :attr:`functional_variance`.
+        functional_variance: ``functional_variance(state, J) -> σ²``: for per-example Jacobians of the
+            logits ``J[name]`` of shape ``[B, C, *shape]`` at the mean, the diagonal of ``J Σ Jᵀ``,
+            ``[B, C]``; ``None`` for posteriors without a closed-form covariance.
+        diagnostics: ``diagnostics(state) -> {name: value}``: scalars the evaluation reports beside the
+            metrics (the Laplace family's prior precision, log evidence and effective number of
+            parameters); ``None`` (the default) reports nothing.
     """
 
     sample: Callable[[State, int, torch.Generator | None], list[Params]]
@@ -143,6 +170,9 @@ class Posterior(Transform):
     split: Callable[[State, Sequence[int]], State] | None = None
     mean: Callable[[State], Params] | None = None
     marginal_variance: Callable[[State], Params] | None = None
+    predictive: Predictive = Predictive.SAMPLES
+    functional_variance: Callable[[State, Params], Tensor] | None = None
+    diagnostics: Callable[[State], dict[str, float]] | None = None
 
 
 class AscentSpace(str, Enum):

@@ -401,6 +401,11 @@ ROWS = [
         lambda ctx: ctx.train(method={"name": "swag", "rank": 20}),
         "swag needs >= 20 snapshots for method.rank=20",
     ),
+    Row(
+        "laplace-of-swag",
+        lambda ctx: ctx.train(method={"name": "laplace", "of": {"name": "swag"}}),
+        "Laplace needs a MAP: method.of must be a point method (sgd, sam, asam, fsam), got 'swag'",
+    ),
     Row("resume-set-model.width", resume_set("model.width=8"), "--resume cannot change model.width"),
     Row("resume-set-seed", resume_set("seed=3"), "--resume cannot change seed"),
 ]

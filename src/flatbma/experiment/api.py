@@ -56,11 +56,13 @@ def fit_posterior(
        section (``flatbma methods NAME`` lists them), checked, with their defaults;
     2. the optimizer of the ``optim`` section ``{**optim, "lr": lr}`` with the CLI's defaults (SGD with
        momentum and weight decay, cosine schedule over ``epochs · len(loader)`` steps);
-    3. ``method.build(Objective(model, num_data=len(loader.dataset)), optimizer)`` (MC dropout inserts
-       its dropout layer here), then ``method.init`` at the module's trainable parameters and buffers;
+    3. ``method.build(Objective(model, num_data=len(loader.dataset)), optimizer, map_steps=epochs ·
+       len(loader))`` (MC dropout inserts its dropout layer here; Laplace's MAP phase is ``map_steps``
+       long), then ``method.init`` at the module's trainable parameters and buffers;
     4. with torch's global generator forked and seeded with ``seed`` (the caller's stream is left
-       alone): ``init`` and :func:`~flatbma.experiment.runner.fit` with the module in train mode; its
-       train/eval mode is restored afterwards;
+       alone): ``init`` and :func:`~flatbma.experiment.runner.fit` with the module in train mode — for
+       ``epochs`` epochs plus the method's extra ones (``laplace``, ``f-laplace``: one, the curvature
+       pass) —; its train/eval mode is restored afterwards;
     5. ``BMA(model, method, state, loader, num_samples=..., seed=seed, recompute_bn=...)``, and with
        ``load_into`` :meth:`BMA.load_into <flatbma.predictor.BMA.load_into>`.
 
@@ -73,7 +75,7 @@ def fit_posterior(
             terms and SG-MCMC noise); its dataset, in a fixed order, also serves to recompute BatchNorm
             statistics.
         method: a registered method name (``flatbma methods``) or a method section ``{name: ..., ...}``.
-        epochs: passes over ``loader``.
+        epochs: passes over ``loader`` (the optimizer's schedule spans them; Laplace adds its curvature pass).
         lr: the peak learning rate (``optim.lr``); ``None`` keeps the section's.
         optim: other ``optim`` keys (``name``, ``momentum``, ``weight_decay``, ``schedule``, ...).
         num_samples: ``M``, samples of the BMA.
@@ -98,13 +100,15 @@ def fit_posterior(
     train_device = target_device(device, model)
     model.to(train_device)
     objective = Objective(model=model, num_data=num_data)
-    posterior = config.build(objective, optim_config.build(steps_per_epoch=steps, epochs=epochs))
+    optimizer = optim_config.build(steps_per_epoch=steps, epochs=epochs)
+    posterior = config.build(objective, optimizer, map_steps=epochs * steps)
     was_training = model.training
     try:
         with forked_rng(seed):
             state = posterior.init(trainable_params(model), model_buffers(model))
             model.train()
-            state, _ = fit(posterior, state, loader, epochs=epochs, device=train_device, progress=progress)
+            total = epochs + config.extra_epochs()  # Laplace: the curvature epoch after the MAP's
+            state, _ = fit(posterior, state, loader, epochs=total, device=train_device, progress=progress)
     except DivergenceError as e:
         raise DivergenceError(f"{e}; lower the learning rate (e.g. lr={optim_config.lr / 10:g})") from None
     finally:
@@ -119,6 +123,7 @@ def fit_posterior(
         recompute_bn=recompute_bn,
         device=train_device,
         method_config=config.to_dict(),
+        num_data=num_data,
     )
     if load_into:
         bma.load_into()
@@ -147,7 +152,11 @@ def load_posterior(
             "flatbma.BMA.load(path, model, method, train_loader)"
         )
     config = parse_method(section)
-    posterior = config.build(Objective(model=model), OptimConfig().build(steps_per_epoch=1, epochs=1))
+    num_data = settings.get("num_data", 1)
+    if not is_int(num_data) or num_data < 1:
+        raise FlatbmaError(f"{path}: the predictor settings are damaged (num_data {shown(num_data)}); save it again")
+    objective = Objective(model=model, num_data=num_data)
+    posterior = config.build(objective, OptimConfig().build(steps_per_epoch=1, epochs=1))
     return BMA.load(path, model, posterior, train_loader, device=device)
 
 

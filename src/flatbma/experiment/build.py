@@ -235,7 +235,7 @@ def build_experiment(cfg: RunConfig, prior: Params | None = None) -> Experiment:
     train_loader = strategy.train_loader(train, d.batch_size, seed=cfg.seed)  # data.batch_size: the global batch
     optimizer = cfg.optim.build(steps_per_epoch=len(train_loader), epochs=cfg.train.epochs)
     objective = strategy.objective(Objective(model=model, num_data=len(train)))
-    method = cfg.method.build(objective, optimizer, prior)
+    method = cfg.method.build(objective, optimizer, prior, map_steps=cfg.train.epochs * len(train_loader))
     return Experiment(
         config=cfg,
         model=model,

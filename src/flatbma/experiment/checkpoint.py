@@ -38,7 +38,9 @@ from safetensors.torch import load_file
 from torch import Tensor, nn
 
 import flatbma
+from flatbma.checks import is_int
 from flatbma.errors import FlatbmaError
+from flatbma.experiment.methods import parse_method
 from flatbma.experiment.parse import shown
 from flatbma.experiment.runner import EpochLog, History, Position
 from flatbma.experiment.sections import plain, plain_values
@@ -353,7 +355,8 @@ class Template:
     Attributes:
         provenance: who must have written it.
         state: the fresh state of the run's method and model: every tensor's name, dtype and shape.
-        epochs: the run's ``train.epochs`` (the position's epoch lies in ``[0, epochs]``).
+        epochs: the epochs the run trains, ``train.epochs`` plus its method's extra ones (the position's epoch
+            lies in ``[0, epochs]``).
         batches: batches per epoch (the position's batch lies in ``[0, batches]``); ``None`` if unknown.
         loader_rng: a state of the data-order generator (its size and dtype), ``None`` if the loader has none.
         device: where the loaded state goes.
@@ -393,7 +396,7 @@ def template(exp: Experiment) -> Template:
     return Template(
         provenance=provenance(exp),
         state=state,
-        epochs=exp.config.train.epochs,
+        epochs=exp.config.epochs,
         batches=batches,
         loader_rng=generator.get_state() if isinstance(generator, torch.Generator) else None,
         device=exp.device,
@@ -632,7 +635,21 @@ def resume_change(checkpoint: Path, old: Mapping[str, Any], new: Mapping[str, An
                 f"train.epochs={changed['train.epochs'][1]} is below the {done} epochs this run has done or begun: "
                 f"use train.epochs >= {done}"
             )
+        before = changed["train.epochs"][0]
+        if _extra_epochs(new) and is_int(before) and done > before:
+            raise FlatbmaError(
+                f"this run has begun the pass it takes after train.epochs={before} (Laplace's curvature epoch), so "
+                "--resume cannot change train.epochs any more: train a new run"
+            )
     return Resume(changed=changed, step=step, epoch=epoch, batch=batch, resolved=dict(new))
+
+
+def _extra_epochs(resolved: Mapping[str, Any]) -> int:
+    """The epochs the method of a resolved config takes beyond ``train.epochs`` (0 when it cannot be read)."""
+    try:
+        return parse_method(resolved.get("method")).extra_epochs()
+    except FlatbmaError:
+        return 0
 
 
 def append_resume(path: Path, resume: Resume) -> None:

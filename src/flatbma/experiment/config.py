@@ -50,6 +50,15 @@ class RunConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     prior: PriorConfig | None = None
 
+    @property
+    def epochs(self) -> int:
+        """Epochs the run trains: ``train.epochs`` plus the method's extra ones.
+
+        The extra ones are Laplace's curvature pass (:meth:`~flatbma.experiment.methods.MethodConfig.extra_epochs`);
+        the optimizer's schedule spans ``train.epochs``.
+        """
+        return self.train.epochs + self.method.extra_epochs()
+
     def to_dict(self) -> dict[str, Any]:
         """The resolved configuration, every value spelled out (``prior`` only for a two-stage run)."""
         out: dict[str, Any] = {"seed": self.seed, "output_dir": self.output_dir}

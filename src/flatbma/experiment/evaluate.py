@@ -5,7 +5,10 @@
   un-augmented training images in a fixed order (:attr:`Experiment.bn_loader`): the BMA and the
   flatness use the same, deterministic statistics;
 * :func:`bma_metrics` — accuracy, NLL, ECE, adaptive ECE and Brier score of the BMA predictive
-  ``log p(y|x) = logsumexp_m log softmax(f(x; w_m))_y − log M`` (:func:`flatbma.predict.evaluate`);
+  ``log p(y|x) = logsumexp_m log softmax(f(x; w_m))_y − log M`` (:func:`flatbma.predict.evaluate`), or of
+  the Laplace family's linearized predictive (:func:`bma_predictions`: ``glm``, ``probit``), whose
+  BatchNorm statistics are recomputed once, at the posterior mean; a method's ``diagnostics`` (Laplace:
+  prior precision, log evidence, effective number of parameters) are reported beside them;
 * :func:`bma_curve_metrics` — the same for the BMA of the first ``m`` samples, every ``m`` of a list,
   in one pass (:func:`flatbma.predict.stream_metrics`), with the reliability diagram of the full BMA;
 * temperature scaling on the validation split (Guo et al. 2017), corrupted test sets (Hendrycks &
@@ -30,6 +33,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 from contextlib import nullcontext
+from functools import partial
 from typing import Any
 
 import torch
@@ -51,11 +55,11 @@ from flatbma.flatness import (
 )
 from flatbma.flatness.landscape import posterior_landscape, random_direction
 from flatbma.metrics import StreamingMetrics
-from flatbma.predict import evaluate, predict, stream_metrics
+from flatbma.predict import Predictions, evaluate, linearized_predictions, predict, stream_metrics
 from flatbma.predictor import posterior_mean as mean_weights
 from flatbma.predictor import trained_names
 from flatbma.rng import splitmix64
-from flatbma.types import Batch, Params, State
+from flatbma.types import Batch, Params, Predictive, State
 
 CLEAN_KEYS = ("accuracy", "nll", "ece", "aece", "brier")
 """BMA metrics on the clean test set."""
@@ -65,6 +69,9 @@ BN_RECOMPUTED = "recomputed (un-augmented training set)"
 """``bn_statistics`` of a model with BatchNorm: every sample's statistics, the point's included, recomputed."""
 BN_NONE = "none (the model has no BatchNorm)"
 """``bn_statistics`` of a model without BatchNorm."""
+BN_AT_MEAN = "recomputed at the posterior mean (un-augmented training set), linearized there"
+"""``bn_statistics`` of a linearized predictive (``glm``, ``probit``): one recomputation, at ``w̄``; the
+flatness protocol's samples still get their own."""
 
 REPEAT_STREAM = 1
 """Stream of the run's seed (:func:`flatbma.rng.splitmix64`) that seeds the repeated flatness measurement."""
@@ -73,13 +80,45 @@ REPEAT_STREAM = 1
 def posterior_samples(exp: Experiment, state: State, n: int | None = None, *, seed: int | None = None) -> list[Params]:
     """``n`` posterior samples (default ``eval.num_samples``), with recomputed BatchNorm statistics.
 
-    Sampling uses a CPU generator seeded with ``seed`` (default: the run's seed). Every sample of a
-    model with BatchNorm — whatever the method, point estimates included — gets the statistics of one
-    pass over :attr:`Experiment.bn_loader` (:func:`with_bn_statistics`).
+    Sampling uses a CPU generator seeded with ``seed`` (default: the run's seed) (:func:`draw_samples`).
+    Every sample of a model with BatchNorm — whatever the method, point estimates included — gets the
+    statistics of one pass over :attr:`Experiment.bn_loader` (:func:`with_bn_statistics`).
+    """
+    return with_bn_statistics(exp, draw_samples(exp, state, n, seed=seed))
+
+
+def draw_samples(exp: Experiment, state: State, n: int | None = None, *, seed: int | None = None) -> list[Params]:
+    """``n`` posterior samples (default ``eval.num_samples``) as the method draws them.
+
+    From a CPU generator seeded with ``seed`` (default: the run's seed); their BatchNorm statistics are the state's.
     """
     generator = torch.Generator(device="cpu").manual_seed(exp.config.seed if seed is None else seed)
-    samples = exp.method.sample(state, exp.config.eval.num_samples if n is None else n, generator)
-    return with_bn_statistics(exp, samples)
+    return exp.method.sample(state, exp.config.eval.num_samples if n is None else n, generator)
+
+
+def bma_predictions(
+    exp: Experiment, state: State, drawn: list[Params], samples: list[Params] | None = None
+) -> Predictions:
+    """What the BMA averages, by the method's :attr:`~flatbma.types.Posterior.predictive`.
+
+    ``samples``: the ``drawn`` samples with recomputed BatchNorm statistics (:func:`with_bn_statistics`;
+    computed here when not given). ``glm`` and ``probit``: the network linearized at the posterior mean,
+    whose statistics are recomputed once, there (:func:`flatbma.predict.linearized_predictions`; ``glm``
+    averages over ``Δ_m = w_m − w̄`` of the ``drawn`` samples).
+    """
+    method = exp.method
+    if method.predictive is Predictive.SAMPLES:
+        return samples if samples is not None else with_bn_statistics(exp, drawn)
+    mean = with_bn_statistics(exp, [mean_weights(method, state, drawn, _trained_names(exp))])[0]
+    variance = partial(method.functional_variance, state) if method.functional_variance is not None else None
+    return linearized_predictions(method.predictive, mean, drawn, _trained_names(exp), variance)
+
+
+def diagnostics(exp: Experiment, state: State) -> dict[str, Any]:
+    """``{"diagnostics": ...}`` of a method that has them (:attr:`~flatbma.types.Posterior.diagnostics`), or ``{}``."""
+    if exp.method.diagnostics is None:
+        return {}
+    return {"diagnostics": exp.method.diagnostics(state)}
 
 
 def with_bn_statistics(exp: Experiment, samples: list[Params]) -> list[Params]:
@@ -119,15 +158,20 @@ def posterior_width(exp: Experiment, state: State, samples: list[Params]) -> dic
 
 
 def bn_statistics(exp: Experiment) -> str:
-    """What the samples' BatchNorm statistics are (:data:`BN_RECOMPUTED` or :data:`BN_NONE`), for the results."""
-    return BN_RECOMPUTED if has_batchnorm(exp.model) else BN_NONE
+    """What the samples' BatchNorm statistics are, for the results.
+
+    :data:`BN_RECOMPUTED`, :data:`BN_AT_MEAN` for a linearized predictive, or :data:`BN_NONE`.
+    """
+    if not has_batchnorm(exp.model):
+        return BN_NONE
+    return BN_RECOMPUTED if exp.method.predictive is Predictive.SAMPLES else BN_AT_MEAN
 
 
 def _trained_names(exp: Experiment) -> list[str]:
     return trained_names(exp.model)
 
 
-def bma_metrics(exp: Experiment, samples: list[Params]) -> dict[str, Any]:
+def bma_metrics(exp: Experiment, samples: Predictions) -> dict[str, Any]:
     """BMA metrics on the test set (summed over the processes that each evaluate a shard of it)."""
     return evaluate(
         exp.model,
@@ -209,15 +253,23 @@ def evaluate_state(exp: Experiment, state: State, *, flatness: bool = False) -> 
     what = f"{progress.count(exp.config.eval.num_samples, 'sample')} on the test set"
     with exp.rng.restored():
         with progress.current().phase("BMA", what):
-            samples = posterior_samples(exp, state)
-            metrics = bma_metrics(exp, samples)
+            drawn = draw_samples(exp, state)
+            samples = _samples_if_averaged(exp, drawn)
+            metrics = bma_metrics(exp, bma_predictions(exp, state, drawn, samples))
         metrics["bn_statistics"] = bn_statistics(exp)
+        metrics.update(diagnostics(exp, state))
         if flatness:
+            samples = samples if samples is not None else with_bn_statistics(exp, drawn)
             metrics.update(flatness_metrics(exp, state, samples))
     return metrics
 
 
-def bma_log_probs_over(exp: Experiment, samples: list[Params], loader: Iterable[Batch]) -> tuple[Tensor, Tensor]:
+def _samples_if_averaged(exp: Experiment, drawn: list[Params]) -> list[Params] | None:
+    """``drawn`` with recomputed statistics when the BMA averages them (``samples``), else ``None`` (made if asked)."""
+    return with_bn_statistics(exp, drawn) if exp.method.predictive is Predictive.SAMPLES else None
+
+
+def bma_log_probs_over(exp: Experiment, samples: Predictions, loader: Iterable[Batch]) -> tuple[Tensor, Tensor]:
     """BMA log-probabilities and labels of a whole (small) loader, e.g. the validation split, on the CPU."""
     outs, labels = [], []
     for log_probs, y in predict(exp.model, samples, loader, device=exp.device, mode=exp.method.predict_mode):
@@ -228,7 +280,7 @@ def bma_log_probs_over(exp: Experiment, samples: list[Params], loader: Iterable[
 
 def bma_curve_metrics(
     exp: Experiment,
-    samples: list[Params],
+    samples: Predictions,
     loader: Iterable[Batch],
     sizes: tuple[int, ...],
     *,
@@ -262,7 +314,7 @@ def _reliability(state: StreamingMetrics) -> dict[str, list]:
 
 
 def corruption_metrics(
-    exp: Experiment, samples: list[Params], names: tuple[str, ...], severities: tuple[int, ...]
+    exp: Experiment, samples: Predictions, names: tuple[str, ...], severities: tuple[int, ...]
 ) -> dict[str, dict[str, dict[str, float]]]:
     """BMA accuracy/NLL/ECE on each corrupted copy of the test set."""
     test = exp.test_loader.dataset
@@ -322,9 +374,11 @@ def measure(
     with exp.rng.restored():
         start = time.perf_counter()
         with report.phase("BMA", f"{progress.count(exp.config.eval.num_samples, 'sample')} on the test set"):
-            samples = posterior_samples(exp, state)
-            curve, reliability = bma_curve_metrics(exp, samples, exp.test_loader, bma_curve)
-        full = curve[len(samples)]
+            drawn = draw_samples(exp, state)
+            samples = _samples_if_averaged(exp, drawn)
+            averaged = bma_predictions(exp, state, drawn, samples)
+            curve, reliability = bma_curve_metrics(exp, averaged, exp.test_loader, bma_curve)
+        full = curve[len(averaged)]
         result: dict[str, Any] = {k: full[k] for k in CLEAN_KEYS}
         result["bma_curve"] = {
             "num_samples": list(curve),
@@ -332,17 +386,20 @@ def measure(
         }
         result["reliability"] = reliability
         result["bn_statistics"] = bn_statistics(exp)
+        result.update(diagnostics(exp, state))
         result["temperature"] = None
         if exp.val_loader is not None:  # temperature scaling on the k-shot validation split, reported separately
             with report.phase("temperature", "fitted on the validation split, test set again"):
-                val_log_probs, val_labels = bma_log_probs_over(exp, samples, exp.val_loader)
+                val_log_probs, val_labels = bma_log_probs_over(exp, averaged, exp.val_loader)
                 t = fit_temperature(val_log_probs, val_labels)
-                scaled, _ = bma_curve_metrics(exp, samples, exp.test_loader, (len(samples),), temperature=t)
+                scaled, _ = bma_curve_metrics(exp, averaged, exp.test_loader, (len(averaged),), temperature=t)
             result["temperature"] = t
-            result["temperature_scaled"] = {k: scaled[len(samples)][k] for k in CLEAN_KEYS}
-        shifted = samples[:corruption_samples] if corruption_samples else samples
+            result["temperature_scaled"] = {k: scaled[len(averaged)][k] for k in CLEAN_KEYS}
+        shifted = averaged[:corruption_samples] if corruption_samples else averaged
         result["corruptions"] = corruption_metrics(exp, shifted, corruptions, severities)
         result["corruption_samples"] = len(shifted)
+        if (flatness or landscape) and samples is None:
+            samples = with_bn_statistics(exp, drawn)
         if flatness:
             result.update(flatness_metrics(exp, state, samples))
         result["landscape"] = None

@@ -16,12 +16,13 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from flatbma.curvature import Curvature, Hessian
 from flatbma.errors import FlatbmaError, suggest
 from flatbma.experiment.parse import coerce, parse_dataclass
 from flatbma.optim import ASAM, SAM, FisherBall, FisherSAM
-from flatbma.posteriors import bsam, ensemble, fp_bma, lowrank_vi, mc_dropout, mfvi, multi, point, sgld, swag
+from flatbma.posteriors import bsam, ensemble, fp_bma, laplace, lowrank_vi, mc_dropout, mfvi, multi, point, sgld, swag
 from flatbma.posteriors.members import member, prefixed_members
-from flatbma.types import Ascent, Posterior
+from flatbma.types import Ascent, Posterior, Predictive
 
 if TYPE_CHECKING:
     from flatbma.experiment.validate import Stage
@@ -57,6 +58,12 @@ class MethodSpec:
         first_stage: ``first_stage(method, prior_method) -> MethodConfig``, the method a two-stage run's
             first stage trains given the ``prior.method`` section (``multi``: a mixture of it, one prior
             stage per member); ``None``: ``prior.method`` itself.
+        extra_epochs: epochs the run takes beyond ``train.epochs`` (Laplace's curvature pass). The
+            optimizer's schedule still spans ``train.epochs``, and the family's ``start_step: null``
+            resolves to ``train.epochs`` × steps per epoch (:meth:`MethodConfig.build`'s ``map_steps``), so
+            the updates before it are those of a run of ``train.epochs`` epochs.
+        needs_weights: ``needs_weights(method)``: whether ``check`` needs the number of trained weights
+            (:attr:`~flatbma.experiment.validate.RunShape.num_trainable`, which builds the network).
     """
 
     name: str
@@ -70,6 +77,8 @@ class MethodSpec:
     prior_refusal: str | None = None
     component: Callable[[MethodConfig], MethodConfig | None] | None = None
     first_stage: Callable[[MethodConfig, MethodConfig], MethodConfig] | None = None
+    extra_epochs: int = 0
+    needs_weights: Callable[[MethodConfig], bool] | None = None
 
     def family_options(self) -> dict[str, inspect.Parameter]:
         """Keyword-only parameters of the family builder."""
@@ -95,13 +104,25 @@ class MethodConfig:
     options: Mapping[str, Any]
     ascent: Ascent | None
 
-    def build(self, objective: Any, optimizer: Any, prior: Mapping[str, Any] | None = None) -> Posterior:
+    def build(
+        self,
+        objective: Any,
+        optimizer: Any,
+        prior: Mapping[str, Any] | None = None,
+        *,
+        map_steps: int | None = None,
+    ) -> Posterior:
         """Build the method's transform for ``objective`` and ``optimizer``.
 
         With ``prior`` (a low-rank plus diagonal Gaussian in ``θ`` layout, e.g. the ``gaussian`` of a
         SWAG posterior) the family's ``with_prior`` builder is used: the prior replaces the family's
         default one, so options of that default (``prior_std``) do not apply.
+
+        ``map_steps`` (``train.epochs`` × steps per epoch) is the ``start_step`` of a method with
+        :attr:`MethodSpec.extra_epochs` whose ``start_step`` is ``null`` (:meth:`resolved`).
         """
+        if map_steps is not None:
+            return self.resolved(map_steps).build(objective, optimizer, prior)
         spec = METHODS[self.name]
         if prior is None:
             return spec.family(objective, optimizer, self.ascent, **self.options)
@@ -132,6 +153,27 @@ class MethodConfig:
         spec = METHODS[self.name]
         if spec.check is not None:
             spec.check(self, stage)
+
+    def extra_epochs(self) -> int:
+        """Epochs the run takes beyond ``train.epochs``: :attr:`MethodSpec.extra_epochs`, plus a nested section's."""
+        nested = [v.extra_epochs() for v in self.options.values() if isinstance(v, MethodConfig)]
+        return METHODS[self.name].extra_epochs + max(nested, default=0)
+
+    def needs_weights(self) -> bool:
+        """Whether checking it needs the number of trained weights (:attr:`MethodSpec.needs_weights`)."""
+        spec = METHODS[self.name]
+        own = spec.needs_weights is not None and spec.needs_weights(self)
+        return own or any(v.needs_weights() for v in self.options.values() if isinstance(v, MethodConfig))
+
+    def resolved(self, map_steps: int) -> MethodConfig:
+        """This section with ``start_step: null`` set to ``map_steps`` where :attr:`MethodSpec.extra_epochs` asks.
+
+        Nested sections (``multi``'s ``of``) are resolved the same way.
+        """
+        options = {k: v.resolved(map_steps) if isinstance(v, MethodConfig) else v for k, v in self.options.items()}
+        if METHODS[self.name].extra_epochs and options.get("start_step", 0) is None:
+            options["start_step"] = map_steps
+        return dataclasses.replace(self, options=options)
 
     def to_dict(self) -> dict[str, Any]:
         """The resolved section, every option spelled out (written to the run directory)."""
@@ -427,10 +469,21 @@ def multi_first_stage(method: MethodConfig, prior_method: MethodConfig) -> Metho
 
 
 def check_members(method: MethodConfig, stage: Stage) -> None:
-    """``multi``: the members' method checks the stage under its own keys (``method.of.*``)."""
+    """``multi``: the members' method checks the stage under its own keys (``method.of.*``).
+
+    Several members average their samples: a members' method that predicts with the network linearized at
+    its mean (Laplace's ``predictive: glm`` or ``probit``) is refused, as :func:`flatbma.posteriors.multi.build` does.
+    """
     of = method.options["of"]
     if of is not None:
         of.check(dataclasses.replace(stage, method_key=f"{stage.method_key}.of"))
+        linearized = of.options.get("predictive", Predictive.SAMPLES) is not Predictive.SAMPLES
+        if linearized and method.options["members"] > 1:
+            raise FlatbmaError(
+                f"{method.name} averages its members' samples, but {stage.key('of')} predicts with the network "
+                f"linearized at its mean (predictive: {Predictive(of.options['predictive']).value}): set "
+                f"{stage.key('of.predictive')}: samples, or {stage.key('members')}: 1"
+            )
 
 
 def _multi_of(name: str) -> Callable[..., Posterior]:
@@ -464,3 +517,110 @@ def _multi(name: str, summary: str, family: Callable[..., Posterior]) -> MethodS
 register(_multi("multi", "Uniform mixture of M independently trained posteriors of method.of", multi_family))
 register(_multi("multiswag", "MultiSWAG: mixture of M SWAG posteriors (Wilson & Izmailov 2020)", _multi_of("swag")))
 register(_multi("multi-fp-bma", "Multi-FP-BMA: mixture of M FP-BMA posteriors, one per basin", _multi_of("fp-bma")))
+
+
+# The Laplace family: a MAP phase (a point method) and a curvature pass, then N(w*, (H/T + δ)⁻¹).
+def point_methods() -> list[str]:
+    """Names of the point methods (family :func:`flatbma.posteriors.point.build`): the MAPs Laplace takes."""
+    return [n for n, spec in METHODS.items() if spec.family is point.build]
+
+
+def parse_point_method(data: Any, where: str = "method.of") -> MethodConfig:
+    """A method section (:func:`parse_method`) that must name a point method: the MAP of ``laplace``."""
+    of = parse_method(data, where)
+    if METHODS[of.name].family is not point.build:
+        raise FlatbmaError(
+            f"Laplace needs a MAP: {where} must be a point method ({', '.join(point_methods())}), got {of.name!r}"
+        )
+    return of
+
+
+def _laplace_of(default: str) -> Callable[..., Posterior]:
+    """:func:`flatbma.posteriors.laplace.build` around the MAP of ``of`` (a point method section, default ``default``).
+
+    Its options are ``of`` and those of ``laplace.build`` (their defaults in that signature); ``ascent`` is
+    unused: the MAP's ascent step is ``of``'s (``{name: sam, rho: 0.05}``).
+    """
+
+    def laplace_family(objective: Any, optimizer: Any, ascent: Ascent | None = None, **options: Any) -> Posterior:
+        of = options.pop("of")
+        return laplace.build(objective, optimizer, of.ascent, **options)
+
+    sig = inspect.signature(laplace.build)
+    params = list(sig.parameters.values())
+    of = inspect.Parameter("of", inspect.Parameter.KEYWORD_ONLY, default=parse_method(default), annotation=MethodConfig)
+    laplace_family.__signature__ = sig.replace(parameters=[*params[:3], of, *params[3:]])  # type: ignore[attr-defined]
+    laplace_family.__annotations__ = {**laplace.build.__annotations__, "of": MethodConfig}
+    laplace_family.__wrapped__ = laplace.build  # type: ignore[attr-defined]  # its annotations' namespace
+    return laplace_family
+
+
+def check_laplace(method: MethodConfig, stage: Stage) -> None:
+    """Laplace: its options, a curvature epoch after the MAP, and a ``full`` Hessian that fits ``max_full``.
+
+    The run takes :attr:`MethodSpec.extra_epochs` = 1 epoch beyond ``stage.epochs``, so ``start_step``
+    (MAP updates) must be at most ``stage.steps`` for the curvature to see a whole epoch.
+    """
+    o, key = method.options, stage.key
+    options = {k: o[k] for k in inspect.signature(laplace.check_options).parameters if k != "where"}
+    laplace.check_options(**options, where=stage.method_key)
+    start = o["start_step"]
+    if start is not None and start > stage.steps:
+        raise FlatbmaError(
+            f"{method.name} accumulates its curvature over the epoch after its MAP, but {key('start_step')}={start} "
+            f"is past {stage.describe()}: lower {key('start_step')} to <= {stage.steps} (null: all of them), or raise "
+            f"{stage.epochs_key} to >= {stage.epochs_for(start)}"
+        )
+    d, shape = stage.shape.num_trainable, stage.shape
+    if Hessian(o["hessian"]) is Hessian.FULL and d is not None and shape.num_classes is not None:
+        k = shape.num_classes if Curvature(o["curvature"]) is Curvature.GGN else 1
+        if d > o["max_full"] and shape.num_train * k > o["max_full"]:
+            raise FlatbmaError(
+                f"{key('hessian')}: full needs d <= {key('max_full')} (primal) or n·K <= {key('max_full')} (dual), but "
+                f"d = {d} and n·K = {shape.num_train}·{k} = {shape.num_train * k} exceed {key('max_full')}="
+                f"{o['max_full']}: use {key('hessian')}: kfac or diag, model.trainable: classifier, or raise "
+                f"{key('max_full')}"
+            )
+
+
+_LAPLACE_PRIOR = (
+    "its prior is N(0, δ⁻¹I) (method.prior_precision), fitted around the MAP it trains: remove the prior section"
+)
+
+
+def _full_hessian(method: MethodConfig) -> bool:
+    return Hessian(method.options["hessian"]) is Hessian.FULL
+
+
+def _laplace(
+    name: str, summary: str, family: Callable[..., Posterior], ascent: type | None = None, **kw: Any
+) -> MethodSpec:
+    return MethodSpec(
+        name,
+        summary,
+        family,
+        ascent,
+        check=check_laplace,
+        extra_epochs=1,
+        needs_weights=_full_hessian,
+        prior_refusal=_LAPLACE_PRIOR,
+        **kw,
+    )
+
+
+register(
+    _laplace(
+        "laplace",
+        "Laplace around the MAP of method.of (default sgd): GGN, KFAC, evidence, GLM (Daxberger 2021)",
+        _laplace_of("sgd"),
+        parsers={"of": parse_point_method},
+    )
+)
+register(
+    _laplace(
+        "f-laplace",
+        "F-Laplace: Laplace around a SAM-trained MAP (the F- composition of Nguyen et al. 2023)",
+        laplace.build,
+        SAM,
+    )
+)

@@ -16,7 +16,8 @@ Input is the ``results.json`` dict written by ``flatbma compare``::
                "bma_curve": {"num_samples": [...], "accuracy": [...], "nll": [...], "ece": [...]},
                "reliability": {"bin_edges": [n+1], "count": [n], "confidence": [n], "accuracy": [n]},
                "corruptions": {name: {severity: {"accuracy", "nll", "ece"}}},
-               "landscape": {"alphas": [...], "mean": [...], "std": [...]} | null}, ...]}
+               "landscape": {"alphas": [...], "mean": [...], "std": [...]} | null,
+               "diagnostics": {"prior_precision", "log_evidence", "effective_params": float} (Laplace only)}, ...]}
 
 Any field may be missing or null (results of older versions lack the flatness protocol's keys):
 tables then show "–" and a figure without data is skipped with a note.

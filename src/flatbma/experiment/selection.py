@@ -30,7 +30,7 @@ import torch
 
 from flatbma.errors import FlatbmaError
 from flatbma.experiment.build import Experiment
-from flatbma.experiment.evaluate import bma_log_probs_over, posterior_samples
+from flatbma.experiment.evaluate import bma_log_probs_over, bma_predictions, draw_samples
 from flatbma.types import State
 
 CRITERION = "val_nll"
@@ -39,17 +39,17 @@ CRITERION = "val_nll"
 def validation_nll(exp: Experiment, state: State) -> float:
     """The validation NLL of the BMA of ``state`` (module docstring), from the build's RNG state.
 
-    The samples are :func:`~flatbma.experiment.evaluate.posterior_samples`, drawn exactly as the test
-    evaluation draws them (BatchNorm recomputed on the training data where the method asks); only the
-    validation loader is read.
+    The samples are drawn exactly as the test evaluation draws them (BatchNorm recomputed on the training
+    data), and averaged by the method's predictive (:func:`~flatbma.experiment.evaluate.bma_predictions`:
+    Laplace's linearized ones included); only the validation loader is read.
     """
     if exp.val_loader is None:
         raise FlatbmaError(
             "choosing among candidates needs a validation split: set data.k_shot and data.val_per_class > 0"
         )
     with exp.rng.restored():
-        samples = posterior_samples(exp, state)
-        log_probs, labels = bma_log_probs_over(exp, samples, exp.val_loader)
+        averaged = bma_predictions(exp, state, draw_samples(exp, state))
+        log_probs, labels = bma_log_probs_over(exp, averaged, exp.val_loader)
     return float(-log_probs.gather(1, labels[:, None].to(torch.int64)).mean())
 
 

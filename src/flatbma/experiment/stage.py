@@ -185,11 +185,11 @@ def train_stage(
         if cfg.train.progress:
             done = f", resumed after epoch {len(history.epochs)}" if resume else ""
             progress.current().line(
-                f"train: {cfg.method.name} into {run_dir}, {cfg.train.epochs} epochs of {steps} steps{done}"
+                f"train: {cfg.method.name} into {run_dir}, {cfg.epochs} epochs of {steps} steps{done}"
             )
         rate = cfg.optim.learning_rate(steps_per_epoch=steps, epochs=cfg.train.epochs)
         kinds, lines = cfg.train.log, cfg.train.progress
-        logger = EpochLogger(run_dir, kinds, epochs=cfg.train.epochs, learning_rate=rate, history=history, lines=lines)
+        logger = EpochLogger(run_dir, kinds, epochs=cfg.epochs, learning_rate=rate, history=history, lines=lines)
 
     def save(s: State, p: Position, h: History) -> None:
         save_position(ckpt, s, p, h, written_by)
@@ -204,7 +204,7 @@ def train_stage(
             method,
             state,
             exp.train_loader,
-            epochs=cfg.train.epochs,
+            epochs=cfg.epochs,
             device=exp.device,
             resume=position,
             checkpoint=exp.strategy.checkpoint(save),

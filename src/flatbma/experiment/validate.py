@@ -46,12 +46,14 @@ class RunShape:
         num_train: training examples ``n`` (the k-shot draw, validation held out).
         num_test: test examples the metrics are computed on (``data.test_limit`` applied).
         num_trainable: trained weights (the Hessian's dimension), or ``None`` when not computed.
+        num_classes: classes of the training data, or ``None`` when not known.
     """
 
     steps_per_epoch: int
     num_train: int
     num_test: int
     num_trainable: int | None = None
+    num_classes: int | None = None
 
 
 @dataclass(frozen=True)
@@ -124,13 +126,21 @@ def run_shape(cfg: RunConfig, splits: DatasetSplits | None = None, *, trainable:
         model = build_network(cfg, data.train.with_transform(eval_tf))
         count = sum(p.numel() for p in model.parameters() if p.requires_grad)
     return RunShape(
-        steps_per_epoch=len(loader), num_train=len(data.train), num_test=len(data.test), num_trainable=count
+        steps_per_epoch=len(loader),
+        num_train=len(data.train),
+        num_test=len(data.test),
+        num_trainable=count,
+        num_classes=data.train.num_classes,
     )
 
 
 def _needs_trainable(cfg: RunConfig, flatness: bool) -> bool:
-    """Whether a check needs the number of trained weights (only ``hessian_k > 1`` can exceed it)."""
-    return flatness and cfg.eval.hessian_k > 1
+    """Whether a check needs the number of trained weights.
+
+    ``hessian_k > 1`` can exceed it, and a method may ask
+    (:meth:`~flatbma.experiment.methods.MethodConfig.needs_weights`: Laplace's full Hessian).
+    """
+    return (flatness and cfg.eval.hessian_k > 1) or cfg.method.needs_weights()
 
 
 def check_run(cfg: RunConfig, shape: RunShape, *, flatness: bool) -> None:

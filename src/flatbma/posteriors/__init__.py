@@ -1,5 +1,6 @@
 """Posterior families. Each module has ``build(objective, optimizer, ascent=None, *, ...)``.
 
+``laplace`` is a point estimate's MAP phase followed by a curvature pass (:mod:`flatbma.curvature`).
 ``fp_bma`` is low-rank VI composed with the Fisher-ball ascent (:class:`flatbma.optim.FisherBall`);
 it adds the builder with a low-rank Gaussian prior. ``gaussian_vi`` is the reparameterized-VI
 machinery the VI families share; ``members`` the layout, initializations and seeds of the independent
@@ -11,6 +12,7 @@ from flatbma.posteriors import (
     ensemble,
     fp_bma,
     gaussian_vi,
+    laplace,
     lowrank_vi,
     mc_dropout,
     members,
@@ -26,6 +28,7 @@ __all__ = [
     "ensemble",
     "fp_bma",
     "gaussian_vi",
+    "laplace",
     "lowrank_vi",
     "mc_dropout",
     "members",

@@ -29,7 +29,7 @@ from flatbma.posteriors.members import (
     splitter,
 )
 from flatbma.rng import draw_seed, forked_rng, seeded_generator
-from flatbma.types import Batch, Params, Posterior, State, StepOutput
+from flatbma.types import Batch, Params, Posterior, Predictive, State, StepOutput
 
 
 def build(
@@ -62,7 +62,10 @@ def build(
     (``recompute_bn``, ``predict_mode``).
 
     ``members == 1`` is the family itself, bit for bit: no seed is drawn and ``base`` runs on the global
-    generators directly (the state's keys carry the ``member0/`` prefix).
+    generators directly (the state's keys carry the ``member0/`` prefix), with the family's predictive
+    (:attr:`~flatbma.types.Posterior.predictive`: Laplace's linearized ones included). More members
+    average their samples (a linearized predictive, one per member's mean, is refused); a family's
+    ``diagnostics`` are reported per member (``member<m>/...``).
 
     Mean and width: the mixture mean is the average of the members' means, ``E_q[w] = (1/M) Σ_m μ_m``
     (with member 0's buffers; the evaluation recomputes BatchNorm statistics); its marginal variance
@@ -114,6 +117,12 @@ def build(
         )
     first = bases[0]
     single = members == 1
+    if not single and first.predictive is not Predictive.SAMPLES:
+        raise FlatbmaError(
+            f"multi averages its members' samples, but method.of predicts with the network linearized at its mean "
+            f"(predictive: {first.predictive.value}), one per member: set method.of.predictive: samples, or "
+            "method.members: 1"
+        )
 
     def starts(params: Params, buffers: Params) -> list[tuple[Params, Params]] | None:
         """Every member's own ``(params, buffers)`` in a member-prefixed start; ``None`` for model weights."""
@@ -197,6 +206,16 @@ def build(
     def every(hook: str) -> bool:
         return all(getattr(b, hook) is not None for b in bases)
 
+    def functional_variance(state: State, jac: Params) -> torch.Tensor:
+        return first.functional_variance(member_state(0, state), jac)  # type: ignore[misc]
+
+    def diagnostics(state: State) -> dict[str, float]:
+        if single:
+            return first.diagnostics(member_state(0, state))  # type: ignore[misc]
+        return {
+            f"member{m}/{k}": v for m in held(state) for k, v in bases[m].diagnostics(member_state(m, state)).items()
+        }  # type: ignore[misc]
+
     return Posterior(
         init=init,
         update=update,
@@ -208,6 +227,9 @@ def build(
         split=splitter(members),
         mean=mean if every("mean") else None,
         marginal_variance=marginal_variance if every("mean") and every("marginal_variance") else None,
+        predictive=first.predictive,
+        functional_variance=functional_variance if single and first.functional_variance is not None else None,
+        diagnostics=diagnostics if every("diagnostics") else None,
     )
 
 

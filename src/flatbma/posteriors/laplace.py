@@ -1,0 +1,363 @@
+"""The Laplace approximation around a MAP trained in the same run: ``q(w) = N(w*, (H/T + δ)⁻¹)``.
+
+``w*`` is a point estimate (:func:`flatbma.posteriors.point.step`: SGD, or SAM/ASAM/Fisher-SAM with an
+ascent step — F-Laplace), ``H`` the generalized Gauss-Newton (or empirical Fisher) of the summed
+training loss at ``w*`` in a diagonal, Kronecker-factored or full structure (:mod:`flatbma.curvature`),
+``δ`` the precision of the prior ``N(0, δ⁻¹I)`` — fixed, or maximizing the Laplace evidence (MacKay
+1992; Immer et al. 2021) — and ``T`` a temperature. The posterior's predictive is the network linearized
+at ``w*`` (the GLM predictive of Immer, Korzepa & Bauer 2021), its probit approximation, or the network
+itself on the samples (:class:`flatbma.types.Predictive`; Daxberger et al. 2021, "Laplace Redux").
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from flatbma.checks import is_int, is_number
+from flatbma.curvature import (
+    Blocks,
+    Curvature,
+    Estimator,
+    Hessian,
+    PriorStructure,
+    effective_parameters,
+    estimator,
+    log_evidence,
+    optimize_prior,
+)
+from flatbma.curvature.options import parse_option
+from flatbma.errors import FlatbmaError
+from flatbma.models import classifier_of
+from flatbma.params import Objective, clone
+from flatbma.posteriors.point import step as point_step
+from flatbma.posteriors.point import weights_of
+from flatbma.predict import eval_mode
+from flatbma.types import Ascent, Batch, GradientTransformation, Params, Posterior, Predictive, State, StepOutput
+
+PREFIX = "laplace/"
+"""Prefix of the curvature's entries in ``State.aux`` (the MAP's optimizer state has none)."""
+SEEN = PREFIX + "seen"
+"""``aux`` entry: examples whose curvature was accumulated (int64; this process's, under data parallelism)."""
+NLL = PREFIX + "nll"
+"""``aux`` entry: ``Σ ℓ_i(w*)`` over those examples (float64), for the reported evidence."""
+
+_MEMO_SIZE = 4
+"""Fitted states kept, latest first (``multi`` of Laplace asks for each member's in turn); a fit holds its state's
+tensors and ``H``'s eigendecomposition (the dual form's ``V`` is ``d × r`` float64)."""
+
+_log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Fit:
+    """A state's posterior: ``H`` eigendecomposed, the prior precision ``δ`` per block and the evidence.
+
+    Attributes:
+        blocks: ``H`` in block-diagonal eigen form (:class:`flatbma.curvature.Blocks`).
+        delta: ``δ_g`` per block.
+        log_evidence: ``log Z(δ)`` (:func:`flatbma.curvature.log_evidence`).
+        effective_params: ``γ = Σ_j (λ_j/T)/(λ_j/T + δ)`` (MacKay's effective number of parameters).
+    """
+
+    blocks: Blocks
+    delta: dict[str, float]
+    log_evidence: float
+    effective_params: float
+
+
+def build(
+    objective: Objective,
+    optimizer: GradientTransformation,
+    ascent: Ascent | None = None,
+    *,
+    start_step: int | None = None,
+    hessian: Hessian = Hessian.KFAC,
+    curvature: Curvature = Curvature.GGN,
+    prior_precision: float | None = None,
+    prior_structure: PriorStructure = PriorStructure.SCALAR,
+    temperature: float = 1.0,
+    predictive: Predictive = Predictive.GLM,
+    max_full: int = 4096,
+) -> Posterior:
+    """A MAP phase, then a curvature phase, then ``N(w*, P⁻¹)`` with ``P = H/T + δ``.
+
+    MAP phase: updates ``1..start_step`` are :func:`flatbma.posteriors.point.step` byte for byte — ``w``
+    trained with ``optimizer`` (and ``ascent``: SAM gives F-Laplace) — so after them the state's ``w``
+    equals that of the point method with the same optimizer and data.
+
+    Curvature phase: every later update leaves ``w = w*`` (and the optimizer state) alone and adds the
+    batch's curvature ``Σ_{i∈B} J_iᵀ Λ_i J_i`` (GGN, ``Λ_i = diag p_i − p_i p_iᵀ``; or the empirical Fisher
+    ``Σ_i g_i g_iᵀ``) to the accumulators of the ``hessian`` structure, with the model in eval mode on the
+    state's buffers (a deterministic function of ``w``), and reports the loss and logits at ``w*``. After
+    ``n_seen`` examples ``H = (n/n_seen)·Σ_seen`` (``n = objective.num_data``). Under data parallelism
+    (``objective.reduce_grads``) each batch's curvature is the mean over the processes of their shards'
+    (:meth:`flatbma.curvature.Estimator.accumulate`), and the first curvature step also averages the
+    BatchNorm running statistics over the processes, so every process linearizes at the same network.
+
+    Posterior (computed from the state on first use, memoized, never stored): ``δ`` is
+    ``prior_precision``, or the maximizer of the Laplace evidence
+    ``log Z(δ) = −Σ_i ℓ_i(w*) − ½ Σ_g δ_g‖w*_g‖² + ½ Σ_g d_g log δ_g − ½ log det(H/T + diag δ)``
+    (:func:`flatbma.curvature.optimize_prior`; one ``δ`` or one per parameter tensor); ``sample`` returns
+    ``w* + Δ_m``, ``Δ_m ~ N(0, P⁻¹)``; ``mean`` is ``w*`` with its buffers; ``marginal_variance`` is
+    ``diag P⁻¹`` and ``functional_variance`` ``diag(J P⁻¹ Jᵀ)``, both exact for the structure;
+    ``diagnostics`` report ``δ``, ``log Z(δ)`` and ``γ``. The samples' BatchNorm statistics are
+    recomputed (``recompute_bn``); the linearized predictives recompute them once, at ``w*``.
+
+    Note: the MAP minimizes the loss plus the optimizer's weight decay, so ``w*`` is the mode of the
+    posterior only when ``δ = n·weight_decay`` (coupled SGD decay); post-hoc Laplace with another ``δ``
+    is the usual practice (Daxberger et al. 2021).
+
+    Args:
+        objective: model and mini-batch loss (cross-entropy: the GGN's ``Λ`` is its Hessian).
+        optimizer: the MAP's descent step.
+        ascent: the MAP's ascent step (SAM: F-Laplace), or ``None``.
+        start_step: MAP updates before the curvature phase (0: post-hoc Laplace of the weights given to
+            ``init``). ``None`` is left to the experiment layer, which sets ``train.epochs`` × steps per
+            epoch (the run then takes one epoch more); a state cannot be updated with ``None``.
+        hessian: ``diag``, ``kfac`` (Linear/Conv2d weights ``B ⊗ A``, everything else diagonal) or ``full``.
+        curvature: ``ggn`` or ``ef`` (the empirical Fisher: cheaper, not second-order information).
+        prior_precision: a fixed ``δ > 0``, or ``None`` to maximize the evidence.
+        prior_structure: ``scalar`` (one ``δ``) or ``layerwise`` (one per parameter tensor; not with ``full``).
+        temperature: ``T > 0`` of ``P = H/T + δ`` (``T < 1`` sharpens the posterior).
+        predictive: ``glm``, ``probit`` or ``samples`` (:class:`flatbma.types.Predictive`).
+        max_full: ``full``: the primal ``[d, d]`` form up to ``d = max_full``, the dual rows up to
+            ``n·C = max_full``; otherwise refused.
+
+    Raises:
+        FlatbmaError: an option out of range, a loss other than cross-entropy, and (at ``init``) a
+            structure the trained weights or the run cannot take (see :func:`check_options`).
+    """
+    hessian, curvature, prior_structure, predictive = check_options(
+        start_step=start_step,
+        hessian=hessian,
+        curvature=curvature,
+        prior_precision=prior_precision,
+        prior_structure=prior_structure,
+        temperature=temperature,
+        predictive=predictive,
+        max_full=max_full,
+    )
+    if objective.loss_fn is not F.cross_entropy:
+        raise FlatbmaError(
+            "laplace: the curvature is the Gauss-Newton of the cross-entropy (softmax) loss, but the objective has "
+            f"another loss_fn ({getattr(objective.loss_fn, '__name__', type(objective.loss_fn).__name__)}); use the "
+            "default cross-entropy"
+        )
+    model = objective.model
+    estimators: dict[tuple, Estimator] = {}
+    fits: list[tuple[tuple[tuple[Tensor, int], ...], Fit]] = []  # (tensors and versions, fit), latest last
+
+    def estimator_of(params: Params) -> Estimator:
+        key = tuple((k, tuple(v.shape), v.dtype, v.device) for k, v in params.items())
+        if key not in estimators:
+            est = estimator(
+                hessian,
+                curvature,
+                model,
+                params,
+                num_data=objective.num_data,
+                num_classes=_num_classes(model),
+                max_full=max_full,
+            )
+            if objective.reduce_grads is not None and not est.data_parallel:
+                raise FlatbmaError(
+                    "laplace: hessian: full in its dual form (n·C ≤ max_full < d) keeps one row per training example "
+                    "and cannot run under train.parallel: data; use hessian: kfac or diag, or one process"
+                )
+            if prior_precision is None and prior_structure is PriorStructure.LAYERWISE and not est.blockwise:
+                raise FlatbmaError(
+                    "laplace: prior_structure: layerwise needs a curvature that is block-diagonal over parameter "
+                    "tensors, but hessian: full couples them all; use prior_structure: scalar, or hessian: kfac or diag"
+                )
+            _log.info("laplace curvature: %s", est.describe())
+            estimators[key] = est
+        return estimators[key]
+
+    def init(params: Params, buffers: Params) -> State:
+        params = clone(params)
+        aux = optimizer.init(params)
+        est = estimator_of(params)
+        device = next(iter(params.values())).device
+        aux.update({PREFIX + k: v for k, v in est.init().items()})
+        aux[SEEN] = torch.zeros((), dtype=torch.int64, device=device)
+        aux[NLL] = torch.zeros((), dtype=torch.float64, device=device)
+        return State(params=params, buffers=clone(buffers), aux=aux)
+
+    def update(state: State, batch: Batch) -> tuple[State, StepOutput]:
+        if start_step is None:
+            raise FlatbmaError(
+                "laplace.build(start_step=None) leaves the length of the MAP phase to the experiment layer; give "
+                "start_step (the MAP updates; 0 = post-hoc Laplace of the weights given to init)"
+            )
+        if state.step < start_step:
+            opt = {k: v for k, v in state.aux.items() if not k.startswith(PREFIX)}
+            own = {k: v for k, v in state.aux.items() if k.startswith(PREFIX)}
+            opt, out = point_step(objective, optimizer, ascent, state.params, state.buffers, opt, state.step, batch)
+            return replace(state, aux={**opt, **own}, step=state.step + 1), out
+        return _curvature_step(state, batch)
+
+    def _curvature_step(state: State, batch: Batch) -> tuple[State, StepOutput]:
+        x, y = batch
+        est = estimator_of(state.params)
+        seen, b = int(state.aux[SEEN]), int(y.shape[0])
+        if est.form == "dual" and seen + b > objective.num_data:
+            raise FlatbmaError(
+                f"laplace: hessian: full in its dual form keeps one row per training example, so its curvature "
+                f"phase is one epoch, but start_step={start_step} leaves more updates (after {seen} examples); set "
+                "start_step to train.epochs × steps per epoch (null in a config)"
+            )
+        reduce = objective.reduce_grads
+        buffers = state.buffers
+        if reduce is not None and state.step == start_step:  # every process linearizes the same network
+            floats = {k: v for k, v in buffers.items() if v.is_floating_point()}
+            averaged = reduce(floats) if floats else {}
+            buffers = {k: averaged[k].clone() if k in averaged else v for k, v in buffers.items()}
+        acc = {k[len(PREFIX) :]: v for k, v in state.aux.items() if k.startswith(PREFIX) and k not in (SEEN, NLL)}
+        acc = est.accumulate(acc, state.params, buffers, x, y, offset=seen, reduce=reduce)
+        with torch.no_grad(), eval_mode(model):
+            logits = objective.logits({**state.params, **buffers}, x)
+            losses = F.cross_entropy(logits, y, reduction="none")
+        nll = losses.to(torch.float64).sum()
+        if reduce is not None:  # Σ over the global batch / number of processes, as the curvature
+            nll = reduce({"nll": nll / b})["nll"] * b
+        aux = dict(state.aux)
+        aux.update({PREFIX + k: v for k, v in acc.items()})
+        aux[SEEN] = state.aux[SEEN] + b
+        aux[NLL] = state.aux[NLL] + nll
+        out = StepOutput(objective.loss_fn(logits, y), logits)
+        return replace(state, buffers=buffers, aux=aux, step=state.step + 1), out
+
+    def fitted(state: State) -> Fit:
+        """The state's :class:`Fit`, memoized by the identity and version of the tensors it depends on."""
+        tensors = [*state.params.values(), *(v for k, v in state.aux.items() if k.startswith(PREFIX))]
+        key = tuple((t, t._version) for t in tensors)  # holding the tensors keeps their identities unique
+        for i, (held, fit) in enumerate(fits):
+            if len(held) == len(key) and all(a is c and va == vc for (a, va), (c, vc) in zip(held, key)):
+                fits.append(fits.pop(i))
+                return fit
+        fit = _fit(state)
+        fits.append((key, fit))
+        del fits[:-_MEMO_SIZE]
+        return fit
+
+    def _fit(state: State) -> Fit:
+        seen = int(state.aux[SEEN])
+        if seen < 1:
+            raise FlatbmaError(
+                "laplace: no curvature was accumulated yet (the state is still in its MAP phase): train at least one "
+                "epoch after start_step before sampling"
+            )
+        est = estimator_of(state.params)
+        acc = {k[len(PREFIX) :]: v for k, v in state.aux.items() if k.startswith(PREFIX) and k not in (SEEN, NLL)}
+        blocks = est.blocks(acc, seen, objective.num_data)
+        if prior_precision is None:
+            delta = optimize_prior(blocks, state.params, temperature, prior_structure)
+        else:
+            delta = dict.fromkeys(blocks.names, float(prior_precision))
+        nll = float(state.aux[NLL]) * objective.num_data / seen  # the summed loss over the n training examples
+        return Fit(
+            blocks=blocks,
+            delta=delta,
+            log_evidence=log_evidence(blocks, state.params, nll, delta, temperature),
+            effective_params=effective_parameters(blocks, delta, temperature),
+        )
+
+    def sample(state: State, n: int, generator: torch.Generator | None = None) -> list[Params]:
+        fit = fitted(state)
+        draws = fit.blocks.sample(n, fit.delta, temperature, generator)
+        return [{**{k: v + d[k] for k, v in state.params.items()}, **state.buffers} for d in draws]
+
+    def marginal_variance(state: State) -> Params:
+        fit = fitted(state)
+        return fit.blocks.marginal_variance(fit.delta, temperature)
+
+    def functional_variance(state: State, jac: Params) -> Tensor:
+        fit = fitted(state)
+        return fit.blocks.functional_variance(jac, fit.delta, temperature)
+
+    def diagnostics(state: State) -> dict[str, float]:
+        fit = fitted(state)
+        return describe(fit)
+
+    return Posterior(
+        init=init,
+        update=update,
+        sample=sample,
+        recompute_bn=True,
+        mean=weights_of,
+        marginal_variance=marginal_variance,
+        predictive=predictive,
+        functional_variance=functional_variance,
+        diagnostics=diagnostics,
+    )
+
+
+def describe(fit: Fit) -> dict[str, float]:
+    """A fit's :attr:`~flatbma.types.Posterior.diagnostics`: its prior precision, log evidence and γ.
+
+    ``prior_precision`` is the one ``δ``, or the geometric mean of a layerwise one, each then beside it as
+    ``prior_precision/<tensor>``; ``effective_params`` is ``γ``.
+    """
+    values = list(fit.delta.values())
+    if len(set(values)) == 1:
+        out = {"prior_precision": values[0]}
+    else:
+        out = {"prior_precision": math.exp(sum(math.log(v) for v in values) / len(values))}
+        out.update({f"prior_precision/{g}": v for g, v in fit.delta.items()})
+    out["log_evidence"] = fit.log_evidence
+    out["effective_params"] = fit.effective_params
+    return out
+
+
+def check_options(
+    *,
+    start_step: object,
+    hessian: object,
+    curvature: object,
+    prior_precision: object,
+    prior_structure: object,
+    temperature: object,
+    predictive: object,
+    max_full: object,
+    where: str = "method",
+) -> tuple[Hessian, Curvature, PriorStructure, Predictive]:
+    """Check :func:`build`'s options (a refusal is one line naming ``{where}.<option>``); return the Enum members."""
+    if start_step is not None and (not is_int(start_step) or start_step < 0):
+        raise FlatbmaError(
+            f"{where}.start_step must be an integer >= 0 (MAP updates before the curvature pass) or null, got "
+            f"{start_step!r}"
+        )
+    if prior_precision is not None and not (
+        is_number(prior_precision) and math.isfinite(prior_precision) and prior_precision > 0
+    ):
+        raise FlatbmaError(
+            f"{where}.prior_precision must be a positive number (a fixed δ) or null (maximize the evidence), got "
+            f"{prior_precision!r}"
+        )
+    if not (is_number(temperature) and math.isfinite(temperature) and temperature > 0):
+        raise FlatbmaError(f"{where}.temperature must be a positive number (P = H/T + δ), got {temperature!r}")
+    if not is_int(max_full) or max_full < 1:
+        raise FlatbmaError(f"{where}.max_full must be a positive integer, got {max_full!r}")
+    return (
+        parse_option(Hessian, hessian, f"{where}.hessian"),
+        parse_option(Curvature, curvature, f"{where}.curvature"),
+        parse_option(PriorStructure, prior_structure, f"{where}.prior_structure"),
+        parse_option(Predictive, predictive, f"{where}.predictive"),
+    )
+
+
+def _num_classes(model: torch.nn.Module) -> int:
+    """``C``: the output width of the model's classifier (its last ``nn.Linear``), fixing the accumulators' shapes."""
+    try:
+        return int(classifier_of(model)[1].out_features)
+    except FlatbmaError:
+        raise FlatbmaError(
+            f"laplace needs the number of classes from the model's classifier (its last nn.Linear), but "
+            f"{type(model).__name__} has no nn.Linear"
+        ) from None

@@ -1,0 +1,223 @@
+"""Laplace and F-Laplace as runs: the MAP of the sgd/sam run, a deterministic curvature epoch, exact resume,
+``δ → ∞`` reproducing the point's metrics, the registry and its refusals, ``fit_posterior``, and existing methods'
+resolved configs left as they were."""
+
+import copy
+import hashlib
+import io
+import json
+from contextlib import redirect_stderr, redirect_stdout
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import flatbma
+from flatbma.curvature import estimator
+from flatbma.errors import FlatbmaError
+from flatbma.experiment import stage
+from flatbma.experiment.checkpoint import load_checkpoint
+from flatbma.experiment.cli import main
+from flatbma.experiment.config import config_from_dict
+from flatbma.experiment.methods import METHODS, parse_method
+from flatbma.experiment.run import load_run, load_run_config, resume_config, train
+from flatbma.posteriors import laplace
+from flatbma.predict import linearized_predictions, sample_log_probs
+from flatbma.predictor import trained_names
+from tests.experiment.torchrun_helpers import crash_after
+
+BASE = {
+    "seed": 0,
+    "data": {"name": "digits", "k_shot": 10, "batch_size": 25, "test_limit": 100},  # 100 images: 4 steps/epoch
+    "model": {"name": "cnn", "width": 4},  # BatchNorm: statistics recomputed at w*
+    "optim": {"lr": 0.05},
+    "train": {"epochs": 2, "checkpoint_every": 2, "progress": False},
+    "eval": {"num_samples": 3},
+}
+METRICS = ("accuracy", "nll", "ece", "aece", "brier")
+
+
+def _config(tmp: Path, name: str, method: dict, **sections) -> object:
+    raw = copy.deepcopy(BASE)
+    for key, value in sections.items():
+        raw[key] = {**raw[key], **value}
+    return config_from_dict({**raw, "method": method, "output_dir": str(tmp / name)})
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """sgd, sam, and laplace / f-laplace with δ = 1e12 (diag and kfac): trained once for the module."""
+    tmp = tmp_path_factory.mktemp("laplace")
+    methods = {
+        "sgd": {"name": "sgd"},
+        "sam": {"name": "sam", "rho": 0.05},
+        "laplace": {"name": "laplace", "prior_precision": 1.0e12},
+        "f-laplace": {"name": "f-laplace", "rho": 0.05, "hessian": "diag", "prior_precision": 1.0e12},
+    }
+    return {name: train(_config(tmp, name, method)) for name, method in methods.items()}
+
+
+def _state(trained):
+    return load_checkpoint(Path(trained.experiment.config.output_dir) / "checkpoint.safetensors")[0]
+
+
+@pytest.mark.parametrize(("point", "posterior"), [("sgd", "laplace"), ("sam", "f-laplace")])
+def test_the_map_is_the_point_runs_weights_and_a_huge_prior_precision_its_metrics(runs, point, posterior):
+    a, b = _state(runs[point]), _state(runs[posterior])
+    assert b.step == a.step + 4  # one curvature epoch of 4 updates after the same 2 epochs
+    for section in ("params", "buffers"):
+        x, y = getattr(a, section), getattr(b, section)
+        assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x), section
+    assert len(runs[posterior].metrics["history"]) == 3
+    ma, mb = runs[point].metrics, runs[posterior].metrics
+    assert mb["accuracy"] == ma["accuracy"]
+    for key in METRICS:  # δ = 1e12: Δ ~ 1e-6, the linearized BMA is the point's predictive
+        assert mb[key] == pytest.approx(ma[key], rel=1e-6, abs=1e-6), key
+    assert mb["diagnostics"]["prior_precision"] == 1.0e12 and "diagnostics" not in ma
+    assert mb["bn_statistics"].startswith("recomputed at the posterior mean")
+
+
+def test_without_augmentation_the_curvature_is_a_deterministic_pass_over_the_training_set(runs):
+    cfg = runs["laplace"].experiment.config
+    exp, state = load_run(load_run_config(cfg.output_dir))
+    est = estimator("kfac", "ggn", exp.model, state.params, num_data=100, num_classes=10)
+    acc, offset = est.init(), 0
+    for x, y in exp.hessian_loader:  # all training images, un-augmented, in a fixed order (other batches)
+        acc = est.accumulate(acc, state.params, state.buffers, x, y, offset=offset)
+        offset += len(y)
+    assert offset == int(state.aux[laplace.SEEN]) == 100
+    for key, value in acc.items():
+        torch.testing.assert_close(state.aux[laplace.PREFIX + key], value, rtol=1e-6, atol=1e-12, msg=key)
+
+
+def test_a_resume_in_the_middle_of_the_curvature_epoch_is_bit_identical(tmp_path):
+    method = {"name": "laplace", "hessian": "diag"}
+    augment = {"augment": True}  # the curvature pass sees the run's augmented batches: their draws must resume
+    ref = train(_config(tmp_path, "ref", method, data=augment))
+    cfg = _config(tmp_path, "run", method, data=augment)
+    # checkpoints at steps 2, 4, 4 (epoch end), 6, 8, 8, 10: the 7th is mid-way through the curvature epoch
+    with crash_after(stage, 7):
+        train(cfg)
+    assert load_checkpoint(Path(cfg.output_dir) / "checkpoint.safetensors")[1]["step"] == "10"
+    again = train(cfg, resume=True)
+    a, b = _state(ref), _state(again)
+    for section in ("params", "buffers", "aux"):
+        x, y = getattr(a, section), getattr(b, section)
+        assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x), section
+    assert {k: again.metrics[k] for k in METRICS} == {k: ref.metrics[k] for k in METRICS}
+    assert again.metrics["diagnostics"] == ref.metrics["diagnostics"]
+
+
+def _cli(argv):
+    err, out = io.StringIO(), io.StringIO()
+    with redirect_stdout(out), redirect_stderr(err):
+        try:
+            code = main(argv)
+        except SystemExit as e:
+            code = e.code
+    return code, out.getvalue(), err.getvalue()
+
+
+def test_flatbma_methods_lists_laplace_and_f_laplace_with_their_options():
+    code, out, _ = _cli(["methods"])
+    assert code in (0, None) and "\nlaplace " in out and "\nf-laplace " in out
+    code, out, _ = _cli(["methods", "laplace"])
+    assert "of               {'name': 'sgd'}" in out and "glm | probit" in out.replace("samples | ", "")
+
+
+@pytest.mark.parametrize(
+    ("method", "sections", "message"),
+    [
+        ({"name": "laplace", "of": {"name": "swag"}}, {}, "Laplace needs a MAP: method.of must be a point method"),
+        ({"name": "f-laplace", "of": {"name": "sgd"}}, {}, "unknown config key 'method.of' for method 'f-laplace'"),
+        ({"name": "laplace", "start_step": 9}, {}, "method.start_step=9 is past train.epochs=2"),
+        ({"name": "laplace", "hessian": "full", "max_full": 50}, {}, "method.hessian: full needs d <= method.max_full"),
+        ({"name": "laplace", "temperature": -1}, {}, "method.temperature must be a positive number"),
+        (
+            {"name": "multi", "members": 3, "of": {"name": "laplace"}},
+            {},
+            "set method.of.predictive: samples, or method.members: 1",
+        ),
+    ],
+)
+def test_a_laplace_config_it_cannot_run_is_refused_before_training_in_one_line(tmp_path, method, sections, message):
+    raw = {**copy.deepcopy(BASE), "method": method, "output_dir": str(tmp_path / "run")}
+    (tmp_path / "c.yaml").write_text(json.dumps(raw))
+    code, _, err = _cli(["train", "--config", str(tmp_path / "c.yaml")])
+    assert code == 2 and len(err.splitlines()) == 1 and message in err, err
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_prior_section_is_refused():
+    with pytest.raises(FlatbmaError, match="takes no prior section: its prior is N"):
+        config_from_dict({"method": {"name": "laplace"}, "prior": {"method": {"name": "swag"}}})
+
+
+def test_fit_posterior_predicts_with_the_glm_and_round_trips(tmp_path):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 5, generator=g)
+    y = (x[:, 0] > 0).long() + (x[:, 1] > 0).long()
+    loader = DataLoader(TensorDataset(x, y), batch_size=16, shuffle=True, generator=torch.Generator().manual_seed(1))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3))
+    bma = flatbma.fit_posterior(model, loader, "laplace", epochs=2, lr=0.1, num_samples=4, hessian="diag")
+    assert bma.state.step == 3 * 4 and int(bma.state.aux[laplace.SEEN]) == 64
+    drawn = bma.method.sample(bma.state, 4, torch.Generator().manual_seed(0))
+    glm = linearized_predictions("glm", bma.method.mean(bma.state), drawn, trained_names(model))
+    expected = torch.logsumexp(sample_log_probs(model, glm, x), 0) - torch.log(torch.tensor(4.0))
+    torch.testing.assert_close(bma.predict_log_proba(x), expected, rtol=0, atol=0)
+    bma.save(tmp_path / "bma.safetensors")
+    fresh = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3))
+    loaded = flatbma.load_posterior(tmp_path / "bma.safetensors", fresh)
+    assert torch.equal(loaded.predict_log_proba(x), bma.predict_log_proba(x))
+
+
+# The resolved configs of the methods registered before Laplace, as the main tree resolved them (sha256 of the
+# sorted JSON of config_from_dict({"method": {"name": NAME}, "train": {"epochs": 3}}).to_dict(), first 16 digits):
+# `flatbma compare` reuses a finished run only when its resolved config is identical, so these must not move.
+RESOLVED = {
+    "sgd": "762dc65b69401fc3",
+    "sam": "c329ef725a47fc4b",
+    "asam": "1e069deb20dd5463",
+    "fsam": "fce450f91d9b6103",
+    "swag": "512b6f88267849b8",
+    "swag-diag": "86d8bf08bef91a6a",
+    "f-swag": "2897908cdcc8825f",
+    "mfvi": "61737e61052ae155",
+    "lowrank-vi": "773c3d52f7b21a68",
+    "f-mfvi": "ccad68bd7cc9bb13",
+    "f-lowrank-vi": "c832c57ea77d8d3c",
+    "bsam": "cf2079c9b875d3d1",
+    "mc-dropout": "8c45d6c89f11d51c",
+    "f-mc-dropout": "86e046a1718ef4af",
+    "ensemble": "87350af1796c2142",
+    "f-ensemble": "de9e4d21fa1c06b4",
+    "sgld": "983da6961b929e83",
+    "csgld": "056851c9a3092e59",
+    "f-sgld": "9b98eccc8eb1e6ff",
+    "fp-bma": "df41fce0009166a6",
+    "sa-bma": "d491cfd8e23f48e7",
+    "multi": "d6549a167fda82e5",
+    "multiswag": "315238b89f75662c",
+    "multi-fp-bma": "793a3aa91ca4d70d",
+}
+
+
+def test_existing_methods_resolve_and_train_as_before():
+    for name, digest in RESOLVED.items():
+        cfg = config_from_dict({"method": {"name": name}, "train": {"epochs": 3}})
+        assert hashlib.sha256(json.dumps(cfg.to_dict(), sort_keys=True).encode()).hexdigest()[:16] == digest, name
+        assert cfg.epochs == 3 and parse_method(name).extra_epochs() == 0, name
+    assert set(RESOLVED) | {"laplace", "f-laplace"} == set(METHODS)
+    multi_laplace = config_from_dict({"method": {"name": "multi", "members": 1, "of": {"name": "laplace"}}})
+    assert multi_laplace.epochs == multi_laplace.train.epochs + 1
+
+
+def test_a_resume_cannot_move_the_end_of_the_map_phase_once_the_curvature_epoch_began(runs):
+    laplace_dir = runs["laplace"].experiment.config.output_dir
+    with pytest.raises(FlatbmaError, match=r"cannot change train\.epochs any more"):
+        resume_config(laplace_dir, ["train.epochs=4"])
+    cfg, change = resume_config(runs["sgd"].experiment.config.output_dir, ["train.epochs=4"])  # a point run may
+    assert cfg.train.epochs == 4 and "train.epochs" in change.changed

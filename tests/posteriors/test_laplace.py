@@ -1,0 +1,291 @@
+"""The Laplace posterior: a MAP phase that is the point method's, a curvature pass, ``N(w*, (H/T + δ)⁻¹)``, and its
+linearized predictives (MC-GLM and probit), checked against independent computations on tiny models."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.func import functional_call, jvp
+
+from flatbma.curvature import estimator, log_evidence, optimize_prior
+from flatbma.errors import FlatbmaError
+from flatbma.optim import SAM, SGD
+from flatbma.params import Objective, model_buffers, trainable_params
+from flatbma.posteriors import laplace, members, multi, point
+from flatbma.predict import Linearized, Probit, eval_mode, linearized_predictions, sample_log_probs
+from flatbma.types import Predictive
+from tests.helpers import tiny_bn_net, toy_batch
+
+SECTIONS = ("params", "buffers", "aux")
+MAP_STEPS, CURVATURE_STEPS = 6, 4  # 4 batches of 16: num_data = 64
+
+
+def _equal(a, b):
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _batches():
+    return [toy_batch(seed=i % CURVATURE_STEPS) for i in range(MAP_STEPS + CURVATURE_STEPS)]
+
+
+def _run(method, net, steps):
+    state = method.init(trainable_params(net), model_buffers(net))
+    outs = []
+    for batch in _batches()[:steps]:
+        state, out = method.update(state, batch)
+        outs.append(out)
+    return state, outs
+
+
+@pytest.mark.parametrize("ascent", [None, SAM(rho=0.05)], ids=["sgd", "sam"])
+def test_the_map_phase_is_the_point_methods_run_byte_for_byte(ascent):
+    runs = {}
+    for name in ("point", "laplace"):
+        torch.manual_seed(0)
+        net = tiny_bn_net().train()
+        obj = Objective(model=net, num_data=64)
+        opt = SGD(lr=0.1, momentum=0.9, weight_decay=5e-4)
+        if name == "point":
+            method, steps = point.build(obj, opt, ascent), MAP_STEPS
+        else:
+            method, steps = laplace.build(obj, opt, ascent, start_step=MAP_STEPS), MAP_STEPS + CURVATURE_STEPS
+        state, outs = _run(method, net, steps)
+        runs[name] = (state, outs, torch.get_rng_state(), net)
+    (p, p_outs, p_rng, _), (q, q_outs, q_rng, net) = runs["point"], runs["laplace"]
+    assert _equal(p.params, q.params) and _equal(p.buffers, q.buffers) and torch.equal(p_rng, q_rng)
+    assert _equal(p.aux, {k: v for k, v in q.aux.items() if not k.startswith(laplace.PREFIX)})
+    assert all(torch.equal(a.loss, b.loss) and torch.equal(a.logits, b.logits) for a, b in zip(p_outs, q_outs))
+    assert q.step == MAP_STEPS + CURVATURE_STEPS and int(q.aux[laplace.SEEN]) == 64
+    # the curvature phase reports the loss at w* of the deterministic (eval-mode) network
+    x, y = _batches()[-1]
+    with eval_mode(net), torch.no_grad():
+        logits = functional_call(net, {**q.params, **q.buffers}, (x,))
+    assert torch.equal(q_outs[-1].logits, logits) and torch.equal(q_outs[-1].loss, F.cross_entropy(logits, y))
+    with eval_mode(net), torch.no_grad():
+        nll = sum(
+            F.cross_entropy(functional_call(net, {**q.params, **q.buffers}, (bx,)), by, reduction="none").double().sum()
+            for bx, by in _batches()[MAP_STEPS:]
+        )
+    assert float(q.aux[laplace.NLL]) == pytest.approx(float(nll), rel=1e-12)
+
+
+@pytest.mark.parametrize("hessian", ["diag", "kfac", "full"])
+def test_the_curvature_is_the_estimators_pass_at_the_map_and_the_posterior_its_gaussian(hessian):
+    torch.manual_seed(0)
+    net = tiny_bn_net().train()
+    obj = Objective(model=net, num_data=64)
+    method = laplace.build(obj, SGD(lr=0.1), start_step=MAP_STEPS, hessian=hessian, temperature=0.5)
+    state, _ = _run(method, net, MAP_STEPS + CURVATURE_STEPS)
+    w, buffers = state.params, state.buffers
+    est = estimator(hessian, "ggn", net, w, num_data=64, num_classes=3)
+    acc = est.init()
+    for offset, (x, y) in zip(range(0, 64, 16), _batches()[MAP_STEPS:]):
+        acc = est.accumulate(acc, w, buffers, x, y, offset=offset)
+    own = {k[len(laplace.PREFIX) :]: v for k, v in state.aux.items() if k.startswith(laplace.PREFIX)}
+    assert {k: v for k, v in own.items() if k not in ("seen", "nll")}.keys() == acc.keys()
+    for k in acc:
+        torch.testing.assert_close(own[k], acc[k], rtol=1e-12, atol=0)
+    # the Gaussian: δ maximizes the evidence, samples are w* + Δ with Δ = the blocks' draws, exact variances
+    blocks = est.blocks(acc, 64, 64)
+    delta = optimize_prior(blocks, w, 0.5, "scalar")
+    g = torch.Generator().manual_seed(3)
+    draws = blocks.sample(3, delta, 0.5, torch.Generator().manual_seed(3))
+    samples = method.sample(state, 3, g)
+    for s, d in zip(samples, draws):
+        assert _equal(s, {**{k: w[k] + d[k] for k in w}, **buffers})
+    assert _equal(method.marginal_variance(state), blocks.marginal_variance(delta, 0.5))
+    assert _equal(method.mean(state), {**w, **buffers})
+    info = method.diagnostics(state)
+    assert info["prior_precision"] == pytest.approx(delta[blocks.names[0]], rel=1e-12)
+    assert info["log_evidence"] == pytest.approx(log_evidence(blocks, w, float(state.aux[laplace.NLL]), delta, 0.5))
+    assert 0 < info["effective_params"] <= sum(v.numel() for v in w.values())
+    sq = sum(float(v.double().square().sum()) for v in w.values())  # MacKay's fixed point δ‖w*‖² = γ
+    assert info["prior_precision"] * sq == pytest.approx(info["effective_params"], rel=1e-6)
+
+
+def test_a_fixed_prior_precision_and_layerwise_priors():
+    torch.manual_seed(0)
+    net = tiny_bn_net().train()
+    obj = Objective(model=net, num_data=64)
+    fixed = laplace.build(obj, SGD(lr=0.1), start_step=0, hessian="diag", prior_precision=7.0)
+    state, _ = _run(fixed, net, CURVATURE_STEPS)
+    assert fixed.diagnostics(state)["prior_precision"] == 7.0
+    layerwise = laplace.build(obj, SGD(lr=0.1), start_step=0, hessian="kfac", prior_structure="layerwise")
+    state, _ = _run(layerwise, net, CURVATURE_STEPS)
+    info = layerwise.diagnostics(state)
+    per_tensor = {k.split("/", 1)[1]: v for k, v in info.items() if k.startswith("prior_precision/")}
+    assert per_tensor.keys() == state.params.keys() and len(set(per_tensor.values())) > 1
+    assert info["prior_precision"] == pytest.approx(math.exp(sum(map(math.log, per_tensor.values())) / len(per_tensor)))
+
+
+def test_post_hoc_laplace_leaves_the_given_weights_and_memoizes_its_fit(monkeypatch):
+    torch.manual_seed(0)
+    net = tiny_bn_net().train()
+    params = trainable_params(net)
+    method = laplace.build(Objective(model=net, num_data=64), SGD(lr=0.1), start_step=0, hessian="diag")
+    with pytest.raises(FlatbmaError, match="no curvature was accumulated yet"):
+        method.sample(method.init(params, model_buffers(net)), 2, None)
+    state, _ = _run(method, net, CURVATURE_STEPS)
+    assert _equal(state.params, params)
+    solves = []
+    real = laplace.optimize_prior
+    monkeypatch.setattr(laplace, "optimize_prior", lambda *a: solves.append(1) or real(*a))
+    first = method.sample(state, 2, torch.Generator().manual_seed(0))
+    method.marginal_variance(state), method.diagnostics(state)
+    again = method.sample(state, 2, torch.Generator().manual_seed(0))
+    assert len(solves) == 1 and all(map(_equal, first, again))  # one eigendecomposition and δ per state
+    state, _ = method.update(state, toy_batch(seed=9))  # accumulates in place: a new fit
+    method.sample(state, 2, torch.Generator().manual_seed(0))
+    assert len(solves) == 2
+
+
+def test_multi_of_one_laplace_member_is_laplace_bit_for_bit():
+    runs = []
+    for wrap in (False, True):
+        torch.manual_seed(0)
+        net = tiny_bn_net().train()
+        obj = Objective(model=net, num_data=64)
+        base = laplace.build(obj, SGD(lr=0.1, momentum=0.9), SAM(rho=0.05), start_step=MAP_STEPS, hessian="kfac")
+        method = multi.build(obj, base, members=1, seed=4) if wrap else base
+        state, _ = _run(method, net, MAP_STEPS + CURVATURE_STEPS)
+        runs.append((method, state, members.member_state(0, state) if wrap else state))
+    (base, sa, a), (wrapped, sb, b) = runs
+    for section in SECTIONS:
+        assert _equal(getattr(a, section), getattr(b, section)), section
+    assert wrapped.predictive is base.predictive is Predictive.GLM
+    assert all(
+        map(
+            _equal,
+            base.sample(sa, 3, torch.Generator().manual_seed(1)),
+            wrapped.sample(sb, 3, torch.Generator().manual_seed(1)),
+        )
+    )
+    assert base.diagnostics(sa) == wrapped.diagnostics(sb)
+    jac = {k: torch.randn(5, 3, *v.shape) for k, v in a.params.items()}
+    assert torch.equal(base.functional_variance(sa, jac), wrapped.functional_variance(sb, jac))
+    with pytest.raises(FlatbmaError, match=r"set method\.of\.predictive: samples, or method\.members: 1"):
+        multi.build(Objective(model=tiny_bn_net()), base, members=3)
+
+
+# --------------------------------------------------------------------------------------------------
+# the linearized predictives (float64)
+
+
+class _Mlp(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 4))
+
+    def forward(self, x):
+        return self.body(x)
+
+
+def _posterior(net, hessian="diag", predictive="glm"):
+    """Post-hoc Laplace of ``net`` (float64) after one pass over 3 batches."""
+    g = torch.Generator().manual_seed(0)
+    data = [
+        (torch.randn(10, 5, generator=g, dtype=torch.float64), torch.randint(0, 4, (10,), generator=g))
+        for _ in range(3)
+    ]
+    method = laplace.build(
+        Objective(model=net, num_data=30), SGD(lr=0.1), start_step=0, hessian=hessian, predictive=predictive
+    )
+    state = method.init(trainable_params(net), model_buffers(net))
+    for batch in data:
+        state, _ = method.update(state, batch)
+    return method, state
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")  # torch's jvp decompositions
+def test_mc_glm_logits_are_the_networks_value_plus_its_jvp_along_each_sample():
+    torch.manual_seed(0)
+    net = _Mlp().double()
+    method, state = _posterior(net, "kfac")
+    samples = method.sample(state, 4, torch.Generator().manual_seed(1))
+    mean = method.mean(state)
+    glm = linearized_predictions("glm", mean, samples, list(state.params))
+    x = torch.randn(6, 5, dtype=torch.float64)
+    got = sample_log_probs(net, glm, x)
+    w = dict(state.params)
+    for m, sample in enumerate(samples):
+        delta = {k: sample[k] - w[k] for k in w}
+        value, tangent = jvp(lambda p: functional_call(net, p, (x,)), (w,), (delta,))
+        torch.testing.assert_close(got[m], F.log_softmax(value + tangent, -1), rtol=1e-12, atol=1e-12)
+    assert len(glm) == 4 and len(glm[:2]) == 2 and isinstance(glm[:2], Linearized)
+
+
+def test_glm_equals_the_samples_for_a_model_linear_in_its_parameters():
+    torch.manual_seed(0)
+    net = nn.Linear(5, 4).double()  # softmax regression: f(x; w) is linear in w
+    method, state = _posterior(net, "full")
+    samples = method.sample(state, 5, torch.Generator().manual_seed(2))
+    glm = linearized_predictions("glm", method.mean(state), samples, list(state.params))
+    x = torch.randn(8, 5, dtype=torch.float64)
+    torch.testing.assert_close(sample_log_probs(net, glm, x), sample_log_probs(net, samples, x), rtol=1e-12, atol=1e-12)
+
+
+def test_probit_is_the_softmax_of_the_logits_scaled_by_their_variance():
+    torch.manual_seed(0)
+    net = nn.Linear(5, 4).double()
+    method, state = _posterior(net, "diag", "probit")
+    variance = method.marginal_variance(state)
+    x = torch.randn(6, 5, dtype=torch.float64)
+    # by hand: f_c = W_c·x + b_c with independent weights, so Var f_c = Σ_j x_j² Var W_cj + Var b_c
+    sigma2 = (x**2) @ variance["weight"].T + variance["bias"]
+    logits = net(x)
+    kappa = 1 / torch.sqrt(1 + math.pi / 8 * sigma2)
+    probit = linearized_predictions(
+        "probit", method.mean(state), [], list(state.params), lambda j: method.functional_variance(state, j)
+    )
+    assert isinstance(probit, Probit) and len(probit) == 1 and probit[:5] is probit
+    torch.testing.assert_close(
+        sample_log_probs(net, probit, x)[0], F.log_softmax(kappa * logits, -1), rtol=1e-12, atol=1e-12
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# refusals
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"prior_precision": -1.0}, "method.prior_precision must be a positive number"),
+        ({"prior_precision": float("nan")}, "method.prior_precision must be a positive number"),
+        ({"temperature": 0}, "method.temperature must be a positive number"),
+        ({"start_step": -2}, "method.start_step must be an integer >= 0"),
+        ({"max_full": 0}, "method.max_full must be a positive integer"),
+        ({"hessian": "kron"}, "method.hessian must be one of"),
+        ({"predictive": "nn"}, "method.predictive must be one of"),
+    ],
+)
+def test_bad_options_are_refused_in_one_line(options, message):
+    with pytest.raises(FlatbmaError, match=message) as err:
+        laplace.build(Objective(model=tiny_bn_net()), SGD(lr=0.1), **options)
+    assert "\n" not in str(err.value)
+
+
+def test_what_laplace_cannot_take_is_refused_before_it_trains():
+    net = tiny_bn_net()
+    with pytest.raises(FlatbmaError, match="Gauss-Newton of the cross-entropy"):
+        laplace.build(Objective(model=net, loss_fn=F.nll_loss), SGD(lr=0.1))
+    method = laplace.build(Objective(model=net), SGD(lr=0.1))
+    state = method.init(trainable_params(net), model_buffers(net))
+    with pytest.raises(FlatbmaError, match="give start_step"):
+        method.update(state, toy_batch())
+    layerwise = laplace.build(Objective(model=net), SGD(lr=0.1), hessian="full", prior_structure="layerwise")
+    with pytest.raises(FlatbmaError, match="layerwise needs a curvature that is block-diagonal"):
+        layerwise.init(trainable_params(net), model_buffers(net))
+    dual = laplace.build(Objective(model=net, num_data=2, reduce_grads=dict), SGD(lr=0.1), hessian="full", max_full=10)
+    with pytest.raises(FlatbmaError, match=r"cannot run under train\.parallel: data"):
+        dual.init(trainable_params(net), model_buffers(net))
+    big = laplace.build(Objective(model=net, num_data=1000), SGD(lr=0.1), hessian="full", max_full=10)
+    with pytest.raises(FlatbmaError, match="hessian: full needs d"):
+        big.init(trainable_params(net), model_buffers(net))
+    no_linear = laplace.build(Objective(model=nn.Sequential(nn.Conv2d(1, 2, 3), nn.Flatten())), SGD(lr=0.1))
+    with pytest.raises(FlatbmaError, match=r"has no nn\.Linear"):
+        no_linear.init(*(dict(nn.Conv2d(1, 2, 3).named_parameters(prefix="0")), {}))
+    with pytest.raises(FlatbmaError, match="not linearized"):
+        linearized_predictions(Predictive.SAMPLES, {}, [], [])
