@@ -1,0 +1,77 @@
+"""The demo's optional methods and configs/basins-study.yaml (issue #15) load, validate and expand as documented.
+
+Neither is run here (MobileNetV2 for minutes): each optional entry of configs/demo.yaml is parsed from its
+comment and validated up front in the demo's setting (the checks every run makes before it trains), and the
+study expands to its entries, candidates, pairs and shared first stages.
+"""
+
+from pathlib import Path
+
+import yaml
+
+from flatbma.experiment.compare import _every_run, load_plan
+from flatbma.experiment.validate import validate_runs
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+DEMO = CONFIGS / "demo.yaml"
+MARKER = "# Optional methods"
+
+
+def optional_demo_methods() -> list[dict]:
+    """The entries listed (commented out) under the demo's "Optional methods" comment."""
+    lines = DEMO.read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.strip().startswith(MARKER))
+    entries = []
+    for line in lines[start + 1 :]:
+        text = line.strip()
+        if not text.startswith("# - "):
+            if text.startswith("#"):
+                continue
+            break
+        entries.append(yaml.safe_load(text[len("# - ") :]))
+    return entries
+
+
+def test_the_demos_optional_methods_validate_in_the_demos_setting(tmp_path):
+    optional = optional_demo_methods()
+    assert [m["name"] for m in optional] == ["multiswag", "multi-fp-bma", "laplace", "f-laplace"]
+    methods = yaml.safe_dump(optional, default_flow_style=True).strip()
+    plan = load_plan(DEMO, [f"compare.methods={methods}", f"output_dir={tmp_path / 'out'}"])
+    assert [j.label for j in plan.jobs()] == [m["name"] for m in optional]
+    validate_runs(_every_run(plan), flatness=plan.compare.flatness)
+    multi_fp = plan.jobs()[1].candidates[0].config
+    assert multi_fp.prior is not None and multi_fp.method.options["of"].name == "fp-bma"
+
+
+def test_basins_study_expands_to_the_study():
+    plan = load_plan(CONFIGS / "basins-study.yaml")
+    flatness = load_plan(CONFIGS / "flatness-study.yaml")
+    assert plan.base.data == flatness.base.data and plan.base.model == flatness.base.model
+    assert plan.base.train == flatness.base.train and plan.base.eval == flatness.base.eval
+    jobs = plan.jobs()
+    labels = list(dict.fromkeys(j.label for j in jobs))
+    assert labels == ["sgd", "sam", "swag", "multiswag", "fp-bma", "multi-fp-bma", "laplace", "f-laplace"]
+    assert plan.compare.seeds == (0, 1, 2) and plan.compare.reference == "fp-bma"
+    assert [tuple(p) for p in plan.compare.pairs] == [
+        ("multiswag", "swag"),
+        ("multi-fp-bma", "fp-bma"),
+        ("multi-fp-bma", "multiswag"),
+        ("f-laplace", "laplace"),
+        ("laplace", "sgd"),
+        ("f-laplace", "sam"),
+    ]
+    first = {j.label: j for j in jobs if j.seed == 0}
+    assert [c.options for c in first["multi-fp-bma"].candidates] == [{"of.gamma": g} for g in (0.01, 0.1, 0.5)]
+    assert [c.options for c in first["f-laplace"].candidates] == [{"rho": r} for r in (0.01, 0.05, 0.1)]
+    # the runs this study shares with the flatness study are the same runs (same resolved configs)
+    shared = {j.label: j for j in flatness.jobs() if j.seed == 0}
+    for label in ("sgd", "sam", "swag", "fp-bma"):
+        mine = [c.config.to_dict() for c in first[label].candidates]
+        theirs = [c.config.to_dict() for c in shared[label].candidates]
+        drop = lambda d: {k: v for k, v in d.items() if k != "output_dir"}  # noqa: E731
+        assert [drop(d) for d in mine] == [drop(d) for d in theirs], label
+    # a mixture's first stage is a MultiSWAG of the members' own SWAG priors; the members are fp-bma
+    multi = first["multi-fp-bma"].candidates[0].config
+    assert multi.prior.method.name == "swag" and multi.method.options["members"] == 3
+    multiswag = first["multiswag"].candidates[0].config.method.options["of"]
+    assert multiswag == multi.prior.method  # the same SWAG as each member's prior stage
