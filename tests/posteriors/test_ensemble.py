@@ -12,11 +12,12 @@ from flatbma.errors import FlatbmaError
 from flatbma.experiment.checkpoint import load_state, save_state
 from flatbma.experiment.cli import main
 from flatbma.experiment.methods import METHODS
-from flatbma.models import MLP
+from flatbma.models import MLP, build_model, classifier_of
 from flatbma.optim import SAM, SGD, Adam
 from flatbma.params import Objective, model_buffers, trainable_params
 from flatbma.posteriors import ensemble, members, point
 from flatbma.predict import evaluate
+from flatbma.transfer import Subset, restrict_trainable, subset_names
 from tests.helpers import tiny_bn_net, toy_batch
 
 
@@ -205,3 +206,37 @@ def test_default_member_seed_follows_the_run_seed():
         torch.manual_seed(run_seed)
         inits.append(method.init(params, buffers).params["member2/0.weight"])
     assert torch.equal(inits[0], inits[1]) and not torch.equal(inits[0], inits[2])
+
+
+@pytest.mark.parametrize("num_classes", [10, 4])  # the head loaded with the rest, or re-initialized for 4 classes
+def test_members_of_a_pretrained_network_keep_its_pretrained_layers_and_redraw_the_head(tmp_path, num_classes):
+    """Transfer (norm+classifier trainable): member m ≥ 1 keeps the pretrained BatchNorm affine parameters and
+    statistics of member 0 and re-draws only the classifier head; a network built from scratch re-draws every
+    trainable module (as before)."""
+    source = build_model("cnn", num_classes=10, in_channels=1, image_size=8, width=4, seed=1)
+    with torch.no_grad():
+        for t in [*source.parameters(), *source.buffers()]:
+            if t.is_floating_point():
+                t.add_(0.5)  # pretrained values unlike any fresh initialization (BN weight 1.5, bias 0.5, ...)
+    path = tmp_path / "pretrained.pt"
+    torch.save(source.state_dict(), path)
+    net = build_model("cnn", num_classes=num_classes, in_channels=1, image_size=8, width=4, pretrained=path, seed=2)
+    restrict_trainable(net, subset_names(net, Subset.NORM_CLASSIFIER))
+    params, buffers = trainable_params(net), model_buffers(net)
+    head = classifier_of(net)[0]
+    (p0, b0), (p1, b1) = members.member_initializations(net, params, buffers, 2, seed=3)
+    for k in params:
+        if k.startswith(head + "."):
+            assert not torch.equal(p1[k], p0[k]), k  # the head: a new draw
+        else:
+            assert torch.equal(p1[k], p0[k]) and torch.equal(p0[k], params[k]), k  # pretrained BN affine kept
+    assert all(torch.equal(b1[k], b0[k]) for k in buffers)  # pretrained BN statistics kept
+    bn = next(k for k in params if k.endswith("weight") and params[k].dim() == 1)
+    assert torch.all(p1[bn] != 1.0)  # not reset to BatchNorm's fresh weight 1
+
+    scratch = build_model("cnn", num_classes=num_classes, in_channels=1, image_size=8, width=4, seed=2)
+    restrict_trainable(scratch, subset_names(scratch, Subset.NORM_CLASSIFIER))
+    (_, _), (q1, _) = members.member_initializations(
+        scratch, trainable_params(scratch), model_buffers(scratch), 2, seed=3
+    )
+    assert torch.equal(q1[bn], torch.ones_like(q1[bn]))  # from scratch: BatchNorm re-initialized (weight 1)

@@ -4,7 +4,7 @@ Every model ends in an ``nn.Linear`` classifier found by :func:`classifier_of`; 
 are read only as plain tensors (``torch.load(weights_only=True)`` or safetensors).
 """
 
-from flatbma.models.checkpoint import StateDict, load_matching, load_state_dict_file
+from flatbma.models.checkpoint import StateDict, is_pretrained, load_matching, load_state_dict_file
 from flatbma.models.heads import classifier_of, replace_classifier, seeded
 from flatbma.models.mobilenet import (
     InvertedResidual,
@@ -29,6 +29,7 @@ __all__ = [
     "build_model",
     "classifier_of",
     "imagenet_weights_path",
+    "is_pretrained",
     "load_matching",
     "load_pretrained_mobilenet_v2",
     "load_state_dict_file",

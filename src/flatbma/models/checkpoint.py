@@ -101,9 +101,31 @@ def load_matching(model: nn.Module, state_dict: Mapping[str, Tensor], *, source:
         reset = getattr(module, "reset_parameters", None)
         if callable(reset):
             reset()
+        _mark_pretrained(model, body)
         return True
     model.load_state_dict(dict(state_dict), strict=True)
+    _mark_pretrained(model, state_dict)
     return False
+
+
+_PRETRAINED = "_flatbma_pretrained"
+"""Attribute set on a parameter whose values were loaded from a checkpoint (:func:`is_pretrained`)."""
+
+
+def _mark_pretrained(model: nn.Module, loaded: Mapping[str, Tensor]) -> None:
+    for name, param in model.named_parameters():
+        if name in loaded:
+            setattr(param, _PRETRAINED, True)
+
+
+def is_pretrained(param: Tensor) -> bool:
+    """Whether ``param``'s values were loaded from a checkpoint by :func:`load_matching` (not randomly initialized).
+
+    The mark is on the parameter object itself, so it survives renaming or wrapping the module that holds it;
+    a head re-initialized or replaced for another class count is not marked. Independent members of a mixture
+    re-draw only parameters that are not pretrained (:func:`flatbma.posteriors.members.member_initializations`).
+    """
+    return bool(getattr(param, _PRETRAINED, False))
 
 
 def _read_weights_only(path: Path) -> object:

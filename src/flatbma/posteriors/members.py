@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from flatbma.errors import FlatbmaError
+from flatbma.models import classifier_of, is_pretrained
 from flatbma.params import clone
 from flatbma.rng import SEED_BOUND, forked_rng, splitmix64
 from flatbma.types import Params, State, StepOutput
@@ -37,27 +39,42 @@ __all__ = [
 _PREFIX = re.compile(r"member(\d+)/")
 
 
+def _head_name(model: nn.Module) -> str | None:
+    """The qualified name of ``model``'s classifier head, or ``None`` when it has no ``nn.Linear``."""
+    try:
+        return classifier_of(model)[0]
+    except FlatbmaError:
+        return None
+
+
 def member_initializations(
     model: nn.Module, params: Params, buffers: Params, size: int, seed: int
 ) -> list[tuple[Params, Params]]:
     """``(params, buffers)`` of every member: member 0 = the given ones, others re-initialized.
 
-    Every module of ``model`` that has ``reset_parameters`` and whose parameters are all in the trainable
-    set (the keys of ``params``) is re-initialized for member ``m ≥ 1``; the rest — frozen (pretrained)
-    parts, and trainable parameters of modules without ``reset_parameters`` — is shared with member 0.
-    The buffers of re-initialized modules (BatchNorm statistics) are reset with them.
+    Every module of ``model`` that has ``reset_parameters``, whose parameters are all in the trainable
+    set (the keys of ``params``) and that is either the classifier head (:func:`flatbma.models.classifier_of`)
+    or holds no parameter loaded from a pretrained checkpoint (:func:`flatbma.models.is_pretrained`) is
+    re-initialized for member ``m ≥ 1``; the rest — frozen parts,
+    trainable pretrained parts (the BatchNorm layers of the norm+classifier transfer scheme keep their
+    pretrained affine parameters and statistics in every member), and trainable parameters of modules
+    without ``reset_parameters`` — is shared with member 0: members differ where the single model was
+    randomly initialized (a from-scratch network everywhere, a pretrained one in its new head), as a deep
+    ensemble for transfer learning does. The buffers of re-initialized modules are reset with them.
 
     Member ``m ≥ 1`` is drawn with torch's RNG seeded by the ``m``-th integer drawn from a generator
     seeded with ``seed``, on a forked copy of the RNG (the global stream is untouched); the model's own
     parameters and buffers are restored before returning.
     """
     trainable = set(params)
+    head = _head_name(model)
     resettable = [
         (name, module)
         for name, module in model.named_modules()
         if callable(getattr(module, "reset_parameters", None))
         and (names := [_join(name, k) for k, _ in module.named_parameters()])
         and all(k in trainable for k in names)
+        and (name == head or not any(is_pretrained(p) for p in module.parameters()))
     ]
     reset_params = {_join(n, k) for n, mod in resettable for k, _ in mod.named_parameters()}
     reset_buffers = {_join(n, k) for n, mod in resettable for k, _ in mod.named_buffers()} & set(buffers)
