@@ -24,11 +24,13 @@ F64 = torch.float64
 SIGMA = 0.5
 
 
-def _regression(x, y, delta, hessian):
-    """Model ``y = W x`` at its MAP under ``N(0, δ⁻¹I)``, the curvature blocks and ``Σ_i ℓ_i`` (with constants)."""
+def _regression(x, y, delta, hessian, w0=None):
+    """Model ``y = W x`` at its MAP under ``N(W₀, δ⁻¹I)`` (``W₀ = w0``, default 0), the curvature blocks and
+    ``Σ_i ℓ_i`` (with constants)."""
     n, p = x.shape
     m = y.shape[1]
-    w = torch.linalg.solve(x.mT @ x / SIGMA**2 + delta * torch.eye(p, dtype=F64), x.mT @ y / SIGMA**2).mT  # [m, p]
+    rhs = x.mT @ y / SIGMA**2 if w0 is None else x.mT @ y / SIGMA**2 + delta * w0.mT  # [p, m]
+    w = torch.linalg.solve(x.mT @ x / SIGMA**2 + delta * torch.eye(p, dtype=F64), rhs).mT  # [m, p]
     model = nn.Linear(p, m, bias=False).to(F64)
     with torch.no_grad():
         model.weight.copy_(w)
@@ -41,10 +43,16 @@ def _regression(x, y, delta, hessian):
     return est.blocks(acc, n, n), params, nll
 
 
-def _closed_form(x, y, delta):
+def _closed_form(x, y, delta, w0=None):
+    """``Σ_j log N(y_j; X w₀_j, σ²I + XXᵀ/δ)``: the evidence of ``y = Wx + ε`` under ``W ~ N(W₀, δ⁻¹I)``."""
     cov = SIGMA**2 * torch.eye(x.shape[0], dtype=F64) + x @ x.mT / delta
-    dist = torch.distributions.MultivariateNormal(torch.zeros(x.shape[0], dtype=F64), covariance_matrix=cov)
-    return float(sum(dist.log_prob(y[:, j]) for j in range(y.shape[1])))
+    means = torch.zeros_like(y) if w0 is None else x @ w0.mT  # [n, m]
+    return float(
+        sum(
+            torch.distributions.MultivariateNormal(means[:, j], covariance_matrix=cov).log_prob(y[:, j])
+            for j in range(y.shape[1])
+        )
+    )
 
 
 def _data(n=20, p=4, m=1, orthogonal=False, seed=0):
@@ -124,3 +132,37 @@ def test_layerwise_is_refused_for_the_full_ggn():
         optimize_prior(blocks, params, 1.0, "layerwise")
     with pytest.raises(FlatbmaError, match="prior_structure must be one of"):
         optimize_prior(blocks, params, 1.0, "per-layer")
+
+
+@pytest.mark.parametrize(
+    ("hessian", "m", "orthogonal"), [("full", 1, False), ("diag", 1, True), ("kfac", 3, False), ("full", 3, False)]
+)
+@pytest.mark.parametrize("delta", [0.3, 4.0])
+def test_the_evidence_with_a_shifted_prior_mean_is_exact_for_bayesian_linear_regression(hessian, m, orthogonal, delta):
+    """Prior ``N(W₀, δ⁻¹I)`` (L2-SP): ``log Z`` with ``‖w* − w₀‖²`` equals ``log N(y; X W₀ᵀ, σ²I + XXᵀ/δ)``."""
+    x, y = _data(m=m, orthogonal=orthogonal)
+    w0 = 1.5 + torch.randn(m, x.shape[1], generator=torch.Generator().manual_seed(7), dtype=F64)
+    blocks, params, nll = _regression(x, y, delta, hessian, w0)
+    expected = _closed_form(x, y, delta, w0)
+    assert log_evidence(blocks, params, nll, delta, 1.0, {"weight": w0}) == pytest.approx(
+        expected, rel=1e-12, abs=1e-10
+    )
+    assert log_evidence(blocks, params, nll, delta, 1.0) != pytest.approx(expected, rel=1e-3)  # not the zero-mean one
+    zeros = {"weight": torch.zeros_like(w0)}  # w₀ = 0 is the zero-mean prior, to the last bit
+    assert log_evidence(blocks, params, nll, delta, 1.0, zeros) == log_evidence(blocks, params, nll, delta, 1.0)
+
+
+def test_the_prior_solve_around_a_prior_mean_finds_the_grid_maximum_and_mackays_fixed_point():
+    x, y = _data(seed=3)
+    w0 = torch.full((1, x.shape[1]), 2.0, dtype=F64)
+    blocks, params, nll = _regression(x, y, 1.0, "full", w0)
+    prior_mean = {"weight": w0}
+    delta = optimize_prior(blocks, params, 1.0, "scalar", prior_mean)["full"]
+    grid = torch.linspace(math.log(1e-3), math.log(1e3), 10_000, dtype=F64)
+    values = [log_evidence(blocks, params, nll, math.exp(t), 1.0, prior_mean) for t in grid.tolist()]
+    assert abs(math.log(delta) - float(grid[int(torch.tensor(values).argmax())])) <= float(grid[1] - grid[0])
+    gamma = effective_parameters(blocks, delta, 1.0)
+    assert delta * float((params["weight"] - w0).square().sum()) == pytest.approx(gamma, rel=1e-8)
+    assert delta != pytest.approx(optimize_prior(blocks, params, 1.0, "scalar")["full"], rel=1e-2)
+    with pytest.raises(FlatbmaError, match=r"the prior mean has no entry for parameter\(s\) \['weight'\]"):
+        optimize_prior(blocks, params, 1.0, "scalar", {})

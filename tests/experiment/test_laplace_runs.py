@@ -23,6 +23,7 @@ from flatbma.experiment.cli import main
 from flatbma.experiment.config import config_from_dict
 from flatbma.experiment.methods import METHODS, parse_method
 from flatbma.experiment.run import load_run, load_run_config, resume_config, train
+from flatbma.models import build_model, classifier_of
 from flatbma.posteriors import laplace
 from flatbma.predict import linearized_predictions, sample_log_probs
 from flatbma.predictor import trained_names
@@ -135,6 +136,12 @@ def test_flatbma_methods_lists_laplace_and_f_laplace_with_their_options():
         ({"name": "laplace", "start_step": 9}, {}, "method.start_step=9 is past train.epochs=2"),
         ({"name": "laplace", "hessian": "full", "max_full": 50}, {}, "method.hessian: full needs d <= method.max_full"),
         ({"name": "laplace", "temperature": -1}, {}, "method.temperature must be a positive number"),
+        ({"name": "laplace", "prior_mean": "init"}, {}, "prior_mean must be one of 'zero', 'pretrained', got 'init'"),
+        (
+            {"name": "laplace", "prior_mean": "pretrained"},
+            {},
+            "method.prior_mean: pretrained centres the prior at the pretrained weights, but model.pretrained is null",
+        ),
         (
             {"name": "multi", "members": 3, "of": {"name": "laplace"}},
             {},
@@ -211,6 +218,11 @@ def test_existing_methods_resolve_and_train_as_before():
         assert hashlib.sha256(json.dumps(cfg.to_dict(), sort_keys=True).encode()).hexdigest()[:16] == digest, name
         assert cfg.epochs == 3 and parse_method(name).extra_epochs() == 0, name
     assert set(RESOLVED) | {"laplace", "f-laplace"} == set(METHODS)
+    # Laplace's resolved config: the main tree's before prior_mean, plus prior_mean: zero
+    for name, digest in {"laplace": "fdc4d784a4f1ba1d", "f-laplace": "c08f54728837e42d"}.items():
+        resolved = config_from_dict({"method": {"name": name}, "train": {"epochs": 3}}).to_dict()
+        assert resolved["method"].pop("prior_mean") == "zero", name
+        assert hashlib.sha256(json.dumps(resolved, sort_keys=True).encode()).hexdigest()[:16] == digest, name
     multi_laplace = config_from_dict({"method": {"name": "multi", "members": 1, "of": {"name": "laplace"}}})
     assert multi_laplace.epochs == multi_laplace.train.epochs + 1
 
@@ -221,3 +233,66 @@ def test_a_resume_cannot_move_the_end_of_the_map_phase_once_the_curvature_epoch_
         resume_config(laplace_dir, ["train.epochs=4"])
     cfg, change = resume_config(runs["sgd"].experiment.config.output_dir, ["train.epochs=4"])  # a point run may
     assert cfg.train.epochs == 4 and "train.epochs" in change.changed
+
+
+def test_a_pretrained_prior_mean_run_stores_w0_resumes_bit_identically_and_the_cli_takes_it(tmp_path):
+    """``prior_mean: pretrained`` on a cnn loaded from a 4-class checkpoint (its 10-class head re-drawn): ``w₀``
+    in the checkpoint is the loaded values and 0 for the head, the run resumes and evaluates to the same bits."""
+    source = build_model("cnn", num_classes=4, in_channels=1, image_size=8, width=4, seed=1)
+    with torch.no_grad():
+        for t in source.parameters():
+            t.add_(0.5)
+    torch.save(source.state_dict(), tmp_path / "pretrained.pt")
+    model = {"pretrained": str(tmp_path / "pretrained.pt"), "trainable": "norm+classifier"}
+    method = {"name": "laplace", "hessian": "diag", "prior_mean": "pretrained"}
+    raw = {**copy.deepcopy(BASE), "method": method, "output_dir": str(tmp_path / "ref")}
+    raw["model"] = {**raw["model"], **model}
+    (tmp_path / "c.yaml").write_text(json.dumps(raw))
+    code, _, err = _cli(["train", "--config", str(tmp_path / "c.yaml")])
+    assert code in (0, None), err
+    ref_dir = tmp_path / "ref"
+    ref = load_checkpoint(ref_dir / "checkpoint.safetensors")[0]
+    w0 = {k[len(laplace.PRIOR_MEAN) :]: v for k, v in ref.aux.items() if k.startswith(laplace.PRIOR_MEAN)}
+    assert w0.keys() == ref.params.keys()
+    for k, v in w0.items():
+        expected = torch.zeros_like(v) if k.startswith(classifier_of(source)[0] + ".") else source.state_dict()[k]
+        assert torch.equal(v, expected) and v.dtype == ref.params[k].dtype, k
+    assert any(torch.count_nonzero(v) == 0 for v in w0.values()) and any(torch.all(v != 0) for v in w0.values())
+    ref_metrics = json.loads((ref_dir / "metrics.json").read_text())
+    info = ref_metrics["diagnostics"]
+    sq = sum(float((ref.params[k].double() - w0[k].double()).square().sum()) for k in w0)
+    assert info["prior_precision"] * sq == pytest.approx(info["effective_params"], rel=1e-6)
+    exp, state = load_run(load_run_config(ref_dir))  # evaluation of the run directory: the same fit
+    assert exp.method.diagnostics(state) == info
+    cfg = _config(tmp_path, "run", method, model=model)
+    with crash_after(stage, 7):  # mid-way through the curvature epoch
+        train(cfg)
+    again = train(cfg, resume=True)
+    b = _state(again)
+    for section in ("params", "buffers", "aux"):
+        x, y = getattr(ref, section), getattr(b, section)
+        assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x), section
+    assert {k: again.metrics[k] for k in METRICS} == {k: ref_metrics[k] for k in METRICS}
+    assert again.metrics["diagnostics"] == info
+
+
+def test_fit_posterior_with_a_pretrained_prior_mean_round_trips_through_load_posterior(tmp_path):
+    source = build_model("cnn", num_classes=4, in_channels=1, image_size=8, width=4, seed=1)
+    path = tmp_path / "pretrained.pt"
+    torch.save(source.state_dict(), path)
+
+    def pretrained():  # a 3-class head re-drawn on the loaded network
+        return build_model("cnn", num_classes=3, in_channels=1, image_size=8, width=4, pretrained=path)
+
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(32, 1, 8, 8, generator=g), torch.randint(0, 3, (32,), generator=g)
+    loader = DataLoader(TensorDataset(x, y), batch_size=16, shuffle=True, generator=torch.Generator().manual_seed(1))
+    torch.manual_seed(0)
+    bma = flatbma.fit_posterior(
+        pretrained(), loader, "laplace", epochs=1, lr=0.05, num_samples=3, hessian="diag", prior_mean="pretrained"
+    )
+    assert any(k.startswith(laplace.PRIOR_MEAN) for k in bma.state.aux)
+    bma.save(tmp_path / "bma.safetensors")
+    loaded = flatbma.load_posterior(tmp_path / "bma.safetensors", pretrained(), loader)
+    assert torch.equal(loaded.predict_log_proba(x), bma.predict_log_proba(x))
+    assert loaded.method.diagnostics(loaded.state) == bma.method.diagnostics(bma.state)

@@ -188,7 +188,7 @@ def test_the_transfer_pipeline_with_a_short_first_stage_is_refused_before_it_tra
     assert not (tmp_path / "run").exists()
     # a short second stage is fine: the first still collects its 24 snapshots
     shape = validate_run(load_config(path, ["train.epochs=2"]))
-    assert shape == RunShape(steps_per_epoch=4, num_train=100, num_test=1000, num_classes=10)
+    assert shape == RunShape(steps_per_epoch=4, num_train=100, num_test=1000, num_classes=10, pretrained=True)
 
 
 def test_a_config_within_its_means_passes_and_trains(tmp_path):

@@ -9,12 +9,14 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call, jvp
 
-from flatbma.curvature import estimator, log_evidence, optimize_prior
+from flatbma.curvature import effective_parameters, estimator, log_evidence, optimize_prior
 from flatbma.errors import FlatbmaError
+from flatbma.models import build_model, classifier_of
 from flatbma.optim import SAM, SGD
 from flatbma.params import Objective, model_buffers, trainable_params
 from flatbma.posteriors import laplace, members, multi, point
 from flatbma.predict import Linearized, Probit, eval_mode, linearized_predictions, sample_log_probs
+from flatbma.transfer import Subset, restrict_trainable, subset_names
 from flatbma.types import Predictive
 from tests.helpers import tiny_bn_net, toy_batch
 
@@ -167,6 +169,86 @@ def test_multi_of_one_laplace_member_is_laplace_bit_for_bit():
     assert torch.equal(base.functional_variance(sa, jac), wrapped.functional_variance(sb, jac))
     with pytest.raises(FlatbmaError, match=r"set method\.of\.predictive: samples, or method\.members: 1"):
         multi.build(Objective(model=tiny_bn_net()), base, members=3)
+
+
+# --------------------------------------------------------------------------------------------------
+# the prior mean: zero, or the pretrained weights (L2-SP)
+
+
+def _pretrained_cnn(tmp_path, trainable=Subset.NORM_CLASSIFIER):
+    """A 4-class cnn loaded from a 10-class checkpoint (its head re-drawn); the checkpoint's tensors."""
+    source = build_model("cnn", num_classes=10, in_channels=1, image_size=8, width=4, seed=1)
+    with torch.no_grad():
+        for t in source.parameters():
+            t.add_(0.5)  # pretrained values unlike any fresh initialization (BatchNorm weight 1.5, ...)
+    torch.save(source.state_dict(), tmp_path / "pretrained.pt")
+    net = build_model("cnn", num_classes=4, in_channels=1, image_size=8, width=4, pretrained=tmp_path / "pretrained.pt")
+    restrict_trainable(net, subset_names(net, trainable))
+    return net.train(), source.state_dict()
+
+
+def _image_batches(steps):
+    g = torch.Generator().manual_seed(0)
+    return [(torch.randn(8, 1, 8, 8, generator=g), torch.randint(0, 4, (8,), generator=g)) for _ in range(steps)]
+
+
+def test_a_pretrained_prior_mean_is_stored_and_enters_only_the_evidence_and_delta(tmp_path):
+    """``w₀`` = the pretrained values of the loaded tensors, 0 for the re-drawn head; ``δ‖w* − w₀‖² = γ``; the
+    MAP, the curvature and (at a fixed δ) the samples are those of ``prior_mean: zero``."""
+    runs = {}
+    for prior_mean in ("zero", "pretrained"):
+        for precision in (None, 3.0):
+            torch.manual_seed(0)
+            net, checkpoint = _pretrained_cnn(tmp_path)
+            obj = Objective(model=net, num_data=16)
+            method = laplace.build(
+                obj, SGD(lr=0.1), start_step=2, hessian="diag", prior_mean=prior_mean, prior_precision=precision
+            )
+            state = method.init(trainable_params(net), model_buffers(net))
+            for batch in _image_batches(4):
+                state, _ = method.update(state, batch)
+            runs[prior_mean, precision] = (method, state)
+    head = classifier_of(net)[0] + "."
+    _, zero = runs["zero", None]
+    method, state = runs["pretrained", None]
+    assert not any(k.startswith(laplace.PRIOR_MEAN) for k in zero.aux)  # zero: the state as before
+    w0 = {k[len(laplace.PRIOR_MEAN) :]: v for k, v in state.aux.items() if k.startswith(laplace.PRIOR_MEAN)}
+    assert w0.keys() == state.params.keys() and any(k.startswith(head) for k in w0)
+    for k, v in w0.items():
+        expected = torch.zeros_like(v) if k.startswith(head) else checkpoint[k]
+        assert v.dtype == state.params[k].dtype and torch.equal(v, expected), k
+    assert not torch.equal(state.params[next(iter(w0))], w0[next(iter(w0))])  # w* moved away from w₀
+    for section in ("params", "buffers"):
+        assert _equal(getattr(state, section), getattr(zero, section)), section
+    assert _equal({k: v for k, v in state.aux.items() if not k.startswith(laplace.PRIOR_MEAN)}, zero.aux)
+    info = method.diagnostics(state)
+    w, delta = state.params, info["prior_precision"]
+    sq = sum(float((w[k].double() - w0[k].double()).square().sum()) for k in w)
+    assert delta * sq == pytest.approx(info["effective_params"], rel=1e-8)  # MacKay's fixed point around w₀
+    est = estimator("diag", "ggn", net, w, num_data=16, num_classes=4)
+    own = {k: v for k, v in zero.aux.items() if k.startswith(laplace.PREFIX) and k not in (laplace.SEEN, laplace.NLL)}
+    blocks = est.blocks({k[len(laplace.PREFIX) :]: v for k, v in own.items()}, 16, 16)
+    nll = float(state.aux[laplace.NLL])
+    assert info["log_evidence"] == pytest.approx(log_evidence(blocks, w, nll, delta, 1.0, w0), rel=1e-12)
+    assert info["effective_params"] == pytest.approx(effective_parameters(blocks, delta, 1.0), rel=1e-12)
+    assert delta != pytest.approx(runs["zero", None][0].diagnostics(zero)["prior_precision"], rel=1e-2)
+    assert _equal(method.mean(state), runs["zero", None][0].mean(zero))  # post hoc: the mean stays w*
+    (fz, sz), (fp, sp) = runs["zero", 3.0], runs["pretrained", 3.0]
+    draws = [m.sample(st, 2, torch.Generator().manual_seed(5)) for m, st in ((fz, sz), (fp, sp))]
+    assert all(map(_equal, *draws))  # a fixed δ: the same posterior, only the evidence differs
+    assert fz.diagnostics(sz)["log_evidence"] != fp.diagnostics(sp)["log_evidence"]
+
+
+def test_a_pretrained_prior_mean_needs_a_trained_tensor_loaded_from_a_checkpoint(tmp_path):
+    with pytest.raises(FlatbmaError, match=r"method\.prior_mean must be one of") as err:
+        laplace.build(Objective(model=tiny_bn_net()), SGD(lr=0.1), prior_mean="init")
+    assert "\n" not in str(err.value)
+    net, _ = _pretrained_cnn(tmp_path, Subset.CLASSIFIER)  # only the re-drawn head is trained: nothing pretrained
+    for model in (tiny_bn_net(), net):
+        method = laplace.build(Objective(model=model), SGD(lr=0.1), prior_mean="pretrained")
+        with pytest.raises(FlatbmaError, match="nothing is pretrained") as err:
+            method.init(trainable_params(model), model_buffers(model))
+        assert "\n" not in str(err.value) and "prior_mean: zero" in str(err.value)
 
 
 # --------------------------------------------------------------------------------------------------

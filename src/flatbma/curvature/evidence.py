@@ -1,18 +1,20 @@
 """The Laplace approximation to the evidence and its maximization over the prior precision.
 
-With the prior ``N(0, diag δ⁻¹)`` (``δ_g`` on block ``g``), the point ``w*`` fixed and the curvature
-``H`` of the summed loss, the Laplace approximation of ``log p(D) = log ∫ p(D|w) p(w) dw`` is (MacKay
-1992; Immer et al. 2021; the ``2π`` terms cancel)
+With the prior ``N(w₀, diag δ⁻¹)`` (``δ_g`` on block ``g``; the mean ``w₀`` is 0 unless given: a
+pretrained network's values, the L2-SP prior of Li, Grandvalet & Davoine 2018), the point ``w*`` fixed and
+the curvature ``H`` of the summed loss, the Laplace approximation of ``log p(D) = log ∫ p(D|w) p(w) dw`` is
+(MacKay 1992; Immer et al. 2021; the ``2π`` terms cancel)
 
-    ``log Z(δ) = −Σ_i ℓ_i(w*) − ½ Σ_g δ_g ‖w*_g‖² + ½ Σ_g d_g log δ_g − ½ log det(H/T + diag δ)``,
+    ``log Z(δ) = −Σ_i ℓ_i(w*) − ½ Σ_g δ_g ‖w*_g − w₀_g‖² + ½ Σ_g d_g log δ_g − ½ log det(H/T + diag δ)``,
 
 exact for a linear-Gaussian model at its posterior mode. ``H`` is block-diagonal, so with ``λ_gj ≥ 0``
-the eigenvalues of block ``g`` and ``t = log δ``, each block contributes ``f_g(t)`` with
+the eigenvalues of block ``g``, ``s_g = ‖w*_g − w₀_g‖²`` and ``t = log δ``, each block contributes
+``f_g(t)`` with
 
-    ``f_g'(t) = ½(γ_g(δ) − δ‖w*_g‖²)``,  ``γ_g = Σ_j (λ_gj/T) / (λ_gj/T + δ)``  (MacKay's effective number
-    of parameters),  ``f_g''(t) = −½δ‖w*_g‖² − ½Σ_j (λ_gj/T)δ / (λ_gj/T + δ)² < 0``,
+    ``f_g'(t) = ½(γ_g(δ) − δ s_g)``,  ``γ_g = Σ_j (λ_gj/T) / (λ_gj/T + δ)``  (MacKay's effective number
+    of parameters),  ``f_g''(t) = −½δ s_g − ½Σ_j (λ_gj/T)δ / (λ_gj/T + δ)² < 0``,
 
-so ``f`` is strictly concave in ``t`` and is maximized where ``δ‖w*‖² = γ`` (MacKay's fixed point). A
+so ``f`` is strictly concave in ``t`` and is maximized where ``δ‖w* − w₀‖² = γ`` (MacKay's fixed point). A
 ``scalar`` prior maximizes ``Σ_g f_g`` over one ``t``; a ``layerwise`` prior each ``f_g`` alone.
 """
 
@@ -38,20 +40,36 @@ F64 = torch.float64
 _log = logging.getLogger(__name__)
 
 
-def _sq_norm(blocks: Blocks, mean: Mapping[str, Tensor], block: str) -> float:
+def _sq_norm(
+    blocks: Blocks, mean: Mapping[str, Tensor], block: str, prior_mean: Mapping[str, Tensor] | None = None
+) -> float:
+    """``‖w*_g − w₀_g‖²`` in float64 (``‖w*_g‖²`` when ``prior_mean`` is ``None``)."""
     names = blocks.params_of(block)
-    missing = [n for n in names if n not in mean]
-    if missing:
-        raise FlatbmaError(f"the mean has no entry for parameter(s) {missing[:3]} of the curvature")
-    return float(sum(mean[n].detach().to(F64).square().sum() for n in names))
+    for what, tensors in (("mean", mean), ("prior mean", prior_mean)):
+        missing = [n for n in names if tensors is not None and n not in tensors]
+        if missing:
+            raise FlatbmaError(f"the {what} has no entry for parameter(s) {missing[:3]} of the curvature")
+    if prior_mean is None:
+        return float(sum(mean[n].detach().to(F64).square().sum() for n in names))
+    return float(sum((mean[n].detach().to(F64) - prior_mean[n].detach().to(F64)).square().sum() for n in names))
 
 
-def log_evidence(blocks: Blocks, mean: Mapping[str, Tensor], nll: float, delta: Precision, temperature: float) -> float:
-    """``log Z(δ)`` of the module docstring, with ``nll = Σ_i ℓ_i(w*)`` (the summed, not mean, loss)."""
+def log_evidence(
+    blocks: Blocks,
+    mean: Mapping[str, Tensor],
+    nll: float,
+    delta: Precision,
+    temperature: float,
+    prior_mean: Mapping[str, Tensor] | None = None,
+) -> float:
+    """``log Z(δ)`` of the module docstring, with ``nll = Σ_i ℓ_i(w*)`` (the summed, not mean, loss).
+
+    ``prior_mean``: ``w₀`` by parameter name, or ``None`` for the zero-mean prior ``N(0, δ⁻¹I)``.
+    """
     deltas = blocks.deltas(delta)
     total = -float(nll) - 0.5 * blocks.logdet(deltas, temperature)
     for g in blocks.names:
-        total += -0.5 * deltas[g] * _sq_norm(blocks, mean, g) + 0.5 * blocks.dim(g) * math.log(deltas[g])
+        total += -0.5 * deltas[g] * _sq_norm(blocks, mean, g, prior_mean) + 0.5 * blocks.dim(g) * math.log(deltas[g])
     return total
 
 
@@ -66,21 +84,29 @@ def _gamma(lam: Tensor, delta: float) -> float:
 
 
 def optimize_prior(
-    blocks: Blocks, mean: Mapping[str, Tensor], temperature: float, structure: PriorStructure | str
+    blocks: Blocks,
+    mean: Mapping[str, Tensor],
+    temperature: float,
+    structure: PriorStructure | str,
+    prior_mean: Mapping[str, Tensor] | None = None,
 ) -> dict[str, float]:
     """The prior precisions ``δ_g`` maximizing :func:`log_evidence` (one for all blocks, or one per block).
 
     Bisection on the sign of the decreasing ``f'(t)`` over ``t = log δ ∈ [log 1e−8, log 1e8]``, then a
     Newton iteration safeguarded by the bracket, to ``|f'(t)| ≤ 10⁻¹⁰·d`` (``d`` the dimension of the
-    problem). Where ``f'`` keeps its sign over the bracket (``‖w*_g‖ = 0``: ``f' > 0``; no curvature,
-    ``γ ≡ 0``: ``f' < 0``) the bracket's end is returned (and logged).
+    problem): ``δ‖w* − w₀‖² = γ``, with ``w₀ = prior_mean`` (``None``: 0). Where ``f'`` keeps its sign over
+    the bracket (``w*_g = w₀_g``: ``f' > 0``; no curvature, ``γ ≡ 0``: ``f' < 0``) the bracket's end is
+    returned (and logged).
 
     Raises:
         FlatbmaError: ``layerwise`` with a block over several tensors (the full GGN).
     """
     structure = parse_option(PriorStructure, structure, "prior_structure")
     t = check_temperature(temperature)
-    problems = {g: (blocks.eigenvalues(g).to(F64) / t, _sq_norm(blocks, mean, g), blocks.dim(g)) for g in blocks.names}
+    problems = {
+        g: (blocks.eigenvalues(g).to(F64) / t, _sq_norm(blocks, mean, g, prior_mean), blocks.dim(g))
+        for g in blocks.names
+    }
     if structure is PriorStructure.SCALAR:
         lam = torch.cat([p[0] for p in problems.values()])
         value = _solve(lam, sum(p[1] for p in problems.values()), sum(p[2] for p in problems.values()), "all weights")
@@ -95,7 +121,7 @@ def optimize_prior(
 
 
 def _solve(lam: Tensor, sq_norm: float, dim: int, what: str) -> float:
-    """``δ`` maximizing ``½ d log δ − ½ δ‖w‖² − ½ Σ log(λ + δ)`` (the eigenvalues ``λ`` already divided by ``T``)."""
+    """``δ`` maximizing ``½ d log δ − ½ δ s − ½ Σ log(λ + δ)``, ``s = sq_norm = ‖w − w₀‖²`` (``λ`` divided by ``T``)."""
 
     def slope(t: float) -> float:
         d = math.exp(t)
@@ -108,7 +134,7 @@ def _solve(lam: Tensor, sq_norm: float, dim: int, what: str) -> float:
     lo, hi = (math.log(v) for v in DELTA_RANGE)
     if slope(hi) >= 0:
         _log.info(
-            "prior precision of %s: the evidence still rises at δ = %g (‖w‖ = 0?); using it", what, DELTA_RANGE[1]
+            "prior precision of %s: the evidence still rises at δ = %g (‖w − w₀‖ = 0?); using it", what, DELTA_RANGE[1]
         )
         return DELTA_RANGE[1]
     if slope(lo) <= 0:

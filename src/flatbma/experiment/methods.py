@@ -556,7 +556,9 @@ def _laplace_of(default: str) -> Callable[..., Posterior]:
 
 
 def check_laplace(method: MethodConfig, stage: Stage) -> None:
-    """Laplace: its options, a curvature epoch after the MAP, and a ``full`` Hessian that fits ``max_full``.
+    """Laplace: options, a curvature epoch, a ``full`` Hessian within ``max_full``, a pretrained net for ``w₀``.
+
+    ``prior_mean: pretrained`` needs ``model.pretrained``.
 
     The run takes :attr:`MethodSpec.extra_epochs` = 1 epoch beyond ``stage.epochs``, so ``start_step``
     (MAP updates) must be at most ``stage.steps`` for the curvature to see a whole epoch.
@@ -564,6 +566,11 @@ def check_laplace(method: MethodConfig, stage: Stage) -> None:
     o, key = method.options, stage.key
     options = {k: o[k] for k in inspect.signature(laplace.check_options).parameters if k != "where"}
     laplace.check_options(**options, where=stage.method_key)
+    if laplace.PriorMean(o["prior_mean"]) is laplace.PriorMean.PRETRAINED and not stage.shape.pretrained:
+        raise FlatbmaError(
+            f"{key('prior_mean')}: pretrained centres the prior at the pretrained weights, but model.pretrained is "
+            f"null (nothing is pretrained): set model.pretrained, or use {key('prior_mean')}: zero"
+        )
     start = o["start_step"]
     if start is not None and start > stage.steps:
         raise FlatbmaError(
@@ -584,7 +591,8 @@ def check_laplace(method: MethodConfig, stage: Stage) -> None:
 
 
 _LAPLACE_PRIOR = (
-    "its prior is N(0, δ⁻¹I) (method.prior_precision), fitted around the MAP it trains: remove the prior section"
+    "its prior is N(w₀, δ⁻¹I) (method.prior_mean, method.prior_precision), fitted around the MAP it trains: remove "
+    "the prior section"
 )
 
 

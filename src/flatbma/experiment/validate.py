@@ -47,6 +47,7 @@ class RunShape:
         num_test: test examples the metrics are computed on (``data.test_limit`` applied).
         num_trainable: trained weights (the Hessian's dimension), or ``None`` when not computed.
         num_classes: classes of the training data, or ``None`` when not known.
+        pretrained: whether the network starts from a checkpoint (``model.pretrained`` is set).
     """
 
     steps_per_epoch: int
@@ -54,6 +55,7 @@ class RunShape:
     num_test: int
     num_trainable: int | None = None
     num_classes: int | None = None
+    pretrained: bool = False
 
 
 @dataclass(frozen=True)
@@ -131,6 +133,7 @@ def run_shape(cfg: RunConfig, splits: DatasetSplits | None = None, *, trainable:
         num_test=len(data.test),
         num_trainable=count,
         num_classes=data.train.num_classes,
+        pretrained=cfg.model.pretrained is not None,
     )
 
 

@@ -3,8 +3,9 @@
 ``w*`` is a point estimate (:func:`flatbma.posteriors.point.step`: SGD, or SAM/ASAM/Fisher-SAM with an
 ascent step — F-Laplace), ``H`` the generalized Gauss-Newton (or empirical Fisher) of the summed
 training loss at ``w*`` in a diagonal, Kronecker-factored or full structure (:mod:`flatbma.curvature`),
-``δ`` the precision of the prior ``N(0, δ⁻¹I)`` — fixed, or maximizing the Laplace evidence (MacKay
-1992; Immer et al. 2021) — and ``T`` a temperature. The posterior's predictive is the network linearized
+``δ`` the precision of the prior ``N(w₀, δ⁻¹I)`` — fixed, or maximizing the Laplace evidence (MacKay
+1992; Immer et al. 2021) — with ``w₀ = 0`` or the pretrained weights (L2-SP; Li, Grandvalet & Davoine
+2018), and ``T`` a temperature. The posterior's predictive is the network linearized
 at ``w*`` (the GLM predictive of Immer, Korzepa & Bauer 2021), its probit approximation, or the network
 itself on the samples (:class:`flatbma.types.Predictive`; Daxberger et al. 2021, "Laplace Redux").
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass, replace
+from enum import Enum
 
 import torch
 import torch.nn.functional as F
@@ -33,7 +35,7 @@ from flatbma.curvature import (
 )
 from flatbma.curvature.options import parse_option
 from flatbma.errors import FlatbmaError
-from flatbma.models import classifier_of
+from flatbma.models import classifier_of, is_pretrained
 from flatbma.params import Objective, clone
 from flatbma.posteriors.point import step as point_step
 from flatbma.posteriors.point import weights_of
@@ -46,12 +48,27 @@ SEEN = PREFIX + "seen"
 """``aux`` entry: examples whose curvature was accumulated (int64; this process's, under data parallelism)."""
 NLL = PREFIX + "nll"
 """``aux`` entry: ``Σ ℓ_i(w*)`` over those examples (float64), for the reported evidence."""
+PRIOR_MEAN = PREFIX + "prior_mean/"
+"""Prefix of the ``aux`` entries ``w₀`` of ``prior_mean: pretrained``, one per trained tensor (its dtype)."""
 
 _MEMO_SIZE = 4
 """Fitted states kept, latest first (``multi`` of Laplace asks for each member's in turn); a fit holds its state's
 tensors and ``H``'s eigendecomposition (the dual form's ``V`` is ``d × r`` float64)."""
 
 _log = logging.getLogger(__name__)
+
+
+class PriorMean(str, Enum):
+    """The mean ``w₀`` of the prior ``N(w₀, δ⁻¹I)``.
+
+    ``zero``: ``w₀ = 0`` (the point weight decay pulls to). ``pretrained``: ``w₀`` is the value given to
+    ``init`` of every trained tensor loaded from a pretrained checkpoint (:func:`flatbma.models.is_pretrained`)
+    and 0 for the others (a re-initialized head): the L2-SP prior of transfer learning (Li, Grandvalet &
+    Davoine, ICML 2018), which shrinks towards the source network rather than towards 0.
+    """
+
+    ZERO = "zero"
+    PRETRAINED = "pretrained"
 
 
 @dataclass(frozen=True)
@@ -81,6 +98,7 @@ def build(
     curvature: Curvature = Curvature.GGN,
     prior_precision: float | None = None,
     prior_structure: PriorStructure = PriorStructure.SCALAR,
+    prior_mean: PriorMean = PriorMean.ZERO,
     temperature: float = 1.0,
     predictive: Predictive = Predictive.GLM,
     max_full: int = 4096,
@@ -100,10 +118,18 @@ def build(
     (:meth:`flatbma.curvature.Estimator.accumulate`), and the first curvature step also averages the
     BatchNorm running statistics over the processes, so every process linearizes at the same network.
 
+    Prior: ``N(w₀, δ⁻¹I)``, with ``w₀ = 0`` (``prior_mean: zero``) or, with ``prior_mean: pretrained``,
+    the L2-SP mean of Li, Grandvalet & Davoine (2018): the value given to ``init`` of every trained tensor
+    loaded from a pretrained checkpoint (:func:`flatbma.models.is_pretrained`) and 0 for the others (a
+    re-initialized head), kept in the state (``aux["laplace/prior_mean/<name>"]``) so that a checkpoint or a
+    saved predictor holds it. The Laplace approximation stays post hoc: its mean is ``w*``, and ``w₀`` enters
+    only through ``δ`` and the evidence.
+
     Posterior (computed from the state on first use, memoized, never stored): ``δ`` is
-    ``prior_precision``, or the maximizer of the Laplace evidence
-    ``log Z(δ) = −Σ_i ℓ_i(w*) − ½ Σ_g δ_g‖w*_g‖² + ½ Σ_g d_g log δ_g − ½ log det(H/T + diag δ)``
-    (:func:`flatbma.curvature.optimize_prior`; one ``δ`` or one per parameter tensor); ``sample`` returns
+    ``prior_precision``, or the maximizer of the Laplace evidence (MacKay 1992)
+    ``log Z(δ) = −Σ_i ℓ_i(w*) − ½ Σ_g δ_g‖w*_g − w₀_g‖² + ½ Σ_g d_g log δ_g − ½ log det(H/T + diag δ)``,
+    where ``δ‖w* − w₀‖² = γ`` (:func:`flatbma.curvature.optimize_prior`; one ``δ`` or one per parameter
+    tensor); ``sample`` returns
     ``w* + Δ_m``, ``Δ_m ~ N(0, P⁻¹)``; ``mean`` is ``w*`` with its buffers; ``marginal_variance`` is
     ``diag P⁻¹`` and ``functional_variance`` ``diag(J P⁻¹ Jᵀ)``, both exact for the structure;
     ``diagnostics`` report ``δ``, ``log Z(δ)`` and ``γ``. The samples' BatchNorm statistics are
@@ -124,6 +150,8 @@ def build(
         curvature: ``ggn`` or ``ef`` (the empirical Fisher: cheaper, not second-order information).
         prior_precision: a fixed ``δ > 0``, or ``None`` to maximize the evidence.
         prior_structure: ``scalar`` (one ``δ``) or ``layerwise`` (one per parameter tensor; not with ``full``).
+        prior_mean: ``zero`` or ``pretrained`` (:class:`PriorMean`; a model with no trained tensor loaded
+            from a checkpoint is refused at ``init``).
         temperature: ``T > 0`` of ``P = H/T + δ`` (``T < 1`` sharpens the posterior).
         predictive: ``glm``, ``probit`` or ``samples`` (:class:`flatbma.types.Predictive`).
         max_full: ``full``: the primal ``[d, d]`` form up to ``d = max_full``, the dual rows up to
@@ -133,12 +161,13 @@ def build(
         FlatbmaError: an option out of range, a loss other than cross-entropy, and (at ``init``) a
             structure the trained weights or the run cannot take (see :func:`check_options`).
     """
-    hessian, curvature, prior_structure, predictive = check_options(
+    hessian, curvature, prior_structure, prior_mean, predictive = check_options(
         start_step=start_step,
         hessian=hessian,
         curvature=curvature,
         prior_precision=prior_precision,
         prior_structure=prior_structure,
+        prior_mean=prior_mean,
         temperature=temperature,
         predictive=predictive,
         max_full=max_full,
@@ -187,6 +216,8 @@ def build(
         aux.update({PREFIX + k: v for k, v in est.init().items()})
         aux[SEEN] = torch.zeros((), dtype=torch.int64, device=device)
         aux[NLL] = torch.zeros((), dtype=torch.float64, device=device)
+        if prior_mean is PriorMean.PRETRAINED:
+            aux.update({PRIOR_MEAN + k: v for k, v in pretrained_mean(model, params).items()})
         return State(params=params, buffers=clone(buffers), aux=aux)
 
     def update(state: State, batch: Batch) -> tuple[State, StepOutput]:
@@ -218,8 +249,7 @@ def build(
             floats = {k: v for k, v in buffers.items() if v.is_floating_point()}
             averaged = reduce(floats) if floats else {}
             buffers = {k: averaged[k].clone() if k in averaged else v for k, v in buffers.items()}
-        acc = {k[len(PREFIX) :]: v for k, v in state.aux.items() if k.startswith(PREFIX) and k not in (SEEN, NLL)}
-        acc = est.accumulate(acc, state.params, buffers, x, y, offset=seen, reduce=reduce)
+        acc = est.accumulate(_accumulators(state.aux), state.params, buffers, x, y, offset=seen, reduce=reduce)
         with torch.no_grad(), eval_mode(model):
             logits = objective.logits({**state.params, **buffers}, x)
             losses = F.cross_entropy(logits, y, reduction="none")
@@ -254,17 +284,19 @@ def build(
                 "epoch after start_step before sampling"
             )
         est = estimator_of(state.params)
-        acc = {k[len(PREFIX) :]: v for k, v in state.aux.items() if k.startswith(PREFIX) and k not in (SEEN, NLL)}
-        blocks = est.blocks(acc, seen, objective.num_data)
+        blocks = est.blocks(_accumulators(state.aux), seen, objective.num_data)
+        w0 = None
+        if prior_mean is PriorMean.PRETRAINED:
+            w0 = {k[len(PRIOR_MEAN) :]: v for k, v in state.aux.items() if k.startswith(PRIOR_MEAN)}
         if prior_precision is None:
-            delta = optimize_prior(blocks, state.params, temperature, prior_structure)
+            delta = optimize_prior(blocks, state.params, temperature, prior_structure, w0)
         else:
             delta = dict.fromkeys(blocks.names, float(prior_precision))
         nll = float(state.aux[NLL]) * objective.num_data / seen  # the summed loss over the n training examples
         return Fit(
             blocks=blocks,
             delta=delta,
-            log_evidence=log_evidence(blocks, state.params, nll, delta, temperature),
+            log_evidence=log_evidence(blocks, state.params, nll, delta, temperature, w0),
             effective_params=effective_parameters(blocks, delta, temperature),
         )
 
@@ -298,6 +330,34 @@ def build(
     )
 
 
+def pretrained_mean(model: torch.nn.Module, params: Params) -> Params:
+    """``w₀`` of ``prior_mean: pretrained``: ``params`` where ``model`` loaded them from a checkpoint, else zeros.
+
+    A copy of each tensor of ``params`` that :func:`flatbma.models.is_pretrained` marks in ``model``, zeros of
+    its shape and dtype for the others.
+
+    Raises:
+        FlatbmaError: none of ``params`` was loaded from a checkpoint (``w₀`` would be 0: ``prior_mean: zero``).
+    """
+    loaded = {name for name, p in model.named_parameters() if is_pretrained(p)}
+    if not loaded & set(params):
+        raise FlatbmaError(
+            "laplace: prior_mean: pretrained centres the prior at the weights loaded from a pretrained checkpoint, "
+            f"but none of the {len(params)} trained tensors of {type(model).__name__} was (nothing is pretrained): "
+            "set model.pretrained (flatbma.models.build_model(..., pretrained=...)), or use prior_mean: zero"
+        )
+    return {k: v.detach().clone() if k in loaded else torch.zeros_like(v) for k, v in params.items()}
+
+
+def _accumulators(aux: Params) -> Params:
+    """The curvature estimator's accumulators among ``aux`` (its ``laplace/`` entries but the counters and ``w₀``)."""
+    return {
+        k[len(PREFIX) :]: v
+        for k, v in aux.items()
+        if k.startswith(PREFIX) and k not in (SEEN, NLL) and not k.startswith(PRIOR_MEAN)
+    }
+
+
 def describe(fit: Fit) -> dict[str, float]:
     """A fit's :attr:`~flatbma.types.Posterior.diagnostics`: its prior precision, log evidence and γ.
 
@@ -322,11 +382,12 @@ def check_options(
     curvature: object,
     prior_precision: object,
     prior_structure: object,
+    prior_mean: object,
     temperature: object,
     predictive: object,
     max_full: object,
     where: str = "method",
-) -> tuple[Hessian, Curvature, PriorStructure, Predictive]:
+) -> tuple[Hessian, Curvature, PriorStructure, PriorMean, Predictive]:
     """Check :func:`build`'s options (a refusal is one line naming ``{where}.<option>``); return the Enum members."""
     if start_step is not None and (not is_int(start_step) or start_step < 0):
         raise FlatbmaError(
@@ -348,6 +409,7 @@ def check_options(
         parse_option(Hessian, hessian, f"{where}.hessian"),
         parse_option(Curvature, curvature, f"{where}.curvature"),
         parse_option(PriorStructure, prior_structure, f"{where}.prior_structure"),
+        parse_option(PriorMean, prior_mean, f"{where}.prior_mean"),
         parse_option(Predictive, predictive, f"{where}.predictive"),
     )
 
