@@ -1,21 +1,29 @@
 """Cost of one sharpness-aware step relative to one SGD step, measured side by side in one run.
 
-For each model the methods are timed in interleaved rounds on the same batch. The ratio of a method is
-the median over rounds of its step time divided by SGD's step time *in the same round* (paired, so a
-machine that speeds up or slows down during the run moves both alike); the ms columns are medians.
-Goal: SAM, ASAM, FSAM <= 2.1x an SGD step (two forward/backward passes are the floor).
+For each model the methods are timed in interleaved rounds on the same batch. In a round every method
+runs ``--cycle`` consecutive updates and its step time is their mean, so that a method whose steps
+differ in cost (an amortized second pass: one expensive step in ``k``) is timed over whole cycles
+(``--cycle`` a multiple of ``k``). The ratio of a method is the median over rounds of its step time
+divided by SGD's step time *in the same round* (paired, so a machine that speeds up or slows down during
+the run moves both alike); the ms columns are medians.
+Goal: SAM, ASAM, FSAM <= 2.1x an SGD step (two forward/backward passes are the floor); their amortized
+variants (:class:`flatbma.optim.Amortized`, issue #16) <= 1.3x at ``ascent_every`` = 5: ``k5`` is
+LookSAM's reuse of the orthogonal component, ``f.5`` the second pass on half of the batch (ESAM).
 
 A second table times FP-BMA (low-rank Gaussian over the Bayesian subset, FisherBall ascent in θ-space)
 against the SGD point update in the transfer setting: MobileNetV2 with only its BatchNorm and
 classifier parameters trainable (the rest ``requires_grad=False``), with the isotropic prior and with
-the low-rank prior of the two-stage transfer pipeline. Goal: <= 2.1x.
+the low-rank prior of the two-stage transfer pipeline, and the amortized variants of SAM and FP-BMA.
+Goal: <= 2.1x; amortized at k = 5: <= 1.3x.
 
-    python bench/step_cost.py [--rounds 15] [--threads 2] [--transfer-batches 32 128]
+    python bench/step_cost.py [--rounds 15] [--cycle 5] [--threads 2] [--transfer-batches 32 128] [--no-cg-sweep]
+        [--cases "cnn 28x28" "mobilenet_v2 64x64 (transfer)"]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
@@ -25,11 +33,21 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from flatbma.models import build_model
 from flatbma.models.heads import classifier_of
-from flatbma.optim import ASAM, SAM, SGD, Adam, FisherBall, FisherSAM
+from flatbma.optim import ASAM, SAM, SGD, Adam, Amortized, FisherBall, FisherSAM
 from flatbma.params import Objective, model_buffers, trainable_params
 from flatbma.posteriors import fp_bma, lowrank_vi, point
 
-METHODS = {"sgd": None, "sam": SAM(0.05), "asam": ASAM(0.5), "fsam": FisherSAM(0.1)}
+METHODS = {
+    "sgd": None,
+    "sam": SAM(0.05),
+    "asam": ASAM(0.5),
+    "fsam": FisherSAM(0.1),
+    "sam k5": Amortized(SAM(0.05), ascent_every=5),
+    "asam k5": Amortized(ASAM(0.5), ascent_every=5),
+    "fsam k5": Amortized(FisherSAM(0.1), ascent_every=5),
+    "sam f.5": Amortized(SAM(0.05), ascent_fraction=0.5),
+    "sam k5 f.5": Amortized(SAM(0.05), ascent_every=5, ascent_fraction=0.5),
+}
 CASES = {
     # name: (model kwargs, batch size, image shape)
     "cnn 28x28": (dict(name="cnn", num_classes=10, in_channels=1, image_size=28), 64, (1, 28, 28)),
@@ -41,8 +59,10 @@ CASES = {
 }
 
 
-def bench_case(model_kwargs: dict, batch_size: int, shape: tuple, rounds: int, device: str) -> dict[str, list[float]]:
-    """Seconds per step, one entry per round, for every method on one model and batch."""
+def bench_case(
+    model_kwargs: dict, batch_size: int, shape: tuple, rounds: int, device: str, cycle: int = 1
+) -> dict[str, list[float]]:
+    """Seconds per step, one entry per round (the mean of ``cycle`` updates), for every method on one model."""
     model = build_model(**model_kwargs, seed=0).to(device).train()
     g = torch.Generator().manual_seed(0)
     x = torch.randn(batch_size, *shape, generator=g).to(device)
@@ -52,7 +72,7 @@ def bench_case(model_kwargs: dict, batch_size: int, shape: tuple, rounds: int, d
     for name, ascent in METHODS.items():
         method = point.build(objective, SGD(lr=1e-3, momentum=0.9, weight_decay=5e-4), ascent)
         runs[name] = [method, method.init(trainable_params(model), model_buffers(model)), []]
-    return time_updates(runs, (x, y), rounds, device)
+    return time_updates(runs, (x, y), rounds, device, cycle)
 
 
 def paired_ratio(times: dict[str, list[float]], name: str, base: str = "sgd") -> float:
@@ -68,10 +88,16 @@ def bayesian_subset_only(model: nn.Module) -> None:
         p.requires_grad_(id(p) in keep)
 
 
-def time_updates(runs: dict[str, list], batch: tuple, rounds: int, device: str) -> dict[str, list[float]]:
-    """Seconds per ``update`` of every ``name: [method, state, []]``, one entry per interleaved round."""
+def time_updates(
+    runs: dict[str, list], batch: tuple, rounds: int, device: str, cycle: int = 1
+) -> dict[str, list[float]]:
+    """Seconds per ``update`` of every ``name: [method, state, []]``, one entry per interleaved round.
+
+    Each entry of a round is the mean over ``cycle`` consecutive updates. The warm-up runs whole cycles
+    too, so every round of an amortized method starts at the same point of its cycle.
+    """
     for entry in runs.values():
-        for _ in range(3):  # warm-up
+        for _ in range(max(3, cycle)):  # warm-up
             entry[1], _ = entry[0].update(entry[1], batch)
     for _ in range(rounds):
         for entry in runs.values():
@@ -79,11 +105,12 @@ def time_updates(runs: dict[str, list], batch: tuple, rounds: int, device: str) 
             if device == "cuda":
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
-            state, out = method.update(state, batch)
-            float(out.loss)
+            for _ in range(cycle):
+                state, out = method.update(state, batch)
+                float(out.loss)
             if device == "cuda":
                 torch.cuda.synchronize()
-            times.append(time.perf_counter() - t0)
+            times.append((time.perf_counter() - t0) / cycle)
             entry[1] = state
     return {name: entry[2] for name, entry in runs.items()}
 
@@ -93,6 +120,20 @@ FP_BMA = {
     **{f"fp-bma (K=5, cg {n})": FisherBall(cg_iters=n, cg_tol=0.0) for n in (1, 3, 10, 20)},
 }
 """FP-BMA rows: the default solve and fixed iteration counts (1 was the default before the residual stop)."""
+
+AMORTIZED_SAM = {
+    "sam k5": Amortized(SAM(0.05), ascent_every=5),
+    "sam f.5": Amortized(SAM(0.05), ascent_fraction=0.5),
+}
+"""SAM with its second pass every 5 steps (LookSAM's reuse) or on half of the batch (ESAM)."""
+
+AMORTIZED_FP_BMA = {
+    "fp-bma (K=5, k5)": Amortized(FisherBall(), ascent_every=5),
+    "fp-bma (K=5, k5, reuse none)": Amortized(FisherBall(), ascent_every=5, reuse="none"),
+    "fp-bma (K=5, f.5)": Amortized(FisherBall(), ascent_fraction=0.5),
+    "fp-bma (K=5, k5 f.5)": Amortized(FisherBall(), ascent_every=5, ascent_fraction=0.5),
+}
+"""FP-BMA amortized: the θ-space reuse (one Fisher solve per reuse step), periodic ascent alone, half batch."""
 
 
 def swag_like_prior(params: dict[str, torch.Tensor], rank: int, generator: torch.Generator) -> dict[str, torch.Tensor]:
@@ -111,11 +152,17 @@ def swag_like_prior(params: dict[str, torch.Tensor], rank: int, generator: torch
 
 
 def bench_fp_bma_transfer(
-    rounds: int, device: str, batch_size: int = 32, image_size: int = 64
+    rounds: int,
+    device: str,
+    batch_size: int = 32,
+    image_size: int = 64,
+    cycle: int = 1,
+    cg_sweep: bool = True,
 ) -> tuple[dict[str, list[float]], int]:
     """FP-BMA's update vs the SGD point update on MobileNetV2 with only BN + classifier trainable.
 
-    Returns the per-round step times of every method and the number of trainable weights.
+    With ``cg_sweep`` FP-BMA is also timed with fixed CG iteration counts. Returns the per-round step
+    times (each the mean of ``cycle`` updates) of every method and the number of trainable weights.
     """
     model = build_model(name="mobilenet_v2", num_classes=10, in_channels=3, image_size=image_size, seed=0)
     model = model.to(device).train()
@@ -128,18 +175,26 @@ def bench_fp_bma_transfer(
     sgd = point.build(objective, SGD(lr=1e-3, momentum=0.9, weight_decay=5e-4))
     sam = point.build(objective, SGD(lr=1e-3, momentum=0.9, weight_decay=5e-4), SAM(0.05))
     runs = {"sgd": [sgd, sgd.init(params, buffers), []], "sam": [sam, sam.init(params, buffers), []]}
+    for name, ascent in AMORTIZED_SAM.items():
+        method = point.build(objective, SGD(lr=1e-3, momentum=0.9, weight_decay=5e-4), ascent)
+        runs[name] = [method, method.init(params, buffers), []]
     for name, ascent in (("lowrank-vi (K=5)", None), ("f-lowrank-vi (K=5, SAM)", SAM(0.05))):
         method = lowrank_vi.build(objective, Adam(lr=1e-3), ascent, rank=5)
         runs[name] = [method, method.init(params, buffers), []]
-    for name, ball in FP_BMA.items():
+    default = next(iter(FP_BMA))
+    balls = {**(FP_BMA if cg_sweep else {default: FP_BMA[default]}), **AMORTIZED_FP_BMA}
+    for name, ball in balls.items():
         method = lowrank_vi.build(objective, Adam(lr=1e-3), ball, rank=5)
         runs[name] = [method, method.init(params, buffers), []]
     # the transfer pipeline's form: KL to a low-rank + diagonal prior (a SWAG posterior), started there
     prior = swag_like_prior(params, 5, g)
-    for name, ball in (("default cg", FisherBall()), ("cg 1", FisherBall(cg_iters=1, cg_tol=0.0))):
+    with_prior = {"default cg": FisherBall(), "default cg, k5": Amortized(FisherBall(), ascent_every=5)}
+    if cg_sweep:
+        with_prior["cg 1"] = FisherBall(cg_iters=1, cg_tol=0.0)
+    for name, ball in with_prior.items():
         method = fp_bma.build_with_prior(objective, Adam(lr=1e-3), ball, prior, rank=5)
         runs[f"fp-bma (K=5, {name}, SWAG prior)"] = [method, method.init(prior, buffers), []]
-    return time_updates(runs, (x, y), rounds, device), sum(v.numel() for v in params.values())
+    return time_updates(runs, (x, y), rounds, device, cycle), sum(v.numel() for v in params.values())
 
 
 def main() -> None:
@@ -148,22 +203,33 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--transfer-batches", type=int, nargs="+", default=[32, 128])
+    parser.add_argument("--cycle", type=int, default=5, help="updates per timing (a multiple of ascent_every 5)")
+    parser.add_argument("--no-cg-sweep", action="store_true", help="FP-BMA with the default CG solve only")
+    parser.add_argument("--cases", nargs="*", default=list(CASES), help=f"models of the first table: {list(CASES)}")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    print(f"device={args.device} threads={torch.get_num_threads()} torch={torch.__version__} rounds={args.rounds}")
-    print(f"{'model':<32}{'sgd ms':>10}" + "".join(f"{m + '/sgd':>12}" for m in METHODS if m != "sgd"))
-    for case, (kwargs, bs, shape) in CASES.items():
-        t = bench_case(kwargs, bs, shape, args.rounds, args.device)
-        ratios = "".join(f"{paired_ratio(t, m):>11.2f}x" for m in METHODS if m != "sgd")
+    load = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    print(
+        f"device={args.device} threads={torch.get_num_threads()} torch={torch.__version__} rounds={args.rounds} "
+        f"cycle={args.cycle} load average (1, 5, 15 min) at start: {load}"
+    )
+    print(f"{'model':<32}{'sgd ms':>10}" + "".join(f"{m + '/sgd':>15}" for m in METHODS if m != "sgd"))
+    for case in args.cases:
+        kwargs, bs, shape = CASES[case]
+        t = bench_case(kwargs, bs, shape, args.rounds, args.device, args.cycle)
+        ratios = "".join(f"{paired_ratio(t, m):>14.2f}x" for m in METHODS if m != "sgd")
         print(f"{case + f' (batch {bs})':<32}{statistics.median(t['sgd']) * 1e3:>10.1f}{ratios}")
     for batch_size in args.transfer_batches:  # the VI overhead is per step, the passes scale with the batch
-        t, trainable = bench_fp_bma_transfer(args.rounds, args.device, batch_size=batch_size)
+        t, trainable = bench_fp_bma_transfer(
+            args.rounds, args.device, batch_size=batch_size, cycle=args.cycle, cg_sweep=not args.no_cg_sweep
+        )
         print(f"\nmobilenet_v2 64x64 transfer, BN + classifier trainable ({trainable} weights), batch {batch_size}")
-        print(f"{'method':<32}{'ms':>10}{'/sgd':>12}{'/sam':>12}")
+        print(f"{'method':<44}{'ms':>10}{'/sgd':>12}{'/sam':>12}")
         for name in t:
             ratios = f"{paired_ratio(t, name):>11.2f}x{paired_ratio(t, name, 'sam'):>11.2f}x"
-            print(f"{name:<32}{statistics.median(t[name]) * 1e3:>10.1f}{ratios}")
+            print(f"{name:<44}{statistics.median(t[name]) * 1e3:>10.1f}{ratios}")
+    print(f"load average (1, 5, 15 min) at the end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ from flatbma.experiment.methods import METHODS, MethodConfig, parse_method
 from flatbma.experiment.report import summary_table
 from flatbma.experiment.run import evaluate_run, load_run_config, record_resume, resume_config, train_run
 from flatbma.experiment.sections import plain_values
+from flatbma.optim import Amortized
 
 # What str.splitlines() breaks on: escaped in error messages (user values such as keys and paths may hold them).
 _ESCAPE_LINE_BREAKS = {ord(c): repr(c)[1:-1] for c in "\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029"}
@@ -119,6 +120,8 @@ def _describe_method(name: str) -> str:
             (f.name, ascent_hints.get(f.name), getattr(defaults.ascent, f.name))
             for f in dataclasses.fields(defaults.ascent)
         ]
+        amortized_hints = typing.get_type_hints(Amortized)  # optional: the plain step when none is given
+        rows += [(k, amortized_hints[k], f.default) for k, f in spec.amortized_options().items()]
     lines = [f"{name}: {spec.summary}"]
     ascent = f" + {spec.ascent.__name__}" if spec.ascent is not None else ""
     lines.append(f"  family: {spec.family.__module__}.{spec.family.__name__}{ascent}")

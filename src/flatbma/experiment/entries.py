@@ -31,6 +31,7 @@ from typing import Any, Literal, Union
 from flatbma.errors import FlatbmaError
 from flatbma.experiment.methods import METHODS
 from flatbma.experiment.sections import OptimConfig
+from flatbma.optim import Amortized
 
 ENTRY_KEYS = ("name", "label", "prior", "optim", "match_width")
 """Keys of a compare entry that are not method options (``match_width``: :mod:`flatbma.experiment.compare`)."""
@@ -57,7 +58,7 @@ def is_scalar(tp: Any) -> bool:
 
 
 def _option_types(name: Any) -> dict[str, Any]:
-    """The annotation of every option of method ``name`` (family and ascent step; ``{}``: unknown name)."""
+    """The annotation of every option of method ``name`` (family, ascent step, amortization; ``{}``: unknown)."""
     spec = METHODS.get(name) if isinstance(name, str) else None
     if spec is None:
         return {}  # the entry's parse reports the unknown method
@@ -66,6 +67,8 @@ def _option_types(name: Any) -> dict[str, Any]:
     if spec.ascent is not None:
         ascent = typing.get_type_hints(spec.ascent)
         out.update({k: ascent.get(k, Any) for k in spec.ascent_options()})
+        amortized = typing.get_type_hints(Amortized)
+        out.update({k: amortized[k] for k in spec.amortized_options()})
     return out
 
 

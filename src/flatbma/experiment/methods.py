@@ -4,7 +4,11 @@ This is the only place where methods are looked up by string. A method is a post
 ``build(objective, optimizer, ascent, **options)`` composed with an optional ascent step class, so a
 flat-seeking variant is an entry that names the same family with an ascent step — never a copy.
 Family options are the keyword-only parameters of ``build`` (their defaults live in its
-signature); ascent options are the fields of the ascent dataclass.
+signature); ascent options are the fields of the ascent dataclass. A method with an ascent step also
+takes the options of :class:`~flatbma.optim.Amortized` (``ascent_every``, ``reuse``, ``reuse_alpha``,
+``ascent_fraction``: its second pass every ``k`` steps, on a fraction of the batch), which wrap the
+step; given none of them, the method is its plain step and its resolved section names none of them,
+so that runs resolved before these options existed stay the same runs.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 from flatbma.curvature import Curvature, Hessian
 from flatbma.errors import FlatbmaError, suggest
 from flatbma.experiment.parse import coerce, parse_dataclass
-from flatbma.optim import ASAM, SAM, FisherBall, FisherSAM
+from flatbma.optim import ASAM, SAM, Amortized, FisherBall, FisherSAM
 from flatbma.posteriors import bsam, ensemble, fp_bma, laplace, lowrank_vi, mc_dropout, mfvi, multi, point, sgld, swag
 from flatbma.posteriors.members import member, prefixed_members
 from flatbma.types import Ascent, Posterior, Predictive
@@ -89,6 +93,15 @@ class MethodSpec:
         """Fields of the ascent step dataclass."""
         return {f.name: f for f in dataclasses.fields(self.ascent)} if self.ascent else {}
 
+    def amortized_options(self) -> dict[str, dataclasses.Field]:
+        """:func:`amortized_options` when the method has an ascent step, else none."""
+        return amortized_options() if self.ascent else {}
+
+
+def amortized_options() -> dict[str, dataclasses.Field]:
+    """Fields of :class:`~flatbma.optim.Amortized` besides the wrapped step: the options that amortize a second pass."""
+    return {f.name: f for f in dataclasses.fields(Amortized) if f.name != "ascent"}
+
 
 @dataclass(frozen=True)
 class MethodConfig:
@@ -97,7 +110,8 @@ class MethodConfig:
     Attributes:
         name: registry name.
         options: family options (keyword arguments of the family ``build``), defaults filled in.
-        ascent: the ascent step instance, or ``None``.
+        ascent: the ascent step instance, or ``None``; an :class:`~flatbma.optim.Amortized` around the
+            registered step when the section gives any of its options.
     """
 
     name: str
@@ -177,7 +191,10 @@ class MethodConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """The resolved section, every option spelled out (written to the run directory)."""
-        ascent = dataclasses.asdict(self.ascent) if self.ascent is not None else {}
+        step = self.ascent.ascent if isinstance(self.ascent, Amortized) else self.ascent
+        ascent = dataclasses.asdict(step) if step is not None else {}
+        if isinstance(self.ascent, Amortized):  # only then: a plain step's section is as it always was
+            ascent.update({k: getattr(self.ascent, k) for k in amortized_options()})
         options = {k: v.to_dict() if isinstance(v, MethodConfig) else v for k, v in self.options.items()}
         return {"name": self.name, **options, **ascent}
 
@@ -195,6 +212,7 @@ def register(spec: MethodSpec) -> MethodSpec:
     if spec.name in METHODS:
         raise ValueError(f"method {spec.name!r} is registered twice")
     clash = set(spec.family_options()) & set(spec.ascent_options())
+    clash |= set(amortized_options()) & (set(spec.family_options()) | set(spec.ascent_options()))
     if clash:
         raise ValueError(f"method {spec.name!r}: options {clash} belong to both the family and the ascent")
     METHODS[spec.name] = spec
@@ -214,21 +232,26 @@ def parse_method(data: Any, where: str = "method") -> MethodConfig:
             f"Run 'flatbma methods' to list them: {', '.join(METHODS)}"
         )
     spec = METHODS[name]
-    family_opts, ascent_opts = spec.family_options(), spec.ascent_options()
+    family_opts, ascent_opts, amortized_opts = spec.family_options(), spec.ascent_options(), spec.amortized_options()
     hints = typing.get_type_hints(spec.family)
     options: dict[str, Any] = {}
     ascent_data: dict[str, Any] = {}
+    amortized_data: dict[str, Any] = {}
     for key, value in data.items():
         if key == "name":
             continue
         if key in ascent_opts:
             ascent_data[key] = value
+        elif key in amortized_opts:
+            amortized_data[key] = value
+        elif key in amortized_options():
+            raise FlatbmaError(_no_second_pass(spec, f"{where}.{key}"))
         elif key in spec.parsers:
             options[key] = spec.parsers[key](value, f"{where}.{key}")
         elif key in family_opts:
             options[key] = coerce(value, hints[key], f"{where}.{key}")
         else:
-            valid = sorted([*family_opts, *ascent_opts])
+            valid = sorted([*family_opts, *ascent_opts, *amortized_opts])
             raise FlatbmaError(
                 f"unknown config key '{where}.{key}' for method {name!r}.{suggest(str(key), valid)} "
                 f"Valid keys: {', '.join(valid) if valid else '(none)'}"
@@ -236,7 +259,29 @@ def parse_method(data: Any, where: str = "method") -> MethodConfig:
     for key, param in family_opts.items():
         options.setdefault(key, param.default)
     ascent = parse_dataclass(spec.ascent, ascent_data, where) if spec.ascent else None
+    if amortized_data:
+        ascent = _amortized(ascent, amortized_data, where)
     return MethodConfig(name=name, options=options, ascent=ascent)
+
+
+def _amortized(ascent: Any, data: Mapping[str, Any], where: str) -> Amortized:
+    """``Amortized(ascent, **data)``, each option checked against its annotation (errors name ``where.<key>``)."""
+    hints = typing.get_type_hints(Amortized)
+    kwargs = {key: coerce(value, hints[key], f"{where}.{key}") for key, value in data.items()}
+    try:
+        return Amortized(ascent, **kwargs)
+    except FlatbmaError as e:
+        raise FlatbmaError(f"{where}.{e}") from None
+
+
+def _no_second_pass(spec: MethodSpec, key: str) -> str:
+    """Why ``key`` (an :class:`~flatbma.optim.Amortized` option) does not apply to the method of ``spec``."""
+    flat = ", ".join(n for n, s in METHODS.items() if s.ascent is not None)
+    where = " (for a mixture, give it in method.of)" if "of" in spec.parsers else ""
+    return (
+        f"{key}: method {spec.name!r} has no ascent step, so there is no second pass to amortize{where}; "
+        f"it applies to the flat-seeking methods: {flat}"
+    )
 
 
 def check_snapshots(method: MethodConfig, stage: Stage) -> None:

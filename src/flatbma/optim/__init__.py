@@ -2,9 +2,12 @@
 
 Ascent steps on weights: :class:`SAM`, :class:`ASAM`, :class:`FisherSAM`; on a low-rank Gaussian's
 variational parameters: :class:`FisherBall` (FP-BMA). Each declares where it acts (``space``).
+:class:`Amortized` wraps any of them so that its second pass runs every ``k`` steps (LookSAM's reuse of
+the orthogonal component in between) and on a fraction of the batch (ESAM).
 """
 
 from flatbma.bn import disable_running_stats, enable_running_stats
+from flatbma.optim.amortized import Amortized, Reuse
 from flatbma.optim.asam import ASAM
 from flatbma.optim.ascent import sharpness_aware_value_and_grad
 from flatbma.optim.fisher_ball import BallMetric, FisherBall
@@ -19,10 +22,12 @@ __all__ = [
     "SAM",
     "SGD",
     "Adam",
+    "Amortized",
     "BallMetric",
     "DecayMask",
     "FisherBall",
     "FisherSAM",
+    "Reuse",
     "SAMOptimizer",
     "constant",
     "cosine",

@@ -2,14 +2,22 @@
 
 Every flat-seeking method — SAM, ASAM, Fisher-SAM on a point estimate, the F-variants of the
 posterior families, FP-BMA on variational parameters — takes the descent gradient at a perturbed
-point ``params + ε`` where ``ε = ascent.perturb(params, g)``. This module holds that two-pass step once;
-the ascent steps differ only in ``perturb``.
+point ``params + ε`` where ``ε = ascent.perturb(params, g)``. This module holds that two-pass step once
+(:func:`two_pass`, for any gradient function: of the weights here, of ``θ`` in
+:func:`flatbma.posteriors.gaussian_vi.theta_sharpness_value_and_grad`); the ascent steps differ only in
+``perturb``.
+
+An ascent step may also schedule its second pass (:class:`flatbma.optim.Amortized`: every ``k`` steps, on
+a fraction of the batch). Such a step keeps state between steps — its *memory*, tensors the method
+stores in its state's ``aux`` under :data:`MEMORY` (:func:`ascent_memory`) and hands back at every step
+(:func:`memory_of`), so that checkpoints hold it and a resumed run continues exactly. It is updated in
+place. Stateless ascent steps (SAM, ASAM, Fisher-SAM, FisherBall) have no memory and add no entries.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 from torch import Tensor
@@ -21,11 +29,74 @@ from flatbma.types import Ascent, Batch, Params
 TINY = 1e-12
 """Added to norms before dividing, so that a zero gradient gives a zero perturbation."""
 
+MEMORY = "ascent/"
+"""Prefix of the ``aux`` entries that hold an ascent step's memory (none for a stateless step)."""
+
+Gradient = Callable[[Mapping[str, Tensor], Batch, bool], tuple[Tensor, Tensor, Mapping[str, Tensor]]]
+"""``gradient(point, batch, first) -> (loss, logits, ∇L_batch(point))``. ``first`` marks the pass at the
+unperturbed point, the only one allowed to update BatchNorm running statistics."""
+
 
 def check_radius(rho: float, name: str = "rho") -> None:
     """Raise a :class:`FlatbmaError` unless ``rho`` is a positive finite number."""
     message = f"{name} must be a positive number (the ascent radius), got {rho!r}"
     check_number(rho, message, low=0, low_open=True, high=math.inf, high_open=True)
+
+
+def has_memory(ascent: Ascent | None) -> bool:
+    """Whether ``ascent`` schedules its second pass and keeps a memory (``init`` and ``descent_gradient``)."""
+    return hasattr(ascent, "descent_gradient")
+
+
+def ascent_memory(ascent: Ascent | None, params: Mapping[str, Tensor], prefix: str = MEMORY) -> Params:
+    """The initial memory of ``ascent`` for ``params``, its keys prefixed by ``prefix``: ``{}`` for a stateless step."""
+    if not has_memory(ascent):
+        return {}
+    return {prefix + k: v for k, v in ascent.init(params).items()}  # type: ignore[union-attr]
+
+
+def memory_of(aux: Mapping[str, Tensor], prefix: str = MEMORY) -> Params | None:
+    """The memory stored in ``aux`` under ``prefix``, unprefixed (the same tensors); ``None`` when there is none."""
+    n = len(prefix)
+    found = {k[n:]: v for k, v in aux.items() if k.startswith(prefix)}
+    return found or None
+
+
+def two_pass(
+    gradient: Gradient,
+    params: Mapping[str, Tensor],
+    batch: Batch,
+    ascent: Ascent | None,
+    memory: Mapping[str, Tensor] | None = None,
+) -> tuple[Tensor, Tensor, Mapping[str, Tensor]]:
+    """Loss and logits at ``x = params`` and the sharpness-aware descent gradient, for any gradient function.
+
+    First pass ``g = ∇L_B(x)`` (``gradient(x, batch, True)``). Without an ascent step the result is ``g``;
+    otherwise ``ε = ascent.perturb(x, g)`` and the second pass ``gradient(x + ε, batch, False)`` gives the
+    result (Foret et al. 2021). An ascent step with a memory (:func:`has_memory`) decides itself, from
+    ``g`` and ``memory``, whether and on what to take the second pass (``ascent.descent_gradient``).
+
+    Returns:
+        ``(L_B(x), logits at x, descent gradient)``.
+    """
+    loss, logits, grads = gradient(params, batch, True)
+    if ascent is None:
+        return loss, logits, grads
+    if has_memory(ascent):
+        return loss, logits, ascent.descent_gradient(gradient, params, batch, grads, memory)  # type: ignore[attr-defined]
+    _, grads = ascended(gradient, params, batch, ascent, grads)
+    return loss, logits, grads
+
+
+def ascended(
+    gradient: Gradient, params: Mapping[str, Tensor], batch: Batch, ascent: Ascent, grads: Mapping[str, Tensor]
+) -> tuple[Mapping[str, Tensor], Mapping[str, Tensor]]:
+    """``(ε, ∇L_batch(x + ε))`` with ``ε = ascent.perturb(x, grads)``: the second pass of :func:`two_pass`."""
+    eps = ascent.perturb(params, grads)
+    with torch.no_grad():
+        perturbed = add(params, eps)
+    _, _, grads = gradient(perturbed, batch, False)
+    return eps, grads
 
 
 def sharpness_aware_value_and_grad(
@@ -34,22 +105,20 @@ def sharpness_aware_value_and_grad(
     buffers: Mapping[str, Tensor],
     batch: Batch,
     ascent: Ascent | None,
+    memory: Mapping[str, Tensor] | None = None,
 ) -> tuple[Tensor, Tensor, Params]:
-    """Loss and logits at ``w`` and the descent gradient ``∇L_B(w + ε)``.
+    """Loss and logits at ``w`` and the descent gradient ``∇L_B(w + ε)``: :func:`two_pass` on the weights.
 
     First pass: ``g = ∇L_B(w)`` (BatchNorm running statistics are updated here, once). Without an
     ascent step the result is ``g``. Otherwise ``ε = ascent.perturb(w, g)`` and the second pass
     returns ``∇L_B(w + ε)`` on the same batch with the running statistics left untouched (Foret et
-    al. 2021).
+    al. 2021). ``memory``: the ascent step's memory (:func:`memory_of`), for a step that has one.
 
     Returns:
         ``(L_B(w), logits at w, gradient)``.
     """
-    loss, logits, grads = objective.value_and_grad(params, buffers, batch)
-    if ascent is None:
-        return loss, logits, grads
-    eps = ascent.perturb(params, grads)
-    with torch.no_grad():
-        perturbed = add(params, eps)
-    _, _, grads = objective.value_and_grad(perturbed, buffers, batch, update_buffers=False)
-    return loss, logits, grads
+
+    def gradient(point: Mapping[str, Tensor], part: Batch, first: bool) -> tuple[Tensor, Tensor, Params]:
+        return objective.value_and_grad(point, buffers, part, update_buffers=first)
+
+    return two_pass(gradient, params, batch, ascent, memory)  # type: ignore[return-value]

@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from flatbma.errors import FlatbmaError
+from flatbma.optim.ascent import has_memory
 from flatbma.optim.sam import SAM
 from flatbma.types import Ascent
 
@@ -47,6 +48,11 @@ class SAMOptimizer(torch.optim.Optimizer):
         **kwargs: Any,
     ) -> None:
         self.ascent = ascent if ascent is not None else SAM()
+        if has_memory(self.ascent):
+            raise FlatbmaError(
+                "SAMOptimizer takes the second pass at every step; an Amortized ascent step needs a method that "
+                "keeps its memory (flatbma.posteriors.point.build(objective, optimizer, Amortized(...)))"
+            )
         super().__init__(params, dict(kwargs))
         self.base_optimizer = base_optimizer(self.param_groups, **kwargs)
         self.param_groups = self.base_optimizer.param_groups

@@ -52,7 +52,8 @@ def build(
     The template module's weights are restored afterwards.
 
     State layout: ``params["member<m>/<name>"]``, ``buffers["member<m>/<name>"]`` (each member keeps
-    its own BatchNorm statistics) and ``aux["member<m>/<optimizer key>"]`` (each its own momentum).
+    its own BatchNorm statistics) and ``aux["member<m>/<optimizer key>"]`` (each its own momentum, and
+    its own ascent memory when the ascent step has one: :func:`flatbma.posteriors.point.init_aux`).
 
     Randomness of a step (dropout masks): ``update`` draws one integer ``s_t`` from torch's global
     generator and runs member ``m``'s step with the global generators seeded by a hash of
@@ -91,7 +92,7 @@ def build(
         for m, (p, b) in enumerate(members):
             state_params.update(prefixed(m, p))
             state_buffers.update(prefixed(m, b))
-            aux.update(prefixed(m, optimizer.init(p)))
+            aux.update(prefixed(m, point.init_aux(optimizer, ascent, p)))
         return State(params=state_params, buffers=state_buffers, aux=aux)
 
     def update(state: State, batch: Batch) -> tuple[State, StepOutput]:

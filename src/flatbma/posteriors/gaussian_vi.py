@@ -37,7 +37,14 @@ from torch import Tensor
 from flatbma import packed
 from flatbma.checks import check_int, check_number
 from flatbma.gaussian import GaussianNoise, is_theta, section
-from flatbma.optim.ascent import sharpness_aware_value_and_grad
+from flatbma.optim.ascent import (
+    MEMORY,
+    ascent_memory,
+    has_memory,
+    memory_of,
+    sharpness_aware_value_and_grad,
+    two_pass,
+)
 from flatbma.optim.sgd import with_decay_mask
 from flatbma.params import Objective, add, clone, detached, dot, scale
 from flatbma.rng import SEED_KEY, new_seed, seeded_generator
@@ -105,6 +112,7 @@ def elbo_value_and_grad(
     *,
     ascent: Ascent | None = None,
     kl_weight: float = 1.0,
+    memories: Sequence[Mapping[str, Tensor]] | None = None,
 ) -> tuple[Tensor, Tensor, Params]:
     """Mini-batch loss, logits and the (flat-seeking) negative-ELBO gradient w.r.t. ``θ`` for given noise.
 
@@ -124,6 +132,7 @@ def elbo_value_and_grad(
         noises: one :class:`GaussianNoise` per Monte-Carlo sample (``M = len(noises) ≥ 1``).
         ascent: ascent step applied to each sampled ``w``, or ``None``.
         kl_weight: ``κ``.
+        memories: the ascent step's memory for each sample (:func:`weight_memories`), for a step that has one.
 
     Returns:
         ``(mean over samples of L_B(w_m), logits of the first sample, gradient by key of θ)``.
@@ -138,7 +147,8 @@ def elbo_value_and_grad(
         with torch.no_grad():
             w = family.reparameterize(theta, noise)
         bufs = buffers if i == 0 else clone(buffers)
-        loss, logits, g = sharpness_aware_value_and_grad(objective, w, bufs, batch, ascent)
+        memory = memories[i] if memories is not None else None
+        loss, logits, g = sharpness_aware_value_and_grad(objective, w, bufs, batch, ascent, memory)
         pulled = _pullback(family, theta, noise, g)
         total = add(total, pulled) if total else pulled
         losses.append(loss)
@@ -187,6 +197,7 @@ def theta_sharpness_value_and_grad(
     *,
     ascent: Ascent | None = None,
     kl_weight: float = 1.0,
+    memory: Mapping[str, Tensor] | None = None,
 ) -> tuple[Tensor, Tensor, Params]:
     """The sharpness-aware step applied to the variational parameters ``θ`` themselves (FP-BMA).
 
@@ -199,18 +210,21 @@ def theta_sharpness_value_and_grad(
        unperturbed ``θ``, ``n = objective.num_data``.
 
     Without an ascent step this is the plain negative-ELBO gradient of :func:`elbo_value_and_grad`.
-    BatchNorm running statistics are updated once, by the first sample of the first pass.
+    BatchNorm running statistics are updated once, by the first sample of the first pass. Steps 1–3 are
+    :func:`flatbma.optim.ascent.two_pass` on ``θ``, so an ascent step with a memory
+    (:class:`flatbma.optim.Amortized`, given its ``memory``) schedules the second pass here as on weights.
 
     Returns:
         ``(mean over samples of L_B(w(θ, z_m)), logits of the first sample at θ, gradient by key of θ)``.
     """
     if ascent is None:
         return elbo_value_and_grad(objective, family, theta, buffers, batch, noises, kl_weight=kl_weight)
-    loss, logits, grads = elbo_value_and_grad(objective, family, theta, buffers, batch, noises, kl_weight=0.0)
-    delta = ascent.perturb(theta, grads)
-    with torch.no_grad():
-        perturbed = add(theta, delta)
-    _, _, grads = elbo_value_and_grad(objective, family, perturbed, clone(buffers), batch, noises, kl_weight=0.0)
+
+    def data_gradient(point: Mapping[str, Tensor], part: Batch, first: bool) -> tuple[Tensor, Tensor, Params]:
+        bufs = buffers if first else clone(buffers)
+        return elbo_value_and_grad(objective, family, point, bufs, part, noises, kl_weight=0.0)
+
+    loss, logits, grads = two_pass(data_gradient, theta, batch, ascent, memory)
     if kl_weight:
         grads = add(grads, kl_grad(family, theta), kl_weight / objective.num_data)
     return loss, logits, grads
@@ -260,7 +274,9 @@ def build(
     step chosen by where the ascent step acts (its ``space``, :func:`flatbma.types.ascent_space`): on weights (SAM and
     the like, or no ascent step) :func:`elbo_value_and_grad` perturbs each sampled ``w`` (F-VI); on
     ``θ`` (:class:`flatbma.optim.FisherBall`) :func:`theta_sharpness_value_and_grad` perturbs ``θ``
-    (FP-BMA). ``init`` accepts either the model weights (``θ`` is then centred at them
+    (FP-BMA). An ascent step with a memory (:class:`flatbma.optim.Amortized`) keeps it in ``aux``: one
+    over ``θ`` on ``θ``, one per Monte-Carlo sample over the weights on weights (:func:`weight_memories`).
+    ``init`` accepts either the model weights (``θ`` is then centred at them
     by ``family.init_theta``) or a ready ``θ`` in the family's layout (e.g. from
     :func:`flatbma.gaussian.init_from_swag`). ``sample`` draws ``w ~ q_θ`` and attaches
     the state's buffers; BatchNorm statistics must be recomputed per sample (``recompute_bn=True``).
@@ -289,6 +305,10 @@ def build(
         if hasattr(family, "layout"):
             theta = packed.pack(theta, family.layout(theta))
         aux = {**optimizer.init(theta), SEED_KEY: seed.to(_device(theta))}
+        if has_memory(ascent) and on_theta:
+            aux.update(ascent_memory(ascent, theta))
+        elif has_memory(ascent):
+            aux.update(weight_memories(family, ascent, theta, num_mc_samples))
         return State(params=theta, buffers=clone(buffers), aux=aux)
 
     def update(state: State, batch: Batch) -> tuple[State, StepOutput]:
@@ -296,14 +316,36 @@ def build(
         generator = seeded_generator(state.aux[SEED_KEY], state.step, _device(state.params))
         theta = packed.as_packed(state.params)  # one layout check for the whole step
         noises = [family.noise(theta, generator) for _ in range(num_mc_samples)]
+        kept = {k: v for k, v in state.aux.items() if k.startswith(MEMORY)} if has_memory(ascent) else {}
+        memory = {}  # the ascent step's memory (updated in place): one on θ, one per sample on weights
+        if kept and on_theta:
+            memory = {"memory": memory_of(kept)}
+        elif kept:
+            memory = {"memories": [memory_of(kept, _sample_prefix(i)) for i in range(num_mc_samples)]}
         loss, logits, grads = value_and_grad(
-            objective, family, theta, state.buffers, batch, noises, ascent=ascent, kl_weight=kl_weight
+            objective, family, theta, state.buffers, batch, noises, ascent=ascent, kl_weight=kl_weight, **memory
         )
         aux = optimizer.apply(state.params, grads, state.aux, state.step)
-        aux = {**aux, SEED_KEY: state.aux[SEED_KEY]}
+        aux = {**aux, SEED_KEY: state.aux[SEED_KEY], **kept}
         return replace(state, aux=aux, step=state.step + 1), StepOutput(loss, logits)
 
     return Posterior(init=init, update=update, sample=sampler(family), recompute_bn=True)
+
+
+def _sample_prefix(i: int) -> str:
+    return f"{MEMORY}sample{i}/"
+
+
+def weight_memories(family: ReparameterizedFamily, ascent: Ascent, theta: Mapping[str, Tensor], m: int) -> Params:
+    """The memories of an ascent step on weights, one per Monte-Carlo sample: ``aux["ascent/sample<i>/…"]``.
+
+    Sample ``i`` of a step continues the memory of sample ``i`` of the steps before (the samples of a
+    step are exchangeable, so which one is ``i`` is arbitrary). Shaped like the weights ``w(θ, z)``, read
+    from one draw with a throw-away generator (no draw from any generator of the run).
+    """
+    with torch.no_grad():
+        weights = family.reparameterize(theta, family.noise(theta, torch.Generator(_device(theta)).manual_seed(0)))
+    return {k: v for i in range(m) for k, v in ascent_memory(ascent, weights, _sample_prefix(i)).items()}
 
 
 def sampler(family: ReparameterizedFamily) -> Callable[[State, int, torch.Generator | None], list[Params]]:

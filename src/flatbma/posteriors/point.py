@@ -10,7 +10,7 @@ from dataclasses import replace
 
 import torch
 
-from flatbma.optim.ascent import sharpness_aware_value_and_grad
+from flatbma.optim.ascent import MEMORY, ascent_memory, has_memory, memory_of, sharpness_aware_value_and_grad
 from flatbma.params import Objective, clone
 from flatbma.types import Ascent, Batch, GradientTransformation, Params, Posterior, State, StepOutput
 
@@ -21,7 +21,8 @@ def build(objective: Objective, optimizer: GradientTransformation, ascent: Ascen
     ``w_{t+1} = opt(w_t, ∇L_B(w_t + ε_t))`` with ``ε_t = ascent.perturb(w_t, ∇L_B(w_t))``
     (``ε_t = 0`` without an ascent step: plain SGD/MAP). With :class:`~flatbma.optim.SAM` this is SAM
     (Foret et al. 2021); with :class:`~flatbma.optim.ASAM`, ASAM; with
-    :class:`~flatbma.optim.FisherSAM`, Fisher-SAM.
+    :class:`~flatbma.optim.FisherSAM`, Fisher-SAM; with :class:`~flatbma.optim.Amortized` around one of
+    them, the same with the second pass every ``k`` steps (LookSAM), its memory kept in ``aux``.
 
     Args:
         objective: model and mini-batch loss.
@@ -31,7 +32,7 @@ def build(objective: Objective, optimizer: GradientTransformation, ascent: Ascen
 
     def init(params: Params, buffers: Params) -> State:
         params = clone(params)
-        return State(params=params, buffers=clone(buffers), aux=optimizer.init(params))
+        return State(params=params, buffers=clone(buffers), aux=init_aux(optimizer, ascent, params))
 
     def update(state: State, batch: Batch) -> tuple[State, StepOutput]:
         aux, out = step(objective, optimizer, ascent, state.params, state.buffers, state.aux, state.step, batch)
@@ -51,6 +52,11 @@ def weights_of(state: State) -> Params:
 def zero_variance(state: State) -> Params:
     """``0`` for every trained weight: a Dirac posterior has no width (:attr:`Posterior.marginal_variance`)."""
     return {k: torch.zeros_like(v) for k, v in state.params.items()}
+
+
+def init_aux(optimizer: GradientTransformation, ascent: Ascent | None, params: Params) -> Params:
+    """The ``aux`` of a point trained by :func:`step`: the optimizer's state and the ascent step's memory, if any."""
+    return {**optimizer.init(params), **ascent_memory(ascent, params)}
 
 
 def step(
@@ -73,12 +79,16 @@ def step(
         ascent: the ascent step, or ``None``.
         params: the weights, updated in place.
         buffers: model buffers, updated in place by BatchNorm in train mode.
-        opt_state: the optimizer state of ``params``.
+        opt_state: the optimizer state of ``params`` and the ascent step's memory (:func:`init_aux`).
         step: index of this step (schedules, bias corrections).
         batch: ``(x, y)``.
 
     Returns:
         ``(new optimizer state, StepOutput(L_B(w), logits at w))``.
     """
-    loss, logits, grads = sharpness_aware_value_and_grad(objective, params, buffers, batch, ascent)
-    return optimizer.apply(params, grads, opt_state, step), StepOutput(loss, logits)
+    memory = memory_of(opt_state) if has_memory(ascent) else None
+    loss, logits, grads = sharpness_aware_value_and_grad(objective, params, buffers, batch, ascent, memory)
+    new_state = optimizer.apply(params, grads, opt_state, step)
+    if memory is not None:  # updated in place; kept whatever the optimizer returns
+        new_state = {**new_state, **{MEMORY + k: v for k, v in memory.items()}}
+    return new_state, StepOutput(loss, logits)

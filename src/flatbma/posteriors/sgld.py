@@ -20,7 +20,7 @@ import torch
 
 from flatbma.checks import check_int, is_number
 from flatbma.errors import FlatbmaError
-from flatbma.optim.ascent import sharpness_aware_value_and_grad
+from flatbma.optim.ascent import ascent_memory, has_memory, memory_of, sharpness_aware_value_and_grad
 from flatbma.params import Objective, clone
 from flatbma.types import Ascent, Batch, GradientTransformation, Params, Posterior, State, StepOutput
 
@@ -191,14 +191,18 @@ def _langevin(
     prior_precision = 0.0 if math.isinf(prior_std) else 1.0 / prior_std**2
 
     def init(params: Params, buffers: Params) -> State:
-        return State(params=clone(params), buffers=clone(buffers), aux={COUNT_KEY: torch.zeros((), dtype=torch.long)})
+        aux = {COUNT_KEY: torch.zeros((), dtype=torch.long), **ascent_memory(ascent, params)}
+        return State(params=clone(params), buffers=clone(buffers), aux=aux)
 
     def update(state: State, batch: Batch) -> tuple[State, StepOutput]:
         factor, noisy, store = schedule(state.step)
         eps = optimizer.learning_rate(state.step) * factor  # type: ignore[attr-defined]
         if lr_scale is LrScale.MEAN:
             eps /= n
-        loss, logits, grads = sharpness_aware_value_and_grad(objective, state.params, state.buffers, batch, ascent)
+        memory = memory_of(state.aux) if has_memory(ascent) else None
+        loss, logits, grads = sharpness_aware_value_and_grad(
+            objective, state.params, state.buffers, batch, ascent, memory
+        )
         with torch.no_grad():
             for k, g in grads.items():
                 w = state.params[k]

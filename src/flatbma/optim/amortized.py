@@ -1,0 +1,255 @@
+"""The second pass of any ascent step, taken only every ``k`` steps and on a fraction of the batch.
+
+Every flat-seeking method pays a second forward/backward pass per step (:func:`flatbma.optim.ascent.two_pass`).
+:class:`Amortized` wraps any ascent step — :class:`~flatbma.optim.SAM`, :class:`~flatbma.optim.ASAM`,
+:class:`~flatbma.optim.FisherSAM` on weights, :class:`~flatbma.optim.FisherBall` on a variational
+posterior's ``θ`` — and takes that pass only at every ``ascent_every``-th step, reusing in between what
+the last one learned, optionally on a fraction of the batch.
+
+**LookSAM** (Liu et al., CVPR 2022, Algorithm 1). With ``g = ∇L_B(w)``, SAM's gradient is
+``g_s = ∇L_B(w + ε)``, ``ε = ρg/‖g‖``. Split ``g_s = c·g + g_v`` with ``g_vᵀg = 0``:
+
+    ``g_v = g_s − (gᵀg_s / ‖g‖²)·g``.
+
+To first order ``g_s ≈ g + Hε``: the part along ``g`` only rescales the SGD step, and ``g_v`` is what
+steers towards flatter regions; Liu et al. observe that it changes slowly over steps. So at the steps
+``t ≡ 0 (mod k)`` both passes run and ``g_v`` is stored; at the ``k − 1`` steps in between only ``g`` is
+computed and the descent gradient is
+
+    ``g̃ = g + α·(‖g‖/‖g_v‖)·g_v``,
+
+the stored direction rescaled to the current gradient's norm (the paper's adaptive ratio) times ``α``
+(``reuse_alpha``; 0.7 is the LookSAM reference implementations' default). The paper's formula over the
+whole parameter vector is used, not a per-tensor one.
+
+**Any ascent step: the dual metric.** Each ascent step here maximizes the linearized loss over a ball
+``εᵀMε ≤ ρ²`` of its own metric ``M`` (SAM ``I``; ASAM ``T_w⁻²``; Fisher-SAM ``diag(1 + ηg⊙g)``; FisherBall
+the damped Fisher ``F_λ(θ)`` of ``q_θ`` with ``ρ = √(2γ)``), so ``ε = ρM⁻¹g/‖g‖_*`` with the dual norm
+``‖g‖_* = √(gᵀM⁻¹g)`` — gradients are covectors, and their inner product is ``⟨a, b⟩_* = aᵀM⁻¹b``. LookSAM's
+split, made orthogonal in that inner product, ``g_s = c·g + g_v`` with ``⟨g_v, g⟩_* = 0``, needs no solve:
+``M⁻¹g = (‖g‖_*/ρ)·ε``, so ``⟨a, g⟩_* ∝ aᵀε`` and
+
+    ``g_v = g_s − (εᵀg_s / εᵀg)·g``,   i.e. ``εᵀg_v = 0``:
+
+``g_v`` is the part of the perturbed gradient with no slope along the ascent direction. The dual norms are
+read off the ascent step itself, ``ε(a)ᵀa = ρ‖a‖_*`` for ``ε(a) = ascent.perturb(w, a)``, all at the ascent
+step (``g₀``: its first-pass gradient): ``‖g₀‖_*/‖g_v‖_* = ε(g₀)ᵀg₀ / ε(g_v)ᵀg_v``, the first free (``ε(g₀) = ε``),
+the second one more ``perturb``. At a reuse step the current gradient's dual norm would cost a ``perturb``
+per step — a Fisher solve for FisherBall, 12–15% of a forward/backward pass on the transfer model of
+``bench/step_cost.py`` — so it is carried over from the ascent step by the change of the Euclidean norm,
+``‖g‖_* ≈ ‖g₀‖_*·‖g‖/‖g₀‖`` (the metric's scale changes as slowly as ``g_v``, LookSAM's premise):
+
+    ``g̃ = g + α·(‖g‖/‖g₀‖)·(ε(g₀)ᵀg₀ / ε(g_v)ᵀg_v)·g_v``,
+
+one stored scalar ``ε(g₀)ᵀg₀ / (‖g₀‖·ε(g_v)ᵀg_v)`` beside ``g_v``. For SAM (``M = I``:
+``ε(a)ᵀa = ρ‖a‖``) this is LookSAM's formula exactly. Fisher-SAM's metric ``1 + ηa⊙a`` is built from the
+gradient it is given, so ``g₀`` and ``g_v`` are each measured in their own.
+
+**FisherBall (FP-BMA) in θ-space.** There the ascent is ``δ* = √(2γ)F⁻¹g/√(gᵀF⁻¹g)`` on ``θ = (μ, log σ, L)``
+with ``g = ∇_θ E_z L_B(w(θ, z))`` and ``g_s`` the same gradient at ``θ + δ*`` (the data term only: the KL
+gradient is added after, unchanged, at every step). The split above is the ``F⁻¹``-orthogonal one,
+``g_v = g_s − (δ*ᵀg_s/δ*ᵀg)·g`` with ``g_vᵀF⁻¹g = 0``: the part of the perturbed gradient that the KL-ball
+direction does not see — the same computation on the stored ``δ*``, no extra solve. The adaptive ratio is
+that of natural-gradient norms ``√(g₀ᵀF⁻¹g₀)/√(g_vᵀF⁻¹g_v)`` at the ascent step (``δ*ᵀg₀``, free, over
+``δ(g_v)ᵀg_v``: one more Fisher solve with the ascent's own preconditioned CG, no forward or backward pass),
+carried to the reuse steps by ``‖g‖/‖g₀‖``. Where the ascent is not exactly the ball's maximizer the ratio is
+that of its pairings: FisherBall's trust region may shorten a ``δ``, and the rotation directions of ``L`` it
+projects out of ``g`` make ``√(aᵀF_λ⁻¹a)`` a seminorm (a ``g_v`` with ``δ(g_v)ᵀg_v = 0`` adds nothing).
+
+**Batch fraction** (ESAM, Du et al., ICLR 2022). With ``ascent_fraction = f < 1`` the second pass — the
+gradient at the perturbed point, which is ``g_s`` and hence ``g_v`` — runs on the first ``⌈f·B⌉`` examples of
+the batch only (at least two: BatchNorm in train mode needs two), cutting its cost by ``1 − f``. ESAM's
+sharpness-sensitive selection ranks the examples by their loss increase under ``ε``, which needs
+per-example losses at ``w + ε`` over the whole batch; here the subset is fixed, which is a uniformly random
+one because the training loader shuffles (and keeps resumption exact: no random draw). The first pass
+always sees the whole batch.
+
+**State.** The memory — the cycle position, ``g_v`` and its scale — is created by :meth:`Amortized.init`
+and lives in the method state's ``aux`` (:data:`flatbma.optim.ascent.MEMORY`), updated in place, so a
+checkpoint holds it and a run resumed in mid-cycle continues bit-identically. With ``ascent_every = 1``
+and ``ascent_fraction = 1`` the descent gradients are exactly those of the wrapped step (bit-identical;
+``g_v`` is still computed and stored).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from enum import Enum
+
+import torch
+from torch import Tensor
+
+from flatbma import packed
+from flatbma.checks import check_int, check_number
+from flatbma.errors import FlatbmaError
+from flatbma.optim.ascent import Gradient, ascended, has_memory
+from flatbma.params import add
+from flatbma.types import Ascent, AscentSpace, Batch, Params, ascent_space
+
+
+class Reuse(str, Enum):
+    """What :class:`Amortized` does at the steps without a second pass (strings and members are both accepted)."""
+
+    ORTHOGONAL = "orthogonal"
+    """LookSAM: add the stored component ``g_v`` of the last perturbed gradient, rescaled (module docstring)."""
+    NONE = "none"
+    """Descend along the plain gradient ``g`` (periodic SAM, "SAM-k")."""
+
+
+POSITION = "position"
+"""Memory key: steps since the last second pass, ``0 ≤ position < ascent_every`` (0: this step takes it)."""
+SCALE = "scale"
+"""Memory key: ``ε(g₀)ᵀg₀ / (‖g₀‖·ε(g_v)ᵀg_v)``, which times ``‖g‖`` is the ratio ``‖g‖_*/‖g_v‖_*`` of a reuse step."""
+ORTHOGONAL = "orthogonal/"
+"""Memory key prefix of the stored ``g_v`` (one tensor per key of the gradient)."""
+
+
+@dataclass(frozen=True)
+class Amortized:
+    """An ascent step whose second pass runs every ``ascent_every`` steps, on a fraction of the batch.
+
+    ``Amortized(SAM(0.05), ascent_every=5)`` is LookSAM; ``Amortized(FisherBall(), ascent_every=5)`` is
+    FP-BMA with the θ-space analogue (module docstring). It is itself an ascent step (``space`` and
+    ``perturb`` are the wrapped step's), so it composes with every family that takes one; its memory
+    (:meth:`init`) is kept in the family's state.
+
+    Attributes:
+        ascent: the wrapped ascent step.
+        ascent_every: ``k ≥ 1``: the second pass runs at steps ``0, k, 2k, …`` of the run.
+        reuse: what the steps in between descend along (:class:`Reuse`; its name is accepted).
+        reuse_alpha: ``α ≥ 0`` of :attr:`Reuse.ORTHOGONAL`.
+        ascent_fraction: ``f ∈ (0, 1]``: the second pass runs on the first ``⌈f·B⌉`` examples of the batch (≥ 2).
+    """
+
+    ascent: Ascent
+    ascent_every: int = 1
+    reuse: Reuse = Reuse.ORTHOGONAL
+    reuse_alpha: float = 0.7
+    ascent_fraction: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.ascent is None or not hasattr(self.ascent, "perturb"):
+            raise FlatbmaError(
+                f"Amortized needs an ascent step to amortize (SAM, ASAM, FisherSAM, FisherBall), got {self.ascent!r}"
+            )
+        if has_memory(self.ascent):
+            raise FlatbmaError("Amortized wraps a plain ascent step, not another Amortized one: give its options once")
+        check_int(
+            self.ascent_every,
+            f"ascent_every must be an integer >= 1 (the second pass runs every k steps), got {self.ascent_every!r}",
+            minimum=1,
+        )
+        try:
+            object.__setattr__(self, "reuse", Reuse(self.reuse))
+        except (ValueError, TypeError):
+            names = ", ".join(repr(m.value) for m in Reuse)
+            raise FlatbmaError(f"reuse must be one of {names}, got {self.reuse!r}") from None
+        check_number(
+            self.reuse_alpha,
+            f"reuse_alpha must be a number >= 0 (LookSAM's weight of the reused direction), got {self.reuse_alpha!r}",
+            low=0,
+            high=math.inf,
+            high_open=True,
+        )
+        check_number(
+            self.ascent_fraction,
+            f"ascent_fraction must be a number in (0, 1] (the share of the batch the second pass sees), "
+            f"got {self.ascent_fraction!r}",
+            low=0,
+            low_open=True,
+            high=1,
+        )
+
+    @property
+    def space(self) -> AscentSpace:
+        """Where the wrapped step acts (weights or ``θ``)."""
+        return ascent_space(self.ascent)
+
+    def perturb(self, params: Mapping[str, Tensor], grads: Mapping[str, Tensor]) -> Mapping[str, Tensor]:
+        """The wrapped step's ``ε`` (used at the steps that take the second pass)."""
+        return self.ascent.perturb(params, grads)
+
+    def init(self, params: Mapping[str, Tensor]) -> Params:
+        """The memory for gradients shaped like ``params``: position 0 and, for the orthogonal reuse, ``g_v = 0``."""
+        ref = next(iter(params.values()))
+        memory = {POSITION: torch.zeros((), dtype=torch.int64, device=ref.device)}
+        if self.reuse is Reuse.ORTHOGONAL:
+            memory[SCALE] = torch.zeros((), dtype=ref.dtype, device=ref.device)
+            memory.update({ORTHOGONAL + k: v for k, v in packed.zeros_like(params).items()})
+        return memory
+
+    def descent_gradient(
+        self,
+        gradient: Gradient,
+        params: Mapping[str, Tensor],
+        batch: Batch,
+        grads: Mapping[str, Tensor],
+        memory: Mapping[str, Tensor] | None,
+    ) -> Mapping[str, Tensor]:
+        """The descent gradient at ``params`` given the first pass's ``grads``; ``memory`` is updated in place.
+
+        At a step of the cycle's start: the wrapped step's ``g_s`` (its second pass, on the batch fraction),
+        storing ``g_v`` and its scale; at the others: ``g`` or ``g + α(‖g‖/‖g₀‖)(ε(g₀)ᵀg₀ / ε(g_v)ᵀg_v)g_v``
+        (module docstring).
+        """
+        if memory is None or POSITION not in memory:
+            raise FlatbmaError(
+                "an Amortized ascent step keeps a memory in the method's state, and this method passed none: "
+                "build the method through a posterior family (flatbma.posteriors) rather than calling the step alone"
+            )
+        position = memory[POSITION]
+        at = int(position) % self.ascent_every
+        position.fill_((at + 1) % self.ascent_every)
+        if at == 0:
+            return self._ascend(gradient, params, batch, grads, memory)
+        if self.reuse is Reuse.NONE:
+            return grads
+        return self._reuse(grads, memory)
+
+    def _ascend(
+        self,
+        gradient: Gradient,
+        params: Mapping[str, Tensor],
+        batch: Batch,
+        grads: Mapping[str, Tensor],
+        memory: Mapping[str, Tensor],
+    ) -> Mapping[str, Tensor]:
+        eps, g_s = ascended(gradient, params, self._part(batch), self.ascent, grads)
+        if self.reuse is Reuse.ORTHOGONAL:
+            with torch.no_grad():
+                along = float(_dot(eps, grads))  # ε(g₀)ᵀg₀ = ρ‖g₀‖_*
+                c = float(_dot(eps, g_s)) / along if along > 0 else 0.0
+                g_v = add(g_s, grads, -c)  # g_s − (εᵀg_s/εᵀg₀)·g₀: εᵀg_v = 0
+                dual_v = float(_dot(self.ascent.perturb(params, g_v), g_v))  # ρ‖g_v‖_*
+                norm = math.sqrt(float(_dot(grads, grads)))
+                scale = along / (norm * dual_v) if along > 0 and dual_v > 0 else 0.0
+                memory[SCALE].fill_(scale if math.isfinite(scale) else 0.0)
+                keys = list(g_v)
+                stored, fresh = packed.coalesce(keys, {k: memory[ORTHOGONAL + k] for k in keys}, g_v)
+                torch._foreach_copy_(stored, fresh)
+        return g_s
+
+    @torch.no_grad()
+    def _reuse(self, grads: Mapping[str, Tensor], memory: Mapping[str, Tensor]) -> Mapping[str, Tensor]:
+        scale = float(memory[SCALE])
+        if not scale > 0 or self.reuse_alpha == 0:
+            return grads  # no stored direction (g_v = 0, or one the ascent's metric does not see)
+        ratio = math.sqrt(float(_dot(grads, grads))) * scale  # ≈ ‖g‖_* / ‖g_v‖_*
+        g_v = {k: memory[ORTHOGONAL + k] for k in grads}
+        return add(grads, g_v, self.reuse_alpha * ratio)
+
+    def _part(self, batch: Batch) -> Batch:
+        """The first ``⌈f·B⌉`` examples of ``batch``, at least two (BatchNorm in train mode needs two)."""
+        if self.ascent_fraction == 1:
+            return batch
+        x, y = batch
+        n = min(len(x), max(2, math.ceil(self.ascent_fraction * len(x) - 1e-9)))
+        return x[:n], y[:n]
+
+
+def _dot(a: Mapping[str, Tensor], b: Mapping[str, Tensor]) -> Tensor:
+    """``Σ_k ⟨a_k, b_k⟩`` over the keys of ``b``: one product when both are packed alike (:mod:`flatbma.packed`)."""
+    xs, ys = packed.coalesce(list(b), a, b)
+    return torch.stack([torch.vdot(x.reshape(-1), y.reshape(-1)) for x, y in zip(xs, ys, strict=True)]).sum()
