@@ -57,6 +57,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from _memory import peak_mib
 
 from flatbma.flatness import hessian_eigenvalues, hvp_fn, lanczos
 from flatbma.models import build_model
@@ -147,14 +148,6 @@ def reference(model, batch, k: int) -> torch.Tensor:
 # -- memory (subprocess) ------------------------------------------------------------------------
 
 
-def _rss_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status")
-
-
 def measure_memory(args) -> None:
     """Child process: one call of one tool; prints ``{"mib": ..., "method": ...}``."""
     torch.set_num_threads(args.threads or torch.get_num_threads())
@@ -173,21 +166,8 @@ def measure_memory(args) -> None:
         torch.cuda.synchronize()
         print(json.dumps({"mib": (torch.cuda.max_memory_allocated() - base) / 2**20, "method": "cuda peak"}))
         return
-    method = "VmHWM after clear_refs"
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        method = "ru_maxrss (upper bound)"
-    before = _rss_kib("VmRSS")
-    call()
-    if method.startswith("VmHWM"):
-        peak = _rss_kib("VmHWM")
-    else:
-        import resource
-
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    print(json.dumps({"mib": (peak - before) / 1024, "method": method}))
+    mib, method = peak_mib(call)
+    print(json.dumps({"mib": mib, "method": method}))
 
 
 def memory_of(args, case: str, tool: str, tol: float) -> tuple[float, str]:

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from _memory import peak_mib
 from torch.func import functional_call
 
 from flatbma.curvature import estimator, optimize_prior
@@ -104,15 +105,7 @@ def timed(fn) -> tuple[float, object]:
     return time.perf_counter() - t0, out
 
 
-# -- memory (subprocess, as in bench/hessian.py) --------------------------------------------------
-
-
-def _rss_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status")
+# -- memory (subprocess; bench/_memory.py) -----------------------------------------------------------
 
 
 def measure_memory(args) -> None:
@@ -121,21 +114,8 @@ def measure_memory(args) -> None:
     model, params, buffers, batches = setup(row.subset, args.n, args.image_size, args.batch_size)
     est = make_estimator(row, model, params, args.n)
     gc.collect()
-    method = "VmHWM after clear_refs"
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        method = "ru_maxrss (upper bound)"
-    before = _rss_kib("VmRSS")
-    curvature_pass(est, params, buffers, batches)
-    if method.startswith("VmHWM"):
-        peak = _rss_kib("VmHWM")
-    else:
-        import resource
-
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    print(json.dumps({"mib": (peak - before) / 1024, "method": method}))
+    mib, method = peak_mib(lambda: curvature_pass(est, params, buffers, batches))
+    print(json.dumps({"mib": mib, "method": method}))
 
 
 def memory_of(args, name: str) -> tuple[float, str]:
