@@ -9,12 +9,30 @@ it), so each call site keeps its wording.
 from __future__ import annotations
 
 import math
+from enum import Enum
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from flatbma.errors import FlatbmaError
+from flatbma.errors import FlatbmaError, suggest
+
+E = TypeVar("E", bound=Enum)
+
+
+def parse_choice(cls: type[E], value: Any, key: str) -> E:
+    """The member of the option Enum ``cls`` for ``value`` (a member or its string), else a :class:`FlatbmaError`.
+
+    The message names ``key``, the choices, the value given (its repr cut at 40 characters) and the closest
+    choice.
+    """
+    try:
+        return cls(value)
+    except ValueError:
+        choices = [m.value for m in cls]
+        shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
+        raise FlatbmaError(f"{key} must be one of {choices} (got {shown}).{suggest(str(value), choices)}") from None
 
 
 def is_int(value: object) -> bool:

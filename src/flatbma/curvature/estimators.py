@@ -33,8 +33,9 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call
 
+from flatbma.checks import parse_choice
 from flatbma.curvature import kfac
-from flatbma.curvature.options import Curvature, Hessian, parse_option
+from flatbma.curvature.options import Curvature, Hessian
 from flatbma.curvature.structures import Blocks, DenseBlock, DiagBlock, KronBlock, LowRankBlock, symmetric_eigh
 from flatbma.errors import FlatbmaError, suggest
 from flatbma.jacobians import ce_gradient, ce_sqrt_hessian, rows
@@ -456,8 +457,8 @@ def estimator(
             :func:`squared_error`, ``L = I``).
         chunk: examples whose rows are computed at once (``None``: as many as fit 64 MB of rows).
     """
-    hessian = parse_option(Hessian, hessian, "hessian")
-    curvature = parse_option(Curvature, curvature, "curvature")
+    hessian = parse_choice(Hessian, hessian, "hessian")
+    curvature = parse_choice(Curvature, curvature, "curvature")
     if not params:
         raise FlatbmaError("the curvature needs at least one parameter; make some weights trainable (model.trainable)")
     own = dict(model.named_parameters())

@@ -27,7 +27,8 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor
 
-from flatbma.curvature.options import PriorStructure, parse_option
+from flatbma.checks import parse_choice
+from flatbma.curvature.options import PriorStructure
 from flatbma.curvature.structures import Blocks, Precision, check_temperature
 from flatbma.errors import FlatbmaError
 
@@ -101,7 +102,7 @@ def optimize_prior(
     Raises:
         FlatbmaError: ``layerwise`` with a block over several tensors (the full GGN).
     """
-    structure = parse_option(PriorStructure, structure, "prior_structure")
+    structure = parse_choice(PriorStructure, structure, "prior_structure")
     t = check_temperature(temperature)
     problems = {
         g: (blocks.eigenvalues(g).to(F64) / t, _sq_norm(blocks, mean, g, prior_mean), blocks.dim(g))

@@ -48,6 +48,7 @@ from torch import Tensor, nn
 from torch.func import functional_call
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from flatbma.checks import parse_choice
 from flatbma.errors import FlatbmaError, suggest
 from flatbma.params import flatten, unflatten
 from flatbma.predict import eval_mode
@@ -71,15 +72,7 @@ class HVPMethod(str, Enum):
     @classmethod
     def parse(cls, value: HVPMethod | str) -> HVPMethod:
         """Return the member for ``value`` or raise a :class:`FlatbmaError` naming the choices."""
-        return _parse_enum(cls, value, "hvp")
-
-
-def _parse_enum(cls: type[Enum], value: Any, key: str) -> Any:
-    try:
-        return cls(value)
-    except ValueError:
-        choices = [m.value for m in cls]
-        raise FlatbmaError(f"{key} must be one of {choices} (got {value!r}).{suggest(str(value), choices)}") from None
+        return parse_choice(cls, value, "hvp")
 
 
 class HessianOperator:

@@ -34,8 +34,9 @@ from enum import Enum
 import torch
 from torch import Tensor, nn
 
+from flatbma.checks import parse_choice
 from flatbma.errors import FlatbmaError
-from flatbma.flatness.hvp import HVPMethod, LossFn, ParamSelection, _parse_enum, hvp_fn, nonzero_checked
+from flatbma.flatness.hvp import HVPMethod, LossFn, ParamSelection, hvp_fn, nonzero_checked
 from flatbma.types import Batch
 
 __all__ = [
@@ -405,7 +406,7 @@ def hessian_eigenvalues(
         FlatbmaError: on bad input (``k`` larger than the number of parameters, empty data, parameters
             the loss does not depend on, a Hessian that is identically zero).
     """
-    method = _parse_enum(EigenMethod, method, "method")
+    method = parse_choice(EigenMethod, method, "method")
     _check_solver_args(math.inf, k, tol, max_iter)
     op = hvp_fn(model, data, loss_fn=loss_fn, params=params, weights=weights, hvp=hvp)
     solver = lanczos if method is EigenMethod.LANCZOS else power_iteration

@@ -37,13 +37,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call
 
-from flatbma.checks import check_finite_vector
+from flatbma.checks import check_finite_vector, parse_choice
 from flatbma.errors import FlatbmaError, suggest
 from flatbma.flatness.hvp import (
     HVPMethod,
     LossFn,
     ParamSelection,
-    _parse_enum,
     _reiterable,
     _unpack,
     hvp_fn,
@@ -135,7 +134,7 @@ def random_direction(
     Raises:
         FlatbmaError: on unknown names or tensors that are not floating point.
     """
-    policy = _parse_enum(BiasBNPolicy, bias_bn, "bias_bn")
+    policy = parse_choice(BiasBNPolicy, bias_bn, "bias_bn")
     weights = _direction_point(point, params)
     g = torch.Generator().manual_seed(int(seed))
     out: Params = {}

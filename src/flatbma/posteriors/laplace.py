@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from flatbma.checks import is_int, is_number
+from flatbma.checks import is_int, is_number, parse_choice
 from flatbma.curvature import (
     Blocks,
     Curvature,
@@ -33,7 +33,6 @@ from flatbma.curvature import (
     log_evidence,
     optimize_prior,
 )
-from flatbma.curvature.options import parse_option
 from flatbma.errors import FlatbmaError
 from flatbma.models import classifier_of, is_pretrained
 from flatbma.params import Objective, clone
@@ -406,11 +405,11 @@ def check_options(
     if not is_int(max_full) or max_full < 1:
         raise FlatbmaError(f"{where}.max_full must be a positive integer, got {max_full!r}")
     return (
-        parse_option(Hessian, hessian, f"{where}.hessian"),
-        parse_option(Curvature, curvature, f"{where}.curvature"),
-        parse_option(PriorStructure, prior_structure, f"{where}.prior_structure"),
-        parse_option(PriorMean, prior_mean, f"{where}.prior_mean"),
-        parse_option(Predictive, predictive, f"{where}.predictive"),
+        parse_choice(Hessian, hessian, f"{where}.hessian"),
+        parse_choice(Curvature, curvature, f"{where}.curvature"),
+        parse_choice(PriorStructure, prior_structure, f"{where}.prior_structure"),
+        parse_choice(PriorMean, prior_mean, f"{where}.prior_mean"),
+        parse_choice(Predictive, predictive, f"{where}.predictive"),
     )
 
 
