@@ -91,7 +91,7 @@ def test_interval_helpers():
         (lambda: summarize([]), "at least one value"),
         (lambda: summarize([1.0, float("nan")]), "finite"),
         (lambda: summarize([1.0, 2.0], level=1.0), "level"),
-        (lambda: summarize([1.0, 2.0], method="normal"), "t, bootstrap"),
+        (lambda: summarize([1.0, 2.0], method="normal"), "'t', 'bootstrap'"),
         (lambda: paired_difference([1.0, 2.0], [1.0]), "pair them by seed"),
         (lambda: paired_difference([1.0, math.inf], [1.0, 2.0]), "finite"),
     ],

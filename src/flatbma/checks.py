@@ -25,14 +25,15 @@ def parse_choice(cls: type[E], value: Any, key: str) -> E:
     """The member of the option Enum ``cls`` for ``value`` (a member or its string), else a :class:`FlatbmaError`.
 
     The message names ``key``, the choices, the value given (its repr cut at 40 characters) and the closest
-    choice.
+    choice: ``"reuse must be one of 'orthogonal', 'none', got 'orth'. Did you mean 'orthogonal'?"``.
     """
     try:
         return cls(value)
-    except ValueError:
-        choices = [m.value for m in cls]
+    except (ValueError, TypeError):  # TypeError: an unhashable value on some Python versions
+        choices = [str(m.value) for m in cls]
         shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
-        raise FlatbmaError(f"{key} must be one of {choices} (got {shown}).{suggest(str(value), choices)}") from None
+        names = ", ".join(repr(c) for c in choices)
+        raise FlatbmaError(f"{key} must be one of {names}, got {shown}.{suggest(str(value), choices)}") from None
 
 
 def is_int(value: object) -> bool:

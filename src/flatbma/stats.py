@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 from scipy import stats as _scipy_stats
 
+from flatbma.checks import parse_choice
 from flatbma.errors import FlatbmaError
 
 __all__ = ["Difference", "Interval", "Method", "Summary", "paired_difference", "summarize", "verdict"]
@@ -118,12 +119,7 @@ def summarize(
         resamples: bootstrap resamples.
         seed: bootstrap seed.
     """
-    try:
-        method = Method(method)
-    except ValueError:
-        raise FlatbmaError(
-            f"summarize: method must be one of {', '.join(m.value for m in Method)}, got {method!r}"
-        ) from None
+    method = parse_choice(Method, method, "summarize: method")
     _check_level(level)
     x = _values(values, "summarize")
     n = x.size

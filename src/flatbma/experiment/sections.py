@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING, Any, Literal
 
+from flatbma.checks import parse_choice
 from flatbma.errors import FlatbmaError
 from flatbma.experiment.distributed import Parallel
 from flatbma.experiment.parse import shown
@@ -44,13 +45,7 @@ def check_positive(where: str, value: float | None, *, allow_none: bool = False,
 
 def _set_member(section: Any, key: str, enum: type[Enum]) -> None:
     """Replace the string in ``section.key`` by its ``enum`` member (a frozen dataclass, in ``__post_init__``)."""
-    value = getattr(section, key)
-    try:
-        member = enum(value)
-    except (ValueError, TypeError):
-        choices = ", ".join(repr(m.value) for m in enum)
-        raise FlatbmaError(f"{key} must be one of {choices}, got {value!r}") from None
-    object.__setattr__(section, key, member)
+    object.__setattr__(section, key, parse_choice(enum, getattr(section, key), key))
 
 
 def _set_members(section: Any, key: str, enum: type[Enum]) -> None:

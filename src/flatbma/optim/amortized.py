@@ -82,7 +82,7 @@ import torch
 from torch import Tensor
 
 from flatbma import packed
-from flatbma.checks import check_int, check_number
+from flatbma.checks import check_int, check_number, parse_choice
 from flatbma.errors import FlatbmaError
 from flatbma.optim.ascent import Gradient, ascended, has_memory
 from flatbma.params import add
@@ -141,11 +141,7 @@ class Amortized:
             f"ascent_every must be an integer >= 1 (the second pass runs every k steps), got {self.ascent_every!r}",
             minimum=1,
         )
-        try:
-            object.__setattr__(self, "reuse", Reuse(self.reuse))
-        except (ValueError, TypeError):
-            names = ", ".join(repr(m.value) for m in Reuse)
-            raise FlatbmaError(f"reuse must be one of {names}, got {self.reuse!r}") from None
+        object.__setattr__(self, "reuse", parse_choice(Reuse, self.reuse, "reuse"))
         check_number(
             self.reuse_alpha,
             f"reuse_alpha must be a number >= 0 (LookSAM's weight of the reused direction), got {self.reuse_alpha!r}",

@@ -68,8 +68,7 @@ from typing import ClassVar, NamedTuple
 import torch
 from torch import Tensor
 
-from flatbma.checks import check_int, check_number
-from flatbma.errors import FlatbmaError
+from flatbma.checks import check_int, check_number, parse_choice
 from flatbma.gaussian import (
     PREFIXES,
     LowRankGeometry,
@@ -475,8 +474,4 @@ class FisherBall:
 
 def _parse_metric(value: object) -> BallMetric:
     """The :class:`BallMetric` named by ``value`` (a member or its name), else a :class:`FlatbmaError`."""
-    try:
-        return BallMetric(value)
-    except (ValueError, TypeError):
-        names = ", ".join(repr(m.value) for m in BallMetric)
-        raise FlatbmaError(f"metric must be one of {names}, got {value!r}") from None
+    return parse_choice(BallMetric, value, "metric")
