@@ -266,6 +266,37 @@ def test_save_and_load_round_trip_bit_for_bit(trained_swag, tmp_path):
         BMA.load(path, nn.Sequential(nn.Linear(6, 3)), other)
 
 
+@pytest.mark.parametrize(
+    "alter, problem",
+    [
+        (lambda s: s.params.update(w=s.params.pop("0.weight").double()), "params/0.weight is missing"),
+        (lambda s: s.params.update({"0.weight": s.params["0.weight"].double()}), "is float64 instead of float32"),
+        (lambda s: s.aux.update(extra=torch.zeros(3)), "aux/extra is unexpected"),
+        (lambda s: s.buffers.update({"1.running_mean": torch.zeros(4)}), r"has shape \(4,\) instead of \(16,\)"),
+    ],
+)
+def test_a_predictor_file_meets_the_rule_of_a_resumed_checkpoint(trained_swag, tmp_path, alter, problem):
+    """The same structure check as ``--resume`` (state_io.structure_problem): names, dtypes, shapes, extra aux."""
+    model, method, state, _, loader = trained_swag
+    altered = copy.deepcopy(state)
+    alter(altered)
+    path = tmp_path / "bma.safetensors"
+    BMA(model, method, altered, loader, num_samples=2).save(path)
+    with pytest.raises(FlatbmaError, match=f"does not fit this model and method .*{problem}"):
+        BMA.load(path, model, method, loader)
+
+
+def test_the_iterates_a_sampler_keeps_are_accepted_on_load(tmp_path):
+    x, y = _data()
+    loader = DataLoader(TensorDataset(x, y), batch_size=48, shuffle=True)
+    bma = flatbma.fit_posterior(_net(), loader, "sgld", epochs=3, lr=0.01, burn_in=5, thin=2, num_samples=2)
+    assert any(k.startswith("samples/") for k in bma.state.aux)  # grown while training
+    path = tmp_path / "sgld.safetensors"
+    bma.save(path)
+    xs = _data(20, seed=4)[0]
+    assert torch.equal(flatbma.load_posterior(path, _net(), loader).predict_log_proba(xs), bma.predict_log_proba(xs))
+
+
 def test_a_packed_variational_state_round_trips_and_is_a_flatbma_state_file(tmp_path):
     from flatbma.experiment.checkpoint import load_state
 

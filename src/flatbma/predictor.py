@@ -54,7 +54,7 @@ from flatbma.predict import (
     evaluate,
     linearized_predictions,
 )
-from flatbma.state_io import FORMAT, SECTIONS, atomic_write_bytes, encode_state, in_order
+from flatbma.state_io import FORMAT, SECTIONS, atomic_write_bytes, encode_state, in_order, structure_problem
 from flatbma.types import Params, Posterior, Predictive, State, split_batch
 
 PREDICTOR_KEY = "predictor"
@@ -445,22 +445,17 @@ def read_settings(meta: Mapping[str, str], path: str | Path) -> dict[str, Any]:
 def _check_fits(state: State, method: Posterior, model: nn.Module, path: str | Path) -> None:
     """``state`` must have the structure ``method`` gives a fresh state of ``model`` (under a forked RNG).
 
-    ``params`` and ``buffers``: the same names and shapes; ``aux``: every entry of the fresh state with
-    its shape (methods add entries while they train).
+    The rule a resumed run's checkpoint meets (:func:`flatbma.state_io.structure_problem`): the same names,
+    dtypes and shapes, plus only the parameter stacks a sampler keeps in ``aux``.
     """
     with torch.random.fork_rng(devices=[]):
         reference = method.init(trainable_params(model), model_buffers(model))
-    for section in SECTIONS:
-        have, want = getattr(state, section), getattr(reference, section)
-        missing = [k for k in want if k not in have]
-        unexpected = [k for k in have if k not in want] if section != "aux" else []
-        reshaped = [k for k in want if k in have and tuple(have[k].shape) != tuple(want[k].shape)]
-        for problem, names in (("missing", missing), ("unexpected", unexpected), ("of another shape", reshaped)):
-            if names:
-                raise FlatbmaError(
-                    f"{path} does not fit this model and method ({section}/{names[0]} is {problem}): load it with "
-                    "the architecture and method it was saved with"
-                )
+    problem = structure_problem(state, reference)
+    if problem:
+        raise FlatbmaError(
+            f"{path} does not fit this model and method ({problem}): load it with the architecture and method it "
+            "was saved with"
+        )
 
 
 def _check_arguments(

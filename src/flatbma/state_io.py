@@ -112,3 +112,46 @@ def in_order(tensors: Mapping[str, Tensor], order: list[str]) -> dict[str, Tenso
     """``tensors`` re-keyed in the saved ``order`` (keys not listed keep their place after them)."""
     listed = [k for k in order if k in tensors]
     return {k: tensors[k] for k in listed} | {k: v for k, v in tensors.items() if k not in set(listed)}
+
+
+def structure_problem(state: State, reference: State) -> str | None:
+    """What keeps ``state`` from having the structure of ``reference``, or ``None`` if nothing does.
+
+    ``reference`` is the state the method initializes for the model. ``params``, ``buffers`` and ``aux``
+    must hold its names with the same dtypes and shapes. The only entries ``reference`` lacks that are
+    accepted are ``aux`` stacks of copies of a parameter (``<prefix>/<name>`` of shape ``[S, *shape]`` and
+    the parameter's dtype): the iterates a sampler keeps as it trains (SGLD). Every other entry is a
+    problem (e.g. a SWAG state for a SAM method). The answer names the first entry, cut to 160 characters.
+    """
+    for section in SECTIONS:
+        have, want = getattr(state, section), getattr(reference, section)
+        for k, v in want.items():
+            if k not in have:
+                return clip(f"{section}/{k} is missing")
+            if have[k].dtype != v.dtype:
+                return clip(f"{section}/{k} is {dtype_name(have[k])} instead of {dtype_name(v)}")
+            if tuple(have[k].shape) != tuple(v.shape):
+                return clip(f"{section}/{k} has shape {tuple(have[k].shape)} instead of {tuple(v.shape)}")
+        for k, v in have.items():
+            if k not in want and not (section == "aux" and _stacked_copy(k, v, reference.params)):
+                return clip(f"{section}/{k} is unexpected")
+    return None
+
+
+def _stacked_copy(name: str, value: Tensor, params: Mapping[str, Tensor]) -> bool:
+    """Whether aux entry ``name`` stacks copies of a parameter: ``<prefix>/<param>``, ``[S, *shape]``, its dtype."""
+    for i, c in enumerate(name):
+        p = params.get(name[i + 1 :]) if c == "/" else None
+        if p is not None and value.dtype == p.dtype and value.dim() == p.dim() + 1 and value.shape[1:] == p.shape:
+            return value.shape[0] >= 1
+    return False
+
+
+def clip(text: str, limit: int = 160) -> str:
+    """``text`` cut to at most ``limit`` characters (names read from a file may be of any length)."""
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def dtype_name(t: Tensor) -> str:
+    """``t``'s dtype without the ``torch.`` prefix (``float32``), as messages name it."""
+    return str(t.dtype).removeprefix("torch.")

@@ -45,7 +45,17 @@ from flatbma.experiment.parse import shown
 from flatbma.experiment.runner import EpochLog, History, Position
 from flatbma.experiment.sections import plain, plain_values
 from flatbma.params import model_buffers, trainable_params
-from flatbma.state_io import FORMAT, SECTIONS, TEMP_NAME, atomic_write_bytes, encode_state, in_order
+from flatbma.state_io import (
+    FORMAT,
+    SECTIONS,
+    TEMP_NAME,
+    atomic_write_bytes,
+    clip,
+    dtype_name,
+    encode_state,
+    in_order,
+    structure_problem,
+)
 from flatbma.state_io import write_error as write_error
 from flatbma.types import Posterior, State
 
@@ -149,7 +159,7 @@ def load_checkpoint(path: str | Path, device: str = "cpu") -> tuple[State, dict[
         tensors = load_file(str(path), device=device)
     except (SafetensorError, OSError, ValueError, RuntimeError) as e:
         raise FlatbmaError(
-            f"checkpoint {path} is not a readable safetensors file ({_clip(str(e))}); it may be truncated or "
+            f"checkpoint {path} is not a readable safetensors file ({clip(str(e))}); it may be truncated or "
             "corrupted: delete it and resume from an earlier checkpoint or retrain"
         ) from None
     if meta.get("format") != FORMAT:
@@ -173,15 +183,6 @@ def load_checkpoint(path: str | Path, device: str = "cpu") -> tuple[State, dict[
     return State(step=step, **sections), meta, {k: v.cpu() for k, v in extra.items()}
 
 
-def _stacked_copy(name: str, value: Tensor, params: Mapping[str, Tensor]) -> bool:
-    """Whether aux entry ``name`` stacks copies of a parameter: ``<prefix>/<param>``, ``[S, *shape]``, its dtype."""
-    for i, c in enumerate(name):
-        p = params.get(name[i + 1 :]) if c == "/" else None
-        if p is not None and value.dtype == p.dtype and value.dim() == p.dim() + 1 and value.shape[1:] == p.shape:
-            return value.shape[0] >= 1
-    return False
-
-
 def check_compatible(state: State, reference: State, path: str | Path) -> None:
     """Raise :class:`FlatbmaError` unless the loaded ``state`` has the structure of ``reference``.
 
@@ -191,37 +192,12 @@ def check_compatible(state: State, reference: State, path: str | Path) -> None:
     (``<prefix>/<name>`` of shape ``[S, *shape]`` and the parameter's dtype): the iterates a sampler
     keeps as it trains (SGLD). Every other entry is refused (e.g. a SWAG state in a SAM run).
     """
-    problem = None
-    for section in SECTIONS:
-        have, want = getattr(state, section), getattr(reference, section)
-        for k, v in want.items():
-            if k not in have:
-                problem = f"{section}/{k} is missing"
-            elif have[k].dtype != v.dtype:
-                problem = f"{section}/{k} is {_dtype(have[k])} instead of {_dtype(v)}"
-            elif tuple(have[k].shape) != tuple(v.shape):
-                problem = f"{section}/{k} has shape {tuple(have[k].shape)} instead of {tuple(v.shape)}"
-            if problem:
-                break
-        for k, v in have.items():
-            if problem:
-                break
-            if k not in want and not (section == "aux" and _stacked_copy(k, v, reference.params)):
-                problem = f"{section}/{k} is unexpected"
-        if problem:
-            raise FlatbmaError(
-                f"{path} does not fit this run ({_clip(problem)}): it was written for another method "
-                "or model, or altered; restore the run's own checkpoint or train again"
-            )
-
-
-def _clip(text: str, limit: int = 160) -> str:
-    """``text`` cut to at most ``limit`` characters (names read from a file may be of any length)."""
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def _dtype(t: Tensor) -> str:
-    return str(t.dtype).removeprefix("torch.")
+    problem = structure_problem(state, reference)
+    if problem:
+        raise FlatbmaError(
+            f"{path} does not fit this run ({problem}): it was written for another method "
+            "or model, or altered; restore the run's own checkpoint or train again"
+        )
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -241,8 +217,8 @@ def model_fingerprint(model: nn.Module, config: Mapping[str, Any]) -> str:
     (sorted by name); the config is the run's ``model`` section.
     """
     structure = sorted(
-        [f"param:{k}", list(v.shape), _dtype(v), bool(v.requires_grad)] for k, v in model.named_parameters()
-    ) + sorted([f"buffer:{k}", list(v.shape), _dtype(v)] for k, v in model.named_buffers())
+        [f"param:{k}", list(v.shape), dtype_name(v), bool(v.requires_grad)] for k, v in model.named_parameters()
+    ) + sorted([f"buffer:{k}", list(v.shape), dtype_name(v)] for k, v in model.named_buffers())
     return fingerprint({"structure": structure, "config": dict(config)})
 
 
@@ -301,7 +277,7 @@ def _differences(have: Mapping[str, Any], want: Mapping[str, Any]) -> str:
         for k in keys
         if have.get(k, _MISSING) != want.get(k, _MISSING)
     ]
-    return _clip(", ".join(parts))
+    return clip(", ".join(parts))
 
 
 _MISSING = object()
@@ -497,7 +473,7 @@ def _bad_position(path: Path, problem: str) -> FlatbmaError:
 def _valid_generator_state(state: Tensor, like: Tensor) -> str | None:
     """Why ``state`` cannot be a CPU generator's state like ``like`` (``None`` when it can)."""
     if state.dtype != like.dtype or tuple(state.shape) != tuple(like.shape):
-        return f"{_dtype(state)} {tuple(state.shape)} instead of {_dtype(like)} {tuple(like.shape)}"
+        return f"{dtype_name(state)} {tuple(state.shape)} instead of {dtype_name(like)} {tuple(like.shape)}"
     try:
         torch.Generator().set_state(state)
     except RuntimeError as e:
@@ -539,7 +515,7 @@ def check_position(state: State, position: Position, template: Template, path: P
             raise _bad_position(path, f"data-order RNG state: {why}")
     for rng in position.cuda_rng or ():
         if rng.dtype != torch.uint8 or rng.dim() != 1 or rng.numel() == 0:
-            raise _bad_position(path, f"CUDA RNG state of {_dtype(rng)} {tuple(rng.shape)}, not 1-d uint8")
+            raise _bad_position(path, f"CUDA RNG state of {dtype_name(rng)} {tuple(rng.shape)}, not 1-d uint8")
 
 
 def load_run_state(path: Path, template: Template) -> State:
@@ -619,7 +595,7 @@ def resume_change(checkpoint: Path, old: Mapping[str, Any], new: Mapping[str, An
     refused = [k for k in changed if not _resumable(k)]
     if refused:
         raise FlatbmaError(
-            f"--resume cannot change {_clip(', '.join(refused), 80)} (it would change what the checkpoint's "
+            f"--resume cannot change {clip(', '.join(refused), 80)} (it would change what the checkpoint's "
             f"state means); a resume may change only {', '.join(RESUMABLE)}: train a new run (--config ... "
             "--set ...) instead"
         )
