@@ -123,9 +123,10 @@ FP_BMA = {
 
 AMORTIZED_SAM = {
     "sam k5": Amortized(SAM(0.05), ascent_every=5),
+    "sam k5 (reuse none)": Amortized(SAM(0.05), ascent_every=5, reuse="none"),
     "sam f.5": Amortized(SAM(0.05), ascent_fraction=0.5),
 }
-"""SAM with its second pass every 5 steps (LookSAM's reuse) or on half of the batch (ESAM)."""
+"""SAM with its second pass every 5 steps (LookSAM's reuse, or periodic SAM) or on half of the batch (ESAM)."""
 
 AMORTIZED_FP_BMA = {
     "fp-bma (K=5, k5)": Amortized(FisherBall(), ascent_every=5),

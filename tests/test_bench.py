@@ -18,3 +18,43 @@ def test_fp_bma_transfer_bench_times_every_method():
     assert all(len(t) == 2 and min(t) > 0 for t in times.values())
     assert step_cost.paired_ratio(times, "sgd") == 1.0
     assert step_cost.paired_ratio({"a": [2.0, 9.0, 3.0], "sgd": [1.0, 3.0, 1.0]}, "a") == 3.0
+
+
+def test_reuse_fidelity_measures_without_changing_the_run():
+    """The measuring wrapper's trajectory is the amortized step's own, bit for bit, and α = 0 gives error 1."""
+    import reuse_fidelity
+    import torch
+    from torch import nn
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from flatbma.experiment.runner import fit
+    from flatbma.optim import SAM, SGD, Amortized
+    from flatbma.params import Objective, model_buffers, trainable_params
+    from flatbma.posteriors import point
+
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(64, 5, generator=g), torch.randint(0, 3, (64,), generator=g)
+
+    def train(alpha, measure):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(5, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Dropout(0.2), nn.Linear(8, 3))
+        step = Amortized(SAM(0.05), ascent_every=3, reuse_alpha=alpha)
+        ascent = reuse_fidelity.Measured(step) if measure else step
+        method = point.build(Objective(model, num_data=64), SGD(lr=0.1, momentum=0.9), ascent)
+        loader = DataLoader(
+            TensorDataset(x, y), batch_size=16, shuffle=True, generator=torch.Generator().manual_seed(1)
+        )
+        state, _ = fit(
+            method, method.init(trainable_params(model), model_buffers(model)), loader, epochs=3, progress=False
+        )
+        return state, ascent
+
+    plain, _ = train(0.7, False)
+    measured, probe = train(0.7, True)
+    for section in ("params", "buffers", "aux"):
+        ours, theirs = getattr(measured, section), getattr(plain, section)
+        assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
+    assert sorted(probe.records) == [1, 2] and sum(map(len, probe.records.values())) == 8  # 12 steps, 4 ascents
+    assert all(abs(r[1] - 0.7) < 1e-5 for rows in probe.records.values() for r in rows)  # ‖g̃ − g‖ = α‖g‖
+    _, zero = train(0.0, True)
+    assert all(r[1] == 0 and abs(r[3] - 1) < 1e-12 for rows in zero.records.values() for r in rows)

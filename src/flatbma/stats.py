@@ -23,7 +23,6 @@ from typing import Any
 import numpy as np
 from scipy import stats as _scipy_stats
 
-from flatbma.checks import parse_choice
 from flatbma.errors import FlatbmaError
 
 __all__ = ["Difference", "Interval", "Method", "Summary", "paired_difference", "summarize", "verdict"]
@@ -119,7 +118,11 @@ def summarize(
         resamples: bootstrap resamples.
         seed: bootstrap seed.
     """
-    method = parse_choice(Method, method, "summarize: method")
+    try:  # checks.parse_choice's wording; stats sits beside checks in the layers, so it cannot import it
+        method = Method(method)
+    except ValueError:
+        names = ", ".join(repr(m.value) for m in Method)
+        raise FlatbmaError(f"summarize: method must be one of {names}, got {method!r}.") from None
     _check_level(level)
     x = _values(values, "summarize")
     n = x.size
