@@ -186,11 +186,9 @@ def load_checkpoint(path: str | Path, device: str = "cpu") -> tuple[State, dict[
 def check_compatible(state: State, reference: State, path: str | Path) -> None:
     """Raise :class:`FlatbmaError` unless the loaded ``state`` has the structure of ``reference``.
 
-    ``reference`` is the state the run's method initializes for the run's model. ``params``,
-    ``buffers`` and ``aux`` must hold its names with the same dtypes and shapes. The only entries
-    ``reference`` lacks that are accepted are ``aux`` stacks of copies of a parameter
-    (``<prefix>/<name>`` of shape ``[S, *shape]`` and the parameter's dtype): the iterates a sampler
-    keeps as it trains (SGLD). Every other entry is refused (e.g. a SWAG state in a SAM run).
+    ``reference`` is the state the run's method initializes for the run's model; the rule (same names,
+    dtypes and shapes; only a sampler's parameter stacks added to ``aux``) is
+    :func:`flatbma.state_io.structure_problem`'s, which loading a predictor shares.
     """
     problem = structure_problem(state, reference)
     if problem:
