@@ -4,8 +4,10 @@ For each model, M weight samples (the model's weights with random relative pertu
 statistics kept) are evaluated on one test batch by the three paths of
 :func:`flatbma.predict.bma_log_probs` — ``batched=False`` (loop), ``batched=True`` (vmap, automatic
 chunk size) and ``batched=None`` (auto) — in interleaved rounds, so that drift of the machine
-affects all alike. The first auto call makes the choice (the agreement check and, where the paths
-agree bit for bit, the timed probe); its time is reported as "1st auto" and is not in the rounds.
+affects all alike, their order rotated each round (auto, when it takes the loop, would otherwise always
+run right after vmap, with caches that vmap's larger working set left cold). The first auto call
+makes the choice (the agreement check and, where the paths agree bit for bit, the timed probe); its
+time is reported as "1st auto" and is not in the rounds.
 
 Reported per case: the median time per batch of each path; ``auto/best``, the median over rounds of
 ``best / auto`` within a round, ``best`` the path with the lower median (paired, so that drift moves
@@ -90,8 +92,9 @@ def bench_case(kwargs: dict, batch_size: int, shape: tuple, num_samples: int, ro
     first = time.perf_counter() - t0
     (choice,) = predict_module._CHOICES[model].values()
     times: dict[str, list[float]] = {name: [] for name in PATHS}
-    for _ in range(rounds):
-        for name, batched in PATHS.items():
+    paths = list(PATHS.items())
+    for r in range(rounds):  # the order rotates, so that no path always runs right after the same other one
+        for name, batched in paths[r % len(paths) :] + paths[: r % len(paths)]:
             _sync(device)
             t0 = time.perf_counter()
             bma_log_probs(model, samples, x, batched=batched)

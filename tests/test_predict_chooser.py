@@ -151,6 +151,27 @@ def test_the_probe_runs_once_per_key(monkeypatch):
         assert len(choices(model)) == 5
 
 
+@pytest.mark.parametrize("cached_batched", [False, True])
+def test_the_stacking_check_runs_only_where_the_samples_would_be_stacked(monkeypatch, cached_batched):
+    """A cached choice of the loop skips the per-tensor check; one of vmap still refuses unstackable samples."""
+    model = Elementwise()
+    samples, x = jittered(model, 4, seed=11), torch.randn(4, 5)
+    fake_clock(monkeypatch, loop_seconds=1.0 if cached_batched else 0.1, vmap_seconds=0.1 if cached_batched else 1.0)
+    with torch.no_grad():
+        sample_log_probs(model, samples, x)  # probes and caches the choice
+    assert [c.batched for c in choices(model)] == [cached_batched]
+    checked = []
+    real = predict_module._stacking_problem
+    monkeypatch.setattr(predict_module, "_stacking_problem", lambda s: checked.append(1) or real(s))
+    with torch.no_grad():
+        sample_log_probs(model, samples, x)
+        assert len(checked) == int(cached_batched)
+        # sample 0's layout (the key) unchanged, a later sample of another dtype: never stacked
+        odd = [*samples[:3], {k: v.double() for k, v in samples[3].items()}]
+        loop = predict_module._loop_log_probs(model, odd, x)
+        assert torch.equal(sample_log_probs(model, odd, x), loop)
+
+
 def test_the_probe_leaves_every_rng_alone():
     model = Elementwise()
     samples = jittered(model, 4, seed=6)

@@ -380,12 +380,20 @@ def sample_log_probs(
 def _auto_log_probs(
     model: nn.Module, samples: Sequence[Mapping[str, Tensor]], x: Tensor, chunk: int, rule: bool
 ) -> Tensor:
-    """``batched=None`` once the samples are known to be several: the cached choice, probed when new."""
-    if chunk < 2 or _stacking_problem(samples) is not None:
+    """``batched=None`` once the samples are known to be several: the cached choice, probed when new.
+
+    Whether the samples stack is checked only where they would be stacked (a new key, or a cached choice
+    to batch): a cached choice of the loop returns at once, without the per-tensor check of every sample.
+    """
+    if chunk < 2:
         return _loop_log_probs(model, samples, x)
     key = _choice_key(model, samples, x, chunk)
     with _LOCK:
         choice = _CHOICES.get(model, {}).get(key)
+    if choice is not None and not choice.batched:
+        return _loop_log_probs(model, samples, x)
+    if _stacking_problem(samples) is not None:
+        return _loop_log_probs(model, samples, x)
     if choice is None:
         out, choice = _probe(model, samples, x, chunk, rule)
         with _LOCK:
