@@ -7,7 +7,7 @@ from torch import nn
 from flatbma.calibration import scale
 from flatbma.errors import FlatbmaError
 from flatbma.metrics import StreamingMetrics
-from flatbma.predict import bma_log_probs, evaluate, log_mean_exp, predict, stream_metrics
+from flatbma.predict import bma_log_probs, evaluate, log_mean_exp, predict, rescaled_metrics, stream_metrics
 
 
 class Fixed(nn.Module):
@@ -80,5 +80,10 @@ def test_stream_metrics_gives_every_prefix_bma_in_one_pass():
     for x, y in loader:
         by_hand.update(scale(bma_log_probs(model, samples, x), 2.5), y)
     assert scaled.compute() == by_hand.compute()
+    kept = []  # the full BMA's predictives of the unscaled pass, rescaled afterwards: the same state
+    plain = stream_metrics(model, samples, loader, num_classes=5, n_bins=7, sizes=(2,), keep=kept)
+    assert len(kept) == len(loader) and all(torch.equal(y, b[1]) for (_, y), b in zip(kept, loader))
+    assert rescaled_metrics(kept, 2.5, num_classes=5, n_bins=7).compute() == scaled.compute()
+    assert rescaled_metrics(kept, 1.0, num_classes=5, n_bins=7).compute() == plain[6].compute()
     with pytest.raises(FlatbmaError, match="at least one posterior sample"):
         stream_metrics(model, [], loader, num_classes=5)

@@ -745,6 +745,7 @@ def stream_metrics(
     batched: bool | None = None,
     chunk_size: int | None = None,
     reduce_metrics: Callable[[StreamingMetrics], None] | None = None,
+    keep: list[tuple[Tensor, Tensor]] | None = None,
 ) -> dict[int, StreamingMetrics]:
     """The metric states of the BMA of the first ``m`` samples for every ``m`` in ``sizes``, in one pass.
 
@@ -767,6 +768,9 @@ def stream_metrics(
         batched: batch the samples, loop over them or choose (``None``); see :func:`sample_log_probs`.
         chunk_size: samples per batched call; ``None`` sizes chunks automatically.
         reduce_metrics: applied to every state at the end, in increasing ``m`` (see :func:`evaluate`).
+        keep: a list that every batch's full-BMA log-probabilities (``m = M``, before ``temperature``)
+            and labels are appended to, so that :func:`rescaled_metrics` can rescale them without
+            another pass over the data.
 
     Returns:
         ``{m: state}`` in increasing ``m``.
@@ -785,7 +789,31 @@ def stream_metrics(
             for m, state in states.items():
                 log_probs = log_mean_exp(per_sample[:m])
                 state.update(log_probs if temperature == 1.0 else scale(log_probs, temperature), y)
+                if keep is not None and m == total:
+                    keep.append((log_probs, y))
     if reduce_metrics is not None:
         for state in states.values():
             reduce_metrics(state)
     return states
+
+
+def rescaled_metrics(
+    kept: Iterable[tuple[Tensor, Tensor]],
+    temperature: float,
+    *,
+    num_classes: int,
+    n_bins: int = 15,
+    reduce_metrics: Callable[[StreamingMetrics], None] | None = None,
+) -> StreamingMetrics:
+    """The metric state of the kept BMA predictives (:func:`stream_metrics`'s ``keep``) rescaled by ``T``.
+
+    Each batch is ``log softmax(log p / T)`` (:func:`flatbma.calibration.scale`; ``T = 1`` leaves it
+    unchanged), in the order kept: the state :func:`stream_metrics` with this ``temperature`` gives over
+    the same batches, without evaluating the samples again.
+    """
+    state = StreamingMetrics(num_classes=num_classes, n_bins=n_bins)
+    for log_probs, y in kept:
+        state.update(log_probs if temperature == 1.0 else scale(log_probs, temperature), y)
+    if reduce_metrics is not None:
+        reduce_metrics(state)
+    return state

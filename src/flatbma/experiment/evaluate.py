@@ -55,7 +55,14 @@ from flatbma.flatness import (
 )
 from flatbma.flatness.landscape import posterior_landscape, random_direction
 from flatbma.metrics import StreamingMetrics
-from flatbma.predict import Predictions, evaluate, linearized_predictions, predict, stream_metrics
+from flatbma.predict import (
+    Predictions,
+    evaluate,
+    linearized_predictions,
+    predict,
+    rescaled_metrics,
+    stream_metrics,
+)
 from flatbma.predictor import posterior_mean as mean_weights
 from flatbma.predictor import trained_names
 from flatbma.rng import splitmix64
@@ -285,10 +292,12 @@ def bma_curve_metrics(
     sizes: tuple[int, ...],
     *,
     temperature: float = 1.0,
+    keep: list[tuple[Tensor, Tensor]] | None = None,
 ) -> tuple[dict[int, dict[str, float]], dict[str, list]]:
     """Metrics of the BMA of the first ``m`` samples for every ``m`` in ``sizes``, in one pass.
 
-    ``temperature`` rescales every BMA predictive (``softmax(log p / T)``; 1 = none).
+    ``temperature`` rescales every BMA predictive (``softmax(log p / T)``; 1 = none). ``keep``: see
+    :func:`flatbma.predict.stream_metrics` (the full BMA's predictives, for :func:`rescaled`).
 
     Returns:
         ``({m: metrics}, reliability diagram of the full BMA)``.
@@ -304,8 +313,20 @@ def bma_curve_metrics(
         device=exp.device,
         mode=exp.method.predict_mode,
         reduce_metrics=exp.strategy.reduce_metrics,
+        keep=keep,
     )
     return {m: s.compute() for m, s in states.items()}, _reliability(states[len(samples)])
+
+
+def rescaled(exp: Experiment, kept: list[tuple[Tensor, Tensor]], temperature: float) -> dict[str, float]:
+    """Metrics of the kept full-BMA predictives (:func:`bma_curve_metrics`'s ``keep``) at ``temperature``."""
+    return rescaled_metrics(
+        kept,
+        temperature,
+        num_classes=exp.num_classes,
+        n_bins=exp.config.eval.n_bins,
+        reduce_metrics=exp.strategy.reduce_metrics,
+    ).compute()
 
 
 def _reliability(state: StreamingMetrics) -> dict[str, list]:
@@ -377,7 +398,8 @@ def measure(
             drawn = draw_samples(exp, state)
             samples = _samples_if_averaged(exp, drawn)
             averaged = bma_predictions(exp, state, drawn, samples)
-            curve, reliability = bma_curve_metrics(exp, averaged, exp.test_loader, bma_curve)
+            kept: list[tuple[Tensor, Tensor]] = []  # the full BMA's test predictives, for temperature scaling
+            curve, reliability = bma_curve_metrics(exp, averaged, exp.test_loader, bma_curve, keep=kept)
         full = curve[len(averaged)]
         result: dict[str, Any] = {k: full[k] for k in CLEAN_KEYS}
         result["bma_curve"] = {
@@ -389,12 +411,13 @@ def measure(
         result.update(diagnostics(exp, state))
         result["temperature"] = None
         if exp.val_loader is not None:  # temperature scaling on the k-shot validation split, reported separately
-            with report.phase("temperature", "fitted on the validation split, test set again"):
+            with report.phase("temperature", "fitted on the validation split, applied to the test predictives"):
                 val_log_probs, val_labels = bma_log_probs_over(exp, averaged, exp.val_loader)
                 t = fit_temperature(val_log_probs, val_labels)
-                scaled, _ = bma_curve_metrics(exp, averaged, exp.test_loader, (len(averaged),), temperature=t)
+                scaled = rescaled(exp, kept, t)
             result["temperature"] = t
-            result["temperature_scaled"] = {k: scaled[len(averaged)][k] for k in CLEAN_KEYS}
+            result["temperature_scaled"] = {k: scaled[k] for k in CLEAN_KEYS}
+        del kept
         shifted = averaged[:corruption_samples] if corruption_samples else averaged
         result["corruptions"] = corruption_metrics(exp, shifted, corruptions, severities)
         result["corruption_samples"] = len(shifted)
