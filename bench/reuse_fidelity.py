@@ -27,11 +27,9 @@ import dataclasses
 import math
 import statistics
 from collections import defaultdict
-from collections.abc import Mapping
 from pathlib import Path
 
 import torch
-from torch import Tensor
 
 from flatbma.experiment.build import build_experiment
 from flatbma.experiment.compare import load_plan
@@ -39,16 +37,8 @@ from flatbma.experiment.runner import fit
 from flatbma.optim import SAM, SGD, Amortized, cosine
 from flatbma.optim.amortized import POSITION
 from flatbma.optim.ascent import ascended
-from flatbma.params import Objective, model_buffers, trainable_params
+from flatbma.params import Objective, add, dot, model_buffers, trainable_params
 from flatbma.posteriors import point
-
-
-def _dot(a: Mapping[str, Tensor], b: Mapping[str, Tensor]) -> float:
-    return float(sum(torch.vdot(a[k].reshape(-1), b[k].reshape(-1)) for k in b))
-
-
-def _minus(a: Mapping[str, Tensor], b: Mapping[str, Tensor]) -> dict[str, Tensor]:
-    return {k: a[k] - b[k] for k in b}
 
 
 @dataclasses.dataclass
@@ -78,10 +68,11 @@ class Measured:
             with torch.random.fork_rng(devices=[]):  # the measurement leaves the run's random draws alone
                 _, g_s = ascended(gradient, params, batch, self.inner.ascent, grads)
             with torch.no_grad():
-                true, used = _minus(g_s, grads), _minus(out, grads)
-                g2, t2, u2 = _dot(grads, grads), _dot(true, true), _dot(used, used)
-                err = _dot(_minus(used, true), _minus(used, true))
-                cos = _dot(used, true) / math.sqrt(t2 * u2) if t2 > 0 and u2 > 0 else float("nan")
+                true, used = add(g_s, grads, -1.0), add(out, grads, -1.0)  # the corrections of g
+                g2, t2, u2 = float(dot(grads, grads)), float(dot(true, true)), float(dot(used, used))
+                miss = add(used, true, -1.0)
+                err = float(dot(miss, miss))
+                cos = float(dot(used, true)) / math.sqrt(t2 * u2) if t2 > 0 and u2 > 0 else float("nan")
                 self.records[at].append((math.sqrt(t2 / g2), math.sqrt(u2 / g2), cos, math.sqrt(err / t2)))
         return out
 

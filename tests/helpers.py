@@ -36,3 +36,20 @@ def tiny_bn_net(in_features: int = 6, classes: int = 3) -> nn.Module:
 def toy_batch(n: int = 16, in_features: int = 6, classes: int = 3, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     return torch.randn(n, in_features, generator=g), torch.randint(0, classes, (n,), generator=g)
+
+
+def interrupt_after_first_epoch(monkeypatch) -> None:
+    """Make the run's first ``fit`` train one epoch and then raise ``KeyboardInterrupt`` (at an epoch end,
+    after its checkpoint); later calls (the resumed run) train normally."""
+    from flatbma.experiment.runner import fit as real_fit
+
+    calls = {"n": 0}
+
+    def stop_after_first_epoch(method, state, loader, *, epochs, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            real_fit(method, state, loader, epochs=1, **kwargs)
+            raise KeyboardInterrupt
+        return real_fit(method, state, loader, epochs=epochs, **kwargs)
+
+    monkeypatch.setattr("flatbma.experiment.stage.fit", stop_after_first_epoch)

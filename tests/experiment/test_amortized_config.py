@@ -16,10 +16,10 @@ from flatbma.experiment.compare import load_plan
 from flatbma.experiment.config import config_from_dict
 from flatbma.experiment.methods import parse_method
 from flatbma.experiment.run import train
-from flatbma.experiment.runner import fit as real_fit
 from flatbma.experiment.sections import plain_values
 from flatbma.experiment.stage import run_identity
 from flatbma.optim import SAM, Amortized, FisherBall, Reuse
+from tests.helpers import interrupt_after_first_epoch
 
 AMORTIZED = {"ascent_every": 5, "reuse": "orthogonal", "reuse_alpha": 0.7, "ascent_fraction": 1.0}
 
@@ -87,16 +87,7 @@ def test_a_run_stopped_in_mid_cycle_resumes_bit_identically(tmp_path, monkeypatc
     reference = train(dataclasses.replace(cfg, output_dir=str(tmp_path / "ref")), evaluate=False)
 
     stopped = dataclasses.replace(cfg, output_dir=str(tmp_path / "run"))
-    calls = {"n": 0}
-
-    def stop_after_first_epoch(method, state, loader, *, epochs, **kwargs):  # an interruption at an epoch end
-        calls["n"] += 1
-        if calls["n"] == 1:
-            real_fit(method, state, loader, epochs=1, **kwargs)
-            raise KeyboardInterrupt
-        return real_fit(method, state, loader, epochs=epochs, **kwargs)
-
-    monkeypatch.setattr("flatbma.experiment.stage.fit", stop_after_first_epoch)
+    interrupt_after_first_epoch(monkeypatch)  # at an epoch end
     with pytest.raises(KeyboardInterrupt):
         train(stopped, evaluate=False)
     saved = load_state(tmp_path / "run" / "checkpoint.safetensors")

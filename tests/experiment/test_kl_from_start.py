@@ -8,9 +8,9 @@ import torch
 from flatbma.experiment.build import build_experiment
 from flatbma.experiment.config import config_from_dict
 from flatbma.experiment.run import train
-from flatbma.experiment.runner import fit as real_fit
 from flatbma.gaussian import kl_lowrank
 from flatbma.params import model_buffers, trainable_params
+from tests.helpers import interrupt_after_first_epoch
 
 
 def _config(tmp_path, method, name="run"):
@@ -45,16 +45,7 @@ def test_kl_from_start_after_resume_equals_the_uninterrupted_run(tmp_path, monke
     reference = train(cfg).metrics["kl_from_start"]
 
     stopped = dataclasses.replace(cfg, output_dir=str(tmp_path / "run"))
-    calls = {"n": 0}
-
-    def stop_after_first_epoch(method, state, loader, *, epochs, **kwargs):  # an interruption at an epoch end
-        calls["n"] += 1
-        if calls["n"] == 1:
-            real_fit(method, state, loader, epochs=1, **kwargs)
-            raise KeyboardInterrupt
-        return real_fit(method, state, loader, epochs=epochs, **kwargs)
-
-    monkeypatch.setattr("flatbma.experiment.stage.fit", stop_after_first_epoch)
+    interrupt_after_first_epoch(monkeypatch)  # at an epoch end
     with pytest.raises(KeyboardInterrupt):
         train(stopped)
     resumed = train(stopped, resume=True).metrics["kl_from_start"]
