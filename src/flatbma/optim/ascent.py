@@ -55,10 +55,15 @@ def ascent_memory(ascent: Ascent | None, params: Mapping[str, Tensor], prefix: s
     return {prefix + k: v for k, v in ascent.init(params).items()}  # type: ignore[union-attr]
 
 
+def memory_entries(aux: Mapping[str, Tensor], prefix: str = MEMORY) -> Params:
+    """The ``aux`` entries under ``prefix``, keys as stored: what a method carries past its optimizer's ``apply``."""
+    return {k: v for k, v in aux.items() if k.startswith(prefix)}
+
+
 def memory_of(aux: Mapping[str, Tensor], prefix: str = MEMORY) -> Params | None:
     """The memory stored in ``aux`` under ``prefix``, unprefixed (the same tensors); ``None`` when there is none."""
     n = len(prefix)
-    found = {k[n:]: v for k, v in aux.items() if k.startswith(prefix)}
+    found = {k[n:]: v for k, v in memory_entries(aux, prefix).items()}
     return found or None
 
 

@@ -41,6 +41,7 @@ from flatbma.optim.ascent import (
     MEMORY,
     ascent_memory,
     has_memory,
+    memory_entries,
     memory_of,
     sharpness_aware_value_and_grad,
     two_pass,
@@ -316,7 +317,7 @@ def build(
         generator = seeded_generator(state.aux[SEED_KEY], state.step, _device(state.params))
         theta = packed.as_packed(state.params)  # one layout check for the whole step
         noises = [family.noise(theta, generator) for _ in range(num_mc_samples)]
-        kept = {k: v for k, v in state.aux.items() if k.startswith(MEMORY)} if has_memory(ascent) else {}
+        kept = memory_entries(state.aux) if has_memory(ascent) else {}
         memory = {}  # the ascent step's memory (updated in place): one on θ, one per sample on weights
         if kept and on_theta:
             memory = {"memory": memory_of(kept)}

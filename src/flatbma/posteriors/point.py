@@ -10,7 +10,7 @@ from dataclasses import replace
 
 import torch
 
-from flatbma.optim.ascent import MEMORY, ascent_memory, has_memory, memory_of, sharpness_aware_value_and_grad
+from flatbma.optim.ascent import ascent_memory, has_memory, memory_entries, memory_of, sharpness_aware_value_and_grad
 from flatbma.params import Objective, clone
 from flatbma.types import Ascent, Batch, GradientTransformation, Params, Posterior, State, StepOutput
 
@@ -90,5 +90,5 @@ def step(
     loss, logits, grads = sharpness_aware_value_and_grad(objective, params, buffers, batch, ascent, memory)
     new_state = optimizer.apply(params, grads, opt_state, step)
     if memory is not None:  # updated in place; kept whatever the optimizer returns
-        new_state = {**new_state, **{MEMORY + k: v for k, v in memory.items()}}
+        new_state = {**new_state, **memory_entries(opt_state)}
     return new_state, StepOutput(loss, logits)
