@@ -148,7 +148,7 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig
     compare = raw.pop("compare", None)  # a compare config's shared sections are a run config
     methods = compare.get("methods") if isinstance(compare, dict) else None
     if isinstance(methods, list) and methods and "method" not in raw:
-        raw.update(first_run_sections(methods[0], raw.get("optim")))  # `flatbma train` trains the first one
+        raw.update(first_run_sections(methods[0], raw))  # `flatbma train` trains the first one
     for item in overrides:
         key, value = parse_override(item)
         set_dotted(raw, key, value)
