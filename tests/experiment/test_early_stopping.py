@@ -113,3 +113,8 @@ def test_val_pool_draws_validation_outside_the_same_k_shot_images():
     assert "val_pool" not in plain(DataConfig())
     with pytest.raises(FlatbmaError, match="not both"):
         DataConfig(k_shot=5, val_per_class=1, val_pool=3)
+
+
+def test_an_entry_or_a_set_turns_early_stopping_off_with_null():
+    off = parse_dataclass(TrainConfig, {"early_stopping": None}, "train")
+    assert off.early_stopping is None  # None is "no section", not "a section of defaults"

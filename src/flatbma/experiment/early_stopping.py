@@ -71,7 +71,13 @@ class Monitor:
         epoch = history.epochs[-1]
         if epoch.epoch % self.options.every and epoch.epoch != self.exp.config.epochs:
             return
-        epoch.validation = validation_metrics(self.exp, state, self.options.samples)
+        try:
+            epoch.validation = validation_metrics(self.exp, state, self.options.samples)
+        except FlatbmaError as e:  # e.g. SWAG before its first snapshots: it has no posterior to evaluate yet
+            raise FlatbmaError(
+                f"train.early_stopping evaluates the posterior after epoch {epoch.epoch}, and it cannot be sampled "
+                f"yet ({e}): evaluate later (train.early_stopping.every), or train this method without early stopping"
+            ) from None
         if best_epoch(history, self.options) == epoch.epoch and distributed.is_main():
             save_state(state, self.path, {"epoch": str(epoch.epoch), "step": str(state.step)})
 

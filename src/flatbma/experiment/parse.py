@@ -124,6 +124,8 @@ def coerce(value: Any, tp: Any, where: str) -> Any:
     if tp is Any:
         return value
     if origin in (Union, types.UnionType):
+        if value is None and type(None) in typing.get_args(tp):
+            return None  # before a section option, which would read None as "all defaults"
         errors = []
         for option in typing.get_args(tp):
             try:
