@@ -118,3 +118,21 @@ def test_val_pool_draws_validation_outside_the_same_k_shot_images():
 def test_an_entry_or_a_set_turns_early_stopping_off_with_null():
     off = parse_dataclass(TrainConfig, {"early_stopping": None}, "train")
     assert off.early_stopping is None  # None is "no section", not "a section of defaults"
+
+
+def test_val_fraction_holds_out_a_stratified_share_of_a_full_training_split(tmp_path, capsys):
+    from flatbma.experiment.build import load_data, select_data
+    from flatbma.experiment.config import config_from_dict
+
+    cfg = config_from_dict({"method": {"name": "sgd"}, "data": {"name": "digits", "val_fraction": 0.2}})
+    splits = load_data(cfg.data)
+    data = select_data(cfg, splits)
+    assert cfg.data.validation and len(data.train) + len(data.val) == len(splits.train)
+    share = torch.bincount(data.val.labels, minlength=10) / torch.bincount(splits.train.labels, minlength=10)
+    assert float((share - 0.2).abs().max()) < 0.01  # every class holds out its share
+    with pytest.raises(FlatbmaError, match="with k_shot use val_per_class"):
+        DataConfig(k_shot=5, val_fraction=0.2)
+    # a full-data run with early stopping trains on the rest and stops on the held-out share
+    config = {**CONFIG, "data": {"name": "digits", "val_fraction": 0.1, "batch_size": 256, "test_limit": 100}}
+    code, run = _train(tmp_path, "full", config)
+    assert code == 0 and _metrics(run)["early_stopping"]["best_epoch"] is not None

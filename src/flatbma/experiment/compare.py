@@ -435,8 +435,8 @@ def _check_selection(jobs: list[Job], base: RunConfig) -> None:
         raise FlatbmaError(
             f"compare.methods entry {job.label!r} lists candidate values ({', '.join(job.candidates[0].options)}) "
             "to choose on validation data, but there is none: set data.k_shot and data.val_per_class > 0 (held "
-            "out of the k-shot images) or data.val_pool > 0 (drawn from outside them; the test set never chooses), "
-            "or give each option one value"
+            "out of the k-shot images) or data.val_pool > 0 (drawn from outside them), or data.val_fraction for "
+            "full data (the test set never chooses), or give each option one value"
         )
 
 

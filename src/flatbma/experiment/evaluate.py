@@ -297,7 +297,9 @@ def validation_metrics(exp: Experiment, state: State, n: int) -> dict[str, float
     model's train/eval mode is restored.
     """
     if exp.val_loader is None:
-        raise FlatbmaError("validation metrics need a validation split: set data.val_per_class or data.val_pool")
+        raise FlatbmaError(
+            "validation metrics need a validation split: set data.val_per_class, data.val_pool or data.val_fraction"
+        )
     training = exp.model.training
     try:
         with exp.rng.restored():

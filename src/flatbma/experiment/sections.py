@@ -124,6 +124,9 @@ class DataConfig:
         batch_size: training mini-batch size.
         eval_batch_size: evaluation batch size.
         test_limit: evaluate on a seeded stratified subset of this many test images (``None`` = all).
+        val_fraction: the share of each class of the training split held out for validation when there is
+            no ``k_shot`` draw (a full-data run: selection, temperature scaling and early stopping then have
+            a validation split); drawn by ``seed``, stratified, in ``[0, 1)``.
     """
 
     name: str = "digits"
@@ -138,6 +141,7 @@ class DataConfig:
     eval_batch_size: int = 256
     test_limit: int | None = None
     val_pool: int = added(0)
+    val_fraction: float = added(0.0)
 
     def __post_init__(self) -> None:
         check_positive("k_shot", self.k_shot, allow_none=True)
@@ -147,15 +151,22 @@ class DataConfig:
             raise FlatbmaError(
                 "give val_per_class (validation out of the k-shot budget) or val_pool (from outside it), not both"
             )
-
-    @property
-    def validation(self) -> bool:
-        """Whether the run has a validation split (``k_shot`` with ``val_per_class`` or ``val_pool``)."""
-        return self.k_shot is not None and (self.val_per_class > 0 or self.val_pool > 0)
+        if not 0 <= self.val_fraction < 1:
+            raise FlatbmaError(f"val_fraction must be in [0, 1) (the held-out share), got {self.val_fraction!r}")
+        if self.val_fraction and self.k_shot is not None:
+            raise FlatbmaError(
+                "val_fraction holds out a share of the full training split; with k_shot use val_per_class (out of "
+                "the k-shot budget) or val_pool (images outside it)"
+            )
         check_positive("image_size", self.image_size, allow_none=True)
         check_positive("batch_size", self.batch_size)
         check_positive("eval_batch_size", self.eval_batch_size)
         check_positive("test_limit", self.test_limit, allow_none=True)
+
+    @property
+    def validation(self) -> bool:
+        """Whether the run has a validation split (``val_per_class``/``val_pool`` with ``k_shot``, ``val_fraction``)."""
+        return (self.k_shot is not None and (self.val_per_class > 0 or self.val_pool > 0)) or self.val_fraction > 0
 
 
 @dataclass(frozen=True)

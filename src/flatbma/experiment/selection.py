@@ -47,7 +47,7 @@ def validation_nll(exp: Experiment, state: State) -> float:
     if exp.val_loader is None:
         raise FlatbmaError(
             "choosing among candidates needs a validation split: set data.k_shot and data.val_per_class > 0 "
-            "or data.val_pool > 0"
+            "or data.val_pool > 0 (or data.val_fraction without k_shot)"
         )
     with exp.rng.restored():
         averaged = bma_predictions(exp, state, draw_samples(exp, state))

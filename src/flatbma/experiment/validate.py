@@ -172,7 +172,8 @@ def check_early_stopping(cfg: RunConfig) -> None:
     if not cfg.data.validation:
         raise FlatbmaError(
             "train.early_stopping evaluates on a validation split, and the run has none: set data.k_shot with "
-            "data.val_per_class > 0 (held out of the k-shot images) or data.val_pool > 0 (drawn from outside them)"
+            "data.val_per_class > 0 (held out of the k-shot images) or data.val_pool > 0 (drawn from outside them), or "
+            "data.val_fraction without k_shot"
         )
     if cfg.train.parallel is Parallel.MEMBERS:
         raise FlatbmaError(
