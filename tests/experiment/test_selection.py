@@ -381,3 +381,13 @@ def test_an_entry_overrides_the_shared_train_and_data_keys_it_gives(tmp_path: Pa
     assert (long.train.epochs, long.data.k_shot) == (8, 40)
     assert (short.train.epochs, short.data.k_shot, short.data.batch_size) == (2, 20, 32)  # the other keys shared
     assert short.train.progress is False
+
+
+def test_compare_without_matplotlib_is_refused_before_anything_trains(tmp_path: Path, monkeypatch) -> None:
+    import sys
+
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)  # `import matplotlib.figure` raises ImportError
+    path = _write(tmp_path, [{"name": "sgd"}])
+    with pytest.raises(FlatbmaError, match="need matplotlib: pip install"):
+        _run(path)
+    assert not (tmp_path / "out" / "runs").exists()

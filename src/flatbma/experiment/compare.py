@@ -61,7 +61,7 @@ from typing import Any, TypeVar
 import torch
 import yaml
 
-from flatbma import gaussian, progress
+from flatbma import gaussian, plotting, progress
 from flatbma.data.corruptions import corruption_names
 from flatbma.errors import DivergenceError, FlatbmaError, suggest
 from flatbma.experiment import distributed, entries, report, selection
@@ -480,6 +480,7 @@ def run_compare(plan: Plan, *, force: bool = False, progress: bool = True) -> di
     me, world = distributed.rank(), distributed.world_size()
     fingerprint = plan.fingerprint()
     with distributed.all_or_none():  # rank 0 claims the output directory; an error stops every process
+        plotting.check_available("flatbma compare's report figures")  # before hours of training, not after
         validate_runs(_every_run(plan), flatness=plan.compare.flatness)  # every run's demands, before any trains
         if me == 0:
             _check_out_dir(plan, force)
