@@ -726,12 +726,7 @@ def _fresh(cached: Any, row_key: str, width_to: tuple[str, float] | None, source
 
 
 def _run_one(
-    job: Job,
-    compare: CompareConfig,
-    row_key: str,
-    force: bool,
-    data: str,
-    width_to: tuple[str, float] | None = None,
+    job: Job, compare: CompareConfig, row_key: str, force: bool, data: str, width_to: tuple[str, float] | None = None
 ) -> dict[str, Any]:
     """The row of a (method, seed) with one candidate: train it (or reuse it) and measure it, holding its lock.
 
@@ -898,12 +893,7 @@ def _train_candidates(job: Job, group: tuple[Candidate, ...], force: bool, data:
 
 
 def _run_selected(
-    job: Job,
-    compare: CompareConfig,
-    row_key: str,
-    force: bool,
-    data: str,
-    width_to: tuple[str, float] | None = None,
+    job: Job, compare: CompareConfig, row_key: str, force: bool, data: str, width_to: tuple[str, float] | None = None
 ) -> dict[str, Any]:
     """The row of a (method, seed) with candidates: the one with the best validation NLL, measured on the test set.
 
