@@ -22,6 +22,7 @@ import yaml
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from flatbma.errors import FlatbmaError
 from flatbma.experiment.checkpoint import checkpoint_metadata, checkpoint_record, load_checkpoint
 from flatbma.experiment.cli import main
 from flatbma.experiment.compare import load_plan
@@ -173,6 +174,29 @@ def test_a_second_writer_is_refused_naming_the_holder_and_the_lock_dies_with_it(
         os.kill(holder.pid, signal.SIGKILL)
         holder.wait(timeout=60)
         assert "is unfinished" in _error(capsys, "evaluate", str(run))  # the directory is free again
+
+
+def test_the_lock_file_is_never_followed_and_a_refused_start_leaves_no_directory(made, tmp_path, capsys, monkeypatch):
+    """The lock itself: a ``.flatbma-lock`` that links elsewhere is refused, its target untouched; a run that
+    fails after taking the lock of a directory it created (here while building) leaves no directory."""
+    run, _ = _copy(made, "finished", tmp_path)
+    mine = tmp_path / "mine.txt"
+    mine.write_text("mine")
+    (run / LOCK_FILE).unlink(missing_ok=True)
+    (run / LOCK_FILE).symlink_to(mine)
+    assert f"{run / LOCK_FILE} is a symbolic link, not flatbma's lock file: remove it" in _error(
+        capsys, "evaluate", str(run)
+    )
+    assert mine.read_text() == "mine"
+    new = tmp_path / "new" / "run"
+
+    def fails(*args, **kwargs):
+        raise FlatbmaError("the build failed")
+
+    monkeypatch.setattr("flatbma.experiment.stage.build_experiment", fails)
+    config = _write(tmp_path / "new.yaml", {**CONFIG, "output_dir": str(new)})
+    assert _error(capsys, "train", "--config", config) == "flatbma: error: the build failed"
+    assert not (tmp_path / "new").exists()
 
 
 # ---------------------------------------------------------------------------------------------------

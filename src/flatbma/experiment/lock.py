@@ -24,6 +24,7 @@ import contextlib
 import errno
 import fcntl
 import os
+import stat
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +32,7 @@ from pathlib import Path
 from flatbma.errors import FlatbmaError
 from flatbma.experiment import distributed
 
-LOCK_FILE = ".flatbma.lock"
+LOCK_FILE = ".flatbma-lock"
 """The lock file's name inside a locked directory (not a file of the run: output_dir checks ignore it)."""
 
 
@@ -89,17 +90,18 @@ def _release(key: str) -> None:
     if held.depth > 0:
         return
     del _held[key]
-    if held.fd is None:
-        return
-    with contextlib.suppress(OSError):
-        os.ftruncate(held.fd, 0)  # an empty lock file: a command that is refused leaves the directory as it was
+    if held.fd is not None:
+        with contextlib.suppress(OSError):
+            os.ftruncate(held.fd, 0)  # an empty lock file: a command that is refused leaves the directory as it was
     if held.created:
         with contextlib.suppress(OSError):
-            if os.listdir(held.created[0]) == [LOCK_FILE]:  # nothing written: the place is left as it was
-                os.unlink(held.created[0] / LOCK_FILE)
+            if set(os.listdir(held.created[0])) <= {LOCK_FILE}:  # nothing written: the place is left as it was
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(held.created[0] / LOCK_FILE)
                 for directory in held.created:
                     os.rmdir(directory)
-    os.close(held.fd)  # releases the lock
+    if held.fd is not None:
+        os.close(held.fd)  # releases the lock
 
 
 def _acquire(directory: Path, command: str) -> _Held:
@@ -115,7 +117,7 @@ def _acquire(directory: Path, command: str) -> _Held:
         pass  # an unwritable place: the command's first write names it
     fd, writable = _open(path)
     if fd is None:
-        return _Held(None, [])
+        return _Held(None, created)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as e:
@@ -137,15 +139,26 @@ def _acquire(directory: Path, command: str) -> _Held:
 
 
 def _open(path: Path) -> tuple[int | None, bool]:
-    """``(fd, writable)`` of the lock file at ``path``: read-write (created if missing), else read-only if it exists."""
-    try:
-        return os.open(path, os.O_RDWR | os.O_CREAT, 0o666), True  # the mode the umask allows, like every output
-    except OSError:
-        pass
-    try:
-        return os.open(path, os.O_RDONLY), False
-    except OSError:
-        return None, False
+    """``(fd, writable)`` of the lock file at ``path``: read-write (created if missing), else read-only if it exists.
+
+    ``(None, False)`` when it can be neither. Never through a symbolic link, never anything but a regular
+    file (a link could point outside the directory, a FIFO block).
+
+    Raises:
+        FlatbmaError: ``path`` is a symbolic link or not a regular file.
+    """
+    for flags, writable in ((os.O_RDWR | os.O_CREAT, True), (os.O_RDONLY, False)):
+        try:  # 0o666: the mode the umask allows, like every output
+            fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK, 0o666)
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise FlatbmaError(f"{path} is a symbolic link, not flatbma's lock file: remove it") from None
+            continue
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise FlatbmaError(f"{path} is not a regular file, so not flatbma's lock file: remove it")
+        return fd, writable
+    return None, False
 
 
 def _holder(fd: int) -> str:
