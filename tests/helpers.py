@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
 import torch
 from torch import nn
 
@@ -53,3 +59,25 @@ def interrupt_after_first_epoch(monkeypatch) -> None:
         return real_fit(method, state, loader, epochs=epochs, **kwargs)
 
     monkeypatch.setattr("flatbma.experiment.stage.fit", stop_after_first_epoch)
+
+
+@contextlib.contextmanager
+def held_by_another_process(*directories: Path) -> Iterator[subprocess.Popen]:
+    """A second process that holds the locks of ``directories`` (:func:`flatbma.experiment.lock.hold`) as
+    ``flatbma train`` does, until the block ends (or the test kills it); yields the process."""
+    code = (
+        "import contextlib, sys\nfrom flatbma.experiment.lock import hold\n"
+        "with contextlib.ExitStack() as held:\n"
+        "    for d in sys.argv[1:]:\n        held.enter_context(hold(d, 'train'))\n"
+        "    print('held', flush=True)\n    sys.stdin.read()\n"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code, *map(str, directories)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout.readline().strip() == "held"
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.stdin.close()
+        proc.wait(timeout=120)

@@ -54,7 +54,15 @@ from flatbma.predict import (
     evaluate,
     linearized_predictions,
 )
-from flatbma.state_io import FORMAT, SECTIONS, atomic_write_bytes, encode_state, in_order, structure_problem
+from flatbma.state_io import (
+    FORMAT,
+    SECTIONS,
+    atomic_write_bytes,
+    checksum_problem,
+    encode_state,
+    in_order,
+    structure_problem,
+)
 from flatbma.types import Params, Posterior, Predictive, State, split_batch
 
 PREDICTOR_KEY = "predictor"
@@ -396,7 +404,8 @@ def read_file(path: str | Path) -> tuple[State, dict[str, Any]]:
     """``(state, settings)`` written by :func:`write_file`, the state on the CPU.
 
     Raises:
-        FlatbmaError: a missing, truncated or foreign file, or a state file without predictor settings.
+        FlatbmaError: a missing, truncated, damaged (its checksums differ) or foreign file, or a state file
+            without predictor settings.
     """
     path = Path(path)
     if not path.is_file():
@@ -412,6 +421,9 @@ def read_file(path: str | Path) -> tuple[State, dict[str, Any]]:
     if meta.get("format") != FORMAT:
         raise FlatbmaError(f"{path} is not a flatbma state file: save the predictor with bma.save(path)")
     settings = read_settings(meta, path)
+    damage = checksum_problem(tensors, meta)
+    if damage:
+        raise FlatbmaError(f"{path} is damaged: {damage} (a changed bit on the disk, or an edit); save it again")
     sections: dict[str, Params] = {s: {} for s in SECTIONS}
     try:
         order = json.loads(meta["order"])

@@ -4,21 +4,26 @@ A state file is one ``.safetensors`` file: the tensors of a :class:`~flatbma.typ
 ``buffers`` and ``aux`` as ``<section>/<name>`` (plus optional ``extra/<name>``), and string metadata
 holding the format tag :data:`FORMAT`, the ``step`` and the key ``order`` of every section (safetensors
 returns tensors sorted by name; the order is part of the state: it fixes the summation order of global
-norms). Every file is written through :func:`atomic_write_bytes`: a temporary file in the same directory,
-``fsync``, rename — so an interrupted write never leaves a half-written file — and a failed write is one
-:class:`~flatbma.errors.FlatbmaError` line (:func:`write_error`).
+norms) and the ``checksums`` of every tensor and of the rest of the metadata (:func:`checksums`), so that a
+changed bit is found when the file is read (:func:`checksum_problem`). Every file is written through
+:func:`atomic_write_bytes`: a temporary file in the same directory, ``fsync``, rename — so an interrupted
+write never leaves a half-written file — and a failed write is one :class:`~flatbma.errors.FlatbmaError`
+line (:func:`write_error`).
 """
 
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import os
 import re
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
+import torch
 from safetensors.torch import save
 from torch import Tensor
 
@@ -29,6 +34,8 @@ FORMAT = "flatbma-state-v1"
 """Format tag of a state file."""
 SECTIONS = ("params", "buffers", "aux")
 """The sections of a :class:`~flatbma.types.State` stored in a state file."""
+CHECKSUMS = "checksums"
+"""Metadata key of a state file's checksums (:func:`checksums`, JSON)."""
 
 TEMP_NAME = re.compile(r"^\..+\.[a-z0-9_]{8}\.tmp$")
 """The names :func:`atomic_write_bytes` writes first: ``.<name>.<8 random characters of mkstemp>.tmp``."""
@@ -105,7 +112,67 @@ def encode_state(
     tensors.update({f"extra/{k}": v.detach().contiguous().cpu() for k, v in (extra or {}).items()})
     order = {section: list(getattr(state, section)) for section in SECTIONS}
     meta = {"format": FORMAT, "step": str(state.step), "order": json.dumps(order), **(metadata or {})}
+    meta[CHECKSUMS] = json.dumps(checksums(tensors, meta), sort_keys=True)
     return save(tensors, metadata=meta)
+
+
+def _digest(data: bytes | memoryview) -> str:
+    return hashlib.sha256(data).hexdigest()[:16]
+
+
+def tensor_checksum(t: Tensor) -> str:
+    """A short SHA-256 of a CPU tensor's dtype, shape and bytes: equal tensors, equal checksums."""
+    flat = t.detach().contiguous().reshape(-1).view(torch.uint8)  # every dtype as its bytes (bool, bfloat16 too)
+    h = hashlib.sha256(f"{dtype_name(t)}{list(t.shape)}".encode())
+    h.update(memoryview(flat.numpy()))
+    return h.hexdigest()[:16]
+
+
+def checksums(tensors: Mapping[str, Tensor], metadata: Mapping[str, str]) -> dict[str, Any]:
+    """``{"tensors": {name: checksum}, "metadata": checksum}`` of a state file's CPU tensors and metadata.
+
+    The metadata's checksum covers every entry but :data:`CHECKSUMS` itself (keys sorted), so a changed
+    step, position or record is found like a changed tensor.
+    """
+    rest = {k: v for k, v in metadata.items() if k != CHECKSUMS}
+    return {
+        "tensors": {k: tensor_checksum(v) for k, v in tensors.items()},
+        "metadata": _digest(json.dumps(rest, sort_keys=True).encode()),
+    }
+
+
+def checksum_problem(tensors: Mapping[str, Tensor], metadata: Mapping[str, str]) -> str | None:
+    """What in a state file read back (CPU ``tensors``, ``metadata``) differs from its recorded checksums.
+
+    ``None`` when everything matches, or when the file records none (written before flatbma wrote them:
+    such files are accepted as they are). Otherwise a short text naming the first tensor (or the
+    metadata) that differs, cut to 160 characters.
+    """
+    text = metadata.get(CHECKSUMS)
+    if text is None:
+        return None
+    try:
+        recorded = json.loads(text)
+        want_tensors, want_meta = dict(recorded["tensors"]), recorded["metadata"]
+    except (ValueError, KeyError, TypeError):
+        return "its record of checksums is damaged"
+    have = checksums(tensors, metadata)
+    for name in sorted({*want_tensors, *tensors}):
+        if name not in tensors:
+            return clip(f"tensor {name} is missing")
+        if name not in want_tensors:
+            return clip(f"tensor {name} has no checksum (it was added)")
+        if have["tensors"][name] != want_tensors[name]:
+            return clip(f"tensor {name} does not match its checksum")
+    if have["metadata"] != want_meta:
+        return "its metadata (step, position, records) does not match its checksum"
+    return None
+
+
+def state_digest(metadata: Mapping[str, str]) -> str | None:
+    """A short hash of a state file's recorded checksums: the identity of its content (``None``: none recorded)."""
+    text = metadata.get(CHECKSUMS)
+    return _digest(text.encode()) if text is not None else None
 
 
 def in_order(tensors: Mapping[str, Tensor], order: list[str]) -> dict[str, Tensor]:

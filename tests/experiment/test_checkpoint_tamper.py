@@ -122,16 +122,24 @@ def test_a_swag_checkpoint_in_a_sam_run_is_refused_naming_both(runs, tmp_path, c
     assert f"checkpoint {run / CKPT} was written by method 'swag' but this run is 'sam'" in msg
 
 
+def _before_the_records(meta: dict) -> None:
+    """A checkpoint as flatbma wrote it before it recorded who wrote it, its config, data and checksums."""
+    for key in ("written_by", "config", "data", "checksums"):
+        meta.pop(key)
+
+
 def test_a_checkpoint_from_before_the_record_is_accepted_and_still_checked(runs, tmp_path, capsys):
-    """Old checkpoints (no ``written_by``) load: their tensors and position are checked as every other's."""
+    """Old checkpoints (no ``written_by``, config, data or checksums) load: their tensors and position are
+    checked as every other's."""
     run = _copy(runs["sam"], tmp_path)
-    _rewrite(run / CKPT, meta=lambda m: m.pop("written_by"))
+    _rewrite(run / CKPT, meta=_before_the_records)
     before = json.loads((run / "metrics.json").read_text())
     assert _run(capsys, "evaluate", str(run))[0] == 0
     assert json.loads((run / "metrics.json").read_text())["accuracy"] == before["accuracy"]
+    assert _run(capsys, "train", "--resume", str(run))[0] == 0
     # an old SWAG checkpoint in a SAM run: refused by its state, which holds SWAG's moments
     shutil.copy(runs["swag"] / CKPT, run / CKPT)
-    _rewrite(run / CKPT, meta=lambda m: m.pop("written_by"))
+    _rewrite(run / CKPT, meta=_before_the_records)
     msg = _error(capsys, "evaluate", str(run))
     assert "aux/swag/" in msg and "is unexpected" in msg
 

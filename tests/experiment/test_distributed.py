@@ -25,6 +25,7 @@ from flatbma.errors import FlatbmaError
 from flatbma.experiment import distributed
 from flatbma.experiment.checkpoint import load_checkpoint
 from flatbma.experiment.config import config_from_dict
+from flatbma.experiment.lock import LOCK_FILE
 from flatbma.experiment.run import train_run
 from tests.experiment.torchrun_helpers import ROOT, crash_after, torchrun
 
@@ -159,7 +160,7 @@ def test_torchrun_cli_trains_like_one_process_and_only_rank0_writes(tmp_path):
     out = torchrun("-m", "flatbma", "train", "--config", str(cfg), "--set", f"output_dir={many}")
     assert out.stdout.count("wrote ") == 1 and out.stdout.count("accuracy=") == 1  # rank 0 prints
     expected = ["checkpoint.safetensors", "config.yaml", "log.csv", "metrics.json"]
-    assert sorted(p.name for p in many.iterdir()) == expected
+    assert sorted(p.name for p in many.iterdir() if p.name != LOCK_FILE) == expected
     _assert_same_run(one, many)
 
 

@@ -8,7 +8,9 @@ same random numbers whether it runs right after building or after training in th
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import inspect
+import json
 import random
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -101,6 +103,7 @@ class Experiment:
         bn_loader: the training data for BatchNorm recomputation (:func:`statistics_loader`): the
             un-augmented images in a fixed order, the same on every process and every evaluation.
         rng: the global RNG state at the end of building; evaluation starts from it.
+        data_fingerprint: :func:`data_fingerprint` of the data set the run draws its examples from.
     """
 
     config: RunConfig
@@ -115,6 +118,7 @@ class Experiment:
     strategy: Strategy
     bn_loader: DataLoader
     rng: GlobalRNG
+    data_fingerprint: str
 
 
 def _dataset_options(d: DataConfig) -> dict[str, Any]:
@@ -146,6 +150,21 @@ class RunData:
 def load_data(d: DataConfig) -> DatasetSplits:
     """The data set of the ``data`` section, as read from its files (or the embedded copy)."""
     return load_dataset(d.name, d.root, **_dataset_options(d))
+
+
+def data_fingerprint(splits: DatasetSplits) -> str:
+    """A short SHA-256 of a data set's content: both splits' images and labels (dtype, shape, bytes) and its classes.
+
+    Equal data, equal fingerprints; a changed pixel, label, class name or example changes it. With the
+    resolved config (which fixes the k-shot draw, the test subset and the transforms) it says what data a
+    run saw: a checkpoint records it, and a run whose data changed is neither reused nor resumed.
+    """
+    h = hashlib.sha256(json.dumps(splits.train.classes).encode())
+    for split in (splits.train, splits.test):
+        for t in (split.images, split.labels):
+            h.update(f"{t.dtype}{list(t.shape)}".encode())
+            h.update(memoryview(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()))
+    return h.hexdigest()[:16]
 
 
 def select_data(cfg: RunConfig, splits: DatasetSplits) -> RunData:
@@ -237,7 +256,8 @@ def build_experiment(cfg: RunConfig, prior: Params | None = None) -> Experiment:
     device = distributed.local_device(resolve_device(cfg.train.device))
     strategy = distributed.strategy(cfg.train.parallel)
     d = cfg.data
-    data = select_data(cfg, load_data(d))
+    splits = load_data(d)
+    data = select_data(cfg, splits)
     train_tf, eval_tf = transforms(d)
     statistics_data = train_eval = data.train.with_transform(eval_tf)  # the training images, un-augmented
     hessian_data = train_eval.subset(data.hessian) if data.hessian is not None else train_eval
@@ -262,4 +282,5 @@ def build_experiment(cfg: RunConfig, prior: Params | None = None) -> Experiment:
         strategy=strategy,
         bn_loader=statistics_loader(statistics_data, d.eval_batch_size),
         rng=GlobalRNG.capture(device),
+        data_fingerprint=data_fingerprint(splits),
     )

@@ -10,11 +10,15 @@ the file the mode the user's umask asks for.
 
 A run's checkpoint also holds the loop position (:func:`save_position`, :func:`load_position`): the
 runner's :class:`~flatbma.experiment.runner.Position` (RNG states as ``extra/…`` tensors, counters
-and running sums as metadata), the training history, and who wrote it (:class:`Provenance`: the
-method, fingerprints of its options and of the model, the flatbma version). Loading it checks it
+and running sums as metadata), the training history, who wrote it (:class:`Provenance`: the
+method, fingerprints of its options and of the model, the flatbma version) and the run it belongs to
+(:class:`RunRecord`: its whole resolved config and the fingerprint of its data). Loading it checks it
 against the run that loads it (:class:`Template`): who wrote it, every tensor's name, dtype and
-shape, the RNG states and the position, so that a checkpoint of another run, an altered one or a
-damaged one ends in one line naming both sides instead of training or evaluating something else.
+shape, the RNG states and the position, on ``--resume`` the config and data (:func:`check_continuation`),
+and last every tensor and the metadata against the checksums written with them (:func:`check_intact`),
+so that a checkpoint of another run, an altered one or a damaged one (one flipped bit) ends in one line
+naming both sides instead of training or evaluating something else. Checkpoints written before a record
+existed are accepted without it.
 
 A ``flatbma train --resume RUN --set key=value`` may change the keys of :data:`RESUMABLE` (they do
 not change what the trained state means); the change is appended to the run's ``resumes.json``
@@ -50,10 +54,12 @@ from flatbma.state_io import (
     SECTIONS,
     TEMP_NAME,
     atomic_write_bytes,
+    checksum_problem,
     clip,
     dtype_name,
     encode_state,
     in_order,
+    state_digest,
     structure_problem,
 )
 from flatbma.state_io import write_error as write_error
@@ -79,8 +85,9 @@ def atomic_write_json(path: Path, obj: Any, *, note: str = "") -> None:
 def remove_stale_temps(directory: str | Path) -> list[Path]:
     """Remove the temporary files (``.<name>.<random>.tmp``) that killed writes left in ``directory``.
 
-    Call it where a run starts writing into ``directory`` (one process: rank 0), never while another
-    process writes there. Returns the files removed; files that cannot be removed are left.
+    Call it where a command starts writing into ``directory`` (one process: rank 0) holding the directory's
+    lock (:func:`flatbma.experiment.lock.hold`), so that no other process writes there: a temporary file is
+    stale only then. Returns the files removed; files that cannot be removed are left.
     """
     removed = []
     try:
@@ -149,14 +156,22 @@ def load_state(path: str | Path, device: str = "cpu") -> State:
 
 
 def load_checkpoint(path: str | Path, device: str = "cpu") -> tuple[State, dict[str, str], dict[str, Tensor]]:
-    """Load ``(state, metadata, extra tensors)`` saved by :func:`save_state`."""
+    """Load ``(state, metadata, extra tensors)`` saved by :func:`save_state`, its checksums checked."""
     path = Path(path)
+    tensors, meta = _read(path)
+    state, extra = _sections(tensors, meta, path, device)
+    check_intact(tensors, meta, path)
+    return state, meta, extra
+
+
+def _read(path: Path) -> tuple[dict[str, Tensor], dict[str, str]]:
+    """The CPU tensors and metadata of the flatbma state file at ``path`` (not yet checked against its checksums)."""
     if not path.is_file():
         raise FlatbmaError(f"checkpoint {path} does not exist: train first (flatbma train --config ...)")
     try:
         with safe_open(str(path), framework="pt") as f:
             meta = f.metadata() or {}
-        tensors = load_file(str(path), device=device)
+        tensors = load_file(str(path), device="cpu")
     except (SafetensorError, OSError, ValueError, RuntimeError) as e:
         raise FlatbmaError(
             f"checkpoint {path} is not a readable safetensors file ({clip(str(e))}); it may be truncated or "
@@ -164,12 +179,19 @@ def load_checkpoint(path: str | Path, device: str = "cpu") -> tuple[State, dict[
         ) from None
     if meta.get("format") != FORMAT:
         raise FlatbmaError(f"{path} is not a flatbma checkpoint (format tag {shown(meta.get('format'))})")
+    return tensors, meta
+
+
+def _sections(
+    tensors: dict[str, Tensor], meta: dict[str, str], path: Path, device: str
+) -> tuple[State, dict[str, Tensor]]:
+    """The state (on ``device``) and the extra CPU tensors of a state file's ``tensors`` and ``meta``."""
     sections: dict[str, dict] = {s: {} for s in (*SECTIONS, "extra")}
     for key, value in tensors.items():
         section, _, name = key.partition("/")
         if section not in sections:
             raise FlatbmaError(f"{path}: unexpected tensor {shown(key)}; the file is not a flatbma checkpoint")
-        sections[section][name] = value
+        sections[section][name] = value if section == "extra" else value.to(device)
     extra = sections.pop("extra")
     try:
         order = json.loads(meta.get("order", "{}"))
@@ -180,7 +202,54 @@ def load_checkpoint(path: str | Path, device: str = "cpu") -> tuple[State, dict[
         step = int(meta["step"])
     except (KeyError, ValueError):
         raise FlatbmaError(f"{path}: the checkpoint metadata has no valid step; the file is damaged") from None
-    return State(step=step, **sections), meta, {k: v.cpu() for k, v in extra.items()}
+    return State(step=step, **sections), extra
+
+
+def check_intact(tensors: Mapping[str, Tensor], meta: Mapping[str, str], path: str | Path) -> None:
+    """Raise :class:`FlatbmaError` unless a state file's CPU ``tensors`` and ``meta`` match its recorded checksums.
+
+    A file without checksums (written before flatbma recorded them) is accepted
+    (:func:`flatbma.state_io.checksum_problem`).
+    """
+    problem = checksum_problem(tensors, meta)
+    if problem:
+        raise FlatbmaError(
+            f"checkpoint {path} is damaged: {problem} (a changed bit on the disk, or an edit); restore the run's "
+            "own checkpoint from a copy, or train again"
+        )
+
+
+def checkpoint_record(meta: Mapping[str, str] | None) -> dict[str, Any] | None:
+    """Which checkpoint has the metadata ``meta``: ``{"step", "checksum"}`` (``None`` for no or unreadable metadata).
+
+    ``checksum`` is the short hash of its recorded checksums (:func:`flatbma.state_io.state_digest`), ``None``
+    for a checkpoint written before flatbma recorded them. ``metrics.json`` and a comparison's row cache
+    record the checkpoint they were computed from, so that they are never taken for another's.
+    """
+    try:
+        step = int(meta["step"]) if meta is not None else None
+    except (KeyError, ValueError):
+        step = None
+    return {"step": step, "checksum": state_digest(meta)} if step is not None else None
+
+
+def position_text(meta: Mapping[str, str], epochs: int) -> str:
+    """Where the checkpoint with metadata ``meta`` stands, for a message: ``"epoch 12 of 60 (step 483)"``."""
+    epoch, step = (meta.get(k, "?") for k in ("epoch", "step"))
+    shown_epoch = epoch if epoch.isdigit() else shown(epoch, 12)
+    return f"epoch {shown_epoch} of {epochs} (step {step if step.isdigit() else shown(step, 12)})"
+
+
+def at_end(meta: Mapping[str, str] | None, epochs: int) -> bool:
+    """Whether the checkpoint with metadata ``meta`` stands at the end of a run of ``epochs`` epochs.
+
+    Its position is epoch ``epochs`` with no batch of a further one: every step trained, the last epoch's
+    log taken (:func:`flatbma.experiment.runner.fit`'s last checkpoint).
+    """
+    try:
+        return meta is not None and int(meta["epoch"]) == epochs and int(meta["batch"]) == 0
+    except (KeyError, ValueError):
+        return False
 
 
 def check_compatible(state: State, reference: State, path: str | Path) -> None:
@@ -388,12 +457,37 @@ def reference_state(method: Posterior, model: nn.Module, device: torch.device) -
 # the loop position
 
 
+@dataclass(frozen=True)
+class RunRecord:
+    """What a run's checkpoint records of the run that wrote it, beyond :class:`Provenance`.
+
+    Attributes:
+        config: the run's whole resolved config without its place (``output_dir``) and logs
+            (:func:`flatbma.experiment.config.run_identity`).
+        data: the fingerprint of the data set it trained on (:func:`flatbma.experiment.build.data_fingerprint`).
+    """
+
+    config: Mapping[str, Any]
+    data: str
+
+
+CONFIG_KEY = "config"
+"""Metadata key of the resolved config a checkpoint was written with (:class:`RunRecord`, JSON)."""
+DATA_KEY = "data"
+"""Metadata key of the fingerprint of the data a checkpoint's run trained on (:class:`RunRecord`)."""
+
+
 def save_position(
-    path: Path, state: State, position: Position, history: History, written_by: Provenance | None = None
+    path: Path,
+    state: State,
+    position: Position,
+    history: History,
+    written_by: Provenance | None = None,
+    run: RunRecord | None = None,
 ) -> None:
     """Save ``state`` with the loop ``position`` and ``history`` it was reached with (:func:`load_position`).
 
-    ``written_by`` is recorded for :func:`load_position` to check.
+    ``written_by`` and ``run`` are recorded for :func:`load_position` to check.
     """
     extra = {"torch_rng": position.torch_rng}
     if position.loader_rng is not None:
@@ -410,17 +504,26 @@ def save_position(
         meta["stats"] = json.dumps([list(entry) for entry in position.stats])
     if written_by is not None:
         meta[WRITTEN_BY] = written_by.to_json()
+    if run is not None:
+        meta[CONFIG_KEY] = json.dumps(run.config, sort_keys=True, default=str)
+        meta[DATA_KEY] = run.data
     save_state(state, path, meta, extra)
 
 
-def load_position(path: Path, template: Template) -> tuple[State, Position, History]:
+def load_position(
+    path: Path, template: Template, *, continuing: RunRecord | None = None
+) -> tuple[State, Position, History]:
     """``(state, position, history)`` saved by :func:`save_position`, checked against the run's ``template``.
 
     Checks, each refused with one :class:`FlatbmaError` line naming both sides: who wrote it
     (:func:`check_provenance`), every tensor's name, dtype and shape (:func:`check_compatible`), the RNG
-    states and the position (:func:`check_position`). The state is on ``template.device``.
+    states and the position (:func:`check_position`); with ``continuing`` (``train --resume``: the run
+    that goes on from it), that its config differs from the recorded one only in :data:`RESUMABLE` keys and
+    its data is the recorded data (:func:`check_continuation`); last, that nothing changed since it was
+    written (:func:`check_intact`). The state is on ``template.device``.
     """
-    state, meta, extra = load_checkpoint(path, device=str(template.device))
+    tensors, meta = _read(path)
+    state, extra = _sections(tensors, meta, path, str(template.device))
     check_provenance(meta, template.provenance, path)
     check_compatible(state, template.state, path)
     try:
@@ -442,7 +545,41 @@ def load_position(path: Path, template: Template) -> tuple[State, Position, Hist
     if unexpected:
         raise _bad_position(path, f"unexpected tensor extra/{unexpected[0]}")
     check_position(state, position, template, path)
+    if continuing is not None:
+        check_continuation(meta, continuing, path)
+    check_intact(tensors, meta, path)
     return state, position, history
+
+
+def check_continuation(meta: Mapping[str, str], run: RunRecord, path: str | Path) -> None:
+    """Raise :class:`FlatbmaError` unless ``run`` may continue from the checkpoint whose metadata is ``meta``.
+
+    Its config may differ from the recorded one only in :data:`RESUMABLE` keys (what ``--resume --set``
+    may change), and its data must be the recorded data set: anything else would train a mix of two
+    runs. A checkpoint without the records (written before flatbma recorded them) is accepted.
+    """
+    if CONFIG_KEY in meta:
+        try:
+            recorded = json.loads(meta[CONFIG_KEY])
+        except ValueError:
+            recorded = None
+        if not isinstance(recorded, dict):
+            raise FlatbmaError(f"checkpoint {path}: its record of the config it was written with is damaged")
+        current = json.loads(json.dumps(run.config, default=str))
+        edited = {k: v for k, v in config_changes(recorded, current).items() if not _resumable(k)}
+        if edited:
+            detail = clip(", ".join(f"{k}={shown(a, 30)} vs {shown(b, 30)}" for k, (a, b) in edited.items()))
+            raise FlatbmaError(
+                f"checkpoint {path} was written with another config than its run directory's config.yaml now holds "
+                f"({detail}; checkpoint vs config.yaml): restore config.yaml (--resume --set may change only "
+                f"{', '.join(RESUMABLE)}), or train a new run"
+            )
+    data = meta.get(DATA_KEY)
+    if data is not None and data != run.data:
+        raise FlatbmaError(
+            f"checkpoint {path} was trained on other data than the data set now holds (fingerprint "
+            f"{shown(data, 20)} vs {run.data}): its files changed since; restore them, or train a new run (--force)"
+        )
 
 
 def _integer(text: str) -> int:
@@ -450,6 +587,14 @@ def _integer(text: str) -> int:
     if str(value) != text.strip():  # int() also reads "1_000" and "+3"
         raise ValueError(text)
     return value
+
+
+def history_of(meta: Mapping[str, str] | None) -> History | None:
+    """The training history recorded in a checkpoint's metadata; ``None`` when there is none or it is malformed."""
+    try:
+        return History([_epoch_log(h) for h in json.loads(meta["history"])]) if meta is not None else None
+    except (KeyError, ValueError, TypeError):
+        return None
 
 
 def _epoch_log(record: Any) -> EpochLog:

@@ -13,6 +13,7 @@ import sys
 import typing
 from collections.abc import Sequence
 from enum import Enum
+from pathlib import Path
 
 import torch
 
@@ -23,9 +24,10 @@ from flatbma.experiment import distributed
 from flatbma.experiment.build import resolve_device
 from flatbma.experiment.compare import load_plan, run_compare
 from flatbma.experiment.config import load_config
+from flatbma.experiment.lock import hold
 from flatbma.experiment.methods import METHODS, MethodConfig, parse_method
 from flatbma.experiment.report import summary_table
-from flatbma.experiment.run import evaluate_run, load_run_config, record_resume, resume_config, train_run
+from flatbma.experiment.run import evaluate_run, load_run_config, record_resume, resume_config, train
 from flatbma.experiment.sections import plain_values
 from flatbma.optim import Amortized
 
@@ -57,7 +59,12 @@ def _build_parser() -> argparse.ArgumentParser:
         metavar="KEY=VALUE",
         help="override a config value, e.g. --set optim.lr=0.1 --set method.rho=0.1 (repeatable)",
     )
-    train.add_argument("--force", action="store_true", help="overwrite a run directory holding another config")
+    train.add_argument(
+        "--force",
+        action="store_true",
+        help="train anew over the run in output_dir (another config's, or this one's finished or interrupted); "
+        "it is replaced only once the new run writes its first checkpoint",
+    )
     _add_quiet(train)
 
     evaluate = sub.add_parser("evaluate", help="re-evaluate a finished run directory")
@@ -179,14 +186,20 @@ def main(argv: Sequence[str] | None = None) -> int:
             else:
                 raise FlatbmaError("train needs --config FILE (or --resume RUN_DIR)")
             device = resolve_device(cfg.train.device)
-            with distributed.process_group(device), _reporting(args):  # under torchrun: data-parallel
+            # a resume changes the run's files before it trains: under its lock (train takes it for --config)
+            owned = hold(args.resume, "train") if args.resume else contextlib.nullcontext()
+            with distributed.process_group(device), _reporting(args), owned:  # under torchrun: data-parallel
                 if resumed is not None:
                     record_resume(args.resume, resumed)  # the changed config.yaml, and the change in resumes.json
-                run_dir, metrics = train_run(cfg, force=args.force, resume=bool(args.resume))
+                trained = train(cfg, force=args.force, resume=bool(args.resume))
                 main_process = distributed.is_main()
             if main_process:
-                _print_metrics(metrics)
-                print(f"wrote {run_dir / 'metrics.json'}")
+                _print_metrics(trained.metrics)
+                run_dir = Path(cfg.output_dir)
+                if trained.reused:
+                    print(f"{run_dir} holds this run, finished: nothing trained or written (--force trains again)")
+                else:
+                    print(f"wrote {run_dir / 'metrics.json'}")
         elif args.command == "compare":
             plan = load_plan(args.config, args.overrides, quick=args.quick)
             device = resolve_device(plan.base.train.device)

@@ -47,6 +47,7 @@ after every other row (:func:`run_compare`).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -65,11 +66,18 @@ from flatbma import gaussian, plotting, progress
 from flatbma.data.corruptions import corruption_names
 from flatbma.errors import DivergenceError, FlatbmaError, suggest
 from flatbma.experiment import distributed, entries, report, selection
-from flatbma.experiment.build import Experiment
-from flatbma.experiment.checkpoint import atomic_write_bytes, atomic_write_json, remove_stale_temps
+from flatbma.experiment.build import Experiment, data_fingerprint, load_data
+from flatbma.experiment.checkpoint import (
+    atomic_write_bytes,
+    atomic_write_json,
+    checkpoint_metadata,
+    checkpoint_record,
+    remove_stale_temps,
+)
 from flatbma.experiment.config import RunConfig, config_from_dict, load_raw, parse_override
 from flatbma.experiment.evaluate import CLEAN_KEYS, measure
 from flatbma.experiment.findings import check_pairs
+from flatbma.experiment.lock import LOCK_FILE, hold
 from flatbma.experiment.methods import METHODS
 from flatbma.experiment.outdir import check_compare_output
 from flatbma.experiment.parse import load_yaml, parse_dataclass, set_dotted, shown
@@ -476,7 +484,18 @@ def run_compare(plan: Plan, *, force: bool = False, progress: bool = True) -> di
 
     Width-matched rows (``match_width``, module docstring) need their reference's row: they are dealt
     out in a second round after every other row (a collective in between), then read it from its cache.
+
+    Rank 0 holds the output directory's lock throughout and every process the lock of each run directory
+    it works in (:func:`flatbma.experiment.lock.hold`). A row is reused only when its run is finished on
+    the data as it is now (:func:`~flatbma.experiment.stage.finished_run`, the data set's
+    :func:`~flatbma.experiment.build.data_fingerprint`) and its cache was measured from that run's
+    checkpoint on that data (:func:`_fresh`); a changed data set trains the rows again.
     """
+    with contextlib.ExitStack() as owned:  # rank 0 holds the output directory's lock throughout
+        return _run_compare(plan, force, progress, owned)
+
+
+def _run_compare(plan: Plan, force: bool, progress: bool, owned: contextlib.ExitStack) -> dict[str, Any]:
     me, world = distributed.rank(), distributed.world_size()
     fingerprint = plan.fingerprint()
     with distributed.all_or_none():  # rank 0 claims the output directory; an error stops every process
@@ -484,8 +503,9 @@ def run_compare(plan: Plan, *, force: bool = False, progress: bool = True) -> di
         validate_runs(_every_run(plan), flatness=plan.compare.flatness)  # every run's demands, before any trains
         if me == 0:
             _check_out_dir(plan, force)
+            owned.enter_context(hold(plan.out_dir, "compare", every_process=False))  # one comparison at a time
             for folder in (plan.out_dir, plan.out_dir / "figures"):
-                remove_stale_temps(folder)  # left by a killed write
+                remove_stale_temps(folder)  # left by a killed write (the lock is held: nobody writes here)
             record = {
                 "fingerprint": fingerprint,
                 "study": plan.study(),
@@ -494,12 +514,13 @@ def run_compare(plan: Plan, *, force: bool = False, progress: bool = True) -> di
             }
             atomic_write_bytes(plan.out_dir / COMPARE_CONFIG, yaml.safe_dump(record, sort_keys=False).encode())
 
+    data = data_fingerprint(load_data(plan.base.data))  # what every row trains and is measured on
     jobs = plan.jobs()
     groups = [(job, group) for job in jobs if job.selects for group in _shared_stages(job)]
     if groups:  # the same on every process
         with distributed.all_or_none(), distributed.single_process():  # each an ordinary one-process run
             for job, group in _progress(groups[me::world], "candidates", _describe_group, progress, me, world):
-                _train_candidates(job, group, force)
+                _train_candidates(job, group, force, data)
     own: dict[int, dict[str, Any]] = {}
     phases = (
         [k for k, j in enumerate(jobs) if j.match_width is None],
@@ -518,10 +539,10 @@ def run_compare(plan: Plan, *, force: bool = False, progress: bool = True) -> di
                 job = jobs[k]
                 width_to = _width_reference(job, jobs, plan)
                 if job.selects:
-                    own[k] = _run_selected(job, plan.compare, plan.row_key(job), force, width_to)
+                    own[k] = _run_selected(job, plan.compare, plan.row_key(job), force, data, width_to)
                 else:
                     elsewhere = first if job.match_width else candidates
-                    own[k] = _run_one(job, plan.compare, plan.row_key(job), force, width_to, elsewhere)
+                    own[k] = _run_one(job, plan.compare, plan.row_key(job), force, data, width_to, elsewhere)
     rows = [own[k] if k in own else _cached_result(job.row_dir, plan.row_key(job)) for k, job in enumerate(jobs)]
     results = {
         "config_hash": fingerprint,
@@ -643,10 +664,19 @@ def _train_metrics(run_dir: Path) -> dict[str, Any]:
     return _read_cache(run_dir / METRICS_FILE, lambda content: isinstance(content, dict)) or {}
 
 
-def _finished(run_dir: Path, cfg: RunConfig) -> bool:
-    """:func:`~flatbma.experiment.stage.finished_run`, after refusing a damaged ``config.yaml`` in ``run_dir``."""
+def _finished(run_dir: Path, cfg: RunConfig, data: str | None = None) -> bool:
+    """:func:`~flatbma.experiment.stage.finished_run` on the data of fingerprint ``data``.
+
+    A damaged ``config.yaml`` or ``metrics.json`` in ``run_dir`` is refused by name first.
+    """
     _read_cache(run_dir / CONFIG_FILE, lambda content: isinstance(content, dict))
-    return finished_run(run_dir, cfg.to_dict())
+    _train_metrics(run_dir)
+    return finished_run(run_dir, cfg, data)
+
+
+def _source(run_dir: Path, data: str) -> dict[str, Any]:
+    """What a row measured in ``run_dir`` is computed from: its run's checkpoint (record) and the data set."""
+    return {"checkpoint": checkpoint_record(checkpoint_metadata(run_dir / CHECKPOINT_FILE)), "data": data}
 
 
 def _width_reference(job: Job, jobs: list[Job], plan: Plan) -> tuple[str, float] | None:
@@ -689,9 +719,15 @@ def _width_matched(
     return dataclasses.replace(exp, method=posterior), scaled, record
 
 
-def _fresh(cached: Any, row_key: str, width_to: tuple[str, float] | None) -> bool:
-    """Whether a cached row belongs to this comparison and, width-matched, to the reference's current width."""
+def _fresh(cached: Any, row_key: str, width_to: tuple[str, float] | None, source: dict[str, Any]) -> bool:
+    """Whether a cached row belongs to this comparison and, width-matched, to the reference's current width.
+
+    It must also have been measured from ``source`` (:func:`_source`): the run's current checkpoint and the
+    data set as it is now. Rows cached before flatbma recorded them lack the records and are taken as is.
+    """
     if not (isinstance(cached, dict) and cached.get("fingerprint") == row_key and "result" in cached):
+        return False
+    if any(key in cached and cached[key] != value for key, value in source.items()):
         return False
     matched = cached["result"].get("width_matched")
     if width_to is None:
@@ -704,33 +740,35 @@ def _run_one(
     compare: CompareConfig,
     row_key: str,
     force: bool,
+    data: str,
     width_to: tuple[str, float] | None = None,
     trained_elsewhere: tuple[RunConfig, ...] = (),
 ) -> dict[str, Any]:
-    """The row of a (method, seed) with one candidate: train it (or reuse it) and measure it.
+    """The row of a (method, seed) with one candidate: train it (or reuse it) and measure it, holding its lock.
 
-    ``width_to``: ``(label, tr Σ_ref)`` of a width-matched row (:func:`_width_reference`).
-    ``trained_elsewhere``: runs of the comparison trained before this row (the candidates of selections, the
-    rows a width-matched row comes after); a finished one of the same config is copied in rather than trained
-    again (:func:`_adopt`).
+    ``data``: the fingerprint of the data set (:func:`~flatbma.experiment.build.data_fingerprint`); ``width_to``:
+    ``(label, tr Σ_ref)`` of a width-matched row (:func:`_width_reference`). ``trained_elsewhere``: runs of
+    the comparison trained before this row (the candidates of selections, the rows a width-matched row comes
+    after); a finished one of the same config is copied in rather than trained again (:func:`_adopt`).
     """
     cfg = job.candidates[0].config
     run_dir = Path(cfg.output_dir)
     cache = run_dir / RUN_CACHE
-    if not force:
-        _adopt(cfg, trained_elsewhere)
-    if not force and _finished(run_dir, cfg):
-        cached = _read_cache(cache, _row_cache)
-        if _fresh(cached, row_key, width_to):
-            return {**cached["result"], "run_dir": str(run_dir)}  # where the row is now (a comparison may move)
-        train_metrics = _train_metrics(run_dir)
-        exp, state = load_run(cfg)
-    else:  # measure evaluates the BMA (and more); its clean-test metrics go into metrics.json below
-        trained = train(cfg, force=True, evaluate=False)
-        train_metrics, exp, state = trained.metrics, trained.experiment, trained.state
-    result = _measured(job.label, cfg, exp, state, train_metrics, compare, width_to)
-    result["selection"] = None
-    atomic_write_json(cache, {"fingerprint": row_key, "result": result})
+    with hold(run_dir, "compare"):
+        if not force:
+            _adopt(cfg, trained_elsewhere, data)
+        if not force and _finished(run_dir, cfg, data):
+            cached = _read_cache(cache, _row_cache)
+            if _fresh(cached, row_key, width_to, _source(run_dir, data)):
+                return {**cached["result"], "run_dir": str(run_dir)}  # where the row is now (a comparison may move)
+            train_metrics = _train_metrics(run_dir)
+            exp, state = load_run(cfg)
+        else:  # measure evaluates the BMA (and more); its clean-test metrics go into metrics.json below
+            trained = train(cfg, force=True, evaluate=False)
+            train_metrics, exp, state = trained.metrics, trained.experiment, trained.state
+        result = _measured(job.label, cfg, exp, state, train_metrics, compare, width_to)
+        result["selection"] = None
+        atomic_write_json(cache, {"fingerprint": row_key, **_source(run_dir, data), "result": result})
     return result
 
 
@@ -738,7 +776,7 @@ ADOPTED_FROM = "adopted_from.txt"
 """In a run directory that :func:`_adopt` filled: the directory it was copied from."""
 
 
-def _adopt(cfg: RunConfig, others: tuple[RunConfig, ...]) -> None:
+def _adopt(cfg: RunConfig, others: tuple[RunConfig, ...], data: str) -> None:
     """Copy into ``cfg``'s directory a finished run of the same config from ``others`` (a selection's candidate).
 
     Only into a directory that holds no checkpoint (nothing is overwritten). Each file is copied atomically,
@@ -749,10 +787,11 @@ def _adopt(cfg: RunConfig, others: tuple[RunConfig, ...]) -> None:
     if (run_dir / CHECKPOINT_FILE).exists():
         return
     places = (Path(o.output_dir) for o in others)
-    source = next((p for p in places if p != run_dir and _finished(p, cfg)), None)
+    source = next((p for p in places if p != run_dir and _finished(p, cfg, data)), None)
     if source is None:
         return
-    files = sorted(f for f in source.iterdir() if f.is_file() and f.name not in (METRICS_FILE, CANDIDATE_FILE))
+    skip = (METRICS_FILE, CANDIDATE_FILE, RUN_CACHE, LOCK_FILE)  # metrics.json last; not the source's row or lock
+    files = sorted(f for f in source.iterdir() if f.is_file() and f.name not in skip and not f.name.endswith(".tmp"))
     run_dir.mkdir(parents=True, exist_ok=True)
     for f in [*files, source / METRICS_FILE]:
         atomic_write_bytes(run_dir / f.name, f.read_bytes())
@@ -843,65 +882,74 @@ def _unplaced(selection: Any) -> Any:
     return {**selection, "candidates": candidates}
 
 
-def _record(cfg: RunConfig) -> dict[str, Any] | None:
-    """The validation record of candidate ``cfg`` (``candidate.json``) if it belongs to exactly this config."""
+def _record(cfg: RunConfig, data: str | None = None) -> dict[str, Any] | None:
+    """The validation record of candidate ``cfg`` (``candidate.json``) if it belongs to exactly this config.
+
+    With ``data`` (the data set's fingerprint), also to the run's current checkpoint and that data
+    (:func:`_source`; records written before flatbma recorded them are taken as is).
+    """
     run_dir = Path(cfg.output_dir)
     record = _read_cache(run_dir / CANDIDATE_FILE, _candidate_record)
     resolved = json.loads(json.dumps(cfg.to_dict()))
     if not isinstance(record, dict) or run_identity(record.get("config")) != run_identity(resolved):
         return None
-    if record.get("error") is None and not _finished(run_dir, cfg):
+    if data is not None and any(record.get(k, v) != v for k, v in _source(run_dir, data).items()):
+        return None
+    if record.get("error") is None and not _finished(run_dir, cfg, data):
         return None
     return record
 
 
-def _train_candidates(job: Job, group: tuple[Candidate, ...], force: bool) -> None:
+def _train_candidates(job: Job, group: tuple[Candidate, ...], force: bool, data: str) -> None:
     """Train (or reuse) the candidates of ``group`` and record each one's validation NLL in its ``candidate.json``.
 
     Nothing here reads the test set: training does not evaluate, and the score reads only the
     validation split (:func:`flatbma.experiment.selection.validation_nll`). A two-stage group trains its
     shared first stage once, into ``<row_dir>/prior-<hash of its config>`` (reused when finished). A
-    candidate whose training diverges is recorded as such and not chosen.
+    candidate whose training diverges is recorded as such and not chosen. ``data`` is the data set's
+    fingerprint; each candidate's run directory is worked in holding its lock.
     """
     fitted: FittedPrior | None = None
     stage_error: str | None = None
     for cand in group:
         cfg = cand.config
         run_dir = Path(cfg.output_dir)
-        if not force and _record(cfg) is not None:
-            continue
-        try:
-            if not force and _finished(run_dir, cfg):
-                exp, state = load_run(cfg)
-                train_time = _train_metrics(run_dir).get("train_time_s")
-            else:
-                if cfg.prior is not None and fitted is None:
-                    if stage_error is not None:
-                        raise DivergenceError(stage_error)
-                    try:
-                        fitted = fit_prior(
-                            cfg, force=force, run_dir=job.row_dir / f"prior-{_stage_key(prior_stage(cfg))}"
-                        )
-                    except DivergenceError as e:
-                        stage_error = f"its first stage diverged: {e}"
-                        raise DivergenceError(stage_error) from None
-                trained = train_stage(cfg, force=True, resume=False, evaluate=False, prior=fitted)
-                exp, state, train_time = trained.experiment, trained.state, trained.metrics.get("train_time_s")
-            record = {"val_nll": selection.validation_nll(exp, state), "train_time_s": train_time, "error": None}
-        except DivergenceError as e:
-            record = {"val_nll": None, "train_time_s": None, "error": str(e)}
-        atomic_write_json(run_dir / CANDIDATE_FILE, {"config": cfg.to_dict(), **record})
+        with hold(run_dir, "compare"):
+            if not force and _record(cfg, data) is not None:
+                continue
+            try:
+                if not force and _finished(run_dir, cfg, data):
+                    exp, state = load_run(cfg)
+                    train_time = _train_metrics(run_dir).get("train_time_s")
+                else:
+                    if cfg.prior is not None and fitted is None:
+                        if stage_error is not None:
+                            raise DivergenceError(stage_error)
+                        try:
+                            fitted = fit_prior(
+                                cfg, force=force, run_dir=job.row_dir / f"prior-{_stage_key(prior_stage(cfg))}"
+                            )
+                        except DivergenceError as e:
+                            stage_error = f"its first stage diverged: {e}"
+                            raise DivergenceError(stage_error) from None
+                    trained = train_stage(cfg, force=True, resume=False, evaluate=False, prior=fitted)
+                    exp, state, train_time = trained.experiment, trained.state, trained.metrics.get("train_time_s")
+                record = {"val_nll": selection.validation_nll(exp, state), "train_time_s": train_time, "error": None}
+            except DivergenceError as e:
+                record = {"val_nll": None, "train_time_s": None, "error": str(e)}
+            atomic_write_json(run_dir / CANDIDATE_FILE, {"config": cfg.to_dict(), **_source(run_dir, data), **record})
 
 
 def _run_selected(
-    job: Job, compare: CompareConfig, row_key: str, force: bool, width_to: tuple[str, float] | None = None
+    job: Job, compare: CompareConfig, row_key: str, force: bool, data: str, width_to: tuple[str, float] | None = None
 ) -> dict[str, Any]:
     """The row of a (method, seed) with candidates: the one with the best validation NLL, measured on the test set.
 
     Its run is read back from its directory (another process may have trained it) and measured by
-    :func:`_measured` like a lone run; ``selection`` in the row records every candidate.
+    :func:`_measured` like a lone run, holding the locks of the row's and the run's directories;
+    ``selection`` in the row records every candidate.
     """
-    records = [_record(c.config) for c in job.candidates]
+    records = [_record(c.config, data) for c in job.candidates]
     missing = [c.config.output_dir for c, r in zip(job.candidates, records, strict=True) if r is None]
     if missing:
         raise FlatbmaError(
@@ -931,14 +979,16 @@ def _run_selected(
         "chosen": chosen.options,
     }
     cache = job.row_dir / RUN_CACHE
-    cached = None if force else _read_cache(cache, _row_cache)
-    if not force and _fresh(cached, row_key, width_to):
-        if _unplaced((cached.get("result") or {}).get("selection")) == _unplaced(json.loads(json.dumps(record))):
-            return {**cached["result"], "run_dir": chosen.config.output_dir, "selection": record}
     cfg = chosen.config
-    exp, state = load_run(cfg)
-    train_metrics = _train_metrics(Path(cfg.output_dir))
-    result = _measured(job.label, cfg, exp, state, train_metrics, compare, width_to)
-    result["selection"] = record
-    atomic_write_json(cache, {"fingerprint": row_key, "result": result})
+    run_dir = Path(cfg.output_dir)
+    with hold(job.row_dir, "compare"), hold(run_dir, "compare"):
+        cached = None if force else _read_cache(cache, _row_cache)
+        if not force and _fresh(cached, row_key, width_to, _source(run_dir, data)):
+            if _unplaced((cached.get("result") or {}).get("selection")) == _unplaced(json.loads(json.dumps(record))):
+                return {**cached["result"], "run_dir": chosen.config.output_dir, "selection": record}
+        exp, state = load_run(cfg)
+        train_metrics = _train_metrics(run_dir)
+        result = _measured(job.label, cfg, exp, state, train_metrics, compare, width_to)
+        result["selection"] = record
+        atomic_write_json(cache, {"fingerprint": row_key, **_source(run_dir, data), "result": result})
     return result

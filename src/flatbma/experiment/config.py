@@ -71,6 +71,21 @@ class RunConfig:
         return out
 
 
+def run_identity(resolved: Any) -> Any:
+    """A resolved config without ``output_dir`` and ``train.log``: what must match for two configs to be the same run.
+
+    Where a run directory is and which logs it writes change none of its numbers (and configs written
+    before ``train.log`` existed lack it), so a run directory holds the same run after it is moved or
+    copied (a comparison's runs are reused in their new place) and whatever its logs.
+    """
+    if not isinstance(resolved, dict):
+        return resolved
+    out = {k: v for k, v in resolved.items() if k != "output_dir"}
+    if isinstance(out.get("train"), dict):
+        out["train"] = {k: v for k, v in out["train"].items() if k != "log"}
+    return out
+
+
 SECTIONS = {"data": DataConfig, "model": ModelConfig, "optim": OptimConfig, "train": TrainConfig, "eval": EvalConfig}
 TOP_LEVEL = {"seed", "output_dir", "method", "prior", *SECTIONS}
 

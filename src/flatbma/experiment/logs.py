@@ -60,8 +60,8 @@ class EpochLogger:
     """Logs each finished epoch of a run: the line on ``stderr``, ``log.csv``, TensorBoard.
 
     Call it with the history after every checkpoint (the same history the checkpoint holds); it logs the
-    epochs it has not logged yet. Create it right before the loop starts (the first epoch's time counts
-    from then) and :meth:`close` it after.
+    epochs it has not logged yet. Create it right before the loop starts, or at its first checkpoint with
+    ``started`` (the first epoch's time counts from then), and :meth:`close` it after.
 
     Args:
         run_dir: the run directory.
@@ -70,6 +70,8 @@ class EpochLogger:
         learning_rate: ``optim``'s schedule ``step -> η_t``.
         history: the history the loop starts from (empty, or the resumed checkpoint's).
         lines: print a line per epoch on ``stderr`` (where :mod:`flatbma.progress` prints lines).
+        started: when the loop started (``time.perf_counter()``), for a logger created after it (at the
+            first checkpoint); ``None``: now.
     """
 
     def __init__(
@@ -81,6 +83,7 @@ class EpochLogger:
         learning_rate: Callable[[int], float],
         history: History,
         lines: bool = True,
+        started: float | None = None,
     ) -> None:
         self._epochs = epochs
         self._learning_rate = learning_rate
@@ -103,7 +106,7 @@ class EpochLogger:
             for row in rows:
                 self._scalars(row)
             self._writer.flush()
-        self._last = time.perf_counter()
+        self._last = started if started is not None else time.perf_counter()
 
     def __call__(self, history: History) -> None:
         """Log the epochs of ``history`` past the ones already logged."""

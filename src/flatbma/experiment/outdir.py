@@ -6,7 +6,7 @@ So before anything is written, the directory must be one of
 
 * **missing** — it is created;
 * **empty** — nothing in it but the temporary files of a killed flatbma write (``.<name>.<8 chars>.tmp``,
-  see :func:`flatbma.state_io.atomic_write_bytes`);
+  see :func:`flatbma.state_io.atomic_write_bytes`) and flatbma's lock file (:mod:`flatbma.experiment.lock`);
 * **a flatbma directory of the command's kind**:
 
   - a *run directory* (``flatbma train``) holds a regular file ``config.yaml`` that is what flatbma
@@ -32,6 +32,7 @@ from pathlib import Path
 import yaml
 
 from flatbma.errors import FlatbmaError
+from flatbma.experiment.lock import LOCK_FILE
 from flatbma.experiment.parse import load_yaml
 from flatbma.state_io import TEMP_NAME
 
@@ -116,9 +117,9 @@ def _special(real: Path) -> str:
 
 
 def _holds_files(path: Path) -> bool:
-    """Whether directory ``path`` holds anything but the temporary files of killed flatbma writes."""
+    """Whether directory ``path`` holds anything but the temporary files of killed flatbma writes and its lock file."""
     try:
         with os.scandir(path) as entries:
-            return any(not TEMP_NAME.match(entry.name) for entry in entries)
+            return any(not TEMP_NAME.match(entry.name) and entry.name != LOCK_FILE for entry in entries)
     except OSError as e:
         raise FlatbmaError(f"cannot list output_dir {path} ({e.strerror}): choose another output_dir") from None

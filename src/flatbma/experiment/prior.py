@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from torch import Tensor
@@ -25,6 +25,7 @@ from flatbma.experiment import distributed
 from flatbma.experiment.build import Experiment, build_experiment
 from flatbma.experiment.checkpoint import load_run_state, template
 from flatbma.experiment.config import RunConfig
+from flatbma.experiment.lock import hold
 from flatbma.experiment.prior_config import not_gaussian_message
 from flatbma.experiment.sections import Optimizer
 from flatbma.experiment.stage import CHECKPOINT_FILE, FittedPrior, finished_run, train_stage
@@ -71,13 +72,19 @@ def prior_stage(cfg: RunConfig, run_dir: str | Path | None = None) -> RunConfig 
 
 
 def fit_prior(
-    cfg: RunConfig, *, force: bool = False, resume: bool = False, run_dir: str | Path | None = None
+    cfg: RunConfig,
+    *,
+    force: bool = False,
+    resume: bool = False,
+    run_dir: str | Path | None = None,
+    on_start: Callable[[], None] | None = None,
 ) -> FittedPrior | None:
-    """Train (or reuse, when it finished with the same config and not ``force``) the first stage of ``cfg``.
+    """Train (or reuse, when it finished with the same config and data and not ``force``) the first stage of ``cfg``.
 
-    Returns ``None`` for a one-stage run. The stage trains into ``run_dir`` (:func:`prior_stage`). With
-    ``resume`` an unfinished first stage continues from its checkpoint. Under ``torchrun`` rank 0
-    decides whether to reuse, so every rank does the same.
+    Returns ``None`` for a one-stage run. The stage trains into ``run_dir`` (:func:`prior_stage`), holding
+    its lock. With ``resume`` an unfinished first stage continues from its checkpoint. ``on_start`` is
+    called right before a fresh stage's first checkpoint (:func:`~flatbma.experiment.stage.train_stage`).
+    Under ``torchrun`` rank 0 decides whether to reuse, so every rank does the same.
     Before the stage trains, its posterior must be a Gaussian and the run's learning rate stable
     with the prior (:func:`check_stable_with_prior`).
     """
@@ -91,20 +98,26 @@ def fit_prior(
         check_stable_with_prior(cfg, len(exp.train_loader.dataset))
 
     run_dir = Path(stage.output_dir)
-    if distributed.main_decides(not force and finished_run(run_dir, stage.to_dict())):
-        exp = build_experiment(stage)
-        check(exp)
-        state = load_run_state(run_dir / CHECKPOINT_FILE, template(exp))
-    else:
-        resumable = distributed.main_decides(resume and (run_dir / CHECKPOINT_FILE).is_file())
-        trained = train_stage(
-            stage,
-            force=True,
-            resume=resumable,
-            evaluate=False,  # `flatbma evaluate <output_dir>/prior` measures the first stage on its own
-            check=check,  # before training
-        )
-        exp, state = trained.experiment, trained.state
+    with hold(run_dir, "train"):
+        exp = None
+        if distributed.main_decides(not force and finished_run(run_dir, stage)):
+            exp = build_experiment(stage)
+            if not distributed.main_decides(finished_run(run_dir, stage, data=exp.data_fingerprint)):
+                exp = None  # finished on other data: the data set changed since, so it trains again
+        if exp is not None:
+            check(exp)
+            state = load_run_state(run_dir / CHECKPOINT_FILE, template(exp))
+        else:
+            resumable = distributed.main_decides(resume and (run_dir / CHECKPOINT_FILE).is_file())
+            trained = train_stage(
+                stage,
+                force=True,
+                resume=resumable,
+                evaluate=False,  # `flatbma evaluate <output_dir>/prior` measures the first stage on its own
+                check=check,  # before training
+                on_start=on_start,
+            )
+            exp, state = trained.experiment, trained.state
     theta = floor_std(exp.method.gaussian(state), cfg.prior.min_std)
     return FittedPrior(theta=theta, buffers=dict(state.buffers), run_dir=run_dir)
 

@@ -21,9 +21,13 @@ from flatbma.experiment.checkpoint import (
     RESUMES_FILE,
     Resume,
     append_resume,
+    at_end,
     atomic_write_json,
+    checkpoint_metadata,
+    checkpoint_record,
     config_changes,
     load_position,
+    position_text,
     remove_stale_temps,
     resume_change,
     template,
@@ -31,6 +35,7 @@ from flatbma.experiment.checkpoint import (
 from flatbma.experiment.config import RunConfig, config_from_dict, load_raw, parse_override
 from flatbma.experiment.early_stopping import Monitor
 from flatbma.experiment.evaluate import evaluate_state
+from flatbma.experiment.lock import hold
 from flatbma.experiment.logs import check_available
 from flatbma.experiment.outdir import check_run_output
 from flatbma.experiment.parse import set_dotted
@@ -41,7 +46,12 @@ from flatbma.experiment.stage import (
     METRICS_FILE,
     Trained,
     check_run_dir,
+    finished_run,
+    read_metrics,
+    same_config,
+    start_run,
     train_stage,
+    training_ended,
     write_config,
 )
 from flatbma.experiment.validate import validate_run
@@ -57,6 +67,13 @@ def train(cfg: RunConfig, *, force: bool = False, resume: bool = False, evaluate
     prior and, with ``prior.init``, from it. Without ``evaluate`` the BMA evaluation is left to the
     caller (``flatbma compare`` measures more, on the returned experiment and state).
 
+    The run holds its directory's lock throughout (:func:`flatbma.experiment.lock.hold`: a second
+    process is refused). Without ``resume`` and ``force``, a directory that already holds this config's
+    run is never trained over: a finished one (:func:`~flatbma.experiment.stage.finished_run`, on the
+    data as it is now) is returned as it is, nothing trained or written (:attr:`Trained.reused`); an
+    interrupted one is refused with the ``--resume`` command that continues it. With ``force`` the run
+    that was there is replaced only once the new one writes its first checkpoint.
+
     Data-parallel when a process group is initialized (``torchrun``, see
     :mod:`flatbma.experiment.distributed`): every rank trains on its shard of each global batch and
     only rank 0 writes files.
@@ -68,14 +85,53 @@ def train(cfg: RunConfig, *, force: bool = False, resume: bool = False, evaluate
     validate_run(cfg)  # what the config asks of the run's length and data, both stages, before anything is written
     if not resume:
         check_run_output(run_dir, force=force)  # never /, ~ or a mount point; another's files only with --force
-        check_run_dir(run_dir, cfg.to_dict(), force)
-        if cfg.prior is not None:  # `train --resume` finds the run (and its config) while stage 1 trains
-            write_config(run_dir, cfg.to_dict())
-    prior = fit_prior(cfg, force=force, resume=resume)
-    if prior is not None and resume:  # interrupted in the first stage: the second starts afresh
-        resume = distributed.main_decides((run_dir / CHECKPOINT_FILE).is_file())
-        force = True
-    return train_stage(cfg, force=force, resume=resume, evaluate=evaluate, prior=prior)
+    with hold(run_dir, "train"):
+        if not resume:
+            check_run_dir(run_dir, cfg.to_dict(), force)
+            existing = None if force else _existing(cfg)
+            if existing is not None:
+                return existing
+        # a two-stage run claims its directory (`train --resume` finds it) when its first stage starts
+        prior = fit_prior(cfg, force=force, resume=resume, on_start=lambda: start_run(run_dir, cfg.to_dict()))
+        if prior is not None and resume:  # interrupted in the first stage: the second starts afresh
+            resume = distributed.main_decides((run_dir / CHECKPOINT_FILE).is_file())
+            force = True
+        return train_stage(cfg, force=force, resume=resume, evaluate=evaluate, prior=prior)
+
+
+def _existing(cfg: RunConfig) -> Trained | None:
+    """The run of ``cfg`` its directory already holds: finished (returned as it is) or ``None`` when there is none.
+
+    Raises:
+        FlatbmaError: the directory holds this config's run, interrupted (a checkpoint of it, or an
+            unfinished one of its first stage: continue it with ``--resume``), or finished on other data
+            (the data set changed since).
+    """
+    run_dir = Path(cfg.output_dir)
+    if not distributed.main_decides(same_config(run_dir, cfg)):
+        return None
+    if distributed.main_decides(finished_run(run_dir, cfg)):
+        exp = build_experiment(cfg)
+        if not distributed.main_decides(finished_run(run_dir, cfg, data=exp.data_fingerprint)):
+            raise FlatbmaError(
+                f"{run_dir} holds this config's finished run, trained on other data (the data set changed since): "
+                "pass --force to train it again on the data as it is now, or choose another output_dir"
+            )
+        return Trained(experiment=exp, state=trained_state(exp), metrics=read_metrics(run_dir) or {}, reused=True)
+    stage = prior_stage(cfg)
+    started = [(run_dir, cfg.epochs, "its checkpoint")]
+    if stage is not None:
+        started.append((Path(stage.output_dir), stage.epochs, "the checkpoint of its first stage"))
+    for path, epochs, what in started:
+        meta = checkpoint_metadata(path / CHECKPOINT_FILE)
+        finished_stage = path != run_dir and at_end(meta, epochs)  # a finished first stage is reused as it is
+        if distributed.main_decides(meta is not None and not finished_stage):
+            at = position_text(meta, epochs) if meta is not None else "a position"
+            raise FlatbmaError(
+                f"{run_dir} holds an interrupted run of this config ({what} stands at {at}): continue it with "
+                f"'flatbma train --resume {run_dir}', or pass --force to train it again from the start"
+            )
+    return None
 
 
 def train_run(
@@ -103,11 +159,20 @@ def load_run(cfg: RunConfig) -> tuple[Experiment, State]:
     without the run's fitted prior: sampling and evaluation do not need it.
     """
     exp = build_experiment(cfg)
-    kind = template(exp)
+    return exp, trained_state(exp)
+
+
+def trained_state(exp: Experiment) -> State:
+    """The trained state of ``exp``'s finished run, read from its checkpoint (every check of its loading passed).
+
+    The checkpoint's state, or with ``train.early_stopping`` the best validation evaluation's
+    (:meth:`~flatbma.experiment.early_stopping.Monitor.best`): the state the run evaluated.
+    """
+    cfg, kind = exp.config, template(exp)
     state, _, history = load_position(Path(cfg.output_dir) / CHECKPOINT_FILE, kind)
     if cfg.train.early_stopping is not None:
         state = Monitor(exp, cfg.train.early_stopping, Path(cfg.output_dir)).best(state, history, kind)
-    return exp, state
+    return state
 
 
 def resume_config(run_dir: str | Path, overrides: list[str]) -> tuple[RunConfig, Resume | None]:
@@ -144,19 +209,37 @@ def record_resume(run_dir: str | Path, resume: Resume) -> None:
 
 
 def evaluate_run(run_dir: str | Path, *, flatness: bool = False) -> dict[str, Any]:
-    """Re-evaluate a finished run from its directory (config + checkpoint) and update metrics.json."""
+    """Re-evaluate a finished run from its directory (config + checkpoint) and update metrics.json.
+
+    Holds the directory's lock (a run that is training is refused, and its temporary files are never
+    touched). ``metrics.json`` records the checkpoint it was computed from (``checkpoint``).
+
+    Raises:
+        FlatbmaError: another process holds the directory; the run is unfinished (its checkpoint stands
+            before the end of its training: continue it with ``train --resume``); the checkpoint is not
+            this run's, or damaged.
+    """
     run_dir = Path(run_dir)
-    exp, state = load_run(load_run_config(run_dir))
-    if distributed.is_main():
-        remove_stale_temps(run_dir)  # left by a killed write
-    metrics_path = run_dir / METRICS_FILE
-    try:
-        metrics = json.loads(metrics_path.read_text()) if metrics_path.is_file() else {}
-    except ValueError:
-        metrics = None
-    if not isinstance(metrics, dict):
-        raise FlatbmaError(f"{metrics_path} is damaged (not a JSON object): delete it and evaluate again")
-    metrics.update(evaluate_state(exp, state, flatness=flatness))
-    if distributed.is_main():
-        atomic_write_json(metrics_path, metrics)
+    cfg = load_run_config(run_dir)
+    with hold(run_dir, "evaluate"):
+        meta = checkpoint_metadata(run_dir / CHECKPOINT_FILE)
+        if meta is not None and not training_ended(meta, cfg):
+            raise FlatbmaError(
+                f"{run_dir} is unfinished: its checkpoint stands at {position_text(meta, cfg.epochs)}; continue it "
+                f"with 'flatbma train --resume {run_dir}' (evaluate reads finished runs)"
+            )
+        exp, state = load_run(cfg)
+        if distributed.is_main():
+            remove_stale_temps(run_dir)  # left by a killed write (the lock is held: no other process writes here)
+        metrics_path = run_dir / METRICS_FILE
+        try:
+            metrics = json.loads(metrics_path.read_text()) if metrics_path.is_file() else {}
+        except ValueError:
+            metrics = None
+        if not isinstance(metrics, dict):
+            raise FlatbmaError(f"{metrics_path} is damaged (not a JSON object): delete it and evaluate again")
+        metrics.update(evaluate_state(exp, state, flatness=flatness))
+        metrics["checkpoint"] = checkpoint_record(meta)  # the checkpoint these metrics are of
+        if distributed.is_main():
+            atomic_write_json(metrics_path, metrics)
     return metrics

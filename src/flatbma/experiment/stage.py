@@ -1,17 +1,21 @@
 """One stage of a run: a config trained into its run directory — build, start or resume, the one loop, metrics.
 
 A run directory holds the resolved ``config.yaml``, ``checkpoint.safetensors`` (the state with its
-loop position, :func:`~flatbma.experiment.checkpoint.save_position`) and ``metrics.json``. A
-one-stage run is one stage; a two-stage run (:mod:`flatbma.experiment.prior`) trains its first
-stage into ``<output_dir>/prior`` and then its own, started from the :class:`FittedPrior`. How
-processes share a stage is its experiment's strategy (:mod:`flatbma.experiment.distributed`).
+loop position, :func:`~flatbma.experiment.checkpoint.save_position`) and ``metrics.json`` (with the
+record of the checkpoint it was computed from). A stage trains holding the directory's lock
+(:mod:`flatbma.experiment.lock`) and writes nothing before its first checkpoint (:func:`start_run`); a
+run is finished only as :func:`finished_run` says. A one-stage run is one stage; a two-stage run
+(:mod:`flatbma.experiment.prior`) trains its first stage into ``<output_dir>/prior`` and then its own,
+started from the :class:`FittedPrior`. How processes share a stage is its experiment's strategy
+(:mod:`flatbma.experiment.distributed`).
 """
 
 from __future__ import annotations
 
+import json
 import platform
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,17 +30,26 @@ from flatbma.errors import DivergenceError, FlatbmaError
 from flatbma.experiment import distributed
 from flatbma.experiment.build import Experiment, build_experiment
 from flatbma.experiment.checkpoint import (
+    DATA_KEY,
+    RESUMES_FILE,
+    RunRecord,
+    at_end,
     atomic_write_bytes,
     atomic_write_json,
+    checkpoint_metadata,
+    checkpoint_record,
+    history_of,
     load_position,
     provenance,
     remove_stale_temps,
     save_position,
     template,
+    write_error,
 )
-from flatbma.experiment.config import RunConfig
-from flatbma.experiment.early_stopping import Monitor
+from flatbma.experiment.config import RunConfig, run_identity
+from flatbma.experiment.early_stopping import Monitor, stopped
 from flatbma.experiment.evaluate import evaluate_state
+from flatbma.experiment.lock import hold
 from flatbma.experiment.logs import EpochLogger, check_available
 from flatbma.experiment.parse import yaml_float
 from flatbma.experiment.runner import History, Position, fit
@@ -60,40 +73,95 @@ def environment() -> dict[str, str]:
     }
 
 
-def run_identity(resolved: Any) -> Any:
-    """A resolved config without ``output_dir`` and ``train.log``: what must match for two configs to be the same run.
-
-    Where a run directory is and which logs it writes change none of its numbers (and configs written
-    before ``train.log`` existed lack it), so a run directory holds the same run after it is moved or
-    copied (a comparison's runs are reused in their new place) and whatever its logs.
-    """
-    if not isinstance(resolved, dict):
-        return resolved
-    out = {k: v for k, v in resolved.items() if k != "output_dir"}
-    if isinstance(out.get("train"), dict):
-        out["train"] = {k: v for k, v in out["train"].items() if k != "log"}
-    return out
-
-
-def finished_run(run_dir: Path, resolved: dict[str, Any]) -> bool:
-    """Whether ``run_dir`` holds a finished run (metrics written) of the config ``resolved`` (:func:`run_identity`)."""
-    if not ((run_dir / METRICS_FILE).is_file() and (run_dir / CHECKPOINT_FILE).is_file()):
-        return False
+def same_config(run_dir: Path, cfg: RunConfig) -> bool:
+    """Whether ``run_dir``'s ``config.yaml`` holds ``cfg``'s config (:func:`run_identity`; a damaged one does not)."""
     try:
-        return run_identity(yaml.safe_load((run_dir / CONFIG_FILE).read_text())) == run_identity(resolved)
+        return run_identity(yaml.safe_load((run_dir / CONFIG_FILE).read_text())) == run_identity(cfg.to_dict())
     except (OSError, ValueError, yaml.YAMLError):  # ValueError: not UTF-8 (a damaged file is not a finished run)
         return False
 
 
+def finished_run(run_dir: Path, cfg: RunConfig, data: str | None = None) -> bool:
+    """Whether ``run_dir`` holds a finished run of ``cfg`` (trained on the data set of fingerprint ``data``).
+
+    Finished means all of: ``config.yaml`` holds ``cfg``'s config (:func:`same_config`); the checkpoint
+    stands at the end of ``cfg``'s training (:func:`~flatbma.experiment.checkpoint.at_end`: epoch
+    ``cfg.epochs``, so a run stopped after epoch 4 of 15 is not finished, whatever else its directory
+    holds); ``metrics.json`` was written from that checkpoint (its ``checkpoint`` record names it, see
+    :func:`checkpoint_record`; metrics of versions before the record have none and are taken as the
+    checkpoint's); and, with ``data``, the checkpoint recorded training on that data (checkpoints of
+    versions before the record are taken as trained on it). Only metadata is read: loading the checkpoint
+    checks it in depth.
+    """
+    if not same_config(run_dir, cfg):
+        return False
+    meta = checkpoint_metadata(run_dir / CHECKPOINT_FILE)
+    if not training_ended(meta, cfg):
+        return False
+    if data is not None and meta.get(DATA_KEY, data) != data:
+        return False
+    metrics = read_metrics(run_dir)
+    if metrics is None:
+        return False
+    return metrics.get("checkpoint", checkpoint_record(meta)) == checkpoint_record(meta)
+
+
+def training_ended(meta: Mapping[str, str] | None, cfg: RunConfig) -> bool:
+    """Whether the checkpoint of metadata ``meta`` ends ``cfg``'s training.
+
+    At its last epoch (:func:`~flatbma.experiment.checkpoint.at_end`), or — with ``train.early_stopping`` — at
+    the end of an epoch after which its rule stopped training (:func:`flatbma.experiment.early_stopping.stopped`
+    on the checkpoint's history: the loop trains no further epoch from there).
+    """
+    if at_end(meta, cfg.epochs):
+        return True
+    rule = cfg.train.early_stopping
+    if rule is None or meta is None or meta.get("batch") != "0":
+        return False
+    history = history_of(meta)
+    return history is not None and bool(history.epochs) and stopped(history, rule)
+
+
+def read_metrics(run_dir: Path) -> dict[str, Any] | None:
+    """``run_dir``'s ``metrics.json`` (``None`` when missing, unreadable or not a JSON object)."""
+    try:
+        metrics = json.loads((run_dir / METRICS_FILE).read_text())
+    except (OSError, ValueError):  # ValueError: not JSON, not UTF-8
+        return None
+    return metrics if isinstance(metrics, dict) else None
+
+
+def start_run(run_dir: Path, resolved: dict[str, Any]) -> None:
+    """Make ``run_dir`` the directory of a new run of ``resolved``, right before its first checkpoint (rank 0).
+
+    The files of the run it held go first — its checkpoint and ``metrics.json``, and ``resumes.json`` when
+    it held a run of another config — then ``config.yaml`` is written: the directory never holds a config
+    beside another run's checkpoint, and a run that fails before its first checkpoint (``--force`` with a
+    config that cannot train) leaves the run that was there as it was.
+    """
+    if not distributed.is_main():
+        return
+    other = not (run_dir / CONFIG_FILE).is_file() or run_identity(_read_config(run_dir)) != run_identity(resolved)
+    stale = [METRICS_FILE, CHECKPOINT_FILE] + ([RESUMES_FILE] if other else [])
+    try:
+        for name in stale:
+            (run_dir / name).unlink(missing_ok=True)
+    except OSError as e:
+        raise write_error(run_dir / name, e) from None
+    write_config(run_dir, resolved)
+
+
+def _read_config(run_dir: Path) -> Any:
+    try:
+        return yaml.safe_load((run_dir / CONFIG_FILE).read_text())
+    except (OSError, ValueError, yaml.YAMLError):
+        return None
+
+
 def check_run_dir(run_dir: Path, resolved: dict[str, Any], force: bool) -> None:
     """Refuse a ``run_dir`` that holds a run of another config (unless ``force``)."""
-    existing = run_dir / CONFIG_FILE
-    if existing.is_file() and not force:
-        try:
-            old = yaml.safe_load(existing.read_text())
-        except yaml.YAMLError:
-            old = None
-        if run_identity(old) != run_identity(resolved):
+    if (run_dir / CONFIG_FILE).is_file() and not force:
+        if run_identity(_read_config(run_dir)) != run_identity(resolved):
             raise FlatbmaError(
                 f"{run_dir} already holds a run with a different config; choose another output_dir "
                 "(--set output_dir=...) or pass --force to overwrite it"
@@ -130,11 +198,16 @@ class FittedPrior:
 
 @dataclass(frozen=True)
 class Trained:
-    """A trained stage: its experiment, final state and the metrics written to ``metrics.json``."""
+    """A trained stage: its experiment, final state and the metrics written to ``metrics.json``.
+
+    ``reused``: the run was already finished in its directory and is returned as it was, nothing trained
+    or written (:func:`flatbma.experiment.run.train`).
+    """
 
     experiment: Experiment
     state: State
     metrics: dict[str, Any]
+    reused: bool = False
 
 
 def train_stage(
@@ -145,8 +218,16 @@ def train_stage(
     evaluate: bool,
     prior: FittedPrior | None = None,
     check: Callable[[Experiment], None] | None = None,
+    on_start: Callable[[], None] | None = None,
 ) -> Trained:
-    """Train ``cfg`` into its output directory and write ``metrics.json``.
+    """Train ``cfg`` into its output directory and write ``metrics.json``, holding the directory's lock.
+
+    A fresh stage writes nothing before its first checkpoint: then it replaces the run the directory
+    held (:func:`start_run`) and writes its config, checkpoint and logs. Its checkpoints record the run
+    (:class:`~flatbma.experiment.checkpoint.RunRecord`: its config and data); a resumed stage continues only
+    from a checkpoint of its own config (up to :data:`~flatbma.experiment.checkpoint.RESUMABLE` keys) and
+    data. ``metrics.json`` records the checkpoint it was computed from (``checkpoint``,
+    :func:`~flatbma.experiment.checkpoint.checkpoint_record`).
 
     Args:
         cfg: the stage's config.
@@ -155,7 +236,29 @@ def train_stage(
         evaluate: add the BMA evaluation (:func:`~flatbma.experiment.evaluate.evaluate_state`) to the metrics.
         prior: the fitted first stage: the method's prior and, with ``prior.init``, its start.
         check: called with the built experiment before anything is written or trained.
+        on_start: called right before a fresh stage's first checkpoint (a two-stage run claims its own
+            directory when its first stage starts).
+
+    Raises:
+        FlatbmaError: another process holds the directory (:func:`flatbma.experiment.lock.hold`), or the
+            checkpoint to resume from is not this run's, or damaged.
     """
+    with hold(cfg.output_dir, "train"):
+        return _train_stage(
+            cfg, force=force, resume=resume, evaluate=evaluate, prior=prior, check=check, on_start=on_start
+        )
+
+
+def _train_stage(
+    cfg: RunConfig,
+    *,
+    force: bool,
+    resume: bool,
+    evaluate: bool,
+    prior: FittedPrior | None,
+    check: Callable[[Experiment], None] | None,
+    on_start: Callable[[], None] | None,
+) -> Trained:
     run_dir = Path(cfg.output_dir)
     resolved = cfg.to_dict()
     check_available(cfg.train.log)
@@ -166,36 +269,42 @@ def train_stage(
         check(exp)
     ckpt = run_dir / CHECKPOINT_FILE
     if distributed.is_main():
-        remove_stale_temps(run_dir)  # left by a killed write
+        remove_stale_temps(run_dir)  # left by a killed write (the lock is held: no other process writes here)
     written_by = provenance(exp)  # recorded in every checkpoint, checked when it is loaded
+    record = RunRecord(config=run_identity(resolved), data=exp.data_fingerprint)
     position: Position | None = None
     history = History()
     if resume:
-        state, position, history = load_position(ckpt, template(exp))
+        state, position, history = load_position(ckpt, template(exp), continuing=record)
         position = exp.strategy.resume(position)
         with exp.rng.restored():  # the start as the interrupted run drew it, right after its build
             start_theta = _lowrank_thetas(_initial_state(cfg, exp, prior))
     else:
-        write_config(run_dir, resolved)
         state = _initial_state(cfg, exp, prior)
         start_theta = _lowrank_thetas(state)
 
-    logger = None
-    if distributed.is_main():  # the one process that saves (with the history of all): it logs
-        steps = len(exp.train_loader)
-        if cfg.train.progress:
-            done = f", resumed after epoch {len(history.epochs)}" if resume else ""
-            progress.current().line(
-                f"train: {cfg.method.name} into {run_dir}, {cfg.epochs} epochs of {steps} steps{done}"
-            )
-        rate = cfg.optim.learning_rate(steps_per_epoch=steps, epochs=cfg.train.epochs)
-        kinds, lines = cfg.train.log, cfg.train.progress
-        logger = EpochLogger(run_dir, kinds, epochs=cfg.epochs, learning_rate=rate, history=history, lines=lines)
+    steps = len(exp.train_loader)
+    if distributed.is_main() and cfg.train.progress:
+        done = f", resumed after epoch {len(history.epochs)}" if resume else ""
+        progress.current().line(f"train: {cfg.method.name} into {run_dir}, {cfg.epochs} epochs of {steps} steps{done}")
+    rate = cfg.optim.learning_rate(steps_per_epoch=steps, epochs=cfg.train.epochs)
+    logger: EpochLogger | None = None
+    logged = History(list(history.epochs))  # what the logs hold when the loop starts (fit appends to history)
 
     def save(s: State, p: Position, h: History) -> None:
-        save_position(ckpt, s, p, h, written_by)
-        if logger is not None:
-            logger(h)  # after the checkpoint: the logs never run ahead of it
+        nonlocal logger
+        first = logger is None
+        if first and not resume:  # the directory becomes this run's only now, with its first checkpoint
+            if on_start is not None:
+                on_start()
+            start_run(run_dir, resolved)
+        save_position(ckpt, s, p, h, written_by, record)
+        if first:  # the one process that saves (with the history of all): it logs
+            kinds, lines = cfg.train.log, cfg.train.progress
+            logger = EpochLogger(
+                run_dir, kinds, epochs=cfg.epochs, learning_rate=rate, history=logged, lines=lines, started=start
+            )
+        logger(h)  # after the checkpoint: the logs never run ahead of it
 
     monitor = Monitor(exp, cfg.train.early_stopping, run_dir) if cfg.train.early_stopping is not None else None
     method, state = exp.strategy.start(exp.method, state, cfg.method.name)
@@ -218,8 +327,10 @@ def train_stage(
         )
     except DivergenceError as e:
         lower = f"--set optim.lr={yaml_float(cfg.optim.lr / 10)}"
-        if not ckpt.exists():
+        if logger is None and not resume:
             todo = f"no checkpoint was written yet. Lower the learning rate (e.g. {lower}) and train again"
+            if ckpt.exists():  # another run's, replaced only by this run's first checkpoint
+                todo += f" (the run that was in {run_dir} is left as it was)"
         elif cfg.prior is None or cfg.prior.optim is not None:  # a resume may change the lr (of this stage only)
             resume_lower = f"flatbma train --resume {run_dir} {lower}"
             todo = (
@@ -257,6 +368,7 @@ def train_stage(
         metrics["kl_from_start"] = sum(kls) / len(kls)  # a mixture's: the mean over its members
     metrics.update(exp.strategy.record())
     if distributed.is_main():
+        metrics["checkpoint"] = checkpoint_record(checkpoint_metadata(ckpt))  # what the metrics are of
         atomic_write_json(run_dir / METRICS_FILE, metrics, note=f"the checkpoint at step {state.step} is intact")
     return Trained(experiment=exp, state=state, metrics=metrics)
 
