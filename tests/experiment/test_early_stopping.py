@@ -136,3 +136,13 @@ def test_val_fraction_holds_out_a_stratified_share_of_a_full_training_split(tmp_
     config = {**CONFIG, "data": {"name": "digits", "val_fraction": 0.1, "batch_size": 256, "test_limit": 100}}
     code, run = _train(tmp_path, "full", config)
     assert code == 0 and _metrics(run)["early_stopping"]["best_epoch"] is not None
+
+
+def test_an_early_stopped_run_is_finished_training_it_again_touches_nothing(tmp_path, capsys):
+    code, run = _train(tmp_path, "es")
+    assert code == 0 and _metrics(run)["early_stopping"]["stopped_early"]
+    before = {p.name: p.stat().st_mtime_ns for p in run.iterdir() if p.name != ".flatbma-lock"}
+    code, _ = _train(tmp_path, "es")  # the same config again: finished, although it stopped before epoch 30
+    assert code == 0
+    assert {p.name: p.stat().st_mtime_ns for p in run.iterdir() if p.name in before} == before
+    assert main(["evaluate", str(run)]) == 0  # evaluate reads it as finished
