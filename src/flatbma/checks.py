@@ -9,6 +9,7 @@ it), so each call site keeps its wording.
 from __future__ import annotations
 
 import math
+import reprlib
 from enum import Enum
 from typing import Any, TypeVar
 
@@ -19,6 +20,20 @@ from torch import Tensor
 from flatbma.errors import FlatbmaError, suggest
 
 E = TypeVar("E", bound=Enum)
+
+_SHOWN = reprlib.Repr()
+_SHOWN.maxlevel, _SHOWN.maxlist, _SHOWN.maxtuple, _SHOWN.maxdict = 3, 6, 6, 6
+_SHOWN.maxstring = _SHOWN.maxother = _SHOWN.maxlong = 60
+
+
+def shown(value: Any, limit: int = 80) -> str:
+    """``repr(value)`` for an error message, at most ``limit`` characters whatever the value's size.
+
+    Every user value an error message quotes (a key, a name, a path given in a config) goes through
+    here, so that a 100 KB value makes a line of bounded length.
+    """
+    text = _SHOWN.repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def parse_choice(cls: type[E], value: Any, key: str) -> E:
@@ -31,9 +46,9 @@ def parse_choice(cls: type[E], value: Any, key: str) -> E:
         return cls(value)
     except (ValueError, TypeError):  # TypeError: an unhashable value on some Python versions
         choices = [str(m.value) for m in cls]
-        shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
         names = ", ".join(repr(c) for c in choices)
-        raise FlatbmaError(f"{key} must be one of {names}, got {shown}.{suggest(str(value), choices)}") from None
+        hint = suggest(str(value), choices)
+        raise FlatbmaError(f"{key} must be one of {names}, got {shown(value, 40)}.{hint}") from None
 
 
 def is_int(value: object) -> bool:

@@ -36,7 +36,7 @@ from PIL import Image, UnidentifiedImageError
 from torch import Tensor
 from torch.utils.data import Dataset
 
-from flatbma.checks import check_int
+from flatbma.checks import check_int, shown
 from flatbma.data._readers import load_data_pickle, read_idx
 from flatbma.data.fewshot import stratified_split
 from flatbma.errors import FlatbmaError, suggest
@@ -255,7 +255,7 @@ def _check_classes(classes: object) -> list[str]:
         raise FlatbmaError(f"classes must be a list of class names, got {type(classes).__name__}.")
     names = list(classes)
     if not names or not all(isinstance(c, str) for c in names):
-        raise FlatbmaError(f"classes must be a non-empty list of strings, got {names!r}.")
+        raise FlatbmaError(f"classes must be a non-empty list of strings, got {shown(names)}.")
     if len(set(names)) != len(names):
         duplicates = sorted({c for c in names if names.count(c) > 1})
         raise FlatbmaError(f"class names must be unique; duplicated: {duplicates}.")
@@ -791,7 +791,7 @@ def load_dataset(name: str, root: str | Path | None = None, **options: Any) -> D
     key = name.strip().lower().replace("_", "-")
     if key not in DATASETS:
         raise FlatbmaError(
-            f"unknown dataset '{name}'.{suggest(key, DATASETS)} Known datasets: {', '.join(dataset_names())}."
+            f"unknown dataset {shown(name)}.{suggest(key, DATASETS)} Known datasets: {', '.join(dataset_names())}."
         )
     loader = DATASETS[key]
     parameters = inspect.signature(loader).parameters
@@ -800,7 +800,7 @@ def load_dataset(name: str, root: str | Path | None = None, **options: Any) -> D
     for option in [] if open_ended else options:
         if option not in accepted:
             raise FlatbmaError(
-                f"dataset '{key}' has no option '{option}'.{suggest(option, accepted)} "
+                f"dataset '{key}' has no option {shown(option)}.{suggest(option, accepted)} "
                 f"Its options: {accepted or 'none'}."
             )
     return loader(root, **options)

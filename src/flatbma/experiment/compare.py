@@ -165,13 +165,13 @@ class CompareConfig:
             unknown = [c for c in self.corruptions if c not in corruption_names()]
             if unknown:
                 raise FlatbmaError(
-                    f"unknown corruption {unknown[0]!r}.{suggest(unknown[0], corruption_names())} "
+                    f"unknown corruption {shown(unknown[0])}.{suggest(unknown[0], corruption_names())} "
                     f"Available: {', '.join(corruption_names())}"
                 )
         labels = [label_of(m) for m in self.methods]
         if self.reference is not None and self.reference not in labels:
             raise FlatbmaError(
-                f"compare.reference {self.reference!r} is not a compared method.{suggest(self.reference, labels)} "
+                f"compare.reference {shown(self.reference)} is not a compared method.{suggest(self.reference, labels)} "
                 f"Give one of: {', '.join(labels)} (a method's label, else its name), or leave it out for the first"
             )
         check_pairs(self.pairs, labels)
@@ -370,12 +370,12 @@ def load_plan(path: str | Path, overrides: list[str] = (), *, quick: bool = Fals
         )
     bad = [m["label"] for m in compare.methods if isinstance(m, dict) and not isinstance(m.get("label", ""), str)]
     if bad:
-        raise FlatbmaError(f"compare.methods: a label is the row's display name, a text; got {bad[0]!r}")
+        raise FlatbmaError(f"compare.methods: a label is the row's display name, a text; got {shown(bad[0])}")
     labels = [label_of(m) for m in compare.methods]
     twice = sorted({x for x in labels if labels.count(x) > 1})
     if twice:
         raise FlatbmaError(
-            f"compare.methods has several entries named {twice[0]!r}: give them distinct 'label' keys "
+            f"compare.methods has several entries named {shown(twice[0])}: give them distinct 'label' keys "
             "(e.g. label: fp-bma+swag-prior), the names their rows get in tables and plots"
         )
     _check_match_width(compare)

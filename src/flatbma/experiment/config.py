@@ -16,7 +16,7 @@ import yaml
 from flatbma.errors import FlatbmaError, suggest
 from flatbma.experiment.entries import first_run_sections
 from flatbma.experiment.methods import MethodConfig, parse_method
-from flatbma.experiment.parse import load_yaml, parse_dataclass, set_dotted
+from flatbma.experiment.parse import load_yaml, parse_dataclass, set_dotted, shown
 from flatbma.experiment.prior_config import PriorConfig, parse_prior
 from flatbma.experiment.sections import (
     DataConfig,
@@ -81,7 +81,7 @@ def config_from_dict(raw: Any) -> RunConfig:
     for key in raw:
         if key not in TOP_LEVEL:
             raise FlatbmaError(
-                f"unknown config key '{key}'.{suggest(str(key), TOP_LEVEL)} Valid: {', '.join(sorted(TOP_LEVEL))}"
+                f"unknown config key {shown(key)}.{suggest(str(key), TOP_LEVEL)} Valid: {', '.join(sorted(TOP_LEVEL))}"
             )
     if "method" not in raw:
         raise FlatbmaError("the config has no 'method' section: add e.g. 'method: {name: sgd}'")
@@ -101,14 +101,14 @@ class _TopLevel:
         if not 0 <= self.seed < 2**63:
             raise FlatbmaError(f"seed must be an integer in [0, 2**63), got {self.seed}")
         if not self.output_dir.strip() or "\0" in self.output_dir:
-            raise FlatbmaError(f"output_dir must be a directory path, got {self.output_dir!r}")
+            raise FlatbmaError(f"output_dir must be a directory path, got {shown(self.output_dir)}")
 
 
 def parse_override(item: str) -> tuple[str, Any]:
     """Parse ``key.sub=value`` (the value as YAML: numbers, true/false, null, lists)."""
     key, sep, text = item.partition("=")
     if not sep or not key:
-        raise FlatbmaError(f"--set expects key=value (e.g. --set optim.lr=0.1), got {item!r}")
+        raise FlatbmaError(f"--set expects key=value (e.g. --set optim.lr=0.1), got {shown(item)}")
     try:
         value = load_yaml(text, f"--set {key.strip()}") if text else ""
     except (yaml.YAMLError, RecursionError, ValueError) as e:  # ValueError: an integer of > 4300 digits

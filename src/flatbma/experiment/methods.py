@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from flatbma.curvature import Curvature, Hessian
 from flatbma.errors import FlatbmaError, suggest
-from flatbma.experiment.parse import coerce, parse_dataclass
+from flatbma.experiment.parse import coerce, parse_dataclass, shown
 from flatbma.optim import ASAM, SAM, Amortized, FisherBall, FisherSAM
 from flatbma.posteriors import bsam, ensemble, fp_bma, laplace, lowrank_vi, mc_dropout, mfvi, multi, point, sgld, swag
 from flatbma.posteriors.members import member, prefixed_members
@@ -228,7 +228,7 @@ def parse_method(data: Any, where: str = "method") -> MethodConfig:
     name = data["name"]
     if not isinstance(name, str) or name not in METHODS:
         raise FlatbmaError(
-            f"unknown method {name!r}.{suggest(str(name), METHODS)} "
+            f"unknown method {shown(name)}.{suggest(str(name), METHODS)} "
             f"Run 'flatbma methods' to list them: {', '.join(METHODS)}"
         )
     spec = METHODS[name]
@@ -253,7 +253,7 @@ def parse_method(data: Any, where: str = "method") -> MethodConfig:
         else:
             valid = sorted([*family_opts, *ascent_opts, *amortized_opts])
             raise FlatbmaError(
-                f"unknown config key '{where}.{key}' for method {name!r}.{suggest(str(key), valid)} "
+                f"unknown config key {shown(f'{where}.{key}')} for method {shown(name)}.{suggest(str(key), valid)} "
                 f"Valid keys: {', '.join(valid) if valid else '(none)'}"
             )
     for key, param in family_opts.items():
