@@ -26,6 +26,7 @@ from flatbma.data import (
     ArrayDataset,
     DatasetSplits,
     build_transform,
+    check_learnable,
     few_shot_indices,
     load_dataset,
     stratified_split,
@@ -156,9 +157,11 @@ def select_data(cfg: RunConfig, splits: DatasetSplits) -> RunData:
     """The examples ``cfg`` trains, validates, tests and measures the Hessian on, drawn from ``splits`` (seeded).
 
     Raises:
-        FlatbmaError: a k-shot draw the data cannot give, or a ``data.test_limit`` or
-            ``eval.hessian_examples`` that keeps no example.
+        FlatbmaError: data a classifier cannot learn (:func:`~flatbma.data.check_learnable`: one class, a
+            class without a training example), a k-shot draw the data cannot give, or a ``data.test_limit``
+            or ``eval.hessian_examples`` that keeps no example.
     """
+    check_learnable(splits)
     d = cfg.data
     train, test = splits.train, splits.test
     val = None
