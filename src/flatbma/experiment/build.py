@@ -37,7 +37,7 @@ from flatbma.experiment import distributed
 from flatbma.experiment.config import RunConfig
 from flatbma.experiment.distributed import Strategy, seeded_loader
 from flatbma.experiment.sections import DataConfig
-from flatbma.models import build_model
+from flatbma.models import build_model, check_classifier
 from flatbma.params import Objective
 from flatbma.transfer import restrict_trainable, subset_names
 from flatbma.types import Params, Posterior
@@ -205,8 +205,15 @@ def transforms(d: DataConfig) -> tuple[Transform, Transform]:
 
 
 def build_network(cfg: RunConfig, train: ArrayDataset) -> torch.nn.Module:
-    """The network of ``cfg`` (on the CPU, seeded) for the images of ``train``, only ``model.trainable`` trainable."""
-    channels, height, _ = train[0][0].shape
+    """The network of ``cfg`` (on the CPU, seeded) for the images of ``train``, only ``model.trainable`` trainable.
+
+    It is checked with one forward pass on two images of ``train`` (:func:`~flatbma.models.check_classifier`,
+    under a forked RNG: the numbers of the run do not change): logits ``[2, num_classes]``, float32, finite
+    weights, something to train.
+    """
+    with torch.random.fork_rng(devices=[]):  # an augmenting transform draws from the global generator
+        x = torch.stack([train[i][0] for i in range(min(2, len(train)))])
+    channels, height, width = x.shape[1:]
     model = build_model(
         cfg.model.name,
         num_classes=train.num_classes,
@@ -218,6 +225,8 @@ def build_network(cfg: RunConfig, train: ArrayDataset) -> torch.nn.Module:
         seed=cfg.seed,
     )
     restrict_trainable(model, subset_names(model, cfg.model.trainable))
+    hint = "" if height == width else f"the images are {height}x{width}, not square: set data.image_size to resize them"
+    check_classifier(model, x, name=f"model {shown(cfg.model.name)}", num_classes=train.num_classes, hint=hint)
     return model
 
 

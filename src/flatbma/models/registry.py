@@ -175,12 +175,17 @@ def _build_user_model(name: str, req: _Request) -> nn.Module:
     module_name, _, attr = name.partition(":")
     if not module_name or not attr:
         raise FlatbmaError(f"model name {shown(name)}: write your own model as 'package.module:factory'.")
+    if module_name.split(".")[0] == "flatbma":
+        raise FlatbmaError(
+            f"model {shown(name)} names flatbma's own code, not a model factory: use a built-in model by its name "
+            f"({', '.join(model_names())}) or your own 'package.module:factory'."
+        )
     try:
         module = importlib.import_module(module_name)
-    except Exception as e:  # the user's module may fail in any way while importing
+    except (Exception, SystemExit) as e:  # the user's module may fail in any way while importing, exit included
         raise FlatbmaError(
-            f"cannot import {shown(module_name)} for model {shown(name)} ({type(e).__name__}: {str(e)[:80]}): put its "
-            f"package on PYTHONPATH (or install it), or use a built-in model.{suggest(module_name, _EXTRAS)}"
+            f"cannot import {shown(module_name)} for model {shown(name)} ({_failure(e)}): put its package on "
+            f"PYTHONPATH (or install it), or use a built-in model.{suggest(module_name, _EXTRAS)}"
         ) from None
     factory = module
     for part in attr.split("."):
@@ -208,12 +213,25 @@ def _build_user_model(name: str, req: _Request) -> nn.Module:
         model = factory(**kwargs)
     except (TypeError, ValueError) as e:  # the factory's own signature or argument checks
         raise FlatbmaError(
-            f"{shown(name)} could not be built with {sorted(kwargs)} ({type(e).__name__}: {str(e)[:80]}): a model "
+            f"{shown(name)} could not be built with {sorted(kwargs)} ({_failure(e)}): a model "
             "factory takes num_classes (and in_channels, image_size, width, dropout where it uses them)."
+        ) from None
+    except (Exception, SystemExit) as e:  # the factory's own code may fail in any way
+        raise FlatbmaError(
+            f"the model factory {shown(name)} failed when called with {sorted(kwargs)} ({_failure(e)}): fix the "
+            "factory, or use a built-in model."
         ) from None
     if not isinstance(model, nn.Module):
         raise FlatbmaError(f"{shown(name)} returned a {type(model).__name__}, not a torch.nn.Module.")
     return _load_user_checkpoint(model, req, name)
+
+
+def _failure(e: BaseException) -> str:
+    """``"RuntimeError: <first line, cut>"``; ``"sys.exit(0)"`` for an exit (which would end the command silently)."""
+    if isinstance(e, SystemExit):
+        return f"it called sys.exit({shown(e.code, 40)})"
+    text = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    return f"{type(e).__name__}: {text[:80]}" if text else type(e).__name__
 
 
 # ---------------------------------------------------------------------------------------------- built-ins
