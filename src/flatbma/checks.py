@@ -111,3 +111,34 @@ def check_finite_vector(values: object, name: str) -> Tensor:
     if not bool(torch.isfinite(t).all()):
         raise FlatbmaError(f"{name} must be finite (got {t.tolist()})")
     return t
+
+
+def check_device(
+    device: object, key: str, *, instead: str, kinds: tuple[str, ...] = ("cpu", "cuda", "mps")
+) -> torch.device:
+    """``device`` (a name or a ``torch.device``) as a device flatbma can use on this machine.
+
+    A CPU, an existing CUDA device or an available MPS device (of ``kinds``; the predictor also takes
+    ``meta``, shapes only); anything else is a :class:`FlatbmaError` naming ``key`` and what to use
+    ``instead`` (``"auto or cpu"`` in a config).
+    """
+    try:
+        parsed = torch.device(device)  # type: ignore[arg-type]
+    except (RuntimeError, TypeError):
+        raise FlatbmaError(f"{key} {shown(device)} is not a device name (use {instead}, cuda, cuda:0, ...)") from None
+    if parsed.type not in kinds:
+        raise FlatbmaError(f"{key} {shown(device)}: flatbma trains on cpu, cuda or mps devices; use {instead}")
+    if parsed.type == "cuda" and not torch.cuda.is_available():
+        raise FlatbmaError(f"{key} is {shown(device)} but CUDA is not available here: use {instead}")
+    if parsed.type == "cuda" and (parsed.index or 0) >= torch.cuda.device_count():
+        raise FlatbmaError(f"{key} is {shown(device)} but there are {torch.cuda.device_count()} CUDA devices")
+    if parsed.type == "mps" and not torch.backends.mps.is_available():
+        raise FlatbmaError(f"{key} is {shown(device)} but MPS is not available here: use {instead}")
+    return parsed
+
+
+def check_seed(seed: object, key: str) -> int:
+    """``seed`` if it is an integer in ``[0, 2**63)`` (what ``torch.manual_seed`` takes); else :class:`FlatbmaError`."""
+    if not is_int(seed) or not 0 <= seed < 2**63:
+        raise FlatbmaError(f"{key} must be an integer in [0, 2**63), got {shown(seed, 40)}")
+    return seed

@@ -20,7 +20,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader
 
 from flatbma.bn import statistics_loader
-from flatbma.checks import shown
+from flatbma.checks import check_device, shown
 from flatbma.data import (
     DATASETS,
     ArrayDataset,
@@ -51,26 +51,10 @@ def seed_everything(seed: int) -> None:
 
 
 def resolve_device(name: str) -> torch.device:
-    """``auto`` → CUDA when available, else CPU; other names are checked."""
+    """``auto`` → CUDA when available, else CPU; other names are checked (:func:`~flatbma.checks.check_device`)."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise FlatbmaError(
-            f"train.device {shown(name)} is not a device name (use auto, cpu, cuda, cuda:0, ...)"
-        ) from None
-    if device.type not in ("cpu", "cuda", "mps"):
-        raise FlatbmaError(
-            f"train.device {shown(name)}: flatbma trains on cpu, cuda or mps devices; use auto, cpu or cuda"
-        )
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise FlatbmaError(f"train.device is {shown(name)} but CUDA is not available here: use auto or cpu")
-    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
-        raise FlatbmaError(f"train.device is {shown(name)} but there are {torch.cuda.device_count()} CUDA devices")
-    if device.type == "mps" and not torch.backends.mps.is_available():
-        raise FlatbmaError(f"train.device is {shown(name)} but MPS is not available here: use auto or cpu")
-    return device
+    return check_device(name, "train.device", instead="auto or cpu")
 
 
 @dataclass(frozen=True)

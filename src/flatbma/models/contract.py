@@ -87,8 +87,8 @@ def check_classifier(model: nn.Module, x: Tensor, *, name: str, num_classes: int
         )
     if not any(p.requires_grad for p in model.parameters()):
         raise FlatbmaError(
-            f"{name} has no trainable parameter (every requires_grad is False): leave the parameters to train "
-            "trainable (requires_grad_(True))"
+            f"{name} has no trainable parameter (every requires_grad is False): make the weights to train "
+            "trainable (p.requires_grad_(True))"
         )
     output = _forward(model, x, name, hint)
     logits = logits_of(output, name)
