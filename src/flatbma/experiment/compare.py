@@ -70,7 +70,7 @@ from flatbma.experiment.checkpoint import atomic_write_bytes, atomic_write_json,
 from flatbma.experiment.config import RunConfig, config_from_dict, load_raw, parse_override
 from flatbma.experiment.evaluate import CLEAN_KEYS, measure
 from flatbma.experiment.findings import check_pairs
-from flatbma.experiment.methods import METHODS
+from flatbma.experiment.methods import METHODS, parse_method
 from flatbma.experiment.outdir import check_compare_output
 from flatbma.experiment.parse import load_yaml, parse_dataclass, set_dotted, shown
 from flatbma.experiment.prior import FittedPrior, fit_prior, prior_stage
@@ -154,6 +154,12 @@ class CompareConfig:
             raise FlatbmaError("compare.methods is empty: list the methods to compare, e.g. [{name: sgd}, {name: sam}]")
         if not self.seeds:
             raise FlatbmaError("compare.seeds is empty: give at least one seed, e.g. [0, 1, 2]")
+        twice = sorted({s for s in self.seeds if self.seeds.count(s) > 1})
+        if twice:
+            raise FlatbmaError(
+                f"compare.seeds lists seed {twice[0]} more than once: a seed's runs are the same runs, so repeats "
+                "would be reported as a spread of zero width over copies; give distinct seeds, e.g. [0, 1, 2]"
+            )
         bad = [s for s in self.severities if not 1 <= s <= 5]
         if bad:
             raise FlatbmaError(f"compare.severities must lie in 1..5, got {bad}")
@@ -348,6 +354,7 @@ def load_plan(path: str | Path, overrides: list[str] = (), *, quick: bool = Fals
     compare = parse_dataclass(CompareConfig, section, "compare")
     if quick:
         q = compare.quick
+        _check_quick(compare)
         if isinstance(raw.get("output_dir", ""), str):  # its own directory: a quick run never clashes with the full one
             raw["output_dir"] = raw.get("output_dir", RunConfig.__dataclass_fields__["output_dir"].default).rstrip("/")
             raw["output_dir"] += "-quick"
@@ -379,14 +386,37 @@ def load_plan(path: str | Path, overrides: list[str] = (), *, quick: bool = Fals
             "(e.g. label: fp-bma+swag-prior), the names their rows get in tables and plots"
         )
     _check_match_width(compare)
+    for i, entry in enumerate(compare.methods):  # validate every candidate's run config up front
+        where = f"compare.methods[{i}]"
+        for point in entries.points(entry, where):
+            sections = entries.run_sections(entries.at(entry, point), raw.get("optim"))
+            parse_method(sections["method"], where)  # its errors name the entry's keys (compare.methods[0].rho)
+            try:
+                config_from_dict({**raw, **sections})
+            except FlatbmaError as e:
+                raise FlatbmaError(f"{where} ({shown(label_of(entry), 40)}): {e}") from None
     raw.setdefault("method", entries.first_run_sections(compare.methods[0])["method"])
     base = config_from_dict(raw)
-    for i, entry in enumerate(compare.methods):  # validate every candidate's run config up front
-        for point in entries.points(entry, f"compare.methods[{i}]"):
-            config_from_dict({**raw, **entries.run_sections(entries.at(entry, point), raw.get("optim"))})
     plan = Plan(base=base, compare=compare, raw=raw, out_dir=Path(base.output_dir))
     _check_selection(plan.jobs(), base)
     return plan
+
+
+def _check_quick(compare: CompareConfig) -> None:
+    """Refuse ``--quick`` when ``compare.quick`` changes nothing or names a method no entry has."""
+    q = compare.quick
+    if q == QuickConfig():
+        raise FlatbmaError(
+            "--quick runs the reduced setting of the config's compare.quick section, but it sets none: add "
+            "compare.quick (methods, seeds, set; see configs/demo.yaml), or drop --quick"
+        )
+    names = {n for m in compare.methods for n in (str(m.get("name")), label_of(m))}
+    unknown = [m for m in q.methods if m not in names]
+    if unknown:
+        raise FlatbmaError(
+            f"compare.quick.methods names {shown(unknown[0], 40)}, which is no entry of compare.methods "
+            f"(names and labels: {', '.join(sorted(names))}).{suggest(unknown[0], names)}"
+        )
 
 
 def _check_match_width(compare: CompareConfig) -> None:

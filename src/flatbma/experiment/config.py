@@ -121,6 +121,10 @@ def parse_override(item: str) -> tuple[str, Any]:
 def load_raw(path: str | Path) -> dict[str, Any]:
     """Read a YAML config file with the safe loader."""
     path = Path(path)
+    if path.is_dir():
+        raise FlatbmaError(f"config file {path} is a directory: give the YAML file (ready configs are in configs/)")
+    if path.exists() and not path.is_file():  # a FIFO or a device: reading it could block forever
+        raise FlatbmaError(f"config file {path} is not a regular file (a FIFO or a device): give the YAML file")
     if not path.is_file():
         raise FlatbmaError(f"config file {path} does not exist (ready configs are in configs/)")
     try:

@@ -405,8 +405,36 @@ register(
 )
 register(MethodSpec("bsam", "Bayesian SAM: SAM as a relaxation of Bayes (Möllenhoff & Khan 2023)", bsam.build))
 
-register(MethodSpec("mc-dropout", "MC dropout: BMA over dropout masks (Gal & Ghahramani 2016)", mc_dropout.build))
-register(MethodSpec("f-mc-dropout", "F-MC-dropout: SAM on the dropout net (Nguyen et al. 2023)", mc_dropout.build, SAM))
+def check_dropout_rate(method: MethodConfig, stage: Stage) -> None:
+    """MC dropout: ``rate: 0`` over every dropout layer (``override_existing``) draws no mask, a silent point estimate.
+
+    The library takes it (:func:`flatbma.posteriors.mc_dropout.build`: the point estimate); a config asking
+    for MC dropout means masks.
+    """
+    if method.options["rate"] == 0 and method.options["override_existing"]:
+        raise FlatbmaError(
+            f"{stage.key('rate')}=0.0 sets every dropout layer to p=0, so every {method.name} sample is the same "
+            "network (a point estimate, which sgd trains): use a rate in (0, 1), e.g. 0.1"
+        )
+
+
+register(
+    MethodSpec(
+        "mc-dropout",
+        "MC dropout: BMA over dropout masks (Gal & Ghahramani 2016)",
+        mc_dropout.build,
+        check=check_dropout_rate,
+    )
+)
+register(
+    MethodSpec(
+        "f-mc-dropout",
+        "F-MC-dropout: SAM on the dropout net (Nguyen et al. 2023)",
+        mc_dropout.build,
+        SAM,
+        check=check_dropout_rate,
+    )
+)
 register(MethodSpec("ensemble", "Deep ensemble of independently trained nets (Lakshminarayanan 2017)", ensemble.build))
 register(MethodSpec("f-ensemble", "F-ensemble: each member trained with SAM (Nguyen et al. 2023)", ensemble.build, SAM))
 register(
