@@ -179,6 +179,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         _discard_stdout()
         return 141
     except OSError as e:
+        if e.filename is not None:  # a path the user gave (too long a name, no permission) that no check caught
+            _error(f"cannot use {shown(str(e.filename), 80)} ({e.strerror or type(e).__name__}): check the path")
+            return 2
         if e.errno not in _OUTPUT_ERRNOS:
             raise
         _discard_stdout()

@@ -7,6 +7,7 @@ A :class:`RunConfig` is a method, a seed and an output directory plus the sectio
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -102,6 +103,16 @@ class _TopLevel:
             raise FlatbmaError(f"seed must be an integer in [0, 2**63), got {self.seed}")
         if not self.output_dir.strip() or "\0" in self.output_dir:
             raise FlatbmaError(f"output_dir must be a directory path, got {shown(self.output_dir)}")
+        long = next((part for part in Path(self.output_dir).parts if len(os.fsencode(part)) > NAME_MAX), None)
+        if long is not None:
+            raise FlatbmaError(
+                f"output_dir has a directory name of {len(os.fsencode(long))} bytes ({shown(long, 40)}); file "
+                f"systems take at most {NAME_MAX}: choose a shorter output_dir"
+            )
+
+
+NAME_MAX = 255
+"""The longest file or directory name, in bytes, on Linux, macOS and Windows file systems."""
 
 
 def parse_override(item: str) -> tuple[str, Any]:

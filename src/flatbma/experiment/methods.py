@@ -435,8 +435,54 @@ register(
         check=check_dropout_rate,
     )
 )
-register(MethodSpec("ensemble", "Deep ensemble of independently trained nets (Lakshminarayanan 2017)", ensemble.build))
-register(MethodSpec("f-ensemble", "F-ensemble: each member trained with SAM (Nguyen et al. 2023)", ensemble.build, SAM))
+def check_member_memory(method: MethodConfig, stage: Stage, option: str = "size") -> None:
+    """A posterior of ``method.<option>`` independent members holds at least that many copies of the trained weights.
+
+    Each copy is ``num_trainable`` float32 values (4 bytes): a lower bound of what the members need (their
+    optimizer states, a family's moments and the gradients come on top), refused up front when it exceeds
+    the memory available where the run trains (:attr:`~flatbma.experiment.validate.RunShape.available_memory`)
+    — instead of an out-of-memory kill minutes later.
+    """
+    d, free = stage.shape.num_trainable, stage.shape.available_memory
+    if d is None or free is None:
+        return
+    count = method.options[option]
+    need = count * d * 4
+    if need > free:
+        raise FlatbmaError(
+            f"{stage.key(option)}={count} members of {d:,} trained weights need at least {_gigabytes(need)} for "
+            f"their weights alone, but {_gigabytes(free)} of memory is available here: lower {stage.key(option)} "
+            f"(at most {free // (4 * d):,} members fit)"
+        )
+
+
+def _gigabytes(n: int) -> str:
+    return f"{n / 1e9:,.1f} GB" if n >= 1e8 else f"{n / 1e6:,.1f} MB"
+
+
+def _always(method: MethodConfig) -> bool:
+    return True
+
+
+register(
+    MethodSpec(
+        "ensemble",
+        "Deep ensemble of independently trained nets (Lakshminarayanan 2017)",
+        ensemble.build,
+        check=check_member_memory,
+        needs_weights=_always,
+    )
+)
+register(
+    MethodSpec(
+        "f-ensemble",
+        "F-ensemble: each member trained with SAM (Nguyen et al. 2023)",
+        ensemble.build,
+        SAM,
+        check=check_member_memory,
+        needs_weights=_always,
+    )
+)
 register(
     MethodSpec(
         "sgld", "SGLD: Langevin dynamics on mini-batch gradients (Welling & Teh 2011)", sgld.build, check=check_burn_in
@@ -542,11 +588,12 @@ def multi_first_stage(method: MethodConfig, prior_method: MethodConfig) -> Metho
 
 
 def check_members(method: MethodConfig, stage: Stage) -> None:
-    """``multi``: the members' method checks the stage under its own keys (``method.of.*``).
+    """``multi``: its members fit in memory (:func:`check_member_memory`) and check the stage (``method.of.*``).
 
     Several members average their samples: a members' method that predicts with the network linearized at
     its mean (Laplace's ``predictive: glm`` or ``probit``) is refused, as :func:`flatbma.posteriors.multi.build` does.
     """
+    check_member_memory(method, stage, "members")
     of = method.options["of"]
     if of is not None:
         of.check(dataclasses.replace(stage, method_key=f"{stage.method_key}.of"))
@@ -581,6 +628,7 @@ def _multi(name: str, summary: str, family: Callable[..., Posterior]) -> MethodS
         family,
         with_prior=multi_with_prior,
         check=check_members,
+        needs_weights=_always,
         parsers={"of": parse_method},
         component=multi_component,
         first_stage=multi_first_stage,
