@@ -70,6 +70,7 @@ from flatbma.experiment.checkpoint import atomic_write_bytes, atomic_write_json,
 from flatbma.experiment.config import RunConfig, config_from_dict, load_raw, parse_override
 from flatbma.experiment.evaluate import CLEAN_KEYS, measure
 from flatbma.experiment.findings import check_pairs
+from flatbma.experiment.health import assess, warn_if_flagged
 from flatbma.experiment.methods import METHODS, parse_method
 from flatbma.experiment.outdir import check_compare_output
 from flatbma.experiment.parse import load_yaml, parse_dataclass, set_dotted, shown
@@ -778,9 +779,12 @@ def _measured(
         ),
         "width_matched": matched,
     }
+    result["health"] = assess(train_metrics.get("history"), result["health"])
     if matched is None and not all(k in train_metrics for k in CLEAN_KEYS):  # the run directory is complete on its own
         train_metrics.update({k: result[k] for k in CLEAN_KEYS}, num_samples=cfg.eval.num_samples)
+        train_metrics["health"] = result["health"]
         atomic_write_json(run_dir / METRICS_FILE, train_metrics)
+    warn_if_flagged(result["health"], f"{label} seed {cfg.seed} ({run_dir})")
     return result
 
 

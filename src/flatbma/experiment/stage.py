@@ -36,6 +36,7 @@ from flatbma.experiment.checkpoint import (
 )
 from flatbma.experiment.config import RunConfig
 from flatbma.experiment.evaluate import evaluate_state
+from flatbma.experiment.health import assess, warn_if_flagged
 from flatbma.experiment.logs import EpochLogger, check_available
 from flatbma.experiment.parse import yaml_float
 from flatbma.experiment.runner import History, Position, fit
@@ -240,6 +241,8 @@ def train_stage(
         history=[vars(h) for h in history.epochs],
         environment=environment(),
     )
+    if evaluate:  # the loss history and the BMA's fit to its training data (compare assesses its own rows)
+        metrics["health"] = assess(metrics["history"], metrics.get("health"))
     if prior is not None:
         metrics["prior_run"] = str(prior.run_dir)
     if start_theta is not None:  # how far q moved: a flat-seeking step that barely changes q cannot matter
@@ -248,6 +251,8 @@ def train_stage(
     metrics.update(exp.strategy.record())
     if distributed.is_main():
         atomic_write_json(run_dir / METRICS_FILE, metrics, note=f"the checkpoint at step {state.step} is intact")
+        if evaluate:
+            warn_if_flagged(metrics["health"], f"the run in {run_dir}")  # once its metrics are kept
     return Trained(experiment=exp, state=state, metrics=metrics)
 
 
