@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 import yaml
 
 from flatbma.experiment import evaluate
@@ -143,3 +144,20 @@ def test_measuring_the_health_changes_no_other_number(tmp_path: Path, method: di
     with_health = measured()
     monkeypatch.setattr(evaluate, "training_fit", lambda exp, predictions: {})
     assert measured() == with_health
+
+
+def test_the_model_check_draws_nothing_the_run_sees(tmp_path: Path) -> None:
+    """The forward pass of :func:`flatbma.models.check_classifier` (#23) leaves the run's random stream as it was.
+
+    With augmentation, reading a training image draws from the global generator. A build has always read
+    one augmented image (for its shape) — runs' numbers count on that draw — and the check's images are
+    read under a fork: an SGD run starts from the state of its seed after exactly that one read.
+    """
+    from flatbma.experiment import build
+
+    cfg = config_from_dict({**BASE, "data": {**BASE["data"], "augment": True}, "output_dir": str(tmp_path / "r")})
+    exp = build.build_experiment(cfg)
+    build.seed_everything(cfg.seed)
+    data = build.select_data(cfg, build.load_data(cfg.data))
+    data.train.with_transform(build.transforms(cfg.data)[0])[0]  # the one read a build makes
+    assert torch.equal(exp.rng.cpu, torch.get_rng_state())

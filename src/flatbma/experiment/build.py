@@ -195,9 +195,9 @@ def build_network(cfg: RunConfig, train: ArrayDataset) -> torch.nn.Module:
     under a forked RNG: the numbers of the run do not change): logits ``[2, num_classes]``, float32, finite
     weights, something to train.
     """
-    with torch.random.fork_rng(devices=[]):  # an augmenting transform draws from the global generator
+    channels, height, width = train[0][0].shape  # (an augmenting transform draws here: runs' numbers count on it)
+    with torch.random.fork_rng(devices=[]):  # the check's images draw nothing the run sees
         x = torch.stack([train[i][0] for i in range(min(2, len(train)))])
-    channels, height, width = x.shape[1:]
     model = build_model(
         cfg.model.name,
         num_classes=train.num_classes,
