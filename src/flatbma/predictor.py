@@ -218,9 +218,10 @@ class BMA:
         outs = []
         with self._rng_kept():
             samples = self._predictions()
-            for x in _inputs(data):
-                self._probe(x)
-                with self._mode()(self.model):
+            with self._mode()(self.model):  # entered once: MC dropout's masks run on over the batches
+                for x in _inputs(data):
+                    if not outs:
+                        self._probe(x)  # eval mode within: draws no mask
                     outs.append(bma_log_probs(self.model, samples, x.to(self.device), batched=self.batched))
         if not outs:
             raise FlatbmaError("there is nothing to predict: the data holds no batch")

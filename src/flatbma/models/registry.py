@@ -183,9 +183,11 @@ def _build_user_model(name: str, req: _Request) -> nn.Module:
     try:
         module = importlib.import_module(module_name)
     except (Exception, SystemExit) as e:  # the user's module may fail in any way while importing, exit included
+        missing = isinstance(e, ModuleNotFoundError)
+        fix = "put its package on PYTHONPATH (or install it)" if missing else "fix the module's code"
         raise FlatbmaError(
-            f"cannot import {shown(module_name)} for model {shown(name)} ({_failure(e)}): put its package on "
-            f"PYTHONPATH (or install it), or use a built-in model.{suggest(module_name, _EXTRAS)}"
+            f"cannot import {shown(module_name)} for model {shown(name)} ({_failure(e)}): {fix}, or use a built-in "
+            f"model.{suggest(module_name, _EXTRAS)}"
         ) from None
     factory = module
     for part in attr.split("."):
