@@ -1,12 +1,19 @@
-"""The probe of issue #13: every hostile input it lists, run through ``flatbma.experiment.cli.main``.
+"""The probes of issues #13 and #23: every hostile input they list, as data in three tables.
 
-One table (:data:`ROWS`), one row per input. Each row builds its input in its own temporary
+* :data:`ROWS`: inputs run through ``flatbma.experiment.cli.main`` in-process (below);
+* :data:`PROCESS_ROWS`: what needs a process of its own — a closed pipe, ``/dev/full``, SIGTERM — with
+  the exit code and the last line expected (:func:`test_signals_and_pipes_end_in_one_line_or_quietly`);
+* :data:`API_ROWS`: calls of the Python API, with the error's class and first words
+  (:func:`test_a_bad_api_call_is_one_flatbma_error`).
+
+:data:`ROWS` has one row per input. Each row builds its input in its own temporary
 directory — from tiny finished runs made once for the module (SAM and SWAG on the same 4-unit MLP,
 digits with 10 images per class: 4 updates per epoch, 2 epochs), or a one-run comparison it makes
 itself — and runs the command in-process, in an empty working directory. Every row must end with
 
 * exit code 2 and stderr exactly one line ``flatbma: error: ...`` of at most :data:`MAX_LINE`
-  characters (no traceback, no progress line, no warning), holding the row's expected text;
+  characters (no traceback, no progress line, no warning: warnings are shown as a command line shows
+  them, not recorded by pytest), holding the row's expected text;
 * nothing written outside the row's own directory: the rest of pytest's temporary tree, the working
   directory and ``/`` are as they were; rows refused before any write (``untouched``) leave even
   their own directory as it was.
