@@ -15,6 +15,7 @@ SRC = Path(flatbma.__file__).parent
 LAYERS: dict[str, int] = {
     "errors": 0,
     "checks": 1,
+    "options": 1,
     "rng": 1,
     "types": 1,
     "calibration": 1,

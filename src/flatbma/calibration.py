@@ -33,7 +33,7 @@ def fit_temperature(log_probs: Tensor, labels: Tensor, *, bounds: tuple[float, f
     if log_probs.ndim != 2 or len(log_probs) == 0 or len(log_probs) != len(labels):
         raise FlatbmaError(
             "temperature scaling needs validation predictions [N, C] with N matching labels and N > 0: "
-            "set data.val_per_class >= 1"
+            "set data.val_per_class, data.val_pool or data.val_fraction"
         )
     z = log_probs.double().clamp_min(-1e4)
     y = labels.long()

@@ -44,6 +44,14 @@ Curve = tuple[Any, Any, Any]
 _LANDSCAPE_DPI = 110
 
 
+def check_available(what: str = "plots") -> None:
+    """Raise a :class:`FlatbmaError` on how to install matplotlib when it is missing (checked before long work)."""
+    try:
+        import matplotlib.figure  # noqa: F401
+    except ImportError:
+        raise FlatbmaError(f"{what} need matplotlib: pip install matplotlib (or pip install flatbma[plots])") from None
+
+
 def figure(nrows: int, ncols: int, width: float, height: float, *, what: str = "plots") -> tuple[Any, list[Any]]:
     """A matplotlib ``Figure`` of ``nrows × ncols`` panels of ``width × height`` inches, and its axes.
 
@@ -60,10 +68,9 @@ def figure(nrows: int, ncols: int, width: float, height: float, *, what: str = "
     Raises:
         FlatbmaError: if matplotlib is not installed, saying how to install it.
     """
-    try:
-        from matplotlib.figure import Figure
-    except ImportError:
-        raise FlatbmaError(f"{what} need matplotlib: pip install matplotlib (or pip install flatbma[plots])") from None
+    check_available(what)
+    from matplotlib.figure import Figure
+
     fig = Figure(figsize=(width * ncols, height * nrows), layout="constrained")
     axes = fig.subplots(nrows, ncols, squeeze=False)
     return fig, [ax for row in axes for ax in row]

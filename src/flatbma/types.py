@@ -100,10 +100,15 @@ class State:
 
 
 class StepOutput(NamedTuple):
-    """What one ``update`` reports: the (unperturbed) mini-batch loss and the logits it computed."""
+    """What one ``update`` reports: the (unperturbed) mini-batch loss and the logits it computed.
+
+    ``stats``: named scalars of the step that the loop averages over each epoch and logs (e.g. FP-BMA's
+    ``ascent/mean_shift``, ``ascent/kl``: how far its ascent moved ``q``); ``None`` when there are none.
+    """
 
     loss: Tensor
     logits: Tensor
+    stats: Mapping[str, Tensor] | None = None
 
 
 @dataclass(frozen=True)

@@ -357,3 +357,37 @@ def test_candidates_spread_over_torchrun_processes_choose_as_one_process(tmp_pat
         }
 
     assert [comparable(r) for r in two["runs"]] == [comparable(r) for r in one["runs"]]
+
+
+def test_a_fixed_row_with_a_candidates_config_copies_that_finished_run_instead_of_training_it(tmp_path: Path) -> None:
+    methods = [
+        {"name": "sgd", "label": "chosen", "optim": {"lr": [0.03, 0.3]}},
+        {"name": "sgd", "label": "fixed", "optim": {"lr": 0.3}},  # the second candidate's very config
+    ]
+    results = _run(_write(tmp_path, methods))
+    candidates = results["runs"][0]["selection"]["candidates"]
+    chosen_dir = next(c["run_dir"] for c in candidates if c["options"] == {"optim.lr": 0.3})
+    fixed_dir = Path(results["runs"][1]["run_dir"])
+    assert (fixed_dir / "adopted_from.txt").read_text().strip() == chosen_dir
+    a = json.loads((Path(chosen_dir) / "metrics.json").read_text())
+    b = json.loads((fixed_dir / "metrics.json").read_text())
+    assert a["history"] == b["history"] and a["train_time_s"] == b["train_time_s"]  # trained once
+
+
+def test_an_entry_overrides_the_shared_train_and_data_keys_it_gives(tmp_path: Path) -> None:
+    methods = [{"name": "sgd"}, {"name": "sgd", "label": "short", "train": {"epochs": 2}, "data": {"k_shot": 20}}]
+    plan = load_plan(_write(tmp_path, methods))
+    long, short = (job.candidates[0].config for job in plan.jobs())
+    assert (long.train.epochs, long.data.k_shot) == (8, 40)
+    assert (short.train.epochs, short.data.k_shot, short.data.batch_size) == (2, 20, 32)  # the other keys shared
+    assert short.train.progress is False
+
+
+def test_compare_without_matplotlib_is_refused_before_anything_trains(tmp_path: Path, monkeypatch) -> None:
+    import sys
+
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)  # `import matplotlib.figure` raises ImportError
+    path = _write(tmp_path, [{"name": "sgd"}])
+    with pytest.raises(FlatbmaError, match="need matplotlib: pip install"):
+        _run(path)
+    assert not (tmp_path / "out" / "runs").exists()

@@ -111,3 +111,21 @@ def test_checkpoint_of_other_architecture_reports_keys(tmp_path, imagenet_state)
     torch.save(state, path)
     with pytest.raises(FlatbmaError, match=r"missing keys \[features\.18\.0\.weight\].*unexpected keys"):
         load_pretrained_mobilenet_v2(10, path)
+
+
+def test_a_weights_file_that_is_not_the_published_one_is_refused(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import hashlib
+
+    shipped = imagenet_weights_path()
+    assert hashlib.sha256(shipped.read_bytes()).hexdigest() == mobilenet_module.IMAGENET_WEIGHTS_SHA256
+    assert mobilenet_module.IMAGENET_WEIGHTS_SHA256.startswith(shipped.stem.split("-")[-1])  # torchvision's prefix
+    package = tmp_path / "fake_weights"
+    (package / "weights").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    altered = bytearray(shipped.read_bytes())
+    altered[-1] ^= 1
+    (package / mobilenet_module.IMAGENET_WEIGHTS_FILE).write_bytes(bytes(altered))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(mobilenet_module, "IMAGENET_WEIGHTS_PACKAGE", "fake_weights")
+    with pytest.raises(FlatbmaError, match="not torchvision's MobileNetV2 ImageNet weights file"):
+        imagenet_weights_path()

@@ -4,7 +4,10 @@ Few-shot protocol (docs/methods.md §6 and §10.1 item 5): from each class, exac
 drawn without replacement by a ``torch.Generator`` seeded with ``seed``. If a validation set is wanted,
 its ``val_per_class`` images per class come *out of that k-shot budget* (leaving ``k - val_per_class``
 for training), so model selection never sees more labelled data than the k-shot setting allows and
-never touches the test set. With ``val_per_class=0`` validation is explicitly disabled.
+never touches the test set. With ``val_per_class=0`` validation is explicitly disabled. Alternatively
+``val_pool`` images per class are drawn from *outside* the k-shot images (the rest of the training
+pool, as the FP-BMA authors' 10% validation split is): all ``k`` images train, and selection is less
+noisy — but it uses labels that a strict few-shot setting would not have.
 
 Classes are visited in increasing label order and each draws one ``randperm`` of its full size, so
 for a fixed seed the draw of one class does not depend on ``k`` and the k-shot sets are nested:
@@ -78,6 +81,7 @@ def few_shot_indices(
     val_per_class: int = 0,
     num_classes: int | None = None,
     class_names: Sequence[str] | None = None,
+    val_pool: int = 0,
 ) -> tuple[Tensor, Tensor]:
     """Draw exactly ``k`` examples per class, ``val_per_class`` of which form a validation set.
 
@@ -91,11 +95,13 @@ def few_shot_indices(
         num_classes: Number of classes; defaults to ``max(labels) + 1``. Pass it when some class may
             have no examples at all, so that the emptiness is detected.
         class_names: Names used in error messages.
+        val_pool: Validation examples per class drawn from outside the ``k`` (the next ones of the same
+            per-class permutation, so the ``k`` are those of ``val_pool=0``); not with ``val_per_class``.
 
     Returns:
         ``(train_indices, val_indices)``: sorted int64 indices into ``labels`` with
-        ``k - val_per_class`` and ``val_per_class`` examples per class; disjoint. ``val_indices`` is
-        empty when ``val_per_class == 0``.
+        ``k - val_per_class`` and ``val_per_class`` examples per class (``k`` and ``val_pool`` with
+        ``val_pool``); disjoint. ``val_indices`` is empty when there is no validation.
 
     Raises:
         FlatbmaError: ``k < 1``, ``val_per_class`` outside ``[0, k)``, a class with no examples, or a
@@ -103,6 +109,12 @@ def few_shot_indices(
     """
     k = _check_int(k, "k")
     val_per_class = _check_int(val_per_class, "val_per_class")
+    val_pool = _check_int(val_pool, "val_pool")
+    if val_pool < 0 or (val_pool and val_per_class):
+        raise FlatbmaError(
+            f"val_pool must be >= 0 and not combined with val_per_class (validation either out of the k-shot "
+            f"budget or from outside it), got val_pool={val_pool}, val_per_class={val_per_class}."
+        )
     if k < 1:
         raise FlatbmaError(f"k (examples per class) must be at least 1, got {k}.")
     if not 0 <= val_per_class < k:
@@ -122,24 +134,26 @@ def few_shot_indices(
             f"a {k}-shot subset needs at least {k} example(s) of every class. Check the dataset and its class list."
         )
     smallest = int(torch.argmin(counts))
-    if int(counts[smallest]) < k:
+    if int(counts[smallest]) < k + val_pool:
+        pool = f" + val_pool={val_pool}" if val_pool else ""
         raise FlatbmaError(
-            f"k={k} is larger than the smallest class: {_describe(smallest, class_names)} has only "
-            f"{int(counts[smallest])} examples. Use k <= {int(counts[smallest])}."
+            f"k={k}{pool} is larger than the smallest class: {_describe(smallest, class_names)} has only "
+            f"{int(counts[smallest])} examples. Use k{pool} <= {int(counts[smallest])}."
         )
     generator = _generator(seed)
     train_parts: list[Tensor] = []
     val_parts: list[Tensor] = []
     for c in range(num_classes):
         members = torch.nonzero(labels == c).flatten()
-        chosen = members[torch.randperm(members.numel(), generator=generator)[:k]]
-        val_parts.append(chosen[:val_per_class])
+        order = members[torch.randperm(members.numel(), generator=generator)]
+        chosen = order[:k]
+        val_parts.append(order[k : k + val_pool] if val_pool else chosen[:val_per_class])
         train_parts.append(chosen[val_per_class:])
     return torch.sort(torch.cat(train_parts)).values, torch.sort(torch.cat(val_parts)).values
 
 
 def few_shot(
-    dataset: ArrayDataset, k: int, *, seed: int, val_per_class: int = 0
+    dataset: ArrayDataset, k: int, *, seed: int, val_per_class: int = 0, val_pool: int = 0
 ) -> tuple[ArrayDataset, ArrayDataset | None]:
     """Return the k-shot training subset of ``dataset`` and its validation subset (or ``None``).
 
@@ -150,8 +164,9 @@ def few_shot(
         dataset: The full training set.
         k: Labelled examples per class in total (training + validation).
         seed: Seed of the draw.
-        val_per_class: Examples per class taken from the k-shot budget for validation; ``0`` returns
-            ``None`` as the validation set.
+        val_per_class: Examples per class taken from the k-shot budget for validation; ``0`` (and no
+            ``val_pool``) returns ``None`` as the validation set.
+        val_pool: Validation examples per class drawn from outside the k-shot images.
 
     Returns:
         ``(train, val)`` subsets sharing the classes and transform of ``dataset``.
@@ -163,8 +178,9 @@ def few_shot(
         val_per_class=val_per_class,
         num_classes=dataset.num_classes,
         class_names=dataset.classes,
+        val_pool=val_pool,
     )
-    return dataset.subset(train_idx), (dataset.subset(val_idx) if val_per_class > 0 else None)
+    return dataset.subset(train_idx), (dataset.subset(val_idx) if len(val_idx) else None)
 
 
 def stratified_split(labels: Tensor, fraction: float, seed: int) -> tuple[Tensor, Tensor]:

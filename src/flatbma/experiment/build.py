@@ -120,7 +120,8 @@ class RunData:
 
     Attributes:
         train: the training examples (the k-shot draw of ``data.k_shot``, else the whole training split).
-        val: the validation examples held out of the k-shot budget (``data.val_per_class``), or ``None``.
+        val: the validation examples: held out of the k-shot budget (``data.val_per_class``), drawn from
+            outside it (``data.val_pool``), or a share of a full training split (``data.val_fraction``); or ``None``.
         test: the test examples (the stratified subset of ``data.test_limit``, else the whole test split).
         hessian: indices into ``train`` of the examples the Hessian is taken over (``eval.hessian_examples``),
             or ``None`` for all of them.
@@ -157,11 +158,23 @@ def select_data(cfg: RunConfig, splits: DatasetSplits) -> RunData:
             val_per_class=d.val_per_class,
             num_classes=train.num_classes,  # so that a class missing from the training split is reported
             class_names=train.classes,
+            val_pool=d.val_pool,
         )
         val = train.subset(val_idx) if len(val_idx) else None
         train = train.subset(train_idx)
-    elif d.val_per_class:
-        raise FlatbmaError("data.val_per_class needs data.k_shot (validation comes from the k-shot budget)")
+    elif d.val_per_class or d.val_pool:
+        raise FlatbmaError(
+            "data.val_per_class and data.val_pool need data.k_shot (validation comes from the k-shot draw); for a "
+            "full-data run hold out a share of each class with data.val_fraction"
+        )
+    elif d.val_fraction:
+        kept, held = stratified_split(train.labels, d.val_fraction, seed=cfg.seed)
+        if len(held) == 0 or len(kept) == 0:
+            raise FlatbmaError(
+                f"data.val_fraction={d.val_fraction} holds out {len(held)} of {len(train)} training images (rounded "
+                "per class): choose a share that leaves both parts non-empty"
+            )
+        train, val = train.subset(kept), train.subset(held)
     if d.test_limit is not None and d.test_limit < len(test):
         _, kept = stratified_split(test.labels, d.test_limit / len(test), seed=0)
         test = test.subset(kept)

@@ -404,8 +404,10 @@ def save_position(
         "epoch": str(position.epoch),
         "batch": str(position.batch),
         "partial": json.dumps(list(position.partial)),
-        "history": json.dumps([vars(h) for h in history.epochs]),
+        "history": json.dumps([h.record() for h in history.epochs]),
     }
+    if position.stats:  # only then: checkpoints without step statistics are as they always were
+        meta["stats"] = json.dumps([list(entry) for entry in position.stats])
     if written_by is not None:
         meta[WRITTEN_BY] = written_by.to_json()
     save_state(state, path, meta, extra)
@@ -430,6 +432,7 @@ def load_position(path: Path, template: Template) -> tuple[State, Position, Hist
             torch_rng=extra["torch_rng"],
             cuda_rng=cuda,
             partial=tuple(json.loads(meta["partial"])),
+            stats=_stat_sums(json.loads(meta.get("stats", "[]"))),
         )
         history = History([_epoch_log(h) for h in json.loads(meta["history"])])
     except (KeyError, ValueError, TypeError):
@@ -451,14 +454,35 @@ def _integer(text: str) -> int:
 
 def _epoch_log(record: Any) -> EpochLog:
     kinds = {"epoch": int, "loss": float, "accuracy": float, "steps": int}
-    if not isinstance(record, dict) or set(record) != set(kinds):
+    optional = {"stats", "validation"}  # named numbers (EpochLog.record leaves them out when empty)
+    if not isinstance(record, dict) or not set(kinds) <= set(record) <= set(kinds) | optional:
         raise ValueError("history entry")
     for key, kind in kinds.items():
         value = record[key]
-        number = isinstance(value, int | float) and not isinstance(value, bool)
-        if not number or (kind is int and not isinstance(value, int)):
+        if not _is_number(value) or (kind is int and not isinstance(value, int)):
+            raise ValueError(key)
+    for key in optional & set(record):
+        values = record[key]
+        if not (isinstance(values, dict) and all(isinstance(k, str) and _is_number(v) for k, v in values.items())):
             raise ValueError(key)
     return EpochLog(**record)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _stat_sums(entries: Any) -> tuple[tuple[str, float, int], ...]:
+    """:attr:`Position.stats` from its JSON ``[[name, sum, steps], ...]``; ``ValueError`` when malformed."""
+    if not isinstance(entries, list):
+        raise ValueError("stats")
+    out = []
+    for entry in entries:
+        ok = isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], str)
+        if not (ok and _is_number(entry[1]) and isinstance(entry[2], int) and not isinstance(entry[2], bool)):
+            raise ValueError("stats")
+        out.append((entry[0], float(entry[1]), entry[2]))
+    return tuple(out)
 
 
 def _bad_position(path: Path, problem: str) -> FlatbmaError:

@@ -142,6 +142,9 @@ def _describe_method(name: str) -> str:
         else:
             kind = getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
         lines.append(f"  {key:<{width}}  {_plain(value)!r:<12}  {kind}")
+    notes = getattr(spec.ascent, "NOTES", None)  # what the ascent step's options mean, in a few lines
+    if notes:
+        lines += ["", *(f"  {line}" for line in notes.strip().splitlines())]
     return "\n".join(lines)
 
 

@@ -61,7 +61,7 @@ from typing import Any, TypeVar
 import torch
 import yaml
 
-from flatbma import gaussian, progress
+from flatbma import gaussian, plotting, progress
 from flatbma.data.corruptions import corruption_names
 from flatbma.errors import DivergenceError, FlatbmaError, suggest
 from flatbma.experiment import distributed, entries, report, selection
@@ -76,7 +76,14 @@ from flatbma.experiment.outdir import check_compare_output
 from flatbma.experiment.parse import load_yaml, parse_dataclass, set_dotted, shown
 from flatbma.experiment.prior import FittedPrior, fit_prior, prior_stage
 from flatbma.experiment.run import load_run, train
-from flatbma.experiment.stage import CONFIG_FILE, METRICS_FILE, finished_run, run_identity, train_stage
+from flatbma.experiment.stage import (
+    CHECKPOINT_FILE,
+    CONFIG_FILE,
+    METRICS_FILE,
+    finished_run,
+    run_identity,
+    train_stage,
+)
 from flatbma.experiment.validate import validate_runs
 from flatbma.posteriors import lowrank_vi
 from flatbma.types import State
@@ -261,7 +268,7 @@ class Plan:
 
     def _config(self, entry: Any, seed: int, run_dir: Path) -> RunConfig:
         raw = json.loads(json.dumps(self.raw))
-        raw.update(entries.run_sections(entry, raw.get("optim")))
+        raw.update(entries.run_sections(entry, raw))
         raw["seed"] = seed
         raw["output_dir"] = str(run_dir)
         raw["eval"] = {**(raw.get("eval") or {}), "flatness": False}  # measured by the comparison itself
@@ -390,7 +397,7 @@ def load_plan(path: str | Path, overrides: list[str] = (), *, quick: bool = Fals
     for i, entry in enumerate(compare.methods):  # validate every candidate's run config up front
         where = f"compare.methods[{i}]"
         for point in entries.points(entry, where):
-            sections = entries.run_sections(entries.at(entry, point), raw.get("optim"))
+            sections = entries.run_sections(entries.at(entry, point), raw)
             parse_method(sections["method"], where)  # its errors name the entry's keys (compare.methods[0].rho)
             try:
                 config_from_dict({**raw, **sections})
@@ -454,12 +461,13 @@ def _check_match_width(compare: CompareConfig) -> None:
 def _check_selection(jobs: list[Job], base: RunConfig) -> None:
     """Refuse candidate lists without a validation split to choose on (before anything trains)."""
     selecting = [job for job in jobs if job.selects]
-    if selecting and not (base.data.k_shot is not None and base.data.val_per_class > 0):
+    if selecting and not base.data.validation:
         job = selecting[0]
         raise FlatbmaError(
             f"compare.methods entry {job.label!r} lists candidate values ({', '.join(job.candidates[0].options)}) "
             "to choose on validation data, but there is none: set data.k_shot and data.val_per_class > 0 (held "
-            "out of the k-shot images; the test set never chooses), or give each option one value"
+            "out of the k-shot images) or data.val_pool > 0 (drawn from outside them), or data.val_fraction for "
+            "full data (the test set never chooses), or give each option one value"
         )
 
 
@@ -503,6 +511,7 @@ def run_compare(plan: Plan, *, force: bool = False, progress: bool = True) -> di
     me, world = distributed.rank(), distributed.world_size()
     fingerprint = plan.fingerprint()
     with distributed.all_or_none():  # rank 0 claims the output directory; an error stops every process
+        plotting.check_available("flatbma compare's report figures")  # before hours of training, not after
         validate_runs(_every_run(plan), flatness=plan.compare.flatness)  # every run's demands, before any trains
         if me == 0:
             _check_out_dir(plan, force)
@@ -527,6 +536,10 @@ def run_compare(plan: Plan, *, force: bool = False, progress: bool = True) -> di
         [k for k, j in enumerate(jobs) if j.match_width is None],
         [k for k, j in enumerate(jobs) if j.match_width],
     )
+    # runs trained before a row's turn, which a row of the same config copies (_adopt): the selections'
+    # candidates, and for a width-matched row every row of the first phase
+    candidates = tuple(c.config for job in jobs if job.selects for c in job.candidates)
+    first = candidates + tuple(c.config for k in phases[0] for c in jobs[k].candidates)
     for phase in phases:  # the same on every process
         if not phase:
             continue
@@ -534,8 +547,12 @@ def run_compare(plan: Plan, *, force: bool = False, progress: bool = True) -> di
         with distributed.all_or_none(), distributed.single_process():
             for k in _progress(phase[me::world], "compare", describe, progress, me, world):
                 job = jobs[k]
-                run = _run_selected if job.selects else _run_one
-                own[k] = run(job, plan.compare, plan.row_key(job), force, _width_reference(job, jobs, plan))
+                width_to = _width_reference(job, jobs, plan)
+                if job.selects:
+                    own[k] = _run_selected(job, plan.compare, plan.row_key(job), force, width_to)
+                else:
+                    elsewhere = first if job.match_width else candidates
+                    own[k] = _run_one(job, plan.compare, plan.row_key(job), force, width_to, elsewhere)
     rows = [own[k] if k in own else _cached_result(job.row_dir, plan.row_key(job)) for k, job in enumerate(jobs)]
     results = {
         "config_hash": fingerprint,
@@ -714,15 +731,25 @@ def _fresh(cached: Any, row_key: str, width_to: tuple[str, float] | None) -> boo
 
 
 def _run_one(
-    job: Job, compare: CompareConfig, row_key: str, force: bool, width_to: tuple[str, float] | None = None
+    job: Job,
+    compare: CompareConfig,
+    row_key: str,
+    force: bool,
+    width_to: tuple[str, float] | None = None,
+    trained_elsewhere: tuple[RunConfig, ...] = (),
 ) -> dict[str, Any]:
     """The row of a (method, seed) with one candidate: train it (or reuse it) and measure it.
 
     ``width_to``: ``(label, tr Σ_ref)`` of a width-matched row (:func:`_width_reference`).
+    ``trained_elsewhere``: runs of the comparison trained before this row (the candidates of selections, the
+    rows a width-matched row comes after); a finished one of the same config is copied in rather than trained
+    again (:func:`_adopt`).
     """
     cfg = job.candidates[0].config
     run_dir = Path(cfg.output_dir)
     cache = run_dir / RUN_CACHE
+    if not force:
+        _adopt(cfg, trained_elsewhere)
     if not force and _finished(run_dir, cfg):
         cached = _read_cache(cache, _row_cache)
         if _fresh(cached, row_key, width_to):
@@ -736,6 +763,31 @@ def _run_one(
     result["selection"] = None
     atomic_write_json(cache, {"fingerprint": row_key, "result": result})
     return result
+
+
+ADOPTED_FROM = "adopted_from.txt"
+"""In a run directory that :func:`_adopt` filled: the directory it was copied from."""
+
+
+def _adopt(cfg: RunConfig, others: tuple[RunConfig, ...]) -> None:
+    """Copy into ``cfg``'s directory a finished run of the same config from ``others`` (a selection's candidate).
+
+    Only into a directory that holds no checkpoint (nothing is overwritten). Each file is copied atomically,
+    ``metrics.json`` — with the checkpoint, what makes the run count as finished — last, so an interrupted
+    copy leaves no run that looks finished; the source is named in :data:`ADOPTED_FROM`.
+    """
+    run_dir = Path(cfg.output_dir)
+    if (run_dir / CHECKPOINT_FILE).exists():
+        return
+    places = (Path(o.output_dir) for o in others)
+    source = next((p for p in places if p != run_dir and _finished(p, cfg)), None)
+    if source is None:
+        return
+    files = sorted(f for f in source.iterdir() if f.is_file() and f.name not in (METRICS_FILE, CANDIDATE_FILE))
+    run_dir.mkdir(parents=True, exist_ok=True)
+    for f in [*files, source / METRICS_FILE]:
+        atomic_write_bytes(run_dir / f.name, f.read_bytes())
+    atomic_write_bytes(run_dir / ADOPTED_FROM, f"{source}\n".encode())
 
 
 def _measured(
@@ -767,6 +819,8 @@ def _measured(
         "train_time_s": train_metrics.get("train_time_s"),
         # KL(q_T || q_0) of a low-rank Gaussian run: whether training moved q (stage.train_stage)
         **({"kl_from_start": train_metrics["kl_from_start"]} if "kl_from_start" in train_metrics else {}),
+        # how far the ascent moved q per step (step_stats), the early-stopping record, training health
+        **{k: train_metrics[k] for k in ("step_stats", "early_stopping", "health") if k in train_metrics},
         **measure(
             exp,
             state,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -129,15 +130,40 @@ def parse_override(item: str) -> tuple[str, Any]:
     return key.strip(), value
 
 
-def load_raw(path: str | Path) -> dict[str, Any]:
-    """Read a YAML config file with the safe loader."""
+SHIPPED = resources.files("flatbma") / "configs"
+"""The ready configs shipped with flatbma (the repository's ``configs/`` is a link to them)."""
+
+
+def shipped_configs() -> list[str]:
+    """The names of the ready configs (``flatbma train --config demo``)."""
+    return sorted(p.name[: -len(".yaml")] for p in SHIPPED.iterdir() if p.name.endswith(".yaml"))
+
+
+def config_path(path: str | Path) -> Path:
+    """The file a ``--config`` argument names: a path, or a shipped config's name (``demo``, ``configs/demo.yaml``).
+
+    A path that exists is read as it is; otherwise a bare name (with or without ``.yaml``, or under ``configs/``)
+    names a config shipped with flatbma, so the README's commands work from an installed package too.
+    """
     path = Path(path)
+    if path.exists() or path.parent not in (Path("."), Path("configs")) or path.suffix not in ("", ".yaml"):
+        return path
+    shipped = SHIPPED / f"{path.stem}.yaml"
+    return Path(str(shipped)) if shipped.is_file() else path
+
+
+def load_raw(path: str | Path) -> dict[str, Any]:
+    """Read a YAML config file (a path, or a shipped config's name: :func:`config_path`) with the safe loader."""
+    path = config_path(path)
     if path.is_dir():
         raise FlatbmaError(f"config file {path} is a directory: give the YAML file (ready configs are in configs/)")
     if path.exists() and not path.is_file():  # a FIFO or a device: reading it could block forever
         raise FlatbmaError(f"config file {path} is not a regular file (a FIFO or a device): give the YAML file")
     if not path.is_file():
-        raise FlatbmaError(f"config file {path} does not exist (ready configs are in configs/)")
+        raise FlatbmaError(
+            f"config file {path} does not exist; the ready configs (by name, e.g. --config demo): "
+            f"{', '.join(shipped_configs())}"
+        )
     try:
         raw = load_yaml(path.read_text(), str(path))
     except FlatbmaError:
@@ -163,7 +189,7 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig
     compare = raw.pop("compare", None)  # a compare config's shared sections are a run config
     methods = compare.get("methods") if isinstance(compare, dict) else None
     if isinstance(methods, list) and methods and "method" not in raw:
-        raw.update(first_run_sections(methods[0], raw.get("optim")))  # `flatbma train` trains the first one
+        raw.update(first_run_sections(methods[0], raw))  # `flatbma train` trains the first one
     for item in overrides:
         key, value = parse_override(item)
         set_dotted(raw, key, value)

@@ -34,7 +34,10 @@ from flatbma.experiment.methods import METHODS
 from flatbma.experiment.sections import OptimConfig
 from flatbma.optim import Amortized
 
-ENTRY_KEYS = ("name", "label", "prior", "optim", "match_width")
+OWN_SECTIONS = ("optim", "train", "data")
+"""Run config sections an entry may give its own keys of (they override the shared section's)."""
+
+ENTRY_KEYS = ("name", "label", "prior", *OWN_SECTIONS, "match_width")
 """Keys of a compare entry that are not method options (``match_width``: :mod:`flatbma.experiment.compare`)."""
 
 MATCH_WIDTH = "match_width"
@@ -140,31 +143,34 @@ def _text(value: Any) -> str:
     return repr(value) if isinstance(value, float) else str(value.value if isinstance(value, Enum) else value)
 
 
-def run_sections(method: Any, shared_optim: Any = None) -> dict[str, Any]:
+def run_sections(method: Any, shared: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The run config sections of one ``compare.methods`` entry (at one point of its candidate grid).
 
     An entry is a method section; its optional ``prior`` key becomes the run's ``prior`` section (a
     two-stage run, e.g. ``{name: fp-bma, rank: 5, prior: {method: {name: swag, rank: 5}, epochs: 15}}``),
-    its optional ``optim`` section overrides the keys it gives of the ``shared_optim`` section (e.g.
-    ``{name: sgd, optim: {lr: 0.1}}``), and its optional ``label`` (the name in tables and plots) and
-    ``match_width`` (how the trained posterior is measured) are not part of the run's config.
+    its optional ``optim``, ``train`` and ``data`` sections override the keys they give of the shared
+    config's sections (``shared``: the config's raw sections by name; e.g. ``{name: sgd, optim: {lr: 0.1}}``,
+    ``{name: sgd, train: {epochs: 15}}``), and its optional ``label`` (the name in tables and plots) and
+    ``match_width`` (how the trained posterior is measured) are not part of the run's config. Only ``optim``
+    keys take candidate lists.
     """
     if not isinstance(method, dict):
         return {"method": method}
     method = {k: v for k, v in method.items() if k not in ("label", MATCH_WIDTH)}  # measurement keys, not the run's
     sections: dict[str, Any] = {}
-    if "optim" in method:
-        own = method.pop("optim")
-        shared = shared_optim if isinstance(shared_optim, dict) else {}
-        sections["optim"] = {**shared, **own} if isinstance(own, dict) else own
+    for name in OWN_SECTIONS:
+        if name in method:
+            own = method.pop(name)
+            base = (shared or {}).get(name)
+            sections[name] = {**(base if isinstance(base, dict) else {}), **own} if isinstance(own, dict) else own
     if "prior" in method:
         sections["prior"] = method.pop("prior")
     sections["method"] = method
     return sections
 
 
-def first_run_sections(entry: Any, shared_optim: Any = None) -> dict[str, Any]:
+def first_run_sections(entry: Any, shared: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The run config sections of the first candidate of a ``compare.methods`` entry (``flatbma train`` trains it)."""
     if isinstance(entry, dict):
         entry = at(entry, points(entry, "compare.methods[0]")[0])
-    return run_sections(entry, shared_optim)
+    return run_sections(entry, shared)

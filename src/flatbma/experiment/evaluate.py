@@ -30,6 +30,7 @@ in the process — right after training or from a checkpoint on disk, they are t
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterable
 from contextlib import nullcontext
@@ -43,6 +44,7 @@ from flatbma import progress
 from flatbma.bn import has_batchnorm, with_recomputed_statistics
 from flatbma.calibration import fit_temperature
 from flatbma.data.corruptions import applicable, corrupt_dataset
+from flatbma.errors import FlatbmaError
 from flatbma.experiment.build import Experiment
 from flatbma.experiment.health import HEALTH_EXAMPLES
 from flatbma.flatness import (
@@ -314,6 +316,36 @@ def bma_log_probs_over(exp: Experiment, samples: Predictions, loader: Iterable[B
         outs.append(log_probs.cpu())
         labels.append(y.cpu())
     return torch.cat(outs), torch.cat(labels)
+
+
+def validation_metrics(exp: Experiment, state: State, n: int) -> dict[str, float]:
+    """The BMA of ``n`` posterior samples of ``state`` on the validation split: ``nll``, ``loss``, ``accuracy``.
+
+    ``nll = −mean log (1/n) Σ_m p(y|x, w_m)`` (the BMA's), ``loss = −mean (1/n) Σ_m log p(y|x, w_m)`` (each
+    sample's cross-entropy, averaged) and the BMA's accuracy. The samples are drawn and their BatchNorm
+    statistics recomputed as for the test evaluation, from the build's RNG state (so the value is a
+    function of ``state`` alone, and the global RNG of a training loop that asks is left as it was); the
+    model's train/eval mode is restored.
+    """
+    if exp.val_loader is None:
+        raise FlatbmaError(
+            "validation metrics need a validation split: set data.val_per_class, data.val_pool or data.val_fraction"
+        )
+    training = exp.model.training
+    try:
+        with exp.rng.restored():
+            samples = bma_predictions(exp, state, draw_samples(exp, state, n))
+            per_sample = [bma_log_probs_over(exp, [s], exp.val_loader) for s in samples]
+    finally:
+        exp.model.train(training)
+    labels = per_sample[0][1].to(torch.int64)[:, None]
+    log_probs = torch.stack([lp for lp, _ in per_sample]).double()  # [n, N, C]
+    bma = torch.logsumexp(log_probs, dim=0) - math.log(len(per_sample))
+    return {
+        "nll": float(-bma.gather(1, labels).mean()),
+        "loss": float(-log_probs.gather(2, labels.expand(len(per_sample), -1, -1)).mean()),
+        "accuracy": float((bma.argmax(1) == labels[:, 0]).double().mean()),
+    }
 
 
 def bma_curve_metrics(

@@ -34,7 +34,10 @@ from flatbma.experiment.sections import TrainLog
 CSV_FILE = "log.csv"
 TENSORBOARD_DIR = "tensorboard"
 COLUMNS = ("epoch", "loss", "accuracy", "steps", "lr", "time_s")
-"""The columns of ``log.csv``: ``epoch``, ``loss``, ``accuracy`` and ``steps`` are the history's."""
+"""The first columns of ``log.csv``: ``epoch``, ``loss``, ``accuracy`` and ``steps`` are the history's. After
+them come the epoch's step statistics (e.g. ``ascent/mean_shift``) and validation values (``val/nll``) of a
+run that has them (:attr:`~flatbma.experiment.runner.EpochLog.stats`, ``validation``), in the order first
+seen; an earlier row lacks a column that appeared later (empty cell)."""
 
 
 def check_available(logs: Iterable[TrainLog]) -> None:
@@ -86,9 +89,10 @@ class EpochLogger:
         self._csv: Path | None = None
         self._writer: Any = None
         rows = [self._row(history.epochs, i, None) for i in range(self._logged)]
+        self._columns = _columns(rows, COLUMNS)
         if TrainLog.CSV in logs:
             self._csv = run_dir / CSV_FILE
-            _restart_csv(self._csv, rows)
+            _restart_csv(self._csv, rows, self._columns)
         if TrainLog.TENSORBOARD in logs:
             check_available(logs)
             from torch.utils.tensorboard import SummaryWriter
@@ -112,16 +116,26 @@ class EpochLogger:
                     f"lr {row['lr']:.4g}  {_seconds(row['time_s'])} s"
                 )
             if self._csv is not None:
-                try:
-                    with self._csv.open("a", newline="") as f:
-                        csv.writer(f, lineterminator="\n").writerow([row[c] for c in COLUMNS])
-                except OSError as e:
-                    raise write_error(self._csv, e, f"the checkpoint of epoch {row['epoch']} is intact") from None
+                self._write_row(history, i, row)
             if self._writer is not None:
                 self._scalars(row)
                 self._writer.flush()
             self._last = now
         self._logged = max(self._logged, len(history.epochs))
+
+    def _write_row(self, history: History, i: int, row: dict[str, Any]) -> None:
+        """Append ``row`` to ``log.csv``; when it has a column the file lacks, write the file anew with it."""
+        try:
+            columns = _columns([row], self._columns)
+            if columns != self._columns:
+                self._columns = columns
+                rows = [self._row(history.epochs, j, None) for j in range(i)]
+                _restart_csv(self._csv, [*rows, row], columns, keep_time=row["epoch"])
+                return
+            with self._csv.open("a", newline="") as f:
+                csv.writer(f, lineterminator="\n").writerow(["" if row.get(c) is None else row[c] for c in columns])
+        except OSError as e:
+            raise write_error(self._csv, e, f"the checkpoint of epoch {row['epoch']} is intact") from None
 
     def close(self) -> None:
         """Flush and close the TensorBoard writer."""
@@ -139,32 +153,45 @@ class EpochLogger:
             "steps": h.steps,
             "lr": float(self._learning_rate(max(last_step, 0))),
             "time_s": seconds,
+            **h.stats,
+            **{f"val/{k}": v for k, v in h.validation.items()},
         }
 
     def _scalars(self, row: dict[str, Any]) -> None:
-        for key in ("loss", "accuracy", "lr", "time_s"):
+        for key in ("loss", "accuracy", "lr", "time_s", *(c for c in row if c not in COLUMNS)):
             if row[key] is not None:
-                self._writer.add_scalar(f"train/{key}", row[key], global_step=row["epoch"])
+                name = key if "/" in key else f"train/{key}"
+                self._writer.add_scalar(name, row[key], global_step=row["epoch"])
 
 
 def _seconds(t: float) -> str:
     return f"{t:.1f}" if t >= 1 else f"{t:.2f}"
 
 
-def _restart_csv(path: Path, rows: list[dict[str, Any]]) -> None:
+def _columns(rows: Iterable[dict[str, Any]], columns: Sequence[str]) -> tuple[str, ...]:
+    """``columns`` followed by the keys of ``rows`` it lacks, in the order first seen."""
+    out = list(columns)
+    for row in rows:
+        out.extend(k for k in row if k not in out)
+    return tuple(out)
+
+
+def _restart_csv(path: Path, rows: list[dict[str, Any]], columns: Sequence[str], keep_time: int | None = None) -> None:
     """Write ``path`` anew: the header and ``rows`` (the resumed history), with what ``path`` recorded of them.
 
     An epoch ``path`` has a row of keeps its learning rate (a resume may have changed ``optim.lr`` since)
-    and its time; in ``rows`` too. The other rows keep the current schedule's rate and no time.
+    and its time; in ``rows`` too. The other rows keep the current schedule's rate and no time, except the
+    row of epoch ``keep_time``, whose time is the one it holds.
     """
     recorded = _recorded(path)
     out = io.StringIO(newline="")
     writer = csv.writer(out, lineterminator="\n")
-    writer.writerow(COLUMNS)
+    writer.writerow(columns)
     for row in rows:
-        lr, row["time_s"] = recorded.get(row["epoch"], (row["lr"], None))
-        row["lr"] = lr if lr is not None else row["lr"]
-        writer.writerow(["" if row[c] is None else row[c] for c in COLUMNS])
+        if row["epoch"] != keep_time:
+            lr, row["time_s"] = recorded.get(row["epoch"], (row["lr"], None))
+            row["lr"] = lr if lr is not None else row["lr"]
+        writer.writerow(["" if row.get(c) is None else row[c] for c in columns])
     atomic_write_bytes(path, out.getvalue().encode())
 
 
@@ -180,13 +207,17 @@ def read_csv(path: str | Path) -> list[dict[str, float | int | None]]:
     """The rows of a ``log.csv``: ``epoch`` and ``steps`` as integers, the others as floats (``None`` when empty).
 
     Raises:
-        ValueError: a file of other columns.
+        ValueError: a file whose columns do not start with :data:`COLUMNS`.
     """
     with Path(path).open(newline="") as f:
         reader = csv.DictReader(f)
-        if tuple(reader.fieldnames or ()) != COLUMNS:
+        columns = tuple(reader.fieldnames or ())
+        if columns[: len(COLUMNS)] != COLUMNS:
             raise ValueError(f"{path} is not a flatbma log.csv (columns {reader.fieldnames})")
-        return [
-            {c: (int(r[c]) if c in ("epoch", "steps") else float(r[c])) if r[c] != "" else None for c in COLUMNS}
-            for r in reader
-        ]
+        return [{c: _cell(c, r[c]) for c in columns} for r in reader]
+
+
+def _cell(column: str, text: str | None) -> float | int | None:
+    if text in ("", None):
+        return None
+    return int(text) if column in ("epoch", "steps") else float(text)

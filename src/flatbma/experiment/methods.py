@@ -24,6 +24,7 @@ from flatbma.curvature import Curvature, Hessian
 from flatbma.errors import FlatbmaError, suggest
 from flatbma.experiment.parse import coerce, parse_dataclass, shown
 from flatbma.optim import ASAM, SAM, Amortized, FisherBall, FisherSAM
+from flatbma.options import resolved
 from flatbma.posteriors import bsam, ensemble, fp_bma, laplace, lowrank_vi, mc_dropout, mfvi, multi, point, sgld, swag
 from flatbma.posteriors.members import member, prefixed_members
 from flatbma.types import Ascent, Posterior, Predictive
@@ -192,7 +193,7 @@ class MethodConfig:
     def to_dict(self) -> dict[str, Any]:
         """The resolved section, every option spelled out (written to the run directory)."""
         step = self.ascent.ascent if isinstance(self.ascent, Amortized) else self.ascent
-        ascent = dataclasses.asdict(step) if step is not None else {}
+        ascent = resolved(step) if step is not None else {}  # options added later: only when not at their default
         if isinstance(self.ascent, Amortized):  # only then: a plain step's section is as it always was
             ascent.update({k: getattr(self.ascent, k) for k in amortized_options()})
         options = {k: v.to_dict() if isinstance(v, MethodConfig) else v for k, v in self.options.items()}

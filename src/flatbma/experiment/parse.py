@@ -112,6 +112,8 @@ def coerce(value: Any, tp: Any, where: str) -> Any:
     if tp is Any:
         return value
     if origin in (Union, types.UnionType):
+        if value is None and type(None) in typing.get_args(tp):
+            return None  # before a section option, which would read None as "all defaults"
         errors = []
         for option in typing.get_args(tp):
             try:
@@ -119,6 +121,8 @@ def coerce(value: Any, tp: Any, where: str) -> Any:
             except FlatbmaError as e:
                 if isinstance(option, type) and isinstance(value, option) and not isinstance(value, bool):
                     raise  # the right type but a bad value (e.g. an integer too large): that option says why
+                if dataclasses.is_dataclass(option) and isinstance(value, Mapping):
+                    raise  # a section with a bad key or value: the section says which
                 errors.append(str(e))
         names = " or ".join(_type_name(a) for a in typing.get_args(tp))
         raise FlatbmaError(f"{where} must be {names}, got {shown(value)}")

@@ -48,7 +48,8 @@ __all__ = [
 def prior_stage(cfg: RunConfig, run_dir: str | Path | None = None) -> RunConfig | None:
     """The run config of the first stage of a two-stage ``cfg`` (``None`` for a one-stage run).
 
-    The stage shares the run's data, model, seed and evaluation settings (without flatness), trains
+    The stage shares the run's data, model, seed, training and evaluation settings (without flatness and
+    early stopping: the prior is fitted for ``prior.epochs``), trains
     ``prior.method`` — for a mixture, a mixture of it (:meth:`~flatbma.experiment.methods.MethodConfig.first_stage`:
     ``multi`` of it with the run's members and seed, one prior per member) — for ``prior.epochs`` with
     ``prior.optim`` (or the run's optimizer) and writes to
@@ -63,7 +64,7 @@ def prior_stage(cfg: RunConfig, run_dir: str | Path | None = None) -> RunConfig 
         method=cfg.method.first_stage(p.method),
         prior=None,
         optim=p.optim or cfg.optim,
-        train=dataclasses.replace(cfg.train, epochs=p.epochs),
+        train=dataclasses.replace(cfg.train, epochs=p.epochs, early_stopping=None),
         eval=dataclasses.replace(cfg.eval, flatness=False),
         output_dir=str(run_dir if run_dir is not None else Path(cfg.output_dir) / PRIOR_DIR),
     )

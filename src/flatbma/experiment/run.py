@@ -23,12 +23,13 @@ from flatbma.experiment.checkpoint import (
     append_resume,
     atomic_write_json,
     config_changes,
-    load_run_state,
+    load_position,
     remove_stale_temps,
     resume_change,
     template,
 )
 from flatbma.experiment.config import RunConfig, config_from_dict, load_raw, parse_override
+from flatbma.experiment.early_stopping import Monitor
 from flatbma.experiment.evaluate import evaluate_state
 from flatbma.experiment.health import assess, warn_if_flagged
 from flatbma.experiment.logs import check_available
@@ -98,10 +99,16 @@ def load_run_config(run_dir: str | Path) -> RunConfig:
 def load_run(cfg: RunConfig) -> tuple[Experiment, State]:
     """The experiment of a finished run ``cfg`` and its trained state, read from its checkpoint.
 
-    The experiment is built without the run's fitted prior: sampling and evaluation do not need it.
+    The state is the checkpoint's, or with ``train.early_stopping`` the best validation evaluation's
+    (:meth:`~flatbma.experiment.early_stopping.Monitor.best`), as the run evaluated it. The experiment is built
+    without the run's fitted prior: sampling and evaluation do not need it.
     """
     exp = build_experiment(cfg)
-    return exp, load_run_state(Path(cfg.output_dir) / CHECKPOINT_FILE, template(exp))
+    kind = template(exp)
+    state, _, history = load_position(Path(cfg.output_dir) / CHECKPOINT_FILE, kind)
+    if cfg.train.early_stopping is not None:
+        state = Monitor(exp, cfg.train.early_stopping, Path(cfg.output_dir)).best(state, history, kind)
+    return exp, state
 
 
 def resume_config(run_dir: str | Path, overrides: list[str]) -> tuple[RunConfig, Resume | None]:

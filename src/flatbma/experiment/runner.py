@@ -8,8 +8,9 @@ state at the start of the epoch and the global RNG states right after the last a
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -20,12 +21,28 @@ from flatbma.types import Batch, State, Transform
 
 @dataclass
 class EpochLog:
-    """Mean training loss and accuracy (of the unperturbed pass) over one epoch."""
+    """Mean training loss and accuracy (of the unperturbed pass) over one epoch.
+
+    ``stats``: the mean over the epoch's steps of every statistic a step reported
+    (:attr:`~flatbma.types.StepOutput.stats`, e.g. ``ascent/mean_shift``), over the steps that reported it.
+    ``validation``: values measured after the epoch (early stopping's validation metrics); empty when none.
+    """
 
     epoch: int
     loss: float
     accuracy: float
     steps: int
+    stats: dict[str, float] = field(default_factory=dict)
+    validation: dict[str, float] = field(default_factory=dict)
+
+    def record(self) -> dict[str, Any]:
+        """The epoch as a JSON-ready dict; ``stats`` and ``validation`` only when not empty (as before they existed)."""
+        out: dict[str, Any] = {"epoch": self.epoch, "loss": self.loss, "accuracy": self.accuracy, "steps": self.steps}
+        if self.stats:
+            out["stats"] = dict(self.stats)
+        if self.validation:
+            out["validation"] = dict(self.validation)
+        return out
 
 
 @dataclass
@@ -46,6 +63,7 @@ class Position:
         torch_rng: global CPU RNG state after the last applied step.
         cuda_rng: global CUDA RNG states, when CUDA is initialized.
         partial: running sums ``(loss·n, correct, n)`` of the current epoch.
+        stats: running sums ``(name, sum, steps)`` of the current epoch's step statistics.
     """
 
     epoch: int
@@ -54,6 +72,7 @@ class Position:
     torch_rng: torch.Tensor
     cuda_rng: tuple[torch.Tensor, ...] | None = None
     partial: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    stats: tuple[tuple[str, float, int], ...] = ()
 
 
 def _loader_generator(loader: Iterable[Batch]) -> torch.Generator | None:
@@ -61,9 +80,12 @@ def _loader_generator(loader: Iterable[Batch]) -> torch.Generator | None:
     return generator if isinstance(generator, torch.Generator) else None
 
 
-def _here(epoch: int, batch: int, loader_rng: torch.Tensor | None, partial: tuple) -> Position:
+def _here(
+    epoch: int, batch: int, loader_rng: torch.Tensor | None, partial: tuple, sums: Mapping[str, list] | None = None
+) -> Position:
     cuda = tuple(torch.cuda.get_rng_state_all()) if torch.cuda.is_initialized() else None
-    return Position(epoch, batch, loader_rng, torch.get_rng_state(), cuda, partial)
+    stats = tuple((k, float(s), int(n)) for k, (s, n) in (sums or {}).items())
+    return Position(epoch, batch, loader_rng, torch.get_rng_state(), cuda, partial, stats)
 
 
 def _epoch_batches(loader: Iterable[Batch], resume: Position | None) -> tuple[Iterator[Batch], torch.Tensor | None]:
@@ -94,6 +116,8 @@ def fit(
     checkpoint_every: int = 0,
     progress: bool = True,
     history: History | None = None,
+    after_epoch: Callable[[State, History], None] | None = None,
+    stop: Callable[[History], bool] | None = None,
 ) -> tuple[State, History]:
     """Run ``state, out = method.update(state, batch)`` over ``epochs`` passes of ``loader``.
 
@@ -113,6 +137,15 @@ def fit(
             never in logs or pipes, where the run's line per epoch comes from ``checkpoint``,
             :class:`flatbma.experiment.logs.EpochLogger`).
         history: the history to append to.
+        after_epoch: ``after_epoch(state, history)`` is called after each epoch is appended to ``history``
+            and before its checkpoint (it may add the epoch's ``validation`` values, which the checkpoint
+            then holds): e.g. early stopping's validation (:mod:`flatbma.experiment.early_stopping`).
+        stop: ``stop(history)`` is asked before every epoch (a resumed run included); training ends when it
+            says so. It must be a function of the history alone, so that a resumed run stops where the
+            uninterrupted one did.
+
+    The epoch's step statistics (:attr:`~flatbma.types.StepOutput.stats`) are averaged into
+    :attr:`EpochLog.stats`; their running sums are part of every :class:`Position`.
 
     Raises:
         DivergenceError: on a non-finite loss or a failed linear solve (a covariance that is no longer
@@ -123,8 +156,11 @@ def fit(
     reporter = current()
     start_epoch = resume.epoch if resume is not None else 0
     for epoch in range(start_epoch, epochs):
+        if stop is not None and stop(history):
+            break
         batches, start_rng = _epoch_batches(loader, resume)
         loss_sum, correct, count = resume.partial if resume is not None else (0.0, 0.0, 0.0)
+        sums = {k: [s, n] for k, s, n in resume.stats} if resume is not None else {}
         applied = resume.batch if resume is not None else 0
         resume = None
         bar = reporter.bar(batches, total=total, initial=applied, desc=f"epoch {epoch + 1}/{epochs}", enabled=progress)
@@ -144,11 +180,18 @@ def fit(
             loss_sum += loss * len(y)
             correct += float((out.logits.argmax(-1) == y).sum())
             count += len(y)
+            for key, value in (out.stats or {}).items():
+                total = sums.setdefault(key, [0.0, 0])
+                total[0] += float(value)
+                total[1] += 1
             applied += 1
             bar.set_postfix(loss=f"{loss_sum / count:.4f}", refresh=False)
             if checkpoint is not None and checkpoint_every and state.step % checkpoint_every == 0:
-                checkpoint(state, _here(epoch, applied, start_rng, (loss_sum, correct, count)), history)
-        history.epochs.append(EpochLog(epoch + 1, loss_sum / max(count, 1), correct / max(count, 1), applied))
+                checkpoint(state, _here(epoch, applied, start_rng, (loss_sum, correct, count), sums), history)
+        means = {k: s / n for k, (s, n) in sums.items()}
+        history.epochs.append(EpochLog(epoch + 1, loss_sum / max(count, 1), correct / max(count, 1), applied, means))
+        if after_epoch is not None:
+            after_epoch(state, history)
         if checkpoint is not None:
             generator = _loader_generator(loader)
             next_rng = generator.get_state() if generator is not None else None

@@ -9,7 +9,6 @@ strings again for the resolved ``config.yaml``. The run config that holds them, 
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -22,6 +21,7 @@ from flatbma.experiment.distributed import Parallel
 from flatbma.experiment.parse import shown
 from flatbma.optim import SGD, Adam, constant, cosine
 from flatbma.optim.schedules import Schedule as LearningRate
+from flatbma.options import added, resolved
 from flatbma.transfer import Subset
 from flatbma.types import GradientTransformation
 
@@ -66,8 +66,11 @@ def _set_members(section: Any, key: str, enum: type[Enum]) -> None:
 
 
 def plain(section: Any) -> dict[str, Any]:
-    """``dataclasses.asdict(section)`` with every Enum member spelled as its value (as YAML and JSON hold it)."""
-    return plain_values(dataclasses.asdict(section))
+    """The resolved ``section`` with every Enum member spelled as its value (as YAML and JSON hold it).
+
+    :func:`flatbma.options.resolved`: options added later are left out while they hold their default.
+    """
+    return plain_values(resolved(section))
 
 
 def plain_values(mapping: Mapping[str, Any]) -> dict[str, Any]:
@@ -109,6 +112,11 @@ class DataConfig:
         root: directory of the files, for data sets that are not embedded.
         k_shot: images per class drawn (by ``seed``) from the training split; ``None`` = all.
         val_per_class: images per class of the k-shot budget held out for validation (0 = none).
+        val_pool: images per class drawn for validation from *outside* the k-shot images (the rest of the
+            training split; all ``k_shot`` images then train). Less noisy selection, temperature scaling and
+            early stopping than a few held-out shots, but it uses labels a strict few-shot setting would
+            not have (the FP-BMA authors' validation split is 10% of the full training set). Not with
+            ``val_per_class``.
         image_size: resize images to this square size.
         to_rgb: repeat a single grey channel to three (for ImageNet backbones).
         normalize: ``"imagenet"`` mean/std normalization, or none.
@@ -116,6 +124,9 @@ class DataConfig:
         batch_size: training mini-batch size.
         eval_batch_size: evaluation batch size.
         test_limit: evaluate on a seeded stratified subset of this many test images (``None`` = all).
+        val_fraction: the share of each class of the training split held out for validation when there is
+            no ``k_shot`` draw (a full-data run: selection, temperature scaling and early stopping then have
+            a validation split); drawn by ``seed``, stratified, in ``[0, 1)``.
     """
 
     name: str = "digits"
@@ -129,14 +140,33 @@ class DataConfig:
     batch_size: int = 64
     eval_batch_size: int = 256
     test_limit: int | None = None
+    val_pool: int = added(0)
+    val_fraction: float = added(0.0)
 
     def __post_init__(self) -> None:
         check_positive("k_shot", self.k_shot, allow_none=True)
         check_positive("val_per_class", self.val_per_class, allow_zero=True)
+        check_positive("val_pool", self.val_pool, allow_zero=True)
+        if self.val_pool and self.val_per_class:
+            raise FlatbmaError(
+                "give val_per_class (validation out of the k-shot budget) or val_pool (from outside it), not both"
+            )
+        if not 0 <= self.val_fraction < 1:
+            raise FlatbmaError(f"val_fraction must be in [0, 1) (the held-out share), got {self.val_fraction!r}")
+        if self.val_fraction and self.k_shot is not None:
+            raise FlatbmaError(
+                "val_fraction holds out a share of the full training split; with k_shot use val_per_class (out of "
+                "the k-shot budget) or val_pool (images outside it)"
+            )
         check_positive("image_size", self.image_size, allow_none=True)
         check_positive("batch_size", self.batch_size)
         check_positive("eval_batch_size", self.eval_batch_size)
         check_positive("test_limit", self.test_limit, allow_none=True)
+
+    @property
+    def validation(self) -> bool:
+        """Whether the run has a validation split (``val_per_class``/``val_pool`` with ``k_shot``, ``val_fraction``)."""
+        return (self.k_shot is not None and (self.val_per_class > 0 or self.val_pool > 0)) or self.val_fraction > 0
 
 
 @dataclass(frozen=True)
@@ -233,6 +263,50 @@ class TrainLog(str, Enum):
     """TensorBoard event files under ``tensorboard/`` (needs the optional extra ``flatbma[tensorboard]``)."""
 
 
+class Criterion(str, Enum):
+    """What early stopping watches on the validation split (``train.early_stopping.criterion``)."""
+
+    NLL = "nll"
+    """The BMA's negative log-likelihood ``−mean log (1/M) Σ_m p(y|x, w_m)``."""
+    LOSS = "loss"
+    """The mean over the samples of each sample's cross-entropy, ``−mean (1/M) Σ_m log p(y|x, w_m)``
+    (the expected loss ``E_q[L_val]``; for a point estimate the same as ``nll``)."""
+
+
+@dataclass(frozen=True)
+class EarlyStopping:
+    """Early stopping on validation (``train.early_stopping``), the protocol of the FP-BMA authors' scripts.
+
+    After every ``every`` epochs (and the last), the posterior's current state is evaluated on the
+    validation split with ``samples`` posterior samples (BatchNorm statistics recomputed as for the
+    test evaluation; a sampler's current samples); the state of the best evaluation (smallest
+    ``criterion``; the first on ties) is kept in ``best.safetensors``, training stops once ``patience``
+    epochs have passed since it, and the run is evaluated at that best state. The values are in the
+    history (``log.csv``: ``val/nll``, ``val/loss``, ``val/accuracy``); ``metrics.json`` records the best
+    epoch. A resumed run stops, and keeps, exactly what the uninterrupted one did.
+
+    Attributes:
+        criterion: a :class:`Criterion` (``nll`` or ``loss``).
+        patience: epochs without a better evaluation before training stops (the authors': 50 of 150).
+        every: evaluate every this many epochs.
+        samples: posterior samples per evaluation (the authors': 3).
+    """
+
+    criterion: Criterion = Criterion.NLL
+    patience: int = 10
+    every: int = 1
+    samples: int = 3
+
+    def __post_init__(self) -> None:
+        _set_member(self, "criterion", Criterion)
+        check_positive("patience", self.patience)
+        check_positive("every", self.every)
+        check_positive("samples", self.samples)
+        for key in ("patience", "every", "samples"):
+            if not isinstance(getattr(self, key), int):
+                raise FlatbmaError(f"{key} must be an integer, got {getattr(self, key)!r}")
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     """Training loop.
@@ -250,6 +324,8 @@ class TrainConfig:
             trains all of the method on its shard of each global batch) or ``members`` (each trains a
             disjoint share of the posterior's independent members, e.g. ensemble members, on all the
             data; only for methods with members). See :mod:`flatbma.experiment.distributed`.
+        early_stopping: stop on validation and keep the best state (:class:`EarlyStopping`); ``None``:
+            train all ``epochs`` and keep the last.
     """
 
     epochs: int = 10
@@ -258,6 +334,7 @@ class TrainConfig:
     progress: bool = True
     log: tuple[TrainLog, ...] = (TrainLog.CSV,)
     parallel: Parallel = Parallel.DATA
+    early_stopping: EarlyStopping | None = added(None)
 
     def __post_init__(self) -> None:
         _set_member(self, "parallel", Parallel)

@@ -14,7 +14,8 @@ negative log-likelihood on the validation split is chosen,
 
     NLL_val = −(1/N) Σᵢ log p(yᵢ | xᵢ),   log p(y | x) = logsumexp_m log softmax f(x; w_m)_y − log M,
 
-over the ``data.val_per_class`` images per class held out of the k-shot budget and the run's
+over the validation split (``data.val_per_class`` images per class held out of the k-shot budget, or
+``data.val_pool`` drawn from outside it) and the run's
 ``eval.num_samples`` posterior samples (the samples its test evaluation draws). The test set plays
 no part in the choice, and only the chosen candidate is evaluated on it — the protocol of the papers
 the methods come from, which choose SAM's ρ (Foret et al. 2021) or FP-BMA's γ (Lim et al. 2025) on
@@ -45,7 +46,8 @@ def validation_nll(exp: Experiment, state: State) -> float:
     """
     if exp.val_loader is None:
         raise FlatbmaError(
-            "choosing among candidates needs a validation split: set data.k_shot and data.val_per_class > 0"
+            "choosing among candidates needs a validation split: set data.k_shot and data.val_per_class > 0 "
+            "or data.val_pool > 0 (or data.val_fraction without k_shot)"
         )
     with exp.rng.restored():
         averaged = bma_predictions(exp, state, draw_samples(exp, state))

@@ -35,6 +35,7 @@ from flatbma.experiment.checkpoint import (
     template,
 )
 from flatbma.experiment.config import RunConfig
+from flatbma.experiment.early_stopping import Monitor
 from flatbma.experiment.evaluate import evaluate_state
 from flatbma.experiment.health import assess, warn_if_flagged
 from flatbma.experiment.logs import EpochLogger, check_available
@@ -197,6 +198,7 @@ def train_stage(
         if logger is not None:
             logger(h)  # after the checkpoint: the logs never run ahead of it
 
+    monitor = Monitor(exp, cfg.train.early_stopping, run_dir) if cfg.train.early_stopping is not None else None
     method, state = exp.strategy.start(exp.method, state, cfg.method.name)
     start = time.perf_counter()
     exp.model.train()
@@ -212,6 +214,8 @@ def train_stage(
             checkpoint_every=cfg.train.checkpoint_every,
             progress=cfg.train.progress and distributed.is_main(),
             history=history,
+            after_epoch=monitor.after_epoch if monitor is not None else None,
+            stop=monitor.stop if monitor is not None else None,
         )
     except DivergenceError as e:
         lower = f"--set optim.lr={yaml_float(cfg.optim.lr / 10)}"
@@ -232,19 +236,25 @@ def train_stage(
             logger.close()
     train_time = time.perf_counter() - start
     state, history = exp.strategy.finish(state, history)
+    if monitor is not None:  # the best validation evaluation's state is the run's result
+        state = monitor.best(state, history, template(exp))
     metrics = evaluate_state(exp, state, flatness=cfg.eval.flatness) if evaluate else {}
     metrics.update(
         method=cfg.method.name,
         seed=cfg.seed,
         train_time_s=train_time,
         steps=state.step,
-        history=[vars(h) for h in history.epochs],
+        history=[h.record() for h in history.epochs],
         environment=environment(),
     )
     if evaluate:  # the loss history and the BMA's fit to its training data (compare assesses its own rows)
         metrics["health"] = assess(metrics["history"], metrics.get("health"))
     if prior is not None:
         metrics["prior_run"] = str(prior.run_dir)
+    if monitor is not None:
+        metrics["early_stopping"] = monitor.record(history)
+    if any(h.stats for h in history.epochs):  # e.g. how far FP-BMA's ascent moved q at each step
+        metrics["step_stats"] = step_stats(history)
     if start_theta is not None:  # how far q moved: a flat-seeking step that barely changes q cannot matter
         kls = [float(kl_lowrank(end, begin)) for end, begin in zip(_lowrank_thetas(state), start_theta, strict=True)]
         metrics["kl_from_start"] = sum(kls) / len(kls)  # a mixture's: the mean over its members
@@ -254,6 +264,20 @@ def train_stage(
         if evaluate:
             warn_if_flagged(metrics["health"], f"the run in {run_dir}")  # once its metrics are kept
     return Trained(experiment=exp, state=state, metrics=metrics)
+
+
+def step_stats(history: History) -> dict[str, dict[str, float]]:
+    """Every step statistic of ``history`` (:attr:`EpochLog.stats`): its median over the epochs' means, first, last.
+
+    The median over epochs of the per-epoch mean (not over single steps: the loop keeps epoch means), and the
+    first and last epochs' means, which show how the statistic's scale changed during training.
+    """
+    names = dict.fromkeys(k for h in history.epochs for k in h.stats)
+    out = {}
+    for name in names:
+        values = [h.stats[name] for h in history.epochs if name in h.stats]
+        out[name] = {"median": float(np.median(values)), "first": values[0], "last": values[-1], "epochs": len(values)}
+    return out
 
 
 def _initial_state(cfg: RunConfig, exp: Experiment, prior: FittedPrior | None) -> State:

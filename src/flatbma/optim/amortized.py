@@ -84,7 +84,7 @@ from torch import Tensor
 from flatbma import packed
 from flatbma.checks import check_int, check_number, parse_choice
 from flatbma.errors import FlatbmaError
-from flatbma.optim.ascent import Gradient, ascended, has_memory
+from flatbma.optim.ascent import Gradient, ascended, has_memory, needs_sample
 from flatbma.params import add
 from flatbma.types import Ascent, AscentSpace, Batch, Params, ascent_space
 
@@ -136,6 +136,11 @@ class Amortized:
             )
         if has_memory(self.ascent):
             raise FlatbmaError("Amortized wraps a plain ascent step, not another Amortized one: give its options once")
+        if needs_sample(self.ascent):
+            raise FlatbmaError(
+                "the score direction's step comes from the drawn sample, not from a first pass: there is no second "
+                "pass to amortize (it costs one forward/backward already); leave out ascent_every and its options"
+            )
         check_int(
             self.ascent_every,
             f"ascent_every must be an integer >= 1 (the second pass runs every k steps), got {self.ascent_every!r}",

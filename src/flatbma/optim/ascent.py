@@ -48,6 +48,15 @@ def has_memory(ascent: Ascent | None) -> bool:
     return hasattr(ascent, "descent_gradient")
 
 
+def needs_sample(ascent: Ascent | None) -> bool:
+    """Whether ``ascent`` is taken from the drawn weight sample rather than a first pass's gradient.
+
+    Such a step (:class:`flatbma.optim.FisherBall` with ``direction: score``) has ``perturb_sample(θ, w)``
+    and is applied by :func:`flatbma.posteriors.gaussian_vi.theta_sharpness_value_and_grad`.
+    """
+    return bool(getattr(ascent, "needs_sample", False))
+
+
 def ascent_memory(ascent: Ascent | None, params: Mapping[str, Tensor], prefix: str = MEMORY) -> Params:
     """The initial memory of ``ascent`` for ``params``, its keys prefixed by ``prefix``: ``{}`` for a stateless step."""
     if not has_memory(ascent):

@@ -69,6 +69,7 @@ import torch
 from torch import Tensor
 
 from flatbma.checks import check_int, check_number, parse_choice
+from flatbma.errors import FlatbmaError
 from flatbma.gaussian import (
     PREFIXES,
     LowRankGeometry,
@@ -79,12 +80,14 @@ from flatbma.gaussian import (
     kl_lowrank,
     packed_rows,
     rows,
+    score,
 )
 from flatbma.optim.ascent import TINY
 from flatbma.optim.fisher_sam import FisherSAM
 from flatbma.optim.sam import SAM
+from flatbma.options import added
 from flatbma.params import detached, scale
-from flatbma.types import AscentSpace
+from flatbma.types import AscentSpace, Params
 
 
 class BallMetric(str, Enum):
@@ -96,6 +99,24 @@ class BallMetric(str, Enum):
     """``F = I``: SAM on ``θ``."""
     DATA_FISHER = "data-fisher"
     """``F = 1 + η g⊙g``: Fisher-SAM on ``θ``."""
+
+
+class Direction(str, Enum):
+    """Where :class:`FisherBall` pushes ``θ`` (strings and members are both accepted)."""
+
+    LOSS = "loss"
+    """The paper's step: the maximizer ``F⁻¹g`` of the linearized data loss in the ball."""
+    SCORE = "score"
+    """As in the authors' code, not the paper: ``ρ·s/‖s‖`` per block with ``s = ∇_θ log q_θ(w)`` at the drawn sample."""
+
+
+class BallBlocks(str, Enum):
+    """Which blocks of ``θ`` the ascent perturbs (strings and members are both accepted)."""
+
+    ALL = "all"
+    """The mean, ``log σ`` and the factor."""
+    MEAN = "mean"
+    """The mean alone (``q``'s covariance is left as it is): the whole budget moves ``μ``."""
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -359,9 +380,17 @@ class FisherBall:
     ``∇_θ E_z L_B(w(θ, z))`` (see :func:`flatbma.posteriors.gaussian_vi.theta_sharpness_value_and_grad`,
     which a Gaussian VI posterior uses because this step's :attr:`space` is ``θ``).
 
+    **The scale of γ.** A mean shift ``δμ`` costs ``KL = ½δμᵀΣ⁻¹δμ``, so the step moves ``μ`` by at most
+    ``√(2γ)·σ̄`` in Euclidean norm (``σ̄`` a marginal std of ``q`` along the move): the same ``γ`` is a tiny
+    move for a narrow ``q`` and a large one for a wide ``q``, and it changes as ``q``'s width does during
+    training. A SAM step of radius ``ρ`` on the weights corresponds to ``γ ≈ ρ²/(2σ̄²)`` (``σ̄ = 0.007``:
+    ``ρ = 0.05`` is ``γ ≈ 25``). ``radius`` states the step in the weights' units instead: ``γ`` is then set at
+    every step so that ``‖δμ‖₂ = radius``. Every step's size is recorded by the posterior
+    (:func:`flatbma.gaussian.step_size`: ``‖δμ‖₂``, the exact ``KL(q_{θ+δ} ‖ q_θ)`` and the mean's share).
+
     Attributes:
         space: :attr:`AscentSpace.THETA <flatbma.types.AscentSpace.THETA>`: the step perturbs ``θ``.
-        gamma: ``γ``, radius of the KL ball (nats).
+        gamma: ``γ``, radius of the KL ball (nats); 0.01 when neither ``gamma`` nor ``radius`` is given.
         metric: a :class:`BallMetric` (its name is accepted and stored as the member). ``"fisher"``: the
             Fisher of the low-rank plus diagonal Gaussian ``q_θ`` (needs the ``mean/``, ``log_std/``, ``factor/``
             layout); ``"euclidean"``: ``F = I``, i.e. SAM on ``θ`` with ``ρ = √(2γ)``; ``"data-fisher"``:
@@ -382,29 +411,88 @@ class FisherBall:
             ~10% of the quadratic model). The quadratic
             model ``½δᵀF_λδ`` can badly underestimate the KL along directions the damping dominates
             (e.g. ``log σ`` when the factor carries almost all of the variance); ``inf`` turns it off.
+        radius: the step in the weights' units (``"fisher"`` only; not with ``gamma``). With ``direction:
+            loss``: ``γ`` is chosen at every step so that ``‖δμ‖₂ = radius`` (the covariance blocks move by the
+            same multiple of ``F⁻¹g``; the trust region then bounds the exact KL by ``max_kl_ratio`` times that
+            step's ``½δᵀF_λδ``). With ``direction: score``: the Euclidean norm of every block's step.
+        direction: a :class:`Direction`. ``"loss"`` (the paper): ``F⁻¹g`` above. ``"score"`` (as in the
+            authors' code, ``SABMA_optim.first_step``, not the paper): ``δ_b = radius·s_b/‖s_b‖`` for each
+            block ``b`` of ``θ`` (the mean, ``log σ``, the factor — each as one vector over all weights),
+            ``s = ∇_θ log q_θ(w)`` at the drawn sample ``w`` (:func:`flatbma.gaussian.score`; the loss gradient
+            plays no part), the same noise re-used at ``θ + δ``. Needs ``radius`` and the sample
+            (:meth:`perturb_sample`; one Monte-Carlo sample per step).
+        blocks: a :class:`BallBlocks`. ``"all"``; ``"mean"``: only ``μ`` is perturbed — with ``direction: loss``
+            ``δμ = t·Σg_μ``, ``t`` from ``½δμᵀΣ⁻¹δμ = γ`` (exact: the KL of a mean shift is quadratic) or from
+            ``radius``; the covariance, where a large ``γ`` otherwise goes (it is cheapest there in KL),
+            is left alone.
     """
 
     space: ClassVar[AscentSpace] = AscentSpace.THETA
+    NOTES: ClassVar[str] = """
+The scale of gamma: a mean shift d costs KL = ½ dᵀΣ⁻¹d, so the ascent moves μ by at most sqrt(2·gamma)·σ
+(σ: q's marginal std along the move). A SAM radius ρ on the weights is gamma ≈ ρ²/(2σ²): with σ ≈ 0.007
+(the transfer demo's SWAG prior), ρ = 0.05 is gamma ≈ 25 and ρ = 0.1 is gamma ≈ 100. The same gamma means
+less as q narrows, more as it widens. Give the step in the weights' units instead with radius: ‖δμ‖₂ = radius
+at every step (not with gamma). blocks: mean spends the whole budget on μ (a large joint gamma goes to σ and
+the factor, where it is cheapest). direction: score is the authors' code, not the paper: every block of θ
+moved by radius along the drawn sample's score ∇θ log q(w). Every step records ascent/mean_shift (‖δμ‖₂),
+ascent/kl (the exact KL of the step) and ascent/kl_mean in log.csv and metrics.json. docs/methods.md §5.1-5.2.
+"""
 
-    gamma: float = 0.01
+    gamma: float | None = None
     metric: BallMetric = BallMetric.FISHER
     cg_iters: int = 20
     cg_tol: float = 1e-3
     damping: float = 1e-2
     eta: float = 1.0
     max_kl_ratio: float = 2.0
+    radius: float | None = added(None)
+    direction: Direction = added(Direction.LOSS)
+    blocks: BallBlocks = added(BallBlocks.ALL)
 
     def __post_init__(self) -> None:
         inf = float("inf")
-        check_number(
-            self.gamma,
-            f"gamma must be a positive number (the KL radius of FP-BMA), got {self.gamma!r}",
-            low=0,
-            low_open=True,
-            high=inf,
-            high_open=True,
-        )
         object.__setattr__(self, "metric", _parse_metric(self.metric))
+        object.__setattr__(self, "direction", parse_choice(Direction, self.direction, "direction"))
+        object.__setattr__(self, "blocks", parse_choice(BallBlocks, self.blocks, "blocks"))
+        if self.radius is not None:
+            check_number(
+                self.radius,
+                f"radius must be a positive number (the step's Euclidean length in the weights' units), "
+                f"got {self.radius!r}",
+                low=0,
+                low_open=True,
+                high=inf,
+                high_open=True,
+            )
+            if self.gamma is not None:
+                raise FlatbmaError(
+                    f"give gamma (a KL radius in nats) or radius (a Euclidean one in the weights' units), not both: "
+                    f"got gamma={self.gamma!r} and radius={self.radius!r}"
+                )
+            if self.metric is not BallMetric.FISHER:
+                raise FlatbmaError(
+                    f"radius applies to metric: fisher; with metric: {self.metric.value} the step already has the "
+                    f"Euclidean radius sqrt(2·gamma): give gamma"
+                )
+        elif self.direction is Direction.SCORE:
+            raise FlatbmaError(
+                "direction: score (the authors' step) moves every block of θ by a Euclidean radius: give radius "
+                "(e.g. 0.1, their best CIFAR-10 setting), not gamma"
+            )
+        elif self.gamma is None:
+            object.__setattr__(self, "gamma", 0.01)
+        if self.gamma is not None:
+            check_number(
+                self.gamma,
+                f"gamma must be a positive number (the KL radius of FP-BMA), got {self.gamma!r}",
+                low=0,
+                low_open=True,
+                high=inf,
+                high_open=True,
+            )
+        if self.blocks is BallBlocks.MEAN and self.metric is not BallMetric.FISHER:
+            raise FlatbmaError(f"blocks: mean applies to metric: fisher, not {self.metric.value}")
         message = f"cg_iters must be an integer >= 1 (conjugate-gradient steps), got {self.cg_iters!r}"
         check_int(self.cg_iters, message, minimum=1)
         check_number(
@@ -437,26 +525,75 @@ class FisherBall:
 
     @property
     def rho(self) -> float:
-        """``√(2γ)``, the radius of the ball in the chosen metric."""
-        return math.sqrt(2.0 * self.gamma)
+        """``√(2γ)``, the radius of the ball in the chosen metric (``radius`` when ``γ`` is set per step)."""
+        return math.sqrt(2.0 * self.gamma) if self.gamma is not None else float(self.radius)
+
+    @property
+    def needs_sample(self) -> bool:
+        """Whether the step is taken from the drawn sample (``direction: score``: :meth:`perturb_sample`)."""
+        return self.direction is Direction.SCORE
 
     @torch.no_grad()
     def perturb(self, params: Mapping[str, Tensor], grads: Mapping[str, Tensor]) -> Mapping[str, Tensor]:
-        """Return ``δ* = √(2γ) F⁻¹g / √(gᵀF⁻¹g)`` for every key of ``grads``."""
+        """Return ``δ* = t·F⁻¹g``, ``t = √(2γ)/√(gᵀF⁻¹g)`` (or from ``radius``), for every key of ``grads``."""
+        if self.needs_sample:
+            raise FlatbmaError(
+                "direction: score perturbs θ along the score of the drawn sample, not the loss gradient: the "
+                "posterior calls perturb_sample(θ, w)"
+            )
         if self.metric is BallMetric.EUCLIDEAN:
             return SAM(rho=self.rho).perturb(params, grads)
         if self.metric is BallMetric.DATA_FISHER:
             return FisherSAM(rho=self.rho, eta=self.eta).perturb(params, grads)
         theta = detached(params)
+        if self.blocks is BallBlocks.MEAN:
+            return self._mean_step(theta, grads)
         x, quad = natural_gradient(theta, grads, damping=self.damping, cg_iters=self.cg_iters, cg_tol=self.cg_tol)
-        length = float(self.rho / (quad.clamp_min(0).sqrt() + TINY))
+        quad = float(quad.clamp_min(0))
+        if self.radius is None:
+            length = float(self.rho / (math.sqrt(quad) + TINY))
+        else:
+            length = float(self.radius / (float(torch.linalg.vector_norm(blocks(x)[0])) + TINY))
+        gamma = self.gamma if self.radius is None else 0.5 * length**2 * quad  # the step's γ = ½δᵀF_λδ
         if math.isfinite(self.max_kl_ratio) and _leaves_quadratic_regime(theta, x, length):
-            length *= self._trust_region(theta, x, length)
+            length *= self._trust_region(theta, x, length, gamma)
         return scale(x, length)
 
-    def _trust_region(self, theta: Mapping[str, Tensor], x: Mapping[str, Tensor], scale: float) -> float:
+    def _mean_step(self, theta: Mapping[str, Tensor], grads: Mapping[str, Tensor]) -> Mapping[str, Tensor]:
+        """``blocks: mean``: ``δμ = t·Σg_μ`` with ``½δμᵀΣ⁻¹δμ = γ`` (or ``‖δμ‖₂ = radius``); no covariance move."""
+        geo = geometry(theta, torch.float64)
+        g_mu = rows(grads)[0].to(geo.a.dtype)
+        x_mu = torch.addcmul((geo.u @ g_mu) @ geo.u, geo.a, g_mu)  # Σ g_μ
+        if self.radius is None:
+            length = self.rho / (math.sqrt(max(float(torch.vdot(g_mu, x_mu)), 0.0)) + TINY)
+        else:
+            length = self.radius / (float(torch.linalg.vector_norm(x_mu)) + TINY)
+        matrix = rows(theta)
+        out = torch.zeros(matrix.shape, dtype=matrix.dtype, device=matrix.device)
+        out[0] = length * x_mu
+        return from_rows(out, theta)
+
+    @torch.no_grad()
+    def perturb_sample(self, params: Mapping[str, Tensor], weights: Mapping[str, Tensor]) -> Params:
+        """``direction: score``: ``δ_b = radius·s_b/‖s_b‖`` per block ``b``, ``s = ∇_θ log q_θ(w)`` at the sample ``w``.
+
+        The blocks are the mean, ``log σ`` and the factor, each one vector over all trained weights (as the
+        authors' parameter groups); with ``blocks: mean`` only the mean moves. Computed from ``θ`` and ``w``
+        alone (no loss gradient), so it can be formed before any forward pass.
+        """
+        theta = detached(params)
+        s = score(theta, weights)
+        matrix = rows(theta)
+        out = torch.zeros(matrix.shape, dtype=matrix.dtype, device=matrix.device)
+        parts = [(0, 1)] if self.blocks is BallBlocks.MEAN else [(0, 1), (1, 2), (2, matrix.shape[0])]
+        for start, stop in parts:
+            block = s[start:stop]
+            out[start:stop] = (self.radius / (float(torch.linalg.vector_norm(block)) + TINY)) * block
+        return dict(from_rows(out, theta))
+
+    def _trust_region(self, theta: Mapping[str, Tensor], x: Mapping[str, Tensor], scale: float, gamma: float) -> float:
         """The factor ``t ≤ 1`` with ``KL(q_{θ+t·scale·x} ‖ q_θ) ≤ max_kl_ratio·γ`` (see ``max_kl_ratio``)."""
-        bound = self.max_kl_ratio * self.gamma
+        bound = self.max_kl_ratio * gamma
 
         def within(t: float) -> bool:
             moved = {k: v + (t * scale) * x[k] if k in x else v for k, v in theta.items()}

@@ -36,6 +36,7 @@ from torch import Tensor
 
 from flatbma import packed
 from flatbma.checks import check_int, check_number
+from flatbma.errors import FlatbmaError
 from flatbma.gaussian import GaussianNoise, is_theta, section
 from flatbma.optim.ascent import (
     MEMORY,
@@ -43,6 +44,7 @@ from flatbma.optim.ascent import (
     has_memory,
     memory_entries,
     memory_of,
+    needs_sample,
     sharpness_aware_value_and_grad,
     two_pass,
 )
@@ -92,7 +94,8 @@ class ReparameterizedFamily(Protocol):
     # Optional, used when present:
     #   pullback(θ, noise, g) -> (∂w/∂θ)ᵀg in closed form (else autograd through reparameterize);
     #   kl_grad(θ) -> ∇_θ KL in closed form (else autograd through kl);
-    #   layout(θ) -> flatbma.packed.Layout: θ and its optimizer state are kept packed in it.
+    #   layout(θ) -> flatbma.packed.Layout: θ and its optimizer state are kept packed in it;
+    #   step_size(θ, θ') -> {name: 0-d tensor}: how far an ascent step on θ moved q (recorded every step).
 
 
 def _device(tensors: Mapping[str, Tensor]) -> torch.device:
@@ -199,6 +202,7 @@ def theta_sharpness_value_and_grad(
     ascent: Ascent | None = None,
     kl_weight: float = 1.0,
     memory: Mapping[str, Tensor] | None = None,
+    record: dict[str, Tensor] | None = None,
 ) -> tuple[Tensor, Tensor, Params]:
     """The sharpness-aware step applied to the variational parameters ``θ`` themselves (FP-BMA).
 
@@ -215,20 +219,60 @@ def theta_sharpness_value_and_grad(
     :func:`flatbma.optim.ascent.two_pass` on ``θ``, so an ascent step with a memory
     (:class:`flatbma.optim.Amortized`, given its ``memory``) schedules the second pass here as on weights.
 
+    An ascent step taken from the drawn sample (:func:`flatbma.optim.ascent.needs_sample`: FisherBall's
+    ``direction: score``, the authors' code) replaces steps 1–2 by ``δ = ascent.perturb_sample(θ, w(θ, z))``
+    for the one noise sample ``z``; the first pass is then a forward pass only (its loss, logits and
+    BatchNorm update), since ``δ`` does not depend on the loss.
+
+    ``record``: when given, filled with the step's size — the family's ``step_size(θ, θ + δ)``
+    (:func:`flatbma.gaussian.step_size`: ``mean_shift``, ``kl``, ``kl_mean``) — at every step that takes
+    the second pass, if the family has one.
+
     Returns:
         ``(mean over samples of L_B(w(θ, z_m)), logits of the first sample at θ, gradient by key of θ)``.
     """
     if ascent is None:
         return elbo_value_and_grad(objective, family, theta, buffers, batch, noises, kl_weight=kl_weight)
+    measure = getattr(family, "step_size", None) if record is not None else None
 
     def data_gradient(point: Mapping[str, Tensor], part: Batch, first: bool) -> tuple[Tensor, Tensor, Params]:
+        if not first and measure is not None:
+            record.update(measure(theta, point))  # type: ignore[union-attr]
         bufs = buffers if first else clone(buffers)
         return elbo_value_and_grad(objective, family, point, bufs, part, noises, kl_weight=0.0)
 
-    loss, logits, grads = two_pass(data_gradient, theta, batch, ascent, memory)
+    if needs_sample(ascent):
+        loss, logits, grads = _sample_ascent(objective, family, theta, buffers, batch, noises, ascent, data_gradient)
+    else:
+        loss, logits, grads = two_pass(data_gradient, theta, batch, ascent, memory)
     if kl_weight:
         grads = add(grads, kl_grad(family, theta), kl_weight / objective.num_data)
     return loss, logits, grads
+
+
+def _sample_ascent(
+    objective: Objective,
+    family: ReparameterizedFamily,
+    theta: Mapping[str, Tensor],
+    buffers: Mapping[str, Tensor],
+    batch: Batch,
+    noises: Sequence[GaussianNoise],
+    ascent: Ascent,
+    gradient: Callable[[Mapping[str, Tensor], Batch, bool], tuple[Tensor, Tensor, Params]],
+) -> tuple[Tensor, Tensor, Params]:
+    """A step from the drawn sample: the loss at ``w(θ, z)`` (forward only), ``δ`` from ``w``, the gradient at θ + δ."""
+    if len(noises) != 1:
+        raise FlatbmaError(
+            f"an ascent step taken from the drawn sample perturbs θ along one sample, but this step draws "
+            f"{len(noises)}: set method.num_mc_samples: 1 (as the authors' code)"
+        )
+    theta = detached(theta)
+    with torch.no_grad():
+        w = family.reparameterize(theta, noises[0])
+        loss, logits = objective.loss(w, buffers, batch)  # BatchNorm statistics updated here, once
+        perturbed = add(theta, ascent.perturb_sample(theta, w))  # type: ignore[attr-defined]
+    _, _, grads = gradient(perturbed, batch, False)
+    return loss.detach(), logits.detach(), grads
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -294,6 +338,11 @@ def build(
     """
     optimizer = with_decay_mask(optimizer, family.decays)  # weight decay on μ, never on σ or L
     on_theta = ascent_space(ascent) is AscentSpace.THETA
+    if needs_sample(ascent) and num_mc_samples != 1:
+        raise FlatbmaError(
+            f"the ascent step is taken from the drawn sample (direction: score, as the authors' code: one sample per "
+            f"step), but method.num_mc_samples is {num_mc_samples}: set it to 1"
+        )
     value_and_grad = theta_sharpness_value_and_grad if on_theta else elbo_value_and_grad
 
     def init(params: Params, buffers: Params) -> State:
@@ -323,12 +372,16 @@ def build(
             memory = {"memory": memory_of(kept)}
         elif kept:
             memory = {"memories": [memory_of(kept, _sample_prefix(i)) for i in range(num_mc_samples)]}
+        record: dict[str, Tensor] = {}  # the ascent's step size on θ (theta_sharpness_value_and_grad)
+        if on_theta:
+            memory["record"] = record
         loss, logits, grads = value_and_grad(
             objective, family, theta, state.buffers, batch, noises, ascent=ascent, kl_weight=kl_weight, **memory
         )
         aux = optimizer.apply(state.params, grads, state.aux, state.step)
         aux = {**aux, SEED_KEY: state.aux[SEED_KEY], **kept}
-        return replace(state, aux=aux, step=state.step + 1), StepOutput(loss, logits)
+        stats = {f"ascent/{k}": v for k, v in record.items()}
+        return replace(state, aux=aux, step=state.step + 1), StepOutput(loss, logits, stats)
 
     return Posterior(init=init, update=update, sample=sampler(family), recompute_bn=True)
 

@@ -45,6 +45,7 @@ from flatbma.gaussian import (
     rows,
     sample_weights,
     section,
+    step_size,
     theta_layout,
 )
 from flatbma.packed import Layout
@@ -149,6 +150,10 @@ class LowRankGaussian:
     def decays(self, key: str) -> bool:
         """Weight decay acts on ``mean/<name>`` (the weights) only, not on the covariance parameters."""
         return key.startswith("mean/")
+
+    def step_size(self, theta: Mapping[str, Tensor], moved: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        """How far an ascent step moved ``q``: :func:`~flatbma.gaussian.step_size`."""
+        return step_size(theta, moved)
 
 
 def check_rank(rank: int) -> None:
