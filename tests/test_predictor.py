@@ -422,3 +422,17 @@ def test_fit_posterior_refuses_bad_options_in_one_line():
         flatbma.fit_posterior(_net(), loader, "sgd", epochs=0)
     with pytest.raises(FlatbmaError, match="DataLoader"):
         flatbma.fit_posterior(_net(), iter(loader), "sgd", epochs=1)
+
+
+def test_mc_dropout_masks_run_on_over_the_batches_of_one_prediction():
+    """One prediction enters MC dropout's prediction mode once: its second batch does not reuse the first's masks.
+
+    (The input check that prediction makes on its first batch runs inside that mode, in eval mode, drawing no mask.)
+    """
+    x, y = _data()
+    loader = DataLoader(TensorDataset(x, y), batch_size=48, shuffle=True)
+    bma = flatbma.fit_posterior(_net(dropout=False), loader, "mc-dropout", epochs=1, lr=0.05, rate=0.3, num_samples=2)
+    xs = _data(16, seed=5)[0]
+    together = bma.predict_log_proba([xs[:8], xs[8:]])  # two batches (a list: its iteration draws nothing)
+    assert torch.equal(together[:8], bma.predict_log_proba(xs[:8]))  # the same start
+    assert not torch.allclose(together[8:], bma.predict_log_proba(xs[8:]))  # masks ran on

@@ -25,7 +25,7 @@ from flatbma import (
     stats,
     transfer,
 )
-from flatbma.errors import DivergenceError, FlatbmaError
+from flatbma.errors import DivergenceError, FlatbmaError, FlatbmaTypeError, FlatbmaWarning
 from flatbma.params import Objective, load_into, model_buffers, trainable_params
 from flatbma.predict import bma_log_probs, evaluate, predict
 from flatbma.predictor import BMA
@@ -67,6 +67,8 @@ __all__ = [
     "Batch",
     "DivergenceError",
     "FlatbmaError",
+    "FlatbmaTypeError",
+    "FlatbmaWarning",
     "GradientTransformation",
     "Objective",
     "Params",

@@ -9,6 +9,7 @@ it), so each call site keeps its wording.
 from __future__ import annotations
 
 import math
+import reprlib
 from enum import Enum
 from typing import Any, TypeVar
 
@@ -19,6 +20,20 @@ from torch import Tensor
 from flatbma.errors import FlatbmaError, suggest
 
 E = TypeVar("E", bound=Enum)
+
+_SHOWN = reprlib.Repr()
+_SHOWN.maxlevel, _SHOWN.maxlist, _SHOWN.maxtuple, _SHOWN.maxdict = 3, 6, 6, 6
+_SHOWN.maxstring = _SHOWN.maxother = _SHOWN.maxlong = 60
+
+
+def shown(value: Any, limit: int = 80) -> str:
+    """``repr(value)`` for an error message, at most ``limit`` characters whatever the value's size.
+
+    Every user value an error message quotes (a key, a name, a path given in a config) goes through
+    here, so that a 100 KB value makes a line of bounded length.
+    """
+    text = _SHOWN.repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def parse_choice(cls: type[E], value: Any, key: str) -> E:
@@ -31,9 +46,9 @@ def parse_choice(cls: type[E], value: Any, key: str) -> E:
         return cls(value)
     except (ValueError, TypeError):  # TypeError: an unhashable value on some Python versions
         choices = [str(m.value) for m in cls]
-        shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
         names = ", ".join(repr(c) for c in choices)
-        raise FlatbmaError(f"{key} must be one of {names}, got {shown}.{suggest(str(value), choices)}") from None
+        hint = suggest(str(value), choices)
+        raise FlatbmaError(f"{key} must be one of {names}, got {shown(value, 40)}.{hint}") from None
 
 
 def is_int(value: object) -> bool:
@@ -96,3 +111,34 @@ def check_finite_vector(values: object, name: str) -> Tensor:
     if not bool(torch.isfinite(t).all()):
         raise FlatbmaError(f"{name} must be finite (got {t.tolist()})")
     return t
+
+
+def check_device(
+    device: object, key: str, *, instead: str, kinds: tuple[str, ...] = ("cpu", "cuda", "mps")
+) -> torch.device:
+    """``device`` (a name or a ``torch.device``) as a device flatbma can use on this machine.
+
+    A CPU, an existing CUDA device or an available MPS device (of ``kinds``; the predictor also takes
+    ``meta``, shapes only); anything else is a :class:`FlatbmaError` naming ``key`` and what to use
+    ``instead`` (``"auto or cpu"`` in a config).
+    """
+    try:
+        parsed = torch.device(device)  # type: ignore[arg-type]
+    except (RuntimeError, TypeError):
+        raise FlatbmaError(f"{key} {shown(device)} is not a device name (use {instead}, cuda, cuda:0, ...)") from None
+    if parsed.type not in kinds:
+        raise FlatbmaError(f"{key} {shown(device)}: flatbma trains on cpu, cuda or mps devices; use {instead}")
+    if parsed.type == "cuda" and not torch.cuda.is_available():
+        raise FlatbmaError(f"{key} is {shown(device)} but CUDA is not available here: use {instead}")
+    if parsed.type == "cuda" and (parsed.index or 0) >= torch.cuda.device_count():
+        raise FlatbmaError(f"{key} is {shown(device)} but there are {torch.cuda.device_count()} CUDA devices")
+    if parsed.type == "mps" and not torch.backends.mps.is_available():
+        raise FlatbmaError(f"{key} is {shown(device)} but MPS is not available here: use {instead}")
+    return parsed
+
+
+def check_seed(seed: object, key: str) -> int:
+    """``seed`` if it is an integer in ``[0, 2**63)`` (what ``torch.manual_seed`` takes); else :class:`FlatbmaError`."""
+    if not is_int(seed) or not 0 <= seed < 2**63:
+        raise FlatbmaError(f"{key} must be an integer in [0, 2**63), got {shown(seed, 40)}")
+    return seed

@@ -19,6 +19,18 @@ class DivergenceError(FlatbmaError):
     """Training produced a non-finite loss; the last good checkpoint is kept."""
 
 
+class FlatbmaTypeError(FlatbmaError, TypeError):
+    """An argument of the wrong kind (a model that is no ``nn.Module``, a batch that is no pair of tensors)."""
+
+
+class FlatbmaWarning(UserWarning):
+    """Something a user should know that does not stop the work (an unconverged solver, a collapsed run).
+
+    The command line prints each as one line ``flatbma: warning: ...``; warnings of other libraries
+    (torch, matplotlib, PIL) are not shown there.
+    """
+
+
 def suggest(name: str, choices: Iterable[str]) -> str:
     """Return ``" Did you mean 'x'?"`` for the closest choice, or an empty string."""
     close = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.5)

@@ -43,8 +43,8 @@ from torch.func import functional_call
 from torch.utils.data import DataLoader, IterableDataset
 
 from flatbma.bn import has_batchnorm, statistics_loader, with_recomputed_statistics
-from flatbma.checks import is_int
-from flatbma.errors import FlatbmaError
+from flatbma.checks import check_device, check_seed, is_int
+from flatbma.errors import FlatbmaError, FlatbmaTypeError
 from flatbma.params import load_into, model_buffers, trainable_params
 from flatbma.predict import (
     LinearizedPredictive,
@@ -226,8 +226,10 @@ class BMA:
         outs = []
         with self._rng_kept():
             samples = self._predictions()
-            with self._mode()(self.model):
+            with self._mode()(self.model):  # entered once: MC dropout's masks run on over the batches
                 for x in _inputs(data):
+                    if not outs:
+                        self._probe(x)  # eval mode within: draws no mask
                     outs.append(bma_log_probs(self.model, samples, x.to(self.device), batched=self.batched))
         if not outs:
             raise FlatbmaError("there is nothing to predict: the data holds no batch")
@@ -378,14 +380,41 @@ class BMA:
         return self.method.predict_mode or eval_mode
 
     def _output_classes(self, batch: Any) -> int:
-        """The number of classes: the width of the model's output on one example (eval mode, no randomness)."""
+        """The number of classes: the width of the model's output on one example (:meth:`_probe`)."""
         if self._num_classes is None:
             x, _ = split_batch(batch)
-            weights = self.samples[0] if self.method.predictive is Predictive.SAMPLES else self._predictions().mean
-            with torch.no_grad(), eval_mode(self.model):
-                out = functional_call(self.model, weights, (x[:1].to(self.device),))
-            self._num_classes = int(out.shape[-1])
+            self._num_classes = int(self._probe(x).shape[-1])
         return self._num_classes
+
+    def _probe(self, x: Tensor) -> Tensor:
+        """The model's logits for the first example of ``x`` (eval mode, no randomness): inputs it can take.
+
+        Raises:
+            FlatbmaError: inputs that are not floating point (a :class:`~flatbma.errors.FlatbmaTypeError`),
+                not of the weights' dtype, or on which the model fails (the wrong number of features).
+        """
+        if not x.is_floating_point():
+            raise FlatbmaTypeError(
+                f"inputs must be floating point like the training data, got {str(x.dtype).removeprefix('torch.')}: "
+                "convert them (x.float())"
+            )
+        weights = self.samples[0] if self.method.predictive is Predictive.SAMPLES else self._predictions().mean
+        dtypes = {v.dtype for v in weights.values() if v.is_floating_point()}
+        if dtypes and x.dtype not in dtypes:
+            found = " and ".join(sorted(str(d).removeprefix("torch.") for d in dtypes))
+            raise FlatbmaError(
+                f"inputs are {str(x.dtype).removeprefix('torch.')} but the model's weights are {found}: convert "
+                "the inputs (x.float() for float32)"
+            )
+        try:
+            with torch.no_grad(), eval_mode(self.model):
+                return functional_call(self.model, weights, ((x[:1] if x.dim() > 1 else x).to(self.device),))
+        except (RuntimeError, ValueError, IndexError, TypeError) as e:
+            detail = str(e).strip().splitlines()[0][:120] if str(e).strip() else type(e).__name__
+            raise FlatbmaError(
+                f"the model fails on inputs of shape {list(x.shape)} ({detail}): give inputs shaped like the "
+                "training data's"
+            ) from None
 
 
 def write_file(path: str | Path, state: State, settings: Mapping[str, Any]) -> None:
@@ -408,6 +437,8 @@ def read_file(path: str | Path) -> tuple[State, dict[str, Any]]:
             without predictor settings.
     """
     path = Path(path)
+    if path.is_dir():
+        raise FlatbmaError(f"{path} is a directory, not a predictor file: give the path bma.save(path) wrote")
     if not path.is_file():
         raise FlatbmaError(f"{path} does not exist: save a predictor there first (bma.save(path))")
     try:
@@ -474,7 +505,7 @@ def _check_arguments(
     model: object, method: object, state: object, num_samples: object, seed: object, recompute_bn: object
 ) -> None:
     if not isinstance(model, nn.Module):
-        raise FlatbmaError(f"model must be a torch.nn.Module, got a {type(model).__name__}")
+        raise FlatbmaTypeError(f"model must be a torch.nn.Module, got a {type(model).__name__}")
     if not isinstance(method, Posterior):
         raise FlatbmaError(
             f"method must be a flatbma Posterior (a posterior family's build(...)), got a {type(method).__name__}"
@@ -485,8 +516,7 @@ def _check_arguments(
         )
     if not is_int(num_samples) or num_samples < 1:
         raise FlatbmaError(f"num_samples must be a positive integer, got {num_samples!r}")
-    if not is_int(seed) or seed < 0:
-        raise FlatbmaError(f"seed must be a non-negative integer, got {seed!r}")
+    check_seed(seed, "seed")
     if recompute_bn is not None and not isinstance(recompute_bn, bool):
         raise FlatbmaError(
             f"recompute_bn must be True, False or None (when the posterior needs it), got {recompute_bn!r}"
@@ -494,14 +524,18 @@ def _check_arguments(
 
 
 def target_device(device: torch.device | str | None, model: nn.Module) -> torch.device:
-    """``device`` as a ``torch.device``; ``None``: the device of the module's first parameter or buffer (or CPU)."""
+    """``device`` as a usable ``torch.device`` (:func:`~flatbma.checks.check_device`); ``None``: the module's.
+
+    The module's device is that of its first parameter or buffer (or the CPU).
+    """
     if device is None:
         first = next(itertools.chain(model.parameters(), model.buffers()), None)
         return first.device if first is not None else torch.device("cpu")
-    try:
-        return torch.device(device)
-    except (RuntimeError, TypeError):
-        raise FlatbmaError(f"device {device!r} is not a device name (use cpu, cuda, cuda:0, ...)") from None
+    return check_device(device, "device", instead="cpu (or device=None: the model's)", kinds=_DEVICE_KINDS)
+
+
+_DEVICE_KINDS = ("cpu", "cuda", "mps", "meta")
+"""Where a predictor may go: training's devices, and ``meta`` (shapes only, no data: a dry run)."""
 
 
 def _state_on(state: State, device: torch.device) -> State:

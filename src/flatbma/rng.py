@@ -9,9 +9,12 @@ advancing one global stream whose position depends on the history of the run.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import random
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
+from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -76,3 +79,25 @@ def forked_rng(seed: int) -> Iterator[None]:
         if cuda:
             torch.cuda.manual_seed_all(seed)
         yield
+
+
+def first_batch(loader: Iterable[Any]) -> Any:
+    """The first batch of ``loader`` (``None`` if it yields none), read without moving any random stream.
+
+    A DataLoader's iterator draws its base seed (and a shuffling sampler its permutation) from the
+    loader's generator, or torch's global one when it has none; a dataset may augment with Python's or
+    NumPy's. Every one of them — torch's global CPU generator, ``loader.generator``,
+    ``loader.sampler.generator``, Python's and NumPy's global states — is as before afterwards, so the
+    loader then yields exactly what it would have without this look ahead.
+    """
+    generators = [getattr(loader, "generator", None), getattr(getattr(loader, "sampler", None), "generator", None)]
+    owned = [(g, g.get_state()) for g in generators if isinstance(g, torch.Generator)]
+    python, numpy = random.getstate(), np.random.get_state()  # noqa: NPY002 (the legacy global state a dataset may use)
+    try:
+        with torch.random.fork_rng(devices=[]):
+            return next(iter(loader), None)
+    finally:
+        for generator, state in owned:
+            generator.set_state(state)
+        random.setstate(python)
+        np.random.set_state(numpy)  # noqa: NPY002

@@ -21,7 +21,7 @@ from typing import Any, NamedTuple, Protocol
 import torch
 from torch import Tensor, nn
 
-from flatbma.errors import FlatbmaError
+from flatbma.errors import FlatbmaError, FlatbmaTypeError
 
 Params = dict[str, Tensor]
 """Named tensors: model parameters (``model.named_parameters()`` names) or method variables."""
@@ -48,6 +48,35 @@ def split_batch(batch: object) -> tuple[Tensor, Tensor | None]:
         + (f" of ({kinds})" if kinds else "")
         + "; give a DataLoader of such batches"
     )
+
+
+def training_batch(batch: object) -> tuple[Tensor, Tensor]:
+    """``(x, y)`` of a training batch: a pair of tensors, ``y`` 1-D integer class indices, one per row of ``x``.
+
+    Raises:
+        FlatbmaTypeError: another batch (a dict, inputs alone, three tensors) or labels that are not integers.
+        FlatbmaError: labels that are not 1-D, as many as the inputs (their values are checked against the
+            model's classes by the caller).
+    """
+    if not (isinstance(batch, tuple | list) and len(batch) == 2 and all(isinstance(t, Tensor) for t in batch)):
+        kinds = ", ".join(type(t).__name__ for t in batch) if isinstance(batch, tuple | list) else ""
+        raise FlatbmaTypeError(
+            f"a training batch must be a pair (x, y) of inputs and labels, got a {type(batch).__name__}"
+            + (f" of ({kinds})" if kinds else "")
+            + ": give a DataLoader of (x, y) batches (e.g. over a TensorDataset(x, y))"
+        )
+    x, y = batch
+    if y.is_floating_point() or y.is_complex() or y.dtype == torch.bool:
+        raise FlatbmaTypeError(
+            f"labels must be integer class indices, got {str(y.dtype).removeprefix('torch.')}: convert them "
+            "(y.long()); one-hot or soft labels are not supported"
+        )
+    if y.dim() != 1 or x.dim() == 0 or y.shape[0] != x.shape[0]:
+        raise FlatbmaError(
+            f"labels must be 1-D, one class index per input: got labels of shape {list(y.shape)} for inputs of "
+            f"shape {list(x.shape)} (squeeze a [batch, 1] label tensor with y.squeeze(1))"
+        )
+    return x, y
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
-from flatbma.data import ArrayDataset
+from flatbma.data import ArrayDataset, load_image_folder
 from flatbma.errors import FlatbmaError
 from flatbma.experiment.cli import main
 from tests.data.test_bad_headers import with_png_size
@@ -200,16 +200,77 @@ def test_more_labels_than_images(tmp_path: Path) -> None:
 # empty classes and splits
 
 
-def test_a_class_only_in_the_test_split_fails_k_shot(tmp_path: Path) -> None:
-    """The empty class sorts last, so it is found only when the draw knows the class list."""
+@pytest.mark.parametrize("k_shot", [3, None])
+def test_a_class_only_in_the_test_split_is_refused(tmp_path: Path, k_shot: int | None) -> None:
+    """The empty class sorts last; with or without a k-shot draw it is refused when the data is read (#23)."""
     layout = {"train": {"a": SQUARE, "b": SQUARE}, "test": {"a": SQUARE, "b": SQUARE, "zebra": SQUARE}}
     root = image_folder(tmp_path / "f", layout)
-    one_error(tmp_path, "no examples", "'zebra'", "3-shot", name="image-folder", root=str(root), k_shot=3)
+    one_error(tmp_path, "no training example", "'zebra'", name="image-folder", root=str(root), k_shot=k_shot)
 
 
-def test_an_idx_class_missing_from_training_fails_k_shot(tmp_path: Path) -> None:
+def _empty_folder(class_dir: Path) -> None:
+    class_dir.mkdir(parents=True)
+
+
+def _hidden_files_only(class_dir: Path) -> None:
+    class_dir.mkdir(parents=True)
+    Image.fromarray(np.zeros((6, 6), np.uint8)).save(class_dir / ".hidden.png")
+    (class_dir / ".DS_Store").write_bytes(b"\0")
+
+
+def _a_file_in_place_of_the_folder(class_dir: Path) -> None:
+    class_dir.parent.mkdir(parents=True, exist_ok=True)
+    Image.fromarray(np.zeros((6, 6), np.uint8)).save(class_dir.with_suffix(".png"))
+    class_dir.with_suffix(".png").rename(class_dir)
+
+
+@pytest.mark.parametrize("make", [_empty_folder, _hidden_files_only, _a_file_in_place_of_the_folder])
+def test_a_training_class_folder_without_images_is_refused(tmp_path: Path, make: Any) -> None:
+    """``train/c`` empty, holding only hidden files, or a file (class ``c`` has test images): refused (#23)."""
+    root = image_folder(tmp_path / "f", {"train": {"a": SQUARE, "b": SQUARE}, "test": {n: SQUARE for n in "abc"}})
+    make(root / "train" / "c")
+    one_error(tmp_path, "1 of its 3 classes has no training example", "'c'", name="image-folder", root=str(root))
+
+
+def test_an_idx_class_missing_from_training_is_refused(tmp_path: Path) -> None:
     root = idx_dir(tmp_path / "i", np.arange(40) % 3, TEST_LABELS)  # class 3 only in the test labels
-    one_error(tmp_path, "no examples", "class 3", name="idx", root=str(root), k_shot=2)
+    one_error(tmp_path, "no training example", "'3'", name="idx", root=str(root), k_shot=2)
+
+
+def test_one_class_is_refused(tmp_path: Path) -> None:
+    """A one-class data set trained to accuracy 1.0 (#23): a classifier needs two classes."""
+    root = idx_dir(tmp_path / "i", np.zeros(40, np.int64), np.zeros(12, np.int64))
+    one_error(tmp_path, "has 1 class ('0')", "at least two", name="idx", root=str(root))
+    folder = image_folder(tmp_path / "f", {"train": {"a": SQUARE}, "test": {"a": SQUARE}})
+    one_error(tmp_path, "has 1 class ('a')", name="image-folder", root=str(folder))
+
+
+def test_an_unreadable_class_folder_is_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A class folder without read permission (simulated: tests may run as root, who ignores it) (#23)."""
+    root = image_folder(tmp_path / "f", {"train": {"a": SQUARE, "b": SQUARE}, "test": {"a": SQUARE, "b": SQUARE}})
+    locked, real = root / "train" / "b", Path.iterdir
+
+    def iterdir(self: Path) -> Any:
+        if self == locked:
+            raise PermissionError(13, "Permission denied", str(self))
+        return real(self)
+
+    monkeypatch.setattr(Path, "iterdir", iterdir)
+    one_error(tmp_path, f"cannot list {locked} (Permission denied)", name="image-folder", root=str(root))
+
+
+def test_16_bit_grey_pngs_are_scaled_not_clipped(tmp_path: Path) -> None:
+    """PNG's 16-bit grey (mode ``I;16``) was clipped to 255 on every pixel (#23): scaled by 255/65535 instead."""
+    root = tmp_path / "f"
+    values = np.array([[0, 257, 32896], [40000, 65280, 65535]], dtype=np.uint16)
+    for split in ("train", "test"):
+        for name in ("a", "b"):
+            (root / split / name).mkdir(parents=True)
+            image = Image.fromarray(values)
+            assert image.mode == "I;16"
+            image.save(root / split / name / "0.png")
+    loaded = load_image_folder(root).train.images[0, 0]
+    assert loaded.tolist() == [[0, 1, 128], [156, 254, 255]]
 
 
 def test_a_class_smaller_than_k(tmp_path: Path) -> None:

@@ -182,6 +182,14 @@ def test_idx_sizes_that_overflow_64_bits_are_refused(tmp_path: Path, shape: tupl
     assert "holds 0 bytes" in message and "Download it again" in message
 
 
+def test_an_idx_header_of_no_images_of_impossible_size_is_refused(tmp_path: Path) -> None:
+    """Zero images of 2³²−1 × 2³²−1 pixels: no data, which the file holds, but no array numpy can shape."""
+    root = idx_dir(tmp_path / "i")
+    (root / "train-images-idx3-ubyte").write_bytes(idx_bytes((0, 2**32 - 1, 2**32 - 1), b""))
+    with pytest.raises(FlatbmaError, match=r"declares the impossible shape \(0, 4294967295, 4294967295\)"):
+        load_idx(root)
+
+
 def test_an_idx_header_declaring_more_than_the_file_holds_allocates_nothing(tmp_path: Path) -> None:
     """A header declaring 2**40 bytes is refused from the file's length: the data is never read."""
     root = idx_dir(tmp_path / "i")

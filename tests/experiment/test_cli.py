@@ -126,7 +126,8 @@ def test_version_and_method_options(capsys):
     assert main(["methods", "fp-bma"]) == 0
     out = capsys.readouterr().out
     defaults = parse_method("fp-bma")
-    rows = {line.split()[0]: line.split()[1] for line in out.splitlines()[2:]}
+    table = out.split("\n\n")[0]  # the option rows; the ascent step's notes follow a blank line
+    rows = {line.split()[0]: line.split()[1] for line in table.splitlines()[2:]}
     assert rows["gamma"] == repr(defaults.ascent.gamma) and rows["rank"] == repr(defaults.options["rank"])
     assert "fisher | euclidean | data-fisher" in out  # an Enum option lists its spellings
     for name in METHODS:  # every registered method describes itself
@@ -134,3 +135,23 @@ def test_version_and_method_options(capsys):
     capsys.readouterr()
     assert main(["methods", "fpbma"]) == 2
     assert "Did you mean 'fp-bma'?" in capsys.readouterr().err
+
+
+def test_flatbma_warnings_are_one_line_and_other_libraries_are_not_shown(capsys, monkeypatch):
+    """A FlatbmaWarning prints as ``flatbma: warning: <first line>``; torch's or matplotlib's do not print (#23)."""
+    import warnings
+
+    from flatbma.errors import FlatbmaWarning
+    from flatbma.experiment import cli
+
+    def describe(name: str) -> str:
+        warnings.warn("Detected pickle protocol 5 in the checkpoint", UserWarning, stacklevel=1)  # as torch does
+        warnings.warn("the solver stopped early\nsecond line", FlatbmaWarning, stacklevel=1)
+        return name
+
+    monkeypatch.setattr(cli, "_describe_method", describe)
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        code, out, err = _run(capsys, "methods", "sgd")
+    assert code == 0 and out == "sgd\n"
+    assert err == "flatbma: warning: the solver stopped early\n"

@@ -1,9 +1,12 @@
-"""Every shipped config parses (compare configs with their compare section)."""
+"""Every shipped config parses (compare configs with their compare section), and every command its comments show."""
 
+import re
+import shlex
 from pathlib import Path
 
 import pytest
 
+from flatbma.errors import FlatbmaError
 from flatbma.experiment.compare import load_plan
 from flatbma.experiment.config import load_config
 
@@ -19,4 +22,24 @@ def test_shipped_config_parses(path):
         # one row per (entry, seed); an entry with candidate lists trains several runs for its row
         assert len(plan.jobs()) == len(plan.compare.methods) * len(plan.compare.seeds)
         assert len(plan.runs()) == sum(len(job.candidates) for job in plan.jobs())
-        assert load_plan(path, quick=True).compare.methods
+        if "  quick:" in path.read_text():
+            assert load_plan(path, quick=True).compare.methods
+        else:  # --quick without a compare.quick section would run the full study: refused (#23)
+            with pytest.raises(FlatbmaError, match="sets none"):
+                load_plan(path, quick=True)
+
+
+_COMMAND = re.compile(r"^#\s+flatbma (train|compare) --config (\S+)(.*)$", re.MULTILINE)
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_the_commands_in_a_config_s_comments_parse(path):
+    """``[--set method.name=sgd]`` in digits-sam.yaml failed (sam's rho is no option of sgd) (#23)."""
+    for command, config, rest in _COMMAND.findall(path.read_text()):
+        words = shlex.split(rest.replace("[", " ").replace("]", " "))
+        overrides = [words[i + 1] for i, w in enumerate(words) if w == "--set"]
+        assert Path(config).name == path.name
+        if command == "train":
+            load_config(path, overrides)
+        else:
+            load_plan(path, overrides, quick="--quick" in words)

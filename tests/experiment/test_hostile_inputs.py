@@ -1,12 +1,19 @@
-"""The probe of issue #13: every hostile input it lists, run through ``flatbma.experiment.cli.main``.
+"""The probes of issues #13 and #23: every hostile input they list, as data in three tables.
 
-One table (:data:`ROWS`), one row per input. Each row builds its input in its own temporary
+* :data:`ROWS`: inputs run through ``flatbma.experiment.cli.main`` in-process (below);
+* :data:`PROCESS_ROWS`: what needs a process of its own — a closed pipe, ``/dev/full``, SIGTERM — with
+  the exit code and the last line expected (:func:`test_signals_and_pipes_end_in_one_line_or_quietly`);
+* :data:`API_ROWS`: calls of the Python API, with the error's class and first words
+  (:func:`test_a_bad_api_call_is_one_flatbma_error`).
+
+:data:`ROWS` has one row per input. Each row builds its input in its own temporary
 directory — from tiny finished runs made once for the module (SAM and SWAG on the same 4-unit MLP,
 digits with 10 images per class: 4 updates per epoch, 2 epochs), or a one-run comparison it makes
 itself — and runs the command in-process, in an empty working directory. Every row must end with
 
 * exit code 2 and stderr exactly one line ``flatbma: error: ...`` of at most :data:`MAX_LINE`
-  characters (no traceback, no progress line, no warning), holding the row's expected text;
+  characters (no traceback, no progress line, no warning: warnings are shown as a command line shows
+  them, not recorded by pytest), holding the row's expected text;
 * nothing written outside the row's own directory: the rest of pytest's temporary tree, the working
   directory and ``/`` are as they were; rows refused before any write (``untouched``) leave even
   their own directory as it was.
@@ -28,9 +35,11 @@ import json
 import os
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +49,7 @@ import numpy as np
 import pytest
 import torch
 import yaml
+from PIL import Image
 
 from flatbma.data import load_cifar_c
 from flatbma.errors import FlatbmaError
@@ -347,6 +357,167 @@ def resume_set(item: str) -> Callable[[Ctx], list[str]]:
     return argv
 
 
+# --- issue #23 (hardening round 3): data, models, configs, messages ----------------------------------------
+
+
+def folder(ctx: Ctx, train: dict[str, int], test: dict[str, int], size: tuple[int, int] = (6, 6)) -> Path:
+    """``images/{train,test}/<class>/<i>.png`` of random grey pixels, ``(height, width)`` each: counts per class."""
+    root = ctx.tmp / "images"
+    rng = np.random.default_rng(0)
+    for split, classes in (("train", train), ("test", test)):
+        for name, count in classes.items():
+            (root / split / name).mkdir(parents=True, exist_ok=True)
+            for i in range(count):
+                Image.fromarray(rng.integers(0, 255, size).astype(np.uint8)).save(root / split / name / f"{i}.png")
+    return root
+
+
+def folder_train(ctx: Ctx, train: dict[str, int], test: dict[str, int], **data: Any) -> list[str]:
+    root = folder(ctx, train, test, **data)
+    data = {"name": "image-folder", "root": str(root), "k_shot": None, "test_limit": None}
+    return ctx.train(data=data, eval={"n_bins": 2})  # 4 test images
+
+
+def empty_class_folder(ctx: Ctx) -> list[str]:
+    argv = folder_train(ctx, {"a": 4, "b": 4}, {"a": 2, "b": 2, "c": 2})
+    (ctx.tmp / "images" / "train" / "c").mkdir()
+    (ctx.tmp / "images" / "train" / "c" / ".DS_Store").write_bytes(b"\0")
+    return argv
+
+
+def one_class_idx(ctx: Ctx) -> list[str]:
+    rng = np.random.default_rng(0)
+    root = ctx.tmp / "idx"
+    root.mkdir()
+    for split, n in (("train", 40), ("t10k", 12)):
+        pixels = rng.integers(0, 255, n * 36, np.uint8).tobytes()
+        (root / f"{split}-images-idx3-ubyte").write_bytes(idx_bytes((n, 6, 6), pixels))
+        (root / f"{split}-labels-idx1-ubyte").write_bytes(idx_bytes((n,), bytes(n)))
+    return ctx.train(data={"name": "idx", "root": str(root), "k_shot": None, "test_limit": None}, eval={"n_bins": 2})
+
+
+def unlistable_class_folder(ctx: Ctx) -> list[str]:
+    """A class folder without read permission, simulated (as root the permission is ignored)."""
+    argv = folder_train(ctx, {"a": 4, "b": 4}, {"a": 2, "b": 2})
+    locked, real = ctx.tmp / "images" / "train" / "b", Path.iterdir
+
+    def iterdir(self: Path) -> Any:
+        if self == locked:
+            raise PermissionError(errno.EACCES, "Permission denied", str(self))
+        return real(self)
+
+    ctx.monkeypatch.setattr(Path, "iterdir", iterdir)
+    return argv
+
+
+def compare_with(ctx: Ctx, **changes: Any) -> list[str]:
+    """:data:`COMPARE` in the row's directory, its compare section updated (keys given ``None`` removed)."""
+    section = {**COMPARE["compare"], **changes}
+    cfg = {
+        **COMPARE,
+        "compare": {k: v for k, v in section.items() if v is not None},
+        "output_dir": str(ctx.tmp / "out"),
+    }
+    return ["compare", "--config", _write(ctx.tmp / "compare.yaml", cfg)]
+
+
+USER_MODELS = """
+import torch
+from torch import nn
+
+
+def net(num_classes, in_channels, image_size):
+    return nn.Sequential(nn.Flatten(), nn.Linear(in_channels * image_size**2, num_classes))
+
+
+def too_few_logits(num_classes, in_channels, image_size):
+    return net(num_classes - 1, in_channels, image_size)
+
+
+def float64(num_classes, in_channels, image_size):
+    return net(num_classes, in_channels, image_size).double()
+
+
+def on_meta(num_classes, in_channels, image_size):
+    return net(num_classes, in_channels, image_size).to("meta")
+
+
+class _Pair(nn.Module):
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        return self.inner(x), x
+
+
+def a_tuple(num_classes, in_channels, image_size):
+    return _Pair(net(num_classes, in_channels, image_size))
+
+
+def wrong_input_size(num_classes, in_channels, image_size):
+    return nn.Sequential(nn.Flatten(), nn.Linear(10, num_classes))
+
+
+def raises(num_classes):
+    raise RuntimeError("out of coffee")
+"""
+
+
+def user_model(factory: str, module: str = USER_MODELS) -> Callable[[Ctx], list[str]]:
+    """Train with ``model.name: <a module of the row's own>:<factory>`` (a unique module name: nothing cached)."""
+
+    def argv(ctx: Ctx) -> list[str]:
+        name = f"hostile_models_{abs(hash(str(ctx.tmp))):x}"
+        (ctx.tmp / f"{name}.py").write_text(module)
+        ctx.monkeypatch.syspath_prepend(str(ctx.tmp))
+        ctx.monkeypatch.setattr(sys, "dont_write_bytecode", True)  # no __pycache__ in the row's directory
+        return ctx.train(model={"name": f"{name}:{factory}", "width": None})
+
+    return argv
+
+
+def nan_weights(ctx: Ctx) -> list[str]:
+    """``model.pretrained``: the MLP's own state dict with a NaN (the loss was then blamed on the learning rate)."""
+    from flatbma.models import build_model
+
+    state = build_model("mlp", num_classes=10, in_channels=1, image_size=8, width=4, seed=0).state_dict()
+    state[next(iter(state))][0, 0] = float("nan")
+    torch.save(state, ctx.tmp / "nan.pth")
+    return ctx.train(model={"pretrained": str(ctx.tmp / "nan.pth")})
+
+
+def pickle_protocol_5(ctx: Ctx) -> list[str]:
+    """A ``.pth`` pickled with protocol 5 (refused): torch's warning about the protocol used to print too."""
+    torch.save({"w": torch.zeros(2)}, ctx.tmp / "p5.pth", _use_new_zipfile_serialization=False, pickle_protocol=5)
+    return ctx.train(model={"pretrained": str(ctx.tmp / "p5.pth")})
+
+
+def fifo_config(ctx: Ctx) -> list[str]:
+    os.mkfifo(ctx.tmp / "c.yaml")
+    return ["train", "--config", str(ctx.tmp / "c.yaml")]
+
+
+def huge(section: str, key: str) -> Callable[[Ctx], list[str]]:
+    """A 100 KB value (or, for ``key`` ``"<key>"``, a 100 KB unknown key) in ``section``: the line stays short."""
+
+    def argv(ctx: Ctx) -> list[str]:
+        big = "x" * 100_000
+        value = {big: 1} if key == "<key>" else {key: big}
+        return ctx.train(**{section: value if section != "method" else {**value}})
+
+    return argv
+
+
+def long_output_dir(ctx: Ctx) -> list[str]:
+    return ["train", "--config", _write(ctx.tmp / "c.yaml", _config(ctx.tmp / ("a" * 300)))]
+
+
+def unknown_prior_key(ctx: Ctx) -> list[str]:
+    cfg = {**_config(ctx.tmp / "run", method={"name": "fp-bma"}), "prior": {"method": {"name": "swag"}, "bogus": 1}}
+    return ["train", "--config", _write(ctx.tmp / "c.yaml", cfg)]
+
+
 ROWS = [
     # YAML bombs in typed fields (9 levels: ~10⁸ values), a 6-level one, and a 5-level one the budget lets through
     Row("bomb-optim.lr", bomb_train("optim.lr"), "through its aliases"),
@@ -408,6 +579,87 @@ ROWS = [
     ),
     Row("resume-set-model.width", resume_set("model.width=8"), "--resume cannot change model.width"),
     Row("resume-set-seed", resume_set("seed=3"), "--resume cannot change seed"),
+    # issue #23: data (items 10, 15, 16)
+    Row(
+        "class-only-in-test",
+        lambda ctx: folder_train(ctx, {"a": 4, "b": 4}, {"a": 2, "b": 2, "c": 2}),
+        "1 of its 3 classes has no training example (['c'])",
+    ),
+    Row("class-folder-of-hidden-files", empty_class_folder, "1 of its 3 classes has no training example (['c'])"),
+    Row("one-class-idx", one_class_idx, "dataset 'idx' has 1 class ('0'): a classifier needs at least two"),
+    Row("unlistable-class-folder", unlistable_class_folder, "cannot list"),
+    Row(
+        "non-square-images-mlp",
+        lambda ctx: folder_train(ctx, {"a": 3, "b": 3}, {"a": 2, "b": 2}, size=(6, 9)),
+        "the images are 6x9, not square: set data.image_size",
+    ),
+    # compare and method options (items 9, 12)
+    Row(
+        "compare-duplicate-seeds",
+        lambda ctx: compare_with(ctx, seeds=[0, 0, 0]),
+        "compare.seeds lists seed 0 more than once",
+    ),
+    Row(
+        "quick-without-compare.quick",
+        lambda ctx: [*compare_with(ctx), "--quick"],
+        "--quick runs the reduced setting of the config's compare.quick section, but it sets none",
+    ),
+    Row(
+        "quick-unknown-method",
+        lambda ctx: [*compare_with(ctx, quick={"methods": ["bogus"]}), "--quick"],
+        "compare.quick.methods names 'bogus', which is no entry",
+    ),
+    Row(
+        "mc-dropout-rate-0",
+        lambda ctx: ctx.train(method={"name": "mc-dropout", "rate": 0.0}),
+        "method.rate=0.0 sets every dropout layer to p=0",
+    ),
+    # output_dir, memory (items 14, 20)
+    Row("output_dir-name-over-255", long_output_dir, "output_dir has a directory name of 300 bytes"),
+    Row(
+        "ensemble-of-a-billion",
+        lambda ctx: ctx.train(method={"name": "ensemble", "size": 10**9}),
+        "method.size=1000000000 members of 330 trained weights need at least 1,320.0 GB",
+    ),
+    # user models (item 17)
+    Row(
+        "model-too-few-logits", user_model("too_few_logits"), "returns 9 logits per example but the data has 10 classes"
+    ),
+    Row("model-float64", user_model("float64"), "has float64 weights but its inputs are float32"),
+    Row("model-on-meta", user_model("on_meta"), "has weights on the meta device"),
+    Row("model-returns-a-tuple", user_model("a_tuple"), "returns a tuple, not a tensor of logits"),
+    Row(
+        "model-wrong-input-size",
+        user_model("wrong_input_size"),
+        "fails on a batch of inputs of shape [2, 1, 8, 8] (RuntimeError: mat1",
+    ),
+    Row(
+        "model-factory-raises",
+        user_model("raises"),
+        "failed when called with ['num_classes'] (RuntimeError: out of coffee)",
+    ),
+    Row("model-module-exits-at-import", user_model("net", "import sys\nsys.exit(0)\n"), "(it called sys.exit(0))"),
+    Row(
+        "model-is-flatbma-cli",
+        lambda ctx: ctx.train(model={"name": "flatbma.experiment.cli:main"}),
+        "names flatbma's own code, not a model factory",
+    ),
+    Row("model-nan-weights", nan_weights, "has NaN or infinite weights (features.1.weight) before training"),
+    # messages
+    Row("pickle-protocol-5-no-warning", pickle_protocol_5, "torch.load(weights_only=True) accepts"),
+    Row("huge-unknown-key", huge("data", "<key>"), "unknown config key 'data.xxx"),
+    Row("huge-method-name", huge("method", "name"), "unknown method 'xxx"),
+    Row("huge-dataset-name", huge("data", "name"), "unknown dataset 'xxx"),
+    Row("huge-model-name", huge("model", "name"), "unknown model 'xxx"),
+    Row("huge-device-name", huge("train", "device"), "train.device 'xxx"),
+    Row("config-is-a-directory", lambda ctx: ["train", "--config", str(ctx.tmp)], "is a directory: give the YAML file"),
+    Row("config-is-a-fifo", fifo_config, "is not a regular file (a FIFO or a device)"),
+    Row(
+        "compare-entry-key",
+        lambda ctx: compare_with(ctx, methods=[{"name": "sgd", "bogus": 1}]),
+        "unknown config key 'compare.methods[0].bogus' for method 'sgd'",
+    ),
+    Row("prior-unknown-key", unknown_prior_key, "Valid keys here: epochs, init, method, min_std, optim"),
 ]
 
 
@@ -425,6 +677,13 @@ def tree(root: Path, skip: Path | None = None) -> dict[str, tuple[int, int]]:
 def contents(root: Path) -> dict[str, bytes | None]:
     """Every file under ``root`` with its bytes, and every directory (``None``): what a refusal must leave."""
     return {str(p): p.read_bytes() if p.is_file() else None for p in root.rglob("*")}
+
+
+def _show_on_stderr(
+    message: Any, category: type, filename: str, lineno: int, file: Any = None, line: Any = None
+) -> None:
+    """Python's own way of showing a warning outside pytest: two lines on stderr."""
+    sys.stderr.write(warnings.formatwarning(message, category, filename, lineno, line))
 
 
 def assert_one_line(code: Any, err: str, expected: str) -> str:
@@ -450,7 +709,10 @@ def test_a_hostile_input_is_one_line_and_writes_nowhere_else(
     base = tmp_path_factory.getbasetemp()
     outside, in_root, inside = tree(base, skip=own), sorted(os.listdir("/")), contents(own)
 
-    code, err = _cli(argv)
+    with warnings.catch_warnings():  # warnings printed as a command line prints them (pytest would record them)
+        warnings.simplefilter("default")
+        warnings.showwarning = _show_on_stderr
+        code, err = _cli(argv)
     monkeypatch.undo()  # the patched writes, before anything else is checked
 
     assert_one_line(code, err, row.expected)
@@ -515,3 +777,151 @@ def test_a_corrupt_npy_header_is_one_flatbma_error(tmp_path: Path) -> None:
 def test_a_corrupt_npy_header_error_is_short(tmp_path: Path) -> None:
     message = _cifar_c_error(tmp_path)
     assert len(f"flatbma: error: {message}") <= MAX_LINE and " object at 0x" not in message, message
+
+
+# ---------------------------------------------------------------------------------------------------
+# the rows that need a process of their own: signals and the ends of pipes (issue #23, items 19 and 21)
+
+
+def _command(*args: str) -> list[str]:
+    return [sys.executable, "-m", "flatbma", *args]
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "default"}
+
+
+def _closed_pipe(tmp_path: Path) -> tuple[int, str]:
+    """``flatbma methods | head -0``: the reader is gone before the first write."""
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        done = subprocess.run(_command("methods"), stdout=write, stderr=subprocess.PIPE, text=True, env=_env())
+    finally:
+        os.close(write)
+    return done.returncode, done.stderr
+
+
+def _dev_full(tmp_path: Path) -> tuple[int, str]:
+    """``flatbma methods > /dev/full``: every write of the output fails with ENOSPC."""
+    if not Path("/dev/full").exists():
+        pytest.skip("no /dev/full here")
+    with open("/dev/full", "w") as full:
+        done = subprocess.run(_command("methods"), stdout=full, stderr=subprocess.PIPE, text=True, env=_env())
+    return done.returncode, done.stderr
+
+
+def _sigterm(tmp_path: Path) -> tuple[int, str]:
+    """SIGTERM to ``flatbma train`` once its first progress line shows it is training (it ended with -15, silently)."""
+    cfg = {**_config(tmp_path / "run"), "train": {**RUN["train"], "epochs": 10_000, "progress": True}}
+    proc = subprocess.Popen(
+        _command("train", "--config", _write(tmp_path / "c.yaml", cfg)),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=_env(),
+    )
+    assert proc.stderr is not None
+    first = proc.stderr.readline()  # "train: sam into ..., 10000 epochs of 4 steps"
+    proc.send_signal(signal.SIGTERM)
+    rest = proc.stderr.read()
+    return proc.wait(timeout=60), first + rest
+
+
+PROCESS_ROWS = [
+    # id, how the process runs, expected exit code, expected last line of stderr (None: stderr empty)
+    ("closed-pipe", _closed_pipe, 141, None),
+    ("dev-full", _dev_full, 2, "flatbma: error: cannot write to stdout (No space left on device)"),
+    ("sigterm", _sigterm, 143, "flatbma: terminated (SIGTERM); finished checkpoints are kept"),
+]
+
+
+@pytest.mark.parametrize(("how", "code", "last"), [r[1:] for r in PROCESS_ROWS], ids=[r[0] for r in PROCESS_ROWS])
+def test_signals_and_pipes_end_in_one_line_or_quietly(
+    tmp_path: Path, how: Callable[[Path], tuple[int, str]], code: int, last: str | None
+) -> None:
+    returncode, err = how(tmp_path)
+    assert returncode == code and "Traceback" not in err and "Exception ignored" not in err, (returncode, err)
+    lines = [line for line in err.splitlines() if not line.startswith(("train:", "epoch "))]  # progress lines
+    assert lines == ([] if last is None else [lines[-1]]), err
+    assert last is None or lines[-1].startswith(last), err
+
+
+# ---------------------------------------------------------------------------------------------------
+# the Python API (issue #23, item 18): FlatbmaError subclasses with the command line's wording
+
+
+def _loader(x: torch.Tensor, *rest: torch.Tensor, dataset: Any = None) -> Any:
+    from torch.utils.data import DataLoader, TensorDataset
+
+    return DataLoader(dataset if dataset is not None else TensorDataset(x, *rest), batch_size=16)
+
+
+class _Dicts(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 32
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"x": torch.zeros(5), "y": torch.tensor(0)}
+
+
+def _net() -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Linear(5, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+
+
+X, Y = torch.randn(32, 5, generator=torch.Generator().manual_seed(0)), torch.arange(32) % 3
+
+
+def _fit(model: Any = None, loader: Any = None, **kwargs: Any) -> Any:
+    import flatbma
+
+    model = _net() if model is None else model
+    return flatbma.fit_posterior(model, _loader(X, Y) if loader is None else loader, "sgd", epochs=1, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def predictor(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Path]:
+    bma = _fit(num_samples=2)
+    path = tmp_path_factory.mktemp("api") / "sgd.safetensors"
+    bma.save(path)
+    return bma, path
+
+
+def _load(path: Any, model: Any) -> Any:
+    import flatbma
+
+    return flatbma.load_posterior(path, model)
+
+
+API_ROWS = [
+    # id, the call (given the module's saved predictor and its path), the error type, its first words
+    ("loader-of-dicts", lambda b, p: _fit(loader=_loader(X, dataset=_Dicts())), TypeError, "a training batch must be"),
+    ("loader-of-3-tuples", lambda b, p: _fit(loader=_loader(X, Y, Y)), TypeError, "a training batch must be"),
+    ("loader-of-1-tuples", lambda b, p: _fit(loader=_loader(X)), TypeError, "a training batch must be"),
+    ("float-labels", lambda b, p: _fit(loader=_loader(X, Y.float())), TypeError, "labels must be integer"),
+    ("labels-out-of-range", lambda b, p: _fit(loader=_loader(X, Y + 5)), ValueError, "label 5 is out of range"),
+    ("2-d-labels", lambda b, p: _fit(loader=_loader(X, Y[:, None])), ValueError, "labels must be 1-D"),
+    ("nothing-trainable", lambda b, p: _fit(_net().requires_grad_(False)), ValueError, "the model has no trainable"),
+    ("meta-model", lambda b, p: _fit(_net().to("meta")), ValueError, "the model has weights on the meta device"),
+    ("float64-model", lambda b, p: _fit(_net().double()), ValueError, "the model has float64 weights but its inputs"),
+    ("float16-model", lambda b, p: _fit(_net().half()), ValueError, "the model has float16 weights: flatbma trains"),
+    ("cuda-without-cuda", lambda b, p: _fit(device="cuda"), ValueError, "device is 'cuda' but CUDA is not available"),
+    ("seed-2**70", lambda b, p: _fit(seed=2**70), ValueError, "seed must be an integer in [0, 2**63)"),
+    ("predict-wrong-features", lambda b, p: b.predict_proba(torch.randn(4, 7)), ValueError, "the model fails on"),
+    ("predict-int-tensor", lambda b, p: b.predict_proba(torch.ones(4, 5, dtype=torch.long)), TypeError, "inputs must"),
+    ("load-posterior-net", lambda b, p: _load(p, "net"), TypeError, "model must be a torch.nn.Module, got a str"),
+    ("load-posterior-dir", lambda b, p: _load(p.parent, _net()), ValueError, "/"),  # "<dir> is a directory"
+]
+
+
+@pytest.mark.parametrize(("call", "kind", "start"), [r[1:] for r in API_ROWS], ids=[r[0] for r in API_ROWS])
+def test_a_bad_api_call_is_one_flatbma_error(
+    predictor: tuple[Any, Path], call: Callable[..., Any], kind: type, start: str
+) -> None:
+    with pytest.raises(FlatbmaError) as info:
+        call(*predictor)
+    message = str(info.value)
+    assert isinstance(info.value, kind) and message.startswith(start), message
+    if start == "/":
+        assert message.endswith("is a directory, not a predictor file: give the path bma.save(path) wrote"), message
+    assert "\n" not in message and len(f"flatbma: error: {message}") <= MAX_LINE, message

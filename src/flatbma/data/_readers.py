@@ -208,7 +208,10 @@ def _read_idx(f: BinaryIO, path: Path, ndim: int, source: str, compressed: bool)
             f"{path} is {what}: its header declares shape {shape} ({expected} bytes of data) but the file "
             f"{holds} after the header. Download it again. {source}"
         )
-    return np.frombuffer(data, dtype=np.uint8).reshape(shape)
+    try:
+        return np.frombuffer(data, dtype=np.uint8).reshape(shape)
+    except ValueError:  # no data, but sizes numpy cannot index (e.g. (0, 2**32 - 1, 2**32 - 1))
+        raise FlatbmaError(f"{path} declares the impossible shape {shape} in its header. {source}") from None
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -36,7 +36,7 @@ from PIL import Image, UnidentifiedImageError
 from torch import Tensor
 from torch.utils.data import Dataset
 
-from flatbma.checks import check_int
+from flatbma.checks import check_int, shown
 from flatbma.data._readers import load_data_pickle, read_idx
 from flatbma.data.fewshot import stratified_split
 from flatbma.errors import FlatbmaError, suggest
@@ -48,6 +48,7 @@ __all__ = [
     "FASHION_MNIST_ROOT",
     "ArrayDataset",
     "DatasetSplits",
+    "check_learnable",
     "dataset_names",
     "load_animal_mnist",
     "load_cifar10",
@@ -196,6 +197,9 @@ class DatasetSplits:
         train: Training examples (few-shot subsets and validation sets are drawn from here).
         test: Held-out evaluation examples, never used for model selection.
         name: Registry name of the dataset.
+
+    Raises:
+        FlatbmaError: an empty split, or class lists or image shapes that differ between the splits.
     """
 
     train: ArrayDataset
@@ -218,6 +222,32 @@ class DatasetSplits:
                 f"dataset '{self.name}': train images are {self.train.image_shape} but test images are "
                 f"{self.test.image_shape}."
             )
+
+
+def check_learnable(splits: DatasetSplits) -> None:
+    """Refuse data a classifier cannot be trained on: fewer than two classes, or a class without a training example.
+
+    A loaded data set may hold such classes (a class folder with only test images, a partial copy); a
+    run on it would report numbers for classes it never saw (or accuracy 1.0 on one class).
+
+    Raises:
+        FlatbmaError: naming the classes, and what to do.
+    """
+    classes = splits.train.classes
+    if len(classes) < 2:
+        raise FlatbmaError(
+            f"dataset '{splits.name}' has {len(classes)} class ({shown(classes[0], 40)}): a classifier needs at "
+            "least two; add the other classes' examples"
+        )
+    counts = torch.bincount(splits.train.labels, minlength=len(classes))
+    empty = [classes[c] for c in range(len(classes)) if int(counts[c]) == 0]
+    if empty:
+        one = len(empty) == 1
+        raise FlatbmaError(
+            f"dataset '{splits.name}': {len(empty)} of its {len(classes)} classes {'has' if one else 'have'} no "
+            f"training example ({shown(empty, 60)}), so the model could never learn {'it' if one else 'them'}: "
+            "add training examples, or remove the class from the data"
+        )
 
 
 def _check_images(images: object) -> Tensor:
@@ -255,7 +285,7 @@ def _check_classes(classes: object) -> list[str]:
         raise FlatbmaError(f"classes must be a list of class names, got {type(classes).__name__}.")
     names = list(classes)
     if not names or not all(isinstance(c, str) for c in names):
-        raise FlatbmaError(f"classes must be a non-empty list of strings, got {names!r}.")
+        raise FlatbmaError(f"classes must be a non-empty list of strings, got {shown(names)}.")
     if len(set(names)) != len(names):
         duplicates = sorted({c for c in names if names.count(c) > 1})
         raise FlatbmaError(f"class names must be unique; duplicated: {duplicates}.")
@@ -615,7 +645,8 @@ _FOLDER_HELP = (
     "Expected root/train/<class>/*.png|jpg|jpeg|bmp and root/test/<class>/... (one sub-directory per "
     "class; the class list is the sorted union of both splits' sub-directories)."
 )
-_GREY_MODES = frozenset({"1", "L", "LA"})
+_SIXTEEN_BIT_GREY = frozenset({"I;16", "I;16L", "I;16B", "I;16N", "I"})
+_GREY_MODES = frozenset({"1", "L", "LA"}) | _SIXTEEN_BIT_GREY
 # What PIL's decoders raise on a damaged file besides OSError (truncated data, UnidentifiedImageError):
 # its plugins parse headers with struct and indexing, check them with ValueError and SyntaxError, and
 # refuse variants they do not implement (found by tests/data/test_bad_headers.py and longer fuzzing).
@@ -674,11 +705,35 @@ def _decoded(path: Path, use: Callable[[Image.Image], T]) -> T:
         pil_log.setLevel(level)
 
 
+def _listing(directory: Path) -> list[Path]:
+    """The entries of ``directory``, sorted; one that cannot be listed (no permission) is a :class:`FlatbmaError`."""
+    try:
+        return sorted(directory.iterdir())
+    except OSError as exc:
+        raise FlatbmaError(
+            f"dataset 'image-folder': cannot list {directory} ({exc.strerror or type(exc).__name__}): give the user "
+            "running flatbma read and execute permission on it, or remove it"
+        ) from None
+
+
+def _eight_bit(image: Image.Image) -> Image.Image:
+    """``image`` with 8-bit samples: 16-bit greyscale (PNG's ``I;16``, PIL's ``I``) scaled by 255/65535, rounded.
+
+    PIL's own conversion of these modes to ``L`` clips every value above 255 (most of a 16-bit image) to
+    255 instead of scaling; other modes are returned as they are (PIL scales 16-bit colour PNGs on opening).
+    """
+    if image.mode not in _SIXTEEN_BIT_GREY:
+        return image
+    values = np.asarray(image).astype(np.int64).clip(0, 65535)  # the read formats hold 16 bits at most
+    return Image.fromarray(((values * 255 + 32767) // 65535).astype(np.uint8), mode="L")
+
+
 def load_image_folder(root: str | Path | None = None, *, size: int | None = None) -> DatasetSplits:
     """Load ``root/train/<class>/*`` and ``root/test/<class>/*`` image files with PIL.
 
     Images are converted to single-channel ``L`` if every image is grayscale, otherwise to ``RGB``,
-    and stored as ``uint8 [N, C, H, W]``. All images must have one size unless ``size`` is given.
+    and stored as ``uint8 [N, C, H, W]``; 16-bit greyscale images are scaled to 8 bits
+    (``v·255/65535``). All images must have one size unless ``size`` is given.
     Files are decoded as PNG, JPEG or BMP, whatever their extension; a damaged file, another format or
     an image over PIL's decompression-bomb limit (``PIL.Image.MAX_IMAGE_PIXELS``) is a
     :class:`FlatbmaError` naming the file.
@@ -696,7 +751,7 @@ def load_image_folder(root: str | Path | None = None, *, size: int | None = None
     if missing:
         raise FlatbmaError(f"dataset 'image-folder': missing {missing}. {_FOLDER_HELP}")
     classes = sorted(
-        {p.name for d in split_dirs.values() for p in d.iterdir() if p.is_dir() and not p.name.startswith(".")}
+        {p.name for d in split_dirs.values() for p in _listing(d) if p.is_dir() and not p.name.startswith(".")}
     )
     if not classes:
         raise FlatbmaError(f"dataset 'image-folder': no class sub-directories in {root}. {_FOLDER_HELP}")
@@ -705,7 +760,7 @@ def load_image_folder(root: str | Path | None = None, *, size: int | None = None
             (path, c)
             for c, cls in enumerate(classes)
             if (d / cls).is_dir()
-            for path in sorted((d / cls).iterdir())
+            for path in _listing(d / cls)
             if path.suffix.lower() in IMAGE_EXTENSIONS and path.is_file() and not path.name.startswith(".")
         ]
         for split, d in split_dirs.items()
@@ -733,7 +788,7 @@ def load_image_folder(root: str | Path | None = None, *, size: int | None = None
         )
 
     def pixels(image: Image.Image) -> np.ndarray:
-        image = image.convert(mode)
+        image = _eight_bit(image).convert(mode)
         if size is not None and image.size != (size, size):
             image = image.resize((size, size), Image.Resampling.BILINEAR)
         return np.asarray(image, dtype=np.uint8)
@@ -791,7 +846,7 @@ def load_dataset(name: str, root: str | Path | None = None, **options: Any) -> D
     key = name.strip().lower().replace("_", "-")
     if key not in DATASETS:
         raise FlatbmaError(
-            f"unknown dataset '{name}'.{suggest(key, DATASETS)} Known datasets: {', '.join(dataset_names())}."
+            f"unknown dataset {shown(name)}.{suggest(key, DATASETS)} Known datasets: {', '.join(dataset_names())}."
         )
     loader = DATASETS[key]
     parameters = inspect.signature(loader).parameters
@@ -800,7 +855,7 @@ def load_dataset(name: str, root: str | Path | None = None, **options: Any) -> D
     for option in [] if open_ended else options:
         if option not in accepted:
             raise FlatbmaError(
-                f"dataset '{key}' has no option '{option}'.{suggest(option, accepted)} "
+                f"dataset '{key}' has no option {shown(option)}.{suggest(option, accepted)} "
                 f"Its options: {accepted or 'none'}."
             )
     return loader(root, **options)

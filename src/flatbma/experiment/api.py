@@ -13,6 +13,7 @@ this module only when one of them is first used.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -20,16 +21,17 @@ from typing import Any
 import torch
 from torch import nn
 
-from flatbma.checks import is_int
-from flatbma.errors import DivergenceError, FlatbmaError
+from flatbma.checks import check_seed, is_int
+from flatbma.errors import DivergenceError, FlatbmaError, FlatbmaTypeError
 from flatbma.experiment.methods import parse_method
 from flatbma.experiment.parse import parse_dataclass, shown
 from flatbma.experiment.runner import fit
 from flatbma.experiment.sections import OptimConfig
+from flatbma.models import check_classifier
 from flatbma.params import Objective, model_buffers, trainable_params
 from flatbma.predictor import BMA, read_file, target_device
-from flatbma.rng import forked_rng
-from flatbma.types import Batch
+from flatbma.rng import first_batch, forked_rng
+from flatbma.types import Batch, training_batch
 
 
 def fit_posterior(
@@ -87,17 +89,26 @@ def fit_posterior(
         progress: show a progress bar on a terminal.
         **method_options: the method's options (e.g. ``rank=10``, ``rho=0.05``).
 
+    Before training, the model is checked with one forward pass on the first batch of ``loader`` (read
+    without moving any random stream: :func:`flatbma.rng.first_batch`): the batch is a pair ``(x, y)`` of
+    inputs and 1-D integer labels, the model returns float32 or float64 logits ``[batch, classes]``
+    (:func:`flatbma.models.check_classifier`: no meta or 16-bit weights, something to train) and the labels
+    lie in ``[0, classes)``.
+
     Raises:
-        FlatbmaError: invalid options or data; DivergenceError (a FlatbmaError) when training diverges.
+        FlatbmaError: invalid options, model or data (a :class:`~flatbma.errors.FlatbmaTypeError`, also a
+            ``TypeError``, for an argument of the wrong kind), each in one line saying what to change;
+            DivergenceError (a FlatbmaError) when training diverges.
     """
-    if not isinstance(model, nn.Module):
-        raise FlatbmaError(f"model must be a torch.nn.Module, got a {type(model).__name__}")
+    _check_model_argument(model)
     if not is_int(epochs) or epochs < 1:
         raise FlatbmaError(f"epochs must be a positive integer, got {shown(epochs)}")
+    check_seed(seed, "seed")
     config = parse_method(_method_section(method, method_options))
     optim_config = parse_dataclass(OptimConfig, _optim_section(optim, lr), "optim")
     steps, num_data = _sizes(loader)
     train_device = target_device(device, model)
+    _check_first_batch(model, loader)
     model.to(train_device)
     objective = Objective(model=model, num_data=num_data)
     optimizer = optim_config.build(steps_per_epoch=steps, epochs=epochs)
@@ -144,6 +155,9 @@ def load_posterior(
     the predictor only samples. Predictions equal those of the saved predictor bit for bit.
     ``train_loader`` is needed when the predictor recomputes BatchNorm statistics, as at saving.
     """
+    _check_model_argument(model)
+    if not isinstance(path, str | os.PathLike):
+        raise FlatbmaTypeError(f"path must be a file path (str or os.PathLike), got a {type(path).__name__}")
     _, settings = read_file(path)
     section = settings["method"]
     if not isinstance(section, Mapping):
@@ -158,6 +172,27 @@ def load_posterior(
     objective = Objective(model=model, num_data=num_data)
     posterior = config.build(objective, OptimConfig().build(steps_per_epoch=1, epochs=1))
     return BMA.load(path, model, posterior, train_loader, device=device)
+
+
+def _check_model_argument(model: object) -> None:
+    if not isinstance(model, nn.Module):
+        raise FlatbmaTypeError(f"model must be a torch.nn.Module, got a {type(model).__name__}")
+
+
+def _check_first_batch(model: nn.Module, loader: Iterable[Batch]) -> None:
+    """The model and the data, checked on the loader's first batch before anything trains (:func:`fit_posterior`)."""
+    batch = first_batch(loader)
+    if batch is None:
+        raise FlatbmaError("the training loader yields no batch")
+    x, y = training_batch(batch)
+    here = target_device(None, model)  # checked where the model is: a meta module cannot move
+    classes = check_classifier(model, x[:2].to(here), name="the model")
+    bad = (y < 0) | (y >= classes)
+    if bool(bad.any()):
+        raise FlatbmaError(
+            f"label {int(y[bad][0])} is out of range: the model returns {classes} logits per example, so labels "
+            f"must be class indices in [0, {classes})"
+        )
 
 
 def _method_section(method: str | Mapping[str, Any], options: Mapping[str, Any]) -> dict[str, Any]:

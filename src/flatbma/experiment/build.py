@@ -22,11 +22,13 @@ from torch import Tensor
 from torch.utils.data import DataLoader
 
 from flatbma.bn import statistics_loader
+from flatbma.checks import check_device, shown
 from flatbma.data import (
     DATASETS,
     ArrayDataset,
     DatasetSplits,
     build_transform,
+    check_learnable,
     few_shot_indices,
     load_dataset,
     stratified_split,
@@ -37,7 +39,7 @@ from flatbma.experiment import distributed
 from flatbma.experiment.config import RunConfig
 from flatbma.experiment.distributed import Strategy, seeded_loader
 from flatbma.experiment.sections import DataConfig
-from flatbma.models import build_model
+from flatbma.models import build_model, check_classifier
 from flatbma.params import Objective
 from flatbma.transfer import restrict_trainable, subset_names
 from flatbma.types import Params, Posterior
@@ -51,22 +53,10 @@ def seed_everything(seed: int) -> None:
 
 
 def resolve_device(name: str) -> torch.device:
-    """``auto`` → CUDA when available, else CPU; other names are checked."""
+    """``auto`` → CUDA when available, else CPU; other names are checked (:func:`~flatbma.checks.check_device`)."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise FlatbmaError(f"train.device {name!r} is not a device name (use auto, cpu, cuda, cuda:0, ...)") from None
-    if device.type not in ("cpu", "cuda", "mps"):
-        raise FlatbmaError(f"train.device {name!r}: flatbma trains on cpu, cuda or mps devices; use auto, cpu or cuda")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise FlatbmaError(f"train.device is {name!r} but CUDA is not available here: use auto or cpu")
-    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
-        raise FlatbmaError(f"train.device is {name!r} but there are {torch.cuda.device_count()} CUDA devices")
-    if device.type == "mps" and not torch.backends.mps.is_available():
-        raise FlatbmaError(f"train.device is {name!r} but MPS is not available here: use auto or cpu")
-    return device
+    return check_device(name, "train.device", instead="auto or cpu")
 
 
 @dataclass(frozen=True)
@@ -171,9 +161,11 @@ def select_data(cfg: RunConfig, splits: DatasetSplits) -> RunData:
     """The examples ``cfg`` trains, validates, tests and measures the Hessian on, drawn from ``splits`` (seeded).
 
     Raises:
-        FlatbmaError: a k-shot draw the data cannot give, or a ``data.test_limit`` or
-            ``eval.hessian_examples`` that keeps no example.
+        FlatbmaError: data a classifier cannot learn (:func:`~flatbma.data.check_learnable`: one class, a
+            class without a training example), a k-shot draw the data cannot give, or a ``data.test_limit``
+            or ``eval.hessian_examples`` that keeps no example.
     """
+    check_learnable(splits)
     d = cfg.data
     train, test = splits.train, splits.test
     val = None
@@ -229,8 +221,15 @@ def transforms(d: DataConfig) -> tuple[Transform, Transform]:
 
 
 def build_network(cfg: RunConfig, train: ArrayDataset) -> torch.nn.Module:
-    """The network of ``cfg`` (on the CPU, seeded) for the images of ``train``, only ``model.trainable`` trainable."""
-    channels, height, _ = train[0][0].shape
+    """The network of ``cfg`` (on the CPU, seeded) for the images of ``train``, only ``model.trainable`` trainable.
+
+    It is checked with one forward pass on two images of ``train`` (:func:`~flatbma.models.check_classifier`,
+    under a forked RNG: the numbers of the run do not change): logits ``[2, num_classes]``, float32, finite
+    weights, something to train.
+    """
+    channels, height, width = train[0][0].shape  # (an augmenting transform draws here: runs' numbers count on it)
+    with torch.random.fork_rng(devices=[]):  # the check's images draw nothing the run sees
+        x = torch.stack([train[i][0] for i in range(min(2, len(train)))])
     model = build_model(
         cfg.model.name,
         num_classes=train.num_classes,
@@ -242,6 +241,8 @@ def build_network(cfg: RunConfig, train: ArrayDataset) -> torch.nn.Module:
         seed=cfg.seed,
     )
     restrict_trainable(model, subset_names(model, cfg.model.trainable))
+    hint = "" if height == width else f"the images are {height}x{width}, not square: set data.image_size to resize them"
+    check_classifier(model, x, name=f"model {shown(cfg.model.name)}", num_classes=train.num_classes, hint=hint)
     return model
 
 

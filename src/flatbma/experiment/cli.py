@@ -1,6 +1,7 @@
-"""The ``flatbma`` command line: ``train``, ``evaluate``, ``methods``.
+"""The ``flatbma`` command line: ``train``, ``evaluate``, ``compare``, ``methods``.
 
-Every :class:`~flatbma.errors.FlatbmaError` ends the command with one line on stderr and exit code 2.
+Every :class:`~flatbma.errors.FlatbmaError` ends the command with one line on stderr and exit code 2
+(:func:`main` lists every way a command ends).
 """
 
 from __future__ import annotations
@@ -8,10 +9,16 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import errno
+import io
 import json
+import os
+import signal
 import sys
+import threading
 import typing
-from collections.abc import Sequence
+import warnings
+from collections.abc import Iterator, Sequence
 from enum import Enum
 from pathlib import Path
 
@@ -19,7 +26,8 @@ import torch
 
 import flatbma
 from flatbma import progress
-from flatbma.errors import FlatbmaError, suggest
+from flatbma.checks import shown
+from flatbma.errors import FlatbmaError, FlatbmaWarning, suggest
 from flatbma.experiment import distributed
 from flatbma.experiment.build import resolve_device
 from flatbma.experiment.compare import load_plan, run_compare
@@ -116,7 +124,7 @@ def _plain(value: object) -> object:
 def _describe_method(name: str) -> str:
     """A method's summary and every option it takes, with its type and default (``flatbma methods NAME``)."""
     if name not in METHODS:
-        raise FlatbmaError(f"unknown method {name!r}.{suggest(name, METHODS)} Run 'flatbma methods' to list them")
+        raise FlatbmaError(f"unknown method {shown(name)}.{suggest(name, METHODS)} Run 'flatbma methods' to list them")
     spec = METHODS[name]
     defaults = parse_method(name)
     hints = typing.get_type_hints(spec.family)
@@ -162,74 +170,161 @@ def _print_metrics(metrics: dict) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``flatbma`` command."""
+    """Entry point of the ``flatbma`` command: its exit code.
+
+    Every way a command ends is one of: 0 (done); 2 with one line ``flatbma: error: ...`` (an input error,
+    a machine too small for the config, an output that cannot be written); 130 (Ctrl-C, SIGINT) or 143
+    (SIGTERM) with one line saying that finished checkpoints are kept; 141 without a word when the reader
+    of its output went away (``flatbma methods | head -1``), as a Unix tool ended by SIGPIPE. flatbma's own
+    warnings print as one line ``flatbma: warning: ...`` each, other libraries' not at all.
+    """
     try:
-        args = _build_parser().parse_args(argv)
-        if args.command == "methods" and args.name:
-            print(_describe_method(args.name))
-        elif args.command == "methods":
-            width = max(map(len, METHODS))
-            for name, spec in METHODS.items():
-                print(f"{name:<{width}}  {spec.summary}")
-            print("('flatbma methods NAME' shows a method's options, their types and defaults)", file=sys.stderr)
-        elif args.command == "train":
-            resumed = None
-            if args.resume:
-                if args.config:
-                    raise FlatbmaError(
-                        "--resume continues a run with its own config: drop --config (--set may change the "
-                        "learning rate, epochs, checkpoint cadence or eval options)"
-                    )
-                cfg, resumed = resume_config(args.resume, args.overrides)
-            elif args.config:
-                cfg = load_config(args.config, args.overrides)
-            else:
-                raise FlatbmaError("train needs --config FILE (or --resume RUN_DIR)")
-            device = resolve_device(cfg.train.device)
-            # a resume changes the run's files before it trains: under its lock (train takes it for --config)
-            owned = hold(args.resume, "train") if args.resume else contextlib.nullcontext()
-            with distributed.process_group(device), _reporting(args), owned:  # under torchrun: data-parallel
-                if resumed is not None:
-                    record_resume(args.resume, resumed)  # the changed config.yaml, and the change in resumes.json
-                trained = train(cfg, force=args.force, resume=bool(args.resume))
-                main_process = distributed.is_main()
-            if main_process:
-                _print_metrics(trained.metrics)
-                run_dir = Path(cfg.output_dir)
-                if trained.reused:
-                    print(f"{run_dir} holds this run, finished: nothing trained or written (--force trains again)")
-                else:
-                    print(f"wrote {run_dir / 'metrics.json'}")
-        elif args.command == "compare":
-            plan = load_plan(args.config, args.overrides, quick=args.quick)
-            device = resolve_device(plan.base.train.device)
-            with distributed.process_group(device), _reporting(args, every_process=True):  # torchrun: runs spread
-                results = run_compare(plan, force=args.force)
-                main_process = distributed.is_main()
-            if main_process:
-                print(summary_table(results))
-                print(f"wrote {plan.out_dir / 'results.json'}, results.csv, report.md and report.html")
-        elif args.command == "evaluate":
-            device = resolve_device(load_run_config(args.run_dir).train.device)
-            with distributed.process_group(device), _reporting(args):  # under torchrun: each evaluates a shard
-                metrics = evaluate_run(args.run_dir, flatness=args.flatness)
-                main_process = distributed.is_main()
-            if main_process:
-                _print_metrics(metrics)
-                print(json.dumps({k: metrics[k] for k in SUMMARY_KEYS if k in metrics}))
+        with _terminated_on_sigterm(), _warnings_as_lines():
+            _command(argv)
+            sys.stdout.flush()  # here, not at exit: a full or closed output ends as every other error
     except FlatbmaError as e:
-        print(f"flatbma: error: {str(e).translate(_ESCAPE_LINE_BREAKS)}", file=sys.stderr)
+        _error(str(e))
+        return 2
+    except BrokenPipeError:
+        _discard_stdout()
+        return 141
+    except OSError as e:
+        if e.filename is not None:  # a path the user gave (too long a name, no permission) that no check caught
+            _error(f"cannot use {shown(str(e.filename), 80)} ({e.strerror or type(e).__name__}): check the path")
+            return 2
+        if e.errno not in _OUTPUT_ERRNOS:
+            raise
+        _discard_stdout()
+        _error(f"cannot write to stdout ({e.strerror}): send the output elsewhere or free space")
         return 2
     except (MemoryError, RuntimeError) as e:  # a config too large for this machine (torch's OOM is a RuntimeError)
         if not _out_of_memory(e):
             raise
-        print(
-            f"flatbma: error: {_out_of_memory(e)}: lower data.batch_size, data.eval_batch_size, data.image_size, "
-            "model.width or eval.num_samples",
-            file=sys.stderr,
+        _error(
+            f"{_out_of_memory(e)}: lower data.batch_size, data.eval_batch_size, data.image_size, model.width or "
+            "eval.num_samples"
         )
         return 2
     except KeyboardInterrupt:
         print("flatbma: interrupted; finished checkpoints are kept", file=sys.stderr)
         return 130
+    except _Terminated:
+        print("flatbma: terminated (SIGTERM); finished checkpoints are kept", file=sys.stderr)
+        return 143
     return 0
+
+
+_OUTPUT_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO)
+"""Errors of writing to stdout that end the command in one line (a full disk or ``/dev/full``)."""
+
+
+def _error(message: str) -> None:
+    print(f"flatbma: error: {message.translate(_ESCAPE_LINE_BREAKS)}", file=sys.stderr)
+
+
+def _discard_stdout() -> None:
+    """Point stdout at ``/dev/null``, so that the interpreter's last flush of what it still holds cannot fail."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError, io.UnsupportedOperation):  # no file descriptor: nothing to flush
+        pass
+
+
+class _Terminated(BaseException):
+    """SIGTERM arrived (:func:`_terminated_on_sigterm`); a ``BaseException`` like ``KeyboardInterrupt``."""
+
+
+def _raise_terminated(signum: int, frame: object) -> None:
+    raise _Terminated
+
+
+@contextlib.contextmanager
+def _terminated_on_sigterm() -> Iterator[None]:
+    """Within the block SIGTERM raises :class:`_Terminated` (in the main thread; elsewhere signals are not ours)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+
+
+def _show_warning(message: Warning | str, category: type[Warning], *args: object, **kwargs: object) -> None:
+    if issubclass(category, FlatbmaWarning):
+        text = str(message).strip().splitlines()[0] if str(message).strip() else category.__name__
+        text = text if len(text) <= 300 else text[:297] + "..."
+        print(f"flatbma: warning: {text.translate(_ESCAPE_LINE_BREAKS)}", file=sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def _warnings_as_lines() -> Iterator[None]:
+    """The warnings of flatbma (:class:`~flatbma.errors.FlatbmaWarning`) as one line each; no other library's.
+
+    torch's and matplotlib's warnings (a pickle protocol, a degenerate axis) say nothing a user of the
+    command can act on, and would stand beside the one line of an error.
+    """
+    with warnings.catch_warnings():
+        warnings.showwarning = _show_warning
+        yield
+
+
+def _command(argv: Sequence[str] | None) -> None:
+    """Parse ``argv`` and run the command (its errors are :func:`main`'s)."""
+    args = _build_parser().parse_args(argv)
+    if args.command == "methods" and args.name:
+        print(_describe_method(args.name))
+    elif args.command == "methods":
+        width = max(map(len, METHODS))
+        for name, spec in METHODS.items():
+            print(f"{name:<{width}}  {spec.summary}")
+        sys.stdout.flush()  # the list is the output: a failure to write it ends the command before the hint
+        print("('flatbma methods NAME' shows a method's options, their types and defaults)", file=sys.stderr)
+    elif args.command == "train":
+        resumed = None
+        if args.resume:
+            if args.config:
+                raise FlatbmaError(
+                    "--resume continues a run with its own config: drop --config (--set may change the "
+                    "learning rate, epochs, checkpoint cadence or eval options)"
+                )
+            cfg, resumed = resume_config(args.resume, args.overrides)
+        elif args.config:
+            cfg = load_config(args.config, args.overrides)
+        else:
+            raise FlatbmaError("train needs --config FILE (or --resume RUN_DIR)")
+        device = resolve_device(cfg.train.device)
+        # a resume changes the run's files before it trains: under its lock (train takes it for --config)
+        owned = hold(args.resume, "train") if args.resume else contextlib.nullcontext()
+        with distributed.process_group(device), _reporting(args), owned:  # under torchrun: data-parallel
+            if resumed is not None:
+                record_resume(args.resume, resumed)  # the changed config.yaml, and the change in resumes.json
+            trained = train(cfg, force=args.force, resume=bool(args.resume))
+            main_process = distributed.is_main()
+        if main_process:
+            _print_metrics(trained.metrics)
+            run_dir = Path(cfg.output_dir)
+            if trained.reused:
+                print(f"{run_dir} holds this run, finished: nothing trained or written (--force trains again)")
+            else:
+                print(f"wrote {run_dir / 'metrics.json'}")
+    elif args.command == "compare":
+        plan = load_plan(args.config, args.overrides, quick=args.quick)
+        device = resolve_device(plan.base.train.device)
+        with distributed.process_group(device), _reporting(args, every_process=True):  # torchrun: runs spread
+            results = run_compare(plan, force=args.force)
+            main_process = distributed.is_main()
+        if main_process:
+            print(summary_table(results))
+            print(f"wrote {plan.out_dir / 'results.json'}, results.csv, report.md and report.html")
+    elif args.command == "evaluate":
+        device = resolve_device(load_run_config(args.run_dir).train.device)
+        with distributed.process_group(device), _reporting(args):  # under torchrun: each evaluates a shard
+            metrics = evaluate_run(args.run_dir, flatness=args.flatness)
+            main_process = distributed.is_main()
+        if main_process:
+            _print_metrics(metrics)
+            print(json.dumps({k: metrics[k] for k in SUMMARY_KEYS if k in metrics}))

@@ -77,8 +77,9 @@ from flatbma.experiment.checkpoint import (
 from flatbma.experiment.config import RunConfig, config_from_dict, load_raw, parse_override
 from flatbma.experiment.evaluate import CLEAN_KEYS, measure
 from flatbma.experiment.findings import check_pairs
+from flatbma.experiment.health import assess, warn_if_flagged
 from flatbma.experiment.lock import LOCK_FILE, hold
-from flatbma.experiment.methods import METHODS
+from flatbma.experiment.methods import METHODS, parse_method
 from flatbma.experiment.outdir import check_compare_output
 from flatbma.experiment.parse import load_yaml, parse_dataclass, set_dotted, shown
 from flatbma.experiment.prior import FittedPrior, fit_prior, prior_stage
@@ -169,6 +170,12 @@ class CompareConfig:
             raise FlatbmaError("compare.methods is empty: list the methods to compare, e.g. [{name: sgd}, {name: sam}]")
         if not self.seeds:
             raise FlatbmaError("compare.seeds is empty: give at least one seed, e.g. [0, 1, 2]")
+        twice = sorted({s for s in self.seeds if self.seeds.count(s) > 1})
+        if twice:
+            raise FlatbmaError(
+                f"compare.seeds lists seed {twice[0]} more than once: a seed's runs are the same runs, so repeats "
+                "would be reported as a spread of zero width over copies; give distinct seeds, e.g. [0, 1, 2]"
+            )
         bad = [s for s in self.severities if not 1 <= s <= 5]
         if bad:
             raise FlatbmaError(f"compare.severities must lie in 1..5, got {bad}")
@@ -180,13 +187,13 @@ class CompareConfig:
             unknown = [c for c in self.corruptions if c not in corruption_names()]
             if unknown:
                 raise FlatbmaError(
-                    f"unknown corruption {unknown[0]!r}.{suggest(unknown[0], corruption_names())} "
+                    f"unknown corruption {shown(unknown[0])}.{suggest(unknown[0], corruption_names())} "
                     f"Available: {', '.join(corruption_names())}"
                 )
         labels = [label_of(m) for m in self.methods]
         if self.reference is not None and self.reference not in labels:
             raise FlatbmaError(
-                f"compare.reference {self.reference!r} is not a compared method.{suggest(self.reference, labels)} "
+                f"compare.reference {shown(self.reference)} is not a compared method.{suggest(self.reference, labels)} "
                 f"Give one of: {', '.join(labels)} (a method's label, else its name), or leave it out for the first"
             )
         check_pairs(self.pairs, labels)
@@ -363,6 +370,7 @@ def load_plan(path: str | Path, overrides: list[str] = (), *, quick: bool = Fals
     compare = parse_dataclass(CompareConfig, section, "compare")
     if quick:
         q = compare.quick
+        _check_quick(compare)
         if isinstance(raw.get("output_dir", ""), str):  # its own directory: a quick run never clashes with the full one
             raw["output_dir"] = raw.get("output_dir", RunConfig.__dataclass_fields__["output_dir"].default).rstrip("/")
             raw["output_dir"] += "-quick"
@@ -385,23 +393,46 @@ def load_plan(path: str | Path, overrides: list[str] = (), *, quick: bool = Fals
         )
     bad = [m["label"] for m in compare.methods if isinstance(m, dict) and not isinstance(m.get("label", ""), str)]
     if bad:
-        raise FlatbmaError(f"compare.methods: a label is the row's display name, a text; got {bad[0]!r}")
+        raise FlatbmaError(f"compare.methods: a label is the row's display name, a text; got {shown(bad[0])}")
     labels = [label_of(m) for m in compare.methods]
     twice = sorted({x for x in labels if labels.count(x) > 1})
     if twice:
         raise FlatbmaError(
-            f"compare.methods has several entries named {twice[0]!r}: give them distinct 'label' keys "
+            f"compare.methods has several entries named {shown(twice[0])}: give them distinct 'label' keys "
             "(e.g. label: fp-bma+swag-prior), the names their rows get in tables and plots"
         )
     _check_match_width(compare)
+    for i, entry in enumerate(compare.methods):  # validate every candidate's run config up front
+        where = f"compare.methods[{i}]"
+        for point in entries.points(entry, where):
+            sections = entries.run_sections(entries.at(entry, point), raw)
+            parse_method(sections["method"], where)  # its errors name the entry's keys (compare.methods[0].rho)
+            try:
+                config_from_dict({**raw, **sections})
+            except FlatbmaError as e:
+                raise FlatbmaError(f"{where} ({shown(label_of(entry), 40)}): {e}") from None
     raw.setdefault("method", entries.first_run_sections(compare.methods[0])["method"])
     base = config_from_dict(raw)
-    for i, entry in enumerate(compare.methods):  # validate every candidate's run config up front
-        for point in entries.points(entry, f"compare.methods[{i}]"):
-            config_from_dict({**raw, **entries.run_sections(entries.at(entry, point), raw)})
     plan = Plan(base=base, compare=compare, raw=raw, out_dir=Path(base.output_dir))
     _check_selection(plan.jobs(), base)
     return plan
+
+
+def _check_quick(compare: CompareConfig) -> None:
+    """Refuse ``--quick`` when ``compare.quick`` changes nothing or names a method no entry has."""
+    q = compare.quick
+    if q == QuickConfig():
+        raise FlatbmaError(
+            "--quick runs the reduced setting of the config's compare.quick section, but it sets none: add "
+            "compare.quick (methods, seeds, set; see configs/demo.yaml), or drop --quick"
+        )
+    names = {n for m in compare.methods for n in (str(m.get("name")), label_of(m))}
+    unknown = [m for m in q.methods if m not in names]
+    if unknown:
+        raise FlatbmaError(
+            f"compare.quick.methods names {shown(unknown[0], 40)}, which is no entry of compare.methods "
+            f"(names and labels: {', '.join(sorted(names))}).{suggest(unknown[0], names)}"
+        )
 
 
 def _check_match_width(compare: CompareConfig) -> None:
@@ -827,8 +858,8 @@ def _measured(
         "train_time_s": train_metrics.get("train_time_s"),
         # KL(q_T || q_0) of a low-rank Gaussian run: whether training moved q (stage.train_stage)
         **({"kl_from_start": train_metrics["kl_from_start"]} if "kl_from_start" in train_metrics else {}),
-        # how far the ascent moved q per step (step_stats), the early-stopping record, training health
-        **{k: train_metrics[k] for k in ("step_stats", "early_stopping", "health") if k in train_metrics},
+        # how far the ascent moved q per step (step_stats), and the early-stopping record
+        **{k: train_metrics[k] for k in ("step_stats", "early_stopping") if k in train_metrics},
         **measure(
             exp,
             state,
@@ -841,9 +872,12 @@ def _measured(
         ),
         "width_matched": matched,
     }
+    result["health"] = assess(train_metrics.get("history"), result["health"])
     if matched is None and not all(k in train_metrics for k in CLEAN_KEYS):  # the run directory is complete on its own
         train_metrics.update({k: result[k] for k in CLEAN_KEYS}, num_samples=cfg.eval.num_samples)
+        train_metrics["health"] = result["health"]
         atomic_write_json(run_dir / METRICS_FILE, train_metrics)
+    warn_if_flagged(result["health"], f"{label} seed {cfg.seed} ({run_dir})")
     return result
 
 

@@ -7,6 +7,7 @@ A :class:`RunConfig` is a method, a seed and an output directory plus the sectio
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -17,7 +18,7 @@ import yaml
 from flatbma.errors import FlatbmaError, suggest
 from flatbma.experiment.entries import first_run_sections
 from flatbma.experiment.methods import MethodConfig, parse_method
-from flatbma.experiment.parse import load_yaml, parse_dataclass, set_dotted
+from flatbma.experiment.parse import load_yaml, parse_dataclass, set_dotted, shown
 from flatbma.experiment.prior_config import PriorConfig, parse_prior
 from flatbma.experiment.sections import (
     DataConfig,
@@ -97,7 +98,7 @@ def config_from_dict(raw: Any) -> RunConfig:
     for key in raw:
         if key not in TOP_LEVEL:
             raise FlatbmaError(
-                f"unknown config key '{key}'.{suggest(str(key), TOP_LEVEL)} Valid: {', '.join(sorted(TOP_LEVEL))}"
+                f"unknown config key {shown(key)}.{suggest(str(key), TOP_LEVEL)} Valid: {', '.join(sorted(TOP_LEVEL))}"
             )
     if "method" not in raw:
         raise FlatbmaError("the config has no 'method' section: add e.g. 'method: {name: sgd}'")
@@ -117,14 +118,24 @@ class _TopLevel:
         if not 0 <= self.seed < 2**63:
             raise FlatbmaError(f"seed must be an integer in [0, 2**63), got {self.seed}")
         if not self.output_dir.strip() or "\0" in self.output_dir:
-            raise FlatbmaError(f"output_dir must be a directory path, got {self.output_dir!r}")
+            raise FlatbmaError(f"output_dir must be a directory path, got {shown(self.output_dir)}")
+        long = next((part for part in Path(self.output_dir).parts if len(os.fsencode(part)) > NAME_MAX), None)
+        if long is not None:
+            raise FlatbmaError(
+                f"output_dir has a directory name of {len(os.fsencode(long))} bytes ({shown(long, 40)}); file "
+                f"systems take at most {NAME_MAX}: choose a shorter output_dir"
+            )
+
+
+NAME_MAX = 255
+"""The longest file or directory name, in bytes, on Linux, macOS and Windows file systems."""
 
 
 def parse_override(item: str) -> tuple[str, Any]:
     """Parse ``key.sub=value`` (the value as YAML: numbers, true/false, null, lists)."""
     key, sep, text = item.partition("=")
     if not sep or not key:
-        raise FlatbmaError(f"--set expects key=value (e.g. --set optim.lr=0.1), got {item!r}")
+        raise FlatbmaError(f"--set expects key=value (e.g. --set optim.lr=0.1), got {shown(item)}")
     try:
         value = load_yaml(text, f"--set {key.strip()}") if text else ""
     except (yaml.YAMLError, RecursionError, ValueError) as e:  # ValueError: an integer of > 4300 digits
@@ -159,6 +170,10 @@ def config_path(path: str | Path) -> Path:
 def load_raw(path: str | Path) -> dict[str, Any]:
     """Read a YAML config file (a path, or a shipped config's name: :func:`config_path`) with the safe loader."""
     path = config_path(path)
+    if path.is_dir():
+        raise FlatbmaError(f"config file {path} is a directory: give the YAML file (ready configs are in configs/)")
+    if path.exists() and not path.is_file():  # a FIFO or a device: reading it could block forever
+        raise FlatbmaError(f"config file {path} is not a regular file (a FIFO or a device): give the YAML file")
     if not path.is_file():
         raise FlatbmaError(
             f"config file {path} does not exist; the ready configs (by name, e.g. --config demo): "

@@ -28,6 +28,7 @@ from collections.abc import Mapping
 from enum import Enum
 from typing import Any, Literal, Union
 
+from flatbma.checks import shown
 from flatbma.errors import FlatbmaError
 from flatbma.experiment.methods import METHODS
 from flatbma.experiment.sections import OptimConfig
@@ -87,7 +88,9 @@ def grid(entry: Mapping[str, Any], where: str) -> dict[str, list[Any]]:
     axes = _scalar_lists(entry, _option_types(entry.get("name")), skip=ENTRY_KEYS)
     optim = entry.get(OPTIM)
     if optim is not None and not isinstance(optim, Mapping):
-        raise FlatbmaError(f"{where}.optim must be a mapping of optim keys (e.g. {{lr: [0.01, 0.05]}}), got {optim!r}")
+        raise FlatbmaError(
+            f"{where}.optim must be a mapping of optim keys (e.g. {{lr: [0.01, 0.05]}}), got {shown(optim)}"
+        )
     for key, value in _scalar_lists(optim or {}, typing.get_type_hints(OptimConfig)).items():
         axes[f"{OPTIM}.{key}"] = value
     of = entry.get("of")

@@ -46,6 +46,7 @@ from flatbma.calibration import fit_temperature
 from flatbma.data.corruptions import applicable, corrupt_dataset
 from flatbma.errors import FlatbmaError
 from flatbma.experiment.build import Experiment
+from flatbma.experiment.health import HEALTH_EXAMPLES
 from flatbma.flatness import (
     distinct_samples,
     flatness_report,
@@ -257,14 +258,44 @@ def _repeat(
     return result
 
 
+def training_fit(exp: Experiment, predictions: Predictions) -> dict[str, Any]:
+    """How the BMA fits its training data: the health entry's measurement (:mod:`flatbma.experiment.health`).
+
+    The BMA's accuracy on the first :data:`~flatbma.experiment.health.HEALTH_EXAMPLES` (whole batches)
+    un-augmented training images of :attr:`Experiment.bn_loader` (a fixed random order, so a class-sorted
+    data set gives a sample of every class), and the chance level: the share of the most frequent class
+    among them. Run under forked random generators: nothing measured after it changes.
+
+    Returns:
+        ``{"train_bma_accuracy", "train_examples", "chance_accuracy"}``.
+    """
+    correct, counts = 0, torch.zeros(exp.num_classes, dtype=torch.int64)
+    devices = [exp.device.index or 0] if exp.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):  # a DataLoader's iterator draws its base seed
+        mode = exp.method.predict_mode
+        for log_probs, y in predict(exp.model, predictions, exp.bn_loader, device=exp.device, mode=mode):
+            correct += int((log_probs.argmax(-1) == y).sum())
+            counts += torch.bincount(y.cpu(), minlength=exp.num_classes)
+            if int(counts.sum()) >= HEALTH_EXAMPLES:
+                break
+    n = int(counts.sum())
+    return {"train_bma_accuracy": correct / n, "train_examples": n, "chance_accuracy": int(counts.max()) / n}
+
+
 def evaluate_state(exp: Experiment, state: State, *, flatness: bool = False) -> dict[str, Any]:
-    """BMA metrics of ``state`` on the test set (and flatness when asked), from the build's RNG state."""
+    """BMA metrics of ``state`` on the test set (and flatness when asked), from the build's RNG state.
+
+    ``health`` holds the BMA's :func:`training_fit`; the caller completes it with the run's loss history
+    (:func:`flatbma.experiment.health.assess`).
+    """
     what = f"{progress.count(exp.config.eval.num_samples, 'sample')} on the test set"
     with exp.rng.restored():
         with progress.current().phase("BMA", what):
             drawn = draw_samples(exp, state)
             samples = _samples_if_averaged(exp, drawn)
-            metrics = bma_metrics(exp, bma_predictions(exp, state, drawn, samples))
+            predictions = bma_predictions(exp, state, drawn, samples)
+            metrics = bma_metrics(exp, predictions)
+        metrics["health"] = training_fit(exp, predictions)
         metrics["bn_statistics"] = bn_statistics(exp)
         metrics.update(diagnostics(exp, state))
         if flatness:
@@ -434,6 +465,7 @@ def measure(
             curve, reliability = bma_curve_metrics(exp, averaged, exp.test_loader, bma_curve, keep=kept)
         full = curve[len(averaged)]
         result: dict[str, Any] = {k: full[k] for k in CLEAN_KEYS}
+        result["health"] = training_fit(exp, averaged)  # completed by the caller with the loss history
         result["bma_curve"] = {
             "num_samples": list(curve),
             **{k: [curve[m][k] for m in curve] for k in ("accuracy", "nll", "ece")},

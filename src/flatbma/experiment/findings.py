@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from flatbma.errors import FlatbmaError, suggest
+from flatbma.experiment.health import flagged_line, is_flagged
 from flatbma.experiment.parse import shown
 from flatbma.experiment.rows import (
     COMPARED,
@@ -299,7 +300,9 @@ def findings(results: Mapping[str, Any]) -> dict[str, Any]:
         comparison, the reference's first, then the pairs' (a method sharing fewer than two seeds with
         the one it is compared with gets one line saying that nothing is claimed; a pair ``(a, b)``
         whose ``b`` is the reference adds no line, the reference's comparisons have said it); with one
-        seed overall, or one method, it is a single line saying that no comparison is claimed.
+        seed overall, or one method, it is a single line saying that no comparison is claimed. Rows
+        flagged by the training-health rules (:mod:`flatbma.experiment.health`) come first, one line
+        each, and are listed under ``"health"``.
     """
     groups = by_method(read_runs(results))
     reference = reference_of(results, groups)
@@ -321,6 +324,8 @@ def findings(results: Mapping[str, Any]) -> dict[str, Any]:
         for a, b in pairs:
             if b != reference:
                 text += _lines(a, b, [c for c in paired if (c.method, c.reference) == (a, b)])
+    flagged = [(m, r) for m, runs in groups.items() for r in runs if is_flagged(r.get("health"))]
+    text = [flagged_line(m, r) for m, r in flagged] + text
     out = {
         "reference": reference,
         "level": LEVEL,
@@ -331,4 +336,6 @@ def findings(results: Mapping[str, Any]) -> dict[str, Any]:
     }
     if pairs:
         out["pairs"] = [c.to_dict() for c in paired]
+    if flagged:
+        out["health"] = [{"method": m, "seed": r.get("seed"), "flags": r["health"].get("flags")} for m, r in flagged]
     return out

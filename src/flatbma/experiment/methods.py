@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from flatbma.curvature import Curvature, Hessian
 from flatbma.errors import FlatbmaError, suggest
-from flatbma.experiment.parse import coerce, parse_dataclass
+from flatbma.experiment.parse import coerce, parse_dataclass, shown
 from flatbma.optim import ASAM, SAM, Amortized, FisherBall, FisherSAM
 from flatbma.options import resolved
 from flatbma.posteriors import bsam, ensemble, fp_bma, laplace, lowrank_vi, mc_dropout, mfvi, multi, point, sgld, swag
@@ -229,7 +229,7 @@ def parse_method(data: Any, where: str = "method") -> MethodConfig:
     name = data["name"]
     if not isinstance(name, str) or name not in METHODS:
         raise FlatbmaError(
-            f"unknown method {name!r}.{suggest(str(name), METHODS)} "
+            f"unknown method {shown(name)}.{suggest(str(name), METHODS)} "
             f"Run 'flatbma methods' to list them: {', '.join(METHODS)}"
         )
     spec = METHODS[name]
@@ -254,7 +254,7 @@ def parse_method(data: Any, where: str = "method") -> MethodConfig:
         else:
             valid = sorted([*family_opts, *ascent_opts, *amortized_opts])
             raise FlatbmaError(
-                f"unknown config key '{where}.{key}' for method {name!r}.{suggest(str(key), valid)} "
+                f"unknown config key {shown(f'{where}.{key}')} for method {shown(name)}.{suggest(str(key), valid)} "
                 f"Valid keys: {', '.join(valid) if valid else '(none)'}"
             )
     for key, param in family_opts.items():
@@ -406,10 +406,84 @@ register(
 )
 register(MethodSpec("bsam", "Bayesian SAM: SAM as a relaxation of Bayes (Möllenhoff & Khan 2023)", bsam.build))
 
-register(MethodSpec("mc-dropout", "MC dropout: BMA over dropout masks (Gal & Ghahramani 2016)", mc_dropout.build))
-register(MethodSpec("f-mc-dropout", "F-MC-dropout: SAM on the dropout net (Nguyen et al. 2023)", mc_dropout.build, SAM))
-register(MethodSpec("ensemble", "Deep ensemble of independently trained nets (Lakshminarayanan 2017)", ensemble.build))
-register(MethodSpec("f-ensemble", "F-ensemble: each member trained with SAM (Nguyen et al. 2023)", ensemble.build, SAM))
+def check_dropout_rate(method: MethodConfig, stage: Stage) -> None:
+    """MC dropout: ``rate: 0`` over every dropout layer (``override_existing``) draws no mask, a silent point estimate.
+
+    The library takes it (:func:`flatbma.posteriors.mc_dropout.build`: the point estimate); a config asking
+    for MC dropout means masks.
+    """
+    if method.options["rate"] == 0 and method.options["override_existing"]:
+        raise FlatbmaError(
+            f"{stage.key('rate')}=0.0 sets every dropout layer to p=0, so every {method.name} sample is the same "
+            "network (a point estimate, which sgd trains): use a rate in (0, 1), e.g. 0.1"
+        )
+
+
+register(
+    MethodSpec(
+        "mc-dropout",
+        "MC dropout: BMA over dropout masks (Gal & Ghahramani 2016)",
+        mc_dropout.build,
+        check=check_dropout_rate,
+    )
+)
+register(
+    MethodSpec(
+        "f-mc-dropout",
+        "F-MC-dropout: SAM on the dropout net (Nguyen et al. 2023)",
+        mc_dropout.build,
+        SAM,
+        check=check_dropout_rate,
+    )
+)
+def check_member_memory(method: MethodConfig, stage: Stage, option: str = "size") -> None:
+    """A posterior of ``method.<option>`` independent members holds at least that many copies of the trained weights.
+
+    Each copy is ``num_trainable`` float32 values (4 bytes): a lower bound of what the members need (their
+    optimizer states, a family's moments and the gradients come on top), refused up front when it exceeds
+    the memory available where the run trains (:attr:`~flatbma.experiment.validate.RunShape.available_memory`)
+    — instead of an out-of-memory kill minutes later.
+    """
+    d, free = stage.shape.num_trainable, stage.shape.available_memory
+    if d is None or free is None:
+        return
+    count = method.options[option]
+    need = count * d * 4
+    if need > free:
+        raise FlatbmaError(
+            f"{stage.key(option)}={count} members of {d:,} trained weights need at least {_gigabytes(need)} for "
+            f"their weights alone, but {_gigabytes(free)} of memory is available here: lower {stage.key(option)} "
+            f"(at most {free // (4 * d):,} members fit)"
+        )
+
+
+def _gigabytes(n: int) -> str:
+    return f"{n / 1e9:,.1f} GB" if n >= 1e8 else f"{n / 1e6:,.1f} MB"
+
+
+def _always(method: MethodConfig) -> bool:
+    return True
+
+
+register(
+    MethodSpec(
+        "ensemble",
+        "Deep ensemble of independently trained nets (Lakshminarayanan 2017)",
+        ensemble.build,
+        check=check_member_memory,
+        needs_weights=_always,
+    )
+)
+register(
+    MethodSpec(
+        "f-ensemble",
+        "F-ensemble: each member trained with SAM (Nguyen et al. 2023)",
+        ensemble.build,
+        SAM,
+        check=check_member_memory,
+        needs_weights=_always,
+    )
+)
 register(
     MethodSpec(
         "sgld", "SGLD: Langevin dynamics on mini-batch gradients (Welling & Teh 2011)", sgld.build, check=check_burn_in
@@ -515,11 +589,12 @@ def multi_first_stage(method: MethodConfig, prior_method: MethodConfig) -> Metho
 
 
 def check_members(method: MethodConfig, stage: Stage) -> None:
-    """``multi``: the members' method checks the stage under its own keys (``method.of.*``).
+    """``multi``: its members fit in memory (:func:`check_member_memory`) and check the stage (``method.of.*``).
 
     Several members average their samples: a members' method that predicts with the network linearized at
     its mean (Laplace's ``predictive: glm`` or ``probit``) is refused, as :func:`flatbma.posteriors.multi.build` does.
     """
+    check_member_memory(method, stage, "members")
     of = method.options["of"]
     if of is not None:
         of.check(dataclasses.replace(stage, method_key=f"{stage.method_key}.of"))
@@ -554,6 +629,7 @@ def _multi(name: str, summary: str, family: Callable[..., Posterior]) -> MethodS
         family,
         with_prior=multi_with_prior,
         check=check_members,
+        needs_weights=_always,
         parsers={"of": parse_method},
         component=multi_component,
         first_stage=multi_first_stage,

@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-import reprlib
 import types
 import typing
 from collections.abc import Mapping
@@ -19,7 +18,7 @@ from typing import Any, TypeVar, Union
 
 import yaml
 
-from flatbma.checks import is_int, is_number
+from flatbma.checks import is_int, is_number, shown
 from flatbma.errors import FlatbmaError, suggest
 
 T = TypeVar("T")
@@ -27,17 +26,6 @@ T = TypeVar("T")
 MAX_YAML_NODES = 100_000
 """Budget of :func:`load_yaml`: scalars, lists and mappings of a document with every alias expanded (a
 config has a few hundred; a 9-level billion-laughs document has ~10⁹)."""
-
-_SHOWN = reprlib.Repr()
-_SHOWN.maxlevel, _SHOWN.maxlist, _SHOWN.maxtuple, _SHOWN.maxdict = 3, 6, 6, 6
-_SHOWN.maxstring = _SHOWN.maxother = _SHOWN.maxlong = 60
-
-
-def shown(value: Any, limit: int = 80) -> str:
-    """``repr(value)`` for an error message, at most ``limit`` characters whatever the value's size."""
-    text = _SHOWN.repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
 
 def load_yaml(text: str, where: str) -> Any:
     """The YAML document ``text``, read with the safe loader and a budget on its expanded size.
@@ -226,7 +214,8 @@ def parse_dataclass(cls: type[T], data: Any, where: str) -> T:
         path = f"{where}.{key}" if where else str(key)
         if key not in fields:
             raise FlatbmaError(
-                f"unknown config key '{path}'.{suggest(str(key), fields)} Valid keys here: {', '.join(sorted(fields))}"
+                f"unknown config key {shown(path)}.{suggest(str(key), fields)} "
+                f"Valid keys here: {', '.join(sorted(fields))}"
             )
         kwargs[key] = coerce(value, hints[key], path)
     missing = [

@@ -75,10 +75,16 @@ class PriorConfig:
 
 
 @dataclass(frozen=True)
-class _PriorOptions:
-    """The plain keys of the ``prior`` section (its defaults are :class:`PriorConfig`'s)."""
+class _PriorSection:
+    """The keys of the ``prior`` section, each checked once.
 
+    ``method`` and ``optim`` as written (each is then parsed as its section), the plain ones typed (their
+    defaults are :class:`PriorConfig`'s).
+    """
+
+    method: Any = None
     epochs: int = PriorConfig.epochs
+    optim: Any = None
     init: bool = PriorConfig.init
     min_std: float = PriorConfig.min_std
 
@@ -92,7 +98,8 @@ def parse_prior(data: Any, method: MethodConfig) -> PriorConfig | None:
     """Parse the ``prior`` section (``None`` or absent: a one-stage run) for the run's ``method``."""
     if data is None:
         return None
-    if not isinstance(data, dict) or "method" not in data:
+    rest = parse_dataclass(_PriorSection, data, "prior") if isinstance(data, dict) else None  # unknown keys
+    if rest is None or rest.method is None:
         raise FlatbmaError(
             "prior must be a mapping with a 'method' key, e.g. prior: {method: {name: swag, rank: 5}, epochs: 10}"
         )
@@ -108,11 +115,10 @@ def parse_prior(data: Any, method: MethodConfig) -> PriorConfig | None:
             f"{key} {inner.name!r} takes no Gaussian prior, so the prior section does not apply to it: use one of "
             f"{', '.join(prior_methods())} or remove the prior section"
         )
-    stage = parse_method(data["method"], "prior.method")
+    stage = parse_method(rest.method, "prior.method")
     if not METHODS[stage.name].gaussian:
         raise FlatbmaError(not_gaussian_message(stage.name))
-    rest = parse_dataclass(_PriorOptions, {k: v for k, v in data.items() if k not in ("method", "optim")}, "prior")
-    optim = parse_dataclass(OptimConfig, data["optim"], "prior.optim") if data.get("optim") is not None else None
+    optim = parse_dataclass(OptimConfig, rest.optim, "prior.optim") if rest.optim is not None else None
     ranks = (inner.options.get(RANK_OPTION), stage.options.get(RANK_OPTION))
     if rest.init and None not in ranks and ranks[0] != ranks[1]:
         raise FlatbmaError(

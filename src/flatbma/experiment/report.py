@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import base64
 import csv
+import dataclasses
 import html
 import io
 import json
@@ -42,6 +43,7 @@ from flatbma.experiment.findings import (
     pairs_of,
     reference_of,
 )
+from flatbma.experiment.health import MARK, flagged_line, is_flagged
 from flatbma.experiment.rows import (
     COMPARED,
     CORRUPTION_METRICS,
@@ -178,7 +180,14 @@ def _summary(groups: dict[str, list[Run]]) -> Table:
         )
     best = "value" if one_seed else "mean"
     note += f" Bold: the best {best} of a column with a better end (higher accuracy; lower NLL, ECE, AECE, Brier)."
-    return _metric_table(f"Results ({spread_text(groups)})", groups, metrics, note)
+    table = _metric_table(f"Results ({spread_text(groups)})", groups, metrics, note)
+    flagged = {m: [r for r in runs if is_flagged(r.get("health"))] for m, runs in groups.items()}
+    if not any(flagged.values()):
+        return table
+    rows = [[f"{row[0]} {MARK}" if flagged[row[0]] else row[0], *row[1:]] for row in table.rows]
+    lines = tuple(flagged_line(m, r) for m, rs in flagged.items() for r in rs)
+    note = f"{table.note} {MARK}: a method with a run flagged by the training-health rules (listed below)."
+    return dataclasses.replace(table, rows=rows, note=note, lines=lines)
 
 
 def summary_table(results: Mapping[str, Any]) -> str:

@@ -35,6 +35,7 @@ from flatbma.experiment.checkpoint import (
 from flatbma.experiment.config import RunConfig, config_from_dict, load_raw, parse_override
 from flatbma.experiment.early_stopping import Monitor
 from flatbma.experiment.evaluate import evaluate_state
+from flatbma.experiment.health import assess, warn_if_flagged
 from flatbma.experiment.lock import hold
 from flatbma.experiment.logs import check_available
 from flatbma.experiment.outdir import check_run_output
@@ -239,7 +240,9 @@ def evaluate_run(run_dir: str | Path, *, flatness: bool = False) -> dict[str, An
         if not isinstance(metrics, dict):
             raise FlatbmaError(f"{metrics_path} is damaged (not a JSON object): delete it and evaluate again")
         metrics.update(evaluate_state(exp, state, flatness=flatness))
+        metrics["health"] = assess(metrics.get("history"), metrics["health"])
         metrics["checkpoint"] = checkpoint_record(meta)  # the checkpoint these metrics are of
         if distributed.is_main():
             atomic_write_json(metrics_path, metrics)
+            warn_if_flagged(metrics["health"], f"the run in {run_dir}")  # once its metrics are kept
     return metrics

@@ -49,6 +49,7 @@ from flatbma.experiment.checkpoint import (
 from flatbma.experiment.config import RunConfig, run_identity
 from flatbma.experiment.early_stopping import Monitor, stopped
 from flatbma.experiment.evaluate import evaluate_state
+from flatbma.experiment.health import assess, warn_if_flagged
 from flatbma.experiment.lock import hold
 from flatbma.experiment.logs import EpochLogger, check_available
 from flatbma.experiment.parse import yaml_float
@@ -357,6 +358,8 @@ def _train_stage(
         history=[h.record() for h in history.epochs],
         environment=environment(),
     )
+    if evaluate:  # the loss history and the BMA's fit to its training data (compare assesses its own rows)
+        metrics["health"] = assess(metrics["history"], metrics.get("health"))
     if prior is not None:
         metrics["prior_run"] = str(prior.run_dir)
     if monitor is not None:
@@ -370,6 +373,8 @@ def _train_stage(
     if distributed.is_main():
         metrics["checkpoint"] = checkpoint_record(checkpoint_metadata(ckpt))  # what the metrics are of
         atomic_write_json(run_dir / METRICS_FILE, metrics, note=f"the checkpoint at step {state.step} is intact")
+        if evaluate:
+            warn_if_flagged(metrics["health"], f"the run in {run_dir}")  # once its metrics are kept
     return Trained(experiment=exp, state=state, metrics=metrics)
 
 

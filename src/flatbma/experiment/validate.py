@@ -22,19 +22,23 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from pathlib import Path
+
+import torch
 
 from flatbma.data import DatasetSplits
 from flatbma.errors import FlatbmaError
 from flatbma.experiment import distributed
-from flatbma.experiment.build import build_network, load_data, select_data, transforms
+from flatbma.experiment.build import build_network, load_data, resolve_device, select_data, transforms
 from flatbma.experiment.config import RunConfig
 from flatbma.experiment.distributed import Parallel
 from flatbma.experiment.prior import check_stable_with_prior, prior_stage
 from flatbma.experiment.sections import plain
 
-__all__ = ["RunShape", "Stage", "check_run", "run_shape", "validate_run", "validate_runs"]
+__all__ = ["RunShape", "Stage", "available_memory", "check_run", "run_shape", "validate_run", "validate_runs"]
 
 
 @dataclass(frozen=True)
@@ -49,6 +53,8 @@ class RunShape:
         num_trainable: trained weights (the Hessian's dimension), or ``None`` when not computed.
         num_classes: classes of the training data, or ``None`` when not known.
         pretrained: whether the network starts from a checkpoint (``model.pretrained`` is set).
+        available_memory: bytes free where the run trains (:func:`available_memory`), counted with
+            ``num_trainable``; ``None`` when not counted or not known.
     """
 
     steps_per_epoch: int
@@ -57,6 +63,7 @@ class RunShape:
     num_trainable: int | None = None
     num_classes: int | None = None
     pretrained: bool = False
+    available_memory: int | None = None
 
 
 @dataclass(frozen=True)
@@ -123,11 +130,12 @@ def run_shape(cfg: RunConfig, splits: DatasetSplits | None = None, *, trainable:
     data = select_data(cfg, splits if splits is not None else load_data(cfg.data))
     strategy = distributed.strategy(cfg.train.parallel)
     loader = strategy.train_loader(data.train, cfg.data.batch_size, seed=cfg.seed)
-    count = None
+    count = free = None
     if trainable:
         _, eval_tf = transforms(cfg.data)
         model = build_network(cfg, data.train.with_transform(eval_tf))
         count = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        free = available_memory(resolve_device(cfg.train.device))
     return RunShape(
         steps_per_epoch=len(loader),
         num_train=len(data.train),
@@ -135,7 +143,41 @@ def run_shape(cfg: RunConfig, splits: DatasetSplits | None = None, *, trainable:
         num_trainable=count,
         num_classes=data.train.num_classes,
         pretrained=cfg.model.pretrained is not None,
+        available_memory=free,
     )
+
+
+def available_memory(device: torch.device) -> int | None:
+    """Bytes a run on ``device`` can still allocate, or ``None`` when the system does not say.
+
+    A CUDA device's free memory; otherwise the machine's available memory (``MemAvailable`` of
+    ``/proc/meminfo``, else the free pages), capped by a cgroup v2 memory limit (a container's).
+    """
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    free = _meminfo_available()
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        used = Path("/sys/fs/cgroup/memory.current").read_text().strip()
+        if limit.isdigit() and used.isdigit():
+            left = max(int(limit) - int(used), 0)
+            free = left if free is None else min(free, left)
+    except OSError:
+        pass
+    return free
+
+
+def _meminfo_available() -> int | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
 
 
 def _needs_trainable(cfg: RunConfig, flatness: bool) -> bool:

@@ -49,7 +49,7 @@ from torch.func import functional_call
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from flatbma.checks import parse_choice
-from flatbma.errors import FlatbmaError, suggest
+from flatbma.errors import FlatbmaError, FlatbmaWarning, suggest
 from flatbma.params import flatten, unflatten
 from flatbma.predict import eval_mode
 from flatbma.types import Batch, Params
@@ -248,6 +248,7 @@ class HessianOperator:
             warnings.warn(
                 f"the loss does not depend on {len(unused)} chosen parameter tensor(s) ({_shorten(unused)}); "
                 "their rows and columns of the Hessian are zero",
+                FlatbmaWarning,
                 stacklevel=3,
             )
 

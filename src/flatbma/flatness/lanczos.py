@@ -35,7 +35,7 @@ import torch
 from torch import Tensor, nn
 
 from flatbma.checks import parse_choice
-from flatbma.errors import FlatbmaError
+from flatbma.errors import FlatbmaError, FlatbmaWarning
 from flatbma.flatness.hvp import HVPMethod, LossFn, ParamSelection, hvp_fn, nonzero_checked
 from flatbma.types import Batch
 
@@ -59,7 +59,7 @@ def _breakdown(dim: int, eps: float) -> float:
     return 10.0 * math.sqrt(dim) * eps
 
 
-class ConvergenceWarning(UserWarning):
+class ConvergenceWarning(FlatbmaWarning):
     """An iterative solver stopped at its iteration limit before meeting its tolerance."""
 
 

@@ -5,6 +5,7 @@ are read only as plain tensors (``torch.load(weights_only=True)`` or safetensors
 """
 
 from flatbma.models.checkpoint import StateDict, is_pretrained, load_matching, load_state_dict_file
+from flatbma.models.contract import check_classifier, logits_of
 from flatbma.models.heads import classifier_of, replace_classifier, seeded
 from flatbma.models.mobilenet import (
     InvertedResidual,
@@ -27,12 +28,14 @@ __all__ = [
     "SmallCNN",
     "StateDict",
     "build_model",
+    "check_classifier",
     "classifier_of",
     "imagenet_weights_path",
     "is_pretrained",
     "load_matching",
     "load_pretrained_mobilenet_v2",
     "load_state_dict_file",
+    "logits_of",
     "make_divisible",
     "mobilenet_v2",
     "model_names",

@@ -22,6 +22,7 @@ from types import ModuleType
 import torch
 from torch import nn
 
+from flatbma.checks import shown
 from flatbma.errors import FlatbmaError, suggest
 from flatbma.models._checks import check_dropout, check_positive_int, check_seed
 from flatbma.models.checkpoint import load_matching, load_state_dict_file
@@ -125,9 +126,9 @@ def build_model(
             not on disk, or a checkpoint that cannot be read safely or does not fit.
     """
     if not isinstance(name, str):
-        raise FlatbmaError(f"model name must be a string, got {name!r}.")
+        raise FlatbmaError(f"model name must be a string, got {shown(name)}.")
     if pretrained is not None and not isinstance(pretrained, str | os.PathLike):
-        raise FlatbmaError(f"pretrained must be None, 'imagenet' or a checkpoint path, got {pretrained!r}.")
+        raise FlatbmaError(f"pretrained must be None, 'imagenet' or a checkpoint path, got {shown(pretrained)}.")
     if width is not None:
         check_positive_int("width", width)
     check_seed(seed)
@@ -144,7 +145,7 @@ def build_model(
         builder = partial(_build_user_model, name)
     elif sep:
         if not arch:
-            raise FlatbmaError(f"model name {name!r} lacks the architecture: write '{library}:<arch>'.")
+            raise FlatbmaError(f"model name {shown(name)} lacks the architecture: write '{library}:<arch>'.")
         builder: Callable[[_Request], nn.Module] = partial(
             _build_torchvision if library == "torchvision" else _build_timm, arch
         )
@@ -152,7 +153,7 @@ def build_model(
         builder = _BUILDERS[name]
     else:
         raise FlatbmaError(
-            f"unknown model {name!r}; choose one of {list(model_names())}, 'torchvision:<arch>' / "
+            f"unknown model {shown(name)}; choose one of {list(model_names())}, 'torchvision:<arch>' / "
             f"'timm:<arch>', or your own 'package.module:factory'.{suggest(name, model_names())}"
         )
     with seeded(seed):
@@ -173,21 +174,30 @@ def _build_user_model(name: str, req: _Request) -> nn.Module:
     """
     module_name, _, attr = name.partition(":")
     if not module_name or not attr:
-        raise FlatbmaError(f"model name {name!r}: write your own model as 'package.module:factory'.")
+        raise FlatbmaError(f"model name {shown(name)}: write your own model as 'package.module:factory'.")
+    if module_name.split(".")[0] == "flatbma":
+        raise FlatbmaError(
+            f"model {shown(name)} names flatbma's own code, not a model factory: use a built-in model by its name "
+            f"({', '.join(model_names())}) or your own 'package.module:factory'."
+        )
     try:
         module = importlib.import_module(module_name)
-    except Exception as e:  # the user's module may fail in any way while importing
+    except (Exception, SystemExit) as e:  # the user's module may fail in any way while importing, exit included
+        missing = isinstance(e, ModuleNotFoundError)
+        fix = "put its package on PYTHONPATH (or install it)" if missing else "fix the module's code"
         raise FlatbmaError(
-            f"cannot import {module_name!r} for model {name!r} ({type(e).__name__}: {str(e)[:80]}): put its "
-            f"package on PYTHONPATH (or install it), or use a built-in model.{suggest(module_name, _EXTRAS)}"
+            f"cannot import {shown(module_name)} for model {shown(name)} ({_failure(e)}): {fix}, or use a built-in "
+            f"model.{suggest(module_name, _EXTRAS)}"
         ) from None
     factory = module
     for part in attr.split("."):
         factory = getattr(factory, part, None)
         if factory is None:
-            raise FlatbmaError(f"module {module_name!r} has no {attr!r} (model {name!r}).")
+            raise FlatbmaError(f"module {shown(module_name)} has no {shown(attr)} (model {shown(name)}).")
     if not callable(factory):
-        raise FlatbmaError(f"{name!r} is not callable: name a model class or a function that returns an nn.Module.")
+        raise FlatbmaError(
+            f"{shown(name)} is not callable: name a model class or a function that returns an nn.Module."
+        )
     try:
         params = inspect.signature(factory).parameters
     except (TypeError, ValueError):
@@ -199,18 +209,31 @@ def _build_user_model(name: str, req: _Request) -> nn.Module:
         if value == unset:
             continue
         if not (takes_all or key in params):
-            raise FlatbmaError(f"model.{key} is set but {name!r} takes no {key!r} argument: unset it.")
+            raise FlatbmaError(f"model.{key} is set but {shown(name)} takes no {key!r} argument: unset it.")
         kwargs[key] = value
     try:
         model = factory(**kwargs)
     except (TypeError, ValueError) as e:  # the factory's own signature or argument checks
         raise FlatbmaError(
-            f"{name!r} could not be built with {sorted(kwargs)} ({type(e).__name__}: {str(e)[:80]}): a model "
+            f"{shown(name)} could not be built with {sorted(kwargs)} ({_failure(e)}): a model "
             "factory takes num_classes (and in_channels, image_size, width, dropout where it uses them)."
         ) from None
+    except (Exception, SystemExit) as e:  # the factory's own code may fail in any way
+        raise FlatbmaError(
+            f"the model factory {shown(name)} failed when called with {sorted(kwargs)} ({_failure(e)}): fix the "
+            "factory, or use a built-in model."
+        ) from None
     if not isinstance(model, nn.Module):
-        raise FlatbmaError(f"{name!r} returned a {type(model).__name__}, not a torch.nn.Module.")
+        raise FlatbmaError(f"{shown(name)} returned a {type(model).__name__}, not a torch.nn.Module.")
     return _load_user_checkpoint(model, req, name)
+
+
+def _failure(e: BaseException) -> str:
+    """``"RuntimeError: <first line, cut>"``; ``"sys.exit(0)"`` for an exit (which would end the command silently)."""
+    if isinstance(e, SystemExit):
+        return f"it called sys.exit({shown(e.code, 40)})"
+    text = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    return f"{type(e).__name__}: {text[:80]}" if text else type(e).__name__
 
 
 # ---------------------------------------------------------------------------------------------- built-ins
@@ -372,7 +395,7 @@ def _build_torchvision(arch: str, req: _Request) -> nn.Module:
     _check_extra_options("torchvision", req)
     available = list(tv.models.list_models())
     if arch not in available:
-        raise FlatbmaError(f"torchvision has no model {arch!r}.{suggest(arch, available)}")
+        raise FlatbmaError(f"torchvision has no model {shown(arch)}.{suggest(arch, available)}")
     if req.dropout > 0:
         raise FlatbmaError(
             "dropout is not configurable for torchvision: models; set dropout to 0 or use a built-in or timm: model."
@@ -389,7 +412,7 @@ def _build_timm(arch: str, req: _Request) -> nn.Module:
     _check_extra_options("timm", req)
     available = list(timm.list_models())
     if arch not in available:
-        raise FlatbmaError(f"timm has no model {arch!r}.{suggest(arch, available)}")
+        raise FlatbmaError(f"timm has no model {shown(arch)}.{suggest(arch, available)}")
     model = timm.create_model(
         arch,
         pretrained=False,  # timm's pretrained=True downloads; ImageNet weights come from a local file

@@ -1,0 +1,134 @@
+"""What flatbma needs of a classifier, checked with one forward pass on a batch before anything trains.
+
+A model — built-in, ``torchvision:``/``timm:``, the user's own ``package.module:factory`` or the module
+given to :func:`flatbma.fit_posterior` — is checked once by :func:`check_classifier`, so that a model
+that cannot train ends in one line naming it and the fix, instead of a traceback from inside the first
+step (a matmul of the wrong shape, a dtype mismatch, a ``NaN`` loss blamed on the learning rate).
+:func:`logits_of` says what a forward pass must return; it is the one place that decides it.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from flatbma.errors import FlatbmaError, FlatbmaTypeError
+
+__all__ = ["SUPPORTED_DTYPES", "check_classifier", "logits_of"]
+
+SUPPORTED_DTYPES = (torch.float32, torch.float64)
+"""The floating dtypes flatbma trains in: its covariances, solves and metrics are not written for 16 bits."""
+
+
+def logits_of(output: object, name: str) -> Tensor:
+    """The logits of a forward pass of ``name``: its output, which must be one tensor.
+
+    Raises:
+        FlatbmaTypeError: any other output (a tuple of logits and features, a dict), saying what to return.
+    """
+    if isinstance(output, Tensor):
+        return output
+    return_kind = type(output).__name__
+    raise FlatbmaTypeError(
+        f"{name} returns a {return_kind}, not a tensor of logits: flatbma needs a forward pass that returns one "
+        "tensor [batch, classes] (wrap the model in a module that returns the logits alone)"
+    )
+
+
+def check_classifier(model: nn.Module, x: Tensor, *, name: str, num_classes: int | None = None, hint: str = "") -> int:
+    """Check ``model`` as a classifier with one forward pass on the inputs ``x``; return its number of classes.
+
+    In this order, each failure a :class:`~flatbma.errors.FlatbmaError` naming ``name``:
+
+    1. no parameter or buffer is on the ``meta`` device (a module without data);
+    2. its floating parameters are float32 or float64 (:data:`SUPPORTED_DTYPES`), all of one dtype, that
+       of ``x`` (a :class:`~flatbma.errors.FlatbmaTypeError` when ``x`` is not floating);
+    3. every parameter is finite (``NaN`` weights, e.g. from a damaged checkpoint);
+    4. at least one parameter is trainable (``requires_grad``);
+    5. ``model(x)`` runs — in eval mode, without gradients, with torch's random generators forked, so
+       that the module's mode and buffers and the caller's random stream are as before (``hint`` is
+       added to the message when it fails);
+    6. it returns logits (:func:`logits_of`) of shape ``[len(x), C]`` with ``C >= 2`` (``C = num_classes``
+       when given), of ``x``'s dtype.
+
+    Args:
+        model: the classifier.
+        x: a small batch of inputs on the model's device (two examples are enough).
+        name: how messages call the model (``"model 'mlp'"``, ``"the model"``).
+        num_classes: the number of classes the data has, or ``None`` (taken from the output).
+        hint: a sentence added to the message of a failed forward pass (e.g. how the images are shaped).
+    """
+    tensors = [*model.parameters(), *model.buffers()]
+    if any(t.is_meta for t in tensors):
+        raise FlatbmaError(
+            f"{name} has weights on the meta device (shapes without data): materialize it first, e.g. "
+            "model.to_empty(device='cpu') and load its weights"
+        )
+    if not x.is_floating_point():
+        raise FlatbmaTypeError(f"the inputs of {name} must be floating point, got {x.dtype}: convert them (x.float())")
+    dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
+    unsupported = sorted(str(d).removeprefix("torch.") for d in dtypes if d not in SUPPORTED_DTYPES)
+    if unsupported:
+        raise FlatbmaError(
+            f"{name} has {', '.join(unsupported)} weights: flatbma trains float32 (or float64) models; convert it "
+            "with model.float()"
+        )
+    if dtypes and dtypes != {x.dtype}:
+        found = " and ".join(sorted(str(d).removeprefix("torch.") for d in dtypes))
+        raise FlatbmaError(
+            f"{name} has {found} weights but its inputs are {str(x.dtype).removeprefix('torch.')}: give both one "
+            "dtype (model.float() for float32 inputs)"
+        )
+    bad = next((n for n, p in model.named_parameters() if not bool(torch.isfinite(p).all())), None)
+    if bad is not None:
+        raise FlatbmaError(
+            f"{name} has NaN or infinite weights ({bad}) before training: its initialization or pretrained "
+            "weights are damaged; load good weights"
+        )
+    if not any(p.requires_grad for p in model.parameters()):
+        raise FlatbmaError(
+            f"{name} has no trainable parameter (every requires_grad is False): make the weights to train "
+            "trainable (p.requires_grad_(True))"
+        )
+    output = _forward(model, x, name, hint)
+    logits = logits_of(output, name)
+    if logits.dim() != 2 or logits.shape[0] != x.shape[0] or logits.shape[1] < 2:
+        want = f"[{x.shape[0]}, {num_classes if num_classes is not None else 'classes >= 2'}]"
+        raise FlatbmaError(
+            f"{name} returns logits of shape {list(logits.shape)} for a batch of {x.shape[0]}; flatbma needs "
+            f"{want}: one row of class scores per example"
+        )
+    classes = int(logits.shape[1])
+    if num_classes is not None and classes != num_classes:
+        raise FlatbmaError(
+            f"{name} returns {classes} logits per example but the data has {num_classes} classes: build it with "
+            f"{num_classes} outputs"
+        )
+    if logits.dtype != x.dtype:
+        raise FlatbmaError(
+            f"{name} returns {str(logits.dtype).removeprefix('torch.')} logits for "
+            f"{str(x.dtype).removeprefix('torch.')} inputs: return logits of the inputs' dtype"
+        )
+    return classes
+
+
+def _forward(model: nn.Module, x: Tensor, name: str, hint: str) -> object:
+    """``model(x)`` in eval mode, without gradients, under forked random generators; its mode is restored."""
+    devices = [x.device.index or 0] if x.device.type == "cuda" else []
+    modes = [(m, m.training) for m in model.modules()]  # a frozen part may be kept in eval mode on purpose
+    try:
+        with torch.random.fork_rng(devices=devices), torch.no_grad():
+            model.eval()
+            return model(x)
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except Exception as e:  # the model's own code may fail in any way
+        detail = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        detail = detail if len(detail) <= 120 else detail[:117] + "..."
+        raise FlatbmaError(
+            f"{name} fails on a batch of inputs of shape {list(x.shape)} ({type(e).__name__}: {detail})"
+            + (f"; {hint}" if hint else "")
+        ) from None
+    finally:
+        for module, training in modes:
+            module.training = training

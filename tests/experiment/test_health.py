@@ -1,0 +1,163 @@
+"""Training health (issue #23, item 13): a collapsing run is flagged — one warning line, a ``health`` entry in
+``metrics.json`` and in compare's rows, a mark in compare's tables and findings — without being stopped.
+
+The collapse is forced cheaply: plain SGD at ``lr = 30`` on the digits MLP (its loss climbs into the
+thousands and its BMA predicts one class), instead of the slow FP-BMA ``gamma: 100`` run of the issue.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import yaml
+
+from flatbma.experiment import evaluate
+from flatbma.experiment.cli import main
+from flatbma.experiment.config import config_from_dict
+from flatbma.experiment.health import LOSS_RISE, assess, is_flagged
+from flatbma.experiment.report import findings, summary_table
+from flatbma.experiment.run import load_run, train_run
+
+BASE: dict[str, Any] = {
+    "seed": 0,
+    "method": {"name": "sgd"},
+    "data": {"name": "digits", "k_shot": 10, "batch_size": 25, "test_limit": 100},
+    "model": {"name": "mlp", "width": 16},
+    "optim": {"lr": 0.3},
+    "train": {"epochs": 10, "progress": False},
+    "eval": {"num_samples": 1},
+}
+COLLAPSING = {"lr": 30.0}
+
+
+def _cli(argv: list[str]) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(argv)
+    return code, out.getvalue(), err.getvalue()
+
+
+def _history(*losses: float) -> list[dict[str, float]]:
+    return [{"epoch": i + 1, "loss": loss} for i, loss in enumerate(losses)]
+
+
+FIT = {"train_bma_accuracy": 0.62, "train_examples": 100, "chance_accuracy": 0.1}
+
+
+@pytest.mark.parametrize(
+    ("losses", "fit", "flags"),
+    [
+        ((2.5, 1.2, 0.4), FIT, []),
+        ((2.5, 3.0, 25.0), FIT, ["loss_rise"]),  # the issue's FP-BMA run: 2.5 → 25
+        ((2.5, 2.5 * LOSS_RISE), FIT, []),  # exactly at the factor: not above it
+        ((2.5, 2.5 * LOSS_RISE + 0.01), FIT, ["loss_rise"]),
+        ((2.5,), FIT, []),  # one epoch: nothing to compare
+        ((2.5, 0.3), {**FIT, "train_bma_accuracy": 0.1}, ["at_chance"]),  # one class predicted
+        ((2.5, 0.3), {**FIT, "train_bma_accuracy": 0.15}, ["at_chance"]),  # within 2 SE (0.06) of chance
+        ((2.5, 0.3), {**FIT, "train_bma_accuracy": 0.17}, []),
+        ((2.5, 30.0), {**FIT, "train_bma_accuracy": 0.1}, ["loss_rise", "at_chance"]),
+        ((2.5, 30.0), None, ["loss_rise"]),  # not measured (a run trained without evaluation)
+    ],
+)
+def test_the_rules(losses: tuple[float, ...], fit: dict[str, Any] | None, flags: list[str]) -> None:
+    health = assess(_history(*losses), fit)
+    assert health["flags"] == flags and health["ok"] is (not flags)
+    assert is_flagged(health) is bool(flags) and not is_flagged(None) and not is_flagged({})
+
+
+def _write(tmp_path: Path, name: str, cfg: dict[str, Any]) -> str:
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return str(path)
+
+
+def test_a_collapsing_run_is_flagged_but_not_stopped(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    cfg = {**BASE, "optim": COLLAPSING, "output_dir": str(run)}
+    code, out, err = _cli(["train", "--config", _write(tmp_path, "c", cfg), "--quiet"])
+    assert code == 0 and "wrote" in out  # trained to the end, metrics written
+    lines = err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"flatbma: warning: the run in {run} looks collapsed: "), err
+    assert "at chance on its training data" in lines[0] and "lower the learning rate" in lines[0]
+    health = json.loads((run / "metrics.json").read_text())["health"]
+    assert health["ok"] is False and "at_chance" in health["flags"] and health["train_examples"] == 100
+    code, _, err = _cli(["evaluate", str(run), "--quiet"])  # re-evaluated: flagged again, in one line
+    assert code == 0 and err.startswith("flatbma: warning: ") and len(err.splitlines()) == 1
+
+
+def test_a_healthy_run_says_nothing_and_records_its_health(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    code, _, err = _cli(["train", "--config", _write(tmp_path, "c", {**BASE, "output_dir": str(run)}), "--quiet"])
+    assert code == 0 and err == ""
+    health = json.loads((run / "metrics.json").read_text())["health"]
+    assert health["ok"] is True and health["flags"] == [] and health["train_bma_accuracy"] > 0.5
+
+
+def test_compare_marks_the_flagged_row_in_its_tables_and_findings(tmp_path: Path) -> None:
+    out = tmp_path / "study"
+    cfg = {
+        **BASE,
+        "output_dir": str(out),
+        "compare": {
+            "methods": [{"name": "sgd"}, {"name": "sgd", "label": "sgd-lr30", "optim": COLLAPSING}],
+            "seeds": [0],
+            "bma_curve": [1],
+            "flatness": False,
+            "landscape": False,
+        },
+    }
+    code, stdout, err = _cli(["compare", "--config", _write(tmp_path, "c", cfg), "--quiet"])
+    assert code == 0, err
+    warnings = [line for line in err.splitlines() if line.startswith("flatbma: warning: ")]
+    assert len(warnings) == 1 and "sgd-lr30 seed 0" in warnings[0], err
+    results = json.loads((out / "results.json").read_text())
+    healths = {r["method"]: r["health"] for r in results["runs"]}
+    assert healths["sgd"]["ok"] and not healths["sgd-lr30"]["ok"]
+    assert results["findings"]["health"] == [{"method": "sgd-lr30", "seed": 0, "flags": healths["sgd-lr30"]["flags"]}]
+    assert results["findings"]["text"][0].startswith("⚠ sgd-lr30 seed 0: ")
+    assert "| sgd-lr30 ⚠ |" in stdout and "| sgd |" in stdout  # the table printed by the command
+    report = (out / "report.md").read_text()
+    assert "| sgd-lr30 ⚠ |" in report and "- ⚠ sgd-lr30 seed 0: " in report
+    assert summary_table(results) in stdout and findings(results)["text"] == results["findings"]["text"]
+    run_dirs = {r["method"]: Path(r["run_dir"]) for r in results["runs"]}
+    assert json.loads((run_dirs["sgd-lr30"] / "metrics.json").read_text())["health"] == healths["sgd-lr30"]
+
+
+@pytest.mark.parametrize("method", [{"name": "mc-dropout", "rate": 0.2}, {"name": "swag", "rank": 2, "start_step": 0}])
+def test_measuring_the_health_changes_no_other_number(tmp_path: Path, method: dict[str, Any], monkeypatch) -> None:
+    """The training pass runs under forked generators: every other measurement is the same bit for bit."""
+    cfg = config_from_dict({**BASE, "method": method, "eval": {"num_samples": 3}, "output_dir": str(tmp_path / "r")})
+    train_run(cfg, evaluate=False)
+    options = dict(bma_curve=(1, 3), corruptions=("gaussian_noise",), severities=(3,), corruption_samples=None)
+
+    def measured() -> dict[str, Any]:
+        exp, state = load_run(cfg)
+        out = evaluate.measure(exp, state, flatness=True, landscape=True, **options)
+        return {k: v for k, v in out.items() if not k.endswith("time_s") and k != "health"}
+
+    with_health = measured()
+    monkeypatch.setattr(evaluate, "training_fit", lambda exp, predictions: {})
+    assert measured() == with_health
+
+
+def test_the_model_check_draws_nothing_the_run_sees(tmp_path: Path) -> None:
+    """The forward pass of :func:`flatbma.models.check_classifier` (#23) leaves the run's random stream as it was.
+
+    With augmentation, reading a training image draws from the global generator. A build has always read
+    one augmented image (for its shape) — runs' numbers count on that draw — and the check's images are
+    read under a fork: an SGD run starts from the state of its seed after exactly that one read.
+    """
+    from flatbma.experiment import build
+
+    cfg = config_from_dict({**BASE, "data": {**BASE["data"], "augment": True}, "output_dir": str(tmp_path / "r")})
+    exp = build.build_experiment(cfg)
+    build.seed_everything(cfg.seed)
+    data = build.select_data(cfg, build.load_data(cfg.data))
+    data.train.with_transform(build.transforms(cfg.data)[0])[0]  # the one read a build makes
+    assert torch.equal(exp.rng.cpu, torch.get_rng_state())
