@@ -51,6 +51,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from flatbma.checks import parse_choice
 from flatbma.errors import FlatbmaError, suggest
 from flatbma.params import flatten, unflatten
+from flatbma.precision import full_precision
 from flatbma.predict import eval_mode
 from flatbma.types import Batch, Params
 
@@ -153,7 +154,8 @@ class HessianOperator:
     # -- products -----------------------------------------------------------------------------
 
     def _batch_loss(self, p: Mapping[str, Tensor], x: Tensor, y: Tensor) -> Tensor:
-        with _lean_second_order(self._frozen_convs, self._batch_norms):
+        # never under a caller's autocast: Lanczos needs float32/float64 products (flatbma.precision)
+        with _lean_second_order(self._frozen_convs, self._batch_norms), full_precision(x.device):
             return self.loss_fn(functional_call(self.model, {**self.fixed, **p}, (x,)), y)
 
     def _accumulated_product(self, v: Params) -> Tensor:
