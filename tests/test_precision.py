@@ -20,7 +20,7 @@ from flatbma.optim.loss_scale import GROWTH, SCALE
 from flatbma.params import Objective, model_buffers, trainable_params
 from flatbma.posteriors import lowrank_vi, point
 from flatbma.precision import Precision, autocast
-from tests.helpers import tiny_bn_net, toy_batch
+from tests.helpers import relative_difference, tiny_bn_net, toy_batch, train_steps
 
 BF16_TOLERANCE = 0.1
 """Largest relative difference ``‖s_bf16 − s_fp32‖ / ‖s_fp32 − s_0‖`` of the trained variables after 3 steps:
@@ -29,55 +29,21 @@ toy problem below (torch 2.13, CPU): at most 0.011 for every registered method b
 (Fisher-SAM's metric ``1 + η g⊙g`` squares the gradient's bf16 error); the SG-MCMC and VI methods draw the
 same noise in both runs, so only the forward precision differs."""
 
-SECTIONS = {
-    "multi": {"name": "multi", "of": {"name": "sam"}, "members": 2},
-    **{n: {"name": n, "collect_every": 1} for n in ("swag", "swag-diag", "f-swag")},
-    "multiswag": {"name": "multiswag", "of": {"name": "swag", "collect_every": 1}},
-    "sgld": {"name": "sgld", "burn_in": 0, "thin": 1},
-}
-"""Methods that need more than their name to build."""
-
-
-def _trained(name: str, precision: Precision | str, steps: int = 3, wrap=None):
-    """``(start, state)`` of ``steps`` updates of method ``name`` on a tiny BatchNorm net and one toy batch."""
-    torch.manual_seed(0)
-    model = tiny_bn_net(in_features=6, classes=3)
-    if name in ("mc-dropout", "f-mc-dropout"):
-        model = torch.nn.Sequential(*model[:3], torch.nn.Dropout(0.2), model[3])
-    objective = Objective(model=model, num_data=64, precision=Precision(precision))
-    method = parse_method(SECTIONS.get(name, name)).build(objective, SGD(lr=0.1, momentum=0.9), map_steps=steps)
-    method = wrap(method) if wrap is not None else method
-    state = method.init(trainable_params(model), model_buffers(model))
-    start = {k: v.clone() for k, v in state.params.items()}
-    batch = toy_batch(n=32, in_features=6, classes=3)
-    torch.manual_seed(1)
-    for _ in range(steps):
-        state, out = method.update(state, batch)
-        assert torch.isfinite(out.loss)
-    return start, state, method
-
-
-def _relative_change(a: dict, b: dict, start: dict) -> float:
-    num = sum(float((a[k].double() - b[k].double()).pow(2).sum()) for k in b) ** 0.5
-    den = sum(float((b[k].double() - start[k].double()).pow(2).sum()) for k in b) ** 0.5
-    return num / max(den, 1e-30)
-
-
 @pytest.mark.parametrize("name", list(METHODS))
 def test_every_method_trains_under_bf16_within_tolerance_of_fp32(name):
-    start, full, _ = _trained(name, "fp32")
-    _, half, _ = _trained(name, "bf16")
+    start, full, _ = train_steps(name)
+    _, half, _ = train_steps(name, precision="bf16")
     assert set(half.params) == set(full.params)
     assert all(v.dtype == full.params[k].dtype for k, v in half.params.items())  # variables stay float32
-    assert _relative_change(half.params, full.params, start) < BF16_TOLERANCE
+    assert relative_difference(half.params, full.params, start) < BF16_TOLERANCE
 
 
 @pytest.mark.parametrize("name", ["sgd", "sam", "fp-bma", "swag", "ensemble", "multi", "sgld"])
 def test_fp16_loss_scale_trains_every_kind_of_state(name):
-    start, full, _ = _trained(name, "fp32")
-    _, half, method = _trained(name, "fp16", wrap=LossScaled())
+    start, full, _ = train_steps(name)
+    _, half, method = train_steps(name, precision="fp16", wrap=LossScaled())
     assert float(half.aux[SCALE]) == 2.0**16 and int(half.aux[GROWTH]) == 3  # no overflow on this problem
-    assert _relative_change(half.params, full.params, start) < BF16_TOLERANCE
+    assert relative_difference(half.params, full.params, start) < BF16_TOLERANCE
     assert method.sample(half, 2, torch.Generator().manual_seed(0))
 
 
@@ -207,3 +173,79 @@ def test_bad_precision_on_the_command_line_is_one_line(capsys):
     assert main(["train", "--config", "configs/digits-sam.yaml", "--set", "train.precision=half"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("flatbma: error: train.precision must be one of 'fp32', 'bf16', 'fp16'")
+
+
+def test_the_predictor_and_the_hessian_accept_the_setting():
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from flatbma.flatness import hessian_eigenvalues
+    from flatbma.predictor import BMA
+
+    _, state, method = train_steps("swag", steps=6)
+    x, y = toy_batch(n=96, seed=3)
+    loader = DataLoader(TensorDataset(x, y), batch_size=32)
+    torch.manual_seed(0)
+    model = tiny_bn_net()
+    full = BMA(model, method, state, loader, num_samples=4)
+    half = BMA(model, method, state, loader, num_samples=4, precision="bf16")
+    log_probs = half.predict_log_proba(x)
+    assert log_probs.dtype == torch.float32
+    torch.testing.assert_close(log_probs.exp(), full.predict_proba(x), atol=0.02, rtol=0)
+    a, b = full.evaluate(loader), half.evaluate(loader)
+    assert abs(a["nll"] - b["nll"]) < 0.02 and abs(a["accuracy"] - b["accuracy"]) <= 3 / 96
+    with pytest.raises(FlatbmaError, match="precision must be one of"):
+        BMA(model, method, state, loader, precision="int8")
+    weights = full.samples[0]
+    exact = hessian_eigenvalues(model, (x, y), k=1, weights=weights, tol=1e-6, max_iter=100)
+    with autocast("bf16", "cpu"):  # the Hessian-vector products ignore a caller's autocast
+        inside = hessian_eigenvalues(model, (x, y), k=1, weights=weights, tol=1e-6, max_iter=100)
+    assert torch.equal(exact, inside)
+
+
+def test_a_bf16_run_trains_and_evaluates_from_the_command_line(tmp_path, capsys):
+    """``train.precision: bf16`` end to end on digits: resolved into config.yaml, metrics near fp32's."""
+    import json
+
+    import yaml
+
+    from flatbma.experiment.cli import main
+
+    runs = {}
+    for precision in ("fp32", "bf16"):
+        out = tmp_path / precision
+        args = ["--set", "train.epochs=2", "--set", "train.progress=false", "--set", f"output_dir={out}"]
+        args += ["--set", f"train.precision={precision}"]
+        assert main(["train", "--config", "configs/digits-sam.yaml", *args]) == 0
+        runs[precision] = json.loads((out / "metrics.json").read_text())
+        resolved = yaml.safe_load((out / "config.yaml").read_text())
+        assert resolved["train"].get("precision") == (None if precision == "fp32" else "bf16")
+    assert abs(runs["fp32"]["accuracy"] - runs["bf16"]["accuracy"]) < 0.05
+    assert abs(runs["fp32"]["nll"] - runs["bf16"]["nll"]) < 0.1
+
+
+def test_a_run_may_change_its_device_on_resume(tmp_path, monkeypatch):
+    """``train.device`` is among the keys ``--resume --set`` may change (here: auto, the CPU, to cpu)."""
+    from flatbma.experiment.cli import main
+    from flatbma.experiment.run import train
+    from tests.helpers import interrupt_after_first_epoch
+
+    cfg = config_from_dict(
+        {
+            "method": "sgd",
+            "data": {"name": "digits", "batch_size": 64, "test_limit": 200},
+            "model": {"name": "mlp"},
+            "train": {"epochs": 2, "progress": False},
+            "eval": {"num_samples": 1},
+            "output_dir": str(tmp_path / "run"),
+        }
+    )
+    reference = train(dataclasses.replace(cfg, output_dir=str(tmp_path / "ref")), evaluate=False)
+    interrupt_after_first_epoch(monkeypatch)
+    with pytest.raises(KeyboardInterrupt):
+        train(cfg, evaluate=False)
+    assert main(["train", "--resume", str(tmp_path / "run"), "--set", "train.device=cpu"]) == 0
+    from flatbma.experiment.checkpoint import load_state
+
+    resumed = load_state(tmp_path / "run" / "checkpoint.safetensors")
+    assert all(torch.equal(resumed.params[k], v) for k, v in reference.state.params.items())
+    assert "train.device" in (tmp_path / "run" / "resumes.json").read_text()

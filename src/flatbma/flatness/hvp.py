@@ -113,7 +113,8 @@ class HessianOperator:
         fast = self.method is HVPMethod.DOUBLE_BACKWARD
         self._frozen_convs = _frozen_convolutions(model, self.point) if fast else []
         self._batch_norms = _eval_batch_norms(model) if fast else []
-        self._check_first_batch()
+        with full_precision(self.device):  # never under a caller's autocast (flatbma.precision)
+            self._check_first_batch()
 
     @property
     def device(self) -> torch.device:
@@ -143,7 +144,8 @@ class HessianOperator:
         if vector.shape != (self.dim,):
             raise ValueError(f"expected a flat vector of shape ({self.dim},), got {tuple(vector.shape)}")
         v = self.unflatten(vector.to(device=self.device, dtype=self._dtype))
-        with eval_mode(self.model):
+        # never under a caller's autocast: Lanczos needs float32/float64 products (flatbma.precision)
+        with eval_mode(self.model), full_precision(self.device):
             if self._cached is not None:
                 out = self._cached_product(v)
             else:
@@ -154,8 +156,7 @@ class HessianOperator:
     # -- products -----------------------------------------------------------------------------
 
     def _batch_loss(self, p: Mapping[str, Tensor], x: Tensor, y: Tensor) -> Tensor:
-        # never under a caller's autocast: Lanczos needs float32/float64 products (flatbma.precision)
-        with _lean_second_order(self._frozen_convs, self._batch_norms), full_precision(x.device):
+        with _lean_second_order(self._frozen_convs, self._batch_norms):
             return self.loss_fn(functional_call(self.model, {**self.fixed, **p}, (x,)), y)
 
     def _accumulated_product(self, v: Params) -> Tensor:
