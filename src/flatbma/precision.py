@@ -16,10 +16,10 @@ Everything else keeps its precision, outside autocast:
   and ratios of float32 gradients — in bf16 (8 significant bits) the norm of a many-million-entry
   gradient would be off by more than the radius' own precision;
 * FisherBall's Fisher solve (:mod:`flatbma.optim.fisher_ball`): float64, as always — conjugate gradients
-  on a damped Fisher whose conditioning reaches 1e8 stall in float32 already;
-* the Gaussian closed forms (:mod:`flatbma.gaussian`: KL, log-determinants, the low-rank Woodbury and
-  Cholesky factors) in the variables' float32 (their float64 parts stay float64): a bf16 log-determinant
-  has about three significant digits, and a Cholesky factor in bf16 fails on matrices float32 factors;
+  on a damped Fisher whose scales span orders of magnitude lose their residual test in float32 already;
+* the Gaussian closed forms (:mod:`flatbma.gaussian`): the KL divergences, log-densities and their
+  Woodbury algebra in float64 (their trace terms cancel parts of size ``‖Ũ‖² ≫ 1``), the sampler and its
+  pullback in the variables' float32 — a bf16 log-determinant would have about three significant digits;
 * the Laplace family's curvature and the flatness protocol's Hessian-vector products
   (:mod:`flatbma.flatness.hvp` turns autocast off, :func:`full_precision`): Lanczos needs float32 or
   float64 products to keep its vectors orthogonal.
