@@ -249,3 +249,41 @@ def test_a_run_may_change_its_device_on_resume(tmp_path, monkeypatch):
     resumed = load_state(tmp_path / "run" / "checkpoint.safetensors")
     assert all(torch.equal(resumed.params[k], v) for k, v in reference.state.params.items())
     assert "train.device" in (tmp_path / "run" / "resumes.json").read_text()
+
+
+def test_an_fp16_run_stopped_at_an_epoch_end_resumes_bit_identically(tmp_path, monkeypatch):
+    """The loss scale and its count of finite steps are method state: a resumed fp16 run continues exactly."""
+    from flatbma.experiment.checkpoint import load_state
+    from flatbma.experiment.run import train
+    from tests.helpers import interrupt_after_first_epoch
+
+    cfg = config_from_dict(
+        {
+            "method": {"name": "sam", "rho": 0.05},
+            "data": {"name": "digits", "batch_size": 64, "test_limit": 200},
+            "model": {"name": "mlp"},
+            "train": {"epochs": 2, "progress": False, "precision": "fp16"},
+            "eval": {"num_samples": 1},
+            "output_dir": str(tmp_path / "run"),
+        }
+    )
+    reference = train(dataclasses.replace(cfg, output_dir=str(tmp_path / "ref")), evaluate=False)
+    assert float(reference.state.aux[SCALE]) == 2.0**16 and int(reference.state.aux[GROWTH]) == reference.state.step
+    assert reference.metrics["step_stats"]["amp/skipped"]["median"] == 0.0
+    interrupt_after_first_epoch(monkeypatch)
+    with pytest.raises(KeyboardInterrupt):
+        train(cfg, evaluate=False)
+    assert int(load_state(tmp_path / "run" / "checkpoint.safetensors").aux[GROWTH]) > 0
+    resumed = train(cfg, resume=True, evaluate=False)
+    for part in ("params", "buffers", "aux"):
+        a, b = getattr(reference.state, part), getattr(resumed.state, part)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), part
+
+
+def test_fp16_refuses_members_spread_over_processes(monkeypatch):
+    from flatbma.experiment import build, distributed
+
+    monkeypatch.setattr(distributed, "world_size", lambda: 2)
+    with pytest.raises(FlatbmaError, match="one loss scale for the whole state"):
+        build._check_one_scale(distributed.Members(sharded=True))
+    build._check_one_scale(distributed.Strategy())  # data parallelism: every process holds the whole state
