@@ -21,8 +21,8 @@ Everything else keeps its precision, outside autocast:
   Woodbury algebra in float64 (their trace terms cancel parts of size ``‖Ũ‖² ≫ 1``), the sampler and its
   pullback in the variables' float32 — a bf16 log-determinant would have about three significant digits;
 * the Laplace family's curvature and the flatness protocol's Hessian-vector products
-  (:mod:`flatbma.flatness.hvp` turns autocast off, :func:`full_precision`): Lanczos needs float32 or
-  float64 products to keep its vectors orthogonal.
+  (:mod:`flatbma.flatness.hvp` and :mod:`flatbma.flatness.lanczos` turn autocast off, :func:`full_precision`,
+  :func:`outside_autocast`): Lanczos needs float32 or float64 products to keep its vectors orthogonal.
 
 fp16 (5 exponent bits) also needs a loss scale: gradients of small losses underflow to zero in fp16
 activations. :class:`flatbma.optim.LossScaled` keeps a dynamic scale ``S`` in the method state; during its
@@ -36,11 +36,16 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Iterator
+import functools
+from collections.abc import Callable, Iterator
 from enum import Enum
+from typing import ParamSpec, TypeVar
 
 import torch
 from torch import Tensor
+
+P = ParamSpec("P")
+R = TypeVar("R")
 
 
 class Precision(str, Enum):
@@ -74,6 +79,19 @@ def autocast(precision: Precision | str | None, device: torch.device | str) -> c
 def full_precision(device: torch.device | str) -> contextlib.AbstractContextManager:
     """Autocast switched off on ``device``'s type within the block (for computations that need fp32/fp64)."""
     return torch.autocast(torch.device(device).type, enabled=False)
+
+
+def outside_autocast(function: Callable[P, R]) -> Callable[P, R]:
+    """``function`` run with autocast switched off on the CPU and, where there is one, the GPU."""
+
+    @functools.wraps(function)
+    def wrapped(*args: P.args, **kwargs: P.kwargs) -> R:
+        with contextlib.ExitStack() as stack:
+            for device in ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",):
+                stack.enter_context(full_precision(device))
+            return function(*args, **kwargs)
+
+    return wrapped
 
 
 def as_float32(logits: Tensor) -> Tensor:

@@ -37,7 +37,7 @@ from torch import Tensor, nn
 from flatbma.checks import parse_choice
 from flatbma.errors import FlatbmaError
 from flatbma.flatness.hvp import HVPMethod, LossFn, ParamSelection, hvp_fn, nonzero_checked
-from flatbma.precision import full_precision
+from flatbma.precision import outside_autocast
 from flatbma.types import Batch
 
 __all__ = [
@@ -96,6 +96,7 @@ class EigenResult:
     converged_each: Tensor
 
 
+@outside_autocast  # a caller's autocast would cast the basis' products: its orthogonality would be lost
 def lanczos(
     matvec: Matvec,
     dim: int,
@@ -176,6 +177,7 @@ def lanczos(
     return result
 
 
+@outside_autocast
 def power_iteration(
     matvec: Matvec,
     dim: int,
@@ -411,16 +413,15 @@ def hessian_eigenvalues(
     _check_solver_args(math.inf, k, tol, max_iter)
     op = hvp_fn(model, data, loss_fn=loss_fn, params=params, weights=weights, hvp=hvp)
     solver = lanczos if method is EigenMethod.LANCZOS else power_iteration
-    with full_precision(op.device):  # never under a caller's autocast: Lanczos' basis stays orthogonal
-        result = solver(
-            nonzero_checked(op),
-            op.dim,
-            k,
-            tol=tol,
-            max_iter=max_iter,
-            eps=op.eps,
-            generator=torch.Generator().manual_seed(seed),
-            device=op.device,
-            **({"dtype": op.dtype} if method is EigenMethod.LANCZOS else {}),
-        )
+    result = solver(
+        nonzero_checked(op),
+        op.dim,
+        k,
+        tol=tol,
+        max_iter=max_iter,
+        eps=op.eps,
+        generator=torch.Generator().manual_seed(seed),
+        device=op.device,
+        **({"dtype": op.dtype} if method is EigenMethod.LANCZOS else {}),
+    )
     return result.eigenvalues
