@@ -126,7 +126,8 @@ def test_version_and_method_options(capsys):
     assert main(["methods", "fp-bma"]) == 0
     out = capsys.readouterr().out
     defaults = parse_method("fp-bma")
-    rows = {line.split()[0]: line.split()[1] for line in out.splitlines()[2:]}
+    table = out.split("\n\n")[0]  # the option rows, before the method's notes
+    rows = {line.split()[0]: line.split()[1] for line in table.splitlines()[2:]}
     assert rows["gamma"] == repr(defaults.ascent.gamma) and rows["rank"] == repr(defaults.options["rank"])
     assert "fisher | euclidean | data-fisher" in out  # an Enum option lists its spellings
     for name in METHODS:  # every registered method describes itself

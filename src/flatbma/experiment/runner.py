@@ -147,6 +147,11 @@ def fit(
     The epoch's step statistics (:attr:`~flatbma.types.StepOutput.stats`) are averaged into
     :attr:`EpochLog.stats`; their running sums are part of every :class:`Position`.
 
+    On a GPU the step's loss, accuracy and statistics are summed there and read every :data:`CHECK_EVERY`
+    steps, before every checkpoint and at every epoch end (a host read each: the steps in between need no
+    synchronization with the host); the sums, the history and the divergence report are the same numbers
+    either way (:class:`_Running`). A progress bar on a terminal reads the running loss at every step.
+
     Raises:
         DivergenceError: on a non-finite loss or a failed linear solve (a covariance that is no longer
             positive definite); nothing is checkpointed after the last good state.
@@ -201,6 +206,11 @@ CHECK_EVERY = 32
 """On a GPU, the steps whose losses are read together (one synchronization); elsewhere every step's loss is read."""
 
 
+def _lazy(device: torch.device | str) -> bool:
+    """Whether the loop on ``device`` reads its losses every :data:`CHECK_EVERY` steps (a GPU), not every step."""
+    return torch.device(device).type == "cuda"
+
+
 class _Running:
     """An epoch's running sums — loss·n, correct predictions, n, every step statistic — and its divergence check.
 
@@ -214,7 +224,7 @@ class _Running:
     """
 
     def __init__(self, resume: Position | None, device: torch.device | str, epoch: int) -> None:
-        self.lazy = torch.device(device).type == "cuda"
+        self.lazy = _lazy(device)
         self.where = torch.device(device) if self.lazy else torch.device("cpu")
         loss, correct, count = resume.partial if resume is not None else (0.0, 0.0, 0.0)
         self.loss, self.correct, self.count = self._scalar(loss), self._scalar(correct), count
