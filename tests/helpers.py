@@ -38,23 +38,6 @@ def toy_batch(n: int = 16, in_features: int = 6, classes: int = 3, seed: int = 0
     return torch.randn(n, in_features, generator=g), torch.randint(0, classes, (n,), generator=g)
 
 
-def interrupt_after_first_epoch(monkeypatch) -> None:
-    """Make the run's first ``fit`` train one epoch and then raise ``KeyboardInterrupt`` (at an epoch end,
-    after its checkpoint); later calls (the resumed run) train normally."""
-    from flatbma.experiment.runner import fit as real_fit
-
-    calls = {"n": 0}
-
-    def stop_after_first_epoch(method, state, loader, *, epochs, **kwargs):
-        calls["n"] += 1
-        if calls["n"] == 1:
-            real_fit(method, state, loader, epochs=1, **kwargs)
-            raise KeyboardInterrupt
-        return real_fit(method, state, loader, epochs=epochs, **kwargs)
-
-    monkeypatch.setattr("flatbma.experiment.stage.fit", stop_after_first_epoch)
-
-
 METHOD_SECTIONS = {
     "multi": {"name": "multi", "of": {"name": "sam"}, "members": 2},
     **{n: {"name": n, "collect_every": 1} for n in ("swag", "swag-diag", "f-swag")},
@@ -103,3 +86,21 @@ def relative_difference(a, b, start) -> float:
     num = sum(float((a[k].double().cpu() - b[k].double().cpu()).pow(2).sum()) for k in b) ** 0.5
     den = sum(float((b[k].double().cpu() - start[k].double().cpu()).pow(2).sum()) for k in b) ** 0.5
     return num / max(den, 1e-30)
+
+
+def interrupt_after_first_epoch(monkeypatch) -> None:
+    """Make the run's first ``fit`` train one epoch and then raise ``KeyboardInterrupt`` (at an epoch end,
+    after its checkpoint); later calls (the resumed run) train normally."""
+    from flatbma.experiment.runner import fit as real_fit
+
+    calls = {"n": 0}
+
+    def stop_after_first_epoch(method, state, loader, *, epochs, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            real_fit(method, state, loader, epochs=1, **kwargs)
+            raise KeyboardInterrupt
+        return real_fit(method, state, loader, epochs=epochs, **kwargs)
+
+    monkeypatch.setattr("flatbma.experiment.stage.fit", stop_after_first_epoch)
+
