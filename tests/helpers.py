@@ -103,4 +103,3 @@ def interrupt_after_first_epoch(monkeypatch) -> None:
         return real_fit(method, state, loader, epochs=epochs, **kwargs)
 
     monkeypatch.setattr("flatbma.experiment.stage.fit", stop_after_first_epoch)
-
