@@ -31,6 +31,7 @@ from torch import Tensor
 
 from flatbma.checks import check_number
 from flatbma.params import Objective, add
+from flatbma.precision import GradientOverflow
 from flatbma.types import Ascent, Batch, Params
 
 TINY = 1e-12
@@ -103,9 +104,12 @@ def two_pass(
     loss, logits, grads = gradient(params, batch, True)
     if ascent is None:
         return loss, logits, grads
-    if has_memory(ascent):
-        return loss, logits, ascent.descent_gradient(gradient, params, batch, grads, memory)  # type: ignore[attr-defined]
-    _, grads = ascended(gradient, params, batch, ascent, grads)
+    try:
+        if has_memory(ascent):
+            return loss, logits, ascent.descent_gradient(gradient, params, batch, grads, memory)  # type: ignore[attr-defined]
+        _, grads = ascended(gradient, params, batch, ascent, grads)
+    except GradientOverflow:  # the second pass's: the skipped step reports the unperturbed pass, as any step
+        raise GradientOverflow(loss, logits) from None
     return loss, logits, grads
 
 
