@@ -2,7 +2,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup demo test lint bench
+.PHONY: setup demo test lint bench gpu-check
 
 setup:
 	bash scripts/setup.sh
@@ -16,3 +16,9 @@ test: setup
 
 bench: setup
 	$(PY) bench/step_cost.py
+
+# The prepared GPU check (scripts/gpu-check.sh; README "On a GPU"): no set-up, runs from src/ with the
+# machine's own PyTorch (a GPU machine reaches no registry); without a GPU it runs its CPU half.
+OUT ?= gpu-check.txt
+gpu-check:
+	bash scripts/gpu-check.sh $(OUT)

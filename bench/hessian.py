@@ -39,7 +39,11 @@ double backward, interleaved), of λ₁ of the 8 samples (Lanczos to
 ``eval.hessian_tol``), and of each part of the full flatness protocol of one method
 (:func:`flatbma.experiment.evaluate.flatness_metrics` with the default ``eval`` settings)::
 
-    python bench/hessian.py --transfer [--threads 2]
+    python bench/hessian.py --transfer [--threads 2] [--lambda1-only]
+
+``--lambda1-only`` stops after λ₁ of the 8 samples (what ``scripts/gpu-check.sh`` records, with the peak GPU
+memory of that measurement on CUDA). The run's device is the demo's ``train.device`` (``auto``: CUDA when
+there is a GPU).
 """
 
 from __future__ import annotations
@@ -250,7 +254,6 @@ def bench_transfer(args) -> None:
     from flatbma.experiment.config import config_from_dict
     from flatbma.experiment.run import train
     from flatbma.flatness import hvp as hvp_module
-    from flatbma.flatness import measure_samples
 
     root = Path(__file__).resolve().parents[1]
     raw = yaml.safe_load((root / "configs" / "demo.yaml").read_text())
@@ -274,6 +277,9 @@ def bench_transfer(args) -> None:
         f"{n_images} training images ({len(data)} batch(es)), k = {e.hessian_k}, tol = {e.hessian_tol:g}"
     )
 
+    if args.lambda1_only:
+        _lambda1_of_samples(exp, samples, data, names)
+        return
     patches = (hvp_module._frozen_convolutions, hvp_module._eval_batch_norms)
     ops = {"lean second-order graph (default)": hvp_fn(exp.model, data, params=names, weights=samples[0])}
     hvp_module._frozen_convolutions = lambda model, point: []
@@ -292,17 +298,7 @@ def bench_transfer(args) -> None:
     for label, t in times.items():
         print(f"  one Hessian-vector product, {label}: median {statistics.median(t[1:]):.3f} s")
 
-    t0 = time.perf_counter()
-    measured = measure_samples(
-        exp.model, samples, data, k=e.hessian_k, params=names, tol=e.hessian_tol, max_iter=e.hessian_max_iter
-    )
-    elapsed = time.perf_counter() - t0
-    products = sum(m.products for m in measured)
-    values = ", ".join(f"{float(m.eigen.eigenvalues[0]):.0f}" for m in measured)
-    print(
-        f"  λ₁ of 8 posterior samples: {elapsed:.1f} s, {products} products ({elapsed / products:.3f} s per product, "
-        f"operator set-up included); λ₁ = {values}; converged: {all(bool(m.eigen.converged_each[0]) for m in measured)}"
-    )
+    _lambda1_of_samples(exp, samples, data, names)
 
     for label, changes in (
         ("λ₁ per sample + at the mean + sharpness + width", dict(trace=False, distribution_spectrum=False)),
@@ -326,6 +322,30 @@ def bench_transfer(args) -> None:
         )
 
 
+def _lambda1_of_samples(exp, samples, data, names) -> None:
+    """Print the time (and on CUDA the peak memory) of λ₁ of the samples, as the flatness protocol measures it."""
+    from flatbma.flatness import measure_samples
+
+    e = exp.config.eval
+    cuda = exp.device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    measured = measure_samples(
+        exp.model, samples, data, k=e.hessian_k, params=names, tol=e.hessian_tol, max_iter=e.hessian_max_iter
+    )
+    elapsed = time.perf_counter() - t0
+    products = sum(m.products for m in measured)
+    values = ", ".join(f"{float(m.eigen.eigenvalues[0]):.0f}" for m in measured)
+    peak = f", peak GPU memory {torch.cuda.max_memory_allocated() / 2**20:.0f} MiB" if cuda else ""
+    print(
+        f"  λ₁ of {len(samples)} posterior samples on {exp.device.type}: {elapsed:.1f} s, {products} products "
+        f"({elapsed / products:.3f} s per product, operator set-up included){peak}; λ₁ = {values}; "
+        f"converged: {all(bool(m.eigen.converged_each[0]) for m in measured)}"
+    )
+
+
 def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(((a - b).abs() / b.abs()).max())
 
@@ -345,6 +365,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--no-memory", action="store_true", help="skip the memory subprocesses")
+    parser.add_argument("--lambda1-only", action="store_true", help="--transfer: stop after λ₁ of the 8 samples")
     parser.add_argument(
         "--transfer", action="store_true", help="time λ₁ of 8 posterior samples on the demo's transfer model instead"
     )

@@ -18,6 +18,16 @@ Goal: <= 2.1x; amortized at k = 5: <= 1.3x.
 
     python bench/step_cost.py [--rounds 15] [--cycle 5] [--threads 2] [--transfer-batches 32 128] [--no-cg-sweep]
         [--cases "cnn 28x28" "mobilenet_v2 64x64 (transfer)"]
+
+``--device-table`` prints another table instead, the one ``scripts/gpu-check.sh`` records on a GPU: the step
+time and peak memory of SGD, SAM, FP-BMA and low-rank VI (``--methods``) on the transfer model (MobileNetV2,
+BatchNorm + classifier trainable) and on ResNet-18 (all trainable), at ``--image-size`` (224) and batch
+``--batch`` (128), for every ``--precisions`` (fp32, bf16: :mod:`flatbma.precision`). Each method runs alone:
+warm-up, then ``--rounds`` timed steps (the median, GPU synchronized around each), the peak of
+``torch.cuda.max_memory_allocated`` over them (CPU: not measured)::
+
+    python bench/step_cost.py --device-table [--batch 128] [--image-size 224] [--precisions fp32 bf16]
+        [--models transfer resnet18] [--methods sgd sam fp-bma lowrank-vi] [--rounds 5]
 """
 
 from __future__ import annotations
@@ -198,6 +208,97 @@ def bench_fp_bma_transfer(
     return time_updates(runs, (x, y), rounds, device, cycle), sum(v.numel() for v in params.values())
 
 
+DEVICE_MODELS = {
+    # name: (model kwargs, only BatchNorm + classifier trainable)
+    "transfer": (dict(name="mobilenet_v2", num_classes=10, in_channels=3), True),
+    "resnet18": (dict(name="resnet18", num_classes=10, in_channels=3), False),
+}
+"""Models of the device table: the demo's transfer model and the papers' ResNet-18."""
+
+
+def device_method(name: str, objective: Objective):
+    """The method ``name`` of the device table (the first table's optimizers; FP-BMA and VI at rank 5)."""
+    if name in ("sgd", "sam"):
+        return point.build(
+            objective, SGD(lr=1e-3, momentum=0.9, weight_decay=5e-4), SAM(0.05) if name == "sam" else None
+        )
+    if name in ("fp-bma", "lowrank-vi"):
+        return lowrank_vi.build(objective, Adam(lr=1e-3), FisherBall() if name == "fp-bma" else None, rank=5)
+    raise SystemExit(f"step_cost.py: unknown method {name!r} (sgd, sam, fp-bma, lowrank-vi)")
+
+
+def bench_device_table(
+    device: str,
+    models: list[str],
+    methods: list[str],
+    precisions: list[str],
+    batch_size: int,
+    image_size: int,
+    rounds: int,
+) -> list[dict]:
+    """One row per (model, precision, method): median step time (s), peak memory (MiB; ``None`` on a CPU)."""
+    cuda = torch.device(device).type == "cuda"
+    rows = []
+    for model_name in models:
+        kwargs, transfer = DEVICE_MODELS[model_name]
+        model = build_model(**kwargs, image_size=image_size, seed=0).to(device).train()
+        if transfer:
+            bayesian_subset_only(model)
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(batch_size, 3, image_size, image_size, generator=g).to(device)
+        y = torch.randint(0, 10, (batch_size,), generator=g).to(device)
+        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        for precision in precisions:
+            objective = Objective(model=model, num_data=10 * batch_size, precision=precision)
+            for name in methods:
+                method = device_method(name, objective)
+                state = method.init(trainable_params(model), model_buffers(model))
+                if cuda:
+                    torch.cuda.synchronize()
+                    torch.cuda.reset_peak_memory_stats()
+                for _ in range(2):  # warm-up
+                    state, out = method.update(state, (x, y))
+                times = []
+                for _ in range(rounds):
+                    if cuda:
+                        torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    state, out = method.update(state, (x, y))
+                    float(out.loss)
+                    times.append(time.perf_counter() - t0)
+                peak = torch.cuda.max_memory_allocated() / 2**20 if cuda else None
+                rows.append(
+                    dict(
+                        model=model_name,
+                        trainable=trainable,
+                        precision=precision,
+                        method=name,
+                        seconds=statistics.median(times),
+                        peak_mib=peak,
+                    )
+                )
+                del state, out, method
+                if cuda:
+                    torch.cuda.empty_cache()
+    return rows
+
+
+def print_device_table(rows: list[dict], batch_size: int, image_size: int) -> None:
+    """The device table: ms per step, ratio to SGD's (same model and precision), peak MiB."""
+    print(f"\n{'model':<10}{'trainable':>12}{'precision':>10}{'method':>12}{'ms/step':>10}{'/sgd':>8}{'peak MiB':>10}")
+    base = {(r["model"], r["precision"]): r["seconds"] for r in rows if r["method"] == "sgd"}
+    for r in rows:
+        ratio = (
+            r["seconds"] / base[r["model"], r["precision"]] if (r["model"], r["precision"]) in base else float("nan")
+        )
+        peak = f"{r['peak_mib']:.0f}" if r["peak_mib"] is not None else "-"
+        print(
+            f"{r['model']:<10}{r['trainable']:>12,}{r['precision']:>10}{r['method']:>12}"
+            f"{r['seconds'] * 1e3:>10.1f}{ratio:>7.2f}x{peak:>10}"
+        )
+    print(f"(batch {batch_size}, {image_size}x{image_size}; transfer: MobileNetV2, BatchNorm + classifier trainable)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=15)
@@ -207,9 +308,22 @@ def main() -> None:
     parser.add_argument("--cycle", type=int, default=5, help="updates per timing (a multiple of ascent_every 5)")
     parser.add_argument("--no-cg-sweep", action="store_true", help="FP-BMA with the default CG solve only")
     parser.add_argument("--cases", nargs="*", default=list(CASES), help=f"models of the first table: {list(CASES)}")
+    parser.add_argument("--device-table", action="store_true", help="the device table instead (module doc)")
+    parser.add_argument("--batch", type=int, default=128, help="device table: batch size")
+    parser.add_argument("--image-size", type=int, default=224, help="device table: image side")
+    parser.add_argument("--precisions", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16", "fp16"])
+    parser.add_argument("--models", nargs="+", default=list(DEVICE_MODELS), choices=list(DEVICE_MODELS))
+    parser.add_argument("--methods", nargs="+", default=["sgd", "sam", "fp-bma", "lowrank-vi"])
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.device_table:
+        print(f"device={args.device} torch={torch.__version__} rounds={args.rounds}")
+        rows = bench_device_table(
+            args.device, args.models, args.methods, args.precisions, args.batch, args.image_size, args.rounds
+        )
+        print_device_table(rows, args.batch, args.image_size)
+        return
     load = " ".join(f"{x:.2f}" for x in os.getloadavg())
     print(
         f"device={args.device} threads={torch.get_num_threads()} torch={torch.__version__} rounds={args.rounds} "

@@ -44,6 +44,56 @@ def toy_batch(n: int = 16, in_features: int = 6, classes: int = 3, seed: int = 0
     return torch.randn(n, in_features, generator=g), torch.randint(0, classes, (n,), generator=g)
 
 
+METHOD_SECTIONS = {
+    "multi": {"name": "multi", "of": {"name": "sam"}, "members": 2},
+    **{n: {"name": n, "collect_every": 1} for n in ("swag", "swag-diag", "f-swag")},
+    "multiswag": {"name": "multiswag", "of": {"name": "swag", "collect_every": 1}},
+    "sgld": {"name": "sgld", "burn_in": 0, "thin": 1},
+}
+"""Registered methods that need more than their name to train and sample within a few steps."""
+
+
+def train_steps(name: str, *, precision: str = "fp32", device: str = "cpu", steps: int = 3, wrap=None):
+    """``(start, state, method)``: ``steps`` updates of registered method ``name`` on one toy batch.
+
+    A tiny BatchNorm net (with dropout for the MC-dropout methods), seeded alike on every call, built on the
+    CPU and moved to ``device``; ``precision`` is the Objective's; ``wrap`` (e.g. ``LossScaled()``) wraps the
+    built method. ``start`` holds the initial trained variables.
+    """
+    from flatbma.experiment.methods import parse_method
+    from flatbma.optim import SGD
+    from flatbma.params import model_buffers, trainable_params
+    from flatbma.precision import Precision
+
+    torch.manual_seed(0)
+    model = tiny_bn_net(in_features=6, classes=3)
+    if name in ("mc-dropout", "f-mc-dropout"):
+        model = nn.Sequential(*model[:3], nn.Dropout(0.2), model[3])
+    model = model.to(device)
+    objective = Objective(model=model, num_data=64, precision=Precision(precision))
+    section = METHOD_SECTIONS.get(name, name)
+    method = parse_method(section).build(objective, SGD(lr=0.1, momentum=0.9), map_steps=steps)
+    method = wrap(method) if wrap is not None else method
+    torch.manual_seed(2)
+    state = method.init(trainable_params(model), model_buffers(model))
+    start = {k: v.detach().clone() for k, v in state.params.items()}
+    x, y = toy_batch(n=32, in_features=6, classes=3)
+    batch = (x.to(device), y.to(device))
+    torch.manual_seed(1)
+    for _ in range(steps):
+        state, out = method.update(state, batch)
+        assert torch.isfinite(out.loss)
+    return start, state, method
+
+
+def relative_difference(a, b, start) -> float:
+    """``‖a − b‖ / ‖b − start‖`` over the tensors of ``b`` (in float64, on the CPU): ``a``'s distance from ``b``
+    relative to how far ``b`` moved from ``start``."""
+    num = sum(float((a[k].double().cpu() - b[k].double().cpu()).pow(2).sum()) for k in b) ** 0.5
+    den = sum(float((b[k].double().cpu() - start[k].double().cpu()).pow(2).sum()) for k in b) ** 0.5
+    return num / max(den, 1e-30)
+
+
 def interrupt_after_first_epoch(monkeypatch) -> None:
     """Make the run's first ``fit`` train one epoch and then raise ``KeyboardInterrupt`` (at an epoch end,
     after its checkpoint); later calls (the resumed run) train normally."""

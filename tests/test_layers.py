@@ -27,6 +27,7 @@ LAYERS: dict[str, int] = {
     "plotting": 2,
     "data": 2,
     "models": 2,
+    "precision": 2,
     "params": 3,
     "bn": 3,
     "transfer": 3,

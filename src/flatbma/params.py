@@ -16,6 +16,7 @@ from torch.func import functional_call
 
 from flatbma import packed
 from flatbma.errors import FlatbmaError, suggest
+from flatbma.precision import GradientOverflow, Precision, all_finite, as_float32, autocast, loss_scale
 from flatbma.types import Batch, Params
 
 
@@ -164,16 +165,22 @@ class Objective:
         loss_fn: ``loss_fn(logits, labels)`` returning the mean loss; cross-entropy by default.
         num_data: size ``n`` of the training set (scales KL terms and SG-MCMC potentials).
         reduce_grads: optional hook applied to every gradient dict (data-parallel all-reduce).
+        precision: the forward pass's precision (:mod:`flatbma.precision`): ``fp32`` (no autocast) or
+            ``bf16``/``fp16`` (the model called under autocast, its logits returned as float32; the
+            loss and everything after it in float32).
     """
 
     model: nn.Module
     loss_fn: Callable[[Tensor, Tensor], Tensor] = F.cross_entropy
     num_data: int = 1
     reduce_grads: Callable[[Params], Params] | None = None
+    precision: Precision = Precision.FP32
 
     def logits(self, weights: Mapping[str, Tensor], x: Tensor) -> Tensor:
-        """``f(x; weights)``: the model called with ``weights`` (parameters and/or buffers)."""
-        return functional_call(self.model, dict(weights), (x,))
+        """``f(x; weights)``: the model called with ``weights`` (parameters and/or buffers), under :attr:`precision`."""
+        with autocast(self.precision, x.device):
+            out = functional_call(self.model, dict(weights), (x,))
+        return as_float32(out)
 
     def loss(self, params: Mapping[str, Tensor], buffers: Mapping[str, Tensor], batch: Batch):
         """Return ``(L_B(params), logits)``; in train mode BatchNorm updates ``buffers`` in place."""
@@ -198,9 +205,31 @@ class Objective:
                 statistics are not touched (e.g. in a SAM step's second pass).
             batch: ``(x, y)``.
             update_buffers: whether this pass may update running statistics.
+
+        Under a loss scale ``S`` (:func:`flatbma.precision.scaling`: fp16 training, :class:`flatbma.optim.LossScaled`)
+        the gradient of ``S·L`` is taken and divided by ``S`` after the reduction (exact: ``S`` is a power of
+        two); the returned loss and gradient are those of ``L``.
+
+        Raises:
+            GradientOverflow: under a loss scale, when the (reduced) gradient is not finite — on every
+                process alike, the reduction having spread it.
         """
         bufs = buffers if update_buffers else clone(buffers)
-        loss, logits, grads = value_and_grad(lambda p: self.loss(p, bufs, batch), params)
+        scale = loss_scale()
+        if scale is None:
+            loss, logits, grads = value_and_grad(lambda p: self.loss(p, bufs, batch), params)
+        else:
+            loss, logits, grads = value_and_grad(lambda p: _scaled(self.loss(p, bufs, batch), scale), params)
+            loss = loss / scale
         if self.reduce_grads is not None:
             grads = self.reduce_grads(grads)
+        if scale is not None:
+            grads = {k: g / scale for k, g in grads.items()}
+            if not all_finite(list(grads.values())):
+                raise GradientOverflow(loss, logits)
         return loss, logits, grads
+
+
+def _scaled(loss_and_logits: tuple[Tensor, Tensor], scale: Tensor) -> tuple[Tensor, Tensor]:
+    loss, logits = loss_and_logits
+    return loss * scale, logits

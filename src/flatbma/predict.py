@@ -42,6 +42,7 @@ from flatbma.calibration import scale
 from flatbma.checks import is_int
 from flatbma.errors import FlatbmaError
 from flatbma.metrics import StreamingMetrics
+from flatbma.precision import as_float32, full_precision
 from flatbma.types import Batch, Params, Predictive, split_batch
 
 
@@ -164,9 +165,10 @@ class LinearizedPredictive:
             return functional_call(model, {**mean, **params}, (inputs,))
 
         at = {k: mean[k] for k in self.names}
-        with torch.enable_grad():  # torch.func transforms differentiate under an outer no_grad too
+        # the linearization stays float32 under a caller's autocast (flatbma.precision): J Σ Jᵀ is a closed form
+        with torch.enable_grad(), full_precision(x.device):  # torch.func differentiates under an outer no_grad too
             jac = jacobians.jacobian(fn, at, x, chunk=JACOBIAN_CHUNK)
-        with torch.no_grad():
+        with torch.no_grad(), full_precision(x.device):
             logits = functional_call(model, mean, (x,))
         return logits, {k: v.detach() for k, v in jac.items()}
 
@@ -515,12 +517,12 @@ def _sync(device: torch.device) -> None:
 
 
 def _loop_log_probs(model: nn.Module, samples: Sequence[Mapping[str, Tensor]], x: Tensor) -> Tensor:
-    return torch.stack([F.log_softmax(functional_call(model, dict(w), (x,)), dim=-1) for w in samples])
+    return torch.stack([F.log_softmax(as_float32(functional_call(model, dict(w), (x,))), dim=-1) for w in samples])
 
 
 def _batched_log_probs(model: nn.Module, samples: Sequence[Mapping[str, Tensor]], x: Tensor, chunk: int) -> Tensor:
     def log_probs(weights: dict[str, Tensor], inputs: Tensor) -> Tensor:
-        return F.log_softmax(functional_call(model, weights, (inputs,)), dim=-1)
+        return F.log_softmax(as_float32(functional_call(model, weights, (inputs,))), dim=-1)
 
     mapped = vmap(log_probs, in_dims=(0, None), randomness="different")
     keys = list(samples[0])

@@ -43,9 +43,10 @@ from torch.func import functional_call
 from torch.utils.data import DataLoader, IterableDataset
 
 from flatbma.bn import has_batchnorm, statistics_loader, with_recomputed_statistics
-from flatbma.checks import check_device, check_seed, is_int
+from flatbma.checks import check_device, check_seed, is_int, parse_choice
 from flatbma.errors import FlatbmaError, FlatbmaTypeError
 from flatbma.params import load_into, model_buffers, trainable_params
+from flatbma.precision import Precision, autocast
 from flatbma.predict import (
     LinearizedPredictive,
     Predictions,
@@ -119,6 +120,10 @@ class BMA:
         num_data: the number of training examples the method was built with (``Objective.num_data``),
             written by :meth:`save` beside ``method_config`` (the Laplace family's curvature scales with it);
             :func:`flatbma.fit_posterior` sets it.
+        precision: the precision of the forward passes of prediction and BatchNorm recomputation
+            (:class:`~flatbma.precision.Precision`): ``fp32`` (no autocast), ``bf16`` or ``fp16`` (autocast
+            on the predictor's device; the logits, the BMA and the metrics stay float32, the linearized
+            predictives float32 throughout: :mod:`flatbma.precision`). Not saved: a runtime choice.
 
     The predictive is the method's (:attr:`~flatbma.types.Posterior.predictive`): the samples' average, or
     the network linearized at the posterior mean (``glm``: ``f(x; w̄) + J(x)(w_m − w̄)`` over the same
@@ -143,8 +148,10 @@ class BMA:
         batched: bool | None = None,
         method_config: Mapping[str, Any] | None = None,
         num_data: int | None = None,
+        precision: Precision | str = Precision.FP32,
     ) -> None:
         _check_arguments(model, method, state, num_samples, seed, recompute_bn)
+        self.precision = parse_choice(Precision, precision, "precision")
         self.model = model
         self.method = method
         self.num_samples = num_samples
@@ -201,7 +208,7 @@ class BMA:
         mean = posterior_mean(self.method, self.state, samples, trained_names(self.model))
         mean = {k: v.to(self.device) for k, v in mean.items()}
         if self.recompute_bn:
-            with self._rng_kept():
+            with self._forward():
                 mean = with_recomputed_statistics(self.model, [mean], self._bn_loader, device=self.device)[0]
         return mean
 
@@ -224,7 +231,7 @@ class BMA:
         DataLoader); labels are ignored. Rows follow the order of the inputs.
         """
         outs = []
-        with self._rng_kept():
+        with self._forward():
             samples = self._predictions()
             with self._mode()(self.model):  # entered once: MC dropout's masks run on over the batches
                 for x in _inputs(data):
@@ -262,7 +269,7 @@ class BMA:
             if first is None:
                 raise FlatbmaError("the evaluation data is empty: the loader yields no batch")
             num_classes = self._output_classes(first)
-        with self._rng_kept():
+        with self._forward():
             return evaluate(
                 self.model,
                 self._predictions(),
@@ -302,6 +309,7 @@ class BMA:
         *,
         device: torch.device | str | None = None,
         batched: bool | None = None,
+        precision: Precision | str = Precision.FP32,
     ) -> BMA:
         """The predictor :meth:`save` wrote to ``path``, for ``model`` and ``method`` built as before.
 
@@ -322,11 +330,12 @@ class BMA:
             batched=batched,
             method_config=settings["method"],
             num_data=settings.get("num_data"),
+            precision=precision,
         )
 
     # ---------------------------------------------------------------- internals
     def _draw(self, n: int) -> list[Params]:
-        with self._rng_kept():
+        with self._forward():
             drawn = self._drawn(n)
             if self.recompute_bn:
                 drawn = with_recomputed_statistics(self.model, drawn, self._bn_loader, device=self.device)
@@ -342,7 +351,7 @@ class BMA:
         if self.method.predictive is Predictive.SAMPLES:
             return self._armed_samples()
         if self._linearized is None:
-            with self._rng_kept():
+            with self._forward():
                 drawn = self._drawn(self.num_samples) if self.method.predictive is Predictive.GLM else []
                 mean = self.mean()
                 fv = self.method.functional_variance
@@ -355,16 +364,19 @@ class BMA:
                 )
         return self._linearized
 
-    def _rng_kept(self) -> contextlib.AbstractContextManager[None]:
-        """A block after which torch's global generators (CPU, and the predictor's GPU) are as before it.
+    def _forward(self) -> contextlib.AbstractContextManager[None]:
+        """A block of forward passes under :attr:`precision`, after which torch's global generators are as before it.
 
-        Prediction draws nothing from them that matters (the samples come from the seeded generator, MC
-        dropout's masks from its own seeded fork), but a DataLoader's iterator draws its base seed from
-        them: the caller's random stream is left alone.
+        The generators: the CPU's, and the predictor's GPU's. Prediction draws nothing from them that matters
+        (the samples come from the seeded generator, MC dropout's masks from its own seeded fork), but a
+        DataLoader's iterator draws its base seed from them: the caller's random stream is left alone.
         """
         cuda = self.device.type == "cuda"
         devices = [self.device.index if self.device.index is not None else torch.cuda.current_device()] if cuda else []
-        return torch.random.fork_rng(devices=devices)
+        stack = contextlib.ExitStack()
+        stack.enter_context(torch.random.fork_rng(devices=devices))
+        stack.enter_context(autocast(self.precision, self.device))
+        return stack
 
     def _moves(self, samples: list[Params]) -> bool:
         return any(v.device != self.device for w in samples for v in w.values())

@@ -40,7 +40,9 @@ from flatbma.experiment.config import RunConfig
 from flatbma.experiment.distributed import Strategy, seeded_loader
 from flatbma.experiment.sections import DataConfig
 from flatbma.models import build_model, check_classifier
+from flatbma.optim import LossScaled
 from flatbma.params import Objective
+from flatbma.precision import Precision
 from flatbma.transfer import restrict_trainable, subset_names
 from flatbma.types import Params, Posterior
 
@@ -246,6 +248,15 @@ def build_network(cfg: RunConfig, train: ArrayDataset) -> torch.nn.Module:
     return model
 
 
+def _check_one_scale(strategy: Strategy) -> None:
+    """Refuse fp16 where processes would train parts of one state under separate loss scales."""
+    if isinstance(strategy, distributed.Members) and distributed.world_size() > 1:
+        raise FlatbmaError(
+            "train.precision: fp16 keeps one loss scale for the whole state, but train.parallel: members splits "
+            "the state over the processes: use train.precision: bf16 or train.parallel: data"
+        )
+
+
 def build_experiment(cfg: RunConfig, prior: Params | None = None) -> Experiment:
     """Load data, build the model and the method for ``cfg`` (seeded).
 
@@ -268,8 +279,12 @@ def build_experiment(cfg: RunConfig, prior: Params | None = None) -> Experiment:
 
     train_loader = strategy.train_loader(train, d.batch_size, seed=cfg.seed)  # data.batch_size: the global batch
     optimizer = cfg.optim.build(steps_per_epoch=len(train_loader), epochs=cfg.train.epochs)
-    objective = strategy.objective(Objective(model=model, num_data=len(train)))
+    precision = cfg.train.precision
+    objective = strategy.objective(Objective(model=model, num_data=len(train), precision=precision))
     method = cfg.method.build(objective, optimizer, prior, map_steps=cfg.train.epochs * len(train_loader))
+    if precision is Precision.FP16:
+        _check_one_scale(strategy)
+        method = LossScaled()(method)
     return Experiment(
         config=cfg,
         model=model,

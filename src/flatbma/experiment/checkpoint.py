@@ -702,11 +702,14 @@ RESUMABLE = (
     "train.checkpoint_every",
     "train.progress",
     "train.log",
+    "train.device",
     "eval.*",
 )
 """The config keys ``flatbma train --resume RUN --set key=value`` may change: the learning rate and its
 schedule, the number of epochs (not below those done), the checkpoint cadence, the progress bar, the
-logs and the evaluation. They change how training goes on, not what the saved state means."""
+logs, the device (a checkpoint written on a GPU continues on the CPU and the reverse: the same state, its
+arithmetic then the other device's, and a method's noise drawn from that device's generator) and the
+evaluation. They change how training goes on, not what the saved state means."""
 
 
 def _resumable(key: str) -> bool:

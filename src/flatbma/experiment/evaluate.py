@@ -33,7 +33,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Iterable
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from functools import partial
 from typing import Any
 
@@ -58,6 +58,7 @@ from flatbma.flatness import (
 )
 from flatbma.flatness.landscape import posterior_landscape, random_direction
 from flatbma.metrics import StreamingMetrics
+from flatbma.precision import autocast
 from flatbma.predict import (
     Predictions,
     evaluate,
@@ -140,7 +141,18 @@ def with_bn_statistics(exp: Experiment, samples: list[Params]) -> list[Params]:
     as MC dropout's samples are) are recomputed once and share one dict, which the flatness protocol
     then measures once. Samples of a model without BatchNorm are returned as given.
     """
-    return with_recomputed_statistics(exp.model, samples, exp.bn_loader, device=exp.device)
+    with forward_precision(exp):
+        return with_recomputed_statistics(exp.model, samples, exp.bn_loader, device=exp.device)
+
+
+def forward_precision(exp: Experiment) -> AbstractContextManager[Any]:
+    """The run's ``train.precision`` for the BMA's forward passes: autocast to bf16/fp16, none at fp32.
+
+    It covers the BatchNorm recomputation and the predictions (:func:`with_bn_statistics`, :func:`bma_metrics`,
+    :func:`bma_curve_metrics`, :func:`bma_log_probs_over`); the logits leave the model as float32. The flatness
+    protocol's Hessian-vector products and the linearized predictives stay float32 (:mod:`flatbma.precision`).
+    """
+    return autocast(exp.config.train.precision, exp.device)
 
 
 def posterior_mean(exp: Experiment, state: State, samples: list[Params]) -> Params:
@@ -183,16 +195,17 @@ def _trained_names(exp: Experiment) -> list[str]:
 
 def bma_metrics(exp: Experiment, samples: Predictions) -> dict[str, Any]:
     """BMA metrics on the test set (summed over the processes that each evaluate a shard of it)."""
-    return evaluate(
-        exp.model,
-        samples,
-        exp.test_loader,
-        num_classes=exp.num_classes,
-        n_bins=exp.config.eval.n_bins,
-        device=exp.device,
-        mode=exp.method.predict_mode,
-        reduce_metrics=exp.strategy.reduce_metrics,
-    )
+    with forward_precision(exp):
+        return evaluate(
+            exp.model,
+            samples,
+            exp.test_loader,
+            num_classes=exp.num_classes,
+            n_bins=exp.config.eval.n_bins,
+            device=exp.device,
+            mode=exp.method.predict_mode,
+            reduce_metrics=exp.strategy.reduce_metrics,
+        )
 
 
 def flatness_metrics(exp: Experiment, state: State, samples: list[Params]) -> dict[str, Any]:
@@ -312,9 +325,10 @@ def _samples_if_averaged(exp: Experiment, drawn: list[Params]) -> list[Params] |
 def bma_log_probs_over(exp: Experiment, samples: Predictions, loader: Iterable[Batch]) -> tuple[Tensor, Tensor]:
     """BMA log-probabilities and labels of a whole (small) loader, e.g. the validation split, on the CPU."""
     outs, labels = [], []
-    for log_probs, y in predict(exp.model, samples, loader, device=exp.device, mode=exp.method.predict_mode):
-        outs.append(log_probs.cpu())
-        labels.append(y.cpu())
+    with forward_precision(exp):
+        for log_probs, y in predict(exp.model, samples, loader, device=exp.device, mode=exp.method.predict_mode):
+            outs.append(log_probs.cpu())
+            labels.append(y.cpu())
     return torch.cat(outs), torch.cat(labels)
 
 
@@ -365,19 +379,20 @@ def bma_curve_metrics(
     Returns:
         ``({m: metrics}, reliability diagram of the full BMA)``.
     """
-    states = stream_metrics(
-        exp.model,
-        samples,
-        loader,
-        num_classes=exp.num_classes,
-        n_bins=exp.config.eval.n_bins,
-        sizes=sizes,
-        temperature=temperature,
-        device=exp.device,
-        mode=exp.method.predict_mode,
-        reduce_metrics=exp.strategy.reduce_metrics,
-        keep=keep,
-    )
+    with forward_precision(exp):
+        states = stream_metrics(
+            exp.model,
+            samples,
+            loader,
+            num_classes=exp.num_classes,
+            n_bins=exp.config.eval.n_bins,
+            sizes=sizes,
+            temperature=temperature,
+            device=exp.device,
+            mode=exp.method.predict_mode,
+            reduce_metrics=exp.strategy.reduce_metrics,
+            keep=keep,
+        )
     return {m: s.compute() for m, s in states.items()}, _reliability(states[len(samples)])
 
 

@@ -7,16 +7,16 @@ state at the start of the epoch and the global RNG states right after the last a
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch import Tensor
 
 from flatbma.errors import DivergenceError
 from flatbma.progress import current
-from flatbma.types import Batch, State, Transform
+from flatbma.types import Batch, State, StepOutput, Transform
 
 
 @dataclass
@@ -147,6 +147,11 @@ def fit(
     The epoch's step statistics (:attr:`~flatbma.types.StepOutput.stats`) are averaged into
     :attr:`EpochLog.stats`; their running sums are part of every :class:`Position`.
 
+    On a GPU the step's loss, accuracy and statistics are summed there and read every :data:`CHECK_EVERY`
+    steps, before every checkpoint and at every epoch end (a host read each: the steps in between need no
+    synchronization with the host); the sums, the history and the divergence report are the same numbers
+    either way (:class:`_Running`). A progress bar on a terminal reads the running loss at every step.
+
     Raises:
         DivergenceError: on a non-finite loss or a failed linear solve (a covariance that is no longer
             positive definite); nothing is checkpointed after the last good state.
@@ -159,8 +164,7 @@ def fit(
         if stop is not None and stop(history):
             break
         batches, start_rng = _epoch_batches(loader, resume)
-        loss_sum, correct, count = resume.partial if resume is not None else (0.0, 0.0, 0.0)
-        sums = {k: [s, n] for k, s, n in resume.stats} if resume is not None else {}
+        running = _Running(resume, device, epoch)
         applied = resume.batch if resume is not None else 0
         resume = None
         bar = reporter.bar(batches, total=total, initial=applied, desc=f"epoch {epoch + 1}/{epochs}", enabled=progress)
@@ -169,26 +173,25 @@ def fit(
             try:
                 state, out = method.update(state, (x, y))
             except torch.linalg.LinAlgError as e:  # e.g. a covariance that is no longer positive definite
+                running.check()  # a non-finite loss of an earlier step is what went wrong first
                 detail = str(e).splitlines()[0].rstrip(". ")
                 raise DivergenceError(
                     f"a linear solve failed at step {state.step + 1} (epoch {epoch + 1}): {detail}; the trained "
                     "variables diverged"
                 ) from None
-            loss = float(out.loss)
-            if not math.isfinite(loss):
-                raise DivergenceError(f"the training loss became {loss} at step {state.step} (epoch {epoch + 1})")
-            loss_sum += loss * len(y)
-            correct += float((out.logits.argmax(-1) == y).sum())
-            count += len(y)
-            for key, value in (out.stats or {}).items():
-                total = sums.setdefault(key, [0.0, 0])
-                total[0] += float(value)
-                total[1] += 1
+            except Exception:
+                running.check()
+                raise
+            running.add(state.step, out, y)
             applied += 1
-            bar.set_postfix(loss=f"{loss_sum / count:.4f}", refresh=False)
+            if not getattr(bar, "disable", False):  # a bar on a terminal: its loss is read every step
+                bar.set_postfix(loss=f"{running.mean_loss():.4f}", refresh=False)
             if checkpoint is not None and checkpoint_every and state.step % checkpoint_every == 0:
-                checkpoint(state, _here(epoch, applied, start_rng, (loss_sum, correct, count), sums), history)
-        means = {k: s / n for k, (s, n) in sums.items()}
+                running.check()
+                checkpoint(state, _here(epoch, applied, start_rng, running.partial(), running.sums()), history)
+        running.check()
+        loss_sum, correct, count = running.partial()
+        means = {k: s / n for k, (s, n) in running.sums().items()}
         history.epochs.append(EpochLog(epoch + 1, loss_sum / max(count, 1), correct / max(count, 1), applied, means))
         if after_epoch is not None:
             after_epoch(state, history)
@@ -197,6 +200,81 @@ def fit(
             next_rng = generator.get_state() if generator is not None else None
             checkpoint(state, _here(epoch + 1, 0, next_rng, (0.0, 0.0, 0.0)), history)
     return state, history
+
+
+CHECK_EVERY = 32
+"""On a GPU, the steps whose losses are read together (one synchronization); elsewhere every step's loss is read."""
+
+
+def _lazy(device: torch.device | str) -> bool:
+    """Whether the loop on ``device`` reads its losses every :data:`CHECK_EVERY` steps (a GPU), not every step."""
+    return torch.device(device).type == "cuda"
+
+
+class _Running:
+    """An epoch's running sums — loss·n, correct predictions, n, every step statistic — and its divergence check.
+
+    The sums are float64 tensors added in the order of the steps, as Python floats would be: the same
+    numbers whatever the device. On a GPU they stay there and the losses of the steps since the last
+    :meth:`check` are read together, every :data:`CHECK_EVERY` steps and before every checkpoint and epoch
+    end, so that a step does not wait for the host to read its loss; elsewhere (a CPU, where reading costs
+    nothing) every step's loss is checked at once. A non-finite loss is reported with the step and value it
+    had either way, and the last checkpoint is the same: on a GPU the steps after it up to the check run
+    in vain, their states never saved.
+    """
+
+    def __init__(self, resume: Position | None, device: torch.device | str, epoch: int) -> None:
+        self.lazy = _lazy(device)
+        self.where = torch.device(device) if self.lazy else torch.device("cpu")
+        loss, correct, count = resume.partial if resume is not None else (0.0, 0.0, 0.0)
+        self.loss, self.correct, self.count = self._scalar(loss), self._scalar(correct), count
+        self.stats = {k: [self._scalar(s), n] for k, s, n in resume.stats} if resume is not None else {}
+        self.pending: list[tuple[int, Tensor]] = []
+        self.epoch = epoch
+
+    def _scalar(self, value: float | Tensor) -> Tensor:
+        if isinstance(value, Tensor):
+            return value.detach().to(self.where, torch.float64).reshape(())
+        return torch.tensor(float(value), dtype=torch.float64, device=self.where)  # a float64 Python float, exactly
+
+    def add(self, step: int, out: StepOutput, y: Tensor) -> None:
+        """Add one step's outputs (``step``: the state's step after it); check its loss unless on a GPU."""
+        loss = self._scalar(out.loss)
+        self.pending.append((step, loss))
+        self.loss += loss * len(y)
+        self.correct += (out.logits.argmax(-1) == y).sum().to(self.where)
+        self.count += len(y)
+        for key, value in (out.stats or {}).items():
+            total = self.stats.setdefault(key, [self._scalar(0.0), 0])
+            total[0] += self._scalar(value)
+            total[1] += 1
+        if not self.lazy or len(self.pending) >= CHECK_EVERY:
+            self.check()
+
+    def check(self) -> None:
+        """Raise :class:`DivergenceError` for the first unchecked non-finite loss (one host read)."""
+        if not self.pending:
+            return
+        losses = torch.stack([loss for _, loss in self.pending])
+        steps = [step for step, _ in self.pending]
+        self.pending = []
+        finite = torch.isfinite(losses)
+        if not bool(finite.all()):
+            first = int((~finite).nonzero()[0, 0])
+            value = float(losses[first])
+            raise DivergenceError(f"the training loss became {value} at step {steps[first]} (epoch {self.epoch + 1})")
+
+    def mean_loss(self) -> float:
+        """The mean loss so far (a host read)."""
+        return float(self.loss) / self.count
+
+    def partial(self) -> tuple[float, float, float]:
+        """``(loss·n, correct, n)`` as floats, for a :class:`Position` (a host read)."""
+        return float(self.loss), float(self.correct), self.count
+
+    def sums(self) -> dict[str, tuple[float, int]]:
+        """Every statistic's ``(sum, steps)`` as floats (a host read)."""
+        return {k: (float(s), n) for k, (s, n) in self.stats.items()}
 
 
 def _length(loader: Iterable[Batch]) -> int | None:

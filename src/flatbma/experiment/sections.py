@@ -22,6 +22,7 @@ from flatbma.experiment.parse import shown
 from flatbma.optim import SGD, Adam, constant, cosine
 from flatbma.optim.schedules import Schedule as LearningRate
 from flatbma.options import added, resolved
+from flatbma.precision import Precision
 from flatbma.transfer import Subset
 from flatbma.types import GradientTransformation
 
@@ -326,6 +327,10 @@ class TrainConfig:
             data; only for methods with members). See :mod:`flatbma.experiment.distributed`.
         early_stopping: stop on validation and keep the best state (:class:`EarlyStopping`); ``None``:
             train all ``epochs`` and keep the last.
+        precision: the precision of the model's forward passes in training and in the BMA's predictions
+            (:class:`~flatbma.precision.Precision`): ``fp32``; ``bf16`` (autocast); ``fp16`` (autocast and a
+            dynamic loss scale whose overflows skip the step, :class:`flatbma.optim.LossScaled`). What
+            keeps float32/float64 whatever it says: :mod:`flatbma.precision`.
     """
 
     epochs: int = 10
@@ -335,9 +340,11 @@ class TrainConfig:
     log: tuple[TrainLog, ...] = (TrainLog.CSV,)
     parallel: Parallel = Parallel.DATA
     early_stopping: EarlyStopping | None = added(None)
+    precision: Precision = added(Precision.FP32)
 
     def __post_init__(self) -> None:
         _set_member(self, "parallel", Parallel)
+        _set_member(self, "precision", Precision)
         _set_members(self, "log", TrainLog)
         check_positive("epochs", self.epochs)
         check_positive("checkpoint_every", self.checkpoint_every, allow_zero=True)

@@ -51,6 +51,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from flatbma.checks import parse_choice
 from flatbma.errors import FlatbmaError, FlatbmaWarning, suggest
 from flatbma.params import flatten, unflatten
+from flatbma.precision import full_precision
 from flatbma.predict import eval_mode
 from flatbma.types import Batch, Params
 
@@ -112,7 +113,8 @@ class HessianOperator:
         fast = self.method is HVPMethod.DOUBLE_BACKWARD
         self._frozen_convs = _frozen_convolutions(model, self.point) if fast else []
         self._batch_norms = _eval_batch_norms(model) if fast else []
-        self._check_first_batch()
+        with full_precision(self.device):  # never under a caller's autocast (flatbma.precision)
+            self._check_first_batch()
 
     @property
     def device(self) -> torch.device:
@@ -142,7 +144,8 @@ class HessianOperator:
         if vector.shape != (self.dim,):
             raise ValueError(f"expected a flat vector of shape ({self.dim},), got {tuple(vector.shape)}")
         v = self.unflatten(vector.to(device=self.device, dtype=self._dtype))
-        with eval_mode(self.model):
+        # never under a caller's autocast: Lanczos needs float32/float64 products (flatbma.precision)
+        with eval_mode(self.model), full_precision(self.device):
             if self._cached is not None:
                 out = self._cached_product(v)
             else:

@@ -37,6 +37,7 @@ from torch import Tensor, nn
 from flatbma.checks import parse_choice
 from flatbma.errors import FlatbmaError, FlatbmaWarning
 from flatbma.flatness.hvp import HVPMethod, LossFn, ParamSelection, hvp_fn, nonzero_checked
+from flatbma.precision import outside_autocast
 from flatbma.types import Batch
 
 __all__ = [
@@ -95,6 +96,7 @@ class EigenResult:
     converged_each: Tensor
 
 
+@outside_autocast  # a caller's autocast would cast the basis' products: its orthogonality would be lost
 def lanczos(
     matvec: Matvec,
     dim: int,
@@ -175,6 +177,7 @@ def lanczos(
     return result
 
 
+@outside_autocast
 def power_iteration(
     matvec: Matvec,
     dim: int,

@@ -22,6 +22,11 @@ SWAG's Gaussian (:mod:`flatbma.posteriors.swag`) — and it depends on none of t
 * :mod:`~flatbma.gaussian.geometry`: ``Σ = A + UUᵀ`` in whitened (Woodbury) form, dense ``Σ``, ``diag Σ`` and ``cΣ``;
 * :mod:`~flatbma.gaussian.kl`: ``KL`` to ``N(0, s²I)`` and to another low-rank Gaussian, with gradients;
 * :mod:`~flatbma.gaussian.density`: ``log q_θ(w)``, its score ``∇_θ log q_θ(w)`` and the size of a step of ``θ``.
+
+Precision: none of it runs under autocast, whatever ``train.precision`` says (:mod:`flatbma.precision`: only
+the model's forward passes do). The KL divergences, log-densities and step sizes are evaluated in float64
+(their trace and log-determinant terms cancel parts much larger than the result); the sampler and its
+pullback run in the variables' dtype, float32.
 """
 
 from flatbma.gaussian.density import log_density, score, step_size

@@ -12,6 +12,13 @@ a fraction of the batch). Such a step keeps state between steps — its *memory*
 stores in its state's ``aux`` under :data:`MEMORY` (:func:`ascent_memory`) and hands back at every step
 (:func:`memory_of`), so that checkpoints hold it and a resumed run continues exactly. It is updated in
 place. Stateless ascent steps (SAM, ASAM, Fisher-SAM, FisherBall) have no memory and add no entries.
+
+Precision: under ``train.precision`` bf16/fp16 only the two passes' forward computations run under autocast
+(:meth:`flatbma.params.Objective.logits`); the gradients they return are float32 (those of the float32
+variables), and ``ε``, its norms and the step to ``x + ε`` are computed in float32 outside autocast — the
+ratio ``ρ/‖g‖`` of a bf16 norm would carry bf16's 8-bit error into every perturbed weight. Under fp16's loss
+scale an overflowing first pass raises :class:`flatbma.precision.GradientOverflow` before ``perturb`` sees its
+gradient (:class:`flatbma.optim.LossScaled` then skips the step).
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from torch import Tensor
 
 from flatbma.checks import check_number
 from flatbma.params import Objective, add
+from flatbma.precision import GradientOverflow
 from flatbma.types import Ascent, Batch, Params
 
 TINY = 1e-12
@@ -96,9 +104,12 @@ def two_pass(
     loss, logits, grads = gradient(params, batch, True)
     if ascent is None:
         return loss, logits, grads
-    if has_memory(ascent):
-        return loss, logits, ascent.descent_gradient(gradient, params, batch, grads, memory)  # type: ignore[attr-defined]
-    _, grads = ascended(gradient, params, batch, ascent, grads)
+    try:
+        if has_memory(ascent):
+            return loss, logits, ascent.descent_gradient(gradient, params, batch, grads, memory)  # type: ignore[attr-defined]
+        _, grads = ascended(gradient, params, batch, ascent, grads)
+    except GradientOverflow:  # the second pass's: the skipped step reports the unperturbed pass, as any step
+        raise GradientOverflow(loss, logits) from None
     return loss, logits, grads
 
 

@@ -54,6 +54,12 @@ Metrics (:class:`BallMetric`): ``"fisher"`` (the above), ``"euclidean"`` (``F = 
 The step acts on ``θ`` (``FisherBall.space`` is :attr:`~flatbma.types.AscentSpace.THETA`), so a
 Gaussian VI posterior built with it takes the θ-level sharpness-aware step
 (:func:`flatbma.posteriors.gaussian_vi.theta_sharpness_value_and_grad`): that composition is FP-BMA.
+
+Precision: the Fisher solve and the trust region run in float64 (:func:`geometry` in ``torch.float64``) and
+never under autocast, whatever ``train.precision`` says (:mod:`flatbma.precision`): conjugate gradients on a
+damped Fisher whose scales span orders of magnitude (a fitted SWAG prior's factor/σ) lose their residual
+test in float32, and the trust region compares KLs that cancel to a few digits. The step ``δ*`` returns in
+``θ``'s float32.
 """
 
 from __future__ import annotations

@@ -1,0 +1,112 @@
+"""fp16's dynamic loss scale for any method: :class:`LossScaled`, a functional ``torch.amp.GradScaler``.
+
+Under fp16 autocast (:mod:`flatbma.precision`) small gradients underflow in the fp16 activations of the
+backward pass. The method's losses are therefore multiplied by a scale ``S`` before differentiation and the
+gradients divided by it again (:meth:`flatbma.params.Objective.value_and_grad`). ``S`` adapts as in
+``GradScaler`` (Micikevicius et al. 2018): a step whose gradient is not finite is skipped and ``S`` halved;
+after ``growth_interval`` finite steps in a row ``S`` doubles.
+
+A skipped step is skipped whole, as sharpness-aware training under a scaler does: the first pass's
+gradient overflows before the ascent step could read it, so neither the ascent (the second pass) nor the
+update runs — a second-pass overflow likewise skips the update. The state after it is the state before
+it (parameters, method state and BatchNorm statistics, restored from a copy taken before the step), with
+``step`` advanced by one so that learning-rate schedules and the loop's position follow the batches, as
+a schedule stepped beside ``GradScaler`` does. Every step reports ``amp/skipped`` (1 for a skipped step,
+else 0: its epoch mean is the fraction skipped, in ``log.csv``) and ``amp/scale`` (the scale it used).
+
+The scale and the count of finite steps live in the method state (``aux``: :data:`SCALE`, :data:`GROWTH`),
+so checkpoints hold them and a resumed run continues exactly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from flatbma.params import clone
+from flatbma.precision import GradientOverflow, scaling
+from flatbma.types import Batch, Params, Posterior, State, StepOutput
+
+SCALE = "amp/scale"
+"""``aux`` entry of the loss scale ``S`` (a float32 scalar)."""
+GROWTH = "amp/growth"
+"""``aux`` entry of the number of finite steps since ``S`` last changed (an int64 scalar)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LossScaled:
+    """A dynamic fp16 loss scale around ``method``'s update (see the module doc).
+
+    Args:
+        init_scale: the first ``S`` (a power of two: scaling and unscaling are then exact).
+        growth_interval: finite steps in a row after which ``S`` doubles.
+    """
+
+    init_scale: float = 2.0**16
+    growth_interval: int = 2000
+
+    def __call__(self, method: Posterior) -> Posterior:
+        """``method`` with its ``init`` adding the scale's entries and its ``update`` run under the scale.
+
+        Every other function of the posterior (``sample``, ``mean``, ``split``, ...) is given the state
+        without the scale's entries, as the method knows it (``split`` puts them back into each part).
+        """
+        hidden = {
+            f: _hiding(getattr(method, f))
+            for f in ("sample", "gaussian", "mean", "marginal_variance", "functional_variance", "diagnostics")
+            if getattr(method, f) is not None
+        }
+        return dataclasses.replace(
+            method,
+            init=lambda params, buffers: self._init(method, params, buffers),
+            update=lambda state, batch: self._update(method, state, batch),
+            split=(lambda state, members: self._split(method, state, members)) if method.split is not None else None,
+            **hidden,
+        )
+
+    def _init(self, method: Posterior, params: Params, buffers: Params) -> State:
+        state = method.init(params, buffers)
+        device = next(iter(state.params.values())).device if state.params else torch.device("cpu")
+        entries = {
+            SCALE: torch.tensor(float(self.init_scale), device=device),
+            GROWTH: torch.zeros((), dtype=torch.int64, device=device),
+        }
+        return dataclasses.replace(state, aux={**state.aux, **entries})
+
+    def _update(self, method: Posterior, state: State, batch: Batch) -> tuple[State, StepOutput]:
+        scale, growth = state.aux[SCALE], state.aux[GROWTH]
+        inner = _without_scale(state)
+        before = State(clone(inner.params), clone(inner.buffers), clone(inner.aux), inner.step)
+        try:
+            with scaling(scale):
+                new, out = method.update(inner, batch)
+        except GradientOverflow as overflow:  # skip the ascent and the update; halve the scale
+            entries = {SCALE: scale * 0.5, GROWTH: torch.zeros_like(growth)}
+            kept = dataclasses.replace(before, aux={**before.aux, **entries}, step=state.step + 1)
+            stats = {"amp/skipped": torch.ones((), device=scale.device), "amp/scale": scale}
+            return kept, StepOutput(overflow.loss, overflow.logits, stats)
+        growth = growth + 1
+        grow = growth >= self.growth_interval  # a tensor: no host read
+        entries = {
+            SCALE: torch.where(grow, scale * 2.0, scale),
+            GROWTH: torch.where(grow, torch.zeros_like(growth), growth),
+        }
+        stats = {**(out.stats or {}), "amp/skipped": torch.zeros((), device=scale.device), "amp/scale": scale}
+        return dataclasses.replace(new, aux={**new.aux, **entries}), StepOutput(out.loss, out.logits, stats)
+
+    def _split(self, method: Posterior, state: State, members: Sequence[int]) -> State:
+        part = method.split(_without_scale(state), members)  # type: ignore[misc]
+        return dataclasses.replace(part, aux={**part.aux, SCALE: state.aux[SCALE], GROWTH: state.aux[GROWTH]})
+
+
+def _hiding(function: Callable[..., Any]) -> Callable[..., Any]:
+    """``function(state, ...)`` called with the state without the scale's entries."""
+    return lambda state, *args: function(_without_scale(state), *args)
+
+
+def _without_scale(state: State) -> State:
+    """``state`` without the scale's ``aux`` entries (what the wrapped method knows)."""
+    return dataclasses.replace(state, aux={k: v for k, v in state.aux.items() if k not in (SCALE, GROWTH)})
