@@ -208,7 +208,7 @@ def _summary(groups: dict[str, list[Run]]) -> Table:
     note = "BMA metrics on the test set."
     one_seed = seed_counts(groups)[1] == 1
     if one_seed:
-        note += " One seed per method: each cell is that run's value, with no spread and no interval."
+        note += " One seed per method: each cell is that run's value, with no spread and no interval over seeds."
     else:
         note += f" Per method over its seeds: mean ± std [{LEVEL:.0%} Student t interval of the mean]."
     note += f" {BRIER_NOTE}"
