@@ -615,14 +615,17 @@ def _progress(
     """``items`` with a progress bar, or without a terminal (a log file, CI) one line on stderr per item done.
 
     ``me`` and ``world`` are the process's rank and the number of processes (only rank 0 shows a bar).
-    Bar or lines as :func:`flatbma.progress.current` decides (none with ``--quiet``). Each line ends with
-    the time left, from the measured cost of each ``kind`` of item (the method: :func:`_time_left`).
+    Bar or lines as :func:`flatbma.progress.current` decides (none with ``--quiet``). Each line, and the
+    bar, gives the time left from the measured cost of each ``kind`` of item (the method: :func:`_time_left`).
     """
     reporter = progress.current()
-    bar = reporter.bar(items, desc=what, enabled=show and me == 0, leave=True)
+    # a bar shows this estimate in place of tqdm's, which assumes every item costs the same
+    bar_format = "{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}{postfix}]"
+    bar = reporter.bar(items, desc=what, enabled=show and me == 0, leave=True, bar_format=bar_format)
     took: dict[str, list[float]] = {}
     for i, item in enumerate(bar, 1):
-        bar.set_postfix_str(describe(item), refresh=True)
+        left = f"; {_time_left(took, [kind(x) for x in items[i - 1 :]])}" if took else ""
+        bar.set_postfix_str(describe(item) + left, refresh=True)
         begun = time.perf_counter()
         yield item
         took.setdefault(kind(item), []).append(time.perf_counter() - begun)
