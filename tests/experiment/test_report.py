@@ -869,3 +869,19 @@ def test_no_empty_or_duplicate_columns(tmp_path):
         cells = [[c.strip() for c in x.strip("|").split("|")] for x in body[2:]]
         for j, name in enumerate(header[1:], 1):
             assert name == "tr Σ" or any(row[j] != MISSING for row in cells), (table.splitlines()[0], name)
+
+
+def test_a_paired_difference_of_a_bounded_metric_stays_within_its_range():
+    results = _protocol_results(seeds=(0, 1, 2))
+    for r in results["runs"]:
+        if r["method"] == "swag":  # accuracy 1.0, 0.0, 1.0 against sgd's ~0.7: differences of ±1 at most
+            r["accuracy"] = [1.0, 0.0, 1.0][r["seed"]]
+    c = next(c for c in comparisons(results) if c.method == "swag" and c.metric.key == "accuracy")
+    a = [1.0, 0.0, 1.0]
+    b = [r["accuracy"] for r in results["runs"] if r["method"] == "sgd"]
+    t = scipy_stats.ttest_rel(a, b).confidence_interval(0.95)
+    assert t.low < -1 and t.high > 1  # Student's t reaches past what a difference of accuracies can be
+    assert (c.difference.interval.low, c.difference.interval.high) == (-1.0, 1.0)
+    assert c.verdict == "no significant difference"
+    nll = next(c for c in comparisons(results) if c.method == "swag" and c.metric.key == "nll")
+    assert nll.difference.interval.high - nll.difference.interval.low < 2  # untouched: within its range anyway
