@@ -34,7 +34,7 @@ from flatbma.experiment.compare import load_plan, run_compare
 from flatbma.experiment.config import load_config
 from flatbma.experiment.lock import hold
 from flatbma.experiment.methods import METHODS, MethodConfig, parse_method
-from flatbma.experiment.report import summary_table
+from flatbma.experiment.report import repeat_disagreement, summary_table
 from flatbma.experiment.run import evaluate_run, load_run_config, record_resume, resume_config, train
 from flatbma.experiment.sections import plain_values
 from flatbma.optim import Amortized
@@ -328,3 +328,7 @@ def _command(argv: Sequence[str] | None) -> None:
         if main_process:
             _print_metrics(metrics)
             print(json.dumps({k: metrics[k] for k in SUMMARY_KEYS if k in metrics}))
+            disagreement = repeat_disagreement(metrics.get("repeatability")) if args.flatness else None
+            if disagreement:  # the numbers above hold a λ₁ that a second measurement did not reproduce
+                sys.stdout.flush()
+                print(f"flatbma: warning: {disagreement}", file=sys.stderr, flush=True)

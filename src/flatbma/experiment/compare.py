@@ -550,7 +550,9 @@ def _run_compare(plan: Plan, force: bool, progress: bool, owned: contextlib.Exit
     groups = [(job, group) for job in jobs if job.selects for group in _shared_stages(job)]
     if groups:  # the same on every process
         with distributed.all_or_none(), distributed.single_process():  # each an ordinary one-process run
-            for job, group in _progress(groups[me::world], "candidates", _describe_group, progress, me, world):
+            for job, group in _progress(
+                groups[me::world], "candidates", _describe_group, progress, me, world, kind=lambda item: item[0].label
+            ):
                 _train_candidates(job, group, force, data)
     own: dict[int, dict[str, Any]] = {}
     phases = (
@@ -566,7 +568,9 @@ def _run_compare(plan: Plan, force: bool, progress: bool, owned: contextlib.Exit
             continue
         describe = lambda k: f"{jobs[k].label} seed {jobs[k].seed}"  # noqa: E731
         with distributed.all_or_none(), distributed.single_process():
-            for k in _progress(phase[me::world], "compare", describe, progress, me, world):
+            for k in _progress(
+                phase[me::world], "compare", describe, progress, me, world, kind=lambda k: jobs[k].label
+            ):
                 job = jobs[k]
                 width_to = _width_reference(job, jobs, plan)
                 if job.selects:
@@ -599,28 +603,58 @@ def _every_run(plan: Plan) -> Iterator[tuple[str, RunConfig]]:
             yield where, cand.config
 
 
-def _progress(items: list[T], what: str, describe: Callable[[T], str], show: bool, me: int, world: int) -> Iterator[T]:
+def _progress(
+    items: list[T],
+    what: str,
+    describe: Callable[[T], str],
+    show: bool,
+    me: int,
+    world: int,
+    kind: Callable[[T], str] = lambda item: "",
+) -> Iterator[T]:
     """``items`` with a progress bar, or without a terminal (a log file, CI) one line on stderr per item done.
 
     ``me`` and ``world`` are the process's rank and the number of processes (only rank 0 shows a bar).
-    Bar or lines as :func:`flatbma.progress.current` decides (none with ``--quiet``).
+    Bar or lines as :func:`flatbma.progress.current` decides (none with ``--quiet``). Each line, and the
+    bar, gives the time left from the measured cost of each ``kind`` of item (the method: :func:`_time_left`).
     """
     reporter = progress.current()
-    bar = reporter.bar(items, desc=what, enabled=show and me == 0, leave=True)
-    start = time.perf_counter()
+    # a bar shows this estimate in place of tqdm's, which assumes every item costs the same
+    bar_format = "{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}{postfix}]"
+    bar = reporter.bar(items, desc=what, enabled=show and me == 0, leave=True, bar_format=bar_format)
+    took: dict[str, list[float]] = {}
     for i, item in enumerate(bar, 1):
-        bar.set_postfix_str(describe(item), refresh=True)
+        left = f"; {_time_left(took, [kind(x) for x in items[i - 1 :]])}" if took else ""
+        bar.set_postfix_str(describe(item) + left, refresh=True)
         begun = time.perf_counter()
         yield item
+        took.setdefault(kind(item), []).append(time.perf_counter() - begun)
         if show and bar.disable and not reporter.quiet:  # no bar here: a log, or a process other than rank 0
-            now = time.perf_counter()
-            left = (now - start) / i * (len(items) - i)
             print(
                 f"{what}{f' (process {me})' if world > 1 else ''}: [{i}/{len(items)}] {describe(item)} "
-                f"done in {now - begun:.0f} s; about {left / 60:.1f} min left",
+                f"done in {took[kind(item)][-1]:.0f} s; {_time_left(took, [kind(x) for x in items[i:]])}",
                 file=sys.stderr,
                 flush=True,
             )
+
+
+def _time_left(took: dict[str, list[float]], remaining: list[str]) -> str:
+    """The time left, said: each remaining item costs the mean measured time of its kind (its method).
+
+    A kind not yet measured is counted at the costliest kind measured so far (the methods differ by orders
+    of magnitude: the cheapest one's time would promise far too little), and the line says so.
+    """
+    if not remaining:
+        return "nothing left"
+    cost = {k: sum(ts) / len(ts) for k, ts in took.items() if ts}
+    costliest = max(cost.values(), default=0.0)
+    left = sum(cost.get(k, costliest) for k in remaining)
+    untimed = list(dict.fromkeys(k for k in remaining if k not in cost))
+    text = f"about {left / 60:.1f} min left"
+    if untimed:
+        names = ", ".join(untimed)
+        text += f" ({names} not yet timed: counted at the slowest so far)" if names else ""
+    return text
 
 
 def _cached_result(row_dir: Path, row_key: str) -> dict[str, Any]:

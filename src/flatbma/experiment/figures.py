@@ -23,9 +23,10 @@ from flatbma.experiment.rows import (
     as_number,
     by_method,
     corruption_average,
-    get_path,
+    lambda1_median_interval,
     read_runs,
     run_lambda1,
+    run_lambda1_median,
     seed_counts,
     severities_of,
     spread_text,
@@ -59,12 +60,28 @@ def _png(fig: Any) -> bytes:
     return plotting.png(fig, dpi=_DPI)
 
 
-def _band(ax: Any, xs: Sequence[float], stats: Sequence[Summary], label: str) -> None:
+def _within(x: float, bounds: tuple[float | None, float | None]) -> float:
+    """``x`` clipped to a metric's range (:attr:`~flatbma.experiment.rows.Metric.bounds`)."""
+    low, high = bounds
+    if low is not None:
+        x = max(low, x)
+    if high is not None:
+        x = min(high, x)
+    return x
+
+
+def _band(
+    ax: Any,
+    xs: Sequence[float],
+    stats: Sequence[Summary],
+    label: str,
+    bounds: tuple[float | None, float | None] = (None, None),
+) -> None:
     means = [s.mean for s in stats]
     (line,) = ax.plot(xs, means, marker="o", markersize=3, label=label)
     if any(s.std is not None for s in stats):
-        lo = [s.mean - (s.std or 0.0) for s in stats]
-        hi = [s.mean + (s.std or 0.0) for s in stats]
+        lo = [_within(s.mean - (s.std or 0.0), bounds) for s in stats]
+        hi = [_within(s.mean + (s.std or 0.0), bounds) for s in stats]
         ax.fill_between(xs, lo, hi, color=line.get_color(), alpha=0.2, linewidth=0)
 
 
@@ -179,7 +196,7 @@ def bma_curve_figure(results: Mapping[str, Any]) -> bytes | None:
         for method, per in curves.items():
             xs, stats = per[metric.key]
             if xs:
-                _band(ax, xs, stats, method)
+                _band(ax, xs, stats, method, metric.bounds)
         ax.set_xlabel("number of BMA samples M")
         ax.set_ylabel(metric.label)
         if min(all_m) > 0 and max(all_m) / min(all_m) >= 10:
@@ -193,15 +210,15 @@ def bma_curve_figure(results: Mapping[str, Any]) -> bytes | None:
 
 
 def _run_interval(run: Run) -> tuple[float, float] | None:
-    """A run's λ₁ interval over its samples: the reported one, else (older results) mean ± std over samples."""
-    low, high = (
-        as_number(get_path(run, "lambda1_summary", "interval", "low")),
-        as_number(get_path(run, "lambda1_summary", "interval", "high")),
-    )
-    if low is not None and high is not None:
-        return low, high
-    mean, std = run_lambda1(run), as_number(run.get("lambda1_std"))
-    return (mean - std, mean + std) if mean is not None and std is not None else None
+    """A run's interval over its samples: the bootstrap interval of its median λ₁.
+
+    Older results without a median: their mean ± the std over samples.
+    """
+    if run_lambda1_median(run) is None:
+        mean, std = run_lambda1(run), as_number(run.get("lambda1_std"))
+        return (mean - std, mean + std) if mean is not None and std is not None else None
+    interval = lambda1_median_interval(run)
+    return (interval.low, interval.high) if interval is not None else None
 
 
 def _errorbar(center: float, interval: tuple[float, float] | None) -> list[list[float]] | None:
@@ -210,30 +227,39 @@ def _errorbar(center: float, interval: tuple[float, float] | None) -> list[list[
     return [[max(0.0, center - interval[0])], [max(0.0, interval[1] - center)]]
 
 
+def _run_value(run: Run) -> float | None:
+    """What a run's dot shows: its median λ₁ over samples, else (older results) its mean."""
+    median = run_lambda1_median(run)
+    return median if median is not None else run_lambda1(run)
+
+
 def lambda1_figure(results: Mapping[str, Any]) -> bytes | None:
     """λ₁ per method with its intervals; ``None`` when no run has λ₁.
 
-    Bar: the mean over seeds of the runs' λ₁, with its 95% t interval over seeds (two or more seeds).
-    Dots: each run's mean over its posterior samples with its interval over samples (the bootstrap
-    interval of ``lambda1_summary``; older results: ± the std over samples); a bar marker: the run's
-    median; a cross: λ₁ at the posterior mean. The axis is logarithmic when the runs' λ₁ span more
-    than a factor of 10 (one sharp sample can make a mean dwarf every median).
+    Bar: the mean over seeds of the runs' median λ₁ (older results without a median: their mean), with
+    its 95% t interval over seeds (two or more seeds; never clipped: λ₁ of an indefinite Hessian can be
+    negative). Dots: each run's median over its posterior samples with the bootstrap interval of the
+    median (when the run records its per-sample values); a bar marker: the run's mean over samples
+    (one sharp sample can make it many times the median); a cross: λ₁ at the posterior mean. The axis
+    is logarithmic when the values drawn span more than a factor of 10 and are all positive.
     """
     groups = by_method(read_runs(results))
-    methods = [m for m, rs in groups.items() if any(run_lambda1(r) is not None for r in rs)]
+    methods = [m for m, rs in groups.items() if any(_run_value(r) is not None for r in rs)]
     if not methods:
         return None
     fig, (ax,) = _figure(1, 1, max(4.5, 1.0 + 0.9 * len(methods)), 3.6)
-    summaries = any(isinstance(r.get("lambda1_summary"), Mapping) for rs in groups.values() for r in rs)
+    medians = any(run_lambda1_median(r) is not None for rs in groups.values() for r in rs)
     shown: dict[str, Any] = {}
+    drawn: list[float] = []
     for i, method in enumerate(methods):
-        runs = [r for r in groups[method] if run_lambda1(r) is not None]
-        s = summary_of([run_lambda1(r) for r in runs])
+        runs = [r for r in groups[method] if _run_value(r) is not None]
+        s = summary_of([_run_value(r) for r in runs])
         interval = (s.interval.low, s.interval.high) if s.interval is not None else None
         shown["bar"] = ax.bar(i, s.mean, 0.6, yerr=_errorbar(s.mean, interval), capsize=4, color="tab:blue", alpha=0.4)
         offsets = [0.0] if len(runs) == 1 else [-0.2 + 0.4 * j / (len(runs) - 1) for j in range(len(runs))]
         for off, r in zip(offsets, runs):
-            y = run_lambda1(r)
+            y = _run_value(r)
+            drawn.append(y)
             shown["run"] = ax.errorbar(
                 i + off,
                 y,
@@ -244,24 +270,25 @@ def lambda1_figure(results: Mapping[str, Any]) -> bytes | None:
                 capsize=2,
                 linewidth=0.8,
             )
-            median = as_number(get_path(r, "lambda1_summary", "median"))
-            if median is not None:
-                (shown["median"],) = ax.plot(i + off, median, marker="_", color="tab:orange", markersize=9)
+            mean = run_lambda1(r)
+            if medians and mean is not None:
+                (shown["mean"],) = ax.plot(i + off, mean, marker="_", color="tab:orange", markersize=9)
+                drawn.append(mean)
             at_mean = as_number(r.get("lambda1_at_mean"))
             if at_mean is not None:
                 (shown["at_mean"],) = ax.plot(i + off, at_mean, marker="x", color="tab:red", markersize=5)
     seeds = seed_counts(groups)[1] > 1
+    what = "median" if medians else "mean"
     labels = {
-        "bar": f"mean over seeds ({LEVEL:.0%} t interval)" if seeds else "λ₁ (one seed)",
-        "run": "run: mean over samples (" + ("bootstrap interval)" if summaries else "± std)"),
-        "median": "run: median over samples",
+        "bar": f"{what} over samples, mean over seeds ({LEVEL:.0%} t interval)" if seeds else f"λ₁ {what} (one seed)",
+        "run": f"run: {what} over samples" + (" (bootstrap interval of the median)" if medians else " (± std)"),
+        "mean": "run: mean over samples",
         "at_mean": "λ₁ at the posterior mean",
     }
     ax.legend([shown[k] for k in labels if k in shown], [v for k, v in labels.items() if k in shown], fontsize=7)
     ax.set_xticks(range(len(methods)))
     ax.set_xticklabels(methods, rotation=20, ha="right")
-    values = [v for rs in groups.values() for r in rs if (v := run_lambda1(r)) is not None]
-    heavy = min(values) > 0 and max(values) > 10 * min(values)  # λ₁ is heavy-tailed: one sample can dwarf the rest
+    heavy = min(drawn) > 0 and max(drawn) > 10 * min(drawn)  # λ₁ is heavy-tailed: one sample can dwarf the rest
     if heavy:
         ax.set_yscale("log")
     ax.set_ylabel("λ₁ (top Hessian eigenvalue)" + (", log scale" if heavy else ""))
@@ -301,14 +328,17 @@ def corruption_figure(results: Mapping[str, Any]) -> bytes | None:
                 ax.errorbar(
                     [x + off for x in xs],
                     [s.mean for s in stats],
-                    yerr=[s.std or 0.0 for s in stats],
+                    yerr=[  # mean ± std, cut at the metric's range
+                        [s.mean - _within(s.mean - (s.std or 0.0), metric.bounds) for s in stats],
+                        [_within(s.mean + (s.std or 0.0), metric.bounds) - s.mean for s in stats],
+                    ],
                     fmt="o",
                     markersize=4,
                     capsize=3,
                     label=method,
                 )
             else:
-                _band(ax, xs, stats, method)
+                _band(ax, xs, stats, method, metric.bounds)
         ticks = [0.0, *(float(s) for s in severities)]
         ax.set_xticks(ticks, ["clean", *severities] if single else [f"{t:g}" for t in ticks])
         ax.set_xlabel("severity" if single else "severity (0 = clean)")
@@ -398,7 +428,8 @@ FIGURES: tuple[FigureSpec, ...] = (
     ),
     FigureSpec(
         "lambda1",
-        "Top Hessian eigenvalue λ₁ per method, with its intervals",
+        "Top Hessian eigenvalue λ₁ per method: the median over posterior samples with its intervals (the mean "
+        "beside it)",
         lambda1_figure,
         "no run has λ₁ (flatness was not measured)",
     ),

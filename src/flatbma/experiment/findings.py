@@ -7,7 +7,8 @@ Statistics (:mod:`flatbma.stats`, level 95%; the metrics and runs are read by
   method): for each other method and each metric of :data:`~flatbma.experiment.rows.COMPARED`,
   ``d_s = x_s − x_s(reference)`` over the seeds both ran, their mean and t interval
   (:func:`flatbma.stats.paired_difference`; the same seed means the same k-shot training set and
-  initialization, so the pairing removes that variation).
+  initialization, so the pairing removes that variation). The interval of a metric bounded to
+  ``[low, high]`` (accuracy, ECE, Brier) is clipped to the range of a difference, ``±(high − low)``.
 * **Listed pairs** (``compare.pairs: [[a, b], ...]``, in addition): ``d_s = x_s(a) − x_s(b)`` over the
   seeds both ran, with the same interval, metrics and verdicts (:func:`pair_comparisons`).
 * **Findings** (:func:`findings`): one line per (method, metric), generated from those differences:
@@ -20,6 +21,7 @@ Statistics (:mod:`flatbma.stats`, level 95%; the metrics and runs are read by
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -36,6 +38,7 @@ from flatbma.experiment.rows import (
     Metric,
     Run,
     by_method,
+    clipped,
     decimals_for,
     format_number,
     get_path,
@@ -242,6 +245,9 @@ def _compare(method: str, runs: Sequence[Run], reference: str, ref_runs: Sequenc
     if not seeds:
         return Comparison(method, reference, metric, (), None, "not compared: no seed in common")
     d = paired_difference([mine[s] for s in seeds], [theirs[s] for s in seeds], level=LEVEL)
+    low, high = metric.bounds
+    if low is not None and high is not None:  # a difference of two values in [low, high] lies in ±(high − low)
+        d = dataclasses.replace(d, interval=clipped(d.interval, (low - high, high - low)))
     if d.n < 2:
         verdict = NOT_CLAIMED_ONE_SEED
     elif not d.significant:

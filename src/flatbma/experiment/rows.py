@@ -25,7 +25,16 @@ tables then show "–" and a figure without data is skipped with a note.
 Statistics (:mod:`flatbma.stats`, level 95%), per method and metric, over the seeds whose run has the
 value: with two or more, the mean ± the sample standard deviation (``ddof = 1``) and Student's t
 interval of the mean, ``x̄ ± t_{0.975, n−1} s/√n``; with one seed, the value alone (titles say
-"one seed; no interval", never "mean ± std").
+"one seed; no interval", never "mean ± std"). The interval of a metric bounded by its definition is
+clipped to its range (:attr:`Metric.bounds`: accuracy, ECE and AECE in [0, 1], Brier in [0, 2], NLL,
+the width tr Σ and times ≥ 0); λ₁, the top eigenvalue of a Hessian that can be indefinite, has no bound
+and is never clipped.
+
+A run's λ₁ (:data:`LAMBDA1`) is the **median** over its posterior samples (``lambda1_summary.median``):
+per-sample λ₁ is heavy-tailed, and one sharp sample can make the mean (:data:`LAMBDA1_MEAN`, shown
+beside it) many times every other sample's value. Its interval over the samples is the seeded
+percentile bootstrap of the median (:func:`lambda1_median_interval`) of the converged per-sample
+values (``hessian_top_eigenvalues``), when the run records them.
 
 Brier score: as :func:`flatbma.metrics.brier`, summed over all classes, ``(1/n) Σ_i Σ_c (p_ic − 1[y_i = c])²``
 — on a binary problem twice scikit-learn's ``brier_score_loss`` (which scores the positive class only).
@@ -33,14 +42,16 @@ Brier score: as :func:`flatbma.metrics.brier`, summed over all classes, ``(1/n) 
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import statistics
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from flatbma.checks import is_number
 from flatbma.errors import FlatbmaError
-from flatbma.stats import Interval, Method, Summary, summarize
+from flatbma.stats import Interval, Method, Summary, median_interval, summarize
 
 __all__ = [
     "COMPARED",
@@ -50,14 +61,18 @@ __all__ = [
     "Run",
     "as_number",
     "by_method",
+    "clipped",
     "corruption_average",
     "decimals_for",
     "format_number",
     "format_value",
     "get_path",
+    "lambda1_median_interval",
+    "lambda1_values",
     "mean_of_present",
     "read_runs",
     "run_lambda1",
+    "run_lambda1_median",
     "seed_counts",
     "severities_of",
     "spread_text",
@@ -129,9 +144,41 @@ def get_path(mapping: Any, *keys: Any) -> Any:
 
 
 def run_lambda1(run: Run) -> float | None:
-    """A run's λ₁: the mean over its posterior samples (``lambda1_summary``, else the older ``lambda1``)."""
+    """A run's mean λ₁ over its posterior samples (``lambda1_summary``, else the older ``lambda1``)."""
     summary = as_number(get_path(run, "lambda1_summary", "mean"))
     return summary if summary is not None else as_number(run.get("lambda1"))
+
+
+def run_lambda1_median(run: Run) -> float | None:
+    """A run's λ₁: the median over its posterior samples (``lambda1_summary.median``; ``None`` in older results)."""
+    return as_number(get_path(run, "lambda1_summary", "median"))
+
+
+def lambda1_values(run: Run) -> list[float]:
+    """The converged per-sample λ₁ of a run (``hessian_top_eigenvalues`` and their convergence flags)."""
+    spectra, converged = run.get("hessian_top_eigenvalues"), run.get("hessian_eigenvalue_converged")
+    if not isinstance(spectra, Sequence) or not isinstance(converged, Sequence) or len(spectra) != len(converged):
+        return []
+    out = []
+    for spectrum, flags in zip(spectra, converged):
+        if isinstance(spectrum, Sequence) and spectrum and isinstance(flags, Sequence) and flags and flags[0] is True:
+            value = as_number(spectrum[0])
+            if value is not None and math.isfinite(value):
+                out.append(value)
+    return out
+
+
+def lambda1_median_interval(run: Run) -> Interval | None:
+    """The bootstrap interval (level 95%, seed 0) of a run's median λ₁ over its converged per-sample values.
+
+    ``None`` when the run does not record two or more of them (older results), or when their median is
+    not the run's recorded median (values of another measurement).
+    """
+    values = lambda1_values(run)
+    median = run_lambda1_median(run)
+    if len(values) < 2 or median is None or not math.isclose(statistics.median(values), median, rel_tol=1e-9):
+        return None
+    return median_interval(values, level=LEVEL, seed=0)
 
 
 def _key(name: str) -> Callable[[Run], float | None]:
@@ -154,6 +201,8 @@ class Metric:
         lower: what a significantly lower value means ("better", "worse", "flatter", "narrower");
             ``""``: not compared.
         higher: what a significantly higher value means.
+        bounds: ``(low, high)``: the range the metric's definition confines it to (``None``: unbounded);
+            intervals are clipped to it (:func:`summary_of`).
     """
 
     key: str
@@ -161,6 +210,7 @@ class Metric:
     get: Callable[[Run], float | None]
     lower: str = ""
     higher: str = ""
+    bounds: tuple[float | None, float | None] = (None, None)
 
     @property
     def best(self) -> Callable[[Sequence[float]], float] | None:
@@ -173,29 +223,53 @@ class Metric:
         return "higher is better" if self.higher == "better" else f"lower is {self.lower}"
 
 
-def _lower_better(key: str, label: str, get: Callable[[Run], float | None] | None = None) -> Metric:
-    return Metric(key, label, get or _key(key), lower="better", higher="worse")
+def _lower_better(
+    key: str,
+    label: str,
+    get: Callable[[Run], float | None] | None = None,
+    bounds: tuple[float | None, float | None] = (None, None),
+) -> Metric:
+    return Metric(key, label, get or _key(key), lower="better", higher="worse", bounds=bounds)
 
 
-ACCURACY = Metric("accuracy", "accuracy", _key("accuracy"), lower="worse", higher="better")
-NLL = _lower_better("nll", "NLL")
-ECE = _lower_better("ece", "ECE")
-AECE = _lower_better("aece", "AECE")
-BRIER = _lower_better("brier", "Brier")
-LAMBDA1 = Metric("lambda1", "λ₁", run_lambda1, lower="flatter", higher="sharper")
-TRACE_COV = Metric("trace_cov", "tr Σ", width_field("trace_cov"), lower="narrower", higher="wider")
+UNIT = (0.0, 1.0)
+"""The range of a probability, an accuracy or a calibration error."""
+NONNEGATIVE = (0.0, None)
+
+ACCURACY = Metric("accuracy", "accuracy", _key("accuracy"), lower="worse", higher="better", bounds=UNIT)
+NLL = _lower_better("nll", "NLL", bounds=NONNEGATIVE)
+ECE = _lower_better("ece", "ECE", bounds=UNIT)
+AECE = _lower_better("aece", "AECE", bounds=UNIT)
+BRIER = _lower_better("brier", "Brier", bounds=(0.0, 2.0))
+LAMBDA1 = Metric("lambda1", "λ₁ median", run_lambda1_median, lower="flatter", higher="sharper")
+"""A run's λ₁: the median over its posterior samples (unbounded: a Hessian's top eigenvalue can be negative)."""
+LAMBDA1_MEAN = Metric("lambda1_mean", "λ₁ mean", run_lambda1)
+"""The mean over the samples, shown beside the median, never compared (one sharp sample can dominate it)."""
+TRACE_COV = Metric("trace_cov", "tr Σ", width_field("trace_cov"), lower="narrower", higher="wider", bounds=NONNEGATIVE)
 RATIO = Metric("lambda1_over_lambda5", "λ₁/λ₅", _key("lambda1_over_lambda5"))
 
 PREDICTIVE_METRICS: tuple[Metric, ...] = (ACCURACY, NLL, ECE, AECE, BRIER)
-FLATNESS_METRICS: tuple[Metric, ...] = (LAMBDA1, TRACE_COV, RATIO)
+FLATNESS_METRICS: tuple[Metric, ...] = (LAMBDA1, LAMBDA1_MEAN, TRACE_COV, RATIO)
 COMPARED: tuple[Metric, ...] = (ACCURACY, NLL, ECE, BRIER, LAMBDA1, TRACE_COV)
 """The metrics compared with the reference, in the order of the findings (λ₁ followed by its width)."""
 EXTRA_METRICS: tuple[Metric, ...] = (
     Metric("distribution_lambda1", "λ₁ of the mean Hessian", _key("distribution_lambda1")),
     Metric("sam_sharpness", "SAM sharpness", _key("sam_sharpness")),
-    Metric("train_time_s", "train time (s)", _key("train_time_s")),
-    Metric("eval_time_s", "eval time (s)", _key("eval_time_s")),
+    Metric("train_time_s", "train time (s)", _key("train_time_s"), bounds=NONNEGATIVE),
+    Metric("eval_time_s", "eval time (s)", _key("eval_time_s"), bounds=NONNEGATIVE),
 )
+
+
+def _scaled_key(name: str) -> Callable[[Run], float | None]:
+    return lambda run: as_number(get_path(run, "temperature_scaled", name))
+
+
+TEMPERATURE = Metric("temperature", "T", _key("temperature"), bounds=NONNEGATIVE)
+TEMPERATURE_METRICS: tuple[Metric, ...] = (
+    TEMPERATURE,
+    *(dataclasses.replace(m, get=_scaled_key(m.key)) for m in PREDICTIVE_METRICS),
+)
+"""The temperature fitted on the validation split, and the BMA metrics of the test set at that temperature."""
 CORRUPTION_METRICS: tuple[Metric, ...] = (ACCURACY, NLL, ECE)
 
 
@@ -203,11 +277,14 @@ CORRUPTION_METRICS: tuple[Metric, ...] = (ACCURACY, NLL, ECE)
 # statistics and numbers
 
 
-def summary_of(values: Sequence[float | None]) -> Summary | None:
+def summary_of(
+    values: Sequence[float | None], bounds: tuple[float | None, float | None] = (None, None)
+) -> Summary | None:
     """Mean, std and 95% t interval of the values that are present (:func:`flatbma.stats.summarize`).
 
     ``None`` when no value is present. A non-finite value (a diverged run's NLL) gives its mean
-    without spread or interval rather than being dropped.
+    without spread or interval rather than being dropped. The interval is clipped to ``bounds``
+    (a metric's :attr:`Metric.bounds`), the range its definition confines the metric to.
     """
     xs = [v for v in values if v is not None]
     if not xs:
@@ -215,7 +292,20 @@ def summary_of(values: Sequence[float | None]) -> Summary | None:
     if not all(math.isfinite(x) for x in xs):
         mean = math.fsum(xs) / len(xs)
         return Summary(len(xs), mean, None, mean, None, Method.T)
-    return summarize(xs, level=LEVEL, method=Method.T)
+    stats = summarize(xs, level=LEVEL, method=Method.T)
+    return dataclasses.replace(stats, interval=clipped(stats.interval, bounds))
+
+
+def clipped(interval: Interval | None, bounds: tuple[float | None, float | None]) -> Interval | None:
+    """``interval`` cut to ``bounds`` (``None`` ends: no bound there)."""
+    if interval is None:
+        return None
+    low, high = bounds
+    return Interval(
+        interval.low if low is None else max(low, interval.low),
+        interval.high if high is None else min(high, interval.high),
+        interval.level,
+    )
 
 
 def mean_of_present(values: Sequence[float | None]) -> float | None:
