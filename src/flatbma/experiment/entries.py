@@ -66,8 +66,7 @@ def _option_types(name: Any) -> dict[str, Any]:
     spec = METHODS.get(name) if isinstance(name, str) else None
     if spec is None:
         return {}  # the entry's parse reports the unknown method
-    hints = typing.get_type_hints(spec.family)
-    out = {k: hints.get(k, Any) for k in spec.family_options()}
+    out = dict(spec.family_options())
     if spec.ascent is not None:
         ascent = typing.get_type_hints(spec.ascent)
         out.update({k: ascent.get(k, Any) for k in spec.ascent_options()})
