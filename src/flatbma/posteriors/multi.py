@@ -221,7 +221,10 @@ def sample(
 def predict_mode(
     model: torch.nn.Module, generator: torch.Generator | None = None, *, bases: Sequence[Posterior]
 ) -> AbstractContextManager[Any]:
-    """The family's prediction mode, entered with the generator of the last member, ``(s, M − 1)`` (:func:`sample`)."""
+    """The family's prediction mode, entered with the generator of the last member, ``(s, M − 1)`` (:func:`sample`).
+
+    Also when ``n < M`` samples leave member ``M − 1`` without one: the mode follows from the seed alone.
+    """
     last = bases[-1]
     if len(bases) > 1 and generator is not None:
         generator = seeded_generator(draw_seed(generator), len(bases) - 1, generator.device)
