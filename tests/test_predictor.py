@@ -21,6 +21,7 @@ from flatbma.experiment.runner import fit
 from flatbma.optim import SGD, cosine
 from flatbma.posteriors import mc_dropout, point, swag
 from flatbma.predict import bma_log_probs, evaluate
+from flatbma.types import prediction_mode
 
 M = 6
 
@@ -192,7 +193,7 @@ def test_mc_dropout_predicts_in_its_mode_as_the_manual_path_does():
     assert (probs - deterministic).abs().max() > 1e-3
     # the manual path: samples with the same seed, the method's prediction mode
     samples = method.sample(state, M, torch.Generator().manual_seed(7))
-    assert bma.evaluate(test) == evaluate(model, samples, test, num_classes=3, mode=method.predict_mode)
+    assert bma.evaluate(test) == evaluate(model, samples, test, num_classes=3, mode=prediction_mode(method, 7))
     # masks follow the predictor's seed, not whatever sampled from the method last
     method.sample(state, M, torch.Generator().manual_seed(99))
     assert torch.equal(bma.predict_proba(x), probs)

@@ -13,16 +13,16 @@ and takes off the caller's hands what the functions below it leave to the caller
 * **mode** — eval mode during prediction, or the posterior's prediction mode
   (:attr:`~flatbma.types.Posterior.predict_mode`: MC dropout keeps dropout stochastic), with the
   module's own train/eval modes restored afterwards, whatever they were;
-* **randomness of the prediction mode** — MC dropout's masks follow the seed of the method's latest
-  ``sample`` call; the predictor draws with its own seed right before predicting, so its answers
-  depend on its seed alone, not on what else sampled from the method;
+* **randomness of the prediction mode** — MC dropout's masks follow from the generator the samples are
+  drawn with (:func:`flatbma.types.prediction_mode` of the predictor's seed), so its answers depend on
+  its seed alone, not on what else sampled from the method;
 * **device** — samples and inputs on one device; inputs alone (``x``, ``(x,)``) or ``(x, y)`` batches,
   one batch or a DataLoader of them.
 
 Its numbers equal the careful manual path exactly: ``method.sample(state, M,
 torch.Generator().manual_seed(seed))``, statistics recomputed per sample with
 :func:`flatbma.bn.recompute_bn_statistics` on ``statistics_loader(dataset, batch_size)``, then
-:func:`flatbma.predict.evaluate` with ``mode=method.predict_mode``.
+:func:`flatbma.predict.evaluate` with ``mode=prediction_mode(method, seed)``.
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ from flatbma.state_io import (
     in_order,
     structure_problem,
 )
-from flatbma.types import Params, Posterior, Predictive, State, split_batch
+from flatbma.types import Params, Posterior, Predictive, State, prediction_mode, split_batch
 
 PREDICTOR_KEY = "predictor"
 """Metadata key of a saved predictor's settings (JSON) in its state file."""
@@ -277,7 +277,7 @@ class BMA:
                 num_classes=num_classes,
                 n_bins=n_bins,
                 device=self.device,
-                mode=self.method.predict_mode,
+                mode=prediction_mode(self.method, self.seed),
                 batched=self.batched,
             )
 
@@ -349,7 +349,7 @@ class BMA:
     def _predictions(self) -> Predictions:
         """What prediction averages: the armed samples, or the linearized predictive (built once, then kept)."""
         if self.method.predictive is Predictive.SAMPLES:
-            return self._armed_samples()
+            return self.samples
         if self._linearized is None:
             with self._forward():
                 drawn = self._drawn(self.num_samples) if self.method.predictive is Predictive.GLM else []
@@ -381,15 +381,8 @@ class BMA:
     def _moves(self, samples: list[Params]) -> bool:
         return any(v.device != self.device for w in samples for v in w.values())
 
-    def _armed_samples(self) -> list[Params]:
-        """The samples, with a prediction mode's randomness (MC dropout's masks) set to the predictor's seed."""
-        samples = self.samples
-        if self.method.predict_mode is not None:
-            self.method.sample(self.state, self.num_samples, torch.Generator(device="cpu").manual_seed(self.seed))
-        return samples
-
     def _mode(self) -> Callable[[nn.Module], contextlib.AbstractContextManager[Any]]:
-        return self.method.predict_mode or eval_mode
+        return prediction_mode(self.method, self.seed) or eval_mode
 
     def _output_classes(self, batch: Any) -> int:
         """The number of classes: the width of the model's output on one example (:meth:`_probe`)."""

@@ -17,7 +17,7 @@ from flatbma.errors import FlatbmaError
 from flatbma.experiment.checkpoint import load_state, save_state
 from flatbma.experiment.cli import main
 from flatbma.experiment.methods import METHODS, parse_method
-from flatbma.gaussian import GaussianNoise, geometry, section
+from flatbma.gaussian import GaussianNoise, geometry, section, theta_layout
 from flatbma.optim import SAM, SGD, Adam, FisherSAM, sharpness_aware_value_and_grad
 from flatbma.optim.fisher_ball import (
     BallMetric,
@@ -681,16 +681,18 @@ def test_closed_form_pullback_equals_autograd_through_the_sampler():
         torch.testing.assert_close(pulled[k], e, rtol=1e-12, atol=1e-12)
 
 
-def test_geometry_is_reused_only_for_unchanged_tensors():
-    theta = _theta(seed=14)
-    first = geometry(theta, torch.float64)
-    assert geometry(theta, torch.float64) is first  # same storages, same versions
-    assert geometry({k: v.detach() for k, v in theta.items()}, torch.float64) is first  # a detached view too
-    theta["log_std/fc.bias"].add_(0.5)  # an in-place update (what the optimizer does) invalidates it
-    second = geometry(theta, torch.float64)
-    assert second is not first and not torch.equal(second.a, first.a)
+def test_geometry_is_kept_with_one_steps_packed_theta_only():
+    theta = packed.pack(_theta(seed=14), theta_layout(_theta(seed=14)))
+    step = packed.as_packed(theta)  # what an update reads θ as, once per step
+    first = geometry(step, torch.float64)
+    assert geometry(step, torch.float64) is first  # the ascent's solve and the KL gradient share it
+    assert geometry(theta, torch.float64) is not first  # a plain dict is computed anew: no state outside θ
+    torch.testing.assert_close(geometry(theta, torch.float64).c_inv, first.c_inv, rtol=0, atol=0)
+    theta["log_std/fc.bias"].add_(0.5)  # the optimizer's in-place update; the next step reads θ again
+    second = geometry(packed.as_packed(theta), torch.float64)
+    assert not torch.equal(second.a, first.a)
     fresh = {k: v.clone() for k, v in theta.items()}
-    torch.testing.assert_close(geometry(fresh, torch.float64).c_inv, second.c_inv)
+    torch.testing.assert_close(geometry(fresh, torch.float64).c_inv, second.c_inv, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("ascent", [None, SAM(rho=0.1), FisherBall(gamma=0.05)], ids=["none", "sam", "fisher-ball"])

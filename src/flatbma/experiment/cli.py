@@ -127,7 +127,7 @@ def _describe_method(name: str) -> str:
         raise FlatbmaError(f"unknown method {shown(name)}.{suggest(name, METHODS)} Run 'flatbma methods' to list them")
     spec = METHODS[name]
     defaults = parse_method(name)
-    hints = typing.get_type_hints(spec.family)
+    hints = spec.family_options()
     rows = [(key, hints.get(key), value) for key, value in defaults.options.items()]
     if defaults.ascent is not None:
         ascent_hints = typing.get_type_hints(type(defaults.ascent))

@@ -3,8 +3,8 @@
 A ``compare.methods`` entry is a method section with optional ``label``, ``prior`` and ``optim`` keys
 (:func:`run_sections`). It may give a list of values for any option whose type is a scalar (a number,
 a flag or a name): a method option (``rho``, ``gamma``, ``rank``, …, typed by the registry's
-signatures), a key of the entry's own ``optim`` section, or an option of a nested method section (the
-members' method ``of`` of a mixture, typed by that method's signatures)::
+options dataclasses), a key of the entry's own ``optim`` section, or an option of a nested method section (the
+members' method ``of`` of a mixture, typed by that method's options)::
 
     {name: sam, rho: [0.01, 0.05, 0.1], optim: {lr: [0.01, 0.05]}}
     {name: multi-fp-bma, members: 3, of: {name: fp-bma, gamma: [0.01, 0.1]}}   # candidates of.gamma=…
@@ -66,8 +66,7 @@ def _option_types(name: Any) -> dict[str, Any]:
     spec = METHODS.get(name) if isinstance(name, str) else None
     if spec is None:
         return {}  # the entry's parse reports the unknown method
-    hints = typing.get_type_hints(spec.family)
-    out = {k: hints.get(k, Any) for k in spec.family_options()}
+    out = dict(spec.family_options())
     if spec.ascent is not None:
         ascent = typing.get_type_hints(spec.ascent)
         out.update({k: ascent.get(k, Any) for k in spec.ascent_options()})

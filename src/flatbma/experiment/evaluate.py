@@ -70,7 +70,7 @@ from flatbma.predict import (
 from flatbma.predictor import posterior_mean as mean_weights
 from flatbma.predictor import trained_names
 from flatbma.rng import splitmix64
-from flatbma.types import Batch, Params, Predictive, State
+from flatbma.types import Batch, Params, Predictive, State, prediction_mode
 
 CLEAN_KEYS = ("accuracy", "nll", "ece", "aece", "brier")
 """BMA metrics on the clean test set."""
@@ -203,7 +203,7 @@ def bma_metrics(exp: Experiment, samples: Predictions) -> dict[str, Any]:
             num_classes=exp.num_classes,
             n_bins=exp.config.eval.n_bins,
             device=exp.device,
-            mode=exp.method.predict_mode,
+            mode=prediction_mode(exp.method, exp.config.seed),
             reduce_metrics=exp.strategy.reduce_metrics,
         )
 
@@ -220,9 +220,6 @@ def flatness_metrics(exp: Experiment, state: State, samples: list[Params]) -> di
     ``eval.repeatability`` λ₁ per sample is measured again on a second draw of samples with another
     measurement seed (both from stream :data:`REPEAT_STREAM` of the run's seed) and the two
     summaries are compared (:func:`flatbma.flatness.repeatability`).
-
-    Note: a second draw of MC dropout re-seeds its prediction masks (its ``sample``), so nothing that
-    predicts runs after this.
     """
     e = exp.config.eval
     start = time.perf_counter()
@@ -285,7 +282,7 @@ def training_fit(exp: Experiment, predictions: Predictions) -> dict[str, Any]:
     correct, counts = 0, torch.zeros(exp.num_classes, dtype=torch.int64)
     devices = [exp.device.index or 0] if exp.device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices):  # a DataLoader's iterator draws its base seed
-        mode = exp.method.predict_mode
+        mode = prediction_mode(exp.method, exp.config.seed)
         for log_probs, y in predict(exp.model, predictions, exp.bn_loader, device=exp.device, mode=mode):
             correct += int((log_probs.argmax(-1) == y).sum())
             counts += torch.bincount(y.cpu(), minlength=exp.num_classes)
@@ -326,7 +323,8 @@ def bma_log_probs_over(exp: Experiment, samples: Predictions, loader: Iterable[B
     """BMA log-probabilities and labels of a whole (small) loader, e.g. the validation split, on the CPU."""
     outs, labels = [], []
     with forward_precision(exp):
-        for log_probs, y in predict(exp.model, samples, loader, device=exp.device, mode=exp.method.predict_mode):
+        mode = prediction_mode(exp.method, exp.config.seed)
+        for log_probs, y in predict(exp.model, samples, loader, device=exp.device, mode=mode):
             outs.append(log_probs.cpu())
             labels.append(y.cpu())
     return torch.cat(outs), torch.cat(labels)
@@ -389,7 +387,7 @@ def bma_curve_metrics(
             sizes=sizes,
             temperature=temperature,
             device=exp.device,
-            mode=exp.method.predict_mode,
+            mode=prediction_mode(exp.method, exp.config.seed),
             reduce_metrics=exp.strategy.reduce_metrics,
             keep=keep,
         )

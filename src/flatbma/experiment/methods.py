@@ -1,23 +1,24 @@
 """The method registry: names used in configs and ``flatbma methods`` → (posterior family, ascent step).
 
-This is the only place where methods are looked up by string. A method is a posterior family's
-``build(objective, optimizer, ascent, **options)`` composed with an optional ascent step class, so a
-flat-seeking variant is an entry that names the same family with an ascent step — never a copy.
-Family options are the keyword-only parameters of ``build`` (their defaults live in its
-signature); ascent options are the fields of the ascent dataclass. A method with an ascent step also
-takes the options of :class:`~flatbma.optim.Amortized` (``ascent_every``, ``reuse``, ``reuse_alpha``,
-``ascent_fraction``: its second pass every ``k`` steps, on a fraction of the batch), which wrap the
-step; given none of them, the method is its plain step and its resolved section names none of them,
-so that runs resolved before these options existed stay the same runs.
+This is the only place where methods are looked up by string. A method is a posterior family — its
+``build(objective, optimizer, ascent, **options)`` and its frozen options dataclass — composed with an
+optional ascent step class, so a flat-seeking variant is an entry that names the same family with an
+ascent step — never a copy. Family options are the fields of the family's options dataclass (their
+defaults live there); ascent options are the fields of the ascent dataclass; both are parsed from their
+dataclasses alike. A method that nests another method's section (``of``: a mixture's members, Laplace's
+MAP) says so with :class:`Nested`. A method with an ascent step also takes the options of
+:class:`~flatbma.optim.Amortized` (``ascent_every``, ``reuse``, ``reuse_alpha``, ``ascent_fraction``: its
+second pass every ``k`` steps, on a fraction of the batch), which wrap the step; given none of them, the
+method is its plain step and its resolved section names none of them, so that runs resolved before these
+options existed stay the same runs.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import typing
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from flatbma.curvature import Curvature, Hessian
@@ -34,17 +35,48 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True)
+class Nested:
+    """A method section nested in a method's own, under the key ``of``: a mixture's members, Laplace's MAP.
+
+    Attributes:
+        default: the method ``of`` is when the section names none; ``None``: none (the family then refuses
+            to build, asking for one: plain ``multi``).
+        parse: ``parse(data, where) -> MethodConfig``: :func:`parse_method`, or one that restricts it.
+        members: whether ``of`` is what every independent member of a mixture trains: then ``of`` is the
+            method's component (:meth:`MethodConfig.component`, whose options a two-stage run's checks read)
+            and a two-stage run's first stage is a mixture of ``prior.method`` (:func:`multi_first_stage`).
+    """
+
+    default: str | None
+    parse: Callable[[Any, str], MethodConfig]
+    members: bool = False
+
+    def annotation(self) -> Any:
+        """The type of ``of``: a mixture's may be ``None`` (plain ``multi``'s default), Laplace's MAP may not."""
+        return MethodConfig | None if self.members else MethodConfig
+
+
+@dataclass(frozen=True)
 class MethodSpec:
     """A registered method.
 
     Attributes:
         name: the config/CLI name.
         summary: one line for ``flatbma methods``.
-        family: the posterior family's ``build(objective, optimizer, ascent=None, *, ...options)``.
+        family: the posterior family's ``build(objective, optimizer, ascent=None, **options)``, the options
+            those of ``options`` (and ``of``, when the method nests a section).
+        options: the family's frozen options dataclass: its fields are the method's options, their defaults
+            the options' defaults. A family whose run takes epochs beyond ``train.epochs`` declares them in its
+            class variable ``extra_epochs`` (Laplace's curvature phase): the optimizer's schedule still spans
+            ``train.epochs``, and the family's ``start_step: null`` resolves to ``train.epochs`` × steps per
+            epoch (:meth:`MethodConfig.build`'s ``map_steps``), so the updates before it are those of a run of
+            ``train.epochs`` epochs.
         ascent: the ascent step dataclass, or ``None``.
-        with_prior: ``with_prior(objective, optimizer, ascent, prior_theta, *, ...options)``, the family
-            with a low-rank plus diagonal Gaussian prior in place of its default one (a two-stage run's
-            ``prior`` section), or ``None`` when the method takes no such prior.
+        of: the method's nested method section (:class:`Nested`), or ``None``.
+        with_prior: ``with_prior(objective, optimizer, ascent, prior_theta, **options)``, the family with a
+            low-rank plus diagonal Gaussian prior in place of its default one (a two-stage run's ``prior``
+            section; options of that default, ``prior_std``, do not apply), or ``None`` when the method takes
+            no such prior.
         gaussian: whether the posterior is a low-rank plus diagonal Gaussian (its
             :attr:`~flatbma.types.Posterior.gaussian` gives ``θ``), so that it can be the first stage
             of a two-stage run; an option may still turn the low-rank part off (SWAG's
@@ -53,42 +85,36 @@ class MethodSpec:
         check: ``check(method, stage)`` raises a :class:`FlatbmaError` when the method's options ask more
             of a run than the ``stage`` (:class:`~flatbma.experiment.validate.Stage`: its updates, its keys)
             gives — e.g. more snapshots than it collects — before anything trains; ``None``: nothing to check.
-        parsers: ``parsers[option](value, where)`` parses a family option that is no plain value (a nested
-            method section: ``multi``'s ``of``) in place of the type check of its annotation.
-        prior_refusal: why the method takes no ``prior`` section, when there is more to say than that its
-            family has no ``with_prior`` (said in the refusal).
-        component: ``component(method) -> MethodConfig | None``, the method every independent member of a
-            mixture trains (``multi``: its ``of``), whose options a two-stage run's prior checks read
-            (``kl_weight``, ``rank``); ``None``: the method is its own component.
-        first_stage: ``first_stage(method, prior_method) -> MethodConfig``, the method a two-stage run's
-            first stage trains given the ``prior.method`` section (``multi``: a mixture of it, one prior
-            stage per member); ``None``: ``prior.method`` itself.
-        extra_epochs: epochs the run takes beyond ``train.epochs`` (Laplace's curvature pass). The
-            optimizer's schedule still spans ``train.epochs``, and the family's ``start_step: null``
-            resolves to ``train.epochs`` × steps per epoch (:meth:`MethodConfig.build`'s ``map_steps``), so
-            the updates before it are those of a run of ``train.epochs`` epochs.
         needs_weights: ``needs_weights(method)``: whether ``check`` needs the number of trained weights
             (:attr:`~flatbma.experiment.validate.RunShape.num_trainable`, which builds the network).
+        prior_refusal: why the method takes no ``prior`` section, when there is more to say than that its
+            family has no ``with_prior`` (said in the refusal).
     """
 
     name: str
     summary: str
     family: Callable[..., Posterior]
+    options: type
     ascent: type | None = None
+    of: Nested | None = None
     with_prior: Callable[..., Posterior] | None = None
     gaussian: bool = False
     check: Callable[[MethodConfig, Stage], None] | None = None
-    parsers: Mapping[str, Callable[[Any, str], Any]] = field(default_factory=dict)
-    prior_refusal: str | None = None
-    component: Callable[[MethodConfig], MethodConfig | None] | None = None
-    first_stage: Callable[[MethodConfig, MethodConfig], MethodConfig] | None = None
-    extra_epochs: int = 0
     needs_weights: Callable[[MethodConfig], bool] | None = None
+    prior_refusal: str | None = None
 
-    def family_options(self) -> dict[str, inspect.Parameter]:
-        """Keyword-only parameters of the family builder."""
-        sig = inspect.signature(self.family)
-        return {n: p for n, p in sig.parameters.items() if p.kind is inspect.Parameter.KEYWORD_ONLY}
+    def family_options(self) -> dict[str, Any]:
+        """The type of every family option, in order: ``of`` first when the method nests a section."""
+        hints = typing.get_type_hints(self.options)
+        own = {f.name: hints[f.name] for f in dataclasses.fields(self.options)}
+        return {"of": self.of.annotation(), **own} if self.of is not None else own
+
+    def defaults(self) -> dict[str, Any]:
+        """The default of every family option, in the order of :meth:`family_options`."""
+        own = {f.name: f.default for f in dataclasses.fields(self.options)}
+        if self.of is None:
+            return own
+        return {"of": parse_method(self.of.default) if self.of.default is not None else None, **own}
 
     def ascent_options(self) -> dict[str, dataclasses.Field]:
         """Fields of the ascent step dataclass."""
@@ -110,7 +136,7 @@ class MethodConfig:
 
     Attributes:
         name: registry name.
-        options: family options (keyword arguments of the family ``build``), defaults filled in.
+        options: family options (the fields of its options dataclass, and ``of``), defaults filled in.
         ascent: the ascent step instance, or ``None``; an :class:`~flatbma.optim.Amortized` around the
             registered step when the section gives any of its options.
     """
@@ -133,8 +159,8 @@ class MethodConfig:
         SWAG posterior) the family's ``with_prior`` builder is used: the prior replaces the family's
         default one, so options of that default (``prior_std``) do not apply.
 
-        ``map_steps`` (``train.epochs`` × steps per epoch) is the ``start_step`` of a method with
-        :attr:`MethodSpec.extra_epochs` whose ``start_step`` is ``null`` (:meth:`resolved`).
+        ``map_steps`` (``train.epochs`` × steps per epoch) is the ``start_step`` of a family with extra
+        epochs (:attr:`MethodSpec.options`) whose ``start_step`` is ``null`` (:meth:`resolved`).
         """
         if map_steps is not None:
             return self.resolved(map_steps).build(objective, optimizer, prior)
@@ -144,14 +170,17 @@ class MethodConfig:
         if spec.with_prior is None:
             takers = ", ".join(prior_methods())
             raise FlatbmaError(f"method {self.name!r} takes no Gaussian prior (the prior section): use one of {takers}")
-        accepted = inspect.signature(spec.with_prior).parameters
-        options = {k: v for k, v in self.options.items() if k in accepted}
-        return spec.with_prior(objective, optimizer, self.ascent, prior, **options)
+        return spec.with_prior(objective, optimizer, self.ascent, prior, **self.options)
+
+    def family_options(self) -> Any:
+        """The family's options dataclass of this section (its options but ``of``)."""
+        spec = METHODS[self.name]
+        return spec.options(**{k: v for k, v in self.options.items() if k != "of" or spec.of is None})
 
     def component(self) -> MethodConfig | None:
-        """The method each independent member trains (:attr:`MethodSpec.component`); the method itself by default."""
-        spec = METHODS[self.name]
-        return spec.component(self) if spec.component is not None else self
+        """The method each independent member trains (a mixture's ``of``: :attr:`Nested.members`); else itself."""
+        of = METHODS[self.name].of
+        return self.options["of"] if of is not None and of.members else self
 
     def takes_prior(self) -> bool:
         """Whether a ``prior`` section applies: the family has a ``with_prior``, and so has its members' method."""
@@ -159,9 +188,9 @@ class MethodConfig:
         return all(m is not None and METHODS[m.name].with_prior is not None for m in (self, inner))
 
     def first_stage(self, prior_method: MethodConfig) -> MethodConfig:
-        """The method of a two-stage run's first stage, given ``prior.method`` (:attr:`MethodSpec.first_stage`)."""
-        spec = METHODS[self.name]
-        return spec.first_stage(self, prior_method) if spec.first_stage is not None else prior_method
+        """The method of a two-stage run's first stage, given ``prior.method``: a mixture's is a mixture of it."""
+        of = METHODS[self.name].of
+        return multi_first_stage(self, prior_method) if of is not None and of.members else prior_method
 
     def check(self, stage: Stage) -> None:
         """Refuse options that ask more of a run than ``stage`` gives (:attr:`MethodSpec.check`), before it trains."""
@@ -170,9 +199,9 @@ class MethodConfig:
             spec.check(self, stage)
 
     def extra_epochs(self) -> int:
-        """Epochs the run takes beyond ``train.epochs``: :attr:`MethodSpec.extra_epochs`, plus a nested section's."""
+        """Epochs the run takes beyond ``train.epochs``: its family's ``extra_epochs``, plus a nested section's."""
         nested = [v.extra_epochs() for v in self.options.values() if isinstance(v, MethodConfig)]
-        return METHODS[self.name].extra_epochs + max(nested, default=0)
+        return _extra_epochs(METHODS[self.name]) + max(nested, default=0)
 
     def needs_weights(self) -> bool:
         """Whether checking it needs the number of trained weights (:attr:`MethodSpec.needs_weights`)."""
@@ -181,12 +210,12 @@ class MethodConfig:
         return own or any(v.needs_weights() for v in self.options.values() if isinstance(v, MethodConfig))
 
     def resolved(self, map_steps: int) -> MethodConfig:
-        """This section with ``start_step: null`` set to ``map_steps`` where :attr:`MethodSpec.extra_epochs` asks.
+        """This section with ``start_step: null`` set to ``map_steps`` where its family has extra epochs.
 
         Nested sections (``multi``'s ``of``) are resolved the same way.
         """
         options = {k: v.resolved(map_steps) if isinstance(v, MethodConfig) else v for k, v in self.options.items()}
-        if METHODS[self.name].extra_epochs and options.get("start_step", 0) is None:
+        if _extra_epochs(METHODS[self.name]) and options.get("start_step", 0) is None:
             options["start_step"] = map_steps
         return dataclasses.replace(self, options=options)
 
@@ -198,6 +227,11 @@ class MethodConfig:
             ascent.update({k: getattr(self.ascent, k) for k in amortized_options()})
         options = {k: v.to_dict() if isinstance(v, MethodConfig) else v for k, v in self.options.items()}
         return {"name": self.name, **options, **ascent}
+
+
+def _extra_epochs(spec: MethodSpec) -> int:
+    """The epochs the family of ``spec`` takes beyond ``train.epochs`` (its options' ``extra_epochs``; 0 if none)."""
+    return getattr(spec.options, "extra_epochs", 0)
 
 
 METHODS: dict[str, MethodSpec] = {}
@@ -212,6 +246,8 @@ def register(spec: MethodSpec) -> MethodSpec:
     """Add ``spec`` to the registry (names are unique; family and ascent options must not collide)."""
     if spec.name in METHODS:
         raise ValueError(f"method {spec.name!r} is registered twice")
+    if not dataclasses.is_dataclass(spec.options):
+        raise ValueError(f"method {spec.name!r}: its options must be a dataclass, got {spec.options!r}")
     clash = set(spec.family_options()) & set(spec.ascent_options())
     clash |= set(amortized_options()) & (set(spec.family_options()) | set(spec.ascent_options()))
     if clash:
@@ -221,7 +257,11 @@ def register(spec: MethodSpec) -> MethodSpec:
 
 
 def parse_method(data: Any, where: str = "method") -> MethodConfig:
-    """Parse the ``method`` config section: ``{name: sam, rho: 0.05, ...}``."""
+    """Parse the ``method`` config section: ``{name: sam, rho: 0.05, ...}``.
+
+    Family options (the fields of the family's options dataclass; a nested ``of`` by :attr:`Nested.parse`) come
+    first in the order the section gives them, then the others with their defaults.
+    """
     if isinstance(data, str):
         data = {"name": data}
     if not isinstance(data, Mapping) or "name" not in data:
@@ -234,7 +274,6 @@ def parse_method(data: Any, where: str = "method") -> MethodConfig:
         )
     spec = METHODS[name]
     family_opts, ascent_opts, amortized_opts = spec.family_options(), spec.ascent_options(), spec.amortized_options()
-    hints = typing.get_type_hints(spec.family)
     options: dict[str, Any] = {}
     ascent_data: dict[str, Any] = {}
     amortized_data: dict[str, Any] = {}
@@ -247,18 +286,18 @@ def parse_method(data: Any, where: str = "method") -> MethodConfig:
             amortized_data[key] = value
         elif key in amortized_options():
             raise FlatbmaError(_no_second_pass(spec, f"{where}.{key}"))
-        elif key in spec.parsers:
-            options[key] = spec.parsers[key](value, f"{where}.{key}")
+        elif key == "of" and spec.of is not None:
+            options[key] = spec.of.parse(value, f"{where}.{key}")
         elif key in family_opts:
-            options[key] = coerce(value, hints[key], f"{where}.{key}")
+            options[key] = coerce(value, family_opts[key], f"{where}.{key}")
         else:
             valid = sorted([*family_opts, *ascent_opts, *amortized_opts])
             raise FlatbmaError(
                 f"unknown config key {shown(f'{where}.{key}')} for method {shown(name)}.{suggest(str(key), valid)} "
                 f"Valid keys: {', '.join(valid) if valid else '(none)'}"
             )
-    for key, param in family_opts.items():
-        options.setdefault(key, param.default)
+    for key, default in spec.defaults().items():
+        options.setdefault(key, default)
     ascent = parse_dataclass(spec.ascent, ascent_data, where) if spec.ascent else None
     if amortized_data:
         ascent = _amortized(ascent, amortized_data, where)
@@ -278,7 +317,7 @@ def _amortized(ascent: Any, data: Mapping[str, Any], where: str) -> Amortized:
 def _no_second_pass(spec: MethodSpec, key: str) -> str:
     """Why ``key`` (an :class:`~flatbma.optim.Amortized` option) does not apply to the method of ``spec``."""
     flat = ", ".join(n for n, s in METHODS.items() if s.ascent is not None)
-    where = " (for a mixture, give it in method.of)" if "of" in spec.parsers else ""
+    where = " (for a mixture, give it in method.of)" if spec.of is not None else ""
     return (
         f"{key}: method {spec.name!r} has no ascent step, so there is no second pass to amortize{where}; "
         f"it applies to the flat-seeking methods: {flat}"
@@ -347,11 +386,19 @@ def check_cycles(method: MethodConfig, stage: Stage) -> None:
     )
 
 
-register(MethodSpec("sgd", "MAP point estimate by SGD (momentum, weight decay, cosine schedule)", point.build))
-register(MethodSpec("sam", "SAM: sharpness-aware minimization (Foret et al. 2021)", point.build, SAM))
-register(MethodSpec("asam", "ASAM: adaptive, scale-invariant SAM (Kwon et al. 2021)", point.build, ASAM))
 register(
-    MethodSpec("fsam", "Fisher-SAM: SAM in the diagonal-Fisher geometry (Kim et al. 2022)", point.build, FisherSAM)
+    MethodSpec("sgd", "MAP point estimate by SGD (momentum, weight decay, cosine schedule)", point.build, point.Options)
+)
+register(MethodSpec("sam", "SAM: sharpness-aware minimization (Foret et al. 2021)", point.build, point.Options, SAM))
+register(MethodSpec("asam", "ASAM: adaptive, scale-invariant SAM (Kwon et al. 2021)", point.build, point.Options, ASAM))
+register(
+    MethodSpec(
+        "fsam",
+        "Fisher-SAM: SAM in the diagonal-Fisher geometry (Kim et al. 2022)",
+        point.build,
+        point.Options,
+        FisherSAM,
+    )
 )
 
 
@@ -361,6 +408,7 @@ register(
         "swag",
         "SWAG: diagonal + low-rank Gaussian of SGD iterates (Maddox et al. 2019)",
         swag.build,
+        swag.Options,
         gaussian=True,
         check=check_snapshots,
     )
@@ -370,6 +418,7 @@ register(
         "swag-diag",
         "SWAG-Diagonal: diagonal Gaussian of SGD iterates (Maddox 2019)",
         swag.build_diag,
+        swag.DiagonalOptions,
         check=check_snapshots,
     )
 )
@@ -378,33 +427,45 @@ register(
         "f-swag",
         "F-SWAG: SWAG collected along a SAM trajectory (Nguyen et al. 2023)",
         swag.build,
+        swag.Options,
         SAM,
         gaussian=True,
         check=check_snapshots,
     )
 )
 
-register(MethodSpec("mfvi", "Mean-field Gaussian VI: Bayes by backprop (Blundell et al. 2015)", mfvi.build))
+register(
+    MethodSpec("mfvi", "Mean-field Gaussian VI: Bayes by backprop (Blundell et al. 2015)", mfvi.build, mfvi.Options)
+)
 register(
     MethodSpec(
         "lowrank-vi",
         "Low-rank + diagonal Gaussian VI, Σ = ½(diag σ² + LLᵀ/(K−1))",
         lowrank_vi.build,
+        lowrank_vi.Options,
         with_prior=fp_bma.build_with_prior,  # with no ascent step it is low-rank VI with that prior
         gaussian=True,
     )
 )
-register(MethodSpec("f-mfvi", "F-MFVI: SAM on each sampled model of MFVI (Nguyen et al. 2023)", mfvi.build, SAM))
+register(
+    MethodSpec(
+        "f-mfvi", "F-MFVI: SAM on each sampled model of MFVI (Nguyen et al. 2023)", mfvi.build, mfvi.Options, SAM
+    )
+)
 register(
     MethodSpec(
         "f-lowrank-vi",
         "F-low-rank VI: SAM on each sampled model (Nguyen et al. 2023)",
         lowrank_vi.build,
+        lowrank_vi.Options,
         SAM,
         gaussian=True,
     )
 )
-register(MethodSpec("bsam", "Bayesian SAM: SAM as a relaxation of Bayes (Möllenhoff & Khan 2023)", bsam.build))
+register(
+    MethodSpec("bsam", "Bayesian SAM: SAM as a relaxation of Bayes (Möllenhoff & Khan 2023)", bsam.build, bsam.Options)
+)
+
 
 def check_dropout_rate(method: MethodConfig, stage: Stage) -> None:
     """MC dropout: ``rate: 0`` over every dropout layer (``override_existing``) draws no mask, a silent point estimate.
@@ -424,6 +485,7 @@ register(
         "mc-dropout",
         "MC dropout: BMA over dropout masks (Gal & Ghahramani 2016)",
         mc_dropout.build,
+        mc_dropout.Options,
         check=check_dropout_rate,
     )
 )
@@ -432,10 +494,13 @@ register(
         "f-mc-dropout",
         "F-MC-dropout: SAM on the dropout net (Nguyen et al. 2023)",
         mc_dropout.build,
+        mc_dropout.Options,
         SAM,
         check=check_dropout_rate,
     )
 )
+
+
 def check_member_memory(method: MethodConfig, stage: Stage, option: str = "size") -> None:
     """A posterior of ``method.<option>`` independent members holds at least that many copies of the trained weights.
 
@@ -470,6 +535,7 @@ register(
         "ensemble",
         "Deep ensemble of independently trained nets (Lakshminarayanan 2017)",
         ensemble.build,
+        ensemble.Options,
         check=check_member_memory,
         needs_weights=_always,
     )
@@ -479,6 +545,7 @@ register(
         "f-ensemble",
         "F-ensemble: each member trained with SAM (Nguyen et al. 2023)",
         ensemble.build,
+        ensemble.Options,
         SAM,
         check=check_member_memory,
         needs_weights=_always,
@@ -486,7 +553,11 @@ register(
 )
 register(
     MethodSpec(
-        "sgld", "SGLD: Langevin dynamics on mini-batch gradients (Welling & Teh 2011)", sgld.build, check=check_burn_in
+        "sgld",
+        "SGLD: Langevin dynamics on mini-batch gradients (Welling & Teh 2011)",
+        sgld.build,
+        sgld.Options,
+        check=check_burn_in,
     )
 )
 register(
@@ -494,12 +565,18 @@ register(
         "csgld",
         "Cyclical SGLD: cosine cyclical step size (Zhang et al. 2020)",
         sgld.build_cyclical,
+        sgld.CyclicalOptions,
         check=check_cycles,
     )
 )
 register(
     MethodSpec(
-        "f-sgld", "F-SGLD: SGLD with the SAM gradient (Nguyen et al. 2023)", sgld.build, SAM, check=check_burn_in
+        "f-sgld",
+        "F-SGLD: SGLD with the SAM gradient (Nguyen et al. 2023)",
+        sgld.build,
+        sgld.Options,
+        SAM,
+        check=check_burn_in,
     )
 )
 
@@ -509,6 +586,7 @@ register(
         "fp-bma",
         "FP-BMA: low-rank Gaussian VI, ascent in a KL ball (Lim 2025)",
         lowrank_vi.build,
+        lowrank_vi.Options,
         FisherBall,
         with_prior=fp_bma.build_with_prior,
         gaussian=True,
@@ -519,6 +597,7 @@ register(
         "sa-bma",
         "SA-BMA: alias of fp-bma (Lim et al. 2025)",
         lowrank_vi.build,
+        lowrank_vi.Options,
         FisherBall,
         with_prior=fp_bma.build_with_prior,
         gaussian=True,
@@ -528,21 +607,16 @@ register(
 
 # Mixtures of independently trained posteriors of any family (MultiSWAG: Wilson & Izmailov 2020).
 def multi_family(
-    objective: Any,
-    optimizer: Any,
-    ascent: Ascent | None = None,
-    *,
-    of: MethodConfig | None = None,
-    members: int = 5,
-    seed: int | None = None,
+    objective: Any, optimizer: Any, ascent: Ascent | None = None, *, of: MethodConfig | None = None, **options: Any
 ) -> Posterior:
-    """:func:`flatbma.posteriors.multi.build` of ``members`` posteriors of the method ``of`` (a method section).
+    """:func:`flatbma.posteriors.multi.build` of posteriors of the method ``of`` (a method section).
 
-    ``ascent`` is unused: the members' ascent step is part of ``of`` (e.g. ``{name: fp-bma, gamma: 0.01}``).
+    ``options`` are those of :class:`flatbma.posteriors.multi.Options`. ``ascent`` is unused: the members'
+    ascent step is part of ``of`` (e.g. ``{name: fp-bma, gamma: 0.01}``).
     """
     if of is None:
         raise FlatbmaError("method.of must name the members' method, e.g. of: {name: swag} (see 'flatbma methods')")
-    return multi.build(objective, of.build(objective, optimizer), members=members, seed=seed)
+    return multi.build(objective, of.build(objective, optimizer), **options)
 
 
 def multi_with_prior(
@@ -552,8 +626,7 @@ def multi_with_prior(
     prior_theta: Mapping[str, Any],
     *,
     of: MethodConfig | None = None,
-    members: int = 5,
-    seed: int | None = None,
+    **options: Any,
 ) -> Posterior:
     """:func:`multi_family` whose member ``m`` has its own prior: member ``m``'s Gaussian in ``prior_theta``.
 
@@ -562,7 +635,8 @@ def multi_with_prior(
     ``m`` is ``of`` built with :func:`~flatbma.posteriors.members.member` ``(m, prior_theta)`` as its prior.
     """
     if of is None:
-        return multi_family(objective, optimizer, ascent, of=of, members=members, seed=seed)  # its refusal
+        return multi_family(objective, optimizer, ascent, of=of, **options)  # its refusal
+    members = multi.Options(**options).members
     held = prefixed_members(dict(prior_theta))
     if held != list(range(members)):
         raise FlatbmaError(
@@ -570,12 +644,7 @@ def multi_with_prior(
             "must be a mixture of as many members"
         )
     bases = [of.build(objective, optimizer, member(m, dict(prior_theta))) for m in range(members)]
-    return multi.build(objective, bases, members=members, seed=seed)
-
-
-def multi_component(method: MethodConfig) -> MethodConfig | None:
-    """``multi``: its members' method ``of``."""
-    return method.options["of"]
+    return multi.build(objective, bases, **options)
 
 
 def multi_first_stage(method: MethodConfig, prior_method: MethodConfig) -> MethodConfig:
@@ -607,38 +676,22 @@ def check_members(method: MethodConfig, stage: Stage) -> None:
             )
 
 
-def _multi_of(name: str) -> Callable[..., Posterior]:
-    """:func:`multi_family` with ``of`` defaulting to the method ``name`` (its signature says so)."""
-
-    def family(objective: Any, optimizer: Any, ascent: Ascent | None = None, **options: Any) -> Posterior:
-        return multi_family(objective, optimizer, ascent, **options)
-
-    sig = inspect.signature(multi_family)
-    family.__signature__ = sig.replace(  # type: ignore[attr-defined]
-        parameters=[p.replace(default=parse_method(name)) if p.name == "of" else p for p in sig.parameters.values()]
-    )
-    family.__annotations__ = dict(multi_family.__annotations__)
-    family.__name__ = family.__qualname__ = f"multi_family_of_{name.replace('-', '_')}"
-    return family
-
-
-def _multi(name: str, summary: str, family: Callable[..., Posterior]) -> MethodSpec:
+def _multi(name: str, summary: str, of: str | None) -> MethodSpec:
     return MethodSpec(
         name,
         summary,
-        family,
+        multi_family,
+        multi.Options,
+        of=Nested(of, parse_method, members=True),
         with_prior=multi_with_prior,
         check=check_members,
         needs_weights=_always,
-        parsers={"of": parse_method},
-        component=multi_component,
-        first_stage=multi_first_stage,
     )
 
 
-register(_multi("multi", "Uniform mixture of M independently trained posteriors of method.of", multi_family))
-register(_multi("multiswag", "MultiSWAG: mixture of M SWAG posteriors (Wilson & Izmailov 2020)", _multi_of("swag")))
-register(_multi("multi-fp-bma", "Multi-FP-BMA: mixture of M FP-BMA posteriors, one per basin", _multi_of("fp-bma")))
+register(_multi("multi", "Uniform mixture of M independently trained posteriors of method.of", None))
+register(_multi("multiswag", "MultiSWAG: mixture of M SWAG posteriors (Wilson & Izmailov 2020)", "swag"))
+register(_multi("multi-fp-bma", "Multi-FP-BMA: mixture of M FP-BMA posteriors, one per basin", "fp-bma"))
 
 
 # The Laplace family: a MAP phase (a point method) and a curvature pass, then N(w*, (H/T + δ)⁻¹).
@@ -657,24 +710,15 @@ def parse_point_method(data: Any, where: str = "method.of") -> MethodConfig:
     return of
 
 
-def _laplace_of(default: str) -> Callable[..., Posterior]:
-    """:func:`flatbma.posteriors.laplace.build` around the MAP of ``of`` (a point method section, default ``default``).
+def laplace_family(
+    objective: Any, optimizer: Any, ascent: Ascent | None = None, *, of: MethodConfig, **options: Any
+) -> Posterior:
+    """:func:`flatbma.posteriors.laplace.build` around the MAP of ``of`` (a point method section).
 
-    Its options are ``of`` and those of ``laplace.build`` (their defaults in that signature); ``ascent`` is
-    unused: the MAP's ascent step is ``of``'s (``{name: sam, rho: 0.05}``).
+    ``options`` are those of :class:`flatbma.posteriors.laplace.Options`; ``ascent`` is unused: the MAP's ascent
+    step is ``of``'s (``{name: sam, rho: 0.05}``).
     """
-
-    def laplace_family(objective: Any, optimizer: Any, ascent: Ascent | None = None, **options: Any) -> Posterior:
-        of = options.pop("of")
-        return laplace.build(objective, optimizer, of.ascent, **options)
-
-    sig = inspect.signature(laplace.build)
-    params = list(sig.parameters.values())
-    of = inspect.Parameter("of", inspect.Parameter.KEYWORD_ONLY, default=parse_method(default), annotation=MethodConfig)
-    laplace_family.__signature__ = sig.replace(parameters=[*params[:3], of, *params[3:]])  # type: ignore[attr-defined]
-    laplace_family.__annotations__ = {**laplace.build.__annotations__, "of": MethodConfig}
-    laplace_family.__wrapped__ = laplace.build  # type: ignore[attr-defined]  # its annotations' namespace
-    return laplace_family
+    return laplace.build(objective, optimizer, of.ascent, **options)
 
 
 def check_laplace(method: MethodConfig, stage: Stage) -> None:
@@ -682,12 +726,11 @@ def check_laplace(method: MethodConfig, stage: Stage) -> None:
 
     ``prior_mean: pretrained`` needs ``model.pretrained``.
 
-    The run takes :attr:`MethodSpec.extra_epochs` = 1 epoch beyond ``stage.epochs``, so ``start_step``
-    (MAP updates) must be at most ``stage.steps`` for the curvature to see a whole epoch.
+    The run takes the family's ``extra_epochs`` = 1 epoch beyond ``stage.epochs`` (its curvature phase), so
+    ``start_step`` (MAP updates) must be at most ``stage.steps`` for the curvature to see a whole epoch.
     """
     o, key = method.options, stage.key
-    options = {k: o[k] for k in inspect.signature(laplace.check_options).parameters if k != "where"}
-    laplace.check_options(**options, where=stage.method_key)
+    laplace.check_options(method.family_options(), where=stage.method_key)
     if laplace.PriorMean(o["prior_mean"]) is laplace.PriorMean.PRETRAINED and not stage.shape.pretrained:
         raise FlatbmaError(
             f"{key('prior_mean')}: pretrained centres the prior at the pretrained weights, but model.pretrained is "
@@ -722,16 +765,13 @@ def _full_hessian(method: MethodConfig) -> bool:
     return Hessian(method.options["hessian"]) is Hessian.FULL
 
 
-def _laplace(
-    name: str, summary: str, family: Callable[..., Posterior], ascent: type | None = None, **kw: Any
-) -> MethodSpec:
+def _laplace(name: str, summary: str, family: Callable[..., Posterior], **kw: Any) -> MethodSpec:
     return MethodSpec(
         name,
         summary,
         family,
-        ascent,
+        laplace.Options,
         check=check_laplace,
-        extra_epochs=1,
         needs_weights=_full_hessian,
         prior_refusal=_LAPLACE_PRIOR,
         **kw,
@@ -742,8 +782,8 @@ register(
     _laplace(
         "laplace",
         "Laplace around the MAP of method.of (default sgd): GGN, KFAC, evidence, GLM (Daxberger 2021)",
-        _laplace_of("sgd"),
-        parsers={"of": parse_point_method},
+        laplace_family,
+        of=Nested("sgd", parse_point_method),
     )
 )
 register(
@@ -751,6 +791,6 @@ register(
         "f-laplace",
         "F-Laplace: Laplace around a SAM-trained MAP (the F- composition of Nguyen et al. 2023)",
         laplace.build,
-        SAM,
+        ascent=SAM,
     )
 )

@@ -166,7 +166,7 @@ def prior_precision(prior_theta: Mapping[str, Tensor], device: torch.device) -> 
 def kl_lowrank_grad(
     theta: Mapping[str, Tensor],
     prior_theta: Mapping[str, Tensor],
-    cache: dict[torch.device, PriorPrecision] | None = None,
+    precision: PriorPrecision | None = None,
 ) -> Mapping[str, Tensor]:
     """``∇_θ KL(q_θ ‖ p)`` in closed form for a low-rank plus diagonal prior ``p``, packed like ``θ``.
 
@@ -179,16 +179,14 @@ def kl_lowrank_grad(
     Args:
         theta: ``q``'s ``mean/``, ``log_std/``, ``factor/`` parameters.
         prior_theta: ``p``'s, for the same parameter names and shapes.
-        cache: ``device -> PriorPrecision`` of this prior, filled on first use (a fixed prior's
-            quantities are then computed once per device).
+        precision: :func:`prior_precision` of ``prior_theta`` when computed already (a fixed prior's, once);
+            used when it is on ``θ``'s device, else (or ``None``) computed here, on ``θ``'s device.
     """
     mu, _, factor = blocks(theta)
     geo = geometry(theta, torch.float64)
-    prior = cache.get(mu.device) if cache is not None else None
-    if prior is None:
+    prior = precision
+    if prior is None or prior.mean.device != mu.device:
         prior = prior_precision(prior_theta, mu.device)
-        if cache is not None:
-            cache[mu.device] = prior
     out = torch.empty((factor.shape[0] + 2, mu.numel()), dtype=mu.dtype, device=mu.device)
     out[0] = prior.apply((mu.to(torch.float64) - prior.mean)[None])[0]
     out[1] = geo.a * prior.diagonal - (1 - geo.w)  # a_q(Σ_q⁻¹)_ii = 1 − w_i
