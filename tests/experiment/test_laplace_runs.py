@@ -204,11 +204,11 @@ RESOLVED = {
     "sgld": "983da6961b929e83",
     "csgld": "056851c9a3092e59",
     "f-sgld": "9b98eccc8eb1e6ff",
-    "fp-bma": "df41fce0009166a6",
-    "sa-bma": "d491cfd8e23f48e7",
+    "fp-bma": "eeefb354de6a82b0",  # radius: 0.05, the default step since #22
+    "sa-bma": "7252ba9f01b460e4",
     "multi": "d6549a167fda82e5",
     "multiswag": "315238b89f75662c",
-    "multi-fp-bma": "793a3aa91ca4d70d",
+    "multi-fp-bma": "c6bcf7cb095abf91",
 }
 
 
