@@ -60,7 +60,7 @@ def train_steps(name: str, *, precision: str = "fp32", device: str = "cpu", step
     CPU and moved to ``device``; ``precision`` is the Objective's; ``wrap`` (e.g. ``LossScaled()``) wraps the
     built method. ``start`` holds the initial trained variables.
     """
-    from flatbma.experiment.methods import parse_method
+    from flatbma.experiment.config.methods import parse_method
     from flatbma.optim import SGD
     from flatbma.params import model_buffers, trainable_params
     from flatbma.precision import Precision
@@ -108,15 +108,15 @@ def interrupt_after_first_epoch(monkeypatch) -> None:
             raise KeyboardInterrupt
         return real_fit(method, state, loader, epochs=epochs, **kwargs)
 
-    monkeypatch.setattr("flatbma.experiment.stage.fit", stop_after_first_epoch)
+    monkeypatch.setattr("flatbma.experiment.run.stage.fit", stop_after_first_epoch)
 
 
 @contextlib.contextmanager
 def held_by_another_process(*directories: Path) -> Iterator[subprocess.Popen]:
-    """A second process that holds the locks of ``directories`` (:func:`flatbma.experiment.lock.hold`) as
+    """A second process that holds the locks of ``directories`` (:func:`flatbma.experiment.run.lock.hold`) as
     ``flatbma train`` does, until the block ends (or the test kills it); yields the process."""
     code = (
-        "import contextlib, sys\nfrom flatbma.experiment.lock import hold\n"
+        "import contextlib, sys\nfrom flatbma.experiment.run.lock import hold\n"
         "with contextlib.ExitStack() as held:\n"
         "    for d in sys.argv[1:]:\n        held.enter_context(hold(d, 'train'))\n"
         "    print('held', flush=True)\n    sys.stdin.read()\n"

@@ -126,7 +126,7 @@ def with_recomputed_statistics(
     share one dict. Samples of a model without BatchNorm are returned as given. Give it the training
     data without augmentation in a fixed order (:func:`statistics_loader`), so that the statistics are a
     function of the weights alone; the evaluation of runs
-    (:func:`flatbma.experiment.evaluate.with_bn_statistics`) and the predictor
+    (:func:`flatbma.experiment.run.evaluate.with_bn_statistics`) and the predictor
     (:class:`flatbma.predictor.BMA`) both call this.
     """
     if not has_batchnorm(model):

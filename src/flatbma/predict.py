@@ -712,7 +712,7 @@ def evaluate(
     The other keyword arguments are those of :func:`predict`. ``reduce_metrics`` is applied to the
     accumulated :class:`~flatbma.metrics.StreamingMetrics` before they are computed: with each
     process evaluating a shard of the data,
-    :func:`flatbma.experiment.distributed.all_reduce_metrics` sums them over the processes.
+    :func:`flatbma.experiment.parallel.processes.all_reduce_metrics` sums them over the processes.
     """
     states = stream_metrics(
         model,

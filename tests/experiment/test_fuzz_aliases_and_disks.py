@@ -4,7 +4,7 @@
   ``w`` times over ``d`` levels (billion laughs when ``w**d`` is large), merge keys, aliases reused in
   several fields — in random places of a real config. The loader must either build the document or
   refuse it with one :class:`~flatbma.errors.FlatbmaError` line, quickly, and it refuses exactly the
-  documents whose expansion exceeds :data:`~flatbma.experiment.parse.MAX_YAML_NODES` values (counted
+  documents whose expansion exceeds :data:`~flatbma.experiment.config.parse.MAX_YAML_NODES` values (counted
   here independently, from the generated structure).
 * **Full disks.** A tiny ``flatbma train`` whose ``k``-th file write fails (``os.fsync`` of the
   temporary file, or its creation) with a random ``errno`` of a failing disk. The command must end with
@@ -29,7 +29,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from flatbma.errors import FlatbmaError
-from flatbma.experiment.parse import MAX_YAML_NODES, load_yaml
+from flatbma.experiment.config.parse import MAX_YAML_NODES, load_yaml
 from tests.experiment.test_hostile_inputs import _cli
 
 SETTINGS = settings(deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
@@ -58,7 +58,7 @@ def alias_documents(draw: st.DrawFn) -> tuple[str, int]:
     """A config-shaped YAML document holding alias chains, and its expanded size in values.
 
     The size counts every node — scalar, sequence, mapping, keys included — with aliases expanded: the
-    convention of :func:`flatbma.experiment.parse.load_yaml`'s budget, computed here from the generated
+    convention of :func:`flatbma.experiment.config.parse.load_yaml`'s budget, computed here from the generated
     structure rather than from the parsed node graph.
     """
     chains = draw(st.lists(st.tuples(st.integers(1, 12), st.integers(1, 8)), min_size=1, max_size=3))

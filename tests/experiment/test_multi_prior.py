@@ -19,19 +19,21 @@ import pytest
 import torch
 import yaml
 
-import flatbma.experiment.stage as stage_module
+import flatbma.experiment.run.stage as stage_module
 from flatbma.errors import FlatbmaError
-from flatbma.experiment.build import build_experiment
-from flatbma.experiment.checkpoint import load_state
 from flatbma.experiment.cli import main
-from flatbma.experiment.compare import _shared_stages, load_plan
-from flatbma.experiment.config import config_from_dict, load_config
-from flatbma.experiment.prior import check_stable_with_prior, fit_prior, floor_std, prior_stage
-from flatbma.experiment.run import load_run_config, train_run
+from flatbma.experiment.config.run_config import config_from_dict, load_config
+from flatbma.experiment.run.build import build_experiment
+from flatbma.experiment.run.checkpoint import load_state
+from flatbma.experiment.run.pipeline import load_run_config, train_run
+from flatbma.experiment.run.prior import check_stable_with_prior, fit_prior, prior_stage
 from flatbma.experiment.runner import fit
+from flatbma.experiment.study.plan import load_plan
+from flatbma.experiment.study.selection import shared_stages
 from flatbma.gaussian import kl_lowrank, section
 from flatbma.params import Objective
 from flatbma.posteriors import fp_bma
+from flatbma.posteriors.gaussians import floored
 from flatbma.posteriors.members import member, member_seed, member_state
 from flatbma.rng import draw_seed, forked_rng
 from tests.experiment.torchrun_helpers import torchrun
@@ -113,7 +115,7 @@ def test_each_member_has_its_own_multiswag_prior_and_is_fp_bma_trained_by_hand_f
     # member m's prior: its own SWAG Gaussian (σ floored), and the members' priors differ
     fitted = fit_prior(cfg)  # reused: finished with this config
     swag_posterior = build_experiment(prior_stage(cfg)).method
-    theta = floor_std(swag_posterior.gaussian(stage1), cfg.prior.min_std)
+    theta = floored(swag_posterior.gaussian(stage1), cfg.prior.min_std)
     assert _same(fitted.theta, theta)
     means = [section(member(m, theta), "mean") for m in range(2)]
     assert means[0].keys() == means[1].keys() and not any(torch.equal(means[0][k], means[1][k]) for k in means[0])
@@ -165,12 +167,12 @@ def test_floor_std_floors_every_members_log_std() -> None:
         "member1/mean/w": torch.tensor([-9.0, 1.0]),
         "log_std/w": torch.tensor([-9.0]),
     }
-    floored = floor_std(theta, 0.01)  # log 0.01 = -4.605
+    low = floored(theta, 0.01)  # log 0.01 = -4.605
     floor = torch.log(torch.tensor(0.01)).item()
-    assert floored["member0/log_std/w"].tolist() == pytest.approx([floor, 0.0])
-    assert floored["member1/log_std/w"].tolist() == pytest.approx([floor, -1.0])
-    assert floored["log_std/w"].tolist() == pytest.approx([floor])
-    assert torch.equal(floored["member1/mean/w"], theta["member1/mean/w"])
+    assert low["member0/log_std/w"].tolist() == pytest.approx([floor, 0.0])
+    assert low["member1/log_std/w"].tolist() == pytest.approx([floor, -1.0])
+    assert low["log_std/w"].tolist() == pytest.approx([floor])
+    assert torch.equal(low["member1/mean/w"], theta["member1/mean/w"])
 
 
 @pytest.mark.parametrize(
@@ -259,7 +261,7 @@ def test_compare_candidates_share_the_per_member_prior_stage(tmp_path: Path) -> 
     path = tmp_path / "compare.yaml"
     path.write_text(yaml.safe_dump(raw))
     jobs = load_plan(path).jobs()
-    groups = [_shared_stages(job) for job in jobs]
+    groups = [shared_stages(job) for job in jobs]
     assert [len(g) for g in groups] == [1, 1] and len(groups[0][0]) == 2  # both lrs share one first stage
     mixture, single = (prior_stage(g[0][0].config).method for g in groups)
     assert mixture.name == "multi" and mixture.options["members"] == 2 and mixture.options["of"].name == "swag"

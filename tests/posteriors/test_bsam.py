@@ -10,9 +10,9 @@ from torch import nn
 from torch.func import functional_call
 
 from flatbma.errors import FlatbmaError
-from flatbma.experiment.checkpoint import load_state, save_state
 from flatbma.experiment.cli import main
-from flatbma.experiment.methods import METHODS, parse_method
+from flatbma.experiment.config.methods import METHODS, parse_method
+from flatbma.experiment.run.checkpoint import load_state, save_state
 from flatbma.gaussian import section, standard_normal_like
 from flatbma.optim import SAM, SGD, Adam, constant
 from flatbma.params import Objective, model_buffers, trainable_params

@@ -14,9 +14,9 @@ from torch.func import functional_call
 
 from flatbma import packed
 from flatbma.errors import FlatbmaError
-from flatbma.experiment.checkpoint import load_state, save_state
 from flatbma.experiment.cli import main
-from flatbma.experiment.methods import METHODS, parse_method
+from flatbma.experiment.config.methods import METHODS, parse_method
+from flatbma.experiment.run.checkpoint import load_state, save_state
 from flatbma.gaussian import GaussianNoise, geometry, section
 from flatbma.optim import SAM, SGD, Adam, FisherSAM, sharpness_aware_value_and_grad
 from flatbma.optim.fisher_ball import (

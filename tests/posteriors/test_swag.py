@@ -11,9 +11,9 @@ from torch import nn
 
 from flatbma.bn import recompute_bn_statistics
 from flatbma.errors import FlatbmaError
-from flatbma.experiment.checkpoint import load_state, save_state
 from flatbma.experiment.cli import main
-from flatbma.experiment.methods import METHODS, parse_method
+from flatbma.experiment.config.methods import METHODS, parse_method
+from flatbma.experiment.run.checkpoint import load_state, save_state
 from flatbma.models.small import SmallCNN
 from flatbma.optim import SAM, SGD
 from flatbma.params import Objective, trainable_params
