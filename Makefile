@@ -2,7 +2,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup demo test lint bench gpu-check
+.PHONY: setup demo test lint bench docs gpu-check
 
 setup:
 	bash scripts/setup.sh
@@ -22,3 +22,6 @@ bench: setup
 OUT ?= gpu-check.txt
 gpu-check:
 	bash scripts/gpu-check.sh $(OUT)
+
+docs: setup
+	$(PY) -m mkdocs build --strict --quiet

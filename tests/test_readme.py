@@ -7,14 +7,22 @@ import torch
 import flatbma
 from flatbma.experiment import api
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+API_PAGE = ROOT / "docs" / "python-api.md"
 
 
 def _python_api_blocks() -> list[str]:
-    """The Python blocks of the README's "Python API" section (up to its "Design" part), in order."""
-    text = README.read_text()
-    section = text[text.index("## Python API\n") : text.index("### Design\n")]
-    return re.findall(r"```python\n(.*?)```", section, flags=re.S)
+    """The Python blocks of the docs' Python API page (up to its "Design" part), in order.
+
+    The README shows the first of them verbatim (checked here, so the two cannot drift).
+    """
+    text = API_PAGE.read_text()
+    blocks = re.findall(r"```python\n(.*?)```", text[: text.index("## Design\n")], flags=re.S)
+    readme = README.read_text()
+    shown = re.findall(r"```python\n(.*?)```", readme[readme.index("## Python API\n") :], flags=re.S)
+    assert shown and shown[0] == blocks[0], "README's Python block differs from docs/python-api.md's first"
+    return blocks
 
 
 def test_readme_python_api_runs_verbatim_and_its_numbers_hold(tmp_path, monkeypatch, capsys):

@@ -22,11 +22,12 @@ forms) live in :mod:`flatbma.plotting` and are re-exported here; they need matpl
 """
 
 from flatbma.flatness.hutchinson import TraceEstimate, hessian_trace, hutchinson_trace, rademacher
-from flatbma.flatness.hvp import HessianOperator, HVPMethod, ParamSelection, hvp_fn, nonzero_checked
+from flatbma.flatness.hvp import CPU_CHUNK_SIZE, HessianOperator, HVPMethod, ParamSelection, hvp_fn, nonzero_checked
 from flatbma.flatness.lanczos import (
     ConvergenceWarning,
     EigenMethod,
     EigenResult,
+    default_basis_size,
     hessian_eigenvalues,
     lanczos,
     lanczos_tridiagonal,
@@ -59,6 +60,7 @@ from flatbma.flatness.width import Width, sample_variance, width
 from flatbma.plotting import landscape_1d_png, landscape_2d_png, plot_landscape_1d, plot_landscape_2d
 
 __all__ = [
+    "CPU_CHUNK_SIZE",
     "BiasBNPolicy",
     "ConvergenceWarning",
     "EigenDirection",
@@ -72,6 +74,7 @@ __all__ = [
     "SpectralDensity",
     "TraceEstimate",
     "Width",
+    "default_basis_size",
     "distinct_samples",
     "distribution_spectrum",
     "flatness_report",

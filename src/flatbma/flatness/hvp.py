@@ -5,12 +5,15 @@ that returns the *mean* loss of a batch, the training loss and its Hessian-vecto
 
     L_S(w) = Σ_j (n_j / n) · L_{B_j}(w),        H v = Σ_j (n_j / n) · ∇²L_{B_j}(w) v,
 
-accumulated batch by batch, so that memory is bounded by one batch whatever the size of ``S``.
-Each batch product is computed either by
+accumulated batch by batch, so that memory is bounded by one batch whatever the size of ``S``, and
+within a batch over chunks of at most ``chunk_size`` examples (:func:`hvp_fn`; by default
+:data:`CPU_CHUNK_SIZE` on CPU), each with its own gradient graph: the transient memory of a product
+then scales with a chunk. Each chunk's product is computed either by
 
 * ``"double_backward"`` (reverse-over-reverse): ``∇_w ⟨∇_w L_B(w), v⟩`` with
   :func:`torch.autograd.grad` and ``create_graph=True``; when the data is one batch the gradient
-  graph is built once and reused by every product (as PyHessian does), or by
+  graphs of its chunks are built once and reused by every product (as PyHessian does for the whole
+  batch), or by
 * ``"func"`` (forward-over-reverse): ``jvp(grad(L_B), (w,), (v,))`` with :mod:`torch.func` over
   :func:`torch.func.functional_call`.
 
@@ -27,8 +30,9 @@ is therefore built with an equivalent convolution whose backward is the transpos
 output gradient alone (:class:`_FrozenWeightConv`), whose double backward is one grouped convolution.
 (2) BatchNorm's double backward evaluates the train-mode formula; in eval mode the layer is the affine
 map ``x ↦ γ (x − μ)/√(σ² + ε) + β`` of its running statistics, and the graph is built with that map
-(:func:`_affine_batch_norm`). Both are the same function of the inputs (products agree to rounding:
-float64 to 1e-15; in float32 no less accurate against a float64 reference). On the MobileNetV2
+(:func:`_affine_batch_norm`, through :class:`_ChannelAffine`, whose backward does not keep the copy
+of the activation that ``addcmul``'s does). Both are the same function of the inputs (products agree
+to rounding: float64 to 1e-15; in float32 no less accurate against a float64 reference). On the MobileNetV2
 transfer model of the demo (52 frozen convolutions, 17 depthwise; 52 BatchNorm layers) they make a
 product ~2.3× faster on CPU (0.80 → 0.35 s for 100 images at 48×48, one thread).
 """
@@ -55,7 +59,7 @@ from flatbma.precision import full_precision
 from flatbma.predict import eval_mode
 from flatbma.types import Batch, Params
 
-__all__ = ["HVPMethod", "HessianOperator", "ParamSelection", "hvp_fn", "nonzero_checked"]
+__all__ = ["CPU_CHUNK_SIZE", "HVPMethod", "HessianOperator", "ParamSelection", "hvp_fn", "nonzero_checked"]
 
 ParamSelection = Mapping[str, Tensor] | Sequence[str] | None
 """Which parameters the Hessian is taken over: a dict ``name -> value`` (the point), a list of
@@ -87,6 +91,7 @@ class HessianOperator:
         point: the chosen parameters ``w`` (detached), by module name.
         dim: number of scalar parameters ``d``.
         method: the :class:`HVPMethod` in use.
+        chunk_size: most examples per gradient graph (``None``: a whole batch); see :func:`hvp_fn`.
         num_products: how many products have been evaluated so far.
     """
 
@@ -99,6 +104,7 @@ class HessianOperator:
         params: ParamSelection = None,
         weights: Mapping[str, Tensor] | None = None,
         hvp: HVPMethod | str = HVPMethod.DOUBLE_BACKWARD,
+        chunk_size: int | str | None = "auto",
     ) -> None:
         self.model = model
         self.method = HVPMethod.parse(hvp)
@@ -109,7 +115,8 @@ class HessianOperator:
         self._data = _reiterable(data)
         self._dtype = next(iter(self.point.values())).dtype
         self._leaves = {k: v.detach().requires_grad_(True) for k, v in self.point.items()}
-        self._cached: tuple[list[Tensor], list[int]] | None = None
+        self.chunk_size = _chunk_size(chunk_size, self.device)
+        self._cached: list[tuple[int, list[Tensor], list[int]]] | None = None
         fast = self.method is HVPMethod.DOUBLE_BACKWARD
         self._frozen_convs = _frozen_convolutions(model, self.point) if fast else []
         self._batch_norms = _eval_batch_norms(model) if fast else []
@@ -162,7 +169,7 @@ class HessianOperator:
     def _accumulated_product(self, v: Params) -> Tensor:
         total = torch.zeros(self.dim, device=self.device, dtype=self._dtype)
         n = 0
-        for x, y in self._batches():
+        for x, y in self._chunks():
             nb = x.shape[0]
             if nb == 0:
                 continue
@@ -188,8 +195,13 @@ class HessianOperator:
             return self._backward_through(grads, idx, v, retain_graph=False)
 
     def _cached_product(self, v: Params) -> Tensor:
-        grads, idx = self._cached
-        return self._backward_through(grads, idx, v, retain_graph=True)
+        if len(self._cached) == 1:  # one graph: its product, as is
+            _, grads, idx = self._cached[0]
+            return self._backward_through(grads, idx, v, retain_graph=True)
+        total = torch.zeros(self.dim, device=self.device, dtype=self._dtype)
+        for nb, grads, idx in self._cached:  # the same sum as _accumulated_product's
+            total.add_(self._backward_through(grads, idx, v, retain_graph=True), alpha=float(nb))
+        return total / sum(nb for nb, _, _ in self._cached)
 
     def _gradient_graph(self, x: Tensor, y: Tensor) -> tuple[list[Tensor], list[int]]:
         """``∇_w L_B(w)`` with its graph; only the entries that depend on ``w`` (``idx``) are kept."""
@@ -219,26 +231,40 @@ class HessianOperator:
             x, y = _unpack(batch)
             yield x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
 
+    def _chunks(self) -> Iterator[Batch]:
+        """The batches, each split into ``⌈n_b / chunk_size⌉`` chunks of as equal sizes as possible."""
+        for x, y in self._batches():
+            if self.chunk_size is None or x.shape[0] <= self.chunk_size:
+                yield x, y
+                continue
+            parts = -(-x.shape[0] // self.chunk_size)
+            yield from zip(torch.tensor_split(x, parts), torch.tensor_split(y, parts))
+
     def _check_first_batch(self) -> None:
         """Fail early on empty data or parameters the loss does not depend on; cache a single batch."""
         batch = next((b for b in self._batches() if b[0].shape[0] > 0), None)
         if batch is None:
             raise FlatbmaError(_EMPTY)
-        x, y = batch
-        # one batch given as a sequence: build its gradient graph once and reuse it in every product
+        # one batch given as a sequence: build the gradient graph of each of its chunks once and reuse
+        # them in every product; otherwise check the first chunk (its graph is not kept)
         cache = self.method is HVPMethod.DOUBLE_BACKWARD and isinstance(self._data, Sequence) and len(self._data) == 1
+        chunks = list(self._chunks()) if cache else [next(c for c in self._chunks() if c[0].shape[0] > 0)]
         reached: set[int] = set()
+        cached = []
         with eval_mode(self.model), torch.enable_grad():
             leaves = list(self._leaves.values())
-            loss = self._batch_loss(self._leaves, x, y)
-            if loss.requires_grad:
+            for x, y in chunks:
+                loss = self._batch_loss(self._leaves, x, y)
+                if not loss.requires_grad:
+                    cached.append((x.shape[0], [], []))
+                    continue
                 grads = torch.autograd.grad(loss, leaves, allow_unused=True, create_graph=cache)
-                reached = {i for i, g in enumerate(grads) if g is not None}
-                if cache:
-                    idx = [i for i, g in enumerate(grads) if g is not None and g.requires_grad]
-                    self._cached = ([grads[i] for i in idx], idx)
-            elif cache:
-                self._cached = ([], [])
+                reached |= {i for i, g in enumerate(grads) if g is not None}
+                idx = [i for i, g in enumerate(grads) if g is not None and g.requires_grad]
+                cached.append((x.shape[0], [grads[i] for i in idx], idx))
+                del loss, grads
+        if cache:
+            self._cached = cached
         names = list(self.point)
         if not reached:
             raise FlatbmaError(
@@ -333,7 +359,39 @@ def _affine_batch_norm(module: _BatchNorm, x: Tensor) -> Tensor:
     else:
         shift = -module.running_mean * scale
     shape = (-1, *([1] * (x.dim() - 2)))  # channels are dimension 1 of a batch (N, C, ...)
-    return torch.addcmul(shift.reshape(shape), x, scale.reshape(shape))
+    return _ChannelAffine.apply(x, scale.reshape(shape), shift.reshape(shape))
+
+
+class _ChannelAffine(torch.autograd.Function):
+    """``x·s + b`` (one :func:`torch.addcmul`) with the backward of ``addcmul`` minus its copy of ``x``.
+
+    PyTorch's own backward of ``addcmul(b, x, s, value=1)`` forms ``grad · (x · value)``: under
+    ``create_graph`` the product ``x · 1``, a copy of the activation, is saved by the second-order
+    graph, one per BatchNorm layer (15 MiB of the 73 MiB gradient graph of ResNet-18 width 16 at batch
+    32). This backward forms ``grad · x`` from the saved ``x`` instead. ``x · 1`` is exact, so the
+    forward, the gradient and the Hessian-vector product are the same numbers, bit for bit.
+    """
+
+    @staticmethod
+    def forward(x: Tensor, scale: Tensor, shift: Tensor) -> Tensor:
+        return torch.addcmul(shift, x, scale)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: Tensor) -> None:
+        x, scale, shift = inputs
+        ctx.save_for_backward(x, scale)
+        ctx.shapes = (scale.shape, shift.shape)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        x, scale = ctx.saved_tensors
+        scale_shape, shift_shape = ctx.shapes
+        need_x, need_scale, need_shift = ctx.needs_input_grad
+        return (
+            grad * scale if need_x else None,
+            (grad * x).sum_to_size(scale_shape) if need_scale else None,
+            grad.sum_to_size(shift_shape) if need_shift else None,
+        )
 
 
 def _eval_batch_norms(model: nn.Module) -> list[nn.Module]:
@@ -378,6 +436,7 @@ def hvp_fn(
     params: ParamSelection = None,
     weights: Mapping[str, Tensor] | None = None,
     hvp: HVPMethod | str = HVPMethod.DOUBLE_BACKWARD,
+    chunk_size: int | str | None = "auto",
 ) -> HessianOperator:
     """Return the Hessian-vector product ``v ↦ ∇²L_S(w) v`` of the mean loss over ``data``.
 
@@ -397,12 +456,42 @@ def hvp_fn(
         weights: parameters and/or buffers by module name at which to evaluate, e.g. a posterior
             sample from ``Posterior.sample``; tensors not given keep the model's own values.
         hvp: :class:`HVPMethod`.
+        chunk_size: most examples per gradient graph: a larger batch is split into
+            ``⌈n_b / chunk_size⌉`` chunks of as equal sizes as possible, each with its own graph
+            (kept for every product when ``data`` is one batch), and the product is accumulated
+            over them as over batches. The memory of a product (the graph being differentiated and
+            the gradients it sends back, about one activation per layer per example) scales with a
+            chunk instead of the batch; the graphs kept for a single batch total the same. The sum
+            over chunks is the whole batch's product up to rounding (float32: 2e-7 to 9e-7 relative
+            in norm on the models of ``bench/hessian.py`` and the demo's transfer model). ``None``:
+            whole batches. ``"auto"``: :data:`CPU_CHUNK_SIZE` on CPU, where a product costs the same
+            per example from ~16 examples up, and whole batches on other devices.
 
     Raises:
         FlatbmaError: on empty data, unknown or duplicate parameter names, shape mismatches, or
             parameters the loss does not depend on.
     """
-    return HessianOperator(model, data, loss_fn=loss_fn, params=params, weights=weights, hvp=hvp)
+    return HessianOperator(model, data, loss_fn=loss_fn, params=params, weights=weights, hvp=hvp, chunk_size=chunk_size)
+
+
+CPU_CHUNK_SIZE = 20
+"""Examples per gradient graph on CPU when ``chunk_size="auto"`` (:func:`hvp_fn`).
+
+Measured with one thread: the time of a product is the same within noise for graphs of 100, 50, 34,
+25 and 20 examples on the demo's transfer model (MobileNetV2 48×48, ``norm+classifier``) and 15%
+longer at 16; for 32 and 16 examples on the small CNN and ResNet-18 width 16 of ``bench/hessian.py``.
+The transient memory of a product is proportional to the chunk: 233 MiB for 100 images of the
+transfer model, 47 MiB for chunks of 20."""
+
+
+def _chunk_size(value: int | str | None, device: torch.device) -> int | None:
+    if value == "auto":
+        return CPU_CHUNK_SIZE if device.type == "cpu" else None
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise FlatbmaError(f'chunk_size must be a positive integer, None or "auto" (got {value!r})')
+    return value
 
 
 def _resolve_weights(

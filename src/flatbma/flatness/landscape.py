@@ -48,7 +48,7 @@ from flatbma.flatness.hvp import (
     hvp_fn,
     nonzero_checked,
 )
-from flatbma.flatness.lanczos import lanczos
+from flatbma.flatness.lanczos import default_basis_size, lanczos
 from flatbma.predict import eval_mode
 from flatbma.types import Batch, Params
 
@@ -221,6 +221,7 @@ def top_eigen_direction(
         generator=torch.Generator().manual_seed(seed),
         device=op.device,
         dtype=torch.float64,
+        basis_size=default_basis_size(1),
     )
     v = result.eigenvectors[0]
     v = v / torch.linalg.vector_norm(v)

@@ -47,7 +47,7 @@ from flatbma import progress
 from flatbma.errors import FlatbmaError
 from flatbma.flatness.hutchinson import TraceEstimate, hutchinson_trace
 from flatbma.flatness.hvp import HessianOperator, LossFn, hvp_fn, nonzero_checked
-from flatbma.flatness.lanczos import EigenResult, hessian_eigenvalues, lanczos
+from flatbma.flatness.lanczos import EigenResult, default_basis_size, hessian_eigenvalues, lanczos
 from flatbma.predict import eval_mode
 from flatbma.rng import derive_seed, seeded_generator
 from flatbma.stats import Summary, summarize
@@ -160,6 +160,8 @@ def measure_samples(
             device=op.device,
             dtype=op.dtype,
             warn=False,
+            basis_size=default_basis_size(k),
+            vectors=False,
         )
         trace = None
         if trace_probes:
@@ -199,6 +201,8 @@ def _distribution_eigen(
         generator=generator,
         device=ops[0].device,
         warn=warn,
+        basis_size=default_basis_size(k),
+        vectors=False,
     )
 
 

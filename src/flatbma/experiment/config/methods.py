@@ -68,7 +68,7 @@ class MethodSpec:
             resolves to ``train.epochs`` × steps per epoch (:meth:`MethodConfig.build`'s ``map_steps``), so
             the updates before it are those of a run of ``train.epochs`` epochs.
         needs_weights: ``needs_weights(method)``: whether ``check`` needs the number of trained weights
-            (:attr:`~flatbma.experiment.validate.RunShape.num_trainable`, which builds the network).
+            (:attr:`~flatbma.experiment.config.shape.RunShape.num_trainable`, which builds the network).
     """
 
     name: str
@@ -441,7 +441,7 @@ def check_member_memory(method: MethodConfig, stage: Stage, option: str = "size"
 
     Each copy is ``num_trainable`` float32 values (4 bytes): a lower bound of what the members need (their
     optimizer states, a family's moments and the gradients come on top), refused up front when it exceeds
-    the memory available where the run trains (:attr:`~flatbma.experiment.validate.RunShape.available_memory`)
+    the memory available where the run trains (:attr:`~flatbma.experiment.config.shape.RunShape.available_memory`)
     — instead of an out-of-memory kill minutes later.
     """
     d, free = stage.shape.num_trainable, stage.shape.available_memory

@@ -3,9 +3,9 @@
 It lies below :mod:`flatbma.experiment.config.run_config` (whose
 :class:`~flatbma.experiment.config.run_config.RunConfig`
 holds it) and knows methods only through the registry: whether a method's posterior is a low-rank
-plus diagonal Gaussian is its :attr:`~flatbma.experiment.methods.MethodSpec.gaussian`, whether it
-takes such a prior its :attr:`~flatbma.experiment.methods.MethodSpec.with_prior` (a mixture's: also its
-members' method's, :meth:`~flatbma.experiment.methods.MethodConfig.takes_prior`).
+plus diagonal Gaussian is its :attr:`~flatbma.experiment.config.methods.MethodSpec.gaussian`, whether it
+takes such a prior its :attr:`~flatbma.experiment.config.methods.MethodSpec.with_prior` (a mixture's: also its
+members' method's, :meth:`~flatbma.experiment.config.methods.MethodConfig.takes_prior`).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ class PriorConfig:
         method: the first stage's method; its posterior must be a low-rank plus diagonal Gaussian
             (swag, f-swag, lowrank-vi, fp-bma, ...), e.g. ``{name: swag, rank: 5}``. For a mixture
             (``multi-fp-bma``) the first stage is a mixture of it with the run's members and seed, one
-            prior per member (:meth:`~flatbma.experiment.methods.MethodConfig.first_stage`).
+            prior per member (:meth:`~flatbma.experiment.config.methods.MethodConfig.first_stage`).
         epochs: training epochs of the first stage.
         optim: the first stage's optimizer; the run's ``optim`` section when ``None``.
         init: start the run's method at the fitted posterior (its ``method.rank`` must then equal the

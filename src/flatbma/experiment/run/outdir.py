@@ -39,7 +39,7 @@ from flatbma.state_io import TEMP_NAME
 RUN_CONFIG = "config.yaml"
 COMPARE_CONFIG = "compare_config.yaml"
 RUN_KEYS = frozenset({"seed", "output_dir", "method", "data", "model", "optim", "train", "eval"})
-"""The keys of every resolved run config (:meth:`flatbma.experiment.config.RunConfig.to_dict`)."""
+"""The keys of every resolved run config (:meth:`flatbma.experiment.config.run_config.RunConfig.to_dict`)."""
 
 
 def check_run_output(path: str | Path, *, force: bool) -> None:

@@ -153,7 +153,7 @@ def load_run(cfg: RunConfig) -> tuple[Experiment, State]:
     """The experiment of a finished run ``cfg`` and its trained state, read from its checkpoint.
 
     The state is the checkpoint's, or with ``train.early_stopping`` the best validation evaluation's
-    (:meth:`~flatbma.experiment.early_stopping.Monitor.best`), as the run evaluated it. The experiment is built
+    (:meth:`~flatbma.experiment.run.early_stopping.Monitor.best`), as the run evaluated it. The experiment is built
     without the run's fitted prior: sampling and evaluation do not need it.
     """
     exp = build_experiment(cfg)
@@ -164,7 +164,7 @@ def trained_state(exp: Experiment) -> State:
     """The trained state of ``exp``'s finished run, read from its checkpoint (every check of its loading passed).
 
     The checkpoint's state, or with ``train.early_stopping`` the best validation evaluation's
-    (:meth:`~flatbma.experiment.early_stopping.Monitor.best`): the state the run evaluated.
+    (:meth:`~flatbma.experiment.run.early_stopping.Monitor.best`): the state the run evaluated.
     """
     cfg, kind = exp.config, template(exp)
     state, _, history = load_position(Path(cfg.output_dir) / CHECKPOINT_FILE, kind)

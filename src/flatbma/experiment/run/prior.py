@@ -48,7 +48,8 @@ def prior_stage(cfg: RunConfig, run_dir: str | Path | None = None) -> RunConfig 
 
     The stage shares the run's data, model, seed, training and evaluation settings (without flatness and
     early stopping: the prior is fitted for ``prior.epochs``), trains
-    ``prior.method`` — for a mixture, a mixture of it (:meth:`~flatbma.experiment.methods.MethodConfig.first_stage`:
+    ``prior.method`` — for a mixture, a mixture of it
+    (:meth:`~flatbma.experiment.config.methods.MethodConfig.first_stage`:
     ``multi`` of it with the run's members and seed, one prior per member) — for ``prior.epochs`` with
     ``prior.optim`` (or the run's optimizer) and writes to
     ``run_dir`` (default ``<output_dir>/prior``; ``flatbma compare`` shares one between the candidates

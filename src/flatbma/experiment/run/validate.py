@@ -9,8 +9,8 @@ rate against the KL to a fitted prior. Without it such a config trains for minut
 then fails in its evaluation (or, for a two-stage run, after its whole first stage).
 
 Each part of a config checks itself given a :class:`RunShape` — a method through its registry
-entry (:attr:`~flatbma.experiment.methods.MethodSpec.check`, so this module knows no method by name),
-the evaluation through :meth:`~flatbma.experiment.sections.EvalConfig.check` — and
+entry (:attr:`~flatbma.experiment.config.methods.MethodSpec.check`, so this module knows no method by name),
+the evaluation through :meth:`~flatbma.experiment.config.sections.EvalConfig.check` — and
 :func:`check_run` asks every stage of a run: a two-stage run's first stage with ``prior.epochs``
 and the ``prior.method.*`` keys, then its own. ``flatbma train`` calls :func:`validate_run` once,
 before its first stage (:func:`flatbma.experiment.run.pipeline.train`); ``flatbma compare`` calls
@@ -109,7 +109,7 @@ def _needs_trainable(cfg: RunConfig, flatness: bool) -> bool:
     """Whether a check needs the number of trained weights.
 
     ``hessian_k > 1`` can exceed it, and a method may ask
-    (:meth:`~flatbma.experiment.methods.MethodConfig.needs_weights`: Laplace's full Hessian).
+    (:meth:`~flatbma.experiment.config.methods.MethodConfig.needs_weights`: Laplace's full Hessian).
     """
     return (flatness and cfg.eval.hessian_k > 1) or cfg.method.needs_weights()
 
