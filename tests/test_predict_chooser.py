@@ -14,12 +14,13 @@ import pytest
 import torch
 from torch import nn
 
+from flatbma.bn import eval_mode
 from flatbma.models import build_model
 from flatbma.posteriors.mc_dropout import mc_dropout_mode
-from flatbma.predict import eval_mode, sample_log_probs
+from flatbma.predict import sample_log_probs
 from flatbma.transfer import subset_names
 
-predict_module = importlib.import_module("flatbma.predict")  # the package re-exports a function named predict
+batching = importlib.import_module("flatbma.batching")
 
 
 class Elementwise(nn.Module):
@@ -51,7 +52,7 @@ def jittered(model: nn.Module, num: int, seed: int, names: set[str] | None = Non
 
 
 def choices(model: nn.Module) -> list:
-    return list(predict_module._CHOICES.get(model, {}).values())
+    return list(batching._CHOICES.get(model, {}).values())
 
 
 def fake_clock(monkeypatch, loop_seconds: float, vmap_seconds: float) -> list[str]:
@@ -61,7 +62,7 @@ def fake_clock(monkeypatch, loop_seconds: float, vmap_seconds: float) -> list[st
     """
     now = [0.0]
     calls: list[str] = []
-    real_loop, real_batched = predict_module._loop_log_probs, predict_module._batched_log_probs
+    real_loop, real_batched = batching._loop_log_probs, batching._batched_log_probs
 
     def loop(*args):
         calls.append("loop")
@@ -73,9 +74,9 @@ def fake_clock(monkeypatch, loop_seconds: float, vmap_seconds: float) -> list[st
         now[0] += vmap_seconds
         return real_batched(*args)
 
-    monkeypatch.setattr(predict_module, "_clock", lambda: now[0])
-    monkeypatch.setattr(predict_module, "_loop_log_probs", loop)
-    monkeypatch.setattr(predict_module, "_batched_log_probs", batched)
+    monkeypatch.setattr(batching, "_clock", lambda: now[0])
+    monkeypatch.setattr(batching, "_loop_log_probs", loop)
+    monkeypatch.setattr(batching, "_batched_log_probs", batched)
     return calls
 
 
@@ -89,7 +90,7 @@ def test_auto_follows_the_faster_path_where_the_paths_agree(monkeypatch, loop_se
         vmap = sample_log_probs(model, samples, x, batched=True)
         calls = fake_clock(monkeypatch, loop_seconds, vmap_seconds)
         first = sample_log_probs(model, samples, x)
-        assert choices(model) == [predict_module._Choice(batched, "probe", (loop_seconds, vmap_seconds))]
+        assert choices(model) == [batching._Choice(batched, "probe", (loop_seconds, vmap_seconds))]
         calls.clear()
         second = sample_log_probs(model, samples, x)
     assert calls == ["vmap" if batched else "loop"]  # cached: only the faster path runs
@@ -104,31 +105,31 @@ def test_paths_that_differ_in_one_bit_are_left_to_the_rule(monkeypatch, where):
     model = Elementwise()
     samples = jittered(model, 6, seed=3)
     x = torch.randn(4, 5, generator=torch.Generator().manual_seed(4))
-    real_batched = predict_module._batched_log_probs
+    real_batched = batching._batched_log_probs
 
     def nudged(model_, samples_, inputs, chunk):
         out = real_batched(model_, samples_, inputs, chunk)
         return torch.nextafter(out, torch.full_like(out, -1.0)) if where == "everywhere" or inputs is x else out
 
-    monkeypatch.setattr(predict_module, "_batched_log_probs", nudged)
+    monkeypatch.setattr(batching, "_batched_log_probs", nudged)
     with torch.no_grad():
         forced = sample_log_probs(model, samples, x, batched=True)
         fake_clock(monkeypatch, loop_seconds=1.0, vmap_seconds=10.0)
         auto = sample_log_probs(model, samples, x)
         again = sample_log_probs(model, samples, x)
-    assert choices(model) == [predict_module._Choice(True, "rule")]
+    assert choices(model) == [batching._Choice(True, "rule")]
     assert torch.equal(auto, forced) and torch.equal(again, forced)
 
 
 def test_the_probe_runs_once_per_key(monkeypatch):
     probes = []
-    real = predict_module._probe
+    real = batching._probe
 
     def spy(*args):
         probes.append(tuple(args[2].shape))
         return real(*args)
 
-    monkeypatch.setattr(predict_module, "_probe", spy)
+    monkeypatch.setattr(batching, "_probe", spy)
     model = Elementwise()
     samples = jittered(model, 4, seed=5)
     x4, x3 = torch.randn(4, 5), torch.randn(3, 5)
@@ -161,14 +162,14 @@ def test_the_stacking_check_runs_only_where_the_samples_would_be_stacked(monkeyp
         sample_log_probs(model, samples, x)  # probes and caches the choice
     assert [c.batched for c in choices(model)] == [cached_batched]
     checked = []
-    real = predict_module._stacking_problem
-    monkeypatch.setattr(predict_module, "_stacking_problem", lambda s: checked.append(1) or real(s))
+    real = batching._stacking_problem
+    monkeypatch.setattr(batching, "_stacking_problem", lambda s: checked.append(1) or real(s))
     with torch.no_grad():
         sample_log_probs(model, samples, x)
         assert len(checked) == int(cached_batched)
         # sample 0's layout (the key) unchanged, a later sample of another dtype: never stacked
         odd = [*samples[:3], {k: v.double() for k, v in samples[3].items()}]
-        loop = predict_module._loop_log_probs(model, odd, x)
+        loop = batching._loop_log_probs(model, odd, x)
         assert torch.equal(sample_log_probs(model, odd, x), loop)
 
 

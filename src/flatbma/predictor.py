@@ -42,19 +42,13 @@ from torch import Tensor, nn
 from torch.func import functional_call
 from torch.utils.data import DataLoader, IterableDataset
 
-from flatbma.bn import has_batchnorm, statistics_loader, with_recomputed_statistics
+from flatbma.bn import eval_mode, has_batchnorm, statistics_loader, with_recomputed_statistics
 from flatbma.checks import check_device, check_seed, is_int, parse_choice
 from flatbma.errors import FlatbmaError, FlatbmaTypeError
+from flatbma.linearized import LinearizedPredictive, linearized_predictions
 from flatbma.params import load_into, model_buffers, trainable_params
 from flatbma.precision import Precision, autocast
-from flatbma.predict import (
-    LinearizedPredictive,
-    Predictions,
-    bma_log_probs,
-    eval_mode,
-    evaluate,
-    linearized_predictions,
-)
+from flatbma.predict import Predictions, bma_log_probs, evaluate
 from flatbma.state_io import (
     FORMAT,
     SECTIONS,
@@ -128,7 +122,7 @@ class BMA:
     The predictive is the method's (:attr:`~flatbma.types.Posterior.predictive`): the samples' average, or
     the network linearized at the posterior mean (``glm``: ``f(x; w̄) + J(x)(w_m − w̄)`` over the same
     samples, drawn without statistics of their own; ``probit``), whose BatchNorm statistics are then
-    recomputed once, at ``w̄`` — what ``flatbma train`` reports (:func:`flatbma.predict.linearized_predictions`).
+    recomputed once, at ``w̄`` — what ``flatbma train`` reports (:func:`flatbma.linearized.linearized_predictions`).
 
     Raises:
         FlatbmaError: invalid arguments, or statistics to recompute without ``train_loader``.

@@ -57,12 +57,12 @@ from flatbma.flatness import (
     width,
 )
 from flatbma.flatness.landscape import posterior_landscape, random_direction
+from flatbma.linearized import linearized_predictions
 from flatbma.metrics import StreamingMetrics
 from flatbma.precision import autocast
 from flatbma.predict import (
     Predictions,
     evaluate,
-    linearized_predictions,
     predict,
     rescaled_metrics,
     stream_metrics,
@@ -114,7 +114,7 @@ def bma_predictions(
 
     ``samples``: the ``drawn`` samples with recomputed BatchNorm statistics (:func:`with_bn_statistics`;
     computed here when not given). ``glm`` and ``probit``: the network linearized at the posterior mean,
-    whose statistics are recomputed once, there (:func:`flatbma.predict.linearized_predictions`; ``glm``
+    whose statistics are recomputed once, there (:func:`flatbma.linearized.linearized_predictions`; ``glm``
     averages over ``Δ_m = w_m − w̄`` of the ``drawn`` samples).
     """
     method = exp.method

@@ -39,8 +39,8 @@ selects) as usual, but is *measured* as ``N(μ, cΣ)`` with
 ``tr Σ_ref`` the posterior width (``width.trace_cov``, :mod:`flatbma.flatness.width`) of the
 referenced entry's row for the same seed and ``tr Σ`` the entry's own (closed form), so both rows have
 the same ``tr Σ`` and a flatness comparison between them is not confounded by width. The scaled ``θ``
-(:func:`flatbma.gaussian.scale_covariance`) is sampled by the low-rank family's sampler
-(:func:`flatbma.posteriors.lowrank_vi.fixed`), which is SWAG's sampler distribution; the row records
+(:func:`flatbma.gaussian.scale_covariance`) is sampled by the low-rank Gaussian's sampler through the
+posterior's Gaussian hook (:func:`flatbma.posteriors.gaussians.rescaled`); the row records
 ``width_matched: {to, factor, ...}``. Under ``torchrun`` these rows are measured in a second phase,
 after every other row (:func:`run_compare`).
 """
