@@ -57,7 +57,6 @@ from flatbma.flatness import (
     width,
 )
 from flatbma.flatness.landscape import posterior_landscape, random_direction
-from flatbma.linearized import linearized_predictions
 from flatbma.metrics import StreamingMetrics
 from flatbma.precision import autocast
 from flatbma.predict import (
@@ -67,6 +66,7 @@ from flatbma.predict import (
     rescaled_metrics,
     stream_metrics,
 )
+from flatbma.predictor import bma_predictions as predictor_predictions
 from flatbma.predictor import posterior_mean as mean_weights
 from flatbma.predictor import trained_names
 from flatbma.rng import splitmix64
@@ -114,15 +114,13 @@ def bma_predictions(
 
     ``samples``: the ``drawn`` samples with recomputed BatchNorm statistics (:func:`with_bn_statistics`;
     computed here when not given). ``glm`` and ``probit``: the network linearized at the posterior mean,
-    whose statistics are recomputed once, there (:func:`flatbma.linearized.linearized_predictions`; ``glm``
-    averages over ``Δ_m = w_m − w̄`` of the ``drawn`` samples).
+    whose statistics are recomputed once, there (``glm`` averages over ``Δ_m = w_m − w̄`` of the ``drawn``
+    samples): :func:`flatbma.predictor.bma_predictions`, the path :class:`flatbma.BMA` takes, with this run's
+    statistics (:func:`with_bn_statistics`).
     """
-    method = exp.method
-    if method.predictive is Predictive.SAMPLES:
-        return samples if samples is not None else with_bn_statistics(exp, drawn)
-    mean = with_bn_statistics(exp, [mean_weights(method, state, drawn, _trained_names(exp))])[0]
-    variance = partial(method.functional_variance, state) if method.functional_variance is not None else None
-    return linearized_predictions(method.predictive, mean, drawn, _trained_names(exp), variance)
+    if samples is not None and exp.method.predictive is Predictive.SAMPLES:
+        return samples
+    return predictor_predictions(exp.method, state, drawn, _trained_names(exp), partial(with_bn_statistics, exp))
 
 
 def diagnostics(exp: Experiment, state: State) -> dict[str, Any]:
