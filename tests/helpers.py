@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import subprocess
 import sys
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import yaml
 from torch import nn
 
 from flatbma.params import Objective
@@ -131,3 +134,56 @@ def held_by_another_process(*directories: Path) -> Iterator[subprocess.Popen]:
         if proc.poll() is None:
             proc.stdin.close()
         proc.wait(timeout=120)
+
+
+class TwoTensors(nn.Module):
+    """Float64 parameters registered in non-sorted order ('w' then 'b'), to exercise the flattening order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.zeros(2, 3, dtype=torch.float64))
+        self.b = nn.Parameter(torch.zeros(4, dtype=torch.float64))
+
+    def forward(self, x):
+        return x @ self.w.sum(0, keepdim=True).T + self.b.sum()
+
+
+@dataclass(frozen=True)
+class Scripted:
+    """An 'optimizer' that sets the weights to a known sequence: update t writes ``iterates[t]``."""
+
+    iterates: list
+
+    def init(self, params):
+        return {}
+
+    def learning_rate(self, step):
+        return 0.0
+
+    @torch.no_grad()
+    def apply(self, params, grads, state, step):
+        for k, v in self.iterates[step].items():
+            params[k].copy_(v)
+        return state
+
+
+@contextlib.contextmanager
+def one_thread() -> Iterator[None]:
+    """One torch thread for the block (the torchrun workers' setting), so that results compare bit for bit."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def train_via_cli(tmp_path: Path, cfg: dict) -> tuple[Path, dict]:
+    """``flatbma train`` of ``cfg`` (written to ``tmp_path/c.yaml``) into ``tmp_path/run``: ``(run, metrics)``."""
+    from flatbma.experiment.cli import main  # here: most tests that import these helpers run no CLI
+
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    out = tmp_path / "run"
+    assert main(["train", "--config", str(path), "--set", f"output_dir={out}"]) == 0
+    return out, json.loads((out / "metrics.json").read_text())

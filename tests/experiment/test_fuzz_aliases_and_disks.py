@@ -19,7 +19,6 @@ import errno
 import json
 import os
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -84,8 +83,7 @@ def alias_documents(draw: st.DrawFn) -> tuple[str, int]:
 @given(doc=alias_documents())
 def test_alias_graphs_are_built_or_refused_by_their_expanded_size(doc: tuple[str, int]) -> None:
     text, size = doc
-    start = time.perf_counter()
-    try:
+    try:  # no clock: a graph refused only after expanding it would not finish here (its size is exponential)
         value = load_yaml(text, "c.yaml")
     except FlatbmaError as e:
         message = str(e)
@@ -96,7 +94,6 @@ def test_alias_graphs_are_built_or_refused_by_their_expanded_size(doc: tuple[str
         assert isinstance(value, dict) and value["seed"] == 0
         if "optim" in value:
             assert value["optim"] == {"lr": 0.05, "momentum": 0.9}  # the merge key, then the override
-    assert time.perf_counter() - start < 5.0  # refused from the node graph, not by building it
 
 
 @settings(SETTINGS, max_examples=30)

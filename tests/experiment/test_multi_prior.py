@@ -9,7 +9,6 @@ FP-BMA trained by hand from each member's prior.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import json
 import shutil
@@ -37,6 +36,7 @@ from flatbma.posteriors.gaussians import floored
 from flatbma.posteriors.members import member, member_seed, member_state
 from flatbma.rng import draw_seed, forked_rng
 from tests.experiment.torchrun_helpers import torchrun
+from tests.helpers import one_thread
 
 SWAG = {"name": "swag", "rank": 3, "start_step": 30, "collect_every": 5}
 FP_BMA = {"name": "fp-bma", "rank": 3, "gamma": 0.01}
@@ -69,20 +69,9 @@ def multi_run(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("multi-prior")
     path = root / "multi.yaml"
     path.write_text(yaml.safe_dump(_raw(root / "run")))
-    with _one_thread():
+    with one_thread():
         assert main(["train", "--config", str(path)]) == 0
     return root / "run"
-
-
-@contextlib.contextmanager
-def _one_thread():
-    """One torch thread (the torchrun workers' setting), so that results compare bit for bit."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 def test_cli_trains_both_stages_of_a_mixture_and_evaluates_its_prior_stage(multi_run: Path, capsys) -> None:
@@ -106,7 +95,7 @@ def test_each_member_has_its_own_multiswag_prior_and_is_fp_bma_trained_by_hand_f
     swag_run = _raw(tmp_path / "multiswag", method={"name": "multiswag", "members": 2, "seed": 7, "of": SWAG})
     del swag_run["prior"]
     swag_run.update(optim={"name": "sgd", "lr": 0.2}, train={**MULTI["train"], "epochs": 5})
-    with _one_thread():
+    with one_thread():
         train_run(config_from_dict(swag_run), evaluate=False)
     stage1 = load_state(multi_run / "prior" / "checkpoint.safetensors")
     multiswag = load_state(tmp_path / "multiswag" / "checkpoint.safetensors")
@@ -131,7 +120,7 @@ def test_each_member_has_its_own_multiswag_prior_and_is_fp_bma_trained_by_hand_f
         with forked_rng(member_seed(7, m)):  # multi.build: member m's init under the seed hashed from (seed, m)
             own = by_hand.init(prior_m, member(m, fitted.buffers))
         start = {k: v.clone() for k, v in own.params.items()}
-        with _one_thread():
+        with one_thread():
             own, _ = fit(by_hand, own, exp.train_loader, epochs=1, progress=False)
         trained = member_state(m, final)
         assert _same(trained.params, own.params) and _same(trained.aux, own.aux), m
@@ -232,10 +221,10 @@ def test_resume_mid_stage_one_or_two_is_bit_identical(multi_run: Path, tmp_path:
             raise KeyboardInterrupt  # killed right after a mid-epoch checkpoint of that stage
 
     monkeypatch.setattr(stage_module, "save_position", save_then_crash)
-    with _one_thread(), pytest.raises(KeyboardInterrupt):
+    with one_thread(), pytest.raises(KeyboardInterrupt):
         train_run(cfg)
     monkeypatch.setattr(stage_module, "save_position", save)
-    with _one_thread():
+    with one_thread():
         _, resumed = train_run(load_run_config(crashed), resume=True)
     for name in ("prior", "."):
         a = load_state(multi_run / name / "checkpoint.safetensors")

@@ -13,7 +13,6 @@ file as the worker script (``_worker``); the one-process references run with one
 workers, so that float results are comparable bit for bit.
 """
 
-import contextlib
 import copy
 import dataclasses
 import json
@@ -38,6 +37,7 @@ from flatbma.optim import SAM, SGD
 from flatbma.params import Objective, model_buffers, trainable_params
 from flatbma.posteriors import ensemble
 from tests.experiment.torchrun_helpers import crash_after, torchrun
+from tests.helpers import one_thread
 
 MEMBERS = {
     "seed": 0,
@@ -81,16 +81,6 @@ def _members_config(output_dir, **train) -> dict:
 
 def _multi_config(output_dir) -> dict:
     return {**_members_config(output_dir), **copy.deepcopy(MULTI)}
-
-
-@contextlib.contextmanager
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -246,7 +236,7 @@ def test_torchrun_spreads_members_and_compare_runs_like_one_process(tmp_path):
     out = torchrun(str(Path(__file__).resolve()), str(many))
 
     # members on 2 processes = one process (members and optimizer state bit for bit)
-    with _one_thread():
+    with one_thread():
         train_run(config_from_dict(_members_config(tmp_path / "one")))
         train_run(config_from_dict(_members_config(tmp_path / "data", parallel="data")))
     assert not (many / "members-rank1").exists(), "rank 1 wrote files"
@@ -272,7 +262,7 @@ def test_torchrun_spreads_members_and_compare_runs_like_one_process(tmp_path):
     # killed at step 14 on 2 processes, resumed in 1 process: the same run
     crashed = load_run_config(many / "crashed")
     assert load_checkpoint(many / "crashed" / "checkpoint.safetensors")[0].step == 14
-    with _one_thread():
+    with one_thread():
         train_run(crashed, resume=True)
     resumed, _, _ = load_checkpoint(many / "crashed" / "checkpoint.safetensors")
     for section in ("params", "buffers", "aux"):
@@ -282,7 +272,7 @@ def test_torchrun_spreads_members_and_compare_runs_like_one_process(tmp_path):
     assert all(mc[k] == pytest.approx(ma[k], rel=1e-12) for k in METRIC_KEYS)
 
     # multi (a mixture of F-SWAG posteriors) on 2 processes = one process, bit for bit
-    with _one_thread():
+    with one_thread():
         train_run(config_from_dict(_multi_config(tmp_path / "multi-one")))
     one, _, _ = load_checkpoint(tmp_path / "multi-one" / "checkpoint.safetensors")
     two, _, _ = load_checkpoint(many / "multi" / "checkpoint.safetensors")
@@ -310,7 +300,7 @@ def test_torchrun_spreads_members_and_compare_runs_like_one_process(tmp_path):
     assert shared == set(), f"rank 1 wrote {shared}"
     assert {Path(w).name for w in writes[0] if "/runs/" not in w} >= {"compare_config.yaml", "results.json", "report.*"}
 
-    with _one_thread():
+    with one_thread():
         plan = load_plan(many / "compare.yaml", [f"output_dir={tmp_path / 'compare-one'}"])
         run_compare(plan, progress=False)
     a = json.loads((tmp_path / "compare-one" / "results.json").read_text())

@@ -398,11 +398,9 @@ def test_agreement_waits_for_the_living_and_gives_up_on_the_silent(store):
         result[0] = zero.agree(False)
         thread.join()
         assert result == {0: [1], 1: [1]}
-        one.stop()  # rank 1 falls silent: the next agreement names it within about the timeout
-        start = time.monotonic()
+        one.stop()  # rank 1 falls silent: the next agreement names it (no clock is read here: bench/, never tests)
         with pytest.raises(FlatbmaError, match=r"^rank 1 did not answer within 1 s"):
             zero.agree(False)
-        assert time.monotonic() - start < 3
     finally:
         zero.stop()
         one.stop()
