@@ -377,6 +377,12 @@ def _leaves_quadratic_regime(theta: Mapping[str, Tensor], x: Mapping[str, Tensor
     return scale * log_std_step > _QUADRATIC_REGIME or scale * factor_step > _QUADRATIC_REGIME * factor
 
 
+DEFAULT_RADIUS = 0.05
+"""The default ascent step of :class:`FisherBall`, in the weights' units: SAM's default ``ρ`` (Foret et al.,
+ICLR 2021), so that FP-BMA and SAM move the weights by the same Euclidean length per step on every model, whatever
+``q``'s width (a fixed ``γ`` moves ``μ`` by ``√(2γ)·σ̄``, which depends on it)."""
+
+
 @dataclass(frozen=True)
 class FisherBall:
     """FP-BMA's ascent step on ``θ``: the maximizer of the linearized loss in a KL ball of radius ``γ``.
@@ -396,7 +402,11 @@ class FisherBall:
 
     Attributes:
         space: :attr:`AscentSpace.THETA <flatbma.types.AscentSpace.THETA>`: the step perturbs ``θ``.
-        gamma: ``γ``, radius of the KL ball (nats); 0.01 when neither ``gamma`` nor ``radius`` is given.
+        gamma: ``γ``, radius of the KL ball (nats). When neither ``gamma`` nor ``radius`` is given the step is
+            SAM's default ``ρ = 0.05`` in the weights' units (:data:`DEFAULT_RADIUS`): ``radius = 0.05`` for
+            ``"fisher"``, ``γ = ρ²/2`` for the other metrics (their ball has the radius ``√(2γ)``). The former
+            default ``γ = 0.01`` moved ``μ`` by ``≤ √0.02·σ̄ ≈ 0.001`` on the transfer demo — an ascent that
+            could hardly act (issue #22; ``docs/studies/fpbma.md`` measures the scale).
         metric: a :class:`BallMetric` (its name is accepted and stored as the member). ``"fisher"``: the
             Fisher of the low-rank plus diagonal Gaussian ``q_θ`` (needs the ``mean/``, ``log_std/``, ``factor/``
             layout); ``"euclidean"``: ``F = I``, i.e. SAM on ``θ`` with ``ρ = √(2γ)``; ``"data-fisher"``:
@@ -439,10 +449,11 @@ The scale of gamma: a mean shift d costs KL = ½ dᵀΣ⁻¹d, so the ascent mov
 (σ: q's marginal std along the move). A SAM radius ρ on the weights is gamma ≈ ρ²/(2σ²): with σ ≈ 0.007
 (the transfer demo's SWAG prior), ρ = 0.05 is gamma ≈ 25 and ρ = 0.1 is gamma ≈ 100. The same gamma means
 less as q narrows, more as it widens. Give the step in the weights' units instead with radius: ‖δμ‖₂ = radius
-at every step (not with gamma). blocks: mean spends the whole budget on μ (a large joint gamma goes to σ and
-the factor, where it is cheapest). direction: score is the authors' code, not the paper: every block of θ
-moved by radius along the drawn sample's score ∇θ log q(w). Every step records ascent/mean_shift (‖δμ‖₂),
-ascent/kl (the exact KL of the step) and ascent/kl_mean in log.csv and metrics.json. docs/methods.md §5.1-5.2.
+at every step (not with gamma). Default (neither given): radius 0.05, SAM's default ρ. blocks: mean spends the
+whole budget on μ (a large joint gamma goes to σ and the factor, where it is cheapest). direction: score is
+the authors' code, not the paper: every block of θ moved by radius along the drawn sample's score ∇θ log q(w).
+Every step records ascent/mean_shift (‖δμ‖₂), ascent/kl (the exact KL of the step) and ascent/kl_mean in
+log.csv and metrics.json. docs/methods.md §5.1-5.2.
 """
 
     gamma: float | None = None
@@ -486,8 +497,10 @@ ascent/kl (the exact KL of the step) and ascent/kl_mean in log.csv and metrics.j
                 "direction: score (the authors' step) moves every block of θ by a Euclidean radius: give radius "
                 "(e.g. 0.1, their best CIFAR-10 setting), not gamma"
             )
+        elif self.gamma is None and self.metric is BallMetric.FISHER:
+            object.__setattr__(self, "radius", DEFAULT_RADIUS)
         elif self.gamma is None:
-            object.__setattr__(self, "gamma", 0.01)
+            object.__setattr__(self, "gamma", 0.5 * DEFAULT_RADIUS**2)
         if self.gamma is not None:
             check_number(
                 self.gamma,
