@@ -8,22 +8,25 @@ a temporary file left by a killed write is removed when the next run starts in t
 :class:`~flatbma.errors.FlatbmaError` line when the disk is full, read-only or not writable, and gives
 the file the mode the user's umask asks for.
 
-A run's checkpoint also holds the loop position (:func:`save_position`, :func:`load_position`): the
-runner's :class:`~flatbma.experiment.runner.Position` (RNG states as ``extra/…`` tensors, counters
-and running sums as metadata), the training history, who wrote it
-(:class:`~flatbma.experiment.run.provenance.Provenance`: the method, fingerprints of its options and of
-the model, the flatbma version) and the run it belongs to
-(:class:`RunRecord`: its whole resolved config and the fingerprint of its data). Loading it checks it
-against the run that loads it (:class:`~flatbma.experiment.run.provenance.Template`): who wrote it, every tensor's
-name, dtype and
-shape, the RNG states and the position, on ``--resume`` the config and data (:func:`check_continuation`),
-and last every tensor and the metadata against the checksums written with them (:func:`check_intact`),
-so that a checkpoint of another run, an altered one or a damaged one (one flipped bit) ends in one line
-naming both sides instead of training or evaluating something else. Checkpoints written before a record
-existed are accepted without it.
+A run's checkpoint also holds the loop position (:func:`save_position`, :func:`load_position`): the runner's
+:class:`~flatbma.experiment.runner.Position` (RNG states as ``extra/…`` tensors, counters and running sums as
+metadata), the training history, who wrote it (:class:`~flatbma.experiment.run.provenance.Provenance`: the
+method, fingerprints of its options and of the model, the flatbma version) and the run it belongs to
+(:class:`RunRecord`: its whole resolved config and the fingerprint of its data). Loading it checks it against
+the run that loads it (:class:`~flatbma.experiment.run.provenance.Template`): who wrote it, every tensor's
+name, dtype and shape, the RNG states and the position, on ``--resume`` the config and data
+(:func:`check_continuation`), and last every tensor and the metadata against the checksums written with them
+(:func:`check_intact`), so that a checkpoint of another run, an altered one or a damaged one (one flipped bit)
+ends in one line naming both sides instead of training or evaluating something else. Checkpoints written
+before a record existed are accepted without it.
 
 A ``flatbma train --resume RUN --set key=value`` may change the keys of :data:`RESUMABLE` (they do
 not change what the trained state means; :mod:`flatbma.experiment.run.resume` records the change).
+
+Over 500 lines on purpose: the writer and every check of the reader share one file layout (key
+prefixes, metadata names, checksums); split apart, each half would restate it. Who wrote a checkpoint
+(:mod:`~flatbma.experiment.run.provenance`) and what a resume may change
+(:mod:`~flatbma.experiment.run.resume`) are already their own modules.
 """
 
 from __future__ import annotations

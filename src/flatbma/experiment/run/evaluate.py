@@ -26,6 +26,10 @@ Both entry points draw their random numbers (posterior samples, MC-dropout masks
 loaders) from the state the experiment's build left (:attr:`Experiment.rng`) under a forked RNG, and
 BatchNorm statistics involve no randomness: the metrics of a state do not depend on what ran before
 in the process — right after training or from a checkpoint on disk, they are the same.
+
+Over 500 lines on purpose: evaluation in one place, so that ``train``, ``evaluate`` and ``compare``
+measure a state with the same code; the maths lives below it (:mod:`flatbma.predict`,
+:mod:`flatbma.flatness`, :func:`flatbma.predictor.bma_predictions`).
 """
 
 from __future__ import annotations
