@@ -1,16 +1,14 @@
 """The batched (vmap) BMA path against the per-sample loop, its chunking, automatic choice and fallback."""
 
-import importlib
 
 import pytest
 import torch
 from torch import nn
 
+from flatbma import batching
 from flatbma.errors import FlatbmaError
 from flatbma.models import build_model
 from flatbma.predict import evaluate, sample_log_probs
-
-batching = importlib.import_module("flatbma.batching")
 
 
 def perturbed_samples(model: nn.Module, num: int, seed: int, *, params: bool = True) -> list[dict[str, torch.Tensor]]:

@@ -29,7 +29,14 @@ from flatbma.checks import is_int
 from flatbma.errors import FlatbmaError
 from flatbma.precision import as_float32
 
-__all__ = ["ACTIVATION_BUDGET_BYTES", "CPU_BATCHED_MAX_MEAN_ELEMENTS", "check_options", "log_probs"]
+__all__ = [
+    "ACTIVATION_BUDGET_BYTES",
+    "CPU_BATCHED_MAX_MEAN_ELEMENTS",
+    "Choice",
+    "check_options",
+    "decision",
+    "log_probs",
+]
 
 
 ACTIVATION_BUDGET_BYTES = 256 * 2**20
@@ -73,7 +80,7 @@ class _Footprint:
 
 
 @dataclass(frozen=True)
-class _Choice:
+class Choice:
     """The automatic choice for one key (:func:`_choice_key`).
 
     ``by`` is ``"probe"`` when both paths gave bit-identical results and the faster one was taken
@@ -87,7 +94,7 @@ class _Choice:
     seconds: tuple[float, float] | None = None
 
 
-_FELL_BACK = _Choice(batched=False, by="fallback")
+_FELL_BACK = Choice(batched=False, by="fallback")
 
 _TrainingFlags = tuple[bool, ...]
 _FootprintKey = tuple[_TrainingFlags, tuple[int, ...], torch.dtype]
@@ -99,7 +106,7 @@ _ChoiceKey = tuple[Any, ...]
 # _probe; concurrent timing only makes the choice slower to be right).
 _VMAP_FAILED: WeakKeyDictionary[nn.Module, set[_TrainingFlags]] = WeakKeyDictionary()
 _FOOTPRINTS: WeakKeyDictionary[nn.Module, dict[_FootprintKey, _Footprint | None]] = WeakKeyDictionary()
-_CHOICES: WeakKeyDictionary[nn.Module, dict[_ChoiceKey, _Choice]] = WeakKeyDictionary()
+_CHOICES: WeakKeyDictionary[nn.Module, dict[_ChoiceKey, Choice]] = WeakKeyDictionary()
 _LOCK = threading.Lock()
 
 
@@ -200,6 +207,21 @@ def log_probs(
 
 
 
+def decision(
+    model: nn.Module, samples: Sequence[Mapping[str, Tensor]], x: Tensor, *, chunk_size: int | None = None
+) -> Choice | None:
+    """The choice :func:`log_probs` made (``batched=None``) for these samples and inputs, ``None`` before it made one.
+
+    The choice belongs to its key (the model in its present train/eval configuration, the sample layout and
+    count, the input's shape, dtype and device, the chunk size, the thread count): other values of the same
+    shapes share it.
+    """
+    footprint = _footprint(model, samples[0], x) if chunk_size is None else None
+    chunk = chunk_size or _auto_chunk_size(footprint, samples[0], x, len(samples))
+    with _LOCK:
+        return _CHOICES.get(model, {}).get(_choice_key(model, samples, x, chunk))
+
+
 def check_options(batched: object, chunk_size: object) -> None:
     """Refuse a ``batched`` not ``True``/``False``/``None`` or a ``chunk_size`` not a positive int or ``None``."""
     if batched is not None and not isinstance(batched, bool):
@@ -265,13 +287,13 @@ def _choice_key(model: nn.Module, samples: Sequence[Mapping[str, Tensor]], x: Te
 
 def _probe(
     model: nn.Module, samples: Sequence[Mapping[str, Tensor]], x: Tensor, chunk: int, rule: bool
-) -> tuple[Tensor | None, _Choice]:
+) -> tuple[Tensor | None, Choice]:
     """The agreement check and timed probe of :func:`log_probs` on the batch ``x``.
 
     Returns ``(log-probs of x, choice)``, the log-probs ``None`` when the caller must still run the
     chosen path (the probe did not compute them by it, or the model drew random numbers).
     """
-    by_rule = _Choice(batched=rule, by="rule")
+    by_rule = Choice(batched=rule, by="rule")
     if _updates_buffers(model):
         return None, by_rule
     rng = _rng_state(x.device)
@@ -307,7 +329,7 @@ def _probe(
     if not torch.equal(outs[False], outs[True]):
         return outs[rule], by_rule
     loop_s, batched_s = min(seconds[False]), min(seconds[True])
-    return outs[False], _Choice(batched=batched_s < loop_s, by="probe", seconds=(loop_s, batched_s))
+    return outs[False], Choice(batched=batched_s < loop_s, by="probe", seconds=(loop_s, batched_s))
 
 
 def _scrambled(t: Tensor, generator: torch.Generator) -> Tensor:
