@@ -14,9 +14,9 @@ import flatbma
 from flatbma import BMA
 from flatbma.bn import recompute_bn_statistics, statistics_loader
 from flatbma.errors import FlatbmaError
-from flatbma.experiment.config import config_from_dict
-from flatbma.experiment.evaluate import evaluate_state
-from flatbma.experiment.run import train
+from flatbma.experiment.config.run_config import config_from_dict
+from flatbma.experiment.run.evaluate import evaluate_state
+from flatbma.experiment.run.pipeline import train
 from flatbma.experiment.runner import fit
 from flatbma.optim import SGD, cosine
 from flatbma.posteriors import mc_dropout, point, swag
@@ -299,7 +299,7 @@ def test_the_iterates_a_sampler_keeps_are_accepted_on_load(tmp_path):
 
 
 def test_a_packed_variational_state_round_trips_and_is_a_flatbma_state_file(tmp_path):
-    from flatbma.experiment.checkpoint import load_state
+    from flatbma.experiment.run.checkpoint import load_state
 
     x, y = _data()
     loader = DataLoader(TensorDataset(x, y), batch_size=48, shuffle=True)
@@ -333,7 +333,7 @@ def test_fit_posterior_and_load_posterior_round_trip_with_a_fresh_module(tmp_pat
 
 
 def test_a_run_checkpoint_is_not_a_predictor(trained_swag, tmp_path):
-    from flatbma.experiment.checkpoint import save_state
+    from flatbma.experiment.run.checkpoint import save_state
 
     model, method, state, _, loader = trained_swag
     save_state(state, tmp_path / "checkpoint.safetensors")

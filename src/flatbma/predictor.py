@@ -42,19 +42,13 @@ from torch import Tensor, nn
 from torch.func import functional_call
 from torch.utils.data import DataLoader, IterableDataset
 
-from flatbma.bn import has_batchnorm, statistics_loader, with_recomputed_statistics
+from flatbma.bn import eval_mode, has_batchnorm, statistics_loader, with_recomputed_statistics
 from flatbma.checks import check_device, check_seed, is_int, parse_choice
 from flatbma.errors import FlatbmaError, FlatbmaTypeError
+from flatbma.linearized import LinearizedPredictive, linearized_predictions
 from flatbma.params import load_into, model_buffers, trainable_params
 from flatbma.precision import Precision, autocast
-from flatbma.predict import (
-    LinearizedPredictive,
-    Predictions,
-    bma_log_probs,
-    eval_mode,
-    evaluate,
-    linearized_predictions,
-)
+from flatbma.predict import Predictions, bma_log_probs, evaluate
 from flatbma.state_io import (
     FORMAT,
     SECTIONS,
@@ -95,6 +89,36 @@ def posterior_mean(
     return mean
 
 
+def bma_predictions(
+    method: Posterior,
+    state: State,
+    drawn: list[Params],
+    names: Sequence[str],
+    statistics: Callable[[list[Params]], list[Params]],
+) -> Predictions:
+    """What a BMA averages, by the method's :attr:`~flatbma.types.Posterior.predictive` (one path for all).
+
+    :class:`BMA` and the runs' evaluation (:func:`flatbma.experiment.run.evaluate.bma_predictions`) both go
+    through it. Samples → BatchNorm statistics → predictive: ``samples`` averages ``statistics(drawn)``;
+    ``glm`` and ``probit`` the network linearized at the posterior mean ``w̄`` (:func:`posterior_mean` over
+    ``drawn``), whose statistics are recomputed once, there (``statistics([w̄])``;
+    :func:`flatbma.linearized.linearized_predictions`: ``glm`` averages over ``Δ_m = w_m − w̄`` of the
+    ``drawn`` samples, ``probit`` takes the method's functional variance at ``state``).
+
+    Args:
+        method: the posterior.
+        state: its trained state.
+        drawn: its weight samples as :meth:`~flatbma.types.Posterior.sample` drew them (the state's statistics).
+        names: the trained parameter names.
+        statistics: the samples with recomputed BatchNorm statistics (or as given, where none are recomputed).
+    """
+    if method.predictive is Predictive.SAMPLES:
+        return statistics(drawn)
+    mean = statistics([posterior_mean(method, state, drawn, names)])[0]
+    fv = method.functional_variance
+    return linearized_predictions(method.predictive, mean, drawn, names, partial(fv, state) if fv is not None else None)
+
+
 class BMA:
     """The Bayesian model average of a trained posterior, ready to predict.
 
@@ -128,7 +152,7 @@ class BMA:
     The predictive is the method's (:attr:`~flatbma.types.Posterior.predictive`): the samples' average, or
     the network linearized at the posterior mean (``glm``: ``f(x; w̄) + J(x)(w_m − w̄)`` over the same
     samples, drawn without statistics of their own; ``probit``), whose BatchNorm statistics are then
-    recomputed once, at ``w̄`` — what ``flatbma train`` reports (:func:`flatbma.predict.linearized_predictions`).
+    recomputed once, at ``w̄`` — what ``flatbma train`` reports (:func:`flatbma.linearized.linearized_predictions`).
 
     Raises:
         FlatbmaError: invalid arguments, or statistics to recompute without ``train_loader``.
@@ -206,11 +230,8 @@ class BMA:
         """The weights at the posterior mean (:func:`posterior_mean`), statistics as the predictor's samples'."""
         samples = self.samples if self.method.mean is None else []  # a closed-form mean needs no samples
         mean = posterior_mean(self.method, self.state, samples, trained_names(self.model))
-        mean = {k: v.to(self.device) for k, v in mean.items()}
-        if self.recompute_bn:
-            with self._forward():
-                mean = with_recomputed_statistics(self.model, [mean], self._bn_loader, device=self.device)[0]
-        return mean
+        with self._forward():
+            return self._statistics([mean])[0]
 
     def load_into(self, model: nn.Module | None = None) -> nn.Module:
         """Write :meth:`mean` into ``model`` (default: the predictor's module), in place; return it.
@@ -336,10 +357,7 @@ class BMA:
     # ---------------------------------------------------------------- internals
     def _draw(self, n: int) -> list[Params]:
         with self._forward():
-            drawn = self._drawn(n)
-            if self.recompute_bn:
-                drawn = with_recomputed_statistics(self.model, drawn, self._bn_loader, device=self.device)
-        return drawn
+            return self._statistics(self._drawn(n))
 
     def _drawn(self, n: int) -> list[Params]:
         """``n`` samples from the seeded generator, on the predictor's device, with the state's statistics."""
@@ -352,17 +370,20 @@ class BMA:
             return self.samples
         if self._linearized is None:
             with self._forward():
-                drawn = self._drawn(self.num_samples) if self.method.predictive is Predictive.GLM else []
-                mean = self.mean()
-                fv = self.method.functional_variance
-                self._linearized = linearized_predictions(
-                    self.method.predictive,
-                    mean,
-                    drawn,
-                    trained_names(self.model),
-                    partial(fv, self.state) if fv is not None else None,
-                )
+                averaged = self.method.predictive is Predictive.GLM or self.method.mean is None
+                drawn = self._drawn(self.num_samples) if averaged else []
+                names = trained_names(self.model)
+                linearized = bma_predictions(self.method, self.state, drawn, names, self._statistics)
+                assert isinstance(linearized, LinearizedPredictive)
+                self._linearized = linearized
         return self._linearized
+
+    def _statistics(self, samples: list[Params]) -> list[Params]:
+        """``samples`` on the predictor's device, their BatchNorm statistics recomputed where the predictor does."""
+        samples = [{k: v.to(self.device) for k, v in w.items()} for w in samples]
+        if not self.recompute_bn:
+            return samples
+        return with_recomputed_statistics(self.model, samples, self._bn_loader, device=self.device)
 
     def _forward(self) -> contextlib.AbstractContextManager[None]:
         """A block of forward passes under :attr:`precision`, after which torch's global generators are as before it.

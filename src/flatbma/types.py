@@ -182,7 +182,7 @@ class Posterior(Transform):
             (``None``: from torch's global generator).
         recompute_bn: whether the samples' own BatchNorm statistics do not match them (weights that
             were never trained with their own statistics, e.g. SWAG or VI samples). The evaluation
-            (:func:`flatbma.experiment.evaluate.posterior_samples`) recomputes the statistics of every
+            (:func:`flatbma.experiment.run.evaluate.posterior_samples`) recomputes the statistics of every
             method's samples, point estimates included, on the un-augmented training data in a fixed
             order (:func:`flatbma.bn.recompute_bn_statistics`), so that every method is measured alike.
         gaussian: ``gaussian(state) -> θ`` for posteriors that are a low-rank plus diagonal Gaussian

@@ -109,7 +109,7 @@ def test_bad_compare_configs(tmp_path, capsys, change, message):
 
 def test_the_time_left_comes_from_each_methods_measured_cost(monkeypatch, capsys):
     """#25: the ETA once extrapolated from the cheapest method (said 4.9 min left, took 13)."""
-    from flatbma.experiment import compare
+    from flatbma.experiment.study import compare
 
     clock = [0.0]
     monkeypatch.setattr(compare.time, "perf_counter", lambda: clock[0])

@@ -17,15 +17,16 @@ from torch.utils.data import DataLoader, TensorDataset
 import flatbma
 from flatbma.curvature import estimator
 from flatbma.errors import FlatbmaError
-from flatbma.experiment import stage
-from flatbma.experiment.checkpoint import load_checkpoint
 from flatbma.experiment.cli import main
-from flatbma.experiment.config import config_from_dict
-from flatbma.experiment.methods import METHODS, parse_method
-from flatbma.experiment.run import load_run, load_run_config, resume_config, train
+from flatbma.experiment.config.methods import METHODS, parse_method
+from flatbma.experiment.config.run_config import config_from_dict
+from flatbma.experiment.run import stage
+from flatbma.experiment.run.checkpoint import load_checkpoint
+from flatbma.experiment.run.pipeline import load_run, load_run_config, resume_config, train
+from flatbma.linearized import linearized_predictions
 from flatbma.models import build_model, classifier_of
 from flatbma.posteriors import laplace
-from flatbma.predict import linearized_predictions, sample_log_probs
+from flatbma.predict import sample_log_probs
 from flatbma.predictor import trained_names
 from tests.experiment.torchrun_helpers import crash_after
 

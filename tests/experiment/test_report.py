@@ -13,8 +13,9 @@ import yaml
 from scipy import stats as scipy_stats
 
 from flatbma.errors import FlatbmaError
-from flatbma.experiment import figures
-from flatbma.experiment.figures import (
+from flatbma.experiment.report import figures
+from flatbma.experiment.report.documents import write_reports
+from flatbma.experiment.report.figures import (
     FIGURES,
     bma_curve_figure,
     corruption_figure,
@@ -23,9 +24,9 @@ from flatbma.experiment.figures import (
     landscape_figure,
     reliability_figure,
 )
-from flatbma.experiment.findings import comparisons, findings
-from flatbma.experiment.report import summary_table, write_reports
-from flatbma.experiment.rows import MISSING
+from flatbma.experiment.report.findings import comparisons, findings
+from flatbma.experiment.report.rows import MISSING
+from flatbma.experiment.report.tables import summary_table
 
 PNG = b"\x89PNG\r\n\x1a\n"
 CORRUPTIONS = ("gaussian_noise", "contrast")
@@ -422,8 +423,8 @@ def test_reference_defaults_to_the_first_method_and_must_exist():
 
 
 def test_compare_config_validates_the_reference(tmp_path):
-    from flatbma.experiment.compare import CompareConfig, load_plan
-    from flatbma.experiment.parse import parse_dataclass
+    from flatbma.experiment.config.parse import parse_dataclass
+    from flatbma.experiment.study.plan import CompareConfig, load_plan
 
     methods = [{"name": "sgd"}, {"name": "swag"}, {"name": "sam", "label": "SAM-0.1"}]
     assert parse_dataclass(CompareConfig, {"methods": methods}, "compare").reference is None

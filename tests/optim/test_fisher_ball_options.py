@@ -8,7 +8,7 @@ import torch
 from torch.distributions import MultivariateNormal
 
 from flatbma.errors import FlatbmaError
-from flatbma.experiment.methods import parse_method
+from flatbma.experiment.config.methods import parse_method
 from flatbma.gaussian import dense_covariance, kl_lowrank, log_density, score, section, step_size
 from flatbma.optim import SAM, Amortized, FisherBall
 from flatbma.optim.fisher_ball import DEFAULT_RADIUS

@@ -6,7 +6,7 @@ import inspect
 import pytest
 import torch
 
-from flatbma.experiment.methods import METHODS, parse_method
+from flatbma.experiment.config.methods import METHODS, parse_method
 from flatbma.optim import SGD
 from flatbma.params import Objective, model_buffers, trainable_params
 from flatbma.posteriors import mc_dropout, swag

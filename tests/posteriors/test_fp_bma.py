@@ -1,6 +1,5 @@
 """FP-BMA / SA-BMA: the Fisher-ball ascent on the low-rank Gaussian's variational parameters."""
 
-import json
 import math
 
 import pytest
@@ -14,9 +13,8 @@ from torch.func import functional_call
 
 from flatbma import packed
 from flatbma.errors import FlatbmaError
-from flatbma.experiment.checkpoint import load_state, save_state
-from flatbma.experiment.cli import main
-from flatbma.experiment.methods import METHODS, parse_method
+from flatbma.experiment.config.methods import METHODS, parse_method
+from flatbma.experiment.run.checkpoint import load_state, save_state
 from flatbma.gaussian import GaussianNoise, geometry, section, theta_layout
 from flatbma.optim import SAM, SGD, Adam, FisherSAM, sharpness_aware_value_and_grad
 from flatbma.optim.fisher_ball import (
@@ -39,7 +37,7 @@ from flatbma.posteriors.gaussian_vi import (
 )
 from flatbma.rng import SEED_KEY, seeded_generator
 from flatbma.types import AscentSpace, ascent_space
-from tests.helpers import tiny_bn_net, toy_batch
+from tests.helpers import tiny_bn_net, toy_batch, train_via_cli
 
 K = 4
 SHAPES = {"fc.weight": (3, 4), "fc.bias": (3,)}  # d = 15
@@ -653,11 +651,7 @@ def test_trains_on_digits_via_cli(tmp_path):
         "train": {"epochs": 3, "progress": False},
         "eval": {"num_samples": 3},
     }
-    path = tmp_path / "c.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    out = tmp_path / "run"
-    assert main(["train", "--config", str(path), "--set", f"output_dir={out}"]) == 0
-    metrics = json.loads((out / "metrics.json").read_text())
+    out, metrics = train_via_cli(tmp_path, cfg)
     assert metrics["accuracy"] > 0.78, metrics["accuracy"]  # 0.82 (lowrank-vi: 0.81 after 3 epochs)
     assert metrics["history"][-1]["loss"] < metrics["history"][0]["loss"]
     resolved = yaml.safe_load((out / "config.yaml").read_text())["method"]

@@ -7,9 +7,9 @@ import yaml
 from torch import nn
 
 from flatbma.errors import FlatbmaError
-from flatbma.experiment.checkpoint import load_state, save_state
 from flatbma.experiment.cli import main
-from flatbma.experiment.methods import METHODS
+from flatbma.experiment.config.methods import METHODS
+from flatbma.experiment.run.checkpoint import load_state, save_state
 from flatbma.models import MLP
 from flatbma.optim import SAM, SGD
 from flatbma.params import Objective, model_buffers, trainable_params

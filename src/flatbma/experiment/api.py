@@ -1,8 +1,8 @@
 """From PyTorch in one call: train a registered method on your module and loader, get a :class:`~flatbma.predictor.BMA`.
 
 :func:`fit_posterior` is the manual path written once — parse the method by name
-(:func:`~flatbma.experiment.methods.parse_method`), build the optimizer of an ``optim`` section
-(:class:`~flatbma.experiment.sections.OptimConfig`, the CLI's defaults), ``method.init`` at the
+(:func:`~flatbma.experiment.config.methods.parse_method`), build the optimizer of an ``optim`` section
+(:class:`~flatbma.experiment.config.sections.OptimConfig`, the CLI's defaults), ``method.init`` at the
 module's weights, :func:`~flatbma.experiment.runner.fit` (the one loop), then the predictor — so its
 numbers equal that path's exactly (the README shows both). :func:`load_posterior` reads back what
 :meth:`BMA.save <flatbma.predictor.BMA.save>` wrote, rebuilding the method from the recorded section.
@@ -23,10 +23,10 @@ from torch import nn
 
 from flatbma.checks import check_seed, is_int
 from flatbma.errors import DivergenceError, FlatbmaError, FlatbmaTypeError
-from flatbma.experiment.methods import parse_method
-from flatbma.experiment.parse import parse_dataclass, shown
+from flatbma.experiment.config.methods import parse_method
+from flatbma.experiment.config.parse import parse_dataclass, shown
+from flatbma.experiment.config.sections import OptimConfig
 from flatbma.experiment.runner import fit
-from flatbma.experiment.sections import OptimConfig
 from flatbma.models import check_classifier
 from flatbma.params import Objective, model_buffers, trainable_params
 from flatbma.predictor import BMA, read_file, target_device

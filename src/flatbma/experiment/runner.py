@@ -135,11 +135,11 @@ def fit(
         checkpoint_every: step interval of intra-epoch checkpoints (0 = epoch ends only).
         progress: show a progress bar with ETA (on a terminal, unless quiet: :mod:`flatbma.progress`;
             never in logs or pipes, where the run's line per epoch comes from ``checkpoint``,
-            :class:`flatbma.experiment.logs.EpochLogger`).
+            :class:`flatbma.experiment.run.logs.EpochLogger`).
         history: the history to append to.
         after_epoch: ``after_epoch(state, history)`` is called after each epoch is appended to ``history``
             and before its checkpoint (it may add the epoch's ``validation`` values, which the checkpoint
-            then holds): e.g. early stopping's validation (:mod:`flatbma.experiment.early_stopping`).
+            then holds): e.g. early stopping's validation (:mod:`flatbma.experiment.run.early_stopping`).
         stop: ``stop(history)`` is asked before every epoch (a resumed run included); training ends when it
             says so. It must be a function of the history alone, so that a resumed run stops where the
             uninterrupted one did.

@@ -44,11 +44,11 @@ from torch import Tensor, nn
 from torch.func import functional_call
 
 from flatbma import progress
+from flatbma.bn import eval_mode
 from flatbma.errors import FlatbmaError
 from flatbma.flatness.hutchinson import TraceEstimate, hutchinson_trace
 from flatbma.flatness.hvp import HessianOperator, LossFn, hvp_fn, nonzero_checked
 from flatbma.flatness.lanczos import EigenResult, default_basis_size, hessian_eigenvalues, lanczos
-from flatbma.predict import eval_mode
 from flatbma.rng import derive_seed, seeded_generator
 from flatbma.stats import Summary, summarize
 from flatbma.types import Batch

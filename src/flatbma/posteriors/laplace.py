@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from flatbma.bn import eval_mode
 from flatbma.checks import is_int, is_number, parse_choice
 from flatbma.curvature import (
     Blocks,
@@ -40,7 +41,6 @@ from flatbma.models import classifier_of, is_pretrained
 from flatbma.params import Objective, clone
 from flatbma.posteriors.point import step as point_step
 from flatbma.posteriors.point import weights_of
-from flatbma.predict import eval_mode
 from flatbma.types import (
     Ascent,
     Batch,
