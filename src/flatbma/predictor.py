@@ -45,6 +45,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from flatbma.bn import has_batchnorm, statistics_loader, with_recomputed_statistics
 from flatbma.checks import check_device, check_seed, is_int, parse_choice
 from flatbma.errors import FlatbmaError, FlatbmaTypeError
+from flatbma.metrics import uncertainty_decomposition
 from flatbma.params import load_into, model_buffers, trainable_params
 from flatbma.precision import Precision, autocast
 from flatbma.predict import (
@@ -54,6 +55,7 @@ from flatbma.predict import (
     eval_mode,
     evaluate,
     linearized_predictions,
+    sample_log_probs,
 )
 from flatbma.state_io import (
     FORMAT,
@@ -230,17 +232,40 @@ class BMA:
         ``y`` holds integer labels (what a DataLoader yields) — or an iterable of such batches (a
         DataLoader); labels are ignored. Rows follow the order of the inputs.
         """
-        outs = []
-        with self._forward():
-            samples = self._predictions()
-            with self._mode()(self.model):  # entered once: MC dropout's masks run on over the batches
-                for x in _inputs(data):
-                    if not outs:
-                        self._probe(x)  # eval mode within: draws no mask
-                    outs.append(bma_log_probs(self.model, samples, x.to(self.device), batched=self.batched))
-        if not outs:
-            raise FlatbmaError("there is nothing to predict: the data holds no batch")
-        return torch.cat(outs)
+        return torch.cat(self._per_batch(data, bma_log_probs))
+
+    def predict_uncertainty(self, data: Any) -> dict[str, Tensor]:
+        """Per-example total, aleatoric and epistemic uncertainty of the BMA (nats), ``[N]`` each.
+
+        ``total`` is the entropy of the BMA predictive ``H[p̄(y|x)]``; ``aleatoric`` the samples' expected
+        entropy ``E_w H[p(y|x, w)]``; ``epistemic`` their difference, the mutual information
+        ``I(y; w | x)`` between the label and the weights (:func:`flatbma.metrics.uncertainty_decomposition`):
+        ``total = aleatoric + epistemic``. Over the predictor's ``M`` samples (or the GLM predictive's
+        linearized samples); a point estimate has ``epistemic = 0``. Same ``data`` as :meth:`predict_log_proba`;
+        float64 tensors on the predictor's device.
+
+        Raises:
+            FlatbmaError: the probit predictive (deterministic: it has no per-sample predictives to split).
+        """
+        if self.method.predictive is Predictive.PROBIT:
+            raise FlatbmaError(
+                "the probit predictive has no per-sample predictives, so its entropy cannot be split into "
+                "aleatoric and epistemic parts: build the Laplace method with predictive: glm (or samples)"
+            )
+
+        def split(model: nn.Module, samples: Predictions, x: Tensor, *, batched: bool | None) -> dict[str, Tensor]:
+            return uncertainty_decomposition(sample_log_probs(model, samples, x, batched=batched))
+
+        parts = self._per_batch(data, torch.no_grad()(split))
+        return {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+
+    def predict_entropy(self, data: Any) -> Tensor:
+        """The predictive entropy ``H[p̄(y|x)]`` per example, ``[N]``: ``total`` of :meth:`predict_uncertainty`."""
+        return self.predict_uncertainty(data)["total"]
+
+    def mutual_information(self, data: Any) -> Tensor:
+        """The epistemic part ``I(y; w | x)`` per example, ``[N]``: ``epistemic`` of :meth:`predict_uncertainty`."""
+        return self.predict_uncertainty(data)["epistemic"]
 
     def predict_proba(self, data: Any) -> Tensor:
         """BMA probabilities ``[N, C]``: ``exp`` of :meth:`predict_log_proba` (same ``data``)."""
@@ -334,6 +359,20 @@ class BMA:
         )
 
     # ---------------------------------------------------------------- internals
+    def _per_batch(self, data: Any, fn: Callable[..., Any]) -> list[Any]:
+        """``fn(model, predictions, x, batched=...)`` for every input batch of ``data``, in the prediction mode."""
+        outs: list[Any] = []
+        with self._forward():
+            samples = self._predictions()
+            with self._mode()(self.model):  # entered once: MC dropout's masks run on over the batches
+                for x in _inputs(data):
+                    if not outs:
+                        self._probe(x)  # eval mode within: draws no mask
+                    outs.append(fn(self.model, samples, x.to(self.device), batched=self.batched))
+        if not outs:
+            raise FlatbmaError("there is nothing to predict: the data holds no batch")
+        return outs
+
     def _draw(self, n: int) -> list[Params]:
         with self._forward():
             drawn = self._drawn(n)
