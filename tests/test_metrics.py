@@ -168,9 +168,7 @@ def test_uncertainty_decomposition_by_hand():
     # example 0: two confident samples that disagree -> aleatoric 0, total = epistemic = log 2
     # example 1: two identical uniform samples -> aleatoric = total = log 2, epistemic 0
     # example 2: p1 = (0.8, 0.2), p2 = (0.4, 0.6): BMA (0.6, 0.4)
-    p = torch.tensor(
-        [[[1.0, 0.0], [0.5, 0.5], [0.8, 0.2]], [[0.0, 1.0], [0.5, 0.5], [0.4, 0.6]]], dtype=torch.float64
-    )
+    p = torch.tensor([[[1.0, 0.0], [0.5, 0.5], [0.8, 0.2]], [[0.0, 1.0], [0.5, 0.5], [0.4, 0.6]]], dtype=torch.float64)
     out = M.uncertainty_decomposition(p.log())
     h = lambda *q: -sum(x * log(x) for x in q if x > 0)  # noqa: E731
     total = [log(2), log(2), h(0.6, 0.4)]
