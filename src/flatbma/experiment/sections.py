@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from flatbma.checks import parse_choice
 from flatbma.errors import FlatbmaError
 from flatbma.experiment.distributed import Parallel
+from flatbma.experiment.ood import check_ood_name
 from flatbma.experiment.parse import shown
 from flatbma.optim import SGD, Adam, constant, cosine
 from flatbma.optim.schedules import Schedule as LearningRate
@@ -383,6 +384,10 @@ class EvalConfig:
             its products costs one product per sample).
         repeatability: repeat λ₁ per sample with another measurement seed and another draw of samples
             (the noise test; doubles the cost of λ₁).
+        ood: the out-of-distribution set of OOD detection (:mod:`flatbma.experiment.ood`): a corruption (the
+            test set at severity 5) or another data set (its test split, resized to the run's images); the
+            AUROC of the predictive entropy and of the mutual information go to ``metrics["ood"]``.
+            ``None``: no OOD detection.
     """
 
     num_samples: int = 30
@@ -398,8 +403,11 @@ class EvalConfig:
     trace_probes: int = 4
     distribution_spectrum: bool = True
     repeatability: bool = True
+    ood: str | None = added(None)
 
     def __post_init__(self) -> None:
+        if self.ood is not None:
+            check_ood_name(self.ood)
         for key in (
             "num_samples",
             "n_bins",
