@@ -24,6 +24,7 @@ LAYERS: dict[str, int] = {
     "packed": 2,
     "jacobians": 2,
     "metrics": 2,
+    "regression": 2,
     "plotting": 2,
     "data": 2,
     "models": 2,

@@ -242,7 +242,8 @@ class _Running:
         loss = self._scalar(out.loss)
         self.pending.append((step, loss))
         self.loss += loss * len(y)
-        self.correct += (out.logits.argmax(-1) == y).sum().to(self.where)
+        if not y.is_floating_point():  # regression targets (a Gaussian likelihood) have no accuracy: it stays 0
+            self.correct += (out.logits.argmax(-1) == y).sum().to(self.where)
         self.count += len(y)
         for key, value in (out.stats or {}).items():
             total = self.stats.setdefault(key, [self._scalar(0.0), 0])
