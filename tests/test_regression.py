@@ -5,6 +5,8 @@ the methods that cannot (Laplace's softmax Gauss-Newton) refuse in one line."""
 from __future__ import annotations
 
 import math
+import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -187,3 +189,13 @@ def test_a_fixed_noise_uses_one_output_and_bad_regression_inputs_end_in_one_line
         flatbma.fit_posterior(_net(), train, "sgd", epochs=1, likelihood="normal")
     with pytest.raises(FlatbmaError, match="likelihood='gaussian'"):
         flatbma.fit_posterior(_net(), train, "sgd", epochs=1, noise_std=1.0)
+
+
+def test_the_docs_regression_example_runs_as_written(capsys):
+    text = (Path(__file__).resolve().parents[1] / "docs" / "python-api.md").read_text()
+    (block,) = re.findall(r"```python\n(.*?)```", text[text.index("## Regression\n") :], flags=re.S)
+    namespace: dict = {}
+    exec(compile(block, "docs/python-api.md", "exec"), namespace)
+    printed = capsys.readouterr().out
+    assert "rmse" in printed and namespace["metrics"]["rmse"] < 0.8 and namespace["metrics"]["nll"] < 1.2
+    assert namespace["pred"]["std"].shape == (100,)
