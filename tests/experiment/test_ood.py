@@ -161,3 +161,12 @@ def test_compare_records_ood_in_results_json_and_the_report(tmp_path: Path, caps
     report = (tmp_path / "out" / "report.md").read_text()
     assert "Out-of-distribution detection: test set against gaussian_noise" in report
     assert "AUROC of mutual information" in report
+
+
+def test_a_corruption_that_does_not_apply_is_refused_before_training(tmp_path: Path) -> None:
+    from flatbma.experiment.validate import validate_run
+
+    cfg = config_from_dict({**RUN, "output_dir": str(tmp_path / "run"), "eval": {"ood": "saturate"}})
+    with pytest.raises(FlatbmaError, match="needs colour images"):
+        validate_run(cfg)
+    assert not (tmp_path / "run").exists()

@@ -56,6 +56,19 @@ def check_ood_name(name: str) -> str:
     return name
 
 
+def check_ood_applies(name: str, channels: int) -> None:
+    """Refuse a corruption that does not apply to images of ``channels`` channels (``saturate`` on grey ones).
+
+    Raises:
+        FlatbmaError: one line saying so.
+    """
+    if name in corruption_names() and not applicable(name, channels):
+        raise FlatbmaError(
+            f"eval.ood {name!r} needs colour images, but the test images have {channels} channel: choose another "
+            "corruption"
+        )
+
+
 def ood_dataset(name: str, test: ArrayDataset, *, seed: int, root: str | None = None) -> ArrayDataset:
     """The OOD set ``name`` (module docstring) shaped like ``test``, with ``test``'s transform.
 
@@ -72,11 +85,7 @@ def ood_dataset(name: str, test: ArrayDataset, *, seed: int, root: str | None = 
     check_ood_name(name)
     channels, height, width = test.image_shape
     if name in corruption_names():
-        if not applicable(name, channels):
-            raise FlatbmaError(
-                f"eval.ood {name!r} needs colour images, but the test images have {channels} channel: choose "
-                "another corruption"
-            )
+        check_ood_applies(name, channels)
         return corrupt_dataset(test, name, OOD_SEVERITY, seed=seed)
     other = load_dataset(name, root).test
     images = other.images.float() / 255.0 if other.images.dtype == torch.uint8 else other.images.float()

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from flatbma.checks import parse_choice
 from flatbma.errors import FlatbmaError
 from flatbma.experiment.distributed import Parallel
-from flatbma.experiment.ood import check_ood_name
+from flatbma.experiment.ood import check_ood_applies, check_ood_name
 from flatbma.experiment.parse import shown
 from flatbma.optim import SGD, Adam, constant, cosine
 from flatbma.optim.schedules import Schedule as LearningRate
@@ -447,6 +447,8 @@ class EvalConfig:
                 f"and the data set decide them): most calibration bins would be empty; use eval.n_bins <= "
                 f"{shape.num_test} (15 suits a thousand examples) or test on more examples"
             )
+        if self.ood is not None and shape.channels is not None:
+            check_ood_applies(self.ood, shape.channels)
         if flatness and shape.num_trainable is not None and self.hessian_k > shape.num_trainable:
             raise FlatbmaError(
                 f"eval.hessian_k={self.hessian_k} eigenvalues were asked for, but the Hessian has only "
