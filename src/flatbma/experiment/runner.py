@@ -23,6 +23,9 @@ from flatbma.types import Batch, State, StepOutput, Transform
 class EpochLog:
     """Mean training loss and accuracy (of the unperturbed pass) over one epoch.
 
+    Regression targets (floating point: a Gaussian likelihood, :mod:`flatbma.regression`) have no classes; their
+    ``accuracy`` stays 0 and ``loss`` is the Gaussian NLL.
+
     ``stats``: the mean over the epoch's steps of every statistic a step reported
     (:attr:`~flatbma.types.StepOutput.stats`, e.g. ``ascent/mean_shift``), over the steps that reported it.
     ``validation``: values measured after the epoch (early stopping's validation metrics); empty when none.
