@@ -46,9 +46,11 @@ from flatbma.bn import eval_mode, has_batchnorm, statistics_loader, with_recompu
 from flatbma.checks import check_device, check_seed, is_int, parse_choice
 from flatbma.errors import FlatbmaError, FlatbmaTypeError
 from flatbma.linearized import LinearizedPredictive, linearized_predictions
+from flatbma.metrics import uncertainty_decomposition
 from flatbma.params import load_into, model_buffers, trainable_params
 from flatbma.precision import Precision, autocast
-from flatbma.predict import Predictions, bma_log_probs, evaluate
+from flatbma.predict import Predictions, bma_log_probs, evaluate, labelled, sample_log_probs
+from flatbma.regression import Gaussian, mixture_metrics, sample_outputs
 from flatbma.state_io import (
     FORMAT,
     SECTIONS,
@@ -148,6 +150,10 @@ class BMA:
             (:class:`~flatbma.precision.Precision`): ``fp32`` (no autocast), ``bf16`` or ``fp16`` (autocast
             on the predictor's device; the logits, the BMA and the metrics stay float32, the linearized
             predictives float32 throughout: :mod:`flatbma.precision`). Not saved: a runtime choice.
+        likelihood: ``None`` for a classifier (the network returns logits); a :class:`~flatbma.regression.Gaussian`
+            for a regression network (its outputs are the likelihood's mean and noise): the predictive is then the
+            mixture ``(1/M) Σ_m N(y; μ_m, σ_m²)`` (:meth:`predict_regression`, :meth:`evaluate`), and the
+            classifier's methods (:meth:`predict_log_proba`, ...) refuse. :func:`flatbma.fit_posterior` sets it.
 
     The predictive is the method's (:attr:`~flatbma.types.Posterior.predictive`): the samples' average, or
     the network linearized at the posterior mean (``glm``: ``f(x; w̄) + J(x)(w_m − w̄)`` over the same
@@ -173,8 +179,20 @@ class BMA:
         method_config: Mapping[str, Any] | None = None,
         num_data: int | None = None,
         precision: Precision | str = Precision.FP32,
+        likelihood: Gaussian | None = None,
     ) -> None:
         _check_arguments(model, method, state, num_samples, seed, recompute_bn)
+        if likelihood is not None and not isinstance(likelihood, Gaussian):
+            raise FlatbmaTypeError(
+                "likelihood must be None (a classifier) or a flatbma.regression.Gaussian, got a "
+                f"{type(likelihood).__name__}"
+            )
+        if likelihood is not None and method.predictive is not Predictive.SAMPLES:
+            raise FlatbmaError(
+                f"a regression BMA averages the samples themselves, but this posterior predicts with "
+                f"{method.predictive.value!r} (a linearized classifier's predictive)"
+            )
+        self.likelihood = likelihood
         self.precision = parse_choice(Precision, precision, "precision")
         self.model = model
         self.method = method
@@ -251,25 +269,71 @@ class BMA:
         ``y`` holds integer labels (what a DataLoader yields) — or an iterable of such batches (a
         DataLoader); labels are ignored. Rows follow the order of the inputs.
         """
-        outs = []
-        with self._forward():
-            samples = self._predictions()
-            with self._mode()(self.model):  # entered once: MC dropout's masks run on over the batches
-                for x in _inputs(data):
-                    if not outs:
-                        self._probe(x)  # eval mode within: draws no mask
-                    outs.append(bma_log_probs(self.model, samples, x.to(self.device), batched=self.batched))
-        if not outs:
-            raise FlatbmaError("there is nothing to predict: the data holds no batch")
-        return torch.cat(outs)
+        self._classifier("predict_log_proba")
+        return torch.cat(self._per_batch(data, bma_log_probs))
+
+    def predict_uncertainty(self, data: Any) -> dict[str, Tensor]:
+        """Per-example total, aleatoric and epistemic uncertainty of the BMA (nats), ``[N]`` each.
+
+        ``total`` is the entropy of the BMA predictive ``H[p̄(y|x)]``; ``aleatoric`` the samples' expected
+        entropy ``E_w H[p(y|x, w)]``; ``epistemic`` their difference, the mutual information
+        ``I(y; w | x)`` between the label and the weights (:func:`flatbma.metrics.uncertainty_decomposition`):
+        ``total = aleatoric + epistemic``. Over the predictor's ``M`` samples (or the GLM predictive's
+        linearized samples); a point estimate has ``epistemic = 0``. Same ``data`` as :meth:`predict_log_proba`;
+        float64 tensors on the predictor's device.
+
+        Raises:
+            FlatbmaError: the probit predictive (deterministic: it has no per-sample predictives to split).
+        """
+        self._classifier("predict_uncertainty")
+        if self.method.predictive is Predictive.PROBIT:
+            raise FlatbmaError(
+                "the probit predictive has no per-sample predictives, so its entropy cannot be split into "
+                "aleatoric and epistemic parts: build the Laplace method with predictive: glm (or samples)"
+            )
+
+        def split(model: nn.Module, samples: Predictions, x: Tensor, *, batched: bool | None) -> dict[str, Tensor]:
+            return uncertainty_decomposition(sample_log_probs(model, samples, x, batched=batched))
+
+        parts = self._per_batch(data, torch.no_grad()(split))
+        return {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+
+    def predict_entropy(self, data: Any) -> Tensor:
+        """The predictive entropy ``H[p̄(y|x)]`` per example, ``[N]``: ``total`` of :meth:`predict_uncertainty`."""
+        return self.predict_uncertainty(data)["total"]
+
+    def mutual_information(self, data: Any) -> Tensor:
+        """The epistemic part ``I(y; w | x)`` per example, ``[N]``: ``epistemic`` of :meth:`predict_uncertainty`."""
+        return self.predict_uncertainty(data)["epistemic"]
 
     def predict_proba(self, data: Any) -> Tensor:
         """BMA probabilities ``[N, C]``: ``exp`` of :meth:`predict_log_proba` (same ``data``)."""
         return self.predict_log_proba(data).exp()
 
     def predict(self, data: Any) -> Tensor:
-        """The most probable class under the BMA, ``[N]`` (same ``data`` as :meth:`predict_log_proba`)."""
+        """The most probable class under the BMA, ``[N]`` (same ``data`` as :meth:`predict_log_proba`).
+
+        For a regression BMA (:attr:`likelihood`), the predictive mean ``μ̄`` (:meth:`predict_regression`).
+        """
+        if self.likelihood is not None:
+            return self.predict_regression(data)["mean"]
         return self.predict_log_proba(data).argmax(-1)
+
+    def predict_regression(self, data: Any) -> dict[str, Tensor]:
+        """The regression BMA's predictive per example (:mod:`flatbma.regression`), ``[N]`` each.
+
+        ``mean`` ``μ̄ = (1/M) Σ_m μ_m``, ``std`` ``√(aleatoric + epistemic)``, ``aleatoric`` ``(1/M) Σ_m σ_m²`` (the
+        noise) and ``epistemic`` ``(1/M) Σ_m (μ_m − μ̄)²`` (the spread of the samples' means): variances of the
+        mixture ``(1/M) Σ_m N(y; μ_m, σ_m²)``. Same ``data`` as :meth:`predict_log_proba`; on the predictor's device.
+
+        Raises:
+            FlatbmaError: a classifier's BMA (no :attr:`likelihood`).
+        """
+        parts = self._per_batch(data, self._moments)
+        mu, var = (torch.cat([p[i] for p in parts], dim=1) for i in (0, 1))
+        mean = mu.mean(0)
+        aleatoric, epistemic = var.mean(0), ((mu - mean) ** 2).mean(0)
+        return {"mean": mean, "std": (aleatoric + epistemic).sqrt(), "aleatoric": aleatoric, "epistemic": epistemic}
 
     def evaluate(self, loader: Iterable[Any], *, num_classes: int | None = None, n_bins: int = 15) -> dict[str, float]:
         """Accuracy, NLL, ECE, adaptive ECE and Brier score of the BMA on ``(x, y)`` batches.
@@ -279,7 +343,12 @@ class BMA:
         from the model's output on the first batch, read ahead under a forked RNG (a DataLoader's
         iterator draws its base seed from the global RNG), so that the loader is then iterated exactly
         as :func:`flatbma.predict.evaluate` alone would.
+
+        A regression BMA (:attr:`likelihood`) gives :func:`flatbma.regression.mixture_metrics` instead: NLL, RMSE,
+        MAE, coverage of central intervals and calibration error (``num_classes`` and ``n_bins`` do not apply).
         """
+        if self.likelihood is not None:
+            return self._regression_metrics(loader)
         if num_classes is None:
             if isinstance(loader, Iterator):  # one-shot: read its first batch and put it back
                 first = next(loader, None)
@@ -318,6 +387,8 @@ class BMA:
         }
         if self.num_data is not None:
             settings["num_data"] = self.num_data
+        if self.likelihood is not None:
+            settings["likelihood"] = {"name": "gaussian", "noise_std": self.likelihood.noise_std}
         write_file(path, self.state, settings)
 
     @classmethod
@@ -352,9 +423,56 @@ class BMA:
             method_config=settings["method"],
             num_data=settings.get("num_data"),
             precision=precision,
+            likelihood=likelihood_of(settings, path),
         )
 
     # ---------------------------------------------------------------- internals
+    def _classifier(self, what: str) -> None:
+        if self.likelihood is not None:
+            raise FlatbmaError(
+                f"{what} is a classifier's, but this BMA is a regression's (a Gaussian likelihood): use "
+                "predict_regression, predict (the predictive mean) or evaluate"
+            )
+
+    def _moments(
+        self, model: nn.Module, samples: Predictions, x: Tensor, *, batched: bool | None
+    ) -> tuple[Tensor, Tensor]:
+        """``(μ, σ²)`` ``[M, B]`` of every sample on the input batch ``x`` (a regression BMA's)."""
+        if self.likelihood is None:
+            raise FlatbmaError(
+                "predict_regression is a regression's, but this BMA is a classifier's: build it with "
+                "likelihood=flatbma.regression.Gaussian(...) (fit_posterior(..., likelihood='gaussian'))"
+            )
+        with torch.no_grad():
+            return self.likelihood.moments(sample_outputs(model, samples, x))
+
+    def _regression_metrics(self, loader: Iterable[Any]) -> dict[str, float]:
+        """:func:`flatbma.regression.mixture_metrics` over the ``(x, y)`` batches of ``loader``."""
+        xs, ys = [], []
+        for batch in loader:
+            x, y = labelled(batch)
+            xs.append(x)
+            ys.append(y)
+        if not xs:
+            raise FlatbmaError("the evaluation data is empty: the loader yields no batch")
+        parts = self._per_batch(xs, self._moments)
+        mu, var = (torch.cat([p[i] for p in parts], dim=1) for i in (0, 1))
+        return mixture_metrics(mu, var, torch.cat(ys).to(mu.device))
+
+    def _per_batch(self, data: Any, fn: Callable[..., Any]) -> list[Any]:
+        """``fn(model, predictions, x, batched=...)`` for every input batch of ``data``, in the prediction mode."""
+        outs: list[Any] = []
+        with self._forward():
+            samples = self._predictions()
+            with self._mode()(self.model):  # entered once: MC dropout's masks run on over the batches
+                for x in _inputs(data):
+                    if not outs:
+                        self._probe(x)  # eval mode within: draws no mask
+                    outs.append(fn(self.model, samples, x.to(self.device), batched=self.batched))
+        if not outs:
+            raise FlatbmaError("there is nothing to predict: the data holds no batch")
+        return outs
+
     def _draw(self, n: int) -> list[Params]:
         with self._forward():
             return self._statistics(self._drawn(n))
@@ -492,6 +610,19 @@ def read_file(path: str | Path) -> tuple[State, dict[str, Any]]:
     except (KeyError, ValueError, TypeError, AttributeError):
         raise FlatbmaError(f"{path}: the state file is damaged (tensor names or metadata); save it again") from None
     return State(step=step, **sections), settings
+
+
+def likelihood_of(settings: Mapping[str, Any], path: str | Path) -> Gaussian | None:
+    """The likelihood a predictor file records (:meth:`BMA.save`): ``None`` for a classifier."""
+    recorded = settings.get("likelihood")
+    if recorded is None:
+        return None
+    try:
+        if recorded["name"] != "gaussian":
+            raise ValueError(recorded["name"])
+        return Gaussian(noise_std=recorded["noise_std"])
+    except (KeyError, TypeError, ValueError, FlatbmaError):
+        raise FlatbmaError(f"{path}: the predictor settings are damaged (likelihood); save it again") from None
 
 
 def read_settings(meta: Mapping[str, str], path: str | Path) -> dict[str, Any]:

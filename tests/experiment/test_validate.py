@@ -191,12 +191,14 @@ def test_the_transfer_pipeline_with_a_short_first_stage_is_refused_before_it_tra
     assert not (tmp_path / "run").exists()
     # a short second stage is fine: the first still collects its 24 snapshots
     shape = validate_run(load_config(path, ["train.epochs=2"]))
-    assert shape == RunShape(steps_per_epoch=4, num_train=100, num_test=1000, num_classes=10, pretrained=True)
+    assert shape == RunShape(
+        steps_per_epoch=4, num_train=100, num_test=1000, num_classes=10, pretrained=True, channels=1
+    )
 
 
 def test_a_config_within_its_means_passes_and_trains(tmp_path):
     cfg = config_from_dict(_config(tmp_path, {"name": "swag", "rank": 3, "start_step": 2, "collect_every": 2}))
-    expected = RunShape(steps_per_epoch=4, num_train=100, num_test=599, num_classes=10)
+    expected = RunShape(steps_per_epoch=4, num_train=100, num_test=599, num_classes=10, channels=1)
     assert validate_run(cfg) == expected  # (8 − 2)/2 = 3 snapshots
     _, metrics = train_run(cfg)
     assert metrics["steps"] == 8

@@ -29,7 +29,8 @@ from flatbma.experiment.config.sections import OptimConfig
 from flatbma.experiment.runner import fit
 from flatbma.models import check_classifier
 from flatbma.params import Objective, model_buffers, trainable_params
-from flatbma.predictor import BMA, read_file, target_device
+from flatbma.predictor import BMA, likelihood_of, read_file, target_device
+from flatbma.regression import Gaussian
 from flatbma.rng import first_batch, forked_rng
 from flatbma.types import Batch, training_batch
 
@@ -48,6 +49,8 @@ def fit_posterior(
     recompute_bn: bool | None = None,
     load_into: bool = False,
     progress: bool = False,
+    likelihood: str = "categorical",
+    noise_std: float | None = None,
     **method_options: Any,
 ) -> BMA:
     """Train ``method`` on ``model`` over ``loader`` for ``epochs`` epochs and return its BMA predictor.
@@ -87,6 +90,13 @@ def fit_posterior(
         recompute_bn: see :class:`~flatbma.predictor.BMA`.
         load_into: write the posterior mean (with the BMA's BatchNorm statistics) into ``model``.
         progress: show a progress bar on a terminal.
+        likelihood: ``categorical`` (a classifier: softmax of the logits, cross-entropy) or ``gaussian``
+            (regression, :class:`flatbma.regression.Gaussian`: the loss is the Gaussian NLL, the batches'
+            targets are floats ``[batch]`` and the predictor's :meth:`~flatbma.predictor.BMA.predict_regression`
+            and :meth:`~flatbma.predictor.BMA.evaluate` give the mixture predictive and its NLL, RMSE and coverage).
+            Laplace (a softmax Gauss-Newton) refuses ``gaussian``.
+        noise_std: with ``gaussian``: ``None`` learns the noise (the model returns ``[batch, 2]``: mean and raw
+            scale), a positive number fixes it (the model returns ``[batch, 1]``).
         **method_options: the method's options (e.g. ``rank=10``, ``rho=0.05``).
 
     Before training, the model is checked with one forward pass on the first batch of ``loader`` (read
@@ -104,13 +114,17 @@ def fit_posterior(
     if not is_int(epochs) or epochs < 1:
         raise FlatbmaError(f"epochs must be a positive integer, got {shown(epochs)}")
     check_seed(seed, "seed")
+    gaussian = _likelihood(likelihood, noise_std)
     config = parse_method(_method_section(method, method_options))
     optim_config = parse_dataclass(OptimConfig, _optim_section(optim, lr), "optim")
     steps, num_data = _sizes(loader)
     train_device = target_device(device, model)
-    _check_first_batch(model, loader)
+    if gaussian is None:
+        _check_first_batch(model, loader)
+    else:
+        _check_first_regression_batch(model, loader, gaussian)
     model.to(train_device)
-    objective = Objective(model=model, num_data=num_data)
+    objective = Objective(model=model, num_data=num_data, **({"loss_fn": gaussian} if gaussian is not None else {}))
     optimizer = optim_config.build(steps_per_epoch=steps, epochs=epochs)
     posterior = config.build(objective, optimizer, map_steps=epochs * steps)
     was_training = model.training
@@ -135,6 +149,7 @@ def fit_posterior(
         device=train_device,
         method_config=config.to_dict(),
         num_data=num_data,
+        likelihood=gaussian,
     )
     if load_into:
         bma.load_into()
@@ -169,7 +184,8 @@ def load_posterior(
     num_data = settings.get("num_data", 1)
     if not is_int(num_data) or num_data < 1:
         raise FlatbmaError(f"{path}: the predictor settings are damaged (num_data {shown(num_data)}); save it again")
-    objective = Objective(model=model, num_data=num_data)
+    gaussian = likelihood_of(settings, path)
+    objective = Objective(model=model, num_data=num_data, **({"loss_fn": gaussian} if gaussian is not None else {}))
     posterior = config.build(objective, OptimConfig().build(steps_per_epoch=1, epochs=1))
     return BMA.load(path, model, posterior, train_loader, device=device)
 
@@ -193,6 +209,56 @@ def _check_first_batch(model: nn.Module, loader: Iterable[Batch]) -> None:
             f"label {int(y[bad][0])} is out of range: the model returns {classes} logits per example, so labels "
             f"must be class indices in [0, {classes})"
         )
+
+
+def _likelihood(name: object, noise_std: object) -> Gaussian | None:
+    """``None`` for ``categorical``; the :class:`~flatbma.regression.Gaussian` of ``gaussian`` with ``noise_std``."""
+    if name == "categorical":
+        if noise_std is not None:
+            raise FlatbmaError("noise_std is the Gaussian likelihood's: give it with likelihood='gaussian'")
+        return None
+    if name == "gaussian":
+        return Gaussian(noise_std=noise_std)  # type: ignore[arg-type]
+    raise FlatbmaError(f"likelihood must be 'categorical' (a classifier) or 'gaussian' (regression), got {shown(name)}")
+
+
+def _check_first_regression_batch(model: nn.Module, loader: Iterable[Batch], gaussian: Gaussian) -> None:
+    """A regression's model and data, checked on the loader's first batch (:func:`fit_posterior`).
+
+    The batch is ``(x, y)`` with floating-point targets ``[batch]``; the model returns ``[batch, outputs]``
+    (:attr:`~flatbma.regression.Gaussian.outputs`: 2 with a learned noise, 1 with a fixed one).
+    """
+    batch = first_batch(loader)
+    if batch is None:
+        raise FlatbmaError("the training loader yields no batch")
+    if not (isinstance(batch, tuple | list) and len(batch) == 2 and all(isinstance(t, torch.Tensor) for t in batch)):
+        raise FlatbmaTypeError(
+            f"a training batch must be a pair (x, y) of inputs and targets, got a {type(batch).__name__}: give a "
+            "DataLoader of (x, y) batches (e.g. over a TensorDataset(x, y))"
+        )
+    x, y = batch
+    if not y.is_floating_point() or y.dim() != 1 or y.shape[0] != x.shape[0]:
+        hint = " (squeeze a [batch, 1] target tensor with y.squeeze(1))" if y.dim() == 2 and y.shape[1] == 1 else ""
+        raise FlatbmaError(
+            f"regression targets must be floating point, one per example ([batch]), got {str(y.dtype)[6:]} of shape "
+            f"{list(y.shape)} for inputs of shape {list(x.shape)}{hint}"
+        )
+    here = target_device(None, model)
+    was_training = model.training
+    try:
+        with torch.random.fork_rng(devices=[]), torch.no_grad():
+            model.eval()
+            out = model(x[:2].to(here))
+    except (RuntimeError, ValueError, IndexError, TypeError) as e:
+        detail = str(e).strip().splitlines()[0][:120] if str(e).strip() else type(e).__name__
+        raise FlatbmaError(f"the model fails on the first batch ({detail}): give inputs it can take") from None
+    finally:
+        model.train(was_training)
+    want = [min(2, x.shape[0]), gaussian.outputs]
+    if not isinstance(out, torch.Tensor) or list(out.shape) != want:
+        got = list(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+        noise = "mean and raw scale: a learned noise" if gaussian.noise_std is None else "the mean: a fixed noise_std"
+        raise FlatbmaError(f"a Gaussian regression model must return {want} ({noise}), got {got}")
 
 
 def _method_section(method: str | Mapping[str, Any], options: Mapping[str, Any]) -> dict[str, Any]:

@@ -81,6 +81,12 @@ def _build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument(
         "--flatness", action="store_true", help="add Hessian spectra and distribution-level flatness to metrics.json"
     )
+    evaluate.add_argument(
+        "--ood",
+        metavar="SET",
+        help="OOD detection against SET (a corruption at severity 5, or a data set; eval.ood): AUROC of the "
+        "predictive entropy and of the mutual information",
+    )
     _add_quiet(evaluate)
 
     compare = sub.add_parser("compare", help="compare methods x seeds: BMA metrics, corruptions, flatness, reports")
@@ -168,6 +174,13 @@ def _out_of_memory(e: BaseException) -> str:
 
 def _print_metrics(metrics: dict) -> None:
     print("  ".join(f"{k}={metrics[k]:.4f}" for k in SUMMARY_KEYS if isinstance(metrics.get(k), (int, float))))
+    ood = metrics.get("ood")
+    if isinstance(ood, dict):
+        mi = ood.get("auroc_mutual_information")
+        print(
+            f"OOD ({ood.get('set')}): AUROC of entropy={ood.get('auroc_entropy'):.4f}  AUROC of mutual "
+            f"information={'–' if mi is None else format(mi, '.4f')}"
+        )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -324,7 +337,7 @@ def _command(argv: Sequence[str] | None) -> None:
     elif args.command == "evaluate":
         device = resolve_device(load_run_config(args.run_dir).train.device)
         with processes.process_group(device), _reporting(args):  # under torchrun: each evaluates a shard
-            metrics = evaluate_run(args.run_dir, flatness=args.flatness)
+            metrics = evaluate_run(args.run_dir, flatness=args.flatness, ood=args.ood)
             main_process = processes.is_main()
         if main_process:
             _print_metrics(metrics)

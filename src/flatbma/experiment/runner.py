@@ -23,6 +23,9 @@ from flatbma.types import Batch, State, StepOutput, Transform
 class EpochLog:
     """Mean training loss and accuracy (of the unperturbed pass) over one epoch.
 
+    Regression targets (floating point: a Gaussian likelihood, :mod:`flatbma.regression`) have no classes; their
+    ``accuracy`` stays 0 and ``loss`` is the Gaussian NLL.
+
     ``stats``: the mean over the epoch's steps of every statistic a step reported
     (:attr:`~flatbma.types.StepOutput.stats`, e.g. ``ascent/mean_shift``), over the steps that reported it.
     ``validation``: values measured after the epoch (early stopping's validation metrics); empty when none.
@@ -242,7 +245,8 @@ class _Running:
         loss = self._scalar(out.loss)
         self.pending.append((step, loss))
         self.loss += loss * len(y)
-        self.correct += (out.logits.argmax(-1) == y).sum().to(self.where)
+        if not y.is_floating_point():  # regression targets (a Gaussian likelihood) have no accuracy: it stays 0
+            self.correct += (out.logits.argmax(-1) == y).sum().to(self.where)
         self.count += len(y)
         for key, value in (out.stats or {}).items():
             total = self.stats.setdefault(key, [self._scalar(0.0), 0])

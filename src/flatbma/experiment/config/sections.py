@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from flatbma.checks import parse_choice
 from flatbma.errors import FlatbmaError
 from flatbma.experiment.config.parse import shown
+from flatbma.ood import check_ood_applies, check_ood_name
 from flatbma.optim import SGD, Adam, constant, cosine
 from flatbma.optim.schedules import Schedule as LearningRate
 from flatbma.options import added, resolved
@@ -394,6 +395,10 @@ class EvalConfig:
             its products costs one product per sample).
         repeatability: repeat λ₁ per sample with another measurement seed and another draw of samples
             (the noise test; doubles the cost of λ₁).
+        ood: the out-of-distribution set of OOD detection (:mod:`flatbma.ood`): a corruption (the
+            test set at severity 5) or another data set (its test split, resized to the run's images); the
+            AUROC of the predictive entropy and of the mutual information go to ``metrics["ood"]``.
+            ``None``: no OOD detection.
     """
 
     num_samples: int = 30
@@ -409,8 +414,11 @@ class EvalConfig:
     trace_probes: int = 4
     distribution_spectrum: bool = True
     repeatability: bool = True
+    ood: str | None = added(None)
 
     def __post_init__(self) -> None:
+        if self.ood is not None:
+            check_ood_name(self.ood)
         for key in (
             "num_samples",
             "n_bins",
@@ -450,6 +458,8 @@ class EvalConfig:
                 f"and the data set decide them): most calibration bins would be empty; use eval.n_bins <= "
                 f"{shape.num_test} (15 suits a thousand examples) or test on more examples"
             )
+        if self.ood is not None and shape.channels is not None:
+            check_ood_applies(self.ood, shape.channels)
         if flatness and shape.num_trainable is not None and self.hessian_k > shape.num_trainable:
             raise FlatbmaError(
                 f"eval.hessian_k={self.hessian_k} eigenvalues were asked for, but the Hessian has only "

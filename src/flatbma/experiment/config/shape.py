@@ -28,6 +28,7 @@ class RunShape:
         pretrained: whether the network starts from a checkpoint (``model.pretrained`` is set).
         available_memory: bytes free where the run trains (:func:`available_memory`), counted with
             ``num_trainable``; ``None`` when not counted or not known.
+        channels: channels of the test images (``eval.ood``'s corruptions need some), or ``None`` when not known.
     """
 
     steps_per_epoch: int
@@ -37,6 +38,7 @@ class RunShape:
     num_classes: int | None = None
     pretrained: bool = False
     available_memory: int | None = None
+    channels: int | None = None
 
 
 @dataclass(frozen=True)

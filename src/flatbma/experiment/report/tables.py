@@ -539,6 +539,45 @@ def _corruption_tables(runs: Sequence[Run], groups: dict[str, list[Run]]) -> lis
     return tables
 
 
+def _ood_getter(key: str) -> Any:
+    return lambda run: as_number(get_path(run, "ood", key))
+
+
+OOD_METRICS = (
+    Metric("ood_auroc_entropy", "AUROC of entropy", _ood_getter("auroc_entropy"), lower="worse", higher="better"),
+    Metric(
+        "ood_auroc_mi",
+        "AUROC of mutual information",
+        _ood_getter("auroc_mutual_information"),
+        lower="worse",
+        higher="better",
+    ),
+    Metric("ood_entropy_in", "entropy, test", _ood_getter("entropy_in")),
+    Metric("ood_entropy_out", "entropy, OOD", _ood_getter("entropy_out")),
+    Metric("ood_mi_in", "mutual information, test", _ood_getter("mutual_information_in")),
+    Metric("ood_mi_out", "mutual information, OOD", _ood_getter("mutual_information_out")),
+)
+"""The OOD-detection table's columns (:mod:`flatbma.ood`)."""
+
+
+def _ood_table(runs: Sequence[Run], groups: dict[str, list[Run]]) -> Table | None:
+    """OOD detection by the BMA's predictive entropy and mutual information, when the runs measured it."""
+    sets = sorted({str(get_path(r, "ood", "set")) for r in runs if isinstance(r.get("ood"), Mapping)})
+    if not sets:
+        return None
+    note = (
+        "AUROC of telling the OOD set from the test set by the score (OOD positive; 0.5 is chance): the BMA's "
+        "predictive entropy H[p̄] (total uncertainty) and its mutual information H[p̄] − E_w H[p_w] (epistemic "
+        "part; 0 for a point estimate, – for the probit predictive). Mean scores in nats."
+    )
+    return _metric_table(
+        f"Out-of-distribution detection: test set against {', '.join(sets)} ({spread_text(groups)})",
+        groups,
+        OOD_METRICS,
+        note,
+    )
+
+
 def report_tables(results: Mapping[str, Any]) -> list[Table]:
     """Every table of the report: results, paired differences, flatness, distribution flatness and cost, corruptions."""
     runs = read_runs(results)
@@ -570,6 +609,9 @@ def report_tables(results: Mapping[str, Any]) -> list[Table]:
         if table is not None:
             tables.append(table)
     tables += _corruption_tables(runs, groups)
+    ood = _ood_table(runs, groups)
+    if ood is not None:
+        tables.append(ood)
     return [_without_empty_columns(t) for t in tables]
 
 

@@ -62,6 +62,7 @@ from flatbma.flatness import (
 )
 from flatbma.flatness.landscape import posterior_landscape, random_direction
 from flatbma.metrics import StreamingMetrics
+from flatbma.ood import ood_dataset, ood_metrics, uncertainty_scores
 from flatbma.precision import autocast
 from flatbma.predict import (
     Predictions,
@@ -310,6 +311,8 @@ def evaluate_state(exp: Experiment, state: State, *, flatness: bool = False) -> 
         metrics["health"] = training_fit(exp, predictions)
         metrics["bn_statistics"] = bn_statistics(exp)
         metrics.update(diagnostics(exp, state))
+        if exp.config.eval.ood is not None:
+            metrics["ood"] = ood_record(exp, predictions)
         if flatness:
             samples = samples if samples is not None else with_bn_statistics(exp, drawn)
             metrics.update(flatness_metrics(exp, state, samples))
@@ -432,6 +435,24 @@ def corruption_metrics(
     return out
 
 
+def ood_record(exp: Experiment, predictions: Predictions) -> dict[str, Any]:
+    """OOD detection by the BMA's uncertainty: the test set against ``eval.ood`` (:mod:`flatbma.ood`).
+
+    Both whole sets on every process (the AUROC needs every score), under forked random generators: nothing
+    measured after it changes.
+    """
+    name = exp.config.eval.ood
+    test = exp.test_loader.dataset
+    batch = exp.config.data.eval_batch_size
+    devices = [exp.device.index or 0] if exp.device.type == "cuda" else []
+    with progress.current().phase("OOD", f"the test set against {name}"), torch.random.fork_rng(devices=devices):
+        shifted = ood_dataset(name, test, seed=exp.config.seed)
+        options = dict(device=exp.device, mode=exp.method.predict_mode, precision=partial(forward_precision, exp))
+        scores_in = uncertainty_scores(exp.model, predictions, torch.utils.data.DataLoader(test, batch), **options)
+        scores_out = uncertainty_scores(exp.model, predictions, torch.utils.data.DataLoader(shifted, batch), **options)
+    return ood_metrics(scores_in, scores_out, name=name, predictive=exp.method.predictive)
+
+
 def landscape_metrics(exp: Experiment, samples: list[Params]) -> dict[str, list[float]]:
     """Training loss of the samples along one filter-normalized random direction (mean ± std over samples).
 
@@ -500,6 +521,8 @@ def measure(
         shifted = averaged[:corruption_samples] if corruption_samples else averaged
         result["corruptions"] = corruption_metrics(exp, shifted, corruptions, severities)
         result["corruption_samples"] = len(shifted)
+        if exp.config.eval.ood is not None:
+            result["ood"] = ood_record(exp, averaged)
         if (flatness or landscape) and samples is None:
             samples = with_bn_statistics(exp, drawn)
         if flatness:

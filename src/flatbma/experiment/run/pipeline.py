@@ -206,8 +206,11 @@ def record_resume(run_dir: str | Path, resume: Resume) -> None:
         append_resume(Path(run_dir) / RESUMES_FILE, resume)
 
 
-def evaluate_run(run_dir: str | Path, *, flatness: bool = False) -> dict[str, Any]:
+def evaluate_run(run_dir: str | Path, *, flatness: bool = False, ood: str | None = None) -> dict[str, Any]:
     """Re-evaluate a finished run from its directory (config + checkpoint) and update metrics.json.
+
+    ``ood``: the OOD set of OOD detection (``eval.ood``, :mod:`flatbma.ood`) for this evaluation, in
+    place of the run's own (which ``None`` keeps); it changes no other number.
 
     Holds the directory's lock (a run that is training is refused, and its temporary files are never
     touched). ``metrics.json`` records the checkpoint it was computed from (``checkpoint``).
@@ -219,6 +222,8 @@ def evaluate_run(run_dir: str | Path, *, flatness: bool = False) -> dict[str, An
     """
     run_dir = Path(run_dir)
     cfg = load_run_config(run_dir)
+    if ood is not None:
+        cfg = dataclasses.replace(cfg, eval=dataclasses.replace(cfg.eval, ood=ood))
     with hold(run_dir, "evaluate"):
         meta = checkpoint_metadata(run_dir / CHECKPOINT_FILE)
         if meta is not None and not training_ended(meta, cfg):
