@@ -381,7 +381,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--transfer-batches", type=int, nargs="+", default=[32, 128])
+    parser.add_argument("--transfer-batches", type=int, nargs="*", default=[32, 128])
     parser.add_argument("--cycle", type=int, default=5, help="updates per timing (a multiple of ascent_every 5)")
     parser.add_argument("--no-cg-sweep", action="store_true", help="FP-BMA with the default CG solve only")
     parser.add_argument("--cases", nargs="*", default=list(CASES), help=f"models of the first table: {list(CASES)}")
@@ -402,7 +402,6 @@ def main(argv: list[str] | None = None) -> None:
         args.rounds, args.cycle, args.no_cg_sweep = 1, 5, True
         args.transfer_batches = [2] if args.transfer_batches else []
         args.trainable_batches = [2] if args.trainable_batches else []
-        CASES.update({case: (kwargs, 2, shape) for case, (kwargs, _, shape) in CASES.items()})
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.device_table:
@@ -421,6 +420,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{'model':<32}{'sgd ms':>10}" + "".join(f"{m + '/sgd':>15}" for m in METHODS if m != "sgd"))
     for case in args.cases:
         kwargs, bs, shape = CASES[case]
+        bs = 2 if args.quick else bs
         t = bench_case(kwargs, bs, shape, args.rounds, args.device, args.cycle)
         ratios = "".join(f"{paired_ratio(t, m):>14.2f}x" for m in METHODS if m != "sgd")
         print(f"{case + f' (batch {bs})':<32}{statistics.median(t['sgd']) * 1e3:>10.1f}{ratios}")
