@@ -83,7 +83,7 @@ from flatbma.gaussian import (
     check_sections,
     from_rows,
     geometry,
-    kl_lowrank,
+    kl_rows,
     packed_rows,
     rows,
     score,
@@ -611,10 +611,14 @@ ascent/kl (the exact KL of the step) and ascent/kl_mean in log.csv and metrics.j
     def _trust_region(self, theta: Mapping[str, Tensor], x: Mapping[str, Tensor], scale: float, gamma: float) -> float:
         """The factor ``t ≤ 1`` with ``KL(q_{θ+t·scale·x} ‖ q_θ) ≤ max_kl_ratio·γ`` (see ``max_kl_ratio``)."""
         bound = self.max_kl_ratio * gamma
+        matrix, step = rows(theta), rows(x)  # x covers every key of θ (natural_gradient)
+        before = matrix[:2].to(torch.float64)
+        whitened_factor = geometry(theta, torch.float64).ut  # cached: the step's own
 
         def within(t: float) -> bool:
-            moved = {k: v + (t * scale) * x[k] if k in x else v for k, v in theta.items()}
-            kl = float(kl_lowrank(moved, theta))
+            # kl_lowrank(θ + t·scale·x, θ) on the packed rows: the same numbers, no per-tensor loop
+            moved = (matrix + (t * scale) * step).to(torch.float64)
+            kl = float(kl_rows(moved, before, whitened_factor).to(matrix.dtype))
             return math.isfinite(kl) and kl <= bound
 
         if within(1.0):
