@@ -11,7 +11,7 @@ demo: setup
 	bash scripts/demo.sh $(ARGS)
 
 test: setup
-	$(PY) -m ruff check src tests bench
+	$(PY) -m ruff check src tests bench scripts
 	OMP_NUM_THREADS=1 $(PY) -m pytest -n 2
 
 bench: setup

@@ -16,6 +16,7 @@ from pathlib import Path
 
 
 def main() -> int:
+    """Run the module or script of ``sys.argv``, print its line (exit, time, peak GPU memory), return its status."""
     label, target, args = sys.argv[1], sys.argv[2], sys.argv[3:]
     sys.argv = [target, *args]
     start = time.perf_counter()
