@@ -206,7 +206,7 @@ def _run_compare(plan: Plan, force: bool, progress: bool, owned: contextlib.Exit
                 phase[me::world], "compare", describe, progress, me, world, kind=lambda k: jobs[k].label
             ):
                 job = jobs[k]
-                width_to = _width_reference(job, jobs, plan, own)
+                width_to = _width_reference(job, jobs, plan)
                 if isinstance(width_to, str):  # its reference row diverged: nothing to match the width to
                     own[k] = _failed_row(job.label, job.candidates[0].config, width_to)
                     with hold(job.row_dir, "compare"):
@@ -299,18 +299,15 @@ def _time_left(took: dict[str, list[float]], remaining: list[str]) -> str:
     return text
 
 
-def _width_reference(
-    job: Job, jobs: list[Job], plan: Plan, own: dict[int, dict[str, Any]] | None = None
-) -> tuple[str, float] | str | None:
+def _width_reference(job: Job, jobs: list[Job], plan: Plan) -> tuple[str, float] | str | None:
     """``(label, tr Σ_ref)`` of the row ``job`` is width-matched to (same seed, from its cache), or ``None``.
 
-    A reference row that diverged gives the failed row's error instead (a text): the row is failed too.
-    ``own``: the rows this process made so far, by index in ``jobs`` (read before the caches).
+    A reference row that diverged (its ``row_error.json``) gives the reason instead (a text): the row is failed too.
     """
     if job.match_width is None:
         return None
-    k, ref = next((i, j) for i, j in enumerate(jobs) if j.label == job.match_width and j.seed == job.seed)
-    row = (own or {}).get(k) or _stored_row(ref, plan.row_key(ref))
+    ref = next(j for j in jobs if j.label == job.match_width and j.seed == job.seed)
+    row = _stored_row(ref, plan.row_key(ref))
     if "error" in row:
         return f"its width reference {ref.label} seed {ref.seed} diverged"
     width = row.get("width")
