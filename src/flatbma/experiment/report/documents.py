@@ -22,7 +22,7 @@ import yaml
 
 from flatbma.experiment.report.figures import FIGURES, FigureSpec
 from flatbma.experiment.report.findings import findings, pairs_of, reference_of
-from flatbma.experiment.report.rows import MISSING, Run, by_method, read_runs, seed_counts
+from flatbma.experiment.report.rows import MISSING, Run, by_method, failed_runs, read_runs, seed_counts
 from flatbma.experiment.report.tables import Table, report_tables
 from flatbma.state_io import atomic_write_bytes, write_error
 
@@ -152,6 +152,10 @@ def _header_lines(results: Mapping[str, Any]) -> list[tuple[str, str]]:
         ("runs", f"{len(runs)} ({len(groups)} methods: {', '.join(groups)}; seeds: {', '.join(seeds) or MISSING})"),
         ("reference", reference_of(results, groups)),
     ]
+    failed = failed_runs(results)
+    if failed:
+        shown = ", ".join(f"{r['method']} seed {r.get('seed')}" for r in failed)
+        lines.append(("diverged", f"{len(failed)} (failed rows, in no mean or paired difference: {shown})"))
     pairs = pairs_of(results, groups)
     if pairs:
         lines.append(("pairs", ", ".join(f"{a} − {b}" for a, b in pairs)))

@@ -39,6 +39,8 @@ from flatbma.experiment.report.rows import (
     by_method,
     clipped,
     decimals_for,
+    diverged_lines,
+    failed_runs,
     format_number,
     get_path,
     read_runs,
@@ -169,7 +171,7 @@ def reference_of(results: Mapping[str, Any], groups: Mapping[str, Sequence[Run]]
         FlatbmaError: if no run of ``results`` has that label.
     """
     reference = get_path(results, "compare", "reference")
-    if reference is None:
+    if reference is None or _only_diverged(results, groups, reference):  # no numbers to compare against
         return next(iter(groups))
     if reference not in groups:
         raise FlatbmaError(
@@ -219,8 +221,19 @@ def check_pairs(pairs: Any, labels: Sequence[str]) -> tuple[tuple[str, str], ...
 
 
 def pairs_of(results: Mapping[str, Any], groups: Mapping[str, Sequence[Run]]) -> tuple[tuple[str, str], ...]:
-    """``compare.pairs`` of ``results`` (:func:`check_pairs` against the methods of ``groups``); ``()`` without."""
-    return check_pairs(get_path(results, "compare", "pairs"), list(groups))
+    """``compare.pairs`` of ``results`` (:func:`check_pairs` against the methods of ``groups``); ``()`` without.
+
+    A pair naming a method whose every seed diverged (no numbers) is left out.
+    """
+    pairs = get_path(results, "compare", "pairs")
+    if isinstance(pairs, Sequence) and not isinstance(pairs, str):
+        pairs = [p for p in pairs if not (isinstance(p, list) and any(_only_diverged(results, groups, m) for m in p))]
+    return check_pairs(pairs, list(groups))
+
+
+def _only_diverged(results: Mapping[str, Any], groups: Mapping[str, Sequence[Run]], method: Any) -> bool:
+    """Whether ``method`` has rows in ``results`` and every one of them diverged (it is in no group)."""
+    return isinstance(method, str) and method not in groups and any(r["method"] == method for r in failed_runs(results))
 
 
 def _by_seed(runs: Sequence[Run], metric: Metric) -> dict[Any, float]:
@@ -310,7 +323,9 @@ def findings(results: Mapping[str, Any]) -> dict[str, Any]:
         whose ``b`` is the reference adds no line, the reference's comparisons have said it); with one
         seed overall, or one method, it is a single line saying that no comparison is claimed. Rows
         flagged by the training-health rules (:mod:`flatbma.experiment.run.health`) come first, one line
-        each, and are listed under ``"health"``.
+        each, and are listed under ``"health"``; before them, one line per method with seeds whose training
+        diverged (failed rows, in no comparison: :func:`~flatbma.experiment.report.rows.diverged_lines`),
+        listed under ``"diverged"``.
     """
     groups = by_method(read_runs(results))
     reference = reference_of(results, groups)
@@ -333,7 +348,7 @@ def findings(results: Mapping[str, Any]) -> dict[str, Any]:
             if b != reference:
                 text += _lines(a, b, [c for c in paired if (c.method, c.reference) == (a, b)])
     flagged = [(m, r) for m, runs in groups.items() for r in runs if is_flagged(r.get("health"))]
-    text = [flagged_line(m, r) for m, r in flagged] + text
+    text = diverged_lines(results) + [flagged_line(m, r) for m, r in flagged] + text
     out = {
         "reference": reference,
         "level": LEVEL,
@@ -344,6 +359,9 @@ def findings(results: Mapping[str, Any]) -> dict[str, Any]:
     }
     if pairs:
         out["pairs"] = [c.to_dict() for c in paired]
+    failed = failed_runs(results)
+    if failed:
+        out["diverged"] = [{"method": r["method"], "seed": r.get("seed"), "error": r["error"]} for r in failed]
     if flagged:
         out["health"] = [{"method": m, "seed": r.get("seed"), "flags": r["health"].get("flags")} for m, r in flagged]
     return out

@@ -19,6 +19,11 @@ Input is the ``results.json`` dict written by ``flatbma compare``::
                "landscape": {"alphas": [...], "mean": [...], "std": [...]} | null,
                "diagnostics": {"prior_precision", "log_evidence", "effective_params": float} (Laplace only)}, ...]}
 
+A row whose training diverged (a *failed row*) has no metrics, only ``{"method", "method_options", "optim",
+"prior", "seed", "run_dir", "error": str}``: :func:`read_runs` leaves it out, so it is in no mean, interval,
+figure or paired difference (those pair the seeds both rows have numbers for), and :func:`diverged_lines`
+says which seeds of which method diverged.
+
 Any field may be missing or null (results of older versions lack the flatness protocol's keys):
 tables then show "–" and a figure without data is skipped with a note.
 
@@ -64,6 +69,8 @@ __all__ = [
     "clipped",
     "corruption_average",
     "decimals_for",
+    "diverged_lines",
+    "failed_runs",
     "format_number",
     "format_value",
     "get_path",
@@ -100,11 +107,48 @@ Run = Mapping[str, Any]
 
 
 def read_runs(results: Mapping[str, Any]) -> list[Run]:
-    """The runs of a ``results.json`` dict, each checked to be a dict with a ``method`` name.
+    """The runs with numbers of a ``results.json`` dict, each checked to be a dict with a ``method`` name.
+
+    Failed rows (an ``error``, no metrics: their training diverged) are left out (:func:`failed_runs`).
 
     Raises:
-        FlatbmaError: if ``results`` is not a dict, has no runs, or a run has no method name.
+        FlatbmaError: if ``results`` is not a dict, has no runs, or a run has no method name, or every run failed.
     """
+    runs = _all_runs(results)
+    measured = [run for run in runs if not _failed(run)]
+    if not measured:
+        raise FlatbmaError(
+            f"every run of results diverged ({runs[0]['method']} seed {runs[0].get('seed')}: {runs[0]['error']}): "
+            "there is nothing to report; lower the learning rate (or the method's step) and compare again"
+        )
+    return measured
+
+
+def failed_runs(results: Mapping[str, Any]) -> list[Run]:
+    """The failed rows of a ``results.json`` dict: those with an ``error`` (their training diverged)."""
+    return [run for run in _all_runs(results) if _failed(run)]
+
+
+def _failed(run: Run) -> bool:
+    return isinstance(run.get("error"), str)
+
+
+def diverged_lines(results: Mapping[str, Any]) -> list[str]:
+    """One line per method with failed rows: how many of its seeds diverged, which, and why (the first error)."""
+    runs = _all_runs(results)
+    lines = []
+    for method, failed in by_method([r for r in runs if _failed(r)]).items():
+        total = sum(1 for r in runs if r["method"] == method)
+        seeds = ", ".join(str(r.get("seed")) for r in failed)
+        lines.append(
+            f"{method}: {len(failed)} of {total} seed{'s' if total != 1 else ''} diverged (seed "
+            f"{seeds}; left out of every mean and paired difference): {failed[0]['error']}"
+        )
+    return lines
+
+
+def _all_runs(results: Mapping[str, Any]) -> list[Run]:
+    """Every row of a ``results.json`` dict, failed ones included, each checked to be a dict with a ``method``."""
     if not isinstance(results, Mapping):
         raise FlatbmaError(f"results must be a dict as written to results.json, not {type(results).__name__}")
     runs = results.get("runs")

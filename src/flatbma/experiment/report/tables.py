@@ -52,6 +52,8 @@ from flatbma.experiment.report.rows import (
     by_method,
     corruption_average,
     decimals_for,
+    diverged_lines,
+    failed_runs,
     format_number,
     format_value,
     get_path,
@@ -218,9 +220,26 @@ def _summary(groups: dict[str, list[Run]]) -> Table:
     return dataclasses.replace(table, rows=rows, note=note, lines=lines)
 
 
+DIVERGED = "diverged"
+"""What the summary table shows in place of the numbers of a method whose every seed diverged."""
+
+
+def _with_diverged(table: Table, results: Mapping[str, Any]) -> Table:
+    """The summary ``table`` with the failed rows said: a "diverged" row for a method with no seed left, a line each."""
+    lines = diverged_lines(results)
+    if not lines:
+        return table
+    shown = {row[0].removesuffix(f" {MARK}") for row in table.rows}
+    gone = [m for m in by_method(failed_runs(results)) if m not in shown]
+    rows = [*table.rows, *([m, *[DIVERGED] * (len(table.header) - 1)] for m in gone)]
+    note = f"{table.note} Diverged seeds (listed below) are failed rows, left out of every mean."
+    return dataclasses.replace(table, rows=rows, note=note, lines=(*lines, *table.lines))
+
+
 def summary_table(results: Mapping[str, Any]) -> str:
     """The main table as Markdown: per method, accuracy … λ₁ and its width over seeds (bold: best)."""
-    return _summary(by_method(read_runs(results))).markdown()
+    table = _with_diverged(_summary(by_method(read_runs(results))), results)
+    return table.markdown() + "".join(f"\n- {line}" for line in diverged_lines(results))
 
 
 def _difference_cells(found: Sequence[Comparison], metrics: Sequence[Metric], i: int, bold: set) -> list[str]:
@@ -582,7 +601,7 @@ def report_tables(results: Mapping[str, Any]) -> list[Table]:
     """Every table of the report: results, paired differences, flatness, distribution flatness and cost, corruptions."""
     runs = read_runs(results)
     groups = by_method(runs)
-    tables = [_summary(groups)]
+    tables = [_with_diverged(_summary(groups), results)]
     for differences in (_differences_table(results, groups), _pairs_table(results, groups)):
         if differences is not None:
             tables.append(differences)

@@ -43,6 +43,14 @@ the same ``tr Σ`` and a flatness comparison between them is not confounded by w
 posterior's Gaussian hook (:func:`flatbma.posteriors.gaussians.rescaled`); the row records
 ``width_matched: {to, factor, ...}``. Under ``torchrun`` these rows are measured in a second phase,
 after every other row (:func:`run_compare`).
+
+**Diverged rows.** A row of one candidate whose training diverges (:class:`~flatbma.errors.DivergenceError`)
+does not stop the comparison: it is a *failed row* ``{method, method_options, optim, prior, seed, run_dir,
+error}`` without metrics, recorded in ``row_error.json`` beside its run (:data:`ROW_ERROR`, with the row key,
+the run's config and what it was trained from) and reused by a rerun as long as those match, so a
+deterministic divergence is not trained again (``--force`` trains it again). A row width-matched to a failed
+row is failed too (nothing to match its width to). The report leaves failed rows out of every mean and
+paired difference and says which seeds of which method diverged (:mod:`flatbma.experiment.report.rows`).
 """
 
 from __future__ import annotations
@@ -51,6 +59,7 @@ import contextlib
 import json
 import sys
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
@@ -58,7 +67,7 @@ from typing import Any, TypeVar
 import yaml
 
 from flatbma import plotting, progress
-from flatbma.errors import FlatbmaError
+from flatbma.errors import DivergenceError, FlatbmaError, FlatbmaWarning
 from flatbma.experiment.config.parse import shown
 from flatbma.experiment.config.run_config import RunConfig
 from flatbma.experiment.parallel import processes
@@ -91,6 +100,8 @@ from flatbma.experiment.study.width import width_matched
 from flatbma.types import State
 
 RESULTS_JSON = "results.json"
+ROW_ERROR = "row_error.json"
+"""A failed row's record in its directory: the row key, the run's config, its source and the error."""
 
 T = TypeVar("T")
 
@@ -196,12 +207,17 @@ def _run_compare(plan: Plan, force: bool, progress: bool, owned: contextlib.Exit
             ):
                 job = jobs[k]
                 width_to = _width_reference(job, jobs, plan)
-                if job.selects:
+                if isinstance(width_to, str):  # its reference row diverged: nothing to match the width to
+                    own[k] = _failed_row(job.label, job.candidates[0].config, width_to)
+                    with hold(job.row_dir, "compare"):
+                        _record_failure(job.row_dir, plan.row_key(job), own[k], None, data, cause="width")
+                    _warn_diverged(own[k], "not measured")
+                elif job.selects:
                     own[k] = _run_selected(job, plan.compare, plan.row_key(job), force, data, width_to)
                 else:
                     elsewhere = first if job.match_width else candidates
                     own[k] = _run_one(job, plan.compare, plan.row_key(job), force, data, width_to, elsewhere)
-    rows = [own[k] if k in own else cached_result(job.row_dir, plan.row_key(job)) for k, job in enumerate(jobs)]
+    rows = [own[k] if k in own else _stored_row(job, plan.row_key(job)) for k, job in enumerate(jobs)]
     results = {
         "config_hash": fingerprint,
         "config": plan.raw,
@@ -209,10 +225,13 @@ def _run_compare(plan: Plan, force: bool, progress: bool, owned: contextlib.Exit
         "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "runs": rows,
     }
-    results["findings"] = findings.findings(results)  # generated from the rows' numbers, quoted by README
+    measured = any("error" not in row for row in rows)
+    # generated from the rows' numbers, quoted by README; none when every row diverged
+    results["findings"] = findings.findings(results) if measured else None
     if me == 0:
         atomic_write_json(plan.out_dir / RESULTS_JSON, results)
-        documents.write_reports(results, plan.out_dir)
+        if measured:
+            documents.write_reports(results, plan.out_dir)
     return results
 
 
@@ -280,12 +299,18 @@ def _time_left(took: dict[str, list[float]], remaining: list[str]) -> str:
     return text
 
 
-def _width_reference(job: Job, jobs: list[Job], plan: Plan) -> tuple[str, float] | None:
-    """``(label, tr Σ_ref)`` of the row ``job`` is width-matched to (same seed, from its cache), or ``None``."""
+def _width_reference(job: Job, jobs: list[Job], plan: Plan) -> tuple[str, float] | str | None:
+    """``(label, tr Σ_ref)`` of the row ``job`` is width-matched to (same seed, from its cache), or ``None``.
+
+    A reference row that diverged (its ``row_error.json``) gives the reason instead (a text): the row is failed too.
+    """
     if job.match_width is None:
         return None
     ref = next(j for j in jobs if j.label == job.match_width and j.seed == job.seed)
-    width = cached_result(ref.row_dir, plan.row_key(ref)).get("width")
+    row = _stored_row(ref, plan.row_key(ref))
+    if "error" in row:
+        return f"its width reference {ref.label} seed {ref.seed} diverged"
+    width = row.get("width")
     if not isinstance(width, dict) or not isinstance(width.get("trace_cov"), (int, float)):
         raise FlatbmaError(
             f"the row of {ref.label!r} (seed {ref.seed}) has no measured width to match {job.label!r} to"
@@ -318,16 +343,96 @@ def _run_one(
         if not force and finished(run_dir, cfg, data):
             cached = read_cache(cache, is_row_cache)
             if fresh(cached, row_key, width_to, source(run_dir, data)):
+                (run_dir / ROW_ERROR).unlink(missing_ok=True)  # an earlier failure of this row is out of date
                 return {**cached["result"], "run_dir": str(run_dir)}  # where the row is now (a comparison may move)
             train_metrics = read_train_metrics(run_dir)
             exp, state = load_run(cfg)
         else:  # measure evaluates the BMA (and more); its clean-test metrics go into metrics.json below
-            trained = train(cfg, force=True, evaluate=False)
+            failed = None if force else _reused_failure(run_dir, row_key, cfg, data)
+            if failed is not None:
+                _warn_diverged(failed, "reused; --force trains it again")
+                return failed
+            try:
+                trained = train(cfg, force=True, evaluate=False)
+            except DivergenceError as e:  # a failed row; the comparison goes on
+                failed = _failed_row(job.label, cfg, str(e))
+                _record_failure(run_dir, row_key, failed, cfg, data, cause="training")
+                _warn_diverged(failed, f"recorded in {run_dir / ROW_ERROR}")
+                return failed
             train_metrics, exp, state = trained.metrics, trained.experiment, trained.state
         result = _measured(job.label, cfg, exp, state, train_metrics, compare, width_to)
         result["selection"] = None
         atomic_write_json(cache, {"fingerprint": row_key, **source(run_dir, data), "result": result})
+        (run_dir / ROW_ERROR).unlink(missing_ok=True)  # an earlier failure of this row is out of date
     return result
+
+
+def _failed_row(label: str, cfg: RunConfig, error: str) -> dict[str, Any]:
+    """The row of run ``cfg`` that has no numbers: its identity and ``error``, why it has none."""
+    resolved = cfg.to_dict()
+    return {
+        "method": label,
+        "method_options": resolved["method"],
+        "optim": resolved["optim"],
+        "prior": cfg.prior.to_dict() if cfg.prior is not None else None,
+        "seed": cfg.seed,
+        "run_dir": str(cfg.output_dir),
+        "error": error,
+    }
+
+
+def _failure_source(run_dir: Path, cfg: RunConfig | None, data: str) -> dict[str, Any]:
+    """What a failed row's record is checked against: the run's config (JSON form), its checkpoint and the data."""
+    config = json.loads(json.dumps(cfg.to_dict(), default=str)) if cfg is not None else None
+    return {"config": config, **source(run_dir, data)}
+
+
+def _record_failure(
+    row_dir: Path, row_key: str, row: dict[str, Any], cfg: RunConfig | None, data: str, *, cause: str
+) -> None:
+    """Write the failed ``row`` into ``row_dir``'s :data:`ROW_ERROR` (atomically), its cache stale."""
+    record = {"fingerprint": row_key, "cause": cause, **_failure_source(row_dir, cfg, data), "result": row}
+    atomic_write_json(row_dir / ROW_ERROR, record)
+
+
+def _is_failure_record(content: Any) -> bool:
+    """A ``row_error.json``: the row key, the cause and a row with a method name and its error."""
+    row = content.get("result") if isinstance(content, dict) else None
+    return (
+        isinstance(row, dict)
+        and isinstance(content.get("fingerprint"), str)
+        and isinstance(row.get("method"), str)
+        and isinstance(row.get("error"), str)
+    )
+
+
+def _reused_failure(run_dir: Path, row_key: str, cfg: RunConfig, data: str) -> dict[str, Any] | None:
+    """The failed row recorded in ``run_dir`` by a training that diverged on this config and data, or ``None``."""
+    record = read_cache(run_dir / ROW_ERROR, _is_failure_record)
+    if record is None or record["fingerprint"] != row_key or record.get("cause") != "training":
+        return None
+    now = _failure_source(run_dir, cfg, data)
+    if any(record.get(key) != value for key, value in now.items()):
+        return None
+    return {**record["result"], "run_dir": str(run_dir)}
+
+
+def _stored_row(job: Job, row_key: str) -> dict[str, Any]:
+    """The row another process (or an earlier turn) left in ``job.row_dir``: a failed row's record, else the cache."""
+    record = read_cache(job.row_dir / ROW_ERROR, _is_failure_record)
+    if record is not None and record["fingerprint"] == row_key:  # _run_one, _run_selected remove it
+        return record["result"]
+    return cached_result(job.row_dir, row_key)
+
+
+def _warn_diverged(row: dict[str, Any], what: str) -> None:
+    """One line on the command line: the row diverged and is left out of the numbers."""
+    warnings.warn(
+        f"{row['method']} seed {row['seed']} diverged ({row['error']}); a failed row, left out of the "
+        f"report's means and paired differences ({what})",
+        FlatbmaWarning,
+        stacklevel=2,
+    )
 
 
 def _measured(
@@ -433,10 +538,12 @@ def _run_selected(
             if selection.unplaced((cached.get("result") or {}).get("selection")) == selection.unplaced(
                 json.loads(json.dumps(record))
             ):
+                (job.row_dir / ROW_ERROR).unlink(missing_ok=True)  # an earlier failure of this row is out of date
                 return {**cached["result"], "run_dir": chosen.config.output_dir, "selection": record}
         exp, state = load_run(cfg)
         train_metrics = read_train_metrics(run_dir)
         result = _measured(job.label, cfg, exp, state, train_metrics, compare, width_to)
         result["selection"] = record
         atomic_write_json(cache, {"fingerprint": row_key, **source(run_dir, data), "result": result})
+        (job.row_dir / ROW_ERROR).unlink(missing_ok=True)  # an earlier failure of this row is out of date
     return result
