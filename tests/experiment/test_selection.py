@@ -10,6 +10,7 @@ diverging candidate left out, and two-stage candidates sharing one first stage.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -147,10 +148,15 @@ def test_entries_carry_their_own_optim(tmp_path: Path) -> None:
 
 
 def test_an_option_that_is_a_list_is_not_a_grid(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    def family(objective, optimizer, ascent=None, *, milestones: tuple[int, ...] = (1,), scale: float = 1.0):
+    @dataclasses.dataclass(frozen=True)
+    class Options:
+        milestones: tuple[int, ...] = (1,)
+        scale: float = 1.0
+
+    def family(objective, optimizer, ascent=None, **options):
         return point.build(objective, optimizer, ascent)
 
-    monkeypatch.setitem(METHODS, "milestones-sgd", MethodSpec("milestones-sgd", "test only", family))
+    monkeypatch.setitem(METHODS, "milestones-sgd", MethodSpec("milestones-sgd", "test only", family, Options))
     plan = load_plan(_write(tmp_path, [{"name": "milestones-sgd", "milestones": [1, 2], "scale": [1.0, 2.0]}]))
     (job,) = plan.jobs()
     assert [c.options for c in job.candidates] == [{"scale": 1.0}, {"scale": 2.0}]
