@@ -102,7 +102,7 @@ def test_evaluate_flatness_prints_a_measurement_that_did_not_repeat(tmp_path, ca
     record = _heavy_tail_record(1979.0)
     metrics = {"accuracy": 0.9, "lambda1": 36647.0, "repeatability": record}
     monkeypatch.setattr(cli, "load_run_config", lambda run_dir: SimpleNamespace(train=SimpleNamespace(device="cpu")))
-    monkeypatch.setattr(cli, "evaluate_run", lambda run_dir, flatness: metrics)
+    monkeypatch.setattr(cli, "evaluate_run", lambda run_dir, flatness, ood=None: metrics)
     argv = ["evaluate", str(tmp_path), *(["--flatness"] if flatness else [])]
     assert main(argv) == 0
     out, err = capsys.readouterr()
