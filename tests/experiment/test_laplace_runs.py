@@ -183,15 +183,17 @@ def test_fit_posterior_predicts_with_the_glm_and_round_trips(tmp_path):
 
 # The resolved configs of the methods registered before Laplace, as the main tree resolved them (sha256 of the
 # sorted JSON of config_from_dict({"method": {"name": NAME}, "train": {"epochs": 3}}).to_dict(), first 16 digits):
-# `flatbma compare` reuses a finished run only when its resolved config is identical, so these must not move.
+# `flatbma compare` reuses a finished run only when its resolved config is identical, so these must not move —
+# except on purpose: SWAG's families (swag, swag-diag, f-swag, multiswag) since their default start_step became
+# null (the last quarter of the updates, issue #25).
 RESOLVED = {
     "sgd": "762dc65b69401fc3",
     "sam": "c329ef725a47fc4b",
     "asam": "1e069deb20dd5463",
     "fsam": "fce450f91d9b6103",
-    "swag": "512b6f88267849b8",
-    "swag-diag": "86d8bf08bef91a6a",
-    "f-swag": "2897908cdcc8825f",
+    "swag": "f3831a282880f426",
+    "swag-diag": "33d25188a381bc99",
+    "f-swag": "6b40355477fdda4b",
     "mfvi": "61737e61052ae155",
     "lowrank-vi": "773c3d52f7b21a68",
     "f-mfvi": "ccad68bd7cc9bb13",
@@ -207,7 +209,7 @@ RESOLVED = {
     "fp-bma": "df41fce0009166a6",
     "sa-bma": "d491cfd8e23f48e7",
     "multi": "d6549a167fda82e5",
-    "multiswag": "315238b89f75662c",
+    "multiswag": "cc8b1b7f24d9c126",
     "multi-fp-bma": "793a3aa91ca4d70d",
 }
 

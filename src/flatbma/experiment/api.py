@@ -14,20 +14,22 @@ this module only when one of them is first used.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from flatbma.checks import check_seed, is_int
 from flatbma.errors import DivergenceError, FlatbmaError, FlatbmaTypeError
-from flatbma.experiment.methods import parse_method
+from flatbma.experiment.logs import EpochLogger
+from flatbma.experiment.methods import MethodConfig, parse_method
 from flatbma.experiment.parse import parse_dataclass, shown
-from flatbma.experiment.runner import fit
+from flatbma.experiment.runner import History, fit
 from flatbma.experiment.sections import OptimConfig
-from flatbma.models import check_classifier
+from flatbma.experiment.validate import RunShape, Stage, available_memory
+from flatbma.models import check_classifier, keep_logits, returns_sequence
 from flatbma.params import Objective, model_buffers, trainable_params
 from flatbma.predictor import BMA, read_file, target_device
 from flatbma.rng import first_batch, forked_rng
@@ -46,8 +48,8 @@ def fit_posterior(
     seed: int = 0,
     device: torch.device | str | None = None,
     recompute_bn: bool | None = None,
-    load_into: bool = False,
-    progress: bool = False,
+    load_into: bool = True,
+    progress: bool = True,
     **method_options: Any,
 ) -> BMA:
     """Train ``method`` on ``model`` over ``loader`` for ``epochs`` epochs and return its BMA predictor.
@@ -65,17 +67,21 @@ def fit_posterior(
        alone): ``init`` and :func:`~flatbma.experiment.runner.fit` with the module in train mode — for
        ``epochs`` epochs plus the method's extra ones (``laplace``, ``f-laplace``: one, the curvature
        pass) —; its train/eval mode is restored afterwards;
-    5. ``BMA(model, method, state, loader, num_samples=..., seed=seed, recompute_bn=...)``, and with
-       ``load_into`` :meth:`BMA.load_into <flatbma.predictor.BMA.load_into>`.
+    5. ``BMA(model, method, state, loader, num_samples=..., seed=seed, recompute_bn=...)`` with the
+       training log in :attr:`BMA.history <flatbma.predictor.BMA.history>` (``log.csv``'s rows), and
+       with ``load_into`` (the default) :meth:`BMA.load_into <flatbma.predictor.BMA.load_into>`: the
+       module then holds the posterior mean with its BatchNorm statistics.
 
     Two-stage runs (a ``prior`` section) and distributed training are the CLI's (``flatbma train``).
 
     Args:
         model: any classifier ``nn.Module`` returning logits; parameters with ``requires_grad=False``
-            stay fixed (not Bayesian). Without ``load_into`` its weights are left as they were.
-        loader: ``(x, y)`` training batches — a DataLoader over a sized dataset (its size scales KL
-            terms and SG-MCMC noise); its dataset, in a fixed order, also serves to recompute BatchNorm
-            statistics.
+            stay fixed (not Bayesian). It ends holding the posterior mean (``load_into``).
+        loader: training batches — a DataLoader over a sized dataset (its size scales KL terms and
+            SG-MCMC noise; its dataset, in a fixed order, also serves to recompute BatchNorm statistics),
+            or any re-iterable of batches, e.g. a list of ``(x, y)`` pairs (its batches and rows are counted
+            once; BatchNorm statistics read it as it is). A one-shot iterator is refused: every epoch reads
+            the data again.
         method: a registered method name (``flatbma methods``) or a method section ``{name: ..., ...}``.
         epochs: passes over ``loader`` (the optimizer's schedule spans them; Laplace adds its curvature pass).
         lr: the peak learning rate (``optim.lr``); ``None`` keeps the section's.
@@ -85,15 +91,26 @@ def fit_posterior(
             initialization noise, dropout masks) and of the BMA's samples.
         device: where to train and predict (the module is moved there); ``None``: the module's device.
         recompute_bn: see :class:`~flatbma.predictor.BMA`.
-        load_into: write the posterior mean (with the BMA's BatchNorm statistics) into ``model``.
-        progress: show a progress bar on a terminal.
+        load_into: write the posterior mean (with the BMA's BatchNorm statistics) into ``model``, so that
+            ``model(x)`` and the flatness functions without ``weights=`` see the posterior's weights, not
+            the initialization; ``False`` leaves the module's weights as they were (flatness functions
+            called on it then warn that they measure those weights: :func:`flatbma.params.held_weights_note`).
+        progress: show progress: a bar on a terminal; wherever ``stderr`` is no terminal (a notebook, a
+            pipe, a log file) one line per epoch, the CLI's (``epoch 3/10  loss ...  acc ...  lr ...``);
+            ``False``: nothing (:mod:`flatbma.progress`).
         **method_options: the method's options (e.g. ``rank=10``, ``rho=0.05``).
 
     Before training, the model is checked with one forward pass on the first batch of ``loader`` (read
     without moving any random stream: :func:`flatbma.rng.first_batch`): the batch is a pair ``(x, y)`` of
-    inputs and 1-D integer labels, the model returns float32 or float64 logits ``[batch, classes]``
-    (:func:`flatbma.models.check_classifier`: no meta or 16-bit weights, something to train) and the labels
-    lie in ``[0, classes)``.
+    inputs and targets or a dict (inputs under ``x``, ``input``, ``inputs``, ``image``, ``images`` or
+    ``pixel_values``, targets under ``y``, ``label``, ``labels``, ``target`` or ``targets``: the first key
+    present, :func:`flatbma.types.split_batch`); targets are 1-D integer labels in ``[0, classes)`` or soft
+    targets, float class probabilities ``[batch, classes]`` (rows ≥ 0 summing to 1; the loss is then
+    ``−Σ_c y_c log p_c``); the model returns float32 or float64 logits ``[batch, classes]``, or a tuple whose
+    first element they are (``(logits, features)``: :func:`flatbma.models.keep_logits` then makes the module
+    return its first element, with a forward hook) (:func:`flatbma.models.check_classifier`: no meta or
+    16-bit weights, something to train). Then the method's options are checked against the run's length
+    as ``flatbma train`` checks them, with the same messages (SWAG's snapshots against its rank, ...).
 
     Raises:
         FlatbmaError: invalid options, model or data (a :class:`~flatbma.errors.FlatbmaTypeError`, also a
@@ -108,10 +125,12 @@ def fit_posterior(
     optim_config = parse_dataclass(OptimConfig, _optim_section(optim, lr), "optim")
     steps, num_data = _sizes(loader)
     train_device = target_device(device, model)
-    _check_first_batch(model, loader)
+    classes = _check_first_batch(model, loader)
+    _check_run(config, model, steps=steps, num_data=num_data, num_classes=classes, epochs=epochs, device=train_device)
     model.to(train_device)
     objective = Objective(model=model, num_data=num_data)
     optimizer = optim_config.build(steps_per_epoch=steps, epochs=epochs)
+    rate = config.learning_rate(optim_config.learning_rate(steps, epochs), epochs * steps)  # SWAG's held rate
     posterior = config.build(objective, optimizer, map_steps=epochs * steps)
     was_training = model.training
     try:
@@ -119,7 +138,16 @@ def fit_posterior(
             state = posterior.init(trainable_params(model), model_buffers(model))
             model.train()
             total = epochs + config.extra_epochs()  # Laplace: the curvature epoch after the MAP's
-            state, _ = fit(posterior, state, loader, epochs=total, device=train_device, progress=progress)
+            log = EpochLogger(Path(), (), epochs=total, learning_rate=rate, history=History(), lines=progress)
+            state, _ = fit(
+                posterior,
+                state,
+                loader,
+                epochs=total,
+                device=train_device,
+                progress=progress,
+                after_epoch=lambda _state, history: log(history),
+            )
     except DivergenceError as e:
         raise DivergenceError(f"{e}; lower the learning rate (e.g. lr={optim_config.lr / 10:g})") from None
     finally:
@@ -133,9 +161,10 @@ def fit_posterior(
         seed=seed,
         recompute_bn=recompute_bn,
         device=train_device,
-        method_config=config.to_dict(),
+        method_config=config.resolved(epochs * steps).to_dict(),  # start_step: null as the run resolved it
         num_data=num_data,
     )
+    bma.history = log.rows
     if load_into:
         bma.load_into()
     return bma
@@ -179,20 +208,73 @@ def _check_model_argument(model: object) -> None:
         raise FlatbmaTypeError(f"model must be a torch.nn.Module, got a {type(model).__name__}")
 
 
-def _check_first_batch(model: nn.Module, loader: Iterable[Batch]) -> None:
-    """The model and the data, checked on the loader's first batch before anything trains (:func:`fit_posterior`)."""
+def _check_run(
+    config: MethodConfig,
+    model: nn.Module,
+    *,
+    steps: int,
+    num_data: int,
+    num_classes: int,
+    epochs: int,
+    device: torch.device,
+) -> None:
+    """Refuse options that ask more of the run than it gives, as ``flatbma train`` does (same check, same words).
+
+    :meth:`MethodConfig.check <flatbma.experiment.methods.MethodConfig.check>` on the run's
+    :class:`~flatbma.experiment.validate.Stage` — e.g. SWAG's snapshots against its rank, SG-MCMC's burn-in,
+    members that do not fit in memory — so that ``fit_posterior`` refuses exactly what the CLI refuses for
+    ``train.epochs`` epochs of ``steps`` updates (the messages name the CLI's keys). The module's weights
+    are what they are: ``prior_mean: pretrained`` reads which were loaded (:func:`flatbma.models.is_pretrained`).
+    """
+    weights = config.needs_weights()
+    shape = RunShape(
+        steps_per_epoch=steps,
+        num_train=num_data,
+        num_test=0,
+        num_trainable=sum(p.numel() for p in model.parameters() if p.requires_grad) if weights else None,
+        num_classes=num_classes,
+        pretrained=True,
+        available_memory=available_memory(device) if weights else None,
+    )
+    config.check(Stage(shape, epochs))
+
+
+def _check_first_batch(model: nn.Module, loader: Iterable[Batch]) -> int:
+    """The model and the data, checked on the loader's first batch before anything trains (:func:`fit_posterior`).
+
+    A model whose forward pass returns a tuple or list gets :func:`~flatbma.models.keep_logits` (its first
+    element is the logits). Returns the number of classes.
+    """
     batch = first_batch(loader)
     if batch is None:
         raise FlatbmaError("the training loader yields no batch")
     x, y = training_batch(batch)
     here = target_device(None, model)  # checked where the model is: a meta module cannot move
-    classes = check_classifier(model, x[:2].to(here), name="the model")
+    try:
+        classes = check_classifier(model, x[:2].to(here), name="the model")
+    except FlatbmaTypeError:  # a tuple output (logits, extras) passed every other check: keep its first element
+        if not (x.is_floating_point() and returns_sequence(model, x[:2].to(here), name="the model")):
+            raise
+        classes = check_classifier(keep_logits(model), x[:2].to(here), name="the model")
+    if y.is_floating_point():  # soft targets: probabilities over the model's classes
+        if y.shape[1] != classes:
+            raise FlatbmaError(
+                f"soft targets have {y.shape[1]} columns but the model returns {classes} logits per example: give "
+                f"class probabilities [batch, {classes}]"
+            )
+        if bool((y < 0).any()) or not torch.allclose(y.sum(-1), torch.ones_like(y[:, 0]), atol=1e-4):
+            raise FlatbmaError(
+                "soft targets must be class probabilities: non-negative rows that sum to 1 (e.g. y.softmax(-1), or "
+                "one-hot and label-smoothed rows)"
+            )
+        return classes
     bad = (y < 0) | (y >= classes)
     if bool(bad.any()):
         raise FlatbmaError(
             f"label {int(y[bad][0])} is out of range: the model returns {classes} logits per example, so labels "
             f"must be class indices in [0, {classes})"
         )
+    return classes
 
 
 def _method_section(method: str | Mapping[str, Any], options: Mapping[str, Any]) -> dict[str, Any]:
@@ -218,15 +300,32 @@ def _optim_section(optim: Mapping[str, Any] | None, lr: float | None) -> dict[st
 
 
 def _sizes(loader: Iterable[Batch]) -> tuple[int, int]:
-    """``(steps per epoch, number of training examples)`` of ``loader``."""
+    """``(steps per epoch, number of training examples)`` of ``loader``.
+
+    A DataLoader over a sized dataset: ``len(loader)`` and ``len(loader.dataset)``. Any other re-iterable of
+    batches (a list of ``(x, y)`` pairs or dicts): read once, with every random stream left as it was
+    (:func:`flatbma.rng.first_batch`'s rule), its batches and their rows counted.
+    """
     dataset = getattr(loader, "dataset", None)
-    try:
-        steps, num_data = len(loader), len(dataset)  # type: ignore[arg-type]
-    except TypeError:
+    if dataset is not None:
+        try:
+            steps, num_data = len(loader), len(dataset)  # type: ignore[arg-type]
+        except TypeError:
+            raise FlatbmaError(
+                f"loader must be a DataLoader over a dataset of known size (its length sets the schedule and the "
+                f"number of examples), got a {type(loader).__name__}"
+            ) from None
+    elif isinstance(loader, Iterable) and not isinstance(loader, Iterator | Tensor | str | Mapping):
+        with torch.random.fork_rng(devices=[]):  # a list draws nothing; another iterable might
+            sizes = [len(training_batch(batch)[0]) for batch in loader]
+        steps, num_data = len(sizes), sum(sizes)
+    else:
         raise FlatbmaError(
-            f"loader must be a DataLoader over a dataset of known size (its length sets the schedule and the "
-            f"number of examples), got a {type(loader).__name__}"
-        ) from None
+            f"loader must be a DataLoader or a re-iterable of batches (a list of (x, y) pairs), got a one-shot "
+            f"{type(loader).__name__}: every epoch reads it again"
+            if isinstance(loader, Iterator)
+            else f"loader must be a DataLoader or a list of (x, y) batches, got a {type(loader).__name__}"
+        )
     if steps == 0 or num_data == 0:
         raise FlatbmaError("the training loader is empty")
     return steps, num_data

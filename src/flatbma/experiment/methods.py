@@ -69,6 +69,15 @@ class MethodSpec:
             the updates before it are those of a run of ``train.epochs`` epochs.
         needs_weights: ``needs_weights(method)``: whether ``check`` needs the number of trained weights
             (:attr:`~flatbma.experiment.validate.RunShape.num_trainable`, which builds the network).
+        start: ``start(map_steps)``, what the family's ``start_step: null`` resolves to for a run of
+            ``map_steps`` = ``train.epochs`` × steps per epoch updates (:meth:`MethodConfig.resolved`);
+            ``None``: the family has no such default. Laplace: ``map_steps`` (the curvature pass after
+            the whole MAP); SWAG: :func:`last_quarter`.
+        hold_lr: with ``start_step: null``, the learning rate is held constant from that start on at the
+            value the schedule reached there (:meth:`MethodConfig.held_from`): SWAG's constant ``swa_lr``
+            over its collection window (Maddox et al. 2019).
+        aliases: other spellings of family options, ``{alias: option}`` (``ensemble``'s ``members``: its
+            ``size``), accepted in a section and recorded under the option's own name.
     """
 
     name: str
@@ -84,6 +93,9 @@ class MethodSpec:
     first_stage: Callable[[MethodConfig, MethodConfig], MethodConfig] | None = None
     extra_epochs: int = 0
     needs_weights: Callable[[MethodConfig], bool] | None = None
+    start: Callable[[int], int] | None = None
+    hold_lr: bool = False
+    aliases: Mapping[str, str] = field(default_factory=dict)
 
     def family_options(self) -> dict[str, inspect.Parameter]:
         """Keyword-only parameters of the family builder."""
@@ -137,6 +149,9 @@ class MethodConfig:
         :attr:`MethodSpec.extra_epochs` whose ``start_step`` is ``null`` (:meth:`resolved`).
         """
         if map_steps is not None:
+            held = self.held_from(map_steps)
+            if held is not None:
+                optimizer = hold_learning_rate(optimizer, held, self.name)
             return self.resolved(map_steps).build(objective, optimizer, prior)
         spec = METHODS[self.name]
         if prior is None:
@@ -181,14 +196,34 @@ class MethodConfig:
         return own or any(v.needs_weights() for v in self.options.values() if isinstance(v, MethodConfig))
 
     def resolved(self, map_steps: int) -> MethodConfig:
-        """This section with ``start_step: null`` set to ``map_steps`` where :attr:`MethodSpec.extra_epochs` asks.
+        """This section with ``start_step: null`` set to :attr:`MethodSpec.start` ``(map_steps)`` (families with one).
 
+        Laplace: ``map_steps`` (its curvature pass follows the whole MAP); SWAG: :func:`last_quarter`.
         Nested sections (``multi``'s ``of``) are resolved the same way.
         """
         options = {k: v.resolved(map_steps) if isinstance(v, MethodConfig) else v for k, v in self.options.items()}
-        if METHODS[self.name].extra_epochs and options.get("start_step", 0) is None:
-            options["start_step"] = map_steps
+        start = METHODS[self.name].start
+        if start is not None and options.get("start_step", 0) is None:
+            options["start_step"] = start(map_steps)
         return dataclasses.replace(self, options=options)
+
+    def held_from(self, map_steps: int) -> int | None:
+        """The update from which the learning rate is held constant (:attr:`MethodSpec.hold_lr`), or ``None``.
+
+        SWAG with ``start_step: null``: :func:`last_quarter` ``(map_steps)``, its collection window's start;
+        a nested section's (MultiSWAG's members share one optimizer). An explicit ``start_step`` keeps the
+        ``optim`` schedule as it is.
+        """
+        spec = METHODS[self.name]
+        if spec.hold_lr and spec.start is not None and self.options.get("start_step", 0) is None:
+            return spec.start(map_steps)
+        nested = (v.held_from(map_steps) for v in self.options.values() if isinstance(v, MethodConfig))
+        return next((h for h in nested if h is not None), None)
+
+    def learning_rate(self, rate: Callable[[int], float], map_steps: int) -> Callable[[int], float]:
+        """The schedule ``step -> η_t`` the method trains with, given the ``optim`` section's ``rate`` (for logs)."""
+        held = self.held_from(map_steps)
+        return rate if held is None else held_schedule(rate, held)
 
     def to_dict(self) -> dict[str, Any]:
         """The resolved section, every option spelled out (written to the run directory)."""
@@ -220,6 +255,72 @@ def register(spec: MethodSpec) -> MethodSpec:
     return spec
 
 
+def last_quarter(map_steps: int) -> int:
+    """SWAG's default ``start_step``: the collection window is the last 25% of the run's updates, ``T − ⌊T/4⌋``.
+
+    With :attr:`MethodSpec.hold_lr` the learning rate over that window is constant — the protocol of
+    Maddox et al. (NeurIPS 2019, §4 and App. D; their code's ``swa_start``/``swa_lr``): train with the
+    usual schedule, then collect one snapshot every ``collect_every`` updates at a constant learning rate
+    ``swa_lr``. (Their CIFAR runs collect over epochs 161–300 of 300 at a constant ``swa_lr`` reached by a
+    linear decay; here the window is the last quarter and ``swa_lr`` is the rate ``optim``'s schedule has
+    reached where the window opens: ``0.146·optim.lr`` for the cosine schedule, ``optim.lr`` for
+    ``constant``.)
+    """
+    return map_steps - map_steps // 4
+
+
+def held_schedule(rate: Callable[[int], float], start: int) -> Callable[[int], float]:
+    """``η_t = rate(min(t, start))``: ``rate`` until update ``start``, then constant at ``rate(start)``."""
+
+    def schedule(step: int) -> float:
+        return rate(min(step, start))
+
+    return schedule
+
+
+def hold_learning_rate(optimizer: Any, start: int, name: str) -> Any:
+    """``optimizer`` with its learning rate held at ``η_start`` from update ``start`` on (:func:`held_schedule`).
+
+    Raises:
+        FlatbmaError: an optimizer without a ``lr`` schedule field (the built-in SGD and Adam have one).
+    """
+    if not (dataclasses.is_dataclass(optimizer) and any(f.name == "lr" for f in dataclasses.fields(optimizer))):
+        raise FlatbmaError(
+            f"{name} with method.start_step: null holds the learning rate constant over its collection window, which "
+            f"needs an optimizer with a lr schedule (sgd, adam), got a {type(optimizer).__name__}: set "
+            "method.start_step"
+        )
+    return dataclasses.replace(optimizer, lr=held_schedule(optimizer.learning_rate, start))
+
+
+def _default_start(build: Callable[..., Posterior]) -> Callable[..., Posterior]:
+    """``build`` whose ``start_step`` defaults to ``None`` (:attr:`MethodSpec.start` resolves it from the run's length).
+
+    Its signature says so (the registry reads options and defaults from it); a ``None`` that reaches it
+    unresolved is refused in one line.
+    """
+
+    def family(objective: Any, optimizer: Any, ascent: Ascent | None = None, **options: Any) -> Posterior:
+        if options.get("start_step") is None:
+            raise FlatbmaError(
+                "method.start_step: null (the last quarter of the updates) is resolved from the run's length: build "
+                "the method with map_steps= (fit_posterior and flatbma train do), or give start_step"
+            )
+        return build(objective, optimizer, ascent, **options)
+
+    sig = inspect.signature(build)
+    family.__signature__ = sig.replace(  # type: ignore[attr-defined]
+        parameters=[
+            p.replace(default=None, annotation="int | None") if p.name == "start_step" else p
+            for p in sig.parameters.values()
+        ]
+    )
+    family.__annotations__ = {**build.__annotations__, "start_step": "int | None"}
+    family.__wrapped__ = build  # type: ignore[attr-defined]  # its annotations' namespace
+    family.__name__ = family.__qualname__ = f"{build.__name__}_collecting_last"
+    return family
+
+
 def parse_method(data: Any, where: str = "method") -> MethodConfig:
     """Parse the ``method`` config section: ``{name: sam, rho: 0.05, ...}``."""
     if isinstance(data, str):
@@ -241,7 +342,12 @@ def parse_method(data: Any, where: str = "method") -> MethodConfig:
     for key, value in data.items():
         if key == "name":
             continue
-        if key in ascent_opts:
+        if key in spec.aliases:  # another spelling of a family option (ensemble's members: its size)
+            option = spec.aliases[key]
+            if option in data:
+                raise FlatbmaError(f"{where}.{key} and {where}.{option} are one option ({key} is its alias): keep one")
+            options[option] = coerce(value, hints[option], f"{where}.{key}")
+        elif key in ascent_opts:
             ascent_data[key] = value
         elif key in amortized_opts:
             amortized_data[key] = value
@@ -252,7 +358,7 @@ def parse_method(data: Any, where: str = "method") -> MethodConfig:
         elif key in family_opts:
             options[key] = coerce(value, hints[key], f"{where}.{key}")
         else:
-            valid = sorted([*family_opts, *ascent_opts, *amortized_opts])
+            valid = sorted([*family_opts, *ascent_opts, *amortized_opts, *spec.aliases])
             raise FlatbmaError(
                 f"unknown config key {shown(f'{where}.{key}')} for method {shown(name)}.{suggest(str(key), valid)} "
                 f"Valid keys: {', '.join(valid) if valid else '(none)'}"
@@ -298,19 +404,23 @@ def check_snapshots(method: MethodConfig, stage: Stage) -> None:
     if low_rank and o["rank"] < 2:
         return  # the builder refuses it with its own message
     needed = o["rank"] if low_rank else 2
-    start, every = o["start_step"], o["collect_every"]
+    every = o["collect_every"]
+    default = o["start_step"] is None  # the last quarter of the stage's updates (MethodSpec.start)
+    start = METHODS[method.name].start(stage.steps) if default else o["start_step"]  # type: ignore[misc]
 
     def count(steps: int) -> int:
-        return swag.snapshots(steps, start_step=start, collect_every=every)
+        first = METHODS[method.name].start(steps) if default else start  # type: ignore[misc]
+        return swag.snapshots(steps, start_step=first, collect_every=every)
 
     got = count(stage.steps)
     if got >= needed:
         return
     purpose = f"for {key('rank')}={needed}" if low_rank else "to sample (a variance takes two)"
     lower = f"{key('start_step')} or {key('collect_every')}" + (f", or {key('rank')}" if low_rank else "")
+    shown_start = f"null (the last quarter: {start})" if default else f"{start}"
     raise FlatbmaError(
         f"{method.name} needs >= {needed} snapshots {purpose}, but {stage.describe()} with {key('start_step')}="
-        f"{start} and {key('collect_every')}={every} collect {got}: raise {stage.epochs_key} to >= "
+        f"{shown_start} and {key('collect_every')}={every} collect {got}: raise {stage.epochs_key} to >= "
         f"{stage.epochs_for(stage.steps_for(count, needed))}, or lower {lower}"
     )
 
@@ -356,31 +466,39 @@ register(
 
 
 # Posterior families; every F- variant is the same family composed with SAM (Nguyen et al. 2023).
+# SWAG's start_step defaults to null: the last quarter of the updates at a held learning rate (last_quarter).
+_SWAG = _default_start(swag.build)
 register(
     MethodSpec(
         "swag",
         "SWAG: diagonal + low-rank Gaussian of SGD iterates (Maddox et al. 2019)",
-        swag.build,
+        _SWAG,
         gaussian=True,
         check=check_snapshots,
+        start=last_quarter,
+        hold_lr=True,
     )
 )
 register(
     MethodSpec(
         "swag-diag",
         "SWAG-Diagonal: diagonal Gaussian of SGD iterates (Maddox 2019)",
-        swag.build_diag,
+        _default_start(swag.build_diag),
         check=check_snapshots,
+        start=last_quarter,
+        hold_lr=True,
     )
 )
 register(
     MethodSpec(
         "f-swag",
         "F-SWAG: SWAG collected along a SAM trajectory (Nguyen et al. 2023)",
-        swag.build,
+        _SWAG,
         SAM,
         gaussian=True,
         check=check_snapshots,
+        start=last_quarter,
+        hold_lr=True,
     )
 )
 
@@ -472,6 +590,7 @@ register(
         ensemble.build,
         check=check_member_memory,
         needs_weights=_always,
+        aliases={"members": "size"},
     )
 )
 register(
@@ -482,6 +601,7 @@ register(
         SAM,
         check=check_member_memory,
         needs_weights=_always,
+        aliases={"members": "size"},
     )
 )
 register(
@@ -718,6 +838,11 @@ _LAPLACE_PRIOR = (
 )
 
 
+def _whole_map(map_steps: int) -> int:
+    """Laplace's ``start_step: null``: the curvature pass starts after the whole MAP (``train.epochs`` of updates)."""
+    return map_steps
+
+
 def _full_hessian(method: MethodConfig) -> bool:
     return Hessian(method.options["hessian"]) is Hessian.FULL
 
@@ -732,6 +857,7 @@ def _laplace(
         ascent,
         check=check_laplace,
         extra_epochs=1,
+        start=_whole_map,
         needs_weights=_full_hessian,
         prior_refusal=_LAPLACE_PRIOR,
         **kw,

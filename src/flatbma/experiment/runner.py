@@ -16,12 +16,15 @@ from torch import Tensor
 
 from flatbma.errors import DivergenceError
 from flatbma.progress import current
-from flatbma.types import Batch, State, StepOutput, Transform
+from flatbma.types import Batch, State, StepOutput, Transform, training_batch
 
 
 @dataclass
 class EpochLog:
     """Mean training loss and accuracy (of the unperturbed pass) over one epoch.
+
+    With soft targets (class probabilities ``[batch, classes]``) the accuracy is the agreement of the
+    logits' top class with the targets' most probable class.
 
     ``stats``: the mean over the epoch's steps of every statistic a step reported
     (:attr:`~flatbma.types.StepOutput.stats`, e.g. ``ascent/mean_shift``), over the steps that reported it.
@@ -124,7 +127,8 @@ def fit(
     Args:
         method: any transform (optimizer or posterior).
         state: its initial (or resumed) state.
-        loader: iterable of ``(x, y)`` batches (moved to ``device`` here). For exact resumption its
+        loader: re-iterable of ``(x, y)`` batches or dict batches (:func:`flatbma.types.split_batch`'s keys),
+            ``y`` integer labels or class probabilities (moved to ``device`` here). For exact resumption its
             shuffling generator is read from ``loader.generator`` (a ``torch.utils.data.DataLoader``).
         epochs: total number of epochs.
         device: where batches go.
@@ -168,7 +172,8 @@ def fit(
         applied = resume.batch if resume is not None else 0
         resume = None
         bar = reporter.bar(batches, total=total, initial=applied, desc=f"epoch {epoch + 1}/{epochs}", enabled=progress)
-        for x, y in bar:
+        for batch in bar:
+            x, y = training_batch(batch) if isinstance(batch, Mapping) else batch  # a dict: its x and y keys
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             try:
                 state, out = method.update(state, (x, y))
@@ -242,7 +247,8 @@ class _Running:
         loss = self._scalar(out.loss)
         self.pending.append((step, loss))
         self.loss += loss * len(y)
-        self.correct += (out.logits.argmax(-1) == y).sum().to(self.where)
+        labels = y.argmax(-1) if y.is_floating_point() and y.dim() == 2 else y  # soft targets: their top class
+        self.correct += (out.logits.argmax(-1) == labels).sum().to(self.where)
         self.count += len(y)
         for key, value in (out.stats or {}).items():
             total = self.stats.setdefault(key, [self._scalar(0.0), 0])

@@ -288,7 +288,7 @@ def _train_stage(
     if distributed.is_main() and cfg.train.progress:
         done = f", resumed after epoch {len(history.epochs)}" if resume else ""
         progress.current().line(f"train: {cfg.method.name} into {run_dir}, {cfg.epochs} epochs of {steps} steps{done}")
-    rate = cfg.optim.learning_rate(steps_per_epoch=steps, epochs=cfg.train.epochs)
+    rate = cfg.method.learning_rate(cfg.optim.learning_rate(steps, cfg.train.epochs), cfg.train.epochs * steps)
     logger: EpochLogger | None = None
     logged = History(list(history.epochs))  # what the logs hold when the loop starts (fit appends to history)
 

@@ -1,0 +1,153 @@
+"""``fit_posterior``'s defaults (issue #25): a fitted module that holds its posterior, a training history,
+progress wherever ``stderr`` is no terminal, and flatness functions that say which weights they measure."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import flatbma
+from flatbma.errors import FlatbmaWarning
+from flatbma.experiment.logs import COLUMNS
+from flatbma.experiment.sections import OptimConfig
+from flatbma.flatness import hessian_eigenvalues
+
+
+def _data(n: int = 240, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 6, generator=g)
+    return x, (x[:, :3] + 0.3 * x[:, 3:]).argmax(1)
+
+
+def _net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 3))
+
+
+def _loader() -> DataLoader:
+    return DataLoader(TensorDataset(*_data()), batch_size=48, shuffle=True)
+
+
+def _weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {**dict(model.named_parameters()), **dict(model.named_buffers())}
+
+
+def test_the_module_holds_the_posterior_mean_with_its_statistics_by_default():
+    model = _net()
+    start = copy.deepcopy(model.state_dict())
+    bma = flatbma.fit_posterior(model, _loader(), "swag", epochs=6, lr=0.05, rank=4, start_step=10, collect_every=2)
+    own, mean = _weights(model), bma.mean()  # SWA mean, BatchNorm statistics recomputed at it
+    assert all(torch.equal(own[k], v) for k, v in mean.items())
+    assert not torch.equal(own["1.running_mean"], start["1.running_mean"])
+    x = _data(90, seed=5)[0]
+    model.eval()
+    point = flatbma.bma_log_probs(model, [mean], x)
+    torch.testing.assert_close(model(x).log_softmax(-1), point)  # model(x) is the posterior mean's network
+
+    kept = _net()
+    flatbma.fit_posterior(kept, _loader(), "sgd", epochs=2, lr=0.05, load_into=False, progress=False)
+    assert all(torch.equal(v, start[k]) for k, v in kept.state_dict().items())
+
+
+def test_history_holds_the_rows_of_the_clis_log_csv():
+    loader = _loader()
+    bma = flatbma.fit_posterior(_net(), loader, "sgd", epochs=3, lr=0.05, progress=False)
+    assert [row["epoch"] for row in bma.history] == [1, 2, 3]
+    assert all(tuple(row)[: len(COLUMNS)] == COLUMNS for row in bma.history)
+    rate = OptimConfig(lr=0.05).learning_rate(steps_per_epoch=len(loader), epochs=3)
+    for row in bma.history:
+        assert row["steps"] == len(loader) and row["time_s"] >= 0 and 0 <= row["accuracy"] <= 1
+        assert row["lr"] == rate(row["epoch"] * len(loader) - 1)  # the schedule at the epoch's last step
+    assert bma.history[-1]["loss"] < bma.history[0]["loss"]
+    laplace = flatbma.fit_posterior(_net(), loader, "laplace", epochs=2, lr=0.05, hessian="diag", progress=False)
+    assert [row["epoch"] for row in laplace.history] == [1, 2, 3]  # its curvature epoch too
+
+
+def test_progress_prints_one_line_per_epoch_where_stderr_is_no_terminal(capsys):
+    flatbma.fit_posterior(_net(), _loader(), "sgd", epochs=3, lr=0.05)  # pytest's stderr: no terminal
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("epoch ")]
+    assert [line.split()[1] for line in lines] == ["1/3", "2/3", "3/3"]
+    assert all(" loss " in line and " acc " in line for line in lines)
+    flatbma.fit_posterior(_net(), _loader(), "sgd", epochs=2, lr=0.05, progress=False)
+    assert capsys.readouterr().err == ""
+
+
+def test_flatness_on_a_predictors_module_says_which_weights_it_measures():
+    loader = _loader()
+    kept = _net()
+    bma = flatbma.fit_posterior(kept, loader, "sgd", epochs=2, lr=0.05, load_into=False, progress=False)
+    with pytest.warns(FlatbmaWarning, match=r"does not hold its posterior mean.*weights=bma\.mean\(\)"):
+        hessian_eigenvalues(kept, loader, k=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FlatbmaWarning)
+        at_mean = hessian_eigenvalues(kept, loader, k=1, weights=bma.mean())  # said which: no warning
+        bma.load_into()
+        loaded = hessian_eigenvalues(kept, loader, k=1)  # the module now holds the mean: no warning
+        torch.testing.assert_close(loaded, at_mean)
+        held = _net()
+        flatbma.fit_posterior(held, loader, "sgd", epochs=2, lr=0.05, progress=False)
+        hessian_eigenvalues(held, loader, k=1)  # the default: the posterior mean
+    with torch.no_grad():
+        held[0].weight.add_(1.0)  # changed since: the module no longer holds the mean
+    with pytest.warns(FlatbmaWarning, match="changed since"):
+        hessian_eigenvalues(held, loader, k=1)
+
+
+# --- SWAG's default window, validated as the CLI validates ----------------------------------------------
+
+
+def test_default_swag_collects_over_the_last_quarter_at_the_rate_reached_there():
+    """``start_step: null`` = the last 25% of the updates, the learning rate held there (Maddox et al.'s swa_lr).
+
+    Checked against the same run written out: ``swag.build(start_step=T − ⌊T/4⌋)`` with the cosine schedule
+    frozen at its value there.
+    """
+    from flatbma.experiment.methods import last_quarter, parse_method
+    from flatbma.optim import SGD, cosine
+    from flatbma.posteriors import swag
+
+    config = parse_method("swag")
+    assert config.options["start_step"] is None and config.resolved(100).options["start_step"] == 75
+    assert last_quarter(10) == 8  # 10 − ⌊10/4⌋: the window is the last 2 updates of 10
+    loader = DataLoader(TensorDataset(*_data(80)), batch_size=16)  # 5 steps per epoch, no shuffling
+    epochs, steps = 8, 40
+    bma = flatbma.fit_posterior(_net(), loader, "swag", epochs=epochs, lr=0.05, rank=3, collect_every=2, progress=False)
+    assert int(bma.state.aux[swag.N_COLLECTED]) == 5  # updates 32..40: snapshots at 32, 34, 36, 38, 40
+    peak = cosine(0.05, steps)
+    assert [row["lr"] for row in bma.history[-2:]] == [peak(30), peak(30)]  # held from update 30 on
+    assert bma.method_config["start_step"] == 30  # recorded as the run resolved it
+
+    model = _net()
+    held = SGD(lr=lambda t: peak(min(t, 30)), momentum=0.9, weight_decay=5e-4)
+    manual = swag.build(flatbma.Objective(model, num_data=80), held, rank=3, start_step=30, collect_every=2)
+    state = manual.init(flatbma.trainable_params(model), flatbma.model_buffers(model))
+    from flatbma.experiment.runner import fit
+    from flatbma.rng import forked_rng
+
+    with forked_rng(0):
+        model.train()
+        state, _ = fit(manual, state, loader, epochs=epochs, progress=False)
+    for key, value in state.aux.items():
+        assert torch.equal(value, bma.state.aux[key]), key
+
+
+def test_fit_posterior_refuses_default_swag_as_the_cli_does_with_the_same_message():
+    from flatbma.errors import FlatbmaError
+    from flatbma.experiment.methods import parse_method
+    from flatbma.experiment.validate import RunShape, Stage
+
+    loader = _loader()  # 5 steps per epoch
+    with pytest.raises(FlatbmaError) as info:
+        flatbma.fit_posterior(_net(), loader, "swag", epochs=10, lr=0.05, progress=False)
+    with pytest.raises(FlatbmaError) as cli:  # what flatbma train checks for train.epochs=10 of the same loader
+        parse_method("swag").check(Stage(RunShape(steps_per_epoch=len(loader), num_train=240, num_test=0), 10))
+    assert str(info.value) == str(cli.value)
+    assert str(info.value).startswith("swag needs >= 20 snapshots for method.rank=20, but train.epochs=10 × 5 steps")
+    assert "start_step=null (the last quarter: 38)" in str(info.value)
+    with pytest.raises(FlatbmaError, match="swag needs >= 4 snapshots"):  # an explicit window is checked too
+        flatbma.fit_posterior(_net(), loader, "swag", epochs=2, rank=4, start_step=5, collect_every=5)
