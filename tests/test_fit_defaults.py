@@ -151,3 +151,108 @@ def test_fit_posterior_refuses_default_swag_as_the_cli_does_with_the_same_messag
     assert "start_step=null (the last quarter: 38)" in str(info.value)
     with pytest.raises(FlatbmaError, match="swag needs >= 4 snapshots"):  # an explicit window is checked too
         flatbma.fit_posterior(_net(), loader, "swag", epochs=2, rank=4, start_step=5, collect_every=5)
+
+
+# --- any batches, targets and outputs ------------------------------------------------------------------
+
+
+class _Dicts(torch.utils.data.Dataset):
+    """The data of :func:`_data` as dicts under ``keys`` (what a Hugging Face style dataset yields)."""
+
+    def __init__(self, keys: tuple[str, str] = ("x", "y")) -> None:
+        self.x, self.y = _data()
+        self.keys = keys
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {self.keys[0]: self.x[i], self.keys[1]: self.y[i], "id": torch.tensor(i)}
+
+
+class _WithFeatures(nn.Module):
+    """A classifier returning ``(logits, features)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        net = _net()
+        self.body, self.head = net[:3], net[3]  # _net()'s weights, under other names
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        features = self.body(x)
+        return self.head(features), features
+
+
+def _fit(model, loader, **kw):
+    return flatbma.fit_posterior(model, loader, "sgd", epochs=2, lr=0.05, progress=False, **kw)
+
+
+def test_dict_batches_train_as_the_same_pairs():
+    pairs = _fit(_net(), DataLoader(TensorDataset(*_data()), batch_size=48))
+    for keys in (("x", "y"), ("image", "label"), ("pixel_values", "labels")):
+        dicts = _fit(_net(), DataLoader(_Dicts(keys), batch_size=48))
+        for k, v in pairs.state.params.items():
+            assert torch.equal(v, dicts.state.params[k]), (keys, k)
+    x = _data(20, seed=5)[0]
+    assert torch.equal(dicts.predict_log_proba({"pixel_values": x}), pairs.predict_log_proba(x))
+    with pytest.raises(flatbma.FlatbmaError, match=r"a dict batch must hold its inputs .* got the keys 'a', 'b'"):
+        _fit(_net(), [{"a": x, "b": x}])
+
+
+def test_soft_targets_are_the_cross_entropy_with_probabilities():
+    """One-hot rows train exactly as their labels; smoothed rows minimize ``−Σ_c y_c log p_c``."""
+    x, y = _data()
+    one_hot = torch.nn.functional.one_hot(y, 3).float()
+    hard = _fit(_net(), DataLoader(TensorDataset(x, y), batch_size=48))
+    soft = _fit(_net(), DataLoader(TensorDataset(x, one_hot), batch_size=48))
+    for k, v in hard.state.params.items():
+        torch.testing.assert_close(soft.state.params[k], v, rtol=1e-5, atol=1e-6)
+    assert [r["accuracy"] for r in soft.history] == [r["accuracy"] for r in hard.history]  # the top class
+    smooth = 0.9 * one_hot + 0.1 / 3
+    model = _net()
+    bma = _fit(model, DataLoader(TensorDataset(x, smooth), batch_size=240))  # one full batch per step
+    first = bma.history[0]["loss"]
+    with torch.no_grad():
+        start = _net().train()(x)
+    assert first == pytest.approx(float(-(smooth * start.log_softmax(-1)).sum(-1).mean()), rel=1e-6)
+    with pytest.raises(flatbma.FlatbmaError, match="soft targets must be class probabilities"):
+        _fit(_net(), [(x[:8], 2 * one_hot[:8])])
+    with pytest.raises(flatbma.FlatbmaError, match="soft targets have 4 columns"):
+        _fit(_net(), [(x[:8], torch.full((8, 4), 0.25))])
+
+
+def test_a_model_returning_a_tuple_trains_on_its_first_element():
+    loader = DataLoader(TensorDataset(*_data()), batch_size=48)
+    plain = _fit(_net(), loader)
+    model = _WithFeatures()
+    tupled = _fit(model, loader)
+    flat = {k.replace("body.", "").replace("head.", "3."): v for k, v in tupled.state.params.items()}
+    for k, v in plain.state.params.items():
+        assert torch.equal(v, flat[k]), k
+    x = _data(20, seed=5)[0]
+    assert torch.equal(tupled.predict_log_proba(x), plain.predict_log_proba(x))
+    assert model.eval()(x).shape == (20, 3)  # the module now returns its logits
+
+
+def test_a_list_of_batches_is_a_loader():
+    x, y = _data()
+    batches = [(x[i : i + 48], y[i : i + 48]) for i in range(0, 240, 48)]
+    listed = _fit(_net(), batches)
+    loaded = _fit(_net(), DataLoader(TensorDataset(x, y), batch_size=48))
+    for k, v in loaded.state.params.items():
+        assert torch.equal(v, listed.state.params[k]), k
+    assert [r["steps"] for r in listed.history] == [5, 5]
+    with pytest.raises(flatbma.FlatbmaError, match="one-shot"):
+        _fit(_net(), iter(batches))
+
+
+def test_members_is_the_one_spelling_of_the_number_of_members():
+    from flatbma.experiment.methods import parse_method
+
+    assert parse_method({"name": "ensemble", "members": 3}) == parse_method({"name": "ensemble", "size": 3})
+    assert parse_method({"name": "f-ensemble", "members": 2}).options["size"] == 2
+    assert parse_method({"name": "multiswag", "members": 2}).options["members"] == 2
+    with pytest.raises(flatbma.FlatbmaError, match="one option"):
+        parse_method({"name": "ensemble", "members": 3, "size": 3})
+    bma = flatbma.fit_posterior(_net(), _loader(), "ensemble", epochs=1, members=2, progress=False)
+    assert bma.method_config["size"] == 2 and len(bma.samples) == 2
