@@ -256,3 +256,23 @@ def test_members_is_the_one_spelling_of_the_number_of_members():
         parse_method({"name": "ensemble", "members": 3, "size": 3})
     bma = flatbma.fit_posterior(_net(), _loader(), "ensemble", epochs=1, members=2, progress=False)
     assert bma.method_config["size"] == 2 and len(bma.samples) == 2
+
+
+# --- Laplace: a BMA worse than its MAP says so ----------------------------------------------------------
+
+
+def test_a_laplace_bma_worse_than_its_map_warns_on_validation_or_training_data():
+    loader = _loader()
+    val = DataLoader(TensorDataset(*_data(90, seed=5)), batch_size=45)
+    wide = dict(hessian="diag", prior_precision=1e-3, num_samples=8, progress=False)  # a far too wide posterior
+    with pytest.warns(FlatbmaWarning, match=r"laplace BMA's validation NLL .* is worse than its MAP's .*δ = 0\.001"):
+        bma = flatbma.fit_posterior(_net(), loader, "laplace", epochs=3, lr=0.05, val_loader=val, **wide)
+    point = flatbma.evaluate(bma.model, [bma.method.mean(bma.state)], val, num_classes=3)
+    assert bma.evaluate(val)["nll"] > point["nll"]  # what the warning says, recomputed
+    with pytest.warns(FlatbmaWarning, match="laplace BMA's training NLL"):
+        flatbma.fit_posterior(_net(), loader, "laplace", epochs=3, lr=0.05, **wide)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FlatbmaWarning)
+        narrow = dict(hessian="diag", prior_precision=1e6, num_samples=8, progress=False)  # ≈ the MAP: no warning
+        flatbma.fit_posterior(_net(), loader, "laplace", epochs=3, lr=0.05, val_loader=val, **narrow)
+        flatbma.fit_posterior(_net(), loader, "sgd", epochs=1, lr=0.05, val_loader=val, progress=False)  # no MAP check

@@ -14,6 +14,7 @@ this module only when one of them is first used.
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from flatbma.checks import check_seed, is_int
-from flatbma.errors import DivergenceError, FlatbmaError, FlatbmaTypeError
+from flatbma.errors import DivergenceError, FlatbmaError, FlatbmaTypeError, FlatbmaWarning
 from flatbma.experiment.logs import EpochLogger
 from flatbma.experiment.methods import MethodConfig, parse_method
 from flatbma.experiment.parse import parse_dataclass, shown
@@ -31,9 +32,10 @@ from flatbma.experiment.sections import OptimConfig
 from flatbma.experiment.validate import RunShape, Stage, available_memory
 from flatbma.models import check_classifier, keep_logits, returns_sequence
 from flatbma.params import Objective, model_buffers, trainable_params
+from flatbma.predict import evaluate
 from flatbma.predictor import BMA, read_file, target_device
 from flatbma.rng import first_batch, forked_rng
-from flatbma.types import Batch, training_batch
+from flatbma.types import Batch, split_batch, training_batch
 
 
 def fit_posterior(
@@ -50,6 +52,7 @@ def fit_posterior(
     recompute_bn: bool | None = None,
     load_into: bool = True,
     progress: bool = True,
+    val_loader: Iterable[Batch] | None = None,
     **method_options: Any,
 ) -> BMA:
     """Train ``method`` on ``model`` over ``loader`` for ``epochs`` epochs and return its BMA predictor.
@@ -98,6 +101,10 @@ def fit_posterior(
         progress: show progress: a bar on a terminal; wherever ``stderr`` is no terminal (a notebook, a
             pipe, a log file) one line per epoch, the CLI's (``epoch 3/10  loss ...  acc ...  lr ...``);
             ``False``: nothing (:mod:`flatbma.progress`).
+        val_loader: validation ``(x, y)`` batches (integer labels). A method fitted around a MAP (Laplace)
+            is compared with its MAP on them after training — on the training data without them — and a
+            :class:`~flatbma.errors.FlatbmaWarning` says when the BMA's NLL is worse than the MAP's (a
+            posterior too wide for the network: its prior precision δ and what to try are in the message).
         **method_options: the method's options (e.g. ``rank=10``, ``rho=0.05``).
 
     Before training, the model is checked with one forward pass on the first batch of ``loader`` (read
@@ -165,6 +172,8 @@ def fit_posterior(
         num_data=num_data,
     )
     bma.history = log.rows
+    if config.against_map():
+        _check_against_map(bma, val_loader if val_loader is not None else loader, val_loader is not None, classes)
     if load_into:
         bma.load_into()
     return bma
@@ -206,6 +215,44 @@ def load_posterior(
 def _check_model_argument(model: object) -> None:
     if not isinstance(model, nn.Module):
         raise FlatbmaTypeError(f"model must be a torch.nn.Module, got a {type(model).__name__}")
+
+
+def _check_against_map(bma: BMA, data: Iterable[Batch], validation: bool, num_classes: int) -> None:
+    """Warn when the BMA's NLL on ``data`` is worse than its MAP's (the posterior mean, with its own statistics).
+
+    The MAP is the method's :attr:`~flatbma.types.Posterior.mean` with the buffers it trained with, evaluated
+    as a point estimate (:func:`flatbma.predict.evaluate`); the BMA is :meth:`BMA.evaluate
+    <flatbma.predictor.BMA.evaluate>`; it warns when the BMA's NLL exceeds ``1.01 · NLL_MAP + 0.001`` (worse
+    beyond rounding). Soft targets (no NLL of labels) are not compared.
+    """
+    first = first_batch(data)
+    if bma.method.mean is None or first is None or split_batch(first)[1] is None:
+        return
+    if split_batch(first)[1].is_floating_point():  # type: ignore[union-attr]  # soft targets: no labels to score
+        return
+    which = "validation" if validation else "training"
+    try:
+        ours = bma.evaluate(data, num_classes=num_classes)
+        cuda = [bma.device.index or 0] if bma.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=cuda):  # a DataLoader's iterator draws its seed: the caller's stream stays
+            mean = bma.method.mean(bma.state)
+            theirs = evaluate(bma.model, [mean], data, num_classes=num_classes, device=bma.device)
+    except FlatbmaError as e:
+        raise FlatbmaError(f"comparing the BMA with its MAP on the {which} data: {e}") from None
+    if ours["nll"] <= 1.01 * theirs["nll"] + 1e-3:  # worse by more than 1% (and 0.001): not rounding
+        return
+    delta = (bma.method.diagnostics(bma.state) if bma.method.diagnostics is not None else {}).get("prior_precision")
+    name = (bma.method_config or {}).get("name", "posterior")
+    shown_delta = f" (prior precision δ = {delta:.4g})" if delta is not None else ""
+    warnings.warn(
+        FlatbmaWarning(
+            f"the {name} BMA's {which} NLL {ours['nll']:.4f} (accuracy {ours['accuracy']:.3f}) is worse than "
+            f"its MAP's {theirs['nll']:.4f} (accuracy {theirs['accuracy']:.3f}){shown_delta}: the posterior is too "
+            "wide for this network; try a fixed larger prior_precision, hessian='diag' or kfac on fewer weights "
+            "(frozen layers: requires_grad=False), or predictive='probit'"
+        ),
+        stacklevel=3,
+    )
 
 
 def _check_run(

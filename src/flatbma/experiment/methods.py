@@ -76,6 +76,8 @@ class MethodSpec:
         hold_lr: with ``start_step: null``, the learning rate is held constant from that start on at the
             value the schedule reached there (:meth:`MethodConfig.held_from`): SWAG's constant ``swa_lr``
             over its collection window (Maddox et al. 2019).
+        against_map: the posterior is fitted around a MAP (its mean): :func:`flatbma.fit_posterior` compares
+            the BMA's NLL with the MAP's after training and warns when it is worse (Laplace).
         aliases: other spellings of family options, ``{alias: option}`` (``ensemble``'s ``members``: its
             ``size``), accepted in a section and recorded under the option's own name.
     """
@@ -95,6 +97,7 @@ class MethodSpec:
     needs_weights: Callable[[MethodConfig], bool] | None = None
     start: Callable[[int], int] | None = None
     hold_lr: bool = False
+    against_map: bool = False
     aliases: Mapping[str, str] = field(default_factory=dict)
 
     def family_options(self) -> dict[str, inspect.Parameter]:
@@ -219,6 +222,10 @@ class MethodConfig:
             return spec.start(map_steps)
         nested = (v.held_from(map_steps) for v in self.options.values() if isinstance(v, MethodConfig))
         return next((h for h in nested if h is not None), None)
+
+    def against_map(self) -> bool:
+        """Whether the BMA is compared with its MAP after fitting (:attr:`MethodSpec.against_map`)."""
+        return METHODS[self.name].against_map
 
     def learning_rate(self, rate: Callable[[int], float], map_steps: int) -> Callable[[int], float]:
         """The schedule ``step -> η_t`` the method trains with, given the ``optim`` section's ``rate`` (for logs)."""
@@ -858,6 +865,7 @@ def _laplace(
         check=check_laplace,
         extra_epochs=1,
         start=_whole_map,
+        against_map=True,
         needs_weights=_full_hessian,
         prior_refusal=_LAPLACE_PRIOR,
         **kw,
