@@ -264,15 +264,51 @@ def test_members_is_the_one_spelling_of_the_number_of_members():
 def test_a_laplace_bma_worse_than_its_map_warns_on_validation_or_training_data():
     loader = _loader()
     val = DataLoader(TensorDataset(*_data(90, seed=5)), batch_size=45)
-    wide = dict(hessian="diag", prior_precision=1e-3, num_samples=8, progress=False)  # a far too wide posterior
+    wide = dict(hessian="diag", subset="all", prior_precision=1e-3, temperature=100, num_samples=8, progress=False)
     with pytest.warns(FlatbmaWarning, match=r"laplace BMA's validation NLL .* is worse than its MAP's .*δ = 0\.001"):
-        bma = flatbma.fit_posterior(_net(), loader, "laplace", epochs=3, lr=0.05, val_loader=val, **wide)
+        bma = flatbma.fit_posterior(_net(), loader, "laplace", epochs=10, lr=0.1, val_loader=val, **wide)
     point = flatbma.evaluate(bma.model, [bma.method.mean(bma.state)], val, num_classes=3)
     assert bma.evaluate(val)["nll"] > point["nll"]  # what the warning says, recomputed
     with pytest.warns(FlatbmaWarning, match="laplace BMA's training NLL"):
-        flatbma.fit_posterior(_net(), loader, "laplace", epochs=3, lr=0.05, **wide)
+        flatbma.fit_posterior(_net(), loader, "laplace", epochs=10, lr=0.1, **wide)
     with warnings.catch_warnings():
         warnings.simplefilter("error", FlatbmaWarning)
         narrow = dict(hessian="diag", prior_precision=1e6, num_samples=8, progress=False)  # ≈ the MAP: no warning
-        flatbma.fit_posterior(_net(), loader, "laplace", epochs=3, lr=0.05, val_loader=val, **narrow)
+        flatbma.fit_posterior(_net(), loader, "laplace", epochs=10, lr=0.1, val_loader=val, **narrow)
         flatbma.fit_posterior(_net(), loader, "sgd", epochs=1, lr=0.05, val_loader=val, progress=False)  # no MAP check
+
+
+@pytest.mark.parametrize("hessian", ["kfac", "diag", "full"])
+def test_laplace_defaults_to_the_last_layer_which_is_a_laplace_of_the_head_with_the_body_frozen_at_the_map(hessian):
+    """The default ``subset: last-layer`` equals post-hoc Laplace (``subset: all``, ``start_step: 0``) of a copy of
+    the MAP whose body is frozen: the same curvature, δ by the evidence, evidence and samples."""
+    from flatbma.experiment.methods import parse_method
+    from flatbma.experiment.runner import fit
+    from flatbma.optim import SGD
+    from flatbma.posteriors import laplace
+
+    assert parse_method("laplace").options["subset"] is laplace.Subset.LAST_LAYER
+    assert parse_method("f-laplace").options["subset"] is laplace.Subset.LAST_LAYER
+    loader = DataLoader(TensorDataset(*_data()), batch_size=48)  # one order for both curvature passes
+    bma = flatbma.fit_posterior(_net(), loader, "laplace", epochs=3, lr=0.05, hessian=hessian, progress=False)
+    state = bma.state
+    head = {"3.weight", "3.bias"}
+    assert set(bma.method.marginal_variance(state)) == head
+    (sample,) = bma.method.sample(state, 1, torch.Generator().manual_seed(3))
+    assert all(torch.equal(sample[k], state.params[k]) for k in state.params if k not in head)  # the body at w*
+
+    frozen = _net()
+    flatbma.load_into(frozen, {**state.params, **state.buffers})
+    for name, p in frozen.named_parameters():
+        p.requires_grad_(name in head)
+    post = laplace.build(flatbma.Objective(frozen, num_data=240), SGD(lr=0.1), hessian=hessian, start_step=0)
+    ref = post.init(flatbma.trainable_params(frozen), flatbma.model_buffers(frozen))
+    frozen.train()
+    ref, _ = fit(post, ref, loader, epochs=1, progress=False)
+    ours, theirs = bma.method.diagnostics(state), post.diagnostics(ref)
+    assert ours.keys() == theirs.keys()
+    for key in ours:
+        assert ours[key] == pytest.approx(theirs[key], rel=1e-5), key
+    (expected,) = post.sample(ref, 1, torch.Generator().manual_seed(3))
+    for k in head:
+        torch.testing.assert_close(sample[k], expected[k], rtol=1e-4, atol=1e-6)

@@ -43,7 +43,7 @@ from flatbma.checks import is_int
 from flatbma.errors import FlatbmaError
 from flatbma.metrics import StreamingMetrics
 from flatbma.precision import as_float32, full_precision
-from flatbma.types import Batch, Params, Predictive, split_batch
+from flatbma.types import Batch, Params, Posterior, Predictive, State, split_batch
 
 
 @contextlib.contextmanager
@@ -246,6 +246,19 @@ class Probit(LinearizedPredictive):
 
 Predictions = Sequence[Mapping[str, Tensor]] | LinearizedPredictive
 """What a BMA averages: weight samples (parameters and buffers by module name), or a linearized predictive."""
+
+
+def linearized_names(method: Posterior, state: State, names: Sequence[str]) -> list[str]:
+    """The trained ``names`` a linearized predictive differentiates: those the posterior has a variance for.
+
+    ``names`` in their order, less the weights :attr:`~flatbma.types.Posterior.marginal_variance` leaves out —
+    weights the posterior holds fixed at its mean (last-layer Laplace: every weight but the classifier's),
+    whose ``Δ_m`` is 0 and whose Jacobian would not change a prediction, only cost its memory.
+    """
+    if method.marginal_variance is None:
+        return list(names)
+    held = method.marginal_variance(state)
+    return [k for k in names if k in held]
 
 
 def linearized_predictions(

@@ -53,6 +53,7 @@ from flatbma.predict import (
     bma_log_probs,
     eval_mode,
     evaluate,
+    linearized_names,
     linearized_predictions,
 )
 from flatbma.state_io import (
@@ -371,7 +372,7 @@ class BMA:
                     self.method.predictive,
                     mean,
                     drawn,
-                    trained_names(self.model),
+                    linearized_names(self.method, self.state, trained_names(self.model)),
                     partial(fv, self.state) if fv is not None else None,
                 )
         return self._linearized

@@ -83,10 +83,14 @@ def test_the_map_is_the_point_runs_weights_and_a_huge_prior_precision_its_metric
 def test_without_augmentation_the_curvature_is_a_deterministic_pass_over_the_training_set(runs):
     cfg = runs["laplace"].experiment.config
     exp, state = load_run(load_run_config(cfg.output_dir))
-    est = estimator("kfac", "ggn", exp.model, state.params, num_data=100, num_classes=10)
+    head = classifier_of(exp.model)[0]  # the default subset: last-layer, the other weights fixed at w*
+    chosen = {k: v for k, v in state.params.items() if k.startswith(f"{head}.")}
+    fixed = {k: v for k, v in state.params.items() if k not in chosen}
+    assert sorted(chosen) == [f"{head}.bias", f"{head}.weight"] and fixed
+    est = estimator("kfac", "ggn", exp.model, chosen, num_data=100, num_classes=10)
     acc, offset = est.init(), 0
     for x, y in exp.hessian_loader:  # all training images, un-augmented, in a fixed order (other batches)
-        acc = est.accumulate(acc, state.params, state.buffers, x, y, offset=offset)
+        acc = est.accumulate(acc, chosen, {**state.buffers, **fixed}, x, y, offset=offset)
         offset += len(y)
     assert offset == int(state.aux[laplace.SEEN]) == 100
     for key, value in acc.items():
@@ -134,7 +138,11 @@ def test_flatbma_methods_lists_laplace_and_f_laplace_with_their_options():
         ({"name": "laplace", "of": {"name": "swag"}}, {}, "Laplace needs a MAP: method.of must be a point method"),
         ({"name": "f-laplace", "of": {"name": "sgd"}}, {}, "unknown config key 'method.of' for method 'f-laplace'"),
         ({"name": "laplace", "start_step": 9}, {}, "method.start_step=9 is past train.epochs=2"),
-        ({"name": "laplace", "hessian": "full", "max_full": 50}, {}, "method.hessian: full needs d <= method.max_full"),
+        (
+            {"name": "laplace", "hessian": "full", "max_full": 50, "subset": "all"},
+            {},
+            "method.hessian: full needs d <= method.max_full",
+        ),
         ({"name": "laplace", "temperature": -1}, {}, "method.temperature must be a positive number"),
         ({"name": "laplace", "prior_mean": "init"}, {}, "prior_mean must be one of 'zero', 'pretrained', got 'init'"),
         (
@@ -220,10 +228,12 @@ def test_existing_methods_resolve_and_train_as_before():
         assert hashlib.sha256(json.dumps(cfg.to_dict(), sort_keys=True).encode()).hexdigest()[:16] == digest, name
         assert cfg.epochs == 3 and parse_method(name).extra_epochs() == 0, name
     assert set(RESOLVED) | {"laplace", "f-laplace"} == set(METHODS)
-    # Laplace's resolved config: the main tree's before prior_mean, plus prior_mean: zero
+    # Laplace's resolved config: the main tree's before prior_mean, plus prior_mean: zero and (issue #25) the
+    # default subset: last-layer
     for name, digest in {"laplace": "fdc4d784a4f1ba1d", "f-laplace": "c08f54728837e42d"}.items():
         resolved = config_from_dict({"method": {"name": name}, "train": {"epochs": 3}}).to_dict()
         assert resolved["method"].pop("prior_mean") == "zero", name
+        assert resolved["method"].pop("subset") == "last-layer", name
         assert hashlib.sha256(json.dumps(resolved, sort_keys=True).encode()).hexdigest()[:16] == digest, name
     multi_laplace = config_from_dict({"method": {"name": "multi", "members": 1, "of": {"name": "laplace"}}})
     assert multi_laplace.epochs == multi_laplace.train.epochs + 1
@@ -246,7 +256,7 @@ def test_a_pretrained_prior_mean_run_stores_w0_resumes_bit_identically_and_the_c
             t.add_(0.5)
     torch.save(source.state_dict(), tmp_path / "pretrained.pt")
     model = {"pretrained": str(tmp_path / "pretrained.pt"), "trainable": "norm+classifier"}
-    method = {"name": "laplace", "hessian": "diag", "prior_mean": "pretrained"}
+    method = {"name": "laplace", "hessian": "diag", "prior_mean": "pretrained", "subset": "all"}
     raw = {**copy.deepcopy(BASE), "method": method, "output_dir": str(tmp_path / "ref")}
     raw["model"] = {**raw["model"], **model}
     (tmp_path / "c.yaml").write_text(json.dumps(raw))

@@ -62,6 +62,7 @@ from flatbma.precision import autocast
 from flatbma.predict import (
     Predictions,
     evaluate,
+    linearized_names,
     linearized_predictions,
     predict,
     rescaled_metrics,
@@ -122,7 +123,8 @@ def bma_predictions(
         return samples if samples is not None else with_bn_statistics(exp, drawn)
     mean = with_bn_statistics(exp, [mean_weights(method, state, drawn, _trained_names(exp))])[0]
     variance = partial(method.functional_variance, state) if method.functional_variance is not None else None
-    return linearized_predictions(method.predictive, mean, drawn, _trained_names(exp), variance)
+    names = linearized_names(method, state, _trained_names(exp))  # last-layer Laplace: the classifier's
+    return linearized_predictions(method.predictive, mean, drawn, names, variance)
 
 
 def diagnostics(exp: Experiment, state: State) -> dict[str, Any]:

@@ -828,7 +828,8 @@ def check_laplace(method: MethodConfig, stage: Stage) -> None:
             f"{stage.epochs_key} to >= {stage.epochs_for(start)}"
         )
     d, shape = stage.shape.num_trainable, stage.shape
-    if Hessian(o["hessian"]) is Hessian.FULL and d is not None and shape.num_classes is not None:
+    whole = laplace.Subset(o.get("subset", laplace.Subset.ALL)) is laplace.Subset.ALL  # last layer: checked at init
+    if whole and Hessian(o["hessian"]) is Hessian.FULL and d is not None and shape.num_classes is not None:
         k = shape.num_classes if Curvature(o["curvature"]) is Curvature.GGN else 1
         if d > o["max_full"] and shape.num_train * k > o["max_full"]:
             raise FlatbmaError(
@@ -872,11 +873,34 @@ def _laplace(
     )
 
 
+def _last_layer_default(family: Callable[..., Posterior]) -> Callable[..., Posterior]:
+    """``family`` (Laplace's) with ``subset`` defaulting to ``last-layer`` (:class:`flatbma.posteriors.laplace.Subset`).
+
+    laplace-torch's default and the recommendation of Daxberger et al. ("Laplace Redux", NeurIPS 2021, §4):
+    the network's MAP with a Laplace posterior over its classifier — cheap, and a better predictive than the
+    all-weights KFAC Laplace of a deep network, which can undo a good MAP. ``subset: all`` is the whole
+    trained network. :func:`flatbma.posteriors.laplace.build` itself keeps ``all`` (its library default).
+    """
+
+    def laplace_family(objective: Any, optimizer: Any, ascent: Ascent | None = None, **options: Any) -> Posterior:
+        return family(objective, optimizer, ascent, **options)
+
+    sig = inspect.signature(family)
+    laplace_family.__signature__ = sig.replace(  # type: ignore[attr-defined]
+        parameters=[
+            p.replace(default=laplace.Subset.LAST_LAYER) if p.name == "subset" else p for p in sig.parameters.values()
+        ]
+    )
+    laplace_family.__annotations__ = dict(family.__annotations__)
+    laplace_family.__wrapped__ = laplace.build  # type: ignore[attr-defined]  # its annotations' namespace
+    return laplace_family
+
+
 register(
     _laplace(
         "laplace",
         "Laplace around the MAP of method.of (default sgd): GGN, KFAC, evidence, GLM (Daxberger 2021)",
-        _laplace_of("sgd"),
+        _last_layer_default(_laplace_of("sgd")),
         parsers={"of": parse_point_method},
     )
 )
@@ -884,7 +908,7 @@ register(
     _laplace(
         "f-laplace",
         "F-Laplace: Laplace around a SAM-trained MAP (the F- composition of Nguyen et al. 2023)",
-        laplace.build,
+        _last_layer_default(laplace.build),
         SAM,
     )
 )

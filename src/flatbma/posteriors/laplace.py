@@ -70,6 +70,19 @@ class PriorMean(str, Enum):
     PRETRAINED = "pretrained"
 
 
+class Subset(str, Enum):
+    """The weights the Laplace approximation is over (the others stay at the MAP: a point estimate of them).
+
+    ``all``: every trained weight. ``last-layer``: the weight and bias of the classifier, the model's last
+    ``nn.Linear`` (:func:`flatbma.models.classifier_of`) — last-layer Laplace, laplace-torch's default
+    (Daxberger et al., "Laplace Redux", NeurIPS 2021, §4: the last layer is a cheap and strong default,
+    also against the all-weights KFAC Laplace). The MAP phase trains every trained weight either way.
+    """
+
+    ALL = "all"
+    LAST_LAYER = "last-layer"
+
+
 @dataclass(frozen=True)
 class Fit:
     """A state's posterior: ``H`` eigendecomposed, the prior precision ``δ`` per block and the evidence.
@@ -101,6 +114,7 @@ def build(
     temperature: float = 1.0,
     predictive: Predictive = Predictive.GLM,
     max_full: int = 4096,
+    subset: Subset = Subset.ALL,
 ) -> Posterior:
     """A MAP phase, then a curvature phase, then ``N(w*, P⁻¹)`` with ``P = H/T + δ``.
 
@@ -155,6 +169,9 @@ def build(
         predictive: ``glm``, ``probit`` or ``samples`` (:class:`flatbma.types.Predictive`).
         max_full: ``full``: the primal ``[d, d]`` form up to ``d = max_full``, the dual rows up to
             ``n·C = max_full``; otherwise refused.
+        subset: the weights the posterior is over (:class:`Subset`): ``all`` trained weights, or the
+            ``last-layer`` (the classifier's weight and bias; the other trained weights stay at ``w*``, and
+            ``H``, ``δ``, the evidence, the samples and the variances are the last layer's).
 
     Raises:
         FlatbmaError: an option out of range, a loss other than cross-entropy, and (at ``init``) a
@@ -178,7 +195,12 @@ def build(
             "default cross-entropy"
         )
     model = objective.model
+    subset = parse_choice(Subset, subset, "method.subset")
     estimators: dict[tuple, Estimator] = {}
+
+    def chosen(params: Params) -> Params:
+        """The weights of ``params`` the posterior is over (:class:`Subset`)."""
+        return params if subset is Subset.ALL else _last_layer(model, params)
     fits: list[tuple[tuple[tuple[Tensor, int], ...], Fit]] = []  # (tensors and versions, fit), latest last
 
     def estimator_of(params: Params) -> Estimator:
@@ -210,7 +232,7 @@ def build(
     def init(params: Params, buffers: Params) -> State:
         params = clone(params)
         aux = optimizer.init(params)
-        est = estimator_of(params)
+        est = estimator_of(chosen(params))
         device = next(iter(params.values())).device
         aux.update({PREFIX + k: v for k, v in est.init().items()})
         aux[SEEN] = torch.zeros((), dtype=torch.int64, device=device)
@@ -234,7 +256,8 @@ def build(
 
     def _curvature_step(state: State, batch: Batch) -> tuple[State, StepOutput]:
         x, y = batch
-        est = estimator_of(state.params)
+        bayesian = chosen(state.params)
+        est = estimator_of(bayesian)
         seen, b = int(state.aux[SEEN]), int(y.shape[0])
         if est.form == "dual" and seen + b > objective.num_data:
             raise FlatbmaError(
@@ -248,7 +271,8 @@ def build(
             floats = {k: v for k, v in buffers.items() if v.is_floating_point()}
             averaged = reduce(floats) if floats else {}
             buffers = {k: averaged[k].clone() if k in averaged else v for k, v in buffers.items()}
-        acc = est.accumulate(_accumulators(state.aux), state.params, buffers, x, y, offset=seen, reduce=reduce)
+        fixed = {k: v for k, v in state.params.items() if k not in bayesian}  # at w*, no curvature
+        acc = est.accumulate(_accumulators(state.aux), bayesian, {**buffers, **fixed}, x, y, offset=seen, reduce=reduce)
         with torch.no_grad(), eval_mode(model):
             logits = objective.logits({**state.params, **buffers}, x)
             losses = F.cross_entropy(logits, y, reduction="none")
@@ -282,27 +306,28 @@ def build(
                 "laplace: no curvature was accumulated yet (the state is still in its MAP phase): train at least one "
                 "epoch after start_step before sampling"
             )
-        est = estimator_of(state.params)
+        params = chosen(state.params)
+        est = estimator_of(params)
         blocks = est.blocks(_accumulators(state.aux), seen, objective.num_data)
         w0 = None
         if prior_mean is PriorMean.PRETRAINED:
-            w0 = {k[len(PRIOR_MEAN) :]: v for k, v in state.aux.items() if k.startswith(PRIOR_MEAN)}
+            w0 = {k[len(PRIOR_MEAN) :]: v for k, v in state.aux.items() if k[len(PRIOR_MEAN) :] in params}
         if prior_precision is None:
-            delta = optimize_prior(blocks, state.params, temperature, prior_structure, w0)
+            delta = optimize_prior(blocks, params, temperature, prior_structure, w0)
         else:
             delta = dict.fromkeys(blocks.names, float(prior_precision))
         nll = float(state.aux[NLL]) * objective.num_data / seen  # the summed loss over the n training examples
         return Fit(
             blocks=blocks,
             delta=delta,
-            log_evidence=log_evidence(blocks, state.params, nll, delta, temperature, w0),
+            log_evidence=log_evidence(blocks, params, nll, delta, temperature, w0),
             effective_params=effective_parameters(blocks, delta, temperature),
         )
 
     def sample(state: State, n: int, generator: torch.Generator | None = None) -> list[Params]:
         fit = fitted(state)
         draws = fit.blocks.sample(n, fit.delta, temperature, generator)
-        return [{**{k: v + d[k] for k, v in state.params.items()}, **state.buffers} for d in draws]
+        return [{**{k: v + d[k] if k in d else v for k, v in state.params.items()}, **state.buffers} for d in draws]
 
     def marginal_variance(state: State) -> Params:
         fit = fitted(state)
@@ -310,7 +335,8 @@ def build(
 
     def functional_variance(state: State, jac: Params) -> Tensor:
         fit = fitted(state)
-        return fit.blocks.functional_variance(jac, fit.delta, temperature)
+        over = chosen(state.params)  # the other weights have no variance: their Jacobians do not enter
+        return fit.blocks.functional_variance({k: v for k, v in jac.items() if k in over}, fit.delta, temperature)
 
     def diagnostics(state: State) -> dict[str, float]:
         fit = fitted(state)
@@ -411,6 +437,25 @@ def check_options(
         parse_choice(PriorMean, prior_mean, f"{where}.prior_mean"),
         parse_choice(Predictive, predictive, f"{where}.predictive"),
     )
+
+
+def _last_layer(model: torch.nn.Module, params: Params) -> Params:
+    """The trained weights of ``model``'s classifier, its last ``nn.Linear`` (:attr:`Subset.LAST_LAYER`)."""
+    try:
+        name = classifier_of(model)[0]
+    except FlatbmaError:
+        raise FlatbmaError(
+            f"laplace: subset: last-layer is the classifier, the model's last nn.Linear, but {type(model).__name__} "
+            "has none; use subset: all"
+        ) from None
+    prefix = f"{name}." if name else ""
+    out = {k: v for k, v in params.items() if k.startswith(prefix) and "." not in k[len(prefix) :]}
+    if not out:
+        raise FlatbmaError(
+            f"laplace: subset: last-layer is the classifier {name or '(the model)'}, but none of its weights is "
+            "trained (requires_grad=False); train it, or use subset: all"
+        )
+    return out
 
 
 def _num_classes(model: torch.nn.Module) -> int:
