@@ -312,3 +312,43 @@ def test_laplace_defaults_to_the_last_layer_which_is_a_laplace_of_the_head_with_
     (expected,) = post.sample(ref, 1, torch.Generator().manual_seed(3))
     for k in head:
         torch.testing.assert_close(sample[k], expected[k], rtol=1e-4, atol=1e-6)
+
+
+def test_prior_precision_val_is_the_grid_value_of_the_smallest_validation_nll():
+    from flatbma.experiment.methods import PRIOR_PRECISION_GRID
+
+    loader = _loader()
+    val = DataLoader(TensorDataset(*_data(90, seed=5)), batch_size=45)
+    options = dict(epochs=4, lr=0.1, hessian="diag", subset="all", num_samples=4, progress=False)
+    with pytest.raises(flatbma.FlatbmaError, match="prior_precision=val chooses it by the validation NLL: pass val_"):
+        flatbma.fit_posterior(_net(), loader, "laplace", prior_precision="val", **options)
+    bma = flatbma.fit_posterior(_net(), loader, "laplace", prior_precision="val", val_loader=val, **options)
+    assert [row["prior_precision"] for row in bma.selection] == list(PRIOR_PRECISION_GRID)
+    best = min(bma.selection, key=lambda row: row["val/nll"])
+    assert bma.method_config["prior_precision"] == best["prior_precision"]
+    assert bma.method.diagnostics(bma.state)["prior_precision"] == best["prior_precision"]
+    # each candidate is the fixed-δ run: the grid's values recomputed independently at two of them
+    for row in (bma.selection[0], best):
+        fixed = flatbma.fit_posterior(_net(), loader, "laplace", prior_precision=row["prior_precision"], **options)
+        assert fixed.evaluate(val)["nll"] == pytest.approx(row["val/nll"], rel=1e-6)
+    assert best["val/nll"] <= min(r["val/nll"] for r in bma.selection)
+    assert bma.evaluate(val)["nll"] == pytest.approx(best["val/nll"], rel=1e-6)
+
+
+def test_the_cli_refuses_prior_precision_val_before_training_in_one_line(tmp_path, capsys):
+    import yaml
+
+    from flatbma.experiment.cli import main
+
+    config = {
+        "data": {"name": "digits", "k_shot": 10, "val_per_class": 2, "batch_size": 25, "test_limit": 50},
+        "model": {"name": "mlp", "width": 8},
+        "method": {"name": "laplace", "prior_precision": "val"},
+        "train": {"epochs": 1, "progress": False},
+        "output_dir": str(tmp_path / "run"),
+    }
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(config))
+    assert main(["train", "--config", str(tmp_path / "c.yaml")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("flatbma: error: method.prior_precision: val (chosen on validation data after training) is")
+    assert "\n" not in err and not (tmp_path / "run").exists()

@@ -181,6 +181,9 @@ class BMA:
         """The training log, one row per epoch (:func:`flatbma.fit_posterior` fills it; empty otherwise): the
         rows of ``flatbma train``'s ``log.csv`` — ``epoch``, ``loss``, ``accuracy``, ``steps``, ``lr``, ``time_s``,
         then the epoch's step statistics (:mod:`flatbma.experiment.logs`). Not saved by :meth:`save`."""
+        self.selection: list[dict[str, Any]] = []
+        """Options chosen on validation data (:func:`flatbma.fit_posterior` with an option ``val``, e.g. Laplace's
+        ``prior_precision``): one row per candidate, ``{option: value, "val/nll": ...}``; empty otherwise."""
         hold(model, self._name())
 
     def _name(self) -> str:

@@ -35,7 +35,7 @@ from flatbma.params import Objective, model_buffers, trainable_params
 from flatbma.predict import evaluate
 from flatbma.predictor import BMA, read_file, target_device
 from flatbma.rng import first_batch, forked_rng
-from flatbma.types import Batch, split_batch, training_batch
+from flatbma.types import Batch, Posterior, split_batch, training_batch
 
 
 def fit_posterior(
@@ -101,8 +101,13 @@ def fit_posterior(
         progress: show progress: a bar on a terminal; wherever ``stderr`` is no terminal (a notebook, a
             pipe, a log file) one line per epoch, the CLI's (``epoch 3/10  loss ...  acc ...  lr ...``);
             ``False``: nothing (:mod:`flatbma.progress`).
-        val_loader: validation ``(x, y)`` batches (integer labels). A method fitted around a MAP (Laplace)
-            is compared with its MAP on them after training — on the training data without them — and a
+        val_loader: validation ``(x, y)`` batches (integer labels). An option given as ``"val"`` is chosen on
+            them after training, by the BMA's NLL over its grid — Laplace's ``prior_precision="val"``: δ
+            among :data:`~flatbma.experiment.methods.PRIOR_PRECISION_GRID` (1e-4 … 1e4), the grid search of
+            laplace-torch (Daxberger et al. 2021) — the candidates in :attr:`BMA.selection
+            <flatbma.predictor.BMA.selection>`, the chosen value in ``bma.method_config``. A method fitted
+            around a MAP (Laplace) is compared with its MAP on them after training — on the training data
+            without them — and a
             :class:`~flatbma.errors.FlatbmaWarning` says when the BMA's NLL is worse than the MAP's (a
             posterior too wide for the network: its prior precision δ and what to try are in the message).
         **method_options: the method's options (e.g. ``rank=10``, ``rho=0.05``).
@@ -129,6 +134,12 @@ def fit_posterior(
         raise FlatbmaError(f"epochs must be a positive integer, got {shown(epochs)}")
     check_seed(seed, "seed")
     config = parse_method(_method_section(method, method_options))
+    choose = config.on_validation()  # options set to "val": chosen on val_loader after training
+    if choose and val_loader is None:
+        raise FlatbmaError(
+            f"{', '.join(f'{k}=val' for k in choose)} chooses {'it' if len(choose) == 1 else 'them'} by the validation "
+            "NLL: pass val_loader= (held-out (x, y) batches), or give a value"
+        )
     optim_config = parse_dataclass(OptimConfig, _optim_section(optim, lr), "optim")
     steps, num_data = _sizes(loader)
     train_device = target_device(device, model)
@@ -159,18 +170,33 @@ def fit_posterior(
         raise DivergenceError(f"{e}; lower the learning rate (e.g. lr={optim_config.lr / 10:g})") from None
     finally:
         model.train(was_training)
-    bma = BMA(
-        model,
-        posterior,
-        state,
-        loader,
-        num_samples=num_samples,
-        seed=seed,
-        recompute_bn=recompute_bn,
-        device=train_device,
-        method_config=config.resolved(epochs * steps).to_dict(),  # start_step: null as the run resolved it
-        num_data=num_data,
-    )
+    def predictor(config: MethodConfig, posterior: Posterior) -> BMA:
+        return BMA(
+            model,
+            posterior,
+            state,
+            loader,
+            num_samples=num_samples,
+            seed=seed,
+            recompute_bn=recompute_bn,
+            device=train_device,
+            method_config=config.resolved(epochs * steps).to_dict(),  # start_step: null as the run resolved it
+            num_data=num_data,
+        )
+
+    selection: list[dict[str, Any]] = []
+    for option, grid in choose.items():  # each candidate: the same trained state, another posterior
+        for value in grid:
+            candidate = config.with_options(**{option: value})
+            nll = predictor(candidate, candidate.build(objective, optimizer, map_steps=epochs * steps)).evaluate(
+                val_loader, num_classes=classes
+            )["nll"]
+            selection.append({option: value, "val/nll": nll})
+        best = min(selection, key=lambda row: row["val/nll"])  # the first of equal ones: the smallest value
+        config = config.with_options(**{option: best[option]})
+        posterior = config.build(objective, optimizer, map_steps=epochs * steps)
+    bma = predictor(config, posterior)
+    bma.selection = selection
     bma.history = log.rows
     if config.against_map():
         _check_against_map(bma, val_loader if val_loader is not None else loader, val_loader is not None, classes)

@@ -18,7 +18,7 @@ import inspect
 import typing
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from flatbma.curvature import Curvature, Hessian
 from flatbma.errors import FlatbmaError, suggest
@@ -78,6 +78,9 @@ class MethodSpec:
             over its collection window (Maddox et al. 2019).
         against_map: the posterior is fitted around a MAP (its mean): :func:`flatbma.fit_posterior` compares
             the BMA's NLL with the MAP's after training and warns when it is worse (Laplace).
+        on_validation: ``{option: grid}``: an option that may be ``val`` (:data:`VALIDATION`), then chosen after
+            training among ``grid`` by the BMA's validation NLL (:meth:`MethodConfig.on_validation`; Laplace's
+            ``prior_precision``, the grid search of Daxberger et al. 2021 / laplace-torch).
         aliases: other spellings of family options, ``{alias: option}`` (``ensemble``'s ``members``: its
             ``size``), accepted in a section and recorded under the option's own name.
     """
@@ -98,6 +101,7 @@ class MethodSpec:
     start: Callable[[int], int] | None = None
     hold_lr: bool = False
     against_map: bool = False
+    on_validation: Mapping[str, tuple[float, ...]] = field(default_factory=dict)
     aliases: Mapping[str, str] = field(default_factory=dict)
 
     def family_options(self) -> dict[str, inspect.Parameter]:
@@ -222,6 +226,15 @@ class MethodConfig:
             return spec.start(map_steps)
         nested = (v.held_from(map_steps) for v in self.options.values() if isinstance(v, MethodConfig))
         return next((h for h in nested if h is not None), None)
+
+    def on_validation(self) -> dict[str, tuple[float, ...]]:
+        """``{option: grid}`` of the options set to ``val``, to choose on validation data after training."""
+        grids = METHODS[self.name].on_validation
+        return {k: grid for k, grid in grids.items() if self.options.get(k) == VALIDATION}
+
+    def with_options(self, **options: Any) -> MethodConfig:
+        """This section with ``options`` replaced (e.g. the chosen ``prior_precision``)."""
+        return dataclasses.replace(self, options={**self.options, **options})
 
     def against_map(self) -> bool:
         """Whether the BMA is compared with its MAP after fitting (:attr:`MethodSpec.against_map`)."""
@@ -814,6 +827,13 @@ def check_laplace(method: MethodConfig, stage: Stage) -> None:
     """
     o, key = method.options, stage.key
     options = {k: o[k] for k in inspect.signature(laplace.check_options).parameters if k != "where"}
+    if options["prior_precision"] == VALIDATION:  # chosen after training (MethodSpec.on_validation)
+        if stage.method_key != "method":
+            raise FlatbmaError(
+                f"{key('prior_precision')}: val chooses δ on validation data for the run's own method, not for a "
+                f"mixture's members or a prior stage: give {key('prior_precision')} a value, or null (the evidence)"
+            )
+        options["prior_precision"] = None
     laplace.check_options(**options, where=stage.method_key)
     if laplace.PriorMean(o["prior_mean"]) is laplace.PriorMean.PRETRAINED and not stage.shape.pretrained:
         raise FlatbmaError(
@@ -867,10 +887,19 @@ def _laplace(
         extra_epochs=1,
         start=_whole_map,
         against_map=True,
+        on_validation={"prior_precision": PRIOR_PRECISION_GRID},
         needs_weights=_full_hessian,
         prior_refusal=_LAPLACE_PRIOR,
         **kw,
     )
+
+
+VALIDATION = "val"
+"""The value of an option chosen on validation data after training (:attr:`MethodSpec.on_validation`)."""
+
+PRIOR_PRECISION_GRID = tuple(10.0 ** (k / 5) for k in range(-20, 21))
+"""Laplace's ``prior_precision: val`` grid: 41 values ``10^(k/5)``, 1e-4 to 1e4 (laplace-torch's grid search spans
+the same ``10^-4 … 10^4``, in 100 steps by default; Daxberger et al. 2021, "Laplace Redux", §2.4)."""
 
 
 def _last_layer_default(family: Callable[..., Posterior]) -> Callable[..., Posterior]:
@@ -880,9 +909,15 @@ def _last_layer_default(family: Callable[..., Posterior]) -> Callable[..., Poste
     the network's MAP with a Laplace posterior over its classifier — cheap, and a better predictive than the
     all-weights KFAC Laplace of a deep network, which can undo a good MAP. ``subset: all`` is the whole
     trained network. :func:`flatbma.posteriors.laplace.build` itself keeps ``all`` (its library default).
+
+    Its ``prior_precision`` also takes ``val``: δ chosen on validation data from :data:`PRIOR_PRECISION_GRID`
+    after training (:attr:`MethodSpec.on_validation`); training is the same as with ``null`` (δ does not enter
+    the MAP or the curvature).
     """
 
     def laplace_family(objective: Any, optimizer: Any, ascent: Ascent | None = None, **options: Any) -> Posterior:
+        if options.get("prior_precision") == VALIDATION:  # trains as with the evidence; δ is chosen after training
+            options["prior_precision"] = None
         return family(objective, optimizer, ascent, **options)
 
     sig = inspect.signature(family)
@@ -891,7 +926,7 @@ def _last_layer_default(family: Callable[..., Posterior]) -> Callable[..., Poste
             p.replace(default=laplace.Subset.LAST_LAYER) if p.name == "subset" else p for p in sig.parameters.values()
         ]
     )
-    laplace_family.__annotations__ = dict(family.__annotations__)
+    laplace_family.__annotations__ = {**family.__annotations__, "prior_precision": float | Literal["val"] | None}
     laplace_family.__wrapped__ = laplace.build  # type: ignore[attr-defined]  # its annotations' namespace
     return laplace_family
 
