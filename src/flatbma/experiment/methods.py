@@ -279,12 +279,14 @@ def last_quarter(map_steps: int) -> int:
     """SWAG's default ``start_step``: the collection window is the last 25% of the run's updates, ``T − ⌊T/4⌋``.
 
     With :attr:`MethodSpec.hold_lr` the learning rate over that window is constant — the protocol of
-    Maddox et al. (NeurIPS 2019, §4 and App. D; their code's ``swa_start``/``swa_lr``): train with the
-    usual schedule, then collect one snapshot every ``collect_every`` updates at a constant learning rate
-    ``swa_lr``. (Their CIFAR runs collect over epochs 161–300 of 300 at a constant ``swa_lr`` reached by a
-    linear decay; here the window is the last quarter and ``swa_lr`` is the rate ``optim``'s schedule has
-    reached where the window opens: ``0.146·optim.lr`` for the cosine schedule, ``optim.lr`` for
-    ``constant``.)
+    Maddox et al. (NeurIPS 2019; their code's ``swa_start`` and ``swa_lr``, ``experiments/train/run_swag.py``):
+    train with a decaying schedule, then collect snapshots at a constant learning rate ``swa_lr``. Their
+    CIFAR runs collect one snapshot per epoch over epochs 161–300 of 300 (the last 47%), at ``swa_lr`` = 0.01
+    for ``lr_init`` = 0.05 (VGG-16) or 0.05 for 0.1 (WideResNet), reached by a linear decay over 50–90% of
+    the first 160 epochs. Here the window is the last quarter of the updates — three quarters of the run's
+    budget train before collection starts — and ``swa_lr`` is the rate ``optim``'s schedule has reached
+    where the window opens: ``½(1 + cos(3π/4))·optim.lr ≈ 0.146·optim.lr`` for the cosine schedule (their
+    ratio is 0.2 or 0.5), ``optim.lr`` for ``constant``.
     """
     return map_steps - map_steps // 4
 
