@@ -46,7 +46,7 @@ def toy_batch(n: int = 16, in_features: int = 6, classes: int = 3, seed: int = 0
 
 METHOD_SECTIONS = {
     "multi": {"name": "multi", "of": {"name": "sam"}, "members": 2},
-    **{n: {"name": n, "collect_every": 1} for n in ("swag", "swag-diag", "f-swag")},
+    **{n: {"name": n, "start_step": 0, "collect_every": 1} for n in ("swag", "swag-diag", "f-swag")},
     "multiswag": {"name": "multiswag", "of": {"name": "swag", "start_step": 0, "collect_every": 1}},
     "sgld": {"name": "sgld", "burn_in": 0, "thin": 1},
 }
