@@ -23,17 +23,15 @@ may be shared.
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
 import statistics
 import time
 
 import torch
 
+from flatbma import batching
 from flatbma.models import build_model
 from flatbma.predict import bma_log_probs, sample_log_probs
-
-predict_module = importlib.import_module("flatbma.predict")  # the package re-exports a function named predict
 
 CASES = {
     # name: (label, build_model kwargs, test batch size, image shape)
@@ -90,7 +88,7 @@ def bench_case(kwargs: dict, batch_size: int, shape: tuple, num_samples: int, ro
     bma_log_probs(model, samples, x)  # the first automatic call chooses
     _sync(device)
     first = time.perf_counter() - t0
-    (choice,) = predict_module._CHOICES[model].values()
+    choice = batching.decision(model, samples, x)
     times: dict[str, list[float]] = {name: [] for name in PATHS}
     paths = list(PATHS.items())
     for r in range(rounds):  # the order rotates, so that no path always runs right after the same other one

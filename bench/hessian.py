@@ -42,7 +42,7 @@ Hessian-vector product (with the lean second-order graph of :mod:`flatbma.flatne
 convolutions without weight gradients, eval-mode BatchNorm as an affine map — and with PyTorch's own
 double backward, interleaved), of λ₁ of the 8 samples (Lanczos to
 ``eval.hessian_tol``), and of each part of the full flatness protocol of one method
-(:func:`flatbma.experiment.evaluate.flatness_metrics` with the default ``eval`` settings)::
+(:func:`flatbma.experiment.run.evaluate.flatness_metrics` with the default ``eval`` settings)::
 
     python bench/hessian.py --transfer [--threads 2] [--lambda1-only]
 
@@ -267,9 +267,9 @@ def bench_transfer(args) -> None:
 
     import yaml
 
-    from flatbma.experiment import evaluate
-    from flatbma.experiment.config import config_from_dict
-    from flatbma.experiment.run import train
+    from flatbma.experiment.config.run_config import config_from_dict
+    from flatbma.experiment.run import evaluate
+    from flatbma.experiment.run.pipeline import train
     from flatbma.flatness import hvp as hvp_module
 
     root = Path(__file__).resolve().parents[1]

@@ -38,10 +38,10 @@ import torch.nn.functional as F
 from _memory import peak_mib
 from torch.func import functional_call
 
+from flatbma.bn import eval_mode
 from flatbma.curvature import estimator, optimize_prior
 from flatbma.models import build_model
 from flatbma.params import model_buffers, trainable_params
-from flatbma.predict import eval_mode
 from flatbma.transfer import restrict_trainable, subset_names
 
 NUM_CLASSES = 10

@@ -31,9 +31,9 @@ from pathlib import Path
 
 import torch
 
-from flatbma.experiment.build import build_experiment
-from flatbma.experiment.compare import load_plan
+from flatbma.experiment.run.build import build_experiment
 from flatbma.experiment.runner import fit
+from flatbma.experiment.study.plan import load_plan
 from flatbma.optim import SAM, SGD, Amortized, cosine
 from flatbma.optim.amortized import POSITION
 from flatbma.optim.ascent import ascended

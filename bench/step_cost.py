@@ -16,8 +16,19 @@ classifier parameters trainable (the rest ``requires_grad=False``), with the iso
 the low-rank prior of the two-stage transfer pipeline, and the amortized variants of SAM and FP-BMA.
 Goal: <= 2.1x; amortized at k = 5: <= 1.3x.
 
+A third table times every flat-seeking method of ``flatbma methods`` (:data:`FLAT_SEEKING`: SAM, ASAM,
+Fisher-SAM, F-SWAG, F-MFVI, FP-BMA), each plain and at ``ascent_every`` = 5 (``k5``), built through the
+method registry with its default options, on fully trainable models (:data:`TRAINABLE`: the small CNN,
+ResNet-18 of width 16 at 32×32, MobileNetV2 at 64×64) at every ``--trainable-batches``, printing each
+method's ``/sgd`` and ``/sam`` (paired medians in the same rounds). Goal (issue #26): FP-BMA ≤ 1.1× SAM.
+
     python bench/step_cost.py [--rounds 15] [--cycle 5] [--threads 2] [--transfer-batches 32 128] [--no-cg-sweep]
-        [--cases "cnn 28x28" "mobilenet_v2 64x64 (transfer)"]
+        [--cases "cnn 28x28" "mobilenet_v2 64x64 (transfer)"] [--trainable-cases ...] [--trainable-batches 32 128]
+        [--plain-cycle N] [--quick]
+
+``--plain-cycle`` times the methods without an amortized second pass (and SGD) over ``N`` updates per round
+instead of ``--cycle`` (the ``k5`` forms always take whole cycles); ``--quick`` is a smoke test of every
+table at batch 2 (one round, no CG sweep): it checks that the script runs, its numbers mean nothing.
 
 ``--device-table`` prints another table instead, the one ``scripts/gpu-check.sh`` records on a GPU: the step
 time and peak memory of SGD, SAM, FP-BMA and low-rank VI (``--methods``) on the transfer model (MobileNetV2,
@@ -33,6 +44,7 @@ warm-up, then ``--rounds`` timed steps (the median, GPU synchronized around each
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 import time
@@ -41,6 +53,7 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from flatbma.experiment.config.methods import parse_method
 from flatbma.models import build_model
 from flatbma.models.heads import classifier_of
 from flatbma.optim import ASAM, SAM, SGD, Adam, Amortized, FisherBall, FisherSAM
@@ -99,30 +112,94 @@ def bayesian_subset_only(model: nn.Module) -> None:
 
 
 def time_updates(
-    runs: dict[str, list], batch: tuple, rounds: int, device: str, cycle: int = 1
+    runs: dict[str, list], batch: tuple, rounds: int, device: str, cycle: int = 1, cycles: dict[str, int] | None = None
 ) -> dict[str, list[float]]:
     """Seconds per ``update`` of every ``name: [method, state, []]``, one entry per interleaved round.
 
-    Each entry of a round is the mean over ``cycle`` consecutive updates. The warm-up runs whole cycles
-    too, so every round of an amortized method starts at the same point of its cycle.
+    Each entry of a round is the mean over ``cycle`` consecutive updates (``cycles[name]`` where given).
+    The warm-up runs whole cycles too, so every round of an amortized method starts at the same point of
+    its cycle.
     """
-    for entry in runs.values():
-        for _ in range(max(3, cycle)):  # warm-up
+    cycles = {name: (cycles or {}).get(name, cycle) for name in runs}
+    for name, entry in runs.items():
+        n = cycles[name]
+        for _ in range(n * math.ceil(3 / n)):  # warm-up: at least 3 updates, whole cycles
             entry[1], _ = entry[0].update(entry[1], batch)
     for _ in range(rounds):
-        for entry in runs.values():
+        for name, entry in runs.items():
             method, state, times = entry
             if device == "cuda":
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
-            for _ in range(cycle):
+            for _ in range(cycles[name]):
                 state, out = method.update(state, batch)
                 float(out.loss)
             if device == "cuda":
                 torch.cuda.synchronize()
-            times.append((time.perf_counter() - t0) / cycle)
+            times.append((time.perf_counter() - t0) / cycles[name])
             entry[1] = state
     return {name: entry[2] for name, entry in runs.items()}
+
+
+FLAT_SEEKING = ("sam", "asam", "fsam", "f-swag", "f-mfvi", "fp-bma")
+"""The flat-seeking methods of the registry (``flatbma methods``) in the fully trainable table; each is also
+timed at ``ascent_every: 5`` (its ``k5`` form: :class:`flatbma.optim.Amortized`, LookSAM's reuse)."""
+
+ADAM_METHODS = ("f-mfvi", "fp-bma")
+"""The variational families, trained with Adam (as their docs advise); the rest with SGD and momentum."""
+
+TRAINABLE = {
+    # name: (model kwargs, image shape), every weight trainable
+    "cnn 28x28": (dict(name="cnn", num_classes=10, in_channels=1, image_size=28), (1, 28, 28)),
+    "resnet18 w16 32x32": (
+        dict(name="resnet18", num_classes=10, in_channels=3, image_size=32, width=16),
+        (3, 32, 32),
+    ),
+    "mobilenet_v2 64x64": (dict(name="mobilenet_v2", num_classes=10, in_channels=3, image_size=64), (3, 64, 64)),
+}
+"""Models of the fully trainable table: the small CNN, ResNet-18 of width 16, MobileNetV2."""
+
+
+def trainable_methods(objective: Objective) -> dict[str, object]:
+    """``sgd`` and every :data:`FLAT_SEEKING` method plain and ``k5``, built by the registry with default options."""
+    sgd = SGD(lr=1e-3, momentum=0.9, weight_decay=5e-4)
+    methods = {"sgd": parse_method("sgd").build(objective, sgd)}
+    for every in (1, 5):
+        for name in FLAT_SEEKING:
+            section = {"name": name} if every == 1 else {"name": name, "ascent_every": every}
+            optimizer = Adam(lr=1e-3) if name in ADAM_METHODS else sgd
+            methods[name if every == 1 else f"{name} k{every}"] = parse_method(section).build(objective, optimizer)
+    return methods
+
+
+def bench_trainable(
+    case: str, batch_size: int, rounds: int, device: str, cycle: int = 5, plain_cycle: int | None = None
+) -> tuple[dict[str, list[float]], int]:
+    """Per-round step times of ``sgd`` and every flat-seeking method (plain and ``k5``) on a fully trainable model.
+
+    The ``k5`` forms are timed over whole cycles of ``cycle`` updates (a multiple of 5), the others over
+    ``plain_cycle`` (default ``cycle``). Returns the times and the number of trainable weights.
+    """
+    kwargs, shape = TRAINABLE[case]
+    model = build_model(**kwargs, seed=0).to(device).train()
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(batch_size, *shape, generator=g).to(device)
+    y = torch.randint(0, kwargs["num_classes"], (batch_size,), generator=g).to(device)
+    objective = Objective(model=model, num_data=1000)
+    params, buffers = trainable_params(model), model_buffers(model)
+    runs = {name: [method, method.init(params, buffers), []] for name, method in trainable_methods(objective).items()}
+    plain = cycle if plain_cycle is None else plain_cycle
+    cycles = {name: cycle if " k" in name else plain for name in runs}
+    return time_updates(runs, (x, y), rounds, device, cycle, cycles), sum(v.numel() for v in params.values())
+
+
+def print_ratios(title: str, times: dict[str, list[float]]) -> None:
+    """One row per method: median ms, paired ``/sgd`` and ``/sam`` (``-`` where the table has no SAM)."""
+    print(title)
+    print(f"{'method':<44}{'ms':>10}{'/sgd':>12}{'/sam':>12}")
+    for name in times:
+        over_sam = f"{paired_ratio(times, name, 'sam'):>11.2f}x" if "sam" in times else f"{'-':>12}"
+        print(f"{name:<44}{statistics.median(times[name]) * 1e3:>10.1f}{paired_ratio(times, name):>11.2f}x{over_sam}")
 
 
 FP_BMA = {
@@ -299,22 +376,32 @@ def print_device_table(rows: list[dict], batch_size: int, image_size: int) -> No
     print(f"(batch {batch_size}, {image_size}x{image_size}; transfer: MobileNetV2, BatchNorm + classifier trainable)")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--transfer-batches", type=int, nargs="+", default=[32, 128])
+    parser.add_argument("--transfer-batches", type=int, nargs="*", default=[32, 128])
     parser.add_argument("--cycle", type=int, default=5, help="updates per timing (a multiple of ascent_every 5)")
     parser.add_argument("--no-cg-sweep", action="store_true", help="FP-BMA with the default CG solve only")
     parser.add_argument("--cases", nargs="*", default=list(CASES), help=f"models of the first table: {list(CASES)}")
+    parser.add_argument(
+        "--trainable-cases", nargs="*", default=list(TRAINABLE), help=f"models of the third table: {list(TRAINABLE)}"
+    )
+    parser.add_argument("--trainable-batches", type=int, nargs="*", default=[32, 128])
+    parser.add_argument("--plain-cycle", type=int, default=None, help="updates per timing of the methods without k5")
+    parser.add_argument("--quick", action="store_true", help="smoke test: batch 2, one round (numbers mean nothing)")
     parser.add_argument("--device-table", action="store_true", help="the device table instead (module doc)")
     parser.add_argument("--batch", type=int, default=128, help="device table: batch size")
     parser.add_argument("--image-size", type=int, default=224, help="device table: image side")
     parser.add_argument("--precisions", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16", "fp16"])
     parser.add_argument("--models", nargs="+", default=list(DEVICE_MODELS), choices=list(DEVICE_MODELS))
     parser.add_argument("--methods", nargs="+", default=["sgd", "sam", "fp-bma", "lowrank-vi"])
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.rounds, args.cycle, args.no_cg_sweep = 1, 5, True
+        args.transfer_batches = [2] if args.transfer_batches else []
+        args.trainable_batches = [2] if args.trainable_batches else []
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.device_table:
@@ -329,9 +416,11 @@ def main() -> None:
         f"device={args.device} threads={torch.get_num_threads()} torch={torch.__version__} rounds={args.rounds} "
         f"cycle={args.cycle} load average (1, 5, 15 min) at start: {load}"
     )
-    print(f"{'model':<32}{'sgd ms':>10}" + "".join(f"{m + '/sgd':>15}" for m in METHODS if m != "sgd"))
+    if args.cases:
+        print(f"{'model':<32}{'sgd ms':>10}" + "".join(f"{m + '/sgd':>15}" for m in METHODS if m != "sgd"))
     for case in args.cases:
         kwargs, bs, shape = CASES[case]
+        bs = 2 if args.quick else bs
         t = bench_case(kwargs, bs, shape, args.rounds, args.device, args.cycle)
         ratios = "".join(f"{paired_ratio(t, m):>14.2f}x" for m in METHODS if m != "sgd")
         print(f"{case + f' (batch {bs})':<32}{statistics.median(t['sgd']) * 1e3:>10.1f}{ratios}")
@@ -339,11 +428,13 @@ def main() -> None:
         t, trainable = bench_fp_bma_transfer(
             args.rounds, args.device, batch_size=batch_size, cycle=args.cycle, cg_sweep=not args.no_cg_sweep
         )
-        print(f"\nmobilenet_v2 64x64 transfer, BN + classifier trainable ({trainable} weights), batch {batch_size}")
-        print(f"{'method':<44}{'ms':>10}{'/sgd':>12}{'/sam':>12}")
-        for name in t:
-            ratios = f"{paired_ratio(t, name):>11.2f}x{paired_ratio(t, name, 'sam'):>11.2f}x"
-            print(f"{name:<44}{statistics.median(t[name]) * 1e3:>10.1f}{ratios}")
+        print_ratios(
+            f"\nmobilenet_v2 64x64 transfer, BN + classifier trainable ({trainable} weights), batch {batch_size}", t
+        )
+    for case in args.trainable_cases:
+        for batch_size in args.trainable_batches:
+            t, trainable = bench_trainable(case, batch_size, args.rounds, args.device, args.cycle, args.plain_cycle)
+            print_ratios(f"\n{case}, all {trainable:,} weights trainable, batch {batch_size}", t)
     print(f"load average (1, 5, 15 min) at the end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
 

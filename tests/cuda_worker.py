@@ -17,9 +17,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from flatbma.experiment import distributed
-from flatbma.experiment.config import config_from_dict
-from flatbma.experiment.run import train_run
+from flatbma.experiment.config.run_config import config_from_dict
+from flatbma.experiment.parallel import processes
+from flatbma.experiment.run.pipeline import train_run
 
 CONFIG = {
     "seed": 0,
@@ -37,7 +37,7 @@ def main() -> None:
     if device == "cuda":
         torch.cuda.set_device(0)
     dist.init_process_group(backend=backend)
-    distributed.is_distributed = lambda: True  # one process, the data-parallel path (its collectives) on
+    processes.is_distributed = lambda: True  # one process, the data-parallel path (its collectives) on
     try:
         cfg = config_from_dict({**CONFIG, "train": {**CONFIG["train"], "device": device}, "output_dir": str(out)})
         _, metrics = train_run(cfg)

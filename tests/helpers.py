@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import subprocess
 import sys
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import yaml
 from torch import nn
 
 from flatbma.params import Objective
@@ -60,7 +63,7 @@ def train_steps(name: str, *, precision: str = "fp32", device: str = "cpu", step
     CPU and moved to ``device``; ``precision`` is the Objective's; ``wrap`` (e.g. ``LossScaled()``) wraps the
     built method. ``start`` holds the initial trained variables.
     """
-    from flatbma.experiment.methods import parse_method
+    from flatbma.experiment.config.methods import parse_method
     from flatbma.optim import SGD
     from flatbma.params import model_buffers, trainable_params
     from flatbma.precision import Precision
@@ -108,15 +111,15 @@ def interrupt_after_first_epoch(monkeypatch) -> None:
             raise KeyboardInterrupt
         return real_fit(method, state, loader, epochs=epochs, **kwargs)
 
-    monkeypatch.setattr("flatbma.experiment.stage.fit", stop_after_first_epoch)
+    monkeypatch.setattr("flatbma.experiment.run.stage.fit", stop_after_first_epoch)
 
 
 @contextlib.contextmanager
 def held_by_another_process(*directories: Path) -> Iterator[subprocess.Popen]:
-    """A second process that holds the locks of ``directories`` (:func:`flatbma.experiment.lock.hold`) as
+    """A second process that holds the locks of ``directories`` (:func:`flatbma.experiment.run.lock.hold`) as
     ``flatbma train`` does, until the block ends (or the test kills it); yields the process."""
     code = (
-        "import contextlib, sys\nfrom flatbma.experiment.lock import hold\n"
+        "import contextlib, sys\nfrom flatbma.experiment.run.lock import hold\n"
         "with contextlib.ExitStack() as held:\n"
         "    for d in sys.argv[1:]:\n        held.enter_context(hold(d, 'train'))\n"
         "    print('held', flush=True)\n    sys.stdin.read()\n"
@@ -131,3 +134,56 @@ def held_by_another_process(*directories: Path) -> Iterator[subprocess.Popen]:
         if proc.poll() is None:
             proc.stdin.close()
         proc.wait(timeout=120)
+
+
+class TwoTensors(nn.Module):
+    """Float64 parameters registered in non-sorted order ('w' then 'b'), to exercise the flattening order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.zeros(2, 3, dtype=torch.float64))
+        self.b = nn.Parameter(torch.zeros(4, dtype=torch.float64))
+
+    def forward(self, x):
+        return x @ self.w.sum(0, keepdim=True).T + self.b.sum()
+
+
+@dataclass(frozen=True)
+class Scripted:
+    """An 'optimizer' that sets the weights to a known sequence: update t writes ``iterates[t]``."""
+
+    iterates: list
+
+    def init(self, params):
+        return {}
+
+    def learning_rate(self, step):
+        return 0.0
+
+    @torch.no_grad()
+    def apply(self, params, grads, state, step):
+        for k, v in self.iterates[step].items():
+            params[k].copy_(v)
+        return state
+
+
+@contextlib.contextmanager
+def one_thread() -> Iterator[None]:
+    """One torch thread for the block (the torchrun workers' setting), so that results compare bit for bit."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def train_via_cli(tmp_path: Path, cfg: dict) -> tuple[Path, dict]:
+    """``flatbma train`` of ``cfg`` (written to ``tmp_path/c.yaml``) into ``tmp_path/run``: ``(run, metrics)``."""
+    from flatbma.experiment.cli import main  # here: most tests that import these helpers run no CLI
+
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    out = tmp_path / "run"
+    assert main(["train", "--config", str(path), "--set", f"output_dir={out}"]) == 0
+    return out, json.loads((out / "metrics.json").read_text())

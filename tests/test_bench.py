@@ -20,6 +20,22 @@ def test_fp_bma_transfer_bench_times_every_method():
     assert step_cost.paired_ratio({"a": [2.0, 9.0, 3.0], "sgd": [1.0, 3.0, 1.0]}, "a") == 3.0
 
 
+@pytest.mark.slow
+def test_step_cost_quick_times_every_flat_seeking_method_on_a_trainable_model(capsys):
+    """``--quick`` runs the fully trainable table: a row per method, plain and k5, with /sgd and /sam (not timed)."""
+    step_cost.main(["--quick", "--cases", "--transfer-batches", "--trainable-cases", "cnn 28x28"])
+    lines = capsys.readouterr().out.splitlines()
+    assert any(line.startswith("cnn 28x28, all 94,186 weights trainable, batch 2") for line in lines)
+    names = ["sgd", *step_cost.FLAT_SEEKING, *(f"{m} k5" for m in step_cost.FLAT_SEEKING)]
+    assert names[1:7] == ["sam", "asam", "fsam", "f-swag", "f-mfvi", "fp-bma"]
+    rows = {line.split()[0] + (" k5" if " k5 " in line else ""): line.split() for line in lines if line[:1].isalpha()}
+    for name in names:
+        assert name in rows, name
+        ms, over_sgd, over_sam = rows[name][-3:]
+        assert float(ms) > 0 and over_sgd.endswith("x") and over_sam.endswith("x")
+    assert rows["sgd"][-2] == "1.00x" and rows["sam"][-1] == "1.00x"
+
+
 def test_reuse_fidelity_measures_without_changing_the_run():
     """The measuring wrapper's trajectory is the amortized step's own, bit for bit, and α = 0 gives error 1."""
     import reuse_fidelity

@@ -24,7 +24,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from flatbma.experiment.methods import METHODS
+from flatbma.experiment.config.methods import METHODS
 from flatbma.optim import LossScaled
 from flatbma.optim.loss_scale import SCALE
 from tests.helpers import relative_difference, tiny_bn_net, toy_batch, train_steps
@@ -135,8 +135,8 @@ DIGITS = {
 
 @pytest.mark.parametrize(("first", "then"), [("cuda", "cpu"), ("cpu", "cuda")])
 def test_a_checkpoint_written_on_one_device_resumes_on_the_other(tmp_path, monkeypatch, first, then):
-    from flatbma.experiment.config import config_from_dict
-    from flatbma.experiment.run import train
+    from flatbma.experiment.config.run_config import config_from_dict
+    from flatbma.experiment.run.pipeline import train
     from tests.helpers import interrupt_after_first_epoch
 
     cfg = config_from_dict({**DIGITS, "train": {**DIGITS["train"], "device": first}})
@@ -187,7 +187,7 @@ decides on the host whether the step leaves the quadratic regime."""
 @pytest.mark.parametrize("name", list(SYNC_BOUND))
 def test_synchronizations_per_training_step(name, record_property):
     from flatbma.experiment import runner
-    from flatbma.experiment.methods import parse_method
+    from flatbma.experiment.config.methods import parse_method
     from flatbma.optim import SGD
     from flatbma.params import Objective, model_buffers, trainable_params
     from tests.helpers import METHOD_SECTIONS

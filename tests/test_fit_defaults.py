@@ -13,8 +13,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import flatbma
 from flatbma.errors import FlatbmaWarning
-from flatbma.experiment.logs import COLUMNS
-from flatbma.experiment.sections import OptimConfig
+from flatbma.experiment.config.sections import OptimConfig
+from flatbma.experiment.run.logs import COLUMNS
 from flatbma.flatness import hessian_eigenvalues
 
 
@@ -107,7 +107,7 @@ def test_default_swag_collects_over_the_last_quarter_at_the_rate_reached_there()
     Checked against the same run written out: ``swag.build(start_step=T − ⌊T/4⌋)`` with the cosine schedule
     frozen at its value there.
     """
-    from flatbma.experiment.methods import last_quarter, parse_method
+    from flatbma.experiment.config.methods import last_quarter, parse_method
     from flatbma.optim import SGD, cosine
     from flatbma.posteriors import swag
 
@@ -138,8 +138,8 @@ def test_default_swag_collects_over_the_last_quarter_at_the_rate_reached_there()
 
 def test_fit_posterior_refuses_default_swag_as_the_cli_does_with_the_same_message():
     from flatbma.errors import FlatbmaError
-    from flatbma.experiment.methods import parse_method
-    from flatbma.experiment.validate import RunShape, Stage
+    from flatbma.experiment.config.methods import parse_method
+    from flatbma.experiment.config.shape import RunShape, Stage
 
     loader = _loader()  # 5 steps per epoch
     with pytest.raises(FlatbmaError) as info:
@@ -247,7 +247,7 @@ def test_a_list_of_batches_is_a_loader():
 
 
 def test_members_is_the_one_spelling_of_the_number_of_members():
-    from flatbma.experiment.methods import parse_method
+    from flatbma.experiment.config.methods import parse_method
 
     assert parse_method({"name": "ensemble", "members": 3}) == parse_method({"name": "ensemble", "size": 3})
     assert parse_method({"name": "f-ensemble", "members": 2}).options["size"] == 2
@@ -282,7 +282,7 @@ def test_a_laplace_bma_worse_than_its_map_warns_on_validation_or_training_data()
 def test_laplace_defaults_to_the_last_layer_which_is_a_laplace_of_the_head_with_the_body_frozen_at_the_map(hessian):
     """The default ``subset: last-layer`` equals post-hoc Laplace (``subset: all``, ``start_step: 0``) of a copy of
     the MAP whose body is frozen: the same curvature, δ by the evidence, evidence and samples."""
-    from flatbma.experiment.methods import parse_method
+    from flatbma.experiment.config.methods import parse_method
     from flatbma.experiment.runner import fit
     from flatbma.optim import SGD
     from flatbma.posteriors import laplace
@@ -315,7 +315,7 @@ def test_laplace_defaults_to_the_last_layer_which_is_a_laplace_of_the_head_with_
 
 
 def test_prior_precision_val_is_the_grid_value_of_the_smallest_validation_nll():
-    from flatbma.experiment.methods import PRIOR_PRECISION_GRID
+    from flatbma.experiment.config.methods import PRIOR_PRECISION_GRID
 
     loader = _loader()
     val = DataLoader(TensorDataset(*_data(90, seed=5)), batch_size=45)

@@ -3,6 +3,8 @@
 The layers (``../shared/STYLE.md``: shared maths below the methods that use it, the experiment layer on
 top) are read from the import statements of the source files — module level and inside functions alike,
 ``if TYPE_CHECKING`` blocks included — so a new upward import fails here with the offending edge.
+Within a unit, no modules import each other in a circle, and the experiment layer's subpackages
+(``config/``, ``parallel/``, ``run/``, ``report/``, ``study/``, then ``api``/``cli``) import one way.
 """
 
 import ast
@@ -24,6 +26,7 @@ LAYERS: dict[str, int] = {
     "packed": 2,
     "jacobians": 2,
     "metrics": 2,
+    "regression": 2,
     "plotting": 2,
     "data": 2,
     "models": 2,
@@ -31,10 +34,13 @@ LAYERS: dict[str, int] = {
     "params": 3,
     "bn": 3,
     "transfer": 3,
-    "predict": 3,
+    "batching": 3,
+    "linearized": 3,
+    "predict": 4,
     "gaussian": 4,
     "state_io": 2,
     "predictor": 5,
+    "ood": 5,
     "optim": 5,
     "curvature": 5,
     "flatness": 5,
@@ -94,3 +100,130 @@ def test_the_check_sees_imports():
     edges = _edges()
     assert ("optim/fisher_ball.py", "optim", "gaussian") in edges
     assert any(a == "experiment" and b == "posteriors" for _, a, b in edges)
+
+
+EXPERIMENT_LAYERS: dict[str, int] = {
+    "runner": 0,
+    "config": 0,
+    "parallel": 1,
+    "run": 2,
+    "report": 3,
+    "study": 4,
+    "api": 5,
+    "cli": 5,
+    "__main__": 6,
+}
+"""The experiment layer's subpackages and top modules by layer, lowest first (``flatbma.experiment``'s docstring)."""
+
+
+def _modules() -> dict[str, Path]:
+    modules = {}
+    for path in sorted(SRC.rglob("*.py")):
+        rel = path.relative_to(SRC.parent).with_suffix("")
+        modules[".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts)] = path
+    return modules
+
+
+def _module_edges() -> dict[str, set[str]]:
+    """``importer -> imported modules`` for every flatbma import, ``from package import module`` read as the module."""
+    modules = _modules()
+    edges: dict[str, set[str]] = {m: set() for m in modules}
+    for module, path in modules.items():
+        package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    target = ".".join([*base, node.module] if node.module else base)
+                else:
+                    target = node.module or ""
+                targets = [target] + [f"{target}.{a.name}" for a in node.names if f"{target}.{a.name}" in modules]
+            elif isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            else:
+                continue
+            edges[module] |= {t for t in targets if t in modules and t != module}
+    return edges
+
+
+def _cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm, iteratively)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found = []
+    for root in sorted(edges):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(edges[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(edges[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return found
+
+
+def test_no_module_imports_itself_through_others():
+    # Package __init__ files that re-export their modules are leaves of the cycle check: a module importing
+    # its package's __init__ (which imports it back) is how Python packages work, not a circle of concerns.
+    edges = _module_edges()
+    packages = {m for m, p in _modules().items() if p.name == "__init__.py"}
+    edges = {m: {t for t in ts if t not in packages} for m, ts in edges.items()}
+    assert not _cycles(edges), f"modules importing each other in a circle: {_cycles(edges)}"
+
+
+def test_the_cycle_check_sees_cycles():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+def _experiment_part(module: str) -> str:
+    parts = module.split(".")
+    return parts[2] if len(parts) > 2 else ""
+
+
+def test_experiment_subpackages_import_one_way():
+    parts = {_experiment_part(m) for m in _modules() if _unit(m) == "experiment"} - {""}
+    assert parts <= set(EXPERIMENT_LAYERS), f"give these a layer: {sorted(parts - set(EXPERIMENT_LAYERS))}"
+    wrong = [
+        f"{a} imports {b}"
+        for a, targets in _module_edges().items()
+        if _unit(a) == "experiment" and _experiment_part(a)
+        for b in targets
+        if _unit(b) == "experiment"
+        and _experiment_part(b)
+        and _experiment_part(b) != _experiment_part(a)
+        and EXPERIMENT_LAYERS[_experiment_part(b)] >= EXPERIMENT_LAYERS[_experiment_part(a)]
+    ]
+    assert not wrong, "experiment imports pointing up or sideways:\n" + "\n".join(sorted(wrong))
+
+
+def test_the_experiment_check_sees_imports():
+    edges = _module_edges()
+    assert "flatbma.experiment.run.evaluate" in edges["flatbma.experiment.study.compare"]
+    assert "flatbma.experiment.parallel.processes" in edges["flatbma.experiment.run.build"]

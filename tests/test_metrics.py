@@ -163,6 +163,39 @@ def test_predictive_entropy():
     np.testing.assert_allclose(M.predictive_entropy(lp).numpy(), -(p * np.log(p)).sum(1), rtol=1e-12)
 
 
+def test_uncertainty_decomposition_by_hand():
+    log = math.log
+    # example 0: two confident samples that disagree -> aleatoric 0, total = epistemic = log 2
+    # example 1: two identical uniform samples -> aleatoric = total = log 2, epistemic 0
+    # example 2: p1 = (0.8, 0.2), p2 = (0.4, 0.6): BMA (0.6, 0.4)
+    p = torch.tensor([[[1.0, 0.0], [0.5, 0.5], [0.8, 0.2]], [[0.0, 1.0], [0.5, 0.5], [0.4, 0.6]]], dtype=torch.float64)
+    out = M.uncertainty_decomposition(p.log())
+    h = lambda *q: -sum(x * log(x) for x in q if x > 0)  # noqa: E731
+    total = [log(2), log(2), h(0.6, 0.4)]
+    aleatoric = [0.0, log(2), (h(0.8, 0.2) + h(0.4, 0.6)) / 2]
+    assert out["total"].tolist() == pytest.approx(total, abs=1e-15)
+    assert out["aleatoric"].tolist() == pytest.approx(aleatoric, abs=1e-15)
+    assert out["epistemic"].tolist() == pytest.approx([t - a for t, a in zip(total, aleatoric)], abs=1e-15)
+    assert out["epistemic"][2] == pytest.approx(0.0863, abs=1e-4)  # 0.6730 - (0.5004 + 0.6730) / 2 by hand
+
+
+def test_uncertainty_decomposition_against_numpy_and_its_identities():
+    lps = torch.log_softmax(torch.randn(7, 40, 5, generator=torch.Generator().manual_seed(2)), -1)
+    out = M.uncertainty_decomposition(lps)
+    p = lps.double().exp().numpy()
+    pbar = p.mean(0)
+    np.testing.assert_allclose(out["total"].numpy(), -(pbar * np.log(pbar)).sum(1), rtol=1e-12)
+    np.testing.assert_allclose(out["aleatoric"].numpy(), -(p * np.log(p)).sum(2).mean(0), rtol=1e-12)
+    assert bool((out["epistemic"] > 0).all())  # Jensen: strictly, for samples that differ
+    torch.testing.assert_close(out["total"], M.predictive_entropy(torch.logsumexp(lps, 0) - math.log(7)))
+    one = M.uncertainty_decomposition(lps[:1])
+    assert torch.equal(one["epistemic"], torch.zeros(40, dtype=torch.float64))  # one sample: nothing epistemic
+    with pytest.raises(FlatbmaError, match=r"\[num_samples, batch, num_classes\]"):
+        M.uncertainty_decomposition(lps[0])
+    with pytest.raises(FlatbmaError, match="not normalized"):
+        M.uncertainty_decomposition(lps + 1.0)
+
+
 def test_ood_auroc_by_hand_with_ties():
     h_in = torch.tensor([0.0, 1.0])
     h_out = torch.tensor([1.0, 2.0])

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from flatbma import packed
-from flatbma.experiment.checkpoint import load_state, save_state
+from flatbma.experiment.run.checkpoint import load_state, save_state
 from flatbma.gaussian import standard_normal_like
 from flatbma.optim import SGD, Adam, FisherBall
 from flatbma.params import Objective, add, detached, model_buffers, scale, trainable_params

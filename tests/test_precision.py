@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from flatbma.errors import FlatbmaError
-from flatbma.experiment.config import config_from_dict
-from flatbma.experiment.methods import METHODS, parse_method
+from flatbma.experiment.config.methods import METHODS, parse_method
+from flatbma.experiment.config.run_config import config_from_dict
+from flatbma.experiment.config.sections import TrainConfig
 from flatbma.experiment.runner import fit
-from flatbma.experiment.sections import TrainConfig
 from flatbma.optim import SGD, FisherBall, LossScaled
 from flatbma.optim.loss_scale import GROWTH, SCALE
 from flatbma.params import Objective, model_buffers, trainable_params
@@ -230,7 +230,7 @@ def test_a_bf16_run_trains_and_evaluates_from_the_command_line(tmp_path, capsys)
 def test_a_run_may_change_its_device_on_resume(tmp_path, monkeypatch):
     """``train.device`` is among the keys ``--resume --set`` may change (here: auto, the CPU, to cpu)."""
     from flatbma.experiment.cli import main
-    from flatbma.experiment.run import train
+    from flatbma.experiment.run.pipeline import train
     from tests.helpers import interrupt_after_first_epoch
 
     cfg = config_from_dict(
@@ -248,7 +248,7 @@ def test_a_run_may_change_its_device_on_resume(tmp_path, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         train(cfg, evaluate=False)
     assert main(["train", "--resume", str(tmp_path / "run"), "--set", "train.device=cpu"]) == 0
-    from flatbma.experiment.checkpoint import load_state
+    from flatbma.experiment.run.checkpoint import load_state
 
     resumed = load_state(tmp_path / "run" / "checkpoint.safetensors")
     assert all(torch.equal(resumed.params[k], v) for k, v in reference.state.params.items())
@@ -257,8 +257,8 @@ def test_a_run_may_change_its_device_on_resume(tmp_path, monkeypatch):
 
 def test_an_fp16_run_stopped_at_an_epoch_end_resumes_bit_identically(tmp_path, monkeypatch):
     """The loss scale and its count of finite steps are method state: a resumed fp16 run continues exactly."""
-    from flatbma.experiment.checkpoint import load_state
-    from flatbma.experiment.run import train
+    from flatbma.experiment.run.checkpoint import load_state
+    from flatbma.experiment.run.pipeline import train
     from tests.helpers import interrupt_after_first_epoch
 
     cfg = config_from_dict(
@@ -285,9 +285,10 @@ def test_an_fp16_run_stopped_at_an_epoch_end_resumes_bit_identically(tmp_path, m
 
 
 def test_fp16_refuses_members_spread_over_processes(monkeypatch):
-    from flatbma.experiment import build, distributed
+    from flatbma.experiment.parallel import processes, strategies
+    from flatbma.experiment.run import build
 
-    monkeypatch.setattr(distributed, "world_size", lambda: 2)
+    monkeypatch.setattr(processes, "world_size", lambda: 2)
     with pytest.raises(FlatbmaError, match="one loss scale for the whole state"):
-        build._check_one_scale(distributed.Members(sharded=True))
-    build._check_one_scale(distributed.Strategy())  # data parallelism: every process holds the whole state
+        build._check_one_scale(strategies.Members(sharded=True))
+    build._check_one_scale(strategies.Strategy())  # data parallelism: every process holds the whole state

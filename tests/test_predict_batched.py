@@ -1,16 +1,14 @@
 """The batched (vmap) BMA path against the per-sample loop, its chunking, automatic choice and fallback."""
 
-import importlib
 
 import pytest
 import torch
 from torch import nn
 
+from flatbma import batching
 from flatbma.errors import FlatbmaError
 from flatbma.models import build_model
 from flatbma.predict import evaluate, sample_log_probs
-
-predict_module = importlib.import_module("flatbma.predict")  # the package re-exports a function named predict
 
 
 def perturbed_samples(model: nn.Module, num: int, seed: int, *, params: bool = True) -> list[dict[str, torch.Tensor]]:
@@ -154,15 +152,15 @@ def test_model_calling_item_gives_the_loop_result():
 def test_footprint_rule_on_cpu(monkeypatch):
     # the rule decides wherever the two paths' results differ (tests/test_predict_chooser.py); here it
     # decides always: the agreement check is told that the model updates buffers
-    monkeypatch.setattr(predict_module, "_updates_buffers", lambda model: True)
+    monkeypatch.setattr(batching, "_updates_buffers", lambda model: True)
     calls = []
-    real = predict_module._batched_log_probs
+    real = batching._batched_log_probs
 
     def spy(*args):
         calls.append(args[-1])
         return real(*args)
 
-    monkeypatch.setattr(predict_module, "_batched_log_probs", spy)
+    monkeypatch.setattr(batching, "_batched_log_probs", spy)
     with torch.no_grad():
         small = build_model("cnn", num_classes=3, in_channels=1, image_size=8, width=4, seed=0).eval()
         sample_log_probs(small, perturbed_samples(small, 6, seed=0), torch.randn(4, 1, 8, 8))
@@ -182,8 +180,8 @@ def test_automatic_chunk_size_respects_the_activation_budget(monkeypatch):
         expected = sample_log_probs(model, samples, x, batched=False)
         # widest layer: 4 images × 4 channels × 8 × 8 = 1024 float64 values per sample
         weight_bytes = sum(t.numel() * t.element_size() for t in samples[0].values())
-        monkeypatch.setattr(predict_module, "ACTIVATION_BUDGET_BYTES", 2 * (1024 * 8 + weight_bytes))
-        assert predict_module._auto_chunk_size(predict_module._footprint(model, samples[0], x), samples[0], x, 5) == 2
+        monkeypatch.setattr(batching, "ACTIVATION_BUDGET_BYTES", 2 * (1024 * 8 + weight_bytes))
+        assert batching._auto_chunk_size(batching._footprint(model, samples[0], x), samples[0], x, 5) == 2
         torch.testing.assert_close(sample_log_probs(model, samples, x, batched=True), expected)
 
 

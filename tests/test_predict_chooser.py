@@ -1,11 +1,11 @@
-"""The automatic BMA path (``batched=None``): agreement check, timed probe, cache, RNG, exact results.
+"""The automatic BMA path (``batched=None``): the numbers of the path it chose, chosen once per key, RNG alone.
 
-No test times anything: the probe's clock is replaced by a fake one that advances by a fixed cost
-per call of each path.
+Behaviour only, through :func:`flatbma.batching.decision`: no test times anything or replaces the chooser's
+clock or private functions. That the automatic path is never slower than the slower path is measured by
+``bench/bma.py`` (``auto_vs_fastest``), side by side.
 """
 
 import contextlib
-import importlib
 import random
 import sys
 from pathlib import Path
@@ -14,12 +14,12 @@ import pytest
 import torch
 from torch import nn
 
+from flatbma import batching
+from flatbma.bn import eval_mode
 from flatbma.models import build_model
 from flatbma.posteriors.mc_dropout import mc_dropout_mode
-from flatbma.predict import eval_mode, sample_log_probs
+from flatbma.predict import sample_log_probs
 from flatbma.transfer import subset_names
-
-predict_module = importlib.import_module("flatbma.predict")  # the package re-exports a function named predict
 
 
 class Elementwise(nn.Module):
@@ -50,136 +50,73 @@ def jittered(model: nn.Module, num: int, seed: int, names: set[str] | None = Non
     return samples
 
 
-def choices(model: nn.Module) -> list:
-    return list(predict_module._CHOICES.get(model, {}).values())
+class Counted(Elementwise):
+    """:class:`Elementwise` that counts its forward calls (a batched call of a chunk counts once)."""
+
+    def __init__(self, n: int = 5) -> None:
+        super().__init__(n)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return super().forward(x)
 
 
-def fake_clock(monkeypatch, loop_seconds: float, vmap_seconds: float) -> list[str]:
-    """Replace the probe's clock: every loop call costs ``loop_seconds``, every vmap call ``vmap_seconds``.
-
-    Returns the list the paths append their names to when called.
-    """
-    now = [0.0]
-    calls: list[str] = []
-    real_loop, real_batched = predict_module._loop_log_probs, predict_module._batched_log_probs
-
-    def loop(*args):
-        calls.append("loop")
-        now[0] += loop_seconds
-        return real_loop(*args)
-
-    def batched(*args):
-        calls.append("vmap")
-        now[0] += vmap_seconds
-        return real_batched(*args)
-
-    monkeypatch.setattr(predict_module, "_clock", lambda: now[0])
-    monkeypatch.setattr(predict_module, "_loop_log_probs", loop)
-    monkeypatch.setattr(predict_module, "_batched_log_probs", batched)
-    return calls
-
-
-@pytest.mark.parametrize(("loop_seconds", "vmap_seconds", "batched"), [(1.0, 3.0, False), (3.0, 1.0, True)])
-def test_auto_follows_the_faster_path_where_the_paths_agree(monkeypatch, loop_seconds, vmap_seconds, batched):
+def test_auto_gives_the_numbers_of_both_paths_where_they_agree():
     model = Elementwise()
     samples = jittered(model, 6, seed=1)
     x = torch.randn(4, 5, generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         loop = sample_log_probs(model, samples, x, batched=False)
         vmap = sample_log_probs(model, samples, x, batched=True)
-        calls = fake_clock(monkeypatch, loop_seconds, vmap_seconds)
+        assert batching.decision(model, samples, x) is None  # forced paths choose nothing
         first = sample_log_probs(model, samples, x)
-        assert choices(model) == [predict_module._Choice(batched, "probe", (loop_seconds, vmap_seconds))]
-        calls.clear()
         second = sample_log_probs(model, samples, x)
-    assert calls == ["vmap" if batched else "loop"]  # cached: only the faster path runs
     assert torch.equal(loop, vmap)  # the premise: here the timing cannot change the numbers
     assert torch.equal(first, loop) and torch.equal(second, loop)
+    assert batching.decision(model, samples, x).by == "probe"  # bit-identical paths: the faster one
 
 
-@pytest.mark.parametrize("where", ["everywhere", "real batch only"])
-def test_paths_that_differ_in_one_bit_are_left_to_the_rule(monkeypatch, where):
-    # vmap nudged by one ulp: the clock favours the loop, but only the (deterministic) footprint rule
-    # may choose, and for this tiny model it batches
-    model = Elementwise()
-    samples = jittered(model, 6, seed=3)
-    x = torch.randn(4, 5, generator=torch.Generator().manual_seed(4))
-    real_batched = predict_module._batched_log_probs
-
-    def nudged(model_, samples_, inputs, chunk):
-        out = real_batched(model_, samples_, inputs, chunk)
-        return torch.nextafter(out, torch.full_like(out, -1.0)) if where == "everywhere" or inputs is x else out
-
-    monkeypatch.setattr(predict_module, "_batched_log_probs", nudged)
-    with torch.no_grad():
-        forced = sample_log_probs(model, samples, x, batched=True)
-        fake_clock(monkeypatch, loop_seconds=1.0, vmap_seconds=10.0)
-        auto = sample_log_probs(model, samples, x)
-        again = sample_log_probs(model, samples, x)
-    assert choices(model) == [predict_module._Choice(True, "rule")]
-    assert torch.equal(auto, forced) and torch.equal(again, forced)
-
-
-def test_the_probe_runs_once_per_key(monkeypatch):
-    probes = []
-    real = predict_module._probe
-
-    def spy(*args):
-        probes.append(tuple(args[2].shape))
-        return real(*args)
-
-    monkeypatch.setattr(predict_module, "_probe", spy)
-    model = Elementwise()
+def test_a_choice_once_made_runs_the_chosen_path_alone():
+    model = Counted()
     samples = jittered(model, 4, seed=5)
     x4, x3 = torch.randn(4, 5), torch.randn(3, 5)
     with torch.no_grad():
-        for _ in range(3):
-            sample_log_probs(model, samples, x4)
-        assert probes == [(4, 5)]
-        sample_log_probs(model, samples, torch.randn(4, 5))  # other values, same key
-        sample_log_probs(model, samples, x4, batched=True)  # forced paths never probe
-        sample_log_probs(model, samples, x4, batched=False)
-        assert probes == [(4, 5)]
-        sample_log_probs(model, samples, x3)  # another batch shape
-        sample_log_probs(model, samples[:3], x4)  # another number of samples
-        sample_log_probs(model, samples, x4, chunk_size=2)  # another chunk size
-        sample_log_probs(model, [{k: v.double() for k, v in w.items()} for w in samples], x4.double())
-        sample_log_probs(Elementwise(), samples, x4)  # another model
-        assert len(probes) == 6
-        sample_log_probs(model, samples, x3)
-        assert len(probes) == 6
-        assert len(choices(model)) == 5
+        sample_log_probs(model, samples, x4)  # the first call of a key checks and probes: extra passes
+        choice = batching.decision(model, samples, x4)
+        model.calls = 0
+        sample_log_probs(model, samples, x4, batched=choice.batched)
+        alone = model.calls
+        for inputs in (x4, torch.randn(4, 5)):  # the same key: other values of the same shape
+            model.calls = 0
+            sample_log_probs(model, samples, inputs)
+            assert model.calls == alone
+        model.calls = 0
+        sample_log_probs(model, samples, x3)  # another key (the batch shape): checked and probed again
+        assert model.calls > alone
+        assert batching.decision(model, samples, x3) is not None
+        assert batching.decision(model, samples[:3], x4) is None  # another number of samples: not yet
 
 
-@pytest.mark.parametrize("cached_batched", [False, True])
-def test_the_stacking_check_runs_only_where_the_samples_would_be_stacked(monkeypatch, cached_batched):
-    """A cached choice of the loop skips the per-tensor check; one of vmap still refuses unstackable samples."""
+def test_samples_that_cannot_be_stacked_give_the_loops_numbers():
     model = Elementwise()
     samples, x = jittered(model, 4, seed=11), torch.randn(4, 5)
-    fake_clock(monkeypatch, loop_seconds=1.0 if cached_batched else 0.1, vmap_seconds=0.1 if cached_batched else 1.0)
     with torch.no_grad():
-        sample_log_probs(model, samples, x)  # probes and caches the choice
-    assert [c.batched for c in choices(model)] == [cached_batched]
-    checked = []
-    real = predict_module._stacking_problem
-    monkeypatch.setattr(predict_module, "_stacking_problem", lambda s: checked.append(1) or real(s))
-    with torch.no_grad():
-        sample_log_probs(model, samples, x)
-        assert len(checked) == int(cached_batched)
+        sample_log_probs(model, samples, x)  # makes and keeps the choice of this key
         # sample 0's layout (the key) unchanged, a later sample of another dtype: never stacked
         odd = [*samples[:3], {k: v.double() for k, v in samples[3].items()}]
-        loop = predict_module._loop_log_probs(model, odd, x)
-        assert torch.equal(sample_log_probs(model, odd, x), loop)
+        assert torch.equal(sample_log_probs(model, odd, x), sample_log_probs(model, odd, x, batched=False))
 
 
 def test_the_probe_leaves_every_rng_alone():
     model = Elementwise()
     samples = jittered(model, 4, seed=6)
+    x = torch.randn(4, 5, generator=torch.Generator().manual_seed(8))
     generator = torch.Generator().manual_seed(7)
     states = (torch.get_rng_state(), generator.get_state(), random.getstate())
     with torch.no_grad():
-        sample_log_probs(model, samples, torch.randn(4, 5, generator=torch.Generator().manual_seed(8)))
-    assert [c.by for c in choices(model)] == ["probe"]  # it did probe: scrambled copies, two timed rounds
+        sample_log_probs(model, samples, x)
+    assert batching.decision(model, samples, x).by == "probe"  # it did probe: scrambled copies, timed rounds
     assert torch.equal(torch.get_rng_state(), states[0])
     assert torch.equal(generator.get_state(), states[1])
     assert random.getstate() == states[2]
@@ -238,11 +175,12 @@ def test_auto_equals_the_path_it_chose_bit_for_bit_on_the_shipped_models(name):
         torch.manual_seed(14)
         with torch.no_grad(), mode(model):
             first = sample_log_probs(model, fresh, x, batched=batched)
-            second = sample_log_probs(model, fresh, x, batched=batched)  # None: the cached choice
-        return first, second, torch.get_rng_state(), fresh
+            second = sample_log_probs(model, fresh, x, batched=batched)  # None: the kept choice
+            choice = batching.decision(model, samples, x)
+        return first, second, torch.get_rng_state(), fresh, choice
 
     auto = run(None)
-    (choice,) = choices(model)
+    choice = auto[4]
     assert decider is None or choice.by == decider
     forced = run(choice.batched)
     assert torch.equal(auto[0], forced[0]) and torch.equal(auto[1], forced[1])

@@ -8,19 +8,21 @@ import copy
 import pytest
 import torch
 from torch import nn
+from torch.func import functional_call
 from torch.utils.data import DataLoader, TensorDataset
 
 import flatbma
 from flatbma import BMA
-from flatbma.bn import recompute_bn_statistics, statistics_loader
+from flatbma.bn import eval_mode, recompute_bn_statistics, statistics_loader
 from flatbma.errors import FlatbmaError
-from flatbma.experiment.config import config_from_dict
-from flatbma.experiment.evaluate import evaluate_state
-from flatbma.experiment.run import train
+from flatbma.experiment.config.run_config import config_from_dict
+from flatbma.experiment.run.evaluate import evaluate_state
+from flatbma.experiment.run.pipeline import train
 from flatbma.experiment.runner import fit
 from flatbma.optim import SGD, cosine
 from flatbma.posteriors import mc_dropout, point, swag
 from flatbma.predict import bma_log_probs, evaluate
+from flatbma.types import prediction_mode
 
 M = 6
 
@@ -192,7 +194,7 @@ def test_mc_dropout_predicts_in_its_mode_as_the_manual_path_does():
     assert (probs - deterministic).abs().max() > 1e-3
     # the manual path: samples with the same seed, the method's prediction mode
     samples = method.sample(state, M, torch.Generator().manual_seed(7))
-    assert bma.evaluate(test) == evaluate(model, samples, test, num_classes=3, mode=method.predict_mode)
+    assert bma.evaluate(test) == evaluate(model, samples, test, num_classes=3, mode=prediction_mode(method, 7))
     # masks follow the predictor's seed, not whatever sampled from the method last
     method.sample(state, M, torch.Generator().manual_seed(99))
     assert torch.equal(bma.predict_proba(x), probs)
@@ -218,6 +220,31 @@ def test_inputs_alone_batches_and_loaders_give_the_same_predictions(trained_swag
     torch.testing.assert_close(bma.predict_log_proba([x[:30], x[30:]]), expected, rtol=1e-6, atol=1e-6)
     assert torch.equal(bma.predict(x), expected.argmax(-1))
     torch.testing.assert_close(bma.predict_proba(x).sum(-1), torch.ones(70))
+
+
+def test_uncertainty_splits_the_bma_entropy_over_the_predictors_own_samples(trained_swag):
+    model, method, state, _, loader = trained_swag
+    bma = BMA(model, method, state, loader, num_samples=M)
+    x = _data(50, seed=8)[0]
+    out = bma.predict_uncertainty(DataLoader(TensorDataset(x), batch_size=16))
+    torch.testing.assert_close(out["total"], flatbma.metrics.predictive_entropy(bma.predict_log_proba(x)))
+    with torch.no_grad(), eval_mode(model):  # the manual path: every sample's own entropy, averaged
+        per_sample = [torch.log_softmax(functional_call(model, w, (x,)), -1) for w in bma.samples]
+    expected = torch.stack([flatbma.metrics.predictive_entropy(lp) for lp in per_sample]).mean(0)
+    torch.testing.assert_close(out["aleatoric"], expected)
+    torch.testing.assert_close(out["total"], out["aleatoric"] + out["epistemic"], rtol=0, atol=0)
+    assert float(out["epistemic"].min()) > 0  # SWAG's samples disagree somewhere on every input
+    torch.testing.assert_close(bma.predict_entropy(x), out["total"])
+    torch.testing.assert_close(bma.mutual_information(x), out["epistemic"])
+    point_bma = BMA(model, point.build(flatbma.Objective(model), SGD(lr=0.1)), state, loader, num_samples=M)
+    assert torch.equal(point_bma.mutual_information(x), torch.zeros(50, dtype=torch.float64))
+
+
+def test_the_probit_predictive_refuses_the_split_in_one_line():
+    loader = DataLoader(TensorDataset(*_data(60)), batch_size=30)
+    bma = flatbma.fit_posterior(_net(), loader, "laplace", epochs=1, predictive="probit", hessian="diag")
+    with pytest.raises(FlatbmaError, match="predictive: glm"):
+        bma.predict_uncertainty(_data(5)[0])
 
 
 def test_bad_inputs_and_unlabelled_metrics_end_in_one_clear_error(trained_swag):
@@ -298,7 +325,7 @@ def test_the_iterates_a_sampler_keeps_are_accepted_on_load(tmp_path):
 
 
 def test_a_packed_variational_state_round_trips_and_is_a_flatbma_state_file(tmp_path):
-    from flatbma.experiment.checkpoint import load_state
+    from flatbma.experiment.run.checkpoint import load_state
 
     x, y = _data()
     loader = DataLoader(TensorDataset(x, y), batch_size=48, shuffle=True)
@@ -332,7 +359,7 @@ def test_fit_posterior_and_load_posterior_round_trip_with_a_fresh_module(tmp_pat
 
 
 def test_a_run_checkpoint_is_not_a_predictor(trained_swag, tmp_path):
-    from flatbma.experiment.checkpoint import save_state
+    from flatbma.experiment.run.checkpoint import save_state
 
     model, method, state, _, loader = trained_swag
     save_state(state, tmp_path / "checkpoint.safetensors")

@@ -74,7 +74,7 @@ def _fresh_modules(statement: str) -> set[str]:
     [
         "import flatbma",
         "import flatbma.plotting, flatbma.flatness",
-        "import flatbma.experiment.report",
+        "import flatbma.experiment.report.tables",
     ],
 )
 def test_import_does_not_load_matplotlib(statement):

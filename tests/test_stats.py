@@ -8,7 +8,7 @@ import pytest
 from scipy import stats as scipy_stats
 
 from flatbma.errors import FlatbmaError
-from flatbma.stats import Interval, Method, paired_difference, summarize, verdict
+from flatbma.stats import Interval, Method, median_interval, paired_difference, summarize, verdict
 
 VALUES = [0.71, 0.74, 0.69, 0.77, 0.72]
 
@@ -99,3 +99,25 @@ def test_interval_helpers():
 def test_bad_input(call, match):
     with pytest.raises(FlatbmaError, match=match):
         call()
+
+
+def test_median_interval_covers_the_median_of_a_heavy_tailed_law_where_the_mean_has_none():
+    """The percentile bootstrap of the median, checked against the truth: a Cauchy law has median 0 (and no mean).
+
+    Over 200 samples of 15 values its 95% interval holds 0 close to 95% of the time (the percentile bootstrap
+    of a median of 15 undercovers a little: 90.5% with these draws; the bound allows 85%), and one huge value
+    barely moves it.
+    """
+    rng = np.random.default_rng(1)
+    covered = 0
+    for i in range(200):
+        x = rng.standard_cauchy(15)
+        interval = median_interval(x, resamples=500, seed=i)
+        covered += interval.contains(0.0)
+        assert interval.low <= float(np.median(x)) <= interval.high
+    assert 0.85 <= covered / 200 <= 0.995
+    values = [1650.0, 1790.0, 1880.0, 1926.0, 1926.0, 2010.0, 2240.0]
+    calm, heavy = median_interval(values), median_interval([*values, 278_000.0])
+    assert heavy.high < 3000 and heavy.low >= calm.low  # one sharp sample: the mean's interval would reach 10⁵
+    assert median_interval(values, seed=3) == median_interval(values, seed=3)  # seeded
+    assert median_interval([2.0]) is None and median_interval([2.0, 2.0]) == Interval(2.0, 2.0, 0.95)

@@ -9,7 +9,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+import contextlib
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -21,6 +22,22 @@ from torch.utils.data import DataLoader, Dataset
 from flatbma import progress
 from flatbma.errors import FlatbmaError
 from flatbma.types import Params, split_batch
+
+
+@contextlib.contextmanager
+def eval_mode(model: nn.Module) -> Iterator[nn.Module]:
+    """Put ``model`` in eval mode for the block and restore every submodule's previous mode afterwards.
+
+    Each module gets its own mode back (a module with a frozen, eval-mode part stays so), not the
+    root's mode for all.
+    """
+    modes = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        yield model
+    finally:
+        for m, training in modes:
+            m.training = training
 
 
 def disable_running_stats(model: nn.Module) -> None:
@@ -126,7 +143,7 @@ def with_recomputed_statistics(
     share one dict. Samples of a model without BatchNorm are returned as given. Give it the training
     data without augmentation in a fixed order (:func:`statistics_loader`), so that the statistics are a
     function of the weights alone; the evaluation of runs
-    (:func:`flatbma.experiment.evaluate.with_bn_statistics`) and the predictor
+    (:func:`flatbma.experiment.run.evaluate.with_bn_statistics`) and the predictor
     (:class:`flatbma.predictor.BMA`) both call this.
     """
     if not has_batchnorm(model):

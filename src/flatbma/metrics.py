@@ -40,6 +40,7 @@ __all__ = [
     "ood_auroc",
     "predictive_entropy",
     "reliability_diagram",
+    "uncertainty_decomposition",
 ]
 
 _F64 = torch.float64
@@ -365,6 +366,42 @@ def predictive_entropy(log_probs: Tensor) -> Tensor:
         FlatbmaError: If ``log_probs`` is malformed.
     """
     return _entropy(_check_log_probs(log_probs))
+
+
+def uncertainty_decomposition(sample_log_probs: Tensor) -> dict[str, Tensor]:
+    """Total, aleatoric and epistemic uncertainty of each example's BMA, from its per-sample predictives.
+
+    With ``p_m = exp(sample_log_probs[m])`` the predictive of sample ``m`` and ``p̄ = (1/M) Σ_m p_m`` the BMA
+    (computed as ``logsumexp_m − log M``)::
+
+        total      H[p̄]                       (the BMA's predictive entropy)
+        aleatoric  (1/M) Σ_m H[p_m]           (expected entropy: the noise every sample sees)
+        epistemic  H[p̄] − (1/M) Σ_m H[p_m]    (mutual information I(y; w | x) between label and weights)
+
+    (Houlsby et al. 2011, BALD; Depeweg et al., ICML 2018). ``epistemic ≥ 0`` by Jensen's inequality
+    (entropy is concave), up to float64 rounding; it is 0 for one sample or identical samples.
+
+    Args:
+        sample_log_probs: ``[M, B, C]`` per-sample log-probabilities (each row normalized).
+
+    Returns:
+        ``{"total", "aleatoric", "epistemic"}``: ``[B]`` float64 tensors in nats, ``total = aleatoric + epistemic``
+        exactly (``epistemic`` is defined as the difference).
+
+    Raises:
+        FlatbmaError: If ``sample_log_probs`` is not ``[M, B, C]`` or a row is malformed.
+    """
+    lps = _require_tensor(sample_log_probs, "sample_log_probs")
+    if lps.ndim != 3 or lps.shape[0] < 1:
+        raise FlatbmaError(
+            f"sample_log_probs must have shape [num_samples, batch, num_classes], got shape {tuple(lps.shape)}"
+        )
+    m, b, c = lps.shape
+    flat = _check_log_probs(lps.reshape(m * b, c))  # float64, every row normalized
+    aleatoric = _entropy(flat).reshape(m, b).mean(0)
+    bma = torch.logsumexp(flat.reshape(m, b, c), dim=0) - math.log(m)
+    total = _entropy(bma)
+    return {"total": total, "aleatoric": aleatoric, "epistemic": total - aleatoric}
 
 
 def ood_auroc(entropy_in: Tensor, entropy_out: Tensor) -> float:

@@ -6,7 +6,7 @@ checks it. An option added later would appear in every resolved section — with
 every run resolved before it a different run, although its numbers are the same. So an option added
 later is declared with :func:`added` and :func:`resolved` leaves it out while it holds its default:
 configs that do not use it resolve exactly as before, and a run that uses it is a new run. The same
-rule serves the config sections (:mod:`flatbma.experiment.sections`) and the ascent steps' options
+rule serves the config sections (:mod:`flatbma.experiment.config.sections`) and the ascent steps' options
 (:mod:`flatbma.optim`, e.g. FP-BMA's ``radius``).
 """
 

@@ -107,14 +107,19 @@ class Packed(Mapping[str, Tensor]):
 
     Looking a key up creates all the views once (:meth:`Layout.views`); code that knows the layout uses
     :func:`flat_of` and never does. ``dict(packed)`` is an ordinary packed dict of views.
+
+    ``derived`` holds what code computes from the mapping's values and keeps with them (e.g.
+    :func:`flatbma.gaussian.geometry` of a ``θ``): a mapping is one step's value, read, never updated in
+    place while it is in use (:func:`as_packed` makes a new one for each step).
     """
 
-    __slots__ = ("_views", "flat", "layout")
+    __slots__ = ("_views", "derived", "flat", "layout")
 
     def __init__(self, flat: Tensor, layout: Layout, views: Params | None = None) -> None:
         self.flat = flat
         self.layout = layout
         self._views = views
+        self.derived: dict[object, object] = {}
 
     def _materialized(self) -> Params:
         if self._views is None:

@@ -2,7 +2,7 @@
 
 * :func:`figure` — a matplotlib ``Figure`` with a grid of axes, built without pyplot (no global
   state, the Agg canvas), and :func:`png` — its PNG bytes at a given dpi with no software stamp, so
-  the same drawing gives the same bytes. ``flatbma.experiment.report`` draws its figures with them.
+  the same drawing gives the same bytes. ``flatbma.experiment.report.tables`` draws its figures with them.
 * :func:`landscape_1d_png` / :func:`plot_landscape_1d` — 1-D loss curves with ±std bands, e.g. the
   mean and standard deviation over posterior samples of
   :func:`~flatbma.flatness.posterior_landscape`;

@@ -3,7 +3,7 @@
 With :attr:`Precision.BF16` or :attr:`Precision.FP16` only the model's forward passes run under
 :func:`torch.autocast` (:func:`autocast`): in training (:meth:`flatbma.params.Objective.logits`, both
 passes of a sharpness-aware step), in BatchNorm recomputation and in the BMA's predictions
-(:mod:`flatbma.predict` through :class:`flatbma.predictor.BMA` and :mod:`flatbma.experiment.evaluate`).
+(:mod:`flatbma.predict` through :class:`flatbma.predictor.BMA` and :mod:`flatbma.experiment.run.evaluate`).
 There matrix products and convolutions take the lower dtype and the ops that autocast keeps in float32
 stay there; the logits leave the forward pass as float32 (:func:`as_float32`), so losses, log-softmax,
 the BMA's ``logsumexp`` and the metrics are float32 (or float64 where they were before).

@@ -3,293 +3,34 @@
 ``log p(y|x) = log (1/M) Σ_m softmax(f(x; w_m))_y = logsumexp_m log_softmax(f(x; w_m))_y − log M``,
 computed in log space (never ``log`` of an averaged, clamped probability).
 
-The ``M`` forward passes ``f(x; w_m)`` run either one sample at a time (the *loop*) or several
-samples per call (*batched*): the weight dicts of a chunk of samples are stacked key by key
-(parameters and buffers alike, as ``torch.func.stack_module_state`` does) and
-``torch.func.vmap(functional_call(model, ·, (x,)), in_dims=(0, None))`` maps over the stacked
-dimension. Both give the same numbers up to float rounding; see :func:`sample_log_probs` for which
-one runs: the automatic choice times the two paths only where their results agree bit for bit, so
-that the numbers never depend on timing.
-
-Two more predictives replace the network by its linearization at the posterior mean ``w̄`` (the
-Laplace family's, :class:`flatbma.types.Predictive`): :class:`Linearized` (the MC-GLM predictive,
-``f(x; w̄) + J(x)Δ_m`` averaged like the samples) and :class:`Probit` (deterministic). Both take one
-per-example Jacobian ``J(x)`` of the logits per input batch (:func:`flatbma.jacobians.jacobian`). Every
-function below that takes ``samples`` also takes one of them in their place.
+The ``M`` forward passes ``f(x; w_m)`` run one sample at a time or several per call, as
+:mod:`flatbma.batching` chooses (the numbers never depend on timing). In place of the samples, every
+function below also takes a predictive of the network linearized at the posterior mean (the Laplace
+family's, :mod:`flatbma.linearized`): :class:`~flatbma.linearized.Linearized` or
+:class:`~flatbma.linearized.Probit`.
 """
 
 from __future__ import annotations
 
-import contextlib
-import itertools
-import logging
 import math
-import threading
-import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
-from dataclasses import dataclass, replace
 from typing import Any
-from weakref import WeakKeyDictionary
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.func import functional_call, vmap
 
-from flatbma import jacobians, progress
+from flatbma import batching, progress
+from flatbma.bn import eval_mode
 from flatbma.calibration import scale
-from flatbma.checks import is_int
 from flatbma.errors import FlatbmaError
+from flatbma.linearized import LinearizedPredictive
 from flatbma.metrics import StreamingMetrics
-from flatbma.precision import as_float32, full_precision
-from flatbma.types import Batch, Params, Posterior, Predictive, State, split_batch
-
-
-@contextlib.contextmanager
-def eval_mode(model: nn.Module) -> Iterator[nn.Module]:
-    """Put ``model`` in eval mode for the block and restore every submodule's previous mode afterwards.
-
-    Each module gets its own mode back (a module with a frozen, eval-mode part stays so), not the
-    root's mode for all.
-    """
-    modes = [(m, m.training) for m in model.modules()]
-    model.eval()
-    try:
-        yield model
-    finally:
-        for m, training in modes:
-            m.training = training
-
-
-ACTIVATION_BUDGET_BYTES = 256 * 2**20
-"""Budget for one batched call: the chunk's largest layer output plus its stacked weights.
-
-It sets the automatic chunk size (peak memory of a call is a small multiple of it)."""
-
-CPU_BATCHED_MAX_MEAN_ELEMENTS = 16_384
-"""The footprint rule (the automatic choice wherever the two paths' results differ): on the CPU it
-batches only forward passes whose leaf modules output at most this many elements on average (per
-sample, for the given input batch): those are dominated by per-operation overhead, which batching
-removes. Larger layers run slower under ``vmap`` on the CPU (its batching rules turn convolutions
-into grouped ones and normalization into several passes over the activations), see ``bench/bma.py``."""
-
-_UNSTACKED_CHUNK = 8
-"""Chunk size when the activation footprint of the model cannot be estimated."""
-
-_PROBE_ROUNDS = 3
-"""Timed rounds (loop, then vmap) of the probe on the first batch; each path's fastest round counts."""
-
-_SCRAMBLE_OCTAVES = 2
-"""The agreement check scales every input and weight entry by ``2^k``, ``k`` uniform in ``±`` this."""
-
-_clock = time.perf_counter
-"""The probe's clock (a module attribute, so that tests can replace it)."""
-
-_log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class _Footprint:
-    """Output sizes of the leaf modules in one forward pass of one sample on one input batch."""
-
-    leaf_calls: int
-    total_elements: int
-    peak_elements: int
-
-    @property
-    def mean_elements(self) -> float:
-        return self.total_elements / max(self.leaf_calls, 1)
-
-
-@dataclass(frozen=True)
-class _Choice:
-    """The automatic choice for one key (:func:`_choice_key`).
-
-    ``by`` is ``"probe"`` when both paths gave bit-identical results and the faster one was taken
-    (``seconds``: the fastest probe round of the loop and of vmap), ``"rule"`` when the footprint
-    rule decided (the results differ, the model draws random numbers or updates buffers),
-    ``"fallback"`` when ``vmap`` failed during the probe (the loop, remembered in ``_VMAP_FAILED``).
-    """
-
-    batched: bool
-    by: str
-    seconds: tuple[float, float] | None = None
-
-
-_FELL_BACK = _Choice(batched=False, by="fallback")
-
-_TrainingFlags = tuple[bool, ...]
-_FootprintKey = tuple[_TrainingFlags, tuple[int, ...], torch.dtype]
-_ChoiceKey = tuple[Any, ...]
-
-# Per model (weakly referenced, so dropped with the model): the train/eval configurations in which
-# vmap failed and the loop succeeded, the memoized footprints and the automatic choices. _LOCK
-# guards the writes (two threads may both probe one key: either choice gives the same numbers, see
-# _probe; concurrent timing only makes the choice slower to be right).
-_VMAP_FAILED: WeakKeyDictionary[nn.Module, set[_TrainingFlags]] = WeakKeyDictionary()
-_FOOTPRINTS: WeakKeyDictionary[nn.Module, dict[_FootprintKey, _Footprint | None]] = WeakKeyDictionary()
-_CHOICES: WeakKeyDictionary[nn.Module, dict[_ChoiceKey, _Choice]] = WeakKeyDictionary()
-_LOCK = threading.Lock()
-
-
-JACOBIAN_CHUNK = 32
-"""Examples per vectorized Jacobian call of the linearized predictives (bounds their peak memory)."""
-
-
-class LinearizedPredictive:
-    """A predictive of the network linearized at the posterior mean ``w̄`` (:class:`Linearized`, :class:`Probit`).
-
-    ``log_probs(model, x)`` gives ``[M, B, C]`` per-"sample" log-probabilities, averaged like samples'
-    (:func:`log_mean_exp`); ``len`` is ``M`` and ``[:m]`` keeps the first ``m``.
-    """
-
-    mean: Mapping[str, Tensor]
-    names: tuple[str, ...]
-
-    def __len__(self) -> int:
-        raise NotImplementedError
-
-    def __getitem__(self, index: slice) -> LinearizedPredictive:
-        raise NotImplementedError
-
-    def log_probs(self, model: nn.Module, x: Tensor) -> Tensor:
-        """``[M, B, C]`` log-probabilities of the input batch ``x`` (the model in its prediction mode)."""
-        raise NotImplementedError
-
-    def _logits_and_jacobian(self, model: nn.Module, x: Tensor) -> tuple[Tensor, Params]:
-        """``f(x; w̄)`` ``[B, C]`` and the per-example Jacobians ``{name: [B, C, *shape]}`` over :attr:`names`."""
-        mean = dict(self.mean)
-
-        def fn(params: Params, inputs: Tensor) -> Tensor:
-            return functional_call(model, {**mean, **params}, (inputs,))
-
-        at = {k: mean[k] for k in self.names}
-        # the linearization stays float32 under a caller's autocast (flatbma.precision): J Σ Jᵀ is a closed form
-        with torch.enable_grad(), full_precision(x.device):  # torch.func differentiates under an outer no_grad too
-            jac = jacobians.jacobian(fn, at, x, chunk=JACOBIAN_CHUNK)
-        with torch.no_grad(), full_precision(x.device):
-            logits = functional_call(model, mean, (x,))
-        return logits, {k: v.detach() for k, v in jac.items()}
-
-
-@dataclass(frozen=True)
-class Linearized(LinearizedPredictive):
-    """The MC-GLM predictive (Immer, Korzepa & Bauer, AISTATS 2021) of ``M`` weight samples.
-
-    ``log p(y|x) = log (1/M) Σ_m softmax(f(x; w̄) + J(x)Δ_m)_y`` with ``Δ_m = w_m − w̄`` over the
-    trained parameters and ``J(x) = ∂f(x; w)/∂w`` at ``w̄``: the BMA of the network linearized at the
-    mean, the GLM whose Laplace posterior the samples are. ``J(x)`` is computed once per input batch
-    (:func:`flatbma.jacobians.jacobian`); each sample then costs one contraction
-    ``Σ_name J[name] · Δ_m[name]`` instead of a forward pass.
-
-    Attributes:
-        mean: ``w̄`` with its buffers (the BatchNorm statistics every linearized logit uses).
-        deltas: ``Δ_m`` per sample, over the trained parameter names.
-    """
-
-    mean: Mapping[str, Tensor]
-    deltas: Sequence[Mapping[str, Tensor]]
-
-    @property
-    def names(self) -> tuple[str, ...]:  # type: ignore[override]
-        """The trained parameters the samples move (the keys of ``Δ_m``)."""
-        return tuple(self.deltas[0]) if self.deltas else ()
-
-    def __len__(self) -> int:
-        return len(self.deltas)
-
-    def __getitem__(self, index: slice) -> Linearized:
-        return replace(self, deltas=list(self.deltas[index]))
-
-    def log_probs(self, model: nn.Module, x: Tensor) -> Tensor:
-        """``log_softmax(f(x; w̄) + J(x)Δ_m)`` for every sample: ``[M, B, C]``."""
-        logits, jac = self._logits_and_jacobian(model, x)
-        out = logits.unsqueeze(0).expand(len(self.deltas), -1, -1).clone()
-        for name, j in jac.items():
-            stacked = torch.stack([d[name].reshape(-1) for d in self.deltas]).to(j.dtype)  # [M, n]
-            out += torch.einsum("bcn,mn->mbc", j.reshape(*j.shape[:2], -1), stacked)
-        return F.log_softmax(out, dim=-1)
-
-
-@dataclass(frozen=True)
-class Probit(LinearizedPredictive):
-    """The probit approximation of the GLM predictive (MacKay 1992; Daxberger et al. 2021).
-
-    ``p(y|x) = softmax(κ ⊙ f(x; w̄))`` with ``κ_c = (1 + π/8 · σ²_c)^{−½}`` and ``σ²_c = (J(x) Σ J(x)ᵀ)_cc``
-    the variance of the linearized logit ``c`` under the posterior covariance ``Σ``. Deterministic:
-    one "sample" (``len`` 1).
-
-    Attributes:
-        mean: ``w̄`` with its buffers.
-        names: the trained parameters (those ``Σ`` is over).
-        variance: ``variance(J) -> σ²`` ``[B, C]`` for Jacobians ``J[name]`` ``[B, C, *shape]``
-            (a posterior's :attr:`~flatbma.types.Posterior.functional_variance` at its state).
-    """
-
-    mean: Mapping[str, Tensor]
-    names: tuple[str, ...]
-    variance: Callable[[Params], Tensor]
-
-    def __len__(self) -> int:
-        return 1
-
-    def __getitem__(self, index: slice) -> Probit:
-        return self
-
-    def log_probs(self, model: nn.Module, x: Tensor) -> Tensor:
-        """``log_softmax(κ ⊙ f(x; w̄))``: ``[1, B, C]``."""
-        logits, jac = self._logits_and_jacobian(model, x)
-        kappa = torch.rsqrt(1 + math.pi / 8 * self.variance(jac).to(torch.float64))
-        return F.log_softmax(logits * kappa.to(logits.dtype), dim=-1).unsqueeze(0)
-
+from flatbma.types import Batch, split_batch
 
 Predictions = Sequence[Mapping[str, Tensor]] | LinearizedPredictive
 """What a BMA averages: weight samples (parameters and buffers by module name), or a linearized predictive."""
 
-
-def linearized_names(method: Posterior, state: State, names: Sequence[str]) -> list[str]:
-    """The trained ``names`` a linearized predictive differentiates: those the posterior has a variance for.
-
-    ``names`` in their order, less the weights :attr:`~flatbma.types.Posterior.marginal_variance` leaves out —
-    weights the posterior holds fixed at its mean (last-layer Laplace: every weight but the classifier's),
-    whose ``Δ_m`` is 0 and whose Jacobian would not change a prediction, only cost its memory.
-    """
-    if method.marginal_variance is None:
-        return list(names)
-    held = method.marginal_variance(state)
-    return [k for k in names if k in held]
-
-
-def linearized_predictions(
-    predictive: Predictive | str,
-    mean: Mapping[str, Tensor],
-    samples: Sequence[Mapping[str, Tensor]],
-    names: Sequence[str],
-    variance: Callable[[Params], Tensor] | None = None,
-) -> LinearizedPredictive:
-    """The ``GLM`` or ``PROBIT`` predictive (:class:`flatbma.types.Predictive`) around ``mean``.
-
-    Args:
-        predictive: ``glm`` or ``probit``.
-        mean: ``w̄`` with its buffers (BatchNorm statistics: recomputed once, at ``w̄``, by the caller).
-        samples: the posterior's weight samples ``w_m`` (``glm``: ``Δ_m = w_m − w̄`` over ``names``).
-        names: the trained parameter names.
-        variance: ``probit``: ``J -> diag(JΣJᵀ)`` (the posterior's functional variance at its state).
-
-    Raises:
-        FlatbmaError: ``samples`` (for ``glm``) or ``variance`` (for ``probit``) missing, or another predictive.
-    """
-    predictive = Predictive(predictive)
-    if predictive is Predictive.GLM:
-        if not samples:
-            raise FlatbmaError("the GLM predictive needs at least one posterior sample (num_samples >= 1)")
-        return Linearized(mean=mean, deltas=[{k: w[k] - mean[k] for k in names} for w in samples])
-    if predictive is Predictive.PROBIT:
-        if variance is None:
-            raise FlatbmaError("the probit predictive needs the posterior's functional variance (diag JΣJᵀ)")
-        return Probit(mean=mean, names=tuple(names), variance=variance)
-    raise FlatbmaError(f"predictive {predictive.value!r} is not linearized: average the samples themselves")
 
 
 def sample_log_probs(
@@ -302,339 +43,19 @@ def sample_log_probs(
 ) -> Tensor:
     """``log_softmax(f(x; w_m))`` for every sample: a tensor ``[M, B, C]``.
 
-    Batched evaluation stacks the weight dicts of ``chunk_size`` samples key by key (parameters and
-    buffers, so per-sample BatchNorm statistics are kept) and maps
-    ``functional_call(model, w, (x,))`` over them with ``torch.func.vmap(in_dims=(0, None),
-    randomness="different")``. The loop calls ``functional_call`` once per sample. Both give the same
-    numbers up to float rounding, except that stochastic layers (dropout kept active by MC dropout's
-    prediction mode) draw other — equally valid, independent per sample — random numbers under
-    ``vmap`` than in the loop; either path is reproducible for a fixed global seed and chunk size.
-    Modules that update buffers in ``forward`` (train-mode BatchNorm) update the stacked copies when
-    batched and the sample dicts themselves in the loop; the outputs agree.
-
-    Automatic choice (``batched=None``). The loop when it is the only path: a single sample, dicts
-    that cannot be stacked (other keys, shapes, dtypes or devices), a chunk of one sample (the
-    activation budget), or ``vmap`` failed before for this model in its train/eval configuration.
-    Otherwise the choice is made once per key — model (weakly referenced) and train/eval
-    configuration, sample layout and count, input shape, dtype and device, chunk size, thread count
-    — and cached; how it is made keeps the results independent of timing:
-
-    1. *Agreement check* (no timing). Float rounding differs between the paths whenever their
-       kernels sum in another order (``vmap`` turns convolutions into grouped convolutions and
-       linear layers into batched matrix products). On this project's CPU the float32 MLP gives
-       bit-identical results; every convolutional net (small CNN, ResNet-18, MobileNetV2 with its
-       transfer subset) and the float64 MLP at batch 256 do not. Real data is a weak witness: the
-       small CNN of width 8 differs in 0–0.6% of the values of a batch (in none for 1 or 3
-       images), so one batch that agrees proves nothing. The check therefore runs both paths on two
-       samples and the batch with every floating-point entry scaled by a random power of two
-       (``2^k``, ``|k| ≤ 2``, from a private generator: exact, and the spread of magnitudes makes
-       any change of summation order show — 38–100% of the values of those nets differ). It
-       passes only if the results are finite and bit-identical, the forward pass draws no random
-       numbers and no module with buffers is in training mode.
-    2. If it passes, a *timed probe* on the first batch: both paths, :data:`_PROBE_ROUNDS`
-       interleaved rounds, the faster (by its fastest round) is kept — provided the whole batch
-       also agrees bit for bit. The choice then changes the speed, never the numbers.
-    3. Otherwise the deterministic *footprint rule*: a shape-only forward pass on the meta device
-       (once per model, train/eval configuration and input shape; the model's forward hooks see it)
-       measures the leaf modules' outputs; accelerators batch whenever a chunk holds two samples or
-       more, the CPU only when the mean leaf output is at most :data:`CPU_BATCHED_MAX_MEAN_ELEMENTS`.
-       Timing is not used here on purpose: where the paths round differently, a timed choice would
-       make the numbers depend on the machine's load. The price is the slower path where the rule
-       misjudges a close case (``bench/bma.py``).
-
-    The check and the probe leave torch's CPU (and the input's CUDA) generator as the chosen path
-    alone would: a model that draws random numbers gets its state back before the rule's path runs.
-    They call ``forward`` more often on the first batch of a key (hooks and Python-side counters see
-    it), cost a few extra passes once per key, and are off whenever ``batched`` is ``True`` or
-    ``False``. A check, not a proof: two different summation orders that agree on every scrambled
-    value would pass it; none of the models above comes close.
-
-    Fallback: when the batched call raises ``RuntimeError`` or ``NotImplementedError`` — what
-    functorch raises for ``.item()``, data-dependent control flow or an operator without a batching
-    rule — the loop recomputes the whole result, so a fallback never changes the numbers; if the loop
-    succeeds the model's configuration is remembered and not batched again. Errors of the model
-    itself are then raised by the loop. With ``batched=True`` there is no fallback.
-
-    A linearized predictive (:class:`Linearized`, :class:`Probit`) in place of ``samples`` gives its own
-    ``log_probs`` (``batched`` and ``chunk_size`` do not apply).
-
-    Args:
-        model: the template module, already in its prediction mode.
-        samples: weight dicts (parameters and buffers by module name), one per posterior sample.
-        x: one input batch.
-        batched: ``True`` batches, ``False`` loops, ``None`` chooses as described above.
-        chunk_size: samples per batched call; ``None`` takes as many as fit
-            :data:`ACTIVATION_BUDGET_BYTES` (at least one, at most all).
+    Weight samples are evaluated by :func:`flatbma.batching.log_probs` (``batched`` and ``chunk_size``: the
+    loop, batched calls, or the automatic choice); a linearized predictive
+    (:class:`~flatbma.linearized.Linearized`, :class:`~flatbma.linearized.Probit`) gives its own
+    ``log_probs`` (``batched`` and ``chunk_size`` are checked but do not apply).
 
     Raises:
         FlatbmaError: for invalid ``batched``/``chunk_size``, and with ``batched=True`` when the
             samples cannot be stacked or ``vmap`` cannot evaluate the model.
     """
-    _check_batching_options(batched, chunk_size)
+    batching.check_options(batched, chunk_size)
     if isinstance(samples, LinearizedPredictive):
         return samples.log_probs(model, x)
-    if batched is False or (batched is None and len(samples) < 2):
-        return _loop_log_probs(model, samples, x)
-    if batched is None and _training_flags(model) in _VMAP_FAILED.get(model, ()):
-        return _loop_log_probs(model, samples, x)
-    footprint = _footprint(model, samples[0], x) if chunk_size is None or batched is None else None
-    chunk = chunk_size or _auto_chunk_size(footprint, samples[0], x, len(samples))
-    if batched is None:
-        return _auto_log_probs(model, samples, x, chunk, _batching_pays(footprint, chunk, x.device))
-    problem = _stacking_problem(samples)
-    if problem is not None:
-        raise FlatbmaError(f"batched=True needs samples that can be stacked: {problem}. Use batched=None.")
-    try:
-        return _batched_log_probs(model, samples, x, chunk)
-    except (RuntimeError, NotImplementedError) as err:
-        raise FlatbmaError(
-            f"torch.func.vmap cannot evaluate {type(model).__name__} ({err}); use batched=None or False."
-        ) from err
-
-
-def _auto_log_probs(
-    model: nn.Module, samples: Sequence[Mapping[str, Tensor]], x: Tensor, chunk: int, rule: bool
-) -> Tensor:
-    """``batched=None`` once the samples are known to be several: the cached choice, probed when new.
-
-    Whether the samples stack is checked only where they would be stacked (a new key, or a cached choice
-    to batch): a cached choice of the loop returns at once, without the per-tensor check of every sample.
-    """
-    if chunk < 2:
-        return _loop_log_probs(model, samples, x)
-    key = _choice_key(model, samples, x, chunk)
-    with _LOCK:
-        choice = _CHOICES.get(model, {}).get(key)
-    if choice is not None and not choice.batched:
-        return _loop_log_probs(model, samples, x)
-    if _stacking_problem(samples) is not None:
-        return _loop_log_probs(model, samples, x)
-    if choice is None:
-        out, choice = _probe(model, samples, x, chunk, rule)
-        with _LOCK:
-            _CHOICES.setdefault(model, {})[key] = choice
-        if out is not None:
-            return out
-    if not choice.batched:
-        return _loop_log_probs(model, samples, x)
-    try:
-        return _batched_log_probs(model, samples, x, chunk)
-    except (RuntimeError, NotImplementedError) as err:
-        return _fall_back(model, samples, x, err)
-
-
-def _fall_back(model: nn.Module, samples: Sequence[Mapping[str, Tensor]], x: Tensor, err: Exception) -> Tensor:
-    """The loop's result after ``vmap`` raised ``err``; the configuration is remembered once the loop succeeds."""
-    out = _loop_log_probs(model, samples, x)
-    with _LOCK:
-        _VMAP_FAILED.setdefault(model, set()).add(_training_flags(model))
-    _log.info("vmap cannot evaluate %s (%s); evaluating its samples one at a time", type(model).__name__, err)
-    return out
-
-
-def _choice_key(model: nn.Module, samples: Sequence[Mapping[str, Tensor]], x: Tensor, chunk: int) -> _ChoiceKey:
-    layout = tuple((name, tuple(t.shape), t.dtype, t.device) for name, t in samples[0].items())
-    return (
-        _training_flags(model),
-        layout,
-        len(samples),
-        chunk,
-        tuple(x.shape),
-        x.dtype,
-        x.device,
-        torch.get_num_threads(),
-    )
-
-
-def _probe(
-    model: nn.Module, samples: Sequence[Mapping[str, Tensor]], x: Tensor, chunk: int, rule: bool
-) -> tuple[Tensor | None, _Choice]:
-    """The agreement check and timed probe of :func:`sample_log_probs` on the batch ``x``.
-
-    Returns ``(log-probs of x, choice)``, the log-probs ``None`` when the caller must still run the
-    chosen path (the probe did not compute them by it, or the model drew random numbers).
-    """
-    by_rule = _Choice(batched=rule, by="rule")
-    if _updates_buffers(model):
-        return None, by_rule
-    rng = _rng_state(x.device)
-    generator = torch.Generator().manual_seed(0)
-    few = [{name: _scrambled(t, generator) for name, t in w.items()} for w in samples[:2]]
-    scrambled_x = _scrambled(x, generator)
-    try:
-        batched_few = _batched_log_probs(model, few, scrambled_x, 2)
-    except (RuntimeError, NotImplementedError) as err:
-        _restore_rng(x.device, rng)
-        return _fall_back(model, samples, x, err), _FELL_BACK
-    loop_few = _loop_log_probs(model, few, scrambled_x)
-    if _restore_rng(x.device, rng):  # the model draws random numbers: the paths differ
-        return None, by_rule
-    if not (torch.equal(loop_few, batched_few) and bool(torch.isfinite(loop_few).all())):
-        return None, by_rule
-    seconds: dict[bool, list[float]] = {False: [], True: []}
-    outs: dict[bool, Tensor] = {}
-    try:
-        for _ in range(_PROBE_ROUNDS):
-            for path in (False, True):
-                _sync(x.device)
-                start = _clock()
-                out = _batched_log_probs(model, samples, x, chunk) if path else _loop_log_probs(model, samples, x)
-                _sync(x.device)
-                seconds[path].append(_clock() - start)
-                outs.setdefault(path, out)
-    except (RuntimeError, NotImplementedError) as err:
-        _restore_rng(x.device, rng)
-        return _fall_back(model, samples, x, err), _FELL_BACK
-    if _restore_rng(x.device, rng):
-        return None, by_rule
-    if not torch.equal(outs[False], outs[True]):
-        return outs[rule], by_rule
-    loop_s, batched_s = min(seconds[False]), min(seconds[True])
-    return outs[False], _Choice(batched=batched_s < loop_s, by="probe", seconds=(loop_s, batched_s))
-
-
-def _scrambled(t: Tensor, generator: torch.Generator) -> Tensor:
-    """``t`` with every entry times ``2^k``, ``k`` uniform in ``±_SCRAMBLE_OCTAVES`` (floating point only)."""
-    if not t.is_floating_point():
-        return t
-    k = torch.randint(-_SCRAMBLE_OCTAVES, _SCRAMBLE_OCTAVES + 1, t.shape, generator=generator)
-    return t * torch.exp2(k.to(device=t.device, dtype=t.dtype))
-
-
-def _updates_buffers(model: nn.Module) -> bool:
-    """Whether a module with buffers of its own is in training mode (train-mode BatchNorm updates them)."""
-    return any(m.training and next(m.buffers(recurse=False), None) is not None for m in model.modules())
-
-
-def _rng_state(device: torch.device) -> tuple[Tensor, Tensor | None]:
-    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-    return torch.get_rng_state(), cuda
-
-
-def _restore_rng(device: torch.device, state: tuple[Tensor, Tensor | None]) -> bool:
-    """Put torch's CPU (and ``device``'s CUDA) generator back to ``state``; whether it had moved."""
-    cpu, cuda = state
-    moved = False
-    if not torch.equal(torch.get_rng_state(), cpu):
-        torch.set_rng_state(cpu)
-        moved = True
-    if cuda is not None and not torch.equal(torch.cuda.get_rng_state(device), cuda):
-        torch.cuda.set_rng_state(cuda, device)
-        moved = True
-    return moved
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _loop_log_probs(model: nn.Module, samples: Sequence[Mapping[str, Tensor]], x: Tensor) -> Tensor:
-    return torch.stack([F.log_softmax(as_float32(functional_call(model, dict(w), (x,))), dim=-1) for w in samples])
-
-
-def _batched_log_probs(model: nn.Module, samples: Sequence[Mapping[str, Tensor]], x: Tensor, chunk: int) -> Tensor:
-    def log_probs(weights: dict[str, Tensor], inputs: Tensor) -> Tensor:
-        return F.log_softmax(as_float32(functional_call(model, weights, (inputs,))), dim=-1)
-
-    mapped = vmap(log_probs, in_dims=(0, None), randomness="different")
-    keys = list(samples[0])
-    return torch.cat(
-        [
-            mapped({k: torch.stack([w[k] for w in samples[i : i + chunk]]) for k in keys}, x)
-            for i in range(0, len(samples), chunk)
-        ]
-    )
-
-
-def _check_batching_options(batched: object, chunk_size: object) -> None:
-    if batched is not None and not isinstance(batched, bool):
-        raise FlatbmaError(f"batched must be True, False or None (automatic), got {batched!r}.")
-    if chunk_size is not None and (not is_int(chunk_size) or chunk_size < 1):
-        raise FlatbmaError(f"chunk_size must be a positive integer or None (automatic), got {chunk_size!r}.")
-
-
-def _stacking_problem(samples: Sequence[Mapping[str, Tensor]]) -> str | None:
-    """Why the weight dicts cannot be stacked key by key, or ``None`` when they can."""
-    first = samples[0]
-    for i, w in enumerate(samples[1:], start=1):
-        if w.keys() != first.keys():
-            return f"sample {i} has other keys than sample 0 ({sorted(set(w) ^ set(first))[:3]} differ)"
-        for key, t in w.items():
-            ref = first[key]
-            if t.shape != ref.shape or t.dtype != ref.dtype or t.device != ref.device:
-                return (
-                    f"'{key}' is {tuple(t.shape)} {t.dtype} on {t.device} in sample {i} but "
-                    f"{tuple(ref.shape)} {ref.dtype} on {ref.device} in sample 0"
-                )
-    return None
-
-
-def _training_flags(model: nn.Module) -> _TrainingFlags:
-    return tuple(m.training for m in model.modules())
-
-
-def _footprint(model: nn.Module, sample: Mapping[str, Tensor], x: Tensor) -> _Footprint | None:
-    """Leaf-module output sizes of one sample's forward pass, from a shape-only run on the meta device.
-
-    Memoized per model, train/eval configuration and input shape; ``None`` when the model does not
-    run on meta tensors.
-    """
-    key = (_training_flags(model), tuple(x.shape), x.dtype)
-    memo = _FOOTPRINTS.setdefault(model, {})
-    if key not in memo:
-        memo[key] = _measure_footprint(model, sample, x)
-    return memo[key]
-
-
-def _measure_footprint(model: nn.Module, sample: Mapping[str, Tensor], x: Tensor) -> _Footprint | None:
-    sizes: list[int] = []
-
-    def record(_module: nn.Module, _inputs: Any, output: Any) -> None:
-        sizes.append(_numel(output))
-
-    leaves = [m for m in model.modules() if next(m.children(), None) is None]
-    handles = [m.register_forward_hook(record) for m in leaves]
-    named = itertools.chain(model.named_parameters(), model.named_buffers(), sample.items())
-    weights = {name: torch.empty_like(t, device="meta") for name, t in named}
-    try:
-        with torch.no_grad():
-            functional_call(model, weights, (torch.empty_like(x, device="meta"),))
-    except Exception:  # a shape-only probe: whatever fails here only means "no estimate"
-        return None
-    finally:
-        for handle in handles:
-            handle.remove()
-    if not sizes:
-        return None
-    return _Footprint(leaf_calls=len(sizes), total_elements=sum(sizes), peak_elements=max(sizes))
-
-
-def _numel(output: Any) -> int:
-    """Elements of all tensors in a module output (a tensor, or tuples, lists and dicts of them)."""
-    if isinstance(output, Tensor):
-        return output.numel()
-    if isinstance(output, Mapping):
-        output = list(output.values())
-    if isinstance(output, list | tuple):
-        return sum(_numel(o) for o in output)
-    return 0
-
-
-def _auto_chunk_size(footprint: _Footprint | None, sample: Mapping[str, Tensor], x: Tensor, num_samples: int) -> int:
-    if footprint is None:
-        return min(num_samples, _UNSTACKED_CHUNK)
-    weight_bytes = sum(t.numel() * t.element_size() for t in sample.values())
-    per_sample = footprint.peak_elements * x.element_size() + weight_bytes
-    return max(1, min(num_samples, ACTIVATION_BUDGET_BYTES // max(per_sample, 1)))
-
-
-def _batching_pays(footprint: _Footprint | None, chunk: int, device: torch.device) -> bool:
-    if chunk < 2:
-        return False
-    if device.type != "cpu":
-        return True
-    return footprint is not None and footprint.mean_elements <= CPU_BATCHED_MAX_MEAN_ELEMENTS
+    return batching.log_probs(model, samples, x, batched=batched, chunk_size=chunk_size)
 
 
 def log_mean_exp(log_probs: Tensor, dim: int = 0) -> Tensor:
@@ -675,7 +96,7 @@ def predict(
     Args:
         model: the template module.
         samples: weight dicts (parameters and buffers) of the posterior samples, or a linearized
-            predictive (:class:`Linearized`, :class:`Probit`).
+            predictive (:class:`~flatbma.linearized.Linearized`, :class:`~flatbma.linearized.Probit`).
         loader: ``(x, y)`` batches (inputs alone: :meth:`flatbma.predictor.BMA.predict_log_proba`).
         device: where batches go.
         mode: context manager factory for the model's prediction mode (a posterior's
@@ -684,7 +105,7 @@ def predict(
             see :func:`sample_log_probs`.
         chunk_size: samples per batched call; ``None`` sizes chunks automatically.
     """
-    _check_batching_options(batched, chunk_size)
+    batching.check_options(batched, chunk_size)
     with (mode or eval_mode)(model):
         for batch in loader:
             x, y = labelled(batch)
@@ -725,7 +146,7 @@ def evaluate(
     The other keyword arguments are those of :func:`predict`. ``reduce_metrics`` is applied to the
     accumulated :class:`~flatbma.metrics.StreamingMetrics` before they are computed: with each
     process evaluating a shard of the data,
-    :func:`flatbma.experiment.distributed.all_reduce_metrics` sums them over the processes.
+    :func:`flatbma.experiment.parallel.processes.all_reduce_metrics` sums them over the processes.
     """
     states = stream_metrics(
         model,
@@ -772,7 +193,7 @@ def stream_metrics(
     Args:
         model: the template module.
         samples: weight dicts (parameters and buffers) of the posterior samples, or a linearized
-            predictive (:class:`Linearized`, :class:`Probit`).
+            predictive (:class:`~flatbma.linearized.Linearized`, :class:`~flatbma.linearized.Probit`).
         loader: ``(x, y)`` batches.
         num_classes: number of classes of the :class:`~flatbma.metrics.StreamingMetrics`.
         n_bins: their number of ECE bins.
@@ -792,7 +213,7 @@ def stream_metrics(
     """
     if not samples:
         raise FlatbmaError("BMA needs at least one posterior sample (num_samples >= 1)")
-    _check_batching_options(batched, chunk_size)
+    batching.check_options(batched, chunk_size)
     total = len(samples)
     chosen = sorted({min(m, total) for m in sizes} | {total})
     states = {m: StreamingMetrics(num_classes=num_classes, n_bins=n_bins) for m in chosen}

@@ -13,16 +13,16 @@ and takes off the caller's hands what the functions below it leave to the caller
 * **mode** — eval mode during prediction, or the posterior's prediction mode
   (:attr:`~flatbma.types.Posterior.predict_mode`: MC dropout keeps dropout stochastic), with the
   module's own train/eval modes restored afterwards, whatever they were;
-* **randomness of the prediction mode** — MC dropout's masks follow the seed of the method's latest
-  ``sample`` call; the predictor draws with its own seed right before predicting, so its answers
-  depend on its seed alone, not on what else sampled from the method;
+* **randomness of the prediction mode** — MC dropout's masks follow from the generator the samples are
+  drawn with (:func:`flatbma.types.prediction_mode` of the predictor's seed), so its answers depend on
+  its seed alone, not on what else sampled from the method;
 * **device** — samples and inputs on one device; inputs alone (``x``, ``(x,)``) or ``(x, y)`` batches,
   one batch or a DataLoader of them.
 
 Its numbers equal the careful manual path exactly: ``method.sample(state, M,
 torch.Generator().manual_seed(seed))``, statistics recomputed per sample with
 :func:`flatbma.bn.recompute_bn_statistics` on ``statistics_loader(dataset, batch_size)``, then
-:func:`flatbma.predict.evaluate` with ``mode=method.predict_mode``.
+:func:`flatbma.predict.evaluate` with ``mode=prediction_mode(method, seed)``.
 """
 
 from __future__ import annotations
@@ -42,20 +42,15 @@ from torch import Tensor, nn
 from torch.func import functional_call
 from torch.utils.data import DataLoader, IterableDataset
 
-from flatbma.bn import has_batchnorm, statistics_loader, with_recomputed_statistics
+from flatbma.bn import eval_mode, has_batchnorm, statistics_loader, with_recomputed_statistics
 from flatbma.checks import check_device, check_seed, is_int, parse_choice
 from flatbma.errors import FlatbmaError, FlatbmaTypeError
+from flatbma.linearized import LinearizedPredictive, linearized_names, linearized_predictions
+from flatbma.metrics import uncertainty_decomposition
 from flatbma.params import hold, load_into, model_buffers, trainable_params
 from flatbma.precision import Precision, autocast
-from flatbma.predict import (
-    LinearizedPredictive,
-    Predictions,
-    bma_log_probs,
-    eval_mode,
-    evaluate,
-    linearized_names,
-    linearized_predictions,
-)
+from flatbma.predict import Predictions, bma_log_probs, evaluate, labelled, sample_log_probs
+from flatbma.regression import Gaussian, mixture_metrics, sample_outputs
 from flatbma.state_io import (
     FORMAT,
     SECTIONS,
@@ -65,7 +60,7 @@ from flatbma.state_io import (
     in_order,
     structure_problem,
 )
-from flatbma.types import Params, Posterior, Predictive, State, split_batch
+from flatbma.types import Params, Posterior, Predictive, State, prediction_mode, split_batch
 
 PREDICTOR_KEY = "predictor"
 """Metadata key of a saved predictor's settings (JSON) in its state file."""
@@ -94,6 +89,37 @@ def posterior_mean(
     for name in names:
         mean[name] = torch.stack([w[name].detach() for w in samples]).mean(0)
     return mean
+
+
+def bma_predictions(
+    method: Posterior,
+    state: State,
+    drawn: list[Params],
+    names: Sequence[str],
+    statistics: Callable[[list[Params]], list[Params]],
+) -> Predictions:
+    """What a BMA averages, by the method's :attr:`~flatbma.types.Posterior.predictive` (one path for all).
+
+    :class:`BMA` and the runs' evaluation (:func:`flatbma.experiment.run.evaluate.bma_predictions`) both go
+    through it. Samples → BatchNorm statistics → predictive: ``samples`` averages ``statistics(drawn)``;
+    ``glm`` and ``probit`` the network linearized at the posterior mean ``w̄`` (:func:`posterior_mean` over
+    ``drawn``), whose statistics are recomputed once, there (``statistics([w̄])``;
+    :func:`flatbma.linearized.linearized_predictions`: ``glm`` averages over ``Δ_m = w_m − w̄`` of the
+    ``drawn`` samples, ``probit`` takes the method's functional variance at ``state``).
+
+    Args:
+        method: the posterior.
+        state: its trained state.
+        drawn: its weight samples as :meth:`~flatbma.types.Posterior.sample` drew them (the state's statistics).
+        names: the trained parameter names.
+        statistics: the samples with recomputed BatchNorm statistics (or as given, where none are recomputed).
+    """
+    if method.predictive is Predictive.SAMPLES:
+        return statistics(drawn)
+    mean = statistics([posterior_mean(method, state, drawn, names)])[0]
+    fv = method.functional_variance
+    over = linearized_names(method, state, names)  # last-layer Laplace: the classifier's weights
+    return linearized_predictions(method.predictive, mean, drawn, over, partial(fv, state) if fv is not None else None)
 
 
 class BMA:
@@ -125,11 +151,15 @@ class BMA:
             (:class:`~flatbma.precision.Precision`): ``fp32`` (no autocast), ``bf16`` or ``fp16`` (autocast
             on the predictor's device; the logits, the BMA and the metrics stay float32, the linearized
             predictives float32 throughout: :mod:`flatbma.precision`). Not saved: a runtime choice.
+        likelihood: ``None`` for a classifier (the network returns logits); a :class:`~flatbma.regression.Gaussian`
+            for a regression network (its outputs are the likelihood's mean and noise): the predictive is then the
+            mixture ``(1/M) Σ_m N(y; μ_m, σ_m²)`` (:meth:`predict_regression`, :meth:`evaluate`), and the
+            classifier's methods (:meth:`predict_log_proba`, ...) refuse. :func:`flatbma.fit_posterior` sets it.
 
     The predictive is the method's (:attr:`~flatbma.types.Posterior.predictive`): the samples' average, or
     the network linearized at the posterior mean (``glm``: ``f(x; w̄) + J(x)(w_m − w̄)`` over the same
     samples, drawn without statistics of their own; ``probit``), whose BatchNorm statistics are then
-    recomputed once, at ``w̄`` — what ``flatbma train`` reports (:func:`flatbma.predict.linearized_predictions`).
+    recomputed once, at ``w̄`` — what ``flatbma train`` reports (:func:`flatbma.linearized.linearized_predictions`).
 
     Raises:
         FlatbmaError: invalid arguments, or statistics to recompute without ``train_loader``.
@@ -150,8 +180,20 @@ class BMA:
         method_config: Mapping[str, Any] | None = None,
         num_data: int | None = None,
         precision: Precision | str = Precision.FP32,
+        likelihood: Gaussian | None = None,
     ) -> None:
         _check_arguments(model, method, state, num_samples, seed, recompute_bn)
+        if likelihood is not None and not isinstance(likelihood, Gaussian):
+            raise FlatbmaTypeError(
+                "likelihood must be None (a classifier) or a flatbma.regression.Gaussian, got a "
+                f"{type(likelihood).__name__}"
+            )
+        if likelihood is not None and method.predictive is not Predictive.SAMPLES:
+            raise FlatbmaError(
+                f"a regression BMA averages the samples themselves, but this posterior predicts with "
+                f"{method.predictive.value!r} (a linearized classifier's predictive)"
+            )
+        self.likelihood = likelihood
         self.precision = parse_choice(Precision, precision, "precision")
         self.model = model
         self.method = method
@@ -180,7 +222,7 @@ class BMA:
         self.history: list[dict[str, Any]] = []
         """The training log, one row per epoch (:func:`flatbma.fit_posterior` fills it; empty otherwise): the
         rows of ``flatbma train``'s ``log.csv`` — ``epoch``, ``loss``, ``accuracy``, ``steps``, ``lr``, ``time_s``,
-        then the epoch's step statistics (:mod:`flatbma.experiment.logs`). Not saved by :meth:`save`."""
+        then the epoch's step statistics (:mod:`flatbma.experiment.run.logs`). Not saved by :meth:`save`."""
         self.selection: list[dict[str, Any]] = []
         """Options chosen on validation data (:func:`flatbma.fit_posterior` with an option ``val``, e.g. Laplace's
         ``prior_precision``): one row per candidate, ``{option: value, "val/nll": ...}``; empty otherwise."""
@@ -218,11 +260,8 @@ class BMA:
         """The weights at the posterior mean (:func:`posterior_mean`), statistics as the predictor's samples'."""
         samples = self.samples if self.method.mean is None else []  # a closed-form mean needs no samples
         mean = posterior_mean(self.method, self.state, samples, trained_names(self.model))
-        mean = {k: v.to(self.device) for k, v in mean.items()}
-        if self.recompute_bn:
-            with self._forward():
-                mean = with_recomputed_statistics(self.model, [mean], self._bn_loader, device=self.device)[0]
-        return mean
+        with self._forward():
+            return self._statistics([mean])[0]
 
     def load_into(self, model: nn.Module | None = None) -> nn.Module:
         """Write :meth:`mean` into ``model`` (default: the predictor's module), in place; return it.
@@ -246,25 +285,71 @@ class BMA:
         labels (what a DataLoader yields) — or an iterable of such batches (a DataLoader); labels are ignored.
         Rows follow the order of the inputs.
         """
-        outs = []
-        with self._forward():
-            samples = self._predictions()
-            with self._mode()(self.model):  # entered once: MC dropout's masks run on over the batches
-                for x in _inputs(data):
-                    if not outs:
-                        self._probe(x)  # eval mode within: draws no mask
-                    outs.append(bma_log_probs(self.model, samples, x.to(self.device), batched=self.batched))
-        if not outs:
-            raise FlatbmaError("there is nothing to predict: the data holds no batch")
-        return torch.cat(outs)
+        self._classifier("predict_log_proba")
+        return torch.cat(self._per_batch(data, bma_log_probs))
+
+    def predict_uncertainty(self, data: Any) -> dict[str, Tensor]:
+        """Per-example total, aleatoric and epistemic uncertainty of the BMA (nats), ``[N]`` each.
+
+        ``total`` is the entropy of the BMA predictive ``H[p̄(y|x)]``; ``aleatoric`` the samples' expected
+        entropy ``E_w H[p(y|x, w)]``; ``epistemic`` their difference, the mutual information
+        ``I(y; w | x)`` between the label and the weights (:func:`flatbma.metrics.uncertainty_decomposition`):
+        ``total = aleatoric + epistemic``. Over the predictor's ``M`` samples (or the GLM predictive's
+        linearized samples); a point estimate has ``epistemic = 0``. Same ``data`` as :meth:`predict_log_proba`;
+        float64 tensors on the predictor's device.
+
+        Raises:
+            FlatbmaError: the probit predictive (deterministic: it has no per-sample predictives to split).
+        """
+        self._classifier("predict_uncertainty")
+        if self.method.predictive is Predictive.PROBIT:
+            raise FlatbmaError(
+                "the probit predictive has no per-sample predictives, so its entropy cannot be split into "
+                "aleatoric and epistemic parts: build the Laplace method with predictive: glm (or samples)"
+            )
+
+        def split(model: nn.Module, samples: Predictions, x: Tensor, *, batched: bool | None) -> dict[str, Tensor]:
+            return uncertainty_decomposition(sample_log_probs(model, samples, x, batched=batched))
+
+        parts = self._per_batch(data, torch.no_grad()(split))
+        return {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+
+    def predict_entropy(self, data: Any) -> Tensor:
+        """The predictive entropy ``H[p̄(y|x)]`` per example, ``[N]``: ``total`` of :meth:`predict_uncertainty`."""
+        return self.predict_uncertainty(data)["total"]
+
+    def mutual_information(self, data: Any) -> Tensor:
+        """The epistemic part ``I(y; w | x)`` per example, ``[N]``: ``epistemic`` of :meth:`predict_uncertainty`."""
+        return self.predict_uncertainty(data)["epistemic"]
 
     def predict_proba(self, data: Any) -> Tensor:
         """BMA probabilities ``[N, C]``: ``exp`` of :meth:`predict_log_proba` (same ``data``)."""
         return self.predict_log_proba(data).exp()
 
     def predict(self, data: Any) -> Tensor:
-        """The most probable class under the BMA, ``[N]`` (same ``data`` as :meth:`predict_log_proba`)."""
+        """The most probable class under the BMA, ``[N]`` (same ``data`` as :meth:`predict_log_proba`).
+
+        For a regression BMA (:attr:`likelihood`), the predictive mean ``μ̄`` (:meth:`predict_regression`).
+        """
+        if self.likelihood is not None:
+            return self.predict_regression(data)["mean"]
         return self.predict_log_proba(data).argmax(-1)
+
+    def predict_regression(self, data: Any) -> dict[str, Tensor]:
+        """The regression BMA's predictive per example (:mod:`flatbma.regression`), ``[N]`` each.
+
+        ``mean`` ``μ̄ = (1/M) Σ_m μ_m``, ``std`` ``√(aleatoric + epistemic)``, ``aleatoric`` ``(1/M) Σ_m σ_m²`` (the
+        noise) and ``epistemic`` ``(1/M) Σ_m (μ_m − μ̄)²`` (the spread of the samples' means): variances of the
+        mixture ``(1/M) Σ_m N(y; μ_m, σ_m²)``. Same ``data`` as :meth:`predict_log_proba`; on the predictor's device.
+
+        Raises:
+            FlatbmaError: a classifier's BMA (no :attr:`likelihood`).
+        """
+        parts = self._per_batch(data, self._moments)
+        mu, var = (torch.cat([p[i] for p in parts], dim=1) for i in (0, 1))
+        mean = mu.mean(0)
+        aleatoric, epistemic = var.mean(0), ((mu - mean) ** 2).mean(0)
+        return {"mean": mean, "std": (aleatoric + epistemic).sqrt(), "aleatoric": aleatoric, "epistemic": epistemic}
 
     def evaluate(self, loader: Iterable[Any], *, num_classes: int | None = None, n_bins: int = 15) -> dict[str, float]:
         """Accuracy, NLL, ECE, adaptive ECE and Brier score of the BMA on ``(x, y)`` batches.
@@ -274,7 +359,12 @@ class BMA:
         from the model's output on the first batch, read ahead under a forked RNG (a DataLoader's
         iterator draws its base seed from the global RNG), so that the loader is then iterated exactly
         as :func:`flatbma.predict.evaluate` alone would.
+
+        A regression BMA (:attr:`likelihood`) gives :func:`flatbma.regression.mixture_metrics` instead: NLL, RMSE,
+        MAE, coverage of central intervals and calibration error (``num_classes`` and ``n_bins`` do not apply).
         """
+        if self.likelihood is not None:
+            return self._regression_metrics(loader)
         if num_classes is None:
             if isinstance(loader, Iterator):  # one-shot: read its first batch and put it back
                 first = next(loader, None)
@@ -293,7 +383,7 @@ class BMA:
                 num_classes=num_classes,
                 n_bins=n_bins,
                 device=self.device,
-                mode=self.method.predict_mode,
+                mode=prediction_mode(self.method, self.seed),
                 batched=self.batched,
             )
 
@@ -313,6 +403,8 @@ class BMA:
         }
         if self.num_data is not None:
             settings["num_data"] = self.num_data
+        if self.likelihood is not None:
+            settings["likelihood"] = {"name": "gaussian", "noise_std": self.likelihood.noise_std}
         write_file(path, self.state, settings)
 
     @classmethod
@@ -347,15 +439,59 @@ class BMA:
             method_config=settings["method"],
             num_data=settings.get("num_data"),
             precision=precision,
+            likelihood=likelihood_of(settings, path),
         )
 
     # ---------------------------------------------------------------- internals
+    def _classifier(self, what: str) -> None:
+        if self.likelihood is not None:
+            raise FlatbmaError(
+                f"{what} is a classifier's, but this BMA is a regression's (a Gaussian likelihood): use "
+                "predict_regression, predict (the predictive mean) or evaluate"
+            )
+
+    def _moments(
+        self, model: nn.Module, samples: Predictions, x: Tensor, *, batched: bool | None
+    ) -> tuple[Tensor, Tensor]:
+        """``(μ, σ²)`` ``[M, B]`` of every sample on the input batch ``x`` (a regression BMA's)."""
+        if self.likelihood is None:
+            raise FlatbmaError(
+                "predict_regression is a regression's, but this BMA is a classifier's: build it with "
+                "likelihood=flatbma.regression.Gaussian(...) (fit_posterior(..., likelihood='gaussian'))"
+            )
+        with torch.no_grad():
+            return self.likelihood.moments(sample_outputs(model, samples, x))
+
+    def _regression_metrics(self, loader: Iterable[Any]) -> dict[str, float]:
+        """:func:`flatbma.regression.mixture_metrics` over the ``(x, y)`` batches of ``loader``."""
+        xs, ys = [], []
+        for batch in loader:
+            x, y = labelled(batch)
+            xs.append(x)
+            ys.append(y)
+        if not xs:
+            raise FlatbmaError("the evaluation data is empty: the loader yields no batch")
+        parts = self._per_batch(xs, self._moments)
+        mu, var = (torch.cat([p[i] for p in parts], dim=1) for i in (0, 1))
+        return mixture_metrics(mu, var, torch.cat(ys).to(mu.device))
+
+    def _per_batch(self, data: Any, fn: Callable[..., Any]) -> list[Any]:
+        """``fn(model, predictions, x, batched=...)`` for every input batch of ``data``, in the prediction mode."""
+        outs: list[Any] = []
+        with self._forward():
+            samples = self._predictions()
+            with self._mode()(self.model):  # entered once: MC dropout's masks run on over the batches
+                for x in _inputs(data):
+                    if not outs:
+                        self._probe(x)  # eval mode within: draws no mask
+                    outs.append(fn(self.model, samples, x.to(self.device), batched=self.batched))
+        if not outs:
+            raise FlatbmaError("there is nothing to predict: the data holds no batch")
+        return outs
+
     def _draw(self, n: int) -> list[Params]:
         with self._forward():
-            drawn = self._drawn(n)
-            if self.recompute_bn:
-                drawn = with_recomputed_statistics(self.model, drawn, self._bn_loader, device=self.device)
-        return drawn
+            return self._statistics(self._drawn(n))
 
     def _drawn(self, n: int) -> list[Params]:
         """``n`` samples from the seeded generator, on the predictor's device, with the state's statistics."""
@@ -365,20 +501,23 @@ class BMA:
     def _predictions(self) -> Predictions:
         """What prediction averages: the armed samples, or the linearized predictive (built once, then kept)."""
         if self.method.predictive is Predictive.SAMPLES:
-            return self._armed_samples()
+            return self.samples
         if self._linearized is None:
             with self._forward():
-                drawn = self._drawn(self.num_samples) if self.method.predictive is Predictive.GLM else []
-                mean = self.mean()
-                fv = self.method.functional_variance
-                self._linearized = linearized_predictions(
-                    self.method.predictive,
-                    mean,
-                    drawn,
-                    linearized_names(self.method, self.state, trained_names(self.model)),
-                    partial(fv, self.state) if fv is not None else None,
-                )
+                averaged = self.method.predictive is Predictive.GLM or self.method.mean is None
+                drawn = self._drawn(self.num_samples) if averaged else []
+                names = trained_names(self.model)
+                linearized = bma_predictions(self.method, self.state, drawn, names, self._statistics)
+                assert isinstance(linearized, LinearizedPredictive)
+                self._linearized = linearized
         return self._linearized
+
+    def _statistics(self, samples: list[Params]) -> list[Params]:
+        """``samples`` on the predictor's device, their BatchNorm statistics recomputed where the predictor does."""
+        samples = [{k: v.to(self.device) for k, v in w.items()} for w in samples]
+        if not self.recompute_bn:
+            return samples
+        return with_recomputed_statistics(self.model, samples, self._bn_loader, device=self.device)
 
     def _forward(self) -> contextlib.AbstractContextManager[None]:
         """A block of forward passes under :attr:`precision`, after which torch's global generators are as before it.
@@ -397,15 +536,8 @@ class BMA:
     def _moves(self, samples: list[Params]) -> bool:
         return any(v.device != self.device for w in samples for v in w.values())
 
-    def _armed_samples(self) -> list[Params]:
-        """The samples, with a prediction mode's randomness (MC dropout's masks) set to the predictor's seed."""
-        samples = self.samples
-        if self.method.predict_mode is not None:
-            self.method.sample(self.state, self.num_samples, torch.Generator(device="cpu").manual_seed(self.seed))
-        return samples
-
     def _mode(self) -> Callable[[nn.Module], contextlib.AbstractContextManager[Any]]:
-        return self.method.predict_mode or eval_mode
+        return prediction_mode(self.method, self.seed) or eval_mode
 
     def _output_classes(self, batch: Any) -> int:
         """The number of classes: the width of the model's output on one example (:meth:`_probe`)."""
@@ -494,6 +626,19 @@ def read_file(path: str | Path) -> tuple[State, dict[str, Any]]:
     except (KeyError, ValueError, TypeError, AttributeError):
         raise FlatbmaError(f"{path}: the state file is damaged (tensor names or metadata); save it again") from None
     return State(step=step, **sections), settings
+
+
+def likelihood_of(settings: Mapping[str, Any], path: str | Path) -> Gaussian | None:
+    """The likelihood a predictor file records (:meth:`BMA.save`): ``None`` for a classifier."""
+    recorded = settings.get("likelihood")
+    if recorded is None:
+        return None
+    try:
+        if recorded["name"] != "gaussian":
+            raise ValueError(recorded["name"])
+        return Gaussian(noise_std=recorded["noise_std"])
+    except (KeyError, TypeError, ValueError, FlatbmaError):
+        raise FlatbmaError(f"{path}: the predictor settings are damaged (likelihood); save it again") from None
 
 
 def read_settings(meta: Mapping[str, str], path: str | Path) -> dict[str, Any]:

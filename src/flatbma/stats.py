@@ -5,6 +5,8 @@
   bootstrap percentile interval (for many heavy-tailed values, e.g. λ₁ of posterior samples;
   Efron & Tibshirani 1993, §13) via :func:`scipy.stats.bootstrap`, seeded, so the same values
   give the same interval.
+* :func:`median_interval` — the seeded bootstrap percentile interval of the median (Efron & Tibshirani
+  1993, §13), the summary of a heavy-tailed sample that one large value cannot move.
 * :func:`paired_difference` — the mean of paired differences ``d_i = a_i − b_i`` (the same seed for
   both methods) with its t interval, and whether it excludes 0. A difference whose interval includes
   0 is "no significant difference" (:func:`verdict`).
@@ -25,7 +27,16 @@ from scipy import stats as _scipy_stats
 
 from flatbma.errors import FlatbmaError
 
-__all__ = ["Difference", "Interval", "Method", "Summary", "paired_difference", "summarize", "verdict"]
+__all__ = [
+    "Difference",
+    "Interval",
+    "Method",
+    "Summary",
+    "median_interval",
+    "paired_difference",
+    "summarize",
+    "verdict",
+]
 
 
 class Method(str, Enum):
@@ -149,6 +160,32 @@ def summarize(
         interval=interval,
         method=method,
     )
+
+
+def median_interval(
+    values: Sequence[float], *, level: float = 0.95, resamples: int = 2000, seed: int = 0
+) -> Interval | None:
+    """The ``level`` percentile-bootstrap interval of the median of ``values``; ``None`` for one value.
+
+    ``resamples`` resamples drawn by a generator seeded with ``seed`` (the same values give the same
+    interval); values that are all equal give the point ``[x, x]``.
+    """
+    _check_level(level)
+    x = _values(values, "median_interval")
+    if x.size < 2:
+        return None
+    if float(x.std()) == 0.0:
+        return Interval(float(x[0]), float(x[0]), level)
+    result = _scipy_stats.bootstrap(
+        (x,),
+        np.median,
+        confidence_level=level,
+        n_resamples=resamples,
+        method="percentile",
+        rng=np.random.default_rng(seed),
+    )
+    ci = result.confidence_interval
+    return Interval(float(ci.low), float(ci.high), level)
 
 
 @dataclass(frozen=True)

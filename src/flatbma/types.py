@@ -12,11 +12,11 @@ posteriors) and returns the state to use next; callers must not rely on the old 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol, TypeVar
 
 import torch
 from torch import Tensor, nn
@@ -135,12 +135,43 @@ class State:
         aux: method state — optimizer moments, SWAG moments, ... — as a flat ``dict[str, Tensor]``
             with ``/``-separated keys, so that every state saves to safetensors without pickling.
         step: number of ``update`` calls applied so far.
+        derived: what a method computes from this state's tensors on first use and keeps with them
+            (:func:`derive`: the Laplace family's fitted posterior, ``H``'s eigendecomposition and ``δ``). Never
+            saved (a loaded state derives it again) and never compared; a state made by ``update`` or
+            ``dataclasses.replace`` starts without any (its tensors may have changed in place), and a
+            :func:`view` of a state keeps its own among the state's.
     """
 
     params: Params
     buffers: Params = field(default_factory=dict)
     aux: Params = field(default_factory=dict)
     step: int = 0
+    derived: dict[Hashable, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
+
+
+T = TypeVar("T")
+
+
+def derive(state: State, key: Hashable, compute: Callable[[State], T]) -> T:
+    """``compute(state)``, computed once per state: kept in :attr:`State.derived` under ``key``.
+
+    Valid because a state's tensors do not change while it is in use: ``update`` returns the state to use
+    next, and callers do not rely on the old one afterwards (the module docstring).
+    """
+    if key not in state.derived:
+        state.derived[key] = compute(state)
+    return state.derived[key]
+
+
+def view(state: State, key: str, params: Params, buffers: Params, aux: Params) -> State:
+    """A state of (some of) ``state``'s tensors under other names — one member's, the method's own without a wrapper's.
+
+    Its :attr:`~State.derived` values are kept in ``state``'s under ``key``, so that a view made again
+    (one per call of a posterior's function) finds what an earlier one derived. ``step`` is ``state``'s.
+    """
+    out = State(params=params, buffers=buffers, aux=aux, step=state.step)
+    object.__setattr__(out, "derived", state.derived.setdefault(key, {}))  # frozen: set as __init__ does
+    return out
 
 
 class StepOutput(NamedTuple):
@@ -188,11 +219,14 @@ class Posterior(Transform):
 
     Attributes:
         sample: ``sample(state, n, generator) -> list of weight dicts``.
-        predict_mode: context manager factory that puts the model in its prediction mode; ``None``
-            means eval mode. MC dropout uses it to keep dropout stochastic at prediction time.
+        predict_mode: ``predict_mode(model, generator)``: a context manager that puts the model in its
+            prediction mode for the samples drawn from ``generator`` (a generator seeded as the one given to
+            ``sample``, which the mode may draw from; :func:`prediction_mode` makes one per entry); ``None``
+            means eval mode. MC dropout keeps dropout stochastic, with masks that follow from the generator
+            (``None``: from torch's global generator).
         recompute_bn: whether the samples' own BatchNorm statistics do not match them (weights that
             were never trained with their own statistics, e.g. SWAG or VI samples). The evaluation
-            (:func:`flatbma.experiment.evaluate.posterior_samples`) recomputes the statistics of every
+            (:func:`flatbma.experiment.run.evaluate.posterior_samples`) recomputes the statistics of every
             method's samples, point estimates included, on the un-augmented training data in a fixed
             order (:func:`flatbma.bn.recompute_bn_statistics`), so that every method is measured alike.
         gaussian: ``gaussian(state) -> θ`` for posteriors that are a low-rank plus diagonal Gaussian
@@ -241,7 +275,7 @@ class Posterior(Transform):
     """
 
     sample: Callable[[State, int, torch.Generator | None], list[Params]]
-    predict_mode: Callable[[nn.Module], AbstractContextManager[Any]] | None = None
+    predict_mode: Callable[[nn.Module, torch.Generator | None], AbstractContextManager[Any]] | None = None
     recompute_bn: bool = False
     gaussian: Callable[[State], Params] | None = None
     members: int = 0
@@ -251,6 +285,18 @@ class Posterior(Transform):
     predictive: Predictive = Predictive.SAMPLES
     functional_variance: Callable[[State, Params], Tensor] | None = None
     diagnostics: Callable[[State], dict[str, float]] | None = None
+
+
+def prediction_mode(method: Posterior, seed: int) -> Callable[[nn.Module], AbstractContextManager[Any]] | None:
+    """``method``'s prediction mode for samples drawn from a CPU generator seeded with ``seed``; ``None``: eval mode.
+
+    Every entry gets a fresh generator seeded alike, so every prediction with those samples draws the same
+    randomness (MC dropout's masks), whatever ran before it.
+    """
+    mode = method.predict_mode
+    if mode is None:
+        return None
+    return lambda model: mode(model, torch.Generator(device="cpu").manual_seed(seed))
 
 
 class AscentSpace(str, Enum):

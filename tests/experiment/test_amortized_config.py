@@ -9,15 +9,15 @@ import pytest
 import torch
 import yaml
 
-from flatbma.experiment import entries
-from flatbma.experiment.checkpoint import load_state
 from flatbma.experiment.cli import main
-from flatbma.experiment.compare import load_plan
-from flatbma.experiment.config import config_from_dict
-from flatbma.experiment.methods import parse_method
-from flatbma.experiment.run import train
-from flatbma.experiment.sections import plain_values
-from flatbma.experiment.stage import run_identity
+from flatbma.experiment.config import entries
+from flatbma.experiment.config.methods import parse_method
+from flatbma.experiment.config.run_config import config_from_dict
+from flatbma.experiment.config.sections import plain_values
+from flatbma.experiment.run.checkpoint import load_state
+from flatbma.experiment.run.pipeline import train
+from flatbma.experiment.run.stage import run_identity
+from flatbma.experiment.study.plan import load_plan
 from flatbma.optim import SAM, Amortized, FisherBall, Reuse
 from tests.helpers import interrupt_after_first_epoch
 

@@ -13,20 +13,16 @@ import torch
 
 from flatbma import state_io
 from flatbma.errors import FlatbmaError
-from flatbma.experiment.checkpoint import (
-    Provenance,
-    Resume,
-    append_resume,
+from flatbma.experiment.run.checkpoint import (
     atomic_write_bytes,
     atomic_write_json,
     check_compatible,
-    check_provenance,
     load_state,
-    model_fingerprint,
     remove_stale_temps,
-    resume_change,
     save_state,
 )
+from flatbma.experiment.run.provenance import Provenance, check_provenance, model_fingerprint
+from flatbma.experiment.run.resume import Resume, append_resume, resume_change
 from flatbma.types import State
 
 

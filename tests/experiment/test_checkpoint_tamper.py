@@ -3,7 +3,7 @@ end in one line; stale temporary files go; outputs get the umask's mode; ``--res
 learning rate, epochs, cadence or evaluation of a run and records it.
 
 Every refusal goes through :func:`flatbma.experiment.cli.main` (one line ``flatbma: error: ...``, exit 2)
-or :func:`~flatbma.experiment.checkpoint.load_position` (only :class:`FlatbmaError`). Runs are tiny
+or :func:`~flatbma.experiment.run.checkpoint.load_position` (only :class:`FlatbmaError`). Runs are tiny
 (digits, a 4-unit MLP, 2 epochs of 19 steps).
 """
 
@@ -27,11 +27,12 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from flatbma.errors import FlatbmaError
-from flatbma.experiment.build import build_experiment
-from flatbma.experiment.checkpoint import load_checkpoint, load_position, template
 from flatbma.experiment.cli import main
-from flatbma.experiment.config import config_from_dict
-from flatbma.experiment.run import load_run_config
+from flatbma.experiment.config.run_config import config_from_dict
+from flatbma.experiment.run.build import build_experiment
+from flatbma.experiment.run.checkpoint import load_checkpoint, load_position
+from flatbma.experiment.run.pipeline import load_run_config
+from flatbma.experiment.run.provenance import template
 from flatbma.experiment.runner import fit
 from flatbma.optim import SGD
 from flatbma.params import Objective, model_buffers, trainable_params

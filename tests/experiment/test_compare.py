@@ -105,3 +105,26 @@ def test_bad_compare_configs(tmp_path, capsys, change, message):
     cfg["compare"].update(change)
     assert main(["compare", "--config", _write(tmp_path, cfg)]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_the_time_left_comes_from_each_methods_measured_cost(monkeypatch, capsys):
+    """#25: the ETA once extrapolated from the cheapest method (said 4.9 min left, took 13)."""
+    from flatbma.experiment.study import compare
+
+    clock = [0.0]
+    monkeypatch.setattr(compare.time, "perf_counter", lambda: clock[0])
+    items = [("sgd", 0), ("sgd", 1), ("fp-bma", 0), ("fp-bma", 1)]
+    cost = {"sgd": 60.0, "fp-bma": 600.0}
+    describe = lambda item: f"{item[0]} seed {item[1]}"  # noqa: E731
+    for item in compare._progress(items, "compare", describe, True, 0, 1, kind=lambda item: item[0]):
+        clock[0] += cost[item[0]]
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("compare: [")]
+    assert len(lines) == 4, lines
+    assert lines[1].endswith(
+        "about 2.0 min left (fp-bma not yet timed: counted at the slowest so far)"
+    )  # fp-bma untimed: at sgd's 60 s, and it says so
+    assert lines[2].endswith("done in 600 s; about 10.0 min left")  # fp-bma's own cost, not the mean 4.0 min
+    assert lines[3].endswith("nothing left")
+    assert compare._time_left({"a": [10.0, 30.0], "b": [120.0]}, ["a", "b", "b", "c"]) == (
+        "about 6.3 min left (c not yet timed: counted at the slowest so far)"
+    )

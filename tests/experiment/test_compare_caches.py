@@ -16,10 +16,10 @@ import pytest
 import yaml
 
 from flatbma.errors import FlatbmaError
-from flatbma.experiment import compare
 from flatbma.experiment.cli import main
-from flatbma.experiment.config import config_from_dict
-from flatbma.experiment.evaluate import CLEAN_KEYS
+from flatbma.experiment.config.run_config import config_from_dict
+from flatbma.experiment.run.evaluate import CLEAN_KEYS
+from flatbma.experiment.study import cache, compare, plan, selection
 
 CONFIG = {
     "data": {"name": "digits", "batch_size": 64, "test_limit": 100},
@@ -150,9 +150,9 @@ def test_deleting_the_damaged_file_or_force_starts_over(tmp_path: Path, out: Pat
     (out / "compare_config.yaml").write_bytes(b"[")
     assert _rerun(tmp_path, out, capsys, "--force")[0] == 0
     recorded = yaml.safe_load((out / "compare_config.yaml").read_text())
-    plan = compare.load_plan(_config(tmp_path, out))
-    assert recorded["fingerprint"] == plan.fingerprint() and recorded["study"] == plan.study()
-    assert _good_row(out)["fingerprint"] == plan.row_key(plan.jobs()[0])
+    loaded = plan.load_plan(_config(tmp_path, out))
+    assert recorded["fingerprint"] == loaded.fingerprint() and recorded["study"] == loaded.study()
+    assert _good_row(out)["fingerprint"] == loaded.row_key(loaded.jobs()[0])
     assert yaml.safe_load((out / ROW / "config.yaml").read_text())["method"]["name"] == "sgd"
 
 
@@ -175,9 +175,9 @@ def test_a_damaged_candidate_record_is_named(tmp_path: Path, content: bytes) -> 
     run = {k: v for k, v in CONFIG.items() if k != "compare"}
     cfg = config_from_dict({**run, "method": {"name": "sgd"}, "output_dir": str(tmp_path / "cand")})
     (tmp_path / "cand").mkdir()
-    (tmp_path / "cand" / compare.CANDIDATE_FILE).write_bytes(content)
+    (tmp_path / "cand" / cache.CANDIDATE_FILE).write_bytes(content)
     with pytest.raises(FlatbmaError, match=r"candidate\.json is damaged .*--force"):
-        compare._record(cfg)
+        selection.candidate_record(cfg)
 
 
 def test_a_moved_comparison_is_reused_in_its_new_place(finished, tmp_path, monkeypatch):
@@ -190,7 +190,7 @@ def test_a_moved_comparison_is_reused_in_its_new_place(finished, tmp_path, monke
         raise AssertionError("a finished run of a moved comparison was trained again")
 
     monkeypatch.setattr(compare, "train", no_training)
-    monkeypatch.setattr(compare, "train_stage", no_training)
+    monkeypatch.setattr(selection, "train_stage", no_training)
     assert main(["compare", "--config", _config(tmp_path, moved), "--quiet"]) == 0
     before = json.loads((pristine / "results.json").read_text())["runs"]
     after = json.loads((moved / "results.json").read_text())["runs"]
@@ -213,8 +213,10 @@ def test_a_moved_comparison_with_selection_is_reused_in_its_new_place(tmp_path, 
     def no_work(*args, **kwargs):
         raise AssertionError("a moved comparison trained or measured again")
 
-    for name in ("train", "train_stage", "measure", "load_run"):
-        monkeypatch.setattr(compare, name, no_work)
+    for module, name in [(compare, "train"), (compare, "measure"), (compare, "load_run")]:
+        monkeypatch.setattr(module, name, no_work)
+    for name in ("train_stage", "load_run"):
+        monkeypatch.setattr(selection, name, no_work)
     assert main(["compare", "--config", str(path), "--set", f"output_dir={moved}", "--quiet"]) == 0
     [before] = json.loads((first / "results.json").read_text())["runs"]
     [after] = json.loads((moved / "results.json").read_text())["runs"]

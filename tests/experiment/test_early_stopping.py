@@ -9,9 +9,9 @@ import yaml
 from flatbma.data.fewshot import few_shot_indices
 from flatbma.errors import FlatbmaError
 from flatbma.experiment.cli import main
-from flatbma.experiment.early_stopping import BEST_FILE
-from flatbma.experiment.parse import parse_dataclass
-from flatbma.experiment.sections import DataConfig, TrainConfig, plain
+from flatbma.experiment.config.parse import parse_dataclass
+from flatbma.experiment.config.sections import DataConfig, TrainConfig, plain
+from flatbma.experiment.run.early_stopping import BEST_FILE
 from tests.helpers import interrupt_after_first_epoch
 
 CONFIG = {
@@ -121,8 +121,8 @@ def test_an_entry_or_a_set_turns_early_stopping_off_with_null():
 
 
 def test_val_fraction_holds_out_a_stratified_share_of_a_full_training_split(tmp_path, capsys):
-    from flatbma.experiment.build import load_data, select_data
-    from flatbma.experiment.config import config_from_dict
+    from flatbma.experiment.config.run_config import config_from_dict
+    from flatbma.experiment.run.build import load_data, select_data
 
     cfg = config_from_dict({"method": {"name": "sgd"}, "data": {"name": "digits", "val_fraction": 0.2}})
     splits = load_data(cfg.data)

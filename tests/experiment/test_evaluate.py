@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from flatbma.experiment.config import config_from_dict
-from flatbma.experiment.evaluate import CLEAN_KEYS, measure
-from flatbma.experiment.run import evaluate_run, load_run, train
+from flatbma.experiment.config.run_config import config_from_dict
+from flatbma.experiment.run.evaluate import CLEAN_KEYS, measure
+from flatbma.experiment.run.pipeline import evaluate_run, load_run, train
 
 SWAG_CNN = {
     "seed": 3,

@@ -11,10 +11,10 @@ from scipy import stats as scipy_stats
 
 from flatbma.errors import FlatbmaError
 from flatbma.experiment.cli import main
-from flatbma.experiment.compare import CompareConfig, compare_record, load_plan
-from flatbma.experiment.findings import findings, pair_comparisons
-from flatbma.experiment.parse import parse_dataclass
-from flatbma.experiment.report import write_reports
+from flatbma.experiment.config.parse import parse_dataclass
+from flatbma.experiment.report.documents import write_reports
+from flatbma.experiment.report.findings import findings, pair_comparisons
+from flatbma.experiment.study.plan import CompareConfig, compare_record, load_plan
 
 NOISE = (0.013, -0.021, 0.008, 0.017, -0.004)
 SEEDS = {"sgd": (0, 1, 2, 3), "swag": (0, 1, 2, 3), "multiswag": (1, 2, 3, 4), "laplace": (0, 1, 2, 3)}
@@ -32,7 +32,7 @@ def _run(method, seed, k):
         "nll": 0.90 - 0.002 * k + 3 * e,
         "ece": 0.05 + 0.01 * k + e / 10,
         "brier": 0.35 - 0.001 * k + e,
-        "lambda1_summary": {"n": 4, "mean": lam},
+        "lambda1_summary": {"n": 4, "mean": lam, "median": lam},
         "width": {"trace_cov": 2.0 + k + e},
     }
 
@@ -45,7 +45,7 @@ def _results(pairs=PAIRS):
 
 def _value(run, metric):
     if metric == "lambda1":
-        return run["lambda1_summary"]["mean"]
+        return run["lambda1_summary"]["median"]
     if metric == "trace_cov":
         return run["width"]["trace_cov"]
     return run[metric]
@@ -175,7 +175,7 @@ def test_the_pairs_table_holds_the_numbers_bold_where_the_interval_excludes_zero
     lines = md.splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith("## Paired differences (each listed pair"))
     header = [c.strip() for c in lines[start + 2].strip("|").split("|")]
-    assert header == ["pair", "seeds", "accuracy", "NLL", "ECE", "Brier", "λ₁", "tr Σ"]
+    assert header == ["pair", "seeds", "accuracy", "NLL", "ECE", "Brier", "λ₁ median", "tr Σ"]
     rows = {}
     for line in lines[start + 4 :]:
         if not line.startswith("|"):

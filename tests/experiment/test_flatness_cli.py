@@ -6,7 +6,7 @@ import pytest
 import yaml
 
 from flatbma.experiment.cli import main
-from flatbma.experiment.methods import METHODS
+from flatbma.experiment.config.methods import METHODS
 
 # options that make each method produce samples within a one-epoch digits run (~19 steps)
 OPTIONS = {
@@ -84,3 +84,37 @@ def test_evaluate_with_flatness_on_every_method(tmp_path, capsys, method):
     width = metrics["width"]
     assert width["trace_cov"] >= 0 and isinstance(width["exact"], bool)
     assert isinstance(metrics["repeatability"]["agree"], bool)
+
+
+def _heavy_tail_record(second_mean):
+    """A repeated λ₁ measurement as results record it: the demo's FP-BMA, mean 36,647 from one sharp sample."""
+    first = {"n": 8, "mean": 36647.0, "median": 1926.0, "interval": {"low": 1640.0, "high": 105786.0, "level": 0.95}}
+    second = {"n": 8, "mean": second_mean, "median": 1900.0, "interval": {"low": 1463.0, "high": 2771.0, "level": 0.95}}
+    return {"agree": True, "first": first, "second": second}
+
+
+@pytest.mark.parametrize("flatness", [True, False])
+def test_evaluate_flatness_prints_a_measurement_that_did_not_repeat(tmp_path, capsys, monkeypatch, flatness):
+    from types import SimpleNamespace
+
+    from flatbma.experiment import cli
+
+    record = _heavy_tail_record(1979.0)
+    metrics = {"accuracy": 0.9, "lambda1": 36647.0, "repeatability": record}
+    monkeypatch.setattr(cli, "load_run_config", lambda run_dir: SimpleNamespace(train=SimpleNamespace(device="cpu")))
+    monkeypatch.setattr(cli, "evaluate_run", lambda run_dir, flatness: metrics)
+    argv = ["evaluate", str(tmp_path), *(["--flatness"] if flatness else [])]
+    assert main(argv) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out.splitlines()[-1]) == {"accuracy": 0.9, "lambda1": 36647.0}  # stdout as it was
+    warned = [line for line in err.splitlines() if "does not repeat" in line]
+    if not flatness:  # metrics.json may hold an older measurement: only the one just made is reported
+        assert not warned
+        return
+    (line,) = warned
+    assert line.startswith("flatbma: warning: λ₁ measured again")
+    assert "heavy tail: means 36647 and 1979 differ by more than a factor 2" in line
+    assert "median 1926" in line and "median 1900" in line
+    metrics["repeatability"] = _heavy_tail_record(30000.0)  # repeats: nothing said
+    assert main(argv) == 0
+    assert "does not repeat" not in capsys.readouterr().err

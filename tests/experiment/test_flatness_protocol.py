@@ -12,11 +12,11 @@ from torch.utils.data import DataLoader
 from flatbma import bn
 from flatbma.bn import recompute_bn_statistics
 from flatbma.errors import FlatbmaError
-from flatbma.experiment.build import build_experiment, statistics_loader
-from flatbma.experiment.config import config_from_dict
-from flatbma.experiment.evaluate import BN_RECOMPUTED, evaluate_state, posterior_samples
-from flatbma.experiment.run import train
-from flatbma.experiment.sections import EvalConfig
+from flatbma.experiment.config.run_config import config_from_dict
+from flatbma.experiment.config.sections import EvalConfig
+from flatbma.experiment.run.build import build_experiment, statistics_loader
+from flatbma.experiment.run.evaluate import BN_RECOMPUTED, evaluate_state, posterior_samples
+from flatbma.experiment.run.pipeline import train
 from flatbma.params import model_buffers, trainable_params
 
 RAW = {

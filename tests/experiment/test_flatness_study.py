@@ -2,7 +2,7 @@
 
 from pathlib import Path
 
-from flatbma.experiment.compare import load_plan
+from flatbma.experiment.study.plan import load_plan
 
 STUDY = Path(__file__).resolve().parents[2] / "configs" / "flatness-study.yaml"
 DEMO = STUDY.with_name("demo.yaml")

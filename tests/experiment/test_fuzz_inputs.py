@@ -22,11 +22,11 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from flatbma.errors import FlatbmaError
-from flatbma.experiment.checkpoint import load_checkpoint, load_state
 from flatbma.experiment.cli import main
-from flatbma.experiment.compare import load_plan
-from flatbma.experiment.config import SECTIONS, RunConfig, load_config
-from flatbma.experiment.methods import METHODS
+from flatbma.experiment.config.methods import METHODS
+from flatbma.experiment.config.run_config import SECTIONS, RunConfig, load_config
+from flatbma.experiment.run.checkpoint import load_checkpoint, load_state
+from flatbma.experiment.study.plan import load_plan
 
 CONFIGS = sorted((Path(__file__).parents[2] / "configs").glob("*.yaml"))
 REAL = {path.name: yaml.safe_load(path.read_text()) for path in CONFIGS}

@@ -17,12 +17,13 @@ import pytest
 import torch
 import yaml
 
-from flatbma.experiment import evaluate
 from flatbma.experiment.cli import main
-from flatbma.experiment.config import config_from_dict
-from flatbma.experiment.health import LOSS_RISE, assess, is_flagged
-from flatbma.experiment.report import findings, summary_table
-from flatbma.experiment.run import load_run, train_run
+from flatbma.experiment.config.run_config import config_from_dict
+from flatbma.experiment.report.findings import findings
+from flatbma.experiment.report.tables import summary_table
+from flatbma.experiment.run import evaluate
+from flatbma.experiment.run.health import LOSS_RISE, assess, is_flagged
+from flatbma.experiment.run.pipeline import load_run, train_run
 
 BASE: dict[str, Any] = {
     "seed": 0,
@@ -153,7 +154,7 @@ def test_the_model_check_draws_nothing_the_run_sees(tmp_path: Path) -> None:
     one augmented image (for its shape) — runs' numbers count on that draw — and the check's images are
     read under a fork: an SGD run starts from the state of its seed after exactly that one read.
     """
-    from flatbma.experiment import build
+    from flatbma.experiment.run import build
 
     cfg = config_from_dict({**BASE, "data": {**BASE["data"], "augment": True}, "output_dir": str(tmp_path / "r")})
     exp = build.build_experiment(cfg)

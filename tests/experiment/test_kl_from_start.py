@@ -5,9 +5,9 @@ import dataclasses
 import pytest
 import torch
 
-from flatbma.experiment.build import build_experiment
-from flatbma.experiment.config import config_from_dict
-from flatbma.experiment.run import train
+from flatbma.experiment.config.run_config import config_from_dict
+from flatbma.experiment.run.build import build_experiment
+from flatbma.experiment.run.pipeline import train
 from flatbma.gaussian import kl_lowrank
 from flatbma.params import model_buffers, trainable_params
 from tests.helpers import interrupt_after_first_epoch

@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from flatbma.experiment import distributed
-from flatbma.experiment.checkpoint import load_checkpoint
-from flatbma.experiment.config import config_from_dict
-from flatbma.experiment.run import train_run
+from flatbma.experiment.config.run_config import config_from_dict
+from flatbma.experiment.parallel import processes
+from flatbma.experiment.run.checkpoint import load_checkpoint
+from flatbma.experiment.run.pipeline import train_run
 from flatbma.posteriors import laplace
 from tests.experiment.torchrun_helpers import torchrun
 
@@ -41,8 +41,8 @@ def _config(hessian: str, output_dir: Path) -> dict:
 
 
 def _worker(root: Path) -> None:
-    with distributed.process_group(torch.device("cpu")):
-        me = distributed.rank()
+    with processes.process_group(torch.device("cpu")):
+        me = processes.rank()
         for hessian in HESSIANS:
             train_run(config_from_dict(_config(hessian, root / (hessian if me == 0 else f"{hessian}-rank1"))))
 

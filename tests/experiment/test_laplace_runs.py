@@ -3,6 +3,7 @@
 resolved configs left as they were."""
 
 import copy
+import dataclasses
 import hashlib
 import io
 import json
@@ -11,22 +12,28 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import flatbma
 from flatbma.curvature import estimator
 from flatbma.errors import FlatbmaError
-from flatbma.experiment import stage
-from flatbma.experiment.checkpoint import load_checkpoint
 from flatbma.experiment.cli import main
-from flatbma.experiment.config import config_from_dict
-from flatbma.experiment.methods import METHODS, parse_method
-from flatbma.experiment.run import load_run, load_run_config, resume_config, train
+from flatbma.experiment.config.methods import METHODS, parse_method
+from flatbma.experiment.config.run_config import config_from_dict
+from flatbma.experiment.run import stage
+from flatbma.experiment.run.checkpoint import CONFIG_KEY, load_checkpoint
+from flatbma.experiment.run.pipeline import evaluate_run, load_run, load_run_config, resume_config, train
+from flatbma.experiment.run.provenance import WRITTEN_BY, Provenance
+from flatbma.linearized import linearized_predictions
 from flatbma.models import build_model, classifier_of
 from flatbma.posteriors import laplace
-from flatbma.predict import linearized_predictions, sample_log_probs
+from flatbma.predict import sample_log_probs
 from flatbma.predictor import trained_names
+from flatbma.state_io import CHECKSUMS, checksums
 from tests.experiment.torchrun_helpers import crash_after
 
 BASE = {
@@ -214,11 +221,11 @@ RESOLVED = {
     "sgld": "983da6961b929e83",
     "csgld": "056851c9a3092e59",
     "f-sgld": "9b98eccc8eb1e6ff",
-    "fp-bma": "df41fce0009166a6",
-    "sa-bma": "d491cfd8e23f48e7",
+    "fp-bma": "eeefb354de6a82b0",  # radius: 0.05, the default step since #22
+    "sa-bma": "7252ba9f01b460e4",
     "multi": "d6549a167fda82e5",
-    "multiswag": "cc8b1b7f24d9c126",
-    "multi-fp-bma": "793a3aa91ca4d70d",
+    "multiswag": "cc8b1b7f24d9c126",  # swag's start_step: null (#25)
+    "multi-fp-bma": "c6bcf7cb095abf91",
 }
 
 
@@ -308,3 +315,47 @@ def test_fit_posterior_with_a_pretrained_prior_mean_round_trips_through_load_pos
     loaded = flatbma.load_posterior(tmp_path / "bma.safetensors", pretrained(), loader)
     assert torch.equal(loaded.predict_log_proba(x), bma.predict_log_proba(x))
     assert loaded.method.diagnostics(loaded.state) == bma.method.diagnostics(bma.state)
+
+
+def test_a_run_stored_before_subset_existed_evaluates_and_resumes_as_all_weights(tmp_path):
+    """A Laplace run directory whose ``config.yaml`` has no ``subset`` (written before the option existed, when the
+    posterior was over all weights) reads as ``subset: all``, not as the new default ``last-layer``: evaluating it
+    gives the numbers it trained with, and a config of ``subset: all`` finds it finished."""
+    method = {"name": "laplace", "hessian": "diag", "subset": "all"}
+    cfg = _config(tmp_path, "old", method)
+    ref = train(cfg)
+    path = Path(cfg.output_dir) / "config.yaml"
+    stored = yaml.safe_load(path.read_text())
+    assert stored["method"].pop("subset") == "all"  # an old run's config: no subset
+    path.write_text(yaml.safe_dump(stored, sort_keys=False))
+    _without_subset(Path(cfg.output_dir) / "checkpoint.safetensors")  # and its checkpoint's records
+    loaded = load_run_config(cfg.output_dir)
+    assert laplace.Subset(loaded.method.options["subset"]) is laplace.Subset.ALL
+    assert resume_config(cfg.output_dir, [])[0].method.options["subset"] == loaded.method.options["subset"]
+    exp, state = load_run(loaded)
+    assert exp.method.marginal_variance(state).keys() == state.params.keys()  # every weight has a variance
+    assert exp.method.diagnostics(state) == ref.metrics["diagnostics"]
+    metrics = evaluate_run(cfg.output_dir)
+    assert {k: metrics[k] for k in METRICS} == {k: ref.metrics[k] for k in METRICS}
+    assert stage.same_config(Path(cfg.output_dir), cfg)  # the same run as subset: all ...
+    assert not stage.same_config(Path(cfg.output_dir), _config(tmp_path, "old", {**method, "subset": "last-layer"}))
+    default = _config(tmp_path, "old", {"name": "laplace", "hessian": "diag"})  # ... not as the new default's
+    assert laplace.Subset(default.method.options["subset"]) is laplace.Subset.LAST_LAYER
+    assert not stage.same_config(Path(cfg.output_dir), default)
+    with pytest.raises(FlatbmaError, match=r"subset='all' vs 'last-layer'"):  # never silently another posterior
+        load_run(dataclasses.replace(loaded, method=default.method))
+
+
+def _without_subset(path: Path) -> None:
+    """The checkpoint at ``path`` as one written before ``subset`` existed: its records of the config lack it."""
+    tensors = load_file(str(path))
+    with safe_open(str(path), framework="pt") as f:
+        meta = dict(f.metadata())
+    written = json.loads(meta[WRITTEN_BY])
+    del written["options_fingerprint"], written["options"]["subset"]
+    meta[WRITTEN_BY] = Provenance(**written).to_json()
+    config = json.loads(meta[CONFIG_KEY])
+    del config["method"]["subset"]
+    meta[CONFIG_KEY] = json.dumps(config, sort_keys=True)
+    meta[CHECKSUMS] = json.dumps(checksums(tensors, meta), sort_keys=True)  # as flatbma wrote it
+    save_file(tensors, str(path), metadata=meta)

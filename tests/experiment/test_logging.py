@@ -15,12 +15,12 @@ import yaml
 
 from flatbma import progress
 from flatbma.errors import FlatbmaError
-from flatbma.experiment import stage
 from flatbma.experiment.cli import main
-from flatbma.experiment.config import config_from_dict
-from flatbma.experiment.logs import COLUMNS, CSV_FILE, read_csv
-from flatbma.experiment.run import train
-from flatbma.experiment.sections import TrainConfig, TrainLog
+from flatbma.experiment.config.run_config import config_from_dict
+from flatbma.experiment.config.sections import TrainConfig, TrainLog
+from flatbma.experiment.run import stage
+from flatbma.experiment.run.logs import COLUMNS, CSV_FILE, read_csv
+from flatbma.experiment.run.pipeline import train
 
 EPOCHS = 3
 TINY = {

@@ -9,7 +9,6 @@ FP-BMA trained by hand from each member's prior.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import json
 import shutil
@@ -19,22 +18,25 @@ import pytest
 import torch
 import yaml
 
-import flatbma.experiment.stage as stage_module
+import flatbma.experiment.run.stage as stage_module
 from flatbma.errors import FlatbmaError
-from flatbma.experiment.build import build_experiment
-from flatbma.experiment.checkpoint import load_state
 from flatbma.experiment.cli import main
-from flatbma.experiment.compare import _shared_stages, load_plan
-from flatbma.experiment.config import config_from_dict, load_config
-from flatbma.experiment.prior import check_stable_with_prior, fit_prior, floor_std, prior_stage
-from flatbma.experiment.run import load_run_config, train_run
+from flatbma.experiment.config.run_config import config_from_dict, load_config
+from flatbma.experiment.run.build import build_experiment
+from flatbma.experiment.run.checkpoint import load_state
+from flatbma.experiment.run.pipeline import load_run_config, train_run
+from flatbma.experiment.run.prior import check_stable_with_prior, fit_prior, prior_stage
 from flatbma.experiment.runner import fit
+from flatbma.experiment.study.plan import load_plan
+from flatbma.experiment.study.selection import shared_stages
 from flatbma.gaussian import kl_lowrank, section
 from flatbma.params import Objective
 from flatbma.posteriors import fp_bma
+from flatbma.posteriors.gaussians import floored
 from flatbma.posteriors.members import member, member_seed, member_state
 from flatbma.rng import draw_seed, forked_rng
 from tests.experiment.torchrun_helpers import torchrun
+from tests.helpers import one_thread
 
 SWAG = {"name": "swag", "rank": 3, "start_step": 30, "collect_every": 5}
 FP_BMA = {"name": "fp-bma", "rank": 3, "gamma": 0.01}
@@ -67,20 +69,9 @@ def multi_run(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("multi-prior")
     path = root / "multi.yaml"
     path.write_text(yaml.safe_dump(_raw(root / "run")))
-    with _one_thread():
+    with one_thread():
         assert main(["train", "--config", str(path)]) == 0
     return root / "run"
-
-
-@contextlib.contextmanager
-def _one_thread():
-    """One torch thread (the torchrun workers' setting), so that results compare bit for bit."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 def test_cli_trains_both_stages_of_a_mixture_and_evaluates_its_prior_stage(multi_run: Path, capsys) -> None:
@@ -104,7 +95,7 @@ def test_each_member_has_its_own_multiswag_prior_and_is_fp_bma_trained_by_hand_f
     swag_run = _raw(tmp_path / "multiswag", method={"name": "multiswag", "members": 2, "seed": 7, "of": SWAG})
     del swag_run["prior"]
     swag_run.update(optim={"name": "sgd", "lr": 0.2}, train={**MULTI["train"], "epochs": 5})
-    with _one_thread():
+    with one_thread():
         train_run(config_from_dict(swag_run), evaluate=False)
     stage1 = load_state(multi_run / "prior" / "checkpoint.safetensors")
     multiswag = load_state(tmp_path / "multiswag" / "checkpoint.safetensors")
@@ -113,7 +104,7 @@ def test_each_member_has_its_own_multiswag_prior_and_is_fp_bma_trained_by_hand_f
     # member m's prior: its own SWAG Gaussian (σ floored), and the members' priors differ
     fitted = fit_prior(cfg)  # reused: finished with this config
     swag_posterior = build_experiment(prior_stage(cfg)).method
-    theta = floor_std(swag_posterior.gaussian(stage1), cfg.prior.min_std)
+    theta = floored(swag_posterior.gaussian(stage1), cfg.prior.min_std)
     assert _same(fitted.theta, theta)
     means = [section(member(m, theta), "mean") for m in range(2)]
     assert means[0].keys() == means[1].keys() and not any(torch.equal(means[0][k], means[1][k]) for k in means[0])
@@ -129,7 +120,7 @@ def test_each_member_has_its_own_multiswag_prior_and_is_fp_bma_trained_by_hand_f
         with forked_rng(member_seed(7, m)):  # multi.build: member m's init under the seed hashed from (seed, m)
             own = by_hand.init(prior_m, member(m, fitted.buffers))
         start = {k: v.clone() for k, v in own.params.items()}
-        with _one_thread():
+        with one_thread():
             own, _ = fit(by_hand, own, exp.train_loader, epochs=1, progress=False)
         trained = member_state(m, final)
         assert _same(trained.params, own.params) and _same(trained.aux, own.aux), m
@@ -165,12 +156,12 @@ def test_floor_std_floors_every_members_log_std() -> None:
         "member1/mean/w": torch.tensor([-9.0, 1.0]),
         "log_std/w": torch.tensor([-9.0]),
     }
-    floored = floor_std(theta, 0.01)  # log 0.01 = -4.605
+    low = floored(theta, 0.01)  # log 0.01 = -4.605
     floor = torch.log(torch.tensor(0.01)).item()
-    assert floored["member0/log_std/w"].tolist() == pytest.approx([floor, 0.0])
-    assert floored["member1/log_std/w"].tolist() == pytest.approx([floor, -1.0])
-    assert floored["log_std/w"].tolist() == pytest.approx([floor])
-    assert torch.equal(floored["member1/mean/w"], theta["member1/mean/w"])
+    assert low["member0/log_std/w"].tolist() == pytest.approx([floor, 0.0])
+    assert low["member1/log_std/w"].tolist() == pytest.approx([floor, -1.0])
+    assert low["log_std/w"].tolist() == pytest.approx([floor])
+    assert torch.equal(low["member1/mean/w"], theta["member1/mean/w"])
 
 
 @pytest.mark.parametrize(
@@ -230,10 +221,10 @@ def test_resume_mid_stage_one_or_two_is_bit_identical(multi_run: Path, tmp_path:
             raise KeyboardInterrupt  # killed right after a mid-epoch checkpoint of that stage
 
     monkeypatch.setattr(stage_module, "save_position", save_then_crash)
-    with _one_thread(), pytest.raises(KeyboardInterrupt):
+    with one_thread(), pytest.raises(KeyboardInterrupt):
         train_run(cfg)
     monkeypatch.setattr(stage_module, "save_position", save)
-    with _one_thread():
+    with one_thread():
         _, resumed = train_run(load_run_config(crashed), resume=True)
     for name in ("prior", "."):
         a = load_state(multi_run / name / "checkpoint.safetensors")
@@ -259,7 +250,7 @@ def test_compare_candidates_share_the_per_member_prior_stage(tmp_path: Path) -> 
     path = tmp_path / "compare.yaml"
     path.write_text(yaml.safe_dump(raw))
     jobs = load_plan(path).jobs()
-    groups = [_shared_stages(job) for job in jobs]
+    groups = [shared_stages(job) for job in jobs]
     assert [len(g) for g in groups] == [1, 1] and len(groups[0][0]) == 2  # both lrs share one first stage
     mixture, single = (prior_stage(g[0][0].config).method for g in groups)
     assert mixture.name == "multi" and mixture.options["members"] == 2 and mixture.options["of"].name == "swag"

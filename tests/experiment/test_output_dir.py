@@ -1,4 +1,4 @@
-"""Where ``flatbma train`` and ``flatbma compare`` may write (issue #13): :mod:`flatbma.experiment.outdir`.
+"""Where ``flatbma train`` and ``flatbma compare`` may write (issue #13): :mod:`flatbma.experiment.run.outdir`.
 
 ``output_dir: /`` wrote config.yaml, the checkpoint and metrics.json into ``/``; any directory full of
 other files was written into without a word. Now: never a file system root, a mount point or the home
@@ -17,9 +17,9 @@ import pytest
 import yaml
 
 from flatbma.errors import FlatbmaError
-from flatbma.experiment import outdir, stage
 from flatbma.experiment.cli import main
-from flatbma.experiment.outdir import check_compare_output, check_run_output
+from flatbma.experiment.run import outdir, stage
+from flatbma.experiment.run.outdir import check_compare_output, check_run_output
 
 RUN = {
     "seed": 0,
@@ -58,8 +58,8 @@ def no_writes(monkeypatch: pytest.MonkeyPatch) -> None:
         raise AssertionError("a run directory was written")
 
     monkeypatch.setattr(stage, "write_config", refuse)
-    monkeypatch.setattr("flatbma.experiment.run.write_config", refuse)
-    monkeypatch.setattr("flatbma.experiment.compare.atomic_write_bytes", refuse)
+    monkeypatch.setattr("flatbma.experiment.run.pipeline.write_config", refuse)
+    monkeypatch.setattr("flatbma.experiment.study.compare.atomic_write_bytes", refuse)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -140,7 +140,7 @@ def test_a_file_is_no_output_dir(tmp_path: Path) -> None:
 
 def _run_dir(path: Path, **change: object) -> Path:
     """A directory holding what ``flatbma train`` writes as config.yaml (the resolved config)."""
-    from flatbma.experiment.config import config_from_dict
+    from flatbma.experiment.config.run_config import config_from_dict
 
     path.mkdir(parents=True, exist_ok=True)
     resolved = config_from_dict({**RUN, "output_dir": str(path)}).to_dict() | change

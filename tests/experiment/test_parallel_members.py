@@ -13,7 +13,6 @@ file as the worker script (``_worker``); the one-process references run with one
 workers, so that float results are comparable bit for bit.
 """
 
-import contextlib
 import copy
 import dataclasses
 import json
@@ -28,15 +27,17 @@ import yaml
 from torch import nn
 
 from flatbma.errors import FlatbmaError
-from flatbma.experiment import distributed
-from flatbma.experiment.checkpoint import load_checkpoint
-from flatbma.experiment.compare import load_plan, run_compare
-from flatbma.experiment.config import config_from_dict
-from flatbma.experiment.run import load_run_config, train_run
+from flatbma.experiment.config.run_config import config_from_dict
+from flatbma.experiment.parallel import loaders, processes
+from flatbma.experiment.run.checkpoint import load_checkpoint
+from flatbma.experiment.run.pipeline import load_run_config, train_run
+from flatbma.experiment.study.compare import run_compare
+from flatbma.experiment.study.plan import load_plan
 from flatbma.optim import SAM, SGD
 from flatbma.params import Objective, model_buffers, trainable_params
 from flatbma.posteriors import ensemble
 from tests.experiment.torchrun_helpers import crash_after, torchrun
+from tests.helpers import one_thread
 
 MEMBERS = {
     "seed": 0,
@@ -72,7 +73,7 @@ COMPARE = {
     },
 }
 METRIC_KEYS = ("accuracy", "nll", "ece", "aece", "brier")
-SHARED_FILES = {"compare_config.yaml", "results.json", "results.csv", "report.md", "report.html"}
+SHARED_FILES = {"compare_config.yaml", "results.json", "results.csv", "report.md", "tables.html"}
 
 
 def _members_config(output_dir, **train) -> dict:
@@ -84,16 +85,6 @@ def _members_config(output_dir, **train) -> dict:
 
 def _multi_config(output_dir) -> dict:
     return {**_members_config(output_dir), **copy.deepcopy(MULTI)}
-
-
-@contextlib.contextmanager
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -168,11 +159,11 @@ def test_members_needs_a_method_with_members_and_is_a_typed_option(tmp_path):
 
 
 def test_one_process_helpers_inside_single_process():
-    with distributed.single_process():
-        assert distributed.world_size() == 1 and distributed.rank() == 0 and distributed.is_main()
-        assert not distributed.is_distributed()
-    assert [list(distributed.member_share(5, 2, r)) for r in range(2)] == [[0, 1, 2], [3, 4]]
-    assert [list(distributed.member_share(3, 3, r)) for r in range(3)] == [[0], [1], [2]]
+    with processes.single_process():
+        assert processes.world_size() == 1 and processes.rank() == 0 and processes.is_main()
+        assert not processes.is_distributed()
+    assert [list(loaders.member_share(5, 2, r)) for r in range(2)] == [[0, 1, 2], [3, 4]]
+    assert [list(loaders.member_share(3, 3, r)) for r in range(3)] == [[0], [1], [2]]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -181,11 +172,13 @@ def test_one_process_helpers_inside_single_process():
 
 def _worker(root: Path) -> None:
     """Run under torchrun (2 processes): members training, a crash, too many processes, compare via the CLI."""
-    from flatbma.experiment import compare, report, stage
     from flatbma.experiment.cli import main
+    from flatbma.experiment.report import documents
+    from flatbma.experiment.run import stage
+    from flatbma.experiment.study import cache, compare, selection
 
-    with distributed.process_group(torch.device("cpu")):
-        me = distributed.rank()
+    with processes.process_group(torch.device("cpu")):
+        me = processes.rank()
         # rank 1 is given a directory of its own: it must never be created
         train_run(config_from_dict(_members_config(root / ("members" if me == 0 else "members-rank1"))))
 
@@ -219,22 +212,24 @@ def _worker(root: Path) -> None:
         for module, name in [
             (compare, "atomic_write_json"),
             (compare, "atomic_write_bytes"),
+            (cache, "atomic_write_bytes"),
+            (selection, "atomic_write_json"),
             (stage, "atomic_write_json"),
             (stage, "atomic_write_bytes"),
             (stage, "save_position"),
         ]:
             recording(module, name)
-        real_reports = report.write_reports
+        real_reports = documents.write_reports
 
         def reports(results, out_dir):
             writes.append(f"{out_dir}/report.*")
             return real_reports(results, out_dir)
 
-        report.write_reports = reports
+        documents.write_reports = reports
         config = root / "compare.yaml"
         if me == 0:
             config.write_text(yaml.safe_dump({**COMPARE, "output_dir": str(root / "compare")}))
-        distributed.barrier()
+        processes.barrier()
         assert main(["compare", "--config", str(config)]) == 0
         (root / f"writes{me}.json").write_text(json.dumps(writes))
 
@@ -245,7 +240,7 @@ def test_torchrun_spreads_members_and_compare_runs_like_one_process(tmp_path):
     out = torchrun(str(Path(__file__).resolve()), str(many))
 
     # members on 2 processes = one process (members and optimizer state bit for bit)
-    with _one_thread():
+    with one_thread():
         train_run(config_from_dict(_members_config(tmp_path / "one")))
         train_run(config_from_dict(_members_config(tmp_path / "data", parallel="data")))
     assert not (many / "members-rank1").exists(), "rank 1 wrote files"
@@ -271,7 +266,7 @@ def test_torchrun_spreads_members_and_compare_runs_like_one_process(tmp_path):
     # killed at step 14 on 2 processes, resumed in 1 process: the same run
     crashed = load_run_config(many / "crashed")
     assert load_checkpoint(many / "crashed" / "checkpoint.safetensors")[0].step == 14
-    with _one_thread():
+    with one_thread():
         train_run(crashed, resume=True)
     resumed, _, _ = load_checkpoint(many / "crashed" / "checkpoint.safetensors")
     for section in ("params", "buffers", "aux"):
@@ -281,7 +276,7 @@ def test_torchrun_spreads_members_and_compare_runs_like_one_process(tmp_path):
     assert all(mc[k] == pytest.approx(ma[k], rel=1e-12) for k in METRIC_KEYS)
 
     # multi (a mixture of F-SWAG posteriors) on 2 processes = one process, bit for bit
-    with _one_thread():
+    with one_thread():
         train_run(config_from_dict(_multi_config(tmp_path / "multi-one")))
     one, _, _ = load_checkpoint(tmp_path / "multi-one" / "checkpoint.safetensors")
     two, _, _ = load_checkpoint(many / "multi" / "checkpoint.safetensors")
@@ -309,7 +304,7 @@ def test_torchrun_spreads_members_and_compare_runs_like_one_process(tmp_path):
     assert shared == set(), f"rank 1 wrote {shared}"
     assert {Path(w).name for w in writes[0] if "/runs/" not in w} >= {"compare_config.yaml", "results.json", "report.*"}
 
-    with _one_thread():
+    with one_thread():
         plan = load_plan(many / "compare.yaml", [f"output_dir={tmp_path / 'compare-one'}"])
         run_compare(plan, progress=False)
     a = json.loads((tmp_path / "compare-one" / "results.json").read_text())

@@ -17,16 +17,17 @@ import torch
 import yaml
 
 from flatbma.errors import FlatbmaError
-from flatbma.experiment.build import build_experiment
-from flatbma.experiment.checkpoint import load_state
 from flatbma.experiment.cli import main
-from flatbma.experiment.config import config_from_dict
-from flatbma.experiment.prior import check_stable_with_prior, fit_prior, floor_std, prior_stage, sgd_stability_bound
-from flatbma.experiment.run import train_run
+from flatbma.experiment.config.run_config import config_from_dict
+from flatbma.experiment.run.build import build_experiment
+from flatbma.experiment.run.checkpoint import load_state
+from flatbma.experiment.run.pipeline import train_run
+from flatbma.experiment.run.prior import check_stable_with_prior, fit_prior, prior_stage, sgd_stability_bound
 from flatbma.gaussian import init_from_swag, kl_lowrank, section
 from flatbma.optim import SGD
 from flatbma.params import Objective
 from flatbma.posteriors import fp_bma
+from flatbma.posteriors.gaussians import floored
 
 TWO_STAGE = {
     "seed": 0,
@@ -159,7 +160,7 @@ def test_bad_prior_sections_are_one_line_errors(tmp_path: Path, capsys, changes:
 
 
 def test_fpbma_transfer_config_parses_as_two_stage() -> None:
-    from flatbma.experiment.config import load_config
+    from flatbma.experiment.config.run_config import load_config
 
     cfg = load_config(Path(__file__).parents[2] / "configs" / "fpbma-transfer.yaml")
     assert cfg.method.name == "fp-bma" and cfg.prior is not None and cfg.prior.method.name == "swag"
@@ -184,7 +185,7 @@ def _swag_like_prior(min_std: float, k: int = 3) -> dict[str, torch.Tensor]:
     std[:4] = torch.tensor([0.3, 0.5, 0.8, 1.2], dtype=torch.float64)  # a few weights the snapshots do move
     deviations = 0.05 * torch.randn(k, d, generator=g, dtype=torch.float64)
     mean = torch.randn(d, generator=g, dtype=torch.float64)
-    return floor_std(init_from_swag(mean, std**2, deviations, like), min_std)
+    return floored(init_from_swag(mean, std**2, deviations, like), min_std)
 
 
 def _kl_hessian_in_mean(prior: dict, kl_weight: float, n: int) -> torch.Tensor:
@@ -248,8 +249,8 @@ def test_a_first_stage_whose_options_drop_the_low_rank_part_is_refused_before_it
 
 
 def test_resume_after_a_crash_in_the_first_stage_matches_an_uninterrupted_run(tmp_path: Path, monkeypatch) -> None:
-    import flatbma.experiment.run as run_module
-    import flatbma.experiment.stage as stage_module
+    import flatbma.experiment.run.pipeline as run_module
+    import flatbma.experiment.run.stage as stage_module
 
     whole = config_from_dict(_config(tmp_path / "whole", train__checkpoint_every=5))
     train_run(whole)
@@ -274,7 +275,7 @@ def test_resume_after_a_crash_in_the_first_stage_matches_an_uninterrupted_run(tm
 
 
 def test_compare_entries_may_carry_a_prior_and_a_label(tmp_path: Path) -> None:
-    from flatbma.experiment.compare import load_plan
+    from flatbma.experiment.study.plan import load_plan
 
     raw = _config(tmp_path)
     prior = raw.pop("prior")

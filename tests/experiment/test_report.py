@@ -13,8 +13,9 @@ import yaml
 from scipy import stats as scipy_stats
 
 from flatbma.errors import FlatbmaError
-from flatbma.experiment import figures
-from flatbma.experiment.figures import (
+from flatbma.experiment.report import figures
+from flatbma.experiment.report.documents import write_reports
+from flatbma.experiment.report.figures import (
     FIGURES,
     bma_curve_figure,
     corruption_figure,
@@ -23,9 +24,9 @@ from flatbma.experiment.figures import (
     landscape_figure,
     reliability_figure,
 )
-from flatbma.experiment.findings import comparisons, findings
-from flatbma.experiment.report import summary_table, write_reports
-from flatbma.experiment.rows import MISSING
+from flatbma.experiment.report.findings import comparisons, findings
+from flatbma.experiment.report.rows import MISSING
+from flatbma.experiment.report.tables import summary_table
 
 PNG = b"\x89PNG\r\n\x1a\n"
 CORRUPTIONS = ("gaussian_noise", "contrast")
@@ -190,11 +191,12 @@ def test_markdown_tables_hold_mean_and_std_over_seeds(written):
         for key, label in [("accuracy", "accuracy"), ("nll", "NLL"), ("ece", "ECE"), ("aece", "AECE")]:
             _check_cell(row[label], [r[key] for r in runs])
         _check_cell(row["Brier"], [r["brier"] for r in runs])
-        _check_cell(row["λ₁"], [r["lambda1"] for r in runs])
+        _check_cell(row["λ₁ mean"], [r["lambda1"] for r in runs])  # older results: no median, the mean alone
+        assert "λ₁ median" not in row
         _check_cell(row["λ₁/λ₅"], [r["lambda1_over_lambda5"] for r in runs])
     # SWAG: accuracy 0.80, 0.81 -> 0.8050 ± 0.0071, t interval 0.805 ± 12.706 · 0.005 exactly as printed
     assert rows["SWAG"]["accuracy"] == "0.8050 ± 0.0071 [0.7415, 0.8685]"
-    assert rows["SWAG"]["λ₁"] == "123.5 ± 4.9 [79.0, 168.0]"  # 120 and 127: about 4 significant digits
+    assert rows["SWAG"]["λ₁ mean"] == "123.5 ± 4.9 [79.0, 168.0]"  # 120 and 127: about 4 significant digits
     assert rows["SWAG"]["AECE"] == "0.0405 ± 0.0007 [0.0341, 0.0469]"
     assert rows["SWAG"]["tr Σ"] == MISSING  # the width beside λ₁, not measured in these results
     assert summary_table(results) in md
@@ -227,8 +229,8 @@ def test_nulls_and_missing_fields_are_tolerated(tmp_path):
         md, "Results (mean ± std and 95% t interval over seeds; a method with one seed: its value alone)"
     )
     assert rows["SGLD"]["accuracy"] == "0.7000"  # one seed: the value alone
-    assert rows["SGLD"]["NLL"] == MISSING and rows["SGLD"]["λ₁"] == MISSING
-    assert rows["SWAG"]["λ₁"] == "127.0"  # the one seed that has it
+    assert rows["SGLD"]["NLL"] == MISSING and rows["SGLD"]["λ₁ mean"] == MISSING
+    assert rows["SWAG"]["λ₁ mean"] == "127.0"  # the one seed that has it
     assert len(list(csv.DictReader(open(tmp_path / "results.csv")))) == 5
     page = (tmp_path / "report.html").read_text()
     assert page.count("data:image/png;base64,") == sum(rel.startswith("figures/") for rel in files)
@@ -421,8 +423,8 @@ def test_reference_defaults_to_the_first_method_and_must_exist():
 
 
 def test_compare_config_validates_the_reference(tmp_path):
-    from flatbma.experiment.compare import CompareConfig, load_plan
-    from flatbma.experiment.parse import parse_dataclass
+    from flatbma.experiment.config.parse import parse_dataclass
+    from flatbma.experiment.study.plan import CompareConfig, load_plan
 
     methods = [{"name": "sgd"}, {"name": "swag"}, {"name": "sam", "label": "SAM-0.1"}]
     assert parse_dataclass(CompareConfig, {"methods": methods}, "compare").reference is None
@@ -471,7 +473,7 @@ def test_one_seed_claims_nothing_and_never_says_mean_and_std(tmp_path):
     assert rows["swag"]["accuracy"] == f"{0.80 + NOISE[2]:.4f}"  # the value alone
     assert "### BMA quality vs number of samples (one seed; no interval)" in md
     assert "each cell is that run's value, with no spread and no interval" in md
-    assert "Bold: the best value of a column" in md
+    assert "No cell is marked best" in md and "**" not in md.split("## Results")[1].split("\n_")[0]
     assert "_One seed; no interval: a difference between methods is claimed only" in md
     assert "One seed; no interval" in page and "Generated from the paired differences" not in page
 
@@ -495,13 +497,16 @@ def test_a_method_with_one_common_seed_is_not_compared():
 
 
 def test_rows_without_the_protocol_keys(tmp_path):
-    # older results (no width, no lambda1_summary): λ₁ is not compared without the width beside it
+    # older results (no width, no lambda1_summary): no median λ₁, so λ₁ is not compared (their mean is shown)
     found = findings(_results())
-    lam = next(c for c in found["comparisons"] if c["metric"] == "lambda1")
+    assert not {"lambda1", "trace_cov"} & {c["metric"] for c in found["comparisons"]}
+    # with medians but no width: λ₁ is not compared without the width beside it
+    results = _protocol_results(seeds=(0, 1))
+    for r in results["runs"]:
+        del r["width"]
+    lam = next(c for c in findings(results)["comparisons"] if c["metric"] == "lambda1")
     assert lam["verdict"] == "not compared: the posterior width tr Σ is not measured beside it"
     assert lam["n"] == 0 and lam["mean"] is None
-    assert "trace_cov" not in {c["metric"] for c in found["comparisons"]}
-    assert "F-SWAG vs SWAG: λ₁: not compared: the posterior width tr Σ is not measured beside it" in found["text"]
     # a mix: one method reports its width, the other does not
     results = _protocol_results(seeds=(0, 1))
     for r in results["runs"]:
@@ -510,7 +515,7 @@ def test_rows_without_the_protocol_keys(tmp_path):
                 del r[key]
     found = findings(results)
     verdicts = {(c["method"], c["metric"]): c["verdict"] for c in found["comparisons"]}
-    assert verdicts[("swag", "lambda1")].startswith("not compared")
+    assert ("swag", "lambda1") not in verdicts  # no median λ₁ in swag's rows: nothing to compare
     assert ("swag", "trace_cov") not in verdicts and ("fp-bma", "lambda1") in verdicts
     write_reports(results, tmp_path)
     rows = _table(tmp_path / "report.md", "Flatness per run …")
@@ -548,18 +553,19 @@ def test_flatness_table_shows_the_protocol(tmp_path):
     lam = run["lambda1_summary"]["mean"]
     assert row["λ₁ mean"] == _four(lam) and row["λ₁ median"] == _four(lam - 50)
     decimals = len(_four(lam).partition(".")[2])
-    assert row["λ₁ 95% interval"] == f"[{lam - 200:.{decimals}f}, {lam + 260:.{decimals}f}]"
+    assert row["mean's 95% interval"] == f"[{lam - 200:.{decimals}f}, {lam + 260:.{decimals}f}]"
+    assert "median's 95% interval" not in row  # no row records its per-sample values: no column of "–" only
     assert (row["samples"], row["unconverged"], row["repeatable"]) == ("8", "2", "no")
     assert row["tr Σ"] == f"≈{run['width']['trace_cov']:.3f}"  # estimated from samples (exact: false)
     assert rows[0]["tr Σ"] == f"{results['runs'][0]['width']['trace_cov']:.3f}"
     assert row["λ₁ at mean"] == _four(lam / 2) and row["Hessian trace"] == "5002"
     assert "Hessian on 100 training examples" in md and "un-augmented training images in a fixed order" in md
     assert "bootstrap 95% interval" in md
-    assert "- measurement repeatability, sgd: agrees on 2 of 2 seeds" in md
-    assert "- measurement repeatability, fp-bma: agrees on 1 of 2 seeds" in md
+    assert "- measurement repeatability, sgd: repeatable on 2 of 2 seeds" in md
+    assert "- measurement repeatability, fp-bma: repeatable on 1 of 2 seeds" in md
     # the summary table carries the width beside λ₁
     summary = _table_rows(md, "Results …")
-    assert list(summary["sgd"])[7:9] == ["λ₁", "tr Σ"]
+    assert list(summary["sgd"])[7:10] == ["λ₁ median", "λ₁ mean", "tr Σ"]
 
 
 def test_best_value_per_column_is_bold_respecting_its_direction(tmp_path):
@@ -575,7 +581,7 @@ def test_best_value_per_column_is_bold_respecting_its_direction(tmp_path):
         best = pick(means[key], key=means[key].get)
         for m in METHODS:
             assert rows[m][label].startswith("**") == (m == best), (label, m)
-    assert not any(rows[m]["λ₁"].startswith("**") or rows[m]["tr Σ"].startswith("**") for m in METHODS)
+    assert not any(rows[m]["λ₁ median"].startswith("**") or rows[m]["tr Σ"].startswith("**") for m in METHODS)
     assert all(rows[m]["AECE"].startswith("**") for m in METHODS)  # a tie: every best is bold
     page = (tmp_path / "report.html").read_text()
     assert "<td><b>" in page
@@ -598,15 +604,10 @@ def test_lambda1_figure_draws_the_intervals(figures_as_objects):
         for col in c.lines[2]
         for seg in col.get_segments()
     ]
-    for run in results["runs"]:
-        low, high = run["lambda1_summary"]["interval"]["low"], run["lambda1_summary"]["interval"]["high"]
-        assert any(seg[0][1] == pytest.approx(low) and seg[1][1] == pytest.approx(high) for seg in segments)
-    for m in METHODS:  # the bar's error bar: the t interval over seeds
+    for m in METHODS:  # the bar's error bar: the t interval over seeds of the runs' medians
+        medians = [r["lambda1_summary"]["median"] for r in results["runs"] if r["method"] == m]
         s = scipy_stats.t.interval(
-            0.95,
-            2,
-            loc=statistics.mean(v := list(_values(results, m, "lambda1").values())),
-            scale=statistics.stdev(v) / math.sqrt(3),
+            0.95, 2, loc=statistics.mean(medians), scale=statistics.stdev(medians) / math.sqrt(3)
         )
         assert any(seg[0][1] == pytest.approx(s[0]) and seg[1][1] == pytest.approx(s[1]) for seg in segments)
 
@@ -637,3 +638,251 @@ def test_lambda1_axis_is_logarithmic_only_when_the_runs_span_a_decade(figures_as
     results["runs"][0]["lambda1"] = 11 * max(values)  # one heavy-tailed run mean
     results["runs"][0].pop("lambda1_summary", None)
     assert lambda1_figure(results).axes[0].get_yscale() == "log"
+
+
+# --------------------------------------------------------------------------------------------------
+# reports that cannot mislead (#25 item 4): the median λ₁, heavy tails, best marks, bounded intervals,
+# selection and temperature, no empty or duplicate columns
+
+# FP-BMA's per-sample λ₁ in the demo: one sharp sample at 278k, the others near 2k (README's numbers)
+HEAVY = [1650.0, 1790.0, 1880.0, 1926.0, 1926.0, 2010.0, 2240.0, 278_000.0]
+
+
+def _heavy_run(method, seed, values=HEAVY):
+    """A protocol run whose per-sample λ₁ are recorded, as flatbma compare writes them."""
+    import numpy as np
+
+    summary = {
+        "n": len(values),
+        "mean": statistics.mean(values),
+        "std": statistics.stdev(values),
+        "median": statistics.median(values),
+        "interval": {"low": 1640.0, "high": 105_786.0, "level": 0.95},
+        "method": "bootstrap",
+    }
+    return {
+        "method": method,
+        "seed": seed,
+        "accuracy": 0.9,
+        "nll": 0.3,
+        "lambda1": summary["mean"],
+        "lambda1_summary": summary,
+        "hessian_top_eigenvalues": [[v] for v in values] + [[9e9]],  # the last one did not converge
+        "hessian_eigenvalue_converged": [[True] for _ in values] + [[False]],
+        "width": {"trace_cov": 3.07, "median_std": 0.0072, "exact": True},
+        "repeatability": {
+            "agree": True,  # as recorded by flatbma before the heavy-tail rule: within the wide interval
+            "first": summary,
+            "second": {
+                "n": 8,
+                "mean": 1979.0,
+                "median": 1900.0,
+                "std": 400.0,
+                "interval": {"low": 1463.0, "high": 2771.0, "level": 0.95},
+                "method": "bootstrap",
+            },
+        },
+        "_median_interval": scipy_stats.bootstrap(
+            (np.asarray(values),),
+            np.median,
+            confidence_level=0.95,
+            n_resamples=2000,
+            method="percentile",
+            rng=np.random.default_rng(0),
+        ).confidence_interval,
+    }
+
+
+def test_the_lambda1_column_is_the_median_with_its_bootstrap_interval_and_the_mean_beside_it(tmp_path):
+    run = _heavy_run("fp-bma", 0)
+    ci = run.pop("_median_interval")
+    results = {"runs": [run, {**_heavy_run("swag", 0, [1500.0, 1673.0, 1700.0, 1800.0]), "accuracy": 0.8}]}
+    results["runs"][1].pop("_median_interval")
+    write_reports(results, tmp_path)
+    md = (tmp_path / "report.md").read_text()
+    rows = _table_rows(md, "Results (one seed; no interval)")
+    assert rows["fp-bma"]["λ₁ median"] == f"1926 [{ci.low:.0f}, {ci.high:.0f}]"  # not the mean 36,647
+    assert rows["fp-bma"]["λ₁ mean"] == _four(statistics.mean(HEAVY))
+    assert list(rows["fp-bma"])[-3:] == ["λ₁ median", "λ₁ mean", "tr Σ"]
+    flat = _table(tmp_path / "report.md", "Flatness per run …")
+    assert flat[0]["λ₁ median"] == "1926" and flat[0]["median's 95% interval"] == f"[{ci.low:.0f}, {ci.high:.0f}]"
+    assert flat[0]["λ₁ mean"] == _four(statistics.mean(HEAVY)) and flat[0]["mean's 95% interval"] == "[1640, 105786]"
+    # over seeds: the mean ± std [t interval] of the runs' medians; the findings compare medians too
+    runs = [
+        _heavy_run(m, s, [v * (1 + 0.1 * s + 0.3 * k) for v in HEAVY]) for k, m in enumerate(METHODS) for s in (0, 1, 2)
+    ]
+    for r in runs:
+        r.pop("_median_interval")
+    results = {"runs": runs}
+    write_reports(results, tmp_path)
+    rows = _table_rows((tmp_path / "report.md").read_text(), "Results …")
+    _check_cell(rows["swag"]["λ₁ median"], [r["lambda1_summary"]["median"] for r in runs if r["method"] == "swag"])
+    found = next(c for c in comparisons(results) if c.method == "swag" and c.metric.key == "lambda1")
+    medians = {r["seed"]: r["lambda1_summary"]["median"] for r in runs}
+    assert found.metric.label == "λ₁ median"
+    assert found.difference.mean == pytest.approx(
+        statistics.mean(r["lambda1_summary"]["median"] for r in runs if r["method"] == "swag")
+        - statistics.mean(r["lambda1_summary"]["median"] for r in runs if r["method"] == "sgd")
+    )
+    assert medians
+
+
+def test_lambda1_figure_draws_the_median_with_the_bootstrap_interval_of_the_median(figures_as_objects):
+    run = _heavy_run("fp-bma", 0)
+    ci = run.pop("_median_interval")
+    fig = lambda1_figure({"runs": [run]})
+    (ax,) = fig.axes
+    segments = [
+        tuple(map(tuple, seg))
+        for c in ax.containers
+        if hasattr(c, "lines")
+        for col in c.lines[2]
+        for seg in col.get_segments()
+    ]
+    assert any(seg[0][1] == pytest.approx(ci.low) and seg[1][1] == pytest.approx(ci.high) for seg in segments)
+    points = [tuple(line.get_xydata()[0]) for line in ax.get_lines() if len(line.get_xydata()) == 1]
+    assert (0.0, 1926.0) in points  # the run's dot: its median
+    assert (0.0, pytest.approx(statistics.mean(HEAVY))) in points  # its mean, marked beside it
+    bars = [p.get_height() for p in ax.patches]
+    assert bars == [1926.0]  # not the mean 36,647
+    assert "median" in " ".join(t.get_text() for t in ax.get_legend().get_texts())
+
+
+def test_a_heavy_tail_is_not_repeatable(tmp_path):
+    from flatbma.flatness.posterior import repeatability, repeatable
+
+    run = _heavy_run("fp-bma", 0)
+    run.pop("_median_interval")
+    rep = run["repeatability"]
+    fresh = repeatability(rep["first"], rep["second"], tol=1e-3)
+    assert fresh["agree"] and not fresh["repeatable"]  # within the intervals, yet means 36,647 vs 1,979
+    assert fresh["mean_ratio"] == pytest.approx(statistics.mean(HEAVY) / 1979.0)
+    assert fresh["median_ratio"] == pytest.approx(1926.0 / 1900.0)
+    assert repeatable(rep) is False  # a record written before the rule: the ratios from its summaries
+    assert repeatable({**rep, "second": {**rep["first"]}}) is True
+    assert repeatable({}) is None
+    write_reports({"runs": [run]}, tmp_path)
+    md = (tmp_path / "report.md").read_text()
+    (row,) = _table(tmp_path / "report.md", "Flatness per run …")
+    assert row["repeatable"] == "no"
+    line = next(x for x in md.splitlines() if x.startswith("- measurement repeatability, fp-bma"))
+    assert "fp-bma: not repeatable" in line and f"heavy tail: means {statistics.mean(HEAVY):.0f} and 1979" in line
+    assert "differ by more than a factor 2" in line
+
+
+def test_no_cell_is_marked_best_without_two_seeds(tmp_path):
+    write_reports(_protocol_results(seeds=(0,)), tmp_path)
+    md = (tmp_path / "report.md").read_text()
+    assert "**" not in "\n".join(x for x in md.splitlines() if x.startswith("|"))
+    assert "<td><b>" not in (tmp_path / "report.html").read_text()
+    assert "No cell is marked best" in md
+    # a method with one seed beside methods with three: no best in the columns it has a value in
+    results = _protocol_results(seeds=(0, 1, 2))
+    results["runs"] = [r for r in results["runs"] if r["method"] != "fp-bma" or r["seed"] == 0]
+    write_reports(results, tmp_path)
+    rows = _table_rows((tmp_path / "report.md").read_text(), "Results …", bold=True)
+    assert not any(cell.startswith("**") for row in rows.values() for cell in row.values())
+
+
+def test_intervals_of_bounded_metrics_are_clipped_to_their_range(tmp_path, monkeypatch):
+    results = _results()
+    for run, acc, ece in zip(results["runs"], (0.99, 1.0, 0.9, 0.95), (0.001, 0.02, 0.05, 0.06)):
+        run.update(accuracy=acc, ece=ece, lambda1=5.0 if run["seed"] == 0 else 120.0)
+    write_reports(results, tmp_path)
+    md = (tmp_path / "report.md").read_text()
+    rows = _table_rows(md, "Results (mean ± std and 95% t interval over 2 seeds)")
+    assert rows["SWAG"]["accuracy"].endswith(", 1.0000]")  # t interval 0.995 ± 0.064, cut at 1
+    assert rows["SWAG"]["ECE"].startswith("0.0105") and "[0.0000, " in rows["SWAG"]["ECE"]  # cut at 0
+    assert rows["SWAG"]["λ₁ mean"].split(" [")[1].startswith("-")  # λ₁ is not bounded: never clipped
+    assert "clipped to their range" in md and "λ₁, the top eigenvalue of a Hessian that can be indefinite" in md
+    # the corruption tables too, and the figures' bands
+    for table in ("accuracy", "ECE"):
+        for row in _table_rows(md, f"Corrupted test sets: {table} …").values():
+            for cell in list(row.values())[1:]:
+                if " [" in cell:
+                    low, high = _parse(cell)[2]
+                    assert 0.0 <= low <= high <= 1.0
+    monkeypatch.setattr(figures, "_png", lambda fig: fig)
+    fig = bma_curve_figure(results)
+    accuracy_axis = fig.axes[1]
+    for band in accuracy_axis.collections:
+        ys = [y for path in band.get_paths() for _, y in path.vertices]
+        assert max(ys) <= 1.0 + 1e-12
+    fig = corruption_figure(results)
+    for ax in (fig.axes[0], fig.axes[2]):  # accuracy, ECE
+        for band in ax.collections:
+            ys = [y for path in band.get_paths() for _, y in path.vertices]
+            assert min(ys) >= -1e-12 and max(ys) <= 1.0 + 1e-12
+
+
+def _selected(run, chosen_rho):
+    run["selection"] = {
+        "criterion": "val_nll",
+        "candidates": [
+            {"options": {"rho": rho}, "val_nll": nll, "train_time_s": 1.0, "error": None}
+            for rho, nll in ((0.01, 0.61), (0.05, 0.52), (0.1, 0.58))
+        ]
+        + [{"options": {"rho": 0.5}, "val_nll": None, "train_time_s": None, "error": "diverged at step 3"}],
+        "chosen": {"rho": chosen_rho},
+    }
+    run["temperature"] = 1.7
+    run["temperature_scaled"] = {"accuracy": run["accuracy"], "nll": 0.41, "ece": 0.012, "aece": 0.011, "brier": 0.2}
+    return run
+
+
+def test_the_chosen_candidates_and_temperature_scaled_metrics_are_in_the_report(tmp_path):
+    results = _results()
+    for run in results["runs"]:
+        _selected(run, 0.05)
+    write_reports(results, tmp_path)
+    md = (tmp_path / "report.md").read_text()
+    page = (tmp_path / "report.html").read_text()
+    rows = _table(tmp_path / "report.md", "Hyperparameters chosen on the validation split")
+    assert [(r["method"], r["seed"]) for r in rows] == [("SWAG", "0"), ("SWAG", "1"), ("F-SWAG", "0"), ("F-SWAG", "1")]
+    assert rows[0]["chosen"] == "rho=0.05" and rows[0]["validation NLL"] == "0.5200" and rows[0]["candidates"] == "4"
+    assert "rho=0.05: 0.5200 (chosen)" in rows[0]["every candidate's validation NLL"]
+    assert "rho=0.5: diverged" in rows[0]["every candidate's validation NLL"]
+    scaled = _table_rows(md, "Temperature-scaled test metrics …")
+    assert scaled["SWAG"]["T"] == "1.700 ± 0.000 [1.700, 1.700]"
+    assert scaled["SWAG"]["NLL"].startswith("0.4100") and scaled["SWAG"]["ECE"].startswith("0.0120")
+    assert "Hyperparameters chosen on the validation split" in page and "Temperature-scaled test metrics" in page
+
+
+def test_no_empty_or_duplicate_columns(tmp_path):
+    results = _results()
+    for run in results["runs"]:
+        run["distribution_lambda1"] = None  # e.g. eval.distribution_spectrum off: every run lacks it
+        for per in run["corruptions"].values():
+            del per["1"]
+    write_reports(results, tmp_path)
+    md = (tmp_path / "report.md").read_text()
+    assert "λ₁ of the mean Hessian" not in md
+    cost = _table_rows(md, "Flatness of the distribution and cost …")
+    assert list(cost["SWAG"]) == ["method", "seeds", "SAM sharpness", "train time (s)", "eval time (s)"]
+    corrupted = _table_rows(md, "Corrupted test sets: accuracy …")
+    assert list(corrupted["SWAG"]) == ["method", "severity 3"]  # one severity: no "all severities" copy of it
+    tables = md.split("\n## ")
+    for table in tables:
+        body = [x for x in table.splitlines() if x.startswith("|")]
+        if len(body) < 3:
+            continue
+        header = [c.strip() for c in body[0].strip("|").split("|")]
+        cells = [[c.strip() for c in x.strip("|").split("|")] for x in body[2:]]
+        for j, name in enumerate(header[1:], 1):
+            assert name == "tr Σ" or any(row[j] != MISSING for row in cells), (table.splitlines()[0], name)
+
+
+def test_a_paired_difference_of_a_bounded_metric_stays_within_its_range():
+    results = _protocol_results(seeds=(0, 1, 2))
+    for r in results["runs"]:
+        if r["method"] == "swag":  # accuracy 1.0, 0.0, 1.0 against sgd's ~0.7: differences of ±1 at most
+            r["accuracy"] = [1.0, 0.0, 1.0][r["seed"]]
+    c = next(c for c in comparisons(results) if c.method == "swag" and c.metric.key == "accuracy")
+    a = [1.0, 0.0, 1.0]
+    b = [r["accuracy"] for r in results["runs"] if r["method"] == "sgd"]
+    t = scipy_stats.ttest_rel(a, b).confidence_interval(0.95)
+    assert t.low < -1 and t.high > 1  # Student's t reaches past what a difference of accuracies can be
+    assert (c.difference.interval.low, c.difference.interval.high) == (-1.0, 1.0)
+    assert c.verdict == "no significant difference"
+    nll = next(c for c in comparisons(results) if c.method == "swag" and c.metric.key == "nll")
+    assert nll.difference.interval.high - nll.difference.interval.low < 2  # untouched: within its range anyway

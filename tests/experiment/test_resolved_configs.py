@@ -1,7 +1,7 @@
 """The resolved config of every shipped config's runs and of every method's defaults is unchanged.
 
 ``flatbma compare`` reuses a finished run only when its resolved config (``config.yaml`` in its run
-directory, :func:`flatbma.experiment.stage.run_identity`) is identical, and long studies depend on that:
+directory, :func:`flatbma.experiment.run.stage.run_identity`) is identical, and long studies depend on that:
 a new option must not show in the resolved config of a run that does not use it. The fixture holds a
 hash of every resolved run config of ``configs/*.yaml`` (each compare run, every candidate) and of each
 registered method's default section: the configs and methods that existed before the options of issue #16
@@ -21,10 +21,10 @@ from pathlib import Path
 
 import pytest
 
-from flatbma.experiment.compare import load_plan
-from flatbma.experiment.config import load_config
-from flatbma.experiment.methods import METHODS, parse_method
-from flatbma.experiment.stage import run_identity
+from flatbma.experiment.config.methods import METHODS, parse_method
+from flatbma.experiment.config.run_config import load_config
+from flatbma.experiment.run.stage import run_identity
+from flatbma.experiment.study.plan import load_plan
 
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURE = Path(__file__).with_name("fixtures") / "resolved_configs.json"

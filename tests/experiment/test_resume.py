@@ -12,7 +12,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from flatbma.experiment.checkpoint import load_checkpoint
+from flatbma.experiment.run.checkpoint import load_checkpoint
 
 CONFIG = {
     "seed": 3,

@@ -23,13 +23,13 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from flatbma.errors import FlatbmaError
-from flatbma.experiment.checkpoint import checkpoint_metadata, checkpoint_record, load_checkpoint
 from flatbma.experiment.cli import main
-from flatbma.experiment.compare import load_plan
-from flatbma.experiment.config import config_from_dict
-from flatbma.experiment.evaluate import CLEAN_KEYS
-from flatbma.experiment.lock import LOCK_FILE
-from flatbma.experiment.stage import finished_run
+from flatbma.experiment.config.run_config import config_from_dict
+from flatbma.experiment.run.checkpoint import checkpoint_metadata, checkpoint_record, load_checkpoint
+from flatbma.experiment.run.evaluate import CLEAN_KEYS
+from flatbma.experiment.run.lock import LOCK_FILE
+from flatbma.experiment.run.stage import finished_run
+from flatbma.experiment.study.plan import load_plan
 from tests.helpers import held_by_another_process, interrupt_after_first_epoch
 
 CKPT = "checkpoint.safetensors"
@@ -193,7 +193,7 @@ def test_the_lock_file_is_never_followed_and_a_refused_start_leaves_no_directory
     def fails(*args, **kwargs):
         raise FlatbmaError("the build failed")
 
-    monkeypatch.setattr("flatbma.experiment.stage.build_experiment", fails)
+    monkeypatch.setattr("flatbma.experiment.run.stage.build_experiment", fails)
     config = _write(tmp_path / "new.yaml", {**CONFIG, "output_dir": str(new)})
     assert _error(capsys, "train", "--config", config) == "flatbma: error: the build failed"
     assert not (tmp_path / "new").exists()

@@ -7,13 +7,12 @@ import torch
 import yaml
 
 from flatbma.errors import FlatbmaError
-from flatbma.experiment import distributed
-from flatbma.experiment.config import config_from_dict
-from flatbma.experiment.distributed import Parallel
-from flatbma.experiment.methods import METHODS, parse_method, prior_methods
-from flatbma.experiment.parse import coerce
-from flatbma.experiment.prior_config import gaussian_methods
-from flatbma.experiment.sections import ModelConfig, OptimConfig, Optimizer, Schedule, TrainConfig
+from flatbma.experiment.config.methods import METHODS, parse_method, prior_methods
+from flatbma.experiment.config.parse import coerce
+from flatbma.experiment.config.prior_config import gaussian_methods
+from flatbma.experiment.config.run_config import config_from_dict
+from flatbma.experiment.config.sections import ModelConfig, OptimConfig, Optimizer, Parallel, Schedule, TrainConfig
+from flatbma.experiment.parallel import strategies
 from flatbma.optim import SGD, Adam, cosine
 from flatbma.params import Objective
 from flatbma.transfer import Subset
@@ -90,12 +89,12 @@ def test_the_optimizer_table_builds_each_name_with_its_schedule() -> None:
 
 
 def test_one_process_chooses_its_strategy_once() -> None:
-    one = distributed.strategy("data")
-    assert type(one) is distributed.Strategy and one.reduce_metrics is None and one.record() == {}
-    members = distributed.strategy(Parallel.MEMBERS)
-    assert isinstance(members, distributed.Members) and not members.sharded
+    one = strategies.strategy("data")
+    assert type(one) is strategies.Strategy and one.reduce_metrics is None and one.record() == {}
+    members = strategies.strategy(Parallel.MEMBERS)
+    assert isinstance(members, strategies.Members) and not members.sharded
     with pytest.raises(ValueError):
-        distributed.strategy("model")
+        strategies.strategy("model")
 
 
 @pytest.mark.parametrize("name", list(METHODS))

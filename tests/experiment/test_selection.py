@@ -22,13 +22,16 @@ import yaml
 
 from flatbma.data.datasets import ArrayDataset, DatasetSplits
 from flatbma.errors import FlatbmaError
-from flatbma.experiment import build, compare, distributed, prior
-from flatbma.experiment.build import build_experiment
-from flatbma.experiment.checkpoint import load_state
 from flatbma.experiment.cli import main
-from flatbma.experiment.compare import load_plan, run_compare
-from flatbma.experiment.config import load_config
-from flatbma.experiment.methods import METHODS, MethodSpec
+from flatbma.experiment.config.methods import METHODS, MethodSpec
+from flatbma.experiment.config.run_config import load_config
+from flatbma.experiment.parallel import strategies
+from flatbma.experiment.run import build, prior
+from flatbma.experiment.run.build import build_experiment
+from flatbma.experiment.run.checkpoint import load_state
+from flatbma.experiment.study import compare, selection
+from flatbma.experiment.study.compare import run_compare
+from flatbma.experiment.study.plan import load_plan
 from flatbma.posteriors import point
 
 CONFIG: dict[str, Any] = {
@@ -188,7 +191,7 @@ def test_candidates_sharing_a_first_stage_are_grouped(tmp_path: Path) -> None:
     lr_grid = {**TWO_STAGE, "gamma": 0.01, "optim": {"lr": [0.01, 0.02]}}
     pinned = {**lr_grid, "prior": {**TWO_STAGE["prior"], "optim": {"lr": 0.05}}, "label": "pinned"}
     plan = load_plan(_write(tmp_path, [TWO_STAGE, lr_grid | {"label": "lr"}, pinned]))
-    groups = [[len(g) for g in compare._shared_stages(job)] for job in plan.jobs()]
+    groups = [[len(g) for g in selection.shared_stages(job)] for job in plan.jobs()]
     assert groups == [[2], [1, 1], [2]]  # the first stage trains with the run's optim unless prior.optim is set
 
 
@@ -263,8 +266,8 @@ class _Guarded:
 @pytest.fixture
 def guarded_test_set(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Every test loader refuses to be read except inside ``measure``; yields the list of measured runs."""
-    test_loader = distributed.Strategy.test_loader
-    monkeypatch.setattr(distributed.Strategy, "test_loader", lambda self, *a: _Guarded(test_loader(self, *a)))
+    test_loader = strategies.Strategy.test_loader
+    monkeypatch.setattr(strategies.Strategy, "test_loader", lambda self, *a: _Guarded(test_loader(self, *a)))
     measure, measured = compare.measure, []
 
     def measuring(*args, **kwargs):
@@ -314,9 +317,9 @@ def test_a_diverging_candidate_is_recorded_and_not_chosen(tmp_path: Path) -> Non
 
 def test_two_stage_candidates_train_their_first_stage_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     stage1, stage2 = [], []
-    first, second = prior.train_stage, compare.train_stage
+    first, second = prior.train_stage, selection.train_stage
     monkeypatch.setattr(prior, "train_stage", lambda cfg, **kw: stage1.append(cfg.output_dir) or first(cfg, **kw))
-    monkeypatch.setattr(compare, "train_stage", lambda cfg, **kw: stage2.append(cfg.output_dir) or second(cfg, **kw))
+    monkeypatch.setattr(selection, "train_stage", lambda cfg, **kw: stage2.append(cfg.output_dir) or second(cfg, **kw))
     path = _write(tmp_path, [TWO_STAGE])
     (row,) = _run(path)["runs"]
     row_dir = Path(row["run_dir"]).parent

@@ -6,7 +6,7 @@ import torch
 import yaml
 
 from flatbma.experiment.cli import main
-from flatbma.experiment.logs import read_csv
+from flatbma.experiment.run.logs import read_csv
 from flatbma.experiment.runner import History, fit
 from flatbma.types import State, StepOutput, Transform
 

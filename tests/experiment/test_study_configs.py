@@ -9,8 +9,9 @@ from pathlib import Path
 
 import yaml
 
-from flatbma.experiment.compare import _every_run, load_plan
-from flatbma.experiment.validate import validate_runs
+from flatbma.experiment.run.validate import validate_runs
+from flatbma.experiment.study.compare import _every_run
+from flatbma.experiment.study.plan import load_plan
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 DEMO = CONFIGS / "demo.yaml"

@@ -1,4 +1,4 @@
-"""A config is checked against its run's length and data before anything trains (flatbma.experiment.validate).
+"""A config is checked against its run's length and data before anything trains (flatbma.experiment.run.validate).
 
 Each refused case used to train (for minutes, or a whole first stage) and fail in its evaluation, or
 not fail at all. Here the training loop is replaced by one that fails the test if it is ever called,
@@ -8,7 +8,7 @@ The numbers in the messages are worked out by hand from the data: digits with ``
 
 Also here: the counts the checks rest on (SWAG's snapshots, SG-MCMC's stored samples) against real
 updates, the run's shape against the experiment its build makes, and the heartbeat that names a
-stopped process under ``torchrun`` (flatbma.experiment.liveness; the end-to-end SIGSTOP test is in
+stopped process under ``torchrun`` (flatbma.experiment.parallel.liveness; the end-to-end SIGSTOP test is in
 test_distributed.py).
 """
 
@@ -27,13 +27,16 @@ import torch.distributed as dist
 import yaml
 
 from flatbma.errors import FlatbmaError
-from flatbma.experiment import distributed, liveness, stage
-from flatbma.experiment.build import build_experiment
 from flatbma.experiment.cli import main
-from flatbma.experiment.compare import load_plan, run_compare
-from flatbma.experiment.config import config_from_dict, load_config
-from flatbma.experiment.run import train_run
-from flatbma.experiment.validate import RunShape, Stage, run_shape, validate_run
+from flatbma.experiment.config.run_config import config_from_dict, load_config
+from flatbma.experiment.config.shape import RunShape, Stage
+from flatbma.experiment.parallel import liveness, processes
+from flatbma.experiment.run import stage
+from flatbma.experiment.run.build import build_experiment
+from flatbma.experiment.run.pipeline import train_run
+from flatbma.experiment.run.validate import run_shape, validate_run
+from flatbma.experiment.study.compare import run_compare
+from flatbma.experiment.study.plan import load_plan
 from flatbma.optim import SGD
 from flatbma.params import trainable_params
 from flatbma.posteriors import sgld, swag
@@ -188,12 +191,14 @@ def test_the_transfer_pipeline_with_a_short_first_stage_is_refused_before_it_tra
     assert not (tmp_path / "run").exists()
     # a short second stage is fine: the first still collects its 24 snapshots
     shape = validate_run(load_config(path, ["train.epochs=2"]))
-    assert shape == RunShape(steps_per_epoch=4, num_train=100, num_test=1000, num_classes=10, pretrained=True)
+    assert shape == RunShape(
+        steps_per_epoch=4, num_train=100, num_test=1000, num_classes=10, pretrained=True, channels=1
+    )
 
 
 def test_a_config_within_its_means_passes_and_trains(tmp_path):
     cfg = config_from_dict(_config(tmp_path, {"name": "swag", "rank": 3, "start_step": 2, "collect_every": 2}))
-    expected = RunShape(steps_per_epoch=4, num_train=100, num_test=599, num_classes=10)
+    expected = RunShape(steps_per_epoch=4, num_train=100, num_test=599, num_classes=10, channels=1)
     assert validate_run(cfg) == expected  # (8 − 2)/2 = 3 snapshots
     _, metrics = train_run(cfg)
     assert metrics["steps"] == 8
@@ -349,7 +354,7 @@ def test_a_process_that_never_joins_ends_the_rendezvous_with_one_line(monkeypatc
         monkeypatch.setenv(key, value)
     monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
     with pytest.raises(FlatbmaError, match=r"^not every one of the 2 processes joined within 1 s"):
-        distributed.init_from_env(torch.device("cpu"))
+        processes.init_from_env(torch.device("cpu"))
     assert not dist.is_initialized() and liveness.current() is None
 
 
@@ -395,11 +400,9 @@ def test_agreement_waits_for_the_living_and_gives_up_on_the_silent(store):
         result[0] = zero.agree(False)
         thread.join()
         assert result == {0: [1], 1: [1]}
-        one.stop()  # rank 1 falls silent: the next agreement names it within about the timeout
-        start = time.monotonic()
+        one.stop()  # rank 1 falls silent: the next agreement names it (no clock is read here: bench/, never tests)
         with pytest.raises(FlatbmaError, match=r"^rank 1 did not answer within 1 s"):
             zero.agree(False)
-        assert time.monotonic() - start < 3
     finally:
         zero.stop()
         one.stop()

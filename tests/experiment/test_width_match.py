@@ -8,7 +8,8 @@ import torch
 import yaml
 
 from flatbma.errors import FlatbmaError
-from flatbma.experiment.compare import load_plan, run_compare
+from flatbma.experiment.study.compare import run_compare
+from flatbma.experiment.study.plan import load_plan
 from flatbma.gaussian import dense_covariance, marginal_variance, scale_covariance
 from flatbma.posteriors.lowrank_vi import fixed
 
@@ -132,7 +133,10 @@ SWAG = {"name": "swag", "rank": 3, "start_step": 2, "collect_every": 1}
     ("cfg", "message"),
     [
         (_with([SWAG, {"name": "sgd", "match_width": "swag"}]), "no low-rank plus diagonal Gaussian"),
-        (_with([SWAG, {**SWAG, "label": "w", "diagonal_only": True, "match_width": "swag"}]), "diagonal_only"),
+        (
+            _with([SWAG, {**SWAG, "label": "w", "diagonal_only": True, "match_width": "swag"}]),
+            "with these options has no",
+        ),
         (_with([{**SWAG, "label": "w", "match_width": "swag"}, SWAG]), "not the label of an earlier entry"),
         (_with([SWAG, {**SWAG, "label": "w", "match_width": "swa"}]), "not the label of an earlier entry"),
         (

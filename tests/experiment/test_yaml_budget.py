@@ -4,8 +4,8 @@ import pytest
 import yaml
 
 from flatbma.errors import FlatbmaError
-from flatbma.experiment.config import load_config, load_raw, parse_override
-from flatbma.experiment.parse import MAX_YAML_NODES, coerce, load_yaml, shown
+from flatbma.experiment.config.parse import MAX_YAML_NODES, coerce, load_yaml, shown
+from flatbma.experiment.config.run_config import load_config, load_raw, parse_override
 
 
 def _laughs(levels: int, width: int = 10) -> str:
@@ -40,9 +40,9 @@ def test_the_expanded_size_is_counted_exactly(monkeypatch):
     size = _count(document)
     assert 1000 < size < MAX_YAML_NODES
     assert load_yaml(text, "x") == document  # within the budget: the safe loader's document
-    monkeypatch.setattr("flatbma.experiment.parse.MAX_YAML_NODES", size)
+    monkeypatch.setattr("flatbma.experiment.config.parse.MAX_YAML_NODES", size)
     load_yaml(text, "x")  # exactly at the budget: read
-    monkeypatch.setattr("flatbma.experiment.parse.MAX_YAML_NODES", size - 1)
+    monkeypatch.setattr("flatbma.experiment.config.parse.MAX_YAML_NODES", size - 1)
     with pytest.raises(FlatbmaError, match=f"over {size - 1:,} YAML values"):
         load_yaml(text, "x")
 

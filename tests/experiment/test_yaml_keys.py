@@ -11,8 +11,8 @@ import yaml
 
 from flatbma.errors import FlatbmaError
 from flatbma.experiment.cli import main
-from flatbma.experiment.config import load_config, load_raw, parse_override
-from flatbma.experiment.parse import load_yaml
+from flatbma.experiment.config.parse import load_yaml
+from flatbma.experiment.config.run_config import load_config, load_raw, parse_override
 
 TWO_METHODS = """\
 seed: 0

@@ -1,7 +1,7 @@
 import pytest
-import torch
 
 from tests.flatness.problems import Problem, make_problem
+from tests.helpers import one_thread
 
 
 @pytest.fixture
@@ -12,7 +12,5 @@ def problem() -> Problem:
 @pytest.fixture(autouse=True)
 def _one_thread():
     """These problems are tiny: one thread avoids OpenMP overhead (and oversubscription on shared CI)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+    with one_thread():
+        yield

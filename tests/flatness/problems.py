@@ -9,8 +9,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call
 
+from flatbma.bn import eval_mode
 from flatbma.params import flatten, unflatten
-from flatbma.predict import eval_mode
 from tests.helpers import Quadratic
 
 

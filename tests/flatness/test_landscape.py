@@ -6,6 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call
 
+from flatbma.bn import eval_mode
 from flatbma.errors import FlatbmaError
 from flatbma.flatness import (
     loss_along,
@@ -18,7 +19,6 @@ from flatbma.flatness import (
     top_eigen_direction,
 )
 from flatbma.params import flatten
-from flatbma.predict import eval_mode
 from tests.flatness.problems import make_problem, quadratic_problem
 
 SPECTRUM = [7.0, 3.0, 2.0, 1.0, 0.5, -1.0, 0.25, 0.1]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import pytest
 import torch
@@ -15,35 +14,7 @@ from flatbma.gaussian import dense_covariance, marginal_variance
 from flatbma.optim import SGD, Adam
 from flatbma.params import Objective, flatten
 from flatbma.posteriors import bsam, lowrank_vi, mc_dropout, mfvi, point, swag
-
-
-class TwoTensors(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.w = nn.Parameter(torch.zeros(2, 3, dtype=torch.float64))
-        self.b = nn.Parameter(torch.zeros(4, dtype=torch.float64))
-
-    def forward(self, x):
-        return x @ self.w.sum(0, keepdim=True).T + self.b.sum()
-
-
-@dataclass(frozen=True)
-class Scripted:
-    """An 'optimizer' that writes a known sequence of iterates (SWAG then collects them)."""
-
-    iterates: list
-
-    def init(self, params):
-        return {}
-
-    def learning_rate(self, step):
-        return 0.0
-
-    @torch.no_grad()
-    def apply(self, params, grads, state, step):
-        for k, v in self.iterates[step].items():
-            params[k].copy_(v)
-        return state
+from tests.helpers import Scripted, TwoTensors
 
 
 def _objective() -> Objective:

@@ -8,9 +8,10 @@ import torch
 from torch.distributions import MultivariateNormal
 
 from flatbma.errors import FlatbmaError
-from flatbma.experiment.methods import parse_method
+from flatbma.experiment.config.methods import parse_method
 from flatbma.gaussian import dense_covariance, kl_lowrank, log_density, score, section, step_size
 from flatbma.optim import SAM, Amortized, FisherBall
+from flatbma.optim.fisher_ball import DEFAULT_RADIUS
 from flatbma.params import Objective, add, flatten
 from flatbma.posteriors import lowrank_vi
 from flatbma.posteriors.gaussian_vi import elbo_value_and_grad, theta_sharpness_value_and_grad
@@ -203,3 +204,21 @@ def test_sections_without_the_new_options_resolve_exactly_as_before():
     with_radius = parse_method({"name": "fp-bma", "radius": 0.05, "blocks": "mean"}).to_dict()
     assert with_radius["gamma"] is None and with_radius["radius"] == 0.05 and with_radius["blocks"] == "mean"
     assert "direction" not in with_radius
+
+
+def test_the_default_step_is_sams_radius_in_the_weights_units_in_every_metric():
+    # issue #22: the former default gamma = 0.01 moved the mean by ~0.001 on the transfer demo; the default is
+    # now SAM's rho = 0.05 in the weights' units, whatever q's width
+    theta, g = _theta(), _grads()
+    default = FisherBall()
+    assert default.radius == DEFAULT_RADIUS == 0.05 and default.gamma is None and default.rho == 0.05
+    step = FisherBall(max_kl_ratio=math.inf).perturb(theta, g)  # (the trust region may only shorten it)
+    assert float(torch.linalg.vector_norm(_flat(step, "mean"))) == pytest.approx(0.05, rel=1e-6)
+    assert float(torch.linalg.vector_norm(_flat(default.perturb(theta, g), "mean"))) <= 0.05 + 1e-9
+    for metric in ("euclidean", "data-fisher"):  # a ball of radius sqrt(2 gamma) in their own metric
+        ball = FisherBall(metric=metric)
+        assert ball.radius is None and ball.rho == pytest.approx(0.05, rel=1e-12)
+    section = parse_method({"name": "fp-bma"}).to_dict()
+    assert section["gamma"] is None and section["radius"] == 0.05
+    # an explicit gamma keeps its meaning (and its resolved config: the studies' runs are reused)
+    assert parse_method({"name": "fp-bma", "gamma": 0.01}).to_dict()["gamma"] == 0.01

@@ -1,24 +1,21 @@
 """Bayesian SAM (Möllenhoff & Khan 2023)."""
 
-import json
 
 import pytest
 import torch
 import torch.nn.functional as F
-import yaml
 from torch import nn
 from torch.func import functional_call
 
 from flatbma.errors import FlatbmaError
-from flatbma.experiment.checkpoint import load_state, save_state
-from flatbma.experiment.cli import main
-from flatbma.experiment.methods import METHODS, parse_method
+from flatbma.experiment.config.methods import METHODS, parse_method
+from flatbma.experiment.run.checkpoint import load_state, save_state
 from flatbma.gaussian import section, standard_normal_like
 from flatbma.optim import SAM, SGD, Adam, constant
 from flatbma.params import Objective, model_buffers, trainable_params
 from flatbma.posteriors import bsam
 from flatbma.rng import SEED_KEY, seeded_generator
-from tests.helpers import tiny_bn_net, toy_batch
+from tests.helpers import tiny_bn_net, toy_batch, train_via_cli
 
 
 def _grad(model, w, batch):
@@ -163,11 +160,7 @@ def test_trains_on_digits_via_cli(tmp_path):
         "train": {"epochs": 3, "progress": False},
         "eval": {"num_samples": 3},
     }
-    path = tmp_path / "c.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    out = tmp_path / "run"
-    assert main(["train", "--config", str(path), "--set", f"output_dir={out}"]) == 0
-    metrics = json.loads((out / "metrics.json").read_text())
+    out, metrics = train_via_cli(tmp_path, cfg)
     assert metrics["accuracy"] > 0.85, metrics["accuracy"]
     losses = [h["loss"] for h in metrics["history"]]
     assert losses[-1] < 0.5 * losses[0]

@@ -9,9 +9,9 @@ from torch import nn
 
 from flatbma.data import load_dataset
 from flatbma.errors import FlatbmaError
-from flatbma.experiment.checkpoint import load_state, save_state
 from flatbma.experiment.cli import main
-from flatbma.experiment.methods import METHODS
+from flatbma.experiment.config.methods import METHODS
+from flatbma.experiment.run.checkpoint import load_state, save_state
 from flatbma.models import MLP, build_model, classifier_of
 from flatbma.optim import SAM, SGD, Adam
 from flatbma.params import Objective, model_buffers, trainable_params

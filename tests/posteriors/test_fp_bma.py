@@ -1,6 +1,5 @@
 """FP-BMA / SA-BMA: the Fisher-ball ascent on the low-rank Gaussian's variational parameters."""
 
-import json
 import math
 
 import pytest
@@ -14,10 +13,9 @@ from torch.func import functional_call
 
 from flatbma import packed
 from flatbma.errors import FlatbmaError
-from flatbma.experiment.checkpoint import load_state, save_state
-from flatbma.experiment.cli import main
-from flatbma.experiment.methods import METHODS, parse_method
-from flatbma.gaussian import GaussianNoise, geometry, section
+from flatbma.experiment.config.methods import METHODS, parse_method
+from flatbma.experiment.run.checkpoint import load_state, save_state
+from flatbma.gaussian import GaussianNoise, geometry, section, theta_layout
 from flatbma.optim import SAM, SGD, Adam, FisherSAM, sharpness_aware_value_and_grad
 from flatbma.optim.fisher_ball import (
     BallMetric,
@@ -39,7 +37,7 @@ from flatbma.posteriors.gaussian_vi import (
 )
 from flatbma.rng import SEED_KEY, seeded_generator
 from flatbma.types import AscentSpace, ascent_space
-from tests.helpers import tiny_bn_net, toy_batch
+from tests.helpers import tiny_bn_net, toy_batch, train_via_cli
 
 K = 4
 SHAPES = {"fc.weight": (3, 4), "fc.bias": (3,)}  # d = 15
@@ -653,11 +651,7 @@ def test_trains_on_digits_via_cli(tmp_path):
         "train": {"epochs": 3, "progress": False},
         "eval": {"num_samples": 3},
     }
-    path = tmp_path / "c.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    out = tmp_path / "run"
-    assert main(["train", "--config", str(path), "--set", f"output_dir={out}"]) == 0
-    metrics = json.loads((out / "metrics.json").read_text())
+    out, metrics = train_via_cli(tmp_path, cfg)
     assert metrics["accuracy"] > 0.78, metrics["accuracy"]  # 0.82 (lowrank-vi: 0.81 after 3 epochs)
     assert metrics["history"][-1]["loss"] < metrics["history"][0]["loss"]
     resolved = yaml.safe_load((out / "config.yaml").read_text())["method"]
@@ -681,16 +675,18 @@ def test_closed_form_pullback_equals_autograd_through_the_sampler():
         torch.testing.assert_close(pulled[k], e, rtol=1e-12, atol=1e-12)
 
 
-def test_geometry_is_reused_only_for_unchanged_tensors():
-    theta = _theta(seed=14)
-    first = geometry(theta, torch.float64)
-    assert geometry(theta, torch.float64) is first  # same storages, same versions
-    assert geometry({k: v.detach() for k, v in theta.items()}, torch.float64) is first  # a detached view too
-    theta["log_std/fc.bias"].add_(0.5)  # an in-place update (what the optimizer does) invalidates it
-    second = geometry(theta, torch.float64)
-    assert second is not first and not torch.equal(second.a, first.a)
+def test_geometry_is_kept_with_one_steps_packed_theta_only():
+    theta = packed.pack(_theta(seed=14), theta_layout(_theta(seed=14)))
+    step = packed.as_packed(theta)  # what an update reads θ as, once per step
+    first = geometry(step, torch.float64)
+    assert geometry(step, torch.float64) is first  # the ascent's solve and the KL gradient share it
+    assert geometry(theta, torch.float64) is not first  # a plain dict is computed anew: no state outside θ
+    torch.testing.assert_close(geometry(theta, torch.float64).c_inv, first.c_inv, rtol=0, atol=0)
+    theta["log_std/fc.bias"].add_(0.5)  # the optimizer's in-place update; the next step reads θ again
+    second = geometry(packed.as_packed(theta), torch.float64)
+    assert not torch.equal(second.a, first.a)
     fresh = {k: v.clone() for k, v in theta.items()}
-    torch.testing.assert_close(geometry(fresh, torch.float64).c_inv, second.c_inv)
+    torch.testing.assert_close(geometry(fresh, torch.float64).c_inv, second.c_inv, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("ascent", [None, SAM(rho=0.1), FisherBall(gamma=0.05)], ids=["none", "sam", "fisher-ball"])

@@ -9,13 +9,15 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call, jvp
 
+from flatbma.bn import eval_mode
 from flatbma.curvature import effective_parameters, estimator, log_evidence, optimize_prior
 from flatbma.errors import FlatbmaError
+from flatbma.linearized import Linearized, Probit, linearized_predictions
 from flatbma.models import build_model, classifier_of
 from flatbma.optim import SAM, SGD
 from flatbma.params import Objective, model_buffers, trainable_params
 from flatbma.posteriors import laplace, members, multi, point
-from flatbma.predict import Linearized, Probit, eval_mode, linearized_predictions, sample_log_probs
+from flatbma.predict import sample_log_probs
 from flatbma.transfer import Subset, restrict_trainable, subset_names
 from flatbma.types import Predictive
 from tests.helpers import tiny_bn_net, toy_batch

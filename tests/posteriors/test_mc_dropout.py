@@ -7,14 +7,15 @@ import yaml
 from torch import nn
 
 from flatbma.errors import FlatbmaError
-from flatbma.experiment.checkpoint import load_state, save_state
 from flatbma.experiment.cli import main
-from flatbma.experiment.methods import METHODS
+from flatbma.experiment.config.methods import METHODS
+from flatbma.experiment.run.checkpoint import load_state, save_state
 from flatbma.models import MLP
 from flatbma.optim import SAM, SGD
 from flatbma.params import Objective, model_buffers, trainable_params
 from flatbma.posteriors import mc_dropout, point
 from flatbma.predict import bma_log_probs, evaluate
+from flatbma.types import prediction_mode
 from tests.helpers import tiny_bn_net, toy_batch
 
 
@@ -153,7 +154,7 @@ def test_evaluation_is_reproducible_for_a_seed_and_leaves_the_global_rng_alone(t
 
     def bma(seed):
         samples = method.sample(state, 8, torch.Generator().manual_seed(seed))
-        with method.predict_mode(net):
+        with method.predict_mode(net, torch.Generator().manual_seed(seed)):
             return torch.cat([bma_log_probs(net, samples, x) for x, _ in loader])
 
     rng = torch.get_rng_state()
@@ -168,9 +169,9 @@ def test_evaluation_is_reproducible_for_a_seed_and_leaves_the_global_rng_alone(t
     s2 = method.sample(loaded, 3, torch.Generator().manual_seed(0))
     for w1, w2 in zip(s1, s2):
         assert w1.keys() == w2.keys() and all(torch.equal(w1[k], w2[k]) for k in w1)
-    m1 = evaluate(net, s1, loader, num_classes=3, mode=method.predict_mode)
+    m1 = evaluate(net, s1, loader, num_classes=3, mode=prediction_mode(method, 0))
     torch.manual_seed(123)  # the global stream does not matter
-    m2 = evaluate(net, s2, loader, num_classes=3, mode=method.predict_mode)
+    m2 = evaluate(net, s2, loader, num_classes=3, mode=prediction_mode(method, 0))
     assert m1 == m2
 
 

@@ -8,9 +8,9 @@ import yaml
 from torch import nn
 
 from flatbma.errors import FlatbmaError
-from flatbma.experiment.checkpoint import load_state, save_state
 from flatbma.experiment.cli import main
-from flatbma.experiment.methods import METHODS, parse_method
+from flatbma.experiment.config.methods import METHODS, parse_method
+from flatbma.experiment.run.checkpoint import load_state, save_state
 from flatbma.optim import SAM, SGD, Adam
 from flatbma.params import Objective, trainable_params
 from flatbma.posteriors import sgld

@@ -1,55 +1,26 @@
 import json
 import math
 import re
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import numpy as np
 import pytest
 import torch
 import yaml
-from torch import nn
 
 from flatbma.bn import recompute_bn_statistics
 from flatbma.errors import FlatbmaError
-from flatbma.experiment.checkpoint import load_state, save_state
 from flatbma.experiment.cli import main
-from flatbma.experiment.methods import METHODS, parse_method
+from flatbma.experiment.config.methods import METHODS, parse_method
+from flatbma.experiment.run.checkpoint import load_state, save_state
 from flatbma.models.small import SmallCNN
 from flatbma.optim import SAM, SGD
 from flatbma.params import Objective, trainable_params
 from flatbma.posteriors import point, swag
 from flatbma.predict import evaluate
-from tests.helpers import quadratic_objective, tiny_bn_net, toy_batch
+from tests.helpers import Scripted, TwoTensors, quadratic_objective, tiny_bn_net, toy_batch
 
 # ----------------------------------------------------------------------------- helpers
-
-
-class TwoTensors(nn.Module):
-    """Parameters registered in non-sorted order ('w' then 'b'), to exercise the flattening order."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.w = nn.Parameter(torch.zeros(2, 3, dtype=torch.float64))
-        self.b = nn.Parameter(torch.zeros(4, dtype=torch.float64))
-
-    def forward(self, x):
-        return x @ self.w.sum(0, keepdim=True).T + self.b.sum()
-
-
-@dataclass(frozen=True)
-class Scripted:
-    """An 'optimizer' that sets the weights to a known sequence: update t writes ``iterates[t]``."""
-
-    iterates: list
-
-    def init(self, params):
-        return {}
-
-    @torch.no_grad()
-    def apply(self, params, grads, state, step):
-        for k, v in self.iterates[step].items():
-            params[k].copy_(v)
-        return state
 
 
 def _scripted_run(num_updates, *, rank, start_step, collect_every, seed=0):
@@ -224,7 +195,7 @@ def test_bad_options_name_their_key(options, key):
 
 def test_registry_options():
     assert {"swag", "swag-diag", "f-swag"} <= set(METHODS)
-    assert METHODS["f-swag"].family.__wrapped__ is swag.build and METHODS["f-swag"].ascent is SAM
+    assert METHODS["f-swag"].family is swag.build and METHODS["f-swag"].ascent is SAM
     assert set(METHODS["swag-diag"].family_options()) == {"scale", "start_step", "collect_every"}
     cfg = parse_method({"name": "swag-diag", "collect_every": 3})
     method = cfg.build(Objective(model=tiny_bn_net()), SGD(), map_steps=40)  # start_step: null, resolved from 40

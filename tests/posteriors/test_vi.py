@@ -12,9 +12,9 @@ from torch.distributions import LowRankMultivariateNormal, MultivariateNormal, N
 from torch.func import functional_call
 
 from flatbma.errors import FlatbmaError
-from flatbma.experiment.checkpoint import load_state, save_state
 from flatbma.experiment.cli import main
-from flatbma.experiment.methods import METHODS, parse_method
+from flatbma.experiment.config.methods import METHODS, parse_method
+from flatbma.experiment.run.checkpoint import load_state, save_state
 from flatbma.gaussian import GaussianNoise, section
 from flatbma.optim import SAM, SGD, Adam, FisherBall, cosine
 from flatbma.params import Objective, flatten, model_buffers, trainable_params, unflatten

@@ -33,13 +33,13 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call
 
+from flatbma.bn import eval_mode
 from flatbma.checks import parse_choice
 from flatbma.curvature import kfac
 from flatbma.curvature.options import Curvature, Hessian
 from flatbma.curvature.structures import Blocks, DenseBlock, DiagBlock, KronBlock, LowRankBlock, symmetric_eigh
 from flatbma.errors import FlatbmaError, suggest
 from flatbma.jacobians import ce_gradient, ce_sqrt_hessian, rows
-from flatbma.predict import eval_mode
 from flatbma.types import Params
 
 __all__ = [

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol, TypeVar
 
 import torch
 from torch import Tensor
@@ -26,8 +26,20 @@ from torch import Tensor
 from flatbma.checks import check_int, check_number
 from flatbma.errors import FlatbmaError
 
-if TYPE_CHECKING:
-    from flatbma.data.datasets import ArrayDataset
+
+class Labelled(Protocol):
+    """What :func:`few_shot` reads of a data set (:class:`flatbma.data.datasets.ArrayDataset` has it)."""
+
+    labels: Tensor
+    classes: Sequence[str]
+
+    @property
+    def num_classes(self) -> int: ...
+
+    def subset(self: D, indices: Tensor) -> D: ...
+
+
+D = TypeVar("D", bound=Labelled)
 
 __all__ = ["few_shot", "few_shot_indices", "stratified_split"]
 
@@ -153,8 +165,8 @@ def few_shot_indices(
 
 
 def few_shot(
-    dataset: ArrayDataset, k: int, *, seed: int, val_per_class: int = 0, val_pool: int = 0
-) -> tuple[ArrayDataset, ArrayDataset | None]:
+    dataset: D, k: int, *, seed: int, val_per_class: int = 0, val_pool: int = 0
+) -> tuple[D, D | None]:
     """Return the k-shot training subset of ``dataset`` and its validation subset (or ``None``).
 
     See :func:`few_shot_indices`; the dataset's class list is used, so a class with no examples is

@@ -1,8 +1,8 @@
 """From PyTorch in one call: train a registered method on your module and loader, get a :class:`~flatbma.predictor.BMA`.
 
 :func:`fit_posterior` is the manual path written once — parse the method by name
-(:func:`~flatbma.experiment.methods.parse_method`), build the optimizer of an ``optim`` section
-(:class:`~flatbma.experiment.sections.OptimConfig`, the CLI's defaults), ``method.init`` at the
+(:func:`~flatbma.experiment.config.methods.parse_method`), build the optimizer of an ``optim`` section
+(:class:`~flatbma.experiment.config.sections.OptimConfig`, the CLI's defaults), ``method.init`` at the
 module's weights, :func:`~flatbma.experiment.runner.fit` (the one loop), then the predictor — so its
 numbers equal that path's exactly (the README shows both). :func:`load_posterior` reads back what
 :meth:`BMA.save <flatbma.predictor.BMA.save>` wrote, rebuilding the method from the recorded section.
@@ -24,16 +24,18 @@ from torch import Tensor, nn
 
 from flatbma.checks import check_seed, is_int
 from flatbma.errors import DivergenceError, FlatbmaError, FlatbmaTypeError, FlatbmaWarning
-from flatbma.experiment.logs import EpochLogger
-from flatbma.experiment.methods import MethodConfig, parse_method
-from flatbma.experiment.parse import parse_dataclass, shown
+from flatbma.experiment.config.methods import MethodConfig, parse_method
+from flatbma.experiment.config.parse import parse_dataclass, shown
+from flatbma.experiment.config.sections import OptimConfig
+from flatbma.experiment.config.shape import RunShape, Stage
+from flatbma.experiment.run.logs import EpochLogger
+from flatbma.experiment.run.validate import available_memory
 from flatbma.experiment.runner import History, fit
-from flatbma.experiment.sections import OptimConfig
-from flatbma.experiment.validate import RunShape, Stage, available_memory
 from flatbma.models import check_classifier, keep_logits, returns_sequence
 from flatbma.params import Objective, model_buffers, trainable_params
 from flatbma.predict import evaluate
-from flatbma.predictor import BMA, read_file, target_device
+from flatbma.predictor import BMA, likelihood_of, read_file, target_device
+from flatbma.regression import Gaussian
 from flatbma.rng import first_batch, forked_rng
 from flatbma.types import Batch, Posterior, split_batch, training_batch
 
@@ -53,6 +55,8 @@ def fit_posterior(
     load_into: bool = True,
     progress: bool = True,
     val_loader: Iterable[Batch] | None = None,
+    likelihood: str = "categorical",
+    noise_std: float | None = None,
     **method_options: Any,
 ) -> BMA:
     """Train ``method`` on ``model`` over ``loader`` for ``epochs`` epochs and return its BMA predictor.
@@ -103,13 +107,20 @@ def fit_posterior(
             ``False``: nothing (:mod:`flatbma.progress`).
         val_loader: validation ``(x, y)`` batches (integer labels). An option given as ``"val"`` is chosen on
             them after training, by the BMA's NLL over its grid — Laplace's ``prior_precision="val"``: δ
-            among :data:`~flatbma.experiment.methods.PRIOR_PRECISION_GRID` (1e-4 … 1e4), the grid search of
+            among :data:`~flatbma.experiment.config.methods.PRIOR_PRECISION_GRID` (1e-4 … 1e4), the grid search of
             laplace-torch (Daxberger et al. 2021) — the candidates in :attr:`BMA.selection
             <flatbma.predictor.BMA.selection>`, the chosen value in ``bma.method_config``. A method fitted
             around a MAP (Laplace) is compared with its MAP on them after training — on the training data
             without them — and a
             :class:`~flatbma.errors.FlatbmaWarning` says when the BMA's NLL is worse than the MAP's (a
             posterior too wide for the network: its prior precision δ and what to try are in the message).
+        likelihood: ``categorical`` (a classifier: softmax of the logits, cross-entropy) or ``gaussian``
+            (regression, :class:`flatbma.regression.Gaussian`: the loss is the Gaussian NLL, the batches'
+            targets are floats ``[batch]`` and the predictor's :meth:`~flatbma.predictor.BMA.predict_regression`
+            and :meth:`~flatbma.predictor.BMA.evaluate` give the mixture predictive and its NLL, RMSE and coverage).
+            Laplace (a softmax Gauss-Newton) refuses ``gaussian``.
+        noise_std: with ``gaussian``: ``None`` learns the noise (the model returns ``[batch, 2]``: mean and raw
+            scale), a positive number fixes it (the model returns ``[batch, 1]``).
         **method_options: the method's options (e.g. ``rank=10``, ``rho=0.05``).
 
     Before training, the model is checked with one forward pass on the first batch of ``loader`` (read
@@ -133,6 +144,7 @@ def fit_posterior(
     if not is_int(epochs) or epochs < 1:
         raise FlatbmaError(f"epochs must be a positive integer, got {shown(epochs)}")
     check_seed(seed, "seed")
+    gaussian = _likelihood(likelihood, noise_std)
     config = parse_method(_method_section(method, method_options))
     choose = config.on_validation()  # options set to "val": chosen on val_loader after training
     if choose and val_loader is None:
@@ -143,10 +155,14 @@ def fit_posterior(
     optim_config = parse_dataclass(OptimConfig, _optim_section(optim, lr), "optim")
     steps, num_data = _sizes(loader)
     train_device = target_device(device, model)
-    classes = _check_first_batch(model, loader)
+    if gaussian is None:
+        classes: int | None = _check_first_batch(model, loader)
+    else:
+        _check_first_regression_batch(model, loader, gaussian)
+        classes = None
     _check_run(config, model, steps=steps, num_data=num_data, num_classes=classes, epochs=epochs, device=train_device)
     model.to(train_device)
-    objective = Objective(model=model, num_data=num_data)
+    objective = Objective(model=model, num_data=num_data, **({"loss_fn": gaussian} if gaussian is not None else {}))
     optimizer = optim_config.build(steps_per_epoch=steps, epochs=epochs)
     rate = config.learning_rate(optim_config.learning_rate(steps, epochs), epochs * steps)  # SWAG's held rate
     posterior = config.build(objective, optimizer, map_steps=epochs * steps)
@@ -170,6 +186,7 @@ def fit_posterior(
         raise DivergenceError(f"{e}; lower the learning rate (e.g. lr={optim_config.lr / 10:g})") from None
     finally:
         model.train(was_training)
+
     def predictor(config: MethodConfig, posterior: Posterior) -> BMA:
         return BMA(
             model,
@@ -182,6 +199,7 @@ def fit_posterior(
             device=train_device,
             method_config=config.resolved(epochs * steps).to_dict(),  # start_step: null as the run resolved it
             num_data=num_data,
+            likelihood=gaussian,
         )
 
     selection: list[dict[str, Any]] = []
@@ -233,7 +251,8 @@ def load_posterior(
     num_data = settings.get("num_data", 1)
     if not is_int(num_data) or num_data < 1:
         raise FlatbmaError(f"{path}: the predictor settings are damaged (num_data {shown(num_data)}); save it again")
-    objective = Objective(model=model, num_data=num_data)
+    gaussian = likelihood_of(settings, path)
+    objective = Objective(model=model, num_data=num_data, **({"loss_fn": gaussian} if gaussian is not None else {}))
     posterior = config.build(objective, OptimConfig().build(steps_per_epoch=1, epochs=1))
     return BMA.load(path, model, posterior, train_loader, device=device)
 
@@ -293,14 +312,14 @@ def _check_run(
     *,
     steps: int,
     num_data: int,
-    num_classes: int,
+    num_classes: int | None,
     epochs: int,
     device: torch.device,
 ) -> None:
     """Refuse options that ask more of the run than it gives, as ``flatbma train`` does (same check, same words).
 
-    :meth:`MethodConfig.check <flatbma.experiment.methods.MethodConfig.check>` on the run's
-    :class:`~flatbma.experiment.validate.Stage` — e.g. SWAG's snapshots against its rank, SG-MCMC's burn-in,
+    :meth:`MethodConfig.check <flatbma.experiment.config.methods.MethodConfig.check>` on the run's
+    :class:`~flatbma.experiment.config.shape.Stage` — e.g. SWAG's snapshots against its rank, SG-MCMC's burn-in,
     members that do not fit in memory — so that ``fit_posterior`` refuses exactly what the CLI refuses for
     ``train.epochs`` epochs of ``steps`` updates (the messages name the CLI's keys). The module's weights
     are what they are: ``prior_mean: pretrained`` reads which were loaded (:func:`flatbma.models.is_pretrained`).
@@ -354,6 +373,56 @@ def _check_first_batch(model: nn.Module, loader: Iterable[Batch]) -> int:
             f"must be class indices in [0, {classes})"
         )
     return classes
+
+
+def _likelihood(name: object, noise_std: object) -> Gaussian | None:
+    """``None`` for ``categorical``; the :class:`~flatbma.regression.Gaussian` of ``gaussian`` with ``noise_std``."""
+    if name == "categorical":
+        if noise_std is not None:
+            raise FlatbmaError("noise_std is the Gaussian likelihood's: give it with likelihood='gaussian'")
+        return None
+    if name == "gaussian":
+        return Gaussian(noise_std=noise_std)  # type: ignore[arg-type]
+    raise FlatbmaError(f"likelihood must be 'categorical' (a classifier) or 'gaussian' (regression), got {shown(name)}")
+
+
+def _check_first_regression_batch(model: nn.Module, loader: Iterable[Batch], gaussian: Gaussian) -> None:
+    """A regression's model and data, checked on the loader's first batch (:func:`fit_posterior`).
+
+    The batch is ``(x, y)`` with floating-point targets ``[batch]``; the model returns ``[batch, outputs]``
+    (:attr:`~flatbma.regression.Gaussian.outputs`: 2 with a learned noise, 1 with a fixed one).
+    """
+    batch = first_batch(loader)
+    if batch is None:
+        raise FlatbmaError("the training loader yields no batch")
+    if not (isinstance(batch, tuple | list) and len(batch) == 2 and all(isinstance(t, torch.Tensor) for t in batch)):
+        raise FlatbmaTypeError(
+            f"a training batch must be a pair (x, y) of inputs and targets, got a {type(batch).__name__}: give a "
+            "DataLoader of (x, y) batches (e.g. over a TensorDataset(x, y))"
+        )
+    x, y = batch
+    if not y.is_floating_point() or y.dim() != 1 or y.shape[0] != x.shape[0]:
+        hint = " (squeeze a [batch, 1] target tensor with y.squeeze(1))" if y.dim() == 2 and y.shape[1] == 1 else ""
+        raise FlatbmaError(
+            f"regression targets must be floating point, one per example ([batch]), got {str(y.dtype)[6:]} of shape "
+            f"{list(y.shape)} for inputs of shape {list(x.shape)}{hint}"
+        )
+    here = target_device(None, model)
+    was_training = model.training
+    try:
+        with torch.random.fork_rng(devices=[]), torch.no_grad():
+            model.eval()
+            out = model(x[:2].to(here))
+    except (RuntimeError, ValueError, IndexError, TypeError) as e:
+        detail = str(e).strip().splitlines()[0][:120] if str(e).strip() else type(e).__name__
+        raise FlatbmaError(f"the model fails on the first batch ({detail}): give inputs it can take") from None
+    finally:
+        model.train(was_training)
+    want = [min(2, x.shape[0]), gaussian.outputs]
+    if not isinstance(out, torch.Tensor) or list(out.shape) != want:
+        got = list(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+        noise = "mean and raw scale: a learned noise" if gaussian.noise_std is None else "the mean: a fixed noise_std"
+        raise FlatbmaError(f"a Gaussian regression model must return {want} ({noise}), got {got}")
 
 
 def _method_section(method: str | Mapping[str, Any], options: Mapping[str, Any]) -> dict[str, Any]:

@@ -28,15 +28,16 @@ import flatbma
 from flatbma import progress
 from flatbma.checks import shown
 from flatbma.errors import FlatbmaError, FlatbmaWarning, suggest
-from flatbma.experiment import distributed
-from flatbma.experiment.build import resolve_device
-from flatbma.experiment.compare import load_plan, run_compare
-from flatbma.experiment.config import load_config
-from flatbma.experiment.lock import hold
-from flatbma.experiment.methods import METHODS, MethodConfig, parse_method
-from flatbma.experiment.report import summary_table
-from flatbma.experiment.run import evaluate_run, load_run_config, record_resume, resume_config, train
-from flatbma.experiment.sections import plain_values
+from flatbma.experiment.config.methods import METHODS, MethodConfig, parse_method
+from flatbma.experiment.config.run_config import load_config
+from flatbma.experiment.config.sections import plain_values
+from flatbma.experiment.parallel import processes
+from flatbma.experiment.report.tables import repeat_disagreement, summary_table
+from flatbma.experiment.run.build import resolve_device
+from flatbma.experiment.run.lock import hold
+from flatbma.experiment.run.pipeline import evaluate_run, load_run_config, record_resume, resume_config, train
+from flatbma.experiment.study.compare import run_compare
+from flatbma.experiment.study.plan import load_plan
 from flatbma.optim import Amortized
 
 # What str.splitlines() breaks on: escaped in error messages (user values such as keys and paths may hold them).
@@ -80,6 +81,12 @@ def _build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument(
         "--flatness", action="store_true", help="add Hessian spectra and distribution-level flatness to metrics.json"
     )
+    evaluate.add_argument(
+        "--ood",
+        metavar="SET",
+        help="OOD detection against SET (a corruption at severity 5, or a data set; eval.ood): AUROC of the "
+        "predictive entropy and of the mutual information",
+    )
     _add_quiet(evaluate)
 
     compare = sub.add_parser("compare", help="compare methods x seeds: BMA metrics, corruptions, flatness, reports")
@@ -111,7 +118,7 @@ def _reporting(args: argparse.Namespace, *, every_process: bool = False) -> cont
     on every process but rank 0. ``compare`` prints a line per run and phase, not per epoch of every run
     (those are in each run's ``log.csv``).
     """
-    quiet = args.quiet or not (every_process or distributed.is_main())
+    quiet = args.quiet or not (every_process or processes.is_main())
     return progress.reporting(progress.Reporter(quiet=quiet, epochs=args.command != "compare"))
 
 
@@ -127,7 +134,7 @@ def _describe_method(name: str) -> str:
         raise FlatbmaError(f"unknown method {shown(name)}.{suggest(name, METHODS)} Run 'flatbma methods' to list them")
     spec = METHODS[name]
     defaults = parse_method(name)
-    hints = typing.get_type_hints(spec.family)
+    hints = spec.family_options()
     rows = [(key, hints.get(key), value) for key, value in defaults.options.items()]
     if defaults.ascent is not None:
         ascent_hints = typing.get_type_hints(type(defaults.ascent))
@@ -167,6 +174,13 @@ def _out_of_memory(e: BaseException) -> str:
 
 def _print_metrics(metrics: dict) -> None:
     print("  ".join(f"{k}={metrics[k]:.4f}" for k in SUMMARY_KEYS if isinstance(metrics.get(k), (int, float))))
+    ood = metrics.get("ood")
+    if isinstance(ood, dict):
+        mi = ood.get("auroc_mutual_information")
+        print(
+            f"OOD ({ood.get('set')}): AUROC of entropy={ood.get('auroc_entropy'):.4f}  AUROC of mutual "
+            f"information={'–' if mi is None else format(mi, '.4f')}"
+        )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -299,11 +313,11 @@ def _command(argv: Sequence[str] | None) -> None:
         device = resolve_device(cfg.train.device)
         # a resume changes the run's files before it trains: under its lock (train takes it for --config)
         owned = hold(args.resume, "train") if args.resume else contextlib.nullcontext()
-        with distributed.process_group(device), _reporting(args), owned:  # under torchrun: data-parallel
+        with processes.process_group(device), _reporting(args), owned:  # under torchrun: data-parallel
             if resumed is not None:
                 record_resume(args.resume, resumed)  # the changed config.yaml, and the change in resumes.json
             trained = train(cfg, force=args.force, resume=bool(args.resume))
-            main_process = distributed.is_main()
+            main_process = processes.is_main()
         if main_process:
             _print_metrics(trained.metrics)
             run_dir = Path(cfg.output_dir)
@@ -314,17 +328,21 @@ def _command(argv: Sequence[str] | None) -> None:
     elif args.command == "compare":
         plan = load_plan(args.config, args.overrides, quick=args.quick)
         device = resolve_device(plan.base.train.device)
-        with distributed.process_group(device), _reporting(args, every_process=True):  # torchrun: runs spread
+        with processes.process_group(device), _reporting(args, every_process=True):  # torchrun: runs spread
             results = run_compare(plan, force=args.force)
-            main_process = distributed.is_main()
+            main_process = processes.is_main()
         if main_process:
             print(summary_table(results))
             print(f"wrote {plan.out_dir / 'results.json'}, results.csv, report.md and report.html")
     elif args.command == "evaluate":
         device = resolve_device(load_run_config(args.run_dir).train.device)
-        with distributed.process_group(device), _reporting(args):  # under torchrun: each evaluates a shard
-            metrics = evaluate_run(args.run_dir, flatness=args.flatness)
-            main_process = distributed.is_main()
+        with processes.process_group(device), _reporting(args):  # under torchrun: each evaluates a shard
+            metrics = evaluate_run(args.run_dir, flatness=args.flatness, ood=args.ood)
+            main_process = processes.is_main()
         if main_process:
             _print_metrics(metrics)
             print(json.dumps({k: metrics[k] for k in SUMMARY_KEYS if k in metrics}))
+            disagreement = repeat_disagreement(metrics.get("repeatability")) if args.flatness else None
+            if disagreement:  # the numbers above hold a λ₁ that a second measurement did not reproduce
+                sys.stdout.flush()
+                print(f"flatbma: warning: {disagreement}", file=sys.stderr, flush=True)

@@ -24,7 +24,9 @@ class EpochLog:
     """Mean training loss and accuracy (of the unperturbed pass) over one epoch.
 
     With soft targets (class probabilities ``[batch, classes]``) the accuracy is the agreement of the
-    logits' top class with the targets' most probable class.
+    logits' top class with the targets' most probable class. Regression targets (floating point, not such
+    probabilities: a Gaussian likelihood, :mod:`flatbma.regression`) have no classes; their ``accuracy``
+    stays 0 and ``loss`` is the Gaussian NLL.
 
     ``stats``: the mean over the epoch's steps of every statistic a step reported
     (:attr:`~flatbma.types.StepOutput.stats`, e.g. ``ascent/mean_shift``), over the steps that reported it.
@@ -139,11 +141,11 @@ def fit(
         checkpoint_every: step interval of intra-epoch checkpoints (0 = epoch ends only).
         progress: show a progress bar with ETA (on a terminal, unless quiet: :mod:`flatbma.progress`;
             never in logs or pipes, where the run's line per epoch comes from ``checkpoint``,
-            :class:`flatbma.experiment.logs.EpochLogger`).
+            :class:`flatbma.experiment.run.logs.EpochLogger`).
         history: the history to append to.
         after_epoch: ``after_epoch(state, history)`` is called after each epoch is appended to ``history``
             and before its checkpoint (it may add the epoch's ``validation`` values, which the checkpoint
-            then holds): e.g. early stopping's validation (:mod:`flatbma.experiment.early_stopping`).
+            then holds): e.g. early stopping's validation (:mod:`flatbma.experiment.run.early_stopping`).
         stop: ``stop(history)`` is asked before every epoch (a resumed run included); training ends when it
             says so. It must be a function of the history alone, so that a resumed run stops where the
             uninterrupted one did.
@@ -247,8 +249,11 @@ class _Running:
         loss = self._scalar(out.loss)
         self.pending.append((step, loss))
         self.loss += loss * len(y)
-        labels = y.argmax(-1) if y.is_floating_point() and y.dim() == 2 else y  # soft targets: their top class
-        self.correct += (out.logits.argmax(-1) == labels).sum().to(self.where)
+        soft = y.is_floating_point() and y.dim() == 2 and y.shape == out.logits.shape
+        if soft:  # soft targets (class probabilities): their most probable class
+            self.correct += (out.logits.argmax(-1) == y.argmax(-1)).sum().to(self.where)
+        elif not y.is_floating_point():  # regression targets (a Gaussian likelihood) have no accuracy: it stays 0
+            self.correct += (out.logits.argmax(-1) == y).sum().to(self.where)
         self.count += len(y)
         for key, value in (out.stats or {}).items():
             total = self.stats.setdefault(key, [self._scalar(0.0), 0])

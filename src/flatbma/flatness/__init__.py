@@ -45,6 +45,7 @@ from flatbma.flatness.landscape import (
     top_eigen_direction,
 )
 from flatbma.flatness.posterior import (
+    HEAVY_TAIL_FACTOR,
     SampleFlatness,
     distinct_samples,
     distribution_spectrum,
@@ -52,6 +53,7 @@ from flatbma.flatness.posterior import (
     lambda1_summary,
     measure_samples,
     repeatability,
+    repeatable,
     sam_sharpness,
     sample_spectra,
 )
@@ -61,6 +63,7 @@ from flatbma.plotting import landscape_1d_png, landscape_2d_png, plot_landscape_
 
 __all__ = [
     "CPU_CHUNK_SIZE",
+    "HEAVY_TAIL_FACTOR",
     "BiasBNPolicy",
     "ConvergenceWarning",
     "EigenDirection",
@@ -99,6 +102,7 @@ __all__ = [
     "rademacher",
     "random_direction",
     "repeatability",
+    "repeatable",
     "sam_sharpness",
     "sample_spectra",
     "sample_variance",

@@ -52,11 +52,11 @@ from torch import Tensor, nn
 from torch.func import functional_call
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from flatbma.bn import eval_mode
 from flatbma.checks import parse_choice
 from flatbma.errors import FlatbmaError, FlatbmaWarning, suggest
 from flatbma.params import flatten, held_weights_note, unflatten
 from flatbma.precision import full_precision
-from flatbma.predict import eval_mode
 from flatbma.types import Batch, Params
 
 __all__ = ["CPU_CHUNK_SIZE", "HVPMethod", "HessianOperator", "ParamSelection", "hvp_fn", "nonzero_checked"]

@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call
 
+from flatbma.bn import eval_mode
 from flatbma.checks import check_finite_vector, parse_choice
 from flatbma.errors import FlatbmaError, suggest
 from flatbma.flatness.hvp import (
@@ -49,7 +50,6 @@ from flatbma.flatness.hvp import (
     nonzero_checked,
 )
 from flatbma.flatness.lanczos import default_basis_size, lanczos
-from flatbma.predict import eval_mode
 from flatbma.types import Batch, Params
 
 __all__ = [

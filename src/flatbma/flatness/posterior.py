@@ -44,16 +44,17 @@ from torch import Tensor, nn
 from torch.func import functional_call
 
 from flatbma import progress
+from flatbma.bn import eval_mode
 from flatbma.errors import FlatbmaError
 from flatbma.flatness.hutchinson import TraceEstimate, hutchinson_trace
 from flatbma.flatness.hvp import HessianOperator, LossFn, hvp_fn, nonzero_checked
 from flatbma.flatness.lanczos import EigenResult, default_basis_size, hessian_eigenvalues, lanczos
-from flatbma.predict import eval_mode
 from flatbma.rng import derive_seed, seeded_generator
 from flatbma.stats import Summary, summarize
 from flatbma.types import Batch
 
 __all__ = [
+    "HEAVY_TAIL_FACTOR",
     "SampleFlatness",
     "distinct_samples",
     "distribution_spectrum",
@@ -61,6 +62,7 @@ __all__ = [
     "lambda1_summary",
     "measure_samples",
     "repeatability",
+    "repeatable",
     "sam_sharpness",
     "sample_spectra",
 ]
@@ -461,9 +463,16 @@ def repeatability(
     values agree when they differ by at most ``2·tol`` relatively — what two Lanczos runs that both met
     the residual tolerance ``tol`` can differ by. A measurement with no converged λ₁ agrees with nothing.
 
+    Agreement within the intervals is not enough when λ₁ is heavy-tailed: one sharp sample gives a
+    mean with an interval wide enough to hold any repetition (means 36,647 [1,640, 105,786] and 1,979
+    "agree"). The measurement is **repeatable** (:func:`repeatable`) when the means agree as above *and*
+    the two means, and the two medians, lie within a factor :data:`HEAVY_TAIL_FACTOR` of each other
+    (``mean_ratio``, ``median_ratio``: the larger magnitude over the smaller, ``inf`` across signs or zero).
+
     Returns:
-        ``{"first", "second" (the summaries), "agree", "means_in_other_interval", "intervals_overlap"}``
-        (the last two ``None`` without intervals).
+        ``{"first", "second" (the summaries), "agree", "means_in_other_interval", "intervals_overlap",
+        "mean_ratio", "median_ratio", "repeatable"}`` (``means_in_other_interval`` and
+        ``intervals_overlap`` ``None`` without intervals, a ratio ``None`` without its two values).
     """
     a = first.to_dict() if isinstance(first, Summary) else first
     b = second.to_dict() if isinstance(second, Summary) else second
@@ -475,14 +484,54 @@ def repeatability(
         "intervals_overlap": None,
     }
     if a is None or b is None:
+        out.update(mean_ratio=None, median_ratio=None, repeatable=False)
         return out
     ia, ib = a.get("interval"), b.get("interval")
     if ia is None or ib is None:
         out["agree"] = abs(a["mean"] - b["mean"]) <= 2 * tol * max(abs(a["mean"]), abs(b["mean"]))
-        return out
-    low, high, low_i, high_i = (a, b, ia, ib) if a["mean"] <= b["mean"] else (b, a, ib, ia)
-    reach = math.hypot(low_i["high"] - low["mean"], high["mean"] - high_i["low"])
-    out["agree"] = high["mean"] - low["mean"] <= reach
-    out["means_in_other_interval"] = ia["low"] <= b["mean"] <= ia["high"] and ib["low"] <= a["mean"] <= ib["high"]
-    out["intervals_overlap"] = ia["low"] <= ib["high"] and ib["low"] <= ia["high"]
+    else:
+        low, high, low_i, high_i = (a, b, ia, ib) if a["mean"] <= b["mean"] else (b, a, ib, ia)
+        reach = math.hypot(low_i["high"] - low["mean"], high["mean"] - high_i["low"])
+        out["agree"] = high["mean"] - low["mean"] <= reach
+        out["means_in_other_interval"] = ia["low"] <= b["mean"] <= ia["high"] and ib["low"] <= a["mean"] <= ib["high"]
+        out["intervals_overlap"] = ia["low"] <= ib["high"] and ib["low"] <= ia["high"]
+    out["mean_ratio"] = _ratio(a.get("mean"), b.get("mean"))
+    out["median_ratio"] = _ratio(a.get("median"), b.get("median"))
+    out["repeatable"] = repeatable(out)
     return out
+
+
+HEAVY_TAIL_FACTOR = 2.0
+"""Two measurements of one posterior's λ₁ whose means (or medians) differ by more than this factor are not
+repeatable, whatever their intervals say: an interval reaching across a factor of two pins down no
+difference between methods (whose λ₁ in flatbma's studies differ by less)."""
+
+
+def _ratio(x: Any, y: Any) -> float | None:
+    """``max(|x|, |y|) / min(|x|, |y|)`` of two numbers of one sign (1 when equal, ``inf`` across signs or 0)."""
+    if not (isinstance(x, (int, float)) and isinstance(y, (int, float))) or isinstance(x, bool) or isinstance(y, bool):
+        return None
+    if not (math.isfinite(x) and math.isfinite(y)):
+        return None
+    if x == y:
+        return 1.0
+    if x * y <= 0:
+        return math.inf
+    return max(abs(x), abs(y)) / min(abs(x), abs(y))
+
+
+def repeatable(record: Mapping[str, Any]) -> bool | None:
+    """Whether a repeated λ₁ measurement (:func:`repeatability`'s record, of any flatbma version) is repeatable.
+
+    ``agree`` and both means, and both medians where recorded, within :data:`HEAVY_TAIL_FACTOR` of each
+    other (the ratios are computed from ``first`` and ``second`` when a record predates them). ``None``
+    when the record says nothing (no boolean ``agree``).
+    """
+    agree = record.get("agree")
+    if not isinstance(agree, bool):
+        return None
+    first, second = record.get("first"), record.get("second")
+    first = first if isinstance(first, Mapping) else {}
+    second = second if isinstance(second, Mapping) else {}
+    ratios = [_ratio(first.get(k), second.get(k)) for k in ("mean", "median")]
+    return agree and all(r is None or r <= HEAVY_TAIL_FACTOR for r in ratios)

@@ -44,6 +44,7 @@ from flatbma.gaussian.kl import (
     kl_divergence_grad,
     kl_lowrank,
     kl_lowrank_grad,
+    kl_rows,
     prior_precision,
 )
 from flatbma.gaussian.layout import (
@@ -91,6 +92,7 @@ __all__ = [
     "kl_divergence_grad",
     "kl_lowrank",
     "kl_lowrank_grad",
+    "kl_rows",
     "log_density",
     "marginal_variance",
     "names_and_shapes",

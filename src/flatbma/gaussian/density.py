@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from flatbma.gaussian.geometry import geometry
-from flatbma.gaussian.kl import kl_lowrank
+from flatbma.gaussian.kl import kl_rows
 from flatbma.gaussian.layout import factor_scale, from_rows, names_and_shapes, rows
 
 
@@ -68,10 +68,12 @@ def step_size(theta: Mapping[str, Tensor], moved: Mapping[str, Tensor]) -> dict[
     moving the mean alone, the part of ``kl`` that the mean block takes in the quadratic model).
     """
     with torch.no_grad():
-        delta = (rows(moved)[0] - rows(theta)[0]).to(torch.float64)
+        before, after = rows(theta), rows(moved)
+        delta = (after[0] - before[0]).to(torch.float64)
         geo = geometry(theta, torch.float64)
         whitened = delta / geo.a.sqrt()
         along = geo.ut @ whitened
         kl_mean = 0.5 * ((whitened**2).sum() - along @ geo.c_inv @ along)
-        kl = kl_lowrank(moved, theta).to(torch.float64)
+        # kl_lowrank(moved, theta), reading θ's whitened factor from the geometry the step already has
+        kl = kl_rows(after.to(torch.float64), before[:2].to(torch.float64), geo.ut).to(after.dtype).to(torch.float64)
     return {"mean_shift": torch.linalg.vector_norm(delta), "kl": kl, "kl_mean": kl_mean}

@@ -1,4 +1,4 @@
-"""The covariance ``Σ = A + UUᵀ`` in whitened (Woodbury) form, its cache, and dense ``Σ`` for tests.
+"""The covariance ``Σ = A + UUᵀ`` in whitened (Woodbury) form, and dense ``Σ`` for tests.
 
 With ``A = diag(σ²/2)`` and ``U = L/√(2(K−1))`` (stored ``[K, d]``), the coordinates whitened by ``A``
 (``Ũ = A^{-1/2}U``, capacitance ``C = I + ŨᵀŨ``) give ``Σ⁻¹ = A^{-1/2}(I − ŨC⁻¹Ũᵀ)A^{-1/2}`` and
@@ -15,7 +15,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from flatbma.gaussian.layout import blocks, factor_scale, packed_rows, rank_of, rows, section
+from flatbma.gaussian.layout import blocks, factor_scale, rank_of, section
+from flatbma.packed import Packed
 
 
 class LowRankGeometry(NamedTuple):
@@ -46,33 +47,20 @@ class LowRankGeometry(NamedTuple):
     w: Tensor
 
 
-_GEOMETRY_CACHE: list[tuple[tuple, list[Tensor], LowRankGeometry]] = []
-"""The last :func:`geometry` (one entry): an FP-BMA step needs it at the same ``θ`` twice, for the
-ascent's Fisher solve and for the closed-form KL gradient."""
-
-
 def geometry(theta: Mapping[str, Tensor], dtype: torch.dtype | None = None, *, cache: bool = True) -> LowRankGeometry:
     """The Woodbury quantities of ``q_θ``'s covariance, computed in ``dtype`` (default: ``θ``'s).
 
-    The last result is reused when called again on the same storages at the same versions (an in-place
-    update bumps a tensor's version; the cached entry holds references, so a storage address cannot be
-    reused while it is cached). Inputs that require gradients bypass the cache, and so does
-    ``cache=False`` (for a fixed second Gaussian, such as a prior, that must not evict ``θ``'s entry).
+    For a :class:`~flatbma.packed.Packed` ``θ`` (one step's, :func:`flatbma.packed.as_packed`) the result is
+    kept with it (:attr:`~flatbma.packed.Packed.derived`), so that an FP-BMA step computes it once for the
+    ascent's Fisher solve and the closed-form KL gradient; any other ``θ`` is computed anew. Inputs that
+    require gradients are never kept, and ``cache=False`` keeps nothing (a fixed second Gaussian, a prior).
     """
-    if not cache:
-        return _geometry(*blocks(theta)[1:], dtype)
-    matrix = packed_rows(theta)
-    tensors = (
-        [matrix] if matrix is not None else [*section(theta, "log_std").values(), *section(theta, "factor").values()]
-    )
-    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        return _geometry(*blocks(theta)[1:], dtype)
-    key = (dtype, tuple((t.data_ptr(), t._version, t.shape, t.dtype, t.device) for t in tensors))
-    if _GEOMETRY_CACHE and _GEOMETRY_CACHE[0][0] == key:
-        return _GEOMETRY_CACHE[0][2]
-    matrix = matrix if matrix is not None else rows(theta)
-    result = _geometry(matrix[1], matrix[2:], dtype)
-    _GEOMETRY_CACHE[:] = [(key, tensors, result)]
+    keep = cache and isinstance(theta, Packed) and not (torch.is_grad_enabled() and theta.flat.requires_grad)
+    if keep and ("geometry", dtype) in theta.derived:  # type: ignore[union-attr]
+        return theta.derived["geometry", dtype]  # type: ignore[union-attr,return-value]
+    result = _geometry(*blocks(theta)[1:], dtype)
+    if keep:
+        theta.derived["geometry", dtype] = result  # type: ignore[union-attr]
     return result
 
 

@@ -66,13 +66,6 @@ def kl_divergence_grad(theta: Mapping[str, Tensor], prior_std: float) -> Mapping
     return from_rows(out, theta)
 
 
-def _whitened_blocks(theta: Mapping[str, Tensor]) -> tuple[Tensor, Tensor, Tensor]:
-    """``(log σ [d], μ [d], U = L/√(2(K−1)) [K, d])`` in sorted name order (the rows of :func:`rows`)."""
-    matrix = rows(theta)
-    k = matrix.shape[0] - 2
-    return matrix[1], matrix[0], factor_scale(k) * matrix[2:]
-
-
 def kl_lowrank(theta_q: Mapping[str, Tensor], prior_theta: Mapping[str, Tensor]) -> Tensor:
     """``KL(q ‖ p)`` between two low-rank plus diagonal Gaussians in ``θ`` layout, in ``O(d(K_q + K_p)²)``.
 
@@ -103,18 +96,30 @@ def kl_lowrank(theta_q: Mapping[str, Tensor], prior_theta: Mapping[str, Tensor])
             )
     out_dtype = theta_q[f"mean/{names_q[0]}"].dtype
     # the trace terms cancel parts of size ~‖Ũ‖² ≫ 1: evaluate in double precision (differentiably)
-    ref = theta_q[f"mean/{names_q[0]}"].to(torch.float64)
-    q64 = {k: v.to(torch.float64) for k, v in theta_q.items()}
-    prior = {k: v.to(device=ref.device, dtype=ref.dtype) for k, v in prior_theta.items()}
-    s_q, mu_q, u_q = _whitened_blocks(q64)  # both in sorted name order, as names_q
-    s_p, mu_p, u_p = _whitened_blocks(prior)
+    q64 = rows(theta_q).to(torch.float64)  # both in sorted name order, as names_q
+    prior = rows(prior_theta).to(device=q64.device, dtype=torch.float64)
+    return kl_rows(q64, prior).to(out_dtype)
+
+
+def kl_rows(q: Tensor, p: Tensor, p_whitened_factor: Tensor | None = None) -> Tensor:
+    """:func:`kl_lowrank` of two ``[K+2, d]`` matrices ``[μ; log σ; L]`` (:func:`rows`), in their dtype, unchecked.
+
+    ``p_whitened_factor``: ``Ũ_pᵀ = U_pA_p^{-1/2}`` of ``p`` when it is at hand (``ut`` of
+    :func:`~flatbma.gaussian.geometry.geometry` of ``p`` in ``p``'s dtype: the same numbers as computed
+    here), so that ``p``'s factor is not read again (then only ``p``'s rows 0 and 1 are).
+    """
+    s_q, mu_q, u_q = q[1], q[0], factor_scale(q.shape[0] - 2) * q[2:]
+    s_p, mu_p = p[1], p[0]
     d = mu_q.numel()
     inv_sqrt_ap = math.sqrt(2.0) * torch.exp(-s_p)
-    up_t = u_p * inv_sqrt_ap  # Ũ_pᵀ, [K_p, d]
+    if p_whitened_factor is None:
+        up_t = factor_scale(p.shape[0] - 2) * p[2:] * inv_sqrt_ap  # Ũ_pᵀ, [K_p, d]
+    else:
+        up_t = p_whitened_factor
     uq_t = u_q * inv_sqrt_ap  # U_q whitened by A_p, [K_q, d]
     delta_t = (mu_p - mu_q) * inv_sqrt_ap
     ratio = torch.exp(2 * (s_q - s_p))  # a_q / a_p
-    eye_p = torch.eye(u_p.shape[0], dtype=ref.dtype, device=ref.device)
+    eye_p = torch.eye(up_t.shape[0], dtype=q.dtype, device=q.device)
     chol_p = torch.linalg.cholesky(eye_p + up_t @ up_t.T)
 
     def c_inv_quad(x: Tensor) -> Tensor:  # tr(Xᵀ C_p⁻¹ X) for X of shape [K_p, m]
@@ -124,11 +129,11 @@ def kl_lowrank(theta_q: Mapping[str, Tensor], prior_theta: Mapping[str, Tensor])
     mahalanobis = (delta_t**2).sum() - c_inv_quad((up_t @ delta_t)[:, None])
     # log det Σ_q via the determinant lemma in q's own whitening
     uq_own = u_q * (math.sqrt(2.0) * torch.exp(-s_q))
-    eye_q = torch.eye(u_q.shape[0], dtype=ref.dtype, device=ref.device)
+    eye_q = torch.eye(u_q.shape[0], dtype=q.dtype, device=q.device)
     chol_q = torch.linalg.cholesky(eye_q + uq_own @ uq_own.T)
     logdet_c = 2 * (chol_p.diagonal().log().sum() - chol_q.diagonal().log().sum())
     logdet_ratio = 2 * (s_p - s_q).sum() + logdet_c  # log det Σ_p − log det Σ_q
-    return (0.5 * (trace + mahalanobis - d + logdet_ratio)).to(out_dtype)
+    return 0.5 * (trace + mahalanobis - d + logdet_ratio)
 
 
 class PriorPrecision(NamedTuple):
@@ -166,7 +171,7 @@ def prior_precision(prior_theta: Mapping[str, Tensor], device: torch.device) -> 
 def kl_lowrank_grad(
     theta: Mapping[str, Tensor],
     prior_theta: Mapping[str, Tensor],
-    cache: dict[torch.device, PriorPrecision] | None = None,
+    precision: PriorPrecision | None = None,
 ) -> Mapping[str, Tensor]:
     """``∇_θ KL(q_θ ‖ p)`` in closed form for a low-rank plus diagonal prior ``p``, packed like ``θ``.
 
@@ -179,16 +184,14 @@ def kl_lowrank_grad(
     Args:
         theta: ``q``'s ``mean/``, ``log_std/``, ``factor/`` parameters.
         prior_theta: ``p``'s, for the same parameter names and shapes.
-        cache: ``device -> PriorPrecision`` of this prior, filled on first use (a fixed prior's
-            quantities are then computed once per device).
+        precision: :func:`prior_precision` of ``prior_theta`` when computed already (a fixed prior's, once);
+            used when it is on ``θ``'s device, else (or ``None``) computed here, on ``θ``'s device.
     """
     mu, _, factor = blocks(theta)
     geo = geometry(theta, torch.float64)
-    prior = cache.get(mu.device) if cache is not None else None
-    if prior is None:
+    prior = precision
+    if prior is None or prior.mean.device != mu.device:
         prior = prior_precision(prior_theta, mu.device)
-        if cache is not None:
-            cache[mu.device] = prior
     out = torch.empty((factor.shape[0] + 2, mu.numel()), dtype=mu.dtype, device=mu.device)
     out[0] = prior.apply((mu.to(torch.float64) - prior.mean)[None])[0]
     out[1] = geo.a * prior.diagonal - (1 - geo.w)  # a_q(Σ_q⁻¹)_ii = 1 − w_i

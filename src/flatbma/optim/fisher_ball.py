@@ -83,7 +83,7 @@ from flatbma.gaussian import (
     check_sections,
     from_rows,
     geometry,
-    kl_lowrank,
+    kl_rows,
     packed_rows,
     rows,
     score,
@@ -133,13 +133,18 @@ class BallBlocks(str, Enum):
 # quantities (LowRankGeometry, geometry) live with the family in flatbma.gaussian.
 
 
-def covariance_fisher_product(geo: LowRankGeometry, v: Tensor) -> Tensor:
+def covariance_fisher_product(
+    geo: LowRankGeometry, v: Tensor, *, out: Tensor | None = None, diagonal_weight: Tensor | None = None
+) -> Tensor:
     """``F_cov v`` for ``v = [v_logσ; V]`` of shape ``[K+1, d]``, in ``O(dK²)``.
 
     With ``T = A^{1/2}Σ⁻¹A^{1/2}``, ``D = diag(2v_logσ)``, ``Ṽ = cVA^{-1/2}`` and ``Q = ṼT``:
     ``M̃ = A^{1/2}MA^{1/2} = T(D + ṼᵀŨᵀ + ŨṼ)T = TDT + QᵀP + PᵀQ`` (``P = ŨᵀT = C⁻¹Ũᵀ``), so
     ``(Fv)_logσ = ½σ²⊙diag(M) = diag(M̃) = D(1 − 2w) + Σ_j P_j ⊙ (GP + 2Q)_j`` with ``G = ŨᵀDŨ`` and
     ``(Fv)_L = ½ML/(K−1) = c(ŨᵀM̃)A^{-1/2}``, ``ŨᵀM̃ = PD + (ŨᵀQᵀ − PDŨ)P + (I − C⁻¹)Q``.
+
+    ``out``: a ``[K+1, d]`` tensor (not ``v``) to write the product into; ``diagonal_weight``: ``1 − 2w``
+    when the caller has it (a solve forms many products at one ``θ``). Neither changes a bit of the result.
     """
     v_s, v_l = v[0], v[1:]
     d2 = 2.0 * v_s
@@ -147,9 +152,12 @@ def covariance_fisher_product(geo: LowRankGeometry, v: Tensor) -> Tensor:
     qt = torch.addmm(vt, vt @ geo.ut.T, geo.pt, alpha=-1.0)  # Q = ṼT
     pd = geo.pt * d2  # P D
     pdu = pd @ geo.ut.T  # P D Ũ = C⁻¹G
-    out = torch.empty_like(v)
+    if out is None:
+        out = torch.empty_like(v)
+    if diagonal_weight is None:
+        diagonal_weight = 1 - 2 * geo.w
     y = torch.addmm(qt, geo.cap @ pdu, geo.pt, beta=2.0)  # G P + 2Q
-    out[0] = torch.addcmul((geo.pt * y).sum(0), d2, 1 - 2 * geo.w)
+    out[0] = torch.addcmul((geo.pt * y).sum(0), d2, diagonal_weight)
     ut_m = torch.addmm(torch.addmm(pd, geo.ut @ qt.T - pdu, geo.pt), geo.e, qt)
     torch.mul(ut_m, geo.cs, out=out[1:])
     return out
@@ -194,8 +202,8 @@ class _Preconditioner(NamedTuple):
     coarse_inv: Tensor  # [m, m]: pseudo-inverse of the Galerkin matrix ZᵀF_λZ (Z spanned by S·U)
     factor: Tensor  # U = cL, [K, d]
 
-    def __call__(self, r: Tensor) -> Tensor:
-        z = self.jacobi * r
+    def __call__(self, r: Tensor, out: Tensor | None = None) -> Tensor:
+        z = torch.mul(self.jacobi, r, out=out) if out is not None else self.jacobi * r
         coeff = torch.einsum("mij,ij->m", self.basis, r[1:] @ self.factor.T)  # Zᵀr
         sol = self.coarse_inv @ coeff
         z[1:].addmm_(torch.einsum("m,mij->ij", sol, self.basis), self.factor)  # Z (ZᵀF_λZ)⁻¹ Zᵀr
@@ -279,15 +287,18 @@ def solve_covariance_fisher(
         raise ValueError(f"cg_iters must be >= 1, got {cg_iters}")
     precondition = _preconditioner(geo, damping)
     factor_damping = damping * geo.cs.square()  # λB on the factor rows (λ on the log σ row)
+    diagonal_weight = 1 - 2 * geo.w  # the products' log σ weight, formed once for the solve
     r = g  # never updated in place: the caller's g is left alone
     p = z = precondition(r)
     rz0 = float(torch.vdot(r.reshape(-1), z.reshape(-1)))
     rz = torch.tensor(rz0, dtype=g.dtype, device=g.device)
     stop = max(cg_tol, torch.finfo(g.dtype).eps) ** 2 * rz0
     x = torch.zeros_like(g)
+    f = torch.empty_like(g)  # work buffers: one allocation each per solve, not per iteration
+    residual = torch.empty_like(g)
     relative = 1.0
     for i in range(cg_iters):
-        f = covariance_fisher_product(geo, p)
+        covariance_fisher_product(geo, p, out=f, diagonal_weight=diagonal_weight)
         f[0].add_(p[0], alpha=damping)
         f[1:].addcmul_(factor_damping, p[1:])
         curvature = torch.vdot(p.reshape(-1), f.reshape(-1))
@@ -297,13 +308,13 @@ def solve_covariance_fisher(
         x.addcmul_(p, alpha)
         if i == cg_iters - 1:
             return CGResult(x, i + 1, relative)
-        r = torch.addcmul(r, f, -alpha)
-        z = precondition(r)
+        r = torch.addcmul(r, f, -alpha, out=residual)
+        z = precondition(r, out=None if z is p else z)  # the first z is p, still needed below
         rz_new = torch.vdot(r.reshape(-1), z.reshape(-1))
         relative = math.sqrt(max(float(rz_new), 0.0) / rz0)
         if float(rz_new) <= stop:
             return CGResult(x, i + 1, relative)
-        p = torch.addcmul(z, p, rz_new / rz)
+        p = torch.addcmul(z, p, rz_new / rz, out=p)
         rz = rz_new
     return CGResult(x, cg_iters, relative)
 
@@ -377,6 +388,12 @@ def _leaves_quadratic_regime(theta: Mapping[str, Tensor], x: Mapping[str, Tensor
     return scale * log_std_step > _QUADRATIC_REGIME or scale * factor_step > _QUADRATIC_REGIME * factor
 
 
+DEFAULT_RADIUS = 0.05
+"""The default ascent step of :class:`FisherBall`, in the weights' units: SAM's default ``ρ`` (Foret et al.,
+ICLR 2021), so that FP-BMA and SAM move the weights by the same Euclidean length per step on every model, whatever
+``q``'s width (a fixed ``γ`` moves ``μ`` by ``√(2γ)·σ̄``, which depends on it)."""
+
+
 @dataclass(frozen=True)
 class FisherBall:
     """FP-BMA's ascent step on ``θ``: the maximizer of the linearized loss in a KL ball of radius ``γ``.
@@ -396,7 +413,11 @@ class FisherBall:
 
     Attributes:
         space: :attr:`AscentSpace.THETA <flatbma.types.AscentSpace.THETA>`: the step perturbs ``θ``.
-        gamma: ``γ``, radius of the KL ball (nats); 0.01 when neither ``gamma`` nor ``radius`` is given.
+        gamma: ``γ``, radius of the KL ball (nats). When neither ``gamma`` nor ``radius`` is given the step is
+            SAM's default ``ρ = 0.05`` in the weights' units (:data:`DEFAULT_RADIUS`): ``radius = 0.05`` for
+            ``"fisher"``, ``γ = ρ²/2`` for the other metrics (their ball has the radius ``√(2γ)``). The former
+            default ``γ = 0.01`` moved ``μ`` by ``≤ √0.02·σ̄ ≈ 0.001`` on the transfer demo — an ascent that
+            could hardly act (issue #22; ``docs/studies/fpbma.md`` measures the scale).
         metric: a :class:`BallMetric` (its name is accepted and stored as the member). ``"fisher"``: the
             Fisher of the low-rank plus diagonal Gaussian ``q_θ`` (needs the ``mean/``, ``log_std/``, ``factor/``
             layout); ``"euclidean"``: ``F = I``, i.e. SAM on ``θ`` with ``ρ = √(2γ)``; ``"data-fisher"``:
@@ -439,10 +460,11 @@ The scale of gamma: a mean shift d costs KL = ½ dᵀΣ⁻¹d, so the ascent mov
 (σ: q's marginal std along the move). A SAM radius ρ on the weights is gamma ≈ ρ²/(2σ²): with σ ≈ 0.007
 (the transfer demo's SWAG prior), ρ = 0.05 is gamma ≈ 25 and ρ = 0.1 is gamma ≈ 100. The same gamma means
 less as q narrows, more as it widens. Give the step in the weights' units instead with radius: ‖δμ‖₂ = radius
-at every step (not with gamma). blocks: mean spends the whole budget on μ (a large joint gamma goes to σ and
-the factor, where it is cheapest). direction: score is the authors' code, not the paper: every block of θ
-moved by radius along the drawn sample's score ∇θ log q(w). Every step records ascent/mean_shift (‖δμ‖₂),
-ascent/kl (the exact KL of the step) and ascent/kl_mean in log.csv and metrics.json. docs/methods.md §5.1-5.2.
+at every step (not with gamma). Default (neither given): radius 0.05, SAM's default ρ. blocks: mean spends the
+whole budget on μ (a large joint gamma goes to σ and the factor, where it is cheapest). direction: score is
+the authors' code, not the paper: every block of θ moved by radius along the drawn sample's score ∇θ log q(w).
+Every step records ascent/mean_shift (‖δμ‖₂), ascent/kl (the exact KL of the step) and ascent/kl_mean in
+log.csv and metrics.json. docs/methods.md §5.1-5.2.
 """
 
     gamma: float | None = None
@@ -486,8 +508,10 @@ ascent/kl (the exact KL of the step) and ascent/kl_mean in log.csv and metrics.j
                 "direction: score (the authors' step) moves every block of θ by a Euclidean radius: give radius "
                 "(e.g. 0.1, their best CIFAR-10 setting), not gamma"
             )
+        elif self.gamma is None and self.metric is BallMetric.FISHER:
+            object.__setattr__(self, "radius", DEFAULT_RADIUS)
         elif self.gamma is None:
-            object.__setattr__(self, "gamma", 0.01)
+            object.__setattr__(self, "gamma", 0.5 * DEFAULT_RADIUS**2)
         if self.gamma is not None:
             check_number(
                 self.gamma,
@@ -600,10 +624,14 @@ ascent/kl (the exact KL of the step) and ascent/kl_mean in log.csv and metrics.j
     def _trust_region(self, theta: Mapping[str, Tensor], x: Mapping[str, Tensor], scale: float, gamma: float) -> float:
         """The factor ``t ≤ 1`` with ``KL(q_{θ+t·scale·x} ‖ q_θ) ≤ max_kl_ratio·γ`` (see ``max_kl_ratio``)."""
         bound = self.max_kl_ratio * gamma
+        matrix, step = rows(theta), rows(x)  # x covers every key of θ (natural_gradient)
+        before = matrix[:2].to(torch.float64)
+        whitened_factor = geometry(theta, torch.float64).ut  # cached: the step's own
 
         def within(t: float) -> bool:
-            moved = {k: v + (t * scale) * x[k] if k in x else v for k, v in theta.items()}
-            kl = float(kl_lowrank(moved, theta))
+            # kl_lowrank(θ + t·scale·x, θ) on the packed rows: the same numbers, no per-tensor loop
+            moved = (matrix + (t * scale) * step).to(torch.float64)
+            kl = float(kl_rows(moved, before, whitened_factor).to(matrix.dtype))
             return math.isfinite(kl) and kl <= bound
 
         if within(1.0):

@@ -28,7 +28,7 @@ import torch
 
 from flatbma.params import clone
 from flatbma.precision import GradientOverflow, scaling
-from flatbma.types import Batch, Params, Posterior, State, StepOutput
+from flatbma.types import Batch, Params, Posterior, State, StepOutput, view
 
 SCALE = "amp/scale"
 """``aux`` entry of the loss scale ``S`` (a float32 scalar)."""
@@ -103,10 +103,22 @@ class LossScaled:
 
 
 def _hiding(function: Callable[..., Any]) -> Callable[..., Any]:
-    """``function(state, ...)`` called with the state without the scale's entries."""
-    return lambda state, *args: function(_without_scale(state), *args)
+    """``function(state, ...)`` called with the state without the scale's entries.
+
+    A :func:`~flatbma.types.view` of the state: what the method derives from it is kept with the state.
+    """
+
+    def hidden(state: State, *args: Any) -> Any:
+        return function(view(state, "unscaled", state.params, state.buffers, _unscaled(state)), *args)
+
+    return hidden
 
 
 def _without_scale(state: State) -> State:
     """``state`` without the scale's ``aux`` entries (what the wrapped method knows)."""
-    return dataclasses.replace(state, aux={k: v for k, v in state.aux.items() if k not in (SCALE, GROWTH)})
+    return dataclasses.replace(state, aux=_unscaled(state))
+
+
+def _unscaled(state: State) -> Params:
+    """The ``aux`` of ``state`` without the scale's entries."""
+    return {k: v for k, v in state.aux.items() if k not in (SCALE, GROWTH)}

@@ -4,7 +4,8 @@
 ``fp_bma`` is low-rank VI composed with the Fisher-ball ascent (:class:`flatbma.optim.FisherBall`);
 it adds the builder with a low-rank Gaussian prior. ``gaussian_vi`` is the reparameterized-VI
 machinery the VI families share; ``members`` the layout, initializations and seeds of the independent
-components that ``ensemble`` and ``multi`` (a mixture of any family) share.
+components that ``ensemble`` and ``multi`` (a mixture of any family) share; ``gaussians`` what the layers
+above ask of a posterior's Gaussian (:attr:`~flatbma.types.Posterior.gaussian`).
 """
 
 from flatbma.posteriors import (
@@ -12,6 +13,7 @@ from flatbma.posteriors import (
     ensemble,
     fp_bma,
     gaussian_vi,
+    gaussians,
     laplace,
     lowrank_vi,
     mc_dropout,
@@ -28,6 +30,7 @@ __all__ = [
     "ensemble",
     "fp_bma",
     "gaussian_vi",
+    "gaussians",
     "laplace",
     "lowrank_vi",
     "mc_dropout",

@@ -29,8 +29,9 @@ momentum ``"bsam/momentum/<name>"`` and the noise seed.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import replace
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
+from functools import partial
 
 import torch
 from torch import Tensor
@@ -56,29 +57,11 @@ def posterior_std(theta: Mapping[str, Tensor], num_data: float) -> Params:
     return {k: torch.rsqrt(num_data * s) for k, s in section(theta, "precision").items()}
 
 
-def build(
-    objective: Objective,
-    optimizer: GradientTransformation,
-    ascent: Ascent | None = None,
-    *,
-    rho: float = 0.01,
-    prior_precision: float = 10.0,
-    beta1: float = 0.9,
-    beta2: float = 0.999,
-    damping: float = 0.1,
-    init_precision: float = 1.0,
-    data_factor: float = 1.0,
-) -> Posterior:
-    """Bayesian SAM (Möllenhoff & Khan 2023, Algorithm 1); the update is in the module docstring.
+@dataclass(frozen=True)
+class Options:
+    """bSAM's options (:func:`build`); the defaults are those of the paper's Algorithm 1 and the authors' CIFAR-10 run.
 
-    The defaults are those of the paper's Algorithm 1 and of the authors' CIFAR-10 command line, where
-    the learning rate is ``α = 0.5`` with a cosine schedule. ``s`` only decays from ``s₀`` at rate
-    ``1 − β₂``, so early steps are ``≈ α(1 − β₁)·g/s₀``-sized: short runs need a larger ``α``.
-
-    Args:
-        objective: model and mini-batch loss; ``objective.num_data`` gives ``N``.
-        optimizer: only its ``learning_rate(step)`` schedule is used.
-        ascent: must be ``None`` (bSAM's ascent is built in; its radius is ``rho``).
+    Attributes:
         rho: ``ρ``, the SAM radius in the precision-scaled ascent ``ε = ρ g / s`` (0 gives the noisy
             natural-gradient update without SAM).
         prior_precision: ``λ₀`` of the prior ``N(0, I/λ₀)``; ``δ = λ₀/N``.
@@ -88,72 +71,120 @@ def build(
         init_precision: ``s₀``, the initial precision scale (posterior variance ``1/(N s₀)``).
         data_factor: multiplies ``objective.num_data`` to give ``N`` (augmentation heuristic).
     """
+
+    rho: float = 0.01
+    prior_precision: float = 10.0
+    beta1: float = 0.9
+    beta2: float = 0.999
+    damping: float = 0.1
+    init_precision: float = 1.0
+    data_factor: float = 1.0
+
+
+def build(
+    objective: Objective, optimizer: GradientTransformation, ascent: Ascent | None = None, **options
+) -> Posterior:
+    """Bayesian SAM (Möllenhoff & Khan 2023, Algorithm 1); the update is in the module docstring.
+
+    The authors' CIFAR-10 learning rate is ``α = 0.5`` with a cosine schedule. ``s`` only decays from ``s₀``
+    at rate ``1 − β₂``, so early steps are ``≈ α(1 − β₁)·g/s₀``-sized: short runs need a larger ``α``.
+
+    Args:
+        objective: model and mini-batch loss; ``objective.num_data`` gives ``N``.
+        optimizer: only its ``learning_rate(step)`` schedule is used.
+        ascent: must be ``None`` (bSAM's ascent is built in; its radius is ``rho``).
+        options: the fields of :class:`Options`.
+    """
+    o = Options(**options)
     if ascent is not None:
         raise FlatbmaError("bsam has its own SAM-type ascent step (set method.rho); it takes no separate ascent")
     learning_rate = getattr(optimizer, "learning_rate", None)
     if not callable(learning_rate):
         raise FlatbmaError(f"bsam needs an optimizer with a learning_rate(step) schedule, got {type(optimizer)}")
-    _check("rho", rho, 0.0, closed_low=True)
-    _check("prior_precision", prior_precision, 0.0, closed_low=True)
-    _check("beta1", beta1, 0.0, 1.0, closed_low=True)
-    _check("beta2", beta2, 0.0, 1.0, closed_low=True)
-    _check("damping", damping, 0.0, closed_low=False)
-    _check("init_precision", init_precision, 0.0, closed_low=False)
-    _check("data_factor", data_factor, 0.0, closed_low=False)
-    n_eff = float(data_factor) * objective.num_data
-    delta = float(prior_precision) / n_eff
-
-    def init(params: Params, buffers: Params) -> State:
-        seed = new_seed()
-        if is_theta(params):
-            theta = clone(params)
-            check_sections(theta, PREFIXES, "bsam")
-        else:
-            theta = {f"mean/{k}": v.detach().clone() for k, v in params.items()}
-            theta.update({f"precision/{k}": torch.full_like(v, float(init_precision)) for k, v in params.items()})
-        mean = section(theta, "mean")
-        aux = {f"bsam/momentum/{k}": torch.zeros_like(v) for k, v in mean.items()}
-        aux[SEED_KEY] = seed.to(next(iter(mean.values())).device)
-        return State(params=theta, buffers=clone(buffers), aux=aux)
-
-    def update(state: State, batch: Batch) -> tuple[State, StepOutput]:
-        mean, prec = section(state.params, "mean"), section(state.params, "precision")
-        std = posterior_std(state.params, n_eff)
-        device = next(iter(mean.values())).device
-        z = standard_normal_like(mean, seeded_generator(state.aux[SEED_KEY], state.step, device))
-        with torch.no_grad():
-            noisy = {k: mean[k] + std[k] * z[k] for k in mean}
-        loss, logits, g = objective.value_and_grad(noisy, state.buffers, batch)
-        with torch.no_grad():
-            perturbed = {k: mean[k] + rho * g[k] / prec[k] for k in mean}
-        _, _, g_eps = objective.value_and_grad(perturbed, state.buffers, batch, update_buffers=False)
-        lr = learning_rate(state.step)
-        with torch.no_grad():
-            for k in mean:
-                gm = state.aux[f"bsam/momentum/{k}"]
-                gm.mul_(beta1).add_(g_eps[k] + delta * mean[k], alpha=1 - beta1)
-                s = prec[k]
-                target = s.sqrt() * g[k].abs() + (delta + damping)
-                s.mul_(beta2).add_(target, alpha=1 - beta2)
-                mean[k].addcdiv_(gm, s, value=-lr)
-        return replace(state, step=state.step + 1), StepOutput(loss, logits)
-
-    @torch.no_grad()
-    def sample(state: State, n: int, generator: torch.Generator | None = None) -> list[Params]:
-        mean = section(state.params, "mean")
-        std = posterior_std(state.params, n_eff)
-        out = []
-        for _ in range(n):
-            z = standard_normal_like(mean, generator)
-            out.append({**{k: mean[k] + std[k] * z[k] for k in mean}, **clone(state.buffers)})
-        return out
-
-    def mean(state: State) -> Params:  # m, with the buffers
-        return {**{k: v.detach().clone() for k, v in section(state.params, "mean").items()}, **clone(state.buffers)}
-
-    def marginal_variance(state: State) -> Params:  # 1/(N s), exactly the sampler's
-        return {k: v.detach() ** 2 for k, v in posterior_std(state.params, n_eff).items()}
-
+    _check("rho", o.rho, 0.0, closed_low=True)
+    _check("prior_precision", o.prior_precision, 0.0, closed_low=True)
+    _check("beta1", o.beta1, 0.0, 1.0, closed_low=True)
+    _check("beta2", o.beta2, 0.0, 1.0, closed_low=True)
+    _check("damping", o.damping, 0.0, closed_low=False)
+    _check("init_precision", o.init_precision, 0.0, closed_low=False)
+    _check("data_factor", o.data_factor, 0.0, closed_low=False)
+    n_eff = float(o.data_factor) * objective.num_data
     return Posterior(
-        init=init, update=update, sample=sample, recompute_bn=True, mean=mean, marginal_variance=marginal_variance
+        init=partial(init, options=o),
+        update=partial(update, options=o, objective=objective, learning_rate=learning_rate, num_data=n_eff),
+        sample=partial(sample, num_data=n_eff),
+        recompute_bn=True,
+        mean=mean,
+        marginal_variance=partial(marginal_variance, num_data=n_eff),
     )
+
+
+def init(params: Params, buffers: Params, *, options: Options) -> State:
+    """``θ = (m = w, s = s₀)`` (or ``params`` itself when it is a ``θ``), zero momentum and the noise seed."""
+    seed = new_seed()
+    if is_theta(params):
+        theta = clone(params)
+        check_sections(theta, PREFIXES, "bsam")
+    else:
+        theta = {f"mean/{k}": v.detach().clone() for k, v in params.items()}
+        theta.update({f"precision/{k}": torch.full_like(v, float(options.init_precision)) for k, v in params.items()})
+    m = section(theta, "mean")
+    aux = {f"bsam/momentum/{k}": torch.zeros_like(v) for k, v in m.items()}
+    aux[SEED_KEY] = seed.to(next(iter(m.values())).device)
+    return State(params=theta, buffers=clone(buffers), aux=aux)
+
+
+def update(
+    state: State,
+    batch: Batch,
+    *,
+    options: Options,
+    objective: Objective,
+    learning_rate: Callable[[int], float],
+    num_data: float,
+) -> tuple[State, StepOutput]:
+    """One step of Algorithm 1 (the module docstring), in place, with ``N = num_data``."""
+    o = options
+    delta = float(o.prior_precision) / num_data
+    m, prec = section(state.params, "mean"), section(state.params, "precision")
+    std = posterior_std(state.params, num_data)
+    device = next(iter(m.values())).device
+    z = standard_normal_like(m, seeded_generator(state.aux[SEED_KEY], state.step, device))
+    with torch.no_grad():
+        noisy = {k: m[k] + std[k] * z[k] for k in m}
+    loss, logits, g = objective.value_and_grad(noisy, state.buffers, batch)
+    with torch.no_grad():
+        perturbed = {k: m[k] + o.rho * g[k] / prec[k] for k in m}
+    _, _, g_eps = objective.value_and_grad(perturbed, state.buffers, batch, update_buffers=False)
+    lr = learning_rate(state.step)
+    with torch.no_grad():
+        for k in m:
+            gm = state.aux[f"bsam/momentum/{k}"]
+            gm.mul_(o.beta1).add_(g_eps[k] + delta * m[k], alpha=1 - o.beta1)
+            s = prec[k]
+            target = s.sqrt() * g[k].abs() + (delta + o.damping)
+            s.mul_(o.beta2).add_(target, alpha=1 - o.beta2)
+            m[k].addcdiv_(gm, s, value=-lr)
+    return replace(state, step=state.step + 1), StepOutput(loss, logits)
+
+
+@torch.no_grad()
+def sample(state: State, n: int, generator: torch.Generator | None = None, *, num_data: float) -> list[Params]:
+    """``n`` draws ``w = m + z/√(N s)``, ``z ~ N(0, I)``, with the buffers."""
+    m = section(state.params, "mean")
+    std = posterior_std(state.params, num_data)
+    out = []
+    for _ in range(n):
+        z = standard_normal_like(m, generator)
+        out.append({**{k: m[k] + std[k] * z[k] for k in m}, **clone(state.buffers)})
+    return out
+
+
+def mean(state: State) -> Params:
+    """``m``, with the buffers."""
+    return {**{k: v.detach().clone() for k, v in section(state.params, "mean").items()}, **clone(state.buffers)}
+
+
+def marginal_variance(state: State, *, num_data: float) -> Params:
+    """``1/(N s)``, exactly the sampler's."""
+    return {k: v.detach() ** 2 for k, v in posterior_std(state.params, num_data).items()}

@@ -6,9 +6,11 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
+from functools import partial
 
 import torch
+from torch import nn
 
 from flatbma.checks import check_int
 from flatbma.errors import FlatbmaError
@@ -27,13 +29,21 @@ from flatbma.rng import draw_seed, forked_rng
 from flatbma.types import Ascent, Batch, GradientTransformation, Params, Posterior, State, StepOutput
 
 
+@dataclass(frozen=True)
+class Options:
+    """A deep ensemble's options (:func:`build`).
+
+    Attributes:
+        size: number of members ``M``.
+        seed: seed of the members' initializations; ``None`` draws it from the global generator.
+    """
+
+    size: int = 5
+    seed: int | None = None
+
+
 def build(
-    objective: Objective,
-    optimizer: GradientTransformation,
-    ascent: Ascent | None = None,
-    *,
-    size: int = 5,
-    seed: int | None = None,
+    objective: Objective, optimizer: GradientTransformation, ascent: Ascent | None = None, **options
 ) -> Posterior:
     """A deep ensemble of ``size`` members, each trained like :func:`flatbma.posteriors.point.build`.
 
@@ -73,43 +83,70 @@ def build(
         objective: model and mini-batch loss.
         optimizer: the descent step of every member.
         ascent: the ascent step (SAM for F-ensembles), or ``None``.
-        size: number of members ``M``.
-        seed: seed of the members' initializations; ``None`` draws it from the global generator.
+        options: the fields of :class:`Options`.
 
     Raises:
         FlatbmaError: ``size < 1`` or a ``seed`` that is not a non-negative integer or ``None``.
     """
-    check_int(size, f"method.size must be an integer >= 1 (the number of ensemble members), got {size!r}", minimum=1)
-    if seed is not None:
-        check_int(seed, f"method.seed must be a non-negative integer or null, got {seed!r}", minimum=0)
+    o = Options(**options)
+    check_int(
+        o.size, f"method.size must be an integer >= 1 (the number of ensemble members), got {o.size!r}", minimum=1
+    )
+    if o.seed is not None:
+        check_int(o.seed, f"method.seed must be a non-negative integer or null, got {o.seed!r}", minimum=0)
+    return Posterior(
+        init=partial(init, options=o, model=objective.model, optimizer=optimizer, ascent=ascent),
+        update=partial(update, objective=objective, optimizer=optimizer, ascent=ascent),
+        sample=sample,
+        members=o.size,
+        split=splitter(o.size),
+    )
 
-    def init(params: Params, buffers: Params) -> State:
-        base = seed if seed is not None else draw_seed()
-        members = member_initializations(objective.model, params, buffers, size, base)
-        state_params: Params = {}
-        state_buffers: Params = {}
-        aux: Params = {}
-        for m, (p, b) in enumerate(members):
-            state_params.update(prefixed(m, p))
-            state_buffers.update(prefixed(m, b))
-            aux.update(prefixed(m, point.init_aux(optimizer, ascent, p)))
-        return State(params=state_params, buffers=state_buffers, aux=aux)
 
-    def update(state: State, batch: Batch) -> tuple[State, StepOutput]:
-        aux: Params = {}
-        outs = []
-        step_seed = draw_seed()  # one draw, whatever the members
-        for m in held(state):
-            p, b, o = (member(m, d) for d in (state.params, state.buffers, state.aux))
-            with forked_rng(member_seed(step_seed, m)):
-                o, out = point.step(objective, optimizer, ascent, p, b, o, state.step, batch)
-            aux.update(prefixed(m, o))
-            outs.append(out)
-        return replace(state, aux=aux, step=state.step + 1), mixture_output(outs)
+def init(
+    params: Params,
+    buffers: Params,
+    *,
+    options: Options,
+    model: nn.Module,
+    optimizer: GradientTransformation,
+    ascent: Ascent | None,
+) -> State:
+    """Every member's weights (:func:`~flatbma.posteriors.members.member_initializations`) and optimizer state."""
+    base = options.seed if options.seed is not None else draw_seed()
+    state_params: Params = {}
+    state_buffers: Params = {}
+    aux: Params = {}
+    for m, (p, b) in enumerate(member_initializations(model, params, buffers, options.size, base)):
+        state_params.update(prefixed(m, p))
+        state_buffers.update(prefixed(m, b))
+        aux.update(prefixed(m, point.init_aux(optimizer, ascent, p)))
+    return State(params=state_params, buffers=state_buffers, aux=aux)
 
-    def sample(state: State, n: int, generator: torch.Generator | None = None) -> list[Params]:
-        if n < 1:
-            raise FlatbmaError(f"the number of samples must be >= 1 (eval.num_samples), got {n}")
-        return [{**member(m, state.params), **member(m, state.buffers)} for m in held(state)[:n]]
 
-    return Posterior(init=init, update=update, sample=sample, members=size, split=splitter(size))
+def update(
+    state: State,
+    batch: Batch,
+    *,
+    objective: Objective,
+    optimizer: GradientTransformation,
+    ascent: Ascent | None,
+) -> tuple[State, StepOutput]:
+    """:func:`flatbma.posteriors.point.step` of every held member, member ``m`` under the seed of ``(s_t, m)``."""
+    aux: Params = {}
+    outs = []
+    step_seed = draw_seed()  # one draw, whatever the members
+    for m in held(state):
+        p, b, o = (member(m, d) for d in (state.params, state.buffers, state.aux))
+        with forked_rng(member_seed(step_seed, m)):
+            o, out = point.step(objective, optimizer, ascent, p, b, o, state.step, batch)
+        aux.update(prefixed(m, o))
+        outs.append(out)
+    return replace(state, aux=aux, step=state.step + 1), mixture_output(outs)
+
+
+def sample(state: State, n: int, generator: torch.Generator | None = None) -> list[Params]:
+    """The first ``min(n, M)`` held members' weights with their buffers (``generator`` unused)."""
+    if n < 1:
+        raise FlatbmaError(f"the number of samples must be >= 1 (eval.num_samples), got {n}")
+    return [{**member(m, state.params), **member(m, state.buffers)} for m in held(state)[:n]]

@@ -38,6 +38,7 @@ from flatbma.gaussian import (
     check_sections,
     kl_lowrank,
     kl_lowrank_grad,
+    prior_precision,
     rank_of,
     section,
 )
@@ -59,12 +60,18 @@ class LowRankGaussianWithPrior(LowRankGaussian):
 
     Attributes:
         prior: the prior's ``mean/``, ``log_std/``, ``factor/`` tensors (``prior_std`` is unused).
+        precision: the prior's :class:`~flatbma.gaussian.PriorPrecision` (``Σ_p⁻¹`` in Woodbury form); by default
+            computed once, on the prior's device (:func:`~flatbma.gaussian.prior_precision`); the KL gradient
+            computes it again on ``θ``'s device when they differ (at every step: give the prior on ``θ``'s device).
     """
 
     prior: Mapping[str, Tensor] = field(default_factory=dict)
-    _prior_cache: dict[torch.device, PriorPrecision] = field(
-        default_factory=dict, init=False, repr=False, compare=False
-    )
+    precision: PriorPrecision | None = None
+
+    def __post_init__(self) -> None:
+        if self.precision is None and self.prior:  # a constant of the family: once, on the prior's device
+            device = next(iter(self.prior.values())).device
+            object.__setattr__(self, "precision", prior_precision(self.prior, device))
 
     def _check_names(self, names: list[str]) -> None:
         prior_names = sorted(section(self.prior, "mean"))
@@ -90,7 +97,7 @@ class LowRankGaussianWithPrior(LowRankGaussian):
 
     def kl_grad(self, theta: Mapping[str, Tensor]) -> Mapping[str, Tensor]:
         """``∇_θ KL(q_θ ‖ p)`` in closed form, packed like ``θ``: :func:`~flatbma.gaussian.kl_lowrank_grad`."""
-        return kl_lowrank_grad(theta, self.prior, self._prior_cache)
+        return kl_lowrank_grad(theta, self.prior, self.precision)
 
 
 def build_with_prior(
@@ -98,11 +105,7 @@ def build_with_prior(
     optimizer: GradientTransformation,
     ascent: Ascent | None,
     prior_theta: Mapping[str, Tensor],
-    *,
-    rank: int = 5,
-    num_mc_samples: int = 1,
-    init_std: float = 1e-3,
-    kl_weight: float = 1.0,
+    **options,
 ) -> Posterior:
     """FP-BMA with a low-rank plus diagonal Gaussian prior, for Python callers and transfer pipelines.
 
@@ -120,13 +123,14 @@ def build_with_prior(
         ascent: the ascent step (:class:`~flatbma.optim.FisherBall` for FP-BMA), or ``None``.
         prior_theta: the prior's ``mean/``, ``log_std/``, ``factor/`` tensors for exactly the trainable
             parameters (its rank ``K_p ≥ 2`` may differ from ``rank``).
-        rank: ``K ≥ 2`` of ``q``.
-        num_mc_samples: Monte-Carlo samples ``M`` per step.
-        init_std: initial marginal standard deviation of every weight (when ``init`` gets weights).
-        kl_weight: ``κ``.
+        options: the fields of :class:`~flatbma.posteriors.lowrank_vi.Options`; ``prior_std``, the scale of
+            the default prior that ``prior_theta`` replaces, does not apply.
     """
-    lowrank_vi.check_rank(rank)
-    gaussian_vi.check_options(num_mc_samples=num_mc_samples, init_std=init_std, prior_std=1.0, kl_weight=kl_weight)
+    o = lowrank_vi.Options(**options)
+    lowrank_vi.check_rank(o.rank)
+    gaussian_vi.check_options(
+        num_mc_samples=o.num_mc_samples, init_std=o.init_std, prior_std=1.0, kl_weight=o.kl_weight
+    )
     if not isinstance(prior_theta, Mapping):
         raise FlatbmaError(f"prior_theta must be a dict of tensors in θ layout, got {type(prior_theta).__name__}")
     check_sections(prior_theta, PREFIXES, "fp-bma prior")
@@ -139,5 +143,5 @@ def build_with_prior(
     if not all(torch.isfinite(v).all() for v in prior_theta.values()):
         raise FlatbmaError("the fp-bma prior contains non-finite values")
     prior = {k: v.detach() for k, v in prior_theta.items()}
-    family = LowRankGaussianWithPrior(rank=rank, init_std=float(init_std), prior_std=1.0, prior=prior)
-    return lowrank_vi.posterior(objective, optimizer, ascent, family, num_mc_samples, kl_weight)
+    family = LowRankGaussianWithPrior(rank=o.rank, init_std=float(o.init_std), prior_std=1.0, prior=prior)
+    return lowrank_vi.posterior(objective, optimizer, ascent, family, o.num_mc_samples, o.kl_weight)

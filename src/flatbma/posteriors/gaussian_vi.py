@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
+from functools import partial
 from typing import Protocol
 
 import torch
@@ -337,53 +338,84 @@ def build(
         kl_weight: ``κ``.
     """
     optimizer = with_decay_mask(optimizer, family.decays)  # weight decay on μ, never on σ or L
-    on_theta = ascent_space(ascent) is AscentSpace.THETA
     if needs_sample(ascent) and num_mc_samples != 1:
         raise FlatbmaError(
             f"the ascent step is taken from the drawn sample (direction: score, as the authors' code: one sample per "
             f"step), but method.num_mc_samples is {num_mc_samples}: set it to 1"
         )
+    fixed = {"family": family, "optimizer": optimizer, "ascent": ascent, "num_mc_samples": num_mc_samples}
+    return Posterior(
+        init=partial(init, **fixed),
+        update=partial(update, **fixed, objective=objective, kl_weight=kl_weight),
+        sample=sampler(family),
+        recompute_bn=True,
+    )
+
+
+def init(
+    params: Params,
+    buffers: Params,
+    *,
+    family: ReparameterizedFamily,
+    optimizer: GradientTransformation,
+    ascent: Ascent | None,
+    num_mc_samples: int,
+) -> State:
+    """``θ``, its optimizer's state, the noise seed (``aux["rng/seed"]``) and the ascent step's memories.
+
+    ``θ`` is ``family.init_theta`` of the weights ``params``, or ``params`` itself when it is a ``θ``.
+    """
+    seed = new_seed()
+    if is_theta(params):
+        theta = clone(params)
+        family.check_theta(theta)
+    else:
+        theta = family.init_theta(clone(params), seeded_generator(seed, -1, _device(params)))
+    if hasattr(family, "layout"):
+        theta = packed.pack(theta, family.layout(theta))
+    aux = {**optimizer.init(theta), SEED_KEY: seed.to(_device(theta))}
+    on_theta = ascent_space(ascent) is AscentSpace.THETA
+    if has_memory(ascent) and on_theta:
+        aux.update(ascent_memory(ascent, theta))
+    elif has_memory(ascent):
+        aux.update(weight_memories(family, ascent, theta, num_mc_samples))
+    return State(params=theta, buffers=clone(buffers), aux=aux)
+
+
+def update(
+    state: State,
+    batch: Batch,
+    *,
+    family: ReparameterizedFamily,
+    optimizer: GradientTransformation,
+    ascent: Ascent | None,
+    num_mc_samples: int,
+    objective: Objective,
+    kl_weight: float,
+) -> tuple[State, StepOutput]:
+    """``θ ← optimizer(θ, ∇_θ ℒ)`` on ``M`` noise samples drawn from the generator of ``(seed, step)``."""
+    on_theta = ascent_space(ascent) is AscentSpace.THETA
     value_and_grad = theta_sharpness_value_and_grad if on_theta else elbo_value_and_grad
-
-    def init(params: Params, buffers: Params) -> State:
-        seed = new_seed()
-        if is_theta(params):
-            theta = clone(params)
-            family.check_theta(theta)
-        else:
-            theta = family.init_theta(clone(params), seeded_generator(seed, -1, _device(params)))
-        if hasattr(family, "layout"):
-            theta = packed.pack(theta, family.layout(theta))
-        aux = {**optimizer.init(theta), SEED_KEY: seed.to(_device(theta))}
-        if has_memory(ascent) and on_theta:
-            aux.update(ascent_memory(ascent, theta))
-        elif has_memory(ascent):
-            aux.update(weight_memories(family, ascent, theta, num_mc_samples))
-        return State(params=theta, buffers=clone(buffers), aux=aux)
-
-    def update(state: State, batch: Batch) -> tuple[State, StepOutput]:
-        state = _repacked(family, state)
-        generator = seeded_generator(state.aux[SEED_KEY], state.step, _device(state.params))
-        theta = packed.as_packed(state.params)  # one layout check for the whole step
-        noises = [family.noise(theta, generator) for _ in range(num_mc_samples)]
-        kept = memory_entries(state.aux) if has_memory(ascent) else {}
-        memory = {}  # the ascent step's memory (updated in place): one on θ, one per sample on weights
-        if kept and on_theta:
-            memory = {"memory": memory_of(kept)}
-        elif kept:
-            memory = {"memories": [memory_of(kept, _sample_prefix(i)) for i in range(num_mc_samples)]}
-        record: dict[str, Tensor] = {}  # the ascent's step size on θ (theta_sharpness_value_and_grad)
-        if on_theta:
-            memory["record"] = record
-        loss, logits, grads = value_and_grad(
-            objective, family, theta, state.buffers, batch, noises, ascent=ascent, kl_weight=kl_weight, **memory
-        )
-        aux = optimizer.apply(state.params, grads, state.aux, state.step)
-        aux = {**aux, SEED_KEY: state.aux[SEED_KEY], **kept}
-        stats = {f"ascent/{k}": v for k, v in record.items()}
-        return replace(state, aux=aux, step=state.step + 1), StepOutput(loss, logits, stats)
-
-    return Posterior(init=init, update=update, sample=sampler(family), recompute_bn=True)
+    state = _repacked(family, state)
+    generator = seeded_generator(state.aux[SEED_KEY], state.step, _device(state.params))
+    theta = packed.as_packed(state.params)  # one layout check for the whole step
+    noises = [family.noise(theta, generator) for _ in range(num_mc_samples)]
+    kept = memory_entries(state.aux) if has_memory(ascent) else {}
+    memory = {}  # the ascent step's memory (updated in place): one on θ, one per sample on weights
+    if kept and on_theta:
+        memory = {"memory": memory_of(kept)}
+    elif kept:
+        memory = {"memories": [memory_of(kept, _sample_prefix(i)) for i in range(num_mc_samples)]}
+    record: dict[str, Tensor] = {}  # the ascent's step size on θ (theta_sharpness_value_and_grad)
+    if on_theta:
+        memory["record"] = record
+    loss, logits, grads = value_and_grad(
+        objective, family, theta, state.buffers, batch, noises, ascent=ascent, kl_weight=kl_weight, **memory
+    )
+    aux = optimizer.apply(state.params, grads, state.aux, state.step)
+    aux = {**aux, SEED_KEY: state.aux[SEED_KEY], **kept}
+    stats = {f"ascent/{k}": v for k, v in record.items()}
+    return replace(state, aux=aux, step=state.step + 1), StepOutput(loss, logits, stats)
 
 
 def _sample_prefix(i: int) -> str:
@@ -403,16 +435,19 @@ def weight_memories(family: ReparameterizedFamily, ascent: Ascent, theta: Mappin
 
 
 def sampler(family: ReparameterizedFamily) -> Callable[[State, int, torch.Generator | None], list[Params]]:
-    """``sample(state, n, generator)``: ``n`` draws ``w = reparameterize(θ, noise)`` of ``q_θ``, with the buffers."""
+    """``sample(state, n, generator)`` of ``family``: :func:`sample` with the family bound."""
+    return partial(sample, family=family)
 
-    @torch.no_grad()
-    def sample(state: State, n: int, generator: torch.Generator | None = None) -> list[Params]:
-        return [
-            {**family.reparameterize(state.params, family.noise(state.params, generator)), **clone(state.buffers)}
-            for _ in range(n)
-        ]
 
-    return sample
+@torch.no_grad()
+def sample(
+    state: State, n: int, generator: torch.Generator | None = None, *, family: ReparameterizedFamily
+) -> list[Params]:
+    """``n`` draws ``w = reparameterize(θ, noise)`` of ``q_θ``, with the buffers."""
+    return [
+        {**family.reparameterize(state.params, family.noise(state.params, generator)), **clone(state.buffers)}
+        for _ in range(n)
+    ]
 
 
 def mean_of(state: State) -> Params:

@@ -16,11 +16,14 @@ import logging
 import math
 from dataclasses import dataclass, replace
 from enum import Enum
+from functools import partial
+from typing import ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from flatbma.bn import eval_mode
 from flatbma.checks import is_int, is_number, parse_choice
 from flatbma.curvature import (
     Blocks,
@@ -38,8 +41,17 @@ from flatbma.models import classifier_of, is_pretrained
 from flatbma.params import Objective, clone
 from flatbma.posteriors.point import step as point_step
 from flatbma.posteriors.point import weights_of
-from flatbma.predict import eval_mode
-from flatbma.types import Ascent, Batch, GradientTransformation, Params, Posterior, Predictive, State, StepOutput
+from flatbma.types import (
+    Ascent,
+    Batch,
+    GradientTransformation,
+    Params,
+    Posterior,
+    Predictive,
+    State,
+    StepOutput,
+    derive,
+)
 
 PREFIX = "laplace/"
 """Prefix of the curvature's entries in ``State.aux`` (the MAP's optimizer state has none)."""
@@ -50,9 +62,8 @@ NLL = PREFIX + "nll"
 PRIOR_MEAN = PREFIX + "prior_mean/"
 """Prefix of the ``aux`` entries ``w₀`` of ``prior_mean: pretrained``, one per trained tensor (its dtype)."""
 
-_MEMO_SIZE = 4
-"""Fitted states kept, latest first (``multi`` of Laplace asks for each member's in turn); a fit holds its state's
-tensors and ``H``'s eigendecomposition (the dual form's ``V`` is ``d × r`` float64)."""
+VALIDATION = "val"
+"""``prior_precision: val``: δ chosen on validation data after training (by the experiment layer)."""
 
 _log = logging.getLogger(__name__)
 
@@ -83,6 +94,58 @@ class Subset(str, Enum):
     LAST_LAYER = "last-layer"
 
 
+class Phase(str, Enum):
+    """Where a Laplace state is (:func:`phase`): its updates train the MAP, then accumulate the curvature.
+
+    The posterior (:func:`fitted`) is the curvature phase's accumulators at the state's MAP, fitted on first use.
+    """
+
+    MAP = "map"
+    CURVATURE = "curvature"
+
+
+@dataclass(frozen=True)
+class Options:
+    """Laplace's options (:func:`build`).
+
+    Attributes:
+        start_step: MAP updates before the curvature phase (0: post-hoc Laplace of the weights given to
+            ``init``). ``None`` is left to the experiment layer, which sets ``train.epochs`` × steps per
+            epoch, the optimizer's schedule, and runs :attr:`extra_epochs` more: the curvature phase; a state
+            cannot be updated with ``None``.
+        hessian: ``diag``, ``kfac`` (Linear/Conv2d weights ``B ⊗ A``, everything else diagonal) or ``full``.
+        curvature: ``ggn`` or ``ef`` (the empirical Fisher: cheaper, not second-order information).
+        prior_precision: a fixed ``δ > 0``, ``None`` to maximize the evidence, or ``"val"``
+            (:data:`VALIDATION`): chosen after training by the BMA's validation NLL over a grid, which the
+            experiment layer does (:func:`flatbma.fit_posterior` with ``val_loader=``); until it is chosen, the
+            posterior is the evidence's (δ enters neither the MAP nor the curvature).
+        prior_structure: ``scalar`` (one ``δ``) or ``layerwise`` (one per parameter tensor; not with ``full``).
+        prior_mean: ``zero`` or ``pretrained`` (:class:`PriorMean`; a model with no trained tensor loaded
+            from a checkpoint is refused at ``init``).
+        temperature: ``T > 0`` of ``P = H/T + δ`` (``T < 1`` sharpens the posterior).
+        predictive: ``glm``, ``probit`` or ``samples`` (:class:`flatbma.types.Predictive`).
+        max_full: ``full``: the primal ``[d, d]`` form up to ``d = max_full``, the dual rows up to
+            ``n·C = max_full``; otherwise refused.
+        subset: the weights the posterior is over (:class:`Subset`): ``all`` trained weights, or the
+            ``last-layer`` (the classifier's weight and bias; the other trained weights stay at ``w*``, and
+            ``H``, ``δ``, the evidence, the samples and the variances are the last layer's).
+    """
+
+    extra_epochs: ClassVar[int] = 1
+    """Epochs of training data the curvature phase takes after a MAP phase of ``start_step: None``."""
+
+    start_step: int | None = None
+    hessian: Hessian = Hessian.KFAC
+    curvature: Curvature = Curvature.GGN
+    prior_precision: float | Literal["val"] | None = None
+    prior_structure: PriorStructure = PriorStructure.SCALAR
+    prior_mean: PriorMean = PriorMean.ZERO
+    temperature: float = 1.0
+    predictive: Predictive = Predictive.GLM
+    max_full: int = 4096
+    subset: Subset = Subset.ALL
+
+
 @dataclass(frozen=True)
 class Fit:
     """A state's posterior: ``H`` eigendecomposed, the prior precision ``δ`` per block and the evidence.
@@ -101,20 +164,7 @@ class Fit:
 
 
 def build(
-    objective: Objective,
-    optimizer: GradientTransformation,
-    ascent: Ascent | None = None,
-    *,
-    start_step: int | None = None,
-    hessian: Hessian = Hessian.KFAC,
-    curvature: Curvature = Curvature.GGN,
-    prior_precision: float | None = None,
-    prior_structure: PriorStructure = PriorStructure.SCALAR,
-    prior_mean: PriorMean = PriorMean.ZERO,
-    temperature: float = 1.0,
-    predictive: Predictive = Predictive.GLM,
-    max_full: int = 4096,
-    subset: Subset = Subset.ALL,
+    objective: Objective, optimizer: GradientTransformation, ascent: Ascent | None = None, **options
 ) -> Posterior:
     """A MAP phase, then a curvature phase, then ``N(w*, P⁻¹)`` with ``P = H/T + δ``.
 
@@ -138,7 +188,8 @@ def build(
     saved predictor holds it. The Laplace approximation stays post hoc: its mean is ``w*``, and ``w₀`` enters
     only through ``δ`` and the evidence.
 
-    Posterior (computed from the state on first use, memoized, never stored): ``δ`` is
+    Posterior (computed from the state on first use and kept with it, :func:`flatbma.types.derive`; never
+    saved): ``δ`` is
     ``prior_precision``, or the maximizer of the Laplace evidence (MacKay 1992)
     ``log Z(δ) = −Σ_i ℓ_i(w*) − ½ Σ_g δ_g‖w*_g − w₀_g‖² + ½ Σ_g d_g log δ_g − ½ log det(H/T + diag δ)``,
     where ``δ‖w* − w₀‖² = γ`` (:func:`flatbma.curvature.optimize_prior`; one ``δ`` or one per parameter
@@ -156,203 +207,247 @@ def build(
         objective: model and mini-batch loss (cross-entropy: the GGN's ``Λ`` is its Hessian).
         optimizer: the MAP's descent step.
         ascent: the MAP's ascent step (SAM: F-Laplace), or ``None``.
-        start_step: MAP updates before the curvature phase (0: post-hoc Laplace of the weights given to
-            ``init``). ``None`` is left to the experiment layer, which sets ``train.epochs`` × steps per
-            epoch (the run then takes one epoch more); a state cannot be updated with ``None``.
-        hessian: ``diag``, ``kfac`` (Linear/Conv2d weights ``B ⊗ A``, everything else diagonal) or ``full``.
-        curvature: ``ggn`` or ``ef`` (the empirical Fisher: cheaper, not second-order information).
-        prior_precision: a fixed ``δ > 0``, or ``None`` to maximize the evidence.
-        prior_structure: ``scalar`` (one ``δ``) or ``layerwise`` (one per parameter tensor; not with ``full``).
-        prior_mean: ``zero`` or ``pretrained`` (:class:`PriorMean`; a model with no trained tensor loaded
-            from a checkpoint is refused at ``init``).
-        temperature: ``T > 0`` of ``P = H/T + δ`` (``T < 1`` sharpens the posterior).
-        predictive: ``glm``, ``probit`` or ``samples`` (:class:`flatbma.types.Predictive`).
-        max_full: ``full``: the primal ``[d, d]`` form up to ``d = max_full``, the dual rows up to
-            ``n·C = max_full``; otherwise refused.
-        subset: the weights the posterior is over (:class:`Subset`): ``all`` trained weights, or the
-            ``last-layer`` (the classifier's weight and bias; the other trained weights stay at ``w*``, and
-            ``H``, ``δ``, the evidence, the samples and the variances are the last layer's).
+        options: the fields of :class:`Options`.
 
     Raises:
         FlatbmaError: an option out of range, a loss other than cross-entropy, and (at ``init``) a
             structure the trained weights or the run cannot take (see :func:`check_options`).
     """
-    hessian, curvature, prior_structure, prior_mean, predictive = check_options(
-        start_step=start_step,
-        hessian=hessian,
-        curvature=curvature,
-        prior_precision=prior_precision,
-        prior_structure=prior_structure,
-        prior_mean=prior_mean,
-        temperature=temperature,
-        predictive=predictive,
-        max_full=max_full,
-    )
+    o = check_options(Options(**options))
     if objective.loss_fn is not F.cross_entropy:
         raise FlatbmaError(
             "laplace: the curvature is the Gauss-Newton of the cross-entropy (softmax) loss, but the objective has "
             f"another loss_fn ({getattr(objective.loss_fn, '__name__', type(objective.loss_fn).__name__)}); use the "
             "default cross-entropy"
         )
-    model = objective.model
-    subset = parse_choice(Subset, subset, "method.subset")
-    estimators: dict[tuple, Estimator] = {}
-
-    def chosen(params: Params) -> Params:
-        """The weights of ``params`` the posterior is over (:class:`Subset`)."""
-        return params if subset is Subset.ALL else _last_layer(model, params)
-    fits: list[tuple[tuple[tuple[Tensor, int], ...], Fit]] = []  # (tensors and versions, fit), latest last
-
-    def estimator_of(params: Params) -> Estimator:
-        key = tuple((k, tuple(v.shape), v.dtype, v.device) for k, v in params.items())
-        if key not in estimators:
-            est = estimator(
-                hessian,
-                curvature,
-                model,
-                params,
-                num_data=objective.num_data,
-                num_classes=_num_classes(model),
-                max_full=max_full,
-            )
-            if objective.reduce_grads is not None and not est.data_parallel:
-                raise FlatbmaError(
-                    "laplace: hessian: full in its dual form (n·C ≤ max_full < d) keeps one row per training example "
-                    "and cannot run under train.parallel: data; use hessian: kfac or diag, or one process"
-                )
-            if prior_precision is None and prior_structure is PriorStructure.LAYERWISE and not est.blockwise:
-                raise FlatbmaError(
-                    "laplace: prior_structure: layerwise needs a curvature that is block-diagonal over parameter "
-                    "tensors, but hessian: full couples them all; use prior_structure: scalar, or hessian: kfac or diag"
-                )
-            _log.info("laplace curvature: %s", est.describe())
-            estimators[key] = est
-        return estimators[key]
-
-    def init(params: Params, buffers: Params) -> State:
-        params = clone(params)
-        aux = optimizer.init(params)
-        est = estimator_of(chosen(params))
-        device = next(iter(params.values())).device
-        aux.update({PREFIX + k: v for k, v in est.init().items()})
-        aux[SEEN] = torch.zeros((), dtype=torch.int64, device=device)
-        aux[NLL] = torch.zeros((), dtype=torch.float64, device=device)
-        if prior_mean is PriorMean.PRETRAINED:
-            aux.update({PRIOR_MEAN + k: v for k, v in pretrained_mean(model, params).items()})
-        return State(params=params, buffers=clone(buffers), aux=aux)
-
-    def update(state: State, batch: Batch) -> tuple[State, StepOutput]:
-        if start_step is None:
-            raise FlatbmaError(
-                "laplace.build(start_step=None) leaves the length of the MAP phase to the experiment layer; give "
-                "start_step (the MAP updates; 0 = post-hoc Laplace of the weights given to init)"
-            )
-        if state.step < start_step:
-            opt = {k: v for k, v in state.aux.items() if not k.startswith(PREFIX)}
-            own = {k: v for k, v in state.aux.items() if k.startswith(PREFIX)}
-            opt, out = point_step(objective, optimizer, ascent, state.params, state.buffers, opt, state.step, batch)
-            return replace(state, aux={**opt, **own}, step=state.step + 1), out
-        return _curvature_step(state, batch)
-
-    def _curvature_step(state: State, batch: Batch) -> tuple[State, StepOutput]:
-        x, y = batch
-        bayesian = chosen(state.params)
-        est = estimator_of(bayesian)
-        seen, b = int(state.aux[SEEN]), int(y.shape[0])
-        if est.form == "dual" and seen + b > objective.num_data:
-            raise FlatbmaError(
-                f"laplace: hessian: full in its dual form keeps one row per training example, so its curvature "
-                f"phase is one epoch, but start_step={start_step} leaves more updates (after {seen} examples); set "
-                "start_step to train.epochs × steps per epoch (null in a config)"
-            )
-        reduce = objective.reduce_grads
-        buffers = state.buffers
-        if reduce is not None and state.step == start_step:  # every process linearizes the same network
-            floats = {k: v for k, v in buffers.items() if v.is_floating_point()}
-            averaged = reduce(floats) if floats else {}
-            buffers = {k: averaged[k].clone() if k in averaged else v for k, v in buffers.items()}
-        fixed = {k: v for k, v in state.params.items() if k not in bayesian}  # at w*, no curvature
-        acc = est.accumulate(_accumulators(state.aux), bayesian, {**buffers, **fixed}, x, y, offset=seen, reduce=reduce)
-        with torch.no_grad(), eval_mode(model):
-            logits = objective.logits({**state.params, **buffers}, x)
-            losses = F.cross_entropy(logits, y, reduction="none")
-        nll = losses.to(torch.float64).sum()
-        if reduce is not None:  # Σ over the global batch / number of processes, as the curvature
-            nll = reduce({"nll": nll / b})["nll"] * b
-        aux = dict(state.aux)
-        aux.update({PREFIX + k: v for k, v in acc.items()})
-        aux[SEEN] = state.aux[SEEN] + b
-        aux[NLL] = state.aux[NLL] + nll
-        out = StepOutput(objective.loss_fn(logits, y), logits)
-        return replace(state, buffers=buffers, aux=aux, step=state.step + 1), out
-
-    def fitted(state: State) -> Fit:
-        """The state's :class:`Fit`, memoized by the identity and version of the tensors it depends on."""
-        tensors = [*state.params.values(), *(v for k, v in state.aux.items() if k.startswith(PREFIX))]
-        key = tuple((t, t._version) for t in tensors)  # holding the tensors keeps their identities unique
-        for i, (held, fit) in enumerate(fits):
-            if len(held) == len(key) and all(a is c and va == vc for (a, va), (c, vc) in zip(held, key)):
-                fits.append(fits.pop(i))
-                return fit
-        fit = _fit(state)
-        fits.append((key, fit))
-        del fits[:-_MEMO_SIZE]
-        return fit
-
-    def _fit(state: State) -> Fit:
-        seen = int(state.aux[SEEN])
-        if seen < 1:
-            raise FlatbmaError(
-                "laplace: no curvature was accumulated yet (the state is still in its MAP phase): train at least one "
-                "epoch after start_step before sampling"
-            )
-        params = chosen(state.params)
-        est = estimator_of(params)
-        blocks = est.blocks(_accumulators(state.aux), seen, objective.num_data)
-        w0 = None
-        if prior_mean is PriorMean.PRETRAINED:
-            w0 = {k[len(PRIOR_MEAN) :]: v for k, v in state.aux.items() if k[len(PRIOR_MEAN) :] in params}
-        if prior_precision is None:
-            delta = optimize_prior(blocks, params, temperature, prior_structure, w0)
-        else:
-            delta = dict.fromkeys(blocks.names, float(prior_precision))
-        nll = float(state.aux[NLL]) * objective.num_data / seen  # the summed loss over the n training examples
-        return Fit(
-            blocks=blocks,
-            delta=delta,
-            log_evidence=log_evidence(blocks, params, nll, delta, temperature, w0),
-            effective_params=effective_parameters(blocks, delta, temperature),
-        )
-
-    def sample(state: State, n: int, generator: torch.Generator | None = None) -> list[Params]:
-        fit = fitted(state)
-        draws = fit.blocks.sample(n, fit.delta, temperature, generator)
-        return [{**{k: v + d[k] if k in d else v for k, v in state.params.items()}, **state.buffers} for d in draws]
-
-    def marginal_variance(state: State) -> Params:
-        fit = fitted(state)
-        return fit.blocks.marginal_variance(fit.delta, temperature)
-
-    def functional_variance(state: State, jac: Params) -> Tensor:
-        fit = fitted(state)
-        over = chosen(state.params)  # the other weights have no variance: their Jacobians do not enter
-        return fit.blocks.functional_variance({k: v for k, v in jac.items() if k in over}, fit.delta, temperature)
-
-    def diagnostics(state: State) -> dict[str, float]:
-        fit = fitted(state)
-        return describe(fit)
-
+    fixed = {"options": o, "objective": objective}
     return Posterior(
-        init=init,
-        update=update,
-        sample=sample,
+        init=partial(init, **fixed, optimizer=optimizer),
+        update=partial(update, **fixed, optimizer=optimizer, ascent=ascent),
+        sample=partial(sample, **fixed),
         recompute_bn=True,
         mean=weights_of,
-        marginal_variance=marginal_variance,
-        predictive=predictive,
-        functional_variance=functional_variance,
-        diagnostics=diagnostics,
+        marginal_variance=partial(marginal_variance, **fixed),
+        predictive=o.predictive,
+        functional_variance=partial(functional_variance, **fixed),
+        diagnostics=partial(diagnostics, **fixed),
     )
+
+
+def init(
+    params: Params, buffers: Params, *, options: Options, objective: Objective, optimizer: GradientTransformation
+) -> State:
+    """The MAP's optimizer state, empty curvature accumulators, ``SEEN = NLL = 0`` and, if pretrained, ``w₀``."""
+    params = clone(params)
+    aux = optimizer.init(params)
+    est = _estimator(options, objective, chosen(options, objective, params))
+    _log.info("laplace curvature: %s", est.describe())
+    device = next(iter(params.values())).device
+    aux.update({PREFIX + k: v for k, v in est.init().items()})
+    aux[SEEN] = torch.zeros((), dtype=torch.int64, device=device)
+    aux[NLL] = torch.zeros((), dtype=torch.float64, device=device)
+    if options.prior_mean is PriorMean.PRETRAINED:
+        aux.update({PRIOR_MEAN + k: v for k, v in pretrained_mean(objective.model, params).items()})
+    return State(params=params, buffers=clone(buffers), aux=aux)
+
+
+def phase(state: State, options: Options) -> Phase:
+    """:attr:`Phase.MAP` for the first ``start_step`` updates, then :attr:`Phase.CURVATURE`.
+
+    Raises:
+        FlatbmaError: ``start_step`` is ``None`` (left to the experiment layer, which sets it).
+    """
+    if options.start_step is None:
+        raise FlatbmaError(
+            "laplace.build(start_step=None) leaves the length of the MAP phase to the experiment layer; give "
+            "start_step (the MAP updates; 0 = post-hoc Laplace of the weights given to init)"
+        )
+    return Phase.MAP if state.step < options.start_step else Phase.CURVATURE
+
+
+def update(
+    state: State,
+    batch: Batch,
+    *,
+    options: Options,
+    objective: Objective,
+    optimizer: GradientTransformation,
+    ascent: Ascent | None,
+) -> tuple[State, StepOutput]:
+    """One update of the state's :func:`phase`: :func:`map_step` or :func:`curvature_step`."""
+    if phase(state, options) is Phase.MAP:
+        return map_step(state, batch, objective=objective, optimizer=optimizer, ascent=ascent)
+    return curvature_step(state, batch, options=options, objective=objective)
+
+
+def map_step(
+    state: State, batch: Batch, *, objective: Objective, optimizer: GradientTransformation, ascent: Ascent | None
+) -> tuple[State, StepOutput]:
+    """:func:`flatbma.posteriors.point.step` on the MAP, the curvature's entries (``laplace/``) left as they are."""
+    opt = {k: v for k, v in state.aux.items() if not k.startswith(PREFIX)}
+    own = {k: v for k, v in state.aux.items() if k.startswith(PREFIX)}
+    opt, out = point_step(objective, optimizer, ascent, state.params, state.buffers, opt, state.step, batch)
+    return replace(state, aux={**opt, **own}, step=state.step + 1), out
+
+
+def curvature_step(state: State, batch: Batch, *, options: Options, objective: Objective) -> tuple[State, StepOutput]:
+    """Add the batch's ``Σ_{i∈B} J_iᵀ Λ_i J_i`` (or ``Σ_i g_i g_iᵀ``) and ``Σ_i ℓ_i(w*)`` at ``w*``, in eval mode.
+
+    The first one (``step = start_step``) under data parallelism averages the BatchNorm statistics over the
+    processes, so that every process linearizes the same network.
+    """
+    x, y = batch
+    bayesian = chosen(options, objective, state.params)
+    est = _estimator(options, objective, bayesian)
+    seen, b = int(state.aux[SEEN]), int(y.shape[0])
+    if est.form == "dual" and seen + b > objective.num_data:
+        raise FlatbmaError(
+            f"laplace: hessian: full in its dual form keeps one row per training example, so its curvature "
+            f"phase is one epoch, but start_step={options.start_step} leaves more updates (after {seen} examples); "
+            "set start_step to train.epochs × steps per epoch (null in a config)"
+        )
+    reduce = objective.reduce_grads
+    buffers = state.buffers
+    if reduce is not None and state.step == options.start_step:  # every process linearizes the same network
+        floats = {k: v for k, v in buffers.items() if v.is_floating_point()}
+        averaged = reduce(floats) if floats else {}
+        buffers = {k: averaged[k].clone() if k in averaged else v for k, v in buffers.items()}
+    fixed = {k: v for k, v in state.params.items() if k not in bayesian}  # at w*, no curvature
+    acc = est.accumulate(_accumulators(state.aux), bayesian, {**buffers, **fixed}, x, y, offset=seen, reduce=reduce)
+    with torch.no_grad(), eval_mode(objective.model):
+        logits = objective.logits({**state.params, **buffers}, x)
+        losses = F.cross_entropy(logits, y, reduction="none")
+    nll = losses.to(torch.float64).sum()
+    if reduce is not None:  # Σ over the global batch / number of processes, as the curvature
+        nll = reduce({"nll": nll / b})["nll"] * b
+    aux = dict(state.aux)
+    aux.update({PREFIX + k: v for k, v in acc.items()})
+    aux[SEEN] = state.aux[SEEN] + b
+    aux[NLL] = state.aux[NLL] + nll
+    out = StepOutput(objective.loss_fn(logits, y), logits)
+    return replace(state, buffers=buffers, aux=aux, step=state.step + 1), out
+
+
+def fitted(state: State, *, options: Options, objective: Objective) -> Fit:
+    """The state's posterior :class:`Fit`, computed on first use and kept with it (:func:`~flatbma.types.derive`).
+
+    ``H = (n/n_seen)·Σ_seen`` in eigen form, ``δ`` (fixed, or maximizing the evidence), ``log Z(δ)`` and ``γ``.
+
+    Raises:
+        FlatbmaError: the state accumulated no curvature yet (it is in its MAP phase).
+    """
+    key = ("laplace/fit", options, objective.num_data)  # one state may be read under other options
+    return derive(state, key, partial(_fit, options=options, objective=objective))
+
+
+def _fit(state: State, *, options: Options, objective: Objective) -> Fit:
+    seen = int(state.aux[SEEN])
+    if seen < 1:
+        raise FlatbmaError(
+            "laplace: no curvature was accumulated yet (the state is still in its MAP phase): train at least one "
+            "epoch after start_step before sampling"
+        )
+    params = chosen(options, objective, state.params)
+    est = _estimator(options, objective, params)
+    blocks = est.blocks(_accumulators(state.aux), seen, objective.num_data)
+    w0 = None
+    if options.prior_mean is PriorMean.PRETRAINED:
+        w0 = {
+            k[len(PRIOR_MEAN) :]: v
+            for k, v in state.aux.items()
+            if k.startswith(PRIOR_MEAN) and k[len(PRIOR_MEAN) :] in params
+        }
+    t = options.temperature
+    if options.prior_precision is None or options.prior_precision == VALIDATION:  # val: the evidence's until chosen
+        delta = optimize_prior(blocks, params, t, options.prior_structure, w0)
+    else:
+        delta = dict.fromkeys(blocks.names, float(options.prior_precision))
+    nll = float(state.aux[NLL]) * objective.num_data / seen  # the summed loss over the n training examples
+    return Fit(
+        blocks=blocks,
+        delta=delta,
+        log_evidence=log_evidence(blocks, params, nll, delta, t, w0),
+        effective_params=effective_parameters(blocks, delta, t),
+    )
+
+
+def sample(
+    state: State, n: int, generator: torch.Generator | None = None, *, options: Options, objective: Objective
+) -> list[Params]:
+    """``n`` draws ``w* + Δ_m``, ``Δ_m ~ N(0, P⁻¹)`` (``Δ_m = 0`` off the :class:`Subset`), with the buffers."""
+    fit = fitted(state, options=options, objective=objective)
+    draws = fit.blocks.sample(n, fit.delta, options.temperature, generator)
+    return [{**{k: v + d[k] if k in d else v for k, v in state.params.items()}, **state.buffers} for d in draws]
+
+
+def marginal_variance(state: State, *, options: Options, objective: Objective) -> Params:
+    """``diag P⁻¹`` by parameter name, exact for the structure."""
+    fit = fitted(state, options=options, objective=objective)
+    return fit.blocks.marginal_variance(fit.delta, options.temperature)
+
+
+def functional_variance(state: State, jac: Params, *, options: Options, objective: Objective) -> Tensor:
+    """``diag(J P⁻¹ Jᵀ)`` ``[B, C]`` for the per-example Jacobians ``jac``, exact for the structure.
+
+    Only the Jacobians of the :class:`Subset`'s weights enter (the others have no variance).
+    """
+    fit = fitted(state, options=options, objective=objective)
+    over = chosen(options, objective, state.params)
+    return fit.blocks.functional_variance({k: v for k, v in jac.items() if k in over}, fit.delta, options.temperature)
+
+
+def diagnostics(state: State, *, options: Options, objective: Objective) -> dict[str, float]:
+    """The fit's prior precision, log evidence and effective number of parameters (:func:`describe`)."""
+    return describe(fitted(state, options=options, objective=objective))
+
+
+def chosen(options: Options, objective: Objective, params: Params) -> Params:
+    """The weights of ``params`` the posterior is over (:attr:`Options.subset`)."""
+    return params if options.subset is Subset.ALL else _last_layer(objective.model, params)
+
+
+def _last_layer(model: torch.nn.Module, params: Params) -> Params:
+    """The trained weights of ``model``'s classifier, its last ``nn.Linear`` (:attr:`Subset.LAST_LAYER`)."""
+    try:
+        name = classifier_of(model)[0]
+    except FlatbmaError:
+        raise FlatbmaError(
+            f"laplace: subset: last-layer is the classifier, the model's last nn.Linear, but {type(model).__name__} "
+            "has none; use subset: all"
+        ) from None
+    prefix = f"{name}." if name else ""
+    out = {k: v for k, v in params.items() if k.startswith(prefix) and "." not in k[len(prefix) :]}
+    if not out:
+        raise FlatbmaError(
+            f"laplace: subset: last-layer is the classifier {name or '(the model)'}, but none of its weights is "
+            "trained (requires_grad=False); train it, or use subset: all"
+        )
+    return out
+
+
+def _estimator(options: Options, objective: Objective, params: Params) -> Estimator:
+    """The curvature estimator of ``options`` for ``params`` (refusing what the run cannot take)."""
+    est = estimator(
+        options.hessian,
+        options.curvature,
+        objective.model,
+        params,
+        num_data=objective.num_data,
+        num_classes=_num_classes(objective.model),
+        max_full=options.max_full,
+    )
+    if objective.reduce_grads is not None and not est.data_parallel:
+        raise FlatbmaError(
+            "laplace: hessian: full in its dual form (n·C ≤ max_full < d) keeps one row per training example "
+            "and cannot run under train.parallel: data; use hessian: kfac or diag, or one process"
+        )
+    evidence = options.prior_precision is None or options.prior_precision == VALIDATION
+    if evidence and options.prior_structure is PriorStructure.LAYERWISE and not est.blockwise:
+        raise FlatbmaError(
+            "laplace: prior_structure: layerwise needs a curvature that is block-diagonal over parameter "
+            "tensors, but hessian: full couples them all; use prior_structure: scalar, or hessian: kfac or diag"
+        )
+    return est
 
 
 def pretrained_mean(model: torch.nn.Module, params: Params) -> Params:
@@ -400,62 +495,37 @@ def describe(fit: Fit) -> dict[str, float]:
     return out
 
 
-def check_options(
-    *,
-    start_step: object,
-    hessian: object,
-    curvature: object,
-    prior_precision: object,
-    prior_structure: object,
-    prior_mean: object,
-    temperature: object,
-    predictive: object,
-    max_full: object,
-    where: str = "method",
-) -> tuple[Hessian, Curvature, PriorStructure, PriorMean, Predictive]:
-    """Check :func:`build`'s options (a refusal is one line naming ``{where}.<option>``); return the Enum members."""
-    if start_step is not None and (not is_int(start_step) or start_step < 0):
+def check_options(options: Options, where: str = "method") -> Options:
+    """Check :class:`Options` (a refusal is one line naming ``{where}.<option>``); return them with Enum members."""
+    o = options
+    if o.start_step is not None and (not is_int(o.start_step) or o.start_step < 0):
         raise FlatbmaError(
             f"{where}.start_step must be an integer >= 0 (MAP updates before the curvature pass) or null, got "
-            f"{start_step!r}"
+            f"{o.start_step!r}"
         )
-    if prior_precision is not None and not (
-        is_number(prior_precision) and math.isfinite(prior_precision) and prior_precision > 0
+    if (
+        o.prior_precision is not None
+        and o.prior_precision != VALIDATION
+        and not (is_number(o.prior_precision) and math.isfinite(o.prior_precision) and o.prior_precision > 0)
     ):
         raise FlatbmaError(
-            f"{where}.prior_precision must be a positive number (a fixed δ) or null (maximize the evidence), got "
-            f"{prior_precision!r}"
+            f"{where}.prior_precision must be a positive number (a fixed δ), null (maximize the evidence) or val "
+            "(chosen on validation data), got "
+            f"{o.prior_precision!r}"
         )
-    if not (is_number(temperature) and math.isfinite(temperature) and temperature > 0):
-        raise FlatbmaError(f"{where}.temperature must be a positive number (P = H/T + δ), got {temperature!r}")
-    if not is_int(max_full) or max_full < 1:
-        raise FlatbmaError(f"{where}.max_full must be a positive integer, got {max_full!r}")
-    return (
-        parse_choice(Hessian, hessian, f"{where}.hessian"),
-        parse_choice(Curvature, curvature, f"{where}.curvature"),
-        parse_choice(PriorStructure, prior_structure, f"{where}.prior_structure"),
-        parse_choice(PriorMean, prior_mean, f"{where}.prior_mean"),
-        parse_choice(Predictive, predictive, f"{where}.predictive"),
+    if not (is_number(o.temperature) and math.isfinite(o.temperature) and o.temperature > 0):
+        raise FlatbmaError(f"{where}.temperature must be a positive number (P = H/T + δ), got {o.temperature!r}")
+    if not is_int(o.max_full) or o.max_full < 1:
+        raise FlatbmaError(f"{where}.max_full must be a positive integer, got {o.max_full!r}")
+    return replace(
+        o,
+        hessian=parse_choice(Hessian, o.hessian, f"{where}.hessian"),
+        curvature=parse_choice(Curvature, o.curvature, f"{where}.curvature"),
+        prior_structure=parse_choice(PriorStructure, o.prior_structure, f"{where}.prior_structure"),
+        prior_mean=parse_choice(PriorMean, o.prior_mean, f"{where}.prior_mean"),
+        predictive=parse_choice(Predictive, o.predictive, f"{where}.predictive"),
+        subset=parse_choice(Subset, o.subset, f"{where}.subset"),
     )
-
-
-def _last_layer(model: torch.nn.Module, params: Params) -> Params:
-    """The trained weights of ``model``'s classifier, its last ``nn.Linear`` (:attr:`Subset.LAST_LAYER`)."""
-    try:
-        name = classifier_of(model)[0]
-    except FlatbmaError:
-        raise FlatbmaError(
-            f"laplace: subset: last-layer is the classifier, the model's last nn.Linear, but {type(model).__name__} "
-            "has none; use subset: all"
-        ) from None
-    prefix = f"{name}." if name else ""
-    out = {k: v for k, v in params.items() if k.startswith(prefix) and "." not in k[len(prefix) :]}
-    if not out:
-        raise FlatbmaError(
-            f"laplace: subset: last-layer is the classifier {name or '(the model)'}, but none of its weights is "
-            "trained (requires_grad=False); train it, or use subset: all"
-        )
-    return out
 
 
 def _num_classes(model: torch.nn.Module) -> int:

@@ -57,6 +57,7 @@ __all__ = [
     "MIN_VARIANCE",
     "PREFIXES",
     "LowRankGaussian",
+    "Options",
     "blocks",
     "build",
     "check_rank",
@@ -219,16 +220,28 @@ def fixed(theta: Mapping[str, Tensor], buffers: Mapping[str, Tensor]) -> tuple[P
     return posterior, state
 
 
+@dataclass(frozen=True)
+class Options:
+    """Low-rank VI's options (:func:`build`; with a prior, :func:`~flatbma.posteriors.fp_bma.build_with_prior`).
+
+    Attributes:
+        rank: ``K ≥ 2``, the number of factor columns.
+        num_mc_samples: Monte-Carlo samples ``M`` per step (their gradients are averaged; FP-BMA's two
+            passes share them).
+        init_std: initial marginal standard deviation of every weight.
+        prior_std: prior standard deviation ``s`` (of the default prior ``N(0, s²I)``).
+        kl_weight: ``κ`` (1 is the ELBO; smaller values temper the KL).
+    """
+
+    rank: int = 5
+    num_mc_samples: int = 1
+    init_std: float = 1e-3
+    prior_std: float = 1.0
+    kl_weight: float = 1.0
+
+
 def build(
-    objective: Objective,
-    optimizer: GradientTransformation,
-    ascent: Ascent | None = None,
-    *,
-    rank: int = 5,
-    num_mc_samples: int = 1,
-    init_std: float = 1e-3,
-    prior_std: float = 1.0,
-    kl_weight: float = 1.0,
+    objective: Objective, optimizer: GradientTransformation, ascent: Ascent | None = None, **options
 ) -> Posterior:
     """Low-rank plus diagonal Gaussian VI; with an ascent step, F-low-rank-VI or FP-BMA.
 
@@ -254,16 +267,12 @@ def build(
         objective: model and mini-batch loss.
         optimizer: optimizer of ``θ`` (Adam is the usual choice); its weight decay acts on ``μ`` only.
         ascent: ascent step for the flat-seeking variants, or ``None``.
-        rank: ``K ≥ 2``, the number of factor columns.
-        num_mc_samples: Monte-Carlo samples ``M`` per step (their gradients are averaged; FP-BMA's two
-            passes share them).
-        init_std: initial marginal standard deviation of every weight.
-        prior_std: prior standard deviation ``s``.
-        kl_weight: ``κ`` (1 is the ELBO; smaller values temper the KL).
+        options: the fields of :class:`Options`.
     """
-    check_rank(rank)
+    o = Options(**options)
+    check_rank(o.rank)
     gaussian_vi.check_options(
-        num_mc_samples=num_mc_samples, init_std=init_std, prior_std=prior_std, kl_weight=kl_weight
+        num_mc_samples=o.num_mc_samples, init_std=o.init_std, prior_std=o.prior_std, kl_weight=o.kl_weight
     )
-    family = LowRankGaussian(rank=rank, init_std=float(init_std), prior_std=float(prior_std))
-    return posterior(objective, optimizer, ascent, family, num_mc_samples, kl_weight)
+    family = LowRankGaussian(rank=o.rank, init_std=float(o.init_std), prior_std=float(o.prior_std))
+    return posterior(objective, optimizer, ascent, family, o.num_mc_samples, o.kl_weight)

@@ -11,6 +11,8 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
+from functools import partial
 
 import torch
 from torch import nn
@@ -25,13 +27,22 @@ from flatbma.rng import draw_seed, forked_rng
 from flatbma.types import Ascent, GradientTransformation, Params, Posterior, State
 
 
+@dataclass(frozen=True)
+class Options:
+    """MC dropout's options (:func:`build`).
+
+    Attributes:
+        rate: dropout probability ``p`` in ``[0, 1)``.
+        override_existing: set the dropout probability of the model's own dropout layers to ``rate``
+            (otherwise their rates are kept).
+    """
+
+    rate: float = 0.1
+    override_existing: bool = True
+
+
 def build(
-    objective: Objective,
-    optimizer: GradientTransformation,
-    ascent: Ascent | None = None,
-    *,
-    rate: float = 0.1,
-    override_existing: bool = True,
+    objective: Objective, optimizer: GradientTransformation, ascent: Ascent | None = None, **options
 ) -> Posterior:
     """MC dropout: train ``w`` with dropout active, predict with ``M`` fresh dropout masks.
 
@@ -54,73 +65,79 @@ def build(
     Building twice on the same model inserts nothing the second time.
 
     Sampling: ``sample(state, n, generator)`` returns ``n`` references to the same weights; the
-    masks come from the forward passes under ``predict_mode`` (eval mode, but dropout layers in train
-    mode). Determinism: ``sample`` draws a mask seed from ``generator`` (from torch's global RNG when
-    ``generator`` is ``None``); ``predict_mode`` runs its block on a forked copy of torch's RNG seeded
-    with the seed of the latest ``sample`` call, so the masks of a prediction pass depend only on the
-    generator's seed and the order of the forward passes, and the caller's RNG stream is left
-    untouched. Entered before any ``sample`` call, ``predict_mode`` draws masks from the global RNG.
+    masks come from the forward passes in the prediction mode :func:`predict_mode` (eval mode, but
+    dropout layers in train mode), entered with a generator seeded as the sampling one: its block runs
+    on a forked copy of torch's RNG seeded with one draw from that generator, so the masks of a
+    prediction pass depend only on the generator's seed and the order of the forward passes, and the
+    caller's RNG stream is left untouched.
 
     Args:
         objective: model and mini-batch loss; its model is modified as described above.
         optimizer: the descent step.
         ascent: the ascent step (SAM for F-MC-dropout), or ``None``.
-        rate: dropout probability ``p`` in ``[0, 1)``.
-        override_existing: set the dropout probability of the model's own dropout layers to ``rate``
-            (otherwise their rates are kept).
+        options: the fields of :class:`Options`.
 
     Raises:
         FlatbmaError: ``rate`` outside ``[0, 1)``, or a dropout layer is needed but the model is a
             bare ``nn.Linear``.
     """
-    if not is_number(rate) or not 0 <= rate < 1:
-        raise FlatbmaError(f"method.rate must be in [0, 1) (the dropout probability), got {rate!r}")
-    if not isinstance(override_existing, bool):
-        raise FlatbmaError(f"method.override_existing must be true or false, got {override_existing!r}")
-    prepare_dropout(objective.model, float(rate), override_existing=override_existing)
-    base = point.build(objective, optimizer, ascent)
-    seed_cell: list[int] = []
-
-    def init(params: Params, buffers: Params) -> State:
-        names = dict(objective.model.named_parameters())
-        unknown = sorted(k for k in params if k not in names)
-        if unknown:
-            raise FlatbmaError(
-                f"mc-dropout: parameters {unknown[:3]} are not parameters of the model; the model gained a "
-                "dropout layer before its classifier in build(), which renamed them. Take the parameters "
-                "after building the method (trainable_params(objective.model))."
-            )
-        return base.init(params, buffers)
-
-    def sample(state: State, n: int, generator: torch.Generator | None = None) -> list[Params]:
-        if n < 1:
-            raise FlatbmaError(f"the number of samples must be >= 1 (eval.num_samples), got {n}")
-        seed_cell[:] = [draw_seed(generator)]
-        weights = {**state.params, **state.buffers}
-        return [dict(weights) for _ in range(n)]
-
-    @contextmanager
-    def predict_mode(model: nn.Module) -> Iterator[nn.Module]:
-        with mc_dropout_mode(model):
-            if not seed_cell:
-                yield model
-                return
-            with forked_rng(seed_cell[0]):
-                yield model
-
-    model = objective.model
-
-    def marginal_variance(state: State) -> Params:
-        return dropout_weight_variance(model, state.params)
-
+    o = Options(**options)
+    if not is_number(o.rate) or not 0 <= o.rate < 1:
+        raise FlatbmaError(f"method.rate must be in [0, 1) (the dropout probability), got {o.rate!r}")
+    if not isinstance(o.override_existing, bool):
+        raise FlatbmaError(f"method.override_existing must be true or false, got {o.override_existing!r}")
+    prepare_dropout(objective.model, float(o.rate), override_existing=o.override_existing)
     return Posterior(
-        init=init,
-        update=base.update,
+        init=partial(init, model=objective.model, optimizer=optimizer, ascent=ascent),
+        update=partial(point.update, objective=objective, optimizer=optimizer, ascent=ascent),
         sample=sample,
         predict_mode=predict_mode,
         mean=point.weights_of,
-        marginal_variance=marginal_variance,
+        marginal_variance=partial(marginal_variance, model=objective.model),
     )
+
+
+def init(
+    params: Params, buffers: Params, *, model: nn.Module, optimizer: GradientTransformation, ascent: Ascent | None
+) -> State:
+    """The point's state (:func:`flatbma.posteriors.point.init`) of ``params``: ``model``'s, named after build."""
+    names = dict(model.named_parameters())
+    unknown = sorted(k for k in params if k not in names)
+    if unknown:
+        raise FlatbmaError(
+            f"mc-dropout: parameters {unknown[:3]} are not parameters of the model; the model gained a "
+            "dropout layer before its classifier in build(), which renamed them. Take the parameters "
+            "after building the method (trainable_params(objective.model))."
+        )
+    return point.init(params, buffers, optimizer=optimizer, ascent=ascent)
+
+
+def sample(state: State, n: int, generator: torch.Generator | None = None) -> list[Params]:
+    """``n`` references to the trained weights (with the buffers): the masks are drawn in :func:`predict_mode`."""
+    if n < 1:
+        raise FlatbmaError(f"the number of samples must be >= 1 (eval.num_samples), got {n}")
+    weights = {**state.params, **state.buffers}
+    return [dict(weights) for _ in range(n)]
+
+
+@contextmanager
+def predict_mode(model: nn.Module, generator: torch.Generator | None = None) -> Iterator[nn.Module]:
+    """:func:`mc_dropout_mode`, its masks drawn from torch's RNG forked and seeded by one draw from ``generator``.
+
+    ``generator``: seeded as the samples' (:func:`flatbma.types.prediction_mode`); ``None``: the masks come
+    from torch's global RNG itself.
+    """
+    with mc_dropout_mode(model):
+        if generator is None:
+            yield model
+            return
+        with forked_rng(draw_seed(generator)):
+            yield model
+
+
+def marginal_variance(state: State, *, model: nn.Module) -> Params:
+    """The width of the masked weights: :func:`dropout_weight_variance` of the trained weights."""
+    return dropout_weight_variance(model, state.params)
 
 
 def dropout_weight_variance(model: nn.Module, params: Params) -> Params:

@@ -21,7 +21,7 @@ from flatbma.errors import FlatbmaError
 from flatbma.models import classifier_of, is_pretrained
 from flatbma.params import clone
 from flatbma.rng import SEED_BOUND, forked_rng, splitmix64
-from flatbma.types import Params, State, StepOutput
+from flatbma.types import Params, State, StepOutput, view
 
 __all__ = [
     "held",
@@ -130,10 +130,11 @@ def prefixed_members(tensors: Params) -> list[int] | None:
 
 
 def member_state(m: int, state: State) -> State:
-    """Member ``m``'s own state: its entries of every section, without their prefix, and the same ``step``."""
-    return State(
-        params=member(m, state.params), buffers=member(m, state.buffers), aux=member(m, state.aux), step=state.step
-    )
+    """Member ``m``'s own state: its entries of every section, without their prefix, and the same ``step``.
+
+    A :func:`~flatbma.types.view` of ``state``: what the member's family derives from it is kept with ``state``.
+    """
+    return view(state, f"member{m}", member(m, state.params), member(m, state.buffers), member(m, state.aux))
 
 
 def held(state: State) -> list[int]:

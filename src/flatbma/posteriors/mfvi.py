@@ -89,15 +89,25 @@ class MeanFieldGaussian:
         return key.startswith("mean/")
 
 
+@dataclass(frozen=True)
+class Options:
+    """Mean-field VI's options (:func:`build`).
+
+    Attributes:
+        num_mc_samples: Monte-Carlo samples ``M`` per step (their gradients are averaged).
+        init_std: ``σ`` at initialization.
+        prior_std: prior standard deviation ``s``.
+        kl_weight: ``κ`` (1 is the ELBO; smaller values temper the KL).
+    """
+
+    num_mc_samples: int = 1
+    init_std: float = 1e-3
+    prior_std: float = 1.0
+    kl_weight: float = 1.0
+
+
 def build(
-    objective: Objective,
-    optimizer: GradientTransformation,
-    ascent: Ascent | None = None,
-    *,
-    num_mc_samples: int = 1,
-    init_std: float = 1e-3,
-    prior_std: float = 1.0,
-    kl_weight: float = 1.0,
+    objective: Objective, optimizer: GradientTransformation, ascent: Ascent | None = None, **options
 ) -> Posterior:
     """Bayes by backprop (MFVI), or F-MFVI with an ascent step.
 
@@ -110,17 +120,15 @@ def build(
         objective: model and mini-batch loss.
         optimizer: optimizer of ``θ`` (Adam is the usual choice); its weight decay acts on ``μ`` only.
         ascent: ascent step for F-MFVI, or ``None``.
-        num_mc_samples: Monte-Carlo samples ``M`` per step (their gradients are averaged).
-        init_std: ``σ`` at initialization.
-        prior_std: prior standard deviation ``s``.
-        kl_weight: ``κ`` (1 is the ELBO; smaller values temper the KL).
+        options: the fields of :class:`Options`.
     """
+    o = Options(**options)
     gaussian_vi.check_options(
-        num_mc_samples=num_mc_samples, init_std=init_std, prior_std=prior_std, kl_weight=kl_weight
+        num_mc_samples=o.num_mc_samples, init_std=o.init_std, prior_std=o.prior_std, kl_weight=o.kl_weight
     )
-    family = MeanFieldGaussian(init_std=float(init_std), prior_std=float(prior_std))
+    family = MeanFieldGaussian(init_std=float(o.init_std), prior_std=float(o.prior_std))
     built = gaussian_vi.build(
-        objective, optimizer, ascent, family, num_mc_samples=num_mc_samples, kl_weight=float(kl_weight)
+        objective, optimizer, ascent, family, num_mc_samples=o.num_mc_samples, kl_weight=float(o.kl_weight)
     )
     return replace(built, mean=gaussian_vi.mean_of, marginal_variance=marginal_variance)
 

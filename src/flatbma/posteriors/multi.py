@@ -10,7 +10,11 @@ ensemble of flat posteriors: flatness within basins, diversity across them.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
 
 import torch
 
@@ -32,9 +36,20 @@ from flatbma.rng import draw_seed, forked_rng, seeded_generator
 from flatbma.types import Batch, Params, Posterior, Predictive, State, StepOutput
 
 
-def build(
-    objective: Objective, base: Posterior | Sequence[Posterior], *, members: int = 5, seed: int | None = None
-) -> Posterior:
+@dataclass(frozen=True)
+class Options:
+    """A mixture's options (:func:`build`).
+
+    Attributes:
+        members: ``M ≥ 1``.
+        seed: seed of the members' initializations; ``None`` draws it from the global generator.
+    """
+
+    members: int = 5
+    seed: int | None = None
+
+
+def build(objective: Objective, base: Posterior | Sequence[Posterior], **options) -> Posterior:
     """The uniform mixture of ``members`` independently trained posteriors ``base``.
 
     ``base`` is the family of every member, or one posterior per member (``base[m]`` is member ``m``'s,
@@ -58,8 +73,8 @@ def build(
     ``i mod M``, so member ``m`` gives ``⌈(n − m)/M⌉`` samples (none when ``n ≤ m``; a point-estimate
     family gives its one point). One integer ``s`` is drawn from ``g`` and member ``m`` samples with its
     own generator seeded from ``(s, m)`` (:func:`flatbma.rng.seeded_generator`), so a member's samples do
-    not depend on the others. The samples' BatchNorm statistics and prediction mode are the family's
-    (``recompute_bn``, ``predict_mode``).
+    not depend on the others. The samples' BatchNorm statistics are the family's (``recompute_bn``), and so
+    is the prediction mode (``predict_mode``), entered with the generator of the last member, ``(s, M − 1)``.
 
     ``members == 1`` is the family itself, bit for bit: no seed is drawn and ``base`` runs on the global
     generators directly (the state's keys carry the ``member0/`` prefix), with the family's predictive
@@ -94,20 +109,21 @@ def build(
         objective: model and mini-batch loss (its model gives the members' initializations).
         base: the family of every member, built for ``objective``; or ``members`` posteriors, member ``m``'s
             the ``m``-th, of one family.
-        members: ``M ≥ 1``.
-        seed: seed of the members' initializations; ``None`` draws it from the global generator.
+        options: the fields of :class:`Options`.
 
     Raises:
         FlatbmaError: ``members < 1``, a ``seed`` that is not a non-negative integer or ``None``, a ``base``
             that is itself a mixture of members, ``base`` posteriors not one per member, or a member-prefixed
             start that does not hold exactly the members ``0..M−1``.
     """
+    o = Options(**options)
+    members = o.members
     check_int(
         members, f"method.members must be an integer >= 1 (the number of mixture members), got {members!r}", minimum=1
     )
-    if seed is not None:
-        check_int(seed, f"method.seed must be a non-negative integer or null, got {seed!r}", minimum=0)
-    bases = list(base) if not isinstance(base, Posterior) else [base] * members
+    if o.seed is not None:
+        check_int(o.seed, f"method.seed must be a non-negative integer or null, got {o.seed!r}", minimum=0)
+    bases = tuple(base) if not isinstance(base, Posterior) else (base,) * members
     if len(bases) != members:
         raise FlatbmaError(f"multi needs one posterior per member: got {len(bases)} for method.members={members}")
     if any(b.members for b in bases):
@@ -124,113 +140,151 @@ def build(
             "method.members: 1"
         )
 
-    def starts(params: Params, buffers: Params) -> list[tuple[Params, Params]] | None:
-        """Every member's own ``(params, buffers)`` in a member-prefixed start; ``None`` for model weights."""
-        found = prefixed_members(params)
-        if found is None:
-            return None
-        if found != list(range(members)):
-            raise FlatbmaError(
-                f"the start holds members {found} but method.members is {members}: start a mixture at a posterior "
-                "of as many members (a prior stage with the same members)"
-            )
-        own_buffers = prefixed_members(buffers) is not None  # else the buffers are the model's, every member's
-        return [(member(m, params), member(m, buffers) if own_buffers else buffers) for m in range(members)]
-
-    def init(params: Params, buffers: Params) -> State:
-        own = starts(params, buffers)
-        if single:
-            p, b = own[0] if own is not None else (params, buffers)
-            return _prefixed_state(0, first.init(p, b), State(params={}))
-        start = seed if seed is not None else draw_seed()
-        if own is None:
-            own = member_initializations(objective.model, params, buffers, members, start)
-        state = State(params={})
-        for m, (p, b) in enumerate(own):
-            with forked_rng(member_seed(start, m)):
-                state = _prefixed_state(m, bases[m].init(p, b), state)
-        return state
-
-    def update(state: State, batch: Batch) -> tuple[State, StepOutput]:
-        step_seed = None if single else draw_seed()  # one draw, whatever the members held
-        new, outs = State(params={}, step=state.step + 1), []
-        for m in held(state):
-            own = member_state(m, state)
-            if step_seed is None:
-                own, out = bases[m].update(own, batch)
-            else:
-                with forked_rng(member_seed(step_seed, m)):
-                    own, out = bases[m].update(own, batch)
-            new = _prefixed_state(m, own, new)
-            outs.append(out)
-        return new, mixture_output(outs)
-
-    def sample(state: State, n: int, generator: torch.Generator | None = None) -> list[Params]:
-        if n < 1:
-            raise FlatbmaError(f"the number of samples must be >= 1 (eval.num_samples), got {n}")
-        if single:
-            return first.sample(member_state(0, state), n, generator)
-        seed_ = draw_seed(generator)
-        device = generator.device if generator is not None else torch.device("cpu")
-        drawn = []
-        for m in held(state):
-            count = max(0, math.ceil((n - m) / members))
-            own = seeded_generator(seed_, m, device)
-            drawn.append(bases[m].sample(member_state(m, state), count, own) if count else [])
-        return [samples[i] for i in range(max(map(len, drawn), default=0)) for samples in drawn if i < len(samples)]
-
-    def mean(state: State) -> Params:
-        means = [bases[m].mean(member_state(m, state)) for m in held(state)]  # type: ignore[misc]
-        buffers = set(member(held(state)[0], state.buffers))
-        return {k: v if k in buffers else torch.stack([mu[k] for mu in means]).mean(0) for k, v in means[0].items()}
-
-    def marginal_variance(state: State) -> Params:
-        means, variances = [], []
-        for m in held(state):
-            own = member_state(m, state)
-            means.append(bases[m].mean(own))  # type: ignore[misc]
-            variances.append(bases[m].marginal_variance(own))  # type: ignore[misc]
-        total = {}
-        for k in variances[0]:
-            mu = torch.stack([x[k] for x in means])
-            within = torch.stack([v[k] for v in variances]).mean(0)
-            total[k] = within + (mu - mu.mean(0)).square().mean(0)
-        return total
-
-    def gaussian(state: State) -> Params:
-        theta: Params = {}
-        for m in held(state):
-            theta.update(prefixed(m, bases[m].gaussian(member_state(m, state))))  # type: ignore[misc]
-        return theta
-
     def every(hook: str) -> bool:
         return all(getattr(b, hook) is not None for b in bases)
 
-    def functional_variance(state: State, jac: Params) -> torch.Tensor:
-        return first.functional_variance(member_state(0, state), jac)  # type: ignore[misc]
-
-    def diagnostics(state: State) -> dict[str, float]:
-        if single:
-            return first.diagnostics(member_state(0, state))  # type: ignore[misc]
-        return {
-            f"member{m}/{k}": v for m in held(state) for k, v in bases[m].diagnostics(member_state(m, state)).items()
-        }  # type: ignore[misc]
+    def bound(f: Callable[..., Any]) -> Callable[..., Any]:
+        return partial(f, bases=bases)
 
     return Posterior(
-        init=init,
-        update=update,
-        sample=sample,
-        predict_mode=first.predict_mode,
+        init=partial(init, options=o, bases=bases, model=objective.model),
+        update=bound(update),
+        sample=bound(sample),
+        predict_mode=bound(predict_mode) if first.predict_mode is not None else None,
         recompute_bn=first.recompute_bn,
-        gaussian=gaussian if every("gaussian") else None,
+        gaussian=bound(gaussian) if every("gaussian") else None,
         members=members,
         split=splitter(members),
-        mean=mean if every("mean") else None,
-        marginal_variance=marginal_variance if every("mean") and every("marginal_variance") else None,
+        mean=bound(mean) if every("mean") else None,
+        marginal_variance=bound(marginal_variance) if every("mean") and every("marginal_variance") else None,
         predictive=first.predictive,
-        functional_variance=functional_variance if single and first.functional_variance is not None else None,
-        diagnostics=diagnostics if every("diagnostics") else None,
+        functional_variance=bound(functional_variance) if single and first.functional_variance is not None else None,
+        diagnostics=bound(diagnostics) if every("diagnostics") else None,
     )
+
+
+def init(
+    params: Params, buffers: Params, *, options: Options, bases: Sequence[Posterior], model: torch.nn.Module
+) -> State:
+    """Every member's ``base.init`` of its own start (a member-prefixed one, or :func:`member_initializations`).
+
+    Member ``m`` runs under the seed of ``(seed, m)``; a single member runs on the global generators.
+    """
+    own = _starts(params, buffers, options.members)
+    if options.members == 1:
+        p, b = own[0] if own is not None else (params, buffers)
+        return _prefixed_state(0, bases[0].init(p, b), State(params={}))
+    start = options.seed if options.seed is not None else draw_seed()
+    if own is None:
+        own = member_initializations(model, params, buffers, options.members, start)
+    state = State(params={})
+    for m, (p, b) in enumerate(own):
+        with forked_rng(member_seed(start, m)):
+            state = _prefixed_state(m, bases[m].init(p, b), state)
+    return state
+
+
+def update(state: State, batch: Batch, *, bases: Sequence[Posterior]) -> tuple[State, StepOutput]:
+    """Every held member's ``base.update`` on the batch, member ``m`` under the seed of ``(s_t, m)`` (one ``s_t``)."""
+    step_seed = None if len(bases) == 1 else draw_seed()  # one draw, whatever the members held
+    new, outs = State(params={}, step=state.step + 1), []
+    for m in held(state):
+        own = member_state(m, state)
+        if step_seed is None:
+            own, out = bases[m].update(own, batch)
+        else:
+            with forked_rng(member_seed(step_seed, m)):
+                own, out = bases[m].update(own, batch)
+        new = _prefixed_state(m, own, new)
+        outs.append(out)
+    return new, mixture_output(outs)
+
+
+def sample(
+    state: State, n: int, generator: torch.Generator | None = None, *, bases: Sequence[Posterior]
+) -> list[Params]:
+    """Round-robin over the held members, member ``m`` drawing from its generator of ``(s, m)`` (``s`` one draw)."""
+    if n < 1:
+        raise FlatbmaError(f"the number of samples must be >= 1 (eval.num_samples), got {n}")
+    if len(bases) == 1:
+        return bases[0].sample(member_state(0, state), n, generator)
+    seed = draw_seed(generator)
+    device = generator.device if generator is not None else torch.device("cpu")
+    drawn = []
+    for m in held(state):
+        count = max(0, math.ceil((n - m) / len(bases)))
+        own = seeded_generator(seed, m, device)
+        drawn.append(bases[m].sample(member_state(m, state), count, own) if count else [])
+    return [samples[i] for i in range(max(map(len, drawn), default=0)) for samples in drawn if i < len(samples)]
+
+
+def predict_mode(
+    model: torch.nn.Module, generator: torch.Generator | None = None, *, bases: Sequence[Posterior]
+) -> AbstractContextManager[Any]:
+    """The family's prediction mode, entered with the generator of the last member, ``(s, M − 1)`` (:func:`sample`).
+
+    Also when ``n < M`` samples leave member ``M − 1`` without one: the mode follows from the seed alone.
+    """
+    last = bases[-1]
+    if len(bases) > 1 and generator is not None:
+        generator = seeded_generator(draw_seed(generator), len(bases) - 1, generator.device)
+    return last.predict_mode(model, generator)  # type: ignore[misc]
+
+
+def mean(state: State, *, bases: Sequence[Posterior]) -> Params:
+    """``(1/M) Σ_m μ_m`` over the held members (the first's buffers)."""
+    means = [bases[m].mean(member_state(m, state)) for m in held(state)]  # type: ignore[misc]
+    buffers = set(member(held(state)[0], state.buffers))
+    return {k: v if k in buffers else torch.stack([mu[k] for mu in means]).mean(0) for k, v in means[0].items()}
+
+
+def marginal_variance(state: State, *, bases: Sequence[Posterior]) -> Params:
+    """``(1/M) Σ_m Var_{q_m}[w] + (1/M) Σ_m (μ_m − μ̄)²`` (the law of total variance) over the held members."""
+    means, variances = [], []
+    for m in held(state):
+        own = member_state(m, state)
+        means.append(bases[m].mean(own))  # type: ignore[misc]
+        variances.append(bases[m].marginal_variance(own))  # type: ignore[misc]
+    total = {}
+    for k in variances[0]:
+        mu = torch.stack([x[k] for x in means])
+        within = torch.stack([v[k] for v in variances]).mean(0)
+        total[k] = within + (mu - mu.mean(0)).square().mean(0)
+    return total
+
+
+def gaussian(state: State, *, bases: Sequence[Posterior]) -> Params:
+    """Every held member's ``θ_m`` under its prefix ``member<m>/``."""
+    theta: Params = {}
+    for m in held(state):
+        theta.update(prefixed(m, bases[m].gaussian(member_state(m, state))))  # type: ignore[misc]
+    return theta
+
+
+def functional_variance(state: State, jac: Params, *, bases: Sequence[Posterior]) -> torch.Tensor:
+    """The single member's ``diag(J Σ Jᵀ)``."""
+    return bases[0].functional_variance(member_state(0, state), jac)  # type: ignore[misc]
+
+
+def diagnostics(state: State, *, bases: Sequence[Posterior]) -> dict[str, float]:
+    """The single member's diagnostics, or every held member's under ``member<m>/``."""
+    if len(bases) == 1:
+        return bases[0].diagnostics(member_state(0, state))  # type: ignore[misc]
+    return {f"member{m}/{k}": v for m in held(state) for k, v in bases[m].diagnostics(member_state(m, state)).items()}  # type: ignore[misc]
+
+
+def _starts(params: Params, buffers: Params, members: int) -> list[tuple[Params, Params]] | None:
+    """Every member's own ``(params, buffers)`` in a member-prefixed start; ``None`` for model weights."""
+    found = prefixed_members(params)
+    if found is None:
+        return None
+    if found != list(range(members)):
+        raise FlatbmaError(
+            f"the start holds members {found} but method.members is {members}: start a mixture at a posterior "
+            "of as many members (a prior stage with the same members)"
+        )
+    own_buffers = prefixed_members(buffers) is not None  # else the buffers are the model's, every member's
+    return [(member(m, params), member(m, buffers) if own_buffers else buffers) for m in range(members)]
 
 
 def _prefixed_state(m: int, own: State, into: State) -> State:

@@ -6,7 +6,8 @@ so does its mean; its width is 0.
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
+from functools import partial
 
 import torch
 
@@ -15,7 +16,14 @@ from flatbma.params import Objective, clone
 from flatbma.types import Ascent, Batch, GradientTransformation, Params, Posterior, State, StepOutput
 
 
-def build(objective: Objective, optimizer: GradientTransformation, ascent: Ascent | None = None) -> Posterior:
+@dataclass(frozen=True)
+class Options:
+    """A point estimate has no options of its own: its optimizer and ascent step are the whole method."""
+
+
+def build(
+    objective: Objective, optimizer: GradientTransformation, ascent: Ascent | None = None, **options
+) -> Posterior:
     """Train a point estimate ``w`` with ``optimizer``, optionally sharpness-aware.
 
     ``w_{t+1} = opt(w_t, ∇L_B(w_t + ε_t))`` with ``ε_t = ascent.perturb(w_t, ∇L_B(w_t))``
@@ -28,20 +36,40 @@ def build(objective: Objective, optimizer: GradientTransformation, ascent: Ascen
         objective: model and mini-batch loss.
         optimizer: the descent step.
         ascent: the ascent step, or ``None`` for a plain optimizer.
+        options: none (:class:`Options`).
     """
+    Options(**options)
+    return Posterior(
+        init=partial(init, optimizer=optimizer, ascent=ascent),
+        update=partial(update, objective=objective, optimizer=optimizer, ascent=ascent),
+        sample=sample,
+        mean=weights_of,
+        marginal_variance=zero_variance,
+    )
 
-    def init(params: Params, buffers: Params) -> State:
-        params = clone(params)
-        return State(params=params, buffers=clone(buffers), aux=init_aux(optimizer, ascent, params))
 
-    def update(state: State, batch: Batch) -> tuple[State, StepOutput]:
-        aux, out = step(objective, optimizer, ascent, state.params, state.buffers, state.aux, state.step, batch)
-        return replace(state, aux=aux, step=state.step + 1), out
+def init(params: Params, buffers: Params, *, optimizer: GradientTransformation, ascent: Ascent | None) -> State:
+    """``w₀ = params`` (copied), the buffers, the optimizer's state and the ascent step's memory (:func:`init_aux`)."""
+    params = clone(params)
+    return State(params=params, buffers=clone(buffers), aux=init_aux(optimizer, ascent, params))
 
-    def sample(state: State, n: int, generator: torch.Generator | None = None) -> list[Params]:
-        return [{**state.params, **state.buffers}]
 
-    return Posterior(init=init, update=update, sample=sample, mean=weights_of, marginal_variance=zero_variance)
+def update(
+    state: State,
+    batch: Batch,
+    *,
+    objective: Objective,
+    optimizer: GradientTransformation,
+    ascent: Ascent | None,
+) -> tuple[State, StepOutput]:
+    """One step of :func:`build` (:func:`step` on the state's weights, in place)."""
+    aux, out = step(objective, optimizer, ascent, state.params, state.buffers, state.aux, state.step, batch)
+    return replace(state, aux=aux, step=state.step + 1), out
+
+
+def sample(state: State, n: int, generator: torch.Generator | None = None) -> list[Params]:
+    """The point ``w`` with its buffers, once whatever ``n``: the BMA of a point is the point."""
+    return [{**state.params, **state.buffers}]
 
 
 def weights_of(state: State) -> Params:

@@ -12,9 +12,9 @@ end of each cycle) are the posterior samples.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from enum import Enum
+from functools import partial
 
 import torch
 
@@ -30,7 +30,6 @@ SAMPLES_PREFIX = "samples/"
 """Aux keys ``samples/<name>``: the stored iterates of parameter ``<name>``, stacked ``[S, ...]``."""
 
 
-
 class LrScale(str, Enum):
     """What the learning rate ``η_t`` multiplies (``method.lr_scale``; strings and members are both accepted).
 
@@ -42,17 +41,82 @@ class LrScale(str, Enum):
     POTENTIAL = "potential"
 
 
+@dataclass(frozen=True)
+class Options:
+    """SGLD's options (:func:`build`).
+
+    Attributes:
+        prior_std: ``σ`` of the Gaussian prior; ``inf`` gives a flat prior.
+        temperature: ``T > 0``.
+        lr_scale: :class:`LrScale` (or its name, ``"mean"`` or ``"potential"``): what ``η_t`` multiplies.
+        burn_in: steps before the first stored sample.
+        thin: steps between stored samples.
+        max_samples: samples kept.
+    """
+
+    prior_std: float = 1.0
+    temperature: float = 1.0
+    lr_scale: LrScale = LrScale.MEAN
+    burn_in: int = 1000
+    thin: int = 100
+    max_samples: int = 30
+
+    def schedule(self, step: int) -> tuple[float, bool, bool]:
+        """``(step-size factor, noise?, store?)`` of step ``step``: 1, always, after ``burn_in`` every ``thin``."""
+        taken = step + 1
+        return 1.0, True, taken > self.burn_in and (taken - self.burn_in) % self.thin == 0
+
+    def no_samples(self, state: State) -> str:
+        """Why ``state`` holds no sample yet, and what to change."""
+        return (
+            f"sgld has collected no samples in {state.step} steps (the first one is stored after "
+            f"method.burn_in + method.thin = {self.burn_in + self.thin} steps): lower method.burn_in or method.thin, "
+            "or train longer (train.epochs)"
+        )
+
+
+@dataclass(frozen=True)
+class CyclicalOptions:
+    """Cyclical SGLD's options (:func:`build_cyclical`).
+
+    Attributes:
+        prior_std: ``σ`` of the Gaussian prior; ``inf`` gives a flat prior.
+        temperature: ``T > 0``.
+        lr_scale: :class:`LrScale` (or its name; see :func:`build`).
+        cycle_length: steps per cycle ``L``.
+        exploration: fraction of each cycle without noise, in ``[0, 1)``.
+        samples_per_cycle: iterates stored per cycle (at most the sampling stage's length).
+        max_samples: samples kept.
+    """
+
+    prior_std: float = Options.prior_std
+    temperature: float = Options.temperature
+    lr_scale: LrScale = Options.lr_scale
+    cycle_length: int = 1000
+    exploration: float = 0.8
+    samples_per_cycle: int = 1
+    max_samples: int = Options.max_samples
+
+    def schedule(self, step: int) -> tuple[float, bool, bool]:
+        """``(½(cos(π r) + 1), r ≥ exploration, store?)`` at position ``r = (t mod L)/L`` of step ``t``'s cycle."""
+        length = self.cycle_length
+        first_sampling, spacing = _cycle(length, self.exploration, self.samples_per_cycle)
+        j = step % length
+        factor = 0.5 * (math.cos(math.pi * j / length) + 1)
+        sampling = j >= first_sampling
+        back = length - 1 - j
+        return factor, sampling, sampling and back % spacing == 0 and back // spacing < self.samples_per_cycle
+
+    def no_samples(self, state: State) -> str:
+        """Why ``state`` holds no sample yet, and what to change."""
+        return (
+            f"csgld has collected no samples in {state.step} steps (the first is stored at the end of the "
+            f"first cycle, step {self.cycle_length}): lower method.cycle_length or train longer (train.epochs)"
+        )
+
+
 def build(
-    objective: Objective,
-    optimizer: GradientTransformation,
-    ascent: Ascent | None = None,
-    *,
-    prior_std: float = 1.0,
-    temperature: float = 1.0,
-    lr_scale: LrScale = LrScale.MEAN,
-    burn_in: int = 1000,
-    thin: int = 100,
-    max_samples: int = 30,
+    objective: Objective, optimizer: GradientTransformation, ascent: Ascent | None = None, **options
 ) -> Posterior:
     """SGLD (Welling & Teh 2011); with an ascent step, F-SGLD (Nguyen et al. 2023).
 
@@ -86,46 +150,20 @@ def build(
         objective: model, mini-batch loss and ``num_data = n``.
         optimizer: supplies ``learning_rate(step)``.
         ascent: the ascent step (SAM for F-SGLD), or ``None``.
-        prior_std: ``σ`` of the Gaussian prior; ``inf`` gives a flat prior.
-        temperature: ``T > 0``.
-        lr_scale: :class:`LrScale` (or its name, ``"mean"`` or ``"potential"``), see above.
-        burn_in: steps before the first stored sample.
-        thin: steps between stored samples.
-        max_samples: samples kept.
+        options: the fields of :class:`Options`.
 
     Raises:
         FlatbmaError: on an invalid option, or an optimizer without ``learning_rate``.
     """
-    scale = _check_common(optimizer, prior_std, temperature, lr_scale, max_samples)
-    _check_int("burn_in", burn_in, minimum=0)
-    _check_int("thin", thin, minimum=1)
-
-    def schedule(step: int) -> tuple[float, bool, bool]:
-        taken = step + 1
-        return 1.0, True, taken > burn_in and (taken - burn_in) % thin == 0
-
-    def empty(state: State) -> str:
-        return (
-            f"sgld has collected no samples in {state.step} steps (the first one is stored after "
-            f"method.burn_in + method.thin = {burn_in + thin} steps): lower method.burn_in or method.thin, "
-            "or train longer (train.epochs)"
-        )
-
-    return _langevin(objective, optimizer, ascent, prior_std, temperature, scale, max_samples, schedule, empty)
+    o = Options(**options)
+    o = replace(o, lr_scale=_check_common(optimizer, o.prior_std, o.temperature, o.lr_scale, o.max_samples))
+    _check_int("burn_in", o.burn_in, minimum=0)
+    _check_int("thin", o.thin, minimum=1)
+    return _langevin(objective, optimizer, ascent, o)
 
 
 def build_cyclical(
-    objective: Objective,
-    optimizer: GradientTransformation,
-    ascent: Ascent | None = None,
-    *,
-    prior_std: float = 1.0,
-    temperature: float = 1.0,
-    lr_scale: LrScale = LrScale.MEAN,
-    cycle_length: int = 1000,
-    exploration: float = 0.8,
-    samples_per_cycle: int = 1,
-    max_samples: int = 30,
+    objective: Objective, optimizer: GradientTransformation, ascent: Ascent | None = None, **options
 ) -> Posterior:
     """Cyclical SGLD (cSGLD, Zhang et al. 2020): the SGLD step of :func:`build` with a cosine cyclical step size.
 
@@ -145,86 +183,77 @@ def build_cyclical(
         objective: model, mini-batch loss and ``num_data = n``.
         optimizer: supplies ``learning_rate(step)``.
         ascent: the ascent step, or ``None``.
-        prior_std: ``σ`` of the Gaussian prior; ``inf`` gives a flat prior.
-        temperature: ``T > 0``.
-        lr_scale: :class:`LrScale` (or its name; see :func:`build`).
-        cycle_length: steps per cycle ``L``.
-        exploration: fraction of each cycle without noise, in ``[0, 1)``.
-        samples_per_cycle: iterates stored per cycle (at most the sampling stage's length).
-        max_samples: samples kept.
+        options: the fields of :class:`CyclicalOptions`.
 
     Raises:
         FlatbmaError: on an invalid option.
     """
-    scale = _check_common(optimizer, prior_std, temperature, lr_scale, max_samples)
-    first_sampling, spacing = _cycle(cycle_length, exploration, samples_per_cycle)
-
-    def schedule(step: int) -> tuple[float, bool, bool]:
-        j = step % cycle_length
-        factor = 0.5 * (math.cos(math.pi * j / cycle_length) + 1)
-        sampling = j >= first_sampling
-        back = cycle_length - 1 - j
-        return factor, sampling, sampling and back % spacing == 0 and back // spacing < samples_per_cycle
-
-    def empty(state: State) -> str:
-        return (
-            f"csgld has collected no samples in {state.step} steps (the first is stored at the end of the "
-            f"first cycle, step {cycle_length}): lower method.cycle_length or train longer (train.epochs)"
-        )
-
-    return _langevin(objective, optimizer, ascent, prior_std, temperature, scale, max_samples, schedule, empty)
+    o = CyclicalOptions(**options)
+    o = replace(o, lr_scale=_check_common(optimizer, o.prior_std, o.temperature, o.lr_scale, o.max_samples))
+    _cycle(o.cycle_length, o.exploration, o.samples_per_cycle)
+    return _langevin(objective, optimizer, ascent, o)
 
 
 def _langevin(
+    objective: Objective, optimizer: GradientTransformation, ascent: Ascent | None, options: Options | CyclicalOptions
+) -> Posterior:
+    """The Langevin chain shared by SGLD and cSGLD: :func:`init`, :func:`update` and :func:`sample` of ``options``."""
+    return Posterior(
+        init=partial(init, ascent=ascent),
+        update=partial(update, options=options, objective=objective, optimizer=optimizer, ascent=ascent),
+        sample=partial(sample, options=options),
+        recompute_bn=True,
+    )
+
+
+def init(params: Params, buffers: Params, *, ascent: Ascent | None) -> State:
+    """The weights (copied), no sample stored (``aux["sgld/collected"] = 0``) and the ascent step's memory."""
+    aux = {COUNT_KEY: torch.zeros((), dtype=torch.long), **ascent_memory(ascent, params)}
+    return State(params=clone(params), buffers=clone(buffers), aux=aux)
+
+
+def update(
+    state: State,
+    batch: Batch,
+    *,
+    options: Options | CyclicalOptions,
     objective: Objective,
     optimizer: GradientTransformation,
     ascent: Ascent | None,
-    prior_std: float,
-    temperature: float,
-    lr_scale: LrScale,
-    max_samples: int,
-    schedule: Callable[[int], tuple[float, bool, bool]],
-    empty_message: Callable[[State], str],
-) -> Posterior:
-    """The Langevin chain shared by SGLD and cSGLD; ``schedule(t) -> (step factor, noise?, store?)``."""
+) -> tuple[State, StepOutput]:
+    """``w ← w − ε_t ∇Û(w + δ_t) + √(2 ε_t T) ξ_t`` (noise if the schedule says), then the iterate stored if it says."""
     n = objective.num_data
-    prior_precision = 0.0 if math.isinf(prior_std) else 1.0 / prior_std**2
+    prior_precision = 0.0 if math.isinf(options.prior_std) else 1.0 / options.prior_std**2
+    factor, noisy, store = options.schedule(state.step)
+    eps = optimizer.learning_rate(state.step) * factor  # type: ignore[attr-defined]
+    if options.lr_scale is LrScale.MEAN:
+        eps /= n
+    memory = memory_of(state.aux) if has_memory(ascent) else None
+    loss, logits, grads = sharpness_aware_value_and_grad(objective, state.params, state.buffers, batch, ascent, memory)
+    with torch.no_grad():
+        for k, g in grads.items():
+            w = state.params[k]
+            grad_u = g * n + w * prior_precision if prior_precision else g * n
+            w.add_(grad_u, alpha=-eps)
+            if noisy:
+                w.add_(torch.randn_like(w), alpha=math.sqrt(2 * eps * options.temperature))
+    aux = _store(state.aux, state.params, options.max_samples) if store else state.aux
+    return replace(state, aux=aux, step=state.step + 1), StepOutput(loss, logits)
 
-    def init(params: Params, buffers: Params) -> State:
-        aux = {COUNT_KEY: torch.zeros((), dtype=torch.long), **ascent_memory(ascent, params)}
-        return State(params=clone(params), buffers=clone(buffers), aux=aux)
 
-    def update(state: State, batch: Batch) -> tuple[State, StepOutput]:
-        factor, noisy, store = schedule(state.step)
-        eps = optimizer.learning_rate(state.step) * factor  # type: ignore[attr-defined]
-        if lr_scale is LrScale.MEAN:
-            eps /= n
-        memory = memory_of(state.aux) if has_memory(ascent) else None
-        loss, logits, grads = sharpness_aware_value_and_grad(
-            objective, state.params, state.buffers, batch, ascent, memory
-        )
-        with torch.no_grad():
-            for k, g in grads.items():
-                w = state.params[k]
-                grad_u = g * n + w * prior_precision if prior_precision else g * n
-                w.add_(grad_u, alpha=-eps)
-                if noisy:
-                    w.add_(torch.randn_like(w), alpha=math.sqrt(2 * eps * temperature))
-        aux = _store(state.aux, state.params, max_samples) if store else state.aux
-        return replace(state, aux=aux, step=state.step + 1), StepOutput(loss, logits)
-
-    def sample(state: State, n_samples: int, generator: torch.Generator | None = None) -> list[Params]:
-        if n_samples < 1:
-            raise FlatbmaError(f"the number of samples must be >= 1 (eval.num_samples), got {n_samples}")
-        stacked = stored_samples(state)
-        if not stacked:
-            raise FlatbmaError(empty_message(state))
-        count = next(iter(stacked.values())).shape[0]
-        k = min(n_samples, count)
-        picks = [count - 1] if k == 1 else [round(i * (count - 1) / (k - 1)) for i in range(k)]
-        return [{**{k: v[i] for k, v in stacked.items()}, **state.buffers} for i in picks]
-
-    return Posterior(init=init, update=update, sample=sample, recompute_bn=True)
+def sample(
+    state: State, n: int, generator: torch.Generator | None = None, *, options: Options | CyclicalOptions
+) -> list[Params]:
+    """``min(n, S)`` of the ``S`` stored iterates, evenly spaced oldest to latest (the latest for ``n = 1``)."""
+    if n < 1:
+        raise FlatbmaError(f"the number of samples must be >= 1 (eval.num_samples), got {n}")
+    stacked = stored_samples(state)
+    if not stacked:
+        raise FlatbmaError(options.no_samples(state))
+    count = next(iter(stacked.values())).shape[0]
+    k = min(n, count)
+    picks = [count - 1] if k == 1 else [round(i * (count - 1) / (k - 1)) for i in range(k)]
+    return [{**{k: v[i] for k, v in stacked.items()}, **state.buffers} for i in picks]
 
 
 def stored_samples(state: State) -> Params:

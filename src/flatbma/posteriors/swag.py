@@ -21,9 +21,9 @@ State layout (``d`` = number of trained weights, ``K`` = ``rank``):
 
 from __future__ import annotations
 
-import inspect
 import math
-from dataclasses import replace
+from dataclasses import dataclass, replace
+from functools import partial
 from typing import NamedTuple
 
 import torch
@@ -78,16 +78,39 @@ class LowRankGaussian(NamedTuple):
     factor: Params
 
 
+@dataclass(frozen=True)
+class Options:
+    """SWAG's options (:func:`build`).
+
+    Attributes:
+        rank: ``K``, the number of deviations kept (the rank of the low-rank part), at least 2.
+        scale: factor multiplying the sampling covariance.
+        start_step: updates done before the collection window opens (0 = collect from the start;
+            use a trained or pretrained starting point then). ``None`` is left to the experiment layer
+            (the registry's default): the last quarter of the run's updates at a held learning rate
+            (:func:`flatbma.experiment.config.methods.last_quarter`); a state cannot be updated with ``None``.
+        collect_every: updates between two snapshots.
+        diagonal_only: keep no deviations and sample from the diagonal Gaussian (SWAG-Diagonal).
+    """
+
+    rank: int = 20
+    scale: float = 1.0
+    start_step: int | None = 0
+    collect_every: int = 10
+    diagonal_only: bool = False
+
+
+@dataclass(frozen=True)
+class DiagonalOptions:
+    """SWAG-Diagonal's options (:func:`build_diag`): :class:`Options` without ``rank`` and ``diagonal_only``."""
+
+    scale: float = Options.scale
+    start_step: int | None = Options.start_step
+    collect_every: int = Options.collect_every
+
+
 def build(
-    objective: Objective,
-    optimizer: GradientTransformation,
-    ascent: Ascent | None = None,
-    *,
-    rank: int = 20,
-    scale: float = 1.0,
-    start_step: int = 0,
-    collect_every: int = 10,
-    diagonal_only: bool = False,
+    objective: Objective, optimizer: GradientTransformation, ascent: Ascent | None = None, **options
 ) -> Posterior:
     """SWAG (Maddox et al. 2019); with ``ascent=SAM`` F-SWAG (Nguyen et al. 2023).
 
@@ -123,93 +146,26 @@ def build(
         objective: model and mini-batch loss.
         optimizer: the descent step producing the trajectory.
         ascent: the ascent step (SAM → F-SWAG), or ``None`` for the SGD trajectory of SWAG.
-        rank: ``K``, the number of deviations kept (the rank of the low-rank part), at least 2.
-        scale: factor multiplying the sampling covariance.
-        start_step: updates done before the collection window opens (0 = collect from the start;
-            use a trained or pretrained starting point then).
-        collect_every: updates between two snapshots.
-        diagonal_only: keep no deviations and sample from the diagonal Gaussian (SWAG-Diagonal).
+        options: the fields of :class:`Options`.
 
     Raises:
         FlatbmaError: for an invalid option (the message names the ``method.*`` key).
     """
-    _check_options(rank=rank, scale=scale, start_step=start_step, collect_every=collect_every)
-    inner = point.build(objective, optimizer, ascent)
-    schedule = (
-        f"snapshots are taken every method.collect_every={collect_every} updates after the first "
-        f"method.start_step={start_step}: {_HOW_TO_COLLECT_MORE}"
-    )
-
-    def init(params: Params, buffers: Params) -> State:
-        state = inner.init(params, buffers)
-        w = state.params
-        aux = dict(state.aux)
-        for k in sorted(w):
-            aux[MEAN + k] = torch.zeros_like(w[k])
-            aux[M2 + k] = torch.zeros_like(w[k])
-        if not diagonal_only:
-            d = sum(v.numel() for v in w.values())
-            first = next(iter(w.values()))
-            aux[DEVIATIONS] = first.new_zeros(rank, d)
-        aux[N_COLLECTED] = torch.zeros((), dtype=torch.int64, device=next(iter(w.values())).device)
-        return replace(state, aux=aux)
-
-    def update(state: State, batch: Batch) -> tuple[State, StepOutput]:
-        swag = {k: v for k, v in state.aux.items() if k.startswith(PREFIX)}
-        opt_state = {k: v for k, v in state.aux.items() if not k.startswith(PREFIX)}
-        state, out = inner.update(replace(state, aux=opt_state), batch)
-        aux = {**state.aux, **swag}
-        s = state.step
-        if s > start_step and (s - start_step) % collect_every == 0:
-            _collect(state.params, aux)
-        return replace(state, aux=aux), out
-
-    def sample(state: State, n: int, generator: torch.Generator | None = None) -> list[Params]:
-        m = _moments(state, schedule)
-        noise_device = generator.device if generator is not None else torch.device("cpu")
-        std = m.variance.sqrt()
-        k_eff = m.deviations.shape[0]
-        like = {k: state.params[k] for k in m.names}
-        if k_eff == 0 and not diagonal_only:
-            raise FlatbmaError(
-                "this SWAG state holds no deviations (it was trained with method swag-diag or "
-                "method.diagonal_only=true): sample it with diagonal_only=true"
-            )
-        samples = []
-        for _ in range(n):
-            z1 = torch.randn(m.mean.numel(), generator=generator, device=noise_device, dtype=m.mean.dtype)
-            noise = std * z1.to(m.mean.device)
-            if not diagonal_only:
-                z2 = torch.randn(k_eff, generator=generator, device=noise_device, dtype=m.mean.dtype)
-                noise = noise + (m.deviations.T @ z2.to(m.mean.device)) / math.sqrt(k_eff - 1)
-            w = m.mean + math.sqrt(scale / 2) * noise
-            samples.append({**unflatten(w, like), **state.buffers})
-        return samples
-
-    def gaussian(state: State) -> Params:  # the sampling distribution above, in the θ layout of flatbma.gaussian
-        m = _moments(state, schedule)
-        like = {k: state.params[k] for k in m.names}
-        return init_from_swag(m.mean, m.variance, m.deviations, like, scale=scale)
-
-    def mean(state: State) -> Params:  # the SWA mean w̄, with the last iterate's buffers
-        m = _moments(state, schedule)
-        return {**unflatten(m.mean.clone(), {k: state.params[k] for k in m.names}), **state.buffers}
-
-    def marginal_variance(state: State) -> Params:  # diag of the sampling covariance above
-        m = _moments(state, schedule)
-        variance = m.variance
-        if not diagonal_only:
-            variance = variance + (m.deviations * m.deviations).sum(0) / (m.deviations.shape[0] - 1)
-        return unflatten(scale / 2 * variance, {k: state.params[k] for k in m.names})
-
+    o = Options(**options)
+    if o.start_step is None:
+        raise FlatbmaError(
+            "method.start_step: null (the last quarter of the updates) is resolved from the run's length: build "
+            "the method with map_steps= (fit_posterior and flatbma train do), or give start_step"
+        )
+    _check_options(rank=o.rank, scale=o.scale, start_step=o.start_step, collect_every=o.collect_every)
     return Posterior(
-        init=init,
-        update=update,
-        sample=sample,
+        init=partial(init, options=o, optimizer=optimizer, ascent=ascent),
+        update=partial(update, options=o, objective=objective, optimizer=optimizer, ascent=ascent),
+        sample=partial(sample, options=o),
         recompute_bn=True,
-        gaussian=None if diagonal_only else gaussian,
-        mean=mean,
-        marginal_variance=marginal_variance,
+        gaussian=None if o.diagonal_only else partial(gaussian, options=o),
+        mean=partial(mean, options=o),
+        marginal_variance=partial(marginal_variance, options=o),
     )
 
 
@@ -218,22 +174,104 @@ def build_diag(
 ) -> Posterior:
     """SWAG-Diagonal (Maddox et al. 2019): :func:`build` with ``diagonal_only=True``.
 
-    Its options are those of :func:`build` without ``rank`` and ``diagonal_only`` (the signature is
-    derived from :func:`build`, so the defaults live in one place).
+    Its options are the fields of :class:`DiagonalOptions`.
     """
+    DiagonalOptions(**options)  # refuses rank and diagonal_only
     return build(objective, optimizer, ascent, diagonal_only=True, **options)
 
 
-def _derive_diag_signature() -> None:
-    dropped = {"rank", "diagonal_only"}
-    sig = inspect.signature(build)
-    build_diag.__signature__ = sig.replace(  # type: ignore[attr-defined]
-        parameters=[p for n, p in sig.parameters.items() if n not in dropped]
+def init(
+    params: Params, buffers: Params, *, options: Options, optimizer: GradientTransformation, ascent: Ascent | None
+) -> State:
+    """The point's state (:func:`flatbma.posteriors.point.init`) with empty moments: ``n = 0``, ``w̄ = m₂ = D = 0``."""
+    state = point.init(params, buffers, optimizer=optimizer, ascent=ascent)
+    w = state.params
+    aux = dict(state.aux)
+    for k in sorted(w):
+        aux[MEAN + k] = torch.zeros_like(w[k])
+        aux[M2 + k] = torch.zeros_like(w[k])
+    if not options.diagonal_only:
+        d = sum(v.numel() for v in w.values())
+        first = next(iter(w.values()))
+        aux[DEVIATIONS] = first.new_zeros(options.rank, d)
+    aux[N_COLLECTED] = torch.zeros((), dtype=torch.int64, device=next(iter(w.values())).device)
+    return replace(state, aux=aux)
+
+
+def update(
+    state: State,
+    batch: Batch,
+    *,
+    options: Options,
+    objective: Objective,
+    optimizer: GradientTransformation,
+    ascent: Ascent | None,
+) -> tuple[State, StepOutput]:
+    """The point update; update ``s`` is a snapshot if ``s > start_step`` and ``collect_every | s − start_step``."""
+    swag = {k: v for k, v in state.aux.items() if k.startswith(PREFIX)}
+    opt_state = {k: v for k, v in state.aux.items() if not k.startswith(PREFIX)}
+    state, out = point.update(
+        replace(state, aux=opt_state), batch, objective=objective, optimizer=optimizer, ascent=ascent
     )
-    build_diag.__annotations__ = {k: v for k, v in build.__annotations__.items() if k not in dropped}
+    aux = {**state.aux, **swag}
+    s = state.step
+    if s > options.start_step and (s - options.start_step) % options.collect_every == 0:
+        _collect(state.params, aux)
+    return replace(state, aux=aux), out
 
 
-_derive_diag_signature()
+def sample(state: State, n: int, generator: torch.Generator | None = None, *, options: Options) -> list[Params]:
+    """``n`` draws ``w = w̄ + √scale·(σ⊙z₁/√2 + Dᵀz₂/√(2(K_eff − 1)))`` (no ``D`` diagonal-only), with the buffers."""
+    m = _moments(state, _schedule(options))
+    noise_device = generator.device if generator is not None else torch.device("cpu")
+    std = m.variance.sqrt()
+    k_eff = m.deviations.shape[0]
+    like = {k: state.params[k] for k in m.names}
+    if k_eff == 0 and not options.diagonal_only:
+        raise FlatbmaError(
+            "this SWAG state holds no deviations (it was trained with method swag-diag or "
+            "method.diagonal_only=true): sample it with diagonal_only=true"
+        )
+    samples = []
+    for _ in range(n):
+        z1 = torch.randn(m.mean.numel(), generator=generator, device=noise_device, dtype=m.mean.dtype)
+        noise = std * z1.to(m.mean.device)
+        if not options.diagonal_only:
+            z2 = torch.randn(k_eff, generator=generator, device=noise_device, dtype=m.mean.dtype)
+            noise = noise + (m.deviations.T @ z2.to(m.mean.device)) / math.sqrt(k_eff - 1)
+        w = m.mean + math.sqrt(options.scale / 2) * noise
+        samples.append({**unflatten(w, like), **state.buffers})
+    return samples
+
+
+def gaussian(state: State, *, options: Options) -> Params:
+    """The distribution :func:`sample` draws from, in the ``θ`` layout of :mod:`flatbma.gaussian` (low-rank only)."""
+    m = _moments(state, _schedule(options))
+    like = {k: state.params[k] for k in m.names}
+    return init_from_swag(m.mean, m.variance, m.deviations, like, scale=options.scale)
+
+
+def mean(state: State, *, options: Options) -> Params:
+    """The SWA mean ``w̄``, with the last iterate's buffers."""
+    m = _moments(state, _schedule(options))
+    return {**unflatten(m.mean.clone(), {k: state.params[k] for k in m.names}), **state.buffers}
+
+
+def marginal_variance(state: State, *, options: Options) -> Params:
+    """The diagonal of :func:`sample`'s covariance, ``scale·½(σ² + Σ_k D_k²/(K_eff − 1))`` (``scale·½σ²`` diagonal)."""
+    m = _moments(state, _schedule(options))
+    variance = m.variance
+    if not options.diagonal_only:
+        variance = variance + (m.deviations * m.deviations).sum(0) / (m.deviations.shape[0] - 1)
+    return unflatten(options.scale / 2 * variance, {k: state.params[k] for k in m.names})
+
+
+def _schedule(options: Options) -> str:
+    """How the snapshots are taken, and what to change for more (the refusal of a state with fewer than two)."""
+    return (
+        f"snapshots are taken every method.collect_every={options.collect_every} updates after the first "
+        f"method.start_step={options.start_step}: {_HOW_TO_COLLECT_MORE}"
+    )
 
 
 def snapshots(steps: int, *, start_step: int, collect_every: int) -> int:

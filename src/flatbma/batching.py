@@ -1,0 +1,468 @@
+"""How a BMA's weight samples are evaluated: one at a time (the loop), several per call (batched), or chosen.
+
+The ``M`` forward passes ``f(x; w_m)`` run either one sample at a time (the *loop*) or several
+samples per call (*batched*): the weight dicts of a chunk of samples are stacked key by key
+(parameters and buffers alike, as ``torch.func.stack_module_state`` does) and
+``torch.func.vmap(functional_call(model, ·, (x,)), in_dims=(0, None))`` maps over the stacked
+dimension. Both give the same numbers up to float rounding; see :func:`log_probs` for which
+one runs: the automatic choice times the two paths only where their results agree bit for bit, so
+that the numbers never depend on timing.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+from weakref import WeakKeyDictionary
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.func import functional_call, vmap
+
+from flatbma.checks import is_int
+from flatbma.errors import FlatbmaError
+from flatbma.precision import as_float32
+
+__all__ = [
+    "ACTIVATION_BUDGET_BYTES",
+    "CPU_BATCHED_MAX_MEAN_ELEMENTS",
+    "Choice",
+    "check_options",
+    "decision",
+    "log_probs",
+]
+
+
+ACTIVATION_BUDGET_BYTES = 256 * 2**20
+"""Budget for one batched call: the chunk's largest layer output plus its stacked weights.
+
+It sets the automatic chunk size (peak memory of a call is a small multiple of it)."""
+
+CPU_BATCHED_MAX_MEAN_ELEMENTS = 16_384
+"""The footprint rule (the automatic choice wherever the two paths' results differ): on the CPU it
+batches only forward passes whose leaf modules output at most this many elements on average (per
+sample, for the given input batch): those are dominated by per-operation overhead, which batching
+removes. Larger layers run slower under ``vmap`` on the CPU (its batching rules turn convolutions
+into grouped ones and normalization into several passes over the activations), see ``bench/bma.py``."""
+
+_UNSTACKED_CHUNK = 8
+"""Chunk size when the activation footprint of the model cannot be estimated."""
+
+_PROBE_ROUNDS = 3
+"""Timed rounds (loop, then vmap) of the probe on the first batch; each path's fastest round counts."""
+
+_SCRAMBLE_OCTAVES = 2
+"""The agreement check scales every input and weight entry by ``2^k``, ``k`` uniform in ``±`` this."""
+
+_clock = time.perf_counter
+"""The probe's clock (a module attribute, so that tests can replace it)."""
+
+_log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class _Footprint:
+    """Output sizes of the leaf modules in one forward pass of one sample on one input batch."""
+
+    leaf_calls: int
+    total_elements: int
+    peak_elements: int
+
+    @property
+    def mean_elements(self) -> float:
+        return self.total_elements / max(self.leaf_calls, 1)
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The automatic choice for one key (:func:`_choice_key`).
+
+    ``by`` is ``"probe"`` when both paths gave bit-identical results and the faster one was taken
+    (``seconds``: the fastest probe round of the loop and of vmap), ``"rule"`` when the footprint
+    rule decided (the results differ, the model draws random numbers or updates buffers),
+    ``"fallback"`` when ``vmap`` failed during the probe (the loop, remembered in ``_VMAP_FAILED``).
+    """
+
+    batched: bool
+    by: str
+    seconds: tuple[float, float] | None = None
+
+
+_FELL_BACK = Choice(batched=False, by="fallback")
+
+_TrainingFlags = tuple[bool, ...]
+_FootprintKey = tuple[_TrainingFlags, tuple[int, ...], torch.dtype]
+_ChoiceKey = tuple[Any, ...]
+
+# Per model (weakly referenced, so dropped with the model): the train/eval configurations in which
+# vmap failed and the loop succeeded, the memoized footprints and the automatic choices. _LOCK
+# guards the writes (two threads may both probe one key: either choice gives the same numbers, see
+# _probe; concurrent timing only makes the choice slower to be right).
+_VMAP_FAILED: WeakKeyDictionary[nn.Module, set[_TrainingFlags]] = WeakKeyDictionary()
+_FOOTPRINTS: WeakKeyDictionary[nn.Module, dict[_FootprintKey, _Footprint | None]] = WeakKeyDictionary()
+_CHOICES: WeakKeyDictionary[nn.Module, dict[_ChoiceKey, Choice]] = WeakKeyDictionary()
+_LOCK = threading.Lock()
+
+
+def log_probs(
+    model: nn.Module,
+    samples: Sequence[Mapping[str, Tensor]],
+    x: Tensor,
+    *,
+    batched: bool | None = None,
+    chunk_size: int | None = None,
+) -> Tensor:
+    """``log_softmax(f(x; w_m))`` for every weight sample ``w_m``: a tensor ``[M, B, C]``.
+
+    Batched evaluation stacks the weight dicts of ``chunk_size`` samples key by key (parameters and
+    buffers, so per-sample BatchNorm statistics are kept) and maps
+    ``functional_call(model, w, (x,))`` over them with ``torch.func.vmap(in_dims=(0, None),
+    randomness="different")``. The loop calls ``functional_call`` once per sample. Both give the same
+    numbers up to float rounding, except that stochastic layers (dropout kept active by MC dropout's
+    prediction mode) draw other — equally valid, independent per sample — random numbers under
+    ``vmap`` than in the loop; either path is reproducible for a fixed global seed and chunk size.
+    Modules that update buffers in ``forward`` (train-mode BatchNorm) update the stacked copies when
+    batched and the sample dicts themselves in the loop; the outputs agree.
+
+    Automatic choice (``batched=None``). The loop when it is the only path: a single sample, dicts
+    that cannot be stacked (other keys, shapes, dtypes or devices), a chunk of one sample (the
+    activation budget), or ``vmap`` failed before for this model in its train/eval configuration.
+    Otherwise the choice is made once per key — model (weakly referenced) and train/eval
+    configuration, sample layout and count, input shape, dtype and device, chunk size, thread count
+    — and cached; how it is made keeps the results independent of timing:
+
+    1. *Agreement check* (no timing). Float rounding differs between the paths whenever their
+       kernels sum in another order (``vmap`` turns convolutions into grouped convolutions and
+       linear layers into batched matrix products). On this project's CPU the float32 MLP gives
+       bit-identical results; every convolutional net (small CNN, ResNet-18, MobileNetV2 with its
+       transfer subset) and the float64 MLP at batch 256 do not. Real data is a weak witness: the
+       small CNN of width 8 differs in 0–0.6% of the values of a batch (in none for 1 or 3
+       images), so one batch that agrees proves nothing. The check therefore runs both paths on two
+       samples and the batch with every floating-point entry scaled by a random power of two
+       (``2^k``, ``|k| ≤ 2``, from a private generator: exact, and the spread of magnitudes makes
+       any change of summation order show — 38–100% of the values of those nets differ). It
+       passes only if the results are finite and bit-identical, the forward pass draws no random
+       numbers and no module with buffers is in training mode.
+    2. If it passes, a *timed probe* on the first batch: both paths, :data:`_PROBE_ROUNDS`
+       interleaved rounds, the faster (by its fastest round) is kept — provided the whole batch
+       also agrees bit for bit. The choice then changes the speed, never the numbers.
+    3. Otherwise the deterministic *footprint rule*: a shape-only forward pass on the meta device
+       (once per model, train/eval configuration and input shape; the model's forward hooks see it)
+       measures the leaf modules' outputs; accelerators batch whenever a chunk holds two samples or
+       more, the CPU only when the mean leaf output is at most :data:`CPU_BATCHED_MAX_MEAN_ELEMENTS`.
+       Timing is not used here on purpose: where the paths round differently, a timed choice would
+       make the numbers depend on the machine's load. The price is the slower path where the rule
+       misjudges a close case (``bench/bma.py``).
+
+    The check and the probe leave torch's CPU (and the input's CUDA) generator as the chosen path
+    alone would: a model that draws random numbers gets its state back before the rule's path runs.
+    They call ``forward`` more often on the first batch of a key (hooks and Python-side counters see
+    it), cost a few extra passes once per key, and are off whenever ``batched`` is ``True`` or
+    ``False``. A check, not a proof: two different summation orders that agree on every scrambled
+    value would pass it; none of the models above comes close.
+
+    Fallback: when the batched call raises ``RuntimeError`` or ``NotImplementedError`` — what
+    functorch raises for ``.item()``, data-dependent control flow or an operator without a batching
+    rule — the loop recomputes the whole result, so a fallback never changes the numbers; if the loop
+    succeeds the model's configuration is remembered and not batched again. Errors of the model
+    itself are then raised by the loop. With ``batched=True`` there is no fallback.
+
+    Args:
+        model: the template module, already in its prediction mode.
+        samples: weight dicts (parameters and buffers by module name), one per posterior sample.
+        x: one input batch.
+        batched: ``True`` batches, ``False`` loops, ``None`` chooses as described above.
+        chunk_size: samples per batched call; ``None`` takes as many as fit
+            :data:`ACTIVATION_BUDGET_BYTES` (at least one, at most all).
+
+    Raises:
+        FlatbmaError: for invalid ``batched``/``chunk_size``, and with ``batched=True`` when the
+            samples cannot be stacked or ``vmap`` cannot evaluate the model.
+    """
+    check_options(batched, chunk_size)
+    if batched is False or (batched is None and len(samples) < 2):
+        return _loop_log_probs(model, samples, x)
+    if batched is None and _training_flags(model) in _VMAP_FAILED.get(model, ()):
+        return _loop_log_probs(model, samples, x)
+    footprint = _footprint(model, samples[0], x) if chunk_size is None or batched is None else None
+    chunk = chunk_size or _auto_chunk_size(footprint, samples[0], x, len(samples))
+    if batched is None:
+        return _auto_log_probs(model, samples, x, chunk, _batching_pays(footprint, chunk, x.device))
+    problem = _stacking_problem(samples)
+    if problem is not None:
+        raise FlatbmaError(f"batched=True needs samples that can be stacked: {problem}. Use batched=None.")
+    try:
+        return _batched_log_probs(model, samples, x, chunk)
+    except (RuntimeError, NotImplementedError) as err:
+        raise FlatbmaError(
+            f"torch.func.vmap cannot evaluate {type(model).__name__} ({err}); use batched=None or False."
+        ) from err
+
+
+
+
+def decision(
+    model: nn.Module, samples: Sequence[Mapping[str, Tensor]], x: Tensor, *, chunk_size: int | None = None
+) -> Choice | None:
+    """The choice :func:`log_probs` made (``batched=None``) for these samples and inputs, ``None`` before it made one.
+
+    The choice belongs to its key (the model in its present train/eval configuration, the sample layout and
+    count, the input's shape, dtype and device, the chunk size, the thread count): other values of the same
+    shapes share it.
+    """
+    footprint = _footprint(model, samples[0], x) if chunk_size is None else None
+    chunk = chunk_size or _auto_chunk_size(footprint, samples[0], x, len(samples))
+    with _LOCK:
+        return _CHOICES.get(model, {}).get(_choice_key(model, samples, x, chunk))
+
+
+def check_options(batched: object, chunk_size: object) -> None:
+    """Refuse a ``batched`` not ``True``/``False``/``None`` or a ``chunk_size`` not a positive int or ``None``."""
+    if batched is not None and not isinstance(batched, bool):
+        raise FlatbmaError(f"batched must be True, False or None (automatic), got {batched!r}.")
+    if chunk_size is not None and (not is_int(chunk_size) or chunk_size < 1):
+        raise FlatbmaError(f"chunk_size must be a positive integer or None (automatic), got {chunk_size!r}.")
+
+
+
+def _auto_log_probs(
+    model: nn.Module, samples: Sequence[Mapping[str, Tensor]], x: Tensor, chunk: int, rule: bool
+) -> Tensor:
+    """``batched=None`` once the samples are known to be several: the cached choice, probed when new.
+
+    Whether the samples stack is checked only where they would be stacked (a new key, or a cached choice
+    to batch): a cached choice of the loop returns at once, without the per-tensor check of every sample.
+    """
+    if chunk < 2:
+        return _loop_log_probs(model, samples, x)
+    key = _choice_key(model, samples, x, chunk)
+    with _LOCK:
+        choice = _CHOICES.get(model, {}).get(key)
+    if choice is not None and not choice.batched:
+        return _loop_log_probs(model, samples, x)
+    if _stacking_problem(samples) is not None:
+        return _loop_log_probs(model, samples, x)
+    if choice is None:
+        out, choice = _probe(model, samples, x, chunk, rule)
+        with _LOCK:
+            _CHOICES.setdefault(model, {})[key] = choice
+        if out is not None:
+            return out
+    if not choice.batched:
+        return _loop_log_probs(model, samples, x)
+    try:
+        return _batched_log_probs(model, samples, x, chunk)
+    except (RuntimeError, NotImplementedError) as err:
+        return _fall_back(model, samples, x, err)
+
+
+def _fall_back(model: nn.Module, samples: Sequence[Mapping[str, Tensor]], x: Tensor, err: Exception) -> Tensor:
+    """The loop's result after ``vmap`` raised ``err``; the configuration is remembered once the loop succeeds."""
+    out = _loop_log_probs(model, samples, x)
+    with _LOCK:
+        _VMAP_FAILED.setdefault(model, set()).add(_training_flags(model))
+    _log.info("vmap cannot evaluate %s (%s); evaluating its samples one at a time", type(model).__name__, err)
+    return out
+
+
+def _choice_key(model: nn.Module, samples: Sequence[Mapping[str, Tensor]], x: Tensor, chunk: int) -> _ChoiceKey:
+    layout = tuple((name, tuple(t.shape), t.dtype, t.device) for name, t in samples[0].items())
+    return (
+        _training_flags(model),
+        layout,
+        len(samples),
+        chunk,
+        tuple(x.shape),
+        x.dtype,
+        x.device,
+        torch.get_num_threads(),
+    )
+
+
+def _probe(
+    model: nn.Module, samples: Sequence[Mapping[str, Tensor]], x: Tensor, chunk: int, rule: bool
+) -> tuple[Tensor | None, Choice]:
+    """The agreement check and timed probe of :func:`log_probs` on the batch ``x``.
+
+    Returns ``(log-probs of x, choice)``, the log-probs ``None`` when the caller must still run the
+    chosen path (the probe did not compute them by it, or the model drew random numbers).
+    """
+    by_rule = Choice(batched=rule, by="rule")
+    if _updates_buffers(model):
+        return None, by_rule
+    rng = _rng_state(x.device)
+    generator = torch.Generator().manual_seed(0)
+    few = [{name: _scrambled(t, generator) for name, t in w.items()} for w in samples[:2]]
+    scrambled_x = _scrambled(x, generator)
+    try:
+        batched_few = _batched_log_probs(model, few, scrambled_x, 2)
+    except (RuntimeError, NotImplementedError) as err:
+        _restore_rng(x.device, rng)
+        return _fall_back(model, samples, x, err), _FELL_BACK
+    loop_few = _loop_log_probs(model, few, scrambled_x)
+    if _restore_rng(x.device, rng):  # the model draws random numbers: the paths differ
+        return None, by_rule
+    if not (torch.equal(loop_few, batched_few) and bool(torch.isfinite(loop_few).all())):
+        return None, by_rule
+    seconds: dict[bool, list[float]] = {False: [], True: []}
+    outs: dict[bool, Tensor] = {}
+    try:
+        for _ in range(_PROBE_ROUNDS):
+            for path in (False, True):
+                _sync(x.device)
+                start = _clock()
+                out = _batched_log_probs(model, samples, x, chunk) if path else _loop_log_probs(model, samples, x)
+                _sync(x.device)
+                seconds[path].append(_clock() - start)
+                outs.setdefault(path, out)
+    except (RuntimeError, NotImplementedError) as err:
+        _restore_rng(x.device, rng)
+        return _fall_back(model, samples, x, err), _FELL_BACK
+    if _restore_rng(x.device, rng):
+        return None, by_rule
+    if not torch.equal(outs[False], outs[True]):
+        return outs[rule], by_rule
+    loop_s, batched_s = min(seconds[False]), min(seconds[True])
+    return outs[False], Choice(batched=batched_s < loop_s, by="probe", seconds=(loop_s, batched_s))
+
+
+def _scrambled(t: Tensor, generator: torch.Generator) -> Tensor:
+    """``t`` with every entry times ``2^k``, ``k`` uniform in ``±_SCRAMBLE_OCTAVES`` (floating point only)."""
+    if not t.is_floating_point():
+        return t
+    k = torch.randint(-_SCRAMBLE_OCTAVES, _SCRAMBLE_OCTAVES + 1, t.shape, generator=generator)
+    return t * torch.exp2(k.to(device=t.device, dtype=t.dtype))
+
+
+def _updates_buffers(model: nn.Module) -> bool:
+    """Whether a module with buffers of its own is in training mode (train-mode BatchNorm updates them)."""
+    return any(m.training and next(m.buffers(recurse=False), None) is not None for m in model.modules())
+
+
+def _rng_state(device: torch.device) -> tuple[Tensor, Tensor | None]:
+    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    return torch.get_rng_state(), cuda
+
+
+def _restore_rng(device: torch.device, state: tuple[Tensor, Tensor | None]) -> bool:
+    """Put torch's CPU (and ``device``'s CUDA) generator back to ``state``; whether it had moved."""
+    cpu, cuda = state
+    moved = False
+    if not torch.equal(torch.get_rng_state(), cpu):
+        torch.set_rng_state(cpu)
+        moved = True
+    if cuda is not None and not torch.equal(torch.cuda.get_rng_state(device), cuda):
+        torch.cuda.set_rng_state(cuda, device)
+        moved = True
+    return moved
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _loop_log_probs(model: nn.Module, samples: Sequence[Mapping[str, Tensor]], x: Tensor) -> Tensor:
+    return torch.stack([F.log_softmax(as_float32(functional_call(model, dict(w), (x,))), dim=-1) for w in samples])
+
+
+def _batched_log_probs(model: nn.Module, samples: Sequence[Mapping[str, Tensor]], x: Tensor, chunk: int) -> Tensor:
+    def log_probs(weights: dict[str, Tensor], inputs: Tensor) -> Tensor:
+        return F.log_softmax(as_float32(functional_call(model, weights, (inputs,))), dim=-1)
+
+    mapped = vmap(log_probs, in_dims=(0, None), randomness="different")
+    keys = list(samples[0])
+    return torch.cat(
+        [
+            mapped({k: torch.stack([w[k] for w in samples[i : i + chunk]]) for k in keys}, x)
+            for i in range(0, len(samples), chunk)
+        ]
+    )
+
+def _stacking_problem(samples: Sequence[Mapping[str, Tensor]]) -> str | None:
+    """Why the weight dicts cannot be stacked key by key, or ``None`` when they can."""
+    first = samples[0]
+    for i, w in enumerate(samples[1:], start=1):
+        if w.keys() != first.keys():
+            return f"sample {i} has other keys than sample 0 ({sorted(set(w) ^ set(first))[:3]} differ)"
+        for key, t in w.items():
+            ref = first[key]
+            if t.shape != ref.shape or t.dtype != ref.dtype or t.device != ref.device:
+                return (
+                    f"'{key}' is {tuple(t.shape)} {t.dtype} on {t.device} in sample {i} but "
+                    f"{tuple(ref.shape)} {ref.dtype} on {ref.device} in sample 0"
+                )
+    return None
+
+
+def _training_flags(model: nn.Module) -> _TrainingFlags:
+    return tuple(m.training for m in model.modules())
+
+
+def _footprint(model: nn.Module, sample: Mapping[str, Tensor], x: Tensor) -> _Footprint | None:
+    """Leaf-module output sizes of one sample's forward pass, from a shape-only run on the meta device.
+
+    Memoized per model, train/eval configuration and input shape; ``None`` when the model does not
+    run on meta tensors.
+    """
+    key = (_training_flags(model), tuple(x.shape), x.dtype)
+    memo = _FOOTPRINTS.setdefault(model, {})
+    if key not in memo:
+        memo[key] = _measure_footprint(model, sample, x)
+    return memo[key]
+
+
+def _measure_footprint(model: nn.Module, sample: Mapping[str, Tensor], x: Tensor) -> _Footprint | None:
+    sizes: list[int] = []
+
+    def record(_module: nn.Module, _inputs: Any, output: Any) -> None:
+        sizes.append(_numel(output))
+
+    leaves = [m for m in model.modules() if next(m.children(), None) is None]
+    handles = [m.register_forward_hook(record) for m in leaves]
+    named = itertools.chain(model.named_parameters(), model.named_buffers(), sample.items())
+    weights = {name: torch.empty_like(t, device="meta") for name, t in named}
+    try:
+        with torch.no_grad():
+            functional_call(model, weights, (torch.empty_like(x, device="meta"),))
+    except Exception:  # a shape-only probe: whatever fails here only means "no estimate"
+        return None
+    finally:
+        for handle in handles:
+            handle.remove()
+    if not sizes:
+        return None
+    return _Footprint(leaf_calls=len(sizes), total_elements=sum(sizes), peak_elements=max(sizes))
+
+
+def _numel(output: Any) -> int:
+    """Elements of all tensors in a module output (a tensor, or tuples, lists and dicts of them)."""
+    if isinstance(output, Tensor):
+        return output.numel()
+    if isinstance(output, Mapping):
+        output = list(output.values())
+    if isinstance(output, list | tuple):
+        return sum(_numel(o) for o in output)
+    return 0
+
+
+def _auto_chunk_size(footprint: _Footprint | None, sample: Mapping[str, Tensor], x: Tensor, num_samples: int) -> int:
+    if footprint is None:
+        return min(num_samples, _UNSTACKED_CHUNK)
+    weight_bytes = sum(t.numel() * t.element_size() for t in sample.values())
+    per_sample = footprint.peak_elements * x.element_size() + weight_bytes
+    return max(1, min(num_samples, ACTIVATION_BUDGET_BYTES // max(per_sample, 1)))
+
+
+def _batching_pays(footprint: _Footprint | None, chunk: int, device: torch.device) -> bool:
+    if chunk < 2:
+        return False
+    if device.type != "cpu":
+        return True
+    return footprint is not None and footprint.mean_elements <= CPU_BATCHED_MAX_MEAN_ELEMENTS

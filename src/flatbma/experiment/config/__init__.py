@@ -1,0 +1,1 @@
+"""Run configs parsed once into typed frozen dataclasses: sections, the method registry, the prior, compare entries."""

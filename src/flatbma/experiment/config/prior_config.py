@@ -1,0 +1,137 @@
+"""The ``prior`` section of a two-stage run, parsed once; :mod:`flatbma.experiment.run.prior` runs it.
+
+It lies below :mod:`flatbma.experiment.config.run_config` (whose
+:class:`~flatbma.experiment.config.run_config.RunConfig`
+holds it) and knows methods only through the registry: whether a method's posterior is a low-rank
+plus diagonal Gaussian is its :attr:`~flatbma.experiment.config.methods.MethodSpec.gaussian`, whether it
+takes such a prior its :attr:`~flatbma.experiment.config.methods.MethodSpec.with_prior` (a mixture's: also its
+members' method's, :meth:`~flatbma.experiment.config.methods.MethodConfig.takes_prior`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from flatbma.errors import FlatbmaError
+from flatbma.experiment.config.methods import METHODS, MethodConfig, parse_method, prior_methods
+from flatbma.experiment.config.parse import parse_dataclass
+from flatbma.experiment.config.sections import OptimConfig, check_positive, plain, plain_values
+
+RANK_OPTION = "rank"
+"""The family option holding the number ``K`` of low-rank columns of a Gaussian posterior.
+
+The one place that names it: every Gaussian family (SWAG, low-rank VI, FP-BMA) calls it ``rank``,
+and a second stage started at the fitted posterior (``prior.init``) must have the first stage's ``K``.
+"""
+
+
+@dataclass(frozen=True)
+class PriorConfig:
+    """The first stage of a two-stage run: a Gaussian posterior fitted on the run's (target) data.
+
+    It becomes the prior ``p`` in ``KL(q_θ ‖ p)`` and the initialization of the run's method.
+
+    This is the Bayesian transfer-learning pipeline of SA-BMA / FP-BMA (Lim et al., UAI 2025): SWAG on
+    the target data → FP-BMA with the SWAG prior, started at the SWAG posterior → BMA. The stage trains
+    into ``<output_dir>/prior`` (a run directory of its own, with its own BMA metrics) and is reused
+    when it has already finished with the same config.
+
+    Attributes:
+        method: the first stage's method; its posterior must be a low-rank plus diagonal Gaussian
+            (swag, f-swag, lowrank-vi, fp-bma, ...), e.g. ``{name: swag, rank: 5}``. For a mixture
+            (``multi-fp-bma``) the first stage is a mixture of it with the run's members and seed, one
+            prior per member (:meth:`~flatbma.experiment.config.methods.MethodConfig.first_stage`).
+        epochs: training epochs of the first stage.
+        optim: the first stage's optimizer; the run's ``optim`` section when ``None``.
+        init: start the run's method at the fitted posterior (its ``method.rank`` must then equal the
+            number of deviation columns the first stage collected); otherwise only the prior is used.
+        min_std: floor of the fitted Gaussian's diagonal standard deviations ``σ`` (prior and start).
+            SWAG's ``σ`` is ~0 for weights the snapshots barely move, and ``κ·KL(q ‖ p)/n`` then has
+            curvature up to ``2κ/(n σ²)`` in ``μ`` (the prior's variance along such a weight is ``σ²/2``):
+            gradient descent with learning rate ``lr`` is stable only for ``σ² > κ·lr/n`` (heavy-ball
+            momentum ``β`` relaxes it to ``κ·lr/((1+β)n)``), which this floor secures for usual ``lr`` and
+            ``n`` (:func:`flatbma.experiment.run.prior.sgd_stability_bound`).
+    """
+
+    method: MethodConfig
+    epochs: int = 10
+    optim: OptimConfig | None = None
+    init: bool = True
+    min_std: float = 0.01
+
+    def __post_init__(self) -> None:
+        check_positive("prior.epochs", self.epochs)
+        check_positive("prior.min_std", self.min_std)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The resolved section."""
+        return {
+            "method": plain_values(self.method.to_dict()),
+            "epochs": self.epochs,
+            "optim": plain(self.optim) if self.optim is not None else None,
+            "init": self.init,
+            "min_std": self.min_std,
+        }
+
+
+@dataclass(frozen=True)
+class _PriorSection:
+    """The keys of the ``prior`` section, each checked once.
+
+    ``method`` and ``optim`` as written (each is then parsed as its section), the plain ones typed (their
+    defaults are :class:`PriorConfig`'s).
+    """
+
+    method: Any = None
+    epochs: int = PriorConfig.epochs
+    optim: Any = None
+    init: bool = PriorConfig.init
+    min_std: float = PriorConfig.min_std
+
+
+def gaussian_methods() -> list[str]:
+    """Names of the methods whose posterior is a low-rank plus diagonal Gaussian (a ``prior`` stage)."""
+    return [name for name, spec in METHODS.items() if spec.gaussian]
+
+
+def parse_prior(data: Any, method: MethodConfig) -> PriorConfig | None:
+    """Parse the ``prior`` section (``None`` or absent: a one-stage run) for the run's ``method``."""
+    if data is None:
+        return None
+    rest = parse_dataclass(_PriorSection, data, "prior") if isinstance(data, dict) else None  # unknown keys
+    if rest is None or rest.method is None:
+        raise FlatbmaError(
+            "prior must be a mapping with a 'method' key, e.g. prior: {method: {name: swag, rank: 5}, epochs: 10}"
+        )
+    spec = METHODS[method.name]
+    if spec.prior_refusal is not None:
+        raise FlatbmaError(f"method {method.name!r} takes no prior section: {spec.prior_refusal}")
+    inner = method.component()  # a mixture's members' method (multi: method.of), else the method itself
+    if inner is None:
+        raise FlatbmaError("method.of must name the members' method, e.g. of: {name: fp-bma} (see 'flatbma methods')")
+    key = "method" if inner is method else "method.of"
+    if not method.takes_prior():
+        raise FlatbmaError(
+            f"{key} {inner.name!r} takes no Gaussian prior, so the prior section does not apply to it: use one of "
+            f"{', '.join(prior_methods())} or remove the prior section"
+        )
+    stage = parse_method(rest.method, "prior.method")
+    if not METHODS[stage.name].gaussian:
+        raise FlatbmaError(not_gaussian_message(stage.name))
+    optim = parse_dataclass(OptimConfig, rest.optim, "prior.optim") if rest.optim is not None else None
+    ranks = (inner.options.get(RANK_OPTION), stage.options.get(RANK_OPTION))
+    if rest.init and None not in ranks and ranks[0] != ranks[1]:
+        raise FlatbmaError(
+            f"prior.init starts {method.name} at the fitted prior, so {key}.rank ({ranks[0]}) must equal "
+            f"prior.method.rank ({ranks[1]}): set both to the same K, or prior.init: false"
+        )
+    return PriorConfig(method=stage, epochs=rest.epochs, optim=optim, init=rest.init, min_std=rest.min_std)
+
+
+def not_gaussian_message(name: str) -> str:
+    """The error for a ``prior.method`` whose posterior is no low-rank plus diagonal Gaussian."""
+    return (
+        f"prior.method {name!r} is not a low-rank plus diagonal Gaussian posterior, so it cannot serve as "
+        f"a prior: use one of {', '.join(gaussian_methods())}"
+    )

@@ -1,0 +1,229 @@
+"""Typed, frozen run configuration, parsed once from YAML (safe loader) and ``--set`` overrides.
+
+A :class:`RunConfig` is a method, a seed and an output directory plus the sections of
+:mod:`flatbma.experiment.config.sections` and, for a two-stage run, the ``prior`` section of
+:mod:`flatbma.experiment.config.prior_config`.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from flatbma.errors import FlatbmaError, suggest
+from flatbma.experiment.config.entries import first_run_sections
+from flatbma.experiment.config.methods import MethodConfig, as_trained, parse_method
+from flatbma.experiment.config.parse import load_yaml, parse_dataclass, set_dotted, shown
+from flatbma.experiment.config.prior_config import PriorConfig, parse_prior
+from flatbma.experiment.config.sections import (
+    DataConfig,
+    EvalConfig,
+    ModelConfig,
+    OptimConfig,
+    TrainConfig,
+    plain,
+    plain_values,
+)
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """A whole run: ``flatbma train --config FILE`` parses one of these.
+
+    Attributes:
+        method: the method (``flatbma methods``) and its options.
+        seed: seed of initialization, k-shot draw, data order and posterior sampling.
+        output_dir: the run directory.
+        prior: the first stage of a two-stage run (:class:`PriorConfig`), or ``None``.
+    """
+
+    method: MethodConfig
+    seed: int = 0
+    output_dir: str = "runs/run"
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    prior: PriorConfig | None = None
+
+    @property
+    def epochs(self) -> int:
+        """Epochs the run trains: ``train.epochs`` plus the method's extra ones.
+
+        The extra ones are Laplace's curvature pass
+        (:meth:`~flatbma.experiment.config.methods.MethodConfig.extra_epochs`); the optimizer's schedule spans
+        ``train.epochs``.
+        """
+        return self.train.epochs + self.method.extra_epochs()
+
+    def to_dict(self) -> dict[str, Any]:
+        """The resolved configuration, every value spelled out (``prior`` only for a two-stage run)."""
+        out: dict[str, Any] = {"seed": self.seed, "output_dir": self.output_dir}
+        out["method"] = plain_values(self.method.to_dict())
+        for section in SECTIONS:
+            out[section] = plain(getattr(self, section))
+        if self.prior is not None:
+            out["prior"] = self.prior.to_dict()
+        return out
+
+
+def as_stored(raw: Any) -> Any:
+    """A run directory's stored resolved config as it trained (:func:`~flatbma.experiment.config.methods.as_trained`).
+
+    Its ``method`` section (and a two-stage run's ``prior.method``) with the options added since it was
+    written at the values it trained with — so that evaluating, resuming or reusing an old run computes the
+    posterior it was trained as, never the new default (Laplace's ``subset``). Anything else is as given.
+    """
+    if not isinstance(raw, dict):
+        return raw
+    out = dict(raw)
+    if "method" in out:
+        out["method"] = as_trained(out["method"])
+    if isinstance(out.get("prior"), dict) and "method" in out["prior"]:
+        out["prior"] = {**out["prior"], "method": as_trained(out["prior"]["method"])}
+    return out
+
+
+def run_identity(resolved: Any) -> Any:
+    """A resolved config without ``output_dir`` and ``train.log``: what must match for two configs to be the same run.
+
+    Where a run directory is and which logs it writes change none of its numbers (and configs written
+    before ``train.log`` existed lack it), so a run directory holds the same run after it is moved or
+    copied (a comparison's runs are reused in their new place) and whatever its logs.
+    """
+    if not isinstance(resolved, dict):
+        return resolved
+    out = {k: v for k, v in resolved.items() if k != "output_dir"}
+    if isinstance(out.get("train"), dict):
+        out["train"] = {k: v for k, v in out["train"].items() if k != "log"}
+    return out
+
+
+SECTIONS = {"data": DataConfig, "model": ModelConfig, "optim": OptimConfig, "train": TrainConfig, "eval": EvalConfig}
+TOP_LEVEL = {"seed", "output_dir", "method", "prior", *SECTIONS}
+
+
+def config_from_dict(raw: Any) -> RunConfig:
+    """Validate a plain mapping into a :class:`RunConfig`."""
+    if not isinstance(raw, dict):
+        raise FlatbmaError("the config must be a YAML mapping with sections method, data, model, ...")
+    for key in raw:
+        if key not in TOP_LEVEL:
+            raise FlatbmaError(
+                f"unknown config key {shown(key)}.{suggest(str(key), TOP_LEVEL)} Valid: {', '.join(sorted(TOP_LEVEL))}"
+            )
+    if "method" not in raw:
+        raise FlatbmaError("the config has no 'method' section: add e.g. 'method: {name: sgd}'")
+    sections = {name: parse_dataclass(cls, raw.get(name), name) for name, cls in SECTIONS.items()}
+    top = parse_dataclass(_TopLevel, {k: raw[k] for k in ("seed", "output_dir") if k in raw}, "")
+    method = parse_method(raw["method"])
+    prior = parse_prior(raw.get("prior"), method)
+    return RunConfig(method=method, seed=top.seed, output_dir=top.output_dir, prior=prior, **sections)
+
+
+@dataclass(frozen=True)
+class _TopLevel:
+    seed: int = 0
+    output_dir: str = "runs/run"
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.seed < 2**63:
+            raise FlatbmaError(f"seed must be an integer in [0, 2**63), got {self.seed}")
+        if not self.output_dir.strip() or "\0" in self.output_dir:
+            raise FlatbmaError(f"output_dir must be a directory path, got {shown(self.output_dir)}")
+        long = next((part for part in Path(self.output_dir).parts if len(os.fsencode(part)) > NAME_MAX), None)
+        if long is not None:
+            raise FlatbmaError(
+                f"output_dir has a directory name of {len(os.fsencode(long))} bytes ({shown(long, 40)}); file "
+                f"systems take at most {NAME_MAX}: choose a shorter output_dir"
+            )
+
+
+NAME_MAX = 255
+"""The longest file or directory name, in bytes, on Linux, macOS and Windows file systems."""
+
+
+def parse_override(item: str) -> tuple[str, Any]:
+    """Parse ``key.sub=value`` (the value as YAML: numbers, true/false, null, lists)."""
+    key, sep, text = item.partition("=")
+    if not sep or not key:
+        raise FlatbmaError(f"--set expects key=value (e.g. --set optim.lr=0.1), got {shown(item)}")
+    try:
+        value = load_yaml(text, f"--set {key.strip()}") if text else ""
+    except (yaml.YAMLError, RecursionError, ValueError) as e:  # ValueError: an integer of > 4300 digits
+        if isinstance(e, FlatbmaError):  # an alias bomb is refused, not read as text
+            raise
+        value = text
+    return key.strip(), value
+
+
+SHIPPED = resources.files("flatbma") / "configs"
+"""The ready configs shipped with flatbma (the repository's ``configs/`` is a link to them)."""
+
+
+def shipped_configs() -> list[str]:
+    """The names of the ready configs (``flatbma train --config demo``)."""
+    return sorted(p.name[: -len(".yaml")] for p in SHIPPED.iterdir() if p.name.endswith(".yaml"))
+
+
+def config_path(path: str | Path) -> Path:
+    """The file a ``--config`` argument names: a path, or a shipped config's name (``demo``, ``configs/demo.yaml``).
+
+    A path that exists is read as it is; otherwise a bare name (with or without ``.yaml``, or under ``configs/``)
+    names a config shipped with flatbma, so the README's commands work from an installed package too.
+    """
+    path = Path(path)
+    if path.exists() or path.parent not in (Path("."), Path("configs")) or path.suffix not in ("", ".yaml"):
+        return path
+    shipped = SHIPPED / f"{path.stem}.yaml"
+    return Path(str(shipped)) if shipped.is_file() else path
+
+
+def load_raw(path: str | Path) -> dict[str, Any]:
+    """Read a YAML config file (a path, or a shipped config's name: :func:`config_path`) with the safe loader."""
+    path = config_path(path)
+    if path.is_dir():
+        raise FlatbmaError(f"config file {path} is a directory: give the YAML file (ready configs are in configs/)")
+    if path.exists() and not path.is_file():  # a FIFO or a device: reading it could block forever
+        raise FlatbmaError(f"config file {path} is not a regular file (a FIFO or a device): give the YAML file")
+    if not path.is_file():
+        raise FlatbmaError(
+            f"config file {path} does not exist; the ready configs (by name, e.g. --config demo): "
+            f"{', '.join(shipped_configs())}"
+        )
+    try:
+        raw = load_yaml(path.read_text(), str(path))
+    except FlatbmaError:
+        raise
+    except yaml.YAMLError as e:
+        raise FlatbmaError(f"{path} is not valid YAML: {str(e).splitlines()[0]}") from None
+    except UnicodeDecodeError:
+        raise FlatbmaError(f"{path} is not a text (YAML) file") from None
+    except RecursionError:
+        raise FlatbmaError(f"{path} nests lists or mappings too deeply to be a config") from None
+    except OSError as e:
+        raise FlatbmaError(f"cannot read {path}: {e.strerror}") from None
+    except ValueError as e:  # e.g. an integer of more than 4300 digits
+        raise FlatbmaError(f"{path} holds a value YAML cannot read: {str(e).splitlines()[0]}") from None
+    if not isinstance(raw, dict):
+        raise FlatbmaError(f"{path} must hold a YAML mapping (sections method, data, model, ...)")
+    return raw
+
+
+def load_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig:
+    """Load ``path`` (or start from defaults when ``None``), apply ``--set`` overrides, validate."""
+    raw = load_raw(path) if path is not None else {}
+    compare = raw.pop("compare", None)  # a compare config's shared sections are a run config
+    methods = compare.get("methods") if isinstance(compare, dict) else None
+    if isinstance(methods, list) and methods and "method" not in raw:
+        raw.update(first_run_sections(methods[0], raw))  # `flatbma train` trains the first one
+    for item in overrides:
+        key, value = parse_override(item)
+        set_dotted(raw, key, value)
+    return config_from_dict(raw)

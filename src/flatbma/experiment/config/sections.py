@@ -1,0 +1,468 @@
+"""The sections of a run config — data, model, optimizer, training loop, evaluation — as typed frozen dataclasses.
+
+Each is parsed once from YAML by :func:`flatbma.experiment.config.parse.parse_dataclass` and validated in
+``__post_init__``. Options with a fixed set of values are ``str`` Enums: a config gives the string,
+Python code may give the string or the member, and :func:`plain` spells the members as their
+strings again for the resolved ``config.yaml``. The run config that holds them, and the two-stage
+``prior`` section, are in :mod:`flatbma.experiment.config.run_config` and :mod:`flatbma.experiment.config.prior_config`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from enum import Enum
+from typing import TYPE_CHECKING, Any, Literal
+
+from flatbma.checks import parse_choice
+from flatbma.errors import FlatbmaError
+from flatbma.experiment.config.parse import shown
+from flatbma.ood import check_ood_applies, check_ood_name
+from flatbma.optim import SGD, Adam, constant, cosine
+from flatbma.optim.schedules import Schedule as LearningRate
+from flatbma.options import added, resolved
+from flatbma.precision import Precision
+from flatbma.transfer import Subset
+from flatbma.types import GradientTransformation
+
+if TYPE_CHECKING:
+    from flatbma.experiment.config.shape import RunShape
+
+_FLOAT32_MAX = 3.4028234663852886e38
+
+
+def check_positive(where: str, value: float | None, *, allow_none: bool = False, allow_zero: bool = False) -> None:
+    """Raise unless ``value > 0`` (``>= 0``: ``allow_zero``; ``None`` passes: ``allow_none``), finite in float32."""
+    if value is None and allow_none:
+        return
+    ok = value is not None and (value >= 0 if allow_zero else value > 0)
+    if not ok:
+        bound = ">= 0" if allow_zero else "> 0"
+        raise FlatbmaError(f"{where} must be {bound}, got {value!r}")
+    if not math.isfinite(value) or value > _FLOAT32_MAX:  # the values meet float32 tensors
+        raise FlatbmaError(f"{where} must be a finite number below 3.4e38 (float32 range), got {value!r}")
+
+
+def _set_member(section: Any, key: str, enum: type[Enum]) -> None:
+    """Replace the string in ``section.key`` by its ``enum`` member (a frozen dataclass, in ``__post_init__``)."""
+    object.__setattr__(section, key, parse_choice(enum, getattr(section, key), key))
+
+
+def _set_members(section: Any, key: str, enum: type[Enum]) -> None:
+    """Replace the list of strings in ``section.key`` by a tuple of ``enum`` members, repeats dropped."""
+    values = getattr(section, key)
+    if isinstance(values, (str, Enum)) or not isinstance(values, (tuple, list)):
+        raise FlatbmaError(f"{key} must be a list (e.g. [{next(iter(enum)).value}]), got {shown(values)}")
+    members = []
+    for value in values:
+        try:
+            member = enum(value)
+        except (ValueError, TypeError):
+            choices = ", ".join(repr(m.value) for m in enum)
+            raise FlatbmaError(f"{key} entries must be among {choices}, got {shown(value)}") from None
+        if member not in members:
+            members.append(member)
+    object.__setattr__(section, key, tuple(members))
+
+
+def plain(section: Any) -> dict[str, Any]:
+    """The resolved ``section`` with every Enum member spelled as its value (as YAML and JSON hold it).
+
+    :func:`flatbma.options.resolved`: options added later are left out while they hold their default.
+    """
+    return plain_values(resolved(section))
+
+
+def plain_values(mapping: Mapping[str, Any]) -> dict[str, Any]:
+    """``mapping`` with every Enum member among its values spelled as its value (e.g. a method's options).
+
+    A tuple or list value becomes a list of plain values (as YAML reads it back, e.g. ``train.log``).
+    """
+    return {k: _plain_value(v) for k, v in mapping.items()}
+
+
+def _plain_value(value: Any) -> Any:
+    if isinstance(value, Mapping):  # a nested section (multi's method.of)
+        return plain_values(value)
+    if isinstance(value, (tuple, list)):
+        return [_plain_value(v) for v in value]
+    return value.value if isinstance(value, Enum) else value
+
+
+class Parallel(str, Enum):
+    """What the processes of a ``torchrun`` launch share out (``train.parallel``; strings and members are accepted).
+
+    ``data``: every process trains all of the method on its shard of each global batch; ``members``:
+    each trains a disjoint share of the posterior's independent members on all the data
+    (:class:`~flatbma.experiment.parallel.strategies.MemberParallel`).
+    """
+
+    DATA = "data"
+    MEMBERS = "members"
+
+
+class Optimizer(str, Enum):
+    """The descent optimizer (``optim.name``; strings and members are both accepted)."""
+
+    SGD = "sgd"
+    ADAM = "adam"
+
+
+class Schedule(str, Enum):
+    """The learning-rate schedule (``optim.schedule``; strings and members are both accepted)."""
+
+    COSINE = "cosine"
+    CONSTANT = "constant"
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Data set, few-shot protocol, transforms and loaders.
+
+    Attributes:
+        name: data set name (``flatbma.data.dataset_names()``).
+        root: directory of the files, for data sets that are not embedded.
+        k_shot: images per class drawn (by ``seed``) from the training split; ``None`` = all.
+        val_per_class: images per class of the k-shot budget held out for validation (0 = none).
+        val_pool: images per class drawn for validation from *outside* the k-shot images (the rest of the
+            training split; all ``k_shot`` images then train). Less noisy selection, temperature scaling and
+            early stopping than a few held-out shots, but it uses labels a strict few-shot setting would
+            not have (the FP-BMA authors' validation split is 10% of the full training set). Not with
+            ``val_per_class``.
+        image_size: resize images to this square size.
+        to_rgb: repeat a single grey channel to three (for ImageNet backbones).
+        normalize: ``"imagenet"`` mean/std normalization, or none.
+        augment: random crop (padding 1/8 of the size) and horizontal flip during training.
+        batch_size: training mini-batch size.
+        eval_batch_size: evaluation batch size.
+        test_limit: evaluate on a seeded stratified subset of this many test images (``None`` = all).
+        val_fraction: the share of each class of the training split held out for validation when there is
+            no ``k_shot`` draw (a full-data run: selection, temperature scaling and early stopping then have
+            a validation split); drawn by ``seed``, stratified, in ``[0, 1)``.
+    """
+
+    name: str = "digits"
+    root: str | None = None
+    k_shot: int | None = None
+    val_per_class: int = 0
+    image_size: int | None = None
+    to_rgb: bool = False
+    normalize: Literal["imagenet"] | None = None
+    augment: bool = False
+    batch_size: int = 64
+    eval_batch_size: int = 256
+    test_limit: int | None = None
+    val_pool: int = added(0)
+    val_fraction: float = added(0.0)
+
+    def __post_init__(self) -> None:
+        check_positive("k_shot", self.k_shot, allow_none=True)
+        check_positive("val_per_class", self.val_per_class, allow_zero=True)
+        check_positive("val_pool", self.val_pool, allow_zero=True)
+        if self.val_pool and self.val_per_class:
+            raise FlatbmaError(
+                "give val_per_class (validation out of the k-shot budget) or val_pool (from outside it), not both"
+            )
+        if not 0 <= self.val_fraction < 1:
+            raise FlatbmaError(f"val_fraction must be in [0, 1) (the held-out share), got {self.val_fraction!r}")
+        if self.val_fraction and self.k_shot is not None:
+            raise FlatbmaError(
+                "val_fraction holds out a share of the full training split; with k_shot use val_per_class (out of "
+                "the k-shot budget) or val_pool (images outside it)"
+            )
+        check_positive("image_size", self.image_size, allow_none=True)
+        check_positive("batch_size", self.batch_size)
+        check_positive("eval_batch_size", self.eval_batch_size)
+        check_positive("test_limit", self.test_limit, allow_none=True)
+
+    @property
+    def validation(self) -> bool:
+        """Whether the run has a validation split (``val_per_class``/``val_pool`` with ``k_shot``, ``val_fraction``)."""
+        return (self.k_shot is not None and (self.val_per_class > 0 or self.val_pool > 0)) or self.val_fraction > 0
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Network.
+
+    Attributes:
+        name: ``mlp``, ``cnn``, ``resnet18``, ``mobilenet_v2``, ``torchvision:<name>``, ``timm:<name>``.
+        pretrained: ``"imagenet"`` (offline weights) or a path to a state dict; ``None`` = random init.
+        width: base width of the network (model-specific default when ``None``).
+        dropout: dropout rate before the classifier.
+        trainable: which parameters the method trains (and, for a posterior, makes Bayesian):
+            ``all``, ``norm+classifier`` (every normalization layer and the classifier, selected by
+            module type — FP-BMA's Bayesian transfer learning) or ``classifier``; the rest stays at
+            its pretrained (or initial) values.
+    """
+
+    name: str = "mlp"
+    pretrained: str | None = None
+    width: int | None = None
+    dropout: float = 0.0
+    trainable: Subset = Subset.ALL
+
+    def __post_init__(self) -> None:
+        _set_member(self, "trainable", Subset)
+        check_positive("width", self.width, allow_none=True)
+        if not 0 <= self.dropout < 1:
+            raise FlatbmaError(f"dropout must be in [0, 1), got {self.dropout!r}")
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    """Descent optimizer of the trained variables.
+
+    Attributes:
+        name: ``sgd`` (momentum, coupled weight decay) or ``adam`` (decoupled weight decay).
+        lr: peak learning rate.
+        momentum: SGD momentum.
+        weight_decay: weight decay.
+        nesterov: Nesterov momentum (SGD).
+        schedule: ``cosine`` decay to 0 over training, or ``constant``.
+        warmup_epochs: linear warm-up length in epochs.
+    """
+
+    name: Optimizer = Optimizer.SGD
+    lr: float = 0.05
+    momentum: float = 0.9
+    weight_decay: float = 5e-4
+    nesterov: bool = False
+    schedule: Schedule = Schedule.COSINE
+    warmup_epochs: float = 0.0
+
+    def __post_init__(self) -> None:
+        _set_member(self, "name", Optimizer)
+        _set_member(self, "schedule", Schedule)
+        check_positive("lr", self.lr)
+        check_positive("weight_decay", self.weight_decay, allow_zero=True)
+        check_positive("warmup_epochs", self.warmup_epochs, allow_zero=True)
+        if not 0 <= self.momentum < 1:
+            raise FlatbmaError(f"momentum must be in [0, 1), got {self.momentum!r}")
+
+    def build(self, steps_per_epoch: int, epochs: int) -> GradientTransformation:
+        """The optimizer, its learning rate following the schedule over ``epochs`` epochs of ``steps_per_epoch`` steps.
+
+        The warm-up lasts ``round(warmup_epochs · steps_per_epoch)`` steps (cosine schedule).
+        """
+        return OPTIMIZERS[self.name](self, self.learning_rate(steps_per_epoch, epochs))
+
+    def learning_rate(self, steps_per_epoch: int, epochs: int) -> LearningRate:
+        """The schedule ``step -> η_t`` of :meth:`build`'s optimizer (the training log reports it)."""
+        warmup = round(self.warmup_epochs * steps_per_epoch)
+        return SCHEDULES[self.schedule](self.lr, epochs * steps_per_epoch, warmup)
+
+
+OPTIMIZERS: dict[Optimizer, Callable[[OptimConfig, LearningRate], GradientTransformation]] = {
+    Optimizer.SGD: lambda o, lr: SGD(lr=lr, momentum=o.momentum, weight_decay=o.weight_decay, nesterov=o.nesterov),
+    Optimizer.ADAM: lambda o, lr: Adam(lr=lr, weight_decay=o.weight_decay),
+}
+"""Each ``optim.name`` → its optimizer built from the section and a learning-rate schedule."""
+
+SCHEDULES: dict[Schedule, Callable[[float, int, int], LearningRate]] = {
+    Schedule.COSINE: cosine,
+    Schedule.CONSTANT: lambda lr, _steps, _warmup: constant(lr),
+}
+"""Each ``optim.schedule`` → ``schedule(peak lr, total steps, warm-up steps)``."""
+
+
+class TrainLog(str, Enum):
+    """A per-epoch training log written into the run directory (``train.log``; strings and members accepted)."""
+
+    CSV = "csv"
+    """``log.csv``: one row per epoch (:mod:`flatbma.experiment.run.logs`)."""
+    TENSORBOARD = "tensorboard"
+    """TensorBoard event files under ``tensorboard/`` (needs the optional extra ``flatbma[tensorboard]``)."""
+
+
+class Criterion(str, Enum):
+    """What early stopping watches on the validation split (``train.early_stopping.criterion``)."""
+
+    NLL = "nll"
+    """The BMA's negative log-likelihood ``−mean log (1/M) Σ_m p(y|x, w_m)``."""
+    LOSS = "loss"
+    """The mean over the samples of each sample's cross-entropy, ``−mean (1/M) Σ_m log p(y|x, w_m)``
+    (the expected loss ``E_q[L_val]``; for a point estimate the same as ``nll``)."""
+
+
+@dataclass(frozen=True)
+class EarlyStopping:
+    """Early stopping on validation (``train.early_stopping``), the protocol of the FP-BMA authors' scripts.
+
+    After every ``every`` epochs (and the last), the posterior's current state is evaluated on the
+    validation split with ``samples`` posterior samples (BatchNorm statistics recomputed as for the
+    test evaluation; a sampler's current samples); the state of the best evaluation (smallest
+    ``criterion``; the first on ties) is kept in ``best.safetensors``, training stops once ``patience``
+    epochs have passed since it, and the run is evaluated at that best state. The values are in the
+    history (``log.csv``: ``val/nll``, ``val/loss``, ``val/accuracy``); ``metrics.json`` records the best
+    epoch. A resumed run stops, and keeps, exactly what the uninterrupted one did.
+
+    Attributes:
+        criterion: a :class:`Criterion` (``nll`` or ``loss``).
+        patience: epochs without a better evaluation before training stops (the authors': 50 of 150).
+        every: evaluate every this many epochs.
+        samples: posterior samples per evaluation (the authors': 3).
+    """
+
+    criterion: Criterion = Criterion.NLL
+    patience: int = 10
+    every: int = 1
+    samples: int = 3
+
+    def __post_init__(self) -> None:
+        _set_member(self, "criterion", Criterion)
+        check_positive("patience", self.patience)
+        check_positive("every", self.every)
+        check_positive("samples", self.samples)
+        for key in ("patience", "every", "samples"):
+            if not isinstance(getattr(self, key), int):
+                raise FlatbmaError(f"{key} must be an integer, got {getattr(self, key)!r}")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Training loop.
+
+    Attributes:
+        epochs: passes over the training data.
+        checkpoint_every: also checkpoint every this many steps (0 = at epoch ends only).
+        device: ``auto`` (CUDA when available), ``cpu``, ``cuda``, ``cuda:1``, ...
+        progress: show the training progress: a bar on a terminal, one line per epoch on ``stderr``
+            elsewhere (``--quiet`` silences it too).
+        log: the per-epoch logs written into the run directory, any of ``csv`` (``log.csv``, on by
+            default: a few hundred bytes per run, readable by any tool without parsing JSON) and
+            ``tensorboard`` (optional extra ``flatbma[tensorboard]``); ``[]`` writes none.
+        parallel: what the processes of a ``torchrun`` launch share out: ``data`` (every process
+            trains all of the method on its shard of each global batch) or ``members`` (each trains a
+            disjoint share of the posterior's independent members, e.g. ensemble members, on all the
+            data; only for methods with members). See :mod:`flatbma.experiment.parallel.processes`.
+        early_stopping: stop on validation and keep the best state (:class:`EarlyStopping`); ``None``:
+            train all ``epochs`` and keep the last.
+        precision: the precision of the model's forward passes in training and in the BMA's predictions
+            (:class:`~flatbma.precision.Precision`): ``fp32``; ``bf16`` (autocast); ``fp16`` (autocast and a
+            dynamic loss scale whose overflows skip the step, :class:`flatbma.optim.LossScaled`). What
+            keeps float32/float64 whatever it says: :mod:`flatbma.precision`.
+    """
+
+    epochs: int = 10
+    checkpoint_every: int = 0
+    device: str = "auto"
+    progress: bool = True
+    log: tuple[TrainLog, ...] = (TrainLog.CSV,)
+    parallel: Parallel = Parallel.DATA
+    early_stopping: EarlyStopping | None = added(None)
+    precision: Precision = added(Precision.FP32)
+
+    def __post_init__(self) -> None:
+        _set_member(self, "parallel", Parallel)
+        _set_member(self, "precision", Precision)
+        _set_members(self, "log", TrainLog)
+        check_positive("epochs", self.epochs)
+        check_positive("checkpoint_every", self.checkpoint_every, allow_zero=True)
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """Evaluation, and the flatness protocol (:func:`flatbma.flatness.flatness_report`), the same for every method.
+
+    Every method's samples (point estimates included) get BatchNorm statistics recomputed on the
+    un-augmented training images in a fixed order; the BMA and the flatness use them.
+
+    Attributes:
+        num_samples: posterior samples M in the BMA.
+        n_bins: ECE bins.
+        flatness: also measure flatness after training (``flatbma evaluate --flatness`` does it
+            for a finished run).
+        flatness_samples: posterior samples whose Hessian is measured (λ₁ per sample, summarized by
+            mean, median and a bootstrap interval over them).
+        hessian_k: top Hessian eigenvalues per sample (λ₁ … λ_k); ``k > 1`` adds ``λ₁/λ_k`` over the
+            samples where λ_k converged, and costs more Lanczos steps.
+        hessian_examples: training examples (without augmentation) the Hessian is taken over, a
+            stratified subset; ``None`` = all of the run's training examples.
+        hessian_max_iter: cap on the Hessian-vector products of one spectrum; an eigenvalue that has
+            not met ``hessian_tol`` by then is reported as unconverged, not averaged.
+        hessian_tol: relative residual tolerance of every reported eigenvalue: Lanczos stops when
+            ``‖H y − θ y‖ ≤ tol·|θ|``, which bounds θ's relative error by ``tol``. 1e-3 keeps that error
+            two orders of magnitude below the spread of λ₁ between posterior samples (tens of percent,
+            which sets the interval of the mean), so a tighter tolerance would not change a
+            conclusion; on the demo's transfer model λ₁ then takes 6–8 products (1e-4: one more; λ₅ to
+            1e-3: 14–20).
+        sharpness_rho: radius of the SAM sharpness ``E_w[max_{‖ε‖≤ρ} L(w+ε) − L(w)]``.
+        trace: also estimate the Hessian trace per sample (Hutchinson, ``trace_probes`` products each).
+        trace_probes: Rademacher probes per sample of the trace estimate.
+        distribution_spectrum: also compute the spectrum of the averaged Hessian ``E_q[H]`` (each of
+            its products costs one product per sample).
+        repeatability: repeat λ₁ per sample with another measurement seed and another draw of samples
+            (the noise test; doubles the cost of λ₁).
+        ood: the out-of-distribution set of OOD detection (:mod:`flatbma.ood`): a corruption (the
+            test set at severity 5) or another data set (its test split, resized to the run's images); the
+            AUROC of the predictive entropy and of the mutual information go to ``metrics["ood"]``.
+            ``None``: no OOD detection.
+    """
+
+    num_samples: int = 30
+    n_bins: int = 15
+    flatness: bool = False
+    flatness_samples: int = 8
+    hessian_k: int = 1
+    hessian_examples: int | None = None
+    hessian_max_iter: int = 100
+    hessian_tol: float = 1e-3
+    sharpness_rho: float = 0.05
+    trace: bool = True
+    trace_probes: int = 4
+    distribution_spectrum: bool = True
+    repeatability: bool = True
+    ood: str | None = added(None)
+
+    def __post_init__(self) -> None:
+        if self.ood is not None:
+            check_ood_name(self.ood)
+        for key in (
+            "num_samples",
+            "n_bins",
+            "flatness_samples",
+            "hessian_k",
+            "hessian_max_iter",
+            "hessian_tol",
+            "sharpness_rho",
+        ):
+            check_positive(key, getattr(self, key))
+        check_positive("hessian_examples", self.hessian_examples, allow_none=True)
+        if self.hessian_max_iter < self.hessian_k:
+            raise FlatbmaError(
+                f"hessian_max_iter ({self.hessian_max_iter}) must be >= hessian_k ({self.hessian_k}): Lanczos "
+                "needs at least one Hessian-vector product per eigenvalue"
+            )
+        if not self.hessian_tol < 1:
+            raise FlatbmaError(f"hessian_tol is a relative tolerance and must be < 1, got {self.hessian_tol!r}")
+        if not isinstance(self.trace_probes, int) or isinstance(self.trace_probes, bool) or self.trace_probes < 2:
+            raise FlatbmaError(
+                f"trace_probes must be an integer >= 2 (Hutchinson probes per sample), got {self.trace_probes!r}"
+            )
+
+    def check(self, shape: RunShape, *, flatness: bool) -> None:
+        """Refuse settings the run's data sizes make meaningless or impossible (before it trains).
+
+        ``n_bins`` must not exceed the ``n`` test examples: with more bins than examples, at least
+        ``n_bins − n`` of ECE's equal-width bins are empty and every equal-mass chunk of adaptive ECE holds
+        less than one example, so both are binning noise rather than calibration (the usual 10–20 bins,
+        Guo et al. 2017, suit thousands of examples), and the metric state grows with ``n_bins``. With
+        ``flatness`` (the Hessian is measured), ``hessian_k`` must not exceed the Hessian's dimension, the
+        number of trained weights (when ``shape`` knows it).
+        """
+        if self.n_bins > shape.num_test:
+            raise FlatbmaError(
+                f"eval.n_bins={self.n_bins} is more than the {shape.num_test} test examples (data.test_limit "
+                f"and the data set decide them): most calibration bins would be empty; use eval.n_bins <= "
+                f"{shape.num_test} (15 suits a thousand examples) or test on more examples"
+            )
+        if self.ood is not None and shape.channels is not None:
+            check_ood_applies(self.ood, shape.channels)
+        if flatness and shape.num_trainable is not None and self.hessian_k > shape.num_trainable:
+            raise FlatbmaError(
+                f"eval.hessian_k={self.hessian_k} eigenvalues were asked for, but the Hessian has only "
+                f"{shape.num_trainable} (one per trained weight, model.trainable): use eval.hessian_k <= "
+                f"{shape.num_trainable}"
+            )

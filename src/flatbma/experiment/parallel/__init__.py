@@ -1,0 +1,1 @@
+"""How the processes of a ``torchrun`` launch share a run: the process group, its loaders, the run's strategy."""

@@ -1,0 +1,1 @@
+"""One run, from its config to its metrics: build, train its stages in the one loop, checkpoint, evaluate."""

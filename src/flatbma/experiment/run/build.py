@@ -1,0 +1,303 @@
+"""An experiment: a run config assembled into data loaders, the model and the method (seeded).
+
+Building is deterministic: :func:`build_experiment` seeds every generator first, and the experiment
+records the global RNG state it leaves (:attr:`Experiment.rng`), so that its evaluation draws the
+same random numbers whether it runs right after building or after training in the same process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import inspect
+import json
+import random
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+from torch.utils.data import DataLoader
+
+from flatbma.bn import statistics_loader
+from flatbma.checks import check_device, shown
+from flatbma.data import (
+    DATASETS,
+    ArrayDataset,
+    DatasetSplits,
+    build_transform,
+    check_learnable,
+    few_shot_indices,
+    load_dataset,
+    stratified_split,
+)
+from flatbma.data.transforms import Transform
+from flatbma.errors import FlatbmaError
+from flatbma.experiment.config.run_config import RunConfig
+from flatbma.experiment.config.sections import DataConfig
+from flatbma.experiment.parallel import processes, strategies
+from flatbma.experiment.parallel.loaders import seeded_loader
+from flatbma.experiment.parallel.strategies import Strategy
+from flatbma.models import build_model, check_classifier
+from flatbma.optim import LossScaled
+from flatbma.params import Objective
+from flatbma.precision import Precision
+from flatbma.transfer import restrict_trainable, subset_names
+from flatbma.types import Params, Posterior
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python, NumPy and torch."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)  # noqa: NPY002 (seeds the legacy global generator users may rely on)
+    torch.manual_seed(seed)
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto`` → CUDA when available, else CPU; other names are checked (:func:`~flatbma.checks.check_device`)."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return check_device(name, "train.device", instead="auto or cpu")
+
+
+@dataclass(frozen=True)
+class GlobalRNG:
+    """A snapshot of torch's global generators: the CPU one and, on a CUDA run, every GPU's."""
+
+    cpu: Tensor
+    cuda: tuple[Tensor, ...] = ()
+
+    @classmethod
+    def capture(cls, device: torch.device) -> GlobalRNG:
+        """The current states (the GPUs' only when ``device`` is a CUDA device)."""
+        cuda = tuple(torch.cuda.get_rng_state_all()) if device.type == "cuda" else ()
+        return cls(cpu=torch.get_rng_state(), cuda=cuda)
+
+    @contextlib.contextmanager
+    def restored(self) -> Iterator[None]:
+        """Within the block the global generators start from this snapshot; afterwards they are as before it."""
+        with torch.random.fork_rng(devices=list(range(len(self.cuda)))):
+            torch.set_rng_state(self.cpu)
+            if self.cuda:
+                torch.cuda.set_rng_state_all(list(self.cuda))
+            yield
+
+
+@dataclass
+class Experiment:
+    """Everything a run needs, built from a config.
+
+    Attributes:
+        hessian_loader: the training examples the Hessian is taken over (``eval.hessian_examples``;
+            all of them by default), without augmentation, in batches of ``data.eval_batch_size``.
+        strategy: how the processes share the run (:func:`flatbma.experiment.parallel.strategies.strategy`).
+        bn_loader: the training data for BatchNorm recomputation (:func:`statistics_loader`): the
+            un-augmented images in a fixed order, the same on every process and every evaluation.
+        rng: the global RNG state at the end of building; evaluation starts from it.
+        data_fingerprint: :func:`data_fingerprint` of the data set the run draws its examples from.
+    """
+
+    config: RunConfig
+    model: torch.nn.Module
+    method: Posterior
+    train_loader: DataLoader
+    val_loader: DataLoader | None
+    test_loader: DataLoader
+    hessian_loader: DataLoader
+    num_classes: int
+    device: torch.device
+    strategy: Strategy
+    bn_loader: DataLoader
+    rng: GlobalRNG
+    data_fingerprint: str
+
+
+def _dataset_options(d: DataConfig) -> dict[str, Any]:
+    """``data.image_size`` for the loaders that resize while reading (image-folder: files of mixed sizes)."""
+    loader = DATASETS.get(d.name.strip().lower().replace("_", "-"))
+    takes_size = loader is not None and "size" in inspect.signature(loader).parameters
+    return {"size": d.image_size} if takes_size and d.image_size is not None else {}
+
+
+@dataclass(frozen=True)
+class RunData:
+    """The examples of a run (:func:`select_data`), without transforms.
+
+    Attributes:
+        train: the training examples (the k-shot draw of ``data.k_shot``, else the whole training split).
+        val: the validation examples: held out of the k-shot budget (``data.val_per_class``), drawn from
+            outside it (``data.val_pool``), or a share of a full training split (``data.val_fraction``); or ``None``.
+        test: the test examples (the stratified subset of ``data.test_limit``, else the whole test split).
+        hessian: indices into ``train`` of the examples the Hessian is taken over (``eval.hessian_examples``),
+            or ``None`` for all of them.
+    """
+
+    train: ArrayDataset
+    val: ArrayDataset | None
+    test: ArrayDataset
+    hessian: Tensor | None
+
+
+def load_data(d: DataConfig) -> DatasetSplits:
+    """The data set of the ``data`` section, as read from its files (or the embedded copy)."""
+    return load_dataset(d.name, d.root, **_dataset_options(d))
+
+
+def data_fingerprint(splits: DatasetSplits) -> str:
+    """A short SHA-256 of a data set's content: both splits' images and labels (dtype, shape, bytes) and its classes.
+
+    Equal data, equal fingerprints; a changed pixel, label, class name or example changes it. With the
+    resolved config (which fixes the k-shot draw, the test subset and the transforms) it says what data a
+    run saw: a checkpoint records it, and a run whose data changed is neither reused nor resumed.
+    """
+    h = hashlib.sha256(json.dumps(splits.train.classes).encode())
+    for split in (splits.train, splits.test):
+        for t in (split.images, split.labels):
+            h.update(f"{t.dtype}{list(t.shape)}".encode())
+            h.update(memoryview(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()))
+    return h.hexdigest()[:16]
+
+
+def select_data(cfg: RunConfig, splits: DatasetSplits) -> RunData:
+    """The examples ``cfg`` trains, validates, tests and measures the Hessian on, drawn from ``splits`` (seeded).
+
+    Raises:
+        FlatbmaError: data a classifier cannot learn (:func:`~flatbma.data.check_learnable`: one class, a
+            class without a training example), a k-shot draw the data cannot give, or a ``data.test_limit``
+            or ``eval.hessian_examples`` that keeps no example.
+    """
+    check_learnable(splits)
+    d = cfg.data
+    train, test = splits.train, splits.test
+    val = None
+    if d.k_shot is not None:
+        train_idx, val_idx = few_shot_indices(
+            train.labels,
+            d.k_shot,
+            seed=cfg.seed,
+            val_per_class=d.val_per_class,
+            num_classes=train.num_classes,  # so that a class missing from the training split is reported
+            class_names=train.classes,
+            val_pool=d.val_pool,
+        )
+        val = train.subset(val_idx) if len(val_idx) else None
+        train = train.subset(train_idx)
+    elif d.val_per_class or d.val_pool:
+        raise FlatbmaError(
+            "data.val_per_class and data.val_pool need data.k_shot (validation comes from the k-shot draw); for a "
+            "full-data run hold out a share of each class with data.val_fraction"
+        )
+    elif d.val_fraction:
+        kept, held = stratified_split(train.labels, d.val_fraction, seed=cfg.seed)
+        if len(held) == 0 or len(kept) == 0:
+            raise FlatbmaError(
+                f"data.val_fraction={d.val_fraction} holds out {len(held)} of {len(train)} training images (rounded "
+                "per class): choose a share that leaves both parts non-empty"
+            )
+        train, val = train.subset(kept), train.subset(held)
+    if d.test_limit is not None and d.test_limit < len(test):
+        _, kept = stratified_split(test.labels, d.test_limit / len(test), seed=0)
+        test = test.subset(kept)
+        if len(test) == 0:
+            raise FlatbmaError(
+                f"data.test_limit={d.test_limit} keeps no test image (the subset is stratified, rounded per "
+                f"class): use data.test_limit >= {test.num_classes}, the number of classes"
+            )
+    hessian = None
+    if cfg.eval.hessian_examples is not None and cfg.eval.hessian_examples < len(train):
+        _, hessian = stratified_split(train.labels, cfg.eval.hessian_examples / len(train), seed=0)
+        if len(hessian) == 0:
+            raise FlatbmaError(
+                f"eval.hessian_examples={cfg.eval.hessian_examples} keeps no training example (the subset is "
+                f"stratified, rounded per class): use eval.hessian_examples >= {train.num_classes}"
+            )
+    return RunData(train=train, val=val, test=test, hessian=hessian)
+
+
+def transforms(d: DataConfig) -> tuple[Transform, Transform]:
+    """``(training, evaluation)`` transforms of the ``data`` section (the evaluation one never augments)."""
+    train_tf = build_transform(size=d.image_size, to_rgb=d.to_rgb, normalize=d.normalize, augment=d.augment)
+    eval_tf = build_transform(size=d.image_size, to_rgb=d.to_rgb, normalize=d.normalize, augment=False)
+    return train_tf, eval_tf
+
+
+def build_network(cfg: RunConfig, train: ArrayDataset) -> torch.nn.Module:
+    """The network of ``cfg`` (on the CPU, seeded) for the images of ``train``, only ``model.trainable`` trainable.
+
+    It is checked with one forward pass on two images of ``train`` (:func:`~flatbma.models.check_classifier`,
+    under a forked RNG: the numbers of the run do not change): logits ``[2, num_classes]``, float32, finite
+    weights, something to train.
+    """
+    channels, height, width = train[0][0].shape  # (an augmenting transform draws here: runs' numbers count on it)
+    with torch.random.fork_rng(devices=[]):  # the check's images draw nothing the run sees
+        x = torch.stack([train[i][0] for i in range(min(2, len(train)))])
+    model = build_model(
+        cfg.model.name,
+        num_classes=train.num_classes,
+        in_channels=channels,
+        image_size=height,
+        pretrained=cfg.model.pretrained,
+        width=cfg.model.width,
+        dropout=cfg.model.dropout,
+        seed=cfg.seed,
+    )
+    restrict_trainable(model, subset_names(model, cfg.model.trainable))
+    hint = "" if height == width else f"the images are {height}x{width}, not square: set data.image_size to resize them"
+    check_classifier(model, x, name=f"model {shown(cfg.model.name)}", num_classes=train.num_classes, hint=hint)
+    return model
+
+
+def _check_one_scale(strategy: Strategy) -> None:
+    """Refuse fp16 where processes would train parts of one state under separate loss scales."""
+    if isinstance(strategy, strategies.Members) and processes.world_size() > 1:
+        raise FlatbmaError(
+            "train.precision: fp16 keeps one loss scale for the whole state, but train.parallel: members splits "
+            "the state over the processes: use train.precision: bf16 or train.parallel: data"
+        )
+
+
+def build_experiment(cfg: RunConfig, prior: Params | None = None) -> Experiment:
+    """Load data, build the model and the method for ``cfg`` (seeded).
+
+    ``prior`` is a fitted Gaussian in ``θ`` layout (:func:`flatbma.experiment.run.prior.fit_prior`) that
+    replaces the method's default prior; without it a two-stage run's method keeps its default
+    prior, which is all that sampling and evaluation need.
+    """
+    seed_everything(cfg.seed)
+    device = processes.local_device(resolve_device(cfg.train.device))
+    strategy = strategies.strategy(cfg.train.parallel)
+    d = cfg.data
+    splits = load_data(d)
+    data = select_data(cfg, splits)
+    train_tf, eval_tf = transforms(d)
+    statistics_data = train_eval = data.train.with_transform(eval_tf)  # the training images, un-augmented
+    hessian_data = train_eval.subset(data.hessian) if data.hessian is not None else train_eval
+    train, test = data.train.with_transform(train_tf), data.test.with_transform(eval_tf)
+    val = data.val.with_transform(eval_tf) if data.val is not None else None
+    model = build_network(cfg, train).to(device)
+
+    train_loader = strategy.train_loader(train, d.batch_size, seed=cfg.seed)  # data.batch_size: the global batch
+    optimizer = cfg.optim.build(steps_per_epoch=len(train_loader), epochs=cfg.train.epochs)
+    precision = cfg.train.precision
+    objective = strategy.objective(Objective(model=model, num_data=len(train), precision=precision))
+    method = cfg.method.build(objective, optimizer, prior, map_steps=cfg.train.epochs * len(train_loader))
+    if precision is Precision.FP16:
+        _check_one_scale(strategy)
+        method = LossScaled()(method)
+    return Experiment(
+        config=cfg,
+        model=model,
+        method=method,
+        train_loader=train_loader,
+        val_loader=seeded_loader(val, d.eval_batch_size, shuffle=False, seed=0) if val is not None else None,
+        test_loader=strategy.test_loader(test, d.eval_batch_size),
+        hessian_loader=seeded_loader(hessian_data, d.eval_batch_size, shuffle=False, seed=0),
+        num_classes=train.num_classes,
+        device=device,
+        strategy=strategy,
+        bn_loader=statistics_loader(statistics_data, d.eval_batch_size),
+        rng=GlobalRNG.capture(device),
+        data_fingerprint=data_fingerprint(splits),
+    )

@@ -1,0 +1,535 @@
+"""Saving and loading method states without unpickling: safetensors tensors + JSON metadata.
+
+A checkpoint is one ``.safetensors`` file whose tensors are the state's ``params/…``, ``buffers/…`` and
+``aux/…`` entries and whose string metadata holds ``step`` and a format tag. Files are written to a
+temporary name in the same directory and renamed, so a crash never leaves a half-written checkpoint;
+a temporary file left by a killed write is removed when the next run starts in that directory
+(:func:`remove_stale_temps`). Every write (:func:`atomic_write_bytes`) ends in one
+:class:`~flatbma.errors.FlatbmaError` line when the disk is full, read-only or not writable, and gives
+the file the mode the user's umask asks for.
+
+A run's checkpoint also holds the loop position (:func:`save_position`, :func:`load_position`): the runner's
+:class:`~flatbma.experiment.runner.Position` (RNG states as ``extra/…`` tensors, counters and running sums as
+metadata), the training history, who wrote it (:class:`~flatbma.experiment.run.provenance.Provenance`: the
+method, fingerprints of its options and of the model, the flatbma version) and the run it belongs to
+(:class:`RunRecord`: its whole resolved config and the fingerprint of its data). Loading it checks it against
+the run that loads it (:class:`~flatbma.experiment.run.provenance.Template`): who wrote it, every tensor's
+name, dtype and shape, the RNG states and the position, on ``--resume`` the config and data
+(:func:`check_continuation`), and last every tensor and the metadata against the checksums written with them
+(:func:`check_intact`), so that a checkpoint of another run, an altered one or a damaged one (one flipped bit)
+ends in one line naming both sides instead of training or evaluating something else. Checkpoints written
+before a record existed are accepted without it.
+
+A ``flatbma train --resume RUN --set key=value`` may change the keys of :data:`RESUMABLE` (they do
+not change what the trained state means; :mod:`flatbma.experiment.run.resume` records the change).
+
+Over 500 lines on purpose: the writer and every check of the reader share one file layout (key
+prefixes, metadata names, checksums); split apart, each half would restate it. Who wrote a checkpoint
+(:mod:`~flatbma.experiment.run.provenance`) and what a resume may change
+(:mod:`~flatbma.experiment.run.resume`) are already their own modules.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import load_file
+from torch import Tensor
+
+from flatbma.errors import FlatbmaError
+from flatbma.experiment.config.parse import shown
+from flatbma.experiment.config.run_config import as_stored
+from flatbma.experiment.run.provenance import WRITTEN_BY, Provenance, Template, check_provenance
+from flatbma.experiment.runner import EpochLog, History, Position
+from flatbma.state_io import (
+    FORMAT,
+    SECTIONS,
+    TEMP_NAME,
+    atomic_write_bytes,
+    checksum_problem,
+    clip,
+    dtype_name,
+    encode_state,
+    in_order,
+    state_digest,
+    structure_problem,
+)
+from flatbma.state_io import write_error as write_error
+from flatbma.types import State
+
+# ---------------------------------------------------------------------------------------------------
+# writing files
+
+
+def atomic_write_json(path: Path, obj: Any, *, note: str = "") -> None:
+    """Write ``obj`` as indented JSON atomically (:func:`atomic_write_bytes`)."""
+    atomic_write_bytes(Path(path), (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode(), note=note)
+
+
+def remove_stale_temps(directory: str | Path) -> list[Path]:
+    """Remove the temporary files (``.<name>.<random>.tmp``) that killed writes left in ``directory``.
+
+    Call it where a command starts writing into ``directory`` (one process: rank 0) holding the directory's
+    lock (:func:`flatbma.experiment.run.lock.hold`), so that no other process writes there: a temporary file is
+    stale only then. Returns the files removed; files that cannot be removed are left.
+    """
+    removed = []
+    try:
+        candidates = [p for p in Path(directory).iterdir() if TEMP_NAME.match(p.name)]
+    except OSError:  # no such directory yet, or unreadable: nothing of ours is there
+        return removed
+    for path in candidates:
+        try:
+            if path.is_file() and not path.is_symlink():
+                path.unlink()
+                removed.append(path)
+        except OSError:
+            pass
+    return removed
+
+
+# ---------------------------------------------------------------------------------------------------
+# states
+
+
+def save_state(
+    state: State,
+    path: str | Path,
+    metadata: dict[str, str] | None = None,
+    extra: dict[str, Tensor] | None = None,
+) -> None:
+    """Save ``state`` atomically to ``path`` (safetensors).
+
+    Args:
+        state: the method state.
+        path: the file.
+        metadata: extra string metadata (JSON text for structured values).
+        extra: extra tensors stored under ``extra/<key>`` (e.g. RNG states), read back by
+            :func:`load_checkpoint`.
+
+    Raises:
+        FlatbmaError: the file cannot be written (the message says which checkpoint at ``path`` is intact).
+    """
+    path = Path(path)
+    data = encode_state(state, metadata, extra)
+    try:
+        atomic_write_bytes(path, data)
+    except FlatbmaError as e:
+        raise FlatbmaError(f"{e}; {_intact(path)}") from None
+
+
+def _intact(path: Path) -> str:
+    """What a failed write of the checkpoint ``path`` left: the one before it (its step), or none."""
+    meta = checkpoint_metadata(path)
+    step = meta.get("step") if meta is not None else None
+    return f"the last checkpoint at step {step} is intact" if step is not None else "no checkpoint was written yet"
+
+
+def checkpoint_metadata(path: str | Path) -> dict[str, str] | None:
+    """The string metadata of the checkpoint at ``path`` (its tensors are not read); ``None`` if unreadable."""
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return dict(f.metadata() or {})
+    except (SafetensorError, OSError, ValueError, RuntimeError):
+        return None
+
+
+def load_state(path: str | Path, device: str = "cpu") -> State:
+    """Load a state saved by :func:`save_state`; corrupt or foreign files raise :class:`FlatbmaError`."""
+    return load_checkpoint(path, device)[0]
+
+
+def load_checkpoint(path: str | Path, device: str = "cpu") -> tuple[State, dict[str, str], dict[str, Tensor]]:
+    """Load ``(state, metadata, extra tensors)`` saved by :func:`save_state`, its checksums checked."""
+    path = Path(path)
+    tensors, meta = _read(path)
+    state, extra = _sections(tensors, meta, path, device)
+    check_intact(tensors, meta, path)
+    return state, meta, extra
+
+
+def _read(path: Path) -> tuple[dict[str, Tensor], dict[str, str]]:
+    """The CPU tensors and metadata of the flatbma state file at ``path`` (not yet checked against its checksums)."""
+    if not path.is_file():
+        raise FlatbmaError(f"checkpoint {path} does not exist: train first (flatbma train --config ...)")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+        tensors = load_file(str(path), device="cpu")
+    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+        raise FlatbmaError(
+            f"checkpoint {path} is not a readable safetensors file ({clip(str(e))}); it may be truncated or "
+            "corrupted: delete it and resume from an earlier checkpoint or retrain"
+        ) from None
+    if meta.get("format") != FORMAT:
+        raise FlatbmaError(f"{path} is not a flatbma checkpoint (format tag {shown(meta.get('format'))})")
+    return tensors, meta
+
+
+def _sections(
+    tensors: dict[str, Tensor], meta: dict[str, str], path: Path, device: str
+) -> tuple[State, dict[str, Tensor]]:
+    """The state (on ``device``) and the extra CPU tensors of a state file's ``tensors`` and ``meta``."""
+    sections: dict[str, dict] = {s: {} for s in (*SECTIONS, "extra")}
+    for key, value in tensors.items():
+        section, _, name = key.partition("/")
+        if section not in sections:
+            raise FlatbmaError(f"{path}: unexpected tensor {shown(key)}; the file is not a flatbma checkpoint")
+        sections[section][name] = value if section == "extra" else value.to(device)
+    extra = sections.pop("extra")
+    try:
+        order = json.loads(meta.get("order", "{}"))
+        sections = {name: in_order(section, order.get(name, [])) for name, section in sections.items()}
+    except (ValueError, AttributeError, TypeError):
+        raise FlatbmaError(f"{path}: the checkpoint metadata is damaged (key order unreadable)") from None
+    try:
+        step = int(meta["step"])
+    except (KeyError, ValueError):
+        raise FlatbmaError(f"{path}: the checkpoint metadata has no valid step; the file is damaged") from None
+    return State(step=step, **sections), extra
+
+
+def check_intact(tensors: Mapping[str, Tensor], meta: Mapping[str, str], path: str | Path) -> None:
+    """Raise :class:`FlatbmaError` unless a state file's CPU ``tensors`` and ``meta`` match its recorded checksums.
+
+    A file without checksums (written before flatbma recorded them) is accepted
+    (:func:`flatbma.state_io.checksum_problem`).
+    """
+    problem = checksum_problem(tensors, meta)
+    if problem:
+        raise FlatbmaError(
+            f"checkpoint {path} is damaged: {problem} (a changed bit on the disk, or an edit); restore the run's "
+            "own checkpoint from a copy, or train again"
+        )
+
+
+def checkpoint_record(meta: Mapping[str, str] | None) -> dict[str, Any] | None:
+    """Which checkpoint has the metadata ``meta``: ``{"step", "checksum"}`` (``None`` for no or unreadable metadata).
+
+    ``checksum`` is the short hash of its recorded checksums (:func:`flatbma.state_io.state_digest`), ``None``
+    for a checkpoint written before flatbma recorded them. ``metrics.json`` and a comparison's row cache
+    record the checkpoint they were computed from, so that they are never taken for another's.
+    """
+    try:
+        step = int(meta["step"]) if meta is not None else None
+    except (KeyError, ValueError):
+        step = None
+    return {"step": step, "checksum": state_digest(meta)} if step is not None else None
+
+
+def position_text(meta: Mapping[str, str], epochs: int) -> str:
+    """Where the checkpoint with metadata ``meta`` stands, for a message: ``"epoch 12 of 60 (step 483)"``."""
+    epoch, step = (meta.get(k, "?") for k in ("epoch", "step"))
+    shown_epoch = epoch if epoch.isdigit() else shown(epoch, 12)
+    return f"epoch {shown_epoch} of {epochs} (step {step if step.isdigit() else shown(step, 12)})"
+
+
+def at_end(meta: Mapping[str, str] | None, epochs: int) -> bool:
+    """Whether the checkpoint with metadata ``meta`` stands at the end of a run of ``epochs`` epochs.
+
+    Its position is epoch ``epochs`` with no batch of a further one: every step trained, the last epoch's
+    log taken (:func:`flatbma.experiment.runner.fit`'s last checkpoint).
+    """
+    try:
+        return meta is not None and int(meta["epoch"]) == epochs and int(meta["batch"]) == 0
+    except (KeyError, ValueError):
+        return False
+
+
+def check_compatible(state: State, reference: State, path: str | Path) -> None:
+    """Raise :class:`FlatbmaError` unless the loaded ``state`` has the structure of ``reference``.
+
+    ``reference`` is the state the run's method initializes for the run's model; the rule (same names,
+    dtypes and shapes; only a sampler's parameter stacks added to ``aux``) is
+    :func:`flatbma.state_io.structure_problem`'s, which loading a predictor shares.
+    """
+    problem = structure_problem(state, reference)
+    if problem:
+        raise FlatbmaError(
+            f"{path} does not fit this run ({problem}): it was written for another method "
+            "or model, or altered; restore the run's own checkpoint or train again"
+        )
+
+
+# ---------------------------------------------------------------------------------------------------
+# the loop position
+
+
+@dataclass(frozen=True)
+class RunRecord:
+    """What a run's checkpoint records of the run that wrote it, beyond :class:`Provenance`.
+
+    Attributes:
+        config: the run's whole resolved config without its place (``output_dir``) and logs
+            (:func:`flatbma.experiment.config.run_config.run_identity`).
+        data: the fingerprint of the data set it trained on (:func:`flatbma.experiment.run.build.data_fingerprint`).
+    """
+
+    config: Mapping[str, Any]
+    data: str
+
+
+CONFIG_KEY = "config"
+"""Metadata key of the resolved config a checkpoint was written with (:class:`RunRecord`, JSON)."""
+DATA_KEY = "data"
+"""Metadata key of the fingerprint of the data a checkpoint's run trained on (:class:`RunRecord`)."""
+
+
+def save_position(
+    path: Path,
+    state: State,
+    position: Position,
+    history: History,
+    written_by: Provenance | None = None,
+    run: RunRecord | None = None,
+) -> None:
+    """Save ``state`` with the loop ``position`` and ``history`` it was reached with (:func:`load_position`).
+
+    ``written_by`` and ``run`` are recorded for :func:`load_position` to check.
+    """
+    extra = {"torch_rng": position.torch_rng}
+    if position.loader_rng is not None:
+        extra["loader_rng"] = position.loader_rng
+    for i, rng in enumerate(position.cuda_rng or ()):
+        extra[f"cuda_rng/{i}"] = rng
+    meta = {
+        "epoch": str(position.epoch),
+        "batch": str(position.batch),
+        "partial": json.dumps(list(position.partial)),
+        "history": json.dumps([h.record() for h in history.epochs]),
+    }
+    if position.stats:  # only then: checkpoints without step statistics are as they always were
+        meta["stats"] = json.dumps([list(entry) for entry in position.stats])
+    if written_by is not None:
+        meta[WRITTEN_BY] = written_by.to_json()
+    if run is not None:
+        meta[CONFIG_KEY] = json.dumps(run.config, sort_keys=True, default=str)
+        meta[DATA_KEY] = run.data
+    save_state(state, path, meta, extra)
+
+
+def load_position(
+    path: Path, template: Template, *, continuing: RunRecord | None = None
+) -> tuple[State, Position, History]:
+    """``(state, position, history)`` saved by :func:`save_position`, checked against the run's ``template``.
+
+    Checks, each refused with one :class:`FlatbmaError` line naming both sides: who wrote it
+    (:func:`check_provenance`), every tensor's name, dtype and shape (:func:`check_compatible`), the RNG
+    states and the position (:func:`check_position`); with ``continuing`` (``train --resume``: the run
+    that goes on from it), that its config differs from the recorded one only in :data:`RESUMABLE` keys and
+    its data is the recorded data (:func:`check_continuation`); last, that nothing changed since it was
+    written (:func:`check_intact`). The state is on ``template.device``.
+    """
+    tensors, meta = _read(path)
+    state, extra = _sections(tensors, meta, path, str(template.device))
+    check_provenance(meta, template.provenance, path)
+    check_compatible(state, template.state, path)
+    try:
+        cuda = tuple(extra[f"cuda_rng/{i}"] for i in range(sum(k.startswith("cuda_rng/") for k in extra))) or None
+        position = Position(
+            epoch=_integer(meta["epoch"]),
+            batch=_integer(meta["batch"]),
+            loader_rng=extra.get("loader_rng"),
+            torch_rng=extra["torch_rng"],
+            cuda_rng=cuda,
+            partial=tuple(json.loads(meta["partial"])),
+            stats=_stat_sums(json.loads(meta.get("stats", "[]"))),
+        )
+        history = History([_epoch_log(h) for h in json.loads(meta["history"])])
+    except (KeyError, ValueError, TypeError):
+        raise FlatbmaError(f"{path} has no resumable position (written by another tool?); train again") from None
+    known = {"torch_rng", "loader_rng"} | {f"cuda_rng/{i}" for i in range(len(cuda or ()))}
+    unexpected = sorted(set(extra) - known)
+    if unexpected:
+        raise _bad_position(path, f"unexpected tensor extra/{unexpected[0]}")
+    check_position(state, position, template, path)
+    if continuing is not None:
+        check_continuation(meta, continuing, path)
+    check_intact(tensors, meta, path)
+    return state, position, history
+
+
+def check_continuation(meta: Mapping[str, str], run: RunRecord, path: str | Path) -> None:
+    """Raise :class:`FlatbmaError` unless ``run`` may continue from the checkpoint whose metadata is ``meta``.
+
+    Its config may differ from the recorded one only in :data:`RESUMABLE` keys (what ``--resume --set``
+    may change), and its data must be the recorded data set: anything else would train a mix of two
+    runs. A checkpoint without the records (written before flatbma recorded them) is accepted.
+    """
+    if CONFIG_KEY in meta:
+        try:
+            recorded = json.loads(meta[CONFIG_KEY])
+        except ValueError:
+            recorded = None
+        if not isinstance(recorded, dict):
+            raise FlatbmaError(f"checkpoint {path}: its record of the config it was written with is damaged")
+        recorded = as_stored(recorded)  # options added since it was written, at what it trained with
+        current = json.loads(json.dumps(run.config, default=str))
+        edited = {k: v for k, v in config_changes(recorded, current).items() if not resumable(k)}
+        if edited:
+            detail = clip(", ".join(f"{k}={shown(a, 30)} vs {shown(b, 30)}" for k, (a, b) in edited.items()))
+            raise FlatbmaError(
+                f"checkpoint {path} was written with another config than its run directory's config.yaml now holds "
+                f"({detail}; checkpoint vs config.yaml): restore config.yaml (--resume --set may change only "
+                f"{', '.join(RESUMABLE)}), or train a new run"
+            )
+    data = meta.get(DATA_KEY)
+    if data is not None and data != run.data:
+        raise FlatbmaError(
+            f"checkpoint {path} was trained on other data than the data set now holds (fingerprint "
+            f"{shown(data, 20)} vs {run.data}): its files changed since; restore them, or train a new run (--force)"
+        )
+
+
+def _integer(text: str) -> int:
+    value = int(text)
+    if str(value) != text.strip():  # int() also reads "1_000" and "+3"
+        raise ValueError(text)
+    return value
+
+
+def history_of(meta: Mapping[str, str] | None) -> History | None:
+    """The training history recorded in a checkpoint's metadata; ``None`` when there is none or it is malformed."""
+    try:
+        return History([_epoch_log(h) for h in json.loads(meta["history"])]) if meta is not None else None
+    except (KeyError, ValueError, TypeError):
+        return None
+
+
+def _epoch_log(record: Any) -> EpochLog:
+    kinds = {"epoch": int, "loss": float, "accuracy": float, "steps": int}
+    optional = {"stats", "validation"}  # named numbers (EpochLog.record leaves them out when empty)
+    if not isinstance(record, dict) or not set(kinds) <= set(record) <= set(kinds) | optional:
+        raise ValueError("history entry")
+    for key, kind in kinds.items():
+        value = record[key]
+        if not _is_number(value) or (kind is int and not isinstance(value, int)):
+            raise ValueError(key)
+    for key in optional & set(record):
+        values = record[key]
+        if not (isinstance(values, dict) and all(isinstance(k, str) and _is_number(v) for k, v in values.items())):
+            raise ValueError(key)
+    return EpochLog(**record)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _stat_sums(entries: Any) -> tuple[tuple[str, float, int], ...]:
+    """:attr:`Position.stats` from its JSON ``[[name, sum, steps], ...]``; ``ValueError`` when malformed."""
+    if not isinstance(entries, list):
+        raise ValueError("stats")
+    out = []
+    for entry in entries:
+        ok = isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], str)
+        if not (ok and _is_number(entry[1]) and isinstance(entry[2], int) and not isinstance(entry[2], bool)):
+            raise ValueError("stats")
+        out.append((entry[0], float(entry[1]), entry[2]))
+    return tuple(out)
+
+
+def _bad_position(path: Path, problem: str) -> FlatbmaError:
+    return FlatbmaError(
+        f"checkpoint {path} holds an impossible loop position ({problem}): it was altered or damaged, or written "
+        "for another config; restore the run's own checkpoint or train again"
+    )
+
+
+def _valid_generator_state(state: Tensor, like: Tensor) -> str | None:
+    """Why ``state`` cannot be a CPU generator's state like ``like`` (``None`` when it can)."""
+    if state.dtype != like.dtype or tuple(state.shape) != tuple(like.shape):
+        return f"{dtype_name(state)} {tuple(state.shape)} instead of {dtype_name(like)} {tuple(like.shape)}"
+    try:
+        torch.Generator().set_state(state)
+    except RuntimeError as e:
+        return str(e).splitlines()[0] if str(e).strip() else "rejected by torch"
+    return None
+
+
+def check_position(state: State, position: Position, template: Template, path: Path) -> None:
+    """Raise :class:`FlatbmaError` unless ``position`` is a place in the run ``template`` describes.
+
+    ``step >= 0`` (at most ``epochs · batches``); ``epoch`` in ``[0, epochs]``; ``batch`` in
+    ``[0, batches]`` and 0 at ``epoch == epochs``; ``partial`` three finite numbers ``(loss·n, correct,
+    n)`` with ``0 <= correct <= n``; the CPU and data-order generator states of the size and dtype
+    torch uses, and accepted by a generator; CUDA generator states 1-d ``uint8`` tensors.
+    """
+    steps = template.epochs * template.batches if template.batches is not None else None
+    if state.step < 0 or (steps is not None and state.step > steps):
+        bound = f"[0, {steps}]" if steps is not None else ">= 0"
+        raise _bad_position(path, f"step {state.step} is not in {bound}")
+    if not 0 <= position.epoch <= template.epochs:
+        raise _bad_position(path, f"epoch {position.epoch} is not in [0, train.epochs={template.epochs}]")
+    top = template.batches if position.epoch < template.epochs else 0
+    if position.batch < 0 or (top is not None and position.batch > top):
+        raise _bad_position(path, f"batch {position.batch} of epoch {position.epoch} is not in [0, {top}]")
+    partial = position.partial
+    numbers = len(partial) == 3 and all(
+        isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) for v in partial
+    )
+    if not numbers or not 0 <= partial[1] <= partial[2]:
+        raise _bad_position(path, f"partial sums {shown(list(partial))} are not (loss·n, correct, n)")
+    why = _valid_generator_state(position.torch_rng, torch.get_rng_state())
+    if why is not None:
+        raise _bad_position(path, f"torch RNG state: {why}")
+    if template.loader_rng is not None:
+        if position.loader_rng is None:
+            raise _bad_position(path, "no data-order RNG state")
+        why = _valid_generator_state(position.loader_rng, template.loader_rng)
+        if why is not None:
+            raise _bad_position(path, f"data-order RNG state: {why}")
+    for rng in position.cuda_rng or ():
+        if rng.dtype != torch.uint8 or rng.dim() != 1 or rng.numel() == 0:
+            raise _bad_position(path, f"CUDA RNG state of {dtype_name(rng)} {tuple(rng.shape)}, not 1-d uint8")
+
+
+def load_run_state(path: Path, template: Template) -> State:
+    """The state of a run's checkpoint, every check of :func:`load_position` passed (for evaluation)."""
+    return load_position(path, template)[0]
+
+
+# ---------------------------------------------------------------------------------------------------
+# the keys a --resume may change
+
+
+RESUMABLE = (
+    "optim.lr",
+    "optim.schedule",
+    "optim.warmup_epochs",
+    "train.epochs",
+    "train.checkpoint_every",
+    "train.progress",
+    "train.log",
+    "train.device",
+    "eval.*",
+)
+"""The config keys ``flatbma train --resume RUN --set key=value`` may change: the learning rate and its
+schedule, the number of epochs (not below those done), the checkpoint cadence, the progress bar, the
+logs, the device (a checkpoint written on a GPU continues on the CPU and the reverse: the same state, its
+arithmetic then the other device's, and a method's noise drawn from that device's generator) and the
+evaluation. They change how training goes on, not what the saved state means."""
+
+
+def resumable(key: str) -> bool:
+    """Whether a ``--resume --set`` may change ``key`` (a dotted config key; :data:`RESUMABLE`)."""
+    return any(key == k or (k.endswith(".*") and key.startswith(k[:-1])) for k in RESUMABLE)
+
+
+def config_changes(old: Mapping[str, Any], new: Mapping[str, Any], prefix: str = "") -> dict[str, tuple[Any, Any]]:
+    """``{dotted key: (old, new)}`` for every leaf of two resolved configs that differs."""
+    changes: dict[str, tuple[Any, Any]] = {}
+    for key in sorted({*old, *new}, key=str):
+        a, b = old.get(key), new.get(key)
+        if isinstance(a, Mapping) and isinstance(b, Mapping):
+            changes.update(config_changes(a, b, f"{prefix}{key}."))
+        elif a != b or type(a) is not type(b):
+            changes[f"{prefix}{key}"] = (a, b)
+    return changes

@@ -1,0 +1,535 @@
+"""Evaluation in one place: a trained (experiment, state) → metrics.
+
+* :func:`posterior_samples` — the ``eval.num_samples`` weight samples of the BMA, BatchNorm statistics
+  recomputed for every method whose model has BatchNorm — point estimates included — on the
+  un-augmented training images in a fixed order (:attr:`Experiment.bn_loader`): the BMA and the
+  flatness use the same, deterministic statistics;
+* :func:`bma_metrics` — accuracy, NLL, ECE, adaptive ECE and Brier score of the BMA predictive
+  ``log p(y|x) = logsumexp_m log softmax(f(x; w_m))_y − log M`` (:func:`flatbma.predict.evaluate`), or of
+  the Laplace family's linearized predictive (:func:`bma_predictions`: ``glm``, ``probit``), whose
+  BatchNorm statistics are recomputed once, at the posterior mean; a method's ``diagnostics`` (Laplace:
+  prior precision, log evidence, effective number of parameters) are reported beside them;
+* :func:`bma_curve_metrics` — the same for the BMA of the first ``m`` samples, every ``m`` of a list,
+  in one pass (:func:`flatbma.predict.stream_metrics`), with the reliability diagram of the full BMA;
+* temperature scaling on the validation split (Guo et al. 2017), corrupted test sets (Hendrycks &
+  Dietterich 2019), a 1-D loss landscape;
+* :func:`flatness_metrics` — the flatness protocol, the same for every method: λ₁ of the Hessian of
+  the mean training loss over all training examples (``eval.hessian_examples``), per sample over
+  ``eval.flatness_samples`` samples, every eigenvalue to a residual tolerance, summarized with a
+  bootstrap interval; λ₁ at the posterior mean; the averaged Hessian's spectrum, the Hessian trace
+  and the SAM sharpness; the posterior's width; and the measurement repeated with another seed and
+  another draw of samples (:func:`flatbma.flatness.flatness_report`, :func:`flatbma.flatness.repeatability`);
+* :func:`evaluate_state` (what ``flatbma train``/``evaluate`` record) and :func:`measure` (what
+  ``flatbma compare`` records) put them together.
+
+Both entry points draw their random numbers (posterior samples, MC-dropout masks, corruption seeds'
+loaders) from the state the experiment's build left (:attr:`Experiment.rng`) under a forked RNG, and
+BatchNorm statistics involve no randomness: the metrics of a state do not depend on what ran before
+in the process — right after training or from a checkpoint on disk, they are the same.
+
+Over 500 lines on purpose: evaluation in one place, so that ``train``, ``evaluate`` and ``compare``
+measure a state with the same code; the maths lives below it (:mod:`flatbma.predict`,
+:mod:`flatbma.flatness`, :func:`flatbma.predictor.bma_predictions`).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterable
+from contextlib import AbstractContextManager, nullcontext
+from functools import partial
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from flatbma import progress
+from flatbma.bn import has_batchnorm, with_recomputed_statistics
+from flatbma.calibration import fit_temperature
+from flatbma.data.corruptions import applicable, corrupt_dataset
+from flatbma.errors import FlatbmaError
+from flatbma.experiment.run.build import Experiment
+from flatbma.experiment.run.health import HEALTH_EXAMPLES
+from flatbma.flatness import (
+    distinct_samples,
+    flatness_report,
+    lambda1_summary,
+    measure_samples,
+    repeatability,
+    sample_variance,
+    width,
+)
+from flatbma.flatness.landscape import posterior_landscape, random_direction
+from flatbma.metrics import StreamingMetrics
+from flatbma.ood import ood_dataset, ood_metrics, uncertainty_scores
+from flatbma.precision import autocast
+from flatbma.predict import (
+    Predictions,
+    evaluate,
+    predict,
+    rescaled_metrics,
+    stream_metrics,
+)
+from flatbma.predictor import bma_predictions as predictor_predictions
+from flatbma.predictor import posterior_mean as mean_weights
+from flatbma.predictor import trained_names
+from flatbma.rng import splitmix64
+from flatbma.types import Batch, Params, Predictive, State, prediction_mode
+
+CLEAN_KEYS = ("accuracy", "nll", "ece", "aece", "brier")
+"""BMA metrics on the clean test set."""
+
+
+BN_RECOMPUTED = "recomputed (un-augmented training set)"
+"""``bn_statistics`` of a model with BatchNorm: every sample's statistics, the point's included, recomputed."""
+BN_NONE = "none (the model has no BatchNorm)"
+"""``bn_statistics`` of a model without BatchNorm."""
+BN_AT_MEAN = "recomputed at the posterior mean (un-augmented training set), linearized there"
+"""``bn_statistics`` of a linearized predictive (``glm``, ``probit``): one recomputation, at ``w̄``; the
+flatness protocol's samples still get their own."""
+
+REPEAT_STREAM = 1
+"""Stream of the run's seed (:func:`flatbma.rng.splitmix64`) that seeds the repeated flatness measurement."""
+
+
+def posterior_samples(exp: Experiment, state: State, n: int | None = None, *, seed: int | None = None) -> list[Params]:
+    """``n`` posterior samples (default ``eval.num_samples``), with recomputed BatchNorm statistics.
+
+    Sampling uses a CPU generator seeded with ``seed`` (default: the run's seed) (:func:`draw_samples`).
+    Every sample of a model with BatchNorm — whatever the method, point estimates included — gets the
+    statistics of one pass over :attr:`Experiment.bn_loader` (:func:`with_bn_statistics`).
+    """
+    return with_bn_statistics(exp, draw_samples(exp, state, n, seed=seed))
+
+
+def draw_samples(exp: Experiment, state: State, n: int | None = None, *, seed: int | None = None) -> list[Params]:
+    """``n`` posterior samples (default ``eval.num_samples``) as the method draws them.
+
+    From a CPU generator seeded with ``seed`` (default: the run's seed); their BatchNorm statistics are the state's.
+    """
+    generator = torch.Generator(device="cpu").manual_seed(exp.config.seed if seed is None else seed)
+    return exp.method.sample(state, exp.config.eval.num_samples if n is None else n, generator)
+
+
+def bma_predictions(
+    exp: Experiment, state: State, drawn: list[Params], samples: list[Params] | None = None
+) -> Predictions:
+    """What the BMA averages, by the method's :attr:`~flatbma.types.Posterior.predictive`.
+
+    ``samples``: the ``drawn`` samples with recomputed BatchNorm statistics (:func:`with_bn_statistics`;
+    computed here when not given). ``glm`` and ``probit``: the network linearized at the posterior mean,
+    whose statistics are recomputed once, there (``glm`` averages over ``Δ_m = w_m − w̄`` of the ``drawn``
+    samples): :func:`flatbma.predictor.bma_predictions`, the path :class:`flatbma.BMA` takes, with this run's
+    statistics (:func:`with_bn_statistics`).
+    """
+    if samples is not None and exp.method.predictive is Predictive.SAMPLES:
+        return samples
+    return predictor_predictions(exp.method, state, drawn, _trained_names(exp), partial(with_bn_statistics, exp))
+
+
+def diagnostics(exp: Experiment, state: State) -> dict[str, Any]:
+    """``{"diagnostics": ...}`` of a method that has them (:attr:`~flatbma.types.Posterior.diagnostics`), or ``{}``."""
+    if exp.method.diagnostics is None:
+        return {}
+    return {"diagnostics": exp.method.diagnostics(state)}
+
+
+def with_bn_statistics(exp: Experiment, samples: list[Params]) -> list[Params]:
+    """``samples`` with BatchNorm statistics recomputed on the un-augmented training data in a fixed order.
+
+    :func:`flatbma.bn.with_recomputed_statistics` over :attr:`Experiment.bn_loader` (dropout off, so
+    that MC dropout's statistics are those of its deterministic network; the predictor
+    :class:`flatbma.predictor.BMA` takes the same path). Repeats of the same weights (the same tensors,
+    as MC dropout's samples are) are recomputed once and share one dict, which the flatness protocol
+    then measures once. Samples of a model without BatchNorm are returned as given.
+    """
+    with forward_precision(exp):
+        return with_recomputed_statistics(exp.model, samples, exp.bn_loader, device=exp.device)
+
+
+def forward_precision(exp: Experiment) -> AbstractContextManager[Any]:
+    """The run's ``train.precision`` for the BMA's forward passes: autocast to bf16/fp16, none at fp32.
+
+    It covers the BatchNorm recomputation and the predictions (:func:`with_bn_statistics`, :func:`bma_metrics`,
+    :func:`bma_curve_metrics`, :func:`bma_log_probs_over`); the logits leave the model as float32. The flatness
+    protocol's Hessian-vector products and the linearized predictives stay float32 (:mod:`flatbma.precision`).
+    """
+    return autocast(exp.config.train.precision, exp.device)
+
+
+def posterior_mean(exp: Experiment, state: State, samples: list[Params]) -> Params:
+    """The weights at the posterior mean, with recomputed BatchNorm statistics.
+
+    :func:`flatbma.predictor.posterior_mean`: :attr:`flatbma.types.Posterior.mean` when the method has
+    it; otherwise the average of ``samples`` (the BMA's) over the trained parameters — an ensemble's
+    member average, a chain's kept iterates — with the first sample's other tensors.
+    """
+    return with_bn_statistics(exp, [mean_weights(exp.method, state, samples, _trained_names(exp))])[0]
+
+
+def posterior_width(exp: Experiment, state: State, samples: list[Params]) -> dict[str, Any]:
+    """``tr Σ`` and the median marginal std over the trained parameters (:mod:`flatbma.flatness.width`).
+
+    Exact (:attr:`flatbma.types.Posterior.marginal_variance`) for the Gaussian families, MC dropout
+    (the variance of its masked weights) and point estimates (0); otherwise the per-coordinate
+    variance over the BMA's ``samples`` (ensemble members, SG-MCMC iterates).
+    """
+    if exp.method.marginal_variance is not None:
+        return width(exp.method.marginal_variance(state), exact=True, source="closed form").to_dict()
+    distinct = distinct_samples(samples)
+    variance = sample_variance(distinct, _trained_names(exp))
+    return width(variance, exact=False, source=f"sample variance over {len(distinct)} samples").to_dict()
+
+
+def bn_statistics(exp: Experiment) -> str:
+    """What the samples' BatchNorm statistics are, for the results.
+
+    :data:`BN_RECOMPUTED`, :data:`BN_AT_MEAN` for a linearized predictive, or :data:`BN_NONE`.
+    """
+    if not has_batchnorm(exp.model):
+        return BN_NONE
+    return BN_RECOMPUTED if exp.method.predictive is Predictive.SAMPLES else BN_AT_MEAN
+
+
+def _trained_names(exp: Experiment) -> list[str]:
+    return trained_names(exp.model)
+
+
+def bma_metrics(exp: Experiment, samples: Predictions) -> dict[str, Any]:
+    """BMA metrics on the test set (summed over the processes that each evaluate a shard of it)."""
+    with forward_precision(exp):
+        return evaluate(
+            exp.model,
+            samples,
+            exp.test_loader,
+            num_classes=exp.num_classes,
+            n_bins=exp.config.eval.n_bins,
+            device=exp.device,
+            mode=prediction_mode(exp.method, exp.config.seed),
+            reduce_metrics=exp.strategy.reduce_metrics,
+        )
+
+
+def flatness_metrics(exp: Experiment, state: State, samples: list[Params]) -> dict[str, Any]:
+    """The flatness protocol of ``state``, its posterior width and the measurement's repeatability.
+
+    The Hessian is that of the mean training loss (no augmentation) over the trained parameters — the
+    Bayesian subset when ``model.trainable`` restricts it — on :attr:`Experiment.hessian_loader`,
+    every sample with recomputed BatchNorm statistics (those of the BMA). λ₁ per sample is measured
+    on the first ``eval.flatness_samples`` samples (drawn anew when the BMA has fewer), λ₁ at the
+    posterior mean (:func:`posterior_mean`) and the extras ``eval.trace`` and
+    ``eval.distribution_spectrum`` ask for (:func:`flatbma.flatness.flatness_report`). With
+    ``eval.repeatability`` λ₁ per sample is measured again on a second draw of samples with another
+    measurement seed (both from stream :data:`REPEAT_STREAM` of the run's seed) and the two
+    summaries are compared (:func:`flatbma.flatness.repeatability`).
+    """
+    e = exp.config.eval
+    start = time.perf_counter()
+    names = _trained_names(exp)
+    data = [(x.to(exp.device), y.to(exp.device)) for x, y in exp.hessian_loader]
+    if len(samples) < e.flatness_samples:
+        samples = posterior_samples(exp, state, e.flatness_samples)
+    chosen = samples[: e.flatness_samples]
+    options = dict(k=e.hessian_k, params=names, tol=e.hessian_tol, max_iter=e.hessian_max_iter)
+    spectrum = "λ₁" if e.hessian_k == 1 else f"λ₁…λ{e.hessian_k}"
+    with progress.current().phase("flatness", f"{progress.count(len(chosen), 'sample')} {spectrum}"):
+        report = flatness_report(
+            exp.model,
+            chosen,
+            data,
+            mean=posterior_mean(exp, state, samples),
+            rho=e.sharpness_rho,
+            seed=exp.config.seed,
+            trace_probes=e.trace_probes if e.trace else 0,
+            distribution=e.distribution_spectrum,
+            **options,
+        )
+    report["width"] = posterior_width(exp, state, samples)
+    report["hessian_examples"] = sum(len(y) for _, y in data)
+    report["hessian_tol"] = e.hessian_tol
+    report["flatness_time_s"] = time.perf_counter() - start
+    if e.repeatability:
+        start = time.perf_counter()
+        with progress.current().phase("repeatability", "λ₁ again (another seed, another draw)"):
+            report["repeatability"] = _repeat(exp, state, report, data, options)
+        report["repeatability_time_s"] = time.perf_counter() - start
+    return report
+
+
+def _repeat(
+    exp: Experiment, state: State, first: dict[str, Any], data: list[Batch], options: dict[str, Any]
+) -> dict[str, Any]:
+    """λ₁ per sample measured again (another measurement seed, another draw), compared with the first."""
+    seed = splitmix64(exp.config.seed, REPEAT_STREAM) >> 1
+    again = posterior_samples(exp, state, exp.config.eval.flatness_samples, seed=seed)
+    measured = measure_samples(exp.model, distinct_samples(again), data, seed=seed, **options)
+    second, unconverged = lambda1_summary(measured, seed=seed)
+    result = repeatability(first["lambda1_summary"], second, tol=exp.config.eval.hessian_tol)
+    result["second_unconverged"] = unconverged
+    result["seed"] = seed
+    return result
+
+
+def training_fit(exp: Experiment, predictions: Predictions) -> dict[str, Any]:
+    """How the BMA fits its training data: the health entry's measurement (:mod:`flatbma.experiment.run.health`).
+
+    The BMA's accuracy on the first :data:`~flatbma.experiment.run.health.HEALTH_EXAMPLES` (whole batches)
+    un-augmented training images of :attr:`Experiment.bn_loader` (a fixed random order, so a class-sorted
+    data set gives a sample of every class), and the chance level: the share of the most frequent class
+    among them. Run under forked random generators: nothing measured after it changes.
+
+    Returns:
+        ``{"train_bma_accuracy", "train_examples", "chance_accuracy"}``.
+    """
+    correct, counts = 0, torch.zeros(exp.num_classes, dtype=torch.int64)
+    devices = [exp.device.index or 0] if exp.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):  # a DataLoader's iterator draws its base seed
+        mode = prediction_mode(exp.method, exp.config.seed)
+        for log_probs, y in predict(exp.model, predictions, exp.bn_loader, device=exp.device, mode=mode):
+            correct += int((log_probs.argmax(-1) == y).sum())
+            counts += torch.bincount(y.cpu(), minlength=exp.num_classes)
+            if int(counts.sum()) >= HEALTH_EXAMPLES:
+                break
+    n = int(counts.sum())
+    return {"train_bma_accuracy": correct / n, "train_examples": n, "chance_accuracy": int(counts.max()) / n}
+
+
+def evaluate_state(exp: Experiment, state: State, *, flatness: bool = False) -> dict[str, Any]:
+    """BMA metrics of ``state`` on the test set (and flatness when asked), from the build's RNG state.
+
+    ``health`` holds the BMA's :func:`training_fit`; the caller completes it with the run's loss history
+    (:func:`flatbma.experiment.run.health.assess`).
+    """
+    what = f"{progress.count(exp.config.eval.num_samples, 'sample')} on the test set"
+    with exp.rng.restored():
+        with progress.current().phase("BMA", what):
+            drawn = draw_samples(exp, state)
+            samples = _samples_if_averaged(exp, drawn)
+            predictions = bma_predictions(exp, state, drawn, samples)
+            metrics = bma_metrics(exp, predictions)
+        metrics["health"] = training_fit(exp, predictions)
+        metrics["bn_statistics"] = bn_statistics(exp)
+        metrics.update(diagnostics(exp, state))
+        if exp.config.eval.ood is not None:
+            metrics["ood"] = ood_record(exp, predictions)
+        if flatness:
+            samples = samples if samples is not None else with_bn_statistics(exp, drawn)
+            metrics.update(flatness_metrics(exp, state, samples))
+    return metrics
+
+
+def _samples_if_averaged(exp: Experiment, drawn: list[Params]) -> list[Params] | None:
+    """``drawn`` with recomputed statistics when the BMA averages them (``samples``), else ``None`` (made if asked)."""
+    return with_bn_statistics(exp, drawn) if exp.method.predictive is Predictive.SAMPLES else None
+
+
+def bma_log_probs_over(exp: Experiment, samples: Predictions, loader: Iterable[Batch]) -> tuple[Tensor, Tensor]:
+    """BMA log-probabilities and labels of a whole (small) loader, e.g. the validation split, on the CPU."""
+    outs, labels = [], []
+    with forward_precision(exp):
+        mode = prediction_mode(exp.method, exp.config.seed)
+        for log_probs, y in predict(exp.model, samples, loader, device=exp.device, mode=mode):
+            outs.append(log_probs.cpu())
+            labels.append(y.cpu())
+    return torch.cat(outs), torch.cat(labels)
+
+
+def validation_metrics(exp: Experiment, state: State, n: int) -> dict[str, float]:
+    """The BMA of ``n`` posterior samples of ``state`` on the validation split: ``nll``, ``loss``, ``accuracy``.
+
+    ``nll = −mean log (1/n) Σ_m p(y|x, w_m)`` (the BMA's), ``loss = −mean (1/n) Σ_m log p(y|x, w_m)`` (each
+    sample's cross-entropy, averaged) and the BMA's accuracy. The samples are drawn and their BatchNorm
+    statistics recomputed as for the test evaluation, from the build's RNG state (so the value is a
+    function of ``state`` alone, and the global RNG of a training loop that asks is left as it was); the
+    model's train/eval mode is restored.
+    """
+    if exp.val_loader is None:
+        raise FlatbmaError(
+            "validation metrics need a validation split: set data.val_per_class, data.val_pool or data.val_fraction"
+        )
+    training = exp.model.training
+    try:
+        with exp.rng.restored():
+            samples = bma_predictions(exp, state, draw_samples(exp, state, n))
+            per_sample = [bma_log_probs_over(exp, [s], exp.val_loader) for s in samples]
+    finally:
+        exp.model.train(training)
+    labels = per_sample[0][1].to(torch.int64)[:, None]
+    log_probs = torch.stack([lp for lp, _ in per_sample]).double()  # [n, N, C]
+    bma = torch.logsumexp(log_probs, dim=0) - math.log(len(per_sample))
+    return {
+        "nll": float(-bma.gather(1, labels).mean()),
+        "loss": float(-log_probs.gather(2, labels.expand(len(per_sample), -1, -1)).mean()),
+        "accuracy": float((bma.argmax(1) == labels[:, 0]).double().mean()),
+    }
+
+
+def bma_curve_metrics(
+    exp: Experiment,
+    samples: Predictions,
+    loader: Iterable[Batch],
+    sizes: tuple[int, ...],
+    *,
+    temperature: float = 1.0,
+    keep: list[tuple[Tensor, Tensor]] | None = None,
+) -> tuple[dict[int, dict[str, float]], dict[str, list]]:
+    """Metrics of the BMA of the first ``m`` samples for every ``m`` in ``sizes``, in one pass.
+
+    ``temperature`` rescales every BMA predictive (``softmax(log p / T)``; 1 = none). ``keep``: see
+    :func:`flatbma.predict.stream_metrics` (the full BMA's predictives, for :func:`rescaled`).
+
+    Returns:
+        ``({m: metrics}, reliability diagram of the full BMA)``.
+    """
+    with forward_precision(exp):
+        states = stream_metrics(
+            exp.model,
+            samples,
+            loader,
+            num_classes=exp.num_classes,
+            n_bins=exp.config.eval.n_bins,
+            sizes=sizes,
+            temperature=temperature,
+            device=exp.device,
+            mode=prediction_mode(exp.method, exp.config.seed),
+            reduce_metrics=exp.strategy.reduce_metrics,
+            keep=keep,
+        )
+    return {m: s.compute() for m, s in states.items()}, _reliability(states[len(samples)])
+
+
+def rescaled(exp: Experiment, kept: list[tuple[Tensor, Tensor]], temperature: float) -> dict[str, float]:
+    """Metrics of the kept full-BMA predictives (:func:`bma_curve_metrics`'s ``keep``) at ``temperature``."""
+    return rescaled_metrics(
+        kept,
+        temperature,
+        num_classes=exp.num_classes,
+        n_bins=exp.config.eval.n_bins,
+        reduce_metrics=exp.strategy.reduce_metrics,
+    ).compute()
+
+
+def _reliability(state: StreamingMetrics) -> dict[str, list]:
+    """The reliability diagram as JSON lists (empty bins: ``None``)."""
+    return {k: [None if v != v else float(v) for v in t.tolist()] for k, t in state.reliability().items()}
+
+
+def corruption_metrics(
+    exp: Experiment, samples: Predictions, names: tuple[str, ...], severities: tuple[int, ...]
+) -> dict[str, dict[str, dict[str, float]]]:
+    """BMA accuracy/NLL/ECE on each corrupted copy of the test set."""
+    test = exp.test_loader.dataset
+    channels = test.images.shape[1]
+    out: dict[str, dict[str, dict[str, float]]] = {name: {} for name in names if applicable(name, channels)}
+    sets = [(name, severity) for name in out for severity in severities]
+    report = progress.current()
+    what = f"{progress.count(len(sets), 'test set')}, {progress.count(len(samples), 'sample')}"
+    with report.phase("corruptions", what) if sets else nullcontext():
+        for name, severity in report.bar(sets, desc="corruptions", unit="set"):
+            shifted = corrupt_dataset(test, name, severity, seed=exp.config.seed)
+            loader = torch.utils.data.DataLoader(shifted, batch_size=exp.config.data.eval_batch_size)
+            metrics, _ = bma_curve_metrics(exp, samples, loader, (len(samples),))
+            m = metrics[len(samples)]
+            out[name][str(severity)] = {k: m[k] for k in ("accuracy", "nll", "ece")}
+    return out
+
+
+def ood_record(exp: Experiment, predictions: Predictions) -> dict[str, Any]:
+    """OOD detection by the BMA's uncertainty: the test set against ``eval.ood`` (:mod:`flatbma.ood`).
+
+    Both whole sets on every process (the AUROC needs every score), under forked random generators: nothing
+    measured after it changes.
+    """
+    name = exp.config.eval.ood
+    test = exp.test_loader.dataset
+    batch = exp.config.data.eval_batch_size
+    devices = [exp.device.index or 0] if exp.device.type == "cuda" else []
+    with progress.current().phase("OOD", f"the test set against {name}"), torch.random.fork_rng(devices=devices):
+        shifted = ood_dataset(name, test, seed=exp.config.seed)
+        options = dict(device=exp.device, mode=exp.method.predict_mode, precision=partial(forward_precision, exp))
+        scores_in = uncertainty_scores(exp.model, predictions, torch.utils.data.DataLoader(test, batch), **options)
+        scores_out = uncertainty_scores(exp.model, predictions, torch.utils.data.DataLoader(shifted, batch), **options)
+    return ood_metrics(scores_in, scores_out, name=name, predictive=exp.method.predictive)
+
+
+def landscape_metrics(exp: Experiment, samples: list[Params]) -> dict[str, list[float]]:
+    """Training loss of the samples along one filter-normalized random direction (mean ± std over samples).
+
+    The samples are the distinct ones among the first ``eval.flatness_samples``.
+    """
+    names = _trained_names(exp)
+    chosen = distinct_samples(samples[: exp.config.eval.flatness_samples])
+    data = [(x.to(exp.device), y.to(exp.device)) for x, y in exp.hessian_loader]
+    direction = random_direction(chosen[0], names, seed=exp.config.seed)
+    alphas = torch.linspace(-1.0, 1.0, 21)
+    mean, std = posterior_landscape(exp.model, data, chosen, direction, alphas)
+    return {"alphas": alphas.tolist(), "mean": mean.tolist(), "std": std.tolist()}
+
+
+def measure(
+    exp: Experiment,
+    state: State,
+    *,
+    bma_curve: tuple[int, ...],
+    corruptions: tuple[str, ...],
+    severities: tuple[int, ...],
+    corruption_samples: int | None,
+    flatness: bool,
+    landscape: bool,
+) -> dict[str, Any]:
+    """Every comparison measurement of ``state`` (``flatbma compare``), from the build's RNG state.
+
+    Args:
+        exp: the run's experiment.
+        state: its trained state.
+        bma_curve: numbers of samples ``m`` of the BMA curve.
+        corruptions: corruption names evaluated on the test set.
+        severities: their severities.
+        corruption_samples: BMA samples on the corrupted sets (the first ones; ``None``: all).
+        flatness: measure Hessian spectra and distribution-level flatness.
+        landscape: record a 1-D loss landscape.
+    """
+    report = progress.current()
+    with exp.rng.restored():
+        start = time.perf_counter()
+        with report.phase("BMA", f"{progress.count(exp.config.eval.num_samples, 'sample')} on the test set"):
+            drawn = draw_samples(exp, state)
+            samples = _samples_if_averaged(exp, drawn)
+            averaged = bma_predictions(exp, state, drawn, samples)
+            kept: list[tuple[Tensor, Tensor]] = []  # the full BMA's test predictives, for temperature scaling
+            curve, reliability = bma_curve_metrics(exp, averaged, exp.test_loader, bma_curve, keep=kept)
+        full = curve[len(averaged)]
+        result: dict[str, Any] = {k: full[k] for k in CLEAN_KEYS}
+        result["health"] = training_fit(exp, averaged)  # completed by the caller with the loss history
+        result["bma_curve"] = {
+            "num_samples": list(curve),
+            **{k: [curve[m][k] for m in curve] for k in ("accuracy", "nll", "ece")},
+        }
+        result["reliability"] = reliability
+        result["bn_statistics"] = bn_statistics(exp)
+        result.update(diagnostics(exp, state))
+        result["temperature"] = None
+        if exp.val_loader is not None:  # temperature scaling on the k-shot validation split, reported separately
+            with report.phase("temperature", "fitted on the validation split, applied to the test predictives"):
+                val_log_probs, val_labels = bma_log_probs_over(exp, averaged, exp.val_loader)
+                t = fit_temperature(val_log_probs, val_labels)
+                scaled = rescaled(exp, kept, t)
+            result["temperature"] = t
+            result["temperature_scaled"] = {k: scaled[k] for k in CLEAN_KEYS}
+        del kept
+        shifted = averaged[:corruption_samples] if corruption_samples else averaged
+        result["corruptions"] = corruption_metrics(exp, shifted, corruptions, severities)
+        result["corruption_samples"] = len(shifted)
+        if exp.config.eval.ood is not None:
+            result["ood"] = ood_record(exp, averaged)
+        if (flatness or landscape) and samples is None:
+            samples = with_bn_statistics(exp, drawn)
+        if flatness:
+            result.update(flatness_metrics(exp, state, samples))
+        result["landscape"] = None
+        if landscape:
+            with report.phase("landscape", "one random direction"):
+                result["landscape"] = landscape_metrics(exp, samples)
+        result["eval_time_s"] = time.perf_counter() - start
+    return result

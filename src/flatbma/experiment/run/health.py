@@ -1,0 +1,133 @@
+"""Training health: whether a finished run fitted its training data, flagged without stopping the run.
+
+A run can end with finite numbers and still have failed: its loss climbed for the whole run (a step
+size or KL radius too large for the posterior, e.g. FP-BMA with ``gamma: 100``), or its BMA predicts
+no better than chance on the very images it trained on. Such a run is not stopped — its checkpoint and
+metrics are kept — but it is flagged, by two rules:
+
+* **loss rise**: the last epoch's mean training loss is more than :data:`LOSS_RISE` times the first
+  epoch's. The first epoch's mean already holds the highest losses of a run (those at its
+  initialization: ``log C`` for a fresh head), and an epoch mean moves with mini-batch noise by a few
+  per cent, not by a factor of two; a healthy run ends below its first epoch (a cosine schedule ends
+  with a step size near 0). Twice the first epoch is therefore far outside noise: the optimizer moved
+  away from the data. Runs of one epoch have nothing to compare.
+* **at chance on the training data**: the BMA's accuracy on up to :data:`HEALTH_EXAMPLES` un-augmented
+  training images is at most the chance level — the share of the most frequent class among them,
+  what always predicting that class scores — plus two standard errors of an accuracy at that level,
+  ``2·sqrt(p(1 − p)/n)``. A BMA that cannot beat that on the data it was fitted to has learned nothing.
+
+:func:`assess` puts the rules together into the ``health`` entry of ``metrics.json`` and of a compare
+row; :func:`warning` is its one line; :func:`flagged_text` the reports' and findings' wording.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from flatbma.errors import FlatbmaWarning
+
+__all__ = [
+    "HEALTH_EXAMPLES",
+    "LOSS_RISE",
+    "MARK",
+    "HealthWarning",
+    "assess",
+    "flagged_line",
+    "flagged_text",
+    "is_flagged",
+    "warn_if_flagged",
+]
+
+LOSS_RISE = 2.0
+"""A run whose last epoch's mean training loss exceeds this multiple of its first epoch's is flagged."""
+
+HEALTH_EXAMPLES = 1000
+"""Training images the BMA is scored on for the chance rule (the first ones of the fixed statistics order)."""
+
+MARK = "⚠"
+"""The mark of a method with a flagged run in compare's tables and findings."""
+
+LOSS_RULE = f"last epoch's training loss > {LOSS_RISE:g} x the first epoch's"
+CHANCE_RULE = "BMA accuracy on training images <= majority-class rate + 2 standard errors"
+
+
+class HealthWarning(FlatbmaWarning):
+    """A finished run is flagged by a training-health rule (module docstring)."""
+
+
+def assess(history: Sequence[Mapping[str, Any]] | None, fit: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The ``health`` entry of a run from its per-epoch ``history`` and its BMA's training ``fit``.
+
+    Args:
+        history: the run's epochs (``{"loss": ...}`` each, as in ``metrics.json``), or ``None``.
+        fit: ``{"train_bma_accuracy", "train_examples", "chance_accuracy"}`` of
+            :func:`flatbma.experiment.run.evaluate.training_fit`, or ``None`` (not measured).
+
+    Returns:
+        ``{"ok", "flags", "rules", "first_loss", "last_loss", "loss_ratio", "train_bma_accuracy",
+        "train_examples", "chance_accuracy"}``: ``flags`` lists the rules that fired (``"loss_rise"``,
+        ``"at_chance"``), ``ok`` is whether none did; a value that was not measured is ``None``.
+    """
+    out: dict[str, Any] = {"ok": True, "flags": [], "rules": {"loss_rise": LOSS_RULE, "at_chance": CHANCE_RULE}}
+    losses = [h.get("loss") for h in history or [] if isinstance(h, Mapping)]
+    first, last = (losses[0], losses[-1]) if len(losses) >= 2 else (None, None)
+    ratio = last / first if _positive(first) and _finite(last) else None
+    out.update(first_loss=first, last_loss=last, loss_ratio=ratio)
+    if ratio is not None and ratio > LOSS_RISE:
+        out["flags"].append("loss_rise")
+    fit = fit or {}
+    accuracy, n, chance = (fit.get(k) for k in ("train_bma_accuracy", "train_examples", "chance_accuracy"))
+    out.update(train_bma_accuracy=accuracy, train_examples=n, chance_accuracy=chance)
+    if _finite(accuracy) and _finite(chance) and isinstance(n, int) and n > 0:
+        if accuracy <= chance + 2 * math.sqrt(chance * (1 - chance) / n):
+            out["flags"].append("at_chance")
+    out["ok"] = not out["flags"]
+    return out
+
+
+def is_flagged(health: Any) -> bool:
+    """Whether a ``health`` entry (possibly missing: rows of older versions) flags its run."""
+    return isinstance(health, Mapping) and health.get("ok") is False
+
+
+def flagged_text(health: Mapping[str, Any]) -> str:
+    """What the rules of a flagged ``health`` entry found, e.g. ``"training loss rose from 2.5 to 25 (10×)"``."""
+    found = []
+    if "loss_rise" in health.get("flags", ()):
+        found.append(
+            f"training loss rose from {health['first_loss']:.3g} (epoch 1) to {health['last_loss']:.3g} (last "
+            f"epoch), {health['loss_ratio']:.1f}x"
+        )
+    if "at_chance" in health.get("flags", ()):
+        found.append(
+            f"its BMA is at chance on its training data (accuracy {health['train_bma_accuracy']:.3f} on "
+            f"{health['train_examples']} images, chance {health['chance_accuracy']:.3f})"
+        )
+    return "; ".join(found)
+
+
+def flagged_line(method: str, run: Mapping[str, Any]) -> str:
+    """The line of a flagged compare row in the report's tables and findings: ``"⚠ fp-bma seed 0: ..."``."""
+    return f"{MARK} {method} seed {run.get('seed')}: {flagged_text(run['health'])}; its numbers describe a failed fit"
+
+
+def warn_if_flagged(health: Mapping[str, Any], where: str) -> None:
+    """Warn (:class:`HealthWarning`, one line on the command line) when ``health`` flags the run at ``where``."""
+    if is_flagged(health):
+        warnings.warn(
+            f"{where} looks collapsed: {flagged_text(health)}. Its numbers are kept, but describe a failed fit: "
+            "lower the learning rate (or the method's step, e.g. gamma) and train again",
+            HealthWarning,
+            stacklevel=2,
+        )
+
+
+def _finite(x: Any) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _positive(x: Any) -> bool:
+    return _finite(x) and x > 0

@@ -1,0 +1,229 @@
+"""The training logs of a run: a line per epoch on ``stderr``, ``log.csv`` and TensorBoard (``train.log``).
+
+They are written from the loop's one callback, the checkpoint (:func:`flatbma.experiment.runner.fit`
+calls it after every epoch with the :class:`~flatbma.experiment.runner.History` it saves): an
+:class:`EpochLogger` logs every epoch of that history it has not logged yet. Under ``torchrun`` only
+rank 0 saves, with the history averaged over the processes, so the logs hold what ``metrics.json``
+will hold.
+
+A log always equals the history of the checkpoint it continues from: on ``--resume`` ``log.csv``
+keeps its rows up to the checkpoint's last finished epoch and drops the rest (an interrupted run may
+have logged epochs past its last checkpoint), rows the checkpoint has but the file lacks are written
+from the history, and TensorBoard is told to hide the old events of every later epoch
+(``purge_step``). Each row holds the epoch's mean training loss and accuracy (of the unperturbed
+pass) and its steps exactly as the history has them, the learning rate of ``optim``'s schedule at
+the epoch's last step, and the epoch's wall time (empty for a row rewritten from a checkpoint).
+"""
+
+from __future__ import annotations
+
+import csv
+import importlib
+import io
+import time
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+from flatbma import progress
+from flatbma.errors import FlatbmaError
+from flatbma.experiment.config.sections import TrainLog
+from flatbma.experiment.run.checkpoint import atomic_write_bytes, write_error
+from flatbma.experiment.runner import EpochLog, History
+
+CSV_FILE = "log.csv"
+TENSORBOARD_DIR = "tensorboard"
+COLUMNS = ("epoch", "loss", "accuracy", "steps", "lr", "time_s")
+"""The first columns of ``log.csv``: ``epoch``, ``loss``, ``accuracy`` and ``steps`` are the history's. After
+them come the epoch's step statistics (e.g. ``ascent/mean_shift``) and validation values (``val/nll``) of a
+run that has them (:attr:`~flatbma.experiment.runner.EpochLog.stats`, ``validation``), in the order first
+seen; an earlier row lacks a column that appeared later (empty cell)."""
+
+
+def check_available(logs: Iterable[TrainLog]) -> None:
+    """Refuse ``train.log`` entries whose package is missing (TensorBoard's), before anything is trained.
+
+    Raises:
+        FlatbmaError: naming the optional extra that installs it.
+    """
+    if TrainLog.TENSORBOARD in tuple(logs):
+        try:
+            importlib.import_module("torch.utils.tensorboard")
+        except ImportError as e:
+            raise FlatbmaError(
+                f"train.log: tensorboard needs the tensorboard package ({e}): pip install 'flatbma[tensorboard]', "
+                "or drop it (--set train.log=[csv])"
+            ) from None
+
+
+class EpochLogger:
+    """Logs each finished epoch of a run: the line on ``stderr``, ``log.csv``, TensorBoard.
+
+    Call it with the history after every checkpoint (the same history the checkpoint holds); it logs the
+    epochs it has not logged yet. Create it right before the loop starts, or at its first checkpoint with
+    ``started`` (the first epoch's time counts from then), and :meth:`close` it after.
+
+    Args:
+        run_dir: the run directory.
+        logs: the files to write (``train.log``).
+        epochs: the run's number of epochs (for the line).
+        learning_rate: ``optim``'s schedule ``step -> η_t``.
+        history: the history the loop starts from (empty, or the resumed checkpoint's).
+        lines: print a line per epoch on ``stderr`` (where :mod:`flatbma.progress` prints lines).
+        started: when the loop started (``time.perf_counter()``), for a logger created after it (at the
+            first checkpoint); ``None``: now.
+    """
+
+    def __init__(
+        self,
+        run_dir: Path,
+        logs: Sequence[TrainLog],
+        *,
+        epochs: int,
+        learning_rate: Callable[[int], float],
+        history: History,
+        lines: bool = True,
+        started: float | None = None,
+    ) -> None:
+        self._epochs = epochs
+        self._learning_rate = learning_rate
+        self._lines = lines
+        self._logged = len(history.epochs)
+        self._csv: Path | None = None
+        self._writer: Any = None
+        rows = [self._row(history.epochs, i, None) for i in range(self._logged)]
+        self.rows: list[dict[str, Any]] = [dict(row) for row in rows]
+        """Every epoch's row as logged (the history's epochs it starts from: without a time), ``log.csv``'s."""
+        self._columns = _columns(rows, COLUMNS)
+        if TrainLog.CSV in logs:
+            self._csv = run_dir / CSV_FILE
+            _restart_csv(self._csv, rows, self._columns)
+        if TrainLog.TENSORBOARD in logs:
+            check_available(logs)
+            from torch.utils.tensorboard import SummaryWriter
+
+            # purge_step: TensorBoard hides the events an earlier writer logged at epochs >= 1; the history's
+            # epochs are logged again below, so the log shows exactly the resumed run
+            self._writer = SummaryWriter(log_dir=str(run_dir / TENSORBOARD_DIR), purge_step=1)
+            for row in rows:
+                self._scalars(row)
+            self._writer.flush()
+        self._last = started if started is not None else time.perf_counter()
+
+    def __call__(self, history: History) -> None:
+        """Log the epochs of ``history`` past the ones already logged."""
+        now = time.perf_counter()
+        for i in range(self._logged, len(history.epochs)):
+            row = self._row(history.epochs, i, now - self._last)
+            self.rows.append(dict(row))
+            if self._lines and progress.current().epochs:
+                progress.current().line(
+                    f"epoch {row['epoch']}/{self._epochs}  loss {row['loss']:.4f}  acc {row['accuracy']:.3f}  "
+                    f"lr {row['lr']:.4g}  {_seconds(row['time_s'])} s"
+                )
+            if self._csv is not None:
+                self._write_row(history, i, row)
+            if self._writer is not None:
+                self._scalars(row)
+                self._writer.flush()
+            self._last = now
+        self._logged = max(self._logged, len(history.epochs))
+
+    def _write_row(self, history: History, i: int, row: dict[str, Any]) -> None:
+        """Append ``row`` to ``log.csv``; when it has a column the file lacks, write the file anew with it."""
+        try:
+            columns = _columns([row], self._columns)
+            if columns != self._columns:
+                self._columns = columns
+                rows = [self._row(history.epochs, j, None) for j in range(i)]
+                _restart_csv(self._csv, [*rows, row], columns, keep_time=row["epoch"])
+                return
+            with self._csv.open("a", newline="") as f:
+                csv.writer(f, lineterminator="\n").writerow(["" if row.get(c) is None else row[c] for c in columns])
+        except OSError as e:
+            raise write_error(self._csv, e, f"the checkpoint of epoch {row['epoch']} is intact") from None
+
+    def close(self) -> None:
+        """Flush and close the TensorBoard writer."""
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+    def _row(self, epochs: Sequence[EpochLog], i: int, seconds: float | None) -> dict[str, Any]:
+        h = epochs[i]
+        last_step = sum(e.steps for e in epochs[: i + 1]) - 1  # the step the epoch's last update took
+        return {
+            "epoch": h.epoch,
+            "loss": h.loss,
+            "accuracy": h.accuracy,
+            "steps": h.steps,
+            "lr": float(self._learning_rate(max(last_step, 0))),
+            "time_s": seconds,
+            **h.stats,
+            **{f"val/{k}": v for k, v in h.validation.items()},
+        }
+
+    def _scalars(self, row: dict[str, Any]) -> None:
+        for key in ("loss", "accuracy", "lr", "time_s", *(c for c in row if c not in COLUMNS)):
+            if row[key] is not None:
+                name = key if "/" in key else f"train/{key}"
+                self._writer.add_scalar(name, row[key], global_step=row["epoch"])
+
+
+def _seconds(t: float) -> str:
+    return f"{t:.1f}" if t >= 1 else f"{t:.2f}"
+
+
+def _columns(rows: Iterable[dict[str, Any]], columns: Sequence[str]) -> tuple[str, ...]:
+    """``columns`` followed by the keys of ``rows`` it lacks, in the order first seen."""
+    out = list(columns)
+    for row in rows:
+        out.extend(k for k in row if k not in out)
+    return tuple(out)
+
+
+def _restart_csv(path: Path, rows: list[dict[str, Any]], columns: Sequence[str], keep_time: int | None = None) -> None:
+    """Write ``path`` anew: the header and ``rows`` (the resumed history), with what ``path`` recorded of them.
+
+    An epoch ``path`` has a row of keeps its learning rate (a resume may have changed ``optim.lr`` since)
+    and its time; in ``rows`` too. The other rows keep the current schedule's rate and no time, except the
+    row of epoch ``keep_time``, whose time is the one it holds.
+    """
+    recorded = _recorded(path)
+    out = io.StringIO(newline="")
+    writer = csv.writer(out, lineterminator="\n")
+    writer.writerow(columns)
+    for row in rows:
+        if row["epoch"] != keep_time:
+            lr, row["time_s"] = recorded.get(row["epoch"], (row["lr"], None))
+            row["lr"] = lr if lr is not None else row["lr"]
+        writer.writerow(["" if row.get(c) is None else row[c] for c in columns])
+    atomic_write_bytes(path, out.getvalue().encode())
+
+
+def _recorded(path: Path) -> dict[int, tuple[float | None, float | None]]:
+    """``{epoch: (lr, time_s)}`` of an existing ``log.csv`` (empty when there is none or it cannot be read)."""
+    try:
+        return {int(r["epoch"]): (r["lr"], r["time_s"]) for r in read_csv(path)}
+    except (OSError, KeyError, ValueError, TypeError, csv.Error, UnicodeDecodeError):
+        return {}
+
+
+def read_csv(path: str | Path) -> list[dict[str, float | int | None]]:
+    """The rows of a ``log.csv``: ``epoch`` and ``steps`` as integers, the others as floats (``None`` when empty).
+
+    Raises:
+        ValueError: a file whose columns do not start with :data:`COLUMNS`.
+    """
+    with Path(path).open(newline="") as f:
+        reader = csv.DictReader(f)
+        columns = tuple(reader.fieldnames or ())
+        if columns[: len(COLUMNS)] != COLUMNS:
+            raise ValueError(f"{path} is not a flatbma log.csv (columns {reader.fieldnames})")
+        return [{c: _cell(c, r[c]) for c in columns} for r in reader]
+
+
+def _cell(column: str, text: str | None) -> float | int | None:
+    if text in ("", None):
+        return None
+    return int(text) if column in ("epoch", "steps") else float(text)

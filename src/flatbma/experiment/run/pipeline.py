@@ -1,0 +1,254 @@
+"""A run: config → (the prior stage of a two-stage run) → its own stage → BMA evaluation → metrics.json.
+
+The parts live below: assembling an experiment (:mod:`~flatbma.experiment.run.build`), training one
+stage into its run directory (:mod:`~flatbma.experiment.run.stage`), the two-stage pipeline
+(:mod:`~flatbma.experiment.run.prior`), evaluation (:mod:`~flatbma.experiment.run.evaluate`) and how
+processes share a run (:mod:`~flatbma.experiment.parallel.processes`). This module puts them together for
+``flatbma train`` and ``flatbma evaluate``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+from flatbma.errors import FlatbmaError
+from flatbma.experiment.config.parse import set_dotted
+from flatbma.experiment.config.run_config import RunConfig, as_stored, config_from_dict, load_raw, parse_override
+from flatbma.experiment.parallel import processes
+from flatbma.experiment.run.build import Experiment, build_experiment
+from flatbma.experiment.run.checkpoint import (
+    at_end,
+    atomic_write_json,
+    checkpoint_metadata,
+    checkpoint_record,
+    config_changes,
+    load_position,
+    position_text,
+    remove_stale_temps,
+)
+from flatbma.experiment.run.early_stopping import Monitor
+from flatbma.experiment.run.evaluate import evaluate_state
+from flatbma.experiment.run.health import assess, warn_if_flagged
+from flatbma.experiment.run.lock import hold
+from flatbma.experiment.run.logs import check_available
+from flatbma.experiment.run.outdir import check_run_output
+from flatbma.experiment.run.prior import fit_prior, prior_stage
+from flatbma.experiment.run.provenance import template
+from flatbma.experiment.run.resume import RESUMES_FILE, Resume, append_resume, resume_change
+from flatbma.experiment.run.stage import (
+    CHECKPOINT_FILE,
+    CONFIG_FILE,
+    METRICS_FILE,
+    Trained,
+    check_run_dir,
+    finished_run,
+    read_metrics,
+    same_config,
+    start_run,
+    train_stage,
+    training_ended,
+    write_config,
+)
+from flatbma.experiment.run.validate import validate_run
+from flatbma.types import State
+
+
+def train(cfg: RunConfig, *, force: bool = False, resume: bool = False, evaluate: bool = True) -> Trained:
+    """Train ``cfg`` into its output directory and write ``metrics.json``; return the trained stage.
+
+    With ``resume``, continue from the directory's checkpoint exactly where it stopped (same data
+    order, same random draws) instead of starting over. A two-stage run (``cfg.prior``) first fits
+    its prior stage (:func:`~flatbma.experiment.run.prior.fit_prior`), then trains its method with that
+    prior and, with ``prior.init``, from it. Without ``evaluate`` the BMA evaluation is left to the
+    caller (``flatbma compare`` measures more, on the returned experiment and state).
+
+    The run holds its directory's lock throughout (:func:`flatbma.experiment.run.lock.hold`: a second
+    process is refused). Without ``resume`` and ``force``, a directory that already holds this config's
+    run is never trained over: a finished one (:func:`~flatbma.experiment.run.stage.finished_run`, on the
+    data as it is now) is returned as it is, nothing trained or written (:attr:`Trained.reused`); an
+    interrupted one is refused with the ``--resume`` command that continues it. With ``force`` the run
+    that was there is replaced only once the new one writes its first checkpoint.
+
+    Data-parallel when a process group is initialized (``torchrun``, see
+    :mod:`flatbma.experiment.parallel.processes`): every rank trains on its shard of each global batch and
+    only rank 0 writes files.
+    With ``train.parallel: members`` every rank instead trains its share of the posterior's independent
+    members on all the data (:class:`~flatbma.experiment.parallel.strategies.Members`).
+    """
+    run_dir = Path(cfg.output_dir)
+    check_available(cfg.train.log)  # before a first stage trains or anything is written
+    validate_run(cfg)  # what the config asks of the run's length and data, both stages, before anything is written
+    if not resume:
+        check_run_output(run_dir, force=force)  # never /, ~ or a mount point; another's files only with --force
+    with hold(run_dir, "train"):
+        if not resume:
+            check_run_dir(run_dir, cfg.to_dict(), force)
+            existing = None if force else _existing(cfg)
+            if existing is not None:
+                return existing
+        # a two-stage run claims its directory (`train --resume` finds it) when its first stage starts
+        prior = fit_prior(cfg, force=force, resume=resume, on_start=lambda: start_run(run_dir, cfg.to_dict()))
+        if prior is not None and resume:  # interrupted in the first stage: the second starts afresh
+            resume = processes.main_decides((run_dir / CHECKPOINT_FILE).is_file())
+            force = True
+        return train_stage(cfg, force=force, resume=resume, evaluate=evaluate, prior=prior)
+
+
+def _existing(cfg: RunConfig) -> Trained | None:
+    """The run of ``cfg`` its directory already holds: finished (returned as it is) or ``None`` when there is none.
+
+    Raises:
+        FlatbmaError: the directory holds this config's run, interrupted (a checkpoint of it, or an
+            unfinished one of its first stage: continue it with ``--resume``), or finished on other data
+            (the data set changed since).
+    """
+    run_dir = Path(cfg.output_dir)
+    if not processes.main_decides(same_config(run_dir, cfg)):
+        return None
+    if processes.main_decides(finished_run(run_dir, cfg)):
+        exp = build_experiment(cfg)
+        if not processes.main_decides(finished_run(run_dir, cfg, data=exp.data_fingerprint)):
+            raise FlatbmaError(
+                f"{run_dir} holds this config's finished run, trained on other data (the data set changed since): "
+                "pass --force to train it again on the data as it is now, or choose another output_dir"
+            )
+        return Trained(experiment=exp, state=trained_state(exp), metrics=read_metrics(run_dir) or {}, reused=True)
+    stage = prior_stage(cfg)
+    started = [(run_dir, cfg.epochs, "its checkpoint")]
+    if stage is not None:
+        started.append((Path(stage.output_dir), stage.epochs, "the checkpoint of its first stage"))
+    for path, epochs, what in started:
+        meta = checkpoint_metadata(path / CHECKPOINT_FILE)
+        finished_stage = path != run_dir and at_end(meta, epochs)  # a finished first stage is reused as it is
+        if processes.main_decides(meta is not None and not finished_stage):
+            at = position_text(meta, epochs) if meta is not None else "a position"
+            raise FlatbmaError(
+                f"{run_dir} holds an interrupted run of this config ({what} stands at {at}): continue it with "
+                f"'flatbma train --resume {run_dir}', or pass --force to train it again from the start"
+            )
+    return None
+
+
+def train_run(
+    cfg: RunConfig, *, force: bool = False, resume: bool = False, evaluate: bool = True
+) -> tuple[Path, dict[str, Any]]:
+    """:func:`train`, returning (run directory, metrics)."""
+    trained = train(cfg, force=force, resume=resume, evaluate=evaluate)
+    return Path(cfg.output_dir), trained.metrics
+
+
+def load_run_config(run_dir: str | Path) -> RunConfig:
+    """The resolved config of a run directory, as the run trained (:func:`as_stored`).
+
+    A section written before an option existed reads as what it trained with, not the option's new default
+    (a Laplace run without ``subset`` is over all weights).
+    """
+    run_dir = Path(run_dir)
+    if not (run_dir / CONFIG_FILE).is_file():
+        raise FlatbmaError(f"{run_dir} is not a run directory (no {CONFIG_FILE}); pass the output_dir of a run")
+    cfg = config_from_dict(as_stored(load_raw(run_dir / CONFIG_FILE)))  # as it trained (options added since)
+    return dataclasses.replace(cfg, output_dir=str(run_dir))
+
+
+def load_run(cfg: RunConfig) -> tuple[Experiment, State]:
+    """The experiment of a finished run ``cfg`` and its trained state, read from its checkpoint.
+
+    The state is the checkpoint's, or with ``train.early_stopping`` the best validation evaluation's
+    (:meth:`~flatbma.experiment.run.early_stopping.Monitor.best`), as the run evaluated it. The experiment is built
+    without the run's fitted prior: sampling and evaluation do not need it.
+    """
+    exp = build_experiment(cfg)
+    return exp, trained_state(exp)
+
+
+def trained_state(exp: Experiment) -> State:
+    """The trained state of ``exp``'s finished run, read from its checkpoint (every check of its loading passed).
+
+    The checkpoint's state, or with ``train.early_stopping`` the best validation evaluation's
+    (:meth:`~flatbma.experiment.run.early_stopping.Monitor.best`): the state the run evaluated.
+    """
+    cfg, kind = exp.config, template(exp)
+    state, _, history = load_position(Path(cfg.output_dir) / CHECKPOINT_FILE, kind)
+    if cfg.train.early_stopping is not None:
+        state = Monitor(exp, cfg.train.early_stopping, Path(cfg.output_dir)).best(state, history, kind)
+    return state
+
+
+def resume_config(run_dir: str | Path, overrides: list[str]) -> tuple[RunConfig, Resume | None]:
+    """The config ``flatbma train --resume RUN_DIR --set ...`` continues with, and its change (``None``: no ``--set``).
+
+    A resume may change only :data:`~flatbma.experiment.run.checkpoint.RESUMABLE` keys
+    (:func:`~flatbma.experiment.run.resume.resume_change`), and in a two-stage run only keys its
+    first stage does not share (the first stage is reused as it was trained).
+    """
+    cfg = load_run_config(run_dir)
+    if not overrides:
+        return cfg, None
+    raw = as_stored(load_raw(Path(run_dir) / CONFIG_FILE))
+    old = config_from_dict(raw)
+    for item in overrides:
+        set_dotted(raw, *parse_override(item))
+    new = config_from_dict(raw)
+    resume = resume_change(Path(run_dir) / CHECKPOINT_FILE, old.to_dict(), new.to_dict())
+    shared = config_changes(prior_stage(old).to_dict(), prior_stage(new).to_dict()) if old.prior else {}
+    if shared:
+        raise FlatbmaError(
+            f"--resume cannot change {', '.join(shared)} of this two-stage run: its first stage shares "
+            f"{'it' if len(shared) == 1 else 'them'} and is reused as trained; train a new run (a prior.optim "
+            "section gives the first stage an optimizer of its own)"
+        )
+    return dataclasses.replace(new, output_dir=str(run_dir)), resume
+
+
+def record_resume(run_dir: str | Path, resume: Resume) -> None:
+    """Write a resume's changed ``config.yaml`` and append the change to the run's ``resumes.json`` (rank 0)."""
+    if resume.changed and processes.is_main():
+        write_config(Path(run_dir), dict(resume.resolved))
+        append_resume(Path(run_dir) / RESUMES_FILE, resume)
+
+
+def evaluate_run(run_dir: str | Path, *, flatness: bool = False, ood: str | None = None) -> dict[str, Any]:
+    """Re-evaluate a finished run from its directory (config + checkpoint) and update metrics.json.
+
+    ``ood``: the OOD set of OOD detection (``eval.ood``, :mod:`flatbma.ood`) for this evaluation, in
+    place of the run's own (which ``None`` keeps); it changes no other number.
+
+    Holds the directory's lock (a run that is training is refused, and its temporary files are never
+    touched). ``metrics.json`` records the checkpoint it was computed from (``checkpoint``).
+
+    Raises:
+        FlatbmaError: another process holds the directory; the run is unfinished (its checkpoint stands
+            before the end of its training: continue it with ``train --resume``); the checkpoint is not
+            this run's, or damaged.
+    """
+    run_dir = Path(run_dir)
+    cfg = load_run_config(run_dir)
+    if ood is not None:
+        cfg = dataclasses.replace(cfg, eval=dataclasses.replace(cfg.eval, ood=ood))
+    with hold(run_dir, "evaluate"):
+        meta = checkpoint_metadata(run_dir / CHECKPOINT_FILE)
+        if meta is not None and not training_ended(meta, cfg):
+            raise FlatbmaError(
+                f"{run_dir} is unfinished: its checkpoint stands at {position_text(meta, cfg.epochs)}; continue it "
+                f"with 'flatbma train --resume {run_dir}' (evaluate reads finished runs)"
+            )
+        exp, state = load_run(cfg)
+        if processes.is_main():
+            remove_stale_temps(run_dir)  # left by a killed write (the lock is held: no other process writes here)
+        metrics_path = run_dir / METRICS_FILE
+        try:
+            metrics = json.loads(metrics_path.read_text()) if metrics_path.is_file() else {}
+        except ValueError:
+            metrics = None
+        if not isinstance(metrics, dict):
+            raise FlatbmaError(f"{metrics_path} is damaged (not a JSON object): delete it and evaluate again")
+        metrics.update(evaluate_state(exp, state, flatness=flatness))
+        metrics["health"] = assess(metrics.get("history"), metrics["health"])
+        metrics["checkpoint"] = checkpoint_record(meta)  # the checkpoint these metrics are of
+        if processes.is_main():
+            atomic_write_json(metrics_path, metrics)
+            warn_if_flagged(metrics["health"], f"the run in {run_dir}")  # once its metrics are kept
+    return metrics

@@ -1,0 +1,168 @@
+"""Two-stage runs (a ``prior`` section): fit a Gaussian posterior on the target data, then train with it as prior.
+
+The Bayesian transfer-learning pipeline of SA-BMA / FP-BMA (Lim et al., UAI 2025): the first stage
+(e.g. SWAG) trains into ``<output_dir>/prior`` — a run directory of its own, reused when it has
+finished with the same config — and its posterior, a low-rank plus diagonal Gaussian in ``θ``
+layout with ``σ`` floored at ``prior.min_std``, becomes the second stage's prior ``p`` in
+``KL(q_θ ‖ p)`` and, with ``prior.init``, its starting point. A mixture (``multi``) has one prior per
+member: its first stage is ``multi`` of ``prior.method`` with the same members and seed, and member
+``m`` of the second stage takes member ``m``'s fitted Gaussian (:func:`flatbma.posteriors.multi.build`
+says why not one shared prior). The section itself is parsed by
+:mod:`flatbma.experiment.config.prior_config`; :func:`flatbma.experiment.run.pipeline.train_run` runs both stages.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from pathlib import Path
+
+from flatbma.errors import FlatbmaError
+from flatbma.experiment.config.prior_config import not_gaussian_message
+from flatbma.experiment.config.run_config import RunConfig
+from flatbma.experiment.config.sections import Optimizer
+from flatbma.experiment.parallel import processes
+from flatbma.experiment.run.build import Experiment, build_experiment
+from flatbma.experiment.run.checkpoint import load_run_state
+from flatbma.experiment.run.lock import hold
+from flatbma.experiment.run.provenance import template
+from flatbma.experiment.run.stage import CHECKPOINT_FILE, FittedPrior, finished_run, train_stage
+from flatbma.posteriors import gaussians
+
+PRIOR_DIR = "prior"
+"""Subdirectory of a two-stage run that holds its first stage (a run directory of its own)."""
+
+__all__ = [
+    "PRIOR_DIR",
+    "FittedPrior",
+    "check_stable_with_prior",
+    "fit_prior",
+    "prior_stage",
+    "sgd_stability_bound",
+]
+
+
+def prior_stage(cfg: RunConfig, run_dir: str | Path | None = None) -> RunConfig | None:
+    """The run config of the first stage of a two-stage ``cfg`` (``None`` for a one-stage run).
+
+    The stage shares the run's data, model, seed, training and evaluation settings (without flatness and
+    early stopping: the prior is fitted for ``prior.epochs``), trains
+    ``prior.method`` — for a mixture, a mixture of it
+    (:meth:`~flatbma.experiment.config.methods.MethodConfig.first_stage`:
+    ``multi`` of it with the run's members and seed, one prior per member) — for ``prior.epochs`` with
+    ``prior.optim`` (or the run's optimizer) and writes to
+    ``run_dir`` (default ``<output_dir>/prior``; ``flatbma compare`` shares one between the candidates
+    of a hyperparameter selection); it is not evaluated (``flatbma evaluate <output_dir>/prior`` does it).
+    """
+    p = cfg.prior
+    if p is None:
+        return None
+    return dataclasses.replace(
+        cfg,
+        method=cfg.method.first_stage(p.method),
+        prior=None,
+        optim=p.optim or cfg.optim,
+        train=dataclasses.replace(cfg.train, epochs=p.epochs, early_stopping=None),
+        eval=dataclasses.replace(cfg.eval, flatness=False),
+        output_dir=str(run_dir if run_dir is not None else Path(cfg.output_dir) / PRIOR_DIR),
+    )
+
+
+def fit_prior(
+    cfg: RunConfig,
+    *,
+    force: bool = False,
+    resume: bool = False,
+    run_dir: str | Path | None = None,
+    on_start: Callable[[], None] | None = None,
+) -> FittedPrior | None:
+    """Train (or reuse, when it finished with the same config and data and not ``force``) the first stage of ``cfg``.
+
+    Returns ``None`` for a one-stage run. The stage trains into ``run_dir`` (:func:`prior_stage`), holding
+    its lock. With ``resume`` an unfinished first stage continues from its checkpoint. ``on_start`` is
+    called right before a fresh stage's first checkpoint (:func:`~flatbma.experiment.run.stage.train_stage`).
+    Under ``torchrun`` rank 0 decides whether to reuse, so every rank does the same.
+    Before the stage trains, its posterior must be a Gaussian and the run's learning rate stable
+    with the prior (:func:`check_stable_with_prior`).
+    """
+    stage = prior_stage(cfg, run_dir)
+    if stage is None:
+        return None
+
+    def check(exp: Experiment) -> None:
+        if exp.method.gaussian is None:  # an option turned the low-rank part off (e.g. SWAG's diagonal_only)
+            raise FlatbmaError(not_gaussian_message(cfg.prior.method.name))
+        check_stable_with_prior(cfg, len(exp.train_loader.dataset))
+
+    run_dir = Path(stage.output_dir)
+    with hold(run_dir, "train"):
+        exp = None
+        if processes.main_decides(not force and finished_run(run_dir, stage)):
+            exp = build_experiment(stage)
+            if not processes.main_decides(finished_run(run_dir, stage, data=exp.data_fingerprint)):
+                exp = None  # finished on other data: the data set changed since, so it trains again
+        if exp is not None:
+            check(exp)
+            state = load_run_state(run_dir / CHECKPOINT_FILE, template(exp))
+        else:
+            resumable = processes.main_decides(resume and (run_dir / CHECKPOINT_FILE).is_file())
+            trained = train_stage(
+                stage,
+                force=True,
+                resume=resumable,
+                evaluate=False,  # `flatbma evaluate <output_dir>/prior` measures the first stage on its own
+                check=check,  # before training
+                on_start=on_start,
+            )
+            exp, state = trained.experiment, trained.state
+    theta = gaussians.floored(exp.method.gaussian(state), cfg.prior.min_std)
+    return FittedPrior(theta=theta, buffers=dict(state.buffers), run_dir=run_dir)
+
+
+def sgd_stability_bound(
+    num_data: int, min_std: float, kl_weight: float, *, momentum: float = 0.0, nesterov: bool = False
+) -> float:
+    """The largest SGD learning rate at which descent on ``κ·KL(q ‖ p)/n`` in ``μ`` does not diverge.
+
+    The prior ``p = N(μ_p, Σ_p)``, ``Σ_p = ½(diag σ² + LLᵀ/(K−1))``, enters the KL through
+    ``½(μ − μ_p)ᵀΣ_p⁻¹(μ − μ_p)``, so the curvature in ``μ`` is the Hessian ``(κ/n)Σ_p⁻¹``. Since
+    ``Σ_p ⪰ ½ diag σ² ⪰ ½ s² I`` with ``s = min_std`` the floor of ``σ``, its largest eigenvalue is
+    ``λ_max ≤ 2κ/(n s²)``, with equality as soon as more than ``K`` coordinates sit at the floor (a
+    direction among them orthogonal to ``L``'s columns sees only ``½s²``), as for SWAG's ``σ`` (most
+    below any usable floor). On a quadratic of curvature ``λ``, heavy-ball SGD with momentum ``β``
+    (PyTorch's convention, :class:`flatbma.optim.SGD`) is stable iff ``lr·λ < 2(1 + β)``, Nesterov's iff
+    ``lr·λ < 2(1 + β)/(1 + 2β)`` (both ``2`` for ``β = 0``), so the bound is
+
+        ``n s²/κ · (1 + β)``  (heavy ball),  ``n s²/κ · (1 + β)/(1 + 2β)``  (Nesterov),
+
+    ``n s²/κ`` for plain gradient descent (``∞`` for ``κ = 0``). Weight decay ``λ_wd`` adds ``λ_wd`` to the
+    curvature (negligible beside ``2κ/(n s²)``); the data loss adds its own.
+    """
+    if kl_weight <= 0:
+        return math.inf
+    factor = (1 + momentum) / (1 + 2 * momentum) if nesterov else 1 + momentum
+    return factor * num_data * min_std**2 / kl_weight
+
+
+def check_stable_with_prior(cfg: RunConfig, num_data: int) -> None:
+    """Refuse an SGD learning rate that the KL to the fitted prior makes diverge (before stage 1 trains).
+
+    The bound is :func:`sgd_stability_bound` for ``n = num_data``, the floor ``prior.min_std``, ``κ`` the
+    method's resolved ``kl_weight`` option (a mixture's: its members' method's, ``method.of.kl_weight``; every
+    member has its own prior, so the bound is each member's) and the run's momentum (Adam's normalized steps are not
+    affected). The learning rate checked is the peak ``optim.lr``.
+    """
+    assert cfg.prior is not None
+    o = cfg.optim
+    component = cfg.method.component()
+    assert component is not None  # parse_prior refuses a mixture without members' method
+    kl_weight = float(component.options["kl_weight"])
+    bound = sgd_stability_bound(num_data, cfg.prior.min_std, kl_weight, momentum=o.momentum, nesterov=o.nesterov)
+    if o.name is Optimizer.SGD and o.lr > bound:
+        factor = "(1+m)/(1+2m)" if o.nesterov else "(1+m)"
+        raise FlatbmaError(
+            f"optim.lr={o.lr:g} is above {bound:.3g} = {factor}·n·prior.min_std²/kl_weight (n={num_data}, "
+            f"m=optim.momentum={o.momentum:g}), where SGD on the KL to the fitted prior diverges: lower "
+            "optim.lr, raise prior.min_std, or use optim.name=adam"
+        )

@@ -1,0 +1,215 @@
+"""Who wrote a run's checkpoint (:class:`Provenance`) and what a checkpoint must hold to be a run's (:class:`Template`).
+
+A run's checkpoint records the method, fingerprints of its options and of the model, and the flatbma
+version (:func:`provenance`); loading it checks them against the run that loads it
+(:func:`check_provenance`), and the tensors against a fresh state of the run's method
+(:func:`template`, :func:`flatbma.experiment.run.checkpoint.load_position`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor, nn
+
+import flatbma
+from flatbma.errors import FlatbmaError
+from flatbma.experiment.config.methods import as_trained
+from flatbma.experiment.config.parse import shown
+from flatbma.experiment.config.sections import plain, plain_values
+from flatbma.params import model_buffers, trainable_params
+from flatbma.state_io import clip, dtype_name
+from flatbma.types import Posterior, State
+
+if TYPE_CHECKING:
+    from flatbma.experiment.run.build import Experiment
+
+WRITTEN_BY = "written_by"
+"""Metadata key of a run checkpoint's :class:`Provenance` (JSON)."""
+
+
+def fingerprint(value: Any) -> str:
+    """A short hash of a JSON-like ``value`` (keys sorted): equal values, equal fingerprints."""
+    text = json.dumps(value, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def model_fingerprint(model: nn.Module, config: Mapping[str, Any]) -> str:
+    """:func:`fingerprint` of the model's structure and config.
+
+    The structure is every parameter's and buffer's name, shape, dtype and whether it is trained
+    (sorted by name); the config is the run's ``model`` section.
+    """
+    structure = sorted(
+        [f"param:{k}", list(v.shape), dtype_name(v), bool(v.requires_grad)] for k, v in model.named_parameters()
+    ) + sorted([f"buffer:{k}", list(v.shape), dtype_name(v)] for k, v in model.named_buffers())
+    return fingerprint({"structure": structure, "config": dict(config)})
+
+
+@dataclass(frozen=True)
+class Provenance:
+    """Who wrote a run's checkpoint, saved in its metadata and checked when it is loaded.
+
+    Attributes:
+        method: the method's name (``method.name``).
+        options: the resolved ``method`` section (name and every option), JSON values.
+        model: the resolved ``model`` section.
+        model_fingerprint: :func:`model_fingerprint` of the model and ``model``.
+        flatbma: the flatbma version that wrote it (``None``: not recorded). Recorded, not checked: the
+            format tag decides whether a file can be read, and a newer flatbma resumes an older run.
+    """
+
+    method: str
+    options: Mapping[str, Any]
+    model: Mapping[str, Any]
+    model_fingerprint: str
+    flatbma: str | None = flatbma.__version__
+
+    @property
+    def options_fingerprint(self) -> str:
+        """:func:`fingerprint` of :attr:`options`."""
+        return fingerprint(dict(self.options))
+
+    def to_json(self) -> str:
+        """The metadata text (:meth:`from_json` reads it)."""
+        record = dataclasses.asdict(self) | {"options_fingerprint": self.options_fingerprint}
+        return json.dumps(record, sort_keys=True, default=str)
+
+    @classmethod
+    def from_json(cls, text: str) -> Provenance:
+        """Read :meth:`to_json`'s text; ``ValueError`` when it is damaged or its fingerprints do not match."""
+        record = json.loads(text)
+        fields = {f.name for f in dataclasses.fields(cls)}
+        if not isinstance(record, dict) or set(record) != fields | {"options_fingerprint"}:
+            raise ValueError("fields")
+        kinds = {"method": str, "options": dict, "model": dict, "model_fingerprint": str}
+        if not all(isinstance(record[k], t) for k, t in kinds.items()):
+            raise ValueError("types")
+        if not isinstance(record["flatbma"], str | None):
+            raise ValueError("version")
+        made = cls(**{k: record[k] for k in fields})
+        if made.options_fingerprint != record["options_fingerprint"]:
+            raise ValueError("options fingerprint")
+        return made
+
+
+def _differences(have: Mapping[str, Any], want: Mapping[str, Any]) -> str:
+    """``"key=old → new, ..."`` for the keys whose values differ (missing: ``—``)."""
+    keys = sorted({*have, *want}, key=str)
+    parts = [
+        f"{k}={'—' if k not in have else shown(have[k], 30)} vs {'—' if k not in want else shown(want[k], 30)}"
+        for k in keys
+        if have.get(k, _MISSING) != want.get(k, _MISSING)
+    ]
+    return clip(", ".join(parts))
+
+
+_MISSING = object()
+
+
+def check_provenance(meta: Mapping[str, str], want: Provenance, path: str | Path) -> Provenance | None:
+    """Raise :class:`FlatbmaError` unless the checkpoint's metadata says ``want`` wrote it.
+
+    A checkpoint without the record (written before flatbma recorded it) is accepted: its tensors and
+    position are still checked (:func:`check_compatible`, :func:`check_position`), which tells apart
+    every two methods whose states differ. Returns the recorded provenance (``None`` without one).
+    """
+    text = meta.get(WRITTEN_BY)
+    if text is None:
+        return None
+    try:
+        have = Provenance.from_json(text)
+    except (ValueError, TypeError):
+        raise FlatbmaError(
+            f"checkpoint {path}: the record of who wrote it is damaged; restore the run's own checkpoint or train again"
+        ) from None
+    # options added since it was written, at what it trained with (Laplace's subset: all), as its config.yaml reads
+    have = dataclasses.replace(have, options=as_trained(have.options))
+    todo = "restore the run's own checkpoint, or train this config into another output_dir"
+    if have.method != want.method:
+        raise FlatbmaError(
+            f"checkpoint {path} was written by method {shown(have.method)} but this run is {shown(want.method)}: {todo}"
+        )
+    if have.options_fingerprint != want.options_fingerprint:
+        raise FlatbmaError(
+            f"checkpoint {path} was written with other {want.method} options than this run's "
+            f"({_differences(have.options, want.options)}; checkpoint vs run): {todo}"
+        )
+    if have.model_fingerprint != want.model_fingerprint:
+        detail = (
+            f"model {_differences(have.model, want.model)}; checkpoint vs run"
+            if dict(have.model) != dict(want.model)
+            else f"the same model section, but parameters of other names, shapes or dtypes: fingerprint "
+            f"{have.model_fingerprint} vs {want.model_fingerprint}, e.g. another number of classes"
+        )
+        raise FlatbmaError(f"checkpoint {path} was written for another model than this run's ({detail}): {todo}")
+    return have
+
+
+@dataclass(frozen=True)
+class Template:
+    """What a checkpoint must hold to be a given run's (:func:`template` builds it from the run's experiment).
+
+    Attributes:
+        provenance: who must have written it.
+        state: the fresh state of the run's method and model: every tensor's name, dtype and shape.
+        epochs: the epochs the run trains, ``train.epochs`` plus its method's extra ones (the position's epoch
+            lies in ``[0, epochs]``).
+        batches: batches per epoch (the position's batch lies in ``[0, batches]``); ``None`` if unknown.
+        loader_rng: a state of the data-order generator (its size and dtype), ``None`` if the loader has none.
+        device: where the loaded state goes.
+    """
+
+    provenance: Provenance
+    state: State
+    epochs: int
+    batches: int | None
+    loader_rng: Tensor | None
+    device: torch.device
+
+
+def provenance(exp: Experiment) -> Provenance:
+    """The :class:`Provenance` of checkpoints written by ``exp``'s run."""
+    cfg = exp.config
+    model = plain(cfg.model)
+    return Provenance(
+        method=cfg.method.name,
+        options=json.loads(json.dumps(plain_values(cfg.method.to_dict()), default=str)),
+        model=json.loads(json.dumps(model, default=str)),
+        model_fingerprint=model_fingerprint(exp.model, model),
+    )
+
+
+def template(exp: Experiment) -> Template:
+    """The :class:`Template` of ``exp``'s run.
+
+    The reference state is initialized under a forked RNG, so the run's random streams are left alone.
+    """
+    state = reference_state(exp.method, exp.model, exp.device)
+    generator = getattr(exp.train_loader, "generator", None)
+    try:
+        batches: int | None = len(exp.train_loader)
+    except TypeError:
+        batches = None
+    return Template(
+        provenance=provenance(exp),
+        state=state,
+        epochs=exp.config.epochs,
+        batches=batches,
+        loader_rng=generator.get_state() if isinstance(generator, torch.Generator) else None,
+        device=exp.device,
+    )
+
+
+def reference_state(method: Posterior, model: nn.Module, device: torch.device) -> State:
+    """``method``'s fresh state of ``model`` drawn under a forked RNG (the global streams are left alone)."""
+    devices = list(range(torch.cuda.device_count())) if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        return method.init(trainable_params(model), model_buffers(model))

@@ -1,0 +1,405 @@
+"""One stage of a run: a config trained into its run directory — build, start or resume, the one loop, metrics.
+
+A run directory holds the resolved ``config.yaml``, ``checkpoint.safetensors`` (the state with its
+loop position, :func:`~flatbma.experiment.run.checkpoint.save_position`) and ``metrics.json`` (with the
+record of the checkpoint it was computed from). A stage trains holding the directory's lock
+(:mod:`flatbma.experiment.run.lock`) and writes nothing before its first checkpoint (:func:`start_run`); a
+run is finished only as :func:`finished_run` says. A one-stage run is one stage; a two-stage run
+(:mod:`flatbma.experiment.run.prior`) trains its first stage into ``<output_dir>/prior`` and then its own,
+started from the :class:`FittedPrior`. How processes share a stage is its experiment's strategy
+(:mod:`flatbma.experiment.parallel.processes`).
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import yaml
+
+import flatbma
+from flatbma import progress
+from flatbma.errors import DivergenceError, FlatbmaError
+from flatbma.experiment.config.parse import yaml_float
+from flatbma.experiment.config.run_config import RunConfig, as_stored, run_identity
+from flatbma.experiment.parallel import processes
+from flatbma.experiment.run.build import Experiment, build_experiment
+from flatbma.experiment.run.checkpoint import (
+    DATA_KEY,
+    RunRecord,
+    at_end,
+    atomic_write_bytes,
+    atomic_write_json,
+    checkpoint_metadata,
+    checkpoint_record,
+    history_of,
+    load_position,
+    remove_stale_temps,
+    save_position,
+    write_error,
+)
+from flatbma.experiment.run.early_stopping import Monitor, stopped
+from flatbma.experiment.run.evaluate import evaluate_state
+from flatbma.experiment.run.health import assess, warn_if_flagged
+from flatbma.experiment.run.lock import hold
+from flatbma.experiment.run.logs import EpochLogger, check_available
+from flatbma.experiment.run.provenance import provenance, template
+from flatbma.experiment.run.resume import RESUMES_FILE
+from flatbma.experiment.runner import History, Position, fit
+from flatbma.params import model_buffers, trainable_params
+from flatbma.posteriors import gaussians
+from flatbma.types import Params, State
+
+CONFIG_FILE = "config.yaml"
+CHECKPOINT_FILE = "checkpoint.safetensors"
+METRICS_FILE = "metrics.json"
+
+
+def environment() -> dict[str, str]:
+    """Library versions recorded with every run."""
+    return {
+        "flatbma": flatbma.__version__,
+        "torch": torch.__version__,
+        "numpy": np.__version__,
+        "python": platform.python_version(),
+    }
+
+
+def same_config(run_dir: Path, cfg: RunConfig) -> bool:
+    """Whether ``run_dir``'s ``config.yaml`` holds ``cfg``'s config (:func:`run_identity`; a damaged one does not)."""
+    try:
+        stored = as_stored(yaml.safe_load((run_dir / CONFIG_FILE).read_text()))  # as it trained
+        return run_identity(stored) == run_identity(cfg.to_dict())
+    except (OSError, ValueError, yaml.YAMLError):  # ValueError: not UTF-8 (a damaged file is not a finished run)
+        return False
+
+
+def finished_run(run_dir: Path, cfg: RunConfig, data: str | None = None) -> bool:
+    """Whether ``run_dir`` holds a finished run of ``cfg`` (trained on the data set of fingerprint ``data``).
+
+    Finished means all of: ``config.yaml`` holds ``cfg``'s config (:func:`same_config`); the checkpoint
+    stands at the end of ``cfg``'s training (:func:`~flatbma.experiment.run.checkpoint.at_end`: epoch
+    ``cfg.epochs``, so a run stopped after epoch 4 of 15 is not finished, whatever else its directory
+    holds); ``metrics.json`` was written from that checkpoint (its ``checkpoint`` record names it, see
+    :func:`checkpoint_record`; metrics of versions before the record have none and are taken as the
+    checkpoint's); and, with ``data``, the checkpoint recorded training on that data (checkpoints of
+    versions before the record are taken as trained on it). Only metadata is read: loading the checkpoint
+    checks it in depth.
+    """
+    if not same_config(run_dir, cfg):
+        return False
+    meta = checkpoint_metadata(run_dir / CHECKPOINT_FILE)
+    if not training_ended(meta, cfg):
+        return False
+    if data is not None and meta.get(DATA_KEY, data) != data:
+        return False
+    metrics = read_metrics(run_dir)
+    if metrics is None:
+        return False
+    return metrics.get("checkpoint", checkpoint_record(meta)) == checkpoint_record(meta)
+
+
+def training_ended(meta: Mapping[str, str] | None, cfg: RunConfig) -> bool:
+    """Whether the checkpoint of metadata ``meta`` ends ``cfg``'s training.
+
+    At its last epoch (:func:`~flatbma.experiment.run.checkpoint.at_end`), or — with ``train.early_stopping`` — at
+    the end of an epoch after which its rule stopped training (:func:`flatbma.experiment.run.early_stopping.stopped`
+    on the checkpoint's history: the loop trains no further epoch from there).
+    """
+    if at_end(meta, cfg.epochs):
+        return True
+    rule = cfg.train.early_stopping
+    if rule is None or meta is None or meta.get("batch") != "0":
+        return False
+    history = history_of(meta)
+    return history is not None and bool(history.epochs) and stopped(history, rule)
+
+
+def read_metrics(run_dir: Path) -> dict[str, Any] | None:
+    """``run_dir``'s ``metrics.json`` (``None`` when missing, unreadable or not a JSON object)."""
+    try:
+        metrics = json.loads((run_dir / METRICS_FILE).read_text())
+    except (OSError, ValueError):  # ValueError: not JSON, not UTF-8
+        return None
+    return metrics if isinstance(metrics, dict) else None
+
+
+def start_run(run_dir: Path, resolved: dict[str, Any]) -> None:
+    """Make ``run_dir`` the directory of a new run of ``resolved``, right before its first checkpoint (rank 0).
+
+    The files of the run it held go first — its checkpoint and ``metrics.json``, and ``resumes.json`` when
+    it held a run of another config — then ``config.yaml`` is written: the directory never holds a config
+    beside another run's checkpoint, and a run that fails before its first checkpoint (``--force`` with a
+    config that cannot train) leaves the run that was there as it was.
+    """
+    if not processes.is_main():
+        return
+    other = not (run_dir / CONFIG_FILE).is_file() or run_identity(_read_config(run_dir)) != run_identity(resolved)
+    stale = [METRICS_FILE, CHECKPOINT_FILE] + ([RESUMES_FILE] if other else [])
+    try:
+        for name in stale:
+            (run_dir / name).unlink(missing_ok=True)
+    except OSError as e:
+        raise write_error(run_dir / name, e) from None
+    write_config(run_dir, resolved)
+
+
+def _read_config(run_dir: Path) -> Any:
+    try:
+        return as_stored(yaml.safe_load((run_dir / CONFIG_FILE).read_text()))  # as it trained
+    except (OSError, ValueError, yaml.YAMLError):
+        return None
+
+
+def check_run_dir(run_dir: Path, resolved: dict[str, Any], force: bool) -> None:
+    """Refuse a ``run_dir`` that holds a run of another config (unless ``force``)."""
+    if (run_dir / CONFIG_FILE).is_file() and not force:
+        if run_identity(_read_config(run_dir)) != run_identity(resolved):
+            raise FlatbmaError(
+                f"{run_dir} already holds a run with a different config; choose another output_dir "
+                "(--set output_dir=...) or pass --force to overwrite it"
+            )
+
+
+def write_config(run_dir: Path, resolved: dict[str, Any]) -> None:
+    """Write the resolved config into ``run_dir`` (rank 0 only: the other ranks write nothing)."""
+    try:
+        if processes.is_main():
+            run_dir.mkdir(parents=True, exist_ok=True)
+            atomic_write_bytes(run_dir / CONFIG_FILE, yaml.safe_dump(resolved, sort_keys=False).encode())
+    except OSError as e:
+        raise FlatbmaError(
+            f"cannot write the run directory {run_dir} ({e.strerror}): choose another output_dir (--set output_dir=...)"
+        ) from None
+
+
+@dataclass(frozen=True)
+class FittedPrior:
+    """The first stage of a two-stage run, ready for the second (:func:`flatbma.experiment.run.prior.fit_prior`).
+
+    Attributes:
+        theta: the fitted Gaussian in low-rank VI's ``θ`` layout (:attr:`Posterior.gaussian`), its ``σ``
+            floored at ``prior.min_std``.
+        buffers: the model buffers at the end of the first stage (BatchNorm statistics).
+        run_dir: the first stage's run directory.
+    """
+
+    theta: Params
+    buffers: Params
+    run_dir: Path
+
+
+@dataclass(frozen=True)
+class Trained:
+    """A trained stage: its experiment, final state and the metrics written to ``metrics.json``.
+
+    ``reused``: the run was already finished in its directory and is returned as it was, nothing trained
+    or written (:func:`flatbma.experiment.run.pipeline.train`).
+    """
+
+    experiment: Experiment
+    state: State
+    metrics: dict[str, Any]
+    reused: bool = False
+
+
+def train_stage(
+    cfg: RunConfig,
+    *,
+    force: bool,
+    resume: bool,
+    evaluate: bool,
+    prior: FittedPrior | None = None,
+    check: Callable[[Experiment], None] | None = None,
+    on_start: Callable[[], None] | None = None,
+) -> Trained:
+    """Train ``cfg`` into its output directory and write ``metrics.json``, holding the directory's lock.
+
+    A fresh stage writes nothing before its first checkpoint: then it replaces the run the directory
+    held (:func:`start_run`) and writes its config, checkpoint and logs. Its checkpoints record the run
+    (:class:`~flatbma.experiment.run.checkpoint.RunRecord`: its config and data); a resumed stage continues only
+    from a checkpoint of its own config (up to :data:`~flatbma.experiment.run.checkpoint.RESUMABLE` keys) and
+    data. ``metrics.json`` records the checkpoint it was computed from (``checkpoint``,
+    :func:`~flatbma.experiment.run.checkpoint.checkpoint_record`).
+
+    Args:
+        cfg: the stage's config.
+        force: overwrite a run directory that holds another config.
+        resume: continue from the directory's checkpoint exactly where it stopped.
+        evaluate: add the BMA evaluation (:func:`~flatbma.experiment.run.evaluate.evaluate_state`) to the metrics.
+        prior: the fitted first stage: the method's prior and, with ``prior.init``, its start.
+        check: called with the built experiment before anything is written or trained.
+        on_start: called right before a fresh stage's first checkpoint (a two-stage run claims its own
+            directory when its first stage starts).
+
+    Raises:
+        FlatbmaError: another process holds the directory (:func:`flatbma.experiment.run.lock.hold`), or the
+            checkpoint to resume from is not this run's, or damaged.
+    """
+    with hold(cfg.output_dir, "train"):
+        return _train_stage(
+            cfg, force=force, resume=resume, evaluate=evaluate, prior=prior, check=check, on_start=on_start
+        )
+
+
+def _train_stage(
+    cfg: RunConfig,
+    *,
+    force: bool,
+    resume: bool,
+    evaluate: bool,
+    prior: FittedPrior | None,
+    check: Callable[[Experiment], None] | None,
+    on_start: Callable[[], None] | None,
+) -> Trained:
+    run_dir = Path(cfg.output_dir)
+    resolved = cfg.to_dict()
+    check_available(cfg.train.log)
+    if not resume:
+        check_run_dir(run_dir, resolved, force)
+    exp = build_experiment(cfg, prior=prior.theta if prior is not None else None)
+    if check is not None:
+        check(exp)
+    ckpt = run_dir / CHECKPOINT_FILE
+    if processes.is_main():
+        remove_stale_temps(run_dir)  # left by a killed write (the lock is held: no other process writes here)
+    written_by = provenance(exp)  # recorded in every checkpoint, checked when it is loaded
+    record = RunRecord(config=run_identity(resolved), data=exp.data_fingerprint)
+    position: Position | None = None
+    history = History()
+    if resume:
+        state, position, history = load_position(ckpt, template(exp), continuing=record)
+        position = exp.strategy.resume(position)
+        with exp.rng.restored():  # the start as the interrupted run drew it, right after its build
+            start_theta = gaussians.start(exp.method, _initial_state(cfg, exp, prior))
+    else:
+        state = _initial_state(cfg, exp, prior)
+        start_theta = gaussians.start(exp.method, state)
+
+    steps = len(exp.train_loader)
+    if processes.is_main() and cfg.train.progress:
+        done = f", resumed after epoch {len(history.epochs)}" if resume else ""
+        progress.current().line(f"train: {cfg.method.name} into {run_dir}, {cfg.epochs} epochs of {steps} steps{done}")
+    rate = cfg.method.learning_rate(cfg.optim.learning_rate(steps, cfg.train.epochs), cfg.train.epochs * steps)
+    logger: EpochLogger | None = None
+    logged = History(list(history.epochs))  # what the logs hold when the loop starts (fit appends to history)
+
+    def save(s: State, p: Position, h: History) -> None:
+        nonlocal logger
+        first = logger is None
+        if first and not resume:  # the directory becomes this run's only now, with its first checkpoint
+            if on_start is not None:
+                on_start()
+            start_run(run_dir, resolved)
+        save_position(ckpt, s, p, h, written_by, record)
+        if first:  # the one process that saves (with the history of all): it logs
+            kinds, lines = cfg.train.log, cfg.train.progress
+            logger = EpochLogger(
+                run_dir, kinds, epochs=cfg.epochs, learning_rate=rate, history=logged, lines=lines, started=start
+            )
+        logger(h)  # after the checkpoint: the logs never run ahead of it
+
+    monitor = Monitor(exp, cfg.train.early_stopping, run_dir) if cfg.train.early_stopping is not None else None
+    method, state = exp.strategy.start(exp.method, state, cfg.method.name)
+    start = time.perf_counter()
+    exp.model.train()
+    try:
+        state, history = fit(
+            method,
+            state,
+            exp.train_loader,
+            epochs=cfg.epochs,
+            device=exp.device,
+            resume=position,
+            checkpoint=exp.strategy.checkpoint(save),
+            checkpoint_every=cfg.train.checkpoint_every,
+            progress=cfg.train.progress and processes.is_main(),
+            history=history,
+            after_epoch=monitor.after_epoch if monitor is not None else None,
+            stop=monitor.stop if monitor is not None else None,
+        )
+    except DivergenceError as e:
+        lower = f"--set optim.lr={yaml_float(cfg.optim.lr / 10)}"
+        if logger is None and not resume:
+            todo = f"no checkpoint was written yet. Lower the learning rate (e.g. {lower}) and train again"
+            if ckpt.exists():  # another run's, replaced only by this run's first checkpoint
+                todo += f" (the run that was in {run_dir} is left as it was)"
+        elif cfg.prior is None or cfg.prior.optim is not None:  # a resume may change the lr (of this stage only)
+            resume_lower = f"flatbma train --resume {run_dir} {lower}"
+            todo = (
+                f"the last checkpoint is kept at {ckpt}. Lower the learning rate and resume: {resume_lower} "
+                "(if that diverges at once, the checkpoint's weights are already past the divergence: train again "
+                f"with {lower})"
+            )
+        else:
+            todo = f"the last good checkpoint is kept at {ckpt}. Lower the learning rate (e.g. {lower}) and train again"
+        raise DivergenceError(f"{e}; {todo}") from None
+    finally:
+        if logger is not None:
+            logger.close()
+    train_time = time.perf_counter() - start
+    state, history = exp.strategy.finish(state, history)
+    if monitor is not None:  # the best validation evaluation's state is the run's result
+        state = monitor.best(state, history, template(exp))
+    metrics = evaluate_state(exp, state, flatness=cfg.eval.flatness) if evaluate else {}
+    metrics.update(
+        method=cfg.method.name,
+        seed=cfg.seed,
+        train_time_s=train_time,
+        steps=state.step,
+        history=[h.record() for h in history.epochs],
+        environment=environment(),
+    )
+    if evaluate:  # the loss history and the BMA's fit to its training data (compare assesses its own rows)
+        metrics["health"] = assess(metrics["history"], metrics.get("health"))
+    if prior is not None:
+        metrics["prior_run"] = str(prior.run_dir)
+    if monitor is not None:
+        metrics["early_stopping"] = monitor.record(history)
+    if any(h.stats for h in history.epochs):  # e.g. how far FP-BMA's ascent moved q at each step
+        metrics["step_stats"] = step_stats(history)
+    if start_theta is not None:  # how far q moved: a flat-seeking step that barely changes q cannot matter
+        metrics["kl_from_start"] = gaussians.kl_moved(exp.method, state, start_theta)  # a mixture's: the member mean
+    metrics.update(exp.strategy.record())
+    if processes.is_main():
+        metrics["checkpoint"] = checkpoint_record(checkpoint_metadata(ckpt))  # what the metrics are of
+        atomic_write_json(run_dir / METRICS_FILE, metrics, note=f"the checkpoint at step {state.step} is intact")
+        if evaluate:
+            warn_if_flagged(metrics["health"], f"the run in {run_dir}")  # once its metrics are kept
+    return Trained(experiment=exp, state=state, metrics=metrics)
+
+
+def step_stats(history: History) -> dict[str, dict[str, float]]:
+    """Every step statistic of ``history`` (:attr:`EpochLog.stats`): its median over the epochs' means, first, last.
+
+    The median over epochs of the per-epoch mean (not over single steps: the loop keeps epoch means), and the
+    first and last epochs' means, which show how the statistic's scale changed during training.
+    """
+    names = dict.fromkeys(k for h in history.epochs for k in h.stats)
+    out = {}
+    for name in names:
+        values = [h.stats[name] for h in history.epochs if name in h.stats]
+        out[name] = {"median": float(np.median(values)), "first": values[0], "last": values[-1], "epochs": len(values)}
+    return out
+
+
+def _initial_state(cfg: RunConfig, exp: Experiment, prior: FittedPrior | None) -> State:
+    """The method's fresh state: at the model's weights, or at the fitted prior's posterior (``prior.init``)."""
+    at_prior = prior is not None and cfg.prior is not None and cfg.prior.init
+    start = (prior.theta, prior.buffers) if at_prior else (trainable_params(exp.model), model_buffers(exp.model))
+    try:
+        return exp.method.init(*start)
+    except FlatbmaError as e:
+        if not at_prior:
+            raise
+        raise FlatbmaError(
+            f"{cfg.method.name} cannot start at the prior fitted in {prior.run_dir}: {e} — or let the first "
+            "stage collect more snapshots (raise prior.epochs, lower prior.method.start_step or collect_every)"
+        ) from None

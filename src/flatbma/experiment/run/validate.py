@@ -1,0 +1,200 @@
+"""Everything a config demands of its run, checked against the data sizes before anything trains or is written.
+
+A config is checked twice. Parsing (:mod:`flatbma.experiment.config.run_config`) checks each value on its own.
+This module checks what depends on the run's *shape* — how many updates the run takes, how many
+examples it trains and tests on — which is known once the data set is read, long before the first
+step: SWAG's snapshots against its rank, SG-MCMC's burn-in and thinning against the run's length,
+ECE's bins against the test set, the Hessian's eigenvalues against its dimension, the learning
+rate against the KL to a fitted prior. Without it such a config trains for minutes or hours and
+then fails in its evaluation (or, for a two-stage run, after its whole first stage).
+
+Each part of a config checks itself given a :class:`RunShape` — a method through its registry
+entry (:attr:`~flatbma.experiment.config.methods.MethodSpec.check`, so this module knows no method by name),
+the evaluation through :meth:`~flatbma.experiment.config.sections.EvalConfig.check` — and
+:func:`check_run` asks every stage of a run: a two-stage run's first stage with ``prior.epochs``
+and the ``prior.method.*`` keys, then its own. ``flatbma train`` calls :func:`validate_run` once,
+before its first stage (:func:`flatbma.experiment.run.pipeline.train`); ``flatbma compare`` calls
+:func:`validate_runs` once for every entry × seed × candidate, before the first run starts.
+Every refusal is one :class:`~flatbma.errors.FlatbmaError` line naming the key, the numbers and the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+
+from flatbma.data import DatasetSplits
+from flatbma.errors import FlatbmaError
+from flatbma.experiment.config.run_config import RunConfig
+from flatbma.experiment.config.sections import Parallel, plain
+from flatbma.experiment.config.shape import RunShape, Stage
+from flatbma.experiment.parallel import processes, strategies
+from flatbma.experiment.run.build import build_network, load_data, resolve_device, select_data, transforms
+from flatbma.experiment.run.prior import check_stable_with_prior, prior_stage
+
+__all__ = ["available_memory", "check_run", "run_shape", "validate_run", "validate_runs"]
+
+
+def run_shape(cfg: RunConfig, splits: DatasetSplits | None = None, *, trainable: bool = False) -> RunShape:
+    """The shape of run ``cfg``: its examples drawn as its build draws them, its loader's length.
+
+    Args:
+        cfg: the run.
+        splits: the data set of ``cfg.data`` already read (:func:`~flatbma.experiment.run.build.load_data`),
+            to share between runs on the same data; read here when ``None``.
+        trainable: also count the trained weights, which builds the network (on the CPU).
+
+    Raises:
+        FlatbmaError: whatever the data selection refuses (a k-shot draw the data cannot give, ...).
+    """
+    data = select_data(cfg, splits if splits is not None else load_data(cfg.data))
+    strategy = strategies.strategy(cfg.train.parallel)
+    loader = strategy.train_loader(data.train, cfg.data.batch_size, seed=cfg.seed)
+    count = free = None
+    if trainable:
+        _, eval_tf = transforms(cfg.data)
+        model = build_network(cfg, data.train.with_transform(eval_tf))
+        count = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        free = available_memory(resolve_device(cfg.train.device))
+    return RunShape(
+        steps_per_epoch=len(loader),
+        num_train=len(data.train),
+        num_test=len(data.test),
+        num_trainable=count,
+        num_classes=data.train.num_classes,
+        pretrained=cfg.model.pretrained is not None,
+        available_memory=free,
+        channels=data.test.image_shape[0],
+    )
+
+
+def available_memory(device: torch.device) -> int | None:
+    """Bytes a run on ``device`` can still allocate, or ``None`` when the system does not say.
+
+    A CUDA device's free memory; otherwise the machine's available memory (``MemAvailable`` of
+    ``/proc/meminfo``, else the free pages), capped by a cgroup v2 memory limit (a container's).
+    """
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    free = _meminfo_available()
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        used = Path("/sys/fs/cgroup/memory.current").read_text().strip()
+        if limit.isdigit() and used.isdigit():
+            left = max(int(limit) - int(used), 0)
+            free = left if free is None else min(free, left)
+    except OSError:
+        pass
+    return free
+
+
+def _meminfo_available() -> int | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _needs_trainable(cfg: RunConfig, flatness: bool) -> bool:
+    """Whether a check needs the number of trained weights.
+
+    ``hessian_k > 1`` can exceed it, and a method may ask
+    (:meth:`~flatbma.experiment.config.methods.MethodConfig.needs_weights`: Laplace's full Hessian).
+    """
+    return (flatness and cfg.eval.hessian_k > 1) or cfg.method.needs_weights()
+
+
+def check_run(cfg: RunConfig, shape: RunShape, *, flatness: bool) -> None:
+    """Check every stage of ``cfg`` against ``shape`` (module docstring); ``flatness``: the Hessian is measured.
+
+    A two-stage run's first stage (:func:`~flatbma.experiment.run.prior.prior_stage`) trains ``prior.epochs``
+    on the same data; its method must leave the second stage what it needs (e.g. SWAG's ``K`` deviation
+    columns when the second starts there), and the run's learning rate must be stable with the
+    fitted prior (:func:`~flatbma.experiment.run.prior.check_stable_with_prior`).
+    """
+    first = prior_stage(cfg)
+    if first is not None and cfg.prior is not None:
+        # the prior.method section checks itself (a mixture's first stage trains it in every member, each step)
+        cfg.prior.method.check(Stage(shape, first.train.epochs, "prior.epochs", "prior.method"))
+        check_stable_with_prior(cfg, shape.num_train)
+    cfg.method.check(Stage(shape, cfg.train.epochs))
+    for option in cfg.method.on_validation():  # chosen after training in Python only (flatbma.fit_posterior)
+        raise FlatbmaError(
+            f"method.{option}: val (chosen on validation data after training) is available in Python "
+            f"(flatbma.fit_posterior(..., val_loader=...)) but not yet in flatbma train: give method.{option} a "
+            "value, or null"
+        )
+    cfg.eval.check(shape, flatness=flatness)
+    check_early_stopping(cfg)
+
+
+def check_early_stopping(cfg: RunConfig) -> None:
+    """``train.early_stopping`` needs a validation split, one process per state, and a method without extra epochs."""
+    if cfg.train.early_stopping is None:
+        return
+    if not cfg.data.validation:
+        raise FlatbmaError(
+            "train.early_stopping evaluates on a validation split, and the run has none: set data.k_shot with "
+            "data.val_per_class > 0 (held out of the k-shot images) or data.val_pool > 0 (drawn from outside them), or "
+            "data.val_fraction without k_shot"
+        )
+    if cfg.train.parallel is Parallel.MEMBERS:
+        raise FlatbmaError(
+            "train.early_stopping evaluates the whole posterior, but train.parallel: members splits its members "
+            "over processes: use train.parallel: data, or no early stopping"
+        )
+    if cfg.method.extra_epochs():
+        raise FlatbmaError(
+            f"train.early_stopping stops the training epochs, but {cfg.method.name} takes "
+            f"{cfg.method.extra_epochs()} more after them (Laplace's curvature pass over the MAP of the last epoch), "
+            "which early stopping would skip: remove train.early_stopping for this method"
+        )
+
+
+def validate_run(cfg: RunConfig, *, flatness: bool | None = None) -> RunShape:
+    """Check ``cfg`` before it trains (``flatbma train``); return its shape.
+
+    Args:
+        cfg: the run.
+        flatness: whether its flatness is measured (default ``eval.flatness``).
+    """
+    flatness = cfg.eval.flatness if flatness is None else flatness
+    shape = run_shape(cfg, trainable=_needs_trainable(cfg, flatness))
+    check_run(cfg, shape, flatness=flatness)
+    return shape
+
+
+def validate_runs(runs: Iterable[tuple[str, RunConfig]], *, flatness: bool) -> None:
+    """Check every ``(where, run)`` before the first one trains (``flatbma compare``), as one process each.
+
+    The data set is read once per ``data`` section; a refusal names the run (``where``) first.
+    """
+    loaded: dict[str, DatasetSplits] = {}
+    weights: dict[str, int] = {}
+    with processes.single_process():  # each compared run is an ordinary one-process run
+        for where, cfg in runs:
+            try:
+                data_key = json.dumps(plain(cfg.data), sort_keys=True, default=str)
+                if data_key not in loaded:
+                    loaded[data_key] = load_data(cfg.data)
+                model_key = data_key + json.dumps(plain(cfg.model), sort_keys=True, default=str)
+                trainable = _needs_trainable(cfg, flatness) and model_key not in weights
+                shape = run_shape(cfg, loaded[data_key], trainable=trainable)
+                if shape.num_trainable is not None:
+                    weights[model_key] = shape.num_trainable
+                elif model_key in weights:
+                    shape = dataclasses.replace(shape, num_trainable=weights[model_key])
+                check_run(cfg, shape, flatness=flatness)
+            except FlatbmaError as e:
+                raise FlatbmaError(f"{where}: {e}") from None

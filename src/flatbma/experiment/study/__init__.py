@@ -1,0 +1,1 @@
+"""``flatbma compare``: methods × seeds × candidates planned, trained, selected, width-matched, measured, cached."""

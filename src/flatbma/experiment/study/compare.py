@@ -1,0 +1,442 @@
+"""``flatbma compare``: methods × seeds through the one runner, evaluated for calibration, shift and flatness.
+
+A compare config is a run config (the shared data/model/optim/train/eval sections and a default
+``method``) plus a ``compare`` section listing what varies::
+
+    compare:
+      methods: [{name: sgd}, {name: sam, rho: 0.05}, {name: fp-bma, rank: 5}]
+      seeds: [0, 1, 2]
+      corruptions: [gaussian_noise, defocus_blur, contrast]
+      severities: [1, 3, 5]
+      bma_curve: [1, 2, 5, 10, 20, 30]
+      flatness: true
+      landscape: true
+      reference: sgd        # the others' paired differences and findings are against it (default: the first)
+      pairs: [[fp-bma, swag], [sam, sgd]]   # further paired differences, each a − b (in addition)
+      quick: {methods: [sgd, sam], seeds: [0], set: [train.epochs=2]}
+
+Each (method, seed) is an ordinary run directory under ``OUT/runs/<method>/seed<s>`` (trained with
+:func:`flatbma.experiment.run.pipeline.train` and measured, on the experiment and state it just trained, by
+:func:`flatbma.experiment.run.evaluate.measure`); its comparison measurements are cached beside it in
+``compare.json`` together with the hash of the config that produced them, so a rerun skips every
+finished (method, seed) and reuses it. The output directory records its compare config and refuses
+to mix results of a different one unless ``--force`` is given. Under ``torchrun`` the runs are
+spread over the processes (:func:`run_compare`).
+
+An entry may carry its own ``optim`` section (its keys override the shared one's) and give lists of
+candidate values, e.g. ``{name: sam, rho: [0.01, 0.05, 0.1], optim: {lr: [0.01, 0.05]}}``: every
+combination is then a run of its own in ``OUT/runs/<method>/seed<s>/cand-<options>``, and the row of
+that (method, seed) is the candidate with the best validation NLL, the only one measured on the test
+set (:mod:`flatbma.experiment.study.selection`; ``selection`` in the row records every candidate's score).
+
+**Width-matched posteriors.** An entry of a method whose posterior is a low-rank plus diagonal Gaussian
+(``swag``, ``lowrank-vi``, ``fp-bma``, …: :attr:`MethodSpec.gaussian`) may name an earlier entry in
+``match_width``, e.g. ``{name: swag, label: swag-wide, rank: 5, match_width: fp-bma}``. It trains (and
+selects) as usual, but is *measured* as ``N(μ, cΣ)`` with
+
+    ``c = tr Σ_ref / tr Σ``,
+
+``tr Σ_ref`` the posterior width (``width.trace_cov``, :mod:`flatbma.flatness.width`) of the
+referenced entry's row for the same seed and ``tr Σ`` the entry's own (closed form), so both rows have
+the same ``tr Σ`` and a flatness comparison between them is not confounded by width. The scaled ``θ``
+(:func:`flatbma.gaussian.scale_covariance`) is sampled by the low-rank Gaussian's sampler through the
+posterior's Gaussian hook (:func:`flatbma.posteriors.gaussians.rescaled`); the row records
+``width_matched: {to, factor, ...}``. Under ``torchrun`` these rows are measured in a second phase,
+after every other row (:func:`run_compare`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+
+from flatbma import plotting, progress
+from flatbma.errors import FlatbmaError
+from flatbma.experiment.config.parse import shown
+from flatbma.experiment.config.run_config import RunConfig
+from flatbma.experiment.parallel import processes
+from flatbma.experiment.report import documents, findings
+from flatbma.experiment.run.build import Experiment, data_fingerprint, load_data
+from flatbma.experiment.run.checkpoint import atomic_write_bytes, atomic_write_json, remove_stale_temps
+from flatbma.experiment.run.evaluate import CLEAN_KEYS, measure
+from flatbma.experiment.run.health import assess, warn_if_flagged
+from flatbma.experiment.run.lock import hold
+from flatbma.experiment.run.outdir import check_compare_output
+from flatbma.experiment.run.pipeline import load_run, train
+from flatbma.experiment.run.stage import METRICS_FILE
+from flatbma.experiment.run.validate import validate_runs
+from flatbma.experiment.study import selection
+from flatbma.experiment.study.cache import (
+    COMPARE_CONFIG,
+    RUN_CACHE,
+    adopt,
+    cached_result,
+    finished,
+    fresh,
+    is_compare_config,
+    is_row_cache,
+    read_cache,
+    read_train_metrics,
+    source,
+)
+from flatbma.experiment.study.plan import CompareConfig, Job, Plan, compare_record
+from flatbma.experiment.study.width import width_matched
+from flatbma.types import State
+
+RESULTS_JSON = "results.json"
+
+T = TypeVar("T")
+
+
+# --------------------------------------------------------------------------------------------------
+# the whole comparison
+
+
+def _check_out_dir(plan: Plan, force: bool) -> None:
+    check_compare_output(plan.out_dir, force=force)  # never /, ~ or a mount point; another's files only with --force
+    recorded = plan.out_dir / COMPARE_CONFIG
+    if recorded.exists() and not force:
+        old = read_cache(recorded, is_compare_config)
+        same = old["study"] == plan.study() if "study" in old else old["fingerprint"] == plan.fingerprint()
+        if not same:
+            raise FlatbmaError(
+                f"{plan.out_dir} holds the results of a compare config with other shared sections or measurement "
+                "settings (methods and seeds may differ); choose another output_dir (--set output_dir=...) or pass "
+                "--force to replace them"
+            )
+
+
+def run_compare(plan: Plan, *, force: bool = False, progress: bool = True) -> dict[str, Any]:
+    """Train and measure every (method, seed) not already finished; write results and reports.
+
+    A (method, seed) with candidate lists takes two phases: first every candidate is trained (a
+    finished one is reused) and scored on the validation split
+    (:func:`~flatbma.experiment.study.selection.train_candidates`); then the
+    best one is measured like any run (:func:`_run_selected`).
+
+    Under ``torchrun`` (a process group of ``N`` processes, see :mod:`flatbma.experiment.parallel.processes`)
+    the work is spread, each piece as an ordinary single-process run: process ``r`` first trains the
+    candidate groups ``r, r+N, r+2N, …`` (a group is one candidate, or the candidates that share a
+    first stage), then, once every process has finished, does the (method, seed) rows ``r, r+N, …`` of
+    :meth:`Plan.jobs` (methods outer, seeds inner). When all have finished, every process reads the
+    other processes' rows from their caches (``compare.json``), so ``output_dir`` must be on a file
+    system they share; rank 0 alone writes ``compare_config.yaml`` (first), ``results.json`` and the
+    reports. Every process returns the same results.
+
+    Width-matched rows (``match_width``, module docstring) need their reference's row: they are dealt
+    out in a second round after every other row (a collective in between), then read it from its cache.
+
+    Rank 0 holds the output directory's lock throughout and every process the lock of each run directory
+    it works in (:func:`flatbma.experiment.run.lock.hold`). A row is reused only when its run is finished on
+    the data as it is now (:func:`~flatbma.experiment.run.stage.finished_run`, the data set's
+    :func:`~flatbma.experiment.run.build.data_fingerprint`) and its cache was measured from that run's
+    checkpoint on that data (:func:`fresh`); a changed data set trains the rows again.
+    """
+    with contextlib.ExitStack() as owned:  # rank 0 holds the output directory's lock throughout
+        return _run_compare(plan, force, progress, owned)
+
+
+def _run_compare(plan: Plan, force: bool, progress: bool, owned: contextlib.ExitStack) -> dict[str, Any]:
+    me, world = processes.rank(), processes.world_size()
+    fingerprint = plan.fingerprint()
+    with processes.all_or_none():  # rank 0 claims the output directory; an error stops every process
+        plotting.check_available("flatbma compare's report figures")  # before hours of training, not after
+        validate_runs(_every_run(plan), flatness=plan.compare.flatness)  # every run's demands, before any trains
+        if me == 0:
+            _check_out_dir(plan, force)
+            owned.enter_context(hold(plan.out_dir, "compare", every_process=False))  # one comparison at a time
+            for folder in (plan.out_dir, plan.out_dir / "figures"):
+                remove_stale_temps(folder)  # left by a killed write (the lock is held: nobody writes here)
+            record = {
+                "fingerprint": fingerprint,
+                "study": plan.study(),
+                "config": plan.raw,
+                "compare": compare_record(plan.compare),
+            }
+            atomic_write_bytes(plan.out_dir / COMPARE_CONFIG, yaml.safe_dump(record, sort_keys=False).encode())
+
+    data = data_fingerprint(load_data(plan.base.data))  # what every row trains and is measured on
+    jobs = plan.jobs()
+    groups = [(job, group) for job in jobs if job.selects for group in selection.shared_stages(job)]
+    if groups:  # the same on every process
+        with processes.all_or_none(), processes.single_process():  # each an ordinary one-process run
+            for job, group in _progress(
+                groups[me::world],
+                "candidates",
+                selection.describe_group,
+                progress,
+                me,
+                world,
+                kind=lambda item: item[0].label,
+            ):
+                selection.train_candidates(job, group, force, data)
+    own: dict[int, dict[str, Any]] = {}
+    phases = (
+        [k for k, j in enumerate(jobs) if j.match_width is None],
+        [k for k, j in enumerate(jobs) if j.match_width],
+    )
+    # runs trained before a row's turn, which a row of the same config copies (adopt): the selections'
+    # candidates, and for a width-matched row every row of the first phase
+    candidates = tuple(c.config for job in jobs if job.selects for c in job.candidates)
+    first = candidates + tuple(c.config for k in phases[0] for c in jobs[k].candidates)
+    for phase in phases:  # the same on every process
+        if not phase:
+            continue
+        describe = lambda k: f"{jobs[k].label} seed {jobs[k].seed}"  # noqa: E731
+        with processes.all_or_none(), processes.single_process():
+            for k in _progress(
+                phase[me::world], "compare", describe, progress, me, world, kind=lambda k: jobs[k].label
+            ):
+                job = jobs[k]
+                width_to = _width_reference(job, jobs, plan)
+                if job.selects:
+                    own[k] = _run_selected(job, plan.compare, plan.row_key(job), force, data, width_to)
+                else:
+                    elsewhere = first if job.match_width else candidates
+                    own[k] = _run_one(job, plan.compare, plan.row_key(job), force, data, width_to, elsewhere)
+    rows = [own[k] if k in own else cached_result(job.row_dir, plan.row_key(job)) for k, job in enumerate(jobs)]
+    results = {
+        "config_hash": fingerprint,
+        "config": plan.raw,
+        "compare": compare_record(plan.compare),
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "runs": rows,
+    }
+    results["findings"] = findings.findings(results)  # generated from the rows' numbers, quoted by README
+    if me == 0:
+        atomic_write_json(plan.out_dir / RESULTS_JSON, results)
+        documents.write_reports(results, plan.out_dir)
+    return results
+
+
+def _every_run(plan: Plan) -> Iterator[tuple[str, RunConfig]]:
+    """``(where, config)`` of every run of the comparison: each entry × seed × candidate."""
+    for job in plan.jobs():
+        for cand in job.candidates:
+            where = f"compare.methods entry {shown(job.label)}, seed {job.seed}"
+            if cand.options:
+                where += ", candidate " + ", ".join(f"{k}={shown(v)}" for k, v in cand.options.items())
+            yield where, cand.config
+
+
+def _progress(
+    items: list[T],
+    what: str,
+    describe: Callable[[T], str],
+    show: bool,
+    me: int,
+    world: int,
+    kind: Callable[[T], str] = lambda item: "",
+) -> Iterator[T]:
+    """``items`` with a progress bar, or without a terminal (a log file, CI) one line on stderr per item done.
+
+    ``me`` and ``world`` are the process's rank and the number of processes (only rank 0 shows a bar).
+    Bar or lines as :func:`flatbma.progress.current` decides (none with ``--quiet``). Each line, and the
+    bar, gives the time left from the measured cost of each ``kind`` of item (the method: :func:`_time_left`).
+    """
+    reporter = progress.current()
+    # a bar shows this estimate in place of tqdm's, which assumes every item costs the same
+    bar_format = "{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}{postfix}]"
+    bar = reporter.bar(items, desc=what, enabled=show and me == 0, leave=True, bar_format=bar_format)
+    took: dict[str, list[float]] = {}
+    for i, item in enumerate(bar, 1):
+        left = f"; {_time_left(took, [kind(x) for x in items[i - 1 :]])}" if took else ""
+        bar.set_postfix_str(describe(item) + left, refresh=True)
+        begun = time.perf_counter()
+        yield item
+        took.setdefault(kind(item), []).append(time.perf_counter() - begun)
+        if show and bar.disable and not reporter.quiet:  # no bar here: a log, or a process other than rank 0
+            print(
+                f"{what}{f' (process {me})' if world > 1 else ''}: [{i}/{len(items)}] {describe(item)} "
+                f"done in {took[kind(item)][-1]:.0f} s; {_time_left(took, [kind(x) for x in items[i:]])}",
+                file=sys.stderr,
+                flush=True,
+            )
+
+
+def _time_left(took: dict[str, list[float]], remaining: list[str]) -> str:
+    """The time left, said: each remaining item costs the mean measured time of its kind (its method).
+
+    A kind not yet measured is counted at the costliest kind measured so far (the methods differ by orders
+    of magnitude: the cheapest one's time would promise far too little), and the line says so.
+    """
+    if not remaining:
+        return "nothing left"
+    cost = {k: sum(ts) / len(ts) for k, ts in took.items() if ts}
+    costliest = max(cost.values(), default=0.0)
+    left = sum(cost.get(k, costliest) for k in remaining)
+    untimed = list(dict.fromkeys(k for k in remaining if k not in cost))
+    text = f"about {left / 60:.1f} min left"
+    if untimed:
+        names = ", ".join(untimed)
+        text += f" ({names} not yet timed: counted at the slowest so far)" if names else ""
+    return text
+
+
+def _width_reference(job: Job, jobs: list[Job], plan: Plan) -> tuple[str, float] | None:
+    """``(label, tr Σ_ref)`` of the row ``job`` is width-matched to (same seed, from its cache), or ``None``."""
+    if job.match_width is None:
+        return None
+    ref = next(j for j in jobs if j.label == job.match_width and j.seed == job.seed)
+    width = cached_result(ref.row_dir, plan.row_key(ref)).get("width")
+    if not isinstance(width, dict) or not isinstance(width.get("trace_cov"), (int, float)):
+        raise FlatbmaError(
+            f"the row of {ref.label!r} (seed {ref.seed}) has no measured width to match {job.label!r} to"
+        )
+    return ref.label, float(width["trace_cov"])
+
+
+def _run_one(
+    job: Job,
+    compare: CompareConfig,
+    row_key: str,
+    force: bool,
+    data: str,
+    width_to: tuple[str, float] | None = None,
+    trained_elsewhere: tuple[RunConfig, ...] = (),
+) -> dict[str, Any]:
+    """The row of a (method, seed) with one candidate: train it (or reuse it) and measure it, holding its lock.
+
+    ``data``: the fingerprint of the data set (:func:`~flatbma.experiment.run.build.data_fingerprint`); ``width_to``:
+    ``(label, tr Σ_ref)`` of a width-matched row (:func:`_width_reference`). ``trained_elsewhere``: runs of
+    the comparison trained before this row (the candidates of selections, the rows a width-matched row comes
+    after); a finished one of the same config is copied in rather than trained again (:func:`adopt`).
+    """
+    cfg = job.candidates[0].config
+    run_dir = Path(cfg.output_dir)
+    cache = run_dir / RUN_CACHE
+    with hold(run_dir, "compare"):
+        if not force:
+            adopt(cfg, trained_elsewhere, data)
+        if not force and finished(run_dir, cfg, data):
+            cached = read_cache(cache, is_row_cache)
+            if fresh(cached, row_key, width_to, source(run_dir, data)):
+                return {**cached["result"], "run_dir": str(run_dir)}  # where the row is now (a comparison may move)
+            train_metrics = read_train_metrics(run_dir)
+            exp, state = load_run(cfg)
+        else:  # measure evaluates the BMA (and more); its clean-test metrics go into metrics.json below
+            trained = train(cfg, force=True, evaluate=False)
+            train_metrics, exp, state = trained.metrics, trained.experiment, trained.state
+        result = _measured(job.label, cfg, exp, state, train_metrics, compare, width_to)
+        result["selection"] = None
+        atomic_write_json(cache, {"fingerprint": row_key, **source(run_dir, data), "result": result})
+    return result
+
+
+def _measured(
+    label: str,
+    cfg: RunConfig,
+    exp: Experiment,
+    state: State,
+    train_metrics: dict[str, Any],
+    compare: CompareConfig,
+    width_to: tuple[str, float] | None = None,
+) -> dict[str, Any]:
+    """The row of run ``cfg``: :func:`~flatbma.experiment.run.evaluate.measure` on the test set (and more).
+
+    With ``width_to = (label, tr Σ_ref)`` the Gaussian posterior is measured at that width
+    (:func:`width_matched`); the run directory's own metrics then stay those of the trained posterior.
+    """
+    matched = None
+    if width_to is not None:
+        exp, state, matched = width_matched(exp, state, *width_to)
+    run_dir = Path(cfg.output_dir)
+    resolved = cfg.to_dict()
+    result = {
+        "method": label,
+        "method_options": resolved["method"],
+        "optim": resolved["optim"],
+        "prior": cfg.prior.to_dict() if cfg.prior is not None else None,
+        "seed": cfg.seed,
+        "run_dir": str(run_dir),
+        "train_time_s": train_metrics.get("train_time_s"),
+        # KL(q_T || q_0) of a low-rank Gaussian run: whether training moved q (stage.train_stage)
+        **({"kl_from_start": train_metrics["kl_from_start"]} if "kl_from_start" in train_metrics else {}),
+        # how far the ascent moved q per step (step_stats), and the early-stopping record
+        **{k: train_metrics[k] for k in ("step_stats", "early_stopping") if k in train_metrics},
+        **measure(
+            exp,
+            state,
+            bma_curve=compare.bma_curve,
+            corruptions=compare.corruptions,
+            severities=compare.severities,
+            corruption_samples=compare.corruption_samples,
+            flatness=compare.flatness,
+            landscape=compare.landscape,
+        ),
+        "width_matched": matched,
+    }
+    result["health"] = assess(train_metrics.get("history"), result["health"])
+    if matched is None and not all(k in train_metrics for k in CLEAN_KEYS):  # the run directory is complete on its own
+        train_metrics.update({k: result[k] for k in CLEAN_KEYS}, num_samples=cfg.eval.num_samples)
+        train_metrics["health"] = result["health"]
+        atomic_write_json(run_dir / METRICS_FILE, train_metrics)
+    warn_if_flagged(result["health"], f"{label} seed {cfg.seed} ({run_dir})")
+    return result
+
+
+# --------------------------------------------------------------------------------------------------
+# hyperparameter selection on the validation split
+
+
+def _run_selected(
+    job: Job, compare: CompareConfig, row_key: str, force: bool, data: str, width_to: tuple[str, float] | None = None
+) -> dict[str, Any]:
+    """The row of a (method, seed) with candidates: the one with the best validation NLL, measured on the test set.
+
+    Its run is read back from its directory (another process may have trained it) and measured by
+    :func:`_measured` like a lone run, holding the locks of the row's and the run's directories;
+    ``selection`` in the row records every candidate.
+    """
+    records = [selection.candidate_record(c.config, data) for c in job.candidates]
+    missing = [c.config.output_dir for c, r in zip(job.candidates, records, strict=True) if r is None]
+    if missing:
+        raise FlatbmaError(
+            f"{missing[0]} holds no validation score although its candidate was trained: put output_dir on a "
+            "file system that every process shares"
+        )
+    scores = [r["val_nll"] for r in records]
+    best = selection.choose(scores)
+    if best is None:
+        raise FlatbmaError(
+            f"no candidate of {job.label} (seed {job.seed}) has a finite validation NLL "
+            f"({records[0]['error'] or scores[0]}): change its candidate values (e.g. lower optim.lr)"
+        )
+    chosen = job.candidates[best]
+    record = {
+        "criterion": selection.CRITERION,
+        "candidates": [
+            {
+                "options": c.options,
+                "val_nll": r["val_nll"],
+                "train_time_s": r["train_time_s"],
+                "error": r["error"],
+                "run_dir": c.config.output_dir,
+            }
+            for c, r in zip(job.candidates, records, strict=True)
+        ],
+        "chosen": chosen.options,
+    }
+    cache = job.row_dir / RUN_CACHE
+    cfg = chosen.config
+    run_dir = Path(cfg.output_dir)
+    with hold(job.row_dir, "compare"), hold(run_dir, "compare"):
+        cached = None if force else read_cache(cache, is_row_cache)
+        if not force and fresh(cached, row_key, width_to, source(run_dir, data)):
+            if selection.unplaced((cached.get("result") or {}).get("selection")) == selection.unplaced(
+                json.loads(json.dumps(record))
+            ):
+                return {**cached["result"], "run_dir": chosen.config.output_dir, "selection": record}
+        exp, state = load_run(cfg)
+        train_metrics = read_train_metrics(run_dir)
+        result = _measured(job.label, cfg, exp, state, train_metrics, compare, width_to)
+        result["selection"] = record
+        atomic_write_json(cache, {"fingerprint": row_key, **source(run_dir, data), "result": result})
+    return result
