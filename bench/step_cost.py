@@ -168,7 +168,10 @@ def trainable_methods(objective: Objective) -> dict[str, object]:
         for name in FLAT_SEEKING:
             section = {"name": name} if every == 1 else {"name": name, "ascent_every": every}
             optimizer = Adam(lr=1e-3) if name in ADAM_METHODS else sgd
-            methods[name if every == 1 else f"{name} k{every}"] = parse_method(section).build(objective, optimizer)
+            config = parse_method(section)
+            if config.options.get("start_step", 0) is None:  # SWAG's default window needs a run's length: from 0
+                config = config.with_options(start_step=0)
+            methods[name if every == 1 else f"{name} k{every}"] = config.build(objective, optimizer)
     return methods
 
 

@@ -23,7 +23,7 @@ from flatbma.experiment.run.pipeline import train_run
 
 CONFIG = {
     "seed": 0,
-    "method": {"name": "swag", "rank": 2, "collect_every": 2},
+    "method": {"name": "swag", "rank": 2, "start_step": 0, "collect_every": 2},
     "data": {"name": "digits", "batch_size": 64, "test_limit": 300},
     "model": {"name": "cnn", "width": 8},
     "optim": {"lr": 0.05, "momentum": 0.9},

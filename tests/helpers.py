@@ -49,8 +49,8 @@ def toy_batch(n: int = 16, in_features: int = 6, classes: int = 3, seed: int = 0
 
 METHOD_SECTIONS = {
     "multi": {"name": "multi", "of": {"name": "sam"}, "members": 2},
-    **{n: {"name": n, "collect_every": 1} for n in ("swag", "swag-diag", "f-swag")},
-    "multiswag": {"name": "multiswag", "of": {"name": "swag", "collect_every": 1}},
+    **{n: {"name": n, "start_step": 0, "collect_every": 1} for n in ("swag", "swag-diag", "f-swag")},
+    "multiswag": {"name": "multiswag", "of": {"name": "swag", "start_step": 0, "collect_every": 1}},
     "sgld": {"name": "sgld", "burn_in": 0, "thin": 1},
 }
 """Registered methods that need more than their name to train and sample within a few steps."""

@@ -255,8 +255,8 @@ def test_bad_inputs_and_unlabelled_metrics_end_in_one_clear_error(trained_swag):
         bma.evaluate(DataLoader(TensorDataset(x), batch_size=8))
     with pytest.raises(FlatbmaError, match="labelled"):  # the functional path says where inputs alone go
         list(flatbma.predict(model, bma.samples, DataLoader(TensorDataset(x), batch_size=8)))
-    with pytest.raises(FlatbmaError, match="cannot predict a dict"):
-        bma.predict_proba({"x": x})
+    with pytest.raises(FlatbmaError, match="a dict batch must hold its inputs"):
+        bma.predict_proba({"features": x})
     with pytest.raises(FlatbmaError, match="a batch must be"):
         bma.predict_proba((x, x, x))
     with pytest.raises(FlatbmaError, match="nothing to predict"):
@@ -426,7 +426,7 @@ def test_fit_posterior_trains_restores_the_mode_and_leaves_the_callers_rng():
     start = {k: v.clone() for k, v in model.state_dict().items()}
     torch.manual_seed(11)
     before = torch.get_rng_state()
-    bma = flatbma.fit_posterior(model, loader, "sgd", epochs=3, lr=0.05, num_samples=2)
+    bma = flatbma.fit_posterior(model, loader, "sgd", epochs=3, lr=0.05, num_samples=2, load_into=False)
     assert torch.equal(torch.get_rng_state(), before)
     assert not model.training
     assert all(torch.equal(v, start[k]) for k, v in model.state_dict().items())  # untouched without load_into

@@ -102,13 +102,20 @@ def _net(outputs: int = 2) -> nn.Module:
     return nn.Sequential(nn.Linear(10, 32), nn.ReLU(), nn.Linear(32, outputs))
 
 
+SWAG = {"start_step": 0, "rank": 12}
+"""SWAG over all 121 updates: 12 snapshots, as many deviations (its default window, the last quarter, collects 3;
+fit_posterior refuses a rank above the snapshots, as the CLI does)."""
+
 SHORT = {
     "sgld": {"burn_in": 100, "thin": 10},
     "f-sgld": {"burn_in": 100, "thin": 10},
     "csgld": {"cycle_length": 60, "samples_per_cycle": 5, "lr": 0.1},  # two cycles: a larger step to explore
-    "multi": {"of": {"name": "swag"}, "members": 2},
+    "multi": {"of": {"name": "swag", **SWAG}, "members": 2},
+    "swag": SWAG,
+    "f-swag": SWAG,
+    "multiswag": {"of": {"name": "swag", **SWAG}},
 }
-"""Options of the methods whose defaults collect nothing in 11 epochs of 11 steps (or that need ``of``)."""
+"""Options of the methods whose defaults collect too little in 11 epochs of 11 steps (or that need ``of``)."""
 
 REFUSED = {"laplace", "f-laplace"}
 """Methods tied to the softmax: Laplace's curvature is the Gauss-Newton of the cross-entropy."""

@@ -20,7 +20,7 @@ from torch.func import functional_call
 from flatbma import jacobians
 from flatbma.errors import FlatbmaError
 from flatbma.precision import full_precision
-from flatbma.types import Params, Predictive
+from flatbma.types import Params, Posterior, Predictive, State
 
 __all__ = ["JACOBIAN_CHUNK", "Linearized", "LinearizedPredictive", "Probit", "linearized_predictions"]
 
@@ -134,6 +134,19 @@ class Probit(LinearizedPredictive):
         logits, jac = self._logits_and_jacobian(model, x)
         kappa = torch.rsqrt(1 + math.pi / 8 * self.variance(jac).to(torch.float64))
         return F.log_softmax(logits * kappa.to(logits.dtype), dim=-1).unsqueeze(0)
+
+
+def linearized_names(method: Posterior, state: State, names: Sequence[str]) -> list[str]:
+    """The trained ``names`` a linearized predictive differentiates: those the posterior has a variance for.
+
+    ``names`` in their order, less the weights :attr:`~flatbma.types.Posterior.marginal_variance` leaves out —
+    weights the posterior holds fixed at its mean (last-layer Laplace: every weight but the classifier's),
+    whose ``Δ_m`` is 0 and whose Jacobian would not change a prediction, only cost its memory.
+    """
+    if method.marginal_variance is None:
+        return list(names)
+    held = method.marginal_variance(state)
+    return [k for k in names if k in held]
 
 
 def linearized_predictions(

@@ -6,6 +6,7 @@ one vector only where linear algebra needs it (SWAG deviations, Lanczos).
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -65,6 +66,59 @@ def load_into(model: nn.Module, weights: Mapping[str, Tensor]) -> nn.Module:
         for name, value in weights.items():
             own[name].copy_(value)
     return model
+
+
+@dataclass
+class _Holder:
+    """What a predictor holding a module knows of it (:func:`hold`): its name and the posterior mean's fingerprint."""
+
+    name: str
+    mean: tuple[tuple[str, float, float], ...] | None = None
+
+
+_HELD: weakref.WeakKeyDictionary[nn.Module, _Holder] = weakref.WeakKeyDictionary()
+
+
+def _fingerprint(model: nn.Module) -> tuple[tuple[str, float, float], ...]:
+    """``(name, Σv, Σv²)`` in float64 of every parameter and buffer: whether the module's weights changed."""
+    with torch.no_grad():
+        own = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+        return tuple(
+            (k, float(v.double().sum()), float(v.double().square().sum()))
+            for k, v in own.items()
+            if v.is_floating_point() and v.device.type != "meta"
+        )
+
+
+def hold(model: nn.Module, name: str, *, mean_loaded: bool = False) -> None:
+    """Record that a predictor of method ``name`` holds ``model``; ``mean_loaded``: it now holds the posterior mean.
+
+    :class:`flatbma.predictor.BMA` calls it (its :meth:`~flatbma.predictor.BMA.load_into` with
+    ``mean_loaded``), so that the flatness functions can say which weights they measure
+    (:func:`held_weights_note`). Nothing is kept alive: the record goes with the module.
+    """
+    holder = _HELD.get(model)
+    if holder is None or holder.name != name:
+        holder = _HELD[model] = _Holder(name)
+    if mean_loaded:
+        holder.mean = _fingerprint(model)
+
+
+def held_weights_note(model: nn.Module) -> str | None:
+    """Why measuring ``model``'s own weights may not be what is meant, or ``None``.
+
+    ``None`` unless a predictor holds ``model`` (:func:`hold`) and the module's weights are not the
+    posterior mean that was last written into it (``fit_posterior(..., load_into=False)``, or weights
+    changed since).
+    """
+    holder = _HELD.get(model)
+    if holder is None or (holder.mean is not None and holder.mean == _fingerprint(model)):
+        return None
+    return (
+        f"the module belongs to a {holder.name} predictor (BMA) but does not hold its posterior mean "
+        "(fit_posterior(..., load_into=False), or weights changed since): its own weights are measured; pass "
+        "weights=bma.mean() or a sample (bma.samples[i]) to measure the posterior's, or call bma.load_into()"
+    )
 
 
 def clone(params: Mapping[str, Tensor]) -> Params:

@@ -45,9 +45,9 @@ from torch.utils.data import DataLoader, IterableDataset
 from flatbma.bn import eval_mode, has_batchnorm, statistics_loader, with_recomputed_statistics
 from flatbma.checks import check_device, check_seed, is_int, parse_choice
 from flatbma.errors import FlatbmaError, FlatbmaTypeError
-from flatbma.linearized import LinearizedPredictive, linearized_predictions
+from flatbma.linearized import LinearizedPredictive, linearized_names, linearized_predictions
 from flatbma.metrics import uncertainty_decomposition
-from flatbma.params import load_into, model_buffers, trainable_params
+from flatbma.params import hold, load_into, model_buffers, trainable_params
 from flatbma.precision import Precision, autocast
 from flatbma.predict import Predictions, bma_log_probs, evaluate, labelled, sample_log_probs
 from flatbma.regression import Gaussian, mixture_metrics, sample_outputs
@@ -118,7 +118,8 @@ def bma_predictions(
         return statistics(drawn)
     mean = statistics([posterior_mean(method, state, drawn, names)])[0]
     fv = method.functional_variance
-    return linearized_predictions(method.predictive, mean, drawn, names, partial(fv, state) if fv is not None else None)
+    over = linearized_names(method, state, names)  # last-layer Laplace: the classifier's weights
+    return linearized_predictions(method.predictive, mean, drawn, over, partial(fv, state) if fv is not None else None)
 
 
 class BMA:
@@ -218,9 +219,20 @@ class BMA:
         self._samples: list[Params] | None = None
         self._linearized: LinearizedPredictive | None = None
         self._num_classes: int | None = None
+        self.history: list[dict[str, Any]] = []
+        """The training log, one row per epoch (:func:`flatbma.fit_posterior` fills it; empty otherwise): the
+        rows of ``flatbma train``'s ``log.csv`` — ``epoch``, ``loss``, ``accuracy``, ``steps``, ``lr``, ``time_s``,
+        then the epoch's step statistics (:mod:`flatbma.experiment.run.logs`). Not saved by :meth:`save`."""
+        self.selection: list[dict[str, Any]] = []
+        """Options chosen on validation data (:func:`flatbma.fit_posterior` with an option ``val``, e.g. Laplace's
+        ``prior_precision``): one row per candidate, ``{option: value, "val/nll": ...}``; empty otherwise."""
+        hold(model, self._name())
+
+    def _name(self) -> str:
+        return str((self.method_config or {}).get("name", "posterior"))
 
     def __repr__(self) -> str:
-        name = (self.method_config or {}).get("name", "posterior")
+        name = self._name()
         bn = "recomputed per sample" if self.recompute_bn else "the state's"
         return f"BMA({name}, num_samples={self.num_samples}, seed={self.seed}, bn={bn}, device={self.device})"
 
@@ -259,15 +271,19 @@ class BMA:
         the posterior's. The predictor's samples do not change (they never read the module's weights
         that they replace).
         """
-        return load_into(self.model if model is None else model, self.mean())
+        target = load_into(self.model if model is None else model, self.mean())
+        if model is None or model is self.model:
+            hold(self.model, self._name(), mean_loaded=True)  # flatness on it measures the posterior mean
+        return target
 
     # ---------------------------------------------------------------- prediction
     def predict_log_proba(self, data: Any) -> Tensor:
         """BMA log-probabilities ``[N, C]`` of ``data``, on the predictor's device.
 
-        ``data`` is one batch — inputs ``x``, a tuple ``(x,)`` or ``(x, y)``, or a list ``[x, y]`` whose
-        ``y`` holds integer labels (what a DataLoader yields) — or an iterable of such batches (a
-        DataLoader); labels are ignored. Rows follow the order of the inputs.
+        ``data`` is one batch — inputs ``x``, a tuple ``(x,)`` or ``(x, y)``, a dict ``{"x": ...}``
+        (:func:`flatbma.types.split_batch` names its keys), or a list ``[x, y]`` whose ``y`` holds integer
+        labels (what a DataLoader yields) — or an iterable of such batches (a DataLoader); labels are ignored.
+        Rows follow the order of the inputs.
         """
         self._classifier("predict_log_proba")
         return torch.cat(self._per_batch(data, bma_log_probs))
@@ -720,12 +736,13 @@ def _fixed_order(loader: Iterable[Any]) -> Iterable[Any]:
 
 def _inputs(data: Any) -> Iterator[Tensor]:
     """The input tensors of one batch or of an iterable of batches (see :meth:`BMA.predict_log_proba`)."""
-    if isinstance(data, Tensor | tuple) or _is_labelled_list(data):
+    if isinstance(data, Tensor | tuple | Mapping) or _is_labelled_list(data):
         yield split_batch(data)[0]
         return
-    if isinstance(data, Mapping | str) or not isinstance(data, Iterable):
+    if isinstance(data, str) or not isinstance(data, Iterable):
         raise FlatbmaError(
-            f"cannot predict a {type(data).__name__}: give inputs x, a batch (x,) or (x, y), or a DataLoader"
+            f"cannot predict a {type(data).__name__}: give inputs x, a batch (x,), (x, y) or {{'x': ...}}, or a "
+            "DataLoader"
         )
     for batch in data:
         yield split_batch(batch)[0]

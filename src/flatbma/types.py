@@ -27,49 +27,93 @@ Params = dict[str, Tensor]
 """Named tensors: model parameters (``model.named_parameters()`` names) or method variables."""
 
 Batch = tuple[Tensor, Tensor]
-"""A mini-batch ``(inputs, integer labels)``."""
+"""A mini-batch ``(inputs, targets)``: integer labels ``[B]``, or class probabilities ``[B, C]`` (soft targets)."""
+
+INPUT_KEYS = ("x", "input", "inputs", "image", "images", "pixel_values")
+"""The keys a dict batch may hold its inputs under, in the order they are looked up (:func:`split_batch`)."""
+
+TARGET_KEYS = ("y", "label", "labels", "target", "targets")
+"""The keys a dict batch may hold its targets under, in the order they are looked up (:func:`split_batch`)."""
+
+
+def _from_mapping(batch: Mapping[Any, Any]) -> tuple[Tensor, Tensor | None]:
+    """``(x, y)`` of a dict batch: the first key of :data:`INPUT_KEYS` it has, and of :data:`TARGET_KEYS`."""
+    x_key = next((k for k in INPUT_KEYS if k in batch), None)
+    y_key = next((k for k in TARGET_KEYS if k in batch), None)
+    keys = ", ".join(repr(k) for k in batch)
+    if x_key is None or not isinstance(batch[x_key], Tensor):
+        raise FlatbmaTypeError(
+            f"a dict batch must hold its inputs as a tensor under one of the keys {', '.join(INPUT_KEYS)}, got the "
+            f"keys {keys or '(none)'}: rename them (e.g. {{'x': inputs, 'y': labels}})"
+        )
+    if y_key is not None and not isinstance(batch[y_key], Tensor):
+        kind = type(batch[y_key]).__name__
+        raise FlatbmaTypeError(f"a dict batch's targets ({y_key!r}) must be a tensor, got a {kind}")
+    return batch[x_key], batch[y_key] if y_key is not None else None
 
 
 def split_batch(batch: object) -> tuple[Tensor, Tensor | None]:
-    """``(x, y)`` of one batch given as ``(x, y)`` or ``(x,)`` (a tuple or a list, as DataLoaders yield) or ``x``.
+    """``(x, y)`` of one batch: ``(x, y)`` or ``(x,)`` (a tuple or a list, as DataLoaders yield), ``x``, or a dict.
 
-    ``y`` is ``None`` for inputs alone (``x`` or ``(x,)``).
+    A dict batch (what a DataLoader over a dataset of dicts yields, e.g. ``{"x": ..., "y": ...}``) holds its
+    inputs under the first of the keys :data:`INPUT_KEYS` it has (``x``, ``input``, ``inputs``, ``image``,
+    ``images``, ``pixel_values``) and its targets under the first of :data:`TARGET_KEYS` (``y``, ``label``,
+    ``labels``, ``target``, ``targets``); other keys are ignored. ``y`` is ``None`` for inputs alone
+    (``x``, ``(x,)`` or a dict without a target key).
 
     Raises:
-        FlatbmaError: for anything else (a dict, three tensors, a non-tensor entry).
+        FlatbmaError: for anything else (three tensors, a non-tensor entry, a dict without an input key).
     """
     if isinstance(batch, Tensor):
         return batch, None
+    if isinstance(batch, Mapping):
+        return _from_mapping(batch)
     if isinstance(batch, tuple | list) and len(batch) in (1, 2) and all(isinstance(t, Tensor) for t in batch):
         return batch[0], batch[1] if len(batch) == 2 else None
     kinds = ", ".join(type(t).__name__ for t in batch) if isinstance(batch, tuple | list) else ""
     raise FlatbmaError(
-        f"a batch must be inputs x, (x,) or (x, y) of tensors, got a {type(batch).__name__}"
+        f"a batch must be inputs x, (x,), (x, y) of tensors or a dict {{'x': ..., 'y': ...}}, got a "
+        f"{type(batch).__name__}"
         + (f" of ({kinds})" if kinds else "")
         + "; give a DataLoader of such batches"
     )
 
 
 def training_batch(batch: object) -> tuple[Tensor, Tensor]:
-    """``(x, y)`` of a training batch: a pair of tensors, ``y`` 1-D integer class indices, one per row of ``x``.
+    """``(x, y)`` of a training batch: a pair of tensors or a dict (:func:`split_batch`), one target per row of ``x``.
+
+    ``y`` holds 1-D integer class indices, or soft targets: float class probabilities ``[batch, classes]``
+    (each row non-negative, summing to 1; the loss is then the cross-entropy with those probabilities,
+    ``−Σ_c y_c log p_c``, as :func:`torch.nn.functional.cross_entropy` computes it).
 
     Raises:
-        FlatbmaTypeError: another batch (a dict, inputs alone, three tensors) or labels that are not integers.
-        FlatbmaError: labels that are not 1-D, as many as the inputs (their values are checked against the
-            model's classes by the caller).
+        FlatbmaTypeError: another batch (inputs alone, three tensors) or labels of another kind.
+        FlatbmaError: targets that are not one per input (their values are checked against the model's
+            classes by the caller).
     """
+    if isinstance(batch, Mapping):
+        x, y = _from_mapping(batch)
+        if y is None:
+            raise FlatbmaTypeError(
+                f"a dict training batch must hold its targets under one of the keys {', '.join(TARGET_KEYS)}, got "
+                f"the keys {', '.join(repr(k) for k in batch)}"
+            )
+        batch = (x, y)
     if not (isinstance(batch, tuple | list) and len(batch) == 2 and all(isinstance(t, Tensor) for t in batch)):
         kinds = ", ".join(type(t).__name__ for t in batch) if isinstance(batch, tuple | list) else ""
         raise FlatbmaTypeError(
-            f"a training batch must be a pair (x, y) of inputs and labels, got a {type(batch).__name__}"
+            f"a training batch must be a pair (x, y) of inputs and labels or a dict {{'x': ..., 'y': ...}}, got a "
+            f"{type(batch).__name__}"
             + (f" of ({kinds})" if kinds else "")
             + ": give a DataLoader of (x, y) batches (e.g. over a TensorDataset(x, y))"
         )
     x, y = batch
+    if y.is_floating_point() and y.dim() == 2 and x.dim() > 0 and y.shape[0] == x.shape[0]:
+        return x, y  # soft targets: their classes and values are checked by the caller against the model's
     if y.is_floating_point() or y.is_complex() or y.dtype == torch.bool:
         raise FlatbmaTypeError(
-            f"labels must be integer class indices, got {str(y.dtype).removeprefix('torch.')}: convert them "
-            "(y.long()); one-hot or soft labels are not supported"
+            f"labels must be integer class indices [batch] or class probabilities [batch, classes], got "
+            f"{str(y.dtype).removeprefix('torch.')} of shape {list(y.shape)}: convert them (y.long() for indices)"
         )
     if y.dim() != 1 or x.dim() == 0 or y.shape[0] != x.shape[0]:
         raise FlatbmaError(

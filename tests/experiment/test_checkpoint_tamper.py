@@ -50,7 +50,7 @@ CONFIG = {
 STEPS_PER_EPOCH = 19  # digits: 1198 training images in batches of 64
 METHODS = {
     "sam": {"name": "sam", "rho": 0.05},
-    "swag": {"name": "swag", "rank": 2, "collect_every": 5},
+    "swag": {"name": "swag", "rank": 2, "start_step": 0, "collect_every": 5},
     "sgld": {"name": "sgld", "burn_in": 5, "thin": 5},  # its state grows: it keeps samples in aux
 }
 
@@ -471,7 +471,7 @@ def test_a_two_stage_run_refuses_changes_its_first_stage_shares(tmp_path, capsys
     cfg = _cfg(
         tmp_path / "two",
         method={"name": "fp-bma", "rank": 2},
-        prior={"method": {"name": "swag", "rank": 2, "collect_every": 5}, "epochs": 1},
+        prior={"method": {"name": "swag", "rank": 2, "start_step": 0, "collect_every": 5}, "epochs": 1},
         train={"epochs": 1},
     )
     assert _run(capsys, "train", "--config", _write(tmp_path / "c.yaml", cfg))[0] == 0

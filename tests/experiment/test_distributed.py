@@ -40,7 +40,7 @@ BASE = {
 METHODS = {
     "sgd": ({"name": "sgd"}, 1),
     "sam": ({"name": "sam", "rho": 0.05}, 1),
-    "swag": ({"name": "swag", "rank": 3, "collect_every": 4}, 4),
+    "swag": ({"name": "swag", "rank": 3, "start_step": 0, "collect_every": 4}, 4),
     "fp-bma": ({"name": "fp-bma", "rank": 2}, 4),
 }
 # SGLD on a BatchNorm CNN with augmentation, killed after its 4th checkpoint (mid epoch 2), resumed.

@@ -862,7 +862,7 @@ class _Dicts(torch.utils.data.Dataset):
         return 32
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return {"x": torch.zeros(5), "y": torch.tensor(0)}
+        return {"features": torch.zeros(5), "y": torch.tensor(0)}  # no input key (x, input, image, ...)
 
 
 def _net() -> torch.nn.Module:
@@ -895,7 +895,7 @@ def _load(path: Any, model: Any) -> Any:
 
 API_ROWS = [
     # id, the call (given the module's saved predictor and its path), the error type, its first words
-    ("loader-of-dicts", lambda b, p: _fit(loader=_loader(X, dataset=_Dicts())), TypeError, "a training batch must be"),
+    ("loader-of-dicts", lambda b, p: _fit(loader=_loader(X, dataset=_Dicts())), TypeError, "a dict batch must hold"),
     ("loader-of-3-tuples", lambda b, p: _fit(loader=_loader(X, Y, Y)), TypeError, "a training batch must be"),
     ("loader-of-1-tuples", lambda b, p: _fit(loader=_loader(X)), TypeError, "a training batch must be"),
     ("float-labels", lambda b, p: _fit(loader=_loader(X, Y.float())), TypeError, "labels must be integer"),

@@ -3,6 +3,7 @@
 resolved configs left as they were."""
 
 import copy
+import dataclasses
 import hashlib
 import io
 import json
@@ -11,6 +12,9 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -21,13 +25,15 @@ from flatbma.experiment.cli import main
 from flatbma.experiment.config.methods import METHODS, parse_method
 from flatbma.experiment.config.run_config import config_from_dict
 from flatbma.experiment.run import stage
-from flatbma.experiment.run.checkpoint import load_checkpoint
-from flatbma.experiment.run.pipeline import load_run, load_run_config, resume_config, train
+from flatbma.experiment.run.checkpoint import CONFIG_KEY, load_checkpoint
+from flatbma.experiment.run.pipeline import evaluate_run, load_run, load_run_config, resume_config, train
+from flatbma.experiment.run.provenance import WRITTEN_BY, Provenance
 from flatbma.linearized import linearized_predictions
 from flatbma.models import build_model, classifier_of
 from flatbma.posteriors import laplace
 from flatbma.predict import sample_log_probs
 from flatbma.predictor import trained_names
+from flatbma.state_io import CHECKSUMS, checksums
 from tests.experiment.torchrun_helpers import crash_after
 
 BASE = {
@@ -84,10 +90,14 @@ def test_the_map_is_the_point_runs_weights_and_a_huge_prior_precision_its_metric
 def test_without_augmentation_the_curvature_is_a_deterministic_pass_over_the_training_set(runs):
     cfg = runs["laplace"].experiment.config
     exp, state = load_run(load_run_config(cfg.output_dir))
-    est = estimator("kfac", "ggn", exp.model, state.params, num_data=100, num_classes=10)
+    head = classifier_of(exp.model)[0]  # the default subset: last-layer, the other weights fixed at w*
+    chosen = {k: v for k, v in state.params.items() if k.startswith(f"{head}.")}
+    fixed = {k: v for k, v in state.params.items() if k not in chosen}
+    assert sorted(chosen) == [f"{head}.bias", f"{head}.weight"] and fixed
+    est = estimator("kfac", "ggn", exp.model, chosen, num_data=100, num_classes=10)
     acc, offset = est.init(), 0
     for x, y in exp.hessian_loader:  # all training images, un-augmented, in a fixed order (other batches)
-        acc = est.accumulate(acc, state.params, state.buffers, x, y, offset=offset)
+        acc = est.accumulate(acc, chosen, {**state.buffers, **fixed}, x, y, offset=offset)
         offset += len(y)
     assert offset == int(state.aux[laplace.SEEN]) == 100
     for key, value in acc.items():
@@ -135,7 +145,11 @@ def test_flatbma_methods_lists_laplace_and_f_laplace_with_their_options():
         ({"name": "laplace", "of": {"name": "swag"}}, {}, "Laplace needs a MAP: method.of must be a point method"),
         ({"name": "f-laplace", "of": {"name": "sgd"}}, {}, "unknown config key 'method.of' for method 'f-laplace'"),
         ({"name": "laplace", "start_step": 9}, {}, "method.start_step=9 is past train.epochs=2"),
-        ({"name": "laplace", "hessian": "full", "max_full": 50}, {}, "method.hessian: full needs d <= method.max_full"),
+        (
+            {"name": "laplace", "hessian": "full", "max_full": 50, "subset": "all"},
+            {},
+            "method.hessian: full needs d <= method.max_full",
+        ),
         ({"name": "laplace", "temperature": -1}, {}, "method.temperature must be a positive number"),
         ({"name": "laplace", "prior_mean": "init"}, {}, "prior_mean must be one of 'zero', 'pretrained', got 'init'"),
         (
@@ -184,15 +198,17 @@ def test_fit_posterior_predicts_with_the_glm_and_round_trips(tmp_path):
 
 # The resolved configs of the methods registered before Laplace, as the main tree resolved them (sha256 of the
 # sorted JSON of config_from_dict({"method": {"name": NAME}, "train": {"epochs": 3}}).to_dict(), first 16 digits):
-# `flatbma compare` reuses a finished run only when its resolved config is identical, so these must not move.
+# `flatbma compare` reuses a finished run only when its resolved config is identical, so these must not move —
+# except on purpose: SWAG's families (swag, swag-diag, f-swag, multiswag) since their default start_step became
+# null (the last quarter of the updates, issue #25).
 RESOLVED = {
     "sgd": "762dc65b69401fc3",
     "sam": "c329ef725a47fc4b",
     "asam": "1e069deb20dd5463",
     "fsam": "fce450f91d9b6103",
-    "swag": "512b6f88267849b8",
-    "swag-diag": "86d8bf08bef91a6a",
-    "f-swag": "2897908cdcc8825f",
+    "swag": "f3831a282880f426",
+    "swag-diag": "33d25188a381bc99",
+    "f-swag": "6b40355477fdda4b",
     "mfvi": "61737e61052ae155",
     "lowrank-vi": "773c3d52f7b21a68",
     "f-mfvi": "ccad68bd7cc9bb13",
@@ -208,7 +224,7 @@ RESOLVED = {
     "fp-bma": "eeefb354de6a82b0",  # radius: 0.05, the default step since #22
     "sa-bma": "7252ba9f01b460e4",
     "multi": "d6549a167fda82e5",
-    "multiswag": "315238b89f75662c",
+    "multiswag": "cc8b1b7f24d9c126",  # swag's start_step: null (#25)
     "multi-fp-bma": "c6bcf7cb095abf91",
 }
 
@@ -219,10 +235,12 @@ def test_existing_methods_resolve_and_train_as_before():
         assert hashlib.sha256(json.dumps(cfg.to_dict(), sort_keys=True).encode()).hexdigest()[:16] == digest, name
         assert cfg.epochs == 3 and parse_method(name).extra_epochs() == 0, name
     assert set(RESOLVED) | {"laplace", "f-laplace"} == set(METHODS)
-    # Laplace's resolved config: the main tree's before prior_mean, plus prior_mean: zero
+    # Laplace's resolved config: the main tree's before prior_mean, plus prior_mean: zero and (issue #25) the
+    # default subset: last-layer
     for name, digest in {"laplace": "fdc4d784a4f1ba1d", "f-laplace": "c08f54728837e42d"}.items():
         resolved = config_from_dict({"method": {"name": name}, "train": {"epochs": 3}}).to_dict()
         assert resolved["method"].pop("prior_mean") == "zero", name
+        assert resolved["method"].pop("subset") == "last-layer", name
         assert hashlib.sha256(json.dumps(resolved, sort_keys=True).encode()).hexdigest()[:16] == digest, name
     multi_laplace = config_from_dict({"method": {"name": "multi", "members": 1, "of": {"name": "laplace"}}})
     assert multi_laplace.epochs == multi_laplace.train.epochs + 1
@@ -245,7 +263,7 @@ def test_a_pretrained_prior_mean_run_stores_w0_resumes_bit_identically_and_the_c
             t.add_(0.5)
     torch.save(source.state_dict(), tmp_path / "pretrained.pt")
     model = {"pretrained": str(tmp_path / "pretrained.pt"), "trainable": "norm+classifier"}
-    method = {"name": "laplace", "hessian": "diag", "prior_mean": "pretrained"}
+    method = {"name": "laplace", "hessian": "diag", "prior_mean": "pretrained", "subset": "all"}
     raw = {**copy.deepcopy(BASE), "method": method, "output_dir": str(tmp_path / "ref")}
     raw["model"] = {**raw["model"], **model}
     (tmp_path / "c.yaml").write_text(json.dumps(raw))
@@ -297,3 +315,47 @@ def test_fit_posterior_with_a_pretrained_prior_mean_round_trips_through_load_pos
     loaded = flatbma.load_posterior(tmp_path / "bma.safetensors", pretrained(), loader)
     assert torch.equal(loaded.predict_log_proba(x), bma.predict_log_proba(x))
     assert loaded.method.diagnostics(loaded.state) == bma.method.diagnostics(bma.state)
+
+
+def test_a_run_stored_before_subset_existed_evaluates_and_resumes_as_all_weights(tmp_path):
+    """A Laplace run directory whose ``config.yaml`` has no ``subset`` (written before the option existed, when the
+    posterior was over all weights) reads as ``subset: all``, not as the new default ``last-layer``: evaluating it
+    gives the numbers it trained with, and a config of ``subset: all`` finds it finished."""
+    method = {"name": "laplace", "hessian": "diag", "subset": "all"}
+    cfg = _config(tmp_path, "old", method)
+    ref = train(cfg)
+    path = Path(cfg.output_dir) / "config.yaml"
+    stored = yaml.safe_load(path.read_text())
+    assert stored["method"].pop("subset") == "all"  # an old run's config: no subset
+    path.write_text(yaml.safe_dump(stored, sort_keys=False))
+    _without_subset(Path(cfg.output_dir) / "checkpoint.safetensors")  # and its checkpoint's records
+    loaded = load_run_config(cfg.output_dir)
+    assert laplace.Subset(loaded.method.options["subset"]) is laplace.Subset.ALL
+    assert resume_config(cfg.output_dir, [])[0].method.options["subset"] == loaded.method.options["subset"]
+    exp, state = load_run(loaded)
+    assert exp.method.marginal_variance(state).keys() == state.params.keys()  # every weight has a variance
+    assert exp.method.diagnostics(state) == ref.metrics["diagnostics"]
+    metrics = evaluate_run(cfg.output_dir)
+    assert {k: metrics[k] for k in METRICS} == {k: ref.metrics[k] for k in METRICS}
+    assert stage.same_config(Path(cfg.output_dir), cfg)  # the same run as subset: all ...
+    assert not stage.same_config(Path(cfg.output_dir), _config(tmp_path, "old", {**method, "subset": "last-layer"}))
+    default = _config(tmp_path, "old", {"name": "laplace", "hessian": "diag"})  # ... not as the new default's
+    assert laplace.Subset(default.method.options["subset"]) is laplace.Subset.LAST_LAYER
+    assert not stage.same_config(Path(cfg.output_dir), default)
+    with pytest.raises(FlatbmaError, match=r"subset='all' vs 'last-layer'"):  # never silently another posterior
+        load_run(dataclasses.replace(loaded, method=default.method))
+
+
+def _without_subset(path: Path) -> None:
+    """The checkpoint at ``path`` as one written before ``subset`` existed: its records of the config lack it."""
+    tensors = load_file(str(path))
+    with safe_open(str(path), framework="pt") as f:
+        meta = dict(f.metadata())
+    written = json.loads(meta[WRITTEN_BY])
+    del written["options_fingerprint"], written["options"]["subset"]
+    meta[WRITTEN_BY] = Provenance(**written).to_json()
+    config = json.loads(meta[CONFIG_KEY])
+    del config["method"]["subset"]
+    meta[CONFIG_KEY] = json.dumps(config, sort_keys=True)
+    meta[CHECKSUMS] = json.dumps(checksums(tensors, meta), sort_keys=True)  # as flatbma wrote it
+    save_file(tensors, str(path), metadata=meta)

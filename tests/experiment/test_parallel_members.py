@@ -50,7 +50,11 @@ MEMBERS = {
 }
 CRASH_AFTER = 2  # checkpoints (steps 7 and 14: mid epoch 1)
 MULTI = {  # a mixture of 3 F-SWAG posteriors (SAM ascent, low-rank moments, dropout masks per member)
-    "method": {"name": "multi", "members": 3, "of": {"name": "f-swag", "rank": 2, "collect_every": 5, "rho": 0.05}},
+    "method": {
+        "name": "multi",
+        "members": 3,
+        "of": {"name": "f-swag", "rank": 2, "start_step": 0, "collect_every": 5, "rho": 0.05},
+    },
     "train": {"epochs": 2, "progress": False, "device": "cpu", "checkpoint_every": 7, "parallel": "members"},
 }
 COMPARE = {

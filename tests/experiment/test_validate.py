@@ -79,11 +79,11 @@ def no_training(monkeypatch: pytest.MonkeyPatch) -> None:
 
 CASES = [
     pytest.param(
-        {"name": "swag"},  # rank 20, a snapshot every 10 updates: 0 in 8
+        {"name": "swag"},  # rank 20, a snapshot every 10 updates of the last quarter (updates 7, 8): 0 of 8
         {},
         "swag needs >= 20 snapshots for method.rank=20, but train.epochs=2 × 4 steps per epoch = 8 updates with "
-        "method.start_step=0 and method.collect_every=10 collect 0: raise train.epochs to >= 50, or lower "
-        "method.start_step or method.collect_every, or method.rank",
+        "method.start_step=null \\(the last quarter: 6\\) and method.collect_every=10 collect 0: raise train.epochs to "
+        ">= 200, or lower method.start_step or method.collect_every, or method.rank",
         id="swag-rank",
     ),
     pytest.param(

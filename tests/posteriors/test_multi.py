@@ -260,7 +260,7 @@ def test_cli_lists_describes_and_trains_multi_of_swag(tmp_path, capsys):
     assert all(f"\n{name} " in listed for name in ("multi", "multiswag", "multi-fp-bma"))
     assert main(["methods", "multi"]) == 0
     assert "of " in capsys.readouterr().out
-    method = {"name": "multi", "members": 2, "of": {"name": "swag", "rank": 2, "collect_every": 5}}
+    method = {"name": "multi", "members": 2, "of": {"name": "swag", "rank": 2, "start_step": 0, "collect_every": 5}}
     cfg = tmp_path / "c.yaml"
     cfg.write_text(yaml.safe_dump({**DIGITS, "method": method}))
     out = tmp_path / "run"

@@ -198,12 +198,12 @@ def test_registry_options():
     assert METHODS["f-swag"].family is swag.build and METHODS["f-swag"].ascent is SAM
     assert set(METHODS["swag-diag"].family_options()) == {"scale", "start_step", "collect_every"}
     cfg = parse_method({"name": "swag-diag", "collect_every": 3})
-    method = cfg.build(Objective(model=tiny_bn_net()), SGD())
+    method = cfg.build(Objective(model=tiny_bn_net()), SGD(), map_steps=40)  # start_step: null, resolved from 40
     assert "swag/deviations" not in method.init(trainable_params(tiny_bn_net()), {}).aux
     with pytest.raises(FlatbmaError, match=r"method\.rank"):
         parse_method({"name": "swag-diag", "rank": 4})
     with pytest.raises(FlatbmaError, match=r"method\.rank"):
-        parse_method({"name": "swag", "rank": 1}).build(Objective(model=tiny_bn_net()), SGD())
+        parse_method({"name": "swag", "rank": 1}).build(Objective(model=tiny_bn_net()), SGD(), map_steps=40)
 
 
 def test_too_few_snapshots_at_sample_time():

@@ -14,25 +14,30 @@ this module only when one of them is first used.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Mapping
+import warnings
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from flatbma.checks import check_seed, is_int
-from flatbma.errors import DivergenceError, FlatbmaError, FlatbmaTypeError
-from flatbma.experiment.config.methods import parse_method
+from flatbma.errors import DivergenceError, FlatbmaError, FlatbmaTypeError, FlatbmaWarning
+from flatbma.experiment.config.methods import MethodConfig, parse_method
 from flatbma.experiment.config.parse import parse_dataclass, shown
 from flatbma.experiment.config.sections import OptimConfig
-from flatbma.experiment.runner import fit
-from flatbma.models import check_classifier
+from flatbma.experiment.config.shape import RunShape, Stage
+from flatbma.experiment.run.logs import EpochLogger
+from flatbma.experiment.run.validate import available_memory
+from flatbma.experiment.runner import History, fit
+from flatbma.models import check_classifier, keep_logits, returns_sequence
 from flatbma.params import Objective, model_buffers, trainable_params
+from flatbma.predict import evaluate
 from flatbma.predictor import BMA, likelihood_of, read_file, target_device
 from flatbma.regression import Gaussian
 from flatbma.rng import first_batch, forked_rng
-from flatbma.types import Batch, training_batch
+from flatbma.types import Batch, Posterior, split_batch, training_batch
 
 
 def fit_posterior(
@@ -47,8 +52,9 @@ def fit_posterior(
     seed: int = 0,
     device: torch.device | str | None = None,
     recompute_bn: bool | None = None,
-    load_into: bool = False,
-    progress: bool = False,
+    load_into: bool = True,
+    progress: bool = True,
+    val_loader: Iterable[Batch] | None = None,
     likelihood: str = "categorical",
     noise_std: float | None = None,
     **method_options: Any,
@@ -68,17 +74,21 @@ def fit_posterior(
        alone): ``init`` and :func:`~flatbma.experiment.runner.fit` with the module in train mode — for
        ``epochs`` epochs plus the method's extra ones (``laplace``, ``f-laplace``: one, the curvature
        pass) —; its train/eval mode is restored afterwards;
-    5. ``BMA(model, method, state, loader, num_samples=..., seed=seed, recompute_bn=...)``, and with
-       ``load_into`` :meth:`BMA.load_into <flatbma.predictor.BMA.load_into>`.
+    5. ``BMA(model, method, state, loader, num_samples=..., seed=seed, recompute_bn=...)`` with the
+       training log in :attr:`BMA.history <flatbma.predictor.BMA.history>` (``log.csv``'s rows), and
+       with ``load_into`` (the default) :meth:`BMA.load_into <flatbma.predictor.BMA.load_into>`: the
+       module then holds the posterior mean with its BatchNorm statistics.
 
     Two-stage runs (a ``prior`` section) and distributed training are the CLI's (``flatbma train``).
 
     Args:
         model: any classifier ``nn.Module`` returning logits; parameters with ``requires_grad=False``
-            stay fixed (not Bayesian). Without ``load_into`` its weights are left as they were.
-        loader: ``(x, y)`` training batches — a DataLoader over a sized dataset (its size scales KL
-            terms and SG-MCMC noise); its dataset, in a fixed order, also serves to recompute BatchNorm
-            statistics.
+            stay fixed (not Bayesian). It ends holding the posterior mean (``load_into``).
+        loader: training batches — a DataLoader over a sized dataset (its size scales KL terms and
+            SG-MCMC noise; its dataset, in a fixed order, also serves to recompute BatchNorm statistics),
+            or any re-iterable of batches, e.g. a list of ``(x, y)`` pairs (its batches and rows are counted
+            once; BatchNorm statistics read it as it is). A one-shot iterator is refused: every epoch reads
+            the data again.
         method: a registered method name (``flatbma methods``) or a method section ``{name: ..., ...}``.
         epochs: passes over ``loader`` (the optimizer's schedule spans them; Laplace adds its curvature pass).
         lr: the peak learning rate (``optim.lr``); ``None`` keeps the section's.
@@ -88,8 +98,22 @@ def fit_posterior(
             initialization noise, dropout masks) and of the BMA's samples.
         device: where to train and predict (the module is moved there); ``None``: the module's device.
         recompute_bn: see :class:`~flatbma.predictor.BMA`.
-        load_into: write the posterior mean (with the BMA's BatchNorm statistics) into ``model``.
-        progress: show a progress bar on a terminal.
+        load_into: write the posterior mean (with the BMA's BatchNorm statistics) into ``model``, so that
+            ``model(x)`` and the flatness functions without ``weights=`` see the posterior's weights, not
+            the initialization; ``False`` leaves the module's weights as they were (flatness functions
+            called on it then warn that they measure those weights: :func:`flatbma.params.held_weights_note`).
+        progress: show progress: a bar on a terminal; wherever ``stderr`` is no terminal (a notebook, a
+            pipe, a log file) one line per epoch, the CLI's (``epoch 3/10  loss ...  acc ...  lr ...``);
+            ``False``: nothing (:mod:`flatbma.progress`).
+        val_loader: validation ``(x, y)`` batches (integer labels). An option given as ``"val"`` is chosen on
+            them after training, by the BMA's NLL over its grid — Laplace's ``prior_precision="val"``: δ
+            among :data:`~flatbma.experiment.config.methods.PRIOR_PRECISION_GRID` (1e-4 … 1e4), the grid search of
+            laplace-torch (Daxberger et al. 2021) — the candidates in :attr:`BMA.selection
+            <flatbma.predictor.BMA.selection>`, the chosen value in ``bma.method_config``. A method fitted
+            around a MAP (Laplace) is compared with its MAP on them after training — on the training data
+            without them — and a
+            :class:`~flatbma.errors.FlatbmaWarning` says when the BMA's NLL is worse than the MAP's (a
+            posterior too wide for the network: its prior precision δ and what to try are in the message).
         likelihood: ``categorical`` (a classifier: softmax of the logits, cross-entropy) or ``gaussian``
             (regression, :class:`flatbma.regression.Gaussian`: the loss is the Gaussian NLL, the batches'
             targets are floats ``[batch]`` and the predictor's :meth:`~flatbma.predictor.BMA.predict_regression`
@@ -101,9 +125,15 @@ def fit_posterior(
 
     Before training, the model is checked with one forward pass on the first batch of ``loader`` (read
     without moving any random stream: :func:`flatbma.rng.first_batch`): the batch is a pair ``(x, y)`` of
-    inputs and 1-D integer labels, the model returns float32 or float64 logits ``[batch, classes]``
-    (:func:`flatbma.models.check_classifier`: no meta or 16-bit weights, something to train) and the labels
-    lie in ``[0, classes)``.
+    inputs and targets or a dict (inputs under ``x``, ``input``, ``inputs``, ``image``, ``images`` or
+    ``pixel_values``, targets under ``y``, ``label``, ``labels``, ``target`` or ``targets``: the first key
+    present, :func:`flatbma.types.split_batch`); targets are 1-D integer labels in ``[0, classes)`` or soft
+    targets, float class probabilities ``[batch, classes]`` (rows ≥ 0 summing to 1; the loss is then
+    ``−Σ_c y_c log p_c``); the model returns float32 or float64 logits ``[batch, classes]``, or a tuple whose
+    first element they are (``(logits, features)``: :func:`flatbma.models.keep_logits` then makes the module
+    return its first element, with a forward hook) (:func:`flatbma.models.check_classifier`: no meta or
+    16-bit weights, something to train). Then the method's options are checked against the run's length
+    as ``flatbma train`` checks them, with the same messages (SWAG's snapshots against its rank, ...).
 
     Raises:
         FlatbmaError: invalid options, model or data (a :class:`~flatbma.errors.FlatbmaTypeError`, also a
@@ -116,16 +146,25 @@ def fit_posterior(
     check_seed(seed, "seed")
     gaussian = _likelihood(likelihood, noise_std)
     config = parse_method(_method_section(method, method_options))
+    choose = config.on_validation()  # options set to "val": chosen on val_loader after training
+    if choose and val_loader is None:
+        raise FlatbmaError(
+            f"{', '.join(f'{k}=val' for k in choose)} chooses {'it' if len(choose) == 1 else 'them'} by the validation "
+            "NLL: pass val_loader= (held-out (x, y) batches), or give a value"
+        )
     optim_config = parse_dataclass(OptimConfig, _optim_section(optim, lr), "optim")
     steps, num_data = _sizes(loader)
     train_device = target_device(device, model)
     if gaussian is None:
-        _check_first_batch(model, loader)
+        classes: int | None = _check_first_batch(model, loader)
     else:
         _check_first_regression_batch(model, loader, gaussian)
+        classes = None
+    _check_run(config, model, steps=steps, num_data=num_data, num_classes=classes, epochs=epochs, device=train_device)
     model.to(train_device)
     objective = Objective(model=model, num_data=num_data, **({"loss_fn": gaussian} if gaussian is not None else {}))
     optimizer = optim_config.build(steps_per_epoch=steps, epochs=epochs)
+    rate = config.learning_rate(optim_config.learning_rate(steps, epochs), epochs * steps)  # SWAG's held rate
     posterior = config.build(objective, optimizer, map_steps=epochs * steps)
     was_training = model.training
     try:
@@ -133,24 +172,52 @@ def fit_posterior(
             state = posterior.init(trainable_params(model), model_buffers(model))
             model.train()
             total = epochs + config.extra_epochs()  # Laplace: the curvature epoch after the MAP's
-            state, _ = fit(posterior, state, loader, epochs=total, device=train_device, progress=progress)
+            log = EpochLogger(Path(), (), epochs=total, learning_rate=rate, history=History(), lines=progress)
+            state, _ = fit(
+                posterior,
+                state,
+                loader,
+                epochs=total,
+                device=train_device,
+                progress=progress,
+                after_epoch=lambda _state, history: log(history),
+            )
     except DivergenceError as e:
         raise DivergenceError(f"{e}; lower the learning rate (e.g. lr={optim_config.lr / 10:g})") from None
     finally:
         model.train(was_training)
-    bma = BMA(
-        model,
-        posterior,
-        state,
-        loader,
-        num_samples=num_samples,
-        seed=seed,
-        recompute_bn=recompute_bn,
-        device=train_device,
-        method_config=config.to_dict(),
-        num_data=num_data,
-        likelihood=gaussian,
-    )
+
+    def predictor(config: MethodConfig, posterior: Posterior) -> BMA:
+        return BMA(
+            model,
+            posterior,
+            state,
+            loader,
+            num_samples=num_samples,
+            seed=seed,
+            recompute_bn=recompute_bn,
+            device=train_device,
+            method_config=config.resolved(epochs * steps).to_dict(),  # start_step: null as the run resolved it
+            num_data=num_data,
+            likelihood=gaussian,
+        )
+
+    selection: list[dict[str, Any]] = []
+    for option, grid in choose.items():  # each candidate: the same trained state, another posterior
+        for value in grid:
+            candidate = config.with_options(**{option: value})
+            nll = predictor(candidate, candidate.build(objective, optimizer, map_steps=epochs * steps)).evaluate(
+                val_loader, num_classes=classes
+            )["nll"]
+            selection.append({option: value, "val/nll": nll})
+        best = min(selection, key=lambda row: row["val/nll"])  # the first of equal ones: the smallest value
+        config = config.with_options(**{option: best[option]})
+        posterior = config.build(objective, optimizer, map_steps=epochs * steps)
+    bma = predictor(config, posterior)
+    bma.selection = selection
+    bma.history = log.rows
+    if config.against_map():
+        _check_against_map(bma, val_loader if val_loader is not None else loader, val_loader is not None, classes)
     if load_into:
         bma.load_into()
     return bma
@@ -195,20 +262,117 @@ def _check_model_argument(model: object) -> None:
         raise FlatbmaTypeError(f"model must be a torch.nn.Module, got a {type(model).__name__}")
 
 
-def _check_first_batch(model: nn.Module, loader: Iterable[Batch]) -> None:
-    """The model and the data, checked on the loader's first batch before anything trains (:func:`fit_posterior`)."""
+_WORSE = {True: 1.01, False: 1.5}
+"""By validation data or not: how much worse than the MAP's NLL a BMA's is before :func:`_check_against_map` warns."""
+
+
+def _check_against_map(bma: BMA, data: Iterable[Batch], validation: bool, num_classes: int) -> None:
+    """Warn when the BMA's NLL on ``data`` is worse than its MAP's (the posterior mean, with its own statistics).
+
+    The MAP is the method's :attr:`~flatbma.types.Posterior.mean` with the buffers it trained with, evaluated
+    as a point estimate (:func:`flatbma.predict.evaluate`); the BMA is :meth:`BMA.evaluate
+    <flatbma.predictor.BMA.evaluate>`; it warns when the BMA's NLL exceeds ``r · NLL_MAP + 0.001``: on
+    validation data ``r = 1.01`` (worse beyond rounding), on the training data ``r = 1.5`` (the MAP was fitted
+    to them, so a good posterior is less confident there; a posterior that undoes the MAP is far worse).
+    Soft targets (no NLL of labels) are not compared.
+    """
+    first = first_batch(data)
+    if bma.method.mean is None or first is None or split_batch(first)[1] is None:
+        return
+    if split_batch(first)[1].is_floating_point():  # type: ignore[union-attr]  # soft targets: no labels to score
+        return
+    which = "validation" if validation else "training"
+    try:
+        ours = bma.evaluate(data, num_classes=num_classes)
+        cuda = [bma.device.index or 0] if bma.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=cuda):  # a DataLoader's iterator draws its seed: the caller's stream stays
+            mean = bma.method.mean(bma.state)
+            theirs = evaluate(bma.model, [mean], data, num_classes=num_classes, device=bma.device)
+    except FlatbmaError as e:
+        raise FlatbmaError(f"comparing the BMA with its MAP on the {which} data: {e}") from None
+    if ours["nll"] <= _WORSE[validation] * theirs["nll"] + 1e-3:
+        return
+    delta = (bma.method.diagnostics(bma.state) if bma.method.diagnostics is not None else {}).get("prior_precision")
+    name = (bma.method_config or {}).get("name", "posterior")
+    shown_delta = f" (prior precision δ = {delta:.4g})" if delta is not None else ""
+    warnings.warn(
+        FlatbmaWarning(
+            f"the {name} BMA's {which} NLL {ours['nll']:.4f} (accuracy {ours['accuracy']:.3f}) is worse than "
+            f"its MAP's {theirs['nll']:.4f} (accuracy {theirs['accuracy']:.3f}){shown_delta}: the posterior is too "
+            "wide for this network; try subset='last-layer' (the default), a larger fixed prior_precision or "
+            "prior_precision='val' with a val_loader, or predictive='probit'"
+        ),
+        stacklevel=3,
+    )
+
+
+def _check_run(
+    config: MethodConfig,
+    model: nn.Module,
+    *,
+    steps: int,
+    num_data: int,
+    num_classes: int | None,
+    epochs: int,
+    device: torch.device,
+) -> None:
+    """Refuse options that ask more of the run than it gives, as ``flatbma train`` does (same check, same words).
+
+    :meth:`MethodConfig.check <flatbma.experiment.config.methods.MethodConfig.check>` on the run's
+    :class:`~flatbma.experiment.config.shape.Stage` — e.g. SWAG's snapshots against its rank, SG-MCMC's burn-in,
+    members that do not fit in memory — so that ``fit_posterior`` refuses exactly what the CLI refuses for
+    ``train.epochs`` epochs of ``steps`` updates (the messages name the CLI's keys). The module's weights
+    are what they are: ``prior_mean: pretrained`` reads which were loaded (:func:`flatbma.models.is_pretrained`).
+    """
+    weights = config.needs_weights()
+    shape = RunShape(
+        steps_per_epoch=steps,
+        num_train=num_data,
+        num_test=0,
+        num_trainable=sum(p.numel() for p in model.parameters() if p.requires_grad) if weights else None,
+        num_classes=num_classes,
+        pretrained=True,
+        available_memory=available_memory(device) if weights else None,
+    )
+    config.check(Stage(shape, epochs))
+
+
+def _check_first_batch(model: nn.Module, loader: Iterable[Batch]) -> int:
+    """The model and the data, checked on the loader's first batch before anything trains (:func:`fit_posterior`).
+
+    A model whose forward pass returns a tuple or list gets :func:`~flatbma.models.keep_logits` (its first
+    element is the logits). Returns the number of classes.
+    """
     batch = first_batch(loader)
     if batch is None:
         raise FlatbmaError("the training loader yields no batch")
     x, y = training_batch(batch)
     here = target_device(None, model)  # checked where the model is: a meta module cannot move
-    classes = check_classifier(model, x[:2].to(here), name="the model")
+    try:
+        classes = check_classifier(model, x[:2].to(here), name="the model")
+    except FlatbmaTypeError:  # a tuple output (logits, extras) passed every other check: keep its first element
+        if not (x.is_floating_point() and returns_sequence(model, x[:2].to(here), name="the model")):
+            raise
+        classes = check_classifier(keep_logits(model), x[:2].to(here), name="the model")
+    if y.is_floating_point():  # soft targets: probabilities over the model's classes
+        if y.shape[1] != classes:
+            raise FlatbmaError(
+                f"soft targets have {y.shape[1]} columns but the model returns {classes} logits per example: give "
+                f"class probabilities [batch, {classes}]"
+            )
+        if bool((y < 0).any()) or not torch.allclose(y.sum(-1), torch.ones_like(y[:, 0]), atol=1e-4):
+            raise FlatbmaError(
+                "soft targets must be class probabilities: non-negative rows that sum to 1 (e.g. y.softmax(-1), or "
+                "one-hot and label-smoothed rows)"
+            )
+        return classes
     bad = (y < 0) | (y >= classes)
     if bool(bad.any()):
         raise FlatbmaError(
             f"label {int(y[bad][0])} is out of range: the model returns {classes} logits per example, so labels "
             f"must be class indices in [0, {classes})"
         )
+    return classes
 
 
 def _likelihood(name: object, noise_std: object) -> Gaussian | None:
@@ -284,15 +448,32 @@ def _optim_section(optim: Mapping[str, Any] | None, lr: float | None) -> dict[st
 
 
 def _sizes(loader: Iterable[Batch]) -> tuple[int, int]:
-    """``(steps per epoch, number of training examples)`` of ``loader``."""
+    """``(steps per epoch, number of training examples)`` of ``loader``.
+
+    A DataLoader over a sized dataset: ``len(loader)`` and ``len(loader.dataset)``. Any other re-iterable of
+    batches (a list of ``(x, y)`` pairs or dicts): read once, with every random stream left as it was
+    (:func:`flatbma.rng.first_batch`'s rule), its batches and their rows counted.
+    """
     dataset = getattr(loader, "dataset", None)
-    try:
-        steps, num_data = len(loader), len(dataset)  # type: ignore[arg-type]
-    except TypeError:
+    if dataset is not None:
+        try:
+            steps, num_data = len(loader), len(dataset)  # type: ignore[arg-type]
+        except TypeError:
+            raise FlatbmaError(
+                f"loader must be a DataLoader over a dataset of known size (its length sets the schedule and the "
+                f"number of examples), got a {type(loader).__name__}"
+            ) from None
+    elif isinstance(loader, Iterable) and not isinstance(loader, Iterator | Tensor | str | Mapping):
+        with torch.random.fork_rng(devices=[]):  # a list draws nothing; another iterable might
+            sizes = [len(training_batch(batch)[0]) for batch in loader]
+        steps, num_data = len(sizes), sum(sizes)
+    else:
         raise FlatbmaError(
-            f"loader must be a DataLoader over a dataset of known size (its length sets the schedule and the "
-            f"number of examples), got a {type(loader).__name__}"
-        ) from None
+            f"loader must be a DataLoader or a re-iterable of batches (a list of (x, y) pairs), got a one-shot "
+            f"{type(loader).__name__}: every epoch reads it again"
+            if isinstance(loader, Iterator)
+            else f"loader must be a DataLoader or a list of (x, y) batches, got a {type(loader).__name__}"
+        )
     if steps == 0 or num_data == 0:
         raise FlatbmaError("the training loader is empty")
     return steps, num_data

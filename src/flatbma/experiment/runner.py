@@ -16,15 +16,17 @@ from torch import Tensor
 
 from flatbma.errors import DivergenceError
 from flatbma.progress import current
-from flatbma.types import Batch, State, StepOutput, Transform
+from flatbma.types import Batch, State, StepOutput, Transform, training_batch
 
 
 @dataclass
 class EpochLog:
     """Mean training loss and accuracy (of the unperturbed pass) over one epoch.
 
-    Regression targets (floating point: a Gaussian likelihood, :mod:`flatbma.regression`) have no classes; their
-    ``accuracy`` stays 0 and ``loss`` is the Gaussian NLL.
+    With soft targets (class probabilities ``[batch, classes]``) the accuracy is the agreement of the
+    logits' top class with the targets' most probable class. Regression targets (floating point, not such
+    probabilities: a Gaussian likelihood, :mod:`flatbma.regression`) have no classes; their ``accuracy``
+    stays 0 and ``loss`` is the Gaussian NLL.
 
     ``stats``: the mean over the epoch's steps of every statistic a step reported
     (:attr:`~flatbma.types.StepOutput.stats`, e.g. ``ascent/mean_shift``), over the steps that reported it.
@@ -127,7 +129,8 @@ def fit(
     Args:
         method: any transform (optimizer or posterior).
         state: its initial (or resumed) state.
-        loader: iterable of ``(x, y)`` batches (moved to ``device`` here). For exact resumption its
+        loader: re-iterable of ``(x, y)`` batches or dict batches (:func:`flatbma.types.split_batch`'s keys),
+            ``y`` integer labels or class probabilities (moved to ``device`` here). For exact resumption its
             shuffling generator is read from ``loader.generator`` (a ``torch.utils.data.DataLoader``).
         epochs: total number of epochs.
         device: where batches go.
@@ -171,7 +174,8 @@ def fit(
         applied = resume.batch if resume is not None else 0
         resume = None
         bar = reporter.bar(batches, total=total, initial=applied, desc=f"epoch {epoch + 1}/{epochs}", enabled=progress)
-        for x, y in bar:
+        for batch in bar:
+            x, y = training_batch(batch) if isinstance(batch, Mapping) else batch  # a dict: its x and y keys
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             try:
                 state, out = method.update(state, (x, y))
@@ -245,7 +249,10 @@ class _Running:
         loss = self._scalar(out.loss)
         self.pending.append((step, loss))
         self.loss += loss * len(y)
-        if not y.is_floating_point():  # regression targets (a Gaussian likelihood) have no accuracy: it stays 0
+        soft = y.is_floating_point() and y.dim() == 2 and y.shape == out.logits.shape
+        if soft:  # soft targets (class probabilities): their most probable class
+            self.correct += (out.logits.argmax(-1) == y.argmax(-1)).sum().to(self.where)
+        elif not y.is_floating_point():  # regression targets (a Gaussian likelihood) have no accuracy: it stays 0
             self.correct += (out.logits.argmax(-1) == y).sum().to(self.where)
         self.count += len(y)
         for key, value in (out.stats or {}).items():

@@ -55,7 +55,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from flatbma.bn import eval_mode
 from flatbma.checks import parse_choice
 from flatbma.errors import FlatbmaError, FlatbmaWarning, suggest
-from flatbma.params import flatten, unflatten
+from flatbma.params import flatten, held_weights_note, unflatten
 from flatbma.precision import full_precision
 from flatbma.types import Batch, Params
 
@@ -110,6 +110,10 @@ class HessianOperator:
         self.method = HVPMethod.parse(hvp)
         self.loss_fn = loss_fn if loss_fn is not None else F.cross_entropy
         self.point, self.fixed = _resolve_weights(model, params, weights)
+        if not weights and not isinstance(params, Mapping):
+            note = held_weights_note(model)  # a predictor's module that does not hold the posterior mean
+            if note is not None:
+                warnings.warn(FlatbmaWarning(note), stacklevel=3)
         self.dim = sum(v.numel() for v in self.point.values())
         self.num_products = 0
         self._data = _reiterable(data)
@@ -454,7 +458,11 @@ def hvp_fn(
             ``None``.
         params: the parameters to differentiate (:data:`ParamSelection`); the others stay fixed.
         weights: parameters and/or buffers by module name at which to evaluate, e.g. a posterior
-            sample from ``Posterior.sample``; tensors not given keep the model's own values.
+            sample from ``Posterior.sample``; tensors not given keep the model's own values. Without
+            ``weights`` (and ``params`` values) the module's own weights are measured; when a
+            :class:`~flatbma.predictor.BMA` holds the module and the module does not hold that
+            posterior's mean (``fit_posterior(..., load_into=False)``, or weights changed since), a
+            :class:`~flatbma.errors.FlatbmaWarning` says so (:func:`flatbma.params.held_weights_note`).
         hvp: :class:`HVPMethod`.
         chunk_size: most examples per gradient graph: a larger batch is split into
             ``⌈n_b / chunk_size⌉`` chunks of as equal sizes as possible, each with its own graph

@@ -5,7 +5,7 @@ are read only as plain tensors (``torch.load(weights_only=True)`` or safetensors
 """
 
 from flatbma.models.checkpoint import StateDict, is_pretrained, load_matching, load_state_dict_file
-from flatbma.models.contract import check_classifier, logits_of
+from flatbma.models.contract import check_classifier, keep_logits, logits_of, returns_sequence
 from flatbma.models.heads import classifier_of, replace_classifier, seeded
 from flatbma.models.mobilenet import (
     InvertedResidual,
@@ -32,6 +32,7 @@ __all__ = [
     "classifier_of",
     "imagenet_weights_path",
     "is_pretrained",
+    "keep_logits",
     "load_matching",
     "load_pretrained_mobilenet_v2",
     "load_state_dict_file",
@@ -41,5 +42,6 @@ __all__ = [
     "model_names",
     "replace_classifier",
     "resnet18",
+    "returns_sequence",
     "seeded",
 ]

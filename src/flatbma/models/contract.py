@@ -14,7 +14,7 @@ from torch import Tensor, nn
 
 from flatbma.errors import FlatbmaError, FlatbmaTypeError
 
-__all__ = ["SUPPORTED_DTYPES", "check_classifier", "logits_of"]
+__all__ = ["SUPPORTED_DTYPES", "check_classifier", "first_output", "keep_logits", "logits_of", "returns_sequence"]
 
 SUPPORTED_DTYPES = (torch.float32, torch.float64)
 """The floating dtypes flatbma trains in: its covariances, solves and metrics are not written for 16 bits."""
@@ -33,6 +33,34 @@ def logits_of(output: object, name: str) -> Tensor:
         f"{name} returns a {return_kind}, not a tensor of logits: flatbma needs a forward pass that returns one "
         "tensor [batch, classes] (wrap the model in a module that returns the logits alone)"
     )
+
+
+def returns_sequence(model: nn.Module, x: Tensor, *, name: str) -> bool:
+    """Whether ``model(x)`` returns a tuple or list whose first element is a tensor (logits, then extras).
+
+    The forward pass is :func:`check_classifier`'s (eval mode, no gradients, random generators forked).
+    """
+    output = _forward(model, x, name, "")
+    return isinstance(output, tuple | list) and len(output) > 0 and isinstance(output[0], Tensor)
+
+
+def first_output(module: nn.Module, inputs: object, output: object) -> object:
+    """A forward hook: the first element of a tuple or list output (the logits), any other output as it is."""
+    if isinstance(output, tuple | list) and len(output) > 0 and isinstance(output[0], Tensor):
+        return output[0]
+    return output
+
+
+def keep_logits(model: nn.Module) -> nn.Module:
+    """Make ``model`` return the first element of a tuple output — its logits — with a forward hook; return it.
+
+    The hook (:func:`first_output`) is registered once, and works under ``functional_call`` too; remove it
+    with ``model._forward_hooks`` if the module must return its tuple again. :func:`flatbma.fit_posterior`
+    calls it for a model whose forward pass returns a tuple (``(logits, features)``: first element = logits).
+    """
+    if first_output not in model._forward_hooks.values():
+        model.register_forward_hook(first_output)
+    return model
 
 
 def check_classifier(model: nn.Module, x: Tensor, *, name: str, num_classes: int | None = None, hint: str = "") -> int:

@@ -17,7 +17,7 @@ import math
 from dataclasses import dataclass, replace
 from enum import Enum
 from functools import partial
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
@@ -62,6 +62,9 @@ NLL = PREFIX + "nll"
 PRIOR_MEAN = PREFIX + "prior_mean/"
 """Prefix of the ``aux`` entries ``w₀`` of ``prior_mean: pretrained``, one per trained tensor (its dtype)."""
 
+VALIDATION = "val"
+"""``prior_precision: val``: δ chosen on validation data after training (by the experiment layer)."""
+
 _log = logging.getLogger(__name__)
 
 
@@ -76,6 +79,19 @@ class PriorMean(str, Enum):
 
     ZERO = "zero"
     PRETRAINED = "pretrained"
+
+
+class Subset(str, Enum):
+    """The weights the Laplace approximation is over (the others stay at the MAP: a point estimate of them).
+
+    ``all``: every trained weight. ``last-layer``: the weight and bias of the classifier, the model's last
+    ``nn.Linear`` (:func:`flatbma.models.classifier_of`) — last-layer Laplace, laplace-torch's default
+    (Daxberger et al., "Laplace Redux", NeurIPS 2021, §4: the last layer is a cheap and strong default,
+    also against the all-weights KFAC Laplace). The MAP phase trains every trained weight either way.
+    """
+
+    ALL = "all"
+    LAST_LAYER = "last-layer"
 
 
 class Phase(str, Enum):
@@ -99,7 +115,10 @@ class Options:
             cannot be updated with ``None``.
         hessian: ``diag``, ``kfac`` (Linear/Conv2d weights ``B ⊗ A``, everything else diagonal) or ``full``.
         curvature: ``ggn`` or ``ef`` (the empirical Fisher: cheaper, not second-order information).
-        prior_precision: a fixed ``δ > 0``, or ``None`` to maximize the evidence.
+        prior_precision: a fixed ``δ > 0``, ``None`` to maximize the evidence, or ``"val"``
+            (:data:`VALIDATION`): chosen after training by the BMA's validation NLL over a grid, which the
+            experiment layer does (:func:`flatbma.fit_posterior` with ``val_loader=``); until it is chosen, the
+            posterior is the evidence's (δ enters neither the MAP nor the curvature).
         prior_structure: ``scalar`` (one ``δ``) or ``layerwise`` (one per parameter tensor; not with ``full``).
         prior_mean: ``zero`` or ``pretrained`` (:class:`PriorMean`; a model with no trained tensor loaded
             from a checkpoint is refused at ``init``).
@@ -107,6 +126,9 @@ class Options:
         predictive: ``glm``, ``probit`` or ``samples`` (:class:`flatbma.types.Predictive`).
         max_full: ``full``: the primal ``[d, d]`` form up to ``d = max_full``, the dual rows up to
             ``n·C = max_full``; otherwise refused.
+        subset: the weights the posterior is over (:class:`Subset`): ``all`` trained weights, or the
+            ``last-layer`` (the classifier's weight and bias; the other trained weights stay at ``w*``, and
+            ``H``, ``δ``, the evidence, the samples and the variances are the last layer's).
     """
 
     extra_epochs: ClassVar[int] = 1
@@ -115,12 +137,13 @@ class Options:
     start_step: int | None = None
     hessian: Hessian = Hessian.KFAC
     curvature: Curvature = Curvature.GGN
-    prior_precision: float | None = None
+    prior_precision: float | Literal["val"] | None = None
     prior_structure: PriorStructure = PriorStructure.SCALAR
     prior_mean: PriorMean = PriorMean.ZERO
     temperature: float = 1.0
     predictive: Predictive = Predictive.GLM
     max_full: int = 4096
+    subset: Subset = Subset.ALL
 
 
 @dataclass(frozen=True)
@@ -217,7 +240,7 @@ def init(
     """The MAP's optimizer state, empty curvature accumulators, ``SEEN = NLL = 0`` and, if pretrained, ``w₀``."""
     params = clone(params)
     aux = optimizer.init(params)
-    est = _estimator(options, objective, params)
+    est = _estimator(options, objective, chosen(options, objective, params))
     _log.info("laplace curvature: %s", est.describe())
     device = next(iter(params.values())).device
     aux.update({PREFIX + k: v for k, v in est.init().items()})
@@ -274,7 +297,8 @@ def curvature_step(state: State, batch: Batch, *, options: Options, objective: O
     processes, so that every process linearizes the same network.
     """
     x, y = batch
-    est = _estimator(options, objective, state.params)
+    bayesian = chosen(options, objective, state.params)
+    est = _estimator(options, objective, bayesian)
     seen, b = int(state.aux[SEEN]), int(y.shape[0])
     if est.form == "dual" and seen + b > objective.num_data:
         raise FlatbmaError(
@@ -288,7 +312,8 @@ def curvature_step(state: State, batch: Batch, *, options: Options, objective: O
         floats = {k: v for k, v in buffers.items() if v.is_floating_point()}
         averaged = reduce(floats) if floats else {}
         buffers = {k: averaged[k].clone() if k in averaged else v for k, v in buffers.items()}
-    acc = est.accumulate(_accumulators(state.aux), state.params, buffers, x, y, offset=seen, reduce=reduce)
+    fixed = {k: v for k, v in state.params.items() if k not in bayesian}  # at w*, no curvature
+    acc = est.accumulate(_accumulators(state.aux), bayesian, {**buffers, **fixed}, x, y, offset=seen, reduce=reduce)
     with torch.no_grad(), eval_mode(objective.model):
         logits = objective.logits({**state.params, **buffers}, x)
         losses = F.cross_entropy(logits, y, reduction="none")
@@ -322,21 +347,26 @@ def _fit(state: State, *, options: Options, objective: Objective) -> Fit:
             "laplace: no curvature was accumulated yet (the state is still in its MAP phase): train at least one "
             "epoch after start_step before sampling"
         )
-    est = _estimator(options, objective, state.params)
+    params = chosen(options, objective, state.params)
+    est = _estimator(options, objective, params)
     blocks = est.blocks(_accumulators(state.aux), seen, objective.num_data)
     w0 = None
     if options.prior_mean is PriorMean.PRETRAINED:
-        w0 = {k[len(PRIOR_MEAN) :]: v for k, v in state.aux.items() if k.startswith(PRIOR_MEAN)}
+        w0 = {
+            k[len(PRIOR_MEAN) :]: v
+            for k, v in state.aux.items()
+            if k.startswith(PRIOR_MEAN) and k[len(PRIOR_MEAN) :] in params
+        }
     t = options.temperature
-    if options.prior_precision is None:
-        delta = optimize_prior(blocks, state.params, t, options.prior_structure, w0)
+    if options.prior_precision is None or options.prior_precision == VALIDATION:  # val: the evidence's until chosen
+        delta = optimize_prior(blocks, params, t, options.prior_structure, w0)
     else:
         delta = dict.fromkeys(blocks.names, float(options.prior_precision))
     nll = float(state.aux[NLL]) * objective.num_data / seen  # the summed loss over the n training examples
     return Fit(
         blocks=blocks,
         delta=delta,
-        log_evidence=log_evidence(blocks, state.params, nll, delta, t, w0),
+        log_evidence=log_evidence(blocks, params, nll, delta, t, w0),
         effective_params=effective_parameters(blocks, delta, t),
     )
 
@@ -344,10 +374,10 @@ def _fit(state: State, *, options: Options, objective: Objective) -> Fit:
 def sample(
     state: State, n: int, generator: torch.Generator | None = None, *, options: Options, objective: Objective
 ) -> list[Params]:
-    """``n`` draws ``w* + Δ_m``, ``Δ_m ~ N(0, P⁻¹)``, with the buffers."""
+    """``n`` draws ``w* + Δ_m``, ``Δ_m ~ N(0, P⁻¹)`` (``Δ_m = 0`` off the :class:`Subset`), with the buffers."""
     fit = fitted(state, options=options, objective=objective)
     draws = fit.blocks.sample(n, fit.delta, options.temperature, generator)
-    return [{**{k: v + d[k] for k, v in state.params.items()}, **state.buffers} for d in draws]
+    return [{**{k: v + d[k] if k in d else v for k, v in state.params.items()}, **state.buffers} for d in draws]
 
 
 def marginal_variance(state: State, *, options: Options, objective: Objective) -> Params:
@@ -357,14 +387,42 @@ def marginal_variance(state: State, *, options: Options, objective: Objective) -
 
 
 def functional_variance(state: State, jac: Params, *, options: Options, objective: Objective) -> Tensor:
-    """``diag(J P⁻¹ Jᵀ)`` ``[B, C]`` for the per-example Jacobians ``jac``, exact for the structure."""
+    """``diag(J P⁻¹ Jᵀ)`` ``[B, C]`` for the per-example Jacobians ``jac``, exact for the structure.
+
+    Only the Jacobians of the :class:`Subset`'s weights enter (the others have no variance).
+    """
     fit = fitted(state, options=options, objective=objective)
-    return fit.blocks.functional_variance(jac, fit.delta, options.temperature)
+    over = chosen(options, objective, state.params)
+    return fit.blocks.functional_variance({k: v for k, v in jac.items() if k in over}, fit.delta, options.temperature)
 
 
 def diagnostics(state: State, *, options: Options, objective: Objective) -> dict[str, float]:
     """The fit's prior precision, log evidence and effective number of parameters (:func:`describe`)."""
     return describe(fitted(state, options=options, objective=objective))
+
+
+def chosen(options: Options, objective: Objective, params: Params) -> Params:
+    """The weights of ``params`` the posterior is over (:attr:`Options.subset`)."""
+    return params if options.subset is Subset.ALL else _last_layer(objective.model, params)
+
+
+def _last_layer(model: torch.nn.Module, params: Params) -> Params:
+    """The trained weights of ``model``'s classifier, its last ``nn.Linear`` (:attr:`Subset.LAST_LAYER`)."""
+    try:
+        name = classifier_of(model)[0]
+    except FlatbmaError:
+        raise FlatbmaError(
+            f"laplace: subset: last-layer is the classifier, the model's last nn.Linear, but {type(model).__name__} "
+            "has none; use subset: all"
+        ) from None
+    prefix = f"{name}." if name else ""
+    out = {k: v for k, v in params.items() if k.startswith(prefix) and "." not in k[len(prefix) :]}
+    if not out:
+        raise FlatbmaError(
+            f"laplace: subset: last-layer is the classifier {name or '(the model)'}, but none of its weights is "
+            "trained (requires_grad=False); train it, or use subset: all"
+        )
+    return out
 
 
 def _estimator(options: Options, objective: Objective, params: Params) -> Estimator:
@@ -383,7 +441,8 @@ def _estimator(options: Options, objective: Objective, params: Params) -> Estima
             "laplace: hessian: full in its dual form (n·C ≤ max_full < d) keeps one row per training example "
             "and cannot run under train.parallel: data; use hessian: kfac or diag, or one process"
         )
-    if options.prior_precision is None and options.prior_structure is PriorStructure.LAYERWISE and not est.blockwise:
+    evidence = options.prior_precision is None or options.prior_precision == VALIDATION
+    if evidence and options.prior_structure is PriorStructure.LAYERWISE and not est.blockwise:
         raise FlatbmaError(
             "laplace: prior_structure: layerwise needs a curvature that is block-diagonal over parameter "
             "tensors, but hessian: full couples them all; use prior_structure: scalar, or hessian: kfac or diag"
@@ -444,11 +503,14 @@ def check_options(options: Options, where: str = "method") -> Options:
             f"{where}.start_step must be an integer >= 0 (MAP updates before the curvature pass) or null, got "
             f"{o.start_step!r}"
         )
-    if o.prior_precision is not None and not (
-        is_number(o.prior_precision) and math.isfinite(o.prior_precision) and o.prior_precision > 0
+    if (
+        o.prior_precision is not None
+        and o.prior_precision != VALIDATION
+        and not (is_number(o.prior_precision) and math.isfinite(o.prior_precision) and o.prior_precision > 0)
     ):
         raise FlatbmaError(
-            f"{where}.prior_precision must be a positive number (a fixed δ) or null (maximize the evidence), got "
+            f"{where}.prior_precision must be a positive number (a fixed δ), null (maximize the evidence) or val "
+            "(chosen on validation data), got "
             f"{o.prior_precision!r}"
         )
     if not (is_number(o.temperature) and math.isfinite(o.temperature) and o.temperature > 0):
@@ -462,6 +524,7 @@ def check_options(options: Options, where: str = "method") -> Options:
         prior_structure=parse_choice(PriorStructure, o.prior_structure, f"{where}.prior_structure"),
         prior_mean=parse_choice(PriorMean, o.prior_mean, f"{where}.prior_mean"),
         predictive=parse_choice(Predictive, o.predictive, f"{where}.predictive"),
+        subset=parse_choice(Subset, o.subset, f"{where}.subset"),
     )
 
 

@@ -86,14 +86,16 @@ class Options:
         rank: ``K``, the number of deviations kept (the rank of the low-rank part), at least 2.
         scale: factor multiplying the sampling covariance.
         start_step: updates done before the collection window opens (0 = collect from the start;
-            use a trained or pretrained starting point then).
+            use a trained or pretrained starting point then). ``None`` is left to the experiment layer
+            (the registry's default): the last quarter of the run's updates at a held learning rate
+            (:func:`flatbma.experiment.config.methods.last_quarter`); a state cannot be updated with ``None``.
         collect_every: updates between two snapshots.
         diagonal_only: keep no deviations and sample from the diagonal Gaussian (SWAG-Diagonal).
     """
 
     rank: int = 20
     scale: float = 1.0
-    start_step: int = 0
+    start_step: int | None = 0
     collect_every: int = 10
     diagonal_only: bool = False
 
@@ -103,7 +105,7 @@ class DiagonalOptions:
     """SWAG-Diagonal's options (:func:`build_diag`): :class:`Options` without ``rank`` and ``diagonal_only``."""
 
     scale: float = Options.scale
-    start_step: int = Options.start_step
+    start_step: int | None = Options.start_step
     collect_every: int = Options.collect_every
 
 
@@ -150,6 +152,11 @@ def build(
         FlatbmaError: for an invalid option (the message names the ``method.*`` key).
     """
     o = Options(**options)
+    if o.start_step is None:
+        raise FlatbmaError(
+            "method.start_step: null (the last quarter of the updates) is resolved from the run's length: build "
+            "the method with map_steps= (fit_posterior and flatbma train do), or give start_step"
+        )
     _check_options(rank=o.rank, scale=o.scale, start_step=o.start_step, collect_every=o.collect_every)
     return Posterior(
         init=partial(init, options=o, optimizer=optimizer, ascent=ascent),

@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import typing
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from flatbma.curvature import Curvature, Hessian
@@ -89,6 +89,26 @@ class MethodSpec:
             (:attr:`~flatbma.experiment.config.shape.RunShape.num_trainable`, which builds the network).
         prior_refusal: why the method takes no ``prior`` section, when there is more to say than that its
             family has no ``with_prior`` (said in the refusal).
+        overrides: the method's defaults of family options that differ from the options dataclass's (the
+            library's): SWAG's ``start_step: null`` (:func:`last_quarter`), Laplace's ``subset: last-layer``.
+        start: ``start(map_steps)``, what the family's ``start_step: null`` resolves to for a run of
+            ``map_steps`` = ``train.epochs`` × steps per epoch updates (:meth:`MethodConfig.resolved`);
+            ``None``: the family has no such default. Laplace: ``map_steps`` (the curvature pass after
+            the whole MAP); SWAG: :func:`last_quarter`.
+        hold_lr: with ``start_step: null``, the learning rate is held constant from that start on at the
+            value the schedule reached there (:meth:`MethodConfig.held_from`): SWAG's constant ``swa_lr``
+            over its collection window (Maddox et al. 2019).
+        against_map: the posterior is fitted around a MAP (its mean): :func:`flatbma.fit_posterior` compares
+            the BMA's NLL with the MAP's after training and warns when it is worse (Laplace).
+        on_validation: ``{option: grid}``: an option that may be ``val`` (:data:`VALIDATION`), then chosen after
+            training among ``grid`` by the BMA's validation NLL (:meth:`MethodConfig.on_validation`; Laplace's
+            ``prior_precision``, the grid search of Daxberger et al. 2021 / laplace-torch).
+        aliases: other spellings of family options, ``{alias: option}`` (``ensemble``'s ``members``: its
+            ``size``), accepted in a section and recorded under the option's own name.
+        stored: ``{option: value}`` for options added after runs were stored with another behaviour than their
+            default: what a stored resolved section (a run directory's ``config.yaml``) without the option
+            trained with (:func:`as_trained`). Laplace's ``subset``: ``all`` (it was all weights before
+            ``subset`` existed; its default is now ``last-layer``).
     """
 
     name: str
@@ -102,6 +122,13 @@ class MethodSpec:
     check: Callable[[MethodConfig, Stage], None] | None = None
     needs_weights: Callable[[MethodConfig], bool] | None = None
     prior_refusal: str | None = None
+    overrides: Mapping[str, Any] = field(default_factory=dict)
+    start: Callable[[int], int] | None = None
+    hold_lr: bool = False
+    against_map: bool = False
+    on_validation: Mapping[str, tuple[float, ...]] = field(default_factory=dict)
+    aliases: Mapping[str, str] = field(default_factory=dict)
+    stored: Mapping[str, Any] = field(default_factory=dict)
 
     def family_options(self) -> dict[str, Any]:
         """The type of every family option, in order: ``of`` first when the method nests a section."""
@@ -111,7 +138,7 @@ class MethodSpec:
 
     def defaults(self) -> dict[str, Any]:
         """The default of every family option, in the order of :meth:`family_options`."""
-        own = {f.name: f.default for f in dataclasses.fields(self.options)}
+        own = {f.name: self.overrides.get(f.name, f.default) for f in dataclasses.fields(self.options)}
         if self.of is None:
             return own
         return {"of": parse_method(self.of.default) if self.of.default is not None else None, **own}
@@ -159,10 +186,13 @@ class MethodConfig:
         SWAG posterior) the family's ``with_prior`` builder is used: the prior replaces the family's
         default one, so options of that default (``prior_std``) do not apply.
 
-        ``map_steps`` (``train.epochs`` × steps per epoch) is the ``start_step`` of a family with extra
-        epochs (:attr:`MethodSpec.options`) whose ``start_step`` is ``null`` (:meth:`resolved`).
+        ``map_steps`` (``train.epochs`` × steps per epoch) resolves a ``start_step: null`` (:meth:`resolved`),
+        and holds the learning rate from there where the family asks (:attr:`MethodSpec.hold_lr`).
         """
         if map_steps is not None:
+            held = self.held_from(map_steps)
+            if held is not None:
+                optimizer = hold_learning_rate(optimizer, held, self.name)
             return self.resolved(map_steps).build(objective, optimizer, prior)
         spec = METHODS[self.name]
         if prior is None:
@@ -210,14 +240,47 @@ class MethodConfig:
         return own or any(v.needs_weights() for v in self.options.values() if isinstance(v, MethodConfig))
 
     def resolved(self, map_steps: int) -> MethodConfig:
-        """This section with ``start_step: null`` set to ``map_steps`` where its family has extra epochs.
+        """This section with ``start_step: null`` set to :attr:`MethodSpec.start` ``(map_steps)`` (families with one).
 
+        Laplace: ``map_steps`` (its curvature pass follows the whole MAP); SWAG: :func:`last_quarter`.
         Nested sections (``multi``'s ``of``) are resolved the same way.
         """
         options = {k: v.resolved(map_steps) if isinstance(v, MethodConfig) else v for k, v in self.options.items()}
-        if _extra_epochs(METHODS[self.name]) and options.get("start_step", 0) is None:
-            options["start_step"] = map_steps
+        start = METHODS[self.name].start
+        if start is not None and options.get("start_step", 0) is None:
+            options["start_step"] = start(map_steps)
         return dataclasses.replace(self, options=options)
+
+    def held_from(self, map_steps: int) -> int | None:
+        """The update from which the learning rate is held constant (:attr:`MethodSpec.hold_lr`), or ``None``.
+
+        SWAG with ``start_step: null``: :func:`last_quarter` ``(map_steps)``, its collection window's start;
+        a nested section's (MultiSWAG's members share one optimizer). An explicit ``start_step`` keeps the
+        ``optim`` schedule as it is.
+        """
+        spec = METHODS[self.name]
+        if spec.hold_lr and spec.start is not None and self.options.get("start_step", 0) is None:
+            return spec.start(map_steps)
+        nested = (v.held_from(map_steps) for v in self.options.values() if isinstance(v, MethodConfig))
+        return next((h for h in nested if h is not None), None)
+
+    def on_validation(self) -> dict[str, tuple[float, ...]]:
+        """``{option: grid}`` of the options set to ``val``, to choose on validation data after training."""
+        grids = METHODS[self.name].on_validation
+        return {k: grid for k, grid in grids.items() if self.options.get(k) == VALIDATION}
+
+    def with_options(self, **options: Any) -> MethodConfig:
+        """This section with ``options`` replaced (e.g. the chosen ``prior_precision``)."""
+        return dataclasses.replace(self, options={**self.options, **options})
+
+    def against_map(self) -> bool:
+        """Whether the BMA is compared with its MAP after fitting (:attr:`MethodSpec.against_map`)."""
+        return METHODS[self.name].against_map
+
+    def learning_rate(self, rate: Callable[[int], float], map_steps: int) -> Callable[[int], float]:
+        """The schedule ``step -> η_t`` the method trains with, given the ``optim`` section's ``rate`` (for logs)."""
+        held = self.held_from(map_steps)
+        return rate if held is None else held_schedule(rate, held)
 
     def to_dict(self) -> dict[str, Any]:
         """The resolved section, every option spelled out (written to the run directory)."""
@@ -256,6 +319,63 @@ def register(spec: MethodSpec) -> MethodSpec:
     return spec
 
 
+def last_quarter(map_steps: int) -> int:
+    """SWAG's default ``start_step``: the collection window is the last 25% of the run's updates, ``T − ⌊T/4⌋``.
+
+    With :attr:`MethodSpec.hold_lr` the learning rate over that window is constant — the protocol of
+    Maddox et al. (NeurIPS 2019; their code's ``swa_start`` and ``swa_lr``, ``experiments/train/run_swag.py``):
+    train with a decaying schedule, then collect snapshots at a constant learning rate ``swa_lr``. Their
+    CIFAR runs collect one snapshot per epoch over epochs 161–300 of 300 (the last 47%), at ``swa_lr`` = 0.01
+    for ``lr_init`` = 0.05 (VGG-16) or 0.05 for 0.1 (WideResNet), reached by a linear decay over 50–90% of
+    the first 160 epochs. Here the window is the last quarter of the updates — three quarters of the run's
+    budget train before collection starts — and ``swa_lr`` is the rate ``optim``'s schedule has reached
+    where the window opens: ``½(1 + cos(3π/4))·optim.lr ≈ 0.146·optim.lr`` for the cosine schedule (their
+    ratio is 0.2 or 0.5), ``optim.lr`` for ``constant``.
+    """
+    return map_steps - map_steps // 4
+
+
+def held_schedule(rate: Callable[[int], float], start: int) -> Callable[[int], float]:
+    """``η_t = rate(min(t, start))``: ``rate`` until update ``start``, then constant at ``rate(start)``."""
+
+    def schedule(step: int) -> float:
+        return rate(min(step, start))
+
+    return schedule
+
+
+def hold_learning_rate(optimizer: Any, start: int, name: str) -> Any:
+    """``optimizer`` with its learning rate held at ``η_start`` from update ``start`` on (:func:`held_schedule`).
+
+    Raises:
+        FlatbmaError: an optimizer without a ``lr`` schedule field (the built-in SGD and Adam have one).
+    """
+    if not (dataclasses.is_dataclass(optimizer) and any(f.name == "lr" for f in dataclasses.fields(optimizer))):
+        raise FlatbmaError(
+            f"{name} with method.start_step: null holds the learning rate constant over its collection window, which "
+            f"needs an optimizer with a lr schedule (sgd, adam), got a {type(optimizer).__name__}: set "
+            "method.start_step"
+        )
+    return dataclasses.replace(optimizer, lr=held_schedule(optimizer.learning_rate, start))
+
+
+def as_trained(section: Any) -> Any:
+    """A stored resolved method section as it trained: options it lacks at their :attr:`MethodSpec.stored` values.
+
+    A run directory's ``config.yaml`` spells out every option its version had; an option added since, whose
+    default differs from what the run trained with, is absent there and would otherwise read as that
+    default (Laplace's ``subset``: ``last-layer``, where the run's posterior is over all weights). Nested
+    sections (``of``) are read the same way; anything else is returned as it is.
+    """
+    if not isinstance(section, Mapping) or not isinstance(section.get("name"), str) or section["name"] not in METHODS:
+        return section
+    out = dict(section)
+    out.update({k: v for k, v in METHODS[out["name"]].stored.items() if k not in out})
+    if isinstance(out.get("of"), Mapping):
+        out["of"] = as_trained(out["of"])
+    return out
+
+
 def parse_method(data: Any, where: str = "method") -> MethodConfig:
     """Parse the ``method`` config section: ``{name: sam, rho: 0.05, ...}``.
 
@@ -280,7 +400,12 @@ def parse_method(data: Any, where: str = "method") -> MethodConfig:
     for key, value in data.items():
         if key == "name":
             continue
-        if key in ascent_opts:
+        if key in spec.aliases:  # another spelling of a family option (ensemble's members: its size)
+            option = spec.aliases[key]
+            if option in data:
+                raise FlatbmaError(f"{where}.{key} and {where}.{option} are one option ({key} is its alias): keep one")
+            options[option] = coerce(value, family_opts[option], f"{where}.{key}")
+        elif key in ascent_opts:
             ascent_data[key] = value
         elif key in amortized_opts:
             amortized_data[key] = value
@@ -291,7 +416,7 @@ def parse_method(data: Any, where: str = "method") -> MethodConfig:
         elif key in family_opts:
             options[key] = coerce(value, family_opts[key], f"{where}.{key}")
         else:
-            valid = sorted([*family_opts, *ascent_opts, *amortized_opts])
+            valid = sorted([*family_opts, *ascent_opts, *amortized_opts, *spec.aliases])
             raise FlatbmaError(
                 f"unknown config key {shown(f'{where}.{key}')} for method {shown(name)}.{suggest(str(key), valid)} "
                 f"Valid keys: {', '.join(valid) if valid else '(none)'}"
@@ -337,19 +462,23 @@ def check_snapshots(method: MethodConfig, stage: Stage) -> None:
     if low_rank and o["rank"] < 2:
         return  # the builder refuses it with its own message
     needed = o["rank"] if low_rank else 2
-    start, every = o["start_step"], o["collect_every"]
+    every = o["collect_every"]
+    default = o["start_step"] is None  # the last quarter of the stage's updates (MethodSpec.start)
+    start = METHODS[method.name].start(stage.steps) if default else o["start_step"]  # type: ignore[misc]
 
     def count(steps: int) -> int:
-        return swag.snapshots(steps, start_step=start, collect_every=every)
+        first = METHODS[method.name].start(steps) if default else start  # type: ignore[misc]
+        return swag.snapshots(steps, start_step=first, collect_every=every)
 
     got = count(stage.steps)
     if got >= needed:
         return
     purpose = f"for {key('rank')}={needed}" if low_rank else "to sample (a variance takes two)"
     lower = f"{key('start_step')} or {key('collect_every')}" + (f", or {key('rank')}" if low_rank else "")
+    shown_start = f"null (the last quarter: {start})" if default else f"{start}"
     raise FlatbmaError(
         f"{method.name} needs >= {needed} snapshots {purpose}, but {stage.describe()} with {key('start_step')}="
-        f"{start} and {key('collect_every')}={every} collect {got}: raise {stage.epochs_key} to >= "
+        f"{shown_start} and {key('collect_every')}={every} collect {got}: raise {stage.epochs_key} to >= "
         f"{stage.epochs_for(stage.steps_for(count, needed))}, or lower {lower}"
     )
 
@@ -403,6 +532,13 @@ register(
 
 
 # Posterior families; every F- variant is the same family composed with SAM (Nguyen et al. 2023).
+# SWAG's start_step defaults to null: the last quarter of the updates at a held learning rate (last_quarter).
+_SWAG_DEFAULTS: dict[str, Any] = {
+    "overrides": {"start_step": None},
+    "start": last_quarter,
+    "hold_lr": True,
+    "check": check_snapshots,
+}
 register(
     MethodSpec(
         "swag",
@@ -410,7 +546,7 @@ register(
         swag.build,
         swag.Options,
         gaussian=True,
-        check=check_snapshots,
+        **_SWAG_DEFAULTS,
     )
 )
 register(
@@ -419,7 +555,7 @@ register(
         "SWAG-Diagonal: diagonal Gaussian of SGD iterates (Maddox 2019)",
         swag.build_diag,
         swag.DiagonalOptions,
-        check=check_snapshots,
+        **_SWAG_DEFAULTS,
     )
 )
 register(
@@ -430,7 +566,7 @@ register(
         swag.Options,
         SAM,
         gaussian=True,
-        check=check_snapshots,
+        **_SWAG_DEFAULTS,
     )
 )
 
@@ -538,6 +674,7 @@ register(
         ensemble.Options,
         check=check_member_memory,
         needs_weights=_always,
+        aliases={"members": "size"},
     )
 )
 register(
@@ -549,6 +686,7 @@ register(
         SAM,
         check=check_member_memory,
         needs_weights=_always,
+        aliases={"members": "size"},
     )
 )
 register(
@@ -730,6 +868,11 @@ def check_laplace(method: MethodConfig, stage: Stage) -> None:
     ``start_step`` (MAP updates) must be at most ``stage.steps`` for the curvature to see a whole epoch.
     """
     o, key = method.options, stage.key
+    if o["prior_precision"] == VALIDATION and stage.method_key != "method":  # chosen after training
+        raise FlatbmaError(
+            f"{key('prior_precision')}: val chooses δ on validation data for the run's own method, not for a "
+            f"mixture's members or a prior stage: give {key('prior_precision')} a value, or null (the evidence)"
+        )
     laplace.check_options(method.family_options(), where=stage.method_key)
     if laplace.PriorMean(o["prior_mean"]) is laplace.PriorMean.PRETRAINED and not stage.shape.pretrained:
         raise FlatbmaError(
@@ -744,7 +887,8 @@ def check_laplace(method: MethodConfig, stage: Stage) -> None:
             f"{stage.epochs_key} to >= {stage.epochs_for(start)}"
         )
     d, shape = stage.shape.num_trainable, stage.shape
-    if Hessian(o["hessian"]) is Hessian.FULL and d is not None and shape.num_classes is not None:
+    whole = laplace.Subset(o["subset"]) is laplace.Subset.ALL  # the last layer's d: checked at init
+    if whole and Hessian(o["hessian"]) is Hessian.FULL and d is not None and shape.num_classes is not None:
         k = shape.num_classes if Curvature(o["curvature"]) is Curvature.GGN else 1
         if d > o["max_full"] and shape.num_train * k > o["max_full"]:
             raise FlatbmaError(
@@ -761,6 +905,19 @@ _LAPLACE_PRIOR = (
 )
 
 
+def _whole_map(map_steps: int) -> int:
+    """Laplace's ``start_step: null``: the curvature pass starts after the whole MAP (``train.epochs`` of updates)."""
+    return map_steps
+
+
+VALIDATION = laplace.VALIDATION
+"""The value of an option chosen on validation data after training (:attr:`MethodSpec.on_validation`)."""
+
+PRIOR_PRECISION_GRID = tuple(10.0 ** (k / 5) for k in range(-20, 21))
+"""Laplace's ``prior_precision: val`` grid: 41 values ``10^(k/5)``, 1e-4 to 1e4 (laplace-torch's grid search spans
+the same ``10^-4 … 10^4``, in 100 steps by default; Daxberger et al. 2021, "Laplace Redux", §2.4)."""
+
+
 def _full_hessian(method: MethodConfig) -> bool:
     return Hessian(method.options["hessian"]) is Hessian.FULL
 
@@ -773,6 +930,13 @@ def _laplace(name: str, summary: str, family: Callable[..., Posterior], **kw: An
         laplace.Options,
         check=check_laplace,
         needs_weights=_full_hessian,
+        # last-layer Laplace: laplace-torch's default and the recommendation of Daxberger et al. ("Laplace
+        # Redux", NeurIPS 2021, §4); flatbma.posteriors.laplace.build itself keeps subset: all
+        overrides={"subset": laplace.Subset.LAST_LAYER},
+        stored={"subset": laplace.Subset.ALL.value},  # run directories stored before subset existed: all weights
+        start=_whole_map,
+        against_map=True,
+        on_validation={"prior_precision": PRIOR_PRECISION_GRID},
         prior_refusal=_LAPLACE_PRIOR,
         **kw,
     )

@@ -100,6 +100,8 @@ _FLOAT_TEXT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
 def _type_name(tp: Any) -> str:
     if tp is type(None):
         return "null"
+    if typing.get_origin(tp) is typing.Literal:
+        return " or ".join(repr(v) for v in typing.get_args(tp))
     return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
 
 

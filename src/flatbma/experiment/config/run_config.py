@@ -17,7 +17,7 @@ import yaml
 
 from flatbma.errors import FlatbmaError, suggest
 from flatbma.experiment.config.entries import first_run_sections
-from flatbma.experiment.config.methods import MethodConfig, parse_method
+from flatbma.experiment.config.methods import MethodConfig, as_trained, parse_method
 from flatbma.experiment.config.parse import load_yaml, parse_dataclass, set_dotted, shown
 from flatbma.experiment.config.prior_config import PriorConfig, parse_prior
 from flatbma.experiment.config.sections import (
@@ -71,6 +71,23 @@ class RunConfig:
         if self.prior is not None:
             out["prior"] = self.prior.to_dict()
         return out
+
+
+def as_stored(raw: Any) -> Any:
+    """A run directory's stored resolved config as it trained (:func:`~flatbma.experiment.config.methods.as_trained`).
+
+    Its ``method`` section (and a two-stage run's ``prior.method``) with the options added since it was
+    written at the values it trained with — so that evaluating, resuming or reusing an old run computes the
+    posterior it was trained as, never the new default (Laplace's ``subset``). Anything else is as given.
+    """
+    if not isinstance(raw, dict):
+        return raw
+    out = dict(raw)
+    if "method" in out:
+        out["method"] = as_trained(out["method"])
+    if isinstance(out.get("prior"), dict) and "method" in out["prior"]:
+        out["prior"] = {**out["prior"], "method": as_trained(out["prior"]["method"])}
+    return out
 
 
 def run_identity(resolved: Any) -> Any:

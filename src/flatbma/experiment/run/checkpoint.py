@@ -45,6 +45,7 @@ from torch import Tensor
 
 from flatbma.errors import FlatbmaError
 from flatbma.experiment.config.parse import shown
+from flatbma.experiment.config.run_config import as_stored
 from flatbma.experiment.run.provenance import WRITTEN_BY, Provenance, Template, check_provenance
 from flatbma.experiment.runner import EpochLog, History, Position
 from flatbma.state_io import (
@@ -369,6 +370,7 @@ def check_continuation(meta: Mapping[str, str], run: RunRecord, path: str | Path
             recorded = None
         if not isinstance(recorded, dict):
             raise FlatbmaError(f"checkpoint {path}: its record of the config it was written with is damaged")
+        recorded = as_stored(recorded)  # options added since it was written, at what it trained with
         current = json.loads(json.dumps(run.config, default=str))
         edited = {k: v for k, v in config_changes(recorded, current).items() if not resumable(k)}
         if edited:

@@ -92,6 +92,8 @@ class EpochLogger:
         self._csv: Path | None = None
         self._writer: Any = None
         rows = [self._row(history.epochs, i, None) for i in range(self._logged)]
+        self.rows: list[dict[str, Any]] = [dict(row) for row in rows]
+        """Every epoch's row as logged (the history's epochs it starts from: without a time), ``log.csv``'s."""
         self._columns = _columns(rows, COLUMNS)
         if TrainLog.CSV in logs:
             self._csv = run_dir / CSV_FILE
@@ -113,6 +115,7 @@ class EpochLogger:
         now = time.perf_counter()
         for i in range(self._logged, len(history.epochs)):
             row = self._row(history.epochs, i, now - self._last)
+            self.rows.append(dict(row))
             if self._lines and progress.current().epochs:
                 progress.current().line(
                     f"epoch {row['epoch']}/{self._epochs}  loss {row['loss']:.4f}  acc {row['accuracy']:.3f}  "

@@ -16,7 +16,7 @@ from typing import Any
 
 from flatbma.errors import FlatbmaError
 from flatbma.experiment.config.parse import set_dotted
-from flatbma.experiment.config.run_config import RunConfig, config_from_dict, load_raw, parse_override
+from flatbma.experiment.config.run_config import RunConfig, as_stored, config_from_dict, load_raw, parse_override
 from flatbma.experiment.parallel import processes
 from flatbma.experiment.run.build import Experiment, build_experiment
 from flatbma.experiment.run.checkpoint import (
@@ -141,11 +141,15 @@ def train_run(
 
 
 def load_run_config(run_dir: str | Path) -> RunConfig:
-    """The resolved config of a run directory."""
+    """The resolved config of a run directory, as the run trained (:func:`as_stored`).
+
+    A section written before an option existed reads as what it trained with, not the option's new default
+    (a Laplace run without ``subset`` is over all weights).
+    """
     run_dir = Path(run_dir)
     if not (run_dir / CONFIG_FILE).is_file():
         raise FlatbmaError(f"{run_dir} is not a run directory (no {CONFIG_FILE}); pass the output_dir of a run")
-    cfg = config_from_dict(load_raw(run_dir / CONFIG_FILE))
+    cfg = config_from_dict(as_stored(load_raw(run_dir / CONFIG_FILE)))  # as it trained (options added since)
     return dataclasses.replace(cfg, output_dir=str(run_dir))
 
 
@@ -183,7 +187,7 @@ def resume_config(run_dir: str | Path, overrides: list[str]) -> tuple[RunConfig,
     cfg = load_run_config(run_dir)
     if not overrides:
         return cfg, None
-    raw = load_raw(Path(run_dir) / CONFIG_FILE)
+    raw = as_stored(load_raw(Path(run_dir) / CONFIG_FILE))
     old = config_from_dict(raw)
     for item in overrides:
         set_dotted(raw, *parse_override(item))

@@ -28,7 +28,7 @@ import flatbma
 from flatbma import progress
 from flatbma.errors import DivergenceError, FlatbmaError
 from flatbma.experiment.config.parse import yaml_float
-from flatbma.experiment.config.run_config import RunConfig, run_identity
+from flatbma.experiment.config.run_config import RunConfig, as_stored, run_identity
 from flatbma.experiment.parallel import processes
 from flatbma.experiment.run.build import Experiment, build_experiment
 from flatbma.experiment.run.checkpoint import (
@@ -75,7 +75,8 @@ def environment() -> dict[str, str]:
 def same_config(run_dir: Path, cfg: RunConfig) -> bool:
     """Whether ``run_dir``'s ``config.yaml`` holds ``cfg``'s config (:func:`run_identity`; a damaged one does not)."""
     try:
-        return run_identity(yaml.safe_load((run_dir / CONFIG_FILE).read_text())) == run_identity(cfg.to_dict())
+        stored = as_stored(yaml.safe_load((run_dir / CONFIG_FILE).read_text()))  # as it trained
+        return run_identity(stored) == run_identity(cfg.to_dict())
     except (OSError, ValueError, yaml.YAMLError):  # ValueError: not UTF-8 (a damaged file is not a finished run)
         return False
 
@@ -152,7 +153,7 @@ def start_run(run_dir: Path, resolved: dict[str, Any]) -> None:
 
 def _read_config(run_dir: Path) -> Any:
     try:
-        return yaml.safe_load((run_dir / CONFIG_FILE).read_text())
+        return as_stored(yaml.safe_load((run_dir / CONFIG_FILE).read_text()))  # as it trained
     except (OSError, ValueError, yaml.YAMLError):
         return None
 
@@ -286,7 +287,7 @@ def _train_stage(
     if processes.is_main() and cfg.train.progress:
         done = f", resumed after epoch {len(history.epochs)}" if resume else ""
         progress.current().line(f"train: {cfg.method.name} into {run_dir}, {cfg.epochs} epochs of {steps} steps{done}")
-    rate = cfg.optim.learning_rate(steps_per_epoch=steps, epochs=cfg.train.epochs)
+    rate = cfg.method.learning_rate(cfg.optim.learning_rate(steps, cfg.train.epochs), cfg.train.epochs * steps)
     logger: EpochLogger | None = None
     logged = History(list(history.epochs))  # what the logs hold when the loop starts (fit appends to history)
 

@@ -129,6 +129,12 @@ def check_run(cfg: RunConfig, shape: RunShape, *, flatness: bool) -> None:
         cfg.prior.method.check(Stage(shape, first.train.epochs, "prior.epochs", "prior.method"))
         check_stable_with_prior(cfg, shape.num_train)
     cfg.method.check(Stage(shape, cfg.train.epochs))
+    for option in cfg.method.on_validation():  # chosen after training in Python only (flatbma.fit_posterior)
+        raise FlatbmaError(
+            f"method.{option}: val (chosen on validation data after training) is available in Python "
+            f"(flatbma.fit_posterior(..., val_loader=...)) but not yet in flatbma train: give method.{option} a "
+            "value, or null"
+        )
     cfg.eval.check(shape, flatness=flatness)
     check_early_stopping(cfg)
 
