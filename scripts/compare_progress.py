@@ -12,32 +12,50 @@ as interim).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import sys
 from pathlib import Path
 from typing import Any
 
+from flatbma.experiment.report.rows import (
+    ACCURACY,
+    ECE,
+    LAMBDA1,
+    NLL,
+    TEMPERATURE_METRICS,
+    TRACE_COV,
+    Metric,
+    as_number,
+    get_path,
+)
 from flatbma.experiment.study.plan import load_plan
 from flatbma.stats import paired_difference
 
-KEYS = ("accuracy", "nll", "ece", "ts_nll", "lambda1_median", "trace", "kl_from_start", "mean_shift")
+KL_FROM_START = Metric("kl_from_start", "KL(q_T ‖ q_0)", lambda run: as_number(run.get("kl_from_start")))
+MEAN_SHIFT = Metric(
+    "mean_shift", "‖δμ‖₂ per step", lambda run: as_number(get_path(run, "step_stats", "ascent/mean_shift", "median"))
+)
+SCALED_NLL = next(m for m in TEMPERATURE_METRICS if m.key == "nll")
+METRICS: tuple[Metric, ...] = (
+    ACCURACY,
+    NLL,
+    ECE,
+    dataclasses.replace(SCALED_NLL, label="NLL (T-scaled)"),
+    LAMBDA1,
+    TRACE_COV,
+    KL_FROM_START,
+    MEAN_SHIFT,
+)
+"""The report's metrics (:mod:`flatbma.experiment.report.rows`), then how far training and each ascent step moved q."""
+COMPARED = METRICS[:6]
 
 
-def value(row: dict[str, Any], key: str) -> float:
-    """One number of a row (NaN when the row has none)."""
-    found: Any
-    if key == "lambda1_median":
-        found = (row.get("lambda1_summary") or {}).get("median")
-    elif key == "trace":
-        found = (row.get("width") or {}).get("trace_cov")
-    elif key.startswith("ts_"):
-        found = (row.get("temperature_scaled") or {}).get(key[3:])
-    elif key == "mean_shift":
-        found = ((row.get("step_stats") or {}).get("ascent/mean_shift") or {}).get("median")
-    else:
-        found = row.get(key)
-    return float(found) if isinstance(found, int | float) else math.nan
+def value(run: dict[str, Any], metric: Metric) -> float:
+    """``metric`` of one run (NaN when the run has none)."""
+    found = metric.get(run)
+    return math.nan if found is None else found
 
 
 def main(out: str, config: str, reference: str = "lowrank-vi") -> None:
@@ -48,20 +66,20 @@ def main(out: str, config: str, reference: str = "lowrank-vi") -> None:
         cache = job.row_dir / "compare.json"
         if cache.exists():
             rows.setdefault(job.label, {})[job.seed] = json.loads(cache.read_text())["result"]
-    print("| row | seeds | " + " | ".join(KEYS) + " |\n|---|:-:|" + ":-:|" * len(KEYS))
+    print("| row | seeds | " + " | ".join(m.label for m in METRICS) + " |\n|---|:-:|" + ":-:|" * len(METRICS))
     for label, by in rows.items():
-        means = [sum(value(r, k) for r in by.values()) / len(by) for k in KEYS]
+        means = [sum(value(r, m) for r in by.values()) / len(by) for m in METRICS]
         print(f"| {label} | {len(by)} | " + " | ".join(f"{m:.4g}" for m in means) + " |")
-    compared = KEYS[:6]
-    print(f"\n| row − {reference} | seeds | " + " | ".join(compared) + " |\n|---|:-:|" + ":-:|" * len(compared))
+    header = " | ".join(m.label for m in COMPARED)
+    print(f"\n| row − {reference} | seeds | {header} |\n|---|:-:|" + ":-:|" * len(COMPARED))
     base = rows.get(reference, {})
     for label, by in rows.items():
         seeds = sorted(set(by) & set(base))
         if label == reference or len(seeds) < 2:
             continue
         cells = []
-        for k in compared:
-            d = paired_difference([value(by[s], k) for s in seeds], [value(base[s], k) for s in seeds])
+        for m in COMPARED:
+            d = paired_difference([value(by[s], m) for s in seeds], [value(base[s], m) for s in seeds])
             low, high = (d.interval.low, d.interval.high) if d.interval is not None else (math.nan, math.nan)
             cells.append(f"{d.mean:+.4g} [{low:+.4g}, {high:+.4g}]{'' if d.significant else ' ns'}")
         print(f"| {label} | {len(seeds)} | " + " | ".join(cells) + " |")
@@ -72,10 +90,10 @@ def main(out: str, config: str, reference: str = "lowrank-vi") -> None:
             record = json.loads(metrics.read_text()) if metrics.exists() else {}
             error = run_dir / "candidate.json"
             failed = error.exists() and json.loads(error.read_text()).get("error")
-            shift = value(record, "mean_shift")
+            shift, moved = value(record, MEAN_SHIFT), value(record, KL_FROM_START)
             print(
                 f"candidate {job.label} seed {job.seed} {cand.options}: median ‖δμ‖₂ {shift:.3g}, "
-                f"KL(q_T ‖ q_0) {value(record, 'kl_from_start'):.3g}{', diverged' if failed else ''}"
+                f"KL(q_T ‖ q_0) {moved:.3g}{', diverged' if failed else ''}"
             )
     for label, by in rows.items():
         chosen = {s: (r.get("selection") or {}).get("chosen") for s, r in sorted(by.items())}
