@@ -321,6 +321,7 @@ def bench_device_table(
     rows = []
     for model_name in models:
         kwargs, transfer = DEVICE_MODELS[model_name]
+        began = time.perf_counter()
         model = build_model(**kwargs, image_size=image_size, seed=0).to(device).train()
         if transfer:
             bayesian_subset_only(model)
@@ -328,9 +329,11 @@ def bench_device_table(
         x = torch.randn(batch_size, 3, image_size, image_size, generator=g).to(device)
         y = torch.randint(0, 10, (batch_size,), generator=g).to(device)
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        print(f"  {model_name}: built in {time.perf_counter() - began:.1f} s", flush=True)
         for precision in precisions:
             objective = Objective(model=model, num_data=10 * batch_size, precision=precision)
             for name in methods:
+                began = time.perf_counter()
                 method = device_method(name, objective)
                 state = method.init(trainable_params(model), model_buffers(model))
                 if cuda:
@@ -347,6 +350,11 @@ def bench_device_table(
                     float(out.loss)
                     times.append(time.perf_counter() - t0)
                 peak = torch.cuda.max_memory_allocated() / 2**20 if cuda else None
+                print(  # as it goes: a stage stopped at its time limit still shows the rows it measured
+                    f"  {model_name} {precision} {name}: {statistics.median(times) * 1e3:.1f} ms/step, "
+                    f"peak {peak or 0:.0f} MiB ({time.perf_counter() - began:.1f} s with set-up and warm-up)",
+                    flush=True,
+                )
                 rows.append(
                     dict(
                         model=model_name,

@@ -5,7 +5,8 @@
 One process joins a group of BACKEND (``nccl`` or ``gloo``) and trains SWAG on digits on DEVICE with the
 data-parallel path forced on (flatbma takes it only for groups of several processes), so every collective
 of a data-parallel run — the gradients' all-reduce, BatchNorm averaging, the replica check, the metrics'
-reduction — runs through BACKEND. It writes OUT/metrics.json with ``backend`` added.
+reduction — runs through BACKEND, with PyTorch's deterministic algorithms. It writes OUT/metrics.json with
+``backend`` added.
 """
 
 from __future__ import annotations
@@ -34,6 +35,10 @@ CONFIG = {
 
 def main() -> None:
     backend, device, out = sys.argv[1], sys.argv[2], Path(sys.argv[3])
+    # two processes compare bit for bit: cuDNN's and cuBLAS's nondeterministic kernels (atomics) would
+    # differ in the last float32 digit between any two runs, whatever the backend
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
+    torch.use_deterministic_algorithms(True, warn_only=True)
     if device == "cuda":
         torch.cuda.set_device(0)
     dist.init_process_group(backend=backend)

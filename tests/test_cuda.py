@@ -17,7 +17,9 @@ import json
 import os
 import subprocess
 import sys
+import traceback
 import warnings
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -78,7 +80,8 @@ def test_every_method_trains_two_steps_on_cuda_as_on_the_cpu(name, cpu_noise):
 
 
 @pytest.mark.parametrize("name", list(METHODS))
-def test_every_method_trains_under_bf16_on_cuda(name):
+def test_every_method_trains_under_bf16_on_cuda(name, cpu_noise):
+    """bf16 against fp32 on the GPU, the same noise in both (CUDA's fused dropout draws other masks in bf16)."""
     start, full, _ = train_steps(name, steps=2, device="cuda")
     _, half, _ = train_steps(name, steps=2, device="cuda", precision="bf16")
     assert relative_difference(half.params, full.params, start) < BF16_TOLERANCE
@@ -156,6 +159,7 @@ def test_a_checkpoint_written_on_one_device_resumes_on_the_other(tmp_path, monke
 def _torchrun(*args: str) -> None:
     """``torchrun --nproc_per_node=1 *args`` from the repository root, flatbma and the tests importable."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'src'}"}
+    env["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"  # cuBLAS's deterministic mode (tests/cuda_worker.py asks for it)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", *args]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
     assert out.returncode == 0, out.stderr[-8000:]
@@ -164,7 +168,7 @@ def _torchrun(*args: str) -> None:
 def test_nccl_gives_the_numbers_of_gloo_under_torchrun(tmp_path):
     """One process under torchrun, its data-parallel path forced on: NCCL's collectives on the GPU = gloo's."""
     for backend in ("nccl", "gloo"):
-        _torchrun(str(ROOT / "tests" / "cuda_worker.py"), backend, str(tmp_path / backend))
+        _torchrun(str(ROOT / "tests" / "cuda_worker.py"), backend, "cuda", str(tmp_path / backend))
     nccl = json.loads((tmp_path / "nccl" / "metrics.json").read_text())
     gloo = json.loads((tmp_path / "gloo" / "metrics.json").read_text())
     assert nccl["history"] == gloo["history"]
@@ -201,17 +205,58 @@ def test_synchronizations_per_training_step(name, record_property):
     batches = [(x[i : i + 16].cuda(), y[i : i + 16].cuda()) for i in range(0, 16 * steps, 16)]  # on the GPU
     state, _ = runner.fit(method, state, batches, epochs=1, device="cuda", progress=False)  # warm-up
     torch.cuda.synchronize()
-    with warnings.catch_warnings(record=True) as caught:
+    where: Counter[str] = Counter()  # the innermost line of flatbma under each synchronization
+    outside: Counter[str] = Counter()  # synchronizations with no flatbma frame on the stack (not the loop's)
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        if "synchroniz" in str(message):
+            ours = [f for f in traceback.extract_stack()[:-1] if f.filename.startswith(str(ROOT / "src" / "flatbma"))]
+            if ours:
+                where[f"{Path(ours[-1].filename).relative_to(ROOT)}:{ours[-1].lineno}"] += 1
+            else:
+                outside[f"{filename}:{lineno}"] += 1
+
+    with warnings.catch_warnings():
         warnings.simplefilter("always")
+        warnings.showwarning = record
         torch.cuda.set_sync_debug_mode("warn")
         try:
             runner.fit(method, state, batches, epochs=1, device="cuda", progress=False)
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    syncs = sum("synchroniz" in str(w.message) for w in caught)
+    syncs = sum(where.values())
     epoch_end = 3  # the epoch end's reads: the losses' check, the loss sum and the correct count
     per_step = max(syncs - epoch_end, 0) / steps
     record_property("syncs_per_step", per_step)
     print(f"{name}: {syncs} synchronizations in {steps} steps and their epoch end ({per_step:.2f} per step)")
+    print("  where: " + ", ".join(f"{line} ×{n}" for line, n in where.most_common()))
+    if outside:
+        print("  not flatbma's (no flatbma frame on the stack): " + ", ".join(f"{k} ×{n}" for k, n in outside.items()))
     if SYNC_BOUND[name] is not None:
         assert syncs <= SYNC_BOUND[name] * steps + epoch_end, f"{name}: {syncs} synchronizations in {steps} steps"
+
+
+def test_the_fisher_solve_and_kl_of_a_wide_posterior_on_cuda_match_the_cpu():
+    """150k weights: the wide products and small factorizations of the Fisher solve and of the KL on the GPU."""
+    from flatbma.gaussian import kl_rows, rows
+    from flatbma.optim.fisher_ball import natural_gradient
+
+    d = 150_001
+    g = torch.Generator().manual_seed(0)
+    log_std = torch.rand(d, generator=g) * 3 - 6
+    theta = {
+        "mean/w": torch.randn(d, generator=g),
+        "log_std/w": log_std,
+        "factor/w": torch.randn(5, d, generator=g) * log_std.exp(),
+    }
+    prior = {k: v + 0.1 * torch.randn(v.shape, generator=g) * v.abs().mean() for k, v in theta.items()}
+    grads = {k: torch.randn(v.shape, generator=g) for k, v in theta.items()}
+    x_cpu, quad_cpu = natural_gradient(theta, grads, damping=1e-2, cg_iters=10)
+    on_gpu = {k: v.cuda() for k, v in theta.items()}
+    x_gpu, quad_gpu = natural_gradient(on_gpu, {k: v.cuda() for k, v in grads.items()}, damping=1e-2, cg_iters=10)
+    start = {k: torch.zeros_like(v) for k, v in x_cpu.items()}
+    assert relative_difference(x_gpu, x_cpu, start) < 1e-6
+    assert float(quad_gpu) == pytest.approx(float(quad_cpu), rel=1e-9)
+    kl_cpu = kl_rows(rows(theta).double(), rows(prior).double())
+    kl_gpu = kl_rows(rows(on_gpu).double(), rows({k: v.cuda() for k, v in prior.items()}).double())
+    assert float(kl_gpu) == pytest.approx(float(kl_cpu), rel=1e-9)

@@ -242,7 +242,8 @@ class _Running:
     def _scalar(self, value: float | Tensor) -> Tensor:
         if isinstance(value, Tensor):
             return value.detach().to(self.where, torch.float64).reshape(())
-        return torch.tensor(float(value), dtype=torch.float64, device=self.where)  # a float64 Python float, exactly
+        # a float64 Python float, exactly; torch.full fills on the device (torch.tensor would copy, a synchronization)
+        return torch.full((), float(value), dtype=torch.float64, device=self.where)
 
     def add(self, step: int, out: StepOutput, y: Tensor) -> None:
         """Add one step's outputs (``step``: the state's step after it); check its loss unless on a GPU."""

@@ -47,6 +47,19 @@ class LowRankGeometry(NamedTuple):
     w: Tensor
 
 
+def _cholesky(matrix: Tensor) -> Tensor:
+    """The Cholesky factor of ``matrix``; on a GPU without the error check's host synchronization.
+
+    Used for capacitances ``I + ŨᵀŨ ⪰ I``, positive definite for every finite ``Ũ``: on a GPU a failure
+    can only come from a non-finite input, which the factor then carries into a non-finite loss (the
+    training loop's divergence check, read every few steps) instead of a synchronization every step.
+    On a CPU it raises :class:`torch.linalg.LinAlgError` as :func:`torch.linalg.cholesky` does.
+    """
+    if matrix.is_cuda:
+        return torch.linalg.cholesky_ex(matrix).L
+    return torch.linalg.cholesky(matrix)
+
+
 def geometry(theta: Mapping[str, Tensor], dtype: torch.dtype | None = None, *, cache: bool = True) -> LowRankGeometry:
     """The Woodbury quantities of ``q_θ``'s covariance, computed in ``dtype`` (default: ``θ``'s).
 
@@ -75,7 +88,7 @@ def _geometry(log_std: Tensor, factor: Tensor, dtype: torch.dtype | None) -> Low
     ut = u * inv_sqrt_a
     eye = torch.eye(k, dtype=u.dtype, device=u.device)
     cap = eye + ut @ ut.T
-    c_inv = torch.cholesky_inverse(torch.linalg.cholesky(cap))
+    c_inv = torch.cholesky_inverse(_cholesky(cap))
     pt = c_inv @ ut
     return LowRankGeometry(a, u, c, c * inv_sqrt_a, ut, cap, c_inv, pt, eye - c_inv, (ut * pt).sum(0))
 

@@ -123,6 +123,9 @@ def kl_rows(q: Tensor, p: Tensor, p_whitened_factor: Tensor | None = None) -> Te
     chol_p = torch.linalg.cholesky(eye_p + up_t @ up_t.T)
 
     def c_inv_quad(x: Tensor) -> Tensor:  # tr(Xᵀ C_p⁻¹ X) for X of shape [K_p, m]
+        if x.shape[1] > x.shape[0]:  # wide: tr(L⁻¹(XXᵀ)L⁻ᵀ), triangular solves of K_p columns, not of m
+            half = torch.linalg.solve_triangular(chol_p, x @ x.T, upper=False)  # L⁻¹XXᵀ
+            return torch.linalg.solve_triangular(chol_p, half.T, upper=False).diagonal().sum()
         return (torch.linalg.solve_triangular(chol_p, x, upper=False) ** 2).sum()
 
     trace = ratio.sum() - c_inv_quad(up_t * ratio.sqrt()) + (uq_t**2).sum() - c_inv_quad(up_t @ uq_t.T)

@@ -8,6 +8,7 @@ that layout, which ``train.parallel: members`` uses to spread the components ove
 
 from __future__ import annotations
 
+import copy
 import math
 import re
 from collections.abc import Callable, Sequence
@@ -47,6 +48,11 @@ def _head_name(model: nn.Module) -> str | None:
         return None
 
 
+def _moved(drawn: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A copy of ``drawn`` with ``like``'s device and dtype (never ``drawn`` itself: it is drawn again)."""
+    return drawn.detach().to(like.device, like.dtype, copy=True)
+
+
 def member_initializations(
     model: nn.Module, params: Params, buffers: Params, size: int, seed: int
 ) -> list[tuple[Params, Params]]:
@@ -62,9 +68,11 @@ def member_initializations(
     randomly initialized (a from-scratch network everywhere, a pretrained one in its new head), as a deep
     ensemble for transfer learning does. The buffers of re-initialized modules are reset with them.
 
-    Member ``m ≥ 1`` is drawn with torch's RNG seeded by the ``m``-th integer drawn from a generator
-    seeded with ``seed``, on a forked copy of the RNG (the global stream is untouched); the model's own
-    parameters and buffers are restored before returning.
+    Member ``m ≥ 1`` is drawn with torch's CPU generator seeded by the ``m``-th integer drawn from a
+    generator seeded with ``seed``, on a forked copy of the RNG (the global stream is untouched), by CPU
+    copies of the re-initialized modules whose values then move to the model's device: the members are
+    the same numbers whatever device the model is on (a GPU's generator would draw others). ``model``
+    itself is not touched.
     """
     trainable = set(params)
     head = _head_name(model)
@@ -82,22 +90,19 @@ def member_initializations(
     if size == 1:
         return members
     seeds = torch.randint(SEED_BOUND, (size,), generator=torch.Generator().manual_seed(seed)).tolist()
-    template = {**dict(model.named_parameters()), **dict(model.named_buffers())}
-    saved = {k: v.detach().clone() for k, v in template.items()}
-    try:
-        for m in range(1, size):
-            with forked_rng(seeds[m]), torch.no_grad():
-                for _, module in resettable:
-                    module.reset_parameters()
-            current = {**dict(model.named_parameters()), **dict(model.named_buffers())}
-            p = {k: (current[k] if k in reset_params else v).detach().clone() for k, v in params.items()}
-            b = {k: (current[k] if k in reset_buffers else v).detach().clone() for k, v in buffers.items()}
-            members.append((p, b))
-    finally:
-        with torch.no_grad():
-            current = {**dict(model.named_parameters()), **dict(model.named_buffers())}
-            for k, v in saved.items():
-                current[k].copy_(v)
+    copies = [(name, copy.deepcopy(module).cpu()) for name, module in resettable]  # drawn on the CPU, any device
+    for m in range(1, size):
+        with forked_rng(seeds[m]), torch.no_grad():
+            for _, module in copies:
+                module.reset_parameters()
+            drawn = {
+                _join(name, k): v
+                for name, module in copies
+                for k, v in (*module.named_parameters(), *module.named_buffers())
+            }
+            p = {k: _moved(drawn[k], v) if k in reset_params else v.detach().clone() for k, v in params.items()}
+            b = {k: _moved(drawn[k], v) if k in reset_buffers else v.detach().clone() for k, v in buffers.items()}
+        members.append((p, b))
     return members
 
 
