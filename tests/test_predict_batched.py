@@ -149,27 +149,24 @@ def test_model_calling_item_gives_the_loop_result():
         torch.testing.assert_close(sample_log_probs(model, samples, x, chunk_size=2), expected)
 
 
-def test_footprint_rule_on_cpu(monkeypatch):
-    # the rule decides wherever the two paths' results differ (tests/test_predict_chooser.py); here it
-    # decides always: the agreement check is told that the model updates buffers
-    monkeypatch.setattr(batching, "_updates_buffers", lambda model: True)
-    calls = []
-    real = batching._batched_log_probs
-
-    def spy(*args):
-        calls.append(args[-1])
-        return real(*args)
-
-    monkeypatch.setattr(batching, "_batched_log_probs", spy)
+def test_footprint_rule_on_cpu():
+    # the rule decides wherever the two paths may differ (tests/test_predict_chooser.py): here the models are
+    # in training mode, their BatchNorm updating its statistics; batching.decision reports the choice and, by
+    # its key's chunk size, the automatic chunk
     with torch.no_grad():
-        small = build_model("cnn", num_classes=3, in_channels=1, image_size=8, width=4, seed=0).eval()
-        sample_log_probs(small, perturbed_samples(small, 6, seed=0), torch.randn(4, 1, 8, 8))
-        assert calls == [6]  # overhead-dominated: batched, all samples in one chunk
-        large = build_model("cnn", num_classes=3, in_channels=1, image_size=28, seed=0).eval()
-        sample_log_probs(large, perturbed_samples(large, 2, seed=0), torch.randn(64, 1, 28, 28))
-        assert calls == [6]  # 64 images of 32×28×28 activations: the loop is faster on the CPU
-        sample_log_probs(small, perturbed_samples(small, 1, seed=0), torch.randn(4, 1, 8, 8))
-        assert calls == [6]  # a single sample is never batched
+        small = build_model("cnn", num_classes=3, in_channels=1, image_size=8, width=4, seed=0).train()
+        samples, x = perturbed_samples(small, 6, seed=0), torch.randn(4, 1, 8, 8)
+        sample_log_probs(small, samples, x)
+        choice = batching.decision(small, samples, x, chunk_size=6)  # all samples in one chunk
+        assert choice is not None and choice.by == "rule" and choice.batched  # overhead-dominated: batched
+        large = build_model("cnn", num_classes=3, in_channels=1, image_size=28, seed=0).train()
+        samples, x = perturbed_samples(large, 2, seed=0), torch.randn(64, 1, 28, 28)
+        sample_log_probs(large, samples, x)
+        choice = batching.decision(large, samples, x)
+        assert choice is not None and choice.by == "rule" and not choice.batched  # 64 images of 32×28×28: the loop
+        one, x = perturbed_samples(small, 1, seed=0), torch.randn(4, 1, 8, 8)
+        sample_log_probs(small, one, x)
+        assert batching.decision(small, one, x) is None  # a single sample is never batched: nothing to choose
 
 
 def test_automatic_chunk_size_respects_the_activation_budget(monkeypatch):
@@ -181,7 +178,8 @@ def test_automatic_chunk_size_respects_the_activation_budget(monkeypatch):
         # widest layer: 4 images × 4 channels × 8 × 8 = 1024 float64 values per sample
         weight_bytes = sum(t.numel() * t.element_size() for t in samples[0].values())
         monkeypatch.setattr(batching, "ACTIVATION_BUDGET_BYTES", 2 * (1024 * 8 + weight_bytes))
-        assert batching._auto_chunk_size(batching._footprint(model, samples[0], x), samples[0], x, 5) == 2
+        torch.testing.assert_close(sample_log_probs(model, samples, x), expected)
+        assert batching.decision(model, samples, x, chunk_size=2) is not None  # the automatic chunk was 2
         torch.testing.assert_close(sample_log_probs(model, samples, x, batched=True), expected)
 
 

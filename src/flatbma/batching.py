@@ -61,7 +61,7 @@ _SCRAMBLE_OCTAVES = 2
 """The agreement check scales every input and weight entry by ``2^k``, ``k`` uniform in ``±`` this."""
 
 _clock = time.perf_counter
-"""The probe's clock (a module attribute, so that tests can replace it)."""
+"""The probe's clock."""
 
 _log = logging.getLogger(__name__)
 
