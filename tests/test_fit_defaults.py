@@ -234,6 +234,24 @@ def test_a_model_returning_a_tuple_trains_on_its_first_element():
     assert model.eval()(x).shape == (20, 3)  # the module now returns its logits
 
 
+def test_a_saved_tuple_model_loads_predicting_as_fitted(tmp_path):
+    """``load_posterior`` gives a fresh ``(logits, features)`` module the hook ``fit_posterior`` installed."""
+    loader = DataLoader(TensorDataset(*_data()), batch_size=48)
+    fitted = _fit(_WithFeatures(), loader)
+    fitted.save(tmp_path / "bma.safetensors")
+    fresh = _WithFeatures()
+    loaded = flatbma.load_posterior(tmp_path / "bma.safetensors", fresh)
+    x, y = _data(20, seed=5)
+    assert torch.equal(loaded.predict_proba(x), fitted.predict_proba(x))
+    assert loaded.evaluate([(x, y)]) == fitted.evaluate([(x, y)])
+    assert fresh.eval()(x).shape == (20, 3)  # the hook is back: the module returns its logits
+    plain = _fit(_net(), loader)  # a module returning a tensor gets no hook
+    plain.save(tmp_path / "plain.safetensors")
+    other = _net()
+    flatbma.load_posterior(tmp_path / "plain.safetensors", other)
+    assert not other._forward_hooks
+
+
 def test_a_list_of_batches_is_a_loader():
     x, y = _data()
     batches = [(x[i : i + 48], y[i : i + 48]) for i in range(0, 240, 48)]
