@@ -221,6 +221,27 @@ def test_soft_targets_are_the_cross_entropy_with_probabilities():
         _fit(_net(), [(x[:8], torch.full((8, 4), 0.25))])
 
 
+def test_soft_targets_evaluate_as_the_cross_entropy_with_probabilities():
+    """One-hot rows score as their labels; smoothed rows: NLL ``−Σ_c y_c log p̄_c``, Brier ``Σ_c (p̄_c − y_c)²``."""
+    loader = DataLoader(TensorDataset(*_data()), batch_size=48)
+    bma = flatbma.fit_posterior(_net(), loader, "mfvi", epochs=2, lr=0.05, progress=False, num_samples=4)
+    x, y = _data(90, seed=7)
+    one_hot = torch.nn.functional.one_hot(y, 3).float()
+    hard = bma.evaluate(DataLoader(TensorDataset(x, y), batch_size=32))
+    assert bma.evaluate(DataLoader(TensorDataset(x, one_hot), batch_size=32)) == hard
+    soft = torch.softmax(torch.randn(90, 3, generator=torch.Generator().manual_seed(3)), -1)
+    got = bma.evaluate([{"x": x[:50], "y": soft[:50]}, (x[50:], soft[50:])])
+    model = copy.deepcopy(bma.model).eval()  # independently: the mean of the samples' softmax
+    with torch.no_grad():
+        p = torch.stack([torch.func.functional_call(model, w, (x,)).double().softmax(-1) for w in bma.samples]).mean(0)
+    q = soft.double()
+    assert got["nll"] == pytest.approx(float(-(q * p.log()).sum(-1).mean()), rel=1e-6)
+    assert got["brier"] == pytest.approx(float((p - q).square().sum(-1).mean()), rel=1e-6)
+    assert got["accuracy"] == pytest.approx(float((p.argmax(-1) == q.argmax(-1)).double().mean()))
+    with pytest.raises(flatbma.FlatbmaError, match="soft targets must be class probabilities"):
+        bma.evaluate([(x, 2 * one_hot)])
+
+
 def test_a_model_returning_a_tuple_trains_on_its_first_element():
     loader = DataLoader(TensorDataset(*_data()), batch_size=48)
     plain = _fit(_net(), loader)

@@ -355,6 +355,11 @@ class BMA:
     def evaluate(self, loader: Iterable[Any], *, num_classes: int | None = None, n_bins: int = 15) -> dict[str, float]:
         """Accuracy, NLL, ECE, adaptive ECE and Brier score of the BMA on ``(x, y)`` batches.
 
+        ``y``: integer labels ``[batch]``, or soft targets — float class probabilities ``[batch, classes]``,
+        as training takes them: NLL is then the cross-entropy ``−(1/n) Σ_i Σ_c y_ic log p̄_ic``, Brier
+        ``(1/n) Σ_i Σ_c (p̄_ic − y_ic)²``, accuracy and the ECEs score the top class against ``argmax_c y_ic``
+        (:mod:`flatbma.metrics`); one-hot rows give exactly their labels' numbers.
+
         The dict of :func:`flatbma.predict.evaluate` (``n`` and ``num_samples`` included), computed by
         it with the predictor's samples, device and prediction mode. ``num_classes``: ``None`` reads it
         from the model's output on the first batch, read ahead under a forked RNG (a DataLoader's
