@@ -317,6 +317,23 @@ def test_a_laplace_bma_worse_than_its_map_warns_on_validation_or_training_data()
         flatbma.fit_posterior(_net(), loader, "sgd", epochs=1, lr=0.05, val_loader=val, progress=False)  # no MAP check
 
 
+def test_swag_and_laplace_defaults_live_in_their_options():
+    """One value for the library, the registry, the CLI and ``fit_posterior`` (issue #25): the Options' field."""
+    from flatbma.experiment.config.methods import METHODS, parse_method
+    from flatbma.optim import SGD
+    from flatbma.posteriors import laplace, swag
+
+    assert swag.Options().start_step is None and swag.DiagonalOptions().start_step is None
+    assert laplace.Options().subset is laplace.Subset.LAST_LAYER
+    for name in ("swag", "swag-diag", "f-swag"):
+        assert parse_method(name).options["start_step"] is None, name
+    for name in ("laplace", "f-laplace"):
+        assert parse_method(name).options["subset"] is laplace.Subset.LAST_LAYER, name
+    assert not any(hasattr(spec, "overrides") for spec in METHODS.values())
+    with pytest.raises(flatbma.FlatbmaError, match=r"start_step: null .* give start_step"):
+        swag.build(flatbma.Objective(_net()), SGD(lr=0.1))  # no run length to resolve it from
+
+
 @pytest.mark.parametrize("hessian", ["kfac", "diag", "full"])
 def test_laplace_defaults_to_the_last_layer_which_is_a_laplace_of_the_head_with_the_body_frozen_at_the_map(hessian):
     """The default ``subset: last-layer`` equals post-hoc Laplace (``subset: all``, ``start_step: 0``) of a copy of
@@ -340,7 +357,9 @@ def test_laplace_defaults_to_the_last_layer_which_is_a_laplace_of_the_head_with_
     flatbma.load_into(frozen, {**state.params, **state.buffers})
     for name, p in frozen.named_parameters():
         p.requires_grad_(name in head)
-    post = laplace.build(flatbma.Objective(frozen, num_data=240), SGD(lr=0.1), hessian=hessian, start_step=0)
+    post = laplace.build(
+        flatbma.Objective(frozen, num_data=240), SGD(lr=0.1), hessian=hessian, start_step=0, subset="all"
+    )
     ref = post.init(flatbma.trainable_params(frozen), flatbma.model_buffers(frozen))
     frozen.train()
     ref, _ = fit(post, ref, loader, epochs=1, progress=False)
