@@ -221,6 +221,27 @@ def test_soft_targets_are_the_cross_entropy_with_probabilities():
         _fit(_net(), [(x[:8], torch.full((8, 4), 0.25))])
 
 
+def test_soft_targets_evaluate_as_the_cross_entropy_with_probabilities():
+    """One-hot rows score as their labels; smoothed rows: NLL ``−Σ_c y_c log p̄_c``, Brier ``Σ_c (p̄_c − y_c)²``."""
+    loader = DataLoader(TensorDataset(*_data()), batch_size=48)
+    bma = flatbma.fit_posterior(_net(), loader, "mfvi", epochs=2, lr=0.05, progress=False, num_samples=4)
+    x, y = _data(90, seed=7)
+    one_hot = torch.nn.functional.one_hot(y, 3).float()
+    hard = bma.evaluate(DataLoader(TensorDataset(x, y), batch_size=32))
+    assert bma.evaluate(DataLoader(TensorDataset(x, one_hot), batch_size=32)) == hard
+    soft = torch.softmax(torch.randn(90, 3, generator=torch.Generator().manual_seed(3)), -1)
+    got = bma.evaluate([{"x": x[:50], "y": soft[:50]}, (x[50:], soft[50:])])
+    model = copy.deepcopy(bma.model).eval()  # independently: the mean of the samples' softmax
+    with torch.no_grad():
+        p = torch.stack([torch.func.functional_call(model, w, (x,)).double().softmax(-1) for w in bma.samples]).mean(0)
+    q = soft.double()
+    assert got["nll"] == pytest.approx(float(-(q * p.log()).sum(-1).mean()), rel=1e-6)
+    assert got["brier"] == pytest.approx(float((p - q).square().sum(-1).mean()), rel=1e-6)
+    assert got["accuracy"] == pytest.approx(float((p.argmax(-1) == q.argmax(-1)).double().mean()))
+    with pytest.raises(flatbma.FlatbmaError, match="soft targets must be class probabilities"):
+        bma.evaluate([(x, 2 * one_hot)])
+
+
 def test_a_model_returning_a_tuple_trains_on_its_first_element():
     loader = DataLoader(TensorDataset(*_data()), batch_size=48)
     plain = _fit(_net(), loader)
@@ -232,6 +253,24 @@ def test_a_model_returning_a_tuple_trains_on_its_first_element():
     x = _data(20, seed=5)[0]
     assert torch.equal(tupled.predict_log_proba(x), plain.predict_log_proba(x))
     assert model.eval()(x).shape == (20, 3)  # the module now returns its logits
+
+
+def test_a_saved_tuple_model_loads_predicting_as_fitted(tmp_path):
+    """``load_posterior`` gives a fresh ``(logits, features)`` module the hook ``fit_posterior`` installed."""
+    loader = DataLoader(TensorDataset(*_data()), batch_size=48)
+    fitted = _fit(_WithFeatures(), loader)
+    fitted.save(tmp_path / "bma.safetensors")
+    fresh = _WithFeatures()
+    loaded = flatbma.load_posterior(tmp_path / "bma.safetensors", fresh)
+    x, y = _data(20, seed=5)
+    assert torch.equal(loaded.predict_proba(x), fitted.predict_proba(x))
+    assert loaded.evaluate([(x, y)]) == fitted.evaluate([(x, y)])
+    assert fresh.eval()(x).shape == (20, 3)  # the hook is back: the module returns its logits
+    plain = _fit(_net(), loader)  # a module returning a tensor gets no hook
+    plain.save(tmp_path / "plain.safetensors")
+    other = _net()
+    flatbma.load_posterior(tmp_path / "plain.safetensors", other)
+    assert not other._forward_hooks
 
 
 def test_a_list_of_batches_is_a_loader():
@@ -278,6 +317,23 @@ def test_a_laplace_bma_worse_than_its_map_warns_on_validation_or_training_data()
         flatbma.fit_posterior(_net(), loader, "sgd", epochs=1, lr=0.05, val_loader=val, progress=False)  # no MAP check
 
 
+def test_swag_and_laplace_defaults_live_in_their_options():
+    """One value for the library, the registry, the CLI and ``fit_posterior`` (issue #25): the Options' field."""
+    from flatbma.experiment.config.methods import METHODS, parse_method
+    from flatbma.optim import SGD
+    from flatbma.posteriors import laplace, swag
+
+    assert swag.Options().start_step is None and swag.DiagonalOptions().start_step is None
+    assert laplace.Options().subset is laplace.Subset.LAST_LAYER
+    for name in ("swag", "swag-diag", "f-swag"):
+        assert parse_method(name).options["start_step"] is None, name
+    for name in ("laplace", "f-laplace"):
+        assert parse_method(name).options["subset"] is laplace.Subset.LAST_LAYER, name
+    assert not any(hasattr(spec, "overrides") for spec in METHODS.values())
+    with pytest.raises(flatbma.FlatbmaError, match=r"start_step: null .* give start_step"):
+        swag.build(flatbma.Objective(_net()), SGD(lr=0.1))  # no run length to resolve it from
+
+
 @pytest.mark.parametrize("hessian", ["kfac", "diag", "full"])
 def test_laplace_defaults_to_the_last_layer_which_is_a_laplace_of_the_head_with_the_body_frozen_at_the_map(hessian):
     """The default ``subset: last-layer`` equals post-hoc Laplace (``subset: all``, ``start_step: 0``) of a copy of
@@ -301,7 +357,9 @@ def test_laplace_defaults_to_the_last_layer_which_is_a_laplace_of_the_head_with_
     flatbma.load_into(frozen, {**state.params, **state.buffers})
     for name, p in frozen.named_parameters():
         p.requires_grad_(name in head)
-    post = laplace.build(flatbma.Objective(frozen, num_data=240), SGD(lr=0.1), hessian=hessian, start_step=0)
+    post = laplace.build(
+        flatbma.Objective(frozen, num_data=240), SGD(lr=0.1), hessian=hessian, start_step=0, subset="all"
+    )
     ref = post.init(flatbma.trainable_params(frozen), flatbma.model_buffers(frozen))
     frozen.train()
     ref, _ = fit(post, ref, loader, epochs=1, progress=False)

@@ -421,6 +421,41 @@ def test_streaming_entropy_auroc_merge_and_state():
         whole.compute()
 
 
+def test_one_hot_soft_targets_equal_their_labels_exactly():
+    lp, y = _random_case()
+    q = torch.nn.functional.one_hot(y, 7).float()
+    for fn in (M.accuracy, M.nll, M.brier, M.ece, M.adaptive_ece):
+        assert fn(lp, q) == fn(lp, y), fn.__name__
+    hard, soft = M.StreamingMetrics(7), M.StreamingMetrics(7)
+    for part in torch.arange(600).split(97):
+        hard.update(lp[part], y[part])
+        soft.update(lp[part], q[part])
+    assert soft.compute() == hard.compute()
+
+
+def test_soft_targets_against_numpy():
+    """NLL ``−Σ_c q_c log p_c`` (a zero ``q_c`` counts 0 where ``p_c = 0``), Brier ``Σ_c (p_c − q_c)²``."""
+    lp, y = _random_case()
+    g = torch.Generator().manual_seed(1)
+    q = torch.softmax(3.0 * torch.randn(600, 7, generator=g, dtype=torch.float64), -1)
+    q[:5] = torch.nn.functional.one_hot(y[:5], 7).double()  # zeros where p may be tiny
+    p, qq = np.exp(lp.numpy()), q.numpy()
+    assert M.nll(lp, q) == pytest.approx(float(-(qq * np.log(p)).sum(1).mean()), rel=1e-12)
+    assert M.brier(lp, q) == pytest.approx(float(((p - qq) ** 2).sum(1).mean()), rel=1e-12)
+    labels = q.argmax(1)
+    assert M.accuracy(lp, q) == M.accuracy(lp, labels)
+    assert M.ece(lp, q) == pytest.approx(_np_ece(lp, labels, 15), abs=1e-12)
+    zero = torch.log(torch.tensor([[0.0, 0.4, 0.6]], dtype=torch.float64))
+    assert M.nll(zero, torch.tensor([[0.0, 0.5, 0.5]])) == pytest.approx(-0.5 * math.log(0.24))
+    assert M.nll(zero, torch.tensor([[0.1, 0.4, 0.5]])) == math.inf
+    streaming = M.StreamingMetrics(7)
+    for part in torch.arange(600).split(64):
+        streaming.update(lp[part], q[part])
+    got = streaming.compute()
+    assert got["nll"] == pytest.approx(M.nll(lp, q), rel=1e-12)
+    assert got["brier"] == pytest.approx(M.brier(lp, q), rel=1e-12)
+
+
 # --------------------------------------------------------------------------------------------------
 # bad input
 # --------------------------------------------------------------------------------------------------
@@ -442,6 +477,9 @@ def _bad_inputs():
         ((lp, y.numpy()), "torch.Tensor"),
         ((lp[:0], y[:0]), "empty"),
         ((torch.zeros(8, 3, dtype=torch.int64), y), "floating"),
+        ((lp, torch.full((8, 4), 0.25)), "shape"),  # soft targets of another number of classes
+        ((lp, torch.full((8, 3), 0.5)), "class probabilities"),  # rows that do not sum to 1
+        ((lp, torch.tensor([[1.5, -0.5, 0.0]] * 8)), "class probabilities"),  # a negative probability
     ]
 
 

@@ -6,6 +6,19 @@ log-mean-exp over posterior samples of the per-sample log-softmax, computed else
 prediction ``ŷ_i = argmax_c p_ic`` (ties go to the lowest class index), confidence
 ``conf_i = max_c p_ic``, ``correct_i = 1[ŷ_i = y_i]``, ``n = B``.
 
+**Soft targets.** Instead of labels, every function takes float class probabilities ``q`` of shape
+``[B, C]`` (rows non-negative, summing to 1 within 1e-4: label-smoothed or mixed targets, what training
+accepts, :func:`flatbma.types.training_batch`). Each metric then compares the predictive with ``q``:
+
+* NLL is the cross-entropy ``−Σ_c q_ic log p_ic`` (terms with ``q_ic = 0`` count 0, even where ``p_ic = 0``);
+* Brier is ``Σ_c (p_ic − q_ic)²``;
+* accuracy, ECE, adaptive ECE and the reliability diagram score correctness against the label
+  ``y_i = argmax_c q_ic`` (ties to the lowest index): calibration of a top-class confidence needs a yes/no
+  outcome per example, and a soft target's most probable class is the one a hard label would name —
+  the choice keeps these metrics those of the labels that the targets smooth.
+
+One-hot rows give exactly the numbers of their labels.
+
 All arithmetic is done in float64, whatever the input dtype. Offline functions see the whole arrays;
 :class:`StreamingMetrics` and :class:`StreamingEntropyAUROC` keep O(bins) sums that can be summed across
 processes (``state_tensors`` → ``torch.distributed.all_reduce`` → ``load_state_tensors``), and give the
@@ -101,10 +114,15 @@ def _check_log_probs(log_probs: object, num_classes: int | None = None, allow_em
 
 
 def _check_labels(labels: object, batch: int, num_classes: int, device: torch.device) -> Tensor:
-    """Validate ``labels`` against a ``[batch, num_classes]`` prediction and return them as int64."""
+    """Validate ``labels`` against a ``[batch, num_classes]`` prediction: int64 indices, or float64 soft targets."""
     labels = _require_tensor(labels, "labels")
+    if labels.is_floating_point() and labels.ndim == 2:
+        return _check_soft_targets(labels, batch, num_classes, device)
     if labels.dtype == torch.bool or labels.is_floating_point() or labels.is_complex():
-        raise FlatbmaError(f"labels must be an integer tensor of class indices, got dtype {labels.dtype}.")
+        raise FlatbmaError(
+            f"labels must be an integer tensor of class indices [batch] or float class probabilities "
+            f"[batch, classes], got dtype {labels.dtype} of shape {tuple(labels.shape)}."
+        )
     if labels.ndim != 1 or labels.shape[0] != batch:
         raise FlatbmaError(
             f"labels must have shape [{batch}] to match log_probs of shape [{batch}, {num_classes}], "
@@ -139,13 +157,42 @@ def _check_scores(scores: object, name: str) -> Tensor:
 # --------------------------------------------------------------------------------------------------
 # per-example quantities and binning (shared by offline and streaming code)
 # --------------------------------------------------------------------------------------------------
+def _check_soft_targets(targets: Tensor, batch: int, num_classes: int, device: torch.device) -> Tensor:
+    """Validate soft targets ``[batch, num_classes]`` (probability rows) and return them as float64."""
+    if tuple(targets.shape) != (batch, num_classes):
+        raise FlatbmaError(
+            f"soft targets must have shape [{batch}, {num_classes}] to match log_probs of shape "
+            f"[{batch}, {num_classes}], got shape {tuple(targets.shape)}."
+        )
+    q = targets.detach().to(device=device, dtype=_F64)
+    if batch and not bool((torch.isfinite(q) & (q >= 0)).all() and ((q.sum(dim=1) - 1.0).abs() <= _SOFT_ATOL).all()):
+        raise FlatbmaError(
+            "soft targets must be class probabilities: finite, non-negative rows that sum to 1 (e.g. one-hot "
+            "or label-smoothed rows)."
+        )
+    return q
+
+
+_SOFT_ATOL = 1e-4
+"""How far from 1 a soft target's row sum may be (float32 rounding of smoothed rows): the training check's."""
+
+
 def _per_example(lp: Tensor, y: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Float64 ``(conf, correct, nll, brier)`` per example from checked inputs."""
+    """Float64 ``(conf, correct, nll, brier)`` per example from checked inputs: labels ``[B]`` or soft targets.
+
+    Soft targets ``q`` ``[B, C]``: ``nll_i = −Σ_c q_ic log p_ic`` (a ``q_ic = 0`` term is 0), ``brier_i =
+    Σ_c (p_ic − q_ic)²``, ``correct_i`` against ``argmax_c q_ic`` (the module docstring says why).
+    """
     max_lp, pred = lp.max(dim=1)  # first maximal index on ties
     conf = max_lp.exp()
+    p = lp.exp()
+    if y.is_floating_point():  # soft targets
+        correct = (pred == y.argmax(dim=1)).to(_F64)  # argmax: first maximal index on ties
+        nll_i = -torch.where(y > 0, y * lp, torch.zeros_like(lp)).sum(dim=1)  # 0 · log 0 counts 0
+        brier_i = (p - y).square().sum(dim=1)
+        return conf, correct, nll_i, brier_i
     correct = (pred == y).to(_F64)
     nll_i = -lp.gather(1, y[:, None]).squeeze(1)  # +inf where the true class has probability 0
-    p = lp.exp()
     onehot = torch.nn.functional.one_hot(y, lp.shape[1]).to(_F64)
     brier_i = (p - onehot).square().sum(dim=1)
     return conf, correct, nll_i, brier_i
@@ -528,7 +575,8 @@ class StreamingMetrics:
 
         Args:
             log_probs: ``[B, C]`` predictive log-probabilities (float32 or float64).
-            labels: ``[B]`` integer class labels in ``[0, C)``.
+            labels: ``[B]`` integer class labels in ``[0, C)``, or soft targets: float class probabilities
+                ``[B, C]`` (the module docstring says how each metric reads them).
 
         Raises:
             FlatbmaError: If the inputs are malformed or ``C != num_classes``.

@@ -194,7 +194,7 @@ def stream_metrics(
         model: the template module.
         samples: weight dicts (parameters and buffers) of the posterior samples, or a linearized
             predictive (:class:`~flatbma.linearized.Linearized`, :class:`~flatbma.linearized.Probit`).
-        loader: ``(x, y)`` batches.
+        loader: ``(x, y)`` batches; ``y`` integer labels or soft targets ``[batch, classes]`` (:mod:`flatbma.metrics`).
         num_classes: number of classes of the :class:`~flatbma.metrics.StreamingMetrics`.
         n_bins: their number of ECE bins.
         sizes: numbers of samples; each is cut to ``M`` and ``M`` itself is always included.

@@ -47,6 +47,7 @@ from flatbma.checks import check_device, check_seed, is_int, parse_choice
 from flatbma.errors import FlatbmaError, FlatbmaTypeError
 from flatbma.linearized import LinearizedPredictive, linearized_names, linearized_predictions
 from flatbma.metrics import uncertainty_decomposition
+from flatbma.models.contract import first_output, keep_logits
 from flatbma.params import hold, load_into, model_buffers, trainable_params
 from flatbma.precision import Precision, autocast
 from flatbma.predict import Predictions, bma_log_probs, evaluate, labelled, sample_log_probs
@@ -354,6 +355,11 @@ class BMA:
     def evaluate(self, loader: Iterable[Any], *, num_classes: int | None = None, n_bins: int = 15) -> dict[str, float]:
         """Accuracy, NLL, ECE, adaptive ECE and Brier score of the BMA on ``(x, y)`` batches.
 
+        ``y``: integer labels ``[batch]``, or soft targets — float class probabilities ``[batch, classes]``,
+        as training takes them: NLL is then the cross-entropy ``−(1/n) Σ_i Σ_c y_ic log p̄_ic``, Brier
+        ``(1/n) Σ_i Σ_c (p̄_ic − y_ic)²``, accuracy and the ECEs score the top class against ``argmax_c y_ic``
+        (:mod:`flatbma.metrics`); one-hot rows give exactly their labels' numbers.
+
         The dict of :func:`flatbma.predict.evaluate` (``n`` and ``num_samples`` included), computed by
         it with the predictor's samples, device and prediction mode. ``num_classes``: ``None`` reads it
         from the model's output on the first batch, read ahead under a forked RNG (a DataLoader's
@@ -392,7 +398,10 @@ class BMA:
         """Write the state and the predictor's settings to ``path`` (safetensors, atomically, no pickle).
 
         :meth:`load` (or :func:`flatbma.load_posterior` when the method's config is known) gives a
-        predictor with the same samples and the same predictions, bit for bit.
+        predictor with the same samples and the same predictions, bit for bit. A module that returns its
+        logits as the first element of a tuple (:func:`flatbma.models.keep_logits`'s hook, which
+        :func:`flatbma.fit_posterior` installs) is recorded as such (``"logits": "first"``), and :meth:`load`
+        installs the hook on the module it is given again.
         """
         settings = {
             "format": PREDICTOR_FORMAT,
@@ -405,6 +414,8 @@ class BMA:
             settings["num_data"] = self.num_data
         if self.likelihood is not None:
             settings["likelihood"] = {"name": "gaussian", "noise_std": self.likelihood.noise_std}
+        if first_output in self.model._forward_hooks.values():
+            settings["logits"] = "first"  # the module's forward returns (logits, ...): its first element counts
         write_file(path, self.state, settings)
 
     @classmethod
@@ -422,10 +433,14 @@ class BMA:
         """The predictor :meth:`save` wrote to ``path``, for ``model`` and ``method`` built as before.
 
         The state must have the structure ``method`` gives ``model`` (checked); the number of samples,
-        the seed and whether statistics are recomputed come from the file.
+        the seed and whether statistics are recomputed come from the file. A predictor saved from a module
+        whose forward returns a tuple (``"logits": "first"``) gives ``model``
+        :func:`~flatbma.models.keep_logits`'s hook: its first element is the logits, as when it was fitted.
         """
         state, settings = read_file(path)
         _check_fits(state, method, model, path)
+        if settings.get("logits") == "first":
+            keep_logits(model)
         return cls(
             model,
             method,

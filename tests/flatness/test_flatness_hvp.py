@@ -178,3 +178,50 @@ def test_frozen_convolutions_and_eval_batch_norms_give_the_same_products_and_are
     # a trained convolution keeps PyTorch's backward
     trained = hvp_fn(model, (x, y), params=["0.weight", "1.weight"])
     assert model[0] not in trained._frozen_convs and len(trained._frozen_convs) == 2
+
+
+class _Dicts(torch.utils.data.Dataset):
+    """``(x, y)`` rows as dicts under ``keys`` (what a Hugging Face style dataset yields)."""
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor, keys: tuple[str, str]) -> None:
+        self.x, self.y, self.keys = x, y, keys
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {self.keys[0]: self.x[i], self.keys[1]: self.y[i], "id": torch.tensor(i)}
+
+
+def test_dict_batches_measure_as_the_same_pairs():
+    """λ₁, the trace, SAM sharpness and the loss along a direction read dict batches as training does."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from flatbma.errors import FlatbmaError
+    from flatbma.flatness import hessian_eigenvalues, hessian_trace, loss_along, sam_sharpness
+
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(40, 5, generator=g), torch.randint(0, 3, (40,), generator=g)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3))
+    pairs = DataLoader(TensorDataset(x, y), batch_size=16)
+    weights = dict(model.named_parameters())
+    direction = {k: torch.ones_like(v) for k, v in weights.items()}
+    want = hessian_eigenvalues(model, pairs, k=2, seed=3)
+    for keys in (("x", "y"), ("image", "label"), ("pixel_values", "labels")):
+        dicts = DataLoader(_Dicts(x, y, keys), batch_size=16)
+        assert torch.equal(hessian_eigenvalues(model, dicts, k=2, seed=3), want), keys
+    dicts = DataLoader(_Dicts(x, y, ("x", "y")), batch_size=16)
+    assert (
+        hessian_trace(model, dicts, num_samples=4, seed=1).trace
+        == hessian_trace(model, pairs, num_samples=4, seed=1).trace
+    )
+    assert torch.equal(sam_sharpness(model, [weights], dicts), sam_sharpness(model, [weights], pairs))
+    alphas = [-0.1, 0.0, 0.1]
+    assert torch.equal(
+        loss_along(model, dicts, None, direction, alphas), loss_along(model, pairs, None, direction, alphas)
+    )
+    one = {"x": x, "y": y}  # one dict batch, as one (x, y) batch
+    assert torch.equal(hessian_eigenvalues(model, one, k=2, seed=3), hessian_eigenvalues(model, (x, y), k=2, seed=3))
+    with pytest.raises(FlatbmaError, match="must hold its targets under one of the keys y, label"):
+        hessian_eigenvalues(model, [{"x": x}])

@@ -62,7 +62,7 @@ def test_swag_width_is_that_of_its_sampling_covariance(diagonal_only):
         for _ in range(12)
     ]
     method = swag.build(
-        _objective(), Scripted(iterates), rank=3, scale=0.7, collect_every=1, diagonal_only=diagonal_only
+        _objective(), Scripted(iterates), rank=3, scale=0.7, start_step=0, collect_every=1, diagonal_only=diagonal_only
     )
     state = method.init({"w": torch.zeros(2, 3, dtype=torch.float64), "b": torch.zeros(4, dtype=torch.float64)}, {})
     for _ in range(12):

@@ -54,7 +54,10 @@ def test_the_map_phase_is_the_point_methods_run_byte_for_byte(ascent):
         if name == "point":
             method, steps = point.build(obj, opt, ascent), MAP_STEPS
         else:
-            method, steps = laplace.build(obj, opt, ascent, start_step=MAP_STEPS), MAP_STEPS + CURVATURE_STEPS
+            method, steps = (
+                laplace.build(obj, opt, ascent, start_step=MAP_STEPS, subset="all"),
+                MAP_STEPS + CURVATURE_STEPS,
+            )
         state, outs = _run(method, net, steps)
         runs[name] = (state, outs, torch.get_rng_state(), net)
     (p, p_outs, p_rng, _), (q, q_outs, q_rng, net) = runs["point"], runs["laplace"]
@@ -80,7 +83,7 @@ def test_the_curvature_is_the_estimators_pass_at_the_map_and_the_posterior_its_g
     torch.manual_seed(0)
     net = tiny_bn_net().train()
     obj = Objective(model=net, num_data=64)
-    method = laplace.build(obj, SGD(lr=0.1), start_step=MAP_STEPS, hessian=hessian, temperature=0.5)
+    method = laplace.build(obj, SGD(lr=0.1), start_step=MAP_STEPS, hessian=hessian, temperature=0.5, subset="all")
     state, _ = _run(method, net, MAP_STEPS + CURVATURE_STEPS)
     w, buffers = state.params, state.buffers
     est = estimator(hessian, "ggn", net, w, num_data=64, num_classes=3)
@@ -113,10 +116,10 @@ def test_a_fixed_prior_precision_and_layerwise_priors():
     torch.manual_seed(0)
     net = tiny_bn_net().train()
     obj = Objective(model=net, num_data=64)
-    fixed = laplace.build(obj, SGD(lr=0.1), start_step=0, hessian="diag", prior_precision=7.0)
+    fixed = laplace.build(obj, SGD(lr=0.1), start_step=0, hessian="diag", prior_precision=7.0, subset="all")
     state, _ = _run(fixed, net, CURVATURE_STEPS)
     assert fixed.diagnostics(state)["prior_precision"] == 7.0
-    layerwise = laplace.build(obj, SGD(lr=0.1), start_step=0, hessian="kfac", prior_structure="layerwise")
+    layerwise = laplace.build(obj, SGD(lr=0.1), start_step=0, hessian="kfac", prior_structure="layerwise", subset="all")
     state, _ = _run(layerwise, net, CURVATURE_STEPS)
     info = layerwise.diagnostics(state)
     per_tensor = {k.split("/", 1)[1]: v for k, v in info.items() if k.startswith("prior_precision/")}
@@ -128,7 +131,7 @@ def test_post_hoc_laplace_leaves_the_given_weights_and_memoizes_its_fit(monkeypa
     torch.manual_seed(0)
     net = tiny_bn_net().train()
     params = trainable_params(net)
-    method = laplace.build(Objective(model=net, num_data=64), SGD(lr=0.1), start_step=0, hessian="diag")
+    method = laplace.build(Objective(model=net, num_data=64), SGD(lr=0.1), start_step=0, hessian="diag", subset="all")
     with pytest.raises(FlatbmaError, match="no curvature was accumulated yet"):
         method.sample(method.init(params, model_buffers(net)), 2, None)
     state, _ = _run(method, net, CURVATURE_STEPS)
@@ -151,7 +154,9 @@ def test_multi_of_one_laplace_member_is_laplace_bit_for_bit():
         torch.manual_seed(0)
         net = tiny_bn_net().train()
         obj = Objective(model=net, num_data=64)
-        base = laplace.build(obj, SGD(lr=0.1, momentum=0.9), SAM(rho=0.05), start_step=MAP_STEPS, hessian="kfac")
+        base = laplace.build(
+            obj, SGD(lr=0.1, momentum=0.9), SAM(rho=0.05), start_step=MAP_STEPS, hessian="kfac", subset="all"
+        )
         method = multi.build(obj, base, members=1, seed=4) if wrap else base
         state, _ = _run(method, net, MAP_STEPS + CURVATURE_STEPS)
         runs.append((method, state, members.member_state(0, state) if wrap else state))
@@ -204,7 +209,13 @@ def test_a_pretrained_prior_mean_is_stored_and_enters_only_the_evidence_and_delt
             net, checkpoint = _pretrained_cnn(tmp_path)
             obj = Objective(model=net, num_data=16)
             method = laplace.build(
-                obj, SGD(lr=0.1), start_step=2, hessian="diag", prior_mean=prior_mean, prior_precision=precision
+                obj,
+                SGD(lr=0.1),
+                start_step=2,
+                hessian="diag",
+                prior_mean=prior_mean,
+                prior_precision=precision,
+                subset="all",
             )
             state = method.init(trainable_params(net), model_buffers(net))
             for batch in _image_batches(4):
@@ -243,11 +254,11 @@ def test_a_pretrained_prior_mean_is_stored_and_enters_only_the_evidence_and_delt
 
 def test_a_pretrained_prior_mean_needs_a_trained_tensor_loaded_from_a_checkpoint(tmp_path):
     with pytest.raises(FlatbmaError, match=r"method\.prior_mean must be one of") as err:
-        laplace.build(Objective(model=tiny_bn_net()), SGD(lr=0.1), prior_mean="init")
+        laplace.build(Objective(model=tiny_bn_net()), SGD(lr=0.1), prior_mean="init", subset="all")
     assert "\n" not in str(err.value)
     net, _ = _pretrained_cnn(tmp_path, Subset.CLASSIFIER)  # only the re-drawn head is trained: nothing pretrained
     for model in (tiny_bn_net(), net):
-        method = laplace.build(Objective(model=model), SGD(lr=0.1), prior_mean="pretrained")
+        method = laplace.build(Objective(model=model), SGD(lr=0.1), prior_mean="pretrained", subset="all")
         with pytest.raises(FlatbmaError, match="nothing is pretrained") as err:
             method.init(trainable_params(model), model_buffers(model))
         assert "\n" not in str(err.value) and "prior_mean: zero" in str(err.value)
@@ -274,7 +285,12 @@ def _posterior(net, hessian="diag", predictive="glm"):
         for _ in range(3)
     ]
     method = laplace.build(
-        Objective(model=net, num_data=30), SGD(lr=0.1), start_step=0, hessian=hessian, predictive=predictive
+        Objective(model=net, num_data=30),
+        SGD(lr=0.1),
+        start_step=0,
+        hessian=hessian,
+        predictive=predictive,
+        subset="all",
     )
     state = method.init(trainable_params(net), model_buffers(net))
     for batch in data:
@@ -347,28 +363,34 @@ def test_probit_is_the_softmax_of_the_logits_scaled_by_their_variance():
 )
 def test_bad_options_are_refused_in_one_line(options, message):
     with pytest.raises(FlatbmaError, match=message) as err:
-        laplace.build(Objective(model=tiny_bn_net()), SGD(lr=0.1), **options)
+        laplace.build(Objective(model=tiny_bn_net()), SGD(lr=0.1), **{"subset": "all", **options})
     assert "\n" not in str(err.value)
 
 
 def test_what_laplace_cannot_take_is_refused_before_it_trains():
     net = tiny_bn_net()
     with pytest.raises(FlatbmaError, match="Gauss-Newton of the cross-entropy"):
-        laplace.build(Objective(model=net, loss_fn=F.nll_loss), SGD(lr=0.1))
-    method = laplace.build(Objective(model=net), SGD(lr=0.1))
+        laplace.build(Objective(model=net, loss_fn=F.nll_loss), SGD(lr=0.1), subset="all")
+    method = laplace.build(Objective(model=net), SGD(lr=0.1), subset="all")
     state = method.init(trainable_params(net), model_buffers(net))
     with pytest.raises(FlatbmaError, match="give start_step"):
         method.update(state, toy_batch())
-    layerwise = laplace.build(Objective(model=net), SGD(lr=0.1), hessian="full", prior_structure="layerwise")
+    layerwise = laplace.build(
+        Objective(model=net), SGD(lr=0.1), hessian="full", prior_structure="layerwise", subset="all"
+    )
     with pytest.raises(FlatbmaError, match="layerwise needs a curvature that is block-diagonal"):
         layerwise.init(trainable_params(net), model_buffers(net))
-    dual = laplace.build(Objective(model=net, num_data=2, reduce_grads=dict), SGD(lr=0.1), hessian="full", max_full=10)
+    dual = laplace.build(
+        Objective(model=net, num_data=2, reduce_grads=dict), SGD(lr=0.1), hessian="full", max_full=10, subset="all"
+    )
     with pytest.raises(FlatbmaError, match=r"cannot run under train\.parallel: data"):
         dual.init(trainable_params(net), model_buffers(net))
-    big = laplace.build(Objective(model=net, num_data=1000), SGD(lr=0.1), hessian="full", max_full=10)
+    big = laplace.build(Objective(model=net, num_data=1000), SGD(lr=0.1), hessian="full", max_full=10, subset="all")
     with pytest.raises(FlatbmaError, match="hessian: full needs d"):
         big.init(trainable_params(net), model_buffers(net))
-    no_linear = laplace.build(Objective(model=nn.Sequential(nn.Conv2d(1, 2, 3), nn.Flatten())), SGD(lr=0.1))
+    no_linear = laplace.build(
+        Objective(model=nn.Sequential(nn.Conv2d(1, 2, 3), nn.Flatten())), SGD(lr=0.1), subset="all"
+    )
     with pytest.raises(FlatbmaError, match=r"has no nn\.Linear"):
         no_linear.init(*(dict(nn.Conv2d(1, 2, 3).named_parameters(prefix="0")), {}))
     with pytest.raises(FlatbmaError, match="not linearized"):

@@ -30,7 +30,7 @@ def _dropout_net():
 
 def _families():
     return {
-        "swag": lambda obj: swag.build(obj, SGD(lr=0.1, momentum=0.9), rank=3, collect_every=2),
+        "swag": lambda obj: swag.build(obj, SGD(lr=0.1, momentum=0.9), rank=3, start_step=0, collect_every=2),
         "fp-bma": lambda obj: lowrank_vi.build(obj, Adam(lr=0.01), FisherBall(gamma=0.01), rank=3),
     }
 
@@ -70,7 +70,7 @@ def test_mixture_sampling_and_bma_are_the_manual_mixture_of_independently_traine
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3))
     obj = Objective(model=net)
-    base = swag.build(obj, SGD(lr=0.1, momentum=0.9), rank=3, collect_every=2)
+    base = swag.build(obj, SGD(lr=0.1, momentum=0.9), rank=3, start_step=0, collect_every=2)
     params, buffers = trainable_params(net), model_buffers(net)
     method = multi.build(obj, base, members=3, seed=5)
     state = method.init(params, buffers)
@@ -182,12 +182,12 @@ def test_mean_and_variance_hooks_match_an_independent_computation():
     torch.manual_seed(0)
     net = tiny_bn_net().train()
     obj = Objective(model=net)
-    method = multi.build(obj, swag.build(obj, SGD(lr=0.1), rank=2, collect_every=1), members=2, seed=1)
+    method = multi.build(obj, swag.build(obj, SGD(lr=0.1), rank=2, start_step=0, collect_every=1), members=2, seed=1)
     state = method.init(trainable_params(net), model_buffers(net))
     for i in range(4):
         state, _ = method.update(state, toy_batch(seed=i))
     mean = method.mean(state)
-    m0, m1 = (swag.build(obj, SGD(lr=0.1), rank=2).mean(members.member_state(m, state)) for m in range(2))
+    m0, m1 = (swag.build(obj, SGD(lr=0.1), rank=2, start_step=0).mean(members.member_state(m, state)) for m in range(2))
     for k in trainable_params(net):
         torch.testing.assert_close(mean[k], (m0[k] + m1[k]) / 2)
     for k in model_buffers(net):
@@ -218,7 +218,7 @@ def test_split_states_train_their_members_as_the_full_state():
 
 def test_options_and_nesting_are_refused_with_their_keys():
     obj = Objective(model=tiny_bn_net())
-    base = swag.build(obj, SGD(lr=0.1))
+    base = swag.build(obj, SGD(lr=0.1), start_step=0)
     with pytest.raises(FlatbmaError, match=r"method\.members"):
         multi.build(obj, base, members=0)
     with pytest.raises(FlatbmaError, match="nesting"):

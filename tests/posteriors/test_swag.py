@@ -78,7 +78,7 @@ def test_variance_keeps_float32_accuracy_for_weights_near_one():
     g = np.random.default_rng(0)
     snaps = (1.0 + 1e-4 * g.standard_normal((40, 6))).astype(np.float32)
     objective = quadratic_objective(torch.eye(6), torch.zeros(6), torch.zeros(6))
-    method = swag.build(objective, SGD(lr=0.1), rank=3)
+    method = swag.build(objective, SGD(lr=0.1), rank=3, start_step=0)
     state = method.init(trainable_params(objective.model), {})
     aux = dict(state.aux)
     for w in snaps:
@@ -114,7 +114,7 @@ def _hand_built(d=5, k=3, n_collected=7, scale=0.7, diagonal_only=False, seed=1)
     objective = quadratic_objective(
         torch.eye(d, dtype=torch.float64), torch.zeros(d), torch.zeros(d, dtype=torch.float64)
     )
-    method = swag.build(objective, SGD(lr=0.1), rank=k, scale=scale, diagonal_only=diagonal_only)
+    method = swag.build(objective, SGD(lr=0.1), rank=k, scale=scale, start_step=0, diagonal_only=diagonal_only)
     state = method.init(trainable_params(objective.model), {})
     mean = torch.randn(d, generator=g, dtype=torch.float64)
     var = torch.rand(d, generator=g, dtype=torch.float64) + 0.1
@@ -190,7 +190,7 @@ def test_sampling_is_reproducible_and_uses_only_the_generator():
 def test_bad_options_name_their_key(options, key):
     objective = Objective(model=tiny_bn_net())
     with pytest.raises(FlatbmaError, match=re.escape(key)):
-        swag.build(objective, SGD(), **options)
+        swag.build(objective, SGD(), **{"start_step": 0, **options})
 
 
 def test_registry_options():
@@ -231,7 +231,8 @@ def test_trajectory_is_the_point_update_and_f_swag_is_sam():
     def run(build, ascent):
         torch.manual_seed(0)
         net = tiny_bn_net()
-        method = build(Objective(model=net), SGD(lr=0.1), ascent)
+        options = {"start_step": 0} if build is swag.build else {}
+        method = build(Objective(model=net), SGD(lr=0.1), ascent, **options)
         state = method.init(trainable_params(net), {k: v.clone() for k, v in net.named_buffers()})
         for b in batches:
             state, _ = method.update(state, b)

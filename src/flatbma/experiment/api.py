@@ -234,7 +234,9 @@ def load_posterior(
 
     The method is rebuilt from the section recorded in the file for ``model`` — a fresh module of the
     same architecture (MC dropout inserts its dropout layer into it again). Its optimizer is never used:
-    the predictor only samples. Predictions equal those of the saved predictor bit for bit.
+    the predictor only samples. Predictions equal those of the saved predictor bit for bit — for a module
+    whose forward returns ``(logits, features)`` too: the file records the :func:`~flatbma.models.keep_logits`
+    hook that :func:`fit_posterior` installed, and ``model`` gets it again.
     ``train_loader`` is needed when the predictor recomputes BatchNorm statistics, as at saving.
     """
     _check_model_argument(model)

@@ -57,7 +57,7 @@ from flatbma.checks import parse_choice
 from flatbma.errors import FlatbmaError, FlatbmaWarning, suggest
 from flatbma.params import flatten, held_weights_note, unflatten
 from flatbma.precision import full_precision
-from flatbma.types import Batch, Params
+from flatbma.types import TARGET_KEYS, Batch, Params, split_batch
 
 __all__ = ["CPU_CHUNK_SIZE", "HVPMethod", "HessianOperator", "ParamSelection", "hvp_fn", "nonzero_checked"]
 
@@ -555,6 +555,8 @@ def _resolve_weights(
 def _reiterable(data: Any) -> Iterable[Batch]:
     if isinstance(data, (tuple, list)) and len(data) == 2 and all(isinstance(t, Tensor) for t in data):
         return [(data[0], data[1])]
+    if isinstance(data, Mapping):  # one dict batch {"x": ..., "y": ...}
+        return [_unpack(data)]
     if isinstance(data, Tensor) or not isinstance(data, Iterable):
         raise FlatbmaError(
             f"data must be a DataLoader, an iterable of (x, y) batches or one (x, y) batch, not {type(data).__name__}"
@@ -565,11 +567,25 @@ def _reiterable(data: Any) -> Iterable[Batch]:
 
 
 def _unpack(batch: Any) -> Batch:
+    """``(x, y)`` of a batch of the Hessian data: a pair, or a dict read as training reads it.
+
+    A dict holds its inputs under the first of :data:`~flatbma.types.INPUT_KEYS` it has (``x``, ``image``,
+    ``pixel_values``, ...) and its targets under the first of :data:`~flatbma.types.TARGET_KEYS` (``y``,
+    ``label``, ``labels``, ...): :func:`flatbma.types.split_batch`, as :func:`flatbma.fit_posterior` reads it.
+    """
+    if isinstance(batch, Mapping):
+        x, y = split_batch(batch)
+        if y is None:
+            raise FlatbmaError(
+                "a dict batch of the Hessian data must hold its targets under one of the keys "
+                f"{', '.join(TARGET_KEYS)}, got the keys {', '.join(repr(k) for k in batch)}"
+            )
+        return x, y
     if isinstance(batch, (tuple, list)) and len(batch) == 2:
         return batch[0], batch[1]
     raise FlatbmaError(
-        f"every batch of the Hessian data must be a pair (x, y); got {type(batch).__name__}"
-        + (f" of length {len(batch)}" if isinstance(batch, (tuple, list)) else "")
+        f"every batch of the Hessian data must be a pair (x, y) or a dict {{'x': ..., 'y': ...}}; got "
+        f"{type(batch).__name__}" + (f" of length {len(batch)}" if isinstance(batch, (tuple, list)) else "")
     )
 
 

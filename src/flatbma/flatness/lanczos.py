@@ -488,7 +488,8 @@ def hessian_eigenvalues(
 
     Args:
         model: the module (see :func:`~flatbma.flatness.hvp_fn`).
-        data: ``(x, y)`` batches of the training data, or one batch.
+        data: ``(x, y)`` batches of the training data, or one batch; a batch may be a dict, read as training
+            reads it (:func:`flatbma.types.split_batch`: ``{"x": ..., "y": ...}``, ``image``/``label``, ...).
         k: number of eigenvalues.
         loss_fn: mean loss ``loss_fn(logits, y)``; cross-entropy when ``None``.
         params: the parameters of the Hessian (a dict, a list of names, or all trainable ones).

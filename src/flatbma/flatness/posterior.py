@@ -47,7 +47,7 @@ from flatbma import progress
 from flatbma.bn import eval_mode
 from flatbma.errors import FlatbmaError
 from flatbma.flatness.hutchinson import TraceEstimate, hutchinson_trace
-from flatbma.flatness.hvp import HessianOperator, LossFn, hvp_fn, nonzero_checked
+from flatbma.flatness.hvp import HessianOperator, LossFn, _unpack, hvp_fn, nonzero_checked
 from flatbma.flatness.lanczos import EigenResult, default_basis_size, hessian_eigenvalues, lanczos
 from flatbma.rng import derive_seed, seeded_generator
 from flatbma.stats import Summary, summarize
@@ -273,7 +273,7 @@ def sam_sharpness(
         raise FlatbmaError(f"the sharpness radius rho must be > 0, got {rho!r}")
     loss_fn = loss_fn or F.cross_entropy
     names = list(params) if params is not None else [n for n, p in model.named_parameters() if p.requires_grad]
-    batches = list(data)
+    batches = [_unpack(batch) for batch in data]  # pairs (x, y) or dicts, as the Hessian reads them
     if not batches:
         raise FlatbmaError("sharpness needs training data, but the data is empty")
     out = []

@@ -126,9 +126,10 @@ class Options:
         predictive: ``glm``, ``probit`` or ``samples`` (:class:`flatbma.types.Predictive`).
         max_full: ``full``: the primal ``[d, d]`` form up to ``d = max_full``, the dual rows up to
             ``n·C = max_full``; otherwise refused.
-        subset: the weights the posterior is over (:class:`Subset`): ``all`` trained weights, or the
-            ``last-layer`` (the classifier's weight and bias; the other trained weights stay at ``w*``, and
-            ``H``, ``δ``, the evidence, the samples and the variances are the last layer's).
+        subset: the weights the posterior is over (:class:`Subset`): the ``last-layer`` (the default: the
+            classifier's weight and bias; the other trained weights stay at ``w*``, and ``H``, ``δ``, the
+            evidence, the samples and the variances are the last layer's) — laplace-torch's default and the
+            recommendation of Daxberger et al. ("Laplace Redux", NeurIPS 2021, §4) — or ``all`` trained weights.
     """
 
     extra_epochs: ClassVar[int] = 1
@@ -143,7 +144,7 @@ class Options:
     temperature: float = 1.0
     predictive: Predictive = Predictive.GLM
     max_full: int = 4096
-    subset: Subset = Subset.ALL
+    subset: Subset = Subset.LAST_LAYER
 
 
 @dataclass(frozen=True)

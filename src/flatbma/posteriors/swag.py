@@ -86,16 +86,18 @@ class Options:
         rank: ``K``, the number of deviations kept (the rank of the low-rank part), at least 2.
         scale: factor multiplying the sampling covariance.
         start_step: updates done before the collection window opens (0 = collect from the start;
-            use a trained or pretrained starting point then). ``None`` is left to the experiment layer
-            (the registry's default): the last quarter of the run's updates at a held learning rate
-            (:func:`flatbma.experiment.config.methods.last_quarter`); a state cannot be updated with ``None``.
+            use a trained or pretrained starting point then). ``None``, the default, is resolved by the
+            experiment layer from the run's length (``fit_posterior`` and ``flatbma train``, which build the
+            method with ``map_steps``): the last quarter of the run's updates at a held learning rate
+            (:func:`flatbma.experiment.config.methods.last_quarter`); :func:`build` called directly refuses it,
+            so give ``start_step`` there.
         collect_every: updates between two snapshots.
         diagonal_only: keep no deviations and sample from the diagonal Gaussian (SWAG-Diagonal).
     """
 
     rank: int = 20
     scale: float = 1.0
-    start_step: int | None = 0
+    start_step: int | None = None
     collect_every: int = 10
     diagonal_only: bool = False
 

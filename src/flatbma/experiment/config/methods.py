@@ -89,8 +89,6 @@ class MethodSpec:
             (:attr:`~flatbma.experiment.config.shape.RunShape.num_trainable`, which builds the network).
         prior_refusal: why the method takes no ``prior`` section, when there is more to say than that its
             family has no ``with_prior`` (said in the refusal).
-        overrides: the method's defaults of family options that differ from the options dataclass's (the
-            library's): SWAG's ``start_step: null`` (:func:`last_quarter`), Laplace's ``subset: last-layer``.
         start: ``start(map_steps)``, what the family's ``start_step: null`` resolves to for a run of
             ``map_steps`` = ``train.epochs`` × steps per epoch updates (:meth:`MethodConfig.resolved`);
             ``None``: the family has no such default. Laplace: ``map_steps`` (the curvature pass after
@@ -122,7 +120,6 @@ class MethodSpec:
     check: Callable[[MethodConfig, Stage], None] | None = None
     needs_weights: Callable[[MethodConfig], bool] | None = None
     prior_refusal: str | None = None
-    overrides: Mapping[str, Any] = field(default_factory=dict)
     start: Callable[[int], int] | None = None
     hold_lr: bool = False
     against_map: bool = False
@@ -138,7 +135,7 @@ class MethodSpec:
 
     def defaults(self) -> dict[str, Any]:
         """The default of every family option, in the order of :meth:`family_options`."""
-        own = {f.name: self.overrides.get(f.name, f.default) for f in dataclasses.fields(self.options)}
+        own = {f.name: f.default for f in dataclasses.fields(self.options)}  # the family's, one value everywhere
         if self.of is None:
             return own
         return {"of": parse_method(self.of.default) if self.of.default is not None else None, **own}
@@ -532,9 +529,8 @@ register(
 
 
 # Posterior families; every F- variant is the same family composed with SAM (Nguyen et al. 2023).
-# SWAG's start_step defaults to null: the last quarter of the updates at a held learning rate (last_quarter).
+# SWAG's start_step defaults to null (swag.Options): the last quarter of the updates at a held learning rate.
 _SWAG_DEFAULTS: dict[str, Any] = {
-    "overrides": {"start_step": None},
     "start": last_quarter,
     "hold_lr": True,
     "check": check_snapshots,
@@ -930,9 +926,6 @@ def _laplace(name: str, summary: str, family: Callable[..., Posterior], **kw: An
         laplace.Options,
         check=check_laplace,
         needs_weights=_full_hessian,
-        # last-layer Laplace: laplace-torch's default and the recommendation of Daxberger et al. ("Laplace
-        # Redux", NeurIPS 2021, §4); flatbma.posteriors.laplace.build itself keeps subset: all
-        overrides={"subset": laplace.Subset.LAST_LAYER},
         stored={"subset": laplace.Subset.ALL.value},  # run directories stored before subset existed: all weights
         start=_whole_map,
         against_map=True,
