@@ -87,7 +87,9 @@ class TabularDataset(Dataset[tuple[Tensor, Tensor]]):
     def with_transform(self, transform: object) -> TabularDataset:
         """The same data: tabular features take no image transform (``None``)."""
         if transform is not None:
-            raise FlatbmaError("a tabular data set takes no image transform (data.image_size, to_rgb, normalize, augment)")
+            raise FlatbmaError(
+                "a tabular data set takes no image transform (data.image_size, to_rgb, normalize, augment)"
+            )
         return self
 
     def subset(self, indices: Tensor | Sequence[int]) -> TabularDataset:
@@ -106,7 +108,9 @@ class RegressionSplits:
 
     def __post_init__(self) -> None:
         if len(self.train) < 2 or len(self.test) == 0:
-            raise FlatbmaError(f"dataset '{self.name}': too few examples ({len(self.train)} train, {len(self.test)} test)")
+            raise FlatbmaError(
+                f"dataset '{self.name}': too few examples ({len(self.train)} train, {len(self.test)} test)"
+            )
         if self.train.num_features != self.test.num_features:
             raise FlatbmaError(f"dataset '{self.name}': train and test examples have different numbers of features")
 

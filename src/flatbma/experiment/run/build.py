@@ -179,9 +179,12 @@ def data_fingerprint(splits: DatasetSplits | RegressionSplits) -> str:
 
 
 def select_regression_data(cfg: RunConfig, splits: RegressionSplits) -> RunData:
-    """The examples of a regression run: ``data.val_fraction`` of the training split held out (a permutation of the
-    run's seed), ``data.test_limit`` test examples (a permutation of seed 0), every split standardized by the
-    statistics of the training examples only (:func:`flatbma.data.tabular.standardized`)."""
+    """The examples of a regression run, every split standardized on the training examples only.
+
+    ``data.val_fraction`` of the training split is held out (a permutation of the run's seed), ``data.test_limit``
+    test examples are kept (a permutation of seed 0), then every split is rescaled by the statistics of the
+    training examples only (:func:`flatbma.data.tabular.standardized`).
+    """
     d = cfg.data
     train, test, val = splits.train, splits.test, None
     if d.val_per_class or d.val_pool:

@@ -300,9 +300,15 @@ REGRESSION_KEYS = ("nll", "rmse", "mae", "coverage_0.5", "coverage_0.9", "covera
 """Metrics of a regression run's BMA on the test set (:func:`flatbma.regression.mixture_metrics`)."""
 
 
+def metric_keys(record: Any) -> tuple[str, ...]:
+    """The test metrics a run's record holds: :data:`REGRESSION_KEYS` for a regression's, else :data:`CLEAN_KEYS`."""
+    return REGRESSION_KEYS if isinstance(record, dict) and record.get("likelihood") == "gaussian" else CLEAN_KEYS
+
+
 def regression_metrics(exp: Experiment, samples: list[Params]) -> dict[str, Any]:
-    """The mixture predictive ``(1/M) Σ_m N(y; μ_m, σ_m²)`` of ``samples`` on the test set, scored by
-    :func:`flatbma.regression.mixture_metrics` (NLL, RMSE, MAE, coverage, calibration error, the variances).
+    """The mixture predictive ``(1/M) Σ_m N(y; μ_m, σ_m²)`` of ``samples`` on the test set, scored.
+
+    By :func:`flatbma.regression.mixture_metrics`: NLL, RMSE, MAE, coverage, calibration error, the variances.
 
     Each sample's ``(μ_m, σ_m²)`` are those of the run's :class:`~flatbma.regression.Gaussian` on its outputs,
     in the method's prediction mode (MC dropout's masks); no gradients.
@@ -528,6 +534,14 @@ def measure(
         landscape: record a 1-D loss landscape.
     """
     report = progress.current()
+    if exp.likelihood is not None:
+        if flatness or landscape or corruptions:
+            raise FlatbmaError("flatness, the landscape and corruptions are not measured for a regression run yet")
+        start = time.perf_counter()
+        result = evaluate_state(exp, state)
+        result.update(health=None, temperature=None, corruptions={}, landscape=None)
+        result["eval_time_s"] = time.perf_counter() - start
+        return result
     with exp.rng.restored():
         start = time.perf_counter()
         with report.phase("BMA", f"{progress.count(exp.config.eval.num_samples, 'sample')} on the test set"):
