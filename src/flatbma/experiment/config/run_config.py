@@ -137,7 +137,7 @@ def check_likelihood(cfg: RunConfig) -> None:
     (a softmax Gauss-Newton: :attr:`~flatbma.experiment.config.methods.MethodSpec.regression`) fits no
     regression network; a regression run measures no flatness, watches no early stopping, detects no
     out-of-distribution inputs, draws no k-shot sample and trains no two-stage prior (not implemented for
-    it yet).
+    it yet), and its feature vectors take no image option.
     """
     regression_data = is_regression_dataset(cfg.data.name)
     if cfg.model.gaussian is None:
@@ -164,6 +164,7 @@ def check_likelihood(cfg: RunConfig) -> None:
         "eval.ood": cfg.eval.ood is not None,
         "data.k_shot": cfg.data.k_shot is not None,
         "prior": cfg.prior is not None,
+        **{f"data.{k}": bool(getattr(cfg.data, k)) for k in ("image_size", "to_rgb", "normalize", "augment")},
     }
     for key, given in refused.items():
         if given:
