@@ -218,3 +218,28 @@ def test_compare_reports_regression_columns_only(tmp_path, capsys):
     )
     assert code == 2 and "compare.flatness is not measured for a regression run" in err
     assert Path(out_dir / "report.md").read_text() == report
+
+
+def test_the_splits_are_standardized_on_the_training_examples_only():
+    """With data.val_fraction the validation share leaves the training split first; the statistics are the rest's."""
+    from flatbma.experiment.run.build import load_data, select_data
+
+    cfg = load_config("diabetes-regression", ["data.val_fraction=0.25", "seed=3"])
+    data = select_data(cfg, load_data(cfg.data))
+    assert (len(data.train), len(data.val), len(data.test)) == (266, 88, 88)  # round(0.25 · 354) = 88
+    torch.testing.assert_close(data.train.features.mean(0), torch.zeros(10), atol=1e-5, rtol=0)
+    torch.testing.assert_close(data.train.features.std(0), torch.ones(10), atol=1e-5, rtol=0)
+    assert abs(float(data.train.targets.mean())) < 1e-5
+    assert float(data.train.targets.std()) == pytest.approx(1, abs=1e-5)
+    raw = load_diabetes(scaled=False)
+    x, y = np.asarray(raw.data, dtype=np.float64), np.asarray(raw.target, dtype=np.float64)
+    perm = torch.randperm(442, generator=torch.Generator().manual_seed(0))
+    train = perm[88:].sort().values.numpy()
+    inner = torch.randperm(len(train), generator=torch.Generator().manual_seed(3))
+    kept = train[inner[88:].sort().values.numpy()]
+    _, y_test = _diabetes_by_hand()
+    assert not torch.allclose(y_test, data.test.targets)  # the validation share moved the statistics ...
+    expected = (y[perm[:88].sort().values.numpy()] - y[kept].mean()) / y[kept].std(ddof=1)
+    np.testing.assert_allclose(data.test.targets.numpy(), expected, rtol=1e-5, atol=1e-5)  # ... to the kept ones'
+    x_val = (x[train[inner[:88].sort().values.numpy()]] - x[kept].mean(0)) / x[kept].std(0, ddof=1)
+    np.testing.assert_allclose(data.val.features.numpy(), x_val, rtol=1e-4, atol=1e-5)
