@@ -148,6 +148,9 @@ def test_train_and_evaluate_write_the_metrics_of_the_saved_weights(tmp_path, cap
     assert code == 0, err
     printed = json.loads(out.strip().splitlines()[-1])
     assert printed["nll"] == metrics["nll"] and printed["rmse"] == metrics["rmse"]
+    for extra, what in ((["--flatness"], "flatness"), (["--ood", "gaussian_noise"], "OOD detection")):
+        code, out, err = _run(capsys, "evaluate", str(run_dir), *extra)
+        assert code == 2 and err.startswith(f"flatbma: error: {what}") and len(err.strip().splitlines()) == 1
 
 
 def test_a_swag_run_records_the_mixture_of_its_samples(tmp_path, capsys):

@@ -336,11 +336,12 @@ def evaluate_state(exp: Experiment, state: State, *, flatness: bool = False) -> 
     :func:`regression_metrics` instead of the classifier's, and no flatness (refused: not implemented for it).
     """
     if exp.likelihood is not None:
-        if flatness:
-            raise FlatbmaError("flatness is not measured for a regression run (model.likelihood: gaussian) yet")
+        for what, asked in (("flatness", flatness), ("OOD detection (--ood, eval.ood)", exp.config.eval.ood)):
+            if asked:
+                raise FlatbmaError(f"{what} is not measured for a regression run (model.likelihood: gaussian) yet")
         with exp.rng.restored():
             samples = with_bn_statistics(exp, draw_samples(exp, state))
-            metrics: dict[str, Any] = {"likelihood": "gaussian", **regression_metrics(exp, samples)}
+            metrics: dict[str, Any] = {"likelihood": "gaussian", **regression_metrics(exp, samples), "health": None}
             metrics["bn_statistics"] = bn_statistics(exp)
             metrics.update(diagnostics(exp, state))
         return metrics
