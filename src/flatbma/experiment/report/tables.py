@@ -223,7 +223,9 @@ def _summary(groups: dict[str, list[Run]]) -> Table:
     if most == 1:
         note += " No cell is marked best: with one seed there is no interval to tell a best from noise."
     else:
-        note += " Bold: the best mean of a column with a better end (higher accuracy; lower NLL, ECE, AECE, Brier)"
+        classifier = "higher accuracy; lower NLL, ECE, AECE, Brier"
+        ends = "lower NLL, RMSE, MAE, calibration error" if RMSE in metrics else classifier
+        note += f" Bold: the best mean of a column with a better end ({ends})"
         note += "." if fewest >= 2 else ", only where every method with a value has two or more seeds."
     table = _metric_table(f"Results ({spread_text(groups)})", groups, metrics, note)
     flagged = {m: [r for r in runs if is_flagged(r.get("health"))] for m, runs in groups.items()}
