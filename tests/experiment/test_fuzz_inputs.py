@@ -163,7 +163,9 @@ def _cheap(raw: dict[str, Any]) -> dict[str, Any]:
     raw["data"].update(name="digits", image_size=8)
     if raw["data"].get("normalize"):  # ImageNet statistics need three channels
         raw["data"]["to_rgb"] = True
-    raw["model"] = {k: v for k, v in raw.get("model", {}).items() if k != "pretrained"} | {"name": "mlp", "width": 16}
+    # digits is a classification set: a regression config (model.likelihood: gaussian) moves onto it as a classifier
+    dropped = ("pretrained", "likelihood", "noise_std")
+    raw["model"] = {k: v for k, v in raw.get("model", {}).items() if k not in dropped} | {"name": "mlp", "width": 16}
     raw["eval"] = {**raw.get("eval", {}), "num_samples": 1}
     return raw
 

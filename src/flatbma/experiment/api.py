@@ -172,7 +172,15 @@ def fit_posterior(
             state = posterior.init(trainable_params(model), model_buffers(model))
             model.train()
             total = epochs + config.extra_epochs()  # Laplace: the curvature epoch after the MAP's
-            log = EpochLogger(Path(), (), epochs=total, learning_rate=rate, history=History(), lines=progress)
+            log = EpochLogger(
+                Path(),
+                (),
+                epochs=total,
+                learning_rate=rate,
+                history=History(),
+                lines=progress,
+                accuracy=gaussian is None,  # regression targets have none
+            )
             state, _ = fit(
                 posterior,
                 state,

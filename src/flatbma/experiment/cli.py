@@ -42,7 +42,17 @@ from flatbma.optim import Amortized
 
 # What str.splitlines() breaks on: escaped in error messages (user values such as keys and paths may hold them).
 _ESCAPE_LINE_BREAKS = {ord(c): repr(c)[1:-1] for c in "\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029"}
-SUMMARY_KEYS = ("accuracy", "nll", "ece", "aece", "brier", "lambda1", "lambda1_over_lambda5", "sam_sharpness")
+SUMMARY_KEYS = (
+    "accuracy",
+    "nll",
+    "ece",
+    "aece",
+    "brier",
+    "lambda1",
+    "lambda1_over_lambda5",
+    "sam_sharpness",
+    *("rmse", "mae", "coverage_0.9", "calibration_error"),  # a regression run's (model.likelihood: gaussian)
+)
 
 
 class _Parser(argparse.ArgumentParser):

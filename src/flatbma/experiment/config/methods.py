@@ -103,6 +103,8 @@ class MethodSpec:
             ``prior_precision``, the grid search of Daxberger et al. 2021 / laplace-torch).
         aliases: other spellings of family options, ``{alias: option}`` (``ensemble``'s ``members``: its
             ``size``), accepted in a section and recorded under the option's own name.
+        regression: whether the family fits with any loss, so with a Gaussian likelihood's
+            (``model.likelihood: gaussian``); Laplace's curvature is the softmax's Gauss-Newton: it does not.
         stored: ``{option: value}`` for options added after runs were stored with another behaviour than their
             default: what a stored resolved section (a run directory's ``config.yaml``) without the option
             trained with (:func:`as_trained`). Laplace's ``subset``: ``all`` (it was all weights before
@@ -126,6 +128,7 @@ class MethodSpec:
     on_validation: Mapping[str, tuple[float, ...]] = field(default_factory=dict)
     aliases: Mapping[str, str] = field(default_factory=dict)
     stored: Mapping[str, Any] = field(default_factory=dict)
+    regression: bool = True
 
     def family_options(self) -> dict[str, Any]:
         """The type of every family option, in order: ``of`` first when the method nests a section."""
@@ -269,6 +272,11 @@ class MethodConfig:
     def with_options(self, **options: Any) -> MethodConfig:
         """This section with ``options`` replaced (e.g. the chosen ``prior_precision``)."""
         return dataclasses.replace(self, options={**self.options, **options})
+
+    def regression(self) -> bool:
+        """Whether it fits a regression network (:attr:`MethodSpec.regression`, and that of a nested section)."""
+        own = METHODS[self.name].regression
+        return own and all(v.regression() for v in self.options.values() if isinstance(v, MethodConfig))
 
     def against_map(self) -> bool:
         """Whether the BMA is compared with its MAP after fitting (:attr:`MethodSpec.against_map`)."""
@@ -931,6 +939,7 @@ def _laplace(name: str, summary: str, family: Callable[..., Posterior], **kw: An
         against_map=True,
         on_validation={"prior_precision": PRIOR_PRECISION_GRID},
         prior_refusal=_LAPLACE_PRIOR,
+        regression=False,
         **kw,
     )
 

@@ -15,6 +15,7 @@ from typing import Any
 
 import yaml
 
+from flatbma.data.tabular import is_regression_dataset
 from flatbma.errors import FlatbmaError, suggest
 from flatbma.experiment.config.entries import first_run_sections
 from flatbma.experiment.config.methods import MethodConfig, as_trained, parse_method
@@ -124,7 +125,50 @@ def config_from_dict(raw: Any) -> RunConfig:
     top = parse_dataclass(_TopLevel, {k: raw[k] for k in ("seed", "output_dir") if k in raw}, "")
     method = parse_method(raw["method"])
     prior = parse_prior(raw.get("prior"), method)
-    return RunConfig(method=method, seed=top.seed, output_dir=top.output_dir, prior=prior, **sections)
+    cfg = RunConfig(method=method, seed=top.seed, output_dir=top.output_dir, prior=prior, **sections)
+    check_likelihood(cfg)
+    return cfg
+
+
+def check_likelihood(cfg: RunConfig) -> None:
+    """Refuse a likelihood the run's data, method or evaluation cannot take (``model.likelihood``), in one line.
+
+    A regression data set needs ``gaussian`` and a classification one ``categorical``; the Laplace family
+    (a softmax Gauss-Newton: :attr:`~flatbma.experiment.config.methods.MethodSpec.regression`) fits no
+    regression network; a regression run measures no flatness, watches no early stopping, detects no
+    out-of-distribution inputs, draws no k-shot sample and trains no two-stage prior (not implemented for
+    it yet), and its feature vectors take no image option.
+    """
+    regression_data = is_regression_dataset(cfg.data.name)
+    if cfg.model.gaussian is None:
+        if regression_data:
+            raise FlatbmaError(
+                f"dataset {cfg.data.name!r} has regression targets: set model.likelihood: gaussian "
+                "(and a model with 2 outputs, or 1 with model.noise_std)"
+            )
+        return
+    if not regression_data:
+        raise FlatbmaError(
+            f"model.likelihood: gaussian needs a regression data set (data.name: diabetes), but {cfg.data.name!r} "
+            "is a classification one: use model.likelihood: categorical"
+        )
+    for method in (cfg.method, cfg.prior.method if cfg.prior is not None else None):
+        if method is not None and not method.regression():
+            raise FlatbmaError(
+                f"method {method.name!r} cannot fit a regression network (model.likelihood: gaussian): its curvature "
+                "is the Gauss-Newton of the softmax; use swag or swag-diag (a Gaussian around SGD) or mfvi instead"
+            )
+    refused = {
+        "eval.flatness": cfg.eval.flatness,
+        "train.early_stopping": cfg.train.early_stopping is not None,
+        "eval.ood": cfg.eval.ood is not None,
+        "data.k_shot": cfg.data.k_shot is not None,
+        "prior": cfg.prior is not None,
+        **{f"data.{k}": bool(getattr(cfg.data, k)) for k in ("image_size", "to_rgb", "normalize", "augment")},
+    }
+    for key, given in refused.items():
+        if given:
+            raise FlatbmaError(f"{key} is not implemented for a regression run (model.likelihood: gaussian): remove it")
 
 
 @dataclass(frozen=True)

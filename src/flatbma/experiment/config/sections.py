@@ -23,6 +23,7 @@ from flatbma.optim import SGD, Adam, constant, cosine
 from flatbma.optim.schedules import Schedule as LearningRate
 from flatbma.options import added, resolved
 from flatbma.precision import Precision
+from flatbma.regression import Gaussian
 from flatbma.transfer import Subset
 from flatbma.types import GradientTransformation
 
@@ -182,6 +183,15 @@ class DataConfig:
         return (self.k_shot is not None and (self.val_per_class > 0 or self.val_pool > 0)) or self.val_fraction > 0
 
 
+class Likelihood(str, Enum):
+    """The likelihood ``p(y | x, w)`` of the network's outputs (``model.likelihood``; strings and members accepted)."""
+
+    CATEGORICAL = "categorical"
+    """A classifier: softmax of the logits, cross-entropy; integer labels."""
+    GAUSSIAN = "gaussian"
+    """Regression, :class:`flatbma.regression.Gaussian`: the loss is the Gaussian NLL; float targets."""
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Network.
@@ -195,6 +205,11 @@ class ModelConfig:
             ``all``, ``norm+classifier`` (every normalization layer and the classifier, selected by
             module type — FP-BMA's Bayesian transfer learning) or ``classifier``; the rest stays at
             its pretrained (or initial) values.
+        likelihood: ``categorical`` (a classifier) or ``gaussian`` (regression on a regression data set,
+            e.g. ``data.name: diabetes``: :class:`flatbma.regression.Gaussian`; the network returns the mean
+            and a raw scale, or the mean alone with ``noise_std``).
+        noise_std: with ``gaussian``: ``null`` learns the noise ``σ(x)`` with the weights (two outputs), a
+            positive number fixes ``σ`` (one output), in standard deviations of the (standardized) target.
     """
 
     name: str = "mlp"
@@ -202,12 +217,24 @@ class ModelConfig:
     width: int | None = None
     dropout: float = 0.0
     trainable: Subset = Subset.ALL
+    likelihood: Likelihood = added(Likelihood.CATEGORICAL)
+    noise_std: float | None = added(None)
 
     def __post_init__(self) -> None:
         _set_member(self, "trainable", Subset)
+        _set_member(self, "likelihood", Likelihood)
         check_positive("width", self.width, allow_none=True)
         if not 0 <= self.dropout < 1:
             raise FlatbmaError(f"dropout must be in [0, 1), got {self.dropout!r}")
+        if self.noise_std is not None:
+            if self.likelihood is not Likelihood.GAUSSIAN:
+                raise FlatbmaError("model.noise_std is the Gaussian likelihood's: set model.likelihood: gaussian")
+            check_positive("noise_std", self.noise_std)
+
+    @property
+    def gaussian(self) -> Gaussian | None:
+        """The :class:`~flatbma.regression.Gaussian` likelihood of a regression run, ``None`` for a classifier."""
+        return Gaussian(noise_std=self.noise_std) if self.likelihood is Likelihood.GAUSSIAN else None
 
 
 @dataclass(frozen=True)

@@ -293,6 +293,16 @@ TRACE_COV = Metric("trace_cov", "tr Σ", width_field("trace_cov"), lower="narrow
 RATIO = Metric("lambda1_over_lambda5", "λ₁/λ₅", _key("lambda1_over_lambda5"))
 
 PREDICTIVE_METRICS: tuple[Metric, ...] = (ACCURACY, NLL, ECE, AECE, BRIER)
+RMSE = _lower_better("rmse", "RMSE", bounds=NONNEGATIVE)
+REGRESSION_METRICS: tuple[Metric, ...] = (
+    _lower_better("nll", "NLL"),  # a density's: unbounded below
+    RMSE,
+    _lower_better("mae", "MAE", bounds=NONNEGATIVE),
+    *(Metric(f"coverage_{a}", f"coverage {a}", _key(f"coverage_{a}"), bounds=UNIT) for a in ("0.5", "0.9", "0.95")),
+    _lower_better("calibration_error", "calibration error", bounds=UNIT),
+)
+"""The test metrics of a regression run (``model.likelihood: gaussian``): the mixture predictive's
+(:func:`flatbma.regression.mixture_metrics`); a coverage is best at its level, so no end of it is better."""
 FLATNESS_METRICS: tuple[Metric, ...] = (LAMBDA1, LAMBDA1_MEAN, TRACE_COV, RATIO)
 COMPARED: tuple[Metric, ...] = (ACCURACY, NLL, ECE, BRIER, LAMBDA1, TRACE_COV)
 """The metrics compared with the reference, in the order of the findings (λ₁ followed by its width)."""

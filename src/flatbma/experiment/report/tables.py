@@ -44,6 +44,8 @@ from flatbma.experiment.report.rows import (
     LEVEL,
     MISSING,
     PREDICTIVE_METRICS,
+    REGRESSION_METRICS,
+    RMSE,
     TEMPERATURE_METRICS,
     TRACE_COV,
     Metric,
@@ -166,7 +168,8 @@ def _summary_metrics(runs: Sequence[Run]) -> tuple[Metric, ...]:
     flat = [m for m in FLATNESS_METRICS if any(m.get(r) is not None for r in runs)]
     if (LAMBDA1 in flat or LAMBDA1_MEAN in flat) and TRACE_COV not in flat:
         flat.insert(flat.index(LAMBDA1_MEAN if LAMBDA1_MEAN in flat else LAMBDA1) + 1, TRACE_COV)
-    return (*PREDICTIVE_METRICS, *flat)
+    regression = any(RMSE.get(r) is not None for r in runs)
+    return (*(REGRESSION_METRICS if regression else PREDICTIVE_METRICS), *flat)
 
 
 BOUNDS_NOTE = (
@@ -183,6 +186,15 @@ BRIER_NOTE = (
 """The Brier column's caption: flatbma's convention (:func:`flatbma.metrics.brier`) against scikit-learn's."""
 
 
+REGRESSION_NOTE = (
+    "Regression (a Gaussian likelihood): NLL of the mixture predictive (1/M) Σ_m N(y; μ_m, σ_m²), in nats per "
+    "example (a density's: it can be negative); RMSE and MAE of its mean; coverage α: the share of test targets "
+    "inside its central α interval (α is ideal); calibration error: the mean |coverage − α| over α = 0.05 … 0.95; "
+    "targets in standard deviations of the training targets."
+)
+"""The summary table's caption for a regression comparison (:data:`.rows.REGRESSION_METRICS`)."""
+
+
 def _summary(groups: dict[str, list[Run]]) -> Table:
     runs = [r for rs in groups.values() for r in rs]
     metrics = _summary_metrics(runs)
@@ -192,7 +204,10 @@ def _summary(groups: dict[str, list[Run]]) -> Table:
         note += " One seed per method: each cell is that run's value, with no spread and no interval over seeds."
     else:
         note += f" Per method over its seeds: mean ± std [{LEVEL:.0%} Student t interval of the mean]."
-    note += f" {BRIER_NOTE}"
+    if RMSE in metrics:
+        note += f" {REGRESSION_NOTE}"
+    else:
+        note += f" {BRIER_NOTE}"
     if LAMBDA1 in metrics or LAMBDA1_MEAN in metrics:
         note += (
             " λ₁: top Hessian eigenvalue of the training loss at a posterior sample; λ₁ median: the median over "
@@ -208,7 +223,9 @@ def _summary(groups: dict[str, list[Run]]) -> Table:
     if most == 1:
         note += " No cell is marked best: with one seed there is no interval to tell a best from noise."
     else:
-        note += " Bold: the best mean of a column with a better end (higher accuracy; lower NLL, ECE, AECE, Brier)"
+        classifier = "higher accuracy; lower NLL, ECE, AECE, Brier"
+        ends = "lower NLL, RMSE, MAE, calibration error" if RMSE in metrics else classifier
+        note += f" Bold: the best mean of a column with a better end ({ends})"
         note += "." if fewest >= 2 else ", only where every method with a value has two or more seeds."
     table = _metric_table(f"Results ({spread_text(groups)})", groups, metrics, note)
     flagged = {m: [r for r in runs if is_flagged(r.get("health"))] for m, runs in groups.items()}

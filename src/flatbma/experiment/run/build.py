@@ -33,6 +33,14 @@ from flatbma.data import (
     load_dataset,
     stratified_split,
 )
+from flatbma.data.tabular import (
+    RegressionSplits,
+    TabularDataset,
+    is_regression_dataset,
+    load_regression_dataset,
+    random_split,
+    standardized,
+)
 from flatbma.data.transforms import Transform
 from flatbma.errors import FlatbmaError
 from flatbma.experiment.config.run_config import RunConfig
@@ -44,6 +52,7 @@ from flatbma.models import build_model, check_classifier
 from flatbma.optim import LossScaled
 from flatbma.params import Objective
 from flatbma.precision import Precision
+from flatbma.regression import Gaussian
 from flatbma.transfer import restrict_trainable, subset_names
 from flatbma.types import Params, Posterior
 
@@ -97,6 +106,8 @@ class Experiment:
             un-augmented images in a fixed order, the same on every process and every evaluation.
         rng: the global RNG state at the end of building; evaluation starts from it.
         data_fingerprint: :func:`data_fingerprint` of the data set the run draws its examples from.
+        likelihood: the Gaussian likelihood of a regression run (``model.likelihood: gaussian``; then
+            ``num_classes`` is 0), ``None`` for a classifier.
     """
 
     config: RunConfig
@@ -112,6 +123,7 @@ class Experiment:
     bn_loader: DataLoader
     rng: GlobalRNG
     data_fingerprint: str
+    likelihood: Gaussian | None = None
 
 
 def _dataset_options(d: DataConfig) -> dict[str, Any]:
@@ -134,33 +146,68 @@ class RunData:
             or ``None`` for all of them.
     """
 
-    train: ArrayDataset
-    val: ArrayDataset | None
-    test: ArrayDataset
+    train: ArrayDataset | TabularDataset
+    val: ArrayDataset | TabularDataset | None
+    test: ArrayDataset | TabularDataset
     hessian: Tensor | None
 
 
-def load_data(d: DataConfig) -> DatasetSplits:
+def load_data(d: DataConfig) -> DatasetSplits | RegressionSplits:
     """The data set of the ``data`` section, as read from its files (or the embedded copy)."""
+    if is_regression_dataset(d.name):
+        return load_regression_dataset(d.name, d.root)
     return load_dataset(d.name, d.root, **_dataset_options(d))
 
 
-def data_fingerprint(splits: DatasetSplits) -> str:
+def data_fingerprint(splits: DatasetSplits | RegressionSplits) -> str:
     """A short SHA-256 of a data set's content: both splits' images and labels (dtype, shape, bytes) and its classes.
 
     Equal data, equal fingerprints; a changed pixel, label, class name or example changes it. With the
     resolved config (which fixes the k-shot draw, the test subset and the transforms) it says what data a
     run saw: a checkpoint records it, and a run whose data changed is neither reused nor resumed.
     """
-    h = hashlib.sha256(json.dumps(splits.train.classes).encode())
-    for split in (splits.train, splits.test):
-        for t in (split.images, split.labels):
+    if isinstance(splits, RegressionSplits):
+        h, tensors = hashlib.sha256(b"regression"), [(s.features, s.targets) for s in (splits.train, splits.test)]
+    else:
+        h = hashlib.sha256(json.dumps(splits.train.classes).encode())
+        tensors = [(s.images, s.labels) for s in (splits.train, splits.test)]
+    for pair in tensors:
+        for t in pair:
             h.update(f"{t.dtype}{list(t.shape)}".encode())
             h.update(memoryview(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()))
     return h.hexdigest()[:16]
 
 
-def select_data(cfg: RunConfig, splits: DatasetSplits) -> RunData:
+def select_regression_data(cfg: RunConfig, splits: RegressionSplits) -> RunData:
+    """The examples of a regression run, every split standardized on the training examples only.
+
+    ``data.val_fraction`` of the training split is held out (a permutation of the run's seed), ``data.test_limit``
+    test examples are kept (a permutation of seed 0), then every split is rescaled by the statistics of the
+    training examples only (:func:`flatbma.data.tabular.standardized`).
+    """
+    d = cfg.data
+    train, test, val = splits.train, splits.test, None
+    if d.val_per_class or d.val_pool:
+        raise FlatbmaError("a regression data set has no classes: hold out validation data with data.val_fraction")
+    if d.val_fraction:
+        kept, held = random_split(len(train), d.val_fraction, cfg.seed)
+        if len(held) == 0 or len(kept) < 2:
+            raise FlatbmaError(
+                f"data.val_fraction={d.val_fraction} holds out {len(held)} of {len(train)} training examples: choose a "
+                "share that leaves both parts non-empty"
+            )
+        train, val = train.subset(kept), train.subset(held)
+    if d.test_limit is not None and d.test_limit < len(test):
+        _, kept = random_split(len(test), d.test_limit / len(test), 0)
+        test = test.subset(kept)
+    hessian = None
+    if cfg.eval.hessian_examples is not None and cfg.eval.hessian_examples < len(train):
+        _, hessian = random_split(len(train), cfg.eval.hessian_examples / len(train), 0)
+    train, test, *rest = standardized(train, test, *([val] if val is not None else []))
+    return RunData(train=train, val=rest[0] if rest else None, test=test, hessian=hessian)
+
+
+def select_data(cfg: RunConfig, splits: DatasetSplits | RegressionSplits) -> RunData:
     """The examples ``cfg`` trains, validates, tests and measures the Hessian on, drawn from ``splits`` (seeded).
 
     Raises:
@@ -168,6 +215,8 @@ def select_data(cfg: RunConfig, splits: DatasetSplits) -> RunData:
             class without a training example), a k-shot draw the data cannot give, or a ``data.test_limit``
             or ``eval.hessian_examples`` that keeps no example.
     """
+    if isinstance(splits, RegressionSplits):
+        return select_regression_data(cfg, splits)
     check_learnable(splits)
     d = cfg.data
     train, test = splits.train, splits.test
@@ -216,20 +265,56 @@ def select_data(cfg: RunConfig, splits: DatasetSplits) -> RunData:
     return RunData(train=train, val=val, test=test, hessian=hessian)
 
 
-def transforms(d: DataConfig) -> tuple[Transform, Transform]:
-    """``(training, evaluation)`` transforms of the ``data`` section (the evaluation one never augments)."""
+def transforms(d: DataConfig) -> tuple[Transform | None, Transform | None]:
+    """``(training, evaluation)`` transforms of the ``data`` section (the evaluation one never augments).
+
+    A regression data set's feature vectors take none: ``(None, None)``.
+    """
+    if is_regression_dataset(d.name):
+        return None, None
     train_tf = build_transform(size=d.image_size, to_rgb=d.to_rgb, normalize=d.normalize, augment=d.augment)
     eval_tf = build_transform(size=d.image_size, to_rgb=d.to_rgb, normalize=d.normalize, augment=False)
     return train_tf, eval_tf
 
 
-def build_network(cfg: RunConfig, train: ArrayDataset) -> torch.nn.Module:
+def build_regression_network(cfg: RunConfig, train: TabularDataset, gaussian: Gaussian) -> torch.nn.Module:
+    """The network of a regression run: ``model.name`` on ``D`` input features with ``gaussian.outputs`` outputs.
+
+    2 outputs (mean, raw scale) with a learned noise, 1 (the mean) with a fixed ``model.noise_std``; checked
+    with one forward pass on two training examples.
+    """
+    model = build_model(
+        cfg.model.name,
+        num_classes=gaussian.outputs,
+        in_channels=train.num_features,
+        image_size=1,
+        pretrained=cfg.model.pretrained,
+        width=cfg.model.width,
+        dropout=cfg.model.dropout,
+        seed=cfg.seed,
+    )
+    restrict_trainable(model, subset_names(model, cfg.model.trainable))
+    with torch.no_grad():
+        out = model(train.features[:2])
+    if not isinstance(out, Tensor) or list(out.shape) != [2, gaussian.outputs]:
+        got = list(out.shape) if isinstance(out, Tensor) else type(out).__name__
+        raise FlatbmaError(
+            f"model {shown(cfg.model.name)} returns {got} for 2 feature vectors of a regression data set; a Gaussian "
+            f"likelihood needs [2, {gaussian.outputs}]: use model.name: mlp"
+        )
+    return model
+
+
+def build_network(cfg: RunConfig, train: ArrayDataset | TabularDataset) -> torch.nn.Module:
     """The network of ``cfg`` (on the CPU, seeded) for the images of ``train``, only ``model.trainable`` trainable.
 
     It is checked with one forward pass on two images of ``train`` (:func:`~flatbma.models.check_classifier`,
     under a forked RNG: the numbers of the run do not change): logits ``[2, num_classes]``, float32, finite
     weights, something to train.
     """
+    gaussian = cfg.model.gaussian
+    if gaussian is not None:
+        return build_regression_network(cfg, train, gaussian)
     channels, height, width = train[0][0].shape  # (an augmenting transform draws here: runs' numbers count on it)
     with torch.random.fork_rng(devices=[]):  # the check's images draw nothing the run sees
         x = torch.stack([train[i][0] for i in range(min(2, len(train)))])
@@ -281,7 +366,13 @@ def build_experiment(cfg: RunConfig, prior: Params | None = None) -> Experiment:
     train_loader = strategy.train_loader(train, d.batch_size, seed=cfg.seed)  # data.batch_size: the global batch
     optimizer = cfg.optim.build(steps_per_epoch=len(train_loader), epochs=cfg.train.epochs)
     precision = cfg.train.precision
-    objective = strategy.objective(Objective(model=model, num_data=len(train), precision=precision))
+    gaussian = cfg.model.gaussian
+    if gaussian is not None and processes.world_size() > 1:  # each process would score only its shard's mixture
+        raise FlatbmaError(
+            "a regression run (model.likelihood: gaussian) is not implemented under torchrun yet: run it in one process"
+        )
+    loss = {"loss_fn": gaussian} if gaussian is not None else {}
+    objective = strategy.objective(Objective(model=model, num_data=len(train), precision=precision, **loss))
     method = cfg.method.build(objective, optimizer, prior, map_steps=cfg.train.epochs * len(train_loader))
     if precision is Precision.FP16:
         _check_one_scale(strategy)
@@ -300,4 +391,5 @@ def build_experiment(cfg: RunConfig, prior: Params | None = None) -> Experiment:
         bn_loader=statistics_loader(statistics_data, d.eval_batch_size),
         rng=GlobalRNG.capture(device),
         data_fingerprint=data_fingerprint(splits),
+        likelihood=gaussian,
     )

@@ -74,6 +74,7 @@ from flatbma.predict import (
 from flatbma.predictor import bma_predictions as predictor_predictions
 from flatbma.predictor import posterior_mean as mean_weights
 from flatbma.predictor import trained_names
+from flatbma.regression import mixture_metrics, sample_outputs
 from flatbma.rng import splitmix64
 from flatbma.types import Batch, Params, Predictive, State, prediction_mode
 
@@ -295,12 +296,55 @@ def training_fit(exp: Experiment, predictions: Predictions) -> dict[str, Any]:
     return {"train_bma_accuracy": correct / n, "train_examples": n, "chance_accuracy": int(counts.max()) / n}
 
 
+REGRESSION_KEYS = ("nll", "rmse", "mae", "coverage_0.5", "coverage_0.9", "coverage_0.95", "calibration_error")
+"""Metrics of a regression run's BMA on the test set (:func:`flatbma.regression.mixture_metrics`)."""
+
+
+def metric_keys(record: Any) -> tuple[str, ...]:
+    """The test metrics a run's record holds: :data:`REGRESSION_KEYS` for a regression's, else :data:`CLEAN_KEYS`."""
+    return REGRESSION_KEYS if isinstance(record, dict) and record.get("likelihood") == "gaussian" else CLEAN_KEYS
+
+
+def regression_metrics(exp: Experiment, samples: list[Params]) -> dict[str, Any]:
+    """The mixture predictive ``(1/M) Σ_m N(y; μ_m, σ_m²)`` of ``samples`` on the test set, scored.
+
+    By :func:`flatbma.regression.mixture_metrics`: NLL, RMSE, MAE, coverage, calibration error, the variances.
+
+    Each sample's ``(μ_m, σ_m²)`` are those of the run's :class:`~flatbma.regression.Gaussian` on its outputs,
+    in the method's prediction mode (MC dropout's masks); no gradients.
+    """
+    gaussian = exp.likelihood
+    if gaussian is None:
+        raise FlatbmaError("regression_metrics needs a regression run (model.likelihood: gaussian)")
+    mode = prediction_mode(exp.method, exp.config.seed)
+    exp.model.eval()
+    means, variances, targets = [], [], []
+    with torch.no_grad(), forward_precision(exp), mode(exp.model) if mode is not None else nullcontext():
+        for x, y in exp.test_loader:
+            mu, var = gaussian.moments(sample_outputs(exp.model, samples, x.to(exp.device)))
+            means.append(mu.cpu())
+            variances.append(var.cpu())
+            targets.append(y)
+    return mixture_metrics(torch.cat(means, dim=1), torch.cat(variances, dim=1), torch.cat(targets))
+
+
 def evaluate_state(exp: Experiment, state: State, *, flatness: bool = False) -> dict[str, Any]:
     """BMA metrics of ``state`` on the test set (and flatness when asked), from the build's RNG state.
 
     ``health`` holds the BMA's :func:`training_fit`; the caller completes it with the run's loss history
-    (:func:`flatbma.experiment.run.health.assess`).
+    (:func:`flatbma.experiment.run.health.assess`). A regression run (:attr:`Experiment.likelihood`) records
+    :func:`regression_metrics` instead of the classifier's, and no flatness (refused: not implemented for it).
     """
+    if exp.likelihood is not None:
+        for what, asked in (("flatness", flatness), ("OOD detection (--ood, eval.ood)", exp.config.eval.ood)):
+            if asked:
+                raise FlatbmaError(f"{what} is not measured for a regression run (model.likelihood: gaussian) yet")
+        with exp.rng.restored():
+            samples = with_bn_statistics(exp, draw_samples(exp, state))
+            metrics: dict[str, Any] = {"likelihood": "gaussian", **regression_metrics(exp, samples), "health": None}
+            metrics["bn_statistics"] = bn_statistics(exp)
+            metrics.update(diagnostics(exp, state))
+        return metrics
     what = f"{progress.count(exp.config.eval.num_samples, 'sample')} on the test set"
     with exp.rng.restored():
         with progress.current().phase("BMA", what):
@@ -491,6 +535,14 @@ def measure(
         landscape: record a 1-D loss landscape.
     """
     report = progress.current()
+    if exp.likelihood is not None:
+        if flatness or landscape or corruptions:
+            raise FlatbmaError("flatness, the landscape and corruptions are not measured for a regression run yet")
+        start = time.perf_counter()
+        result = evaluate_state(exp, state)
+        result.update(health=None, temperature=None, corruptions={}, landscape=None)
+        result["eval_time_s"] = time.perf_counter() - start
+        return result
     with exp.rng.restored():
         start = time.perf_counter()
         with report.phase("BMA", f"{progress.count(exp.config.eval.num_samples, 'sample')} on the test set"):

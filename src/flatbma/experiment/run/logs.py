@@ -72,6 +72,8 @@ class EpochLogger:
         lines: print a line per epoch on ``stderr`` (where :mod:`flatbma.progress` prints lines).
         started: when the loop started (``time.perf_counter()``), for a logger created after it (at the
             first checkpoint); ``None``: now.
+        accuracy: show the accuracy in the lines; ``False`` for regression targets, which have none (``log.csv``
+            keeps its column, at 0, so that its columns are the same for every run).
     """
 
     def __init__(
@@ -84,8 +86,10 @@ class EpochLogger:
         history: History,
         lines: bool = True,
         started: float | None = None,
+        accuracy: bool = True,
     ) -> None:
         self._epochs = epochs
+        self._accuracy = accuracy
         self._learning_rate = learning_rate
         self._lines = lines
         self._logged = len(history.epochs)
@@ -117,8 +121,9 @@ class EpochLogger:
             row = self._row(history.epochs, i, now - self._last)
             self.rows.append(dict(row))
             if self._lines and progress.current().epochs:
+                acc = f"acc {row['accuracy']:.3f}  " if self._accuracy else ""
                 progress.current().line(
-                    f"epoch {row['epoch']}/{self._epochs}  loss {row['loss']:.4f}  acc {row['accuracy']:.3f}  "
+                    f"epoch {row['epoch']}/{self._epochs}  loss {row['loss']:.4f}  {acc}"
                     f"lr {row['lr']:.4g}  {_seconds(row['time_s'])} s"
                 )
             if self._csv is not None:

@@ -302,7 +302,14 @@ def _train_stage(
         if first:  # the one process that saves (with the history of all): it logs
             kinds, lines = cfg.train.log, cfg.train.progress
             logger = EpochLogger(
-                run_dir, kinds, epochs=cfg.epochs, learning_rate=rate, history=logged, lines=lines, started=start
+                run_dir,
+                kinds,
+                epochs=cfg.epochs,
+                learning_rate=rate,
+                history=logged,
+                lines=lines,
+                started=start,
+                accuracy=cfg.model.gaussian is None,  # regression targets have none
             )
         logger(h)  # after the checkpoint: the logs never run ahead of it
 

@@ -69,7 +69,7 @@ def run_shape(cfg: RunConfig, splits: DatasetSplits | None = None, *, trainable:
         num_classes=data.train.num_classes,
         pretrained=cfg.model.pretrained is not None,
         available_memory=free,
-        channels=data.test.image_shape[0],
+        channels=data.test.image_shape[0] if hasattr(data.test, "image_shape") else None,
     )
 
 

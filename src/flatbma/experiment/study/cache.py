@@ -22,7 +22,7 @@ from flatbma.errors import FlatbmaError
 from flatbma.experiment.config.parse import load_yaml
 from flatbma.experiment.config.run_config import RunConfig
 from flatbma.experiment.run.checkpoint import atomic_write_bytes, checkpoint_metadata, checkpoint_record
-from flatbma.experiment.run.evaluate import CLEAN_KEYS
+from flatbma.experiment.run.evaluate import metric_keys
 from flatbma.experiment.run.lock import LOCK_FILE
 from flatbma.experiment.run.stage import CHECKPOINT_FILE, CONFIG_FILE, METRICS_FILE, finished_run
 
@@ -84,7 +84,7 @@ def is_row_cache(content: Any) -> bool:
     row = content.get("result")
     if not (isinstance(row, dict) and isinstance(row.get("method"), str)):
         return False
-    return all(_is_number(row.get(k)) for k in CLEAN_KEYS)
+    return all(_is_number(row.get(k)) for k in metric_keys(row))
 
 
 def is_candidate_record(content: Any) -> bool:

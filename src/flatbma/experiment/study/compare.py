@@ -74,7 +74,7 @@ from flatbma.experiment.parallel import processes
 from flatbma.experiment.report import documents, findings
 from flatbma.experiment.run.build import Experiment, data_fingerprint, load_data
 from flatbma.experiment.run.checkpoint import atomic_write_bytes, atomic_write_json, remove_stale_temps
-from flatbma.experiment.run.evaluate import CLEAN_KEYS, measure
+from flatbma.experiment.run.evaluate import measure, metric_keys
 from flatbma.experiment.run.health import assess, warn_if_flagged
 from flatbma.experiment.run.lock import hold
 from flatbma.experiment.run.outdir import check_compare_output
@@ -479,8 +479,9 @@ def _measured(
         "width_matched": matched,
     }
     result["health"] = assess(train_metrics.get("history"), result["health"])
-    if matched is None and not all(k in train_metrics for k in CLEAN_KEYS):  # the run directory is complete on its own
-        train_metrics.update({k: result[k] for k in CLEAN_KEYS}, num_samples=cfg.eval.num_samples)
+    keys = metric_keys(result)
+    if matched is None and not all(k in train_metrics for k in keys):  # the run directory is complete on its own
+        train_metrics.update({k: result[k] for k in keys}, num_samples=cfg.eval.num_samples)
         train_metrics["health"] = result["health"]
         atomic_write_json(run_dir / METRICS_FILE, train_metrics)
     warn_if_flagged(result["health"], f"{label} seed {cfg.seed} ({run_dir})")

@@ -333,7 +333,37 @@ def load_plan(path: str | Path, overrides: list[str] = (), *, quick: bool = Fals
     base = config_from_dict(raw)
     plan = Plan(base=base, compare=compare, raw=raw, out_dir=Path(base.output_dir))
     _check_selection(plan.jobs(), base)
+    _check_regression(plan)
     return plan
+
+
+def _check_regression(plan: Plan) -> None:
+    """Refuse what a regression comparison (``model.likelihood: gaussian``) does not measure yet, before it trains.
+
+    Its rows are the mixture predictive's NLL, RMSE, MAE, coverage and calibration error
+    (:func:`flatbma.experiment.run.evaluate.measure`); the Hessian spectra, the loss landscape, corrupted images
+    and candidate selection on a validation split are the classifier's.
+    """
+    if plan.base.model.gaussian is None:
+        return
+    c = plan.compare
+    asked = {
+        "compare.flatness: false": c.flatness,
+        "compare.landscape: false": c.landscape,
+        "compare.corruptions: []": bool(c.corruptions),
+    }
+    for fix, given in asked.items():
+        if given:
+            key = fix.partition(":")[0]
+            raise FlatbmaError(
+                f"{key} is not measured for a regression run (model.likelihood: gaussian) yet: set {fix}"
+            )
+    selecting = next((job for job in plan.jobs() if job.selects), None)
+    if selecting is not None:
+        raise FlatbmaError(
+            f"compare.methods entry {selecting.label!r} lists candidate values, but choosing on validation data is "
+            "not implemented for a regression run (model.likelihood: gaussian): give each option one value"
+        )
 
 
 def _check_quick(compare: CompareConfig) -> None:

@@ -1,0 +1,248 @@
+"""Regression from the command line (``model.likelihood: gaussian``, ``data.name: diabetes``): the config resolves,
+``flatbma train``/``evaluate``/``compare`` record the mixture predictive's metrics, which agree with the NLL, RMSE and
+coverage computed here from the saved weights on diabetes standardized independently (scikit-learn, torch.distributions,
+scipy); the refusals are one line each; a config without the key resolves as before."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+from scipy.stats import norm
+from sklearn.datasets import load_diabetes
+from torch.func import functional_call
+
+from flatbma.errors import FlatbmaError
+from flatbma.experiment.cli import main
+from flatbma.experiment.config.run_config import load_config
+from flatbma.experiment.config.sections import Likelihood
+from flatbma.experiment.run.checkpoint import load_state
+from flatbma.experiment.study.plan import load_plan
+from flatbma.models import build_model
+from flatbma.regression import mixture_metrics
+
+TINY = [
+    "--set",
+    "train.epochs=3",
+    "--set",
+    "model.width=8",
+    "--set",
+    "train.progress=false",
+    "--set",
+    "eval.num_samples=4",
+]
+
+
+def _run(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def _diabetes_by_hand() -> tuple[torch.Tensor, torch.Tensor]:
+    """The test split of diabetes (80/20 by torch.randperm of seed 0), standardized on the training split."""
+    data = load_diabetes(scaled=False)
+    x, y = np.asarray(data.data, dtype=np.float32), np.asarray(data.target, dtype=np.float32)
+    perm = torch.randperm(len(y), generator=torch.Generator().manual_seed(0))
+    held = round(0.2 * len(y))
+    test, train = perm[:held].sort().values.numpy(), perm[held:].sort().values.numpy()
+    mean, std = x[train].mean(0), x[train].std(0, ddof=1)
+    x_test = (x[test] - mean) / std
+    y_test = (y[test] - y[train].mean()) / y[train].std(ddof=1)
+    return torch.from_numpy(x_test), torch.from_numpy(y_test)
+
+
+def test_the_shipped_config_resolves_to_a_regression_comparison():
+    cfg = load_config("diabetes-regression")
+    assert cfg.model.likelihood is Likelihood.GAUSSIAN and cfg.model.gaussian.outputs == 2
+    assert cfg.data.name == "diabetes" and cfg.to_dict()["model"]["likelihood"] == "gaussian"
+    assert "noise_std" not in cfg.to_dict()["model"]  # at its default (learned), left out like other added options
+    plan = load_plan("diabetes-regression")
+    assert [m["name"] for m in plan.compare.methods] == ["sgd", "swag", "mfvi"] and plan.compare.seeds == (0,)
+    fixed = load_config("diabetes-regression", ["model.noise_std=0.5"])
+    assert fixed.model.gaussian.outputs == 1 and fixed.to_dict()["model"]["noise_std"] == 0.5
+
+
+def test_a_config_without_the_likelihood_resolves_as_before():
+    """The model section of a classification config holds exactly the keys it held before model.likelihood existed
+    (every shipped config's whole resolved config is pinned by test_resolved_configs.py)."""
+    for cfg in (load_config(None, ["method.name=sgd"]), load_config("digits-sam")):
+        assert cfg.model.likelihood is Likelihood.CATEGORICAL and cfg.model.gaussian is None
+        assert list(cfg.to_dict()["model"]) == ["name", "pretrained", "width", "dropout", "trainable"]
+    explicit = load_config("digits-sam", ["model.likelihood=categorical"])
+    assert explicit.to_dict() == load_config("digits-sam").to_dict()
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["method={name: laplace}"], "method 'laplace' cannot fit a regression network .* use swag"),
+        (["method={name: f-laplace}"], "method 'f-laplace' cannot fit a regression network"),
+        (["model.likelihood=poisson"], "model.likelihood must be one of 'categorical', 'gaussian', got 'poisson'"),
+        (["model.likelihood=categorical"], "dataset 'diabetes' has regression targets: set model.likelihood: gaussian"),
+        (["data.name=digits"], "model.likelihood: gaussian needs a regression data set"),
+        (["model.noise_std=0"], "noise_std must be > 0"),
+        (["eval.flatness=true"], "eval.flatness is not implemented for a regression run"),
+    ],
+)
+def test_refusals_are_one_line(tmp_path, capsys, overrides, message):
+    args = [a for o in overrides for a in ("--set", o)]
+    code, out, err = _run(capsys, "train", "--config", "diabetes-regression", "--set", f"output_dir={tmp_path}", *args)
+    assert code == 2 and out == ""
+    assert len(err.strip().splitlines()) == 1 and err.startswith("flatbma: error: ")
+    assert re.search(message, err), err
+    with pytest.raises(FlatbmaError):
+        load_config("diabetes-regression", overrides)
+
+
+@pytest.mark.parametrize("noise", [None, 0.7], ids=["learned-noise", "fixed-noise"])
+def test_train_and_evaluate_write_the_metrics_of_the_saved_weights(tmp_path, capsys, noise):
+    """A point estimate's BMA is one Gaussian N(μ(x), σ²(x)): its NLL, RMSE, MAE and coverage recomputed from the
+    checkpoint's weights on diabetes standardized here (scipy's normal) equal those in metrics.json."""
+    run_dir = tmp_path / "run"
+    noise_args = ["--set", f"model.noise_std={noise}"] if noise is not None else []
+    code, _, err = _run(
+        capsys,
+        "train",
+        "--config",
+        "diabetes-regression",
+        "--set",
+        "method={name: sgd}",
+        "--set",
+        f"output_dir={run_dir}",
+        *TINY,
+        *noise_args,
+    )
+    assert code == 0, err
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    for absent in ("accuracy", "ece", "aece", "brier"):
+        assert absent not in metrics
+    resolved = yaml.safe_load((run_dir / "config.yaml").read_text())
+    assert resolved["model"]["likelihood"] == "gaussian"
+
+    state = load_state(run_dir / "checkpoint.safetensors")
+    model = build_model("mlp", num_classes=1 if noise else 2, in_channels=10, image_size=1, width=8)
+    x, y = _diabetes_by_hand()
+    with torch.no_grad():
+        out = functional_call(model, {**state.params, **state.buffers}, (x,)).double()
+    mu = out[:, 0]
+    var = torch.full_like(mu, noise**2) if noise else torch.nn.functional.softplus(out[:, 1]) + 1e-6
+    m, s, t = mu.numpy(), var.sqrt().numpy(), y.double().numpy()
+    assert metrics["nll"] == pytest.approx(-norm.logpdf(t, m, s).mean(), rel=1e-5)
+    assert metrics["rmse"] == pytest.approx(math.sqrt(((m - t) ** 2).mean()), rel=1e-5)
+    assert metrics["mae"] == pytest.approx(np.abs(m - t).mean(), rel=1e-5)
+    pit = norm.cdf(t, m, s)
+    for level in (0.5, 0.9, 0.95):
+        assert metrics[f"coverage_{level:g}"] == pytest.approx(
+            (np.abs(pit - 0.5) <= level / 2).mean(), abs=1.5 / len(t)
+        )
+    assert metrics["n"] == len(t) == 88  # the whole test split
+
+    code, out, err = _run(capsys, "evaluate", str(run_dir))
+    assert code == 0, err
+    printed = json.loads(out.strip().splitlines()[-1])
+    assert printed["nll"] == metrics["nll"] and printed["rmse"] == metrics["rmse"]
+    for extra, what in ((["--flatness"], "flatness"), (["--ood", "gaussian_noise"], "OOD detection")):
+        code, out, err = _run(capsys, "evaluate", str(run_dir), *extra)
+        assert code == 2 and err.startswith(f"flatbma: error: {what}") and len(err.strip().splitlines()) == 1
+
+
+def test_a_swag_run_records_the_mixture_of_its_samples(tmp_path, capsys):
+    """SWAG's metrics are mixture_metrics of its own samples' (μ_m, σ_m²): the mixture NLL, not a mean of NLLs."""
+    from flatbma.experiment.run.build import build_experiment
+    from flatbma.experiment.run.evaluate import draw_samples
+
+    run_dir = tmp_path / "swag"
+    swag = "method={name: swag, rank: 2, collect_every: 1, start_step: 10}"
+    code, _, err = _run(
+        capsys, "train", "--config", "diabetes-regression", "--set", swag, "--set", f"output_dir={run_dir}", *TINY
+    )
+    assert code == 0, err
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    cfg = load_config(run_dir / "config.yaml")
+    exp = build_experiment(cfg)
+    state = load_state(run_dir / "checkpoint.safetensors")
+    with exp.rng.restored():
+        samples = draw_samples(exp, state)
+    x, y = _diabetes_by_hand()
+    with torch.no_grad():
+        outs = torch.stack([functional_call(exp.model, dict(w), (x,)) for w in samples]).double()
+    mu, var = outs[..., 0], torch.nn.functional.softplus(outs[..., 1]) + 1e-6
+    expected = mixture_metrics(mu, var, y)
+    assert metrics["epistemic_var"] > 0  # the samples differ
+    for key in ("nll", "rmse", "mae", "coverage_0.9", "calibration_error"):
+        assert metrics[key] == pytest.approx(expected[key], rel=1e-5, abs=1e-9)
+    per_sample_nll = -torch.distributions.Normal(mu, var.sqrt()).log_prob(y.double()).mean()
+    assert metrics["nll"] <= float(per_sample_nll) + 1e-9  # Jensen: the mixture's NLL ≤ the mean of the samples'
+
+
+def test_compare_reports_regression_columns_only(tmp_path, capsys):
+    out_dir = tmp_path / "cmp"
+    code, out, err = _run(
+        capsys,
+        "compare",
+        "--config",
+        "diabetes-regression",
+        "--set",
+        f"output_dir={out_dir}",
+        "--set",
+        "compare.methods=[{name: sgd}, {name: swag, rank: 2, collect_every: 1, start_step: 10}]",
+        *TINY,
+    )
+    assert code == 0, err
+    report = (out_dir / "report.md").read_text()
+    header = next(line for line in report.splitlines() if line.startswith("| method | seeds |"))
+    assert "RMSE" in header and "coverage 0.9" in header and "NLL" in header
+    for absent in ("accuracy", "ECE", "Brier"):
+        assert absent not in header
+    rows = json.loads((out_dir / "results.json").read_text())["runs"]
+    assert [r["method"] for r in rows] == ["sgd", "swag"]
+    for row in rows:
+        assert (
+            row["likelihood"] == "gaussian"
+            and row["nll"] == json.loads((Path(row["run_dir"]) / "metrics.json").read_text())["nll"]
+        )
+        assert not {"accuracy", "ece", "brier"} & set(row)
+    code, _, err = _run(
+        capsys,
+        "compare",
+        "--config",
+        "diabetes-regression",
+        "--set",
+        f"output_dir={out_dir}",
+        "--set",
+        "compare.flatness=true",
+    )
+    assert code == 2 and "compare.flatness is not measured for a regression run" in err
+    assert Path(out_dir / "report.md").read_text() == report
+
+
+def test_the_splits_are_standardized_on_the_training_examples_only():
+    """With data.val_fraction the validation share leaves the training split first; the statistics are the rest's."""
+    from flatbma.experiment.run.build import load_data, select_data
+
+    cfg = load_config("diabetes-regression", ["data.val_fraction=0.25", "seed=3"])
+    data = select_data(cfg, load_data(cfg.data))
+    assert (len(data.train), len(data.val), len(data.test)) == (266, 88, 88)  # round(0.25 · 354) = 88
+    torch.testing.assert_close(data.train.features.mean(0), torch.zeros(10), atol=1e-5, rtol=0)
+    torch.testing.assert_close(data.train.features.std(0), torch.ones(10), atol=1e-5, rtol=0)
+    assert abs(float(data.train.targets.mean())) < 1e-5
+    assert float(data.train.targets.std()) == pytest.approx(1, abs=1e-5)
+    raw = load_diabetes(scaled=False)
+    x, y = np.asarray(raw.data, dtype=np.float64), np.asarray(raw.target, dtype=np.float64)
+    perm = torch.randperm(442, generator=torch.Generator().manual_seed(0))
+    train = perm[88:].sort().values.numpy()
+    inner = torch.randperm(len(train), generator=torch.Generator().manual_seed(3))
+    kept = train[inner[88:].sort().values.numpy()]
+    _, y_test = _diabetes_by_hand()
+    assert not torch.allclose(y_test, data.test.targets)  # the validation share moved the statistics ...
+    expected = (y[perm[:88].sort().values.numpy()] - y[kept].mean()) / y[kept].std(ddof=1)
+    np.testing.assert_allclose(data.test.targets.numpy(), expected, rtol=1e-5, atol=1e-5)  # ... to the kept ones'
+    x_val = (x[train[inner[:88].sort().values.numpy()]] - x[kept].mean(0)) / x[kept].std(0, ddof=1)
+    np.testing.assert_allclose(data.val.features.numpy(), x_val, rtol=1e-4, atol=1e-5)
