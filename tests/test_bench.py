@@ -74,3 +74,15 @@ def test_reuse_fidelity_measures_without_changing_the_run():
     assert all(abs(r[1] - 0.7) < 1e-5 for rows in probe.records.values() for r in rows)  # ‖g̃ − g‖ = α‖g‖
     _, zero = train(0.0, True)
     assert all(r[1] == 0 and abs(r[3] - 1) < 1e-12 for rows in zero.records.values() for r in rows)
+
+
+@pytest.mark.slow
+def test_step_profile_prints_the_step_time_and_the_operators_table(capsys):
+    import step_profile
+
+    step_profile.main(
+        "--model transfer --method fp-bma --device cpu --batch 2 --image-size 32 --steps 1 --rows 5".split()
+    )
+    out = capsys.readouterr().out
+    assert "transfer fp-bma batch 2 32x32 on cpu:" in out and "ms/step" in out
+    assert "Self CPU" in out and "aten::" in out
