@@ -5,6 +5,7 @@ scipy); the refusals are one line each; a config without the key resolves as bef
 
 from __future__ import annotations
 
+import csv
 import json
 import math
 import re
@@ -246,3 +247,90 @@ def test_the_splits_are_standardized_on_the_training_examples_only():
     np.testing.assert_allclose(data.test.targets.numpy(), expected, rtol=1e-5, atol=1e-5)  # ... to the kept ones'
     x_val = (x[train[inner[:88].sort().values.numpy()]] - x[kept].mean(0)) / x[kept].std(0, ddof=1)
     np.testing.assert_allclose(data.val.features.numpy(), x_val, rtol=1e-4, atol=1e-5)
+
+
+def _held_out_by_hand(val_fraction: float, seed: int) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Validation and test splits of diabetes with ``data.val_fraction``: the validation share leaves the training
+    split by torch.randperm of ``seed``; both standardized on the rest (numpy, ddof=1)."""
+    raw = load_diabetes(scaled=False)
+    x, y = np.asarray(raw.data, dtype=np.float64), np.asarray(raw.target, dtype=np.float64)
+    perm = torch.randperm(len(y), generator=torch.Generator().manual_seed(0))
+    held = round(0.2 * len(y))
+    test, train = perm[:held].sort().values.numpy(), perm[held:].sort().values.numpy()
+    inner = torch.randperm(len(train), generator=torch.Generator().manual_seed(seed))
+    n_val = round(val_fraction * len(train))
+    val, kept = train[inner[:n_val].sort().values.numpy()], train[inner[n_val:].sort().values.numpy()]
+    mean, std = x[kept].mean(0), x[kept].std(0, ddof=1)
+    y_mean, y_std = y[kept].mean(), y[kept].std(ddof=1)
+    return {name: ((x[i] - mean) / std, (y[i] - y_mean) / y_std) for name, i in (("val", val), ("test", test))}
+
+
+def _point_nll(checkpoint: Path, x: np.ndarray, y: np.ndarray, width: int = 8) -> float:
+    """Gaussian NLL (scipy) of the point estimate in ``checkpoint`` (learned noise: σ² = softplus(s) + 10⁻⁶)."""
+    state = load_state(checkpoint)
+    model = build_model("mlp", num_classes=2, in_channels=10, image_size=1, width=width)
+    with torch.no_grad():
+        out = functional_call(model, {**state.params, **state.buffers}, (torch.from_numpy(x).float(),)).double()
+    std = (torch.nn.functional.softplus(out[:, 1]) + 1e-6).sqrt().numpy()
+    return float(-norm.logpdf(y, out[:, 0].numpy(), std).mean())
+
+
+def test_early_stopping_follows_the_validation_gaussian_nll(tmp_path, capsys):
+    """train.early_stopping on a regression run watches the validation NLL of the Gaussian (mixture) predictive: the
+    best epoch is the smallest val/nll of log.csv, its value is the NLL of best.safetensors' weights on the validation
+    split standardized here (scipy), training stops `patience` epochs after it, and the test metrics are the best
+    state's."""
+    run_dir = tmp_path / "stop"
+    code, _, err = _run(
+        capsys,
+        "train",
+        "--config",
+        "diabetes-regression",
+        *("--set", "method={name: sgd}", "--set", f"output_dir={run_dir}", *TINY),
+        *("--set", "train.epochs=15", "--set", "optim.lr=0.1", "--set", "optim.schedule=constant"),
+        *("--set", "data.val_fraction=0.25", "--set", "seed=3", "--set", "train.early_stopping={patience: 2}"),
+    )
+    assert code == 0, err
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    rows = list(csv.DictReader((run_dir / "log.csv").open()))
+    val_nll = [float(r["val/nll"]) for r in rows]
+    stop = metrics["early_stopping"]
+    assert stop["criterion"] == "nll" and stop["best_epoch"] == 1 + int(np.argmin(val_nll))
+    assert stop["stopped_early"] and stop["epochs_trained"] == len(rows) == stop["best_epoch"] + 2 < 15
+    splits = _held_out_by_hand(0.25, 3)
+    best = run_dir / "best.safetensors"
+    assert stop["best_value"] == pytest.approx(_point_nll(best, *splits["val"]), rel=1e-5)
+    assert float(rows[stop["best_epoch"] - 1]["val/loss"]) == pytest.approx(stop["best_value"], rel=1e-9)  # one sample
+    assert metrics["nll"] == pytest.approx(_point_nll(best, *splits["test"]), rel=1e-5)  # evaluated at the best state
+    last = _point_nll(run_dir / "checkpoint.safetensors", *splits["val"])
+    assert last == pytest.approx(val_nll[-1], rel=1e-5) and last > stop["best_value"]
+
+
+def test_compare_chooses_candidates_on_the_validation_gaussian_nll(tmp_path, capsys):
+    """A regression entry's candidate lists are chosen on validation: every candidate's val_nll is the Gaussian NLL of
+    its weights on the validation split standardized here (scipy), the chosen one is the smallest, and only it meets
+    the test set."""
+    out_dir = tmp_path / "cmp"
+    code, _, err = _run(
+        capsys,
+        "compare",
+        "--config",
+        "diabetes-regression",
+        *("--set", f"output_dir={out_dir}", *TINY, "--set", "data.val_fraction=0.25"),
+        "--set",
+        "compare.methods=[{name: sgd, optim: {lr: [0.001, 0.01, 0.1]}}]",
+    )
+    assert code == 0, err
+    (row,) = json.loads((out_dir / "results.json").read_text())["runs"]
+    sel = row["selection"]
+    assert sel["criterion"] == "val_nll" and [c["options"]["optim.lr"] for c in sel["candidates"]] == [0.001, 0.01, 0.1]
+    val = _held_out_by_hand(0.25, 0)["val"]  # compare.seeds: [0]
+    by_hand = [_point_nll(Path(c["run_dir"]) / "checkpoint.safetensors", *val) for c in sel["candidates"]]
+    for cand, expected in zip(sel["candidates"], by_hand, strict=True):
+        assert cand["val_nll"] == pytest.approx(expected, rel=1e-5)
+    best = int(np.argmin(by_hand))
+    assert len(set(by_hand)) == 3 and sel["chosen"] == sel["candidates"][best]["options"]
+    assert row["run_dir"] == sel["candidates"][best]["run_dir"] and row["likelihood"] == "gaussian"
+    for i, cand in enumerate(sel["candidates"]):
+        metrics = json.loads((Path(cand["run_dir"]) / "metrics.json").read_text())
+        assert ("nll" in metrics) == (i == best)  # only the chosen one met the test set

@@ -135,7 +135,7 @@ def check_likelihood(cfg: RunConfig) -> None:
 
     A regression data set needs ``gaussian`` and a classification one ``categorical``; the Laplace family
     (a softmax Gauss-Newton: :attr:`~flatbma.experiment.config.methods.MethodSpec.regression`) fits no
-    regression network; a regression run measures no flatness, watches no early stopping, detects no
+    regression network; a regression run measures no flatness, detects no
     out-of-distribution inputs, draws no k-shot sample and trains no two-stage prior (not implemented for
     it yet), and its feature vectors take no image option.
     """
@@ -160,7 +160,6 @@ def check_likelihood(cfg: RunConfig) -> None:
             )
     refused = {
         "eval.flatness": cfg.eval.flatness,
-        "train.early_stopping": cfg.train.early_stopping is not None,
         "eval.ood": cfg.eval.ood is not None,
         "data.k_shot": cfg.data.k_shot is not None,
         "prior": cfg.prior is not None,

@@ -309,8 +309,16 @@ def regression_metrics(exp: Experiment, samples: list[Params]) -> dict[str, Any]
     """The mixture predictive ``(1/M) Σ_m N(y; μ_m, σ_m²)`` of ``samples`` on the test set, scored.
 
     By :func:`flatbma.regression.mixture_metrics`: NLL, RMSE, MAE, coverage, calibration error, the variances.
+    """
+    return mixture_metrics(*regression_moments(exp, samples, exp.test_loader))
 
-    Each sample's ``(μ_m, σ_m²)`` are those of the run's :class:`~flatbma.regression.Gaussian` on its outputs,
+
+def regression_moments(
+    exp: Experiment, samples: list[Params], loader: Iterable[Batch]
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Every sample's ``(μ_m, σ_m²)`` ``[M, N]`` on a whole loader and its targets ``[N]``, on the CPU.
+
+    Each sample's moments are those of the run's :class:`~flatbma.regression.Gaussian` on its outputs,
     in the method's prediction mode (MC dropout's masks); no gradients.
     """
     gaussian = exp.likelihood
@@ -320,12 +328,12 @@ def regression_metrics(exp: Experiment, samples: list[Params]) -> dict[str, Any]
     exp.model.eval()
     means, variances, targets = [], [], []
     with torch.no_grad(), forward_precision(exp), mode(exp.model) if mode is not None else nullcontext():
-        for x, y in exp.test_loader:
+        for x, y in loader:
             mu, var = gaussian.moments(sample_outputs(exp.model, samples, x.to(exp.device)))
             means.append(mu.cpu())
             variances.append(var.cpu())
             targets.append(y)
-    return mixture_metrics(torch.cat(means, dim=1), torch.cat(variances, dim=1), torch.cat(targets))
+    return torch.cat(means, dim=1), torch.cat(variances, dim=1), torch.cat(targets)
 
 
 def evaluate_state(exp: Experiment, state: State, *, flatness: bool = False) -> dict[str, Any]:
@@ -386,12 +394,14 @@ def validation_metrics(exp: Experiment, state: State, n: int) -> dict[str, float
     sample's cross-entropy, averaged) and the BMA's accuracy. The samples are drawn and their BatchNorm
     statistics recomputed as for the test evaluation, from the build's RNG state (so the value is a
     function of ``state`` alone, and the global RNG of a training loop that asks is left as it was); the
-    model's train/eval mode is restored.
+    model's train/eval mode is restored. A regression run's: :func:`regression_validation`.
     """
     if exp.val_loader is None:
         raise FlatbmaError(
             "validation metrics need a validation split: set data.val_per_class, data.val_pool or data.val_fraction"
         )
+    if exp.likelihood is not None:
+        return regression_validation(exp, state, n)
     training = exp.model.training
     try:
         with exp.rng.restored():
@@ -407,6 +417,33 @@ def validation_metrics(exp: Experiment, state: State, n: int) -> dict[str, float
         "loss": float(-log_probs.gather(2, labels.expand(len(per_sample), -1, -1)).mean()),
         "accuracy": float((bma.argmax(1) == labels[:, 0]).double().mean()),
     }
+
+
+def regression_validation(exp: Experiment, state: State, n: int | None = None) -> dict[str, float]:
+    """The mixture of ``n`` posterior samples of ``state`` on the validation split: ``nll``, ``loss``, ``rmse``.
+
+    The regression analogue of :func:`validation_metrics`: ``nll = −mean log (1/n) Σ_m N(y; μ_m, σ_m²)`` (the
+    mixture's Gaussian NLL, :func:`flatbma.regression.mixture_metrics`), ``loss = −mean (1/n) Σ_m log N(y; μ_m,
+    σ_m²)`` (each sample's Gaussian NLL, averaged) and the RMSE of the mixture mean ``μ̄``. ``n`` defaults to
+    ``eval.num_samples``; drawn as :func:`validation_metrics` draws them (from the build's RNG state, BatchNorm
+    recomputed, the model's train/eval mode restored).
+    """
+    if exp.val_loader is None:
+        raise FlatbmaError(
+            "validation metrics need a validation split: set data.val_fraction (or data.val_per_class, data.val_pool)"
+        )
+    training = exp.model.training
+    try:
+        with exp.rng.restored():
+            samples = with_bn_statistics(exp, draw_samples(exp, state, n))
+            mu, var, y = regression_moments(exp, samples, exp.val_loader)
+    finally:
+        exp.model.train(training)
+    mixture = mixture_metrics(mu, var, y)
+    target = y.to(torch.float64)
+    mu, var = mu.to(torch.float64), var.to(torch.float64)
+    per_sample = 0.5 * (torch.log(2 * math.pi * var) + (target - mu) ** 2 / var)
+    return {"nll": mixture["nll"], "loss": float(per_sample.mean()), "rmse": mixture["rmse"]}
 
 
 def bma_curve_metrics(

@@ -341,8 +341,8 @@ def _check_regression(plan: Plan) -> None:
     """Refuse what a regression comparison (``model.likelihood: gaussian``) does not measure yet, before it trains.
 
     Its rows are the mixture predictive's NLL, RMSE, MAE, coverage and calibration error
-    (:func:`flatbma.experiment.run.evaluate.measure`); the Hessian spectra, the loss landscape, corrupted images
-    and candidate selection on a validation split are the classifier's.
+    (:func:`flatbma.experiment.run.evaluate.measure`); the Hessian spectra, the loss landscape and corrupted images
+    are the classifier's.
     """
     if plan.base.model.gaussian is None:
         return
@@ -358,12 +358,6 @@ def _check_regression(plan: Plan) -> None:
             raise FlatbmaError(
                 f"{key} is not measured for a regression run (model.likelihood: gaussian) yet: set {fix}"
             )
-    selecting = next((job for job in plan.jobs() if job.selects), None)
-    if selecting is not None:
-        raise FlatbmaError(
-            f"compare.methods entry {selecting.label!r} lists candidate values, but choosing on validation data is "
-            "not implemented for a regression run (model.likelihood: gaussian): give each option one value"
-        )
 
 
 def _check_quick(compare: CompareConfig) -> None:
