@@ -334,3 +334,71 @@ def test_compare_chooses_candidates_on_the_validation_gaussian_nll(tmp_path, cap
     for i, cand in enumerate(sel["candidates"]):
         metrics = json.loads((Path(cand["run_dir"]) / "metrics.json").read_text())
         assert ("nll" in metrics) == (i == best)  # only the chosen one met the test set
+
+
+def test_the_training_rmse_of_an_epoch_is_that_of_its_steps_outputs_and_survives_a_resume():
+    """The loop's ``rmse`` of regression targets (``regression=True``) is √(mean over the epoch's examples of
+    (μ − y)²), μ the first output of each step's (unperturbed) pass, here of fixed weights, so numpy gives it on the
+    whole set; a run resumed from a checkpoint inside an epoch, or right at its end, records the same; a classifier's
+    history has no rmse."""
+    from flatbma.experiment.runner import History, fit
+    from flatbma.types import State, StepOutput, Transform
+
+    gen = torch.Generator().manual_seed(0)
+    x, y = torch.randn(11, 3, generator=gen), torch.randn(11, generator=gen)
+    w = torch.tensor([0.5, -1.0, 2.0])
+
+    def update(state, batch):
+        xb, _ = batch
+        outputs = torch.stack([xb @ w, torch.zeros(len(xb))], dim=1)  # (μ, raw scale)
+        return State(params=state.params, step=state.step + 1), StepOutput(torch.tensor(0.0), outputs)
+
+    transform = Transform(init=lambda p, b: State(params=p), update=update)
+    loader = [(x[i : i + 4], y[i : i + 4]) for i in range(0, 11, 4)]  # batches of 4, 4, 3
+    expected = float(np.sqrt(((x.numpy() @ w.numpy() - y.numpy()) ** 2).mean()))
+    saved = []
+    _, history = fit(
+        transform,
+        State(params={}),
+        loader,
+        epochs=2,
+        progress=False,
+        checkpoint=lambda s, p, h: saved.append((s, p, History(list(h.epochs)))),
+        checkpoint_every=1,
+        regression=True,
+    )
+    assert [h.rmse for h in history.epochs] == pytest.approx([expected] * 2, rel=1e-6)
+    assert [h.accuracy for h in history.epochs] == [0.0, 0.0] and history.epochs[0].record()["rmse"] == history.epochs[
+        0
+    ].rmse
+    for epoch, batch in ((1, 1), (0, 3), (1, 3)):  # mid-epoch; the first epoch's last step; the second's
+        state, position, before = next(item for item in saved if (item[1].epoch, item[1].batch) == (epoch, batch))
+        _, resumed = fit(
+            transform, state, loader, epochs=2, progress=False, resume=position, history=before, regression=True
+        )
+        assert [h.rmse for h in resumed.epochs][epoch:] == [h.rmse for h in history.epochs][epoch:]
+    labels = [(x[:4], torch.tensor([0, 1, 0, 1]))]
+    _, classified = fit(transform, State(params={}), labels, epochs=1, progress=False)
+    assert classified.epochs[0].rmse is None and "rmse" not in classified.epochs[0].record()
+
+
+def test_a_regression_log_has_the_training_rmse_instead_of_an_accuracy(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    code, _, err = _run(
+        capsys,
+        "train",
+        "--config",
+        "diabetes-regression",
+        "--set",
+        "method={name: sgd}",
+        "--set",
+        f"output_dir={run_dir}",
+        *TINY,
+    )
+    assert code == 0, err
+    lines = (run_dir / "log.csv").read_text().splitlines()
+    assert lines[0] == "epoch,loss,rmse,steps,lr,time_s"
+    history = json.loads((run_dir / "metrics.json").read_text())["history"]
+    rows = list(csv.DictReader(lines))
+    assert [float(r["rmse"]) for r in rows] == [h["rmse"] for h in history] and all(h["rmse"] > 0 for h in history)
+    assert [float(r["loss"]) for r in rows] == [h["loss"] for h in history]
