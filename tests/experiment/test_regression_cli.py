@@ -89,7 +89,7 @@ def test_a_config_without_the_likelihood_resolves_as_before():
         (["model.likelihood=categorical"], "dataset 'diabetes' has regression targets: set model.likelihood: gaussian"),
         (["data.name=digits"], "model.likelihood: gaussian needs a regression data set"),
         (["model.noise_std=0"], "noise_std must be > 0"),
-        (["eval.flatness=true"], "eval.flatness is not implemented for a regression run"),
+        (["eval.ood=gaussian_noise"], "eval.ood is not implemented for a regression run"),
     ],
 )
 def test_refusals_are_one_line(tmp_path, capsys, overrides, message):
@@ -149,9 +149,8 @@ def test_train_and_evaluate_write_the_metrics_of_the_saved_weights(tmp_path, cap
     assert code == 0, err
     printed = json.loads(out.strip().splitlines()[-1])
     assert printed["nll"] == metrics["nll"] and printed["rmse"] == metrics["rmse"]
-    for extra, what in ((["--flatness"], "flatness"), (["--ood", "gaussian_noise"], "OOD detection")):
-        code, out, err = _run(capsys, "evaluate", str(run_dir), *extra)
-        assert code == 2 and err.startswith(f"flatbma: error: {what}") and len(err.strip().splitlines()) == 1
+    code, out, err = _run(capsys, "evaluate", str(run_dir), "--ood", "gaussian_noise")
+    assert code == 2 and err.startswith("flatbma: error: OOD detection") and len(err.strip().splitlines()) == 1
 
 
 def test_a_swag_run_records_the_mixture_of_its_samples(tmp_path, capsys):
@@ -218,9 +217,10 @@ def test_compare_reports_regression_columns_only(tmp_path, capsys):
         "--set",
         f"output_dir={out_dir}",
         "--set",
-        "compare.flatness=true",
+        "compare.corruptions=[gaussian_noise]",
     )
-    assert code == 2 and "compare.flatness is not measured for a regression run" in err
+    assert code == 2 and "compare.corruptions are image corruptions" in err and "have no image to corrupt" in err
+    assert len(err.strip().splitlines()) == 1
     assert Path(out_dir / "report.md").read_text() == report
 
 
@@ -402,3 +402,111 @@ def test_a_regression_log_has_the_training_rmse_instead_of_an_accuracy(tmp_path,
     rows = list(csv.DictReader(lines))
     assert [float(r["rmse"]) for r in rows] == [h["rmse"] for h in history] and all(h["rmse"] > 0 for h in history)
     assert [float(r["loss"]) for r in rows] == [h["loss"] for h in history]
+
+
+def _training_split_by_hand() -> tuple[np.ndarray, np.ndarray]:
+    """The training split of diabetes (no validation share), standardized on itself (numpy, ddof=1)."""
+    raw = load_diabetes(scaled=False)
+    x, y = np.asarray(raw.data, dtype=np.float64), np.asarray(raw.target, dtype=np.float64)
+    perm = torch.randperm(len(y), generator=torch.Generator().manual_seed(0))
+    train = perm[round(0.2 * len(y)) :].sort().values.numpy()
+    x, y = x[train], y[train]
+    return (x - x.mean(0)) / x.std(0, ddof=1), (y - y.mean()) / y.std(ddof=1)
+
+
+LINEAR_MODEL = """
+from torch import nn
+
+
+def linear(num_classes, in_channels, **_):
+    return nn.Sequential(nn.Flatten(), nn.Linear(in_channels, num_classes))
+"""
+
+
+def test_the_flatness_of_a_linear_regression_is_the_spectrum_of_its_gram_matrix(tmp_path, capsys, monkeypatch):
+    """eval.flatness on a regression run measures the Hessian of its training loss, the mean Gaussian NLL with its
+    noise_std: for a linear model μ = [X 1]·θ that is the Gram matrix [X 1]ᵀ[X 1]/(nσ²), whatever θ; its top
+    eigenvalues by numpy's eigvalsh on diabetes standardized here are λ₁…λ₃ per sample and at the mean."""
+    (tmp_path / "linmod.py").write_text(LINEAR_MODEL)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    run_dir, sigma = tmp_path / "run", 0.7
+    code, _, err = _run(
+        capsys,
+        "train",
+        "--config",
+        "diabetes-regression",
+        *("--set", "method={name: swag, rank: 2, collect_every: 1, start_step: 10}", "--set", f"output_dir={run_dir}"),
+        *(*TINY, "--set", "model.name=linmod:linear", "--set", f"model.noise_std={sigma}"),
+        *("--set", "eval.flatness=true", "--set", "eval.flatness_samples=2", "--set", "eval.hessian_k=3"),
+        *("--set", "eval.hessian_tol=1.0e-6", "--set", "eval.repeatability=false"),
+    )
+    assert code == 0, err
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    x, _ = _training_split_by_hand()
+    design = np.hstack([x, np.ones((len(x), 1))])
+    expected = np.linalg.eigvalsh(design.T @ design / (len(x) * sigma**2))[::-1][:3]
+    assert metrics["hessian_examples"] == len(x) == 354 and metrics["flatness_samples"] == 2
+    for spectrum in metrics["hessian_top_eigenvalues"]:  # two SWAG samples, the same Hessian
+        np.testing.assert_allclose(spectrum, expected, rtol=1e-4)
+    assert metrics["lambda1"] == pytest.approx(expected[0], rel=1e-4)
+    assert metrics["lambda1_at_mean"] == pytest.approx(expected[0], rel=1e-4)
+    assert metrics["lambda1_over_lambda3"] == pytest.approx(expected[0] / expected[2], rel=1e-3)
+    assert metrics["width"]["trace_cov"] > 0 and metrics["nll"] == metrics["nll"]
+
+
+def test_the_flatness_of_a_learned_noise_mlp_is_that_of_its_full_gaussian_nll_hessian(tmp_path, capsys):
+    """With a learned noise the loss is ½ log(2π σ²) + (y − μ)²/(2σ²), σ² = softplus(s) + 10⁻⁶, over the mean and the
+    scale outputs: λ₁ of the run's point estimate equals the top eigenvalue (numpy) of the full Hessian of that
+    NLL, written out here, over every weight (torch.autograd.functional.hessian in float64)."""
+    run_dir = tmp_path / "run"
+    code, _, err = _run(
+        capsys,
+        "train",
+        "--config",
+        "diabetes-regression",
+        *("--set", "method={name: sgd}", "--set", f"output_dir={run_dir}", *TINY, "--set", "model.width=4"),
+        *("--set", "eval.flatness=true", "--set", "eval.hessian_tol=1.0e-6", "--set", "eval.repeatability=false"),
+    )
+    assert code == 0, err
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    state = load_state(run_dir / "checkpoint.safetensors")
+    model = build_model("mlp", num_classes=2, in_channels=10, image_size=1, width=4).double()
+    names = list(state.params)
+    shapes = [state.params[n].shape for n in names]
+    theta = torch.cat([state.params[n].double().reshape(-1) for n in names])
+    x, y = (torch.from_numpy(a) for a in _training_split_by_hand())
+
+    def nll(flat):
+        parts = torch.split(flat, [math.prod(s) for s in shapes])
+        weights = {n: p.reshape(s) for n, p, s in zip(names, parts, shapes, strict=True)}
+        out = functional_call(model, {**weights, **{k: v.double() for k, v in state.buffers.items()}}, (x,))
+        var = torch.nn.functional.softplus(out[:, 1]) + 1e-6
+        return (0.5 * torch.log(2 * math.pi * var) + (y - out[:, 0]) ** 2 / (2 * var)).mean()
+
+    hessian = torch.autograd.functional.hessian(nll, theta).numpy()
+    expected = np.linalg.eigvalsh(hessian)[-1]
+    assert metrics["lambda1"] == pytest.approx(expected, rel=1e-4)
+    assert metrics["hessian_examples"] == 354 and metrics["hessian_converged"]
+
+
+def test_compare_measures_the_flatness_and_landscape_of_regression_rows(tmp_path, capsys):
+    out_dir = tmp_path / "cmp"
+    code, _, err = _run(
+        capsys,
+        "compare",
+        "--config",
+        "diabetes-regression",
+        *("--set", f"output_dir={out_dir}", *TINY, "--set", "eval.flatness_samples=2"),
+        *("--set", "compare.flatness=true", "--set", "compare.landscape=true", "--set", "eval.repeatability=false"),
+        "--set",
+        "compare.methods=[{name: sgd}, {name: swag, rank: 2, collect_every: 1, start_step: 10}]",
+    )
+    assert code == 0, err
+    rows = json.loads((out_dir / "results.json").read_text())["runs"]
+    for row in rows:
+        assert row["lambda1"] > 0 and row["width"]["trace_cov"] >= 0 and len(row["landscape"]["mean"]) == 21
+        assert abs(row["landscape"]["alphas"][10]) < 1e-6 and all(math.isfinite(v) for v in row["landscape"]["mean"])
+    sgd = Path(rows[0]["run_dir"]) / "checkpoint.safetensors"  # a point: at α = 0 its training Gaussian NLL (scipy)
+    assert rows[0]["landscape"]["mean"][10] == pytest.approx(_point_nll(sgd, *_training_split_by_hand()), rel=1e-5)
+    header = next(line for line in (out_dir / "report.md").read_text().splitlines() if line.startswith("| method |"))
+    assert "λ₁ median" in header and "RMSE" in header

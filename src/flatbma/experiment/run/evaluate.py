@@ -49,6 +49,7 @@ from flatbma.bn import has_batchnorm, with_recomputed_statistics
 from flatbma.calibration import fit_temperature
 from flatbma.data.corruptions import applicable, corrupt_dataset
 from flatbma.errors import FlatbmaError
+from flatbma.experiment.config.run_config import CORRUPTIONS_NOT_TABULAR
 from flatbma.experiment.run.build import Experiment
 from flatbma.experiment.run.health import HEALTH_EXAMPLES
 from flatbma.flatness import (
@@ -224,6 +225,10 @@ def flatness_metrics(exp: Experiment, state: State, samples: list[Params]) -> di
     ``eval.repeatability`` λ₁ per sample is measured again on a second draw of samples with another
     measurement seed (both from stream :data:`REPEAT_STREAM` of the run's seed) and the two
     summaries are compared (:func:`flatbma.flatness.repeatability`).
+
+    The training loss is the classifier's mean cross-entropy, or a regression run's mean Gaussian NLL
+    ``(1/n) Σᵢ [½ log(2π σ²(xᵢ)) + (yᵢ − μ(xᵢ))²/(2σ²(xᵢ))]`` with its noise (:attr:`Experiment.likelihood`:
+    ``model.noise_std``, or the learned ``σ``): the loss it trained on.
     """
     e = exp.config.eval
     start = time.perf_counter()
@@ -232,7 +237,7 @@ def flatness_metrics(exp: Experiment, state: State, samples: list[Params]) -> di
     if len(samples) < e.flatness_samples:
         samples = posterior_samples(exp, state, e.flatness_samples)
     chosen = samples[: e.flatness_samples]
-    options = dict(k=e.hessian_k, params=names, tol=e.hessian_tol, max_iter=e.hessian_max_iter)
+    options = dict(k=e.hessian_k, params=names, tol=e.hessian_tol, max_iter=e.hessian_max_iter, loss_fn=exp.likelihood)
     spectrum = "λ₁" if e.hessian_k == 1 else f"λ₁…λ{e.hessian_k}"
     with progress.current().phase("flatness", f"{progress.count(len(chosen), 'sample')} {spectrum}"):
         report = flatness_report(
@@ -341,17 +346,21 @@ def evaluate_state(exp: Experiment, state: State, *, flatness: bool = False) -> 
 
     ``health`` holds the BMA's :func:`training_fit`; the caller completes it with the run's loss history
     (:func:`flatbma.experiment.run.health.assess`). A regression run (:attr:`Experiment.likelihood`) records
-    :func:`regression_metrics` instead of the classifier's, and no flatness (refused: not implemented for it).
+    :func:`regression_metrics` instead of the classifier's, and its flatness on its Gaussian NLL
+    (:func:`flatness_metrics`).
     """
     if exp.likelihood is not None:
-        for what, asked in (("flatness", flatness), ("OOD detection (--ood, eval.ood)", exp.config.eval.ood)):
-            if asked:
-                raise FlatbmaError(f"{what} is not measured for a regression run (model.likelihood: gaussian) yet")
+        if exp.config.eval.ood:
+            raise FlatbmaError(
+                "OOD detection (--ood, eval.ood) is not measured for a regression run (model.likelihood: gaussian) yet"
+            )
         with exp.rng.restored():
             samples = with_bn_statistics(exp, draw_samples(exp, state))
             metrics: dict[str, Any] = {"likelihood": "gaussian", **regression_metrics(exp, samples), "health": None}
             metrics["bn_statistics"] = bn_statistics(exp)
             metrics.update(diagnostics(exp, state))
+            if flatness:
+                metrics.update(flatness_metrics(exp, state, samples))
         return metrics
     what = f"{progress.count(exp.config.eval.num_samples, 'sample')} on the test set"
     with exp.rng.restored():
@@ -537,6 +546,8 @@ def ood_record(exp: Experiment, predictions: Predictions) -> dict[str, Any]:
 def landscape_metrics(exp: Experiment, samples: list[Params]) -> dict[str, list[float]]:
     """Training loss of the samples along one filter-normalized random direction (mean ± std over samples).
 
+    The loss is that of :func:`flatness_metrics` (a regression run's: the Gaussian NLL).
+
     The samples are the distinct ones among the first ``eval.flatness_samples``.
     """
     names = _trained_names(exp)
@@ -544,7 +555,7 @@ def landscape_metrics(exp: Experiment, samples: list[Params]) -> dict[str, list[
     data = [(x.to(exp.device), y.to(exp.device)) for x, y in exp.hessian_loader]
     direction = random_direction(chosen[0], names, seed=exp.config.seed)
     alphas = torch.linspace(-1.0, 1.0, 21)
-    mean, std = posterior_landscape(exp.model, data, chosen, direction, alphas)
+    mean, std = posterior_landscape(exp.model, data, chosen, direction, alphas, loss_fn=exp.likelihood)
     return {"alphas": alphas.tolist(), "mean": mean.tolist(), "std": std.tolist()}
 
 
@@ -573,11 +584,14 @@ def measure(
     """
     report = progress.current()
     if exp.likelihood is not None:
-        if flatness or landscape or corruptions:
-            raise FlatbmaError("flatness, the landscape and corruptions are not measured for a regression run yet")
+        if corruptions:
+            raise FlatbmaError(CORRUPTIONS_NOT_TABULAR)
         start = time.perf_counter()
-        result = evaluate_state(exp, state)
+        result = evaluate_state(exp, state, flatness=flatness)
         result.update(health=None, temperature=None, corruptions={}, landscape=None)
+        if landscape:
+            with exp.rng.restored(), report.phase("landscape", "one random direction"):
+                result["landscape"] = landscape_metrics(exp, with_bn_statistics(exp, draw_samples(exp, state)))
         result["eval_time_s"] = time.perf_counter() - start
         return result
     with exp.rng.restored():
