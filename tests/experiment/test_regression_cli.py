@@ -510,3 +510,66 @@ def test_compare_measures_the_flatness_and_landscape_of_regression_rows(tmp_path
     assert rows[0]["landscape"]["mean"][10] == pytest.approx(_point_nll(sgd, *_training_split_by_hand()), rel=1e-5)
     header = next(line for line in (out_dir / "report.md").read_text().splitlines() if line.startswith("| method |"))
     assert "λ₁ median" in header and "RMSE" in header
+
+
+def test_a_two_stage_regression_run_fits_its_prior_on_the_gaussian_nll_and_trains_against_it(tmp_path, capsys):
+    """A `prior` stage on a regression run: the first stage is exactly the SWAG run of its config trained alone (the
+    Gaussian NLL), and the second stage's update is FP-BMA with that fitted prior and the Gaussian likelihood as its
+    loss, built here by hand (fp_bma.build_with_prior, Objective(loss_fn=Gaussian()))."""
+    from flatbma.experiment.run.build import build_experiment
+    from flatbma.experiment.run.prior import fit_prior
+    from flatbma.optim import SGD
+    from flatbma.params import Objective
+    from flatbma.posteriors import fp_bma
+    from flatbma.regression import Gaussian
+
+    swag = "{name: swag, rank: 2, start_step: 10, collect_every: 1}"
+    two_stage = ["--set", "method={name: fp-bma, rank: 2}", "--set", "optim.lr=0.002"]
+    two_stage += ["--set", f"prior={{method: {swag}, epochs: 3}}"]
+    run_dir, alone = tmp_path / "two", tmp_path / "alone"
+    code, _, err = _run(
+        capsys, "train", "--config", "diabetes-regression", "--set", f"output_dir={run_dir}", *TINY, *two_stage
+    )
+    assert code == 0, err
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    assert metrics["likelihood"] == "gaussian" and math.isfinite(metrics["nll"]) and metrics["prior_run"]
+    code, _, err = _run(
+        capsys,
+        "train",
+        "--config",
+        "diabetes-regression",
+        "--set",
+        f"output_dir={alone}",
+        *TINY,
+        "--set",
+        f"method={swag}",
+        "--set",
+        "optim.lr=0.002",  # the first stage's: the run's optim (no prior.optim)
+    )
+    assert code == 0, err
+    assert (run_dir / "prior" / "config.yaml").read_text().splitlines()[2:] == (
+        (alone / "config.yaml").read_text().splitlines()[2:]
+    )  # the same config but its output_dir
+    first, single = (load_state(d / "checkpoint.safetensors") for d in (run_dir / "prior", alone))
+    assert set(first.params) == set(single.params)
+    for k in first.params:
+        assert torch.equal(first.params[k], single.params[k]), k
+
+    cfg = load_config(run_dir / "config.yaml")
+    fitted = fit_prior(cfg)  # reused: the first stage finished with this config
+    exp = build_experiment(cfg, prior=fitted.theta)
+    by_hand = fp_bma.build_with_prior(
+        Objective(model=exp.model, num_data=len(exp.train_loader.dataset), loss_fn=Gaussian()),
+        SGD(lr=0.002, momentum=0.9, weight_decay=1e-4),
+        cfg.method.ascent,
+        fitted.theta,
+        rank=2,
+    )
+    batch = next(iter(exp.train_loader))
+    torch.manual_seed(0)
+    a, out_a = exp.method.update(exp.method.init(fitted.theta, fitted.buffers), batch)
+    torch.manual_seed(0)
+    b, out_b = by_hand.update(by_hand.init(fitted.theta, fitted.buffers), batch)
+    assert out_a.logits.shape == (len(batch[1]), 2)
+    for k in a.params:
+        torch.testing.assert_close(a.params[k], b.params[k])

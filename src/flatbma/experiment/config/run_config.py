@@ -169,7 +169,6 @@ def check_likelihood(cfg: RunConfig) -> None:
     refused = {
         "eval.ood": cfg.eval.ood is not None,
         "data.k_shot": cfg.data.k_shot is not None,
-        "prior": cfg.prior is not None,
         **{f"data.{k}": bool(getattr(cfg.data, k)) for k in ("image_size", "to_rgb", "normalize", "augment")},
     }
     for key, given in refused.items():
