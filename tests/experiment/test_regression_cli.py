@@ -573,3 +573,40 @@ def test_a_two_stage_regression_run_fits_its_prior_on_the_gaussian_nll_and_train
     assert out_a.logits.shape == (len(batch[1]), 2)
     for k in a.params:
         torch.testing.assert_close(a.params[k], b.params[k])
+
+
+def test_torchrun_trains_a_regression_run_like_one_process(tmp_path):
+    """Two processes (gloo, torchrun) of data-parallel SWAG with early stopping on diabetes reproduce one process: the
+    same weights (float32 tolerance: the mean of two shard means), the same history (loss, training RMSE, validation
+    NLL) and the same mixture metrics, every process scoring the whole test set; only rank 0 writes."""
+    from flatbma.experiment.run.checkpoint import load_checkpoint
+    from flatbma.experiment.run.lock import LOCK_FILE
+    from tests.experiment.torchrun_helpers import torchrun
+
+    # 266 training examples in global batches of 50 (25 + 25) and a last one of 16 (8 + 8)
+    args = ["--set", "data.batch_size=50", "--set", "data.val_fraction=0.25", "--set", "train.device=cpu"]
+    args += ["--set", "method={name: swag, rank: 2, start_step: 0, collect_every: 2}"]
+    args += ["--set", "train.early_stopping={patience: 5}"]
+    one, many = tmp_path / "one", tmp_path / "many"
+    assert main(["train", "--config", "diabetes-regression", "--set", f"output_dir={one}", *TINY, *args]) == 0
+    out = torchrun(
+        "-m", "flatbma", "train", "--config", "diabetes-regression", "--set", f"output_dir={many}", *TINY, *args
+    )
+    assert out.stdout.count("wrote ") == 1  # rank 0 prints
+    expected = ["checkpoint.safetensors", "config.yaml", "log.csv", "metrics.json"]
+    assert sorted(p.name for p in many.iterdir() if p.name not in (LOCK_FILE, "best.safetensors")) == expected
+    a, _, _ = load_checkpoint(one / "checkpoint.safetensors")
+    b, _, _ = load_checkpoint(many / "checkpoint.safetensors")
+    assert a.step == b.step > 0
+    for section in ("params", "aux"):
+        for k, v in getattr(a, section).items():
+            torch.testing.assert_close(getattr(b, section)[k], v, atol=1e-5, rtol=1e-5, msg=f"{section}/{k}")
+    ma, mb = (json.loads((d / "metrics.json").read_text()) for d in (one, many))
+    assert mb["world_size"] == 2 and ma["n"] == mb["n"] == 88 and ma["steps"] == mb["steps"] == 18
+    for key in ("nll", "rmse", "mae", "coverage_0.5", "coverage_0.9", "calibration_error", "epistemic_var"):
+        assert mb[key] == pytest.approx(ma[key], rel=1e-5, abs=1e-7), key
+    for ha, hb in zip(ma["history"], mb["history"], strict=True):
+        assert hb["steps"] == ha["steps"] and hb["rmse"] == pytest.approx(ha["rmse"], rel=1e-5)
+        assert hb["loss"] == pytest.approx(ha["loss"], rel=1e-5)
+        assert hb["validation"]["nll"] == pytest.approx(ha["validation"]["nll"], rel=1e-5)
+    assert mb["early_stopping"]["best_epoch"] == ma["early_stopping"]["best_epoch"]
