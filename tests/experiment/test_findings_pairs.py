@@ -271,3 +271,58 @@ def test_cli_compare_with_pairs_writes_them_and_reuses_every_row_without(tmp_pat
     assert "pairs" not in again["compare"] and "pairs" not in again["findings"]
     assert "pairs" not in yaml.safe_load((out / "compare_config.yaml").read_text())["compare"]
     assert "Paired differences (each" not in (out / "report.md").read_text()
+
+
+REGRESSION = ("nll", "rmse", "mae", "coverage_0.9", "calibration_error")
+
+
+def _regression_run(method, seed, k):
+    e = NOISE[(seed + 2 * k) % len(NOISE)]
+    return {
+        "method": method,
+        "seed": seed,
+        "likelihood": "gaussian",
+        "nll": 1.2 - 0.05 * k + 3 * e,
+        "rmse": 0.80 - 0.03 * k + e,
+        "mae": 0.60 - 0.02 * k + e,
+        "coverage_0.5": 0.5,
+        "coverage_0.9": 0.85 + 0.04 * k + e,
+        "coverage_0.95": 0.9,
+        "calibration_error": 0.05 - 0.01 * k + e / 10,
+    }
+
+
+def test_regression_rows_pair_rmse_mae_coverage_and_calibration_beside_nll(tmp_path):
+    """Regression rows (model.likelihood: gaussian) are compared on NLL, RMSE, MAE, coverage 0.9 and calibration
+    error, each with the paired t interval scipy computes; a coverage, best at its level, reads "covers more/less"."""
+    runs = [_regression_run(m, s, k) for k, m in enumerate(("sgd", "swag", "mfvi")) for s in range(4)]
+    results = {
+        "config_hash": "abc",
+        "created": "2024-01-01T00:00:00",
+        "compare": {"reference": None, "pairs": [["mfvi", "swag"]]},
+        "runs": runs,
+    }
+    found = findings(results)
+    for group, expected in (("comparisons", [("swag", "sgd"), ("mfvi", "sgd")]), ("pairs", [("mfvi", "swag")])):
+        got = found[group]
+        assert [(c["method"], c["reference"], c["metric"]) for c in got] == [
+            (a, b, m) for a, b in expected for m in REGRESSION
+        ]
+        for c in got:
+            xs = [r[c["metric"]] for r in runs if r["method"] == c["method"]]
+            ys = [r[c["metric"]] for r in runs if r["method"] == c["reference"]]
+            ci = scipy_stats.ttest_rel(xs, ys).confidence_interval(0.95)
+            assert c["n"] == 4 and c["mean"] == pytest.approx(statistics.mean(xs) - statistics.mean(ys), abs=1e-12)
+            assert (c["interval"]["low"], c["interval"]["high"]) == pytest.approx((ci.low, ci.high), abs=1e-9)
+            assert c["significant"] == (not ci.low <= 0 <= ci.high)
+            if c["metric"] == "coverage_0.9":
+                assert c["reading"] == "best at the level"
+                assert c["verdict"] in ("covers more", "no significant difference")  # coverage grows with k here
+            elif c["significant"]:
+                assert c["verdict"] == "better"  # every other metric falls with k: lower is better
+    assert any(c["verdict"] == "covers more" for c in found["comparisons"])
+    write_reports(results, tmp_path)
+    report = (tmp_path / "report.md").read_text()
+    compared = "| seeds | NLL | RMSE | MAE | coverage 0.9 | calibration error |"
+    assert f"| method {compared}" in report.splitlines()  # the differences from the reference
+    assert f"| pair {compared}" in report.splitlines()  # compare.pairs'

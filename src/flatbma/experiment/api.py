@@ -189,6 +189,7 @@ def fit_posterior(
                 device=train_device,
                 progress=progress,
                 after_epoch=lambda _state, history: log(history),
+                regression=gaussian is not None,
             )
     except DivergenceError as e:
         raise DivergenceError(f"{e}; lower the learning rate (e.g. lr={optim_config.lr / 10:g})") from None

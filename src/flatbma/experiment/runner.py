@@ -26,7 +26,8 @@ class EpochLog:
     With soft targets (class probabilities ``[batch, classes]``) the accuracy is the agreement of the
     logits' top class with the targets' most probable class. Regression targets (floating point, not such
     probabilities: a Gaussian likelihood, :mod:`flatbma.regression`) have no classes; their ``accuracy``
-    stays 0 and ``loss`` is the Gaussian NLL.
+    stays 0, ``loss`` is the Gaussian NLL and ``rmse`` the root mean squared error of the first output (the
+    mean ``μ``) against the targets, ``√((1/n) Σᵢ (μ(xᵢ) − yᵢ)²)`` over the epoch's examples; ``None`` otherwise.
 
     ``stats``: the mean over the epoch's steps of every statistic a step reported
     (:attr:`~flatbma.types.StepOutput.stats`, e.g. ``ascent/mean_shift``), over the steps that reported it.
@@ -39,10 +40,13 @@ class EpochLog:
     steps: int
     stats: dict[str, float] = field(default_factory=dict)
     validation: dict[str, float] = field(default_factory=dict)
+    rmse: float | None = None
 
     def record(self) -> dict[str, Any]:
-        """The epoch as a JSON-ready dict; ``stats`` and ``validation`` only when not empty (as before they existed)."""
+        """The epoch as a JSON-ready dict; ``stats``, ``validation`` and ``rmse`` only when there are (as before)."""
         out: dict[str, Any] = {"epoch": self.epoch, "loss": self.loss, "accuracy": self.accuracy, "steps": self.steps}
+        if self.rmse is not None:
+            out["rmse"] = self.rmse
         if self.stats:
             out["stats"] = dict(self.stats)
         if self.validation:
@@ -67,7 +71,8 @@ class Position:
         loader_rng: state of the loader's shuffling generator at the start of the epoch (or ``None``).
         torch_rng: global CPU RNG state after the last applied step.
         cuda_rng: global CUDA RNG states, when CUDA is initialized.
-        partial: running sums ``(loss·n, correct, n)`` of the current epoch.
+        partial: running sums ``(loss·n, correct, n)`` of the current epoch (regression targets: ``correct`` is the
+            sum of squared errors of the mean, :class:`EpochLog`'s ``rmse``).
         stats: running sums ``(name, sum, steps)`` of the current epoch's step statistics.
     """
 
@@ -123,6 +128,7 @@ def fit(
     history: History | None = None,
     after_epoch: Callable[[State, History], None] | None = None,
     stop: Callable[[History], bool] | None = None,
+    regression: bool = False,
 ) -> tuple[State, History]:
     """Run ``state, out = method.update(state, batch)`` over ``epochs`` passes of ``loader``.
 
@@ -149,6 +155,9 @@ def fit(
         stop: ``stop(history)`` is asked before every epoch (a resumed run included); training ends when it
             says so. It must be a function of the history alone, so that a resumed run stops where the
             uninterrupted one did.
+        regression: the targets are regression ones (a Gaussian likelihood): every epoch records its ``rmse``
+            (:class:`EpochLog`), a run resumed right at an epoch's end included. Floating-point targets that are
+            not class probabilities are taken as such anyway, from the first step of an epoch.
 
     The epoch's step statistics (:attr:`~flatbma.types.StepOutput.stats`) are averaged into
     :attr:`EpochLog.stats`; their running sums are part of every :class:`Position`.
@@ -199,7 +208,11 @@ def fit(
         running.check()
         loss_sum, correct, count = running.partial()
         means = {k: s / n for k, (s, n) in running.sums().items()}
-        history.epochs.append(EpochLog(epoch + 1, loss_sum / max(count, 1), correct / max(count, 1), applied, means))
+        score = correct / max(count, 1)
+        if regression or running.regression:
+            history.epochs.append(EpochLog(epoch + 1, loss_sum / max(count, 1), 0.0, applied, means, rmse=score**0.5))
+        else:
+            history.epochs.append(EpochLog(epoch + 1, loss_sum / max(count, 1), score, applied, means))
         if after_epoch is not None:
             after_epoch(state, history)
         if checkpoint is not None:
@@ -221,6 +234,9 @@ def _lazy(device: torch.device | str) -> bool:
 class _Running:
     """An epoch's running sums — loss·n, correct predictions, n, every step statistic — and its divergence check.
 
+    For regression targets (:attr:`regression`: floating point, not class probabilities) the second sum is that of
+    the squared errors ``(μ(xᵢ) − yᵢ)²`` of the first output, the mean of a Gaussian likelihood.
+
     The sums are float64 tensors added in the order of the steps, as Python floats would be: the same
     numbers whatever the device. On a GPU they stay there and the losses of the steps since the last
     :meth:`check` are read together, every :data:`CHECK_EVERY` steps and before every checkpoint and epoch
@@ -238,6 +254,7 @@ class _Running:
         self.stats = {k: [self._scalar(s), n] for k, s, n in resume.stats} if resume is not None else {}
         self.pending: list[tuple[int, Tensor]] = []
         self.epoch = epoch
+        self.regression = False
 
     def _scalar(self, value: float | Tensor) -> Tensor:
         if isinstance(value, Tensor):
@@ -253,8 +270,12 @@ class _Running:
         soft = y.is_floating_point() and y.dim() == 2 and y.shape == out.logits.shape
         if soft:  # soft targets (class probabilities): their most probable class
             self.correct += (out.logits.argmax(-1) == y.argmax(-1)).sum().to(self.where)
-        elif not y.is_floating_point():  # regression targets (a Gaussian likelihood) have no accuracy: it stays 0
+        elif not y.is_floating_point():
             self.correct += (out.logits.argmax(-1) == y).sum().to(self.where)
+        else:  # regression targets (a Gaussian likelihood): no accuracy, the squared errors of the mean
+            self.regression = True
+            error = out.logits.detach()[..., 0].to(torch.float64) - y.to(torch.float64)
+            self.correct += (error**2).sum().to(self.where)
         self.count += len(y)
         for key, value in (out.stats or {}).items():
             total = self.stats.setdefault(key, [self._scalar(0.0), 0])

@@ -130,14 +130,22 @@ def config_from_dict(raw: Any) -> RunConfig:
     return cfg
 
 
+CORRUPTIONS_NOT_TABULAR = (
+    "compare.corruptions are image corruptions (noise, blur, contrast, … of pixels; Hendrycks & Dietterich 2019): "
+    "a regression run's feature vectors (model.likelihood: gaussian) have no image to corrupt: set "
+    "compare.corruptions: []"
+)
+"""Why a regression run takes no corruptions, in one line (the comparison's plan, before anything trains)."""
+
+
 def check_likelihood(cfg: RunConfig) -> None:
     """Refuse a likelihood the run's data, method or evaluation cannot take (``model.likelihood``), in one line.
 
     A regression data set needs ``gaussian`` and a classification one ``categorical``; the Laplace family
     (a softmax Gauss-Newton: :attr:`~flatbma.experiment.config.methods.MethodSpec.regression`) fits no
-    regression network; a regression run measures no flatness, watches no early stopping, detects no
-    out-of-distribution inputs, draws no k-shot sample and trains no two-stage prior (not implemented for
-    it yet), and its feature vectors take no image option.
+    regression network; a regression run detects no out-of-distribution inputs and trains no two-stage prior
+    (not implemented for it yet), and its feature vectors (no classes, no image) take no k-shot sample and no
+    image option.
     """
     regression_data = is_regression_dataset(cfg.data.name)
     if cfg.model.gaussian is None:
@@ -159,11 +167,8 @@ def check_likelihood(cfg: RunConfig) -> None:
                 "is the Gauss-Newton of the softmax; use swag or swag-diag (a Gaussian around SGD) or mfvi instead"
             )
     refused = {
-        "eval.flatness": cfg.eval.flatness,
-        "train.early_stopping": cfg.train.early_stopping is not None,
         "eval.ood": cfg.eval.ood is not None,
         "data.k_shot": cfg.data.k_shot is not None,
-        "prior": cfg.prior is not None,
         **{f"data.{k}": bool(getattr(cfg.data, k)) for k in ("image_size", "to_rgb", "normalize", "augment")},
     }
     for key, given in refused.items():

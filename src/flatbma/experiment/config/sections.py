@@ -310,7 +310,9 @@ class Criterion(str, Enum):
     """The BMA's negative log-likelihood ``−mean log (1/M) Σ_m p(y|x, w_m)``."""
     LOSS = "loss"
     """The mean over the samples of each sample's cross-entropy, ``−mean (1/M) Σ_m log p(y|x, w_m)``
-    (the expected loss ``E_q[L_val]``; for a point estimate the same as ``nll``)."""
+    (the expected loss ``E_q[L_val]``; for a point estimate the same as ``nll``). A regression run
+    (``model.likelihood: gaussian``) watches the same two with the Gaussian likelihood ``N(y; μ_m, σ_m²)``:
+    the mixture's NLL and each sample's, averaged (:func:`flatbma.experiment.run.evaluate.regression_validation`)."""
 
 
 @dataclass(frozen=True)
@@ -322,7 +324,8 @@ class EarlyStopping:
     test evaluation; a sampler's current samples); the state of the best evaluation (smallest
     ``criterion``; the first on ties) is kept in ``best.safetensors``, training stops once ``patience``
     epochs have passed since it, and the run is evaluated at that best state. The values are in the
-    history (``log.csv``: ``val/nll``, ``val/loss``, ``val/accuracy``); ``metrics.json`` records the best
+    history (``log.csv``: ``val/nll``, ``val/loss``, ``val/accuracy``; a regression run's ``val/rmse`` instead of
+    ``val/accuracy``, its NLLs those of the Gaussian likelihood); ``metrics.json`` records the best
     epoch. A resumed run stops, and keeps, exactly what the uninterrupted one did.
 
     Attributes:

@@ -118,9 +118,12 @@ def global_history(history: History) -> History:
         return history
     values = torch.tensor([[h.loss, h.accuracy] for h in history.epochs], dtype=torch.float64)
     reduced = all_reduce_mean({"h": values.to(collective_device())})["h"].cpu()
-    return History(
-        [dataclasses.replace(h, loss=float(v[0]), accuracy=float(v[1])) for h, v in zip(history.epochs, reduced)]
-    )
+    epochs = [dataclasses.replace(h, loss=float(v[0]), accuracy=float(v[1])) for h, v in zip(history.epochs, reduced)]
+    if any(h.rmse is not None for h in history.epochs):  # a regression run's: the mean squared error averaged
+        squared = torch.tensor([(h.rmse or 0.0) ** 2 for h in history.epochs], dtype=torch.float64)
+        mse = all_reduce_mean({"h": squared.to(collective_device())})["h"].cpu()
+        epochs = [dataclasses.replace(h, rmse=float(m) ** 0.5) for h, m in zip(epochs, mse)]
+    return History(epochs)
 
 
 def global_position(position: Position) -> Position:

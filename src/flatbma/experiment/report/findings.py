@@ -13,7 +13,8 @@ Statistics (:mod:`flatbma.stats`, level 95%; the metrics and runs are read by
   seeds both ran, with the same interval, metrics and verdicts (:func:`pair_comparisons`).
 * **Findings** (:func:`findings`): one line per (method, metric), generated from those differences:
   "better"/"worse" when the interval excludes 0 (for λ₁ and the width tr Σ, which have no better
-  end, "flatter"/"sharper" and "narrower"/"wider"), else "no significant difference"; with one seed
+  end, "flatter"/"sharper" and "narrower"/"wider"; for a regression run's coverage, best at its level,
+  "covers more"/"covers less"), else "no significant difference"; with one seed
   no comparison is claimed. λ₁ is compared only where both runs of a pair report their width, and
   its line is followed by the width's (a wider posterior puts samples in sharper places whatever its
   flatness). ``flatbma compare`` stores them in ``results["findings"]``.

@@ -247,6 +247,7 @@ class Metric:
         higher: what a significantly higher value means.
         bounds: ``(low, high)``: the range the metric's definition confines it to (``None``: unbounded);
             intervals are clipped to it (:func:`summary_of`).
+        reads: how to read a difference when neither end is better (``""``: from ``lower``/``higher``).
     """
 
     key: str
@@ -255,6 +256,7 @@ class Metric:
     lower: str = ""
     higher: str = ""
     bounds: tuple[float | None, float | None] = (None, None)
+    reads: str = ""
 
     @property
     def best(self) -> Callable[[Sequence[float]], float] | None:
@@ -263,7 +265,12 @@ class Metric:
 
     @property
     def reading(self) -> str:
-        """How to read a difference: ``"lower is better"``, ``"higher is better"``, ``"lower is flatter"``."""
+        """How to read a difference: ``"lower is better"``, ``"higher is better"``, ``"lower is flatter"``.
+
+        A metric with its own :attr:`reads` (a coverage, best at its level): that.
+        """
+        if self.reads:
+            return self.reads
         return "higher is better" if self.higher == "better" else f"lower is {self.lower}"
 
 
@@ -294,18 +301,34 @@ RATIO = Metric("lambda1_over_lambda5", "λ₁/λ₅", _key("lambda1_over_lambda5
 
 PREDICTIVE_METRICS: tuple[Metric, ...] = (ACCURACY, NLL, ECE, AECE, BRIER)
 RMSE = _lower_better("rmse", "RMSE", bounds=NONNEGATIVE)
+MAE = _lower_better("mae", "MAE", bounds=NONNEGATIVE)
+COVERAGE = {
+    a: Metric(
+        f"coverage_{a}", f"coverage {a}", _key(f"coverage_{a}"), "covers less", "covers more", UNIT, "best at the level"
+    )
+    for a in ("0.5", "0.9", "0.95")
+}
+"""A regression run's coverage of the mixture's central intervals; best at its level, so no end is better: a
+significant difference reads "covers less" or "covers more" (which is closer to the level is in the table)."""
+CALIBRATION_ERROR = _lower_better("calibration_error", "calibration error", bounds=UNIT)
 REGRESSION_METRICS: tuple[Metric, ...] = (
     _lower_better("nll", "NLL"),  # a density's: unbounded below
     RMSE,
-    _lower_better("mae", "MAE", bounds=NONNEGATIVE),
-    *(Metric(f"coverage_{a}", f"coverage {a}", _key(f"coverage_{a}"), bounds=UNIT) for a in ("0.5", "0.9", "0.95")),
-    _lower_better("calibration_error", "calibration error", bounds=UNIT),
+    MAE,
+    *COVERAGE.values(),
+    CALIBRATION_ERROR,
 )
 """The test metrics of a regression run (``model.likelihood: gaussian``): the mixture predictive's
 (:func:`flatbma.regression.mixture_metrics`); a coverage is best at its level, so no end of it is better."""
 FLATNESS_METRICS: tuple[Metric, ...] = (LAMBDA1, LAMBDA1_MEAN, TRACE_COV, RATIO)
-COMPARED: tuple[Metric, ...] = (ACCURACY, NLL, ECE, BRIER, LAMBDA1, TRACE_COV)
-"""The metrics compared with the reference, in the order of the findings (λ₁ followed by its width)."""
+COMPARED: tuple[Metric, ...] = (
+    *(ACCURACY, NLL, RMSE, MAE, COVERAGE["0.9"], CALIBRATION_ERROR, ECE, BRIER),
+    *(LAMBDA1, TRACE_COV),
+)
+"""The metrics compared with the reference, in the order of the findings (λ₁ followed by its width).
+
+A classifier's rows have accuracy, NLL, ECE, Brier; a regression run's NLL, RMSE, MAE, the coverage of the
+central 90% interval and the calibration error (each pair is compared on the metrics both runs measured)."""
 EXTRA_METRICS: tuple[Metric, ...] = (
     Metric("distribution_lambda1", "λ₁ of the mean Hessian", _key("distribution_lambda1")),
     Metric("sam_sharpness", "SAM sharpness", _key("sam_sharpness")),

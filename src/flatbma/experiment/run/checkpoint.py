@@ -406,8 +406,10 @@ def history_of(meta: Mapping[str, str] | None) -> History | None:
 def _epoch_log(record: Any) -> EpochLog:
     kinds = {"epoch": int, "loss": float, "accuracy": float, "steps": int}
     optional = {"stats", "validation"}  # named numbers (EpochLog.record leaves them out when empty)
-    if not isinstance(record, dict) or not set(kinds) <= set(record) <= set(kinds) | optional:
+    if not isinstance(record, dict) or not set(kinds) <= set(record) <= set(kinds) | optional | {"rmse"}:
         raise ValueError("history entry")
+    if "rmse" in record and not _is_number(record["rmse"]):  # a regression run's (EpochLog.rmse)
+        raise ValueError("rmse")
     for key, kind in kinds.items():
         value = record[key]
         if not _is_number(value) or (kind is int and not isinstance(value, int)):

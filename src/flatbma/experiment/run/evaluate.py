@@ -49,6 +49,7 @@ from flatbma.bn import has_batchnorm, with_recomputed_statistics
 from flatbma.calibration import fit_temperature
 from flatbma.data.corruptions import applicable, corrupt_dataset
 from flatbma.errors import FlatbmaError
+from flatbma.experiment.config.run_config import CORRUPTIONS_NOT_TABULAR
 from flatbma.experiment.run.build import Experiment
 from flatbma.experiment.run.health import HEALTH_EXAMPLES
 from flatbma.flatness import (
@@ -224,6 +225,10 @@ def flatness_metrics(exp: Experiment, state: State, samples: list[Params]) -> di
     ``eval.repeatability`` λ₁ per sample is measured again on a second draw of samples with another
     measurement seed (both from stream :data:`REPEAT_STREAM` of the run's seed) and the two
     summaries are compared (:func:`flatbma.flatness.repeatability`).
+
+    The training loss is the classifier's mean cross-entropy, or a regression run's mean Gaussian NLL
+    ``(1/n) Σᵢ [½ log(2π σ²(xᵢ)) + (yᵢ − μ(xᵢ))²/(2σ²(xᵢ))]`` with its noise (:attr:`Experiment.likelihood`:
+    ``model.noise_std``, or the learned ``σ``): the loss it trained on.
     """
     e = exp.config.eval
     start = time.perf_counter()
@@ -232,7 +237,7 @@ def flatness_metrics(exp: Experiment, state: State, samples: list[Params]) -> di
     if len(samples) < e.flatness_samples:
         samples = posterior_samples(exp, state, e.flatness_samples)
     chosen = samples[: e.flatness_samples]
-    options = dict(k=e.hessian_k, params=names, tol=e.hessian_tol, max_iter=e.hessian_max_iter)
+    options = dict(k=e.hessian_k, params=names, tol=e.hessian_tol, max_iter=e.hessian_max_iter, loss_fn=exp.likelihood)
     spectrum = "λ₁" if e.hessian_k == 1 else f"λ₁…λ{e.hessian_k}"
     with progress.current().phase("flatness", f"{progress.count(len(chosen), 'sample')} {spectrum}"):
         report = flatness_report(
@@ -309,8 +314,16 @@ def regression_metrics(exp: Experiment, samples: list[Params]) -> dict[str, Any]
     """The mixture predictive ``(1/M) Σ_m N(y; μ_m, σ_m²)`` of ``samples`` on the test set, scored.
 
     By :func:`flatbma.regression.mixture_metrics`: NLL, RMSE, MAE, coverage, calibration error, the variances.
+    """
+    return mixture_metrics(*regression_moments(exp, samples, exp.test_loader))
 
-    Each sample's ``(μ_m, σ_m²)`` are those of the run's :class:`~flatbma.regression.Gaussian` on its outputs,
+
+def regression_moments(
+    exp: Experiment, samples: list[Params], loader: Iterable[Batch]
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Every sample's ``(μ_m, σ_m²)`` ``[M, N]`` on a whole loader and its targets ``[N]``, on the CPU.
+
+    Each sample's moments are those of the run's :class:`~flatbma.regression.Gaussian` on its outputs,
     in the method's prediction mode (MC dropout's masks); no gradients.
     """
     gaussian = exp.likelihood
@@ -320,12 +333,12 @@ def regression_metrics(exp: Experiment, samples: list[Params]) -> dict[str, Any]
     exp.model.eval()
     means, variances, targets = [], [], []
     with torch.no_grad(), forward_precision(exp), mode(exp.model) if mode is not None else nullcontext():
-        for x, y in exp.test_loader:
+        for x, y in loader:
             mu, var = gaussian.moments(sample_outputs(exp.model, samples, x.to(exp.device)))
             means.append(mu.cpu())
             variances.append(var.cpu())
             targets.append(y)
-    return mixture_metrics(torch.cat(means, dim=1), torch.cat(variances, dim=1), torch.cat(targets))
+    return torch.cat(means, dim=1), torch.cat(variances, dim=1), torch.cat(targets)
 
 
 def evaluate_state(exp: Experiment, state: State, *, flatness: bool = False) -> dict[str, Any]:
@@ -333,17 +346,21 @@ def evaluate_state(exp: Experiment, state: State, *, flatness: bool = False) -> 
 
     ``health`` holds the BMA's :func:`training_fit`; the caller completes it with the run's loss history
     (:func:`flatbma.experiment.run.health.assess`). A regression run (:attr:`Experiment.likelihood`) records
-    :func:`regression_metrics` instead of the classifier's, and no flatness (refused: not implemented for it).
+    :func:`regression_metrics` instead of the classifier's, and its flatness on its Gaussian NLL
+    (:func:`flatness_metrics`).
     """
     if exp.likelihood is not None:
-        for what, asked in (("flatness", flatness), ("OOD detection (--ood, eval.ood)", exp.config.eval.ood)):
-            if asked:
-                raise FlatbmaError(f"{what} is not measured for a regression run (model.likelihood: gaussian) yet")
+        if exp.config.eval.ood:
+            raise FlatbmaError(
+                "OOD detection (--ood, eval.ood) is not measured for a regression run (model.likelihood: gaussian) yet"
+            )
         with exp.rng.restored():
             samples = with_bn_statistics(exp, draw_samples(exp, state))
             metrics: dict[str, Any] = {"likelihood": "gaussian", **regression_metrics(exp, samples), "health": None}
             metrics["bn_statistics"] = bn_statistics(exp)
             metrics.update(diagnostics(exp, state))
+            if flatness:
+                metrics.update(flatness_metrics(exp, state, samples))
         return metrics
     what = f"{progress.count(exp.config.eval.num_samples, 'sample')} on the test set"
     with exp.rng.restored():
@@ -386,12 +403,14 @@ def validation_metrics(exp: Experiment, state: State, n: int) -> dict[str, float
     sample's cross-entropy, averaged) and the BMA's accuracy. The samples are drawn and their BatchNorm
     statistics recomputed as for the test evaluation, from the build's RNG state (so the value is a
     function of ``state`` alone, and the global RNG of a training loop that asks is left as it was); the
-    model's train/eval mode is restored.
+    model's train/eval mode is restored. A regression run's: :func:`regression_validation`.
     """
     if exp.val_loader is None:
         raise FlatbmaError(
             "validation metrics need a validation split: set data.val_per_class, data.val_pool or data.val_fraction"
         )
+    if exp.likelihood is not None:
+        return regression_validation(exp, state, n)
     training = exp.model.training
     try:
         with exp.rng.restored():
@@ -407,6 +426,33 @@ def validation_metrics(exp: Experiment, state: State, n: int) -> dict[str, float
         "loss": float(-log_probs.gather(2, labels.expand(len(per_sample), -1, -1)).mean()),
         "accuracy": float((bma.argmax(1) == labels[:, 0]).double().mean()),
     }
+
+
+def regression_validation(exp: Experiment, state: State, n: int | None = None) -> dict[str, float]:
+    """The mixture of ``n`` posterior samples of ``state`` on the validation split: ``nll``, ``loss``, ``rmse``.
+
+    The regression analogue of :func:`validation_metrics`: ``nll = −mean log (1/n) Σ_m N(y; μ_m, σ_m²)`` (the
+    mixture's Gaussian NLL, :func:`flatbma.regression.mixture_metrics`), ``loss = −mean (1/n) Σ_m log N(y; μ_m,
+    σ_m²)`` (each sample's Gaussian NLL, averaged) and the RMSE of the mixture mean ``μ̄``. ``n`` defaults to
+    ``eval.num_samples``; drawn as :func:`validation_metrics` draws them (from the build's RNG state, BatchNorm
+    recomputed, the model's train/eval mode restored).
+    """
+    if exp.val_loader is None:
+        raise FlatbmaError(
+            "validation metrics need a validation split: set data.val_fraction (or data.val_per_class, data.val_pool)"
+        )
+    training = exp.model.training
+    try:
+        with exp.rng.restored():
+            samples = with_bn_statistics(exp, draw_samples(exp, state, n))
+            mu, var, y = regression_moments(exp, samples, exp.val_loader)
+    finally:
+        exp.model.train(training)
+    mixture = mixture_metrics(mu, var, y)
+    target = y.to(torch.float64)
+    mu, var = mu.to(torch.float64), var.to(torch.float64)
+    per_sample = 0.5 * (torch.log(2 * math.pi * var) + (target - mu) ** 2 / var)
+    return {"nll": mixture["nll"], "loss": float(per_sample.mean()), "rmse": mixture["rmse"]}
 
 
 def bma_curve_metrics(
@@ -500,6 +546,8 @@ def ood_record(exp: Experiment, predictions: Predictions) -> dict[str, Any]:
 def landscape_metrics(exp: Experiment, samples: list[Params]) -> dict[str, list[float]]:
     """Training loss of the samples along one filter-normalized random direction (mean ± std over samples).
 
+    The loss is that of :func:`flatness_metrics` (a regression run's: the Gaussian NLL).
+
     The samples are the distinct ones among the first ``eval.flatness_samples``.
     """
     names = _trained_names(exp)
@@ -507,7 +555,7 @@ def landscape_metrics(exp: Experiment, samples: list[Params]) -> dict[str, list[
     data = [(x.to(exp.device), y.to(exp.device)) for x, y in exp.hessian_loader]
     direction = random_direction(chosen[0], names, seed=exp.config.seed)
     alphas = torch.linspace(-1.0, 1.0, 21)
-    mean, std = posterior_landscape(exp.model, data, chosen, direction, alphas)
+    mean, std = posterior_landscape(exp.model, data, chosen, direction, alphas, loss_fn=exp.likelihood)
     return {"alphas": alphas.tolist(), "mean": mean.tolist(), "std": std.tolist()}
 
 
@@ -536,11 +584,14 @@ def measure(
     """
     report = progress.current()
     if exp.likelihood is not None:
-        if flatness or landscape or corruptions:
-            raise FlatbmaError("flatness, the landscape and corruptions are not measured for a regression run yet")
+        if corruptions:
+            raise FlatbmaError(CORRUPTIONS_NOT_TABULAR)
         start = time.perf_counter()
-        result = evaluate_state(exp, state)
+        result = evaluate_state(exp, state, flatness=flatness)
         result.update(health=None, temperature=None, corruptions={}, landscape=None)
+        if landscape:
+            with exp.rng.restored(), report.phase("landscape", "one random direction"):
+                result["landscape"] = landscape_metrics(exp, with_bn_statistics(exp, draw_samples(exp, state)))
         result["eval_time_s"] = time.perf_counter() - start
         return result
     with exp.rng.restored():

@@ -11,8 +11,9 @@ keeps its rows up to the checkpoint's last finished epoch and drops the rest (an
 have logged epochs past its last checkpoint), rows the checkpoint has but the file lacks are written
 from the history, and TensorBoard is told to hide the old events of every later epoch
 (``purge_step``). Each row holds the epoch's mean training loss and accuracy (of the unperturbed
-pass) and its steps exactly as the history has them, the learning rate of ``optim``'s schedule at
-the epoch's last step, and the epoch's wall time (empty for a row rewritten from a checkpoint).
+pass; a regression run's RMSE instead of the accuracy) and its steps exactly as the history has them,
+the learning rate of ``optim``'s schedule at the epoch's last step, and the epoch's wall time (empty for a
+row rewritten from a checkpoint).
 """
 
 from __future__ import annotations
@@ -38,6 +39,9 @@ COLUMNS = ("epoch", "loss", "accuracy", "steps", "lr", "time_s")
 them come the epoch's step statistics (e.g. ``ascent/mean_shift``) and validation values (``val/nll``) of a
 run that has them (:attr:`~flatbma.experiment.runner.EpochLog.stats`, ``validation``), in the order first
 seen; an earlier row lacks a column that appeared later (empty cell)."""
+REGRESSION_COLUMNS = ("epoch", "loss", "rmse", "steps", "lr", "time_s")
+"""The first columns of a regression run's ``log.csv`` (``model.likelihood: gaussian``): its targets have no
+accuracy; ``rmse`` is the epoch's training RMSE of the mean (:attr:`~flatbma.experiment.runner.EpochLog.rmse`)."""
 
 
 def check_available(logs: Iterable[TrainLog]) -> None:
@@ -72,8 +76,8 @@ class EpochLogger:
         lines: print a line per epoch on ``stderr`` (where :mod:`flatbma.progress` prints lines).
         started: when the loop started (``time.perf_counter()``), for a logger created after it (at the
             first checkpoint); ``None``: now.
-        accuracy: show the accuracy in the lines; ``False`` for regression targets, which have none (``log.csv``
-            keeps its column, at 0, so that its columns are the same for every run).
+        accuracy: the accuracy in the lines and ``log.csv`` (:data:`COLUMNS`); ``False`` for regression targets,
+            which have none: the training RMSE instead (:data:`REGRESSION_COLUMNS`).
     """
 
     def __init__(
@@ -98,7 +102,8 @@ class EpochLogger:
         rows = [self._row(history.epochs, i, None) for i in range(self._logged)]
         self.rows: list[dict[str, Any]] = [dict(row) for row in rows]
         """Every epoch's row as logged (the history's epochs it starts from: without a time), ``log.csv``'s."""
-        self._columns = _columns(rows, COLUMNS)
+        self._first = COLUMNS if accuracy else REGRESSION_COLUMNS
+        self._columns = _columns(rows, self._first)
         if TrainLog.CSV in logs:
             self._csv = run_dir / CSV_FILE
             _restart_csv(self._csv, rows, self._columns)
@@ -121,7 +126,7 @@ class EpochLogger:
             row = self._row(history.epochs, i, now - self._last)
             self.rows.append(dict(row))
             if self._lines and progress.current().epochs:
-                acc = f"acc {row['accuracy']:.3f}  " if self._accuracy else ""
+                acc = f"acc {row['accuracy']:.3f}  " if self._accuracy else _rmse_text(row["rmse"])
                 progress.current().line(
                     f"epoch {row['epoch']}/{self._epochs}  loss {row['loss']:.4f}  {acc}"
                     f"lr {row['lr']:.4g}  {_seconds(row['time_s'])} s"
@@ -160,7 +165,7 @@ class EpochLogger:
         return {
             "epoch": h.epoch,
             "loss": h.loss,
-            "accuracy": h.accuracy,
+            **({"accuracy": h.accuracy} if self._accuracy else {"rmse": h.rmse}),
             "steps": h.steps,
             "lr": float(self._learning_rate(max(last_step, 0))),
             "time_s": seconds,
@@ -169,10 +174,14 @@ class EpochLogger:
         }
 
     def _scalars(self, row: dict[str, Any]) -> None:
-        for key in ("loss", "accuracy", "lr", "time_s", *(c for c in row if c not in COLUMNS)):
+        for key in (*self._first[1:3], "lr", "time_s", *(c for c in row if c not in self._first)):
             if row[key] is not None:
                 name = key if "/" in key else f"train/{key}"
                 self._writer.add_scalar(name, row[key], global_step=row["epoch"])
+
+
+def _rmse_text(rmse: float | None) -> str:
+    return f"rmse {rmse:.4f}  " if rmse is not None else ""
 
 
 def _seconds(t: float) -> str:
@@ -218,12 +227,12 @@ def read_csv(path: str | Path) -> list[dict[str, float | int | None]]:
     """The rows of a ``log.csv``: ``epoch`` and ``steps`` as integers, the others as floats (``None`` when empty).
 
     Raises:
-        ValueError: a file whose columns do not start with :data:`COLUMNS`.
+        ValueError: a file whose columns do not start with :data:`COLUMNS` (or :data:`REGRESSION_COLUMNS`).
     """
     with Path(path).open(newline="") as f:
         reader = csv.DictReader(f)
         columns = tuple(reader.fieldnames or ())
-        if columns[: len(COLUMNS)] != COLUMNS:
+        if columns[: len(COLUMNS)] not in (COLUMNS, REGRESSION_COLUMNS):
             raise ValueError(f"{path} is not a flatbma log.csv (columns {reader.fieldnames})")
         return [{c: _cell(c, r[c]) for c in columns} for r in reader]
 

@@ -331,6 +331,7 @@ def _train_stage(
             history=history,
             after_epoch=monitor.after_epoch if monitor is not None else None,
             stop=monitor.stop if monitor is not None else None,
+            regression=cfg.model.gaussian is not None,
         )
     except DivergenceError as e:
         lower = f"--set optim.lr={yaml_float(cfg.optim.lr / 10)}"

@@ -23,7 +23,14 @@ from flatbma.experiment.config import entries
 from flatbma.experiment.config.entries import label_of
 from flatbma.experiment.config.methods import parse_method
 from flatbma.experiment.config.parse import parse_dataclass, set_dotted, shown
-from flatbma.experiment.config.run_config import RunConfig, config_from_dict, load_raw, parse_override, run_identity
+from flatbma.experiment.config.run_config import (
+    CORRUPTIONS_NOT_TABULAR,
+    RunConfig,
+    config_from_dict,
+    load_raw,
+    parse_override,
+    run_identity,
+)
 from flatbma.experiment.report.findings import check_pairs
 from flatbma.experiment.study.width import check_match_width
 
@@ -338,32 +345,16 @@ def load_plan(path: str | Path, overrides: list[str] = (), *, quick: bool = Fals
 
 
 def _check_regression(plan: Plan) -> None:
-    """Refuse what a regression comparison (``model.likelihood: gaussian``) does not measure yet, before it trains.
+    """Refuse corruptions in a regression comparison (``model.likelihood: gaussian``), before it trains.
 
-    Its rows are the mixture predictive's NLL, RMSE, MAE, coverage and calibration error
-    (:func:`flatbma.experiment.run.evaluate.measure`); the Hessian spectra, the loss landscape, corrupted images
-    and candidate selection on a validation split are the classifier's.
+    Its rows are the mixture predictive's NLL, RMSE, MAE, coverage and calibration error, and with
+    ``compare.flatness``/``landscape`` those of its Gaussian NLL (:func:`flatbma.experiment.run.evaluate.measure`);
+    the corruptions are of images, which its feature vectors are not.
     """
     if plan.base.model.gaussian is None:
         return
-    c = plan.compare
-    asked = {
-        "compare.flatness: false": c.flatness,
-        "compare.landscape: false": c.landscape,
-        "compare.corruptions: []": bool(c.corruptions),
-    }
-    for fix, given in asked.items():
-        if given:
-            key = fix.partition(":")[0]
-            raise FlatbmaError(
-                f"{key} is not measured for a regression run (model.likelihood: gaussian) yet: set {fix}"
-            )
-    selecting = next((job for job in plan.jobs() if job.selects), None)
-    if selecting is not None:
-        raise FlatbmaError(
-            f"compare.methods entry {selecting.label!r} lists candidate values, but choosing on validation data is "
-            "not implemented for a regression run (model.likelihood: gaussian): give each option one value"
-        )
+    if plan.compare.corruptions:
+        raise FlatbmaError(CORRUPTIONS_NOT_TABULAR)
 
 
 def _check_quick(compare: CompareConfig) -> None:

@@ -38,7 +38,7 @@ from flatbma.errors import DivergenceError, FlatbmaError
 from flatbma.experiment.config.run_config import RunConfig, run_identity
 from flatbma.experiment.run.build import Experiment
 from flatbma.experiment.run.checkpoint import atomic_write_json
-from flatbma.experiment.run.evaluate import bma_log_probs_over, bma_predictions, draw_samples
+from flatbma.experiment.run.evaluate import bma_log_probs_over, bma_predictions, draw_samples, regression_validation
 from flatbma.experiment.run.lock import hold
 from flatbma.experiment.run.pipeline import load_run
 from flatbma.experiment.run.prior import FittedPrior, fit_prior, prior_stage
@@ -63,13 +63,18 @@ def validation_nll(exp: Experiment, state: State) -> float:
 
     The samples are drawn exactly as the test evaluation draws them (BatchNorm recomputed on the training
     data), and averaged by the method's predictive (:func:`~flatbma.experiment.run.evaluate.bma_predictions`:
-    Laplace's linearized ones included); only the validation loader is read.
+    Laplace's linearized ones included); only the validation loader is read. A regression run
+    (``model.likelihood: gaussian``) is scored by its analogue, the Gaussian-mixture predictive's NLL
+    ``−(1/N) Σᵢ log (1/M) Σ_m N(yᵢ; μ_m(xᵢ), σ_m²(xᵢ))`` of the same samples
+    (:func:`~flatbma.experiment.run.evaluate.regression_validation`).
     """
     if exp.val_loader is None:
         raise FlatbmaError(
             "choosing among candidates needs a validation split: set data.k_shot and data.val_per_class > 0 "
             "or data.val_pool > 0 (or data.val_fraction without k_shot)"
         )
+    if exp.likelihood is not None:  # a regression run: the mixture's Gaussian NLL on the validation split
+        return regression_validation(exp, state)["nll"]
     with exp.rng.restored():
         averaged = bma_predictions(exp, state, draw_samples(exp, state))
         log_probs, labels = bma_log_probs_over(exp, averaged, exp.val_loader)
