@@ -281,11 +281,11 @@ def training_fit(exp: Experiment, predictions: Predictions, state: State | None 
     The BMA's accuracy and NLL on the first :data:`~flatbma.experiment.run.health.HEALTH_EXAMPLES` (whole
     batches) un-augmented training images of :attr:`Experiment.bn_loader` (a fixed random order, so a
     class-sorted data set gives a sample of every class), and the chance level: the share of the most frequent
-    class among them. With ``state``, the BMA against its MAP (:func:`against_map`). Run under forked random
+    class among them. With ``state``, the BMA against its posterior mean (:func:`against_mean`). Run under forked random
     generators: nothing measured after it changes.
 
     Returns:
-        ``{"train_bma_accuracy", "train_bma_nll", "train_examples", "chance_accuracy", "against_map"}``.
+        ``{"train_bma_accuracy", "train_bma_nll", "train_examples", "chance_accuracy", "against_mean"}``.
     """
     correct, nll, used, counts = 0, 0.0, 0, torch.zeros(exp.num_classes, dtype=torch.int64)
     devices = [exp.device.index or 0] if exp.device.type == "cuda" else []
@@ -300,28 +300,27 @@ def training_fit(exp: Experiment, predictions: Predictions, state: State | None 
                 break
         n = int(counts.sum())
         fit = {"train_bma_accuracy": correct / n, "train_bma_nll": nll / n, "train_examples": n}
-        compared = None if state is None else against_map(exp, state, predictions, fit, used)
-    return {**fit, "chance_accuracy": int(counts.max()) / n, "against_map": compared}
+        compared = None if state is None else against_mean(exp, state, predictions, fit, used)
+    return {**fit, "chance_accuracy": int(counts.max()) / n, "against_mean": compared}
 
 
-def against_map(
+def against_mean(
     exp: Experiment, state: State, predictions: Predictions, fit: dict[str, Any], batches: int
 ) -> dict[str, Any] | None:
-    """The BMA's NLL and accuracy beside its MAP's, for the health rule ``worse_than_map``; ``None`` if not compared.
+    """The BMA's NLL and accuracy beside its posterior mean's, for the health rule ``worse_than_mean``.
 
-    Compared: a classifier of a method whose posterior is fitted around a MAP — its
-    :attr:`~flatbma.types.Posterior.mean` (the registry's :attr:`~flatbma.experiment.config.methods.MethodSpec.
-    against_map`: Laplace) — the check :func:`flatbma.fit_posterior` makes. The MAP is the mean as a point
-    estimate with recomputed BatchNorm statistics, those of a linearized predictive (its ``mean``) or
-    :func:`with_bn_statistics`' (one pass over :attr:`Experiment.bn_loader`). On the validation split when the
-    run has one (then the BMA is evaluated there too), otherwise on the training ``batches`` the BMA's ``fit``
-    (:func:`training_fit`) scored: one forward pass of the MAP over them.
+    Compared: a classifier whose method has a :attr:`~flatbma.types.Posterior.mean` (Laplace's MAP, SWAG's SWA
+    mean, VI's ``μ``, MC dropout's deterministic network, a point estimate itself), evaluated as a point
+    estimate with recomputed BatchNorm statistics: those of a linearized predictive (its ``mean``), else
+    :func:`with_bn_statistics`' (one pass over :attr:`Experiment.bn_loader` for a network with BatchNorm). On
+    the validation split when the run has one (then the BMA is evaluated there too), otherwise on the training
+    ``batches`` the BMA's ``fit`` (:func:`training_fit`) scored: one forward pass of the mean over them.
 
     Returns:
-        ``{"data": "validation" | "training", "examples", "num_classes", "bma_nll", "bma_accuracy", "map_nll",
-        "map_accuracy"}``.
+        ``{"data": "validation" | "training", "examples", "num_classes", "bma_nll", "bma_accuracy", "mean_nll",
+        "mean_accuracy"}``, or ``None``: a regression run, or a method without a mean (ensembles, SG-MCMC).
     """
-    if exp.likelihood is not None or exp.method.mean is None or not exp.config.method.against_map():
+    if exp.likelihood is not None or exp.method.mean is None:
         return None
     if isinstance(predictions, LinearizedPredictive):  # linearized at the mean, with the mean's statistics
         at_mean = [dict(predictions.mean)]
@@ -343,8 +342,8 @@ def against_map(
         "num_classes": exp.num_classes,
         "bma_nll": bma["nll"],
         "bma_accuracy": bma["accuracy"],
-        "map_nll": point["nll"],
-        "map_accuracy": point["accuracy"],
+        "mean_nll": point["nll"],
+        "mean_accuracy": point["accuracy"],
     }
 
 
