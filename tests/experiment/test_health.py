@@ -203,7 +203,8 @@ def test_a_laplace_posterior_that_undoes_its_map_is_flagged(tmp_path: Path, vali
         ({"name": "mc-dropout", "rate": 0.2}, False),
         ({"name": "laplace"}, False),  # the default: last layer, the evidence's δ
         ({"name": "laplace"}, True),
-        ({"name": "ensemble", "members": 2}, False),  # no mean: not compared
+        ({"name": "ensemble", "members": 2}, False),  # a mixture of members: not compared
+        ({"name": "multiswag", "members": 2, "of": {"name": "swag", "rank": 2}}, False),  # members' means averaged
     ],
 )
 def test_sound_runs_are_not_flagged_against_their_mean(
@@ -217,7 +218,7 @@ def test_sound_runs_are_not_flagged_against_their_mean(
     health = json.loads((run / "metrics.json").read_text())["health"]
     assert health["ok"] is True and health["flags"] == []
     compared = health["against_mean"]
-    has_mean = method["name"] != "ensemble"
+    has_mean = method["name"] not in ("ensemble", "multiswag")
     assert (compared is not None) is has_mean and ("worse_than_mean" in health["rules"]) is has_mean
     if compared is None:
         return

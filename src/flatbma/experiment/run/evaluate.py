@@ -318,9 +318,11 @@ def against_mean(
 
     Returns:
         ``{"data": "validation" | "training", "examples", "num_classes", "bma_nll", "bma_accuracy", "mean_nll",
-        "mean_accuracy"}``, or ``None``: a regression run, or a method without a mean (ensembles, SG-MCMC).
+        "mean_accuracy"}``, or ``None``: a regression run, a method without a mean (SG-MCMC), or a mixture of
+        independently trained components (:attr:`~flatbma.types.Posterior.members`: ensembles, MultiSWAG), whose
+        average of means lies in none of their basins.
     """
-    if exp.likelihood is not None or exp.method.mean is None:
+    if exp.likelihood is not None or exp.method.mean is None or exp.method.members:
         return None
     if isinstance(predictions, LinearizedPredictive):  # linearized at the mean, with the mean's statistics
         at_mean = [dict(predictions.mean)]

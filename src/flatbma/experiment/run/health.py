@@ -26,7 +26,8 @@ metrics are kept — but it is flagged, by three rules:
   against its MAP's 0.018 on training images, 0.13 against 0.063 on validation; MC dropout 0.053 against
   0.025), while a posterior that undoes its MAP (all weights, KFAC, the evidence's δ on the same CNN: 0.76
   against 0.018, 0.60 against 0.063) is far beyond it. The run's fit is fine; its posterior is too wide.
-  Methods without a mean (ensembles, SG-MCMC chains) are not compared.
+  Methods without a mean (SG-MCMC chains) and mixtures of independently trained components (ensembles,
+  MultiSWAG: the average of their means lies in none of their basins) are not compared.
 
 :func:`assess` puts the rules together into the ``health`` entry of ``metrics.json`` and of a compare
 row; :func:`warning` is its one line; :func:`flagged_text` the reports' and findings' wording.
