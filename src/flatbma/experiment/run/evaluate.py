@@ -69,7 +69,6 @@ from flatbma.precision import autocast
 from flatbma.predict import (
     Predictions,
     evaluate,
-    labelled,
     predict,
     rescaled_metrics,
     stream_metrics,
@@ -332,8 +331,7 @@ def against_mean(
     if exp.val_loader is not None:
         bma = score(predictions, exp.val_loader, mode=prediction_mode(exp.method, exp.config.seed))
         point = score(at_mean, exp.val_loader)
-        examples = sum(len(labelled(b)[1]) for b in exp.val_loader)
-        data = "validation"
+        examples, data = int(point["n"]), "validation"
     else:
         bma = {"nll": fit["train_bma_nll"], "accuracy": fit["train_bma_accuracy"]}
         point = score(at_mean, islice(exp.bn_loader, batches))
