@@ -273,6 +273,50 @@ def test_a_saved_tuple_model_loads_predicting_as_fitted(tmp_path):
     assert not other._forward_hooks
 
 
+def _as_saved_before_the_record(path) -> None:
+    """Rewrite a predictor file as versions before bdef782 wrote it: the same state, no ``logits`` record.
+
+    The old format is built here, from a freshly saved file, by dropping the record (and writing the file
+    again, so that its checksums cover the settings as they are): those versions wrote no other difference.
+    """
+    from flatbma.predictor import read_file, write_file
+
+    state, settings = read_file(path)
+    del settings["logits"]
+    write_file(path, state, settings)
+
+
+@pytest.mark.parametrize("tupled", [True, False], ids=["tuple-output", "tensor-output"])
+def test_a_predictor_saved_before_the_logits_record_loads_predicting_as_fitted(tmp_path, tupled):
+    """A file without the ``logits`` record: the module gets the hook that passes a tensor through (issue #25)."""
+    from flatbma.predictor import read_file
+
+    make = _WithFeatures if tupled else _net
+    fitted = _fit(make(), DataLoader(TensorDataset(*_data()), batch_size=48))
+    path = tmp_path / "old.safetensors"
+    fitted.save(path)
+    _as_saved_before_the_record(path)
+    assert "logits" not in read_file(path)[1]
+    fresh = make()
+    loaded = flatbma.load_posterior(path, fresh)
+    x, y = _data(20, seed=5)
+    assert torch.equal(loaded.predict_proba(x), fitted.predict_proba(x))
+    assert loaded.evaluate([(x, y)]) == fitted.evaluate([(x, y)])
+    assert fresh.eval()(x).shape == (20, 3)
+
+
+def test_a_predictor_file_with_an_unknown_logits_record_is_refused(tmp_path):
+    from flatbma.predictor import read_file, write_file
+
+    path = tmp_path / "bma.safetensors"
+    _fit(_net(), DataLoader(TensorDataset(*_data()), batch_size=48)).save(path)
+    state, settings = read_file(path)
+    assert settings["logits"] == "output"
+    write_file(path, state, {**settings, "logits": "second"})
+    with pytest.raises(flatbma.FlatbmaError, match="predictor settings are damaged"):
+        flatbma.load_posterior(path, _net())
+
+
 def test_a_list_of_batches_is_a_loader():
     x, y = _data()
     batches = [(x[i : i + 48], y[i : i + 48]) for i in range(0, 240, 48)]

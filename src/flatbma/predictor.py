@@ -69,6 +69,10 @@ PREDICTOR_KEY = "predictor"
 PREDICTOR_FORMAT = "flatbma-bma-v1"
 """Format tag of those settings."""
 
+LOGITS_FIRST, LOGITS_OUTPUT = "first", "output"
+"""The predictor file's ``logits`` record: the module's logits are the first element of its tuple output
+(:func:`flatbma.models.keep_logits`), or its output. Files saved before the record existed have none."""
+
 
 def trained_names(model: nn.Module) -> list[str]:
     """Names of ``model``'s parameters with ``requires_grad`` (the trained, Bayesian ones)."""
@@ -401,7 +405,8 @@ class BMA:
         predictor with the same samples and the same predictions, bit for bit. A module that returns its
         logits as the first element of a tuple (:func:`flatbma.models.keep_logits`'s hook, which
         :func:`flatbma.fit_posterior` installs) is recorded as such (``"logits": "first"``), and :meth:`load`
-        installs the hook on the module it is given again.
+        installs the hook on the module it is given again; any other module as returning its logits
+        (``"logits": "output"``).
         """
         settings = {
             "format": PREDICTOR_FORMAT,
@@ -414,8 +419,7 @@ class BMA:
             settings["num_data"] = self.num_data
         if self.likelihood is not None:
             settings["likelihood"] = {"name": "gaussian", "noise_std": self.likelihood.noise_std}
-        if first_output in self.model._forward_hooks.values():
-            settings["logits"] = "first"  # the module's forward returns (logits, ...): its first element counts
+        settings["logits"] = LOGITS_FIRST if first_output in self.model._forward_hooks.values() else LOGITS_OUTPUT
         write_file(path, self.state, settings)
 
     @classmethod
@@ -436,10 +440,13 @@ class BMA:
         the seed and whether statistics are recomputed come from the file. A predictor saved from a module
         whose forward returns a tuple (``"logits": "first"``) gives ``model``
         :func:`~flatbma.models.keep_logits`'s hook: its first element is the logits, as when it was fitted.
+        A file without the record (saved before it existed) gives ``model`` the hook too: it takes the first
+        element of a tuple output and passes a tensor through as it is (:func:`~flatbma.models.first_output`),
+        so a module of either kind predicts as it did when it was fitted.
         """
         state, settings = read_file(path)
         _check_fits(state, method, model, path)
-        if settings.get("logits") == "first":
+        if settings.get("logits", LOGITS_FIRST) == LOGITS_FIRST:  # no record: an older file, either kind of module
             keep_logits(model)
         return cls(
             model,
@@ -666,6 +673,7 @@ def read_settings(meta: Mapping[str, str], path: str | Path) -> dict[str, Any]:
     try:
         settings = json.loads(meta[PREDICTOR_KEY])
         valid = settings["format"] == PREDICTOR_FORMAT and is_int(settings["num_samples"]) and is_int(settings["seed"])
+        valid = valid and settings.get("logits", LOGITS_FIRST) in (LOGITS_FIRST, LOGITS_OUTPUT)
     except (ValueError, KeyError, TypeError):
         valid = False
     if not valid:

@@ -3,6 +3,9 @@
 
 The collapse is forced cheaply: plain SGD at ``lr = 30`` on the digits MLP (its loss climbs into the
 thousands and its BMA predicts one class), instead of the slow FP-BMA ``gamma: 100`` run of the issue.
+
+The rule ``worse_than_mean`` (issue #25) is forced by a Laplace over all of a small CNN's weights with KFAC and
+the evidence's δ, whose BMA undoes its MAP; SGD, SWAG, MC dropout and the default last-layer Laplace stay unflagged.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +26,15 @@ from flatbma.experiment.config.run_config import config_from_dict
 from flatbma.experiment.report.findings import findings
 from flatbma.experiment.report.tables import summary_table
 from flatbma.experiment.run import evaluate
-from flatbma.experiment.run.health import LOSS_RISE, assess, is_flagged
+from flatbma.experiment.run.health import (
+    LOSS_RISE,
+    HealthWarning,
+    assess,
+    flagged_line,
+    flagged_text,
+    is_flagged,
+    warn_if_flagged,
+)
 from flatbma.experiment.run.pipeline import load_run, train_run
 
 BASE: dict[str, Any] = {
@@ -72,6 +84,49 @@ def test_the_rules(losses: tuple[float, ...], fit: dict[str, Any] | None, flags:
     assert is_flagged(health) is bool(flags) and not is_flagged(None) and not is_flagged({})
 
 
+def _against(data: str, bma: float, mean: float, classes: int = 10) -> dict[str, Any]:
+    return {"data": data, "examples": 100, "num_classes": classes, "bma_nll": bma, "bma_accuracy": 0.9,
+            "mean_nll": mean, "mean_accuracy": 0.95}  # fmt: skip
+
+
+LOG10 = math.log(10)
+
+
+@pytest.mark.parametrize(
+    ("compared", "fired"),
+    [
+        (None, False),  # a method without a mean (ensemble, sgld) or a regression
+        # the measured runs of the module docstring (the small CNN on digits): the sound ones are not flagged
+        (_against("training", 0.0642, 0.0182), False),  # last-layer Laplace, evidence δ: 3.5x, but +0.046
+        (_against("training", 0.0533, 0.0246), False),  # MC dropout (rate 0.2): 2.2x, +0.03
+        (_against("training", 0.7575, 0.0182), True),  # all weights, KFAC, evidence δ: +0.74 > 0.2 log 10
+        (_against("validation", 0.1327, 0.0627), False),  # last-layer: 2.1x, +0.07 < 0.1 log 10
+        (_against("validation", 0.6000, 0.0627), True),  # all weights: 9.6x, +0.54
+        # the two conditions, each at its edge
+        (_against("validation", 0.0627 + 0.1 * LOG10 + 1e-6, 0.0627), True),
+        (_against("validation", 0.0627 + 0.1 * LOG10 - 1e-6, 0.0627), False),
+        (_against("training", 0.0182 + 0.2 * LOG10 - 1e-6, 0.0182), False),
+        (_against("validation", 1.5 * 1.2 - 1e-6, 1.2), False),  # + 0.6 nats, but within 1.5x a poor mean's NLL
+        (_against("validation", 1.5 * 1.2 + 1e-6, 1.2), True),
+        (_against("training", 2.0 * 0.5 - 1e-6, 0.5), False),
+        (_against("validation", 0.6, 0.0627, classes=1000), False),  # + 0.54 < 0.1 log 1000 = 0.69
+        (_against("test", 0.6, 0.0627), False),  # data it has no rule for
+    ],
+)
+def test_the_rule_against_the_mean(compared: dict[str, Any] | None, fired: bool) -> None:
+    health = assess(_history(2.5, 0.3), {**FIT, "train_bma_nll": 0.3, "against_mean": compared})
+    assert health["flags"] == (["worse_than_mean"] if fired else []) and health["against_mean"] == compared
+    assert ("worse_than_mean" in health["rules"]) is (compared is not None and compared["data"] != "test")
+    if fired:
+        assert flagged_text(health).startswith(f"its BMA is worse than its posterior mean on 100 {compared['data']}")
+        assert "a posterior too wide for its mean" in flagged_line("laplace", {"seed": 0, "health": health})
+        with pytest.warns(
+            HealthWarning,
+            match=r"too wide for its mean \(narrow it; Laplace: subset: last-layer.*\): its BMA is worse",
+        ):
+            warn_if_flagged(health, "the run")
+
+
 def _write(tmp_path: Path, name: str, cfg: dict[str, Any]) -> str:
     path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(cfg))
@@ -98,6 +153,80 @@ def test_a_healthy_run_says_nothing_and_records_its_health(tmp_path: Path) -> No
     assert code == 0 and err == ""
     health = json.loads((run / "metrics.json").read_text())["health"]
     assert health["ok"] is True and health["flags"] == [] and health["train_bma_accuracy"] > 0.5
+
+
+CNN: dict[str, Any] = {
+    **BASE,
+    "data": {"name": "digits", "batch_size": 32, "test_limit": 100},
+    "model": {"name": "cnn", "width": 8},
+    "optim": {"lr": 0.05, "momentum": 0.9},
+    "train": {"epochs": 5, "progress": False},
+    "eval": {"num_samples": 5},
+}
+UNDOING = {"name": "laplace", "subset": "all", "hessian": "kfac"}  # and the evidence's δ, the default
+"""Laplace over all the small CNN's weights: its BMA undoes its MAP (issue #25: accuracy 0.776 against 0.988)."""
+
+
+def _with_validation(cfg: dict[str, Any]) -> dict[str, Any]:
+    return {**cfg, "data": {**cfg["data"], "val_fraction": 0.2}}
+
+
+@pytest.mark.parametrize("validation", [False, True], ids=["training", "validation"])
+def test_a_laplace_posterior_that_undoes_its_map_is_flagged(tmp_path: Path, validation: bool) -> None:
+    run = tmp_path / "run"
+    cfg = {**CNN, "method": UNDOING, "output_dir": str(run)}
+    cfg = _with_validation(cfg) if validation else cfg
+    code, out, err = _cli(["train", "--config", _write(tmp_path, "c", cfg), "--quiet"])
+    assert code == 0 and "wrote" in out
+    lines = err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(
+        f"flatbma: warning: the run in {run} has a posterior too wide for its mean (narrow it"
+    )
+    data = "validation" if validation else "training"
+    health = json.loads((run / "metrics.json").read_text())["health"]
+    assert health["flags"] == ["worse_than_mean"] and health["against_mean"]["data"] == data
+    compared = health["against_mean"]
+    assert f"its BMA is worse than its posterior mean on {compared['examples']} {data} " in lines[0]
+    assert compared["bma_nll"] > compared["mean_nll"] + 0.3 and compared["bma_accuracy"] < compared["mean_accuracy"]
+    if not validation:  # the BMA's side is the chance rule's measurement, on the same training images
+        assert compared["bma_nll"] == health["train_bma_nll"] and compared["examples"] == health["train_examples"]
+    code, _, err = _cli(["evaluate", str(run), "--quiet"])  # re-evaluated: the same numbers, flagged again
+    assert code == 0 and len(err.splitlines()) == 1 and "has a posterior too wide" in err
+    assert json.loads((run / "metrics.json").read_text())["health"]["against_mean"] == compared
+
+
+@pytest.mark.parametrize(
+    ("method", "validation"),
+    [
+        ({"name": "sgd"}, False),  # a point estimate is its own mean: the same numbers
+        ({"name": "swag", "rank": 2}, True),
+        ({"name": "mc-dropout", "rate": 0.2}, False),
+        ({"name": "laplace"}, False),  # the default: last layer, the evidence's δ
+        ({"name": "laplace"}, True),
+        ({"name": "ensemble", "members": 2}, False),  # a mixture of members: not compared
+        ({"name": "multiswag", "members": 2, "of": {"name": "swag", "rank": 2}}, False),  # members' means averaged
+    ],
+)
+def test_sound_runs_are_not_flagged_against_their_mean(
+    tmp_path: Path, method: dict[str, Any], validation: bool
+) -> None:
+    run = tmp_path / "run"
+    cfg = {**CNN, "method": method, "output_dir": str(run)}
+    cfg = _with_validation(cfg) if validation else cfg
+    code, _, err = _cli(["train", "--config", _write(tmp_path, "c", cfg), "--quiet"])
+    assert code == 0 and err == ""
+    health = json.loads((run / "metrics.json").read_text())["health"]
+    assert health["ok"] is True and health["flags"] == []
+    compared = health["against_mean"]
+    has_mean = method["name"] not in ("ensemble", "multiswag")
+    assert (compared is not None) is has_mean and ("worse_than_mean" in health["rules"]) is has_mean
+    if compared is None:
+        return
+    assert compared["data"] == ("validation" if validation else "training") and compared["mean_accuracy"] > 0.9
+    if method["name"] == "sgd":
+        assert compared["bma_nll"] == compared["mean_nll"] == health["train_bma_nll"]
+    if method["name"] == "laplace":
+        assert compared["bma_nll"] > compared["mean_nll"]  # wider than its MAP, but not undoing it
 
 
 def test_compare_marks_the_flagged_row_in_its_tables_and_findings(tmp_path: Path) -> None:
@@ -130,10 +259,21 @@ def test_compare_marks_the_flagged_row_in_its_tables_and_findings(tmp_path: Path
     assert json.loads((run_dirs["sgd-lr30"] / "metrics.json").read_text())["health"] == healths["sgd-lr30"]
 
 
-@pytest.mark.parametrize("method", [{"name": "mc-dropout", "rate": 0.2}, {"name": "swag", "rank": 2, "start_step": 0}])
+@pytest.mark.parametrize(
+    "method",
+    [
+        {"name": "mc-dropout", "rate": 0.2},
+        {"name": "swag", "rank": 2, "start_step": 0},
+        {"name": "laplace", "subset": "all"},  # compared with its MAP: that changes nothing either
+        {"name": "laplace", "predictive": "samples", "model": CNN["model"]},  # its MAP's BatchNorm statistics
+    ],
+)
 def test_measuring_the_health_changes_no_other_number(tmp_path: Path, method: dict[str, Any], monkeypatch) -> None:
     """The training pass runs under forked generators: every other measurement is the same bit for bit."""
-    cfg = config_from_dict({**BASE, "method": method, "eval": {"num_samples": 3}, "output_dir": str(tmp_path / "r")})
+    method = dict(method)
+    model = method.pop("model", BASE["model"])
+    options = {**BASE, "method": method, "model": model, "eval": {"num_samples": 3}, "output_dir": str(tmp_path / "r")}
+    cfg = config_from_dict(options)
     train_run(cfg, evaluate=False)
     options = dict(bma_curve=(1, 3), corruptions=("gaussian_noise",), severities=(3,), corruption_samples=None)
 
@@ -143,7 +283,7 @@ def test_measuring_the_health_changes_no_other_number(tmp_path: Path, method: di
         return {k: v for k, v in out.items() if not k.endswith("time_s") and k != "health"}
 
     with_health = measured()
-    monkeypatch.setattr(evaluate, "training_fit", lambda exp, predictions: {})
+    monkeypatch.setattr(evaluate, "training_fit", lambda exp, predictions, state: {})
     assert measured() == with_health
 
 

@@ -39,6 +39,7 @@ import time
 from collections.abc import Iterable
 from contextlib import AbstractContextManager, nullcontext
 from functools import partial
+from itertools import islice
 from typing import Any
 
 import torch
@@ -62,6 +63,7 @@ from flatbma.flatness import (
     width,
 )
 from flatbma.flatness.landscape import posterior_landscape, random_direction
+from flatbma.linearized import LinearizedPredictive
 from flatbma.metrics import StreamingMetrics
 from flatbma.ood import ood_dataset, ood_metrics, uncertainty_scores
 from flatbma.precision import autocast
@@ -277,28 +279,77 @@ def _repeat(
     return result
 
 
-def training_fit(exp: Experiment, predictions: Predictions) -> dict[str, Any]:
-    """How the BMA fits its training data: the health entry's measurement (:mod:`flatbma.experiment.run.health`).
+def training_fit(exp: Experiment, predictions: Predictions, state: State | None = None) -> dict[str, Any]:
+    """How the BMA fits its training data: the health entry's measurements (:mod:`flatbma.experiment.run.health`).
 
-    The BMA's accuracy on the first :data:`~flatbma.experiment.run.health.HEALTH_EXAMPLES` (whole batches)
-    un-augmented training images of :attr:`Experiment.bn_loader` (a fixed random order, so a class-sorted
-    data set gives a sample of every class), and the chance level: the share of the most frequent class
-    among them. Run under forked random generators: nothing measured after it changes.
+    The BMA's accuracy and NLL on the first :data:`~flatbma.experiment.run.health.HEALTH_EXAMPLES` (whole
+    batches) un-augmented training images of :attr:`Experiment.bn_loader` (a fixed random order, so a
+    class-sorted data set gives a sample of every class), and the chance level: the share of the most frequent
+    class among them. With ``state``, the BMA against its posterior mean (:func:`against_mean`). Run under forked random
+    generators: nothing measured after it changes.
 
     Returns:
-        ``{"train_bma_accuracy", "train_examples", "chance_accuracy"}``.
+        ``{"train_bma_accuracy", "train_bma_nll", "train_examples", "chance_accuracy", "against_mean"}``.
     """
-    correct, counts = 0, torch.zeros(exp.num_classes, dtype=torch.int64)
+    correct, nll, used, counts = 0, 0.0, 0, torch.zeros(exp.num_classes, dtype=torch.int64)
     devices = [exp.device.index or 0] if exp.device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices):  # a DataLoader's iterator draws its base seed
         mode = prediction_mode(exp.method, exp.config.seed)
         for log_probs, y in predict(exp.model, predictions, exp.bn_loader, device=exp.device, mode=mode):
             correct += int((log_probs.argmax(-1) == y).sum())
+            nll -= float(log_probs.double().gather(1, y[:, None].to(torch.int64)).sum())
             counts += torch.bincount(y.cpu(), minlength=exp.num_classes)
+            used += 1
             if int(counts.sum()) >= HEALTH_EXAMPLES:
                 break
-    n = int(counts.sum())
-    return {"train_bma_accuracy": correct / n, "train_examples": n, "chance_accuracy": int(counts.max()) / n}
+        n = int(counts.sum())
+        fit = {"train_bma_accuracy": correct / n, "train_bma_nll": nll / n, "train_examples": n}
+        compared = None if state is None else against_mean(exp, state, predictions, fit, used)
+    return {**fit, "chance_accuracy": int(counts.max()) / n, "against_mean": compared}
+
+
+def against_mean(
+    exp: Experiment, state: State, predictions: Predictions, fit: dict[str, Any], batches: int
+) -> dict[str, Any] | None:
+    """The BMA's NLL and accuracy beside its posterior mean's, for the health rule ``worse_than_mean``.
+
+    Compared: a classifier whose method has a :attr:`~flatbma.types.Posterior.mean` (Laplace's MAP, SWAG's SWA
+    mean, VI's ``μ``, MC dropout's deterministic network, a point estimate itself), evaluated as a point
+    estimate with recomputed BatchNorm statistics: those of a linearized predictive (its ``mean``), else
+    :func:`with_bn_statistics`' (one pass over :attr:`Experiment.bn_loader` for a network with BatchNorm). On
+    the validation split when the run has one (then the BMA is evaluated there too), otherwise on the training
+    ``batches`` the BMA's ``fit`` (:func:`training_fit`) scored: one forward pass of the mean over them.
+
+    Returns:
+        ``{"data": "validation" | "training", "examples", "num_classes", "bma_nll", "bma_accuracy", "mean_nll",
+        "mean_accuracy"}``, or ``None``: a regression run, a method without a mean (SG-MCMC), or a mixture of
+        independently trained components (:attr:`~flatbma.types.Posterior.members`: ensembles, MultiSWAG), whose
+        average of means lies in none of their basins.
+    """
+    if exp.likelihood is not None or exp.method.mean is None or exp.method.members:
+        return None
+    if isinstance(predictions, LinearizedPredictive):  # linearized at the mean, with the mean's statistics
+        at_mean = [dict(predictions.mean)]
+    else:
+        at_mean = with_bn_statistics(exp, [exp.method.mean(state)])
+    score = partial(evaluate, exp.model, num_classes=exp.num_classes, device=exp.device)
+    if exp.val_loader is not None:
+        bma = score(predictions, exp.val_loader, mode=prediction_mode(exp.method, exp.config.seed))
+        point = score(at_mean, exp.val_loader)
+        examples, data = int(point["n"]), "validation"
+    else:
+        bma = {"nll": fit["train_bma_nll"], "accuracy": fit["train_bma_accuracy"]}
+        point = score(at_mean, islice(exp.bn_loader, batches))
+        examples, data = fit["train_examples"], "training"
+    return {
+        "data": data,
+        "examples": examples,
+        "num_classes": exp.num_classes,
+        "bma_nll": bma["nll"],
+        "bma_accuracy": bma["accuracy"],
+        "mean_nll": point["nll"],
+        "mean_accuracy": point["accuracy"],
+    }
 
 
 REGRESSION_KEYS = ("nll", "rmse", "mae", "coverage_0.5", "coverage_0.9", "coverage_0.95", "calibration_error")
@@ -369,7 +420,7 @@ def evaluate_state(exp: Experiment, state: State, *, flatness: bool = False) -> 
             samples = _samples_if_averaged(exp, drawn)
             predictions = bma_predictions(exp, state, drawn, samples)
             metrics = bma_metrics(exp, predictions)
-        metrics["health"] = training_fit(exp, predictions)
+        metrics["health"] = training_fit(exp, predictions, state)
         metrics["bn_statistics"] = bn_statistics(exp)
         metrics.update(diagnostics(exp, state))
         if exp.config.eval.ood is not None:
@@ -604,7 +655,7 @@ def measure(
             curve, reliability = bma_curve_metrics(exp, averaged, exp.test_loader, bma_curve, keep=kept)
         full = curve[len(averaged)]
         result: dict[str, Any] = {k: full[k] for k in CLEAN_KEYS}
-        result["health"] = training_fit(exp, averaged)  # completed by the caller with the loss history
+        result["health"] = training_fit(exp, averaged, state)  # completed by the caller with the loss history
         result["bma_curve"] = {
             "num_samples": list(curve),
             **{k: [curve[m][k] for m in curve] for k in ("accuracy", "nll", "ece")},
