@@ -35,7 +35,7 @@ def splitmix64(seed: int, stream: int) -> int:
     ``z = seed + (stream + 1)·φ mod 2⁶⁴``, then ``z ← (z ⊕ z≫30)·0xBF58476D1CE4E5B9``,
     ``z ← (z ⊕ z≫27)·0x94D049BB133111EB``, ``z ⊕ z≫31`` (all mod 2⁶⁴): distinct streams of one seed give
     statistically independent values. ``torch.Generator.manual_seed`` takes 63 bits; callers keep the
-    low (:func:`seeded_generator`) or the high ones (:func:`flatbma.posteriors.ensemble.build`).
+    low (:func:`seeded_generator`) or the high ones (:func:`flatbma.posteriors.members.member_seed`).
     """
     z = (seed + (stream + 1) * _GOLDEN) & _MASK64
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64

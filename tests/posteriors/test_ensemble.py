@@ -1,5 +1,6 @@
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,14 +12,15 @@ from flatbma.data import load_dataset
 from flatbma.errors import FlatbmaError
 from flatbma.experiment.cli import main
 from flatbma.experiment.config.methods import METHODS
-from flatbma.experiment.run.checkpoint import load_state, save_state
+from flatbma.experiment.run.checkpoint import load_checkpoint, load_state, save_state
 from flatbma.models import MLP, build_model, classifier_of
 from flatbma.optim import SAM, SGD, Adam
 from flatbma.params import Objective, model_buffers, trainable_params
-from flatbma.posteriors import ensemble, members, point
+from flatbma.posteriors import ensemble, members, multi, point
 from flatbma.predict import evaluate
 from flatbma.transfer import Subset, restrict_trainable, subset_names
 from tests.helpers import tiny_bn_net, toy_batch
+from tests.posteriors.fixtures import make_ensemble_fixtures as fixtures
 
 
 def member(state, m, section="params"):
@@ -99,6 +101,93 @@ def test_each_member_takes_its_own_point_update_and_the_output_is_the_ensemble()
         for k, v in ref_states[m].aux.items():
             torch.testing.assert_close(member(state, m, "aux")[k], v)
     assert state.step == 3
+
+
+SECTIONS = ("params", "buffers", "aux")
+FIXTURES = Path(__file__).parent / "fixtures"
+
+
+def _same(a, b):
+    return list(a) == list(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _same_states(a, b):
+    return a.step == b.step and all(_same(getattr(a, sec), getattr(b, sec)) for sec in SECTIONS)
+
+
+@pytest.mark.parametrize("size", [1, 3])
+def test_an_ensemble_is_multi_of_point_estimates_bit_for_bit(size):
+    """Same seed, same states, outputs, samples and global stream; only the closed-form mean and variance are
+    left out; one member is seeded as any member (``seed_single``), where plain ``multi`` runs the point itself."""
+    runs = {}
+    for name in ("ensemble", "multi", "multi-unseeded"):
+        torch.manual_seed(0)
+        net = fixtures.net().train()
+        obj, opt, ascent = Objective(model=net), SGD(lr=0.1, momentum=0.9), SAM(rho=0.05)
+        if name == "ensemble":
+            method = ensemble.build(obj, opt, ascent, size=size)
+        else:
+            seeded = name == "multi"
+            method = multi.build(obj, point.build(obj, opt, ascent), members=size, seed_single=seeded)
+        state = method.init(trainable_params(net), model_buffers(net))  # seed None: drawn from the global stream
+        outs = []
+        for i in range(4):
+            state, out = method.update(state, toy_batch(seed=i))
+            outs.append(out)
+        samples = method.sample(state, 5, torch.Generator().manual_seed(1))
+        runs[name] = (method, state, outs, samples, torch.get_rng_state())
+    (ens, a, outs_a, samples_a, rng_a), (mix, b, outs_b, samples_b, rng_b) = runs["ensemble"], runs["multi"]
+    assert _same_states(a, b) and torch.equal(rng_a, rng_b)
+    for x, y in zip(outs_a, outs_b, strict=True):
+        assert torch.equal(x.loss, y.loss) and torch.equal(x.logits, y.logits)
+    assert len(samples_a) == len(samples_b) == size and all(map(_same, samples_a, samples_b))
+    assert ens.members == mix.members == size and ens.recompute_bn == mix.recompute_bn is False
+    assert ens.mean is ens.marginal_variance is None  # the members are samples: no closed-form mean or width
+    assert mix.mean is not None and mix.marginal_variance is not None
+    _, c, _, _, rng_c = runs["multi-unseeded"]
+    if size == 1:  # the point estimate itself, on the global generators: other dropout masks, another stream
+        assert not torch.equal(rng_a, rng_c) and not _same(a.params, c.params)
+    else:  # seed_single changes nothing for more members
+        assert _same_states(a, c) and torch.equal(rng_a, rng_c)
+
+
+def _close(a, b, ordered=True):
+    """Same keys (in the same order when ``ordered``) and dtypes; integer tensors equal, floats to float32 rounding.
+
+    CPU kernels and thread counts move the last bits of a reduction: the fixtures' weights equal these bit for bit
+    only on the machine and thread count that wrote them.
+    """
+    assert list(a) == list(b) if ordered else sorted(a) == sorted(b)
+    for k in a:
+        if a[k].is_floating_point():
+            torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6, msg=k)
+        else:
+            assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
+
+
+@pytest.mark.parametrize("size", [1, 2])
+def test_the_ensemble_trains_and_resumes_the_states_written_before_it_was_multi(size):
+    """``fixtures/ensemble-size*.safetensors`` were written by the ensemble's own loops (commit a82f138): the
+    composition draws the same members, steps and seeds (the same dropout masks, the same global stream) from
+    scratch, and continues such a file as they did."""
+    old, _, extra = load_checkpoint(FIXTURES / f"ensemble-size{size}.safetensors")
+    after = {s: {k.split("/", 2)[2]: v for k, v in extra.items() if k.startswith(f"after/{s}/")} for s in SECTIONS}
+    torch.manual_seed(0)
+    net = fixtures.net().train()
+    method = fixtures.method(net, size)
+    state = method.init(trainable_params(net), model_buffers(net))
+    for s in range(2):
+        state, _ = method.update(state, toy_batch(seed=s))
+    assert state.step == old.step == 2
+    for sec in SECTIONS:
+        _close(getattr(state, sec), getattr(old, sec))
+    for start in (state, old):  # the state trained here, and the one read from the old file
+        torch.manual_seed(1)
+        new, out = method.update(start, toy_batch(seed=2))
+        assert new.step == 3 and torch.equal(torch.get_rng_state(), extra["rng"])  # one draw per step, as before
+        for sec in SECTIONS:
+            _close(getattr(new, sec), after[sec], ordered=False)  # extra tensors are stored by name
+        _close({"loss": out.loss.reshape(1), "logits": out.logits}, {k: extra[k] for k in ("loss", "logits")})
 
 
 def test_sample_returns_the_first_n_members():

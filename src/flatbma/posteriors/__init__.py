@@ -4,8 +4,8 @@
 ``fp_bma`` is low-rank VI composed with the Fisher-ball ascent (:class:`flatbma.optim.FisherBall`);
 it adds the builder with a low-rank Gaussian prior. ``gaussian_vi`` is the reparameterized-VI
 machinery the VI families share; ``members`` the layout, initializations and seeds of the independent
-components that ``ensemble`` and ``multi`` (a mixture of any family) share; ``gaussians`` what the layers
-above ask of a posterior's Gaussian (:attr:`~flatbma.types.Posterior.gaussian`).
+components of ``multi`` (a mixture of any family; ``ensemble`` is ``multi`` of point estimates);
+``gaussians`` what the layers above ask of a posterior's Gaussian (:attr:`~flatbma.types.Posterior.gaussian`).
 """
 
 from flatbma.posteriors import (

@@ -1,32 +1,19 @@
 """Deep ensembles (Lakshminarayanan et al., NeurIPS 2017) and F-ensembles (Nguyen et al. 2023).
 
 ``M`` independently initialized networks trained on the same data; the BMA is their uniform mixture
-``p(y|x) = (1/M) Σ_m softmax(f(x; w_m))``.
+``p(y|x) = (1/M) Σ_m softmax(f(x; w_m))``. It is :mod:`flatbma.posteriors.multi` of point estimates
+(:mod:`flatbma.posteriors.point`), its number of members spelled ``size``, whose members are read as
+samples of the posterior rather than as its closed form (:func:`build`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from functools import partial
-
-import torch
-from torch import nn
 
 from flatbma.checks import check_int
-from flatbma.errors import FlatbmaError
 from flatbma.params import Objective
-from flatbma.posteriors import point
-from flatbma.posteriors.members import (
-    held,
-    member,
-    member_initializations,
-    member_seed,
-    mixture_output,
-    prefixed,
-    splitter,
-)
-from flatbma.rng import draw_seed, forked_rng
-from flatbma.types import Ascent, Batch, GradientTransformation, Params, Posterior, State, StepOutput
+from flatbma.posteriors import multi, point
+from flatbma.types import Ascent, GradientTransformation, Posterior
 
 
 @dataclass(frozen=True)
@@ -34,7 +21,7 @@ class Options:
     """A deep ensemble's options (:func:`build`).
 
     Attributes:
-        size: number of members ``M``.
+        size: number of members ``M`` (``members`` in a config section: its alias).
         seed: seed of the members' initializations; ``None`` draws it from the global generator.
     """
 
@@ -52,32 +39,44 @@ def build(
     ascent step; with SAM this is the F-ensemble of Nguyen et al. 2023). Diversity comes from the
     independent initializations (and dropout masks, if any); the data order is shared.
 
-    Initialization (``init``): member 0 is the given ``params``. For member ``m ≥ 1``, every module of
-    ``objective.model`` that has ``reset_parameters`` and whose parameters are all in the trainable
-    set (the keys of ``params``) is re-initialized under a seed drawn from ``seed`` (``None``: one integer
-    drawn from torch's global generator at ``init``, so that runs with different seeds have different
-    members, as their member 0 differs); the rest — frozen
-    (pretrained) parts, and trainable parameters of modules without ``reset_parameters`` — is shared
-    with member 0. The buffers of re-initialized modules (BatchNorm statistics) are reset with them.
-    The template module's weights are restored afterwards.
+    It is the mixture ``multi.build(objective, point.build(objective, optimizer, ascent), members=size,
+    seed=seed, seed_single=True)`` (:func:`flatbma.posteriors.multi.build`) without its ``mean`` and
+    ``marginal_variance``; so, from there:
 
-    State layout: ``params["member<m>/<name>"]``, ``buffers["member<m>/<name>"]`` (each member keeps
-    its own BatchNorm statistics) and ``aux["member<m>/<optimizer key>"]`` (each its own momentum, and
-    its own ascent memory when the ascent step has one: :func:`flatbma.posteriors.point.init_aux`).
+    * Initialization: member 0 is the given ``params``; member ``m ≥ 1`` re-initializes every fully
+      trainable module of ``objective.model`` (and its BatchNorm statistics) under a seed drawn from
+      ``seed`` (``None``: one integer drawn from torch's global generator at ``init``, so that runs with
+      different seeds have different members, as their member 0 differs), drawn on CPU copies
+      (:func:`~flatbma.posteriors.members.member_initializations`); the template module is not touched.
+    * State layout: ``params["member<m>/<name>"]``, ``buffers["member<m>/<name>"]`` (each member keeps
+      its own BatchNorm statistics) and ``aux["member<m>/<optimizer key>"]`` (each its own momentum, and
+      its own ascent memory: :func:`flatbma.posteriors.point.init_aux`).
+    * Randomness of a step (dropout masks): ``update`` draws one integer ``s_t`` from torch's global
+      generator and runs member ``m``'s step with the global generators seeded by a hash of ``(s_t, m)``
+      (restored afterwards), so member ``m``'s draws do not depend on the other members — also for
+      ``size == 1`` (``seed_single``), which ``multi`` would otherwise run as the point estimate itself, on
+      the global generators: ensemble runs of one member have always been seeded like any member, and stay so.
+    * ``update`` reports the mean member loss and, as logits, the ensemble's predictive log-probabilities
+      ``log (1/M) Σ_m softmax(f(x; w^m))``. ``sample(state, n, generator)`` of a whole state returns the
+      first ``min(n, size)`` members, each once (a point member gives its one point; a BMA over the whole
+      ensemble needs ``n >= size``); the members' weights do not depend on the generator.
+    * The members are the posterior's independent components (:attr:`Posterior.members` ``= size``):
+      ``split``, ``update`` and ``sample`` act on the members a state holds, which is what
+      ``train.parallel: members`` spreads over processes.
 
-    Randomness of a step (dropout masks): ``update`` draws one integer ``s_t`` from torch's global
-    generator and runs member ``m``'s step with the global generators seeded by a hash of
-    ``(s_t, m)`` (restored afterwards), so member ``m``'s draws do not depend on the other members.
-
-    ``update`` reports the mean member loss and, as logits, the ensemble's predictive log-probabilities
-    ``log (1/M) Σ_m softmax(f(x; w^m))`` (their argmax is the ensemble's prediction).
-    ``sample(state, n, generator)`` returns the first ``min(n, size)`` members (a BMA over the whole
-    ensemble needs ``n >= size``); the generator is not used.
-
-    The members are the posterior's independent components (:attr:`Posterior.members` ``= size``):
-    ``split(state, indices)`` keeps the ``member<m>/`` entries of the members ``indices``; ``update``
-    and ``sample`` act on the members a state holds (all of them, or a split's), with the mean loss
-    and mixture predictive over those, which is what ``train.parallel: members`` spreads over processes.
+    Mean and width: the members are read as ``M`` samples of the posterior — draws from the distribution
+    of the trained networks over initializations, each in its own basin — not as a posterior whose
+    closed form is the mixture of ``M`` Dirac masses, which is what ``multi`` of points reports (its
+    ``mean`` the member average ``(1/M) Σ_m w_m``, its ``marginal_variance`` their population variance,
+    divided by ``M``). An average of weights across basins is no network the ensemble holds or would
+    sample (the hidden units of independently trained networks are not aligned: their weight average
+    is typically a network of high loss), so there is no
+    posterior mean to give in closed form, as for SG-MCMC (:attr:`~flatbma.types.Posterior.mean`). Without
+    those hooks the evaluation does what it has always done for ensembles: the width is the unbiased
+    variance over the BMA's distinct samples, divided by ``S − 1`` (:mod:`flatbma.flatness.width`), and
+    the weights "at the mean" (``lambda1_at_mean``, :meth:`BMA.mean <flatbma.predictor.BMA.mean>`) are the
+    average of the BMA's samples (:func:`flatbma.predictor.posterior_mean`) — an estimate labelled as
+    such, measured where the members' average lies, not a property of any member.
 
     Args:
         objective: model and mini-batch loss.
@@ -92,61 +91,6 @@ def build(
     check_int(
         o.size, f"method.size must be an integer >= 1 (the number of ensemble members), got {o.size!r}", minimum=1
     )
-    if o.seed is not None:
-        check_int(o.seed, f"method.seed must be a non-negative integer or null, got {o.seed!r}", minimum=0)
-    return Posterior(
-        init=partial(init, options=o, model=objective.model, optimizer=optimizer, ascent=ascent),
-        update=partial(update, objective=objective, optimizer=optimizer, ascent=ascent),
-        sample=sample,
-        members=o.size,
-        split=splitter(o.size),
-    )
-
-
-def init(
-    params: Params,
-    buffers: Params,
-    *,
-    options: Options,
-    model: nn.Module,
-    optimizer: GradientTransformation,
-    ascent: Ascent | None,
-) -> State:
-    """Every member's weights (:func:`~flatbma.posteriors.members.member_initializations`) and optimizer state."""
-    base = options.seed if options.seed is not None else draw_seed()
-    state_params: Params = {}
-    state_buffers: Params = {}
-    aux: Params = {}
-    for m, (p, b) in enumerate(member_initializations(model, params, buffers, options.size, base)):
-        state_params.update(prefixed(m, p))
-        state_buffers.update(prefixed(m, b))
-        aux.update(prefixed(m, point.init_aux(optimizer, ascent, p)))
-    return State(params=state_params, buffers=state_buffers, aux=aux)
-
-
-def update(
-    state: State,
-    batch: Batch,
-    *,
-    objective: Objective,
-    optimizer: GradientTransformation,
-    ascent: Ascent | None,
-) -> tuple[State, StepOutput]:
-    """:func:`flatbma.posteriors.point.step` of every held member, member ``m`` under the seed of ``(s_t, m)``."""
-    aux: Params = {}
-    outs = []
-    step_seed = draw_seed()  # one draw, whatever the members
-    for m in held(state):
-        p, b, o = (member(m, d) for d in (state.params, state.buffers, state.aux))
-        with forked_rng(member_seed(step_seed, m)):
-            o, out = point.step(objective, optimizer, ascent, p, b, o, state.step, batch)
-        aux.update(prefixed(m, o))
-        outs.append(out)
-    return replace(state, aux=aux, step=state.step + 1), mixture_output(outs)
-
-
-def sample(state: State, n: int, generator: torch.Generator | None = None) -> list[Params]:
-    """The first ``min(n, M)`` held members' weights with their buffers (``generator`` unused)."""
-    if n < 1:
-        raise FlatbmaError(f"the number of samples must be >= 1 (eval.num_samples), got {n}")
-    return [{**member(m, state.params), **member(m, state.buffers)} for m in held(state)[:n]]
+    members = point.build(objective, optimizer, ascent)
+    mixture = multi.build(objective, members, members=o.size, seed=o.seed, seed_single=True)
+    return replace(mixture, mean=None, marginal_variance=None)

@@ -1,9 +1,10 @@
 """Independent components of a mixture posterior: their initializations, state layout, seeds and splits.
 
-Shared by the deep ensemble (:mod:`flatbma.posteriors.ensemble`) and the mixture of any family
-(:mod:`flatbma.posteriors.multi`). Component ``m`` owns the entries ``"member<m>/<key>"`` of a state's
-``params``, ``buffers`` and ``aux``; :func:`splitter` is the :attr:`~flatbma.types.Posterior.split` of
-that layout, which ``train.parallel: members`` uses to spread the components over processes.
+Used by the mixture of any family (:mod:`flatbma.posteriors.multi`), and so by the deep ensemble
+(:mod:`flatbma.posteriors.ensemble`), its mixture of point estimates. Component ``m`` owns the entries
+``"member<m>/<key>"`` of a state's ``params``, ``buffers`` and ``aux``; :func:`splitter` is the
+:attr:`~flatbma.types.Posterior.split` of that layout, which ``train.parallel: members`` uses to spread the
+components over processes.
 """
 
 from __future__ import annotations

@@ -49,7 +49,9 @@ class Options:
     seed: int | None = None
 
 
-def build(objective: Objective, base: Posterior | Sequence[Posterior], **options) -> Posterior:
+def build(
+    objective: Objective, base: Posterior | Sequence[Posterior], *, seed_single: bool = False, **options
+) -> Posterior:
     """The uniform mixture of ``members`` independently trained posteriors ``base``.
 
     ``base`` is the family of every member, or one posterior per member (``base[m]`` is member ``m``'s,
@@ -77,7 +79,9 @@ def build(objective: Objective, base: Posterior | Sequence[Posterior], **options
     is the prediction mode (``predict_mode``), entered with the generator of the last member, ``(s, M − 1)``.
 
     ``members == 1`` is the family itself, bit for bit: no seed is drawn and ``base`` runs on the global
-    generators directly (the state's keys carry the ``member0/`` prefix), with the family's predictive
+    generators directly (the state's keys carry the ``member0/`` prefix) — unless ``seed_single``, which
+    seeds a single member's ``init`` and ``update`` as those of any member of a larger mixture (the
+    deep ensemble's, :func:`flatbma.posteriors.ensemble.build`) — with the family's predictive
     (:attr:`~flatbma.types.Posterior.predictive`: Laplace's linearized ones included). More members
     average their samples (a linearized predictive, one per member's mean, is refused); a family's
     ``diagnostics`` are reported per member (``member<m>/...``).
@@ -109,6 +113,8 @@ def build(objective: Objective, base: Posterior | Sequence[Posterior], **options
         objective: model and mini-batch loss (its model gives the members' initializations).
         base: the family of every member, built for ``objective``; or ``members`` posteriors, member ``m``'s
             the ``m``-th, of one family.
+        seed_single: with ``members == 1``, draw the seeds of ``init`` (unless ``seed`` is given) and of
+            every step, and run the member under them, as with more members (above); ignored otherwise.
         options: the fields of :class:`Options`.
 
     Raises:
@@ -146,9 +152,10 @@ def build(objective: Objective, base: Posterior | Sequence[Posterior], **options
     def bound(f: Callable[..., Any]) -> Callable[..., Any]:
         return partial(f, bases=bases)
 
+    seeded = not single or seed_single
     return Posterior(
-        init=partial(init, options=o, bases=bases, model=objective.model),
-        update=bound(update),
+        init=partial(init, options=o, bases=bases, model=objective.model, seeded=seeded),
+        update=partial(update, bases=bases, seeded=seeded),
         sample=bound(sample),
         predict_mode=bound(predict_mode) if first.predict_mode is not None else None,
         recompute_bn=first.recompute_bn,
@@ -164,14 +171,20 @@ def build(objective: Objective, base: Posterior | Sequence[Posterior], **options
 
 
 def init(
-    params: Params, buffers: Params, *, options: Options, bases: Sequence[Posterior], model: torch.nn.Module
+    params: Params,
+    buffers: Params,
+    *,
+    options: Options,
+    bases: Sequence[Posterior],
+    model: torch.nn.Module,
+    seeded: bool,
 ) -> State:
     """Every member's ``base.init`` of its own start (a member-prefixed one, or :func:`member_initializations`).
 
-    Member ``m`` runs under the seed of ``(seed, m)``; a single member runs on the global generators.
+    Member ``m`` runs under the seed of ``(seed, m)``; a single member runs on the global generators unless ``seeded``.
     """
     own = _starts(params, buffers, options.members)
-    if options.members == 1:
+    if not seeded:
         p, b = own[0] if own is not None else (params, buffers)
         return _prefixed_state(0, bases[0].init(p, b), State(params={}))
     start = options.seed if options.seed is not None else draw_seed()
@@ -184,9 +197,12 @@ def init(
     return state
 
 
-def update(state: State, batch: Batch, *, bases: Sequence[Posterior]) -> tuple[State, StepOutput]:
-    """Every held member's ``base.update`` on the batch, member ``m`` under the seed of ``(s_t, m)`` (one ``s_t``)."""
-    step_seed = None if len(bases) == 1 else draw_seed()  # one draw, whatever the members held
+def update(state: State, batch: Batch, *, bases: Sequence[Posterior], seeded: bool) -> tuple[State, StepOutput]:
+    """Every held member's ``base.update`` on the batch, member ``m`` under the seed of ``(s_t, m)`` (one ``s_t``).
+
+    Not ``seeded`` (a single member): the member's ``base.update`` on the global generators, no ``s_t`` drawn.
+    """
+    step_seed = draw_seed() if seeded else None  # one draw, whatever the members held
     new, outs = State(params={}, step=state.step + 1), []
     for m in held(state):
         own = member_state(m, state)

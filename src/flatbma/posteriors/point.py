@@ -99,7 +99,7 @@ def step(
 ) -> tuple[Params, StepOutput]:
     """One (sharpness-aware) optimizer step on ``params``, in place: the update of :func:`build`.
 
-    Shared by every family that trains point weights (MC dropout, each member of an ensemble).
+    Shared by every family that trains point weights (MC dropout, Laplace's MAP).
 
     Args:
         objective: model and mini-batch loss.
