@@ -244,11 +244,12 @@ def test_existing_methods_resolve_and_train_as_before():
         assert hashlib.sha256(json.dumps(resolved, sort_keys=True).encode()).hexdigest()[:16] == digest, name
     multi_laplace = config_from_dict({"method": {"name": "multi", "members": 1, "of": {"name": "laplace"}}})
     assert multi_laplace.epochs == multi_laplace.train.epochs + 1
+    assert [p.name for p in multi_laplace.method.phases_after()] == ["curvature"]  # the family's declaration
 
 
 def test_a_resume_cannot_move_the_end_of_the_map_phase_once_the_curvature_epoch_began(runs):
     laplace_dir = runs["laplace"].experiment.config.output_dir
-    with pytest.raises(FlatbmaError, match=r"cannot change train\.epochs any more"):
+    with pytest.raises(FlatbmaError, match=r"\(its curvature phase\), so --resume cannot change train\.epochs"):
         resume_config(laplace_dir, ["train.epochs=4"])
     cfg, change = resume_config(runs["sgd"].experiment.config.output_dir, ["train.epochs=4"])  # a point run may
     assert cfg.train.epochs == 4 and "train.epochs" in change.changed

@@ -1,6 +1,7 @@
 """The Laplace posterior: a MAP phase that is the point method's, a curvature pass, ``N(w*, (H/T + δ)⁻¹)``, and its
 linearized predictives (MC-GLM and probit), checked against independent computations on tiny models."""
 
+import dataclasses
 import math
 
 import pytest
@@ -19,7 +20,7 @@ from flatbma.params import Objective, model_buffers, trainable_params
 from flatbma.posteriors import laplace, members, multi, point
 from flatbma.predict import sample_log_probs
 from flatbma.transfer import Subset, restrict_trainable, subset_names
-from flatbma.types import Predictive
+from flatbma.types import TRAINING, Phase, Predictive, extra_epochs, phases, phases_after
 from tests.helpers import tiny_bn_net, toy_batch
 
 SECTIONS = ("params", "buffers", "aux")
@@ -41,6 +42,20 @@ def _run(method, net, steps):
         state, out = method.update(state, batch)
         outs.append(out)
     return state, outs
+
+
+def test_laplace_declares_its_phases_and_the_state_says_which_one_it_is_in():
+    assert phases(laplace.Options) == (laplace.MAP, laplace.CURVATURE) == phases(laplace.Options(start_step=3))
+    assert phases_after(laplace.Options) == (Phase("curvature", epochs=1),) and extra_epochs(laplace.Options) == 1
+    assert phases(point.Options) == TRAINING and phases_after(point.Options) == () and extra_epochs(point.Options) == 0
+    options = laplace.Options(start_step=2)
+    state = laplace.State(params={})
+    assert [laplace.phase(dataclasses.replace(state, step=t), options).name for t in range(4)] == [
+        "map",
+        "map",
+        "curvature",
+        "curvature",
+    ]
 
 
 @pytest.mark.parametrize("ascent", [None, SAM(rho=0.05)], ids=["sgd", "sam"])
