@@ -38,7 +38,9 @@ from flatbma.curvature import (
 )
 from flatbma.errors import FlatbmaError
 from flatbma.models import classifier_of, is_pretrained
+from flatbma.named import SEP, chain, split
 from flatbma.params import Objective, clone
+from flatbma.posteriors.point import NAME as point_name
 from flatbma.posteriors.point import step as point_step
 from flatbma.posteriors.point import weights_of
 from flatbma.types import (
@@ -54,8 +56,12 @@ from flatbma.types import (
     derive,
 )
 
-PREFIX = "laplace/"
-"""Prefix of the curvature's entries in ``State.aux`` (the MAP's optimizer state has none)."""
+POINT = point_name
+"""Name of the MAP's component of ``State.aux``: the point update's state (its optimizer's), :mod:`flatbma.named`."""
+LAPLACE = "laplace"
+"""Name of the curvature's component of ``State.aux``: the accumulators, the counters below and ``w₀``."""
+PREFIX = LAPLACE + SEP
+"""Prefix of the curvature's entries in ``State.aux``."""
 SEEN = PREFIX + "seen"
 """``aux`` entry: examples whose curvature was accumulated (int64; this process's, under data parallelism)."""
 NLL = PREFIX + "nll"
@@ -240,7 +246,7 @@ def init(
 ) -> State:
     """The MAP's optimizer state, empty curvature accumulators, ``SEEN = NLL = 0`` and, if pretrained, ``w₀``."""
     params = clone(params)
-    aux = optimizer.init(params)
+    aux = chain((POINT, optimizer.init(params)))
     est = _estimator(options, objective, chosen(options, objective, params))
     _log.info("laplace curvature: %s", est.describe())
     device = next(iter(params.values())).device
@@ -284,11 +290,10 @@ def update(
 def map_step(
     state: State, batch: Batch, *, objective: Objective, optimizer: GradientTransformation, ascent: Ascent | None
 ) -> tuple[State, StepOutput]:
-    """:func:`flatbma.posteriors.point.step` on the MAP, the curvature's entries (``laplace/``) left as they are."""
-    opt = {k: v for k, v in state.aux.items() if not k.startswith(PREFIX)}
-    own = {k: v for k, v in state.aux.items() if k.startswith(PREFIX)}
+    """:func:`flatbma.posteriors.point.step` on the MAP's state (``point/``), the curvature's (``laplace/``) kept."""
+    opt, own = split(state.aux, POINT, LAPLACE)
     opt, out = point_step(objective, optimizer, ascent, state.params, state.buffers, opt, state.step, batch)
-    return replace(state, aux={**opt, **own}, step=state.step + 1), out
+    return replace(state, aux=chain((POINT, opt), (LAPLACE, own)), step=state.step + 1), out
 
 
 def curvature_step(state: State, batch: Batch, *, options: Options, objective: Objective) -> tuple[State, StepOutput]:

@@ -33,7 +33,6 @@ from flatbma.experiment.config.parse import coerce, parse_dataclass, shown
 from flatbma.optim import ASAM, SAM, Amortized, FisherBall, FisherSAM
 from flatbma.options import resolved
 from flatbma.posteriors import bsam, ensemble, fp_bma, laplace, lowrank_vi, mc_dropout, mfvi, multi, point, sgld, swag
-from flatbma.posteriors.members import member, prefixed_members
 from flatbma.types import Ascent, Phase, Posterior, Predictive, phases_after
 
 if TYPE_CHECKING:
@@ -783,18 +782,12 @@ def multi_with_prior(
 
     ``prior_theta`` is a mixture's ``θ`` (:attr:`~flatbma.types.Posterior.gaussian` of ``multi``: member
     ``m``'s under ``member<m>/``), fitted by the per-member first stage (:func:`multi_first_stage`); member
-    ``m`` is ``of`` built with :func:`~flatbma.posteriors.members.member` ``(m, prior_theta)`` as its prior.
+    ``m`` is ``of`` built with its ``θ_m`` (:func:`~flatbma.posteriors.multi.member_thetas`) as its prior.
     """
     if of is None:
         return multi_family(objective, optimizer, ascent, of=of, **options)  # its refusal
-    members = multi.Options(**options).members
-    held = prefixed_members(dict(prior_theta))
-    if held != list(range(members)):
-        raise FlatbmaError(
-            f"the fitted prior holds members {held} but method.members is {members}: a mixture's prior stage "
-            "must be a mixture of as many members"
-        )
-    bases = [of.build(objective, optimizer, member(m, dict(prior_theta))) for m in range(members)]
+    thetas = multi.member_thetas(dict(prior_theta), multi.Options(**options).members)
+    bases = [of.build(objective, optimizer, theta) for theta in thetas]
     return multi.build(objective, bases, **options)
 
 
