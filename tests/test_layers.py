@@ -8,6 +8,7 @@ Within a unit, no modules import each other in a circle, and the experiment laye
 """
 
 import ast
+import re
 from pathlib import Path
 
 import flatbma
@@ -20,6 +21,7 @@ LAYERS: dict[str, int] = {
     "options": 1,
     "rng": 1,
     "types": 1,
+    "named": 1,
     "calibration": 1,
     "stats": 1,
     "progress": 1,
@@ -227,3 +229,48 @@ def test_the_experiment_check_sees_imports():
     edges = _module_edges()
     assert "flatbma.experiment.run.evaluate" in edges["flatbma.experiment.study.compare"]
     assert "flatbma.experiment.parallel.processes" in edges["flatbma.experiment.run.build"]
+
+
+COMPONENT_NAMES = re.compile(
+    r"^(member\d*|point|swag|laplace|samples|sgld|ascent|orthogonal|momentum|mean|log_std|factor|rho|precision|bsam"
+    r"|rng|amp)/"
+)
+"""Names the families keep a component's state (or ``θ``'s sections) under: only posteriors/ and below read them."""
+
+STATE_NAME_HELPERS = {"flatbma.named", "flatbma.posteriors.members"}
+"""Modules whose functions take a composed state apart by its components' names."""
+
+
+def _reads_component_names(text: str, where: str) -> list[str]:
+    """Where ``text`` (a module's source) spells a component's state name or imports a helper that reads them."""
+    found = []
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and COMPONENT_NAMES.match(node.value):
+            found.append(f"{where}:{node.lineno}: the key {node.value[:40]!r}")
+        elif isinstance(node, ast.ImportFrom) and node.module in STATE_NAME_HELPERS:
+            found.append(f"{where}:{node.lineno}: imports {node.module}")
+        elif isinstance(node, ast.Import) and any(a.name in STATE_NAME_HELPERS for a in node.names):
+            found.append(f"{where}:{node.lineno}: imports a state-name helper")
+    return found
+
+
+def _unit_of(path: Path) -> str:
+    rel = path.relative_to(SRC.parent).with_suffix("")
+    return _unit(".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts))
+
+
+def test_nothing_above_the_families_reads_a_components_state_by_its_name():
+    """optax's ``named_chain``: a composed method's components keep their state under their names (#24, item 3);
+    the experiment layer goes through the ``Posterior`` hooks, never through ``aux`` key prefixes."""
+    above = [p for p in sorted(SRC.rglob("*.py")) if LAYERS[_unit_of(p)] > LAYERS["posteriors"]]
+    assert any(_unit_of(p) == "experiment" for p in above)
+    found = [line for p in above for line in _reads_component_names(p.read_text(), str(p.relative_to(SRC)))]
+    assert not found, "reads of a component's state by name above posteriors/:\n" + "\n".join(found)
+
+
+def test_the_component_name_check_sees_reads():
+    text = 'from flatbma.posteriors.members import member\nk = "swag/mean/"\nok = "train/loss"\n'
+    assert _reads_component_names(text, "x.py") == [
+        "x.py:1: imports flatbma.posteriors.members",
+        "x.py:2: the key 'swag/mean/'",
+    ]

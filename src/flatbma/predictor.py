@@ -59,6 +59,7 @@ from flatbma.state_io import (
     checksum_problem,
     encode_state,
     in_order,
+    renamed,
     structure_problem,
 )
 from flatbma.types import Params, Posterior, Predictive, State, prediction_mode, split_batch
@@ -445,7 +446,7 @@ class BMA:
         so a module of either kind predicts as it did when it was fitted.
         """
         state, settings = read_file(path)
-        _check_fits(state, method, model, path)
+        state = _fitted(state, method, model, path)
         if settings.get("logits", LOGITS_FIRST) == LOGITS_FIRST:  # no record: an older file, either kind of module
             keep_logits(model)
         return cls(
@@ -681,20 +682,23 @@ def read_settings(meta: Mapping[str, str], path: str | Path) -> dict[str, Any]:
     return settings
 
 
-def _check_fits(state: State, method: Posterior, model: nn.Module, path: str | Path) -> None:
-    """``state`` must have the structure ``method`` gives a fresh state of ``model`` (under a forked RNG).
+def _fitted(state: State, method: Posterior, model: nn.Module, path: str | Path) -> State:
+    """``state``, which must have the structure ``method`` gives a fresh state of ``model`` (under a forked RNG).
 
     The rule a resumed run's checkpoint meets (:func:`flatbma.state_io.structure_problem`): the same names,
-    dtypes and shapes, plus only the parameter stacks a sampler keeps in ``aux``.
+    dtypes and shapes, plus only the parameter stacks a sampler keeps in ``aux``; a file of an older layout has
+    its entries renamed first (:func:`flatbma.state_io.renamed`).
     """
     with torch.random.fork_rng(devices=[]):
         reference = method.init(trainable_params(model), model_buffers(model))
+    state = renamed(state, reference)
     problem = structure_problem(state, reference)
     if problem:
         raise FlatbmaError(
             f"{path} does not fit this model and method ({problem}): load it with the architecture and method it "
             "was saved with"
         )
+    return state
 
 
 def _check_arguments(

@@ -20,6 +20,7 @@ import os
 import re
 import tempfile
 from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -179,6 +180,35 @@ def in_order(tensors: Mapping[str, Tensor], order: list[str]) -> dict[str, Tenso
     """``tensors`` re-keyed in the saved ``order`` (keys not listed keep their place after them)."""
     listed = [k for k in order if k in tensors]
     return {k: tensors[k] for k in listed} | {k: v for k, v in tensors.items() if k not in set(listed)}
+
+
+def renamed(state: State, reference: State) -> State:
+    """``state`` with the entries of an older layout under the names ``reference`` gives them.
+
+    Composed methods keep each component's state under the component's name (:mod:`flatbma.named`); states
+    written before (#24) held one component's entries without it (SWAG's and Laplace's ``momentum/<w>``, now
+    ``point/momentum/<w>``; a mixture's ``member<m>/momentum/<w>``, now ``member<m>/point/momentum/<w>``). An
+    entry ``reference`` has but ``state`` lacks is taken from the entry of ``state`` whose name is the same with
+    one name segment left out, when ``reference`` has no entry of that name: a rule that reads no method's
+    names. A state of the current layout is returned as it is (the same object); what still differs is
+    :func:`structure_problem`'s to report.
+    """
+    sections = {}
+    for section in SECTIONS:
+        have, want = getattr(state, section), getattr(reference, section)
+        moves = {}
+        for k in want:
+            if k in have:
+                continue
+            parts = k.split("/")
+            for i in range(len(parts) - 1):
+                old = "/".join(parts[:i] + parts[i + 1 :])
+                if old in have and old not in want and old not in moves:
+                    moves[old] = k
+                    break
+        if moves:
+            sections[section] = {moves.get(k, k): v for k, v in have.items()}
+    return replace(state, **sections) if sections else state
 
 
 def structure_problem(state: State, reference: State) -> str | None:

@@ -73,9 +73,7 @@ def split_batch(batch: object) -> tuple[Tensor, Tensor | None]:
     kinds = ", ".join(type(t).__name__ for t in batch) if isinstance(batch, tuple | list) else ""
     raise FlatbmaError(
         f"a batch must be inputs x, (x,), (x, y) of tensors or a dict {{'x': ..., 'y': ...}}, got a "
-        f"{type(batch).__name__}"
-        + (f" of ({kinds})" if kinds else "")
-        + "; give a DataLoader of such batches"
+        f"{type(batch).__name__}" + (f" of ({kinds})" if kinds else "") + "; give a DataLoader of such batches"
     )
 
 
@@ -133,7 +131,10 @@ class State:
             ``"mean/"``); a method documents its layout.
         buffers: model buffers (BatchNorm running statistics) that forward passes update.
         aux: method state — optimizer moments, SWAG moments, ... — as a flat ``dict[str, Tensor]``
-            with ``/``-separated keys, so that every state saves to safetensors without pickling.
+            with ``/``-separated keys, so that every state saves to safetensors without pickling. A composed
+            method keeps each component's entries under the component's name (:mod:`flatbma.named`, optax's
+            ``named_chain``: SWAG's ``point/`` and ``swag/``, a mixture's ``member<m>/``), which only the
+            family reads.
         step: number of ``update`` calls applied so far.
         derived: what a method computes from this state's tensors on first use and keeps with them
             (:func:`derive`: the Laplace family's fitted posterior, ``H``'s eigendecomposition and ``δ``). Never
@@ -192,6 +193,47 @@ class Transform:
 
     init: Callable[[Params, Params], State]
     update: Callable[[State, Batch], tuple[State, StepOutput]]
+
+
+@dataclass(frozen=True)
+class Phase:
+    """One phase of a family's updates, declared in the class variable ``phases`` of its options (:func:`phases`).
+
+    A family's updates go through its phases in order; which one a state is in follows from the state (its
+    ``step`` against the options, e.g. Laplace's ``start_step``), so a checkpoint holds it.
+
+    Attributes:
+        name: what the phase does (``"map"``, ``"curvature"``), as logs and refusals name it.
+        epochs: ``None`` for a phase within the run's ``train.epochs`` (the optimizer's schedule spans them);
+            else the passes over the training data the phase takes after them (Laplace's curvature pass: 1).
+    """
+
+    name: str
+    epochs: int | None = None
+
+
+TRAINING = (Phase("training"),)
+"""The phases of a family that declares none: its updates are the ``train.epochs`` the optimizer's schedule spans."""
+
+
+def phases(options: object) -> tuple[Phase, ...]:
+    """The phases a family's options (the dataclass or an instance) declare in ``phases``; :data:`TRAINING` if none."""
+    declared = getattr(options, "phases", TRAINING)
+    if not (isinstance(declared, tuple) and declared and all(isinstance(p, Phase) for p in declared)):
+        raise FlatbmaTypeError(
+            f"{getattr(options, '__name__', type(options).__name__)}.phases must be a tuple of Phase"
+        )
+    return declared
+
+
+def phases_after(options: object) -> tuple[Phase, ...]:
+    """The phases of ``options`` (:func:`phases`) that the run takes after ``train.epochs``, in order."""
+    return tuple(p for p in phases(options) if p.epochs is not None)
+
+
+def extra_epochs(options: object) -> int:
+    """The epochs a run of the family takes beyond ``train.epochs``: those of its :func:`phases_after`."""
+    return sum(p.epochs or 0 for p in phases_after(options))
 
 
 class Predictive(str, Enum):

@@ -244,11 +244,12 @@ def test_existing_methods_resolve_and_train_as_before():
         assert hashlib.sha256(json.dumps(resolved, sort_keys=True).encode()).hexdigest()[:16] == digest, name
     multi_laplace = config_from_dict({"method": {"name": "multi", "members": 1, "of": {"name": "laplace"}}})
     assert multi_laplace.epochs == multi_laplace.train.epochs + 1
+    assert [p.name for p in multi_laplace.method.phases_after()] == ["curvature"]  # the family's declaration
 
 
 def test_a_resume_cannot_move_the_end_of_the_map_phase_once_the_curvature_epoch_began(runs):
     laplace_dir = runs["laplace"].experiment.config.output_dir
-    with pytest.raises(FlatbmaError, match=r"cannot change train\.epochs any more"):
+    with pytest.raises(FlatbmaError, match=r"\(its curvature phase\), so --resume cannot change train\.epochs"):
         resume_config(laplace_dir, ["train.epochs=4"])
     cfg, change = resume_config(runs["sgd"].experiment.config.output_dir, ["train.epochs=4"])  # a point run may
     assert cfg.train.epochs == 4 and "train.epochs" in change.changed
@@ -359,3 +360,50 @@ def _without_subset(path: Path) -> None:
     meta[CONFIG_KEY] = json.dumps(config, sort_keys=True)
     meta[CHECKSUMS] = json.dumps(checksums(tensors, meta), sort_keys=True)  # as flatbma wrote it
     save_file(tensors, str(path), metadata=meta)
+
+
+SWAG = {"name": "swag", "rank": 2, "start_step": 4, "collect_every": 1}
+
+
+def _old_layout(path: Path) -> list[str]:
+    """The state file at ``path`` as written before composed methods kept each component's state under its name
+    (#24): the point update's entries ``aux/[member<m>/]point/<key>`` without ``point/``. Returns their new names."""
+    tensors = load_file(str(path))
+    with safe_open(str(path), framework="pt") as f:
+        meta = dict(f.metadata())
+    moved = [k for k in tensors if k.startswith("aux/") and "point/" in k]
+    old = {k: k.replace("point/", "", 1) for k in moved}
+    tensors = {old.get(k, k): v for k, v in tensors.items()}
+    order = json.loads(meta["order"])
+    order["aux"] = [k.replace("point/", "", 1) for k in order["aux"]]
+    meta["order"] = json.dumps(order)
+    meta[CHECKSUMS] = json.dumps(checksums(tensors, meta), sort_keys=True)  # as flatbma wrote it
+    save_file(tensors, str(path), metadata=meta)
+    return moved
+
+
+@pytest.mark.parametrize(
+    ("method", "crash"),
+    [
+        ({"name": "laplace", "hessian": "diag", "subset": "all"}, 3),  # in the MAP phase
+        ({"name": "laplace", "hessian": "diag", "subset": "all"}, 7),  # in the curvature epoch
+        ({"name": "multiswag", "members": 2, "of": SWAG}, 4),
+    ],
+    ids=["laplace-map", "laplace-curvature", "multiswag"],
+)
+def test_a_checkpoint_of_the_layout_before_named_components_resumes_bit_identically(tmp_path, method, crash):
+    """A run stopped mid-way, its checkpoint in the layout of before #24 (the point update's state at the top of
+    ``aux``, not under ``point/``), resumes with this code to the bits of an uninterrupted run."""
+    ref = train(_config(tmp_path, "ref", method))
+    cfg = _config(tmp_path, "run", method)
+    with crash_after(stage, crash):
+        train(cfg)
+    moved = _old_layout(Path(cfg.output_dir) / "checkpoint.safetensors")
+    assert moved and all("point/" in k for k in moved)
+    again = train(cfg, resume=True)
+    a, b = _state(ref), _state(again)
+    assert a.step == b.step and any("point/" in k for k in b.aux)  # written back in the new layout
+    for section in ("params", "buffers", "aux"):
+        x, y = getattr(a, section), getattr(b, section)
+        assert list(x) == list(y) and all(torch.equal(x[k], y[k]) for k in x), section
+    assert {k: again.metrics[k] for k in METRICS} == {k: ref.metrics[k] for k in METRICS}

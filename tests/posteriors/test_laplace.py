@@ -1,6 +1,7 @@
 """The Laplace posterior: a MAP phase that is the point method's, a curvature pass, ``N(w*, (H/T + δ)⁻¹)``, and its
 linearized predictives (MC-GLM and probit), checked against independent computations on tiny models."""
 
+import dataclasses
 import math
 
 import pytest
@@ -14,12 +15,13 @@ from flatbma.curvature import effective_parameters, estimator, log_evidence, opt
 from flatbma.errors import FlatbmaError
 from flatbma.linearized import Linearized, Probit, linearized_predictions
 from flatbma.models import build_model, classifier_of
+from flatbma.named import split
 from flatbma.optim import SAM, SGD
 from flatbma.params import Objective, model_buffers, trainable_params
 from flatbma.posteriors import laplace, members, multi, point
 from flatbma.predict import sample_log_probs
 from flatbma.transfer import Subset, restrict_trainable, subset_names
-from flatbma.types import Predictive
+from flatbma.types import TRAINING, Phase, Predictive, extra_epochs, phases, phases_after
 from tests.helpers import tiny_bn_net, toy_batch
 
 SECTIONS = ("params", "buffers", "aux")
@@ -43,6 +45,20 @@ def _run(method, net, steps):
     return state, outs
 
 
+def test_laplace_declares_its_phases_and_the_state_says_which_one_it_is_in():
+    assert phases(laplace.Options) == (laplace.MAP, laplace.CURVATURE) == phases(laplace.Options(start_step=3))
+    assert phases_after(laplace.Options) == (Phase("curvature", epochs=1),) and extra_epochs(laplace.Options) == 1
+    assert phases(point.Options) == TRAINING and phases_after(point.Options) == () and extra_epochs(point.Options) == 0
+    options = laplace.Options(start_step=2)
+    state = laplace.State(params={})
+    assert [laplace.phase(dataclasses.replace(state, step=t), options).name for t in range(4)] == [
+        "map",
+        "map",
+        "curvature",
+        "curvature",
+    ]
+
+
 @pytest.mark.parametrize("ascent", [None, SAM(rho=0.05)], ids=["sgd", "sam"])
 def test_the_map_phase_is_the_point_methods_run_byte_for_byte(ascent):
     runs = {}
@@ -62,7 +78,8 @@ def test_the_map_phase_is_the_point_methods_run_byte_for_byte(ascent):
         runs[name] = (state, outs, torch.get_rng_state(), net)
     (p, p_outs, p_rng, _), (q, q_outs, q_rng, net) = runs["point"], runs["laplace"]
     assert _equal(p.params, q.params) and _equal(p.buffers, q.buffers) and torch.equal(p_rng, q_rng)
-    assert _equal(p.aux, {k: v for k, v in q.aux.items() if not k.startswith(laplace.PREFIX)})
+    own, _ = split(q.aux, laplace.POINT, laplace.LAPLACE)  # each component's state under its name
+    assert own.keys() == p.aux.keys() and _equal(p.aux, own)
     assert all(torch.equal(a.loss, b.loss) and torch.equal(a.logits, b.logits) for a, b in zip(p_outs, q_outs))
     assert q.step == MAP_STEPS + CURVATURE_STEPS and int(q.aux[laplace.SEEN]) == 64
     # the curvature phase reports the loss at w* of the deterministic (eval-mode) network

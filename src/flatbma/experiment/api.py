@@ -171,7 +171,7 @@ def fit_posterior(
         with forked_rng(seed):
             state = posterior.init(trainable_params(model), model_buffers(model))
             model.train()
-            total = epochs + config.extra_epochs()  # Laplace: the curvature epoch after the MAP's
+            total = epochs + config.extra_epochs()  # the family's phases after train.epochs (types.Phase)
             log = EpochLogger(
                 Path(),
                 (),

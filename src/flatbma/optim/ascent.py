@@ -30,6 +30,7 @@ import torch
 from torch import Tensor
 
 from flatbma.checks import check_number
+from flatbma.named import SEP, nest, part
 from flatbma.params import Objective, add
 from flatbma.precision import GradientOverflow
 from flatbma.types import Ascent, Batch, Params
@@ -37,8 +38,10 @@ from flatbma.types import Ascent, Batch, Params
 TINY = 1e-12
 """Added to norms before dividing, so that a zero gradient gives a zero perturbation."""
 
-MEMORY = "ascent/"
-"""Prefix of the ``aux`` entries that hold an ascent step's memory (none for a stateless step)."""
+ASCENT = "ascent"
+"""Name of the ascent step's component of ``aux`` (:mod:`flatbma.named`): its memory (none for a stateless step)."""
+MEMORY = ASCENT + SEP
+"""Prefix of the ``aux`` entries that hold an ascent step's memory."""
 
 Gradient = Callable[[Mapping[str, Tensor], Batch, bool], tuple[Tensor, Tensor, Mapping[str, Tensor]]]
 """``gradient(point, batch, first) -> (loss, logits, ∇L_batch(point))``. ``first`` marks the pass at the
@@ -65,23 +68,21 @@ def needs_sample(ascent: Ascent | None) -> bool:
     return bool(getattr(ascent, "needs_sample", False))
 
 
-def ascent_memory(ascent: Ascent | None, params: Mapping[str, Tensor], prefix: str = MEMORY) -> Params:
-    """The initial memory of ``ascent`` for ``params``, its keys prefixed by ``prefix``: ``{}`` for a stateless step."""
+def ascent_memory(ascent: Ascent | None, params: Mapping[str, Tensor], name: str = ASCENT) -> Params:
+    """The initial memory of ``ascent`` for ``params`` under the component ``name``: ``{}`` for a stateless step."""
     if not has_memory(ascent):
         return {}
-    return {prefix + k: v for k, v in ascent.init(params).items()}  # type: ignore[union-attr]
+    return nest(name, ascent.init(params))  # type: ignore[union-attr]
 
 
-def memory_entries(aux: Mapping[str, Tensor], prefix: str = MEMORY) -> Params:
-    """The ``aux`` entries under ``prefix``, keys as stored: what a method carries past its optimizer's ``apply``."""
-    return {k: v for k, v in aux.items() if k.startswith(prefix)}
+def memory_entries(aux: Mapping[str, Tensor], name: str = ASCENT) -> Params:
+    """The ``aux`` entries of the component ``name``, keys as stored: what a method carries past its optimizer."""
+    return nest(name, part(name, aux))
 
 
-def memory_of(aux: Mapping[str, Tensor], prefix: str = MEMORY) -> Params | None:
-    """The memory stored in ``aux`` under ``prefix``, unprefixed (the same tensors); ``None`` when there is none."""
-    n = len(prefix)
-    found = {k[n:]: v for k, v in memory_entries(aux, prefix).items()}
-    return found or None
+def memory_of(aux: Mapping[str, Tensor], name: str = ASCENT) -> Params | None:
+    """The memory of the component ``name`` of ``aux``, without its name (the same tensors); ``None`` if none."""
+    return part(name, aux) or None
 
 
 def two_pass(

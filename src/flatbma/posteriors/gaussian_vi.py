@@ -39,8 +39,9 @@ from flatbma import packed
 from flatbma.checks import check_int, check_number
 from flatbma.errors import FlatbmaError
 from flatbma.gaussian import GaussianNoise, is_theta, section
+from flatbma.named import SEP
 from flatbma.optim.ascent import (
-    MEMORY,
+    ASCENT,
     ascent_memory,
     has_memory,
     memory_entries,
@@ -405,7 +406,7 @@ def update(
     if kept and on_theta:
         memory = {"memory": memory_of(kept)}
     elif kept:
-        memory = {"memories": [memory_of(kept, _sample_prefix(i)) for i in range(num_mc_samples)]}
+        memory = {"memories": [memory_of(kept, _sample_name(i)) for i in range(num_mc_samples)]}
     record: dict[str, Tensor] = {}  # the ascent's step size on θ (theta_sharpness_value_and_grad)
     if on_theta:
         memory["record"] = record
@@ -418,8 +419,9 @@ def update(
     return replace(state, aux=aux, step=state.step + 1), StepOutput(loss, logits, stats)
 
 
-def _sample_prefix(i: int) -> str:
-    return f"{MEMORY}sample{i}/"
+def _sample_name(i: int) -> str:
+    """The component name of Monte-Carlo sample ``i``'s ascent memory: ``ascent/sample<i>`` (:mod:`flatbma.named`)."""
+    return f"{ASCENT}{SEP}sample{i}"
 
 
 def weight_memories(family: ReparameterizedFamily, ascent: Ascent, theta: Mapping[str, Tensor], m: int) -> Params:
@@ -431,7 +433,7 @@ def weight_memories(family: ReparameterizedFamily, ascent: Ascent, theta: Mappin
     """
     with torch.no_grad():
         weights = family.reparameterize(theta, family.noise(theta, torch.Generator(_device(theta)).manual_seed(0)))
-    return {k: v for i in range(m) for k, v in ascent_memory(ascent, weights, _sample_prefix(i)).items()}
+    return {k: v for i in range(m) for k, v in ascent_memory(ascent, weights, _sample_name(i)).items()}
 
 
 def sampler(family: ReparameterizedFamily) -> Callable[[State, int, torch.Generator | None], list[Params]]:

@@ -38,7 +38,9 @@ from flatbma.curvature import (
 )
 from flatbma.errors import FlatbmaError
 from flatbma.models import classifier_of, is_pretrained
+from flatbma.named import SEP, chain, split
 from flatbma.params import Objective, clone
+from flatbma.posteriors.point import NAME as point_name
 from flatbma.posteriors.point import step as point_step
 from flatbma.posteriors.point import weights_of
 from flatbma.types import (
@@ -46,6 +48,7 @@ from flatbma.types import (
     Batch,
     GradientTransformation,
     Params,
+    Phase,
     Posterior,
     Predictive,
     State,
@@ -53,8 +56,12 @@ from flatbma.types import (
     derive,
 )
 
-PREFIX = "laplace/"
-"""Prefix of the curvature's entries in ``State.aux`` (the MAP's optimizer state has none)."""
+POINT = point_name
+"""Name of the MAP's component of ``State.aux``: the point update's state (its optimizer's), :mod:`flatbma.named`."""
+LAPLACE = "laplace"
+"""Name of the curvature's component of ``State.aux``: the accumulators, the counters below and ``w₀``."""
+PREFIX = LAPLACE + SEP
+"""Prefix of the curvature's entries in ``State.aux``."""
 SEEN = PREFIX + "seen"
 """``aux`` entry: examples whose curvature was accumulated (int64; this process's, under data parallelism)."""
 NLL = PREFIX + "nll"
@@ -94,14 +101,13 @@ class Subset(str, Enum):
     LAST_LAYER = "last-layer"
 
 
-class Phase(str, Enum):
-    """Where a Laplace state is (:func:`phase`): its updates train the MAP, then accumulate the curvature.
+MAP = Phase("map")
+"""Laplace's first phase (:func:`phase`): its first ``start_step`` updates train the MAP ``w*`` (``train.epochs``)."""
+CURVATURE = Phase("curvature", epochs=1)
+"""Laplace's second phase: one epoch after the MAP's accumulates the curvature at ``w*`` (:func:`curvature_step`).
 
-    The posterior (:func:`fitted`) is the curvature phase's accumulators at the state's MAP, fitted on first use.
-    """
-
-    MAP = "map"
-    CURVATURE = "curvature"
+The posterior (:func:`fitted`) is the curvature phase's accumulators at the state's MAP, fitted on first use.
+"""
 
 
 @dataclass(frozen=True)
@@ -111,8 +117,8 @@ class Options:
     Attributes:
         start_step: MAP updates before the curvature phase (0: post-hoc Laplace of the weights given to
             ``init``). ``None`` is left to the experiment layer, which sets ``train.epochs`` × steps per
-            epoch, the optimizer's schedule, and runs :attr:`extra_epochs` more: the curvature phase; a state
-            cannot be updated with ``None``.
+            epoch, the optimizer's schedule, and runs the epochs :attr:`phases` declares after them: the
+            curvature phase; a state cannot be updated with ``None``.
         hessian: ``diag``, ``kfac`` (Linear/Conv2d weights ``B ⊗ A``, everything else diagonal) or ``full``.
         curvature: ``ggn`` or ``ef`` (the empirical Fisher: cheaper, not second-order information).
         prior_precision: a fixed ``δ > 0``, ``None`` to maximize the evidence, or ``"val"``
@@ -132,8 +138,8 @@ class Options:
             recommendation of Daxberger et al. ("Laplace Redux", NeurIPS 2021, §4) — or ``all`` trained weights.
     """
 
-    extra_epochs: ClassVar[int] = 1
-    """Epochs of training data the curvature phase takes after a MAP phase of ``start_step: None``."""
+    phases: ClassVar[tuple[Phase, ...]] = (MAP, CURVATURE)
+    """The MAP phase (``train.epochs``, with ``start_step: None``), then the curvature phase's epoch after it."""
 
     start_step: int | None = None
     hessian: Hessian = Hessian.KFAC
@@ -240,7 +246,7 @@ def init(
 ) -> State:
     """The MAP's optimizer state, empty curvature accumulators, ``SEEN = NLL = 0`` and, if pretrained, ``w₀``."""
     params = clone(params)
-    aux = optimizer.init(params)
+    aux = chain((POINT, optimizer.init(params)))
     est = _estimator(options, objective, chosen(options, objective, params))
     _log.info("laplace curvature: %s", est.describe())
     device = next(iter(params.values())).device
@@ -253,7 +259,7 @@ def init(
 
 
 def phase(state: State, options: Options) -> Phase:
-    """:attr:`Phase.MAP` for the first ``start_step`` updates, then :attr:`Phase.CURVATURE`.
+    """:data:`MAP` for the first ``start_step`` updates, then :data:`CURVATURE` (the state's step says which).
 
     Raises:
         FlatbmaError: ``start_step`` is ``None`` (left to the experiment layer, which sets it).
@@ -263,7 +269,7 @@ def phase(state: State, options: Options) -> Phase:
             "laplace.build(start_step=None) leaves the length of the MAP phase to the experiment layer; give "
             "start_step (the MAP updates; 0 = post-hoc Laplace of the weights given to init)"
         )
-    return Phase.MAP if state.step < options.start_step else Phase.CURVATURE
+    return MAP if state.step < options.start_step else CURVATURE
 
 
 def update(
@@ -276,7 +282,7 @@ def update(
     ascent: Ascent | None,
 ) -> tuple[State, StepOutput]:
     """One update of the state's :func:`phase`: :func:`map_step` or :func:`curvature_step`."""
-    if phase(state, options) is Phase.MAP:
+    if phase(state, options) is MAP:
         return map_step(state, batch, objective=objective, optimizer=optimizer, ascent=ascent)
     return curvature_step(state, batch, options=options, objective=objective)
 
@@ -284,11 +290,10 @@ def update(
 def map_step(
     state: State, batch: Batch, *, objective: Objective, optimizer: GradientTransformation, ascent: Ascent | None
 ) -> tuple[State, StepOutput]:
-    """:func:`flatbma.posteriors.point.step` on the MAP, the curvature's entries (``laplace/``) left as they are."""
-    opt = {k: v for k, v in state.aux.items() if not k.startswith(PREFIX)}
-    own = {k: v for k, v in state.aux.items() if k.startswith(PREFIX)}
+    """:func:`flatbma.posteriors.point.step` on the MAP's state (``point/``), the curvature's (``laplace/``) kept."""
+    opt, own = split(state.aux, POINT, LAPLACE)
     opt, out = point_step(objective, optimizer, ascent, state.params, state.buffers, opt, state.step, batch)
-    return replace(state, aux={**opt, **own}, step=state.step + 1), out
+    return replace(state, aux=chain((POINT, opt), (LAPLACE, own)), step=state.step + 1), out
 
 
 def curvature_step(state: State, batch: Batch, *, options: Options, objective: Objective) -> tuple[State, StepOutput]:

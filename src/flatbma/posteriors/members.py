@@ -21,6 +21,7 @@ from torch import nn
 
 from flatbma.errors import FlatbmaError
 from flatbma.models import classifier_of, is_pretrained
+from flatbma.named import nest, part
 from flatbma.params import clone
 from flatbma.rng import SEED_BOUND, forked_rng, splitmix64
 from flatbma.types import Params, State, StepOutput, view
@@ -29,6 +30,7 @@ __all__ = [
     "held",
     "member",
     "member_initializations",
+    "member_name",
     "member_seed",
     "member_state",
     "mixture_output",
@@ -107,15 +109,19 @@ def member_initializations(
     return members
 
 
+def member_name(m: int) -> str:
+    """Member ``m``'s name, under which a mixture keeps its state (:mod:`flatbma.named`): ``"member<m>"``."""
+    return f"member{m}"
+
+
 def prefixed(m: int, tensors: Params) -> Params:
-    """``tensors`` as member ``m``'s entries: keys ``"member<m>/<key>"``."""
-    return {f"member{m}/{k}": v for k, v in tensors.items()}
+    """``tensors`` as member ``m``'s entries: keys ``"member<m>/<key>"`` (:func:`flatbma.named.nest`)."""
+    return nest(member_name(m), tensors)
 
 
 def member(m: int, tensors: Params) -> Params:
-    """Member ``m``'s entries of ``tensors``, without their prefix (the same tensors)."""
-    prefix = f"member{m}/"
-    return {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
+    """Member ``m``'s entries of ``tensors``, without their prefix (the same tensors; :func:`flatbma.named.part`)."""
+    return part(member_name(m), tensors)
 
 
 def unprefixed(key: str) -> str:
@@ -140,7 +146,7 @@ def member_state(m: int, state: State) -> State:
 
     A :func:`~flatbma.types.view` of ``state``: what the member's family derives from it is kept with ``state``.
     """
-    return view(state, f"member{m}", member(m, state.params), member(m, state.buffers), member(m, state.aux))
+    return view(state, member_name(m), member(m, state.params), member(m, state.buffers), member(m, state.aux))
 
 
 def held(state: State) -> list[int]:

@@ -303,6 +303,23 @@ def _starts(params: Params, buffers: Params, members: int) -> list[tuple[Params,
     return [(member(m, params), member(m, buffers) if own_buffers else buffers) for m in range(members)]
 
 
+def member_thetas(theta: Params, count: int) -> list[Params]:
+    """Member ``m``'s ``θ_m`` of a mixture's ``θ`` (its :attr:`~flatbma.types.Posterior.gaussian`), ``m < count``.
+
+    So a layer above the families never reads the ``member<m>/`` names (a two-stage mixture's per-member priors).
+
+    Raises:
+        FlatbmaError: ``θ`` holds other members than ``0..count−1`` (or is no mixture's).
+    """
+    found = prefixed_members(dict(theta))
+    if found != list(range(count)):
+        raise FlatbmaError(
+            f"the fitted prior holds members {found} but method.members is {count}: a mixture's prior stage "
+            "must be a mixture of as many members"
+        )
+    return [member(m, theta) for m in range(count)]
+
+
 def _prefixed_state(m: int, own: State, into: State) -> State:
     """``into`` with member ``m``'s state ``own`` added under its prefix (``into``'s step kept)."""
     return State(

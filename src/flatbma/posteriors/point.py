@@ -21,6 +21,11 @@ class Options:
     """A point estimate has no options of its own: its optimizer and ascent step are the whole method."""
 
 
+NAME = "point"
+"""The name a composed method keeps a point update's state under in its ``aux`` (:mod:`flatbma.named`): SWAG's
+trajectory and Laplace's MAP. A point method's own state is that state alone, without a name."""
+
+
 def build(
     objective: Objective, optimizer: GradientTransformation, ascent: Ascent | None = None, **options
 ) -> Posterior:

@@ -20,14 +20,17 @@ import torch
 
 from flatbma.checks import check_int, is_number
 from flatbma.errors import FlatbmaError
+from flatbma.named import SEP, part
 from flatbma.optim.ascent import ascent_memory, has_memory, memory_of, sharpness_aware_value_and_grad
 from flatbma.params import Objective, clone
 from flatbma.types import Ascent, Batch, GradientTransformation, Params, Posterior, State, StepOutput
 
 COUNT_KEY = "sgld/collected"
 """Aux key of the number of samples collected so far (a 0-d int64 tensor)."""
-SAMPLES_PREFIX = "samples/"
-"""Aux keys ``samples/<name>``: the stored iterates of parameter ``<name>``, stacked ``[S, ...]``."""
+SAMPLES = "samples"
+"""Name of the stored iterates' component of ``aux`` (:mod:`flatbma.named`): ``samples/<name>``, the iterates of
+parameter ``<name>`` stacked ``[S, ...]``."""
+SAMPLES_PREFIX = SAMPLES + SEP
 
 
 class LrScale(str, Enum):
@@ -259,7 +262,7 @@ def sample(
 def stored_samples(state: State) -> Params:
     """The stored iterates in chronological order: ``{name: tensor [S, ...]}`` (empty when none)."""
     count = int(state.aux[COUNT_KEY]) if COUNT_KEY in state.aux else 0
-    stacked = {k[len(SAMPLES_PREFIX) :]: v for k, v in state.aux.items() if k.startswith(SAMPLES_PREFIX)}
+    stacked = part(SAMPLES, state.aux)
     if count == 0 or not stacked:
         return {}
     size = next(iter(stacked.values())).shape[0]

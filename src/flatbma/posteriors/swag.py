@@ -16,7 +16,12 @@ State layout (``d`` = number of trained weights, ``K`` = ``rank``):
 * ``aux["swag/deviations"]``: ``[K, d]`` ring buffer of the last ``K`` deviations ``w_i − w̄_i``
   (``w̄_i`` the mean *including* snapshot ``i``, as in the paper), flattened in sorted-name order;
   absent for the diagonal-only variant;
-* ``aux["swag/n_collected"]``: number of snapshots (0-d int64); plus the optimizer's own state.
+* ``aux["swag/n_collected"]``: number of snapshots (0-d int64);
+* ``aux["point/<key>"]``: the point update's own state (its optimizer's moments, an ascent step's memory).
+
+Each component keeps its state under its own name (:mod:`flatbma.named`): ``swag/`` and ``point/``. States
+written before (#24) held the point's entries without ``point/``; loading renames them
+(:func:`flatbma.state_io.renamed`).
 """
 
 from __future__ import annotations
@@ -32,15 +37,20 @@ from torch import Tensor
 from flatbma.checks import is_int, is_number
 from flatbma.errors import FlatbmaError
 from flatbma.gaussian import init_from_swag
+from flatbma.named import SEP, chain, split
 from flatbma.params import Objective, flatten, unflatten
 from flatbma.posteriors import point
 from flatbma.types import Ascent, Batch, GradientTransformation, Params, Posterior, State, StepOutput
 
-PREFIX = "swag/"
-MEAN = "swag/mean/"
-M2 = "swag/m2/"
-DEVIATIONS = "swag/deviations"
-N_COLLECTED = "swag/n_collected"
+POINT = point.NAME
+"""Name of the point update's component of ``State.aux`` (its optimizer's state, an ascent step's memory)."""
+SWAG = "swag"
+"""Name of SWAG's own component of ``State.aux``: the moments (:mod:`flatbma.named`)."""
+PREFIX = SWAG + SEP
+MEAN = PREFIX + "mean/"
+M2 = PREFIX + "m2/"
+DEVIATIONS = PREFIX + "deviations"
+N_COLLECTED = PREFIX + "n_collected"
 VAR_CLAMP = 1e-30
 """Lower bound of the diagonal variance ``σ² = m2/n`` (0 for a weight no snapshot moved)."""
 
@@ -188,7 +198,7 @@ def init(
     """The point's state (:func:`flatbma.posteriors.point.init`) with empty moments: ``n = 0``, ``w̄ = m₂ = D = 0``."""
     state = point.init(params, buffers, optimizer=optimizer, ascent=ascent)
     w = state.params
-    aux = dict(state.aux)
+    aux = chain((POINT, state.aux))
     for k in sorted(w):
         aux[MEAN + k] = torch.zeros_like(w[k])
         aux[M2 + k] = torch.zeros_like(w[k])
@@ -210,12 +220,9 @@ def update(
     ascent: Ascent | None,
 ) -> tuple[State, StepOutput]:
     """The point update; update ``s`` is a snapshot if ``s > start_step`` and ``collect_every | s − start_step``."""
-    swag = {k: v for k, v in state.aux.items() if k.startswith(PREFIX)}
-    opt_state = {k: v for k, v in state.aux.items() if not k.startswith(PREFIX)}
-    state, out = point.update(
-        replace(state, aux=opt_state), batch, objective=objective, optimizer=optimizer, ascent=ascent
-    )
-    aux = {**state.aux, **swag}
+    own, moments = split(state.aux, POINT, SWAG)
+    state, out = point.update(replace(state, aux=own), batch, objective=objective, optimizer=optimizer, ascent=ascent)
+    aux = chain((POINT, state.aux), (SWAG, moments))
     s = state.step
     if s > options.start_step and (s - options.start_step) % options.collect_every == 0:
         _collect(state.params, aux)

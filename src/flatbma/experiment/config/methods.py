@@ -33,8 +33,7 @@ from flatbma.experiment.config.parse import coerce, parse_dataclass, shown
 from flatbma.optim import ASAM, SAM, Amortized, FisherBall, FisherSAM
 from flatbma.options import resolved
 from flatbma.posteriors import bsam, ensemble, fp_bma, laplace, lowrank_vi, mc_dropout, mfvi, multi, point, sgld, swag
-from flatbma.posteriors.members import member, prefixed_members
-from flatbma.types import Ascent, Posterior, Predictive
+from flatbma.types import Ascent, Phase, Posterior, Predictive, phases_after
 
 if TYPE_CHECKING:
     from flatbma.experiment.config.shape import Stage
@@ -72,11 +71,11 @@ class MethodSpec:
         family: the posterior family's ``build(objective, optimizer, ascent=None, **options)``, the options
             those of ``options`` (and ``of``, when the method nests a section).
         options: the family's frozen options dataclass: its fields are the method's options, their defaults
-            the options' defaults. A family whose run takes epochs beyond ``train.epochs`` declares them in its
-            class variable ``extra_epochs`` (Laplace's curvature phase): the optimizer's schedule still spans
-            ``train.epochs``, and the family's ``start_step: null`` resolves to ``train.epochs`` × steps per
-            epoch (:meth:`MethodConfig.build`'s ``map_steps``), so the updates before it are those of a run of
-            ``train.epochs`` epochs.
+            the options' defaults. A family whose run takes epochs beyond ``train.epochs`` declares them as
+            phases in its class variable ``phases`` (:class:`flatbma.types.Phase`; Laplace's curvature phase):
+            the optimizer's schedule still spans ``train.epochs``, and the family's ``start_step: null``
+            resolves to ``train.epochs`` × steps per epoch (:meth:`MethodConfig.build`'s ``map_steps``), so the
+            updates before it are those of a run of ``train.epochs`` epochs.
         ascent: the ascent step dataclass, or ``None``.
         of: the method's nested method section (:class:`Nested`), or ``None``.
         with_prior: ``with_prior(objective, optimizer, ascent, prior_theta, **options)``, the family with a
@@ -234,10 +233,18 @@ class MethodConfig:
         if spec.check is not None:
             spec.check(self, stage)
 
+    def phases_after(self) -> tuple[Phase, ...]:
+        """The phases the run takes after ``train.epochs``: its family's, then the longest of a nested section's.
+
+        A family's are those its options declare (:func:`flatbma.types.phases_after`; Laplace's curvature phase).
+        """
+        nested = [v.phases_after() for v in self.options.values() if isinstance(v, MethodConfig)]
+        longest = max(nested, key=lambda ps: sum(p.epochs or 0 for p in ps), default=())
+        return phases_after(METHODS[self.name].options) + longest
+
     def extra_epochs(self) -> int:
-        """Epochs the run takes beyond ``train.epochs``: its family's ``extra_epochs``, plus a nested section's."""
-        nested = [v.extra_epochs() for v in self.options.values() if isinstance(v, MethodConfig)]
-        return _extra_epochs(METHODS[self.name]) + max(nested, default=0)
+        """Epochs the run takes beyond ``train.epochs``: those of its :meth:`phases_after`."""
+        return sum(p.epochs or 0 for p in self.phases_after())
 
     def needs_weights(self) -> bool:
         """Whether checking it needs the number of trained weights (:attr:`MethodSpec.needs_weights`)."""
@@ -301,11 +308,6 @@ class MethodConfig:
             ascent.update({k: getattr(self.ascent, k) for k in amortized_options()})
         options = {k: v.to_dict() if isinstance(v, MethodConfig) else v for k, v in self.options.items()}
         return {"name": self.name, **options, **ascent}
-
-
-def _extra_epochs(spec: MethodSpec) -> int:
-    """The epochs the family of ``spec`` takes beyond ``train.epochs`` (its options' ``extra_epochs``; 0 if none)."""
-    return getattr(spec.options, "extra_epochs", 0)
 
 
 METHODS: dict[str, MethodSpec] = {}
@@ -780,18 +782,12 @@ def multi_with_prior(
 
     ``prior_theta`` is a mixture's ``θ`` (:attr:`~flatbma.types.Posterior.gaussian` of ``multi``: member
     ``m``'s under ``member<m>/``), fitted by the per-member first stage (:func:`multi_first_stage`); member
-    ``m`` is ``of`` built with :func:`~flatbma.posteriors.members.member` ``(m, prior_theta)`` as its prior.
+    ``m`` is ``of`` built with its ``θ_m`` (:func:`~flatbma.posteriors.multi.member_thetas`) as its prior.
     """
     if of is None:
         return multi_family(objective, optimizer, ascent, of=of, **options)  # its refusal
-    members = multi.Options(**options).members
-    held = prefixed_members(dict(prior_theta))
-    if held != list(range(members)):
-        raise FlatbmaError(
-            f"the fitted prior holds members {held} but method.members is {members}: a mixture's prior stage "
-            "must be a mixture of as many members"
-        )
-    bases = [of.build(objective, optimizer, member(m, dict(prior_theta))) for m in range(members)]
+    thetas = multi.member_thetas(dict(prior_theta), multi.Options(**options).members)
+    bases = [of.build(objective, optimizer, theta) for theta in thetas]
     return multi.build(objective, bases, **options)
 
 
@@ -874,7 +870,7 @@ def check_laplace(method: MethodConfig, stage: Stage) -> None:
 
     ``prior_mean: pretrained`` needs ``model.pretrained``.
 
-    The run takes the family's ``extra_epochs`` = 1 epoch beyond ``stage.epochs`` (its curvature phase), so
+    The run takes the epoch of the family's curvature phase beyond ``stage.epochs`` (its ``phases``), so
     ``start_step`` (MAP updates) must be at most ``stage.steps`` for the curvature to see a whole epoch.
     """
     o, key = method.options, stage.key

@@ -57,9 +57,9 @@ class RunConfig:
     def epochs(self) -> int:
         """Epochs the run trains: ``train.epochs`` plus the method's extra ones.
 
-        The extra ones are Laplace's curvature pass
-        (:meth:`~flatbma.experiment.config.methods.MethodConfig.extra_epochs`); the optimizer's schedule spans
-        ``train.epochs``.
+        The extra ones are those of the phases its family declares after them
+        (:meth:`~flatbma.experiment.config.methods.MethodConfig.phases_after`: Laplace's curvature pass); the
+        optimizer's schedule spans ``train.epochs``.
         """
         return self.train.epochs + self.method.extra_epochs()
 

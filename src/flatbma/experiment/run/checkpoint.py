@@ -58,6 +58,7 @@ from flatbma.state_io import (
     dtype_name,
     encode_state,
     in_order,
+    renamed,
     state_digest,
     structure_problem,
 )
@@ -243,19 +244,22 @@ def at_end(meta: Mapping[str, str] | None, epochs: int) -> bool:
         return False
 
 
-def check_compatible(state: State, reference: State, path: str | Path) -> None:
-    """Raise :class:`FlatbmaError` unless the loaded ``state`` has the structure of ``reference``.
+def check_compatible(state: State, reference: State, path: str | Path) -> State:
+    """The loaded ``state`` in the layout of ``reference``; a :class:`FlatbmaError` unless it has its structure.
 
-    ``reference`` is the state the run's method initializes for the run's model; the rule (same names,
-    dtypes and shapes; only a sampler's parameter stacks added to ``aux``) is
+    ``reference`` is the state the run's method initializes for the run's model; a checkpoint of an older
+    layout has its entries renamed first (:func:`flatbma.state_io.renamed`: a component's state under its
+    name). The rule (same names, dtypes and shapes; only a sampler's parameter stacks added to ``aux``) is
     :func:`flatbma.state_io.structure_problem`'s, which loading a predictor shares.
     """
+    state = renamed(state, reference)
     problem = structure_problem(state, reference)
     if problem:
         raise FlatbmaError(
             f"{path} does not fit this run ({problem}): it was written for another method "
             "or model, or altered; restore the run's own checkpoint or train again"
         )
+    return state
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -330,7 +334,7 @@ def load_position(
     tensors, meta = _read(path)
     state, extra = _sections(tensors, meta, path, str(template.device))
     check_provenance(meta, template.provenance, path)
-    check_compatible(state, template.state, path)
+    state = check_compatible(state, template.state, path)
     try:
         cuda = tuple(extra[f"cuda_rng/{i}"] for i in range(sum(k.startswith("cuda_rng/") for k in extra))) or None
         position = Position(

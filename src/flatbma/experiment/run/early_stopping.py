@@ -97,8 +97,7 @@ class Monitor:
                 f"{self.path} holds the state of epoch {meta.get('epoch')}, but the history's best evaluation is "
                 f"epoch {best}: the run directory was altered; train again (--force)"
             )
-        check_compatible(kept, template.state, self.path)
-        return kept
+        return check_compatible(kept, template.state, self.path)
 
     def record(self, history: History) -> dict[str, Any]:
         """What ``metrics.json`` records of the rule: the criterion, the best epoch and value, the last epoch."""

@@ -25,6 +25,7 @@ from flatbma.experiment.run.checkpoint import (
     resumable,
 )
 from flatbma.state_io import clip
+from flatbma.types import Phase
 
 RESUMES_FILE = "resumes.json"
 """The run directory's record of the config changes made on ``--resume`` (:func:`append_resume`)."""
@@ -84,20 +85,21 @@ def resume_change(checkpoint: Path, old: Mapping[str, Any], new: Mapping[str, An
                 f"use train.epochs >= {done}"
             )
         before = changed["train.epochs"][0]
-        if _extra_epochs(new) and is_int(before) and done > before:
+        after = _phases_after(new)
+        if after and is_int(before) and done > before:
             raise FlatbmaError(
-                f"this run has begun the pass it takes after train.epochs={before} (Laplace's curvature epoch), so "
+                f"this run has begun the pass it takes after train.epochs={before} (its {after[0].name} phase), so "
                 "--resume cannot change train.epochs any more: train a new run"
             )
     return Resume(changed=changed, step=step, epoch=epoch, batch=batch, resolved=dict(new))
 
 
-def _extra_epochs(resolved: Mapping[str, Any]) -> int:
-    """The epochs the method of a resolved config takes beyond ``train.epochs`` (0 when it cannot be read)."""
+def _phases_after(resolved: Mapping[str, Any]) -> tuple[Phase, ...]:
+    """The phases the method of a resolved config takes after ``train.epochs`` (none when it cannot be read)."""
     try:
-        return parse_method(resolved.get("method")).extra_epochs()
+        return parse_method(resolved.get("method")).phases_after()
     except FlatbmaError:
-        return 0
+        return ()
 
 
 def append_resume(path: Path, resume: Resume) -> None:

@@ -154,11 +154,12 @@ def check_early_stopping(cfg: RunConfig) -> None:
             "train.early_stopping evaluates the whole posterior, but train.parallel: members splits its members "
             "over processes: use train.parallel: data, or no early stopping"
         )
-    if cfg.method.extra_epochs():
+    after = cfg.method.phases_after()
+    if after:
         raise FlatbmaError(
             f"train.early_stopping stops the training epochs, but {cfg.method.name} takes "
-            f"{cfg.method.extra_epochs()} more after them (Laplace's curvature pass over the MAP of the last epoch), "
-            "which early stopping would skip: remove train.early_stopping for this method"
+            f"{cfg.method.extra_epochs()} more after them (its {', '.join(p.name for p in after)} pass over the "
+            "weights of the last epoch), which early stopping would skip: remove train.early_stopping for this method"
         )
 
 

@@ -1,0 +1,58 @@
+"""Name-spaced state: each component of a composed method keeps its state under its own name.
+
+The flat-dict form of optax's ``named_chain``: a method made of components (SWAG = the point update's optimizer
+state + SWAG's moments; Laplace = its MAP's state + the curvature; a mixture = its members) holds component
+``c``'s entries ``k`` as ``"<c>/<k>"`` in :attr:`flatbma.types.State.aux` (or ``params``/``buffers``), so that a
+state stays a flat ``dict[str, Tensor]`` that saves to safetensors. :func:`chain` puts ``(name, entries)``
+components together, :func:`part` takes one back out (the same tensors), and no component's entries are told
+apart from another's by anything but their name. Only the family that composes a state reads its names; the
+layers above it (the experiment layer, the predictor, checkpoints) never do.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from torch import Tensor
+
+from flatbma.errors import FlatbmaError
+
+SEP = "/"
+"""What separates a component's name from its entries' keys."""
+
+
+def nest(name: str, tensors: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """``tensors`` as component ``name``'s entries: keys ``"<name>/<key>"`` (the same tensors)."""
+    return {f"{name}{SEP}{k}": v for k, v in tensors.items()}
+
+
+def part(name: str, tensors: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """Component ``name``'s entries of ``tensors``, without its name (the same tensors, in their order)."""
+    head = name + SEP
+    return {k[len(head) :]: v for k, v in tensors.items() if k.startswith(head)}
+
+
+def chain(*components: tuple[str, Mapping[str, Tensor]]) -> dict[str, Tensor]:
+    """Every ``(name, entries)`` component's entries under its name, in the order given (optax's ``named_chain``)."""
+    out: dict[str, Tensor] = {}
+    for name, tensors in components:
+        out.update(nest(name, tensors))
+    return out
+
+
+def split(tensors: Mapping[str, Tensor], *names: str) -> tuple[dict[str, Tensor], ...]:
+    """Every named component's :func:`part` of ``tensors``, in the order of ``names``.
+
+    Raises:
+        FlatbmaError: an entry under none of ``names`` (a state of another layout).
+    """
+    heads = tuple(n + SEP for n in names)
+    stray = next((k for k in tensors if not k.startswith(heads)), None)
+    if stray is not None:
+        raise FlatbmaError(f"state entry {stray!r} belongs to none of the components {', '.join(names)}")
+    return tuple(part(n, tensors) for n in names)
+
+
+def names(tensors: Mapping[str, Tensor]) -> list[str]:
+    """The components whose entries ``tensors`` holds, in the order they first appear."""
+    return list(dict.fromkeys(k.partition(SEP)[0] for k in tensors if SEP in k))
