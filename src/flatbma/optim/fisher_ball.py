@@ -133,33 +133,51 @@ class BallBlocks(str, Enum):
 # quantities (LowRankGeometry, geometry) live with the family in flatbma.gaussian.
 
 
-def covariance_fisher_product(
-    geo: LowRankGeometry, v: Tensor, *, out: Tensor | None = None, diagonal_weight: Tensor | None = None
-) -> Tensor:
+def covariance_fisher_product(geo: LowRankGeometry, v: Tensor) -> Tensor:
     """``F_cov v`` for ``v = [v_logσ; V]`` of shape ``[K+1, d]``, in ``O(dK²)``.
 
-    With ``T = A^{1/2}Σ⁻¹A^{1/2}``, ``D = diag(2v_logσ)``, ``Ṽ = cVA^{-1/2}`` and ``Q = ṼT``:
+    ``F_cov = D_c⁻¹ F̃ D_c⁻¹`` with ``D_c = diag(1 on log σ, 1/(cA^{-1/2}) on L)`` and ``F̃`` the Fisher in
+    whitened coordinates (:func:`whitened_fisher_product`): ``F_cov v = D_c⁻¹ F̃ [v_logσ; cVA^{-1/2}]``.
+    """
+    y = torch.cat([v[:1], v[1:] * geo.cs])
+    out = whitened_fisher_product(geo, y, torch.empty_like(y))
+    out[1:].mul_(geo.cs)
+    return out
+
+
+def whitened_fisher_product(
+    geo: LowRankGeometry, y: Tensor, out: Tensor, *, damping: float = 0.0, diagonal_weight: Tensor | None = None
+) -> Tensor:
+    """``(F̃ + λI) y`` in the whitened coordinates ``y = [v_logσ; Ṽ]``, ``Ṽ = cVA^{-1/2}``, written into ``out``.
+
+    With ``T = A^{1/2}Σ⁻¹A^{1/2}``, ``D = diag(2v_logσ)`` and ``Q = ṼT``:
     ``M̃ = A^{1/2}MA^{1/2} = T(D + ṼᵀŨᵀ + ŨṼ)T = TDT + QᵀP + PᵀQ`` (``P = ŨᵀT = C⁻¹Ũᵀ``), so
     ``(Fv)_logσ = ½σ²⊙diag(M) = diag(M̃) = D(1 − 2w) + Σ_j P_j ⊙ (GP + 2Q)_j`` with ``G = ŨᵀDŨ`` and
-    ``(Fv)_L = ½ML/(K−1) = c(ŨᵀM̃)A^{-1/2}``, ``ŨᵀM̃ = PD + (ŨᵀQᵀ − PDŨ)P + (I − C⁻¹)Q``.
+    ``(Fv)_L = ½ML/(K−1) = c(ŨᵀM̃)A^{-1/2}``, ``ŨᵀM̃ = PD + (ŨᵀQᵀ − PDŨ)P + (I − C⁻¹)Q``; the whitened
+    product is ``[diag M̃; ŨᵀM̃]``. Two ``K×K`` identities save passes over ``[K, d]`` operands: with
+    ``R = ṼŨ`` (``[K, K]``), ``Q = Ṽ − RP`` and ``ŨᵀQᵀ = (I − ŨᵀŨC⁻¹)Rᵀ = C⁻¹Rᵀ`` (``ŨᵀŨ = C − I``), so
 
-    ``out``: a ``[K+1, d]`` tensor (not ``v``) to write the product into; ``diagonal_weight``: ``1 − 2w``
-    when the caller has it (a solve forms many products at one ``θ``). Neither changes a bit of the result.
+    ``(F̃y)_logσ = D(1 − 2w) + Σ_j P_j ⊙ ((G − 2R)P + 2Ṽ)_j``,
+    ``(F̃y)_L = PD + (C⁻¹Rᵀ − C⁻¹G − ER)P + EṼ`` (``E = I − C⁻¹``, ``C⁻¹G = PDŨ``),
+
+    and the damping ``λI`` (whitened units of :func:`damping_scale`) is added as ``λv_logσ`` and ``(E + λI)Ṽ``.
+    ``diagonal_weight``: ``1 − 2w`` when the caller has it (a solve forms many products at one ``θ``).
     """
-    v_s, v_l = v[0], v[1:]
+    v_s, v_l = y[0], y[1:]
     d2 = 2.0 * v_s
-    vt = v_l * geo.cs
-    qt = torch.addmm(vt, vt @ geo.ut.T, geo.pt, alpha=-1.0)  # Q = ṼT
-    pd = geo.pt * d2  # P D
+    k = v_l.shape[0]
+    r = v_l @ geo.ut.T  # R = ṼŨ
+    pd = torch.mul(geo.pt, d2, out=out[1:])  # P D, then the factor rows accumulate on it
     pdu = pd @ geo.ut.T  # P D Ũ = C⁻¹G
-    if out is None:
-        out = torch.empty_like(v)
     if diagonal_weight is None:
         diagonal_weight = 1 - 2 * geo.w
-    y = torch.addmm(qt, geo.cap @ pdu, geo.pt, beta=2.0)  # G P + 2Q
-    out[0] = torch.addcmul((geo.pt * y).sum(0), d2, diagonal_weight)
-    ut_m = torch.addmm(torch.addmm(pd, geo.ut @ qt.T - pdu, geo.pt), geo.e, qt)
-    torch.mul(ut_m, geo.cs, out=out[1:])
+    y_mix = torch.addmm(v_l, geo.cap @ pdu - 2.0 * r, geo.pt, beta=2.0)  # (G − 2R)P + 2Ṽ = GP + 2Q
+    torch.linalg.vecdot(geo.pt, y_mix, dim=0, out=out[0])
+    out[0].addcmul_(d2, diagonal_weight)
+    if damping:
+        out[0].add_(v_s, alpha=damping)
+    e_damped = geo.e + damping * torch.eye(k, dtype=geo.e.dtype, device=geo.e.device) if damping else geo.e
+    out[1:].addmm_(geo.c_inv @ r.T - pdu - geo.e @ r, geo.pt).addmm_(e_damped, v_l)
     return out
 
 
@@ -195,18 +213,18 @@ def _rotation(factor: Tensor, g_l: Tensor) -> Tensor:
 
 
 class _Preconditioner(NamedTuple):
-    """Jacobi plus an exact coarse correction on the factor directions ``{SL : S symmetric}``."""
+    """Jacobi plus an exact coarse correction on the factor directions ``{SL : S symmetric}`` (whitened)."""
 
-    jacobi: Tensor  # [K+1, d]: 1 / (diag F_cov + λB)
+    jacobi: Tensor  # [K+1, d]: 1 / (diag F̃ + λ)
     basis: Tensor  # [m, K, K]: a basis of the symmetric K×K matrices, m = K(K+1)/2
-    coarse_inv: Tensor  # [m, m]: pseudo-inverse of the Galerkin matrix ZᵀF_λZ (Z spanned by S·U)
-    factor: Tensor  # U = cL, [K, d]
+    coarse_inv: Tensor  # [m, m]: pseudo-inverse of the Galerkin matrix ZᵀF̃_λZ (Z spanned by S·Ũᵀ)
+    factor: Tensor  # Ũᵀ, [K, d]
 
     def __call__(self, r: Tensor, out: Tensor | None = None) -> Tensor:
         z = torch.mul(self.jacobi, r, out=out) if out is not None else self.jacobi * r
         coeff = torch.einsum("mij,ij->m", self.basis, r[1:] @ self.factor.T)  # Zᵀr
         sol = self.coarse_inv @ coeff
-        z[1:].addmm_(torch.einsum("m,mij->ij", sol, self.basis), self.factor)  # Z (ZᵀF_λZ)⁻¹ Zᵀr
+        z[1:].addmm_(torch.einsum("m,mij->ij", sol, self.basis), self.factor)  # Z (ZᵀF̃_λZ)⁻¹ Zᵀr
         return z
 
 
@@ -227,15 +245,17 @@ def _symmetric_basis(k: int, dtype: torch.dtype, device: torch.device) -> Tensor
 
 
 def _preconditioner(geo: LowRankGeometry, damping: float) -> _Preconditioner:
-    """Two-level additive preconditioner ``J⁻¹ + Z(ZᵀF_λZ)⁻¹Zᵀ`` of ``F_λ = F_cov + λB``.
+    """Two-level additive preconditioner ``J⁻¹ + Z(ZᵀF̃_λZ)⁻¹Zᵀ`` of ``F̃_λ = F̃ + λI`` in whitened coordinates.
 
-    ``J`` is the exact diagonal (:func:`covariance_fisher_diagonal`) plus ``λB``. It misses the factor
-    directions ``V = SL`` (``S`` symmetric: rescaling and mixing the columns of ``L``), whose curvature is
-    ``~1/d`` of the rest (``Σ`` is already wide along ``L``); with ``Z`` spanning them (``m = K(K+1)/2``
-    columns), the Galerkin matrix is closed-form: ``⟨S'L, F_cov SL⟩ = 2 tr(S'ESE)``, ``E = I − C⁻¹``,
-    and ``⟨S'L, λB SL⟩ = λ tr(S'S(C − I))``, so the coarse solve costs ``O(dK²)`` per application. ``Z`` is
-    spanned by ``SU = cSL`` instead (the same space, Galerkin matrix ``c²`` times the above), which
-    saves rescaling ``U``.
+    ``F̃ = D_cF_covD_c`` is the Fisher in the coordinates ``[v_logσ; cVA^{-1/2}]`` of
+    :func:`whitened_fisher_product` and ``λI = D_cλBD_c`` its damping; the preconditioner is
+    ``D_c⁻¹M D_c⁻¹`` for the preconditioner ``M`` of ``F_cov + λB`` below, so conjugate gradients take the same
+    steps in either coordinates. ``J`` is the exact diagonal (:func:`covariance_fisher_diagonal`) plus the
+    damping. It misses the factor directions ``V = SL`` (``S`` symmetric: rescaling and mixing the columns of
+    ``L``), whose curvature is ``~1/d`` of the rest (``Σ`` is already wide along ``L``); with ``Z`` spanning them
+    (``m = K(K+1)/2`` columns), the Galerkin matrix is closed-form: ``⟨S'L, F_cov SL⟩ = 2 tr(S'ESE)``,
+    ``E = I − C⁻¹``, and ``⟨S'L, λB SL⟩ = λ tr(S'S(C − I))`` (``Z`` spanned by ``SŨᵀ`` in whitened coordinates:
+    the same Galerkin matrix over ``c²``), so the coarse solve costs ``O(dK²)`` per application.
     """
     k = geo.u.shape[0]
     basis = _symmetric_basis(k, geo.u.dtype, geo.u.device)
@@ -243,18 +263,17 @@ def _preconditioner(geo: LowRankGeometry, damping: float) -> _Preconditioner:
     ebe = geo.e @ basis @ geo.e
     galerkin = 2 * torch.einsum("mij,nji->mn", basis, ebe)
     galerkin = galerkin + damping * torch.einsum("mij,njk,ki->mn", basis, basis, geo.cap - eye_k)
-    galerkin = geo.c**2 * galerkin
     # pseudo-inverse: the matrix is ~‖L‖² and exactly 0 for L = 0 (then there is no coarse correction)
     lam, q = torch.linalg.eigh(galerkin)
     keep = lam > lam.abs().max() * torch.finfo(lam.dtype).eps * 64
     coarse_inv = (q * torch.where(keep, 1 / torch.where(keep, lam, 1.0), 0.0)) @ q.T
-    # 1 / (diag F_cov + λB), fused: rows 1.. are (P² + (1 − w)E_kk + λ)·c²/a (see covariance_fisher_diagonal)
+    # 1 / (diag F̃ + λ), fused: rows 1.. are P² + (1 − w)E_kk + λ (see covariance_fisher_diagonal)
     one_minus_w = 1 - geo.w
     jacobi = torch.empty((k + 1, geo.w.numel()), dtype=geo.w.dtype, device=geo.w.device)
     torch.mul(one_minus_w.square(), 2.0, out=jacobi[0]).add_(damping)
     torch.square(geo.pt, out=jacobi[1:])
-    jacobi[1:].addcmul_(geo.e.diagonal()[:, None], one_minus_w[None]).add_(damping).mul_(geo.cs.square())
-    return _Preconditioner(jacobi.reciprocal_(), basis, coarse_inv, geo.u)
+    jacobi[1:].addcmul_(geo.e.diagonal()[:, None], one_minus_w[None]).add_(damping)
+    return _Preconditioner(jacobi.reciprocal_(), basis, coarse_inv, geo.ut)
 
 
 class CGResult(NamedTuple):
@@ -285,38 +304,42 @@ def solve_covariance_fisher(
     """
     if cg_iters < 1:
         raise ValueError(f"cg_iters must be >= 1, got {cg_iters}")
+    # in whitened coordinates y = D_c⁻¹x (y_L = cA^{-1/2}x_L): the system D_cF_λD_c y = D_c g, whose damping
+    # is λI and whose products need no rescaling (whitened_fisher_product); the preconditioner is D_c⁻¹MD_c⁻¹,
+    # so every scalar of the iteration (α, β, residuals) is the one of the iteration in x
     precondition = _preconditioner(geo, damping)
-    factor_damping = damping * geo.cs.square()  # λB on the factor rows (λ on the log σ row)
     diagonal_weight = 1 - 2 * geo.w  # the products' log σ weight, formed once for the solve
-    r = g  # never updated in place: the caller's g is left alone
+    r = torch.cat([g[:1], g[1:] / geo.cs])  # D_c g; never updated in place
     p = z = precondition(r)
     rz0 = float(torch.vdot(r.reshape(-1), z.reshape(-1)))
     rz = torch.tensor(rz0, dtype=g.dtype, device=g.device)
     stop = max(cg_tol, torch.finfo(g.dtype).eps) ** 2 * rz0
-    x = torch.zeros_like(g)
+    y = torch.zeros_like(g)
     f = torch.empty_like(g)  # work buffers: one allocation each per solve, not per iteration
     residual = torch.empty_like(g)
     relative = 1.0
+    iterations = cg_iters
     for i in range(cg_iters):
-        covariance_fisher_product(geo, p, out=f, diagonal_weight=diagonal_weight)
-        f[0].add_(p[0], alpha=damping)
-        f[1:].addcmul_(factor_damping, p[1:])
+        whitened_fisher_product(geo, p, f, damping=damping, diagonal_weight=diagonal_weight)
         curvature = torch.vdot(p.reshape(-1), f.reshape(-1))
         if not float(curvature) > 0:  # p = 0 (g = 0) or numerically exhausted
-            return CGResult(x, i, relative)
+            iterations = i
+            break
         alpha = rz / curvature
-        x.addcmul_(p, alpha)
+        y.addcmul_(p, alpha)
         if i == cg_iters - 1:
-            return CGResult(x, i + 1, relative)
+            break
         r = torch.addcmul(r, f, -alpha, out=residual)
         z = precondition(r, out=None if z is p else z)  # the first z is p, still needed below
         rz_new = torch.vdot(r.reshape(-1), z.reshape(-1))
         relative = math.sqrt(max(float(rz_new), 0.0) / rz0)
         if float(rz_new) <= stop:
-            return CGResult(x, i + 1, relative)
+            iterations = i + 1
+            break
         p = torch.addcmul(z, p, rz_new / rz, out=p)
         rz = rz_new
-    return CGResult(x, cg_iters, relative)
+    y[1:].div_(geo.cs)  # x = D_c y
+    return CGResult(y, iterations, relative)
 
 
 def natural_gradient(
