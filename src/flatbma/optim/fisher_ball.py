@@ -55,11 +55,16 @@ The step acts on ``θ`` (``FisherBall.space`` is :attr:`~flatbma.types.AscentSpa
 Gaussian VI posterior built with it takes the θ-level sharpness-aware step
 (:func:`flatbma.posteriors.gaussian_vi.theta_sharpness_value_and_grad`): that composition is FP-BMA.
 
-Precision: the Fisher solve and the trust region run in float64 (:func:`geometry` in ``torch.float64``) and
-never under autocast, whatever ``train.precision`` says (:mod:`flatbma.precision`): conjugate gradients on a
-damped Fisher whose scales span orders of magnitude (a fitted SWAG prior's factor/σ) lose their residual
-test in float32, and the trust region compares KLs that cancel to a few digits. The step ``δ*`` returns in
-``θ``'s float32.
+Precision: never under autocast, whatever ``train.precision`` says (:mod:`flatbma.precision`). The geometry
+(:func:`geometry` in ``torch.float64``: ``Ũ``, ``C⁻¹``, ``w``), the ``K×K`` algebra, the mean block and the trust
+region run in float64 (the trust region compares KLs that cancel to a few digits). The conjugate gradients
+run in the coordinates whitened by ``A`` (:func:`whitened_fisher_product`), where the damped Fisher is
+``F̃ + λI ⪰ λI`` with every factor of its products of norm ≤ 1, so the scales of a fitted SWAG prior's
+factor/σ no longer reach the iteration; there, with ``precision: auto`` (the default), the ``[K, d]``
+operands are float32 and the sums over ``d`` float64 (:func:`gram`) whenever :func:`float32_error` — the
+relative perturbation of ``F̃ + λI`` this causes, ``c·u₃₂(1 + a)²/λ`` with ``a = ‖Ũ‖_F·max_k s_k/(1 + s_k²)``
+from the ``K×K`` capacitance — is at most ``cg_tol``; otherwise (factor singular values spread far apart, where
+``T = I − ŨC⁻¹Ũᵀ`` cancels) in float64. The step ``δ*`` returns in ``θ``'s float32.
 """
 
 from __future__ import annotations
