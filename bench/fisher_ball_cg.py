@@ -5,10 +5,12 @@ For small low-rank plus diagonal Gaussians (``d`` up to 300) the damped natural 
 inverse applied to ``g`` with its rotation component removed, the mean block ``Σ g_μ`` — and compared
 with :func:`flatbma.optim.fisher_ball.natural_gradient` for fixed iteration counts and for residual
 tolerances (with a cap). Printed: the worst cosine over the grid of every block (mean, log σ, factor L)
-and the CG iterations used. The grid: factor/σ ratios 0.01–3; σ spread over e^[−8, −1], e^[−6, −3] or
-constant; single-sample reparameterized gradients (the FP-BMA case: ``g_logσ ∝ σ``) and Gaussian ones;
-and "heterogeneous" problems whose factor/σ ratio and gradient scale vary by e^(±1.5) per coordinate,
-with σ at a floor for 29 of 30 coordinates (a fitted SWAG prior with ``prior.min_std``).
+and the CG iterations used; the ``auto`` rows are FisherBall's default ``precision: auto`` (``f32``: the
+problems solved on float32 operands, where ``float32_error`` ≤ ``cg_tol``), the others float64. The grid:
+factor/σ ratios 0.01–3; σ spread over e^[−8, −1], e^[−6, −3] or constant; single-sample reparameterized
+gradients (the FP-BMA case: ``g_logσ ∝ σ``) and Gaussian ones; and "heterogeneous" problems whose factor/σ
+ratio and gradient scale vary by e^(±1.5) per coordinate, with σ at a floor for 29 of 30 coordinates (a
+fitted SWAG prior with ``prior.min_std``).
 
     python bench/fisher_ball_cg.py [--seeds 3] [--damping 0.01]
 """
@@ -26,6 +28,7 @@ from flatbma.optim.fisher_ball import (
     _rotation,
     covariance_fisher_product,
     damping_scale,
+    float32_error,
     natural_gradient,
     solve_covariance_fisher,
 )
@@ -106,8 +109,9 @@ def grid(seeds: int) -> list[tuple[int, int, float, int, str]]:
 
 def measure(seeds: int, damping: float) -> dict[str, dict]:
     """Worst cosine per block and iterations per solver setting, over :func:`grid`."""
-    settings = {f"fixed {n}": (n, 0.0) for n in FIXED}
-    settings.update({f"tol {tol:g}, cap {cap}": (cap, tol) for tol, cap in TOLERANCES})
+    settings = {f"fixed {n}": (n, 0.0, "float64") for n in FIXED}
+    settings.update({f"tol {tol:g}, cap {cap}": (cap, tol, "float64") for tol, cap in TOLERANCES})
+    settings.update({f"tol {tol:g}, cap {cap}, auto": (cap, tol, "auto") for tol, cap in TOLERANCES})
     out = {name: {"worst": dict.fromkeys(BLOCKS, 1.0), "where": {}, "iterations": []} for name in settings}
     for d, k, ratio, seed, kind in grid(seeds):
         theta, grads = problem(d, k, ratio, seed, kind)
@@ -115,12 +119,15 @@ def measure(seeds: int, damping: float) -> dict[str, dict]:
         geo = geometry(theta, torch.float64, cache=False)
         g_cov = torch.cat([grads["log_std/w"][None], grads["factor/w"]])
         g_cov = g_cov - torch.cat([torch.zeros(1, d, dtype=torch.float64), _rotation(geo.u, g_cov[1:]) @ geo.u])
-        for name, (cap, tol) in settings.items():
-            x, _ = natural_gradient(theta, grads, damping=damping, cg_iters=cap, cg_tol=tol)
+        for name, (cap, tol, precision) in settings.items():
+            x, _ = natural_gradient(theta, grads, damping=damping, cg_iters=cap, cg_tol=tol, precision=precision)
             record = out[name]
+            single = precision == "auto" and tol > 0 and float32_error(geo, damping) <= tol
+            work = torch.float32 if single else None
             record["iterations"].append(
-                solve_covariance_fisher(geo, g_cov, damping=damping, cg_iters=cap, cg_tol=tol).iterations
+                solve_covariance_fisher(geo, g_cov, damping=damping, cg_iters=cap, cg_tol=tol, dtype=work).iterations
             )
+            record["float32"] = record.get("float32", 0) + single
             for block in BLOCKS:
                 c = cosine(x[f"{block}/w"], exact[block])
                 if c < record["worst"][block]:
@@ -135,12 +142,13 @@ def main() -> None:
     parser.add_argument("--damping", type=float, default=1e-2)
     args = parser.parse_args()
     print(f"{len(grid(args.seeds))} problems, damping {args.damping:g}; worst cosine to the dense solve")
-    print(f"{'solver':<20}{'mean':>8}{'log σ':>8}{'L':>8}{'iters median':>14}{'max':>6}  worst case (log σ)")
+    print(f"{'solver':<26}{'mean':>8}{'log σ':>8}{'L':>8}{'iters median':>14}{'max':>6}{'f32':>5}  worst case (log σ)")
     for name, record in measure(args.seeds, args.damping).items():
         w, its = record["worst"], record["iterations"]
         print(
-            f"{name:<20}{w['mean']:>8.3f}{w['log_std']:>8.3f}{w['factor']:>8.3f}"
-            f"{statistics.median(its):>14g}{max(its):>6}  {record['where'].get('log_std', '')}"
+            f"{name:<26}{w['mean']:>8.3f}{w['log_std']:>8.3f}{w['factor']:>8.3f}"
+            f"{statistics.median(its):>14g}{max(its):>6}{record.get('float32', 0):>5}"
+            f"  {record['where'].get('log_std', '')}"
         )
 
 

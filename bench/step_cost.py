@@ -24,7 +24,7 @@ method's ``/sgd`` and ``/sam`` (paired medians in the same rounds). Goal (issue 
 
     python bench/step_cost.py [--rounds 15] [--cycle 5] [--threads 2] [--transfer-batches 32 128] [--no-cg-sweep]
         [--cases "cnn 28x28" "mobilenet_v2 64x64 (transfer)"] [--trainable-cases ...] [--trainable-batches 32 128]
-        [--plain-cycle N] [--quick]
+        [--plain-cycle N] [--trainable-methods sam fp-bma ...] [--quick]
 
 ``--plain-cycle`` times the methods without an amortized second pass (and SGD) over ``N`` updates per round
 instead of ``--cycle`` (the ``k5`` forms always take whole cycles); ``--quick`` is a smoke test of every
@@ -160,8 +160,11 @@ TRAINABLE = {
 """Models of the fully trainable table: the small CNN, ResNet-18 of width 16, MobileNetV2."""
 
 
-def trainable_methods(objective: Objective) -> dict[str, object]:
-    """``sgd`` and every :data:`FLAT_SEEKING` method plain and ``k5``, built by the registry with default options."""
+def trainable_methods(objective: Objective, only: list[str] | None = None) -> dict[str, object]:
+    """``sgd`` and every :data:`FLAT_SEEKING` method plain and ``k5``, built by the registry with default options.
+
+    ``only``: the names to keep (e.g. ``["sam", "fp-bma"]``; ``sgd`` is always kept, the base of the ratios).
+    """
     sgd = SGD(lr=1e-3, momentum=0.9, weight_decay=5e-4)
     methods = {"sgd": parse_method("sgd").build(objective, sgd)}
     for every in (1, 5):
@@ -171,12 +174,20 @@ def trainable_methods(objective: Objective) -> dict[str, object]:
             config = parse_method(section)
             if config.options.get("start_step", 0) is None:  # SWAG's default window needs a run's length: from 0
                 config = config.with_options(start_step=0)
-            methods[name if every == 1 else f"{name} k{every}"] = config.build(objective, optimizer)
+            label = name if every == 1 else f"{name} k{every}"
+            if only is None or label in only:
+                methods[label] = config.build(objective, optimizer)
     return methods
 
 
 def bench_trainable(
-    case: str, batch_size: int, rounds: int, device: str, cycle: int = 5, plain_cycle: int | None = None
+    case: str,
+    batch_size: int,
+    rounds: int,
+    device: str,
+    cycle: int = 5,
+    plain_cycle: int | None = None,
+    only: list[str] | None = None,
 ) -> tuple[dict[str, list[float]], int]:
     """Per-round step times of ``sgd`` and every flat-seeking method (plain and ``k5``) on a fully trainable model.
 
@@ -190,7 +201,8 @@ def bench_trainable(
     y = torch.randint(0, kwargs["num_classes"], (batch_size,), generator=g).to(device)
     objective = Objective(model=model, num_data=1000)
     params, buffers = trainable_params(model), model_buffers(model)
-    runs = {name: [method, method.init(params, buffers), []] for name, method in trainable_methods(objective).items()}
+    methods = trainable_methods(objective, only)
+    runs = {name: [method, method.init(params, buffers), []] for name, method in methods.items()}
     plain = cycle if plain_cycle is None else plain_cycle
     cycles = {name: cycle if " k" in name else plain for name in runs}
     return time_updates(runs, (x, y), rounds, device, cycle, cycles), sum(v.numel() for v in params.values())
@@ -400,6 +412,9 @@ def main(argv: list[str] | None = None) -> None:
         "--trainable-cases", nargs="*", default=list(TRAINABLE), help=f"models of the third table: {list(TRAINABLE)}"
     )
     parser.add_argument("--trainable-batches", type=int, nargs="*", default=[32, 128])
+    parser.add_argument(
+        "--trainable-methods", nargs="*", default=None, help="methods of the third table (default: all; sgd always)"
+    )
     parser.add_argument("--plain-cycle", type=int, default=None, help="updates per timing of the methods without k5")
     parser.add_argument("--quick", action="store_true", help="smoke test: batch 2, one round (numbers mean nothing)")
     parser.add_argument("--device-table", action="store_true", help="the device table instead (module doc)")
@@ -444,7 +459,9 @@ def main(argv: list[str] | None = None) -> None:
         )
     for case in args.trainable_cases:
         for batch_size in args.trainable_batches:
-            t, trainable = bench_trainable(case, batch_size, args.rounds, args.device, args.cycle, args.plain_cycle)
+            t, trainable = bench_trainable(
+                case, batch_size, args.rounds, args.device, args.cycle, args.plain_cycle, args.trainable_methods
+            )
             print_ratios(f"\n{case}, all {trainable:,} weights trainable, batch {batch_size}", t)
     print(f"load average (1, 5, 15 min) at the end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
 

@@ -256,8 +256,10 @@ def test_the_conjugate_gradients_stop_at_the_residual_tolerance_or_the_cap():
         # the residual reported is the true relative preconditioned residual of the returned x
         fx = covariance_fisher_product(geo, loose.x) + 1e-2 * damping_scale(geo) * loose.x
         r = g - fx
-        m = _preconditioner(geo, 1e-2)
-        assert math.sqrt(float((r * m(r.clone())).sum() / (g * m(g.clone())).sum())) == pytest.approx(loose.residual)
+        m = _preconditioner(geo, 1e-2)  # of the whitened system: residuals D_c⁻¹·(g − F_λx) (rows 1.. over cA^{-1/2})
+        rw, gw = (torch.cat([t[:1], t[1:] / geo.cs]) for t in (r, g))
+        relative = math.sqrt(float((rw * m(rw.clone())).sum() / (gw * m(gw.clone())).sum()))
+        assert relative == pytest.approx(loose.residual)
     capped = solve_covariance_fisher(geo, g, damping=1e-2, cg_iters=3, cg_tol=1e-12)
     assert capped.iterations == 3
     exact = solve_covariance_fisher(geo, g, damping=1e-2, cg_iters=500, cg_tol=0.0)

@@ -102,13 +102,21 @@ def kl_lowrank(theta_q: Mapping[str, Tensor], prior_theta: Mapping[str, Tensor])
 
 
 def kl_rows(q: Tensor, p: Tensor, p_whitened_factor: Tensor | None = None) -> Tensor:
-    """:func:`kl_lowrank` of two ``[K+2, d]`` matrices ``[μ; log σ; L]`` (:func:`rows`), in their dtype, unchecked.
+    """:func:`kl_lowrank` of two ``[K+2, d]`` matrices ``[μ; log σ; L]`` (:func:`rows`), in ``p``'s dtype, unchecked.
+
+    ``q`` may be in a narrower dtype than ``p`` (float32 rows of a step's ``θ'``): its rows are read once and
+    promoted where they are first used, not copied first. With ``r = a_q/a_p`` and everything whitened by
+    ``A_p`` (``Ũ_p``, ``Ũ_q = U_qA_p^{-1/2}``, ``C_p = I + Ũ_pᵀŨ_p``), the trace is
+    ``tr(Σ_p⁻¹Σ_q) = Σr − tr(C_p⁻¹Ũ_pᵀ diag(r) Ũ_p) + tr(Ũ_qᵀŨ_q) − tr(C_p⁻¹(Ũ_pᵀŨ_q)(Ũ_pᵀŨ_q)ᵀ)`` and
+    ``log det C_q = log det(I + Ũ_qᵀ diag(1/r) Ũ_q)`` (``q``'s own whitening): four ``K×K`` Gram matrices over
+    three ``[K, d]`` products.
 
     ``p_whitened_factor``: ``Ũ_pᵀ = U_pA_p^{-1/2}`` of ``p`` when it is at hand (``ut`` of
     :func:`~flatbma.gaussian.geometry.geometry` of ``p`` in ``p``'s dtype: the same numbers as computed
     here), so that ``p``'s factor is not read again (then only ``p``'s rows 0 and 1 are).
     """
-    s_q, mu_q, u_q = q[1], q[0], factor_scale(q.shape[0] - 2) * q[2:]
+    dtype = p.dtype
+    s_q, mu_q = q[1].to(dtype), q[0].to(dtype)
     s_p, mu_p = p[1], p[0]
     d = mu_q.numel()
     inv_sqrt_ap = math.sqrt(2.0) * torch.exp(-s_p)
@@ -116,24 +124,27 @@ def kl_rows(q: Tensor, p: Tensor, p_whitened_factor: Tensor | None = None) -> Te
         up_t = factor_scale(p.shape[0] - 2) * p[2:] * inv_sqrt_ap  # Ũ_pᵀ, [K_p, d]
     else:
         up_t = p_whitened_factor
-    uq_t = u_q * inv_sqrt_ap  # U_q whitened by A_p, [K_q, d]
+    uq_t = q[2:] * (factor_scale(q.shape[0] - 2) * inv_sqrt_ap)  # U_q whitened by A_p, [K_q, d], in p's dtype
     delta_t = (mu_p - mu_q) * inv_sqrt_ap
     ratio = torch.exp(2 * (s_q - s_p))  # a_q / a_p
-    eye_p = torch.eye(up_t.shape[0], dtype=q.dtype, device=q.device)
+    eye_p = torch.eye(up_t.shape[0], dtype=dtype, device=p.device)
     chol_p = torch.linalg.cholesky(eye_p + up_t @ up_t.T)
 
-    def c_inv_quad(x: Tensor) -> Tensor:  # tr(Xᵀ C_p⁻¹ X) for X of shape [K_p, m]
-        if x.shape[1] > x.shape[0]:  # wide: tr(L⁻¹(XXᵀ)L⁻ᵀ), triangular solves of K_p columns, not of m
-            half = torch.linalg.solve_triangular(chol_p, x @ x.T, upper=False)  # L⁻¹XXᵀ
-            return torch.linalg.solve_triangular(chol_p, half.T, upper=False).diagonal().sum()
+    def c_inv_trace(gram: Tensor) -> Tensor:  # tr(C_p⁻¹ M) = tr(L⁻¹ M L⁻ᵀ) for a symmetric M of shape [K_p, K_p]
+        half = torch.linalg.solve_triangular(chol_p, gram, upper=False)  # L⁻¹M
+        return torch.linalg.solve_triangular(chol_p, half.T, upper=False).diagonal().sum()
+
+    def c_inv_quad(x: Tensor) -> Tensor:  # tr(Xᵀ C_p⁻¹ X) for a narrow X of shape [K_p, m]
         return (torch.linalg.solve_triangular(chol_p, x, upper=False) ** 2).sum()
 
-    trace = ratio.sum() - c_inv_quad(up_t * ratio.sqrt()) + (uq_t**2).sum() - c_inv_quad(up_t @ uq_t.T)
+    cross = up_t @ uq_t.T  # Ũ_pᵀŨ_q, [K_p, K_q]
+    own = uq_t @ uq_t.T  # Ũ_qᵀŨ_q
+    trace = ratio.sum() - c_inv_trace((up_t * ratio) @ up_t.T) + own.diagonal().sum()
+    trace = trace - (c_inv_quad(cross) if cross.shape[1] <= cross.shape[0] else c_inv_trace(cross @ cross.T))
     mahalanobis = (delta_t**2).sum() - c_inv_quad((up_t @ delta_t)[:, None])
-    # log det Σ_q via the determinant lemma in q's own whitening
-    uq_own = u_q * (math.sqrt(2.0) * torch.exp(-s_q))
-    eye_q = torch.eye(u_q.shape[0], dtype=q.dtype, device=q.device)
-    chol_q = torch.linalg.cholesky(eye_q + uq_own @ uq_own.T)
+    # log det Σ_q via the determinant lemma in q's own whitening: Ũ_qᵀŨ_q there is U_q diag(1/a_q) U_qᵀ
+    eye_q = torch.eye(uq_t.shape[0], dtype=dtype, device=p.device)
+    chol_q = torch.linalg.cholesky(eye_q + (uq_t * ratio.reciprocal()) @ uq_t.T)
     logdet_c = 2 * (chol_p.diagonal().log().sum() - chol_q.diagonal().log().sum())
     logdet_ratio = 2 * (s_p - s_q).sum() + logdet_c  # log det Σ_p − log det Σ_q
     return 0.5 * (trace + mahalanobis - d + logdet_ratio)

@@ -55,11 +55,16 @@ The step acts on ``θ`` (``FisherBall.space`` is :attr:`~flatbma.types.AscentSpa
 Gaussian VI posterior built with it takes the θ-level sharpness-aware step
 (:func:`flatbma.posteriors.gaussian_vi.theta_sharpness_value_and_grad`): that composition is FP-BMA.
 
-Precision: the Fisher solve and the trust region run in float64 (:func:`geometry` in ``torch.float64``) and
-never under autocast, whatever ``train.precision`` says (:mod:`flatbma.precision`): conjugate gradients on a
-damped Fisher whose scales span orders of magnitude (a fitted SWAG prior's factor/σ) lose their residual
-test in float32, and the trust region compares KLs that cancel to a few digits. The step ``δ*`` returns in
-``θ``'s float32.
+Precision: never under autocast, whatever ``train.precision`` says (:mod:`flatbma.precision`). The geometry
+(:func:`geometry` in ``torch.float64``: ``Ũ``, ``C⁻¹``, ``w``), the ``K×K`` algebra, the mean block and the trust
+region run in float64 (the trust region compares KLs that cancel to a few digits). The conjugate gradients
+run in the coordinates whitened by ``A`` (:func:`whitened_fisher_product`), where the damped Fisher is
+``F̃ + λI ⪰ λI`` with every factor of its products of norm ≤ 1, so the scales of a fitted SWAG prior's
+factor/σ no longer reach the iteration; there, with ``precision: auto`` (the default), the ``[K, d]``
+operands are float32 and the sums over ``d`` float64 (:func:`gram`) whenever :func:`float32_error` — the
+relative perturbation of ``F̃ + λI`` this causes, ``c·u₃₂(1 + a)²/λ`` with ``a = ‖Ũ‖_F·max_k s_k/(1 + s_k²)``
+from the ``K×K`` capacitance — is at most ``cg_tol``; otherwise (factor singular values spread far apart, where
+``T = I − ŨC⁻¹Ũᵀ`` cancels) in float64. The step ``δ*`` returns in ``θ``'s float32.
 """
 
 from __future__ import annotations
@@ -125,6 +130,15 @@ class BallBlocks(str, Enum):
     """The mean alone (``q``'s covariance is left as it is): the whole budget moves ``μ``."""
 
 
+class SolvePrecision(str, Enum):
+    """The precision of :class:`FisherBall`'s conjugate-gradient solve (strings and members are both accepted)."""
+
+    AUTO = "auto"
+    """The ``[K, d]`` operands in float32 when :func:`float32_error` is at most ``cg_tol``, else float64."""
+    FLOAT64 = "float64"
+    """Every operand in float64."""
+
+
 # ---------------------------------------------------------------------------------------------------
 # the low-rank plus diagonal Gaussian in flat, whitened form
 #
@@ -133,34 +147,88 @@ class BallBlocks(str, Enum):
 # quantities (LowRankGeometry, geometry) live with the family in flatbma.gaussian.
 
 
-def covariance_fisher_product(
-    geo: LowRankGeometry, v: Tensor, *, out: Tensor | None = None, diagonal_weight: Tensor | None = None
-) -> Tensor:
+def covariance_fisher_product(geo: LowRankGeometry, v: Tensor) -> Tensor:
     """``F_cov v`` for ``v = [v_logσ; V]`` of shape ``[K+1, d]``, in ``O(dK²)``.
 
-    With ``T = A^{1/2}Σ⁻¹A^{1/2}``, ``D = diag(2v_logσ)``, ``Ṽ = cVA^{-1/2}`` and ``Q = ṼT``:
+    ``F_cov = D_c⁻¹ F̃ D_c⁻¹`` with ``D_c = diag(1 on log σ, 1/(cA^{-1/2}) on L)`` and ``F̃`` the Fisher in
+    whitened coordinates (:func:`whitened_fisher_product`): ``F_cov v = D_c⁻¹ F̃ [v_logσ; cVA^{-1/2}]``.
+    """
+    y = torch.cat([v[:1], v[1:] * geo.cs])
+    out = whitened_fisher_product(geo, y, torch.empty_like(y))
+    out[1:].mul_(geo.cs)
+    return out
+
+
+def whitened_fisher_product(
+    geo: LowRankGeometry, y: Tensor, out: Tensor, *, damping: float = 0.0, diagonal_weight: Tensor | None = None
+) -> Tensor:
+    """``(F̃ + λI) y`` in the whitened coordinates ``y = [v_logσ; Ṽ]``, ``Ṽ = cVA^{-1/2}``, written into ``out``.
+
+    With ``T = A^{1/2}Σ⁻¹A^{1/2}``, ``D = diag(2v_logσ)`` and ``Q = ṼT``:
     ``M̃ = A^{1/2}MA^{1/2} = T(D + ṼᵀŨᵀ + ŨṼ)T = TDT + QᵀP + PᵀQ`` (``P = ŨᵀT = C⁻¹Ũᵀ``), so
     ``(Fv)_logσ = ½σ²⊙diag(M) = diag(M̃) = D(1 − 2w) + Σ_j P_j ⊙ (GP + 2Q)_j`` with ``G = ŨᵀDŨ`` and
-    ``(Fv)_L = ½ML/(K−1) = c(ŨᵀM̃)A^{-1/2}``, ``ŨᵀM̃ = PD + (ŨᵀQᵀ − PDŨ)P + (I − C⁻¹)Q``.
+    ``(Fv)_L = ½ML/(K−1) = c(ŨᵀM̃)A^{-1/2}``, ``ŨᵀM̃ = PD + (ŨᵀQᵀ − PDŨ)P + (I − C⁻¹)Q``; the whitened
+    product is ``[diag M̃; ŨᵀM̃]``. Two ``K×K`` identities save passes over ``[K, d]`` operands: with
+    ``R = ṼŨ`` (``[K, K]``), ``Q = Ṽ − RP`` and ``ŨᵀQᵀ = (I − ŨᵀŨC⁻¹)Rᵀ = C⁻¹Rᵀ`` (``ŨᵀŨ = C − I``), so
 
-    ``out``: a ``[K+1, d]`` tensor (not ``v``) to write the product into; ``diagonal_weight``: ``1 − 2w``
-    when the caller has it (a solve forms many products at one ``θ``). Neither changes a bit of the result.
+    ``(F̃y)_logσ = D(1 − 2w) + Σ_j P_j ⊙ ((G − 2R)P + 2Ṽ)_j``,
+    ``(F̃y)_L = PD + (C⁻¹Rᵀ − C⁻¹G − ER)P + EṼ`` (``E = I − C⁻¹``, ``C⁻¹G = PDŨ``),
+
+    and the damping ``λI`` (whitened units of :func:`damping_scale`) is added as ``λv_logσ`` and ``(E + λI)Ṽ``.
+    ``diagonal_weight``: ``1 − 2w`` when the caller has it (a solve forms many products at one ``θ``).
     """
-    v_s, v_l = v[0], v[1:]
+    v_s, v_l = y[0], y[1:]
     d2 = 2.0 * v_s
-    vt = v_l * geo.cs
-    qt = torch.addmm(vt, vt @ geo.ut.T, geo.pt, alpha=-1.0)  # Q = ṼT
-    pd = geo.pt * d2  # P D
-    pdu = pd @ geo.ut.T  # P D Ũ = C⁻¹G
-    if out is None:
-        out = torch.empty_like(v)
+    kk = geo.cap.dtype  # the K×K algebra's dtype (float64), whatever the operands' (float64 or float32)
+    r = gram(v_l, geo.ut)  # R = ṼŨ
+    pd = torch.mul(geo.pt, d2, out=out[1:])  # P D, then the factor rows accumulate on it
+    pdu = gram(pd, geo.ut)  # P D Ũ = C⁻¹G
     if diagonal_weight is None:
         diagonal_weight = 1 - 2 * geo.w
-    y = torch.addmm(qt, geo.cap @ pdu, geo.pt, beta=2.0)  # G P + 2Q
-    out[0] = torch.addcmul((geo.pt * y).sum(0), d2, diagonal_weight)
-    ut_m = torch.addmm(torch.addmm(pd, geo.ut @ qt.T - pdu, geo.pt), geo.e, qt)
-    torch.mul(ut_m, geo.cs, out=out[1:])
+    y_mix = torch.addmm(v_l, (geo.cap @ pdu - 2.0 * r).to(y.dtype), geo.pt, beta=2.0)  # (G − 2R)P + 2Ṽ = GP + 2Q
+    torch.linalg.vecdot(geo.pt, y_mix, dim=0, out=out[0])
+    out[0].addcmul_(d2, diagonal_weight)
+    if damping:
+        out[0].add_(v_s, alpha=damping)
+    e_damped = geo.e + damping * torch.eye(geo.e.shape[0], dtype=kk, device=geo.e.device) if damping else geo.e
+    out[1:].addmm_((geo.c_inv @ r.T - pdu - geo.e @ r).to(y.dtype), geo.pt).addmm_(e_damped.to(y.dtype), v_l)
     return out
+
+
+GRAM_BLOCK = 256
+"""Terms summed in the operands' dtype by :func:`gram` on float32 operands before the float64 sum of the blocks."""
+
+
+def gram(a: Tensor, b: Tensor) -> Tensor:
+    """``a bᵀ`` (``[m, n]`` by ``[k, n]``) as float64: one product, or float32 blocks summed in float64.
+
+    Float64 operands: one matrix product. Float32 operands: the sums over ``n`` are split into blocks of
+    :data:`GRAM_BLOCK` terms, each summed in float32 (one batched product), and the blocks are summed in
+    float64, so that each entry's rounding error is at most ``(GRAM_BLOCK − 1)·u₃₂·Σ|a||b| + n·u₆₄·Σ|a||b|``
+    (Higham, *Accuracy and Stability of Numerical Algorithms*, §3.1) instead of ``(n − 1)·u₃₂·Σ|a||b|`` for a
+    float32 sum over all ``n`` terms. The result is float64.
+    """
+    if a.dtype == torch.float64:
+        return a @ b.T
+    n = a.shape[1]
+    full = n - n % GRAM_BLOCK
+    out = (a[:, full:] @ b[:, full:].T).to(torch.float64)
+    if full:
+        blocks_a = a[:, :full].reshape(a.shape[0], -1, GRAM_BLOCK).transpose(0, 1)  # [n/B, m, B]
+        blocks_b = b[:, :full].reshape(b.shape[0], -1, GRAM_BLOCK).permute(1, 2, 0)  # [n/B, B, k]
+        out += torch.bmm(blocks_a, blocks_b).sum(0, dtype=torch.float64)
+    return out
+
+
+def _dot(a: Tensor, b: Tensor) -> Tensor:
+    """``⟨a, b⟩`` over all entries as a 0-d float64 tensor (:func:`gram`'s accuracy)."""
+    a, b = a.reshape(-1), b.reshape(-1)
+    if a.dtype == torch.float64:
+        return torch.vdot(a, b)
+    full = a.numel() - a.numel() % GRAM_BLOCK
+    tail = torch.vdot(a[full:], b[full:]).to(torch.float64)
+    blocks_ab = torch.linalg.vecdot(a[:full].view(-1, GRAM_BLOCK), b[:full].view(-1, GRAM_BLOCK))
+    return tail + blocks_ab.sum(dtype=torch.float64)
 
 
 def covariance_fisher_diagonal(geo: LowRankGeometry) -> Tensor:
@@ -195,18 +263,18 @@ def _rotation(factor: Tensor, g_l: Tensor) -> Tensor:
 
 
 class _Preconditioner(NamedTuple):
-    """Jacobi plus an exact coarse correction on the factor directions ``{SL : S symmetric}``."""
+    """Jacobi plus an exact coarse correction on the factor directions ``{SL : S symmetric}`` (whitened)."""
 
-    jacobi: Tensor  # [K+1, d]: 1 / (diag F_cov + λB)
+    jacobi: Tensor  # [K+1, d]: 1 / (diag F̃ + λ)
     basis: Tensor  # [m, K, K]: a basis of the symmetric K×K matrices, m = K(K+1)/2
-    coarse_inv: Tensor  # [m, m]: pseudo-inverse of the Galerkin matrix ZᵀF_λZ (Z spanned by S·U)
-    factor: Tensor  # U = cL, [K, d]
+    coarse_inv: Tensor  # [m, m]: pseudo-inverse of the Galerkin matrix ZᵀF̃_λZ (Z spanned by S·Ũᵀ)
+    factor: Tensor  # Ũᵀ, [K, d]
 
     def __call__(self, r: Tensor, out: Tensor | None = None) -> Tensor:
         z = torch.mul(self.jacobi, r, out=out) if out is not None else self.jacobi * r
-        coeff = torch.einsum("mij,ij->m", self.basis, r[1:] @ self.factor.T)  # Zᵀr
+        coeff = torch.einsum("mij,ij->m", self.basis, gram(r[1:], self.factor))  # Zᵀr
         sol = self.coarse_inv @ coeff
-        z[1:].addmm_(torch.einsum("m,mij->ij", sol, self.basis), self.factor)  # Z (ZᵀF_λZ)⁻¹ Zᵀr
+        z[1:].addmm_(torch.einsum("m,mij->ij", sol, self.basis).to(z.dtype), self.factor)  # Z (ZᵀF̃_λZ)⁻¹ Zᵀr
         return z
 
 
@@ -227,15 +295,17 @@ def _symmetric_basis(k: int, dtype: torch.dtype, device: torch.device) -> Tensor
 
 
 def _preconditioner(geo: LowRankGeometry, damping: float) -> _Preconditioner:
-    """Two-level additive preconditioner ``J⁻¹ + Z(ZᵀF_λZ)⁻¹Zᵀ`` of ``F_λ = F_cov + λB``.
+    """Two-level additive preconditioner ``J⁻¹ + Z(ZᵀF̃_λZ)⁻¹Zᵀ`` of ``F̃_λ = F̃ + λI`` in whitened coordinates.
 
-    ``J`` is the exact diagonal (:func:`covariance_fisher_diagonal`) plus ``λB``. It misses the factor
-    directions ``V = SL`` (``S`` symmetric: rescaling and mixing the columns of ``L``), whose curvature is
-    ``~1/d`` of the rest (``Σ`` is already wide along ``L``); with ``Z`` spanning them (``m = K(K+1)/2``
-    columns), the Galerkin matrix is closed-form: ``⟨S'L, F_cov SL⟩ = 2 tr(S'ESE)``, ``E = I − C⁻¹``,
-    and ``⟨S'L, λB SL⟩ = λ tr(S'S(C − I))``, so the coarse solve costs ``O(dK²)`` per application. ``Z`` is
-    spanned by ``SU = cSL`` instead (the same space, Galerkin matrix ``c²`` times the above), which
-    saves rescaling ``U``.
+    ``F̃ = D_cF_covD_c`` is the Fisher in the coordinates ``[v_logσ; cVA^{-1/2}]`` of
+    :func:`whitened_fisher_product` and ``λI = D_cλBD_c`` its damping; the preconditioner is
+    ``D_c⁻¹M D_c⁻¹`` for the preconditioner ``M`` of ``F_cov + λB`` below, so conjugate gradients take the same
+    steps in either coordinates. ``J`` is the exact diagonal (:func:`covariance_fisher_diagonal`) plus the
+    damping. It misses the factor directions ``V = SL`` (``S`` symmetric: rescaling and mixing the columns of
+    ``L``), whose curvature is ``~1/d`` of the rest (``Σ`` is already wide along ``L``); with ``Z`` spanning them
+    (``m = K(K+1)/2`` columns), the Galerkin matrix is closed-form: ``⟨S'L, F_cov SL⟩ = 2 tr(S'ESE)``,
+    ``E = I − C⁻¹``, and ``⟨S'L, λB SL⟩ = λ tr(S'S(C − I))`` (``Z`` spanned by ``SŨᵀ`` in whitened coordinates:
+    the same Galerkin matrix over ``c²``), so the coarse solve costs ``O(dK²)`` per application.
     """
     k = geo.u.shape[0]
     basis = _symmetric_basis(k, geo.u.dtype, geo.u.device)
@@ -243,18 +313,46 @@ def _preconditioner(geo: LowRankGeometry, damping: float) -> _Preconditioner:
     ebe = geo.e @ basis @ geo.e
     galerkin = 2 * torch.einsum("mij,nji->mn", basis, ebe)
     galerkin = galerkin + damping * torch.einsum("mij,njk,ki->mn", basis, basis, geo.cap - eye_k)
-    galerkin = geo.c**2 * galerkin
     # pseudo-inverse: the matrix is ~‖L‖² and exactly 0 for L = 0 (then there is no coarse correction)
     lam, q = torch.linalg.eigh(galerkin)
     keep = lam > lam.abs().max() * torch.finfo(lam.dtype).eps * 64
     coarse_inv = (q * torch.where(keep, 1 / torch.where(keep, lam, 1.0), 0.0)) @ q.T
-    # 1 / (diag F_cov + λB), fused: rows 1.. are (P² + (1 − w)E_kk + λ)·c²/a (see covariance_fisher_diagonal)
-    one_minus_w = 1 - geo.w
-    jacobi = torch.empty((k + 1, geo.w.numel()), dtype=geo.w.dtype, device=geo.w.device)
+    # 1 / (diag F̃ + λ), fused: rows 1.. are P² + (1 − w)E_kk + λ (see covariance_fisher_diagonal)
+    one_minus_w = (1 - geo.w).to(geo.pt.dtype)  # the operands' dtype: all terms are positive
+    jacobi = torch.empty((k + 1, geo.w.numel()), dtype=geo.pt.dtype, device=geo.w.device)
     torch.mul(one_minus_w.square(), 2.0, out=jacobi[0]).add_(damping)
     torch.square(geo.pt, out=jacobi[1:])
-    jacobi[1:].addcmul_(geo.e.diagonal()[:, None], one_minus_w[None]).add_(damping).mul_(geo.cs.square())
-    return _Preconditioner(jacobi.reciprocal_(), basis, coarse_inv, geo.u)
+    jacobi[1:].addcmul_(geo.e.diagonal()[:, None].to(jacobi.dtype), one_minus_w[None]).add_(damping)
+    return _Preconditioner(jacobi.reciprocal_(), basis, coarse_inv, geo.ut)
+
+
+FLOAT32_ERROR_CONSTANT = 4.0
+"""``c`` of :func:`float32_error`: four times the largest ``‖f̂ − F̃_λy‖/(u₃₂(1 + a)²‖y‖)`` measured against
+float64 (0.97, over the problems of ``bench/fisher_ball_cg.py`` and adversarial ones with spread factor columns:
+``tests/optim/test_fisher_ball_precision.py``)."""
+
+
+def float32_error(geo: LowRankGeometry, damping: float) -> float:
+    """``δ = c·u₃₂·(1 + a)²/λ``: the relative perturbation of the damped whitened Fisher by a float32 solve.
+
+    A product :func:`whitened_fisher_product` on float32 operands returns ``f̂ = F̃_λy + e``. Every ``[K, d]``
+    term of it is a product of factors of norm at most 1 (``T``, ``P = C⁻¹Ũᵀ`` with ``‖P‖₂ = max_k s_k/(1 + s_k²)``,
+    ``E = I − C⁻¹``, ``ŨC⁻¹Ũᵀ``; ``s_k²`` the eigenvalues of ``C − I``) applied to ``y``, except ``R = ṼŨ`` and
+    ``G = ŨᵀDŨ``, which enter only as ``RP`` and ``PᵀGP`` (:func:`whitened_fisher_product`'s identities). A
+    relative perturbation ``η`` of the entries of ``Ũ``, ``P`` or of the reductions (float32 rounding:
+    ``η ~ u₃₂``, the reductions summed in float64 by :func:`gram`) moves ``RP`` by at most ``η‖y‖a`` and
+    ``PᵀGP`` by ``η‖D‖a²`` with ``a = ‖Ũ‖_F‖P‖₂``, so to first order ``‖e‖_F ≤ c·u₃₂(1 + a)²‖y‖_F``. Since
+    ``F̃_λ ⪰ λI`` in these coordinates, ``F̂_λ = F̃_λ + Δ`` with ``‖F̃_λ⁻¹Δ‖ ≤ δ``, which moves the solution by at
+    most ``δ/(1 − δ)`` relative (and each CG iterate's true residual by ``~δ`` per iteration): the float32 solve
+    is used only while ``δ`` is at most ``cg_tol``, the truncation error the solve accepts anyway. The
+    cancellation the float64 solve guards against (``T = I − ŨC⁻¹Ũᵀ`` with ``‖Ũ‖ ≫ 1``) is in ``a``: large when
+    the factor's singular values spread (``‖Ũ‖_F ≫ s_min ≫ 1``), ``≈ √K`` when they are alike. ``λ = 0``: ``inf``.
+    """
+    if damping <= 0:
+        return math.inf
+    s2 = torch.linalg.eigvalsh(geo.cap).sub_(1.0).clamp_min_(0.0)  # s_k² of Ũ, from the K×K capacitance
+    a = float(s2.sum().sqrt() * (s2.sqrt() / (1 + s2)).max())
+    return FLOAT32_ERROR_CONSTANT * torch.finfo(torch.float32).eps / 2 * (1 + a) ** 2 / damping
 
 
 class CGResult(NamedTuple):
@@ -270,7 +368,13 @@ class CGResult(NamedTuple):
 
 
 def solve_covariance_fisher(
-    geo: LowRankGeometry, g: Tensor, *, damping: float, cg_iters: int, cg_tol: float = 0.0
+    geo: LowRankGeometry,
+    g: Tensor,
+    *,
+    damping: float,
+    cg_iters: int,
+    cg_tol: float = 0.0,
+    dtype: torch.dtype | None = None,
 ) -> CGResult:
     """``(F_cov + λB)⁻¹g`` (``g`` of shape ``[K+1, d]``) by preconditioned conjugate gradients from 0.
 
@@ -285,38 +389,56 @@ def solve_covariance_fisher(
     """
     if cg_iters < 1:
         raise ValueError(f"cg_iters must be >= 1, got {cg_iters}")
+    # in whitened coordinates y = D_c⁻¹x (y_L = cA^{-1/2}x_L): the system D_cF_λD_c y = D_c g, whose damping
+    # is λI and whose products need no rescaling (whitened_fisher_product); the preconditioner is D_c⁻¹MD_c⁻¹,
+    # so every scalar of the iteration (α, β, residuals) is the one of the iteration in x
+    work = g.dtype if dtype is None else dtype
+    cs = geo.cs
+    if work != geo.ut.dtype:  # the [K, d] operands in the working dtype, the K×K algebra as it is
+        geo = geo._replace(ut=geo.ut.to(work), pt=geo.pt.to(work))
     precondition = _preconditioner(geo, damping)
-    factor_damping = damping * geo.cs.square()  # λB on the factor rows (λ on the log σ row)
-    diagonal_weight = 1 - 2 * geo.w  # the products' log σ weight, formed once for the solve
-    r = g  # never updated in place: the caller's g is left alone
+    diagonal_weight = (1 - 2 * geo.w).to(work)  # the products' log σ weight, formed once for the solve
+    r = torch.empty(g.shape, dtype=work, device=g.device)  # D_c g; never updated in place
+    r[0] = g[0]
+    if work == g.dtype:
+        torch.div(g[1:], cs, out=r[1:])
+    else:  # cast, then divide in the working dtype (a mixed-dtype division is a slow, unvectorized pass)
+        r[1:].copy_(g[1:]).div_(cs.to(work))
     p = z = precondition(r)
-    rz0 = float(torch.vdot(r.reshape(-1), z.reshape(-1)))
-    rz = torch.tensor(rz0, dtype=g.dtype, device=g.device)
-    stop = max(cg_tol, torch.finfo(g.dtype).eps) ** 2 * rz0
-    x = torch.zeros_like(g)
-    f = torch.empty_like(g)  # work buffers: one allocation each per solve, not per iteration
-    residual = torch.empty_like(g)
+    rz0 = float(_dot(r, z))
+    rz = torch.tensor(rz0, dtype=torch.float64, device=g.device)
+    stop = max(cg_tol, torch.finfo(work).eps) ** 2 * rz0
+    y = torch.zeros_like(r)
+    f = torch.empty_like(r)  # work buffers: one allocation each per solve, not per iteration
+    residual = torch.empty_like(r)
     relative = 1.0
+    iterations = cg_iters
     for i in range(cg_iters):
-        covariance_fisher_product(geo, p, out=f, diagonal_weight=diagonal_weight)
-        f[0].add_(p[0], alpha=damping)
-        f[1:].addcmul_(factor_damping, p[1:])
-        curvature = torch.vdot(p.reshape(-1), f.reshape(-1))
+        whitened_fisher_product(geo, p, f, damping=damping, diagonal_weight=diagonal_weight)
+        curvature = _dot(p, f)
         if not float(curvature) > 0:  # p = 0 (g = 0) or numerically exhausted
-            return CGResult(x, i, relative)
+            iterations = i
+            break
         alpha = rz / curvature
-        x.addcmul_(p, alpha)
+        y.add_(p, alpha=float(alpha))
         if i == cg_iters - 1:
-            return CGResult(x, i + 1, relative)
-        r = torch.addcmul(r, f, -alpha, out=residual)
+            break
+        r = torch.add(r, f, alpha=-float(alpha), out=residual)
         z = precondition(r, out=None if z is p else z)  # the first z is p, still needed below
-        rz_new = torch.vdot(r.reshape(-1), z.reshape(-1))
+        rz_new = _dot(r, z)
         relative = math.sqrt(max(float(rz_new), 0.0) / rz0)
         if float(rz_new) <= stop:
-            return CGResult(x, i + 1, relative)
-        p = torch.addcmul(z, p, rz_new / rz, out=p)
+            iterations = i + 1
+            break
+        p = torch.add(z, p, alpha=float(rz_new / rz), out=p)
         rz = rz_new
-    return CGResult(x, cg_iters, relative)
+    x = torch.empty(g.shape, dtype=g.dtype, device=g.device)  # x = D_c y
+    x[0] = y[0]
+    if work == g.dtype:
+        torch.div(y[1:], cs, out=x[1:])
+    else:
+        x[1:].copy_(y[1:]).div_(cs)
+    return CGResult(x, iterations, relative)
 
 
 def natural_gradient(
@@ -327,6 +449,7 @@ def natural_gradient(
     cg_iters: int,
     cg_tol: float = 0.0,
     project: bool = True,
+    precision: SolvePrecision | str = "float64",
 ) -> tuple[Mapping[str, Tensor], Tensor]:
     """``x = F_λ⁻¹g`` for the low-rank plus diagonal Gaussian and the quadratic form ``gᵀx``.
 
@@ -342,23 +465,28 @@ def natural_gradient(
         cg_iters: the most conjugate-gradient iterations for the covariance block.
         cg_tol: stop earlier at this relative preconditioned residual (:func:`solve_covariance_fisher`).
         project: project the null space of ``F_cov`` (rotations of ``L``) out of ``g``.
+        precision: a :class:`SolvePrecision`: ``"float64"`` (every operand), or ``"auto"``: the solve's ``[K, d]``
+            operands in float32 when :func:`float32_error` is at most ``cg_tol`` (> 0), else in float64.
 
     Returns:
         ``(x by key of θ, gᵀx)``; ``x`` in ``θ``'s dtype.
     """
+    precision = parse_choice(SolvePrecision, precision, "precision")
     matrix = packed_rows(theta)
     if matrix is None:  # a packed θ has the layout by construction
         check_sections(theta, PREFIXES, "fp-bma")
     out_dtype = (matrix if matrix is not None else next(iter(theta.values()))).dtype
-    # The products cancel terms of size ~‖Ũ‖² ≫ 1 (σ small next to L's columns): single precision loses
-    # them entirely, so the O(dK²) algebra always runs in double precision.
+    # The geometry (Ũ, C⁻¹ and the rest) in double precision; the solve's [K, d] operands in single precision
+    # where float32_error bounds the perturbation of the solve by cg_tol (see the module docstring).
     geo = geometry(theta, torch.float64)
+    single = precision is SolvePrecision.AUTO and cg_tol > 0 and float32_error(geo, damping) <= cg_tol
     g = rows(grads).to(geo.a.dtype, copy=True)  # [g_μ; g_cov] with g_cov = [g_logσ; g_L]
     g_mu, g_cov = g[0], g[1:]
     x_mu = torch.addcmul((geo.u @ g_mu) @ geo.u, geo.a, g_mu)  # Σ g_μ
     if project:  # in place; U = cL spans the same rotations as L
         g_cov[1:].addmm_(_rotation(geo.u, g_cov[1:]), geo.u, alpha=-1.0)
-    x_cov = solve_covariance_fisher(geo, g_cov, damping=damping, cg_iters=cg_iters, cg_tol=cg_tol).x
+    work = torch.float32 if single else None
+    x_cov = solve_covariance_fisher(geo, g_cov, damping=damping, cg_iters=cg_iters, cg_tol=cg_tol, dtype=work).x
     quad = torch.vdot(g_mu, x_mu) + torch.vdot(g_cov.reshape(-1), x_cov.reshape(-1))
     out = torch.empty(g.shape, dtype=out_dtype, device=g.device)
     out[0], out[1:] = x_mu, x_cov
@@ -452,6 +580,9 @@ class FisherBall:
             ``δμ = t·Σg_μ``, ``t`` from ``½δμᵀΣ⁻¹δμ = γ`` (exact: the KL of a mean shift is quadratic) or from
             ``radius``; the covariance, where a large ``γ`` otherwise goes (it is cheapest there in KL),
             is left alone.
+        precision: a :class:`SolvePrecision` (``"fisher"`` only). ``"auto"``: the conjugate-gradient solve runs on
+            float32 ``[K, d]`` operands (its ``K×K`` algebra and sums in float64) when :func:`float32_error`, the
+            relative perturbation this causes, is at most ``cg_tol``; else, and with ``"float64"``, in float64.
     """
 
     space: ClassVar[AscentSpace] = AscentSpace.THETA
@@ -477,9 +608,11 @@ log.csv and metrics.json. docs/methods.md §5.1-5.2.
     radius: float | None = added(None)
     direction: Direction = added(Direction.LOSS)
     blocks: BallBlocks = added(BallBlocks.ALL)
+    precision: SolvePrecision = added(SolvePrecision.AUTO)
 
     def __post_init__(self) -> None:
         inf = float("inf")
+        object.__setattr__(self, "precision", parse_choice(SolvePrecision, self.precision, "precision"))
         object.__setattr__(self, "metric", _parse_metric(self.metric))
         object.__setattr__(self, "direction", parse_choice(Direction, self.direction, "direction"))
         object.__setattr__(self, "blocks", parse_choice(BallBlocks, self.blocks, "blocks"))
@@ -578,7 +711,9 @@ log.csv and metrics.json. docs/methods.md §5.1-5.2.
         theta = detached(params)
         if self.blocks is BallBlocks.MEAN:
             return self._mean_step(theta, grads)
-        x, quad = natural_gradient(theta, grads, damping=self.damping, cg_iters=self.cg_iters, cg_tol=self.cg_tol)
+        x, quad = natural_gradient(
+            theta, grads, damping=self.damping, cg_iters=self.cg_iters, cg_tol=self.cg_tol, precision=self.precision
+        )
         quad = float(quad.clamp_min(0))
         if self.radius is None:
             length = float(self.rho / (math.sqrt(quad) + TINY))
