@@ -46,6 +46,13 @@ def _run(capsys, *argv):
     return code, out, err
 
 
+def _diabetes(capsys, command, output_dir, *settings):
+    """``flatbma COMMAND --config diabetes-regression`` into ``output_dir``, at TINY's size, then ``--set`` each of
+    ``settings`` (after TINY's, so that they override it): ``(code, out, err)``."""
+    sets = [arg for setting in settings for arg in ("--set", setting)]
+    return _run(capsys, command, "--config", "diabetes-regression", "--set", f"output_dir={output_dir}", *TINY, *sets)
+
+
 def _diabetes_by_hand() -> tuple[torch.Tensor, torch.Tensor]:
     """The test split of diabetes (80/20 by torch.randperm of seed 0), standardized on the training split."""
     data = load_diabetes(scaled=False)
@@ -107,19 +114,8 @@ def test_train_and_evaluate_write_the_metrics_of_the_saved_weights(tmp_path, cap
     """A point estimate's BMA is one Gaussian N(μ(x), σ²(x)): its NLL, RMSE, MAE and coverage recomputed from the
     checkpoint's weights on diabetes standardized here (scipy's normal) equal those in metrics.json."""
     run_dir = tmp_path / "run"
-    noise_args = ["--set", f"model.noise_std={noise}"] if noise is not None else []
-    code, _, err = _run(
-        capsys,
-        "train",
-        "--config",
-        "diabetes-regression",
-        "--set",
-        "method={name: sgd}",
-        "--set",
-        f"output_dir={run_dir}",
-        *TINY,
-        *noise_args,
-    )
+    noise_args = [f"model.noise_std={noise}"] if noise is not None else []
+    code, _, err = _diabetes(capsys, "train", run_dir, "method={name: sgd}", *noise_args)
     assert code == 0, err
     metrics = json.loads((run_dir / "metrics.json").read_text())
     for absent in ("accuracy", "ece", "aece", "brier"):
@@ -184,16 +180,11 @@ def test_a_swag_run_records_the_mixture_of_its_samples(tmp_path, capsys):
 
 def test_compare_reports_regression_columns_only(tmp_path, capsys):
     out_dir = tmp_path / "cmp"
-    code, out, err = _run(
+    code, out, err = _diabetes(
         capsys,
         "compare",
-        "--config",
-        "diabetes-regression",
-        "--set",
-        f"output_dir={out_dir}",
-        "--set",
+        out_dir,
         "compare.methods=[{name: sgd}, {name: swag, rank: 2, collect_every: 1, start_step: 10}]",
-        *TINY,
     )
     assert code == 0, err
     report = (out_dir / "report.md").read_text()
@@ -281,14 +272,12 @@ def test_early_stopping_follows_the_validation_gaussian_nll(tmp_path, capsys):
     split standardized here (scipy), training stops `patience` epochs after it, and the test metrics are the best
     state's."""
     run_dir = tmp_path / "stop"
-    code, _, err = _run(
+    code, _, err = _diabetes(
         capsys,
         "train",
-        "--config",
-        "diabetes-regression",
-        *("--set", "method={name: sgd}", "--set", f"output_dir={run_dir}", *TINY),
-        *("--set", "train.epochs=15", "--set", "optim.lr=0.1", "--set", "optim.schedule=constant"),
-        *("--set", "data.val_fraction=0.25", "--set", "seed=3", "--set", "train.early_stopping={patience: 2}"),
+        run_dir,
+        *("method={name: sgd}", "train.epochs=15", "optim.lr=0.1", "optim.schedule=constant"),
+        *("data.val_fraction=0.25", "seed=3", "train.early_stopping={patience: 2}"),
     )
     assert code == 0, err
     metrics = json.loads((run_dir / "metrics.json").read_text())
@@ -311,13 +300,11 @@ def test_compare_chooses_candidates_on_the_validation_gaussian_nll(tmp_path, cap
     its weights on the validation split standardized here (scipy), the chosen one is the smallest, and only it meets
     the test set."""
     out_dir = tmp_path / "cmp"
-    code, _, err = _run(
+    code, _, err = _diabetes(
         capsys,
         "compare",
-        "--config",
-        "diabetes-regression",
-        *("--set", f"output_dir={out_dir}", *TINY, "--set", "data.val_fraction=0.25"),
-        "--set",
+        out_dir,
+        "data.val_fraction=0.25",
         "compare.methods=[{name: sgd, optim: {lr: [0.001, 0.01, 0.1]}}]",
     )
     assert code == 0, err
@@ -384,17 +371,7 @@ def test_the_training_rmse_of_an_epoch_is_that_of_its_steps_outputs_and_survives
 
 def test_a_regression_log_has_the_training_rmse_instead_of_an_accuracy(tmp_path, capsys):
     run_dir = tmp_path / "run"
-    code, _, err = _run(
-        capsys,
-        "train",
-        "--config",
-        "diabetes-regression",
-        "--set",
-        "method={name: sgd}",
-        "--set",
-        f"output_dir={run_dir}",
-        *TINY,
-    )
+    code, _, err = _diabetes(capsys, "train", run_dir, "method={name: sgd}")
     assert code == 0, err
     lines = (run_dir / "log.csv").read_text().splitlines()
     assert lines[0] == "epoch,loss,rmse,steps,lr,time_s"
@@ -430,15 +407,13 @@ def test_the_flatness_of_a_linear_regression_is_the_spectrum_of_its_gram_matrix(
     (tmp_path / "linmod.py").write_text(LINEAR_MODEL)
     monkeypatch.syspath_prepend(str(tmp_path))
     run_dir, sigma = tmp_path / "run", 0.7
-    code, _, err = _run(
+    code, _, err = _diabetes(
         capsys,
         "train",
-        "--config",
-        "diabetes-regression",
-        *("--set", "method={name: swag, rank: 2, collect_every: 1, start_step: 10}", "--set", f"output_dir={run_dir}"),
-        *(*TINY, "--set", "model.name=linmod:linear", "--set", f"model.noise_std={sigma}"),
-        *("--set", "eval.flatness=true", "--set", "eval.flatness_samples=2", "--set", "eval.hessian_k=3"),
-        *("--set", "eval.hessian_tol=1.0e-6", "--set", "eval.repeatability=false"),
+        run_dir,
+        *("method={name: swag, rank: 2, collect_every: 1, start_step: 10}", "model.name=linmod:linear"),
+        *(f"model.noise_std={sigma}", "eval.flatness=true", "eval.flatness_samples=2", "eval.hessian_k=3"),
+        *("eval.hessian_tol=1.0e-6", "eval.repeatability=false"),
     )
     assert code == 0, err
     metrics = json.loads((run_dir / "metrics.json").read_text())
@@ -459,13 +434,12 @@ def test_the_flatness_of_a_learned_noise_mlp_is_that_of_its_full_gaussian_nll_he
     scale outputs: λ₁ of the run's point estimate equals the top eigenvalue (numpy) of the full Hessian of that
     NLL, written out here, over every weight (torch.autograd.functional.hessian in float64)."""
     run_dir = tmp_path / "run"
-    code, _, err = _run(
+    code, _, err = _diabetes(
         capsys,
         "train",
-        "--config",
-        "diabetes-regression",
-        *("--set", "method={name: sgd}", "--set", f"output_dir={run_dir}", *TINY, "--set", "model.width=4"),
-        *("--set", "eval.flatness=true", "--set", "eval.hessian_tol=1.0e-6", "--set", "eval.repeatability=false"),
+        run_dir,
+        *("method={name: sgd}", "model.width=4", "eval.flatness=true", "eval.hessian_tol=1.0e-6"),
+        "eval.repeatability=false",
     )
     assert code == 0, err
     metrics = json.loads((run_dir / "metrics.json").read_text())
@@ -491,14 +465,11 @@ def test_the_flatness_of_a_learned_noise_mlp_is_that_of_its_full_gaussian_nll_he
 
 def test_compare_measures_the_flatness_and_landscape_of_regression_rows(tmp_path, capsys):
     out_dir = tmp_path / "cmp"
-    code, _, err = _run(
+    code, _, err = _diabetes(
         capsys,
         "compare",
-        "--config",
-        "diabetes-regression",
-        *("--set", f"output_dir={out_dir}", *TINY, "--set", "eval.flatness_samples=2"),
-        *("--set", "compare.flatness=true", "--set", "compare.landscape=true", "--set", "eval.repeatability=false"),
-        "--set",
+        out_dir,
+        *("eval.flatness_samples=2", "compare.flatness=true", "compare.landscape=true", "eval.repeatability=false"),
         "compare.methods=[{name: sgd}, {name: swag, rank: 2, collect_every: 1, start_step: 10}]",
     )
     assert code == 0, err
