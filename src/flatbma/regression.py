@@ -31,7 +31,7 @@ from torch.func import functional_call
 
 from flatbma.errors import FlatbmaError
 
-__all__ = ["COVERAGE_LEVELS", "Gaussian", "mixture_metrics", "sample_outputs"]
+__all__ = ["COVERAGE_LEVELS", "Gaussian", "mixture_metrics", "normal_nll", "sample_outputs"]
 
 MIN_VARIANCE = 1e-6
 """The floor added to a learned ``σ² = softplus(s)`` (Lakshminarayanan et al. 2017): no zero variance."""
@@ -91,11 +91,16 @@ class Gaussian:
                     else ""
                 )
             )
-        return 0.5 * (torch.log(2 * math.pi * var) + (y.to(mean.dtype) - mean) ** 2 / var)
+        return normal_nll(mean, var, y.to(mean.dtype))
 
     def __call__(self, outputs: Tensor, y: Tensor) -> Tensor:
         """The mean NLL of the batch: the training loss."""
         return self.nll(outputs, y).mean()
+
+
+def normal_nll(mean: Tensor, var: Tensor, y: Tensor) -> Tensor:
+    """Elementwise ``−log N(y; μ, σ²) = ½ log(2π σ²) + (y − μ)²/(2σ²)``, in the operands' dtype."""
+    return 0.5 * (torch.log(2 * math.pi * var) + (y - mean) ** 2 / var)
 
 
 def sample_outputs(model: nn.Module, samples: Sequence[Mapping[str, Tensor]], x: Tensor) -> Tensor:
@@ -133,7 +138,7 @@ def mixture_metrics(means: Tensor, variances: Tensor, y: Tensor) -> dict[str, fl
     if not bool((var > 0).all()):
         raise FlatbmaError("variances must be positive")
     m = mu.shape[0]
-    log_normal = -0.5 * (torch.log(2 * math.pi * var) + (target - mu) ** 2 / var)
+    log_normal = -normal_nll(mu, var, target)
     nll = -(torch.logsumexp(log_normal, dim=0) - math.log(m))
     mean = mu.mean(0)
     aleatoric, epistemic = var.mean(0), ((mu - mean) ** 2).mean(0)

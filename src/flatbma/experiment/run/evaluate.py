@@ -77,7 +77,7 @@ from flatbma.predict import (
 from flatbma.predictor import bma_predictions as predictor_predictions
 from flatbma.predictor import posterior_mean as mean_weights
 from flatbma.predictor import trained_names
-from flatbma.regression import mixture_metrics, sample_outputs
+from flatbma.regression import mixture_metrics, normal_nll, sample_outputs
 from flatbma.rng import splitmix64
 from flatbma.types import Batch, Params, Predictive, State, prediction_mode
 
@@ -500,9 +500,7 @@ def regression_validation(exp: Experiment, state: State, n: int | None = None) -
     finally:
         exp.model.train(training)
     mixture = mixture_metrics(mu, var, y)
-    target = y.to(torch.float64)
-    mu, var = mu.to(torch.float64), var.to(torch.float64)
-    per_sample = 0.5 * (torch.log(2 * math.pi * var) + (target - mu) ** 2 / var)
+    per_sample = normal_nll(mu.to(torch.float64), var.to(torch.float64), y.to(torch.float64))
     return {"nll": mixture["nll"], "loss": float(per_sample.mean()), "rmse": mixture["rmse"]}
 
 
