@@ -74,6 +74,6 @@ def step_size(theta: Mapping[str, Tensor], moved: Mapping[str, Tensor]) -> dict[
         whitened = delta / geo.a.sqrt()
         along = geo.ut @ whitened
         kl_mean = 0.5 * ((whitened**2).sum() - along @ geo.c_inv @ along)
-        # kl_lowrank(moved, theta), reading θ's whitened factor from the geometry the step already has
-        kl = kl_rows(after, before[:2].to(torch.float64), geo.ut).to(after.dtype).to(torch.float64)
+        # kl_lowrank(moved, theta), reading θ's whitened factor and capacitance from the geometry the step has
+        kl = kl_rows(after, before[:2].to(torch.float64), geo).to(after.dtype).to(torch.float64)
     return {"mean_shift": torch.linalg.vector_norm(delta), "kl": kl, "kl_mean": kl_mean}

@@ -33,6 +33,8 @@ class LowRankGeometry(NamedTuple):
         pt: ``C⁻¹Ũᵀ`` (``= ŨᵀT`` with ``T = I − ŨC⁻¹Ũᵀ = A^{1/2}Σ⁻¹A^{1/2}``), shape ``[K, d]``.
         e: ``I − C⁻¹ = ŨᵀTŨ``.
         w: ``diag(ŨC⁻¹Ũᵀ) = 1 − diag T``, shape ``[d]``.
+        inv_sqrt_a: ``A^{-1/2} = √2/σ``, shape ``[d]``.
+        chol: the Cholesky factor of ``C`` (lower).
     """
 
     a: Tensor
@@ -45,6 +47,8 @@ class LowRankGeometry(NamedTuple):
     pt: Tensor
     e: Tensor
     w: Tensor
+    inv_sqrt_a: Tensor
+    chol: Tensor
 
 
 def _cholesky(matrix: Tensor) -> Tensor:
@@ -88,9 +92,11 @@ def _geometry(log_std: Tensor, factor: Tensor, dtype: torch.dtype | None) -> Low
     ut = u * inv_sqrt_a
     eye = torch.eye(k, dtype=u.dtype, device=u.device)
     cap = eye + ut @ ut.T
-    c_inv = torch.cholesky_inverse(_cholesky(cap))
+    chol = _cholesky(cap)
+    c_inv = torch.cholesky_inverse(chol)
     pt = c_inv @ ut
-    return LowRankGeometry(a, u, c, c * inv_sqrt_a, ut, cap, c_inv, pt, eye - c_inv, (ut * pt).sum(0))
+    w = (ut * pt).sum(0)
+    return LowRankGeometry(a, u, c, c * inv_sqrt_a, ut, cap, c_inv, pt, eye - c_inv, w, inv_sqrt_a, chol)
 
 
 def diag_and_factor_blocks(theta: Mapping[str, Tensor]) -> tuple[dict[str, Tensor], dict[str, Tensor]]:

@@ -101,7 +101,7 @@ def kl_lowrank(theta_q: Mapping[str, Tensor], prior_theta: Mapping[str, Tensor])
     return kl_rows(q64, prior).to(out_dtype)
 
 
-def kl_rows(q: Tensor, p: Tensor, p_whitened_factor: Tensor | None = None) -> Tensor:
+def kl_rows(q: Tensor, p: Tensor, p_geometry: LowRankGeometry | None = None) -> Tensor:
     """:func:`kl_lowrank` of two ``[K+2, d]`` matrices ``[μ; log σ; L]`` (:func:`rows`), in ``p``'s dtype, unchecked.
 
     ``q`` may be in a narrower dtype than ``p`` (float32 rows of a step's ``θ'``): its rows are read once and
@@ -111,24 +111,24 @@ def kl_rows(q: Tensor, p: Tensor, p_whitened_factor: Tensor | None = None) -> Te
     ``log det C_q = log det(I + Ũ_qᵀ diag(1/r) Ũ_q)`` (``q``'s own whitening): four ``K×K`` Gram matrices over
     three ``[K, d]`` products.
 
-    ``p_whitened_factor``: ``Ũ_pᵀ = U_pA_p^{-1/2}`` of ``p`` when it is at hand (``ut`` of
-    :func:`~flatbma.gaussian.geometry.geometry` of ``p`` in ``p``'s dtype: the same numbers as computed
-    here), so that ``p``'s factor is not read again (then only ``p``'s rows 0 and 1 are).
+    ``p_geometry``: :func:`~flatbma.gaussian.geometry.geometry` of ``p`` in ``p``'s dtype when it is at hand (an
+    ascent step's own): its ``Ũ_pᵀ``, ``A_p^{-1/2}`` and the Cholesky factor of ``C_p`` are the numbers computed
+    here, so ``p``'s factor is not read again (only ``p``'s rows 0 and 1 are) and ``C_p`` is not formed again.
     """
     dtype = p.dtype
     s_q, mu_q = q[1].to(dtype), q[0].to(dtype)
     s_p, mu_p = p[1], p[0]
     d = mu_q.numel()
-    inv_sqrt_ap = math.sqrt(2.0) * torch.exp(-s_p)
-    if p_whitened_factor is None:
+    if p_geometry is None:
+        inv_sqrt_ap = math.sqrt(2.0) * torch.exp(-s_p)
         up_t = factor_scale(p.shape[0] - 2) * p[2:] * inv_sqrt_ap  # Ũ_pᵀ, [K_p, d]
+        eye_p = torch.eye(up_t.shape[0], dtype=dtype, device=p.device)
+        chol_p = torch.linalg.cholesky(eye_p + up_t @ up_t.T)
     else:
-        up_t = p_whitened_factor
+        inv_sqrt_ap, up_t, chol_p = p_geometry.inv_sqrt_a, p_geometry.ut, p_geometry.chol
     uq_t = q[2:] * (factor_scale(q.shape[0] - 2) * inv_sqrt_ap)  # U_q whitened by A_p, [K_q, d], in p's dtype
     delta_t = (mu_p - mu_q) * inv_sqrt_ap
     ratio = torch.exp(2 * (s_q - s_p))  # a_q / a_p
-    eye_p = torch.eye(up_t.shape[0], dtype=dtype, device=p.device)
-    chol_p = torch.linalg.cholesky(eye_p + up_t @ up_t.T)
 
     def c_inv_trace(gram: Tensor) -> Tensor:  # tr(C_p⁻¹ M) = tr(L⁻¹ M L⁻ᵀ) for a symmetric M of shape [K_p, K_p]
         half = torch.linalg.solve_triangular(chol_p, gram, upper=False)  # L⁻¹M

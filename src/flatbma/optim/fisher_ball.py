@@ -761,12 +761,12 @@ log.csv and metrics.json. docs/methods.md §5.1-5.2.
         bound = self.max_kl_ratio * gamma
         matrix, step = rows(theta), rows(x)  # x covers every key of θ (natural_gradient)
         before = matrix[:2].to(torch.float64)
-        whitened_factor = geometry(theta, torch.float64).ut  # cached: the step's own
+        own = geometry(theta, torch.float64)  # cached: the step's own
 
         def within(t: float) -> bool:
             # kl_lowrank(θ + t·scale·x, θ) on the packed rows: the same numbers, no per-tensor loop
             moved = (matrix + (t * scale) * step).to(torch.float64)
-            kl = float(kl_rows(moved, before, whitened_factor).to(matrix.dtype))
+            kl = float(kl_rows(moved, before, own).to(matrix.dtype))
             return math.isfinite(kl) and kl <= bound
 
         if within(1.0):
