@@ -20,14 +20,16 @@ from step_cost import TRAINABLE
 
 from flatbma.experiment.config.methods import parse_method
 from flatbma.models import build_model
-from flatbma.optim import Adam
+from flatbma.optim import Adam, FisherBall
 from flatbma.params import Objective, model_buffers, trainable_params
 
 CONFIGS = {
     "isotropic": ({"name": "fp-bma"}, False),
     "swag prior": ({"name": "fp-bma"}, True),
     "gamma 0.01": ({"name": "fp-bma", "gamma": 0.01}, False),
-    "gamma 1e4 (trust region)": ({"name": "fp-bma", "gamma": 1e4}, False),
+    "gamma 1e4": ({"name": "fp-bma", "gamma": 1e4}, False),
+    "swag prior, gamma 1e5, max_kl_ratio 1": ({"name": "fp-bma", "gamma": 1e5, "max_kl_ratio": 1.0}, True),
+    "swag prior, gamma 10, damping 1e-6": ({"name": "fp-bma", "gamma": 10, "damping": 1e-6, "max_kl_ratio": 1}, True),
     "swag prior, gamma 1e3": ({"name": "fp-bma", "gamma": 1e3}, True),
     "k5": ({"name": "fp-bma", "ascent_every": 5}, False),
     "float64 solve": ({"name": "fp-bma", "precision": "float64"}, True),
@@ -48,6 +50,15 @@ def swag_like_prior(params: dict[str, torch.Tensor], rank: int) -> dict[str, tor
 
 
 def run(steps: int, batch: int) -> dict[str, dict[str, torch.Tensor]]:
+    bisected = [0]  # steps whose trust region cut the step (t < 1), to show that the bisection ran
+    trust_region = FisherBall._trust_region
+
+    def counted(self, *args):
+        t = trust_region(self, *args)
+        bisected[0] += t < 1
+        return t
+
+    FisherBall._trust_region = counted
     kwargs, shape = TRAINABLE["cnn 28x28"]
     g = torch.Generator().manual_seed(0)
     x = torch.randn(batch, *shape, generator=g)
@@ -62,6 +73,7 @@ def run(steps: int, batch: int) -> dict[str, dict[str, torch.Tensor]]:
         method = config.build(objective, Adam(lr=1e-3), prior)
         torch.manual_seed(7)  # the run's seed (new_seed) and so θ's initial factor
         state = method.init(prior if with_prior else params, buffers)
+        bisected[0] = 0
         record: dict[str, list[torch.Tensor]] = {"loss": []}
         for _ in range(steps):
             state, step = method.update(state, (x, y))
@@ -69,6 +81,7 @@ def run(steps: int, batch: int) -> dict[str, dict[str, torch.Tensor]]:
             for k, v in step.stats.items():
                 record.setdefault(k, []).append(torch.as_tensor(v).detach().to(torch.float64))
         result = {k: torch.stack(v) for k, v in record.items()}
+        result["bisected"] = torch.tensor(float(bisected[0]))
         result.update({f"theta/{k}": v.detach().clone() for k, v in state.params.items()})
         out[label] = result
     return out
@@ -94,10 +107,12 @@ def main(argv: list[str] | None = None) -> None:
             ref = other[label][key]
             diffs[key] = float((v.to(torch.float64) - ref.to(torch.float64)).abs().max())
         theta = max(d for k, d in diffs.items() if k.startswith("theta/"))
-        stats = {k: d for k, d in diffs.items() if not k.startswith("theta/")}
+        stats = {k: d for k, d in diffs.items() if not k.startswith("theta/") and k != "bisected"}
         kl = values.get("ascent/kl")
-        kl_text = f" (last ascent/kl {float(kl[-1]):.6g})" if kl is not None else ""
-        print(f"{label:<26} max|Δθ| {theta:.3g}; " + ", ".join(f"{k} {d:.3g}" for k, d in stats.items()) + kl_text)
+        kl_text = (
+            f" (last ascent/kl {float(kl[-1]):.6g}, {int(values['bisected'])} steps bisected)" if kl is not None else ""
+        )
+        print(f"{label:<38} max|Δθ| {theta:.3g}; " + ", ".join(f"{k} {d:.3g}" for k, d in stats.items()) + kl_text)
         worst_all = max(worst_all, theta, *stats.values())
     print("bit-identical" if worst_all == 0 else f"DIFFERENT: largest difference {worst_all:.3g}")
 
