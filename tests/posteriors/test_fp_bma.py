@@ -15,7 +15,7 @@ from flatbma import packed
 from flatbma.errors import FlatbmaError
 from flatbma.experiment.config.methods import METHODS, parse_method
 from flatbma.experiment.run.checkpoint import load_state, save_state
-from flatbma.gaussian import GaussianNoise, geometry, section, theta_layout
+from flatbma.gaussian import GaussianNoise, geometry, kl_rows, rows, section, theta_layout
 from flatbma.optim import SAM, SGD, Adam, FisherSAM, sharpness_aware_value_and_grad
 from flatbma.optim.fisher_ball import (
     BallMetric,
@@ -532,6 +532,17 @@ def test_kl_lowrank_matches_torch_distributions_for_different_ranks():
         torch.testing.assert_close(a, b)
     with pytest.raises(FlatbmaError, match="prior covers"):
         fp_bma.kl_lowrank(q, {k.replace("fc.bias", "other"): v for k, v in p.items()})
+
+
+def test_kl_rows_with_the_priors_geometry_is_the_kl_without_it_bit_for_bit():
+    # the step-size record and the trust region pass θ's geometry (Ũ, A^{-1/2}, C's Cholesky factor) instead of
+    # letting kl_rows form them again from p's rows: the same operations on the same operands
+    q, p = _theta(seed=12, k=3, dtype=torch.float32), _theta(seed=13, k=5, factor_scale=0.7)
+    q_rows, p_rows = rows(q), rows(p)  # a step's θ' is float32, promoted where first read
+    reference = kl_rows(q_rows, p_rows)
+    assert torch.equal(kl_rows(q_rows, p_rows[:2], geometry(p, torch.float64)), reference)
+    dense = kl_divergence(_dense_lowrank_gaussian({k: v.double() for k, v in q.items()}), _dense_lowrank_gaussian(p))
+    torch.testing.assert_close(reference, dense)
 
 
 def test_build_with_prior_uses_the_low_rank_kl():
