@@ -59,6 +59,13 @@ def run(steps: int, batch: int) -> dict[str, dict[str, torch.Tensor]]:
         return t
 
     FisherBall._trust_region = counted
+    try:
+        return _run(steps, batch, bisected)
+    finally:
+        FisherBall._trust_region = trust_region
+
+
+def _run(steps: int, batch: int, bisected: list[int]) -> dict[str, dict[str, torch.Tensor]]:
     kwargs, shape = TRAINABLE["cnn 28x28"]
     g = torch.Generator().manual_seed(0)
     x = torch.randn(batch, *shape, generator=g)
@@ -94,7 +101,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--batch", type=int, default=16)
     args = parser.parse_args(argv)
-    torch.set_num_threads(1)
     result = run(args.steps, args.batch)
     torch.save(result, args.out)
     if args.compare is None:
@@ -118,4 +124,5 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
+    torch.set_num_threads(1)
     main()

@@ -86,3 +86,22 @@ def test_step_profile_prints_the_step_time_and_the_operators_table(capsys):
     out = capsys.readouterr().out
     assert "transfer fp-bma batch 2 32x32 on cpu:" in out and "ms/step" in out
     assert "Self CPU" in out and "aten::" in out
+
+
+@pytest.mark.slow
+def test_fp_bma_profile_prints_the_shares_and_the_floor(capsys):
+    import fp_bma_profile
+
+    fp_bma_profile.main("--batch 2 --steps 1".split())
+    out = capsys.readouterr().out
+    assert "fp-bma/sam" in out and "CG solve" in out and "floor of FP-BMA/SAM" in out
+
+
+@pytest.mark.slow
+def test_fp_bma_identity_finds_a_run_identical_to_itself(tmp_path, capsys):
+    import fp_bma_identity
+
+    first = str(tmp_path / "first.pt")
+    fp_bma_identity.main(["--out", first, "--steps", "1", "--batch", "2"])
+    fp_bma_identity.main(["--out", str(tmp_path / "second.pt"), "--compare", first, "--steps", "1", "--batch", "2"])
+    assert capsys.readouterr().out.strip().endswith("bit-identical")
