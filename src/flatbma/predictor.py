@@ -1,5 +1,10 @@
 """The BMA predictor: a trained posterior's predictive, with every detail of prediction owned by it.
 
+Over 500 lines on purpose: :class:`BMA` owns every detail of prediction listed below (samples,
+BatchNorm statistics, mode, randomness, device), and its file format (:func:`write_file`,
+:func:`read_file`) stores exactly the settings those details need to be reproduced; the numerics are in
+:mod:`flatbma.predict` and :mod:`flatbma.bn`.
+
 :class:`BMA` turns ``(model, method, state)`` into ``p(y|x) = (1/M) Σ_m softmax(f(x; w_m))``, i.e.
 ``log p(y|x) = logsumexp_m log_softmax(f(x; w_m)) − log M`` (:func:`flatbma.predict.bma_log_probs`),
 and takes off the caller's hands what the functions below it leave to the caller:

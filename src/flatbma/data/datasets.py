@@ -1,5 +1,10 @@
 """In-memory image datasets and loaders for the formats flatbma reads.
 
+Over 500 lines on purpose: every loader returns the one validated :class:`ArrayDataset` /
+:class:`DatasetSplits` pair defined here and registers in :data:`DATASETS`; each format's reader is a
+short function over shared checks (labels, classes, directories, stratified splits), and the registry
+must see every loader.
+
 Every loader returns a :class:`DatasetSplits` of two :class:`ArrayDataset` objects that share one
 class list. Loaders read only local files; nothing is downloaded. The string registry
 :data:`DATASETS` (used by configs and the CLI) maps a name to its loader:

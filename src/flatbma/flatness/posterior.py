@@ -1,5 +1,11 @@
 """Flatness of a posterior: per-sample Hessian spectra, distribution-level measures, and their protocol.
 
+Over 500 lines on purpose: the measures (per-sample spectra, the averaged-Hessian spectrum, SAM
+sharpness) and the protocol that combines them (:func:`flatness_report`, :func:`repeatability`) share
+the rules stated below — distinct samples only, unconverged eigenvalues never averaged — and the
+protocol's only job is to apply those rules to these measures; the solvers themselves live in
+:mod:`~flatbma.flatness.lanczos` and :mod:`~flatbma.flatness.hvp`.
+
 The seed papers measure the flatness of a posterior by the top Hessian eigenvalues of sampled models
 (λ₁ and λ₁/λ₅, averaged over samples). Reviewers asked whether an average of per-sample eigenvalues
 measures the flatness of a *distribution*; flatbma reports both:

@@ -1,5 +1,9 @@
 """The tables of a comparison's report: results with intervals, paired differences, flatness, corruptions.
 
+Over 500 lines on purpose: every table of the report shares one layout (:class:`Table`, the
+cell text, the bold-best rule, the one-seed titles, the empty-column rule), and each table is a short
+function over it; the rows, statistics and findings they lay out are already their own modules.
+
 Input is the ``results.json`` dict written by ``flatbma compare``, read by
 :mod:`flatbma.experiment.report.rows` (its runs, the metrics, their statistics and numbers); the methods
 are compared by :mod:`flatbma.experiment.report.findings`. This module lays out the tables
