@@ -41,6 +41,7 @@ LAYERS: dict[str, int] = {
     "predict": 4,
     "gaussian": 4,
     "state_io": 2,
+    "predictor_file": 3,
     "predictor": 5,
     "ood": 5,
     "optim": 5,
