@@ -106,7 +106,7 @@ from PIL import Image
 from torch import Tensor
 
 from flatbma.checks import is_integral
-from flatbma.data.datasets import ArrayDataset
+from flatbma.data.arrays import ArrayDataset
 from flatbma.errors import FlatbmaError, suggest
 
 __all__ = [
