@@ -279,7 +279,7 @@ def _as_saved_before_the_record(path) -> None:
     The old format is built here, from a freshly saved file, by dropping the record (and writing the file
     again, so that its checksums cover the settings as they are): those versions wrote no other difference.
     """
-    from flatbma.predictor import read_file, write_file
+    from flatbma.predictor_file import read_file, write_file
 
     state, settings = read_file(path)
     del settings["logits"]
@@ -289,7 +289,7 @@ def _as_saved_before_the_record(path) -> None:
 @pytest.mark.parametrize("tupled", [True, False], ids=["tuple-output", "tensor-output"])
 def test_a_predictor_saved_before_the_logits_record_loads_predicting_as_fitted(tmp_path, tupled):
     """A file without the ``logits`` record: the module gets the hook that passes a tensor through (issue #25)."""
-    from flatbma.predictor import read_file
+    from flatbma.predictor_file import read_file
 
     make = _WithFeatures if tupled else _net
     fitted = _fit(make(), DataLoader(TensorDataset(*_data()), batch_size=48))
@@ -306,7 +306,7 @@ def test_a_predictor_saved_before_the_logits_record_loads_predicting_as_fitted(t
 
 
 def test_a_predictor_file_with_an_unknown_logits_record_is_refused(tmp_path):
-    from flatbma.predictor import read_file, write_file
+    from flatbma.predictor_file import read_file, write_file
 
     path = tmp_path / "bma.safetensors"
     _fit(_net(), DataLoader(TensorDataset(*_data()), batch_size=48)).save(path)

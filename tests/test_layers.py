@@ -41,6 +41,7 @@ LAYERS: dict[str, int] = {
     "predict": 4,
     "gaussian": 4,
     "state_io": 2,
+    "predictor_file": 3,
     "predictor": 5,
     "ood": 5,
     "optim": 5,
@@ -274,3 +275,35 @@ def test_the_component_name_check_sees_reads():
         "x.py:1: imports flatbma.posteriors.members",
         "x.py:2: the key 'swag/mean/'",
     ]
+
+
+LONG_FILE = 550  # lines; a module this long says at the top of its docstring why it is one room
+LONG_FILE_REASON = "Over 500 lines on purpose:"
+
+
+def _long_files_without_a_reason(sources: dict[str, str]) -> list[str]:
+    """The sources of more than :data:`LONG_FILE` lines whose module docstring does not say why they are one room."""
+    missing = []
+    for name, text in sorted(sources.items()):
+        if len(text.splitlines()) <= LONG_FILE:
+            continue
+        docstring = ast.get_docstring(ast.parse(text)) or ""
+        if LONG_FILE_REASON not in docstring:
+            missing.append(f"{name} ({len(text.splitlines())} lines)")
+    return missing
+
+
+def test_every_long_file_says_why_it_is_one_room():
+    sources = {str(path.relative_to(SRC)): path.read_text(encoding="utf-8") for path in sorted(SRC.rglob("*.py"))}
+    missing = _long_files_without_a_reason(sources)
+    assert not missing, (
+        f"split these modules, or begin a paragraph of the module docstring with {LONG_FILE_REASON!r}: {missing}"
+    )
+
+
+def test_the_long_file_check_sees_long_files():
+    body = "x = 1\n" * (LONG_FILE + 1)
+    assert _long_files_without_a_reason({"long.py": '"""A module."""\n' + body}) == [f"long.py ({LONG_FILE + 2} lines)"]
+    assert _long_files_without_a_reason({"short.py": '"""A module."""\nx = 1\n'}) == []
+    reasoned = f'"""A module.\n\n{LONG_FILE_REASON} one room.\n"""\n' + body
+    assert _long_files_without_a_reason({"long.py": reasoned}) == []

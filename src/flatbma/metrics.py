@@ -1,5 +1,10 @@
 """Classification and uncertainty metrics of a BMA predictive, offline and streaming.
 
+Over 500 lines on purpose: the offline metrics and their streaming versions
+(:class:`StreamingMetrics`, :class:`StreamingEntropyAUROC`) must give the same numbers, so both use the
+one input validation (``_check_inputs``), the one per-example decomposition and the same binning
+helpers defined here; split apart, either half would import the other's private helpers.
+
 Every function takes the BMA predictive **log-probabilities** ``log_probs`` of shape ``[B, C]`` (the
 log-mean-exp over posterior samples of the per-sample log-softmax, computed elsewhere, e.g. by
 :mod:`flatbma.predict`) and integer labels of shape ``[B]``. Notation: ``p_ic = exp(log_probs[i, c])``,
@@ -111,6 +116,14 @@ def _check_log_probs(log_probs: object, num_classes: int | None = None, allow_em
             "torch.logsumexp(per_sample_log_probs, 0) - log(M) for a BMA), not logits or probabilities."
         )
     return lp
+
+
+def _check_inputs(
+    log_probs: object, labels: object, num_classes: int | None = None, allow_empty: bool = False
+) -> tuple[Tensor, Tensor]:
+    """The metrics' one validation prologue: float64 ``log_probs`` ``[B, C]`` and the labels checked against it."""
+    lp = _check_log_probs(log_probs, num_classes=num_classes, allow_empty=allow_empty)
+    return lp, _check_labels(labels, lp.shape[0], lp.shape[1], lp.device)
 
 
 def _check_labels(labels: object, batch: int, num_classes: int, device: torch.device) -> Tensor:
@@ -287,8 +300,7 @@ def accuracy(log_probs: Tensor, labels: Tensor) -> float:
     Raises:
         FlatbmaError: If the inputs are malformed (see the module docstring).
     """
-    lp = _check_log_probs(log_probs)
-    y = _check_labels(labels, lp.shape[0], lp.shape[1], lp.device)
+    lp, y = _check_inputs(log_probs, labels)
     _, correct, _, _ = _per_example(lp, y)
     return float(correct.mean())
 
@@ -310,8 +322,7 @@ def nll(log_probs: Tensor, labels: Tensor) -> float:
     Raises:
         FlatbmaError: If the inputs are malformed (see the module docstring).
     """
-    lp = _check_log_probs(log_probs)
-    y = _check_labels(labels, lp.shape[0], lp.shape[1], lp.device)
+    lp, y = _check_inputs(log_probs, labels)
     _, _, nll_i, _ = _per_example(lp, y)
     return float(nll_i.mean())
 
@@ -334,8 +345,7 @@ def brier(log_probs: Tensor, labels: Tensor) -> float:
     Raises:
         FlatbmaError: If the inputs are malformed (see the module docstring).
     """
-    lp = _check_log_probs(log_probs)
-    y = _check_labels(labels, lp.shape[0], lp.shape[1], lp.device)
+    lp, y = _check_inputs(log_probs, labels)
     _, _, _, brier_i = _per_example(lp, y)
     return float(brier_i.mean())
 
@@ -361,8 +371,7 @@ def ece(log_probs: Tensor, labels: Tensor, n_bins: int = 15) -> float:
         FlatbmaError: If the inputs are malformed or ``n_bins < 1``.
     """
     n_bins = _check_positive_int(n_bins, "n_bins")
-    lp = _check_log_probs(log_probs)
-    y = _check_labels(labels, lp.shape[0], lp.shape[1], lp.device)
+    lp, y = _check_inputs(log_probs, labels)
     conf, correct, _, _ = _per_example(lp, y)
     sums = _binned_sums(bin_index(conf, n_bins), n_bins, conf, correct)
     return _ece_from_bins(sums, lp.shape[0])
@@ -389,8 +398,7 @@ def adaptive_ece(log_probs: Tensor, labels: Tensor, n_bins: int = 15) -> float:
         FlatbmaError: If the inputs are malformed or ``n_bins < 1``.
     """
     n_bins = _check_positive_int(n_bins, "n_bins")
-    lp = _check_log_probs(log_probs)
-    y = _check_labels(labels, lp.shape[0], lp.shape[1], lp.device)
+    lp, y = _check_inputs(log_probs, labels)
     conf, correct, _, _ = _per_example(lp, y)
     order = torch.sort(conf, stable=True).indices
     gap = correct[order] - conf[order]
@@ -492,8 +500,7 @@ def reliability_diagram(log_probs: Tensor, labels: Tensor, n_bins: int = 15) -> 
         FlatbmaError: If the inputs are malformed or ``n_bins < 1``.
     """
     n_bins = _check_positive_int(n_bins, "n_bins")
-    lp = _check_log_probs(log_probs)
-    y = _check_labels(labels, lp.shape[0], lp.shape[1], lp.device)
+    lp, y = _check_inputs(log_probs, labels)
     conf, correct, _, _ = _per_example(lp, y)
     return _reliability_from_bins(_binned_sums(bin_index(conf, n_bins), n_bins, conf, correct), n_bins)
 
@@ -581,8 +588,7 @@ class StreamingMetrics:
         Raises:
             FlatbmaError: If the inputs are malformed or ``C != num_classes``.
         """
-        lp = _check_log_probs(log_probs, num_classes=self.num_classes, allow_empty=True)
-        y = _check_labels(labels, lp.shape[0], self.num_classes, lp.device)
+        lp, y = _check_inputs(log_probs, labels, num_classes=self.num_classes, allow_empty=True)
         if lp.shape[0] == 0:
             return
         conf, correct, nll_i, brier_i = _per_example(lp, y)

@@ -1,5 +1,10 @@
 """The BMA predictor: a trained posterior's predictive, with every detail of prediction owned by it.
 
+Over 500 lines on purpose: :class:`BMA` owns every detail of prediction listed below (samples,
+BatchNorm statistics, mode, randomness, device) for classifiers and regressors alike, and each detail is
+a method of the one object that holds the samples; the numerics are in :mod:`flatbma.predict` and
+:mod:`flatbma.bn`, the file format in :mod:`flatbma.predictor_file`.
+
 :class:`BMA` turns ``(model, method, state)`` into ``p(y|x) = (1/M) Σ_m softmax(f(x; w_m))``, i.e.
 ``log p(y|x) = logsumexp_m log_softmax(f(x; w_m)) − log M`` (:func:`flatbma.predict.bma_log_probs`),
 and takes off the caller's hands what the functions below it leave to the caller:
@@ -29,15 +34,12 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import json
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError, safe_open
-from safetensors.torch import load_file
 from torch import Tensor, nn
 from torch.func import functional_call
 from torch.utils.data import DataLoader, IterableDataset
@@ -51,28 +53,13 @@ from flatbma.models.contract import first_output, keep_logits
 from flatbma.params import hold, load_into, model_buffers, trainable_params
 from flatbma.precision import Precision, autocast
 from flatbma.predict import Predictions, bma_log_probs, evaluate, labelled, sample_log_probs
+from flatbma.predictor_file import LOGITS_FIRST, LOGITS_OUTPUT, PREDICTOR_FORMAT, likelihood_of, read_file, write_file
 from flatbma.regression import Gaussian, mixture_metrics, sample_outputs
 from flatbma.state_io import (
-    FORMAT,
-    SECTIONS,
-    atomic_write_bytes,
-    checksum_problem,
-    encode_state,
-    in_order,
     renamed,
     structure_problem,
 )
 from flatbma.types import Params, Posterior, Predictive, State, prediction_mode, split_batch
-
-PREDICTOR_KEY = "predictor"
-"""Metadata key of a saved predictor's settings (JSON) in its state file."""
-
-PREDICTOR_FORMAT = "flatbma-bma-v1"
-"""Format tag of those settings."""
-
-LOGITS_FIRST, LOGITS_OUTPUT = "first", "output"
-"""The predictor file's ``logits`` record: the module's logits are the first element of its tuple output
-(:func:`flatbma.models.keep_logits`), or its output. Files saved before the record existed have none."""
 
 
 def trained_names(model: nn.Module) -> list[str]:
@@ -598,88 +585,6 @@ class BMA:
                 f"the model fails on inputs of shape {list(x.shape)} ({detail}): give inputs shaped like the "
                 "training data's"
             ) from None
-
-
-def write_file(path: str | Path, state: State, settings: Mapping[str, Any]) -> None:
-    """Write ``state`` and the predictor ``settings`` to ``path``: a state file (:mod:`flatbma.state_io`).
-
-    The layout of the run checkpoints (so their ``load_state`` reads it too), written atomically by
-    :func:`flatbma.state_io.atomic_write_bytes`: an interrupted write never leaves a half-written file.
-
-    Raises:
-        FlatbmaError: the file cannot be written (one line saying why and what to do).
-    """
-    atomic_write_bytes(Path(path), encode_state(state, {PREDICTOR_KEY: json.dumps(dict(settings))}))
-
-
-def read_file(path: str | Path) -> tuple[State, dict[str, Any]]:
-    """``(state, settings)`` written by :func:`write_file`, the state on the CPU.
-
-    Raises:
-        FlatbmaError: a missing, truncated, damaged (its checksums differ) or foreign file, or a state file
-            without predictor settings.
-    """
-    path = Path(path)
-    if path.is_dir():
-        raise FlatbmaError(f"{path} is a directory, not a predictor file: give the path bma.save(path) wrote")
-    if not path.is_file():
-        raise FlatbmaError(f"{path} does not exist: save a predictor there first (bma.save(path))")
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            meta = dict(f.metadata() or {})
-        tensors = load_file(str(path))
-    except (SafetensorError, OSError, ValueError, RuntimeError):
-        raise FlatbmaError(
-            f"{path} is not a readable safetensors file (truncated?): save the predictor again"
-        ) from None
-    if meta.get("format") != FORMAT:
-        raise FlatbmaError(f"{path} is not a flatbma state file: save the predictor with bma.save(path)")
-    settings = read_settings(meta, path)
-    damage = checksum_problem(tensors, meta)
-    if damage:
-        raise FlatbmaError(f"{path} is damaged: {damage} (a changed bit on the disk, or an edit); save it again")
-    sections: dict[str, Params] = {s: {} for s in SECTIONS}
-    try:
-        order = json.loads(meta["order"])
-        for key, value in tensors.items():
-            section, _, name = key.partition("/")
-            sections[section][name] = value
-        sections = {s: in_order(section, order.get(s, [])) for s, section in sections.items()}
-        step = int(meta["step"])
-    except (KeyError, ValueError, TypeError, AttributeError):
-        raise FlatbmaError(f"{path}: the state file is damaged (tensor names or metadata); save it again") from None
-    return State(step=step, **sections), settings
-
-
-def likelihood_of(settings: Mapping[str, Any], path: str | Path) -> Gaussian | None:
-    """The likelihood a predictor file records (:meth:`BMA.save`): ``None`` for a classifier."""
-    recorded = settings.get("likelihood")
-    if recorded is None:
-        return None
-    try:
-        if recorded["name"] != "gaussian":
-            raise ValueError(recorded["name"])
-        return Gaussian(noise_std=recorded["noise_std"])
-    except (KeyError, TypeError, ValueError, FlatbmaError):
-        raise FlatbmaError(f"{path}: the predictor settings are damaged (likelihood); save it again") from None
-
-
-def read_settings(meta: Mapping[str, str], path: str | Path) -> dict[str, Any]:
-    """The predictor settings in a state file's metadata (:meth:`BMA.save`)."""
-    if PREDICTOR_KEY not in meta:
-        raise FlatbmaError(
-            f"{path} holds a method state but no predictor settings (a run checkpoint?): build the predictor "
-            "with flatbma.BMA(model, method, load_state(path), train_loader)"
-        )
-    try:
-        settings = json.loads(meta[PREDICTOR_KEY])
-        valid = settings["format"] == PREDICTOR_FORMAT and is_int(settings["num_samples"]) and is_int(settings["seed"])
-        valid = valid and settings.get("logits", LOGITS_FIRST) in (LOGITS_FIRST, LOGITS_OUTPUT)
-    except (ValueError, KeyError, TypeError):
-        valid = False
-    if not valid:
-        raise FlatbmaError(f"{path}: the predictor settings are damaged or of another version; save it again")
-    return settings
 
 
 def _fitted(state: State, method: Posterior, model: nn.Module, path: str | Path) -> State:

@@ -4,8 +4,10 @@ from torch import nn
 
 from flatbma.errors import FlatbmaError
 from flatbma.flatness.posterior import (
+    SpectrumOptions,
     distribution_spectrum,
     flatness_report,
+    measure_samples,
     repeatability,
     sam_sharpness,
     sample_spectra,
@@ -202,3 +204,13 @@ def test_noise_test_two_measurements_of_one_posterior_agree():
     results = [repeatability(measure(2 * i), measure(2 * i + 1), tol=1e-3) for i in range(10)]
     assert sum(r["agree"] for r in results) >= 8, [r["agree"] for r in results]
     assert all(r["first"]["mean"] != r["second"]["mean"] for r in results)  # different samples were measured
+
+
+def test_the_protocol_and_measure_samples_default_to_the_shared_spectrum_options():
+    import dataclasses
+    import inspect
+
+    for entry in (flatness_report, measure_samples):
+        defaults = inspect.signature(entry).parameters
+        for field in dataclasses.fields(SpectrumOptions):
+            assert defaults[field.name].default == field.default, (entry.__name__, field.name)

@@ -23,8 +23,8 @@ import torch
 
 from flatbma.checks import is_integral
 from flatbma.data._readers import read_npy
+from flatbma.data.arrays import ArrayDataset
 from flatbma.data.corruptions import CORRUPTIONS
-from flatbma.data.datasets import ArrayDataset
 from flatbma.errors import FlatbmaError, suggest
 
 __all__ = ["CIFAR10_CLASSES", "CIFAR_C_CORRUPTIONS", "cifar_c_corruptions", "load_cifar_c"]

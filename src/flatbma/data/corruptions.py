@@ -1,5 +1,9 @@
 """Common image corruptions at five severities, in plain torch (CIFAR-10-C style).
 
+Over 500 lines on purpose: the eighteen corruptions and their shared filters, warps and colour maps
+form one table of constants (below) that must be read against the reference script as a whole; the
+filters (border handling, Gaussian kernels, resampling matrices) have no use outside these corruptions.
+
 Re-implements the corruptions of Hendrycks & Dietterich, "Benchmarking Neural Network Robustness to
 Common Corruptions and Perturbations" (ICLR 2019) with the severity constants of their CIFAR script
 (``make_cifar_c.py`` in github.com/hendrycks/robustness). No OpenCV, scikit-image, ImageMagick or
@@ -102,7 +106,7 @@ from PIL import Image
 from torch import Tensor
 
 from flatbma.checks import is_integral
-from flatbma.data.datasets import ArrayDataset
+from flatbma.data.arrays import ArrayDataset
 from flatbma.errors import FlatbmaError, suggest
 
 __all__ = [

@@ -34,7 +34,8 @@ from flatbma.experiment.runner import History, fit
 from flatbma.models import check_classifier, keep_logits, returns_sequence
 from flatbma.params import Objective, model_buffers, trainable_params
 from flatbma.predict import evaluate
-from flatbma.predictor import BMA, likelihood_of, read_file, target_device
+from flatbma.predictor import BMA, target_device
+from flatbma.predictor_file import likelihood_of, read_file
 from flatbma.regression import Gaussian
 from flatbma.rng import first_batch, forked_rng
 from flatbma.types import Batch, Posterior, split_batch, training_batch

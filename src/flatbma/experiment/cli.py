@@ -32,7 +32,8 @@ from flatbma.experiment.config.methods import METHODS, MethodConfig, parse_metho
 from flatbma.experiment.config.run_config import load_config
 from flatbma.experiment.config.sections import plain_values
 from flatbma.experiment.parallel import processes
-from flatbma.experiment.report.tables import repeat_disagreement, summary_table
+from flatbma.experiment.report.repeatability import repeat_disagreement
+from flatbma.experiment.report.tables import summary_table
 from flatbma.experiment.run.build import resolve_device
 from flatbma.experiment.run.lock import hold
 from flatbma.experiment.run.pipeline import evaluate_run, load_run_config, record_resume, resume_config, train

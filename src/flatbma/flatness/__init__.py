@@ -10,7 +10,8 @@
   :func:`flatness_report` — the flatness of a posterior: per-sample spectra and distribution-level
   measures; :func:`flatness_report` is the measurement protocol (every eigenvalue to a residual
   tolerance, λ₁ over samples with a bootstrap interval, λ₁ at the mean, trace, sharpness) and
-  :func:`repeatability` compares two measurements of one posterior.
+  :func:`repeatability` compares two measurements of one posterior; they share their spectrum
+  keywords (``k``, ``params``, ``loss_fn``, ``tol``, ``max_iter``) as :class:`SpectrumOptions`.
 * :func:`width` / :func:`sample_variance` — the posterior's width (``tr Σ``, median marginal std).
 
 The solvers on flat vectors (:func:`lanczos`, :func:`power_iteration`, :func:`hutchinson_trace`,
@@ -47,6 +48,7 @@ from flatbma.flatness.landscape import (
 from flatbma.flatness.posterior import (
     HEAVY_TAIL_FACTOR,
     SampleFlatness,
+    SpectrumOptions,
     distinct_samples,
     distribution_spectrum,
     flatness_report,
@@ -75,6 +77,7 @@ __all__ = [
     "ParamSelection",
     "SampleFlatness",
     "SpectralDensity",
+    "SpectrumOptions",
     "TraceEstimate",
     "Width",
     "default_basis_size",

@@ -1,5 +1,10 @@
 """Hessian-vector products of the mean training loss, as a linear operator on flat vectors.
 
+Over 500 lines on purpose: the operator, its two product modes and the leaner second-order graphs
+(frozen-weight convolutions, eval-mode BatchNorm as an affine map) are used only by the operator's
+double-backward product and are only correct under the conditions it sets up (eval mode, the chosen
+parameters differentiated); kept apart they would be public pieces with no caller of their own.
+
 For data ``S`` split into batches ``B_1 … B_J`` of sizes ``n_j`` (``n = Σ_j n_j``) and a loss function
 that returns the *mean* loss of a batch, the training loss and its Hessian-vector product are
 

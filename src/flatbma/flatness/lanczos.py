@@ -1,5 +1,10 @@
 """The largest eigenvalues of a symmetric operator, and of the training-loss Hessian.
 
+Over 500 lines on purpose: Lanczos, its thick restart and the power-iteration reference that
+checks it share the argument checks, the float64-accumulated dot products and norms, the breakdown
+threshold and the convergence warning; split apart, the reference would import the method's internals
+or restate them. The Hessian entry point (:func:`hessian_eigenvalues`) is a thin wrapper at the end.
+
 * :func:`lanczos` — Lanczos with full reorthogonalization. After ``m`` products with the operator
   ``A`` it holds an orthonormal basis ``V_m`` of the Krylov space ``span{v, Av, …, A^{m−1}v}`` and the
   tridiagonal ``T_m = V_mᵀ A V_m``; the Ritz pairs ``(θ_i, y_i = V_m s_i)`` of ``T_m s_i = θ_i s_i``

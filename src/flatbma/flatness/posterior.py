@@ -1,5 +1,11 @@
 """Flatness of a posterior: per-sample Hessian spectra, distribution-level measures, and their protocol.
 
+Over 500 lines on purpose: the measures (per-sample spectra, the averaged-Hessian spectrum, SAM
+sharpness) and the protocol that combines them (:func:`flatness_report`, :func:`repeatability`) share
+the rules stated below — distinct samples only, unconverged eigenvalues never averaged — and the
+protocol's only job is to apply those rules to these measures; the solvers themselves live in
+:mod:`~flatbma.flatness.lanczos` and :mod:`~flatbma.flatness.hvp`.
+
 The seed papers measure the flatness of a posterior by the top Hessian eigenvalues of sampled models
 (λ₁ and λ₁/λ₅, averaged over samples). Reviewers asked whether an average of per-sample eigenvalues
 measures the flatness of a *distribution*; flatbma reports both:
@@ -34,7 +40,7 @@ masks the eval-mode Hessian does not see) are measured once: the summaries are o
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,6 +62,7 @@ from flatbma.types import Batch
 __all__ = [
     "HEAVY_TAIL_FACTOR",
     "SampleFlatness",
+    "SpectrumOptions",
     "distinct_samples",
     "distribution_spectrum",
     "flatness_report",
@@ -71,6 +78,61 @@ _MEAN_STREAM = -1
 """Stream of the measurement seed that seeds λ₁ at the posterior mean (samples use streams ``0, 1, …``)."""
 _DISTRIBUTION_STREAM = -2
 """Stream of the measurement seed for the averaged Hessian's Lanczos start vector."""
+
+
+@dataclass(frozen=True)
+class SpectrumOptions:
+    """How the flatness entry points measure a Hessian spectrum: the keywords they all take, in one place.
+
+    :func:`sample_spectra`, :func:`measure_samples`, :func:`distribution_spectrum` and
+    :func:`flatness_report` build it from their keyword arguments (each with its own defaults) and
+    measure with it; the defaults here are the protocol's (:func:`flatness_report`).
+
+    Attributes:
+        k: eigenvalues per spectrum.
+        params: the parameters of the Hessian (the Bayesian subset; ``None``: every trainable one).
+        loss_fn: mean loss ``loss_fn(logits, y)``; cross-entropy when ``None``.
+        tol: relative residual tolerance of every eigenvalue (Lanczos).
+        max_iter: Hessian-vector products per spectrum at most.
+    """
+
+    k: int = 1
+    params: Sequence[str] | None = None
+    loss_fn: LossFn | None = None
+    tol: float = 1e-3
+    max_iter: int = 100
+
+
+def _operator(
+    options: SpectrumOptions, model: nn.Module, data: list[Batch], weights: Mapping[str, Tensor]
+) -> HessianOperator:
+    return hvp_fn(model, data, loss_fn=options.loss_fn, params=options.params, weights=weights)
+
+
+def _top_eigen(
+    options: SpectrumOptions,
+    matvec: Callable[[Tensor], Tensor],
+    op: HessianOperator,
+    *,
+    generator: torch.Generator,
+    warn: bool,
+    dtype: torch.dtype,
+) -> EigenResult:
+    """The top ``k`` eigenvalues of ``matvec`` (an operator of ``op``'s size) by bounded-basis Lanczos to ``tol``."""
+    return lanczos(
+        matvec,
+        op.dim,
+        options.k,
+        tol=options.tol,
+        max_iter=options.max_iter,
+        eps=op.eps,
+        generator=generator,
+        device=op.device,
+        dtype=dtype,
+        warn=warn,
+        basis_size=default_basis_size(options.k),
+        vectors=False,
+    )
 
 
 def _check_samples(samples: Sequence[Mapping[str, Tensor]]) -> None:
@@ -100,10 +162,19 @@ def sample_spectra(
 ) -> Tensor:
     """Top-``k`` Hessian eigenvalues of every sample: a ``[S, k]`` float64 tensor (rows descending)."""
     _check_samples(samples)
+    o = SpectrumOptions(k=k, params=params, loss_fn=loss_fn, tol=tol, max_iter=max_iter)
     return torch.stack(
         [
             hessian_eigenvalues(
-                model, data, k, loss_fn=loss_fn, params=params, weights=w, tol=tol, max_iter=max_iter, seed=seed
+                model,
+                data,
+                o.k,
+                loss_fn=o.loss_fn,
+                params=o.params,
+                weights=w,
+                tol=o.tol,
+                max_iter=o.max_iter,
+                seed=seed,
             )
             for w in samples
         ]
@@ -145,26 +216,25 @@ def measure_samples(
     probes from streams ``2i`` and ``2i + 1`` of ``seed`` (:func:`flatbma.rng.splitmix64`), so the
     measurement of a sample does not depend on the others.
     """
+    options = SpectrumOptions(k=k, params=params, loss_fn=loss_fn, tol=tol, max_iter=max_iter)
+    return _measure(model, samples, list(data), options, seed=seed, trace_probes=trace_probes)
+
+
+def _measure(
+    model: nn.Module,
+    samples: Sequence[Mapping[str, Tensor]],
+    data: list[Batch],
+    options: SpectrumOptions,
+    *,
+    seed: int,
+    trace_probes: int = 0,
+) -> list[SampleFlatness]:
     _check_samples(samples)
-    data = list(data)
     out = []
     for i, w in enumerate(progress.current().bar(samples, desc="Hessian spectra", unit="sample")):
-        op = hvp_fn(model, data, loss_fn=loss_fn, params=params, weights=w)
+        op = _operator(options, model, data, w)
         matvec = nonzero_checked(op)
-        eigen = lanczos(
-            matvec,
-            op.dim,
-            k,
-            tol=tol,
-            max_iter=max_iter,
-            eps=op.eps,
-            generator=seeded_generator(seed, 2 * i),
-            device=op.device,
-            dtype=op.dtype,
-            warn=False,
-            basis_size=default_basis_size(k),
-            vectors=False,
-        )
+        eigen = _top_eigen(options, matvec, op, generator=seeded_generator(seed, 2 * i), warn=False, dtype=op.dtype)
         trace = None
         if trace_probes:
             trace = hutchinson_trace(
@@ -178,34 +248,19 @@ def _distribution_eigen(
     model: nn.Module,
     samples: Sequence[Mapping[str, Tensor]],
     data: list[Batch],
+    options: SpectrumOptions,
     *,
-    k: int,
-    params: Sequence[str] | None,
-    loss_fn: LossFn | None,
-    tol: float,
-    max_iter: int,
     generator: torch.Generator,
     warn: bool,
 ) -> EigenResult:
-    ops: list[HessianOperator] = [hvp_fn(model, data, loss_fn=loss_fn, params=params, weights=w) for w in samples]
+    ops: list[HessianOperator] = [_operator(options, model, data, w) for w in samples]
     products = [nonzero_checked(op) for op in ops]
 
     def matvec(v: Tensor) -> Tensor:
         return sum(p(v) for p in products) / len(products)
 
-    return lanczos(
-        matvec,
-        ops[0].dim,
-        k,
-        tol=tol,
-        max_iter=max_iter,
-        eps=ops[0].eps,
-        generator=generator,
-        device=ops[0].device,
-        warn=warn,
-        basis_size=default_basis_size(k),
-        vectors=False,
-    )
+    # the basis in float64, lanczos's default (the per-sample spectra use the parameters' dtype)
+    return _top_eigen(options, matvec, ops[0], generator=generator, warn=warn, dtype=torch.float64)
 
 
 def distribution_spectrum(
@@ -222,17 +277,9 @@ def distribution_spectrum(
 ) -> Tensor:
     """Top-``k`` eigenvalues of ``∇²_μ E_q[L_S] = (1/S) Σ_m ∇²L_S(w_m)`` (fixed noise), descending."""
     _check_samples(samples)
+    options = SpectrumOptions(k=k, params=params, loss_fn=loss_fn, tol=tol, max_iter=max_iter)
     result = _distribution_eigen(
-        model,
-        samples,
-        list(data),
-        k=k,
-        params=params,
-        loss_fn=loss_fn,
-        tol=tol,
-        max_iter=max_iter,
-        generator=torch.Generator().manual_seed(seed),
-        warn=True,
+        model, samples, list(data), options, generator=torch.Generator().manual_seed(seed), warn=True
     )
     return result.eigenvalues
 
@@ -297,7 +344,8 @@ def _same_weights(a: Mapping[str, Tensor], b: Mapping[str, Tensor]) -> bool:
     return a.keys() == b.keys() and all(a[k] is b[k] or torch.equal(a[k], b[k]) for k in a)
 
 
-def _unconverged_messages(label: str, result: EigenResult, tol: float, max_iter: int) -> list[str]:
+def _unconverged_messages(label: str, result: EigenResult, options: SpectrumOptions) -> list[str]:
+    tol, max_iter = options.tol, options.max_iter
     rel = result.residuals / result.eigenvalues.abs().clamp_min(torch.finfo(torch.float64).tiny)
     return [
         f"{label}: λ{j + 1} ≈ {float(result.eigenvalues[j]):.6g} has relative residual {float(rel[j]):.1e} > "
@@ -373,10 +421,10 @@ def flatness_report(
     _check_samples(samples)
     data = list(data)
     chosen = distinct_samples(samples)
-    opts = dict(k=k, params=params, loss_fn=loss_fn, tol=tol, max_iter=max_iter)
-    measured = measure_samples(model, chosen, data, seed=seed, trace_probes=trace_probes, **opts)
+    options = SpectrumOptions(k=k, params=params, loss_fn=loss_fn, tol=tol, max_iter=max_iter)
+    measured = _measure(model, chosen, data, options, seed=seed, trace_probes=trace_probes)
     warnings_ = [
-        line for i, m in enumerate(measured) for line in _unconverged_messages(f"sample {i}", m.eigen, tol, max_iter)
+        line for i, m in enumerate(measured) for line in _unconverged_messages(f"sample {i}", m.eigen, options)
     ]
     products = sum(m.products for m in measured)
     summary, unconverged = lambda1_summary(measured, level=level, seed=seed)
@@ -402,9 +450,9 @@ def flatness_report(
         if len(chosen) == 1 and _same_weights(mean, chosen[0]):
             at_mean = measured[0].eigen  # a point: its mean is its sample
         else:
-            (m,) = measure_samples(model, [mean], data, seed=derive_seed(seed, _MEAN_STREAM), **opts)
+            (m,) = _measure(model, [mean], data, options, seed=derive_seed(seed, _MEAN_STREAM))
             at_mean, products = m.eigen, products + m.products
-            warnings_ += _unconverged_messages("posterior mean", at_mean, tol, max_iter)
+            warnings_ += _unconverged_messages("posterior mean", at_mean, options)
         report["lambda1_at_mean"] = float(at_mean.eigenvalues[0]) if bool(at_mean.converged_each[0]) else None
         report["lambda1_at_mean_converged"] = bool(at_mean.converged_each[0])
         if not report["lambda1_at_mean_converged"]:
@@ -415,9 +463,9 @@ def flatness_report(
             dist = measured[0].eigen
         else:
             generator = seeded_generator(seed, _DISTRIBUTION_STREAM)
-            dist = _distribution_eigen(model, chosen, data, generator=generator, warn=False, **opts)
+            dist = _distribution_eigen(model, chosen, data, options, generator=generator, warn=False)
             products += dist.num_matvecs * len(chosen)
-            warnings_ += _unconverged_messages("averaged Hessian", dist, tol, max_iter)
+            warnings_ += _unconverged_messages("averaged Hessian", dist, options)
         report["distribution_top_eigenvalues"] = dist.eigenvalues.tolist()
         report["distribution_converged"] = dist.converged_each.tolist()
         report["distribution_lambda1"] = float(dist.eigenvalues[0]) if bool(dist.converged_each[0]) else None
@@ -429,7 +477,7 @@ def flatness_report(
             values = [m.trace.trace for m in measured]
         report["hessian_trace"] = {**_summary(values, level=level, seed=seed).to_dict(), "probes": trace_probes}
 
-    sharp = sam_sharpness(model, chosen, data, rho=rho, params=params, loss_fn=loss_fn)
+    sharp = sam_sharpness(model, chosen, data, rho=rho, params=options.params, loss_fn=options.loss_fn)
     report["sam_sharpness"] = float(sharp.mean())
     report["sam_sharpness_std"] = float(sharp.std(unbiased=True)) if len(sharp) > 1 else 0.0
     report["flatness_samples"] = len(chosen)

@@ -1,5 +1,10 @@
 """The FP-BMA / SA-BMA ascent step on variational parameters (Lim et al., UAI 2025).
 
+Over 500 lines on purpose: the Fisher of the low-rank plus diagonal Gaussian, its preconditioned
+CG solve, the rotation projection and the step that uses them are one derivation (below) whose pieces
+are only correct together (the preconditioner is exact for this Fisher's blocks, the projection for
+this factor's rotations); the Gaussian's own geometry lives in :mod:`flatbma.gaussian`.
+
 FP-BMA perturbs the *distribution* ``q_θ`` inside a KL ball:
 
     ``max_{δ: KL(q_{θ+δ} ‖ q_θ) ≤ γ} E_{q_{θ+δ}} L_B``,  ``KL(q_{θ+δ} ‖ q_θ) ≈ ½ δᵀF(θ)δ``,

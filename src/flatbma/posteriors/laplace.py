@@ -1,5 +1,10 @@
 """The Laplace approximation around a MAP trained in the same run: ``q(w) = N(w*, (H/T + δ)⁻¹)``.
 
+Over 500 lines on purpose: a family is one module over its ``Options`` and ``State`` (the guide's
+form); the Laplace family's two stages (the MAP and the curvature pass), its prior-precision choice and
+its option checks all read the same ``Options`` and ``Fit``, and the curvature itself already lives in
+:mod:`flatbma.curvature`.
+
 ``w*`` is a point estimate (:func:`flatbma.posteriors.point.step`: SGD, or SAM/ASAM/Fisher-SAM with an
 ascent step — F-Laplace), ``H`` the generalized Gauss-Newton (or empirical Fisher) of the summed
 training loss at ``w*`` in a diagonal, Kronecker-factored or full structure (:mod:`flatbma.curvature`),

@@ -12,7 +12,7 @@ second pass every ``k`` steps, on a fraction of the batch), which wrap the step;
 method is its plain step and its resolved section names none of them, so that runs resolved before these
 options existed stay the same runs.
 
-Why one file of ~950 lines: it is the registry, and the guide keeps every lookup of a method by name in
+Over 500 lines on purpose: it is the registry, and the guide keeps every lookup of a method by name in
 one place. Besides the entries it holds what only the registry may know — each method's checks before
 training (snapshots, burn-in, cycles, dropout, members' memory, Laplace's stages), the compositions that
 name families (mixtures of any family, Laplace over a MAP) and the schedules they imply (SWAG's held

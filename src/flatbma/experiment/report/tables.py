@@ -1,5 +1,11 @@
 """The tables of a comparison's report: results with intervals, paired differences, flatness, corruptions.
 
+Over 500 lines on purpose: every table of the report shares one layout (:class:`Table`, the
+cell text, the bold-best rule, the one-seed titles, the empty-column rule), and each table is a short
+function over it; the rows, statistics, findings and the repeatability lines they lay out are already
+their own modules (:mod:`~flatbma.experiment.report.rows`, :mod:`~flatbma.experiment.report.findings`,
+:mod:`~flatbma.experiment.report.repeatability`).
+
 Input is the ``results.json`` dict written by ``flatbma compare``, read by
 :mod:`flatbma.experiment.report.rows` (its runs, the metrics, their statistics and numbers); the methods
 are compared by :mod:`flatbma.experiment.report.findings`. This module lays out the tables
@@ -34,6 +40,7 @@ from flatbma.experiment.report.findings import (
     pairs_of,
     reference_of,
 )
+from flatbma.experiment.report.repeatability import repeatability_lines
 from flatbma.experiment.report.rows import (
     COMPARED,
     CORRUPTION_METRICS,
@@ -75,7 +82,7 @@ from flatbma.experiment.run.health import MARK, flagged_line, is_flagged
 from flatbma.flatness.posterior import HEAVY_TAIL_FACTOR, repeatable
 from flatbma.stats import Summary
 
-__all__ = ["Table", "repeat_disagreement", "report_tables", "summary_table"]
+__all__ = ["Table", "report_tables", "summary_table"]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -345,98 +352,9 @@ def _scalar(value: Any) -> float | None:
     return as_number(value)
 
 
-def _summary_text(summary: Any) -> str:
-    """``mean [low, high]`` of a :class:`~flatbma.stats.Summary` given as its dict."""
-    mean = as_number(get_path(summary, "mean"))
-    if mean is None:
-        return MISSING
-    decimals = decimals_for(mean)
-    low, high = as_number(get_path(summary, "interval", "low")), as_number(get_path(summary, "interval", "high"))
-    text = format_number(mean, decimals)
-    return (
-        text
-        if low is None or high is None
-        else f"{text} [{format_number(low, decimals)}, {format_number(high, decimals)}]"
-    )
-
-
 def _distinct(runs: Sequence[Run], key: str) -> list[str]:
     values = [run.get(key) for run in runs if run.get(key) is not None]
     return list(dict.fromkeys(v if isinstance(v, str) else json.dumps(v, sort_keys=True) for v in values))
-
-
-def _repeatability_lines(groups: dict[str, list[Run]]) -> list[str]:
-    """One "measurement repeatability" line per method that repeated its measurement."""
-    lines = []
-    for method, runs in groups.items():
-        reps = [(r.get("seed"), r["repeatability"]) for r in runs if isinstance(r.get("repeatability"), Mapping)]
-        if not reps:
-            continue
-        agree = sum(repeatable(rep) is True for _, rep in reps)
-        head = (
-            ("repeatable" if agree else "not repeatable")
-            if len(reps) == 1
-            else f"repeatable on {agree} of {len(reps)} seeds"
-        )
-        details = "; ".join(f"seed {seed}: {_repeat_text(rep)}" for seed, rep in reps)
-        lines.append(
-            f"measurement repeatability, {method}: {head} (λ₁ measured, then measured again with another "
-            f"measurement seed and samples: mean [interval], median — {details})"
-        )
-    return lines
-
-
-def _repeat_text(rep: Mapping[str, Any]) -> str:
-    """``mean [low, high], median m vs …`` of a repeated measurement, and why it is not repeatable."""
-    first, second = rep.get("first"), rep.get("second")
-    text = " vs ".join(
-        _summary_text(part)
-        + (
-            f", median {format_value(as_number(get_path(part, 'median')))}"
-            if get_path(part, "median") is not None
-            else ""
-        )
-        for part in (first, second)
-    )
-    why = _not_repeatable_because(rep)
-    return f"{text}{f' ({why})' if why else ''}"
-
-
-def repeat_disagreement(record: Any) -> str | None:
-    """One line saying that a repeated λ₁ measurement (``repeatability`` of a run) did not repeat; ``None`` if it did.
-
-    Used by ``flatbma evaluate --flatness``; the rule is :func:`flatbma.flatness.posterior.repeatable`.
-    """
-    if not isinstance(record, Mapping) or repeatable(record) is not False:
-        return None
-    return (
-        f"λ₁ measured again (another measurement seed and samples) does not repeat: {_repeat_text(record)}; "
-        "read the median, or measure more samples (eval.flatness_samples)"
-    )
-
-
-def _not_repeatable_because(rep: Mapping[str, Any]) -> str:
-    """Why a repeated measurement is not repeatable (:func:`flatbma.flatness.posterior.repeatable`); "" if it is."""
-    if repeatable(rep) is not False:
-        return ""
-    if rep.get("agree") is not True:
-        return "the means differ by more than their intervals allow"
-    ratios = {
-        what: (as_number(get_path(rep, "first", key)), as_number(get_path(rep, "second", key)))
-        for what, key in (("means", "mean"), ("medians", "median"))
-    }
-    far = [
-        f"{what} {format_value(a)} and {format_value(b)}"
-        for what, (a, b) in ratios.items()
-        if a is not None
-        and b is not None
-        and not (a * b > 0 and max(abs(a), abs(b)) <= HEAVY_TAIL_FACTOR * min(abs(a), abs(b)))
-        and a != b
-    ]
-    return (
-        f"heavy tail: {' and '.join(far)} differ by more than a factor {HEAVY_TAIL_FACTOR:g}, although within the "
-        "intervals"
-    )
 
 
 def _has_flatness(run: Run) -> bool:
@@ -532,7 +450,7 @@ def _flatness_table(groups: dict[str, list[Run]]) -> Table | None:
     header = ["method", "seed", "λ₁ median", f"median's {LEVEL:.0%} interval", "λ₁ mean"]
     header += [f"mean's {level} interval".replace("  ", " "), "samples"]
     header += ["unconverged", "tr Σ", "median σ", "λ₁ at mean", "Hessian trace", "repeatable"]
-    return Table(title, header, rows, " ".join(note), lines=tuple(_repeatability_lines(groups)))
+    return Table(title, header, rows, " ".join(note), lines=tuple(repeatability_lines(groups)))
 
 
 def _corruption_note(sizes: list[float]) -> str:

@@ -1,5 +1,12 @@
 """``flatbma compare``: methods × seeds through the one runner, evaluated for calibration, shift and flatness.
 
+Over 500 lines on purpose: this is the compare loop — planning the jobs, running or reusing each
+(method, seed), recording failures, measuring (width-matched where asked) and reporting progress — and
+its steps decide together which run is skipped, retried or refused. What could stand alone already does:
+the plan (:mod:`~flatbma.experiment.study.plan`), the on-disk caches
+(:mod:`~flatbma.experiment.study.cache`), candidate selection (:mod:`~flatbma.experiment.study.selection`),
+width matching (:mod:`~flatbma.experiment.study.width`) and the report (:mod:`flatbma.experiment.report`).
+
 A compare config is a run config (the shared data/model/optim/train/eval sections and a default
 ``method``) plus a ``compare`` section listing what varies::
 
