@@ -175,7 +175,7 @@ def test_fp_bma_state_is_packed_and_a_loaded_state_is_packed_again_with_the_same
         state, _ = method.update(state, toy_batch(seed=seed))
         loaded, _ = method.update(loaded, toy_batch(seed=seed))
     assert packed.layout_of(loaded.params) is not None
-    assert packed.layout_of([loaded.aux[f"exp_avg_sq/{k}"] for k in keys], keys) is not None
+    assert packed.layout_of([loaded.aux[f"optimizer/exp_avg_sq/{k}"] for k in keys], keys) is not None
     assert all(torch.equal(state.params[k], loaded.params[k]) for k in keys)
     assert all(torch.equal(state.aux[k], loaded.aux[k]) for k in state.aux)
 
