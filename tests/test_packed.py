@@ -133,6 +133,11 @@ def test_pack_with_mirrors_packs_full_groups_only():
     assert packed.layout_of([new_aux[f"exp_avg/{k}"] for k in keys], keys) == layout
     assert new_aux["momentum/bn.bias"] is aux["momentum/bn.bias"] and new_aux["rng/seed"] is aux["rng/seed"]
     assert list(new_aux) == list(aux) and all(torch.equal(new_aux[k], aux[k]) for k in aux)
+    # a group under a name of several segments (the optimizer's state under optimizer/: flatbma.named)
+    nested = {f"optimizer/exp_avg/{k}": v + 1 for k, v in params.items()} | {"optimizer/momentum/bn.bias": torch.ones(4)}
+    _, new_nested = packed.pack_with_mirrors(params, nested, layout)
+    assert packed.layout_of([new_nested[f"optimizer/exp_avg/{k}"] for k in keys], keys) == layout
+    assert new_nested["optimizer/momentum/bn.bias"] is nested["optimizer/momentum/bn.bias"]
 
 
 def test_noise_drawn_into_one_buffer_equals_one_randn_per_tensor():
@@ -175,7 +180,7 @@ def test_fp_bma_state_is_packed_and_a_loaded_state_is_packed_again_with_the_same
         state, _ = method.update(state, toy_batch(seed=seed))
         loaded, _ = method.update(loaded, toy_batch(seed=seed))
     assert packed.layout_of(loaded.params) is not None
-    assert packed.layout_of([loaded.aux[f"exp_avg_sq/{k}"] for k in keys], keys) is not None
+    assert packed.layout_of([loaded.aux[f"optimizer/exp_avg_sq/{k}"] for k in keys], keys) is not None
     assert all(torch.equal(state.params[k], loaded.params[k]) for k in keys)
     assert all(torch.equal(state.aux[k], loaded.aux[k]) for k in state.aux)
 

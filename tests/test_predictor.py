@@ -293,12 +293,17 @@ def test_save_and_load_round_trip_bit_for_bit(trained_swag, tmp_path):
         BMA.load(path, nn.Sequential(nn.Linear(6, 3)), other)
 
 
-def test_a_predictor_file_of_the_layout_before_named_components_loads_in_the_methods_layout(trained_swag, tmp_path):
+@pytest.mark.parametrize("names", [("point", "optimizer"), ("optimizer",)], ids=["oldest", "point-named"])
+def test_a_predictor_file_of_the_layout_before_named_components_loads_in_the_methods_layout(
+    trained_swag, tmp_path, names
+):
     """A predictor saved before #24 held SWAG's point-update state at the top of ``aux`` (``momentum/<w>``), not
-    under ``point/``: it loads renamed to the method's layout, with the same tensors and predictions."""
+    under ``point/optimizer/`` (or, later, under ``point/`` alone: ``point/momentum/<w>``): it loads renamed to the
+    method's layout, with the same tensors and predictions."""
     model, method, state, _, loader = trained_swag
-    old_aux = {k.removeprefix(swag.POINT + "/"): v for k, v in state.aux.items()}
-    assert any(k.startswith("momentum/") for k in old_aux) and old_aux.keys() != state.aux.keys()
+    old_aux = {"/".join(s for s in k.split("/") if s not in names): v for k, v in state.aux.items()}
+    first = "point/momentum/" if "point" not in names else "momentum/"
+    assert any(k.startswith(first) for k in old_aux) and old_aux.keys() != state.aux.keys()
     old = flatbma.State(params=state.params, buffers=state.buffers, aux=old_aux, step=state.step)
     path = tmp_path / "old.safetensors"
     BMA(model, method, old, loader, num_samples=M, seed=3).save(path)

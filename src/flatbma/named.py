@@ -20,6 +20,11 @@ from flatbma.errors import FlatbmaError
 SEP = "/"
 """What separates a component's name from its entries' keys."""
 
+OPTIMIZER = "optimizer"
+"""The name a family keeps its optimizer's state under (SGD's ``optimizer/momentum/<w>``, Adam's
+``optimizer/exp_avg/<w>`` and ``optimizer/exp_avg_sq/<w>``): every family that trains with a
+:class:`~flatbma.types.GradientTransformation` (the point family and what builds on it, the Gaussian VI families)."""
+
 
 def nest(name: str, tensors: Mapping[str, Tensor]) -> dict[str, Tensor]:
     """``tensors`` as component ``name``'s entries: keys ``"<name>/<key>"`` (the same tensors)."""
@@ -30,6 +35,15 @@ def part(name: str, tensors: Mapping[str, Tensor]) -> dict[str, Tensor]:
     """Component ``name``'s entries of ``tensors``, without its name (the same tensors, in their order)."""
     head = name + SEP
     return {k[len(head) :]: v for k, v in tensors.items() if k.startswith(head)}
+
+
+def without(name: str, tensors: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """Every entry of ``tensors`` but component ``name``'s (the same tensors, in their order).
+
+    The state a wrapper that added component ``name`` (the loss scale's ``amp/``) hands the method it wraps.
+    """
+    head = name + SEP
+    return {k: v for k, v in tensors.items() if not k.startswith(head)}
 
 
 def chain(*components: tuple[str, Mapping[str, Tensor]]) -> dict[str, Tensor]:

@@ -255,14 +255,16 @@ def zeros_like(tensors: Mapping[str, Tensor]) -> Params:
 def pack_with_mirrors(params: Mapping[str, Tensor], aux: Mapping[str, Tensor], layout: Layout) -> tuple[Params, Params]:
     """Pack ``params`` and every group of ``aux`` entries ``"<prefix>/<key>"`` that covers all its keys.
 
-    The optimizer state of packed parameters (e.g. Adam's ``exp_avg/<key>``) is then packed alike, so
+    ``<prefix>`` may have several segments (``optimizer/exp_avg``: :mod:`flatbma.named`); ``<key>`` is the
+    longest tail of the entry's name that is a key of ``params``.
+    The optimizer state of packed parameters (e.g. Adam's ``optimizer/exp_avg/<key>``) is then packed alike, so
     a state that lost its packing (loaded from a checkpoint, moved between devices) gets it back.
     Other ``aux`` entries are kept as they are, in their order.
     """
     packed = pack(params, layout)
     groups: dict[str, dict[str, Tensor]] = {}
     for key, value in aux.items():
-        prefix, _, rest = key.partition("/")
+        prefix, rest = _mirrored(key, packed)
         if rest in packed and value.shape == packed[rest].shape:
             groups.setdefault(prefix, {})[rest] = value
     new_aux = dict(aux)
@@ -270,3 +272,14 @@ def pack_with_mirrors(params: Mapping[str, Tensor], aux: Mapping[str, Tensor], l
         if len(group) == len(packed) and len({(v.dtype, v.device) for v in group.values()}) == 1:
             new_aux.update({f"{prefix}/{k}": v for k, v in pack(group, layout).items()})
     return packed, new_aux
+
+
+def _mirrored(key: str, params: Mapping[str, Tensor]) -> tuple[str, str]:
+    """``(prefix, rest)`` of an ``aux`` entry's name ``"<prefix>/<rest>"``: ``rest`` its longest tail in ``params``.
+
+    ``("", "")`` if no tail is a key of ``params``.
+    """
+    for i, c in enumerate(key):
+        if c == "/" and key[i + 1 :] in params:
+            return key[:i], key[i + 1 :]
+    return "", ""

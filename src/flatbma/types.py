@@ -133,8 +133,8 @@ class State:
         aux: method state — optimizer moments, SWAG moments, ... — as a flat ``dict[str, Tensor]``
             with ``/``-separated keys, so that every state saves to safetensors without pickling. A composed
             method keeps each component's entries under the component's name (:mod:`flatbma.named`, optax's
-            ``named_chain``: SWAG's ``point/`` and ``swag/``, a mixture's ``member<m>/``), which only the
-            family reads.
+            ``named_chain``: an optimizer's ``optimizer/``, SWAG's ``point/`` and ``swag/``, a mixture's
+            ``member<m>/``, the fp16 loss scale's ``amp/``), which only the family reads.
         step: number of ``update`` calls applied so far.
         derived: what a method computes from this state's tensors on first use and keeps with them
             (:func:`derive`: the Laplace family's fitted posterior, ``H``'s eigendecomposition and ``δ``). Never

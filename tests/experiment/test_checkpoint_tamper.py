@@ -143,7 +143,7 @@ def test_a_checkpoint_from_before_the_record_is_accepted_and_still_checked(runs,
     shutil.copy(runs["swag"] / CKPT, run / CKPT)
     _rewrite(run / CKPT, meta=_before_the_records)
     msg = _error(capsys, "evaluate", str(run))
-    assert "does not fit this run (aux/momentum/" in msg and "is missing" in msg
+    assert "does not fit this run (aux/optimizer/momentum/" in msg and "is missing" in msg
 
 
 def test_sgld_samples_kept_in_aux_are_its_own_state(runs, tmp_path, capsys):

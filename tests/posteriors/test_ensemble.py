@@ -18,7 +18,9 @@ from flatbma.optim import SAM, SGD, Adam
 from flatbma.params import Objective, model_buffers, trainable_params
 from flatbma.posteriors import ensemble, members, multi, point
 from flatbma.predict import evaluate
+from flatbma.state_io import renamed
 from flatbma.transfer import Subset, restrict_trainable, subset_names
+from flatbma.types import State
 from tests.helpers import tiny_bn_net, toy_batch
 from tests.posteriors.fixtures import make_ensemble_fixtures as fixtures
 
@@ -40,7 +42,7 @@ def test_members_are_independent_initializations_and_the_template_is_restored():
     for k, v in net.state_dict().items():
         assert torch.equal(v, template[k])
     assert set(state.params) == {f"member{m}/{k}" for m in range(3) for k in params}
-    assert set(state.aux) == {f"member{m}/momentum/{k}" for m in range(3) for k in params}
+    assert set(state.aux) == {f"member{m}/optimizer/momentum/{k}" for m in range(3) for k in params}
     for k in params:
         assert torch.equal(member(state, 0)[k], params[k])
     for k in ("0.weight", "0.bias", "3.weight", "3.bias"):  # the random (Linear) initializations differ
@@ -176,6 +178,10 @@ def test_the_ensemble_trains_and_resumes_the_states_written_before_it_was_multi(
     net = fixtures.net().train()
     method = fixtures.method(net, size)
     state = method.init(trainable_params(net), model_buffers(net))
+    # written before #24: each member's optimizer state without optimizer/, renamed as a load renames it
+    assert any("/momentum/" in k and "/optimizer/" not in k for k in old.aux)
+    old = renamed(old, state)
+    after = {s: getattr(renamed(State(**after), state), s) for s in SECTIONS}
     for s in range(2):
         state, _ = method.update(state, toy_batch(seed=s))
     assert state.step == old.step == 2

@@ -15,7 +15,7 @@ from flatbma.curvature import effective_parameters, estimator, log_evidence, opt
 from flatbma.errors import FlatbmaError
 from flatbma.linearized import Linearized, Probit, linearized_predictions
 from flatbma.models import build_model, classifier_of
-from flatbma.named import split
+from flatbma.named import part, split
 from flatbma.optim import SAM, SGD
 from flatbma.params import Objective, model_buffers, trainable_params
 from flatbma.posteriors import laplace, members, multi, point
@@ -107,8 +107,8 @@ def test_the_curvature_is_the_estimators_pass_at_the_map_and_the_posterior_its_g
     acc = est.init()
     for offset, (x, y) in zip(range(0, 64, 16), _batches()[MAP_STEPS:]):
         acc = est.accumulate(acc, w, buffers, x, y, offset=offset)
-    own = {k[len(laplace.PREFIX) :]: v for k, v in state.aux.items() if k.startswith(laplace.PREFIX)}
-    assert {k: v for k, v in own.items() if k not in ("seen", "nll")}.keys() == acc.keys()
+    own = part(laplace.ACCUMULATORS, state.aux)
+    assert own.keys() == acc.keys()
     for k in acc:
         torch.testing.assert_close(own[k], acc[k], rtol=1e-12, atol=0)
     # the Gaussian: δ maximizes the evidence, samples are w* + Δ with Δ = the blocks' draws, exact variances
@@ -256,8 +256,7 @@ def test_a_pretrained_prior_mean_is_stored_and_enters_only_the_evidence_and_delt
     sq = sum(float((w[k].double() - w0[k].double()).square().sum()) for k in w)
     assert delta * sq == pytest.approx(info["effective_params"], rel=1e-8)  # MacKay's fixed point around w₀
     est = estimator("diag", "ggn", net, w, num_data=16, num_classes=4)
-    own = {k: v for k, v in zero.aux.items() if k.startswith(laplace.PREFIX) and k not in (laplace.SEEN, laplace.NLL)}
-    blocks = est.blocks({k[len(laplace.PREFIX) :]: v for k, v in own.items()}, 16, 16)
+    blocks = est.blocks(part(laplace.ACCUMULATORS, zero.aux), 16, 16)
     nll = float(state.aux[laplace.NLL])
     assert info["log_evidence"] == pytest.approx(log_evidence(blocks, w, nll, delta, 1.0, w0), rel=1e-12)
     assert info["effective_params"] == pytest.approx(effective_parameters(blocks, delta, 1.0), rel=1e-12)

@@ -26,13 +26,16 @@ from typing import Any
 
 import torch
 
+from flatbma.named import SEP, nest, part, without
 from flatbma.params import clone
 from flatbma.precision import GradientOverflow, scaling
 from flatbma.types import Batch, Params, Posterior, State, StepOutput, view
 
-SCALE = "amp/scale"
+AMP = "amp"
+"""The name the loss scale keeps its state under in ``aux`` (:mod:`flatbma.named`): :data:`SCALE` and :data:`GROWTH`."""
+SCALE = AMP + SEP + "scale"
 """``aux`` entry of the loss scale ``S`` (a float32 scalar)."""
-GROWTH = "amp/growth"
+GROWTH = AMP + SEP + "growth"
 """``aux`` entry of the number of finite steps since ``S`` last changed (an int64 scalar)."""
 
 
@@ -98,8 +101,8 @@ class LossScaled:
         return dataclasses.replace(new, aux={**new.aux, **entries}), StepOutput(out.loss, out.logits, stats)
 
     def _split(self, method: Posterior, state: State, members: Sequence[int]) -> State:
-        part = method.split(_without_scale(state), members)  # type: ignore[misc]
-        return dataclasses.replace(part, aux={**part.aux, SCALE: state.aux[SCALE], GROWTH: state.aux[GROWTH]})
+        each = method.split(_without_scale(state), members)  # type: ignore[misc]
+        return dataclasses.replace(each, aux={**each.aux, **_scale_entries(state)})
 
 
 def _hiding(function: Callable[..., Any]) -> Callable[..., Any]:
@@ -120,5 +123,10 @@ def _without_scale(state: State) -> State:
 
 
 def _unscaled(state: State) -> Params:
-    """The ``aux`` of ``state`` without the scale's entries."""
-    return {k: v for k, v in state.aux.items() if k not in (SCALE, GROWTH)}
+    """The ``aux`` of ``state`` without the scale's entries (:func:`flatbma.named.without` of :data:`AMP`)."""
+    return without(AMP, state.aux)
+
+
+def _scale_entries(state: State) -> Params:
+    """The scale's ``aux`` entries of ``state`` (its :data:`AMP` component, under its name)."""
+    return nest(AMP, part(AMP, state.aux))

@@ -49,8 +49,8 @@ def build(
       different seeds have different members, as their member 0 differs), drawn on CPU copies
       (:func:`~flatbma.posteriors.members.member_initializations`); the template module is not touched.
     * State layout: ``params["member<m>/<name>"]``, ``buffers["member<m>/<name>"]`` (each member keeps
-      its own BatchNorm statistics) and ``aux["member<m>/<optimizer key>"]`` (each its own momentum, and
-      its own ascent memory: :func:`flatbma.posteriors.point.init_aux`).
+      its own BatchNorm statistics) and ``aux["member<m>/optimizer/<key>"]`` (each its own momentum), and
+      ``aux["member<m>/ascent/<key>"]`` (its own ascent memory: :func:`flatbma.posteriors.point.init_aux`).
     * Randomness of a step (dropout masks): ``update`` draws one integer ``s_t`` from torch's global
       generator and runs member ``m``'s step with the global generators seeded by a hash of ``(s_t, m)``
       (restored afterwards), so member ``m``'s draws do not depend on the other members — also for

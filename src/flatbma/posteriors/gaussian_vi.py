@@ -18,6 +18,12 @@ ascent step the same composition is the plain reparameterization (ELBO) gradient
 whose ``space`` is :attr:`~flatbma.types.AscentSpace.THETA` (:class:`flatbma.optim.FisherBall`)
 perturbs ``θ`` itself instead (FP-BMA, Lim et al. 2025): :func:`theta_sharpness_value_and_grad`.
 
+State: ``params`` = ``θ``, ``buffers`` = the model's buffers, ``aux`` = the optimizer's state of ``θ`` under
+``optimizer/`` (``optimizer/momentum/<θ key>``, Adam's ``optimizer/exp_avg/<θ key>`` and
+``optimizer/exp_avg_sq/<θ key>``), the noise seed ``rng/seed`` and the ascent step's memories under
+``ascent/`` (:mod:`flatbma.named`). States written before #24 held the optimizer's entries without
+``optimizer/``; they are renamed on load (:func:`flatbma.state_io.renamed`).
+
 Randomness: the training noise comes from a generator reseeded every step from a seed stored in the
 state (``aux["rng/seed"]``, drawn from torch's global generator in ``init``) and the step number
 (:func:`flatbma.rng.seeded_generator`), so a saved-and-loaded state resumes with exactly the noise it
@@ -39,7 +45,7 @@ from flatbma import packed
 from flatbma.checks import check_int, check_number
 from flatbma.errors import FlatbmaError
 from flatbma.gaussian import GaussianNoise, is_theta, section
-from flatbma.named import SEP
+from flatbma.named import OPTIMIZER, SEP, chain, part
 from flatbma.optim.ascent import (
     ASCENT,
     ascent_memory,
@@ -362,7 +368,7 @@ def init(
     ascent: Ascent | None,
     num_mc_samples: int,
 ) -> State:
-    """``θ``, its optimizer's state, the noise seed (``aux["rng/seed"]``) and the ascent step's memories.
+    """``θ``, its optimizer's state (``aux["optimizer/…"]``), the noise seed (``aux["rng/seed"]``), the ascent memories.
 
     ``θ`` is ``family.init_theta`` of the weights ``params``, or ``params`` itself when it is a ``θ``.
     """
@@ -374,7 +380,7 @@ def init(
         theta = family.init_theta(clone(params), seeded_generator(seed, -1, _device(params)))
     if hasattr(family, "layout"):
         theta = packed.pack(theta, family.layout(theta))
-    aux = {**optimizer.init(theta), SEED_KEY: seed.to(_device(theta))}
+    aux = {**chain((OPTIMIZER, optimizer.init(theta))), SEED_KEY: seed.to(_device(theta))}
     on_theta = ascent_space(ascent) is AscentSpace.THETA
     if has_memory(ascent) and on_theta:
         aux.update(ascent_memory(ascent, theta))
@@ -413,8 +419,8 @@ def update(
     loss, logits, grads = value_and_grad(
         objective, family, theta, state.buffers, batch, noises, ascent=ascent, kl_weight=kl_weight, **memory
     )
-    aux = optimizer.apply(state.params, grads, state.aux, state.step)
-    aux = {**aux, SEED_KEY: state.aux[SEED_KEY], **kept}
+    own = optimizer.apply(state.params, grads, part(OPTIMIZER, state.aux), state.step)
+    aux = {**chain((OPTIMIZER, own)), SEED_KEY: state.aux[SEED_KEY], **kept}
     stats = {f"ascent/{k}": v for k, v in record.items()}
     return replace(state, aux=aux, step=state.step + 1), StepOutput(loss, logits, stats)
 

@@ -43,7 +43,7 @@ from flatbma.curvature import (
 )
 from flatbma.errors import FlatbmaError
 from flatbma.models import classifier_of, is_pretrained
-from flatbma.named import SEP, chain, split
+from flatbma.named import OPTIMIZER, SEP, chain, part, split
 from flatbma.params import Objective, clone
 from flatbma.posteriors.point import NAME as point_name
 from flatbma.posteriors.point import step as point_step
@@ -62,15 +62,20 @@ from flatbma.types import (
 )
 
 POINT = point_name
-"""Name of the MAP's component of ``State.aux``: the point update's state (its optimizer's), :mod:`flatbma.named`."""
+"""Name of the MAP's component of ``State.aux``: the point update's state (its optimizer's, ``point/optimizer/``),
+:mod:`flatbma.named`."""
 LAPLACE = "laplace"
-"""Name of the curvature's component of ``State.aux``: the accumulators, the counters below and ``w₀``."""
+"""Name of the curvature's component of ``State.aux``: the accumulators (:data:`ACCUMULATORS`), the counters below and
+``w₀``."""
 PREFIX = LAPLACE + SEP
 """Prefix of the curvature's entries in ``State.aux``."""
 SEEN = PREFIX + "seen"
 """``aux`` entry: examples whose curvature was accumulated (int64; this process's, under data parallelism)."""
 NLL = PREFIX + "nll"
 """``aux`` entry: ``Σ ℓ_i(w*)`` over those examples (float64), for the reported evidence."""
+ACCUMULATORS = PREFIX + "curvature"
+"""Name of the curvature estimator's accumulators within :data:`LAPLACE` (``laplace/curvature/<key>``). States
+written before #24 held them as ``laplace/<key>``; they are renamed on load (:func:`flatbma.state_io.renamed`)."""
 PRIOR_MEAN = PREFIX + "prior_mean/"
 """Prefix of the ``aux`` entries ``w₀`` of ``prior_mean: pretrained``, one per trained tensor (its dtype)."""
 
@@ -251,11 +256,11 @@ def init(
 ) -> State:
     """The MAP's optimizer state, empty curvature accumulators, ``SEEN = NLL = 0`` and, if pretrained, ``w₀``."""
     params = clone(params)
-    aux = chain((POINT, optimizer.init(params)))
+    aux = chain((POINT, chain((OPTIMIZER, optimizer.init(params)))))
     est = _estimator(options, objective, chosen(options, objective, params))
     _log.info("laplace curvature: %s", est.describe())
     device = next(iter(params.values())).device
-    aux.update({PREFIX + k: v for k, v in est.init().items()})
+    aux.update(chain((ACCUMULATORS, est.init())))
     aux[SEEN] = torch.zeros((), dtype=torch.int64, device=device)
     aux[NLL] = torch.zeros((), dtype=torch.float64, device=device)
     if options.prior_mean is PriorMean.PRETRAINED:
@@ -332,7 +337,7 @@ def curvature_step(state: State, batch: Batch, *, options: Options, objective: O
     if reduce is not None:  # Σ over the global batch / number of processes, as the curvature
         nll = reduce({"nll": nll / b})["nll"] * b
     aux = dict(state.aux)
-    aux.update({PREFIX + k: v for k, v in acc.items()})
+    aux.update(chain((ACCUMULATORS, acc)))
     aux[SEEN] = state.aux[SEEN] + b
     aux[NLL] = state.aux[NLL] + nll
     out = StepOutput(objective.loss_fn(logits, y), logits)
@@ -481,12 +486,8 @@ def pretrained_mean(model: torch.nn.Module, params: Params) -> Params:
 
 
 def _accumulators(aux: Params) -> Params:
-    """The curvature estimator's accumulators among ``aux`` (its ``laplace/`` entries but the counters and ``w₀``)."""
-    return {
-        k[len(PREFIX) :]: v
-        for k, v in aux.items()
-        if k.startswith(PREFIX) and k not in (SEEN, NLL) and not k.startswith(PRIOR_MEAN)
-    }
+    """The curvature estimator's accumulators among ``aux`` (its :data:`ACCUMULATORS` entries, without the name)."""
+    return part(ACCUMULATORS, aux)
 
 
 def describe(fit: Fit) -> dict[str, float]:

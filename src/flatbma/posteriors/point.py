@@ -2,6 +2,12 @@
 
 The "posterior" is a Dirac mass at ``w``; sampling returns ``w`` (the BMA of a point is the point), and
 so does its mean; its width is 0.
+
+State: ``params`` = ``w``, ``buffers`` = the model's buffers, ``aux`` = the optimizer's state under
+``optimizer/`` (SGD's ``optimizer/momentum/<w>``; Adam's ``optimizer/exp_avg/<w>``, ``optimizer/exp_avg_sq/<w>``)
+and an amortized ascent step's memory under ``ascent/`` (:mod:`flatbma.named`). States written before #24 held
+the optimizer's entries without ``optimizer/`` (``momentum/<w>``); they are renamed on load
+(:func:`flatbma.state_io.renamed`).
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ from functools import partial
 
 import torch
 
+from flatbma.named import OPTIMIZER, chain, part
 from flatbma.optim.ascent import ascent_memory, has_memory, memory_entries, memory_of, sharpness_aware_value_and_grad
 from flatbma.params import Objective, clone
 from flatbma.types import Ascent, Batch, GradientTransformation, Params, Posterior, State, StepOutput
@@ -88,8 +95,8 @@ def zero_variance(state: State) -> Params:
 
 
 def init_aux(optimizer: GradientTransformation, ascent: Ascent | None, params: Params) -> Params:
-    """The ``aux`` of a point trained by :func:`step`: the optimizer's state and the ascent step's memory, if any."""
-    return {**optimizer.init(params), **ascent_memory(ascent, params)}
+    """The ``aux`` of a point trained by :func:`step`: the optimizer's state (``optimizer/``), the ascent memory."""
+    return {**chain((OPTIMIZER, optimizer.init(params))), **ascent_memory(ascent, params)}
 
 
 def step(
@@ -121,7 +128,7 @@ def step(
     """
     memory = memory_of(opt_state) if has_memory(ascent) else None
     loss, logits, grads = sharpness_aware_value_and_grad(objective, params, buffers, batch, ascent, memory)
-    new_state = optimizer.apply(params, grads, opt_state, step)
-    if memory is not None:  # updated in place; kept whatever the optimizer returns
+    new_state = chain((OPTIMIZER, optimizer.apply(params, grads, part(OPTIMIZER, opt_state), step)))
+    if memory is not None:  # updated in place
         new_state = {**new_state, **memory_entries(opt_state)}
     return new_state, StepOutput(loss, logits)

@@ -17,11 +17,12 @@ State layout (``d`` = number of trained weights, ``K`` = ``rank``):
   (``w̄_i`` the mean *including* snapshot ``i``, as in the paper), flattened in sorted-name order;
   absent for the diagonal-only variant;
 * ``aux["swag/n_collected"]``: number of snapshots (0-d int64);
-* ``aux["point/<key>"]``: the point update's own state (its optimizer's moments, an ascent step's memory).
+* ``aux["point/<key>"]``: the point update's own state (:mod:`flatbma.posteriors.point`: its optimizer's
+  moments ``point/optimizer/momentum/<name>``, an ascent step's memory ``point/ascent/…``).
 
 Each component keeps its state under its own name (:mod:`flatbma.named`): ``swag/`` and ``point/``. States
-written before (#24) held the point's entries without ``point/``; loading renames them
-(:func:`flatbma.state_io.renamed`).
+written before (#24) held the point's entries without ``point/`` (and its optimizer's without ``optimizer/``:
+``momentum/<name>``); loading renames them (:func:`flatbma.state_io.renamed`).
 """
 
 from __future__ import annotations
