@@ -454,3 +454,26 @@ def test_the_cli_refuses_prior_precision_val_before_training_in_one_line(tmp_pat
     err = capsys.readouterr().err.strip()
     assert err.startswith("flatbma: error: method.prior_precision: val (chosen on validation data after training) is")
     assert "\n" not in err and not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("method", ["mfvi", "sam"])
+def test_a_predictor_trained_with_adam_loads_with_the_optimizer_it_records(tmp_path, method):
+    """The file records the ``optim`` section: a state holding Adam's moments loads and predicts as fitted."""
+    from flatbma.predictor_file import read_file, write_file
+
+    loader = DataLoader(TensorDataset(*_data()), batch_size=48)
+    torch.manual_seed(0)
+    fitted = flatbma.fit_posterior(
+        _net(), loader, method, epochs=2, lr=1e-2, optim={"name": "adam"}, num_samples=4, progress=False
+    )
+    path = tmp_path / "adam.safetensors"
+    fitted.save(path)
+    assert read_file(path)[1]["optim"] == {"name": "adam", "lr": 1e-2}
+    loaded = flatbma.load_posterior(path, _net(), loader)
+    x, _ = _data(20, seed=5)
+    assert torch.equal(loaded.predict_proba(x), fitted.predict_proba(x))
+    state, settings = read_file(path)  # a file of before the record: the default optimizer's entries are expected
+    del settings["optim"]
+    write_file(path, state, settings)
+    with pytest.raises(flatbma.FlatbmaError, match="recorded its optimizer"):
+        flatbma.load_posterior(path, _net(), loader)

@@ -137,6 +137,10 @@ class BMA:
         batched: how the samples are evaluated (:func:`flatbma.predict.sample_log_probs`).
         method_config: the method's config section (``name`` and options), written by :meth:`save` so that
             :func:`flatbma.load_posterior` can rebuild the method; :func:`flatbma.fit_posterior` sets it.
+        optim_config: the ``optim`` section the method trained with, written by :meth:`save` beside
+            ``method_config``: the state holds that optimizer's entries (SGD's momentum, Adam's moments), so
+            :func:`flatbma.load_posterior` rebuilds the method with it (the predictor never steps it);
+            :func:`flatbma.fit_posterior` sets it.
         num_data: the number of training examples the method was built with (``Objective.num_data``),
             written by :meth:`save` beside ``method_config`` (the Laplace family's curvature scales with it);
             :func:`flatbma.fit_posterior` sets it.
@@ -171,6 +175,7 @@ class BMA:
         device: torch.device | str | None = None,
         batched: bool | None = None,
         method_config: Mapping[str, Any] | None = None,
+        optim_config: Mapping[str, Any] | None = None,
         num_data: int | None = None,
         precision: Precision | str = Precision.FP32,
         likelihood: Gaussian | None = None,
@@ -194,6 +199,7 @@ class BMA:
         self.seed = seed
         self.batched = batched
         self.method_config = dict(method_config) if method_config is not None else None
+        self.optim_config = dict(optim_config) if optim_config is not None else None
         self.num_data = num_data
         self.device = target_device(device, model)
         if device is not None:
@@ -403,6 +409,8 @@ class BMA:
             "recompute_bn": self.recompute_bn,
             "method": self.method_config,
         }
+        if self.optim_config is not None:
+            settings["optim"] = self.optim_config
         if self.num_data is not None:
             settings["num_data"] = self.num_data
         if self.likelihood is not None:
@@ -447,6 +455,7 @@ class BMA:
             device=device,
             batched=batched,
             method_config=settings["method"],
+            optim_config=settings.get("optim"),
             num_data=settings.get("num_data"),
             precision=precision,
             likelihood=likelihood_of(settings, path),

@@ -153,7 +153,8 @@ def fit_posterior(
             f"{', '.join(f'{k}=val' for k in choose)} chooses {'it' if len(choose) == 1 else 'them'} by the validation "
             "NLL: pass val_loader= (held-out (x, y) batches), or give a value"
         )
-    optim_config = parse_dataclass(OptimConfig, _optim_section(optim, lr), "optim")
+    optim_section = _optim_section(optim, lr)
+    optim_config = parse_dataclass(OptimConfig, optim_section, "optim")
     steps, num_data = _sizes(loader)
     train_device = target_device(device, model)
     if gaussian is None:
@@ -208,6 +209,7 @@ def fit_posterior(
             recompute_bn=recompute_bn,
             device=train_device,
             method_config=config.resolved(epochs * steps).to_dict(),  # start_step: null as the run resolved it
+            optim_config=optim_section,
             num_data=num_data,
             likelihood=gaussian,
         )
@@ -265,8 +267,21 @@ def load_posterior(
         raise FlatbmaError(f"{path}: the predictor settings are damaged (num_data {shown(num_data)}); save it again")
     gaussian = likelihood_of(settings, path)
     objective = Objective(model=model, num_data=num_data, **({"loss_fn": gaussian} if gaussian is not None else {}))
-    posterior = config.build(objective, OptimConfig().build(steps_per_epoch=1, epochs=1))
-    return BMA.load(path, model, posterior, train_loader, device=device)
+    optim = settings.get("optim", {})  # none recorded (a file of before): the default optimizer's entries
+    if not isinstance(optim, Mapping):
+        raise FlatbmaError(f"{path}: the predictor settings are damaged (optim {shown(optim)}); save it again")
+    optimizer = parse_dataclass(OptimConfig, optim, f"{path}: optim").build(steps_per_epoch=1, epochs=1)
+    posterior = config.build(objective, optimizer)
+    try:
+        return BMA.load(path, model, posterior, train_loader, device=device)
+    except FlatbmaError as e:
+        if "optim" in settings:
+            raise
+        raise FlatbmaError(
+            f"{e} (a file saved before flatbma recorded its optimizer is rebuilt with the default one: for one "
+            "trained with another, build the method with that optimizer and use flatbma.BMA.load(path, model, "
+            "method, train_loader))"
+        ) from None
 
 
 def _check_model_argument(model: object) -> None:
