@@ -134,7 +134,9 @@ def test_pack_with_mirrors_packs_full_groups_only():
     assert new_aux["momentum/bn.bias"] is aux["momentum/bn.bias"] and new_aux["rng/seed"] is aux["rng/seed"]
     assert list(new_aux) == list(aux) and all(torch.equal(new_aux[k], aux[k]) for k in aux)
     # a group under a name of several segments (the optimizer's state under optimizer/: flatbma.named)
-    nested = {f"optimizer/exp_avg/{k}": v + 1 for k, v in params.items()} | {"optimizer/momentum/bn.bias": torch.ones(4)}
+    nested = {f"optimizer/exp_avg/{k}": v + 1 for k, v in params.items()} | {
+        "optimizer/momentum/bn.bias": torch.ones(4)
+    }
     _, new_nested = packed.pack_with_mirrors(params, nested, layout)
     assert packed.layout_of([new_nested[f"optimizer/exp_avg/{k}"] for k in keys], keys) == layout
     assert new_nested["optimizer/momentum/bn.bias"] is nested["optimizer/momentum/bn.bias"]
