@@ -88,7 +88,9 @@ def _geometry(log_std: Tensor, factor: Tensor, dtype: torch.dtype | None) -> Low
     s = log_std.to(dtype)
     a = 0.5 * torch.exp(2 * s)
     inv_sqrt_a = math.sqrt(2.0) * torch.exp(-s)
-    u = c * factor.to(s.dtype)
+    u = factor.to(s.dtype)
+    # the same products as c·L: scaled in place when the cast made a copy (one [K, d] temporary less)
+    u = c * u if u is factor else u.mul_(c)
     ut = u * inv_sqrt_a
     eye = torch.eye(k, dtype=u.dtype, device=u.device)
     cap = eye + ut @ ut.T

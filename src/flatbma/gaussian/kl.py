@@ -62,7 +62,9 @@ def kl_divergence_grad(theta: Mapping[str, Tensor], prior_std: float) -> Mapping
     torch.div(mu, s2, out=out[0])
     # σ²(Σ⁻¹)_ii/2 = 1 − wᵢ;  Σ⁻¹L/(2(K−1)) = c·C⁻¹ŨᵀA^{-1/2} (as rows of the [K, d] layout)
     out[1] = geo.a / s2 - (1 - geo.w)
-    torch.sub(factor * (geo.c**2 / s2), (geo.pt * geo.cs).to(mu.dtype), out=out[2:])
+    # the float64 product rounded once to θ's dtype as it is stored (as `.to` did), no float64 temporary
+    scaled = torch.mul(geo.pt, geo.cs, out=torch.empty_like(factor))
+    torch.mul(factor, geo.c**2 / s2, out=out[2:]).sub_(scaled)
     return from_rows(out, theta)
 
 

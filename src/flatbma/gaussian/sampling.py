@@ -147,10 +147,10 @@ def pullback(theta: Mapping[str, Tensor], noise: GaussianNoise, grads: Mapping[s
     k = noise.z2.shape[-1]
     c = factor_scale(k)
     _, log_std, _ = blocks(theta)
-    g = torch.cat([grads[n].reshape(-1) for n in names])
+    first = grads[names[0]]
     z1 = _flat_noise(noise.z1, names, torch.Size())
-    out = torch.empty((k + 2, g.numel()), dtype=g.dtype, device=g.device)
-    out[0] = g
+    out = torch.empty((k + 2, z1.numel()), dtype=first.dtype, device=first.device)
+    g = torch.cat([grads[n].reshape(-1) for n in names], out=out[0])  # gathered into row 0, no copy after
     torch.mul(math.sqrt(0.5) * torch.exp(log_std) * z1, g, out=out[1])
     torch.outer(c * noise.z2.to(g.dtype), g, out=out[2:])
     return from_rows(out, theta)
