@@ -84,9 +84,10 @@ _DISTRIBUTION_STREAM = -2
 class SpectrumOptions:
     """How the flatness entry points measure a Hessian spectrum: the keywords they all take, in one place.
 
-    :func:`sample_spectra`, :func:`measure_samples`, :func:`distribution_spectrum` and
-    :func:`flatness_report` build it from their keyword arguments (each with its own defaults) and
-    measure with it; the defaults here are the protocol's (:func:`flatness_report`).
+    :func:`measure_samples`, :func:`distribution_spectrum` and :func:`flatness_report` build it from
+    their keyword arguments (each with its own defaults) and measure with it (:func:`sample_spectra` hands
+    the same keywords to :func:`~flatbma.flatness.hessian_eigenvalues`); the defaults here are the
+    protocol's (:func:`flatness_report`).
 
     Attributes:
         k: eigenvalues per spectrum.
@@ -162,19 +163,10 @@ def sample_spectra(
 ) -> Tensor:
     """Top-``k`` Hessian eigenvalues of every sample: a ``[S, k]`` float64 tensor (rows descending)."""
     _check_samples(samples)
-    o = SpectrumOptions(k=k, params=params, loss_fn=loss_fn, tol=tol, max_iter=max_iter)
     return torch.stack(
         [
             hessian_eigenvalues(
-                model,
-                data,
-                o.k,
-                loss_fn=o.loss_fn,
-                params=o.params,
-                weights=w,
-                tol=o.tol,
-                max_iter=o.max_iter,
-                seed=seed,
+                model, data, k, loss_fn=loss_fn, params=params, weights=w, tol=tol, max_iter=max_iter, seed=seed
             )
             for w in samples
         ]
