@@ -441,7 +441,7 @@ class BMA:
         so a module of either kind predicts as it did when it was fitted.
         """
         state, settings = read_file(path)
-        state = _fitted(state, method, model, path)
+        state = _fitted(state, method, model, path, optimizer_recorded="optim" in settings)
         if settings.get("logits", LOGITS_FIRST) == LOGITS_FIRST:  # no record: an older file, either kind of module
             keep_logits(model)
         return cls(
@@ -596,21 +596,30 @@ class BMA:
             ) from None
 
 
-def _fitted(state: State, method: Posterior, model: nn.Module, path: str | Path) -> State:
+def _fitted(
+    state: State, method: Posterior, model: nn.Module, path: str | Path, *, optimizer_recorded: bool = True
+) -> State:
     """``state``, which must have the structure ``method`` gives a fresh state of ``model`` (under a forked RNG).
 
     The rule a resumed run's checkpoint meets (:func:`flatbma.state_io.structure_problem`): the same names,
     dtypes and shapes, plus only the parameter stacks a sampler keeps in ``aux``; a file of an older layout has
-    its entries renamed first (:func:`flatbma.state_io.renamed`).
+    its entries renamed first (:func:`flatbma.state_io.renamed`). The state holds its optimizer's entries, so a
+    file that does not record its ``optim`` section (``optimizer_recorded`` false) is refused with that advice.
     """
     with torch.random.fork_rng(devices=[]):
         reference = method.init(trainable_params(model), model_buffers(model))
     state = renamed(state, reference)
     problem = structure_problem(state, reference)
     if problem:
+        advice = (
+            ""
+            if optimizer_recorded
+            else " (the file has not recorded its optimizer: build the method with the optimizer it was trained "
+            "with, whose entries it holds, and use flatbma.BMA.load(path, model, method, train_loader))"
+        )
         raise FlatbmaError(
             f"{path} does not fit this model and method ({problem}): load it with the architecture and method it "
-            "was saved with"
+            f"was saved with{advice}"
         )
     return state
 

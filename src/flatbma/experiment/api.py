@@ -272,16 +272,7 @@ def load_posterior(
         raise FlatbmaError(f"{path}: the predictor settings are damaged (optim {shown(optim)}); save it again")
     optimizer = parse_dataclass(OptimConfig, optim, f"{path}: optim").build(steps_per_epoch=1, epochs=1)
     posterior = config.build(objective, optimizer)
-    try:
-        return BMA.load(path, model, posterior, train_loader, device=device)
-    except FlatbmaError as e:
-        if "optim" in settings:
-            raise
-        raise FlatbmaError(
-            f"{e} (a file saved before flatbma recorded its optimizer is rebuilt with the default one: for one "
-            "trained with another, build the method with that optimizer and use flatbma.BMA.load(path, model, "
-            "method, train_loader))"
-        ) from None
+    return BMA.load(path, model, posterior, train_loader, device=device)
 
 
 def _check_model_argument(model: object) -> None:
