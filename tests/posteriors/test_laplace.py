@@ -16,7 +16,7 @@ from flatbma.errors import FlatbmaError
 from flatbma.linearized import Linearized, Probit, linearized_predictions
 from flatbma.models import build_model, classifier_of
 from flatbma.named import part, split
-from flatbma.optim import SAM, SGD
+from flatbma.optim import SAM, SGD, Amortized
 from flatbma.params import Objective, model_buffers, trainable_params
 from flatbma.posteriors import laplace, members, multi, point
 from flatbma.predict import sample_log_probs
@@ -59,7 +59,9 @@ def test_laplace_declares_its_phases_and_the_state_says_which_one_it_is_in():
     ]
 
 
-@pytest.mark.parametrize("ascent", [None, SAM(rho=0.05)], ids=["sgd", "sam"])
+@pytest.mark.parametrize(
+    "ascent", [None, SAM(rho=0.05), Amortized(SAM(rho=0.05), ascent_every=2)], ids=["sgd", "sam", "sam-k2"]
+)
 def test_the_map_phase_is_the_point_methods_run_byte_for_byte(ascent):
     runs = {}
     for name in ("point", "laplace"):

@@ -43,9 +43,10 @@ from flatbma.curvature import (
 )
 from flatbma.errors import FlatbmaError
 from flatbma.models import classifier_of, is_pretrained
-from flatbma.named import OPTIMIZER, SEP, chain, part, split
+from flatbma.named import SEP, chain, part, split
 from flatbma.params import Objective, clone
 from flatbma.posteriors.point import NAME as point_name
+from flatbma.posteriors.point import init_aux as point_init_aux
 from flatbma.posteriors.point import step as point_step
 from flatbma.posteriors.point import weights_of
 from flatbma.types import (
@@ -239,7 +240,7 @@ def build(
         )
     fixed = {"options": o, "objective": objective}
     return Posterior(
-        init=partial(init, **fixed, optimizer=optimizer),
+        init=partial(init, **fixed, optimizer=optimizer, ascent=ascent),
         update=partial(update, **fixed, optimizer=optimizer, ascent=ascent),
         sample=partial(sample, **fixed),
         recompute_bn=True,
@@ -252,11 +253,20 @@ def build(
 
 
 def init(
-    params: Params, buffers: Params, *, options: Options, objective: Objective, optimizer: GradientTransformation
+    params: Params,
+    buffers: Params,
+    *,
+    options: Options,
+    objective: Objective,
+    optimizer: GradientTransformation,
+    ascent: Ascent | None,
 ) -> State:
-    """The MAP's optimizer state, empty curvature accumulators, ``SEEN = NLL = 0`` and, if pretrained, ``w₀``."""
+    """The MAP's point state, empty curvature accumulators, ``SEEN = NLL = 0`` and, if pretrained, ``w₀``.
+
+    The point state is :func:`flatbma.posteriors.point.init_aux`'s: the optimizer's, and an amortized ascent's memory.
+    """
     params = clone(params)
-    aux = chain((POINT, chain((OPTIMIZER, optimizer.init(params)))))
+    aux = chain((POINT, point_init_aux(optimizer, ascent, params)))
     est = _estimator(options, objective, chosen(options, objective, params))
     _log.info("laplace curvature: %s", est.describe())
     device = next(iter(params.values())).device
