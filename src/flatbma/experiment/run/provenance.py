@@ -11,11 +11,15 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
+import platform
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
@@ -213,3 +217,95 @@ def reference_state(method: Posterior, model: nn.Module, device: torch.device) -
     devices = list(range(torch.cuda.device_count())) if device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices):
         return method.init(trainable_params(model), model_buffers(model))
+
+
+ISA_FLAGS = (
+    "sse4_2",
+    "avx",
+    "avx2",
+    "fma",
+    "f16c",
+    "avx512f",
+    "avx512bw",
+    "avx512vl",
+    "avx512_vnni",
+    "avx512_bf16",
+    "amx_tile",
+    "amx_bf16",
+    "asimd",
+    "sve",
+)
+"""The instruction-set flags of ``/proc/cpuinfo`` that decide which kernels torch, MKL and oneDNN run."""
+
+KERNEL_VARIABLES = (
+    "ATEN_CPU_CAPABILITY",
+    "ONEDNN_MAX_CPU_ISA",
+    "MKL_ENABLE_INSTRUCTIONS",
+    "MKL_CBWR",
+    "OMP_NUM_THREADS",
+    "MKL_NUM_THREADS",
+)
+"""Environment variables that change the CPU kernels or their threads (recorded when set)."""
+
+
+def environment(device: torch.device | str | None = None) -> dict[str, Any]:
+    """Where a run's numbers were computed: the library versions and the machine's kernels (``metrics.json``).
+
+    Floating-point results depend on the kernels: torch picks its vectorized ones by the CPU's instruction set
+    (``cpu_capability``: ``DEFAULT``, ``AVX2``, ``AVX512``; ``ATEN_CPU_CAPABILITY`` caps it), oneDNN its
+    convolutions by its own dispatch (``ONEDNN_MAX_CPU_ISA`` caps it), MKL its matrix products, and a
+    reduction's order by the number of threads. So the record holds the CPU model, its ISA flags
+    (:data:`ISA_FLAGS` present in ``/proc/cpuinfo``), torch's capability, the threads, the BLAS and oneDNN
+    builds (``torch.__config__.show()``), the :data:`KERNEL_VARIABLES` that are set, and on a GPU its name
+    and the CUDA and cuDNN versions: two runs whose records differ here may differ in their last digits.
+    """
+    record: dict[str, Any] = {
+        "flatbma": flatbma.__version__,
+        "torch": torch.__version__,
+        "numpy": np.__version__,
+        "python": platform.python_version(),
+        "cpu": _cpu_model(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "cpu_flags": [f for f in ISA_FLAGS if f in _cpu_flags()],
+        "threads": torch.get_num_threads(),
+        "interop_threads": torch.get_num_interop_threads(),
+        "cpu_count": os.cpu_count(),
+        **_backends(torch.__config__.show()),
+        "kernel_variables": {k: os.environ[k] for k in KERNEL_VARIABLES if k in os.environ},
+    }
+    if device is not None and torch.device(device).type == "cuda":
+        record["gpu"] = torch.cuda.get_device_name(torch.device(device))
+        record["cuda"] = torch.version.cuda
+        record["cudnn"] = torch.backends.cudnn.version()
+    return record
+
+
+def _cpuinfo() -> str:
+    try:
+        return Path("/proc/cpuinfo").read_text(errors="replace")
+    except OSError:  # not Linux
+        return ""
+
+
+def _cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``; elsewhere what :func:`platform.processor` says)."""
+    found = re.search(r"^model name\s*:\s*(.+)$", _cpuinfo(), flags=re.M)
+    return found.group(1).strip() if found else platform.processor() or platform.machine()
+
+
+def _cpu_flags() -> set[str]:
+    """The first CPU's flags (x86 ``flags``, ARM ``Features``) in ``/proc/cpuinfo``; empty elsewhere."""
+    found = re.search(r"^(?:flags|Features)\s*:\s*(.+)$", _cpuinfo(), flags=re.M)
+    return set(found.group(1).split()) if found else set()
+
+
+def _backends(config: str) -> dict[str, str | None]:
+    """The BLAS (``mkl``, ``open``, ...), its version and oneDNN's, read from ``torch.__config__.show()``'s text."""
+    blas = re.search(r"BLAS_INFO=(\w+)", config)
+    mkl = re.search(r"Math Kernel Library Version (\S+)", config)
+    onednn = re.search(r"(?:MKL-DNN|oneDNN) (v[\w.]+)", config)
+    return {
+        "blas": blas.group(1) if blas else None,
+        "mkl": mkl.group(1) if mkl else None,
+        "onednn": onednn.group(1) if onednn else None,
+    }

@@ -13,7 +13,6 @@ started from the :class:`FittedPrior`. How processes share a stage is its experi
 from __future__ import annotations
 
 import json
-import platform
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -21,10 +20,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 import yaml
 
-import flatbma
 from flatbma import progress
 from flatbma.errors import DivergenceError, FlatbmaError
 from flatbma.experiment.config.parse import yaml_float
@@ -50,7 +47,7 @@ from flatbma.experiment.run.evaluate import evaluate_state
 from flatbma.experiment.run.health import assess, warn_if_flagged
 from flatbma.experiment.run.lock import hold
 from flatbma.experiment.run.logs import EpochLogger, check_available
-from flatbma.experiment.run.provenance import provenance, template
+from flatbma.experiment.run.provenance import environment, provenance, template
 from flatbma.experiment.run.resume import RESUMES_FILE
 from flatbma.experiment.runner import History, Position, fit
 from flatbma.params import model_buffers, trainable_params
@@ -60,16 +57,6 @@ from flatbma.types import Params, State
 CONFIG_FILE = "config.yaml"
 CHECKPOINT_FILE = "checkpoint.safetensors"
 METRICS_FILE = "metrics.json"
-
-
-def environment() -> dict[str, str]:
-    """Library versions recorded with every run."""
-    return {
-        "flatbma": flatbma.__version__,
-        "torch": torch.__version__,
-        "numpy": np.__version__,
-        "python": platform.python_version(),
-    }
 
 
 def same_config(run_dir: Path, cfg: RunConfig) -> bool:
@@ -363,7 +350,7 @@ def _train_stage(
         train_time_s=train_time,
         steps=state.step,
         history=[h.record() for h in history.epochs],
-        environment=environment(),
+        environment=environment(exp.device),
     )
     if evaluate:  # the loss history and the BMA's fit to its training data (compare assesses its own rows)
         metrics["health"] = assess(metrics["history"], metrics.get("health"))

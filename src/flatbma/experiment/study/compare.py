@@ -86,6 +86,7 @@ from flatbma.experiment.run.health import assess, warn_if_flagged
 from flatbma.experiment.run.lock import hold
 from flatbma.experiment.run.outdir import check_compare_output
 from flatbma.experiment.run.pipeline import load_run, train
+from flatbma.experiment.run.provenance import environment
 from flatbma.experiment.run.stage import METRICS_FILE
 from flatbma.experiment.run.validate import validate_runs
 from flatbma.experiment.study import selection
@@ -484,6 +485,7 @@ def _measured(
             landscape=compare.landscape,
         ),
         "width_matched": matched,
+        "environment": environment(exp.device),  # where the row was measured (its run's: its metrics.json)
     }
     result["health"] = assess(train_metrics.get("history"), result["health"])
     keys = metric_keys(result)
