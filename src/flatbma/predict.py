@@ -140,9 +140,11 @@ def evaluate(
     batched: bool | None = None,
     chunk_size: int | None = None,
     reduce_metrics: Callable[[StreamingMetrics], None] | None = None,
+    temperature: float = 1.0,
 ) -> dict[str, float]:
     """Accuracy, NLL, ECE, adaptive ECE and Brier score of the BMA predictive over ``loader``.
 
+    ``temperature`` ``T`` scales the predictive to ``log softmax(log p̄ / T)`` (:func:`stream_metrics`; 1: none).
     The other keyword arguments are those of :func:`predict`. ``reduce_metrics`` is applied to the
     accumulated :class:`~flatbma.metrics.StreamingMetrics` before they are computed: with each
     process evaluating a shard of the data,
@@ -159,6 +161,7 @@ def evaluate(
         batched=batched,
         chunk_size=chunk_size,
         reduce_metrics=reduce_metrics,
+        temperature=temperature,
     )
     metrics = states[len(samples)].compute()
     if metrics["n"] == 0:

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import math
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from functools import partial
 from pathlib import Path
@@ -45,14 +46,15 @@ from torch.func import functional_call
 from torch.utils.data import DataLoader, IterableDataset
 
 from flatbma.bn import eval_mode, has_batchnorm, statistics_loader, with_recomputed_statistics
-from flatbma.checks import check_device, check_seed, is_int, parse_choice
+from flatbma.calibration import fit_temperature, scale
+from flatbma.checks import check_device, check_seed, is_int, is_number, parse_choice
 from flatbma.errors import FlatbmaError, FlatbmaTypeError
 from flatbma.linearized import LinearizedPredictive, linearized_names, linearized_predictions
 from flatbma.metrics import uncertainty_decomposition
 from flatbma.models.contract import first_output, keep_logits
 from flatbma.params import hold, load_into, model_buffers, trainable_params
 from flatbma.precision import Precision, autocast
-from flatbma.predict import Predictions, bma_log_probs, evaluate, labelled, sample_log_probs
+from flatbma.predict import Predictions, bma_log_probs, evaluate, labelled, predict, sample_log_probs
 from flatbma.predictor_file import LOGITS_FIRST, LOGITS_OUTPUT, PREDICTOR_FORMAT, likelihood_of, read_file, write_file
 from flatbma.regression import Gaussian, mixture_metrics, sample_outputs
 from flatbma.state_io import (
@@ -218,6 +220,7 @@ class BMA:
         self._samples: list[Params] | None = None
         self._linearized: LinearizedPredictive | None = None
         self._num_classes: int | None = None
+        self._temperature = 1.0
         self.history: list[dict[str, Any]] = []
         """The training log, one row per epoch (:func:`flatbma.fit_posterior` fills it; empty otherwise): the
         rows of ``flatbma train``'s ``log.csv`` — ``epoch``, ``loss``, ``accuracy``, ``steps``, ``lr``, ``time_s``,
@@ -233,7 +236,85 @@ class BMA:
     def __repr__(self) -> str:
         name = self._name()
         bn = "recomputed per sample" if self.recompute_bn else "the state's"
-        return f"BMA({name}, num_samples={self.num_samples}, seed={self.seed}, bn={bn}, device={self.device})"
+        tempered = f", temperature={self.temperature:.4g}" if self.temperature != 1.0 else ""
+        return f"BMA({name}, num_samples={self.num_samples}, seed={self.seed}, bn={bn}, device={self.device}{tempered})"
+
+    # ---------------------------------------------------------------- torch
+    def __call__(self, x: Any) -> Tensor:
+        """The BMA's probabilities ``[N, C]`` of ``x``: :meth:`predict_proba` (the mean over the fixed samples)."""
+        return self.predict_proba(x)
+
+    def as_module(self) -> BMAModule:
+        """The predictor as an ``nn.Module`` for ordinary torch code (:class:`BMAModule`).
+
+        Its ``forward(x)`` is :meth:`predict_log_proba`, usable wherever a classifier's logits are.
+        """
+        self._classifier("as_module")
+        return BMAModule(self)
+
+    def to(self, device: torch.device | str) -> BMA:
+        """Move the predictor — its module, state, samples and later inputs — to ``device``, in place; return it.
+
+        The samples drawn so far move as they are (their BatchNorm statistics are not recomputed); a linearized
+        predictive is rebuilt on the new device when next used.
+        """
+        device = check_device(device, "device", instead="cpu", kinds=_DEVICE_KINDS)
+        if device == self.device:
+            return self
+        self.model.to(device)
+        self.state = _state_on(self.state, device)
+        if self._samples is not None:
+            self._samples = [{k: v.to(device) for k, v in w.items()} for w in self._samples]
+        self._linearized = None
+        self.device = device
+        return self
+
+    # ---------------------------------------------------------------- calibration
+    @property
+    def temperature(self) -> float:
+        """``T`` of the temperature-scaled predictive ``softmax(log p̄(y|x) / T)`` (1: none; :meth:`calibrate` fits it).
+
+        It enters :meth:`predict_log_proba` and all that derives from it (:meth:`predict_proba`, :meth:`predict`,
+        calling the predictor, :meth:`as_module`) and :meth:`evaluate`; :meth:`save` records it. The split of
+        :meth:`predict_uncertainty` is the posterior's own (the scaled predictive has no per-sample parts).
+        """
+        return self._temperature
+
+    @temperature.setter
+    def temperature(self, value: float) -> None:
+        if not is_number(value) or not 0 < value < math.inf:
+            raise FlatbmaError(f"temperature must be a positive number (1: none), got {value!r}")
+        self._temperature = float(value)
+
+    def calibrate(self, val_loader: Iterable[Any]) -> float:
+        """Fit :attr:`temperature` on validation ``(x, y)`` batches (integer labels); return it.
+
+        Temperature scaling (Guo et al. 2017) as ``flatbma compare`` does it: the untempered BMA log-probabilities
+        of the validation data, then ``T`` minimizing their NLL (:func:`flatbma.calibration.fit_temperature`),
+        so that on the same samples and data the two give the same ``T``. Refitting starts from the untempered
+        predictive again. Never fit it on the test data.
+
+        Raises:
+            FlatbmaError: a regression BMA, no validation batch, inputs without labels or soft targets.
+        """
+        self._classifier("calibrate")
+        outs, labels = [], []
+        with self._forward():
+            mode = prediction_mode(self.method, self.seed)
+            for log_probs, y in predict(
+                self.model, self._predictions(), val_loader, device=self.device, mode=mode, batched=self.batched
+            ):
+                if y.is_floating_point():
+                    raise FlatbmaError(
+                        "calibrate fits the temperature to integer labels, but the validation batches hold soft "
+                        "targets: give labelled (x, y) batches with class indices"
+                    )
+                outs.append(log_probs.cpu())
+                labels.append(y.cpu())
+        if not outs:
+            raise FlatbmaError("the validation data is empty: the loader yields no batch")
+        self.temperature = fit_temperature(torch.cat(outs), torch.cat(labels))
+        return self.temperature
 
     # ---------------------------------------------------------------- samples
     @property
@@ -282,10 +363,12 @@ class BMA:
         ``data`` is one batch — inputs ``x``, a tuple ``(x,)`` or ``(x, y)``, a dict ``{"x": ...}``
         (:func:`flatbma.types.split_batch` names its keys), or a list ``[x, y]`` whose ``y`` holds integer
         labels (what a DataLoader yields) — or an iterable of such batches (a DataLoader); labels are ignored.
-        Rows follow the order of the inputs.
+        Rows follow the order of the inputs. After :meth:`calibrate`, ``log softmax(log p̄ / T)``
+        (:attr:`temperature`).
         """
         self._classifier("predict_log_proba")
-        return torch.cat(self._per_batch(data, bma_log_probs))
+        log_probs = torch.cat(self._per_batch(data, bma_log_probs))
+        return log_probs if self.temperature == 1.0 else scale(log_probs, self.temperature)
 
     def predict_uncertainty(self, data: Any) -> dict[str, Tensor]:
         """Per-example total, aleatoric and epistemic uncertainty of the BMA (nats), ``[N]`` each.
@@ -364,6 +447,8 @@ class BMA:
         iterator draws its base seed from the global RNG), so that the loader is then iterated exactly
         as :func:`flatbma.predict.evaluate` alone would.
 
+        The predictive is the temperature-scaled one after :meth:`calibrate` (:attr:`temperature`).
+
         A regression BMA (:attr:`likelihood`) gives :func:`flatbma.regression.mixture_metrics` instead: NLL, RMSE,
         MAE, coverage of central intervals and calibration error (``num_classes`` and ``n_bins`` do not apply).
         """
@@ -389,6 +474,7 @@ class BMA:
                 device=self.device,
                 mode=prediction_mode(self.method, self.seed),
                 batched=self.batched,
+                temperature=self.temperature,
             )
 
     # ---------------------------------------------------------------- files
@@ -400,7 +486,7 @@ class BMA:
         logits as the first element of a tuple (:func:`flatbma.models.keep_logits`'s hook, which
         :func:`flatbma.fit_posterior` installs) is recorded as such (``"logits": "first"``), and :meth:`load`
         installs the hook on the module it is given again; any other module as returning its logits
-        (``"logits": "output"``).
+        (``"logits": "output"``). A fitted :attr:`temperature` is recorded (``"temperature"``).
         """
         settings = {
             "format": PREDICTOR_FORMAT,
@@ -413,6 +499,8 @@ class BMA:
             settings["optim"] = self.optim_config
         if self.num_data is not None:
             settings["num_data"] = self.num_data
+        if self.temperature != 1.0:
+            settings["temperature"] = self.temperature
         if self.likelihood is not None:
             settings["likelihood"] = {"name": "gaussian", "noise_std": self.likelihood.noise_std}
         settings["logits"] = LOGITS_FIRST if first_output in self.model._forward_hooks.values() else LOGITS_OUTPUT
@@ -444,7 +532,7 @@ class BMA:
         state = _fitted(state, method, model, path, optimizer_recorded="optim" in settings)
         if settings.get("logits", LOGITS_FIRST) == LOGITS_FIRST:  # no record: an older file, either kind of module
             keep_logits(model)
-        return cls(
+        bma = cls(
             model,
             method,
             state,
@@ -460,6 +548,11 @@ class BMA:
             precision=precision,
             likelihood=likelihood_of(settings, path),
         )
+        try:
+            bma.temperature = settings.get("temperature", 1.0)
+        except FlatbmaError:
+            raise FlatbmaError(f"{path}: the predictor settings are damaged (temperature); save it again") from None
+        return bma
 
     # ---------------------------------------------------------------- internals
     def _classifier(self, what: str) -> None:
@@ -594,6 +687,47 @@ class BMA:
                 f"the model fails on inputs of shape {list(x.shape)} ({detail}): give inputs shaped like the "
                 "training data's"
             ) from None
+
+
+class BMAModule(nn.Module):
+    """A :class:`BMA` as an ``nn.Module`` (:meth:`BMA.as_module`): ``forward(x)`` gives its log-probabilities.
+
+    ``forward(x)`` is :meth:`BMA.predict_log_proba`: ``log p̄(y|x)`` ``[N, C]``, temperature-scaled after
+    :meth:`BMA.calibrate`, on the predictor's device. Log-probabilities are logits of the BMA predictive
+    (``softmax(log p̄) = p̄``), so code written for a classifier's logits works on it as it is:
+    ``F.cross_entropy(module(x), y)`` is the BMA's NLL, ``module(x).softmax(-1)`` (or ``.exp()``) its
+    probabilities, ``argmax`` its class. What it is and is not:
+
+    * no parameters and no buffers: the predictor's samples are not trainable, an optimizer given
+      ``module.parameters()`` gets none, and no gradient flows (prediction runs under ``torch.no_grad``);
+    * ``train()``/``eval()`` set the wrapper's flag only: the BMA always predicts in its own prediction mode
+      (eval mode; MC dropout's masks for MC dropout), whatever the wrapper's or the network's mode;
+    * ``.to(device)``, ``.cuda()``, ``.cpu()`` move the predictor (:meth:`BMA.to`); a dtype conversion
+      (``.double()``, ``.half()``) is refused: the samples keep their dtype (``precision=`` chooses autocast);
+    * its ``state_dict`` is empty: save the predictor with :meth:`BMA.save`; no TorchScript.
+    """
+
+    def __init__(self, bma: BMA) -> None:
+        super().__init__()
+        self.__dict__["bma"] = bma  # not a submodule: the network's own parameters are not the BMA's
+
+    def forward(self, x: Any) -> Tensor:
+        """``log p̄(y|x)`` ``[N, C]`` of one batch or a loader of them (:meth:`BMA.predict_log_proba`)."""
+        return self.bma.predict_log_proba(x)
+
+    def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> BMAModule:
+        probe = fn(torch.zeros((), device=self.bma.device))  # where .to/.cuda/.cpu/.half send a float32 tensor
+        if probe.dtype != torch.float32:
+            raise FlatbmaError(
+                f"the BMA module cannot become {str(probe.dtype).removeprefix('torch.')}: its samples keep their "
+                "dtype; move it with .to(device), or build the predictor with precision='bf16' for autocast"
+            )
+        self.bma.to(probe.device)
+        return self
+
+    def extra_repr(self) -> str:
+        """The predictor's repr, shown in the module's."""
+        return repr(self.bma)
 
 
 def _fitted(
