@@ -1,7 +1,9 @@
 """The rows a running (or stopped) ``flatbma compare`` has measured so far, as Markdown.
 
 Per row label the means over the seeds done, each row's paired differences against a reference row over the
-seeds both have, and every selection candidate's ascent step size.
+seeds both have (``mean [95% t interval]``, ``ns`` where it includes 0, and the smallest difference a two-sided
+paired t test at 5% detects with 80% power over those seeds: :func:`flatbma.stats.detectable_difference`), and
+every selection candidate's ascent step size.
 
     .venv/bin/python scripts/compare_progress.py OUTPUT_DIR CONFIG [REFERENCE]
 
@@ -31,7 +33,7 @@ from flatbma.experiment.report.rows import (
     get_path,
 )
 from flatbma.experiment.study.plan import load_plan
-from flatbma.stats import paired_difference
+from flatbma.stats import Difference, paired_difference
 
 KL_FROM_START = Metric("kl_from_start", "KL(q_T ‖ q_0)", lambda run: as_number(run.get("kl_from_start")))
 MEAN_SHIFT = Metric(
@@ -58,6 +60,13 @@ def value(run: dict[str, Any], metric: Metric) -> float:
     return math.nan if found is None else found
 
 
+def difference_cell(d: Difference) -> str:
+    """``mean [low, high]``, ``ns`` where the interval includes 0, then ``detectable δ`` (4 significant digits)."""
+    low, high = (d.interval.low, d.interval.high) if d.interval is not None else (math.nan, math.nan)
+    detectable = math.nan if d.detectable is None else d.detectable
+    return f"{d.mean:+.4g} [{low:+.4g}, {high:+.4g}]{'' if d.significant else ' ns'}, detectable {detectable:.4g}"
+
+
 def main(out: str, config: str, reference: str = "lowrank-vi") -> None:
     """Print the tables of the comparison ``config`` whose output directory is ``out``."""
     plan = load_plan(config, [f"output_dir={out}"])
@@ -77,11 +86,10 @@ def main(out: str, config: str, reference: str = "lowrank-vi") -> None:
         seeds = sorted(set(by) & set(base))
         if label == reference or len(seeds) < 2:
             continue
-        cells = []
-        for m in COMPARED:
-            d = paired_difference([value(by[s], m) for s in seeds], [value(base[s], m) for s in seeds])
-            low, high = (d.interval.low, d.interval.high) if d.interval is not None else (math.nan, math.nan)
-            cells.append(f"{d.mean:+.4g} [{low:+.4g}, {high:+.4g}]{'' if d.significant else ' ns'}")
+        cells = [
+            difference_cell(paired_difference([value(by[s], m) for s in seeds], [value(base[s], m) for s in seeds]))
+            for m in COMPARED
+        ]
         print(f"| {label} | {len(seeds)} | " + " | ".join(cells) + " |")
     for job in plan.jobs():  # every selection candidate: how far its ascent moved q (its metrics.json)
         for cand in job.candidates if job.selects else ():

@@ -187,3 +187,21 @@ def train_via_cli(tmp_path: Path, cfg: dict) -> tuple[Path, dict]:
     out = tmp_path / "run"
     assert main(["train", "--config", str(path), "--set", f"output_dir={out}"]) == 0
     return out, json.loads((out / "metrics.json").read_text())
+
+
+DETECTABLE_PER_S = {
+    2: 11.549888435883657,
+    3: 3.2640435497007787,
+    4: 2.127949343257799,
+    5: 1.6819969659555454,
+    10: 0.9960013714554438,
+    25: 0.5840266715500866,
+}
+"""δ₈₀/s of the two-sided paired t test at 5% with n pairs, computed by hand from the definition of the noncentral t.
+
+``T′ = (Z + λ)/√(V/ν)``, ``Z ~ N(0, 1)``, ``V ~ χ²_ν``, ``ν = n − 1``: the power
+``∫ [Φ(λ − c√(v/ν)) + Φ(−λ − c√(v/ν))] χ²_ν(v) dv`` (``c = t_{0.975, ν}``; scipy.integrate.quad, tolerance 1e-12)
+solved for 0.8 by brentq (xtol 1e-13), then ``λ/√n`` (tests/test_stats.py's ``_power_by_definition`` recomputes the
+power at these values). statsmodels 0.15 ``TTestPower().solve_power(nobs=n, alpha=0.05, power=0.8)`` gives 3.2640436
+(n = 3), 1.6819971 (n = 5), 0.9960019 (n = 10): equal to its solver's tolerance.
+"""

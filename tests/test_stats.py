@@ -5,10 +5,23 @@ import statistics
 
 import numpy as np
 import pytest
+from scipy import integrate as scipy_integrate
 from scipy import stats as scipy_stats
 
 from flatbma.errors import FlatbmaError
-from flatbma.stats import Interval, Method, median_interval, paired_difference, summarize, verdict
+from flatbma.stats import (
+    LEVEL,
+    POWER,
+    Interval,
+    Method,
+    detectable_difference,
+    median_interval,
+    paired_difference,
+    paired_t_power,
+    summarize,
+    verdict,
+)
+from tests.helpers import DETECTABLE_PER_S
 
 VALUES = [0.71, 0.74, 0.69, 0.77, 0.72]
 
@@ -71,12 +84,110 @@ def test_significance_and_verdict():
     assert verdict(better, lower_is_better=False) == "worse"
     noisy = paired_difference([1.0, 3.0, 0.5], [1.5, 1.0, 1.2])
     assert noisy.interval.contains(0.0) and not noisy.significant
-    assert verdict(noisy, lower_is_better=True) == "no significant difference"
+    # d = (−0.5, 2.0, −0.7): s = 1.5044; with 3 pairs δ₈₀ = 3.264044 s = 4.91 (tests/helpers.py)
+    assert noisy.detectable == pytest.approx(DETECTABLE_PER_S[3] * statistics.stdev([-0.5, 2.0, -0.7]), rel=1e-10)
+    assert verdict(noisy, lower_is_better=True) == "no difference larger than 4.91 detected"
     one = paired_difference([1.0], [5.0])
-    assert (one.n, one.mean, one.interval, one.significant) == (1, -4.0, None, False)
-    assert verdict(one, lower_is_better=True) == "no significant difference"
+    assert (one.n, one.mean, one.interval, one.significant, one.detectable) == (1, -4.0, None, False, None)
+    assert verdict(one, lower_is_better=True) == "no comparison claimed (one pair)"
     same = paired_difference([1.0, 2.0], [1.0, 2.0])  # identical runs: interval [0, 0], not significant
-    assert (same.interval.low, same.interval.high, same.significant) == (0.0, 0.0, False)
+    assert (same.interval.low, same.interval.high, same.significant, same.detectable) == (0.0, 0.0, False, 0.0)
+    assert paired_difference([1.0, 2.0], [1.5, 2.0]).to_dict()["detectable"] == pytest.approx(
+        DETECTABLE_PER_S[2] * statistics.stdev([-0.5, 0.0]), rel=1e-10
+    )
+
+
+def _power_by_definition(lam: float, n: int, alpha: float = 0.05) -> float:
+    """The paired t test's power from the definition of the noncentral t, without scipy's ``nct``.
+
+    ``T′ = (Z + λ)/√(V/ν)``, ``Z ~ N(0, 1)``, ``V ~ χ²_ν``, ``ν = n − 1``: conditioning on ``V = v``,
+    ``P(|T′| > c) = ∫ [Φ(λ − c√(v/ν)) + Φ(−λ − c√(v/ν))] χ²_ν(v) dv`` with ``c = t_{1−α/2, ν}``.
+    """
+    nu = n - 1
+    c = scipy_stats.t.ppf(1 - alpha / 2, nu)
+
+    def given(v: float) -> float:
+        shift = c * math.sqrt(v / nu)
+        return (scipy_stats.norm.cdf(lam - shift) + scipy_stats.norm.cdf(-lam - shift)) * scipy_stats.chi2.pdf(v, nu)
+
+    return scipy_integrate.quad(given, 0, math.inf, epsabs=1e-13, epsrel=1e-12, limit=200)[0]
+
+
+HAND = DETECTABLE_PER_S  # by the integral of _power_by_definition, solved for 0.8 (tests/helpers.py)
+
+
+@pytest.mark.parametrize("n", sorted(HAND))
+def test_detectable_difference_against_hand_values(n):
+    assert detectable_difference(1.0, n) == pytest.approx(HAND[n], rel=1e-10)
+    assert detectable_difference(0.03, n) == pytest.approx(0.03 * HAND[n], rel=1e-10)  # in the metric's units
+    assert _power_by_definition(HAND[n] * math.sqrt(n), n) == pytest.approx(0.8, abs=1e-9)
+    assert paired_t_power(HAND[n], 1.0, n) == pytest.approx(0.8, abs=1e-9)
+
+
+def test_power_against_g_power():
+    """G*Power 3, one-sample t, two tails, d = 1/3, N = 25, α = 0.05: power 0.360 (tutorial "G*Power: t Tests")."""
+    assert paired_t_power(5.0, 15.0, 25) == pytest.approx(0.360, abs=5e-4)
+    assert paired_t_power(0.0, 1.0, 7) == pytest.approx(0.05, abs=1e-12)  # the test's size at no difference
+
+
+def test_detectable_difference_has_its_power_by_simulation():
+    """Monte Carlo: 40 000 studies of 5 pairs, d_i ~ N(δ₈₀, 1): the t test rejects in 80% of them (SE 0.002)."""
+    n, trials = 5, 40_000
+    delta = detectable_difference(1.0, n)
+    d = np.random.default_rng(0).normal(delta, 1.0, size=(trials, n))
+    t = d.mean(axis=1) / (d.std(axis=1, ddof=1) / math.sqrt(n))
+    rejected = float(np.mean(np.abs(t) > scipy_stats.t.ppf(0.975, n - 1)))
+    assert rejected == pytest.approx(0.8, abs=0.01)
+    smaller = np.random.default_rng(1).normal(0.8 * delta, 1.0, size=(trials, n))  # a smaller δ: less power
+    t = smaller.mean(axis=1) / (smaller.std(axis=1, ddof=1) / math.sqrt(n))
+    assert float(np.mean(np.abs(t) > scipy_stats.t.ppf(0.975, n - 1))) < 0.75
+
+
+def test_the_usual_approximation_holds_for_many_pairs():
+    """``(t_{0.975, n−1} + t_{0.8, n−1}) s/√n`` within 0.03% of the exact value from n = 30 on; 14% low at n = 2."""
+    for n in (30, 50, 100, 300, 1000):
+        approx = (scipy_stats.t.ppf(0.975, n - 1) + scipy_stats.t.ppf(0.8, n - 1)) / math.sqrt(n)
+        assert approx == pytest.approx(detectable_difference(1.0, n), rel=3e-4)
+    approx = (scipy_stats.t.ppf(0.975, 1) + scipy_stats.t.ppf(0.8, 1)) / math.sqrt(2)
+    assert approx / detectable_difference(1.0, 2) == pytest.approx(0.862, abs=1e-3)
+
+
+def test_detectable_difference_level_power_and_edges():
+    assert (LEVEL, POWER) == (0.95, 0.8)
+    assert detectable_difference(1.0, 1) is None  # one pair: no test, nothing claimed
+    assert detectable_difference(0.0, 6) == 0.0  # no spread: every difference is detected
+    assert detectable_difference(1.0, 10, level=0.9) < detectable_difference(1.0, 10)  # a larger test size
+    assert detectable_difference(1.0, 10, power=0.9) > detectable_difference(1.0, 10)
+    d = paired_difference([0.1, 0.4, 0.3, 0.2], [0.2, 0.2, 0.2, 0.3], level=0.9, power=0.9)
+    assert d.detectable == detectable_difference(statistics.stdev([-0.1, 0.2, 0.1, -0.1]), 4, level=0.9, power=0.9)
+
+
+@pytest.mark.parametrize(
+    ("call", "match"),
+    [
+        (lambda: detectable_difference(math.nan, 5), "finite"),
+        (lambda: detectable_difference(math.inf, 5), "finite"),
+        (lambda: detectable_difference(-1.0, 5), "finite number ≥ 0"),
+        (lambda: detectable_difference(1.0, 0), "positive integer"),
+        (lambda: detectable_difference(1.0, 2.5), "positive integer"),
+        (lambda: detectable_difference(1.0, 5, power=0.05), "power must be in"),
+        (lambda: detectable_difference(1.0, 5, power=1.0), "power must be in"),
+        (lambda: detectable_difference(1.0, 5, level=1.5), "level"),
+        (lambda: paired_t_power(1.0, 1.0, 1), "one pair"),
+        (lambda: paired_t_power(math.nan, 1.0, 3), "finite"),
+    ],
+)
+def test_detectable_difference_bad_input(call, match):
+    with pytest.raises(FlatbmaError, match=match):
+        call()
+
+
+def test_detectable_difference_agrees_with_statsmodels():
+    """An independent implementation, where installed (not a dependency: the hand values above stand alone)."""
+    power = pytest.importorskip("statsmodels.stats.power")
+    for n in (3, 5, 10, 40):
+        effect = power.TTestPower().solve_power(nobs=n, alpha=0.05, power=0.8, alternative="two-sided")
+        assert detectable_difference(1.0, n) == pytest.approx(effect, rel=1e-5)
 
 
 def test_interval_helpers():

@@ -8,14 +8,20 @@
 * :func:`median_interval` — the seeded bootstrap percentile interval of the median (Efron & Tibshirani
   1993, §13), the summary of a heavy-tailed sample that one large value cannot move.
 * :func:`paired_difference` — the mean of paired differences ``d_i = a_i − b_i`` (the same seed for
-  both methods) with its t interval, and whether it excludes 0. A difference whose interval includes
-  0 is "no significant difference" (:func:`verdict`).
+  both methods) with its t interval, whether it excludes 0, and the smallest difference the pairs could
+  have detected (:func:`detectable_difference`). A difference whose interval includes 0 reads "no
+  difference larger than δ₈₀ detected" (:func:`verdict`), never "no difference".
+* :func:`detectable_difference` — that smallest difference: the paired t test's exact power
+  (:func:`paired_t_power`, the noncentral t) solved for :data:`POWER` at the size ``1 − level`` of the
+  interval's test.
 
-With one value the interval is ``None`` (nothing is claimed), and so is the standard deviation.
+With one value the interval is ``None`` (nothing is claimed), and so are the standard deviation and the
+detectable difference.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -23,20 +29,32 @@ from enum import Enum
 from typing import Any
 
 import numpy as np
+from scipy import optimize as _scipy_optimize
 from scipy import stats as _scipy_stats
 
 from flatbma.errors import FlatbmaError
 
 __all__ = [
+    "LEVEL",
+    "POWER",
     "Difference",
     "Interval",
     "Method",
     "Summary",
+    "detectable_difference",
     "median_interval",
     "paired_difference",
+    "paired_t_power",
     "summarize",
     "verdict",
 ]
+
+
+LEVEL = 0.95
+"""Confidence level of an interval (and ``1 − LEVEL``: the size of the test that reads it) unless told otherwise."""
+
+POWER = 0.8
+"""The power at which :func:`detectable_difference` states what a comparison could have detected."""
 
 
 class Method(str, Enum):
@@ -114,7 +132,7 @@ def _t_interval(x: np.ndarray, level: float) -> Interval:
 def summarize(
     values: Sequence[float],
     *,
-    level: float = 0.95,
+    level: float = LEVEL,
     method: Method | str = Method.T,
     resamples: int = 2000,
     seed: int = 0,
@@ -163,7 +181,7 @@ def summarize(
 
 
 def median_interval(
-    values: Sequence[float], *, level: float = 0.95, resamples: int = 2000, seed: int = 0
+    values: Sequence[float], *, level: float = LEVEL, resamples: int = 2000, seed: int = 0
 ) -> Interval | None:
     """The ``level`` percentile-bootstrap interval of the median of ``values``; ``None`` for one value.
 
@@ -190,27 +208,36 @@ def median_interval(
 
 @dataclass(frozen=True)
 class Difference:
-    """A paired difference ``mean(a − b)`` with its t interval.
+    """A paired difference ``mean(a − b)`` with its t interval and the smallest difference it could detect.
 
     Attributes:
         n: number of pairs.
         mean: mean difference.
         interval: its ``level`` interval (``None`` with one pair).
         significant: whether the interval excludes 0 (``False`` with one pair).
+        detectable: the smallest true ``|mean|`` that the paired t test at size ``1 − level`` detects with
+            power :data:`POWER`, from these pairs' spread (:func:`detectable_difference`); ``None`` with one pair.
     """
 
     n: int
     mean: float
     interval: Interval | None
     significant: bool
+    detectable: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-ready values."""
         return asdict(self)
 
 
-def paired_difference(a: Sequence[float], b: Sequence[float], *, level: float = 0.95) -> Difference:
-    """``mean(a_i − b_i)`` over pairs (e.g. two methods on the same seeds) with Student's t interval."""
+def paired_difference(
+    a: Sequence[float], b: Sequence[float], *, level: float = LEVEL, power: float = POWER
+) -> Difference:
+    """``mean(a_i − b_i)`` over pairs (e.g. two methods on the same seeds) with Student's t interval.
+
+    Its :attr:`~Difference.detectable` is :func:`detectable_difference` of the differences' sample standard
+    deviation and number at size ``1 − level`` and ``power``.
+    """
     _check_level(level)
     x, y = _values(a, "paired_difference"), _values(b, "paired_difference")
     if x.size != y.size:
@@ -218,11 +245,123 @@ def paired_difference(a: Sequence[float], b: Sequence[float], *, level: float = 
     d = x - y
     interval = _t_interval(d, level) if d.size > 1 else None
     significant = interval is not None and not interval.contains(0.0)
-    return Difference(n=int(d.size), mean=float(d.mean()), interval=interval, significant=significant)
+    std = float(d.std(ddof=1)) if d.size > 1 else 0.0
+    detectable = detectable_difference(std, int(d.size), level=level, power=power)
+    return Difference(
+        n=int(d.size), mean=float(d.mean()), interval=interval, significant=significant, detectable=detectable
+    )
+
+
+def _check_power(power: float, level: float) -> None:
+    if not 1 - level < power < 1:
+        raise FlatbmaError(
+            f"power must be in ({1 - level:g}, 1): above the test's size 1 − level, which it has at no difference; "
+            f"got {power!r}"
+        )
+
+
+def _positive_count(n: int) -> int:
+    if isinstance(n, bool) or int(n) != n or n < 1:
+        raise FlatbmaError(f"the number of pairs must be a positive integer, got {n!r}")
+    return int(n)
+
+
+def paired_t_power(delta: float, std: float, n: int, *, level: float = LEVEL) -> float:
+    """The power of the two-sided paired t test at size ``α = 1 − level`` against a true mean difference ``delta``.
+
+    With ``n`` pairs whose differences are normal with standard deviation ``std``, the statistic
+    ``T = d̄ √n / s`` follows the noncentral t law ``T′`` with ``ν = n − 1`` degrees of freedom and
+    noncentrality ``λ = delta √n / std`` (Johnson, Kotz & Balakrishnan 1995, *Continuous Univariate
+    Distributions* 2, ch. 31), and the power is
+
+        P(|T′| > t_{1−α/2, ν}) = P(T′_λ > t_{1−α/2, ν}) + P(T′_{−λ} > t_{1−α/2, ν})
+
+    (the lower tail written as the upper tail at ``−λ``, where scipy's noncentral t stays finite);
+    ``α`` at ``delta = 0``.
+
+    Raises:
+        FlatbmaError: on ``n < 2`` (no test), a negative or non-finite ``std``, a non-finite ``delta``.
+    """
+    _check_level(level)
+    n = _positive_count(n)
+    if n < 2:
+        raise FlatbmaError("paired_t_power: one pair has no t test (no spread); need at least two")
+    if not (math.isfinite(std) and std >= 0) or not math.isfinite(delta):
+        raise FlatbmaError(f"paired_t_power: need a finite delta and a finite std ≥ 0, got {delta!r} and {std!r}")
+    if std == 0:
+        return 1.0 if delta != 0 else 1 - level
+    return _power(abs(delta) * math.sqrt(n) / std, n - 1, level)
+
+
+def _power(nc: float, df: int, level: float) -> float:
+    """``P(|T′| > t_{(1+level)/2, df})``, ``T′`` noncentral t with ``df`` degrees of freedom, noncentrality ``nc``."""
+    critical = float(_scipy_stats.t.ppf(0.5 + level / 2, df))
+    return float(_scipy_stats.nct.sf(critical, df, nc) + _scipy_stats.nct.sf(critical, df, -nc))
+
+
+def detectable_difference(std: float, n: int, *, level: float = LEVEL, power: float = POWER) -> float | None:
+    """The smallest mean difference that ``n`` pairs with spread ``std`` detect with probability ``power``.
+
+    For the two-sided paired t test at size ``α = 1 − level`` (the test the ``level`` interval reads:
+    it excludes 0 exactly when the test rejects), with ``ν = n − 1``:
+
+        δ_power = min{δ > 0 : P(|T′| > t_{1−α/2, ν}) ≥ power},   T′ ~ noncentral t(ν, δ √n / s)
+
+    (:func:`paired_t_power`), solved for the noncentrality ``λ*`` by Brent's method
+    (:func:`scipy.optimize.brentq`; the power rises with ``λ``), then ``δ = λ* s / √n``: ``λ*`` depends on
+    ``n`` alone, so ``δ`` scales with ``s``. The usual approximation (the known-σ formula with t quantiles,
+    which neglects the far tail and the noncentral t's skew) is
+
+        δ ≈ (t_{1−α/2, ν} + t_{power, ν}) s / √n,
+
+    below the exact value by 14% at ``n = 2``, 1.2% at ``n = 5``, 0.13% at ``n = 10``, and within 0.03% of
+    it from ``n = 30`` on. At 5% and 80% with
+    ``s = 1``: ``δ = 11.55`` (``n = 2``), ``1.682`` (``n = 5``), ``0.996`` (``n = 10``). Here ``s`` is the
+    differences' sample standard deviation, so ``δ`` states what a study of that spread could detect, not
+    a property of the true σ.
+
+    Args:
+        std: the sample standard deviation of the paired differences (``ddof = 1``), finite and ``≥ 0``.
+        n: the number of pairs.
+        level: the confidence level of the interval; the test's size is ``1 − level``.
+        power: the power, in ``(1 − level, 1)``.
+
+    Returns:
+        ``δ`` in the differences' units; ``0.0`` for ``std = 0``; ``None`` for one pair (no test: nothing
+        is claimed).
+
+    Raises:
+        FlatbmaError: on a negative or non-finite ``std``, ``n < 1``, or ``level``/``power`` out of range.
+    """
+    _check_level(level)
+    _check_power(power, level)
+    n = _positive_count(n)
+    if not (math.isfinite(std) and std >= 0):
+        raise FlatbmaError(f"detectable_difference: std must be a finite number ≥ 0, got {std!r}")
+    if n < 2:
+        return None
+    if std == 0:
+        return 0.0
+    return _noncentrality(n - 1, level, power) * float(std) / math.sqrt(n)
+
+
+@functools.lru_cache(maxsize=256)
+def _noncentrality(df: int, level: float, power: float) -> float:
+    """``λ*`` with ``P(|T′_λ*| > t_{(1+level)/2, df}) = power`` (:func:`_power` rises with ``λ`` from ``1 − level``)."""
+    high = float(_scipy_stats.t.ppf(0.5 + level / 2, df) + _scipy_stats.t.ppf(power, df))  # the approximation's λ
+    while _power(high, df, level) < power:
+        high *= 2
+    return float(_scipy_optimize.brentq(lambda nc: _power(nc, df, level) - power, 0.0, high, xtol=1e-13, rtol=1e-15))
 
 
 def verdict(difference: Difference, lower_is_better: bool) -> str:
-    """``"better"``, ``"worse"`` or ``"no significant difference"`` for ``a`` against ``b``."""
+    """``"better"``, ``"worse"`` or ``"no difference larger than δ detected"`` for ``a`` against ``b``.
+
+    ``δ`` is :attr:`Difference.detectable` with 3 significant digits; with one pair, "no comparison
+    claimed (one pair)".
+    """
     if not difference.significant:
-        return "no significant difference"
+        if difference.detectable is None:
+            return "no comparison claimed (one pair)"
+        return f"no difference larger than {difference.detectable:.3g} detected"
     return "better" if (difference.mean < 0) == lower_is_better else "worse"

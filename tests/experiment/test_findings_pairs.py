@@ -15,6 +15,7 @@ from flatbma.experiment.config.parse import parse_dataclass
 from flatbma.experiment.report.documents import write_reports
 from flatbma.experiment.report.findings import findings, pair_comparisons
 from flatbma.experiment.study.plan import CompareConfig, compare_record, load_plan
+from tests.helpers import DETECTABLE_PER_S
 
 NOISE = (0.013, -0.021, 0.008, 0.017, -0.004)
 SEEDS = {"sgd": (0, 1, 2, 3), "swag": (0, 1, 2, 3), "multiswag": (1, 2, 3, 4), "laplace": (0, 1, 2, 3)}
@@ -65,8 +66,10 @@ def test_pair_differences_equal_an_independent_computation():
         assert c["mean"] == pytest.approx(statistics.mean(x - y for x, y in zip(xs, ys)), abs=1e-12)
         assert (c["interval"]["low"], c["interval"]["high"]) == pytest.approx((ci.low, ci.high), abs=1e-9)
         assert c["significant"] == (not ci.low <= 0 <= ci.high)
+        s = statistics.stdev(x - y for x, y in zip(xs, ys))
+        assert c["detectable"] == pytest.approx(DETECTABLE_PER_S[len(seeds)] * s, rel=1e-10)
         if not c["significant"]:
-            assert c["verdict"] == "no significant difference"
+            assert c["verdict"].startswith("no difference larger than ") and c["verdict"].endswith(" detected")
         assert c["text"].startswith(f"{c['method']} vs {c['reference']}: {c['label']} ")
     multi = [c for c in found["pairs"] if c["method"] == "multiswag"]
     assert {tuple(c["seeds"]) for c in multi} == {(1, 2, 3)}
@@ -75,7 +78,7 @@ def test_pair_differences_equal_an_independent_computation():
     back = {c["metric"]: c for c in found["pairs"] if c["method"] == "sgd"}
     for key, c in there.items():
         assert c["mean"] == pytest.approx(-back[key]["mean"], abs=1e-12)
-    assert {c["verdict"] for c in found["pairs"]} >= {"better", "worse", "no significant difference"}
+    assert {c["verdict"].split(" than ")[0] for c in found["pairs"]} >= {"better", "worse", "no difference larger"}
     # the findings list the pairs after the reference's, once: laplace − sgd is already a reference comparison
     assert found["text"][: len(found["comparisons"])] == [c["text"] for c in found["comparisons"]]
     added = found["text"][len(found["comparisons"]) :]
@@ -175,7 +178,8 @@ def test_the_pairs_table_holds_the_numbers_bold_where_the_interval_excludes_zero
     lines = md.splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith("## Paired differences (each listed pair"))
     header = [c.strip() for c in lines[start + 2].strip("|").split("|")]
-    assert header == ["pair", "seeds", "accuracy", "NLL", "ECE", "Brier", "λ₁ median", "tr Σ"]
+    metrics = ["accuracy", "NLL", "ECE", "Brier", "λ₁ median", "tr Σ"]
+    assert header == ["pair", "seeds", *(h for m in metrics for h in (m, f"{m} detectable"))]
     rows = {}
     for line in lines[start + 4 :]:
         if not line.startswith("|"):
@@ -192,6 +196,9 @@ def test_the_pairs_table_holds_the_numbers_bold_where_the_interval_excludes_zero
         tol = 0.5 * 10**-decimals + 1e-12
         assert float(mean.replace("−", "-")) == pytest.approx(c["mean"], abs=tol, rel=0)
         assert (low, high) == pytest.approx((c["interval"]["low"], c["interval"]["high"]), abs=tol, rel=0)
+        detectable = rows[f"{c['method']} − {c['reference']}"][f"{c['label']} detectable"]  # the interval's decimals
+        assert len(detectable.partition(".")[2]) == decimals and not detectable.startswith("**")
+        assert float(detectable) == pytest.approx(c["detectable"], abs=tol, rel=0)
     assert rows["multiswag − swag"]["seeds"] == "3"
 
 
@@ -274,6 +281,7 @@ def test_cli_compare_with_pairs_writes_them_and_reuses_every_row_without(tmp_pat
 
 
 REGRESSION = ("nll", "rmse", "mae", "coverage_0.9", "calibration_error")
+REGRESSION_LABELS = ("NLL", "RMSE", "MAE", "coverage 0.9", "calibration error")
 
 
 def _regression_run(method, seed, k):
@@ -317,12 +325,13 @@ def test_regression_rows_pair_rmse_mae_coverage_and_calibration_beside_nll(tmp_p
             assert c["significant"] == (not ci.low <= 0 <= ci.high)
             if c["metric"] == "coverage_0.9":
                 assert c["reading"] == "best at the level"
-                assert c["verdict"] in ("covers more", "no significant difference")  # coverage grows with k here
+                # coverage grows with k here
+                assert c["verdict"] == "covers more" or c["verdict"].startswith("no difference larger than")
             elif c["significant"]:
                 assert c["verdict"] == "better"  # every other metric falls with k: lower is better
     assert any(c["verdict"] == "covers more" for c in found["comparisons"])
     write_reports(results, tmp_path)
     report = (tmp_path / "report.md").read_text()
-    compared = "| seeds | NLL | RMSE | MAE | coverage 0.9 | calibration error |"
+    compared = "| seeds | " + " | ".join(f"{m} | {m} detectable" for m in REGRESSION_LABELS) + " |"
     assert f"| method {compared}" in report.splitlines()  # the differences from the reference
     assert f"| pair {compared}" in report.splitlines()  # compare.pairs'

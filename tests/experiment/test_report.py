@@ -27,6 +27,7 @@ from flatbma.experiment.report.figures import (
 from flatbma.experiment.report.findings import comparisons, findings
 from flatbma.experiment.report.rows import MISSING
 from flatbma.experiment.report.tables import summary_table
+from tests.helpers import DETECTABLE_PER_S
 
 PNG = b"\x89PNG\r\n\x1a\n"
 CORRUPTIONS = ("gaussian_noise", "contrast")
@@ -356,8 +357,10 @@ def test_paired_differences_match_scipy_ttest_rel():
         assert (c["interval"]["low"], c["interval"]["high"]) == pytest.approx((ci.low, ci.high), abs=1e-9)
         includes_zero = ci.low <= 0 <= ci.high
         assert c["significant"] == (not includes_zero)
+        s = statistics.stdev(x - y for x, y in zip(a, b))
+        assert c["detectable"] == pytest.approx(DETECTABLE_PER_S[4] * s, rel=1e-10)  # every difference carries it
         if includes_zero:
-            assert c["verdict"] == "no significant difference"
+            assert re.fullmatch(r"no difference larger than [\d.]+ detected", c["verdict"]), c["verdict"]
         else:
             words = {
                 "accuracy": ("worse", "better"),
@@ -365,8 +368,8 @@ def test_paired_differences_match_scipy_ttest_rel():
                 "trace_cov": ("narrower", "wider"),
             }.get(c["metric"], ("better", "worse"))
             assert c["verdict"] == words[c["mean"] > 0]
-        verdicts.add(c["verdict"])
-    assert "no significant difference" in verdicts and "better" in verdicts and "worse" in verdicts
+        verdicts.add(c["verdict"].split(" than ")[0])
+    assert {"no difference larger", "better", "worse"} <= verdicts
     assert json.loads(json.dumps(found)) == found  # what results.json stores
 
 
@@ -393,7 +396,12 @@ def test_findings_text_is_written_from_the_numbers(tmp_path):
         tol = 0.5 * 10**-decimals + 1e-12
         for key, value in [("mean", c["mean"]), ("low", c["interval"]["low"]), ("high", c["interval"]["high"])]:
             assert _number(m[key]) == pytest.approx(value, abs=tol, rel=0)
-        assert (m["verdict"] == "no significant difference") == (_number(m["low"]) <= 0 <= _number(m["high"]))
+        null = re.fullmatch(r"no difference larger than (?P<delta>[\d.]+) detected", m["verdict"])
+        assert (null is not None) == (_number(m["low"]) <= 0 <= _number(m["high"]))
+        if null:  # the detectable difference in the metric's units, with the interval's decimals
+            assert len(null["delta"].partition(".")[2]) == decimals
+            assert float(null["delta"]) == pytest.approx(c["detectable"], abs=tol, rel=0)
+        assert "no significant difference" not in c["text"]
     # λ₁ is followed by its width, in the report as in results.json
     order = [(c["method"], c["metric"]) for c in found["comparisons"]]
     i = order.index(("fp-bma", "lambda1"))
@@ -408,6 +416,12 @@ def test_findings_text_is_written_from_the_numbers(tmp_path):
     nll = next(c for c in found["comparisons"] if c["method"] == "sgd" and c["metric"] == "nll")
     cell = rows["sgd"]["NLL"]
     assert nll["text"].split(": NLL ")[1].startswith(cell.strip("*").split(" [")[0])
+    for c in found["comparisons"]:  # beside each difference its detectable difference, in a column of its own
+        shown = rows[c["method"]][f"{c['label']} detectable"]
+        decimals = len(shown.partition(".")[2])
+        assert _number(shown) == pytest.approx(c["detectable"], abs=0.5 * 10**-decimals + 1e-12, rel=0)
+        if not c["significant"]:
+            assert c["text"].endswith(f"no difference larger than {shown} detected")
     assert cell.startswith("**") == nll["significant"]
 
 
@@ -883,6 +897,10 @@ def test_a_paired_difference_of_a_bounded_metric_stays_within_its_range():
     t = scipy_stats.ttest_rel(a, b).confidence_interval(0.95)
     assert t.low < -1 and t.high > 1  # Student's t reaches past what a difference of accuracies can be
     assert (c.difference.interval.low, c.difference.interval.high) == (-1.0, 1.0)
-    assert c.verdict == "no significant difference"
+    # the detectable difference is not clipped: past the range of a difference it says that none was detectable
+    d = [x - y for x, y in zip(a, b)]
+    assert c.difference.detectable == pytest.approx(DETECTABLE_PER_S[3] * statistics.stdev(d), rel=1e-10)
+    assert c.difference.detectable > 1
+    assert c.verdict == f"no difference larger than {c.difference.detectable:.1f} detected"  # the interval's decimals
     nll = next(c for c in comparisons(results) if c.method == "swag" and c.metric.key == "nll")
     assert nll.difference.interval.high - nll.difference.interval.low < 2  # untouched: within its range anyway

@@ -25,6 +25,7 @@ from flatbma.experiment.report.findings import findings, pairs_of, reference_of
 from flatbma.experiment.report.rows import MISSING, Run, by_method, failed_runs, read_runs, seed_counts
 from flatbma.experiment.report.tables import Table, report_tables
 from flatbma.state_io import atomic_write_bytes, write_error
+from flatbma.stats import POWER
 
 __all__ = ["csv_rows", "write_reports"]
 
@@ -164,7 +165,9 @@ def _header_lines(results: Mapping[str, Any]) -> list[tuple[str, str]]:
 
 _FINDINGS_NOTE = (
     "Generated from the paired differences over seeds (method − reference, Student t interval at {level:.0%}); "
-    "a difference whose interval includes 0 is written as no significant difference. λ₁ has no better end "
+    "a difference whose interval includes 0 is written as no difference larger than δ detected, δ the smallest "
+    "true difference that the paired t test at {size:.0%} detects with {power:.0%} power over those seeds "
+    "(the paired-difference tables' detectable columns). λ₁ has no better end "
     "(lower: flatter) and is compared only with the width tr Σ beside it (lower: narrower)."
 )
 _ONE_SEED_FINDINGS_NOTE = (
@@ -178,7 +181,7 @@ def _findings_note(results: Mapping[str, Any], level: float) -> str:
     groups = by_method(read_runs(results))
     if seed_counts(groups)[1] == 1:
         return _ONE_SEED_FINDINGS_NOTE.format(level=level)
-    note = _FINDINGS_NOTE.format(level=level)
+    note = _FINDINGS_NOTE.format(level=level, size=1 - level, power=POWER)
     if pairs_of(results, groups):
         note = note.replace("(method − reference,", "(method − reference, and a − b for each pair of compare.pairs;")
     return note

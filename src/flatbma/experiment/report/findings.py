@@ -11,11 +11,16 @@ Statistics (:mod:`flatbma.stats`, level 95%; the metrics and runs are read by
   ``[low, high]`` (accuracy, ECE, Brier) is clipped to the range of a difference, ``±(high − low)``.
 * **Listed pairs** (``compare.pairs: [[a, b], ...]``, in addition): ``d_s = x_s(a) − x_s(b)`` over the
   seeds both ran, with the same interval, metrics and verdicts (:func:`pair_comparisons`).
+* **Detectable difference** of each of them: the smallest true mean difference that the two-sided paired
+  t test at 5% (the test the 95% interval reads) detects with 80% power over those seeds, from the
+  differences' spread (:func:`flatbma.stats.detectable_difference`, the noncentral t; ``≈ (t_{0.975, n−1}
+  + t_{0.8, n−1}) s/√n``), in the metric's units.
 * **Findings** (:func:`findings`): one line per (method, metric), generated from those differences:
   "better"/"worse" when the interval excludes 0 (for λ₁ and the width tr Σ, which have no better
   end, "flatter"/"sharper" and "narrower"/"wider"; for a regression run's coverage, best at its level,
-  "covers more"/"covers less"), else "no significant difference"; with one seed
-  no comparison is claimed. λ₁ is compared only where both runs of a pair report their width, and
+  "covers more"/"covers less"), else "no difference larger than δ detected", ``δ`` the detectable
+  difference (never "no difference": a null is as strong as its power); with one seed no comparison is
+  claimed. λ₁ is compared only where both runs of a pair report their width, and
   its line is followed by the width's (a wider posterior puts samples in sharper places whatever its
   flatness). ``flatbma compare`` stores them in ``results["findings"]``.
 """
@@ -34,6 +39,7 @@ from flatbma.experiment.report.rows import (
     COMPARED,
     LAMBDA1,
     LEVEL,
+    MISSING,
     TRACE_COV,
     Metric,
     Run,
@@ -48,12 +54,13 @@ from flatbma.experiment.report.rows import (
     seed_counts,
 )
 from flatbma.experiment.run.health import flagged_line, is_flagged
-from flatbma.stats import Difference, paired_difference
+from flatbma.stats import POWER, Difference, paired_difference
 
 __all__ = [
     "Comparison",
     "check_pairs",
     "comparisons",
+    "detectable_text",
     "difference_text",
     "findings",
     "pair_comparisons",
@@ -99,6 +106,18 @@ def difference_text(d: Difference) -> str:
     return f"{mean} [{low}, {high}]"
 
 
+def detectable_text(d: Difference) -> str:
+    """The detectable difference with the decimals of :func:`difference_text`'s; ``–`` with one pair."""
+    if d.detectable is None:
+        return MISSING
+    return format_number(d.detectable, _difference_decimals(d))
+
+
+def _null_verdict(d: Difference) -> str:
+    """What a difference whose interval includes 0 says: ``no difference larger than δ detected``."""
+    return f"no difference larger than {detectable_text(d)} detected"
+
+
 # --------------------------------------------------------------------------------------------------
 # paired differences and findings
 
@@ -112,8 +131,10 @@ class Comparison:
         reference: the label it is compared with: the reference, or ``b`` of a pair.
         metric: what is compared.
         seeds: the seeds of the pairs (both runs have the value; for λ₁ both also have their width).
-        difference: ``mean(x_s − x_s(reference))`` with its t interval (``None`` without pairs).
-        verdict: "better", "worse", "flatter", …, "no significant difference", or why none is claimed.
+        difference: ``mean(x_s − x_s(reference))`` with its t interval and detectable difference (``None``
+            without pairs).
+        verdict: "better", "worse", "flatter", …, "no difference larger than δ detected", or why none is
+            claimed.
     """
 
     method: str
@@ -155,6 +176,7 @@ class Comparison:
                 {"low": interval.low, "high": interval.high, "level": interval.level} if interval is not None else None
             ),
             "significant": bool(d is not None and d.significant),
+            "detectable": d.detectable if d is not None else None,
             "reading": self.metric.reading,
             "verdict": self.verdict,
             "text": self.text,
@@ -162,6 +184,12 @@ class Comparison:
 
 
 NOT_CLAIMED_ONE_SEED = "no comparison claimed (one seed)"
+DETECTABLE = (
+    "the smallest true mean difference that the two-sided paired t test at size 1 − level detects with the "
+    "given power over the seeds compared, from the paired differences' standard deviation s and number n: "
+    "δ = λ* s/√n, with λ* solving P(|T′| > t_{1−α/2, n−1}) = power for T′ noncentral t(n − 1, λ*)"
+)
+"""How ``findings["detectable_difference"]`` defines each comparison's ``detectable``."""
 NO_WIDTH = "not compared: the posterior width tr Σ is not measured beside it"
 
 
@@ -265,7 +293,7 @@ def _compare(method: str, runs: Sequence[Run], reference: str, ref_runs: Sequenc
     if d.n < 2:
         verdict = NOT_CLAIMED_ONE_SEED
     elif not d.significant:
-        verdict = "no significant difference"
+        verdict = _null_verdict(d)
     else:
         verdict = metric.lower if d.mean < 0 else metric.higher
     return Comparison(method, reference, metric, tuple(seeds), d, verdict)
@@ -316,8 +344,9 @@ def findings(results: Mapping[str, Any]) -> dict[str, Any]:
     """The findings of a comparison, generated from the paired differences (JSON-ready).
 
     Returns:
-        ``{"reference", "level", "test", "claimed", "comparisons": [Comparison.to_dict()], "text":
-        [lines]}``, and with ``compare.pairs`` also ``"pairs": [Comparison.to_dict()]`` (each pair
+        ``{"reference", "level", "power", "test", "detectable_difference", "claimed", "comparisons":
+        [Comparison.to_dict()], "text": [lines]}`` (each comparison's ``detectable`` at ``power``, defined by
+        ``detectable_difference``), and with ``compare.pairs`` also ``"pairs": [Comparison.to_dict()]`` (each pair
         ``a − b``, with ``reference`` = b; :func:`pair_comparisons`). ``text`` has one line per
         comparison, the reference's first, then the pairs' (a method sharing fewer than two seeds with
         the one it is compared with gets one line saying that nothing is claimed; a pair ``(a, b)``
@@ -353,7 +382,9 @@ def findings(results: Mapping[str, Any]) -> dict[str, Any]:
     out = {
         "reference": reference,
         "level": LEVEL,
+        "power": POWER,
         "test": "paired differences over seeds (method − reference), Student t interval",
+        "detectable_difference": DETECTABLE,
         "claimed": claimed,
         "comparisons": [c.to_dict() for c in found],
         "text": text,

@@ -56,6 +56,7 @@ from typing import Any
 
 from flatbma.checks import is_number
 from flatbma.errors import FlatbmaError
+from flatbma.stats import LEVEL as STATS_LEVEL
 from flatbma.stats import Interval, Method, Summary, median_interval, summarize
 
 __all__ = [
@@ -93,8 +94,8 @@ __all__ = [
 MISSING = "–"
 """What a table shows for a value no run has."""
 
-LEVEL = 0.95
-"""Confidence level of every interval of the report."""
+LEVEL = STATS_LEVEL
+"""Confidence level of every interval of the report (:data:`flatbma.stats.LEVEL`, 0.95)."""
 
 ONE_SEED = "one seed; no interval"
 """What the cells of a comparison with one seed per method hold: each run's value, no spread, no interval."""

@@ -35,6 +35,7 @@ from typing import Any
 from flatbma.experiment.report.findings import (
     Comparison,
     comparisons,
+    detectable_text,
     difference_text,
     pair_comparisons,
     pairs_of,
@@ -80,7 +81,7 @@ from flatbma.experiment.report.rows import (
 )
 from flatbma.experiment.run.health import MARK, flagged_line, is_flagged
 from flatbma.flatness.posterior import HEAVY_TAIL_FACTOR, repeatable
-from flatbma.stats import Summary
+from flatbma.stats import POWER, Summary
 
 __all__ = ["Table", "report_tables", "summary_table"]
 
@@ -266,25 +267,41 @@ def summary_table(results: Mapping[str, Any]) -> str:
     return table.markdown() + "".join(f"\n- {line}" for line in diverged_lines(results))
 
 
+def _difference_header(metrics: Sequence[Metric]) -> list[str]:
+    """Per metric of a paired-difference table its column, then its detectable difference's."""
+    return [label for m in metrics for label in (m.label, f"{m.label} detectable")]
+
+
 def _difference_cells(found: Sequence[Comparison], metrics: Sequence[Metric], i: int, bold: set) -> list[str]:
     """Row ``i`` of a paired-difference table after its name: the seeds, then per metric ``mean [interval]``.
 
-    ``found`` holds the row's comparisons; the cells whose interval excludes 0 are added to ``bold``.
+    Each metric's cell is followed by its detectable difference's (:func:`detectable_text`). ``found`` holds the
+    row's comparisons; the cells whose interval excludes 0 are added to ``bold``.
     """
     mine = {c.metric.key: c for c in found}
     cells = []
     for j, metric in enumerate(metrics):
         c = mine.get(metric.key)
         if c is None:
-            cells.append(MISSING)
+            cells += [MISSING, MISSING]
         elif c.difference is None:
-            cells.append("not compared")
+            cells += ["not compared", MISSING]
         else:
-            cells.append(difference_text(c.difference) + ("" if c.claimed else " (one seed)"))
+            shown = difference_text(c.difference) + ("" if c.claimed else " (one seed)")
+            cells += [shown, detectable_text(c.difference)]
             if c.difference.significant:
-                bold.add((i, j + 2))
+                bold.add((i, 2 * j + 2))
     n = max((c.difference.n for c in mine.values() if c.difference is not None), default=0)
     return [str(n), *cells]
+
+
+DETECTABLE_NOTE = (
+    f"Detectable: the smallest true mean difference that a two-sided paired t test at {1 - LEVEL:.0%} detects "
+    f"with {POWER:.0%} power over these seeds, from the paired differences' standard deviation s and number n "
+    f"(the noncentral t; about (t_{{{(1 + LEVEL) / 2:g}, n−1}} + t_{{{POWER:g}, n−1}}) s/√n); a difference whose "
+    "interval includes 0 rules out only differences larger than it."
+)
+"""The paired-difference tables' caption of their detectable columns (:func:`flatbma.stats.detectable_difference`)."""
 
 
 def _differences_table(results: Mapping[str, Any], groups: dict[str, list[Run]]) -> Table | None:
@@ -302,11 +319,11 @@ def _differences_table(results: Mapping[str, Any], groups: dict[str, list[Run]])
             rows.append([method, *_difference_cells(mine, metrics, len(rows), bold)])
     return Table(
         f"Paired differences from {reference} (method − {reference}: mean [{LEVEL:.0%} t interval] over common seeds)",
-        ["method", "seeds", *(m.label for m in metrics)],
+        ["method", "seeds", *_difference_header(metrics)],
         rows,
         "Per seed the method's value minus the reference's (the same seed: the same k-shot training set and "
         "initialization), then the mean and Student t interval over the seeds both ran. Bold: the interval "
-        "excludes 0. λ₁ is compared only on seeds where both runs report their width (tr Σ).",
+        f"excludes 0. λ₁ is compared only on seeds where both runs report their width (tr Σ). {DETECTABLE_NOTE}",
         frozenset(bold),
     )
 
@@ -325,12 +342,12 @@ def _pairs_table(results: Mapping[str, Any], groups: dict[str, list[Run]]) -> Ta
             rows.append([f"{a} − {b}", *_difference_cells(mine, metrics, len(rows), bold)])
     return Table(
         f"Paired differences (each listed pair a − b: mean [{LEVEL:.0%} t interval] over common seeds)",
-        ["pair", "seeds", *(m.label for m in metrics)],
+        ["pair", "seeds", *_difference_header(metrics)],
         rows,
         "compare.pairs: per seed a's value minus b's (the same seed: the same k-shot training set and "
         "initialization), then the mean and Student t interval over the seeds both ran; seeds only one of them "
         "ran are left out. Bold: the interval excludes 0. λ₁ is compared only on seeds where both runs report "
-        "their width (tr Σ).",
+        f"their width (tr Σ). {DETECTABLE_NOTE}",
         frozenset(bold),
     )
 

@@ -1,0 +1,115 @@
+"""The detectable difference in ``scripts/compare_progress.py``'s paired table, and ``scripts/refind.py``.
+
+Neither trains: compare_progress reads row caches written here, refind a results dict built here.
+"""
+
+import importlib.util
+import json
+import statistics
+from pathlib import Path
+
+import pytest
+import yaml
+
+from flatbma.experiment.report.findings import findings
+from flatbma.experiment.study.plan import load_plan
+from tests.helpers import DETECTABLE_PER_S
+
+ROOT = Path(__file__).resolve().parents[2]
+SEEDS = (0, 1, 2)
+NOISE = (0.013, -0.021, 0.008)
+
+
+def _script(name):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _result(k, seed):
+    """A row's numbers: a shift k between rows, seed-to-seed noise that the rows do not share."""
+    e = NOISE[(seed + k) % len(NOISE)]
+    return {
+        "accuracy": 0.7 + 0.05 * k + e,
+        "nll": 0.9 + 2 * e,
+        "ece": 0.05 + e / 10,
+        "temperature_scaled": {"nll": 0.85 + e},
+        "lambda1_summary": {"median": 100.0 + 30 * k + 500 * e},
+        "width": {"trace_cov": 2.0 + k + e},
+    }
+
+
+def test_compare_progress_prints_each_difference_with_its_detectable_difference(tmp_path, capsys):
+    config = tmp_path / "study.yaml"
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "data": {"name": "digits", "k_shot": 10},
+                "model": {"name": "mlp"},
+                "compare": {"methods": [{"name": "sgd"}, {"name": "swag"}], "seeds": list(SEEDS)},
+            }
+        )
+    )
+    out = tmp_path / "out"
+    rows = {}
+    for job in load_plan(config, [f"output_dir={out}"]).jobs():  # the row caches flatbma compare writes
+        k = ["sgd", "swag"].index(job.label)
+        rows[job.label, job.seed] = _result(k, job.seed)
+        job.row_dir.mkdir(parents=True, exist_ok=True)
+        (job.row_dir / "compare.json").write_text(json.dumps({"result": rows[job.label, job.seed]}))
+    progress = _script("compare_progress")
+    progress.main(str(out), str(config), "sgd")
+    printed = capsys.readouterr().out.splitlines()
+    table = printed[next(i for i, x in enumerate(printed) if x.startswith("| row − sgd |")) :]
+    (line,) = [x for x in table if x.startswith("| swag | 3 |")]
+    cells = [c.strip() for c in line.strip("|").split("|")][2:]
+    assert len(cells) == len(progress.COMPARED)
+    for metric, cell in zip(progress.COMPARED, cells):
+        d = [progress.value(rows["swag", s], metric) - progress.value(rows["sgd", s], metric) for s in SEEDS]
+        detectable = DETECTABLE_PER_S[3] * statistics.stdev(d)
+        shown = cell.split(", detectable ")[1]
+        assert float(shown) == pytest.approx(detectable, rel=5e-4), (metric.label, cell)  # 4 significant digits
+        assert cell.startswith(f"{statistics.mean(d):+.4g} [")
+    # the NLL differences (−0.068, 0.058, 0.010) include 0
+    assert progress.COMPARED[1].key == "nll" and " ns, detectable " in cells[1]
+
+
+def _results():
+    runs = [{"method": m, "seed": s, **_result(k, s)} for k, m in enumerate(["sgd", "swag"]) for s in SEEDS]
+    old = {"reference": "sgd", "level": 0.95, "text": ["swag vs sgd: NLL ...: no significant difference"]}
+    return {"config_hash": "abc", "created": "2024-01-01T00:00:00", "compare": {}, "runs": runs, "findings": old}
+
+
+def test_refind_rewrites_the_findings_alone_and_the_reports(tmp_path, capsys):
+    source = tmp_path / "study" / "results.json"
+    source.parent.mkdir()
+    results = _results()
+    source.write_text(json.dumps(results, indent=2, sort_keys=True) + "\n")
+    before = source.read_bytes()
+    refind = _script("refind")
+    assert refind.main([str(source), "--out", str(tmp_path / "new")]) == 0
+    assert source.read_bytes() == before  # --out leaves the source as it was
+    new = json.loads((tmp_path / "new" / "results.json").read_text())
+    assert new == {**results, "findings": findings(results)}  # every other key as it was
+    assert all("detectable" in c for c in new["findings"]["comparisons"])
+    assert not any("no significant difference" in line for line in new["findings"]["text"])
+    md = (tmp_path / "new" / "report.md").read_text()
+    assert "| NLL | NLL detectable |" in md and "no difference larger than" in md
+    assert "wrote" in capsys.readouterr().out
+    assert refind.main([str(source)]) == 0  # in place
+    assert json.loads(source.read_text()) == new
+    assert (source.parent / "report.html").exists()
+
+
+def test_refind_refuses_what_is_not_a_results_json_in_one_line(tmp_path, capsys):
+    refind = _script("refind")
+    bad = tmp_path / "results.json"
+    bad.write_text("[1, 2]")
+    assert refind.main([str(bad)]) == 2
+    assert refind.main([str(tmp_path / "missing.json")]) == 2
+    bad.write_text(json.dumps({"runs": []}))
+    assert refind.main([str(bad)]) == 2
+    errors = capsys.readouterr().err.splitlines()
+    assert len(errors) == 3 and all(e.startswith("refind: error: ") for e in errors)
+    assert bad.read_text() == json.dumps({"runs": []})  # nothing written
