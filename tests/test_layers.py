@@ -233,7 +233,7 @@ def test_the_experiment_check_sees_imports():
 
 
 COMPONENT_NAMES = re.compile(
-    r"^(member\d*|point|swag|laplace|samples|sgld|ascent|orthogonal|momentum|mean|log_std|factor|rho|precision|bsam"
+    r"^(member\d*|point|swag|laplace|samples|sgld|ascent|orthogonal|momentum|mean|log_std|factor|rho|precision|bsam|ivon|hess"
     r"|rng|amp)/"
 )
 """Names the families keep a component's state (or ``θ``'s sections) under: only posteriors/ and below read them."""

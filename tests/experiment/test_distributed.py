@@ -1,7 +1,7 @@
 """Data-parallel training under torchrun (gloo on CPU): two processes reproduce one process.
 
 The multi-process parts launch ``python -m torch.distributed.run`` (= ``torchrun``) in a subprocess:
-the CLI itself for SGD, and this file as the worker script (``_worker``) for SAM, SWAG, FP-BMA, a
+the CLI itself for SGD, and this file as the worker script (``_worker``) for SAM, SWAG, FP-BMA, IVON, a
 crash + resume of SGLD and ``evaluate``. Tolerances: parameters and method state within
 ``atol = rtol = 1e-5`` of one process (float32; only the summation order of the gradient differs:
 the mean of two shard means instead of one mean), BMA metrics within ``rel 1e-5``.
@@ -42,6 +42,7 @@ METHODS = {
     "sam": ({"name": "sam", "rho": 0.05}, 1),
     "swag": ({"name": "swag", "rank": 3, "start_step": 0, "collect_every": 4}, 4),
     "fp-bma": ({"name": "fp-bma", "rank": 2}, 4),
+    "ivon": ({"name": "ivon", "beta2": 0.99}, 4),  # ĝ and ĥ of the global batch: the reference's sync=True
 }
 # SGLD on a BatchNorm CNN with augmentation, killed after its 4th checkpoint (mid epoch 2), resumed.
 RESUME = {
@@ -165,14 +166,14 @@ def test_torchrun_cli_trains_like_one_process_and_only_rank0_writes(tmp_path):
 
 
 def _worker(root: Path) -> None:
-    """Run under torchrun (2 processes): SAM, SWAG, FP-BMA; SGLD crash + resume; evaluate; replica check."""
+    """Run under torchrun (2 processes): SAM, SWAG, FP-BMA, IVON; SGLD crash + resume; evaluate; replica check."""
     from flatbma.experiment.run import stage
     from flatbma.experiment.run.pipeline import evaluate_run, load_run_config
     from flatbma.types import State
 
     with processes.process_group(torch.device("cpu")):
         me = processes.rank()
-        for method in ("sam", "swag", "fp-bma"):
+        for method in ("sam", "swag", "fp-bma", "ivon"):
             # rank 1 is given a directory of its own: it must never be created
             train_run(config_from_dict(_config(method, root / (method if me == 0 else f"{method}-rank1"))))
         evaluated = evaluate_run(root / "sam")  # every rank reads the run directory
@@ -210,10 +211,10 @@ def _worker(root: Path) -> None:
 
 
 @pytest.mark.slow
-def test_torchrun_matches_one_process_for_sam_swag_fpbma_and_resumes_exactly(tmp_path):
+def test_torchrun_matches_one_process_for_sam_swag_fpbma_ivon_and_resumes_exactly(tmp_path):
     many = tmp_path / "many"
     torchrun(str(Path(__file__).resolve()), str(many))
-    for method in ("sam", "swag", "fp-bma"):
+    for method in ("sam", "swag", "fp-bma", "ivon"):
         assert not (many / f"{method}-rank1").exists(), "rank 1 wrote files"
         train_run(config_from_dict(_config(method, tmp_path / "one" / method)))
         _assert_same_run(tmp_path / "one" / method, many / method)

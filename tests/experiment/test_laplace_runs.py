@@ -226,6 +226,8 @@ RESOLVED = {
     "multi": "d6549a167fda82e5",
     "multiswag": "cc8b1b7f24d9c126",  # swag's start_step: null (#25)
     "multi-fp-bma": "c6bcf7cb095abf91",
+    "ivon": "72c3be7ac0aec2d9",  # registered after Laplace (#37)
+    "f-ivon": "dd6b7d3ca8c2f150",
 }
 
 

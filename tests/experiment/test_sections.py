@@ -37,7 +37,7 @@ def test_gaussian_field_is_what_the_built_posterior_says(name: str) -> None:
 
 
 def test_gaussian_methods_are_the_ones_a_prior_stage_accepts() -> None:
-    assert gaussian_methods() == ["swag", "f-swag", "lowrank-vi", "f-lowrank-vi", "fp-bma", "sa-bma"]
+    assert gaussian_methods() == ["swag", "f-swag", "lowrank-vi", "f-lowrank-vi", "ivon", "f-ivon", "fp-bma", "sa-bma"]
 
 
 @pytest.mark.parametrize("name", prior_methods())

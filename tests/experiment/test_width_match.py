@@ -80,6 +80,7 @@ SMALL = {
                 "match_width": "lowrank-vi",
             },
             {"name": "lowrank-vi", "label": "vi-as-swag", "rank": 3, "init_std": 0.01, "match_width": "swag"},
+            {"name": "ivon", "label": "ivon-as-swag", "beta2": 0.9, "match_width": "swag"},  # a diagonal Gaussian
         ],
         "seeds": [0],
         "bma_curve": [1, 3],
@@ -101,7 +102,7 @@ def test_width_matched_rows_have_the_reference_width(tmp_path):
     plan = load_plan(_write(tmp_path, SMALL))
     results = run_compare(plan, progress=False)
     rows = {r["method"]: r for r in results["runs"]}
-    for label, ref in (("swag-wide", "lowrank-vi"), ("vi-as-swag", "swag")):
+    for label, ref in (("swag-wide", "lowrank-vi"), ("vi-as-swag", "swag"), ("ivon-as-swag", "swag")):
         row, target = rows[label], rows[ref]
         matched = row["width_matched"]
         assert matched["to"] == ref

@@ -7,7 +7,7 @@ import torch
 from flatbma.experiment.run.checkpoint import check_compatible, load_state, save_state
 from flatbma.optim import SAM, SGD, Adam, Amortized, FisherBall
 from flatbma.params import Objective, model_buffers, trainable_params
-from flatbma.posteriors import ensemble, lowrank_vi, mfvi, point, sgld, swag
+from flatbma.posteriors import ensemble, ivon, lowrank_vi, mfvi, point, sgld, swag
 
 
 def _problem():
@@ -25,6 +25,7 @@ BUILDERS = {
     "fp-bma": lambda obj, a: lowrank_vi.build(obj, Adam(lr=0.01), a, rank=3),
     "f-sgld": lambda obj, a: sgld.build(obj, SGD(lr=1e-3), a, burn_in=2, thin=1),
     "f-ensemble": lambda obj, a: ensemble.build(obj, SGD(lr=0.1), a, size=2, seed=3),
+    "f-ivon": lambda obj, a: ivon.build(obj, SGD(lr=0.1), a, mc_samples=2, beta2=0.9),
 }
 ASCENT = {"fp-bma": lambda: FisherBall(gamma=0.05)}
 

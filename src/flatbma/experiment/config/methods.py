@@ -32,7 +32,20 @@ from flatbma.errors import FlatbmaError, suggest
 from flatbma.experiment.config.parse import coerce, parse_dataclass, shown
 from flatbma.optim import ASAM, SAM, Amortized, FisherBall, FisherSAM
 from flatbma.options import resolved
-from flatbma.posteriors import bsam, ensemble, fp_bma, laplace, lowrank_vi, mc_dropout, mfvi, multi, point, sgld, swag
+from flatbma.posteriors import (
+    bsam,
+    ensemble,
+    fp_bma,
+    ivon,
+    laplace,
+    lowrank_vi,
+    mc_dropout,
+    mfvi,
+    multi,
+    point,
+    sgld,
+    swag,
+)
 from flatbma.types import Ascent, Phase, Posterior, Predictive, phases_after
 
 if TYPE_CHECKING:
@@ -612,6 +625,25 @@ register(
 )
 register(
     MethodSpec("bsam", "Bayesian SAM: SAM as a relaxation of Bayes (Möllenhoff & Khan 2023)", bsam.build, bsam.Options)
+)
+register(
+    MethodSpec(
+        "ivon",
+        "IVON: natural-gradient mean-field VI at SGD's cost (Shen et al. 2024); lr, beta1, delta from optim",
+        ivon.build,
+        ivon.Options,
+        gaussian=True,
+    )
+)
+register(
+    MethodSpec(
+        "f-ivon",
+        "F-IVON: IVON with SAM at each sampled model, its gradient fed to IVON",
+        ivon.build,
+        ivon.Options,
+        SAM,
+        gaussian=True,
+    )
 )
 
 

@@ -45,7 +45,8 @@ class PriorConfig:
         epochs: training epochs of the first stage.
         optim: the first stage's optimizer; the run's ``optim`` section when ``None``.
         init: start the run's method at the fitted posterior (its ``method.rank`` must then equal the
-            number of deviation columns the first stage collected); otherwise only the prior is used.
+            number of deviation columns the first stage collected, so the first stage must have a low-rank
+            part: not IVON's diagonal Gaussian); otherwise only the prior is used.
         min_std: floor of the fitted Gaussian's diagonal standard deviations ``σ`` (prior and start).
             SWAG's ``σ`` is ~0 for weights the snapshots barely move, and ``κ·KL(q ‖ p)/n`` then has
             curvature up to ``2κ/(n σ²)`` in ``μ`` (the prior's variance along such a weight is ``σ²/2``):
@@ -121,6 +122,11 @@ def parse_prior(data: Any, method: MethodConfig) -> PriorConfig | None:
         raise FlatbmaError(not_gaussian_message(stage.name))
     optim = parse_dataclass(OptimConfig, rest.optim, "prior.optim") if rest.optim is not None else None
     ranks = (inner.options.get(RANK_OPTION), stage.options.get(RANK_OPTION))
+    if rest.init and RANK_OPTION not in stage.options:  # a Gaussian family without a rank is diagonal (IVON)
+        raise FlatbmaError(
+            f"prior.init starts {method.name} at the fitted prior, but prior.method {stage.name!r} fits a diagonal "
+            "Gaussian (no low-rank factor to start from): set prior.init: false (its posterior is then the prior only)"
+        )
     if rest.init and None not in ranks and ranks[0] != ranks[1]:
         raise FlatbmaError(
             f"prior.init starts {method.name} at the fitted prior, so {key}.rank ({ranks[0]}) must equal "

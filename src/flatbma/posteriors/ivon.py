@@ -1,0 +1,408 @@
+"""Improved Variational Online Newton: IVON (Shen et al., ICML 2024, Algorithm 1), a posterior and its optimizer.
+
+Shen et al., "Variational Learning is Effective for Large Deep Networks", ICML 2024 (arXiv 2402.17641); the
+authors' package is ``ivon-opt`` (team-approx-bayes/ivon), which ``tests/posteriors/test_ivon.py`` checks this
+against.
+
+A mean-field Gaussian ``q(w) = N(m, diag σ²)`` with ``σ = 1/√(λ(h + δ))``, trained by a natural-gradient
+update at the cost of one gradient per Monte-Carlo sample. Step ``t = 1, 2, …`` with ``M`` samples:
+
+    ``θ_j = m + σ ⊙ z_j``, ``z_j ~ N(0, I)``                          the samples (``j = 1..M``)
+    ``ĝ = (1/M) Σ_j ∇L_B(θ_j)``                                        the gradient at the samples
+    ``ĥ = (1/M) Σ_j ∇L_B(θ_j) ⊙ (θ_j − m)/σ²``                          the reparameterization (Price) Hessian
+    ``g ← β₁ g + (1 − β₁) ĝ``                                          momentum
+    ``h ← β₂ h + (1 − β₂) ĥ + ½(1 − β₂)² (h − ĥ)²/(h + δ)``             Hessian, with its positivity correction
+    ``m ← m − α_t · clip((g/(1 − β₁ᵗ) + δ m)/(h + δ), −ξ, ξ)``          mean (bias-corrected momentum)
+
+then ``σ = 1/√(λ(h + δ))`` with the new ``h``; ``σ`` and ``(θ_j − m)/σ²`` in ``ĥ`` are those of the ``h`` the
+samples were drawn with. ``λ`` (``ess``) is the effective sample size, ``N`` the training-set size by default:
+``q`` then approximates the posterior of ``N`` examples under the prior ``N(0, I/(λδ))`` (``δ`` is the weight
+decay). ``h`` starts at ``h₀`` (``hess_init``) and ``g`` at 0. With ``rescale_lr`` (the algorithm's optional
+line, ``ivon-opt``'s default) ``α_t = (h₀ + δ)·η_t``, so that the first steps are SGD-sized steps of rate
+``η_t``; ``ξ`` (``clip_radius``) clips every coordinate of the step, ``None`` for none.
+
+IVON is its own optimizer: of the ``optimizer`` it is given (flatbma's SGD, the ``optim`` section) it reads
+``η_t = optimizer.learning_rate(step)`` (``optim.lr`` and ``optim.schedule``), ``β₁ = optimizer.momentum`` and
+``δ = optimizer.weight_decay``; Adam and Nesterov momentum are refused (one line, :func:`build`). Prediction:
+the BMA samples ``w ~ N(m, σ²)``; the posterior mean is ``m``.
+
+With an ascent step on weights (F-IVON, :func:`build`) the gradient at each sample is the sharpness-aware
+one, ``∇L_B(θ_j + ε_j)`` with ``ε_j = ascent.perturb(θ_j, ∇L_B(θ_j))``, and enters both ``ĝ`` and ``ĥ``.
+
+State: ``params`` = ``{"mean/<name>": m, "hess/<name>": h}`` (packed as one ``[2, d]`` buffer, names in sorted
+order), ``aux`` = ``{"ivon/momentum/<name>": g}`` (one ``[d]`` buffer), the noise seed ``rng/seed`` and an
+amortized ascent step's memories ``ascent/sample<j>/…``; the step count ``t`` is :attr:`State.step` + 1.
+Randomness: step ``t``'s noise is drawn from the generator of ``(rng/seed, t − 1)``
+(:func:`flatbma.rng.seeded_generator`), ``z_j`` as one ``[d]`` draw in the layout's order, so a resumed state
+draws what it would have. Data-parallel runs all-reduce every ``∇L_B(θ_j)`` (``Objective.reduce_grads``) and draw
+the same ``z_j`` on every rank, so ``ĝ`` and ``ĥ`` are those of the global batch: the reference's ``sync=True``.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
+from functools import partial
+
+import torch
+from torch import Tensor
+
+from flatbma import packed
+from flatbma.checks import check_int, check_number
+from flatbma.errors import FlatbmaError
+from flatbma.gaussian import check_sections, is_theta, section
+from flatbma.named import SEP
+from flatbma.optim.ascent import (
+    ASCENT,
+    ascent_memory,
+    has_memory,
+    memory_entries,
+    memory_of,
+    needs_sample,
+    sharpness_aware_value_and_grad,
+)
+from flatbma.optim.sgd import SGD
+from flatbma.params import Objective, clone
+from flatbma.rng import SEED_KEY, new_seed, seeded_generator
+from flatbma.types import (
+    Ascent,
+    AscentSpace,
+    Batch,
+    GradientTransformation,
+    Params,
+    Posterior,
+    State,
+    StepOutput,
+    ascent_space,
+)
+
+PREFIXES = ("mean", "hess")
+"""The sections of ``θ``: the mean ``m`` and the Hessian estimate ``h``."""
+
+NAME = "ivon"
+"""The component IVON keeps its momentum under in ``aux`` (:mod:`flatbma.named`): ``ivon/momentum/<name>``."""
+
+KIND = "ivon"
+"""``Layout.kind`` of ``θ``'s packed ``[2, d]`` buffer (:func:`theta_layout`)."""
+
+
+@dataclass(frozen=True)
+class Options:
+    """IVON's options (:func:`build`); ``β₁``, ``δ`` and ``η_t`` come from the optimizer (``optim``).
+
+    The defaults are those of the authors' package ``ivon-opt`` 0.1.3, with ``λ = N`` as the paper's Algorithm 1
+    (the settings of the authors' runs, team-approx-bayes/ivon-experiments, are named beside each):
+
+    Attributes:
+        ess: ``λ``, the effective sample size; ``None``: ``N``, the training-set size (Algorithm 1's ``λ ← N``,
+            the package's usage guide ``ess=len(train_dataset)``). A larger ``λ`` narrows ``q``.
+        hess_init: ``h₀ > 0``, the initial Hessian estimate, so the initial ``σ = 1/√(λ(h₀ + δ))``
+            (``ivon-opt``'s default 1.0; the authors' CIFAR ResNets use 0.5, ImageNet 0.05, GPT-2 0.001).
+        beta2: ``β₂``, the Hessian's decay (``1 − 10⁻⁵``: ``ivon-opt``'s default and the authors' CIFAR runs;
+            ``h`` moves by a fraction ``≈ (1 − β₂)`` of ``ĥ − h`` per step, so a run of ``T`` steps moves ``σ``
+            only when ``T(1 − β₂)`` is not small).
+        mc_samples: ``M``, samples (gradients) per step (1: the paper's standard setting).
+        clip_radius: ``ξ``, the elementwise clip of the step; ``None`` for none (``ivon-opt``'s ``inf``, the
+            authors' image classification; their GPT-2 runs use ``10⁻³``).
+        rescale_lr: ``α_t = (h₀ + δ)·η_t`` (Algorithm 1's optional rescaling, ``ivon-opt``'s default); ``False``:
+            ``α_t = η_t``.
+    """
+
+    ess: float | None = None
+    hess_init: float = 1.0
+    beta2: float = 0.99999
+    mc_samples: int = 1
+    clip_radius: float | None = None
+    rescale_lr: bool = True
+
+
+@dataclass(frozen=True)
+class _Rule:
+    """The update's constants: the options with ``λ``, ``β₁``, ``δ`` and the learning-rate schedule resolved."""
+
+    ess: float
+    hess_init: float
+    beta1: float
+    beta2: float
+    weight_decay: float
+    mc_samples: int
+    clip_radius: float | None
+    learning_rate: Callable[[int], float]
+    lr_factor: float
+
+
+def _check_options(o: Options) -> None:
+    inf = math.inf
+    if o.ess is not None:
+        message = f"method.ess must be a positive number or null (N, the training-set size), got {o.ess!r}"
+        check_number(o.ess, message, low=0, low_open=True, high=inf, high_open=True)
+    message = f"method.hess_init must be a positive number (the authors' runs use 0.001 to 0.5), got {o.hess_init!r}"
+    check_number(o.hess_init, message, low=0, low_open=True, high=inf, high_open=True)
+    message = f"method.beta2 must be a number in [0, 1) (the paper's is 0.99999), got {o.beta2!r}"
+    check_number(o.beta2, message, low=0, high=1, high_open=True)
+    check_int(o.mc_samples, f"method.mc_samples must be an integer >= 1 (got {o.mc_samples!r})", minimum=1)
+    if o.clip_radius is not None:
+        message = f"method.clip_radius must be a positive number or null (no clipping), got {o.clip_radius!r}"
+        check_number(o.clip_radius, message, low=0, low_open=True, high=inf, high_open=True)
+    if not isinstance(o.rescale_lr, bool):
+        raise FlatbmaError(f"method.rescale_lr must be true or false, got {o.rescale_lr!r}")
+
+
+def _check_optimizer(optimizer: GradientTransformation) -> SGD:
+    """The optimizer IVON reads ``η_t``, ``β₁`` and ``δ`` from: flatbma's SGD without Nesterov momentum."""
+    if not isinstance(optimizer, SGD):
+        raise FlatbmaError(
+            f"ivon is its own optimizer: it takes optim.lr and optim.schedule (its learning rate), optim.momentum "
+            f"(its beta1) and optim.weight_decay (its delta) from optim.name: sgd, got a {type(optimizer).__name__}: "
+            "set optim.name: sgd"
+        )
+    if optimizer.nesterov:
+        raise FlatbmaError(
+            "ivon's momentum is its own (beta1 = optim.momentum), not Nesterov's: set optim.nesterov: false"
+        )
+    if optimizer.decay_mask is not None:
+        raise FlatbmaError("ivon's weight decay delta acts on every weight; give it an SGD without a decay_mask")
+    check_number(
+        optimizer.momentum,
+        f"ivon's beta1 (optim.momentum) must be in [0, 1), got {optimizer.momentum!r}",
+        low=0,
+        high=1,
+        high_open=True,
+    )
+    check_number(
+        optimizer.weight_decay,
+        f"ivon's delta (optim.weight_decay) must be >= 0, got {optimizer.weight_decay!r}",
+        low=0,
+        high=math.inf,
+        high_open=True,
+    )
+    return optimizer
+
+
+def build(
+    objective: Objective, optimizer: GradientTransformation, ascent: Ascent | None = None, **options
+) -> Posterior:
+    """IVON (Shen et al. 2024, Algorithm 1; the update is in the module docstring), or F-IVON with an ascent step.
+
+    Args:
+        objective: model and mean mini-batch loss; ``objective.num_data`` is ``N`` (``ess: null``).
+        optimizer: flatbma's :class:`~flatbma.optim.SGD`: ``η_t = optimizer.learning_rate(step)``,
+            ``β₁ = optimizer.momentum``, ``δ = optimizer.weight_decay``.
+        ascent: an ascent step on weights (SAM, ASAM, Fisher-SAM, or :class:`~flatbma.optim.Amortized` around
+            one) taken at every sample, or ``None``.
+        options: the fields of :class:`Options`.
+
+    Raises:
+        FlatbmaError: an option out of range, another optimizer (Adam), Nesterov momentum, or an ascent step on
+            ``θ`` (FP-BMA's Fisher ball).
+    """
+    o = Options(**options)
+    _check_options(o)
+    sgd = _check_optimizer(optimizer)
+    if ascent is not None and (ascent_space(ascent) is AscentSpace.THETA or needs_sample(ascent)):
+        raise FlatbmaError(
+            "ivon takes an ascent step on the sampled weights (SAM, ASAM, Fisher-SAM: f-ivon), not one on the "
+            "variational parameters (FP-BMA's Fisher ball)"
+        )
+    rule = _Rule(
+        ess=float(o.ess) if o.ess is not None else float(objective.num_data),
+        hess_init=float(o.hess_init),
+        beta1=float(sgd.momentum),
+        beta2=float(o.beta2),
+        weight_decay=float(sgd.weight_decay),
+        mc_samples=int(o.mc_samples),
+        clip_radius=float(o.clip_radius) if o.clip_radius is not None else None,
+        learning_rate=sgd.learning_rate,
+        lr_factor=float(o.hess_init) + float(sgd.weight_decay) if o.rescale_lr else 1.0,
+    )
+    return Posterior(
+        init=partial(init, rule=rule, ascent=ascent),
+        update=partial(update, rule=rule, objective=objective, ascent=ascent),
+        sample=partial(sample, rule=rule),
+        recompute_bn=True,
+        gaussian=partial(gaussian, rule=rule),
+        mean=mean,
+        marginal_variance=partial(marginal_variance, rule=rule),
+    )
+
+
+# ---------------------------------------------------------------------------------------------------
+# the layout
+
+
+def theta_layout(shapes: Mapping[str, torch.Size]) -> packed.Layout:
+    """``θ``'s packed layout: a ``[2, d]`` buffer, row 0 ``m``, row 1 ``h``; the names' columns in sorted order."""
+    names = sorted(shapes)
+    d = sum(shapes[n].numel() for n in names)
+    keys, sizes, strides, offsets = [], [], [], []
+    for row, prefix in enumerate(PREFIXES):
+        offset = row * d
+        for n in names:
+            keys.append(f"{prefix}/{n}")
+            sizes.append(shapes[n])
+            strides.append(packed.contiguous_strides(shapes[n]))
+            offsets.append(offset)
+            offset += shapes[n].numel()
+    return packed.Layout(tuple(keys), tuple(sizes), tuple(strides), tuple(offsets), (2, d), KIND)
+
+
+@functools.lru_cache(maxsize=16)
+def _row_layout(layout: packed.Layout, prefix: str) -> packed.Layout:
+    """One row of ``θ``'s layout as a ``[d]`` layout with the keys ``<prefix><name>`` (weights, momentum)."""
+    half = len(layout.keys) // 2
+    keys = tuple(prefix + k.removeprefix("mean/") for k in layout.keys[:half])
+    return packed.Layout(keys, layout.shapes[:half], layout.strides[:half], layout.offsets[:half], (layout.shape[1],))
+
+
+_MOMENTUM = f"{NAME}{SEP}momentum{SEP}"
+
+
+def _packed(state: State) -> tuple[State, Tensor, Tensor, Tensor, packed.Layout]:
+    """``(state, m, h, g, weights layout)``: ``θ`` and the momentum as flat buffers (packed again once if needed).
+
+    A state from :func:`init` is packed; one loaded from a checkpoint or moved to another device is packed again
+    here (same values: packing only changes the storage).
+    """
+    found = packed.buffer(state.params, kind=KIND)
+    momentum_keys = None if found is None else _row_layout(found[0], _MOMENTUM).keys
+    flat_g = None if momentum_keys is None else packed.flat_of([state.aux[k] for k in momentum_keys], momentum_keys)
+    if found is None or flat_g is None:
+        check_sections(state.params, PREFIXES, "ivon")
+        layout = theta_layout({n: v.shape for n, v in section(state.params, "mean").items()})
+        params = packed.pack(state.params, layout)
+        rows = _row_layout(layout, _MOMENTUM)
+        momentum = packed.pack({k: state.aux[k] for k in rows.keys}, rows)
+        state = replace(state, params=params, aux={**state.aux, **momentum})
+        found, flat_g = packed.buffer(params, kind=KIND), packed.flat_of(momentum)
+    layout, theta = found  # type: ignore[misc]
+    return state, theta[0], theta[1], flat_g, _row_layout(layout, "")
+
+
+def _sigma(rule: _Rule, h: Tensor) -> Tensor:
+    """``σ = 1/√(λ(h + δ))``."""
+    return torch.rsqrt((h + rule.weight_decay) * rule.ess)
+
+
+# ---------------------------------------------------------------------------------------------------
+# the transform
+
+
+def init(params: Params, buffers: Params, *, rule: _Rule, ascent: Ascent | None) -> State:
+    """``m = w`` (or ``params`` itself when it is an IVON ``θ``), ``h = h₀``, ``g = 0``, the seed, ascent memories."""
+    seed = new_seed()
+    if is_theta(params):
+        check_sections(params, PREFIXES, "ivon")
+        mean_, hess = section(params, "mean"), section(params, "hess")
+    else:
+        mean_ = dict(params)
+        hess = {n: torch.full_like(v, rule.hess_init) for n, v in params.items()}
+    layout = theta_layout({n: v.shape for n, v in mean_.items()})
+    theta = packed.pack(
+        {**{f"mean/{n}": v for n, v in mean_.items()}, **{f"hess/{n}": v for n, v in hess.items()}}, layout
+    )
+    rows = _row_layout(layout, _MOMENTUM)
+    device = next(iter(theta.values())).device
+    momentum = rows.views(torch.zeros(rows.numel, dtype=theta[layout.keys[0]].dtype, device=device))
+    aux = {**momentum, SEED_KEY: seed.to(device)}
+    if has_memory(ascent):
+        weights = _row_layout(layout, "").views(packed.flat_of(theta)[0].clone())
+        for j in range(rule.mc_samples):
+            aux.update(ascent_memory(ascent, weights, _sample_name(j)))
+    return State(params=theta, buffers=clone(buffers), aux=aux)
+
+
+def _sample_name(j: int) -> str:
+    """The component of sample ``j``'s ascent memory: ``ascent/sample<j>`` (sample ``j`` of every step continues it)."""
+    return f"{ASCENT}{SEP}sample{j}"
+
+
+def update(
+    state: State, batch: Batch, *, rule: _Rule, objective: Objective, ascent: Ascent | None
+) -> tuple[State, StepOutput]:
+    """One step of Algorithm 1 (the module docstring), in place, with the noise of ``(rng/seed, step)``."""
+    state, m, h, g, weights = _packed(state)
+    generator = seeded_generator(state.aux[SEED_KEY], state.step, m.device)
+    kept = memory_entries(state.aux) if has_memory(ascent) else {}
+    with torch.no_grad():
+        sigma = _sigma(rule, h)
+    grad_sum = noise_grad_sum = None
+    losses, first_logits = [], None
+    for j in range(rule.mc_samples):
+        with torch.no_grad():
+            eps = torch.randn(m.shape, generator=generator, device=generator.device, dtype=m.dtype).to(m.device)
+            eps.mul_(sigma)
+            w = weights.views(m + eps)
+        bufs = state.buffers if j == 0 else clone(state.buffers)  # running statistics: the first sample's pass
+        memory = memory_of(kept, _sample_name(j)) if kept else None
+        loss, logits, grads = sharpness_aware_value_and_grad(objective, w, bufs, batch, ascent, memory)
+        with torch.no_grad():
+            flat = torch.cat([grads[k].reshape(-1) for k in weights.keys])
+            if grad_sum is None:
+                grad_sum, noise_grad_sum = flat, flat * eps
+            else:
+                grad_sum.add_(flat)
+                noise_grad_sum.addcmul_(flat, eps)  # type: ignore[union-attr]
+        losses.append(loss)
+        first_logits = logits if first_logits is None else first_logits
+    with torch.no_grad():
+        _apply(rule, m, h, g, grad_sum, noise_grad_sum, state.step)  # type: ignore[arg-type]
+        stats = {f"{NAME}/hess": h.mean()}
+    out = StepOutput(torch.stack(losses).mean(), first_logits, stats)  # type: ignore[arg-type]
+    return replace(state, step=state.step + 1), out  # the ascent memories in aux: updated in place
+
+
+def _apply(rule: _Rule, m: Tensor, h: Tensor, g: Tensor, grad_sum: Tensor, noise_grad_sum: Tensor, step: int) -> None:
+    """The momentum, Hessian and mean updates of step ``t = step + 1`` in place, from ``Σ_j ĝ_j``, ``Σ_j ε_j ⊙ ĝ_j``."""
+    b1, b2, delta, k = rule.beta1, rule.beta2, rule.weight_decay, rule.mc_samples
+    grad = grad_sum.div_(k) if k > 1 else grad_sum
+    hess_hat = noise_grad_sum.mul_((h + delta).mul_(rule.ess / k))  # ĥ = mean_j ε_j ĝ_j · λ(h + δ) = ĝ·(θ − m)/σ²
+    correction = (h - hess_hat).square_().div_(h + delta).mul_(0.5 * (1 - b2) ** 2)
+    g.mul_(b1).add_(grad, alpha=1 - b1)
+    h.mul_(b2).add_(hess_hat, alpha=1 - b2).add_(correction)
+    direction = (g / (1 - b1 ** (step + 1))).add_(m, alpha=delta).div_(h + delta)
+    if rule.clip_radius is not None:
+        direction.clamp_(-rule.clip_radius, rule.clip_radius)
+    m.add_(direction, alpha=-rule.learning_rate(step) * rule.lr_factor)
+
+
+# ---------------------------------------------------------------------------------------------------
+# the posterior
+
+
+@torch.no_grad()
+def sample(state: State, n: int, generator: torch.Generator | None = None, *, rule: _Rule) -> list[Params]:
+    """``n`` draws ``w = m + σ ⊙ z``, ``z ~ N(0, I)`` (one ``[d]`` draw each, in the layout's order), with buffers."""
+    _, m, h, _, weights = _packed(state)
+    sigma = _sigma(rule, h)
+    device = generator.device if generator is not None else m.device
+    out = []
+    for _ in range(n):
+        z = torch.randn(m.shape, generator=generator, device=device, dtype=m.dtype).to(m.device)
+        out.append({**weights.views(z.mul_(sigma).add_(m)), **clone(state.buffers)})
+    return out
+
+
+def mean(state: State) -> Params:
+    """``m``, with the buffers: the posterior mean, where IVON predicts without sampling."""
+    return {**{k: v.detach().clone() for k, v in section(state.params, "mean").items()}, **clone(state.buffers)}
+
+
+def marginal_variance(state: State, *, rule: _Rule) -> Params:
+    """``σ² = 1/(λ(h + δ))`` by parameter name: exactly the sampler's variances."""
+    return {k: 1 / ((h.detach() + rule.weight_decay) * rule.ess) for k, h in section(state.params, "hess").items()}
+
+
+def gaussian(state: State, *, rule: _Rule) -> Params:
+    """``N(m, diag σ²)`` in the low-rank ``θ`` layout of :mod:`flatbma.gaussian`: ``log_std = log(√2 σ)``, ``L = 0``.
+
+    That layout's ``Σ = ½(diag s² + LLᵀ/(K−1))`` with ``s = √2 σ`` and ``L = 0`` (rank 2) is ``diag σ²`` exactly,
+    so width matching (``match_width``) and a two-stage run's prior read IVON's posterior as it is.
+    """
+    variance = marginal_variance(state, rule=rule)
+    means = section(state.params, "mean")
+    theta = {f"mean/{n}": v.detach().clone() for n, v in means.items()}
+    theta.update({f"log_std/{n}": 0.5 * torch.log(2 * variance[n]) for n in means})
+    theta.update({f"factor/{n}": v.new_zeros((2, *v.shape)) for n, v in means.items()})
+    return theta
