@@ -9,13 +9,17 @@ numbers equal that path's exactly (the README shows both). :func:`load_posterior
 
 Both are reached as ``flatbma.fit_posterior`` / ``flatbma.load_posterior``; ``import flatbma`` loads
 this module only when one of them is first used.
+
+Over 500 lines on purpose: besides the two functions it holds the API's edge — every check of the caller's
+model, data and options before anything trains (the first batch, the run's length, post-hoc fits, a
+two-stage ``prior`` section), each ending in one line — beside the one function they guard.
 """
 
 from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -26,19 +30,22 @@ from flatbma.checks import check_seed, is_int
 from flatbma.errors import DivergenceError, FlatbmaError, FlatbmaTypeError, FlatbmaWarning
 from flatbma.experiment.config.methods import MethodConfig, parse_method
 from flatbma.experiment.config.parse import parse_dataclass, shown
+from flatbma.experiment.config.prior_config import not_gaussian_message, parse_prior
 from flatbma.experiment.config.sections import OptimConfig
 from flatbma.experiment.config.shape import RunShape, Stage
 from flatbma.experiment.run.logs import EpochLogger
+from flatbma.experiment.run.prior import check_lr_with_prior
 from flatbma.experiment.run.validate import available_memory
 from flatbma.experiment.runner import History, fit
 from flatbma.models import check_classifier, keep_logits, returns_sequence
 from flatbma.params import Objective, model_buffers, trainable_params
+from flatbma.posteriors import gaussians
 from flatbma.predict import evaluate
 from flatbma.predictor import BMA, target_device
 from flatbma.predictor_file import likelihood_of, read_file
 from flatbma.regression import Gaussian
 from flatbma.rng import first_batch, forked_rng
-from flatbma.types import Batch, Posterior, split_batch, training_batch
+from flatbma.types import Batch, Posterior, State, split_batch, training_batch
 
 
 def fit_posterior(
@@ -46,7 +53,7 @@ def fit_posterior(
     loader: Iterable[Batch],
     method: str | Mapping[str, Any] = "swag",
     *,
-    epochs: int,
+    epochs: int | None = None,
     lr: float | None = None,
     optim: Mapping[str, Any] | None = None,
     num_samples: int = 30,
@@ -58,6 +65,8 @@ def fit_posterior(
     val_loader: Iterable[Batch] | None = None,
     likelihood: str = "categorical",
     noise_std: float | None = None,
+    posthoc: bool = False,
+    prior: Mapping[str, Any] | None = None,
     **method_options: Any,
 ) -> BMA:
     """Train ``method`` on ``model`` over ``loader`` for ``epochs`` epochs and return its BMA predictor.
@@ -80,7 +89,27 @@ def fit_posterior(
        with ``load_into`` (the default) :meth:`BMA.load_into <flatbma.predictor.BMA.load_into>`: the
        module then holds the posterior mean with its BatchNorm statistics.
 
-    Two-stage runs (a ``prior`` section) and distributed training are the CLI's (``flatbma train``).
+    Post hoc (``posthoc=True``): the module's weights are already trained (a MAP), so no update belongs to a
+    MAP phase — the families whose posterior phase starts at ``start_step`` (default ``null``) start it at the
+    first update: Laplace's curvature pass alone on the given weights (``epochs`` defaults to 0: the pass is
+    the one epoch the family adds; laplace-torch's ``Laplace(model, ...).fit(loader)``), SWAG's snapshots
+    from the first update at the learning rate held at ``lr`` over its ``epochs`` (SWAG from a pretrained
+    solution, Maddox et al. 2019). A method without such a phase (VI, FP-BMA, ensembles, ...) already starts
+    at the module's weights and refuses ``posthoc``.
+
+    Two stages (``prior=``, the config's ``prior`` section: ``{"method": {...}, "epochs": ..., "optim": ...,
+    "init": ..., "min_std": ...}``): FP-BMA's Bayesian transfer pipeline (Lim et al., UAI 2025) in one call,
+    as ``flatbma train`` runs it (docs/cli.md "Two-stage runs"). The first stage trains ``prior["method"]``
+    (a mixture's: a mixture of it, one prior per member) on ``loader`` for ``prior["epochs"]`` epochs with
+    ``prior["optim"]`` (or this call's optimizer), like this function with ``load_into=False`` and the same
+    ``seed``; its Gaussian posterior, its ``σ`` floored at ``min_std``, becomes the prior of ``method``,
+    which then starts there (``init``, the default) and trains for ``epochs``. The loader's shuffling
+    generator (a DataLoader's ``generator``) is set back before the second stage, so that each stage reads
+    the data in the order the CLI's fresh stage does: on the same data, model, seed and sections the
+    states and predictions equal ``flatbma train``'s. The options are checked before either stage trains,
+    with the CLI's messages (``prior.method.*`` keys, the learning rate against the KL to the prior).
+
+    Distributed training is the CLI's (``flatbma train``).
 
     Args:
         model: any classifier ``nn.Module`` returning logits; parameters with ``requires_grad=False``
@@ -91,7 +120,8 @@ def fit_posterior(
             once; BatchNorm statistics read it as it is). A one-shot iterator is refused: every epoch reads
             the data again.
         method: a registered method name (``flatbma methods``) or a method section ``{name: ..., ...}``.
-        epochs: passes over ``loader`` (the optimizer's schedule spans them; Laplace adds its curvature pass).
+        epochs: passes over ``loader`` (the optimizer's schedule spans them; Laplace adds its curvature pass);
+            required but with ``posthoc`` (default 0 there).
         lr: the peak learning rate (``optim.lr``); ``None`` keeps the section's.
         optim: other ``optim`` keys (``name``, ``momentum``, ``weight_decay``, ``schedule``, ...).
         num_samples: ``M``, samples of the BMA.
@@ -122,6 +152,8 @@ def fit_posterior(
             Laplace (a softmax Gauss-Newton) refuses ``gaussian``.
         noise_std: with ``gaussian``: ``None`` learns the noise (the model returns ``[batch, 2]``: mean and raw
             scale), a positive number fixes it (the model returns ``[batch, 1]``).
+        posthoc: fit the posterior around the module's trained weights, with no MAP phase (above).
+        prior: a ``prior`` section: train a Gaussian posterior first and use it as ``method``'s prior (above).
         **method_options: the method's options (e.g. ``rank=10``, ``rho=0.05``).
 
     Before training, the model is checked with one forward pass on the first batch of ``loader`` (read
@@ -142,11 +174,13 @@ def fit_posterior(
             DivergenceError (a FlatbmaError) when training diverges.
     """
     _check_model_argument(model)
-    if not is_int(epochs) or epochs < 1:
-        raise FlatbmaError(f"epochs must be a positive integer, got {shown(epochs)}")
+    epochs = _epochs(epochs, posthoc)
     check_seed(seed, "seed")
     gaussian = _likelihood(likelihood, noise_std)
     config = parse_method(_method_section(method, method_options))
+    if posthoc:
+        _check_posthoc(config)
+    first = parse_prior(prior, config) if prior is not None else None
     choose = config.on_validation()  # options set to "val": chosen on val_loader after training
     if choose and val_loader is None:
         raise FlatbmaError(
@@ -162,41 +196,45 @@ def fit_posterior(
     else:
         _check_first_regression_batch(model, loader, gaussian)
         classes = None
-    _check_run(config, model, steps=steps, num_data=num_data, num_classes=classes, epochs=epochs, device=train_device)
+    map_steps = 0 if posthoc else epochs * steps  # post hoc: no update belongs to a MAP phase
+    check = dict(model=model, steps=steps, num_data=num_data, num_classes=classes, device=train_device)
+    if first is not None:  # both stages' options, before either trains (the CLI's validate_run)
+        _check_run(first.method, epochs=first.epochs, keys=("prior.epochs", "prior.method"), **check)
+        check_lr_with_prior(first, optim_config, config, num_data)
+    _check_run(config.resolved(0) if posthoc else config, epochs=epochs, **check)  # post hoc: from update 0
     model.to(train_device)
     objective = Objective(model=model, num_data=num_data, **({"loss_fn": gaussian} if gaussian is not None else {}))
-    optimizer = optim_config.build(steps_per_epoch=steps, epochs=epochs)
-    rate = config.learning_rate(optim_config.learning_rate(steps, epochs), epochs * steps)  # SWAG's held rate
-    posterior = config.build(objective, optimizer, map_steps=epochs * steps)
-    was_training = model.training
-    try:
-        with forked_rng(seed):
-            state = posterior.init(trainable_params(model), model_buffers(model))
-            model.train()
-            total = epochs + config.extra_epochs()  # the family's phases after train.epochs (types.Phase)
-            log = EpochLogger(
-                Path(),
-                (),
-                epochs=total,
-                learning_rate=rate,
-                history=History(),
-                lines=progress,
-                accuracy=gaussian is None,  # regression targets have none
-            )
-            state, _ = fit(
-                posterior,
-                state,
-                loader,
-                epochs=total,
-                device=train_device,
-                progress=progress,
-                after_epoch=lambda _state, history: log(history),
-                regression=gaussian is not None,
-            )
-    except DivergenceError as e:
-        raise DivergenceError(f"{e}; lower the learning rate (e.g. lr={optim_config.lr / 10:g})") from None
-    finally:
-        model.train(was_training)
+    stage = dict(loader=loader, steps=steps, seed=seed, device=train_device, progress=progress, gaussian=gaussian)
+    prior_theta, start = None, None
+    if first is not None:
+        shuffling = _loader_generator(loader)
+        order = shuffling.get_state() if shuffling is not None else None
+        stage_method = config.first_stage(first.method)  # a mixture's: a mixture of it, one prior per member
+        stage_optim = first.optim or optim_config
+        _, fitted, fitted_state, _ = _train(
+            stage_method,
+            stage_optim,
+            objective,
+            epochs=first.epochs,
+            map_steps=first.epochs * steps,
+            **stage,
+            check=lambda posterior: _check_gaussian(posterior, first.method.name),
+        )
+        prior_theta = gaussians.floored(fitted.gaussian(fitted_state), first.min_std)
+        if first.init:
+            start = (prior_theta, dict(fitted_state.buffers))
+        if shuffling is not None:  # the second stage reads the data in the order the first began with
+            shuffling.set_state(order)
+    optimizer, posterior, state, log = _train(
+        config,
+        optim_config,
+        objective,
+        epochs=epochs,
+        map_steps=map_steps,
+        prior_theta=prior_theta,
+        start=start,
+        **stage,
+    )
 
     def predictor(config: MethodConfig, posterior: Posterior) -> BMA:
         return BMA(
@@ -208,7 +246,7 @@ def fit_posterior(
             seed=seed,
             recompute_bn=recompute_bn,
             device=train_device,
-            method_config=config.resolved(epochs * steps).to_dict(),  # start_step: null as the run resolved it
+            method_config=config.resolved(map_steps).to_dict(),  # start_step: null as the run resolved it
             optim_config=optim_section,
             num_data=num_data,
             likelihood=gaussian,
@@ -218,13 +256,13 @@ def fit_posterior(
     for option, grid in choose.items():  # each candidate: the same trained state, another posterior
         for value in grid:
             candidate = config.with_options(**{option: value})
-            nll = predictor(candidate, candidate.build(objective, optimizer, map_steps=epochs * steps)).evaluate(
+            nll = predictor(candidate, candidate.build(objective, optimizer, map_steps=map_steps)).evaluate(
                 val_loader, num_classes=classes
             )["nll"]
             selection.append({option: value, "val/nll": nll})
         best = min(selection, key=lambda row: row["val/nll"])  # the first of equal ones: the smallest value
         config = config.with_options(**{option: best[option]})
-        posterior = config.build(objective, optimizer, map_steps=epochs * steps)
+        posterior = config.build(objective, optimizer, prior_theta, map_steps=map_steps)
     bma = predictor(config, posterior)
     bma.selection = selection
     bma.history = log.rows
@@ -280,6 +318,124 @@ def _check_model_argument(model: object) -> None:
         raise FlatbmaTypeError(f"model must be a torch.nn.Module, got a {type(model).__name__}")
 
 
+def _train(
+    config: MethodConfig,
+    optim_config: OptimConfig,
+    objective: Objective,
+    *,
+    loader: Iterable[Batch],
+    epochs: int,
+    steps: int,
+    map_steps: int,
+    seed: int,
+    device: torch.device,
+    progress: bool,
+    gaussian: Gaussian | None,
+    prior_theta: Mapping[str, Tensor] | None = None,
+    start: tuple[Mapping[str, Tensor], Mapping[str, Tensor]] | None = None,
+    check: Callable[[Posterior], None] | None = None,
+) -> tuple[Any, Posterior, State, EpochLogger]:
+    """One stage of :func:`fit_posterior`: ``(optimizer, posterior, trained state, its epoch log)``.
+
+    The method of ``config`` is built with the optimizer of ``optim_config`` over ``epochs`` (and the prior
+    ``prior_theta``), initialized at ``start`` ``(params, buffers)`` or at the module's weights, and trained for
+    ``epochs`` plus the family's extra epochs by :func:`~flatbma.experiment.runner.fit` with torch's global
+    generator forked and seeded with ``seed``, the module in train mode (its mode restored afterwards).
+    ``check`` sees the built posterior before anything trains.
+    """
+    optimizer = optim_config.build(steps_per_epoch=steps, epochs=max(epochs, 1))  # post hoc Laplace: no step
+    rate = config.learning_rate(optim_config.learning_rate(steps, max(epochs, 1)), map_steps)  # SWAG's held rate
+    posterior = config.build(objective, optimizer, prior_theta, map_steps=map_steps)
+    if check is not None:
+        check(posterior)
+    model = objective.model
+    was_training = model.training
+    try:
+        with forked_rng(seed):
+            state = _init(posterior, config.name, start or (trainable_params(model), model_buffers(model)), start)
+            model.train()
+            total = epochs + config.extra_epochs()  # the family's phases after train.epochs (types.Phase)
+            log = EpochLogger(
+                Path(),
+                (),
+                epochs=total,
+                learning_rate=rate,
+                history=History(),
+                lines=progress,
+                accuracy=gaussian is None,  # regression targets have none
+            )
+            state, _ = fit(
+                posterior,
+                state,
+                loader,
+                epochs=total,
+                device=device,
+                progress=progress,
+                after_epoch=lambda _state, history: log(history),
+                regression=gaussian is not None,
+            )
+    except DivergenceError as e:
+        raise DivergenceError(f"{e}; lower the learning rate (e.g. lr={optim_config.lr / 10:g})") from None
+    finally:
+        model.train(was_training)
+    return optimizer, posterior, state, log
+
+
+def _init(posterior: Posterior, name: str, at: tuple[Mapping[str, Tensor], Mapping[str, Tensor]], prior: Any) -> State:
+    """``posterior.init(*at)``; at a fitted prior (``prior`` given) a refusal says what the first stage can change."""
+    try:
+        return posterior.init(*at)
+    except FlatbmaError as e:
+        if prior is None:
+            raise
+        raise FlatbmaError(
+            f"{name} cannot start at the fitted prior: {e} — or let the first stage collect more snapshots (raise "
+            "prior['epochs'], lower prior['method']'s start_step or collect_every)"
+        ) from None
+
+
+def _epochs(epochs: object, posthoc: object) -> int:
+    """The epochs of :func:`fit_posterior`: a positive integer, or with ``posthoc`` any from 0 (its default)."""
+    if not isinstance(posthoc, bool):
+        raise FlatbmaTypeError(f"posthoc must be True or False, got {shown(posthoc)}")
+    if epochs is None:
+        if posthoc:
+            return 0
+        raise FlatbmaError("epochs is required: give the passes over the loader (epochs=10), or posthoc=True")
+    if not is_int(epochs) or epochs < (0 if posthoc else 1):
+        least = "an integer >= 0 with posthoc" if posthoc else "a positive integer"
+        raise FlatbmaError(f"epochs must be {least}, got {shown(epochs)}")
+    return int(epochs)
+
+
+def _check_posthoc(config: MethodConfig) -> None:
+    """Refuse ``posthoc`` for a method with no MAP phase before its posterior's, or with its start given."""
+    sections = config.after_map()
+    if not sections:
+        raise FlatbmaError(
+            f"posthoc: {config.name} has no MAP phase to skip (it already starts at the module's weights): drop "
+            "posthoc=True, or use a method fitted around a trained network (laplace, swag)"
+        )
+    given = [c.options["start_step"] for c in sections if c.options.get("start_step") is not None]
+    if given:
+        raise FlatbmaError(
+            f"posthoc=True starts {config.name}'s posterior phase at the first update, but start_step={given[0]} is "
+            "given too: keep one"
+        )
+
+
+def _check_gaussian(posterior: Posterior, name: str) -> None:
+    """A first stage's posterior must be a low-rank plus diagonal Gaussian (an option may turn it off)."""
+    if posterior.gaussian is None:
+        raise FlatbmaError(not_gaussian_message(name))
+
+
+def _loader_generator(loader: Iterable[Batch]) -> torch.Generator | None:
+    """The loader's own shuffling generator (a DataLoader's ``generator``), or ``None``."""
+    generator = getattr(loader, "generator", None)
+    return generator if isinstance(generator, torch.Generator) else None
+
+
 _WORSE = {True: 1.01, False: 1.5}
 """By validation data or not: how much worse than the MAP's NLL a BMA's is before :func:`_check_against_map` warns."""
 
@@ -326,20 +482,22 @@ def _check_against_map(bma: BMA, data: Iterable[Batch], validation: bool, num_cl
 
 def _check_run(
     config: MethodConfig,
-    model: nn.Module,
     *,
+    model: nn.Module,
     steps: int,
     num_data: int,
     num_classes: int | None,
     epochs: int,
     device: torch.device,
+    keys: tuple[str, str] = ("train.epochs", "method"),
 ) -> None:
     """Refuse options that ask more of the run than it gives, as ``flatbma train`` does (same check, same words).
 
     :meth:`MethodConfig.check <flatbma.experiment.config.methods.MethodConfig.check>` on the run's
     :class:`~flatbma.experiment.config.shape.Stage` — e.g. SWAG's snapshots against its rank, SG-MCMC's burn-in,
     members that do not fit in memory — so that ``fit_posterior`` refuses exactly what the CLI refuses for
-    ``train.epochs`` epochs of ``steps`` updates (the messages name the CLI's keys). The module's weights
+    ``train.epochs`` epochs of ``steps`` updates (the messages name the CLI's ``keys``: a first stage's
+    ``prior.epochs`` and ``prior.method``). The module's weights
     are what they are: ``prior_mean: pretrained`` reads which were loaded (:func:`flatbma.models.is_pretrained`).
     """
     weights = config.needs_weights()
@@ -352,7 +510,7 @@ def _check_run(
         pretrained=True,
         available_memory=available_memory(device) if weights else None,
     )
-    config.check(Stage(shape, epochs))
+    config.check(Stage(shape, epochs, *keys))
 
 
 def _check_first_batch(model: nn.Module, loader: Iterable[Batch]) -> int:

@@ -277,6 +277,15 @@ class MethodConfig:
             options["start_step"] = start(map_steps)
         return dataclasses.replace(self, options=options)
 
+    def after_map(self) -> list[MethodConfig]:
+        """The sections (itself, a nested one) whose posterior phase starts after a MAP phase of ``start_step`` updates.
+
+        Those of a family with a :attr:`MethodSpec.start` (Laplace, SWAG): what :func:`flatbma.fit_posterior`'s
+        ``posthoc`` skips, resolving their ``start_step: null`` to 0.
+        """
+        nested = [c for v in self.options.values() if isinstance(v, MethodConfig) for c in v.after_map()]
+        return ([self] if METHODS[self.name].start is not None else []) + nested
+
     def held_from(self, map_steps: int) -> int | None:
         """The update from which the learning rate is held constant (:attr:`MethodSpec.hold_lr`), or ``None``.
 

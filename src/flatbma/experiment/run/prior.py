@@ -19,9 +19,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 from flatbma.errors import FlatbmaError
-from flatbma.experiment.config.prior_config import not_gaussian_message
+from flatbma.experiment.config.methods import MethodConfig
+from flatbma.experiment.config.prior_config import PriorConfig, not_gaussian_message
 from flatbma.experiment.config.run_config import RunConfig
-from flatbma.experiment.config.sections import Optimizer
+from flatbma.experiment.config.sections import OptimConfig, Optimizer
 from flatbma.experiment.parallel import processes
 from flatbma.experiment.run.build import Experiment, build_experiment
 from flatbma.experiment.run.checkpoint import load_run_state
@@ -36,6 +37,7 @@ PRIOR_DIR = "prior"
 __all__ = [
     "PRIOR_DIR",
     "FittedPrior",
+    "check_lr_with_prior",
     "check_stable_with_prior",
     "fit_prior",
     "prior_stage",
@@ -146,6 +148,12 @@ def sgd_stability_bound(
 
 
 def check_stable_with_prior(cfg: RunConfig, num_data: int) -> None:
+    """:func:`check_lr_with_prior` of a two-stage run's ``prior`` section, ``optim`` and ``method``."""
+    assert cfg.prior is not None
+    check_lr_with_prior(cfg.prior, cfg.optim, cfg.method, num_data)
+
+
+def check_lr_with_prior(prior: PriorConfig, optim: OptimConfig, method: MethodConfig, num_data: int) -> None:
     """Refuse an SGD learning rate that the KL to the fitted prior makes diverge (before stage 1 trains).
 
     The bound is :func:`sgd_stability_bound` for ``n = num_data``, the floor ``prior.min_std``, ``κ`` the
@@ -153,12 +161,11 @@ def check_stable_with_prior(cfg: RunConfig, num_data: int) -> None:
     member has its own prior, so the bound is each member's) and the run's momentum (Adam's normalized steps are not
     affected). The learning rate checked is the peak ``optim.lr``.
     """
-    assert cfg.prior is not None
-    o = cfg.optim
-    component = cfg.method.component()
+    o = optim
+    component = method.component()
     assert component is not None  # parse_prior refuses a mixture without members' method
     kl_weight = float(component.options["kl_weight"])
-    bound = sgd_stability_bound(num_data, cfg.prior.min_std, kl_weight, momentum=o.momentum, nesterov=o.nesterov)
+    bound = sgd_stability_bound(num_data, prior.min_std, kl_weight, momentum=o.momentum, nesterov=o.nesterov)
     if o.name is Optimizer.SGD and o.lr > bound:
         factor = "(1+m)/(1+2m)" if o.nesterov else "(1+m)"
         raise FlatbmaError(
