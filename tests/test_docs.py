@@ -92,3 +92,79 @@ def test_the_maths_lives_in_the_repository() -> None:
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     assert "docs/methods.md" in links(readme)
     assert not [t for t in links(readme) if "shared/" in t]
+
+
+# --- the API reference (mkdocs + mkdocstrings, scripts/docs_roles.py) ----------------------------------------
+
+
+def _roles():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("docs_roles", ROOT / "scripts" / "docs_roles.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_docstrings_roles_become_autorefs_and_a_missing_name_a_required_one() -> None:
+    pytest.importorskip("griffe")
+    known = {"flatbma.predict.evaluate": True, "flatbma.old_name": False}
+
+    def resolve(name: str):
+        path = name if name.startswith("flatbma") else f"flatbma.{name}"
+        return None if name.startswith("torch") else (path, known.get(path, True))
+
+    text = _roles().convert(
+        "See :func:`~flatbma.predict.evaluate`, :class:`torch.nn.Module`, :meth:`the mean <flatbma.predict.evaluate>` "
+        "and :func:`flatbma.old_name`.",
+        resolve,
+    )
+    assert text == (
+        'See <autoref identifier="flatbma.predict.evaluate" optional><code>evaluate</code></autoref>, '
+        "<code>torch.nn.Module</code>, "
+        '<autoref identifier="flatbma.predict.evaluate" optional><code>the mean</code></autoref> and '
+        '<autoref identifier="flatbma.old_name"><code>flatbma.old_name</code></autoref>.'  # required: fails the build
+    )
+
+
+def test_names_resolve_in_their_docstrings_scope() -> None:
+    griffe = pytest.importorskip("griffe")
+    loader = griffe.GriffeLoader(search_paths=[str(ROOT / "src")])
+    package = loader.load("flatbma")
+    loader.resolve_aliases(implicit=False, external=False)
+    roles = _roles()
+    bma = package["predictor.BMA"]
+    resolve = roles.resolver(bma["load"], loader.modules_collection)
+    assert resolve("save") == ("flatbma.predictor.BMA.save", True)  # a method of the enclosing class
+    assert resolve("flatbma.fit_posterior") == ("flatbma.fit_posterior", True)
+    assert resolve("Tensor") is None and resolve("int") is None  # torch's, a builtin: code, no link
+    assert resolve("no_such_helper") == ("no_such_helper", False)  # required: autorefs reports it as written
+    assert resolve("flatbma.predict.no_such") == ("flatbma.predict.no_such", False)
+
+
+def test_the_api_reference_lists_the_public_api_with_links_and_no_private_names(tmp_path) -> None:
+    """The site builds in strict mode (an unresolved reference fails) and its reference page is complete."""
+    pytest.importorskip("mkdocstrings_handlers.python")
+    import subprocess
+    import sys
+
+    site = tmp_path / "site"
+    done = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(site)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    page = (site / "api" / "index.html").read_text(encoding="utf-8")
+    ids = set(re.findall(r'id="(flatbma[^"]*)"', page))
+    import flatbma
+
+    public = {f"flatbma.{name}" for name in flatbma.__all__ if name != "__version__"}
+    assert {"flatbma.fit_posterior", "flatbma.load_posterior", "flatbma.BMA.calibrate"} <= ids
+    assert public <= ids, sorted(public - ids)
+    private = sorted(i for i in ids if re.search(r"\._", i))
+    assert not private, private[:10]
+    assert not re.findall(r":(?:func|class|meth|mod|attr|data|exc):`", page)  # no role shown as text
+    assert 'href="#flatbma.fit_posterior"' in page and page.count('class="autorefs autorefs-internal"') > 500

@@ -1,13 +1,15 @@
 """flatbma: flat-posterior-aware Bayesian deep learning in PyTorch.
 
-The public API is exactly what this module re-exports: the subpackages and modules below, the
-contract types of :mod:`flatbma.types`, the training objective and parameter helpers of
-:mod:`flatbma.params`, the BMA predictive of :mod:`flatbma.predict` and its predictor
-:class:`~flatbma.predictor.BMA`. Importing flatbma loads neither matplotlib (:mod:`flatbma.plotting`
-imports it when a figure is drawn) nor the experiment layer (:mod:`flatbma.experiment`: configs, the
-training loop, the CLI and reports): :func:`fit_posterior` and :func:`load_posterior`, which train and
-reload through it (:mod:`flatbma.experiment.api`), are imported when first used.
+The public API is exactly what this module re-exports: the subpackages and modules below, the contract types
+of :mod:`flatbma.types`, the training objective and parameter helpers of :mod:`flatbma.params`, the BMA
+predictive of :mod:`flatbma.predict` and its predictor :class:`~flatbma.predictor.BMA` (in torch code:
+:class:`~flatbma.predictor.BMAModule`). Importing flatbma loads neither matplotlib (:mod:`flatbma.plotting`
+imports it when a figure is drawn) nor the experiment layer (:mod:`flatbma.experiment`: configs, the training
+loop, the CLI and reports): :func:`fit_posterior` and :func:`load_posterior`, which train and reload through
+it (:mod:`flatbma.experiment.api`), are imported when first used.
 """
+
+from typing import TYPE_CHECKING
 
 from flatbma import (
     bn,
@@ -28,7 +30,7 @@ from flatbma import (
 from flatbma.errors import DivergenceError, FlatbmaError, FlatbmaTypeError, FlatbmaWarning
 from flatbma.params import Objective, load_into, model_buffers, trainable_params
 from flatbma.predict import bma_log_probs, evaluate, predict
-from flatbma.predictor import BMA
+from flatbma.predictor import BMA, BMAModule
 from flatbma.types import (
     Ascent,
     Batch,
@@ -40,6 +42,9 @@ from flatbma.types import (
     StepOutput,
     Transform,
 )
+
+if TYPE_CHECKING:  # imported when first used (__getattr__); named here for type checkers and the API reference
+    from flatbma.experiment.api import fit_posterior, load_posterior
 
 __version__ = "0.1.0"
 
@@ -64,6 +69,7 @@ def __dir__() -> list[str]:
 __all__ = [
     "BMA",
     "Ascent",
+    "BMAModule",
     "Batch",
     "DivergenceError",
     "FlatbmaError",

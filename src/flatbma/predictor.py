@@ -525,7 +525,7 @@ class BMA:
         whose forward returns a tuple (``"logits": "first"``) gives ``model``
         :func:`~flatbma.models.keep_logits`'s hook: its first element is the logits, as when it was fitted.
         A file without the record (saved before it existed) gives ``model`` the hook too: it takes the first
-        element of a tuple output and passes a tensor through as it is (:func:`~flatbma.models.first_output`),
+        element of a tuple output and passes a tensor through as it is (:func:`~flatbma.models.contract.first_output`),
         so a module of either kind predicts as it did when it was fitted.
         """
         state, settings = read_file(path)
