@@ -7,8 +7,10 @@ returns tensors sorted by name; the order is part of the state: it fixes the sum
 norms) and the ``checksums`` of every tensor and of the rest of the metadata (:func:`checksums`), so that a
 changed bit is found when the file is read (:func:`checksum_problem`). Every file is written through
 :func:`atomic_write_bytes`: a temporary file in the same directory, ``fsync``, rename — so an interrupted
-write never leaves a half-written file — and a failed write is one :class:`~flatbma.errors.FlatbmaError`
-line (:func:`write_error`).
+write never leaves a half-written file, and a file hard-linked elsewhere keeps its bytes under its other
+names — and a failed write is one :class:`~flatbma.errors.FlatbmaError` line (:func:`write_error`). Only
+regular files are ever replaced or appended to (:func:`check_replaceable`): a symbolic link, FIFO, device
+or directory at the path is refused, never replaced by a file.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import hashlib
 import json
 import os
 import re
+import stat
 import tempfile
 from collections.abc import Mapping
 from dataclasses import replace
@@ -71,15 +74,44 @@ def _umask() -> int:
     return mask
 
 
+def check_replaceable(path: str | Path) -> None:
+    """Refuse to write ``path`` unless it is missing or a regular file.
+
+    A symbolic link (it may lead to a device or out of the directory), a FIFO (a write would block), a
+    device (``/dev/full``: as root a rename would replace the node) or a directory is never replaced by a
+    file. A path that cannot be examined is left to the write, which names the problem.
+
+    Raises:
+        FlatbmaError: ``path`` exists and is no regular file, in one line saying what to do.
+    """
+    try:
+        mode = os.lstat(path).st_mode
+    except OSError:
+        return
+    if stat.S_ISLNK(mode):
+        raise FlatbmaError(
+            f"{path} is a symbolic link: flatbma writes only regular files of its own there; remove the link or "
+            "choose another path"
+        )
+    if not stat.S_ISREG(mode):
+        kind = "a directory" if stat.S_ISDIR(mode) else "a FIFO, socket or device"
+        raise FlatbmaError(
+            f"{path} is not a regular file ({kind}): flatbma replaces only regular files; remove it or choose "
+            "another path"
+        )
+
+
 def atomic_write_bytes(path: Path, data: bytes, *, note: str = "") -> None:
     """Write ``data`` to ``path`` via a temporary file and ``os.replace``; the file gets mode ``0o666 & ~umask``.
 
-    A failed write leaves ``path`` as it was and raises :class:`FlatbmaError` (disk full, read-only
-    file system, permission denied, ...) saying what to do, followed by ``note`` (e.g. which
-    checkpoint is intact). An interruption (``KeyboardInterrupt``) propagates after the temporary
+    ``path`` must be missing or a regular file (:func:`check_replaceable`); one hard-linked elsewhere is
+    replaced under this name only. A failed write leaves ``path`` as it was and raises :class:`FlatbmaError`
+    (disk full, read-only file system, permission denied, ...) saying what to do, followed by ``note`` (e.g.
+    which checkpoint is intact). An interruption (``KeyboardInterrupt``) propagates after the temporary
     file is removed.
     """
     path = Path(path)
+    check_replaceable(path)
     tmp: str | None = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -99,6 +131,35 @@ def atomic_write_bytes(path: Path, data: bytes, *, note: str = "") -> None:
         if isinstance(e, OSError):
             raise write_error(path, e, note) from None
         raise
+
+
+def append_bytes(path: Path, data: bytes) -> None:
+    """Append ``data`` to the regular file ``path`` (created when missing), as a log grows.
+
+    ``path`` must be missing or a regular file (:func:`check_replaceable`); one hard-linked elsewhere is
+    first replaced by a copy of its own (:func:`atomic_write_bytes` of its bytes and ``data``), so that its
+    other names keep their bytes.
+
+    Raises:
+        FlatbmaError: ``path`` is no regular file; ``OSError`` of the write itself is the caller's to report.
+    """
+    check_replaceable(path)
+    try:
+        linked = os.lstat(path).st_nlink > 1
+    except FileNotFoundError:
+        linked = False
+    if linked:
+        atomic_write_bytes(path, Path(path).read_bytes() + data)
+        return
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o666)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):  # replaced since it was checked
+            raise FlatbmaError(f"{path} is not a regular file: flatbma appends only to regular files; remove it")
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+    finally:
+        os.close(fd)
 
 
 def encode_state(

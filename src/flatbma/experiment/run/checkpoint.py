@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -158,8 +159,11 @@ def load_checkpoint(path: str | Path, device: str = "cpu") -> tuple[State, dict[
 
 def _read(path: Path) -> tuple[dict[str, Tensor], dict[str, str]]:
     """The CPU tensors and metadata of the flatbma state file at ``path`` (not yet checked against its checksums)."""
+    if path.is_dir():
+        raise FlatbmaError(f"checkpoint {path} is a directory, not a checkpoint file: restore the run's checkpoint")
     if not path.is_file():
-        raise FlatbmaError(f"checkpoint {path} does not exist: train first (flatbma train --config ...)")
+        what = "is not a regular file" if os.path.lexists(path) else "does not exist"
+        raise FlatbmaError(f"checkpoint {path} {what}: train first (flatbma train --config ...)")
     try:
         with safe_open(str(path), framework="pt") as f:
             meta = f.metadata() or {}

@@ -1,21 +1,30 @@
 """One writer per directory: the lock a command holds on a run or comparison directory while it works there.
 
 ``flatbma train`` (``--resume`` too), ``evaluate`` and ``compare`` hold the lock of every directory they
-write, from before they read what it holds until they are done (:func:`hold`). The lock is an
-advisory ``fcntl.flock`` on the file :data:`LOCK_FILE` inside the directory, so the operating system
-releases it when its process ends, however it ends (``SIGKILL`` too): a killed run never leaves a
-directory locked. The file holds the holder's process id and command, and a second command that wants
-the directory is refused in one line naming them — instead of two processes writing one checkpoint, a
-log of twice the epochs, or an ``evaluate`` removing the temporary file a training is writing. When the
-last block ends the file is emptied, and a directory the lock created is removed again if nothing else was
-written into it (a command refused before its first file leaves no trace).
+write, from before they read what it holds until they are done (:func:`hold`). The lock is an advisory
+``fcntl.flock`` on an open descriptor of the directory itself, so the operating system releases it when its
+process ends, however it ends (``SIGKILL`` too): a killed run never leaves a directory locked. It is held
+on the directory, not on a file inside it, so that nothing a user can delete inside the directory lets a
+second writer in while the holder lives (a lock on a file holds only that file's inode: with the file
+deleted, a second process would create and lock a new one). The file :data:`LOCK_FILE` beside it holds the
+holder's process id and command, and a second command that wants the directory is refused in one line
+naming them — instead of two processes writing one checkpoint, a log of twice the epochs, or an
+``evaluate`` removing the temporary file a training is writing. When the last block ends the file is
+emptied, and a directory the lock created is removed again if nothing else was written into it (a command
+refused before its first file leaves no trace).
+
+:data:`LOCK_FILE` is only ever a regular file of flatbma's own: a symbolic link or anything but a regular
+file there is refused, and one hard-linked elsewhere (a run directory copied with ``cp -al``) is first
+replaced by a file of its own, so that writing the note never changes the file it is linked to.
 
 The lock is re-entrant within a process (a two-stage run holds its directory and then its first
 stage's inside it; ``compare`` holds its directory and each run's). Under ``torchrun`` only the process
-that writes files holds it (:func:`flatbma.experiment.parallel.processes.is_main`). Where the lock file can be
-neither created nor opened (a directory without write permission, on a read-only file system, before the
-file existed) or the file system has no locks, the command goes on without it: nothing can be written
-there, and the write that fails says so.
+that writes files holds it (:func:`flatbma.experiment.parallel.processes.is_main`). Where a file system
+cannot lock a directory (``flock`` on a directory descriptor fails for another reason than another
+holder: some network file systems), the lock is taken on :data:`LOCK_FILE` instead, as it was before,
+and holds against everything but that file's deletion. Where neither the directory nor the lock file can
+be opened (a directory without write permission, on a read-only file system) or the file system has no
+locks, the command goes on without it: nothing can be written there, and the write that fails says so.
 """
 
 from __future__ import annotations
@@ -31,6 +40,7 @@ from pathlib import Path
 
 from flatbma.errors import FlatbmaError
 from flatbma.experiment.parallel import processes
+from flatbma.state_io import atomic_write_bytes
 
 LOCK_FILE = ".flatbma-lock"
 """The lock file's name inside a locked directory (not a file of the run: output_dir checks ignore it)."""
@@ -40,10 +50,12 @@ LOCK_FILE = ".flatbma-lock"
 class _Held:
     """A lock this process holds.
 
-    Its open lock file (``None``: held without one), the directories created for it (leaf first) and how
+    The open directory it is held on (``None``: held on the lock file, or without a lock), the open lock file
+    that holds the note (``None``: none could be opened), the directories created for it (leaf first) and how
     many :func:`hold` blocks hold it.
     """
 
+    directory_fd: int | None
     fd: int | None
     created: list[Path]
     depth: int = 0
@@ -63,7 +75,8 @@ def hold(directory: str | Path, command: str, *, every_process: bool = True) -> 
     (``every_process=False``).
 
     Raises:
-        FlatbmaError: another process holds it — one line naming its process id and command, and what to do.
+        FlatbmaError: another process holds it — one line naming its process id and command, and what to do;
+            its lock file is a symbolic link or no regular file.
     """
     key = os.path.realpath(directory)
     main = processes.is_main()
@@ -82,8 +95,8 @@ def hold(directory: str | Path, command: str, *, every_process: bool = True) -> 
 def _release(key: str) -> None:
     """Leave one :func:`hold` block of ``key``; the last one releases the lock.
 
-    It empties the lock file first, or removes it and the directories created for it when nothing else
-    was written into them.
+    It empties the lock file first (never one hard-linked elsewhere since), or removes it and the
+    directories created for it when nothing else was written into them.
     """
     held = _held[key]
     held.depth -= 1
@@ -92,7 +105,8 @@ def _release(key: str) -> None:
     del _held[key]
     if held.fd is not None:
         with contextlib.suppress(OSError):
-            os.ftruncate(held.fd, 0)  # an empty lock file: a command that is refused leaves the directory as it was
+            if os.fstat(held.fd).st_nlink <= 1:  # an empty lock file: a refused command leaves the directory as it was
+                os.ftruncate(held.fd, 0)
     if held.created:
         with contextlib.suppress(OSError):
             if set(os.listdir(held.created[0])) <= {LOCK_FILE}:  # nothing written: the place is left as it was
@@ -100,14 +114,16 @@ def _release(key: str) -> None:
                     os.unlink(held.created[0] / LOCK_FILE)
                 for directory in held.created:
                     os.rmdir(directory)
-    if held.fd is not None:
-        os.close(held.fd)  # releases the lock
+    for fd in (held.fd, held.directory_fd):
+        if fd is not None:
+            os.close(fd)  # the directory's: releases the lock
 
 
 def _acquire(directory: Path, command: str) -> _Held:
-    """The lock of ``directory``: its lock file open, locked and holding this process's id and ``command``.
+    """The lock of ``directory``, held on the directory itself (module docstring), and its note written.
 
-    Its ``fd`` is ``None`` where no lock file can be had (module docstring).
+    Its ``fd`` is ``None`` where no lock file can be had, its ``directory_fd`` where the directory cannot be
+    opened or locked (then the lock file is locked instead, where it can be).
     """
     path = directory / LOCK_FILE
     created = [d for d in (directory, *directory.parents) if not os.path.lexists(d)]
@@ -115,37 +131,80 @@ def _acquire(directory: Path, command: str) -> _Held:
         directory.mkdir(parents=True, exist_ok=True)
     except OSError:
         pass  # an unwritable place: the command's first write names it
+    _check_lock_file(path)
+    directory_fd = _open_directory(directory)
+    if directory_fd is not None and not _locked(directory_fd, directory, path):
+        os.close(directory_fd)  # a file system that cannot lock a directory: the lock file instead
+        directory_fd = None
     fd, writable = _open(path)
-    if fd is None:
-        return _Held(None, created)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as e:
-        holder = _holder(fd)
-        os.close(fd)
-        if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-            return _Held(None, [])  # a file system without locks
-        raise FlatbmaError(
-            f"{directory} is in use by {holder}: wait until it ends (or stop it), then run this command again; "
-            "one process at a time writes a run or comparison directory"
-        ) from None
-    if writable:
+    if directory_fd is None:
+        if fd is None:
+            return _Held(None, None, created)
+        if not _locked(fd, directory, path):
+            os.close(fd)
+            return _Held(None, None, [])  # a file system without locks
+    if fd is not None and writable:
         try:
             os.ftruncate(fd, 0)
             os.pwrite(fd, f"{os.getpid()} {command}\n".encode(), 0)
         except OSError:
             pass  # the lock holds without the note
-    return _Held(fd, created)
+    return _Held(directory_fd, fd, created)
+
+
+def _locked(fd: int, directory: Path, path: Path) -> bool:
+    """Lock the open ``fd`` (the directory's or the lock file's): ``True``, or ``False`` where locks fail.
+
+    Raises:
+        FlatbmaError: another process holds the lock (named from the note in ``path``).
+    """
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            return False
+        os.close(fd)
+        raise FlatbmaError(
+            f"{directory} is in use by {_holder(path)}: wait until it ends (or stop it), then run this command "
+            "again; one process at a time writes a run or comparison directory"
+        ) from None
+    return True
+
+
+def _open_directory(directory: Path) -> int | None:
+    """A read-only descriptor of ``directory`` to lock, or ``None`` where it cannot be opened."""
+    try:
+        return os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return None
+
+
+def _check_lock_file(path: Path) -> None:
+    """Refuse a lock file that is a symbolic link or no regular file (a link could point outside, a FIFO block).
+
+    One hard-linked elsewhere is replaced by an empty file of its own (its other names keep their bytes).
+
+    Raises:
+        FlatbmaError: ``path`` is a symbolic link or not a regular file.
+    """
+    try:
+        info = os.lstat(path)
+    except OSError:
+        return
+    if stat.S_ISLNK(info.st_mode):
+        raise FlatbmaError(f"{path} is a symbolic link, not flatbma's lock file: remove it")
+    if not stat.S_ISREG(info.st_mode):
+        raise FlatbmaError(f"{path} is not a regular file, so not flatbma's lock file: remove it")
+    if info.st_nlink > 1:
+        with contextlib.suppress(FlatbmaError):  # an unwritable place: the lock file is left alone
+            atomic_write_bytes(path, b"")
 
 
 def _open(path: Path) -> tuple[int | None, bool]:
     """``(fd, writable)`` of the lock file at ``path``: read-write (created if missing), else read-only if it exists.
 
-    ``(None, False)`` when it can be neither. Never through a symbolic link, never anything but a regular
-    file (a link could point outside the directory, a FIFO block).
-
-    Raises:
-        FlatbmaError: ``path`` is a symbolic link or not a regular file.
+    ``(None, False)`` when it can be neither, or when it is no longer a regular file of its own (replaced
+    since it was checked). Never through a symbolic link.
     """
     for flags, writable in ((os.O_RDWR | os.O_CREAT, True), (os.O_RDONLY, False)):
         try:  # 0o666: the mode the umask allows, like every output
@@ -154,19 +213,29 @@ def _open(path: Path) -> tuple[int | None, bool]:
             if e.errno == errno.ELOOP:
                 raise FlatbmaError(f"{path} is a symbolic link, not flatbma's lock file: remove it") from None
             continue
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
             os.close(fd)
             raise FlatbmaError(f"{path} is not a regular file, so not flatbma's lock file: remove it")
+        if info.st_nlink > 1:  # linked since it was checked: its note would change the other file
+            os.close(fd)
+            return None, False
         return fd, writable
     return None, False
 
 
-def _holder(fd: int) -> str:
-    """Who holds the lock, as its file says: ``"flatbma train (process 4242)"``, or ``"another process"``."""
+def _holder(path: Path) -> str:
+    """Who holds the lock, as its note says: ``"flatbma train (process 4242)"``, or ``"another process"``."""
     try:
-        text = os.pread(fd, 200, 0).decode(errors="replace").split()
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return "another process"
+    try:
+        text = os.pread(fd, 200, 0).decode(errors="replace").split() if stat.S_ISREG(os.fstat(fd).st_mode) else []
     except OSError:
         text = []
+    finally:
+        os.close(fd)
     if len(text) >= 2 and text[0].isdigit():
         return f"flatbma {text[1][:20]} (process {text[0][:10]})"
     return "another process"

@@ -31,6 +31,7 @@ from flatbma.errors import FlatbmaError
 from flatbma.experiment.config.sections import TrainLog
 from flatbma.experiment.run.checkpoint import atomic_write_bytes, write_error
 from flatbma.experiment.runner import EpochLog, History
+from flatbma.state_io import append_bytes
 
 CSV_FILE = "log.csv"
 TENSORBOARD_DIR = "tensorboard"
@@ -148,8 +149,9 @@ class EpochLogger:
                 rows = [self._row(history.epochs, j, None) for j in range(i)]
                 _restart_csv(self._csv, [*rows, row], columns, keep_time=row["epoch"])
                 return
-            with self._csv.open("a", newline="") as f:
-                csv.writer(f, lineterminator="\n").writerow(["" if row.get(c) is None else row[c] for c in columns])
+            line = io.StringIO()
+            csv.writer(line, lineterminator="\n").writerow(["" if row.get(c) is None else row[c] for c in columns])
+            append_bytes(self._csv, line.getvalue().encode())  # only ever a regular file of its own
         except OSError as e:
             raise write_error(self._csv, e, f"the checkpoint of epoch {row['epoch']} is intact") from None
 

@@ -79,6 +79,12 @@ def is_compare_dir(path: Path) -> bool:
 
 
 def _check(path: Path, force: bool, kind: str, marker: str, is_kind: Callable[[Path], bool]) -> None:
+    broken = _broken_link(path)
+    if broken is not None:
+        raise FlatbmaError(
+            f"output_dir {path}: {broken} is a symbolic link that leads nowhere (a loop, or its target is gone): "
+            "remove it, or choose another output_dir"
+        )
     real = Path(os.path.realpath(path))
     # Paths are shown whole, like every path in flatbma's messages: the user needs them to act (the OS bounds them).
     where = f"output_dir {path}" + (f" (that is {real})" if str(real) != str(path) else "")
@@ -99,6 +105,14 @@ def _check(path: Path, force: bool, kind: str, marker: str, is_kind: Callable[[P
         f"flatbma {kind if kind == 'compare' else 'train'}): choose a new or empty directory (--set output_dir=...), "
         "or pass --force to write into it anyway"
     )
+
+
+def _broken_link(path: Path) -> Path | None:
+    """The first of ``path`` and its parents that is a symbolic link leading nowhere (dangling, a loop), or ``None``."""
+    for place in (path, *path.parents):
+        if os.path.islink(place) and not os.path.exists(place):
+            return place
+    return None
 
 
 def _special(real: Path) -> str:
