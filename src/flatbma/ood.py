@@ -70,6 +70,27 @@ def check_ood_applies(name: str, channels: int) -> None:
         )
 
 
+def check_ood_data(name: str | None) -> None:
+    """Refuse an ``eval.ood`` data set that cannot be read here, before anything trains or is written.
+
+    A corruption needs nothing but the run's own test set; a data set is read as :func:`ood_dataset` reads it
+    (its default place or embedded copy).
+
+    Raises:
+        FlatbmaError: one line naming the set and why it cannot be read.
+    """
+    if name is None or name in corruption_names():
+        return
+    check_ood_name(name)
+    try:
+        load_dataset(name)
+    except FlatbmaError as e:
+        why = str(e) if len(str(e)) <= 90 else str(e)[:87] + "..."
+        raise FlatbmaError(
+            f"eval.ood {name!r}: the data set cannot be read ({why}): install it, or choose a corruption"
+        ) from None
+
+
 def ood_dataset(name: str, test: ArrayDataset, *, seed: int, root: str | None = None) -> ArrayDataset:
     """The OOD set ``name`` (module docstring) shaped like ``test``, with ``test``'s transform.
 

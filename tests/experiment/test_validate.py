@@ -122,7 +122,7 @@ CASES = [
     pytest.param(
         {"name": "sgd"},
         {"data": {"test_limit": 20}, "eval": {"n_bins": 30}},  # 2 of each class's ~60 test images: 20
-        r"eval.n_bins=30 is more than the 20 test examples .* use eval.n_bins <= 20",
+        r"eval.n_bins=30 is more than the 20 test examples: .* use eval.n_bins <= 20",
         id="n-bins",
     ),
     pytest.param(

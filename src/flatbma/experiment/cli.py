@@ -35,8 +35,7 @@ from flatbma.experiment.parallel import processes
 from flatbma.experiment.report.repeatability import repeat_disagreement
 from flatbma.experiment.report.tables import summary_table
 from flatbma.experiment.run.build import resolve_device
-from flatbma.experiment.run.lock import hold
-from flatbma.experiment.run.pipeline import evaluate_run, load_run_config, record_resume, resume_config, train
+from flatbma.experiment.run.pipeline import evaluate_run, load_run_config, resume_config, train
 from flatbma.experiment.study.compare import run_compare
 from flatbma.experiment.study.plan import load_plan
 from flatbma.optim import Amortized
@@ -322,12 +321,9 @@ def _command(argv: Sequence[str] | None) -> None:
         else:
             raise FlatbmaError("train needs --config FILE (or --resume RUN_DIR)")
         device = resolve_device(cfg.train.device)
-        # a resume changes the run's files before it trains: under its lock (train takes it for --config)
-        owned = hold(args.resume, "train") if args.resume else contextlib.nullcontext()
-        with processes.process_group(device), _reporting(args), owned:  # under torchrun: data-parallel
-            if resumed is not None:
-                record_resume(args.resume, resumed)  # the changed config.yaml, and the change in resumes.json
-            trained = train(cfg, force=args.force, resume=bool(args.resume))
+        with processes.process_group(device), _reporting(args):  # under torchrun: data-parallel
+            # a resume's change is written only once the whole config and its checkpoint have passed every check
+            trained = train(cfg, force=args.force, resume=bool(args.resume), resumed=resumed)
             main_process = processes.is_main()
         if main_process:
             _print_metrics(trained.metrics)

@@ -484,9 +484,8 @@ class EvalConfig:
         """
         if self.n_bins > shape.num_test:
             raise FlatbmaError(
-                f"eval.n_bins={self.n_bins} is more than the {shape.num_test} test examples (data.test_limit "
-                f"and the data set decide them): most calibration bins would be empty; use eval.n_bins <= "
-                f"{shape.num_test} (15 suits a thousand examples) or test on more examples"
+                f"eval.n_bins={self.n_bins} is more than the {shape.num_test} test examples: most calibration bins "
+                f"would be empty; use eval.n_bins <= {shape.num_test} (15 suits a thousand examples)"
             )
         if self.ood is not None and shape.channels is not None:
             check_ood_applies(self.ood, shape.channels)

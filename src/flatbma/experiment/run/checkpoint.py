@@ -277,11 +277,12 @@ class RunRecord:
     Attributes:
         config: the run's whole resolved config without its place (``output_dir``) and logs
             (:func:`flatbma.experiment.config.run_config.run_identity`).
-        data: the fingerprint of the data set it trained on (:func:`flatbma.experiment.run.build.data_fingerprint`).
+        data: the fingerprint of the data set it trained on (:func:`flatbma.experiment.run.build.data_fingerprint`);
+            ``None`` where it is not checked (evaluating a finished run reads the data as it is now).
     """
 
     config: Mapping[str, Any]
-    data: str
+    data: str | None
 
 
 CONFIG_KEY = "config"
@@ -372,28 +373,43 @@ def check_continuation(meta: Mapping[str, str], run: RunRecord, path: str | Path
     runs. A checkpoint without the records (written before flatbma recorded them) is accepted.
     """
     if CONFIG_KEY in meta:
-        try:
-            recorded = json.loads(meta[CONFIG_KEY])
-        except ValueError:
-            recorded = None
-        if not isinstance(recorded, dict):
+        recorded = config_record(meta)
+        if recorded is None:
             raise FlatbmaError(f"checkpoint {path}: its record of the config it was written with is damaged")
-        recorded = as_stored(recorded)  # options added since it was written, at what it trained with
-        current = json.loads(json.dumps(run.config, default=str))
+        current = json_config(run.config)
         edited = {k: v for k, v in config_changes(recorded, current).items() if not resumable(k)}
         if edited:
-            detail = clip(", ".join(f"{k}={shown(a, 30)} vs {shown(b, 30)}" for k, (a, b) in edited.items()))
+            detail = clip(", ".join(f"{k}={shown(a, 20)} vs {shown(b, 20)}" for k, (a, b) in edited.items()), 60)
             raise FlatbmaError(
                 f"checkpoint {path} was written with another config than its run directory's config.yaml now holds "
-                f"({detail}; checkpoint vs config.yaml): restore config.yaml (--resume --set may change only "
-                f"{', '.join(RESUMABLE)}), or train a new run"
+                f"({detail}; checkpoint vs config.yaml): restore config.yaml, or train a new run"
             )
     data = meta.get(DATA_KEY)
-    if data is not None and data != run.data:
+    if data is not None and run.data is not None and data != run.data:
         raise FlatbmaError(
             f"checkpoint {path} was trained on other data than the data set now holds (fingerprint "
             f"{shown(data, 20)} vs {run.data}): its files changed since; restore them, or train a new run (--force)"
         )
+
+
+def config_record(meta: Mapping[str, str] | None) -> dict[str, Any] | None:
+    """The run config a checkpoint's metadata records (:class:`RunRecord`), as it trained; ``None``: none, or damaged.
+
+    Options added since it was written read as what it trained with
+    (:func:`~flatbma.experiment.config.run_config.as_stored`), as its run directory's ``config.yaml`` does.
+    """
+    if meta is None or CONFIG_KEY not in meta:
+        return None
+    try:
+        recorded = json.loads(meta[CONFIG_KEY])
+    except ValueError:
+        return None
+    return as_stored(recorded) if isinstance(recorded, dict) else None
+
+
+def json_config(config: Mapping[str, Any]) -> Any:
+    """A run identity (:func:`~flatbma.experiment.config.run_config.run_identity`) as its JSON record reads back."""
+    return json.loads(json.dumps(config, default=str))
 
 
 def _integer(text: str) -> int:

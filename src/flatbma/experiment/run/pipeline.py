@@ -16,10 +16,18 @@ from typing import Any
 
 from flatbma.errors import FlatbmaError
 from flatbma.experiment.config.parse import set_dotted
-from flatbma.experiment.config.run_config import RunConfig, as_stored, config_from_dict, load_raw, parse_override
+from flatbma.experiment.config.run_config import (
+    RunConfig,
+    as_stored,
+    config_from_dict,
+    load_raw,
+    parse_override,
+    run_identity,
+)
 from flatbma.experiment.parallel import processes
 from flatbma.experiment.run.build import Experiment, build_experiment
 from flatbma.experiment.run.checkpoint import (
+    RunRecord,
     at_end,
     atomic_write_json,
     checkpoint_metadata,
@@ -37,7 +45,7 @@ from flatbma.experiment.run.logs import check_available
 from flatbma.experiment.run.outdir import check_run_output
 from flatbma.experiment.run.prior import fit_prior, prior_stage
 from flatbma.experiment.run.provenance import template
-from flatbma.experiment.run.resume import RESUMES_FILE, Resume, append_resume, resume_change
+from flatbma.experiment.run.resume import Resume, resume_change
 from flatbma.experiment.run.stage import (
     CHECKPOINT_FILE,
     CONFIG_FILE,
@@ -50,13 +58,19 @@ from flatbma.experiment.run.stage import (
     start_run,
     train_stage,
     training_ended,
-    write_config,
 )
-from flatbma.experiment.run.validate import validate_run
+from flatbma.experiment.run.validate import check_evaluation, validate_run
 from flatbma.types import State
 
 
-def train(cfg: RunConfig, *, force: bool = False, resume: bool = False, evaluate: bool = True) -> Trained:
+def train(
+    cfg: RunConfig,
+    *,
+    force: bool = False,
+    resume: bool = False,
+    evaluate: bool = True,
+    resumed: Resume | None = None,
+) -> Trained:
     """Train ``cfg`` into its output directory and write ``metrics.json``; return the trained stage.
 
     With ``resume``, continue from the directory's checkpoint exactly where it stopped (same data
@@ -71,6 +85,11 @@ def train(cfg: RunConfig, *, force: bool = False, resume: bool = False, evaluate
     data as it is now) is returned as it is, nothing trained or written (:attr:`Trained.reused`); an
     interrupted one is refused with the ``--resume`` command that continues it. With ``force`` the run
     that was there is replaced only once the new one writes its first checkpoint.
+
+    ``resumed``: the change ``--resume --set`` makes to the run's config (:func:`resume_config`). It is
+    written (``config.yaml``, ``resumes.json``) only once every check has passed — the whole config's, as for
+    a new run, and the checkpoint's loading — right before the run goes on, so that a refused resume changes
+    nothing on disk.
 
     Data-parallel when a process group is initialized (``torchrun``, see
     :mod:`flatbma.experiment.parallel.processes`): every rank trains on its shard of each global batch and
@@ -94,7 +113,7 @@ def train(cfg: RunConfig, *, force: bool = False, resume: bool = False, evaluate
         if prior is not None and resume:  # interrupted in the first stage: the second starts afresh
             resume = processes.main_decides((run_dir / CHECKPOINT_FILE).is_file())
             force = True
-        return train_stage(cfg, force=force, resume=resume, evaluate=evaluate, prior=prior)
+        return train_stage(cfg, force=force, resume=resume, evaluate=evaluate, prior=prior, resumed=resumed)
 
 
 def _existing(cfg: RunConfig) -> Trained | None:
@@ -171,7 +190,8 @@ def trained_state(exp: Experiment) -> State:
     (:meth:`~flatbma.experiment.run.early_stopping.Monitor.best`): the state the run evaluated.
     """
     cfg, kind = exp.config, template(exp)
-    state, _, history = load_position(Path(cfg.output_dir) / CHECKPOINT_FILE, kind)
+    written_with = RunRecord(config=run_identity(cfg.to_dict()), data=None)  # config.yaml is the checkpoint's config
+    state, _, history = load_position(Path(cfg.output_dir) / CHECKPOINT_FILE, kind, continuing=written_with)
     if cfg.train.early_stopping is not None:
         state = Monitor(exp, cfg.train.early_stopping, Path(cfg.output_dir)).best(state, history, kind)
     return state
@@ -203,13 +223,6 @@ def resume_config(run_dir: str | Path, overrides: list[str]) -> tuple[RunConfig,
     return dataclasses.replace(new, output_dir=str(run_dir)), resume
 
 
-def record_resume(run_dir: str | Path, resume: Resume) -> None:
-    """Write a resume's changed ``config.yaml`` and append the change to the run's ``resumes.json`` (rank 0)."""
-    if resume.changed and processes.is_main():
-        write_config(Path(run_dir), dict(resume.resolved))
-        append_resume(Path(run_dir) / RESUMES_FILE, resume)
-
-
 def evaluate_run(run_dir: str | Path, *, flatness: bool = False, ood: str | None = None) -> dict[str, Any]:
     """Re-evaluate a finished run from its directory (config + checkpoint) and update metrics.json.
 
@@ -236,6 +249,7 @@ def evaluate_run(run_dir: str | Path, *, flatness: bool = False, ood: str | None
                 f"with 'flatbma train --resume {run_dir}' (evaluate reads finished runs)"
             )
         exp, state = load_run(cfg)
+        check_evaluation(exp, flatness=flatness)  # eval.* as train checks them (n_bins against the test set, ...)
         if processes.is_main():
             remove_stale_temps(run_dir)  # left by a killed write (the lock is held: no other process writes here)
         metrics_path = run_dir / METRICS_FILE

@@ -36,7 +36,9 @@ from flatbma.experiment.run.checkpoint import (
     atomic_write_json,
     checkpoint_metadata,
     checkpoint_record,
+    config_record,
     history_of,
+    json_config,
     load_position,
     remove_stale_temps,
     save_position,
@@ -48,7 +50,7 @@ from flatbma.experiment.run.health import assess, warn_if_flagged
 from flatbma.experiment.run.lock import hold
 from flatbma.experiment.run.logs import EpochLogger, check_available
 from flatbma.experiment.run.provenance import environment, provenance, template
-from flatbma.experiment.run.resume import RESUMES_FILE
+from flatbma.experiment.run.resume import RESUMES_FILE, Resume, append_resume
 from flatbma.experiment.runner import History, Position, fit
 from flatbma.params import model_buffers, trainable_params
 from flatbma.posteriors import gaussians
@@ -155,6 +157,17 @@ def check_run_dir(run_dir: Path, resolved: dict[str, Any], force: bool) -> None:
             )
 
 
+def record_resume(run_dir: Path, resumed: Resume | None) -> None:
+    """Write a resume's changed ``config.yaml`` and append the change to ``resumes.json`` (rank 0; nothing without one).
+
+    Called once every check of the resumed run has passed (:func:`train_stage`): a refused resume changes
+    nothing on disk.
+    """
+    if resumed is not None and resumed.changed and processes.is_main():
+        write_config(run_dir, dict(resumed.resolved))
+        append_resume(run_dir / RESUMES_FILE, resumed)
+
+
 def write_config(run_dir: Path, resolved: dict[str, Any]) -> None:
     """Write the resolved config into ``run_dir`` (rank 0 only: the other ranks write nothing)."""
     try:
@@ -206,6 +219,7 @@ def train_stage(
     prior: FittedPrior | None = None,
     check: Callable[[Experiment], None] | None = None,
     on_start: Callable[[], None] | None = None,
+    resumed: Resume | None = None,
 ) -> Trained:
     """Train ``cfg`` into its output directory and write ``metrics.json``, holding the directory's lock.
 
@@ -225,6 +239,9 @@ def train_stage(
         check: called with the built experiment before anything is written or trained.
         on_start: called right before a fresh stage's first checkpoint (a two-stage run claims its own
             directory when its first stage starts).
+        resumed: the change ``--resume --set`` made to the run's config, recorded (:func:`record_resume`) once
+            the checkpoint it continues from has loaded, or right before a fresh stage's first checkpoint (a
+            two-stage run stopped in its first stage), never before.
 
     Raises:
         FlatbmaError: another process holds the directory (:func:`flatbma.experiment.run.lock.hold`), or the
@@ -232,7 +249,14 @@ def train_stage(
     """
     with hold(cfg.output_dir, "train"):
         return _train_stage(
-            cfg, force=force, resume=resume, evaluate=evaluate, prior=prior, check=check, on_start=on_start
+            cfg,
+            force=force,
+            resume=resume,
+            evaluate=evaluate,
+            prior=prior,
+            check=check,
+            on_start=on_start,
+            resumed=resumed,
         )
 
 
@@ -245,6 +269,7 @@ def _train_stage(
     prior: FittedPrior | None,
     check: Callable[[Experiment], None] | None,
     on_start: Callable[[], None] | None,
+    resumed: Resume | None = None,
 ) -> Trained:
     run_dir = Path(cfg.output_dir)
     resolved = cfg.to_dict()
@@ -263,6 +288,10 @@ def _train_stage(
     history = History()
     if resume:
         state, position, history = load_position(ckpt, template(exp), continuing=record)
+        if processes.is_main():  # every check passed: the run goes on under its config, recorded
+            record_resume(run_dir, resumed)
+            if config_record(checkpoint_metadata(ckpt)) != json_config(record.config):
+                save_position(ckpt, state, position, history, written_by, record)  # the config it continues with
         position = exp.strategy.resume(position)
         with exp.rng.restored():  # the start as the interrupted run drew it, right after its build
             start_theta = gaussians.start(exp.method, _initial_state(cfg, exp, prior))
@@ -284,6 +313,7 @@ def _train_stage(
         if first and not resume:  # the directory becomes this run's only now, with its first checkpoint
             if on_start is not None:
                 on_start()
+            record_resume(run_dir, resumed)  # a two-stage run stopped in its first stage: before start_run
             start_run(run_dir, resolved)
         save_position(ckpt, s, p, h, written_by, record)
         if first:  # the one process that saves (with the history of all): it logs

@@ -34,10 +34,18 @@ from flatbma.experiment.config.run_config import RunConfig
 from flatbma.experiment.config.sections import Parallel, plain
 from flatbma.experiment.config.shape import RunShape, Stage
 from flatbma.experiment.parallel import processes, strategies
-from flatbma.experiment.run.build import build_network, load_data, resolve_device, select_data, transforms
+from flatbma.experiment.run.build import (
+    Experiment,
+    build_network,
+    load_data,
+    resolve_device,
+    select_data,
+    transforms,
+)
 from flatbma.experiment.run.prior import check_stable_with_prior, prior_stage
+from flatbma.ood import check_ood_data
 
-__all__ = ["available_memory", "check_run", "run_shape", "validate_run", "validate_runs"]
+__all__ = ["available_memory", "check_evaluation", "check_run", "run_shape", "validate_run", "validate_runs"]
 
 
 def run_shape(cfg: RunConfig, splits: DatasetSplits | None = None, *, trainable: bool = False) -> RunShape:
@@ -173,7 +181,29 @@ def validate_run(cfg: RunConfig, *, flatness: bool | None = None) -> RunShape:
     flatness = cfg.eval.flatness if flatness is None else flatness
     shape = run_shape(cfg, trainable=_needs_trainable(cfg, flatness))
     check_run(cfg, shape, flatness=flatness)
+    check_ood_data(cfg.eval.ood)
     return shape
+
+
+def check_evaluation(exp: Experiment, *, flatness: bool) -> None:
+    """Check what ``flatbma evaluate`` reads before it evaluates: the evaluation settings against the built run.
+
+    ``eval.*`` of a run directory's ``config.yaml`` (changed since training by ``--resume --set``, or
+    ``--ood``) are checked as ``flatbma train`` checks them (:meth:`~flatbma.experiment.config.sections.EvalConfig
+    .check`: ``n_bins`` against the test examples, ``hessian_k`` against the trained weights, the OOD set).
+    """
+    cfg = exp.config
+    shape = RunShape(
+        steps_per_epoch=len(exp.train_loader),
+        num_train=len(exp.train_loader.dataset),
+        num_test=len(exp.test_loader.dataset),
+        num_trainable=sum(p.numel() for p in exp.model.parameters() if p.requires_grad),
+        num_classes=exp.num_classes,
+        pretrained=cfg.model.pretrained is not None,
+        channels=getattr(exp.test_loader.dataset, "image_shape", (None,))[0],
+    )
+    cfg.eval.check(shape, flatness=flatness)
+    check_ood_data(cfg.eval.ood)
 
 
 def validate_runs(runs: Iterable[tuple[str, RunConfig]], *, flatness: bool) -> None:
@@ -183,6 +213,7 @@ def validate_runs(runs: Iterable[tuple[str, RunConfig]], *, flatness: bool) -> N
     """
     loaded: dict[str, DatasetSplits] = {}
     weights: dict[str, int] = {}
+    readable: set[str | None] = set()  # eval.ood sets found readable
     with processes.single_process():  # each compared run is an ordinary one-process run
         for where, cfg in runs:
             try:
@@ -197,5 +228,8 @@ def validate_runs(runs: Iterable[tuple[str, RunConfig]], *, flatness: bool) -> N
                 elif model_key in weights:
                     shape = dataclasses.replace(shape, num_trainable=weights[model_key])
                 check_run(cfg, shape, flatness=flatness)
+                if cfg.eval.ood not in readable:
+                    check_ood_data(cfg.eval.ood)
+                    readable.add(cfg.eval.ood)
             except FlatbmaError as e:
                 raise FlatbmaError(f"{where}: {e}") from None
