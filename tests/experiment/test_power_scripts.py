@@ -113,3 +113,51 @@ def test_refind_refuses_what_is_not_a_results_json_in_one_line(tmp_path, capsys)
     errors = capsys.readouterr().err.splitlines()
     assert len(errors) == 3 and all(e.startswith("refind: error: ") for e in errors)
     assert bad.read_text() == json.dumps({"runs": []})  # nothing written
+
+
+def _batch(seeds):
+    runs = [{"method": m, "seed": s, **_result(k, s)} for k, m in enumerate(["sgd", "swag"]) for s in seeds]
+    compare = {"reference": "sgd", "seeds": list(seeds), "methods": [{"name": "sgd"}, {"name": "swag"}]}
+    return {"config_hash": "abc", "created": f"2024-01-0{1 + min(seeds)}T00:00:00", "compare": compare, "runs": runs}
+
+
+def test_refind_merges_seed_batches_into_the_findings_of_all_seeds(tmp_path):
+    paths = []
+    for seeds in ((0, 1), (2,)):
+        path = tmp_path / f"batch{seeds[0]}" / "results.json"
+        path.parent.mkdir()
+        path.write_text(json.dumps(_batch(seeds)))
+        paths.append(path)
+    before = [p.read_bytes() for p in paths]
+    refind = _script("refind")
+    assert refind.main([*map(str, paths), "--out", str(tmp_path / "all")]) == 0
+    assert [p.read_bytes() for p in paths] == before  # the batches are left as they were
+    merged = json.loads((tmp_path / "all" / "results.json").read_text())
+    whole = _batch(SEEDS)  # the same rows run as one comparison of seeds 0, 1, 2
+    assert sorted(merged["runs"], key=lambda r: (r["method"], r["seed"])) == whole["runs"]
+    assert merged["compare"]["seeds"] == list(SEEDS) and merged["created"] == "2024-01-03T00:00:00"
+    assert merged["findings"] == findings({**whole, "runs": merged["runs"]})
+    (swag,) = [c for c in merged["findings"]["comparisons"] if c["method"] == "swag" and c["metric"] == "accuracy"]
+    assert swag["n"] == 3
+
+
+def test_refind_refuses_batches_that_are_not_one_study_in_one_line(tmp_path, capsys):
+    refind = _script("refind")
+
+    def write(name, results):
+        path = tmp_path / name
+        path.write_text(json.dumps(results))
+        return str(path)
+
+    a = write("a.json", _batch((0, 1)))
+    out = str(tmp_path / "o")
+    assert refind.main([a, write("b.json", {**_batch((2,)), "config_hash": "other"}), "--out", out]) == 2
+    other = _batch((2,))
+    other["compare"]["reference"] = "swag"
+    assert refind.main([a, write("c.json", other), "--out", out]) == 2
+    assert refind.main([a, write("d.json", _batch((1, 2))), "--out", out]) == 2  # seed 1 twice
+    assert refind.main([a, write("e.json", _batch((2,)))]) == 2  # no --out
+    errors = capsys.readouterr().err.splitlines()
+    assert len(errors) == 4 and all(e.startswith("refind: error: ") for e in errors)
+    assert "config_hash" in errors[0] and "beyond its seeds" in errors[1] and "seed 1" in errors[2]
+    assert not (tmp_path / "o").exists()
