@@ -8,9 +8,14 @@ works reads it with :func:`current`:
   and never when quiet; elsewhere the loop runs bare.
 * :meth:`Reporter.phase` times a block and, when ``stderr`` is not a terminal (a log file, CI, a pipe),
   prints one line when it ends: ``flatness: 8 samples λ₁ in 41.2 s``.
-* :meth:`Reporter.line` prints one line under the same condition (the training loop's line per epoch,
-  unless :attr:`Reporter.epochs` is off: ``flatbma compare`` trains many runs and shows one line per run;
-  every run's epochs are in its ``log.csv``).
+* :meth:`Reporter.line` prints one line under the same condition (the training loop's line per epoch).
+* :meth:`Reporter.tick` keeps a long phase from going silent: called from the loops inside it (every item of
+  a :meth:`Reporter.bar` calls it, and so does each Lanczos iteration), it prints ``flatness: Hessian
+  spectra 3/8, 95 s so far`` once :attr:`Reporter.interval` seconds (30) have passed since the phase's last
+  line — so a phase prints at least every ``interval`` seconds plus the time of one loop step. The time is
+  read from :attr:`Reporter.clock`, which a test replaces by a fake clock.
+* :func:`collecting` gathers the durations of the phases that end inside it (``flatbma compare`` learns
+  its time left from them).
 
 Everything goes to ``stderr``, so the results a command prints on ``stdout`` stay clean. Without a
 command line (Python code) the default reporter is not quiet: bars on a terminal, phase lines elsewhere.
@@ -25,14 +30,14 @@ from __future__ import annotations
 import contextlib
 import sys
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextvars import ContextVar
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from tqdm import tqdm  # the plain bar: tqdm.auto's asyncio bar calls iter() once more, and a DataLoader draws a seed
 
-__all__ = ["Reporter", "count", "current", "reporting"]
+__all__ = ["Reporter", "collecting", "count", "current", "reporting"]
 
 T = TypeVar("T")
 
@@ -52,12 +57,14 @@ class Reporter:
     Attributes:
         quiet: show nothing (no bars, no lines); errors and warnings are not progress and still print.
         terminal: whether ``stderr`` is a terminal; ``None`` asks ``sys.stderr.isatty()`` at every use.
-        epochs: whether the training loop prints its line per epoch (when :attr:`lines`).
+        interval: the longest silence of a phase, in seconds, between its :meth:`tick` lines.
+        clock: the time in seconds (``time.perf_counter``; a test gives a fake one).
     """
 
     quiet: bool = False
     terminal: bool | None = None
-    epochs: bool = True
+    interval: float = 30.0
+    clock: Callable[[], float] = field(default=time.perf_counter, compare=False)
 
     def on_terminal(self) -> bool:
         """Whether ``stderr`` is (taken as) a terminal."""
@@ -83,9 +90,10 @@ class Reporter:
         ``set_postfix`` does nothing.
         """
         options.setdefault("leave", False)
-        return tqdm(
-            iterable, desc=desc, total=total, disable=not (enabled and self.bars), dynamic_ncols=True, **options
-        )
+        bar = _Bar(iterable, desc=desc, total=total, disable=not (enabled and self.bars), dynamic_ncols=True, **options)
+        bar.reporter, bar.label = self, desc
+        bar.count = total if total is not None else (len(iterable) if hasattr(iterable, "__len__") else None)
+        return bar
 
     def line(self, text: str) -> None:
         """Print ``text`` as one line on ``stderr`` when :attr:`lines` (not on a terminal, not quiet)."""
@@ -96,17 +104,86 @@ class Reporter:
     def phase(self, what: str, detail: str = "") -> Iterator[None]:
         """Time the block; when :attr:`lines`, print ``"<what>: <detail> in <seconds> s"`` once it ends.
 
-        Nothing is printed when the block raises (the error says what happened).
+        Within it :meth:`tick` prints a line at least every :attr:`interval` seconds. Nothing is printed when the
+        block raises (the error says what happened). Its duration goes to the :func:`collecting` block around it.
         """
-        start = time.perf_counter()
-        yield
-        seconds = time.perf_counter() - start
+        start = self.clock()
+        token = _PHASE.set(_Phase(what, start, self))
+        try:
+            yield
+        finally:
+            _PHASE.reset(token)
+        seconds = self.clock() - start
+        for sink in _COLLECTING:
+            sink.append((what, seconds))
         self.line(f"{what}: {detail + ' ' if detail else ''}in {seconds:.1f} s")
+
+    def tick(self, where: str | None = None) -> None:
+        """Note progress inside the current :meth:`phase`; print a line if the phase has been silent too long.
+
+        ``where`` (e.g. ``"Hessian spectra 3/8"``) is kept until the next one. When the reporter that opened the
+        phase prints :attr:`lines` and its :attr:`interval` seconds have passed since the phase's last line, it
+        prints ``"<phase>: <where>, <seconds> s so far"``. Outside a phase, or not printing lines, it does nothing.
+        """
+        phase = _PHASE.get()
+        if phase is None or not phase.reporter.lines:  # the phase's own reporter decides (a quiet stage stays so)
+            return
+        if where is not None:
+            phase.where = where
+        now = phase.reporter.clock()
+        if now - phase.last >= phase.reporter.interval:
+            phase.last = now
+            at = f"{phase.where}, " if phase.where else ""
+            phase.reporter.line(f"{phase.what}: {at}{now - phase.started:.0f} s so far")
 
 
 def count(n: int, noun: str) -> str:
     """``"1 sample"``, ``"8 samples"``: a number and its noun, for the lines of phases."""
     return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
+class _Bar(tqdm):
+    """A ``tqdm`` bar that ticks its reporter after every item (:meth:`Reporter.tick`: ``"<desc> i/n"``)."""
+
+    reporter: Reporter
+    label: str
+    count: int | None
+
+    def __iter__(self) -> Iterator[Any]:
+        start = self.n  # a resumed epoch's bar starts at its applied batches (initial)
+        for i, item in enumerate(super().__iter__(), start + 1):
+            yield item
+            self.reporter.tick(f"{self.label} {i}/{self.count}" if self.count else f"{self.label} {i}")
+
+
+@dataclass
+class _Phase:
+    """The phase in progress: its name, start, the reporter that opened it, its last line and position."""
+
+    what: str
+    started: float
+    reporter: Reporter
+    where: str = ""
+    last: float = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.last = self.started
+
+
+_PHASE: ContextVar[_Phase | None] = ContextVar("flatbma_phase", default=None)
+_COLLECTING: list[list[tuple[str, float]]] = []
+"""The lists of the open :func:`collecting` blocks (a plain list: a block may span a generator's ``yield``)."""
+
+
+@contextlib.contextmanager
+def collecting() -> Iterator[list[tuple[str, float]]]:
+    """Within the block, every :meth:`Reporter.phase` that ends appends ``(what, seconds)`` to the list it yields."""
+    found: list[tuple[str, float]] = []
+    _COLLECTING.append(found)
+    try:
+        yield found
+    finally:
+        _COLLECTING[:] = [c for c in _COLLECTING if c is not found]
 
 
 _DEFAULT = Reporter()

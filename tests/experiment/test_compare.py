@@ -7,6 +7,7 @@ import pytest
 import yaml
 
 from flatbma.experiment.cli import main
+from flatbma.experiment.study.eta import TimeLeft, row_work
 
 CONFIG = {
     "output_dir": None,
@@ -108,23 +109,65 @@ def test_bad_compare_configs(tmp_path, capsys, change, message):
 
 
 def test_the_time_left_comes_from_each_methods_measured_cost(monkeypatch, capsys):
-    """#25: the ETA once extrapolated from the cheapest method (said 4.9 min left, took 13)."""
+    """#25: the ETA once extrapolated from the cheapest method (said 4.9 min left, took 13); #35: a method not yet
+    timed is counted from its work per phase at the rates the phases took so far (7.6 min promised, 40 taken)."""
+    from flatbma import progress
     from flatbma.experiment.study import compare
 
     clock = [0.0]
     monkeypatch.setattr(compare.time, "perf_counter", lambda: clock[0])
     items = [("sgd", 0), ("sgd", 1), ("fp-bma", 0), ("fp-bma", 1)]
-    cost = {"sgd": 60.0, "fp-bma": 600.0}
+    work = {"sgd": {"train": 10, "flatness": 1}, "fp-bma": {"train": 20, "flatness": 8}}  # fp-bma: 8 spectra
+    phases = {"sgd": [("train", 20.0), ("flatness", 30.0)], "fp-bma": [("train", 80.0), ("flatness", 480.0)]}
     describe = lambda item: f"{item[0]} seed {item[1]}"  # noqa: E731
-    for item in compare._progress(items, "compare", describe, True, 0, 1, kind=lambda item: item[0]):
-        clock[0] += cost[item[0]]
+    reporter = progress.Reporter(terminal=False, clock=lambda: clock[0])
+    for item in compare._progress(
+        items, "compare", describe, True, 0, 1, kind=lambda item: item[0], work=lambda item: work[item[0]]
+    ):
+        for name, seconds in phases[item[0]]:
+            with reporter.phase(name):
+                clock[0] += seconds
+        clock[0] += 10.0  # outside the phases (building the run, writing its files)
     lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("compare: [")]
     assert len(lines) == 4, lines
-    assert lines[1].endswith(
-        "about 2.0 min left (fp-bma not yet timed: counted at the slowest so far)"
-    )  # fp-bma untimed: at sgd's 60 s, and it says so
-    assert lines[2].endswith("done in 600 s; about 10.0 min left")  # fp-bma's own cost, not the mean 4.0 min
-    assert lines[3].endswith("nothing left")
-    assert compare._time_left({"a": [10.0, 30.0], "b": [120.0]}, ["a", "b", "b", "c"]) == (
-        "about 6.3 min left (c not yet timed: counted at the slowest so far)"
+    # fp-bma untimed: its work at sgd's rates, 2 s per epoch and 30 s per spectrum, plus sgd's 10 s outside
+    # phases: 2·20 + 30·8 + 10 = 290 s for each of its two rows, beside sgd's own 60 s
+    assert lines[0].endswith(
+        "done in 60 s; about 10.7 min left (fp-bma not yet timed: counted from the phases measured so far)"
     )
+    assert lines[2].endswith("done in 570 s; about 9.5 min left")  # fp-bma's own cost once measured
+    assert lines[3].endswith("nothing left")
+
+    learned = TimeLeft()
+    learned.add("a", 100.0, [("BMA", 40.0), ("BMA", 20.0)], {"BMA": 30})  # 2 s per sample, 40 s outside
+    assert learned.estimate("a", {"BMA": 1}) == 100.0  # a timed kind: its mean
+    assert learned.estimate("b", {"BMA": 5, "landscape": 8}) == 40.0 + 10.0  # a phase never measured counts 0
+    assert learned.estimate("b", None) == 100.0  # no work known: the costliest kind
+    assert learned.text([("a", None), ("c", None)]) == (
+        "about 3.3 min left (c not yet timed: counted at the slowest so far)"
+    )
+
+
+def test_a_rows_work_counts_its_phases_in_units_of_its_config():
+    from flatbma.experiment.config.run_config import config_from_dict
+    from flatbma.experiment.study.plan import CompareConfig
+
+    base = {"data": {"name": "digits"}, "model": {"name": "mlp"}, "train": {"epochs": 3}, "eval": {"num_samples": 6}}
+    compare = CompareConfig(
+        methods=({"name": "sgd"},), seeds=(0,), corruptions=("contrast",), severities=(1, 3), corruption_samples=2
+    )
+    sgd = row_work(config_from_dict({**base, "method": {"name": "sgd"}}), compare)
+    assert sgd == {
+        "train": 3,
+        "BMA": 1,
+        "temperature": 1,
+        "OOD": 1,
+        "corruptions": 2,
+        "flatness": 1,
+        "repeatability": 1,
+        "landscape": 1,
+    }  # a point estimate: one distinct sample
+    swag = {"name": "swag", "rank": 2, "start_step": 0, "collect_every": 1}
+    prior = {"method": {"name": "fp-bma", "rank": 2}, "prior": {"method": swag, "epochs": 4}}
+    two = row_work(config_from_dict({**base, **prior}), compare)
+    assert two["train"] == 3 + 4 and two["BMA"] == 6 and two["corruptions"] == 2 * 2 and two["flatness"] == 8

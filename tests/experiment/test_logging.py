@@ -87,7 +87,8 @@ def test_train_without_a_terminal_prints_one_line_per_epoch(trained):
     assert "wrote" in loud.stdout and "epoch" not in loud.stdout
 
 
-def test_compare_prints_a_line_per_run_not_per_epoch(tmp_path):
+def test_compare_prints_a_line_per_epoch_of_every_run_and_per_run(tmp_path):
+    """#35: a comparison's training is no longer silent between "train: ... 15 epochs of 4 steps" and its end."""
     cfg = {
         **TINY,
         "output_dir": str(tmp_path / "cmp"),
@@ -101,7 +102,9 @@ def test_compare_prints_a_line_per_run_not_per_epoch(tmp_path):
     }
     out = _flatbma("compare", "--config", _config(tmp_path, cfg))
     assert out.returncode == 0, out.stderr
-    assert not [line for line in out.stderr.splitlines() if line.startswith("epoch ")], out.stderr
+    epochs = [line for line in out.stderr.splitlines() if line.startswith("epoch ")]
+    assert len(epochs) == 2 * EPOCHS and epochs[0].startswith(f"epoch 1/{EPOCHS}  loss "), out.stderr
+    assert re.search(r"^train: sgd, \d+ epochs in \d+\.\d s$", out.stderr, re.M), out.stderr  # the training phase
     assert re.search(r"^compare: \[2/2\] sgd seed 1 done in ", out.stderr, re.M), out.stderr
     assert len(read_csv(tmp_path / "cmp" / "runs" / "sgd" / "seed1" / CSV_FILE)) == EPOCHS  # the epochs: in log.csv
 

@@ -125,11 +125,11 @@ def _reporting(args: argparse.Namespace, *, every_process: bool = False) -> cont
     """The command's :class:`~flatbma.progress.Reporter`, set once for the whole command.
 
     Quiet with ``--quiet`` and, unless ``every_process`` (compare: each process runs runs of its own),
-    on every process but rank 0. ``compare`` prints a line per run and phase, not per epoch of every run
-    (those are in each run's ``log.csv``).
+    on every process but rank 0. Every command prints a line per epoch and per phase, and a long phase a line
+    at least every 30 s (:meth:`~flatbma.progress.Reporter.tick`).
     """
     quiet = args.quiet or not (every_process or processes.is_main())
-    return progress.reporting(progress.Reporter(quiet=quiet, epochs=args.command != "compare"))
+    return progress.reporting(progress.Reporter(quiet=quiet))
 
 
 def _plain(value: object) -> object:

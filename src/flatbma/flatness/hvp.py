@@ -57,6 +57,7 @@ from torch import Tensor, nn
 from torch.func import functional_call
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from flatbma import progress
 from flatbma.bn import eval_mode
 from flatbma.checks import parse_choice
 from flatbma.errors import FlatbmaError, FlatbmaWarning, suggest
@@ -167,6 +168,7 @@ class HessianOperator:
             else:
                 out = self._accumulated_product(v)
         self.num_products += 1
+        progress.current().tick()  # a long phase of products (Lanczos, Hutchinson) prints while it runs
         return out.to(vector.dtype)
 
     # -- products -----------------------------------------------------------------------------

@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call
 
+from flatbma import progress
 from flatbma.bn import eval_mode
 from flatbma.checks import check_finite_vector, parse_choice
 from flatbma.errors import FlatbmaError, suggest
@@ -387,6 +388,7 @@ def _grid_losses(
                                 t = t + ck * d[k]
                         moved[k] = t
                     totals[s, p] += float(loss_fn(functional_call(model, moved, (xb,)), yb)) * nb
+                    progress.current().tick()
             n += nb
     if n == 0:
         raise FlatbmaError("the data for the landscape is empty (no batch with at least one example)")

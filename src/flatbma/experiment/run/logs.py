@@ -126,7 +126,7 @@ class EpochLogger:
         for i in range(self._logged, len(history.epochs)):
             row = self._row(history.epochs, i, now - self._last)
             self.rows.append(dict(row))
-            if self._lines and progress.current().epochs:
+            if self._lines:
                 acc = f"acc {row['accuracy']:.3f}  " if self._accuracy else _rmse_text(row["rmse"])
                 progress.current().line(
                     f"epoch {row['epoch']}/{self._epochs}  loss {row['loss']:.4f}  {acc}"

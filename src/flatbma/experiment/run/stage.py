@@ -334,22 +334,24 @@ def _train_stage(
     method, state = exp.strategy.start(exp.method, state, cfg.method.name)
     start = time.perf_counter()
     exp.model.train()
+    report = progress.current() if cfg.train.progress and processes.is_main() else progress.Reporter(quiet=True)
     try:
-        state, history = fit(
-            method,
-            state,
-            exp.train_loader,
-            epochs=cfg.epochs,
-            device=exp.device,
-            resume=position,
-            checkpoint=exp.strategy.checkpoint(save),
-            checkpoint_every=cfg.train.checkpoint_every,
-            progress=cfg.train.progress and processes.is_main(),
-            history=history,
-            after_epoch=monitor.after_epoch if monitor is not None else None,
-            stop=monitor.stop if monitor is not None else None,
-            regression=cfg.model.gaussian is not None,
-        )
+        with report.phase("train", f"{cfg.method.name}, {progress.count(cfg.epochs, 'epoch')}"):  # 30 s at most silent
+            state, history = fit(
+                method,
+                state,
+                exp.train_loader,
+                epochs=cfg.epochs,
+                device=exp.device,
+                resume=position,
+                checkpoint=exp.strategy.checkpoint(save),
+                checkpoint_every=cfg.train.checkpoint_every,
+                progress=cfg.train.progress and processes.is_main(),
+                history=history,
+                after_epoch=monitor.after_epoch if monitor is not None else None,
+                stop=monitor.stop if monitor is not None else None,
+                regression=cfg.model.gaussian is not None,
+            )
     except DivergenceError as e:
         lower = f"--set optim.lr={yaml_float(cfg.optim.lr / 10)}"
         if logger is None and not resume:

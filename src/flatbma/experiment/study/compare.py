@@ -103,6 +103,7 @@ from flatbma.experiment.study.cache import (
     read_train_metrics,
     source,
 )
+from flatbma.experiment.study.eta import TimeLeft, Work, row_work
 from flatbma.experiment.study.plan import CompareConfig, Job, Plan, compare_record
 from flatbma.experiment.study.width import width_matched
 from flatbma.types import State
@@ -211,7 +212,14 @@ def _run_compare(plan: Plan, force: bool, progress: bool, owned: contextlib.Exit
         describe = lambda k: f"{jobs[k].label} seed {jobs[k].seed}"  # noqa: E731
         with processes.all_or_none(), processes.single_process():
             for k in _progress(
-                phase[me::world], "compare", describe, progress, me, world, kind=lambda k: jobs[k].label
+                phase[me::world],
+                "compare",
+                describe,
+                progress,
+                me,
+                world,
+                kind=lambda k: jobs[k].label,
+                work=lambda k: row_work(jobs[k].candidates[0].config, plan.compare),
             ):
                 job = jobs[k]
                 width_to = _width_reference(job, jobs, plan)
@@ -261,50 +269,37 @@ def _progress(
     me: int,
     world: int,
     kind: Callable[[T], str] = lambda item: "",
+    work: Callable[[T], Work] | None = None,
 ) -> Iterator[T]:
     """``items`` with a progress bar, or without a terminal (a log file, CI) one line on stderr per item done.
 
     ``me`` and ``world`` are the process's rank and the number of processes (only rank 0 shows a bar).
     Bar or lines as :func:`flatbma.progress.current` decides (none with ``--quiet``). Each line, and the
-    bar, gives the time left from the measured cost of each ``kind`` of item (the method: :func:`_time_left`).
+    bar, gives the time left learned from the items done so far (:class:`~flatbma.experiment.study.eta.TimeLeft`):
+    the measured cost of each ``kind`` of item (the method), and for a kind not yet timed its ``work`` per phase
+    at the rates its phases took in the items so far.
     """
     reporter = progress.current()
     # a bar shows this estimate in place of tqdm's, which assumes every item costs the same
     bar_format = "{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}{postfix}]"
     bar = reporter.bar(items, desc=what, enabled=show and me == 0, leave=True, bar_format=bar_format)
-    took: dict[str, list[float]] = {}
+    learned = TimeLeft()
+    rows = [(kind(x), work(x) if work is not None else None) for x in items]
     for i, item in enumerate(bar, 1):
-        left = f"; {_time_left(took, [kind(x) for x in items[i - 1 :]])}" if took else ""
+        left = f"; {learned.text(rows[i - 1 :])}" if learned.rows else ""
         bar.set_postfix_str(describe(item) + left, refresh=True)
         begun = time.perf_counter()
-        yield item
-        took.setdefault(kind(item), []).append(time.perf_counter() - begun)
+        with progress.collecting() as phases:
+            yield item
+        took = time.perf_counter() - begun
+        learned.add(rows[i - 1][0], took, phases, rows[i - 1][1])
         if show and bar.disable and not reporter.quiet:  # no bar here: a log, or a process other than rank 0
             print(
                 f"{what}{f' (process {me})' if world > 1 else ''}: [{i}/{len(items)}] {describe(item)} "
-                f"done in {took[kind(item)][-1]:.0f} s; {_time_left(took, [kind(x) for x in items[i:]])}",
+                f"done in {took:.0f} s; {learned.text(rows[i:])}",
                 file=sys.stderr,
                 flush=True,
             )
-
-
-def _time_left(took: dict[str, list[float]], remaining: list[str]) -> str:
-    """The time left, said: each remaining item costs the mean measured time of its kind (its method).
-
-    A kind not yet measured is counted at the costliest kind measured so far (the methods differ by orders
-    of magnitude: the cheapest one's time would promise far too little), and the line says so.
-    """
-    if not remaining:
-        return "nothing left"
-    cost = {k: sum(ts) / len(ts) for k, ts in took.items() if ts}
-    costliest = max(cost.values(), default=0.0)
-    left = sum(cost.get(k, costliest) for k in remaining)
-    untimed = list(dict.fromkeys(k for k in remaining if k not in cost))
-    text = f"about {left / 60:.1f} min left"
-    if untimed:
-        names = ", ".join(untimed)
-        text += f" ({names} not yet timed: counted at the slowest so far)" if names else ""
-    return text
 
 
 def _width_reference(job: Job, jobs: list[Job], plan: Plan) -> tuple[str, float] | str | None:
