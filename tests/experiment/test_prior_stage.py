@@ -96,6 +96,25 @@ def test_second_stage_starts_at_the_fitted_posterior(tmp_path: Path) -> None:
     assert not all(torch.allclose(cold_state.params[f"mean/{k}"], v) for k, v in swag_mean.items())
 
 
+def test_f_lowrank_vi_takes_the_fitted_prior_like_lowrank_vi(tmp_path: Path) -> None:
+    """F-low-rank VI (SAM on each sample) starts at the fitted posterior too, and its SAM step acts on it."""
+    method = {"name": "f-lowrank-vi", "rank": 3, "rho": 0.05}
+    cfg = config_from_dict(_config(tmp_path, method=method, optim__lr=1e-12))
+    train_run(cfg)
+    fitted = fit_prior(cfg)
+    state = load_state(Path(cfg.output_dir) / "checkpoint.safetensors")
+    for k, v in fitted.theta.items():
+        torch.testing.assert_close(state.params[k], v, rtol=1e-6, atol=1e-6)
+    plain = config_from_dict(_config(tmp_path / "plain", method={"name": "lowrank-vi", "rank": 3}))
+    flat = config_from_dict(_config(tmp_path / "flat", method=method))
+    thetas = []
+    for c in (plain, flat):
+        train_run(c)
+        thetas.append(load_state(Path(c.output_dir) / "checkpoint.safetensors").params)
+    assert set(thetas[0]) == set(thetas[1])
+    assert any(not torch.equal(thetas[0][k], thetas[1][k]) for k in thetas[0])  # the same run but for SAM
+
+
 def test_finished_first_stage_is_reused_and_force_retrains_it(tmp_path: Path) -> None:
     cfg = config_from_dict(_config(tmp_path))
     train_run(cfg)

@@ -50,7 +50,7 @@ def test_methods_that_take_a_prior_resolve_kl_weight(name: str) -> None:
 
 
 def test_the_methods_that_take_a_prior() -> None:
-    assert prior_methods() == ["lowrank-vi", "fp-bma", "sa-bma", "multi-fp-bma"]
+    assert prior_methods() == ["lowrank-vi", "f-lowrank-vi", "fp-bma", "sa-bma", "multi-fp-bma"]
 
 
 def test_options_accept_strings_and_members_and_resolve_to_plain_strings() -> None:

@@ -629,6 +629,7 @@ register(
         lowrank_vi.build,
         lowrank_vi.Options,
         SAM,
+        with_prior=fp_bma.build_with_prior,  # low-rank VI with that prior, SAM on each sample: lowrank-vi's F- twin
         gaussian=True,
     )
 )
