@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 from flatbma.checks import is_int
 from flatbma.errors import FlatbmaError
 from flatbma.regression import Gaussian
-from flatbma.state_io import FORMAT, SECTIONS, atomic_write_bytes, checksum_problem, encode_state, in_order
+from flatbma.state_io import FORMATS, SECTIONS, atomic_write_bytes, checksum_problem, encode_state, in_order
 from flatbma.types import Params, State
 
 __all__ = [
@@ -77,10 +77,11 @@ def read_file(path: str | Path) -> tuple[State, dict[str, Any]]:
         raise FlatbmaError(
             f"{path} is not a readable safetensors file (truncated?): save the predictor again"
         ) from None
-    if meta.get("format") != FORMAT:
+    if meta.get("format") not in FORMATS:
         raise FlatbmaError(f"{path} is not a flatbma state file: save the predictor with bma.save(path)")
     settings = read_settings(meta, path)
-    damage = checksum_problem(tensors, meta)
+    newer = any(key in settings for key in ("logits", "optim"))  # records only versions writing checksums wrote
+    damage = checksum_problem(tensors, meta, required=newer)
     if damage:
         raise FlatbmaError(f"{path} is damaged: {damage} (a changed bit on the disk, or an edit); save it again")
     sections: dict[str, Params] = {s: {} for s in SECTIONS}

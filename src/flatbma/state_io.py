@@ -34,8 +34,11 @@ from torch import Tensor
 from flatbma.errors import FlatbmaError
 from flatbma.types import State
 
-FORMAT = "flatbma-state-v1"
-"""Format tag of a state file."""
+FORMAT = "flatbma-state-v2"
+"""Format tag of the state files flatbma writes: ``v2`` files always record their checksums (:func:`checksum_problem`
+refuses one without them, so that removing the one key does not turn the check off)."""
+FORMATS = ("flatbma-state-v1", FORMAT)
+"""The format tags flatbma reads: ``v1`` files were written with or (before checksums existed) without them."""
 SECTIONS = ("params", "buffers", "aux")
 """The sections of a :class:`~flatbma.types.State` stored in a state file."""
 CHECKSUMS = "checksums"
@@ -203,15 +206,22 @@ def checksums(tensors: Mapping[str, Tensor], metadata: Mapping[str, str]) -> dic
     }
 
 
-def checksum_problem(tensors: Mapping[str, Tensor], metadata: Mapping[str, str]) -> str | None:
+def checksum_problem(
+    tensors: Mapping[str, Tensor], metadata: Mapping[str, str], *, required: bool = False
+) -> str | None:
     """What in a state file read back (CPU ``tensors``, ``metadata``) differs from its recorded checksums.
 
-    ``None`` when everything matches, or when the file records none (written before flatbma wrote them:
-    such files are accepted as they are). Otherwise a short text naming the first tensor (or the
-    metadata) that differs, cut to 160 characters.
+    ``None`` when everything matches, or when the file records none and is of a format written before
+    flatbma recorded them (a ``v1`` file without checksums, accepted as it is). A file of the current
+    format (:data:`FORMAT`) always records them, and so does one that holds a record only versions writing
+    checksums wrote (``required``, the caller's to say): without them it is refused, since a file cannot
+    lose the key but by an edit — the format tag is itself covered by the metadata's checksum. Otherwise a
+    short text naming the first tensor (or the metadata) that differs, cut to 160 characters.
     """
     text = metadata.get(CHECKSUMS)
     if text is None:
+        if metadata.get("format") == FORMAT or required:
+            return f"it records no checksums, which {shown_format(metadata)} files always do"
         return None
     try:
         recorded = json.loads(text)
@@ -231,10 +241,45 @@ def checksum_problem(tensors: Mapping[str, Tensor], metadata: Mapping[str, str])
     return None
 
 
+def shown_format(metadata: Mapping[str, str]) -> str:
+    """The format tag of a state file's metadata, for a message (cut to 30 characters)."""
+    return clip(str(metadata.get("format")), 30)
+
+
 def state_digest(metadata: Mapping[str, str]) -> str | None:
     """A short hash of a state file's recorded checksums: the identity of its content (``None``: none recorded)."""
     text = metadata.get(CHECKSUMS)
     return _digest(text.encode()) if text is not None else None
+
+
+SEAL = "checksum"
+"""Key of a sealed JSON record's checksum (:func:`sealed`)."""
+
+
+def sealed(record: Mapping[str, Any]) -> dict[str, Any]:
+    """``record`` with :data:`SEAL`: a short SHA-256 of the rest of it, so that an edit or a damaged byte is found.
+
+    The caches a result is read from (a run's ``metrics.json``, a comparison row's ``compare.json``, ...)
+    are written sealed and read back through :func:`seal_problem`. The checksum is of the record's JSON
+    with sorted keys: what ``json`` writes and reads back (floats round-trip exactly) hashes the same.
+    """
+    rest = {k: v for k, v in record.items() if k != SEAL}
+    return {**rest, SEAL: _digest(json.dumps(rest, sort_keys=True, separators=(",", ":")).encode())}
+
+
+def seal_problem(record: Any, *, required: bool) -> str | None:
+    """What is wrong with the seal of a JSON ``record`` read back (:func:`sealed`), or ``None``.
+
+    A record without one is accepted unless ``required`` (the caller knows it was written by a version that
+    seals: e.g. its run's checkpoint is of the current format).
+    """
+    if not isinstance(record, dict):
+        return None
+    if SEAL not in record:
+        return "it has no checksum (an edit?)" if required else None
+    if sealed(record)[SEAL] != record[SEAL]:
+        return "it does not match its checksum"
+    return None
 
 
 def in_order(tensors: Mapping[str, Tensor], order: list[str]) -> dict[str, Tensor]:

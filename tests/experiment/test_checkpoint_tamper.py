@@ -124,9 +124,11 @@ def test_a_swag_checkpoint_in_a_sam_run_is_refused_naming_both(runs, tmp_path, c
 
 
 def _before_the_records(meta: dict) -> None:
-    """A checkpoint as flatbma wrote it before it recorded who wrote it, its config, data and checksums."""
-    for key in ("written_by", "config", "data", "checksums"):
+    """A checkpoint as flatbma wrote it before it recorded who wrote it, its config, data, environment and
+    checksums (format v1: a v2 file without checksums is refused)."""
+    for key in ("written_by", "config", "data", "environment", "checksums"):
         meta.pop(key)
+    meta["format"] = "flatbma-state-v1"
 
 
 def test_a_checkpoint_from_before_the_record_is_accepted_and_still_checked(runs, tmp_path, capsys):

@@ -20,6 +20,7 @@ from flatbma.experiment.cli import main
 from flatbma.experiment.config.run_config import config_from_dict
 from flatbma.experiment.run.evaluate import CLEAN_KEYS
 from flatbma.experiment.study import cache, compare, plan, selection
+from flatbma.state_io import sealed
 
 CONFIG = {
     "data": {"name": "digits", "batch_size": 64, "test_limit": 100},
@@ -157,11 +158,12 @@ def test_deleting_the_damaged_file_or_force_starts_over(tmp_path: Path, out: Pat
 
 
 def test_a_stale_row_of_another_comparison_is_measured_again(tmp_path: Path, out: Path, capsys) -> None:
-    """A readable row of another config (another fingerprint) is not damage: it is redone without a word."""
+    """A readable row of another config (another fingerprint, sealed as flatbma writes it) is not damage: it is
+    redone without a word."""
     row = _good_row(out)
     row["fingerprint"] = "0" * 16
     row["result"]["accuracy"] = -1.0
-    (out / ROW / "compare.json").write_text(json.dumps(row))
+    (out / ROW / "compare.json").write_text(json.dumps(sealed(row)))
     assert _rerun(tmp_path, out, capsys)[0] == 0
     assert _good_row(out)["result"]["accuracy"] >= 0
 

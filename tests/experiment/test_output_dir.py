@@ -58,7 +58,6 @@ def no_writes(monkeypatch: pytest.MonkeyPatch) -> None:
         raise AssertionError("a run directory was written")
 
     monkeypatch.setattr(stage, "write_config", refuse)
-    monkeypatch.setattr("flatbma.experiment.run.pipeline.write_config", refuse)
     monkeypatch.setattr("flatbma.experiment.study.compare.atomic_write_bytes", refuse)
 
 

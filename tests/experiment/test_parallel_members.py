@@ -211,10 +211,11 @@ def _worker(root: Path) -> None:
 
         for module, name in [
             (compare, "atomic_write_json"),
+            (compare, "write_sealed_json"),
             (compare, "atomic_write_bytes"),
             (cache, "atomic_write_bytes"),
-            (selection, "atomic_write_json"),
-            (stage, "atomic_write_json"),
+            (selection, "write_sealed_json"),
+            (stage, "write_sealed_json"),
             (stage, "atomic_write_bytes"),
             (stage, "save_position"),
         ]:

@@ -30,6 +30,7 @@ from flatbma.experiment.run.evaluate import CLEAN_KEYS
 from flatbma.experiment.run.lock import LOCK_FILE
 from flatbma.experiment.run.stage import finished_run
 from flatbma.experiment.study.plan import load_plan
+from flatbma.state_io import sealed
 from tests.helpers import held_by_another_process, interrupt_after_first_epoch
 
 CKPT = "checkpoint.safetensors"
@@ -220,7 +221,7 @@ def test_compare_retrains_a_partially_trained_row(tmp_path, capsys, monkeypatch)
     assert load_checkpoint(out / ROW / CKPT)[0].step == STEPS_PER_EPOCH
     metrics = json.loads((tmp_path / "ref" / ROW / "metrics.json").read_text())
     metrics.pop("checkpoint", None)  # what main's evaluate wrote: the partial state's numbers, no record
-    (out / ROW / "metrics.json").write_text(json.dumps(metrics))
+    (out / ROW / "metrics.json").write_text(json.dumps(sealed(metrics)))  # (sealed, as a current version writes)
     cfg = load_plan(partial).jobs()[0].candidates[0].config
     assert not finished_run(out / ROW, cfg)
 
@@ -331,12 +332,16 @@ def _idx_data(root: Path, flip_test_labels: bool = False) -> Path:
 
 
 def _strip_records(row: Path) -> None:
-    """The row as flatbma wrote it before it recorded checkpoints and data (checksums, config, data, records)."""
+    """The row as flatbma wrote it before it recorded checkpoints and data (checksums, config, data, environment,
+    records, seals; format v1)."""
     tensors = load_file(str(row / CKPT))
     with safe_open(str(row / CKPT), framework="pt") as f:
-        meta = {k: v for k, v in f.metadata().items() if k not in ("checksums", "config", "data")}
-    save_file(tensors, str(row / CKPT), metadata=meta)
-    for name, keys in (("metrics.json", ["checkpoint"]), ("compare.json", ["checkpoint", "data"])):
+        meta = {k: v for k, v in f.metadata().items() if k not in ("checksums", "config", "data", "environment")}
+    save_file(tensors, str(row / CKPT), metadata={**meta, "format": "flatbma-state-v1"})
+    for name, keys in (
+        ("metrics.json", ["checkpoint", "checksum"]),
+        ("compare.json", ["checkpoint", "data", "checksum"]),
+    ):
         content = json.loads((row / name).read_text())
         (row / name).write_text(json.dumps({k: v for k, v in content.items() if k not in keys}))
 

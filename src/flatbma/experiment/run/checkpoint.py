@@ -51,6 +51,7 @@ from flatbma.experiment.run.provenance import WRITTEN_BY, Provenance, Template, 
 from flatbma.experiment.runner import EpochLog, History, Position
 from flatbma.state_io import (
     FORMAT,
+    FORMATS,
     SECTIONS,
     TEMP_NAME,
     atomic_write_bytes,
@@ -60,6 +61,7 @@ from flatbma.state_io import (
     encode_state,
     in_order,
     renamed,
+    sealed,
     state_digest,
     structure_problem,
 )
@@ -73,6 +75,31 @@ from flatbma.types import State
 def atomic_write_json(path: Path, obj: Any, *, note: str = "") -> None:
     """Write ``obj`` as indented JSON atomically (:func:`atomic_write_bytes`)."""
     atomic_write_bytes(Path(path), (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode(), note=note)
+
+
+def write_sealed_json(path: Path, obj: dict[str, Any], *, note: str = "") -> None:
+    """Write the record ``obj`` sealed with its checksum (:func:`flatbma.state_io.sealed`), atomically.
+
+    The caches a result is read from — a run's ``metrics.json``, a comparison row's ``compare.json`` and
+    ``row_error.json``, a candidate's ``candidate.json`` — are written so; :func:`seal_required` says when one
+    read back must carry its seal.
+    """
+    atomic_write_json(path, sealed(obj), note=note)
+
+
+def seal_required(directory: Path) -> bool:
+    """Whether the sealed records in ``directory`` must carry their seal: its checkpoint is of the current format.
+
+    A version that writes checkpoints of :data:`flatbma.state_io.FORMAT` seals every record it writes beside
+    them, and the checkpoint's format tag is covered by its own checksums: a record without its seal there
+    lost it by an edit. Beside an older checkpoint (or none) an unsealed record is one of an older version.
+    """
+    meta = checkpoint_metadata(Path(directory) / CHECKPOINT_NAME)
+    return meta is not None and meta.get("format") == FORMAT
+
+
+CHECKPOINT_NAME = "checkpoint.safetensors"
+"""A run directory's checkpoint (:data:`flatbma.experiment.run.stage.CHECKPOINT_FILE`)."""
 
 
 def remove_stale_temps(directory: str | Path) -> list[Path]:
@@ -157,6 +184,15 @@ def load_checkpoint(path: str | Path, device: str = "cpu") -> tuple[State, dict[
     return state, meta, extra
 
 
+def verify_checkpoint(path: str | Path) -> None:
+    """Raise :class:`FlatbmaError` unless the checkpoint at ``path`` reads and matches its checksums.
+
+    For a cache of numbers computed from it (a comparison's row) that is reused without loading the state.
+    """
+    tensors, meta = _read(Path(path))
+    check_intact(tensors, meta, path)
+
+
 def _read(path: Path) -> tuple[dict[str, Tensor], dict[str, str]]:
     """The CPU tensors and metadata of the flatbma state file at ``path`` (not yet checked against its checksums)."""
     if path.is_dir():
@@ -173,7 +209,7 @@ def _read(path: Path) -> tuple[dict[str, Tensor], dict[str, str]]:
             f"checkpoint {path} is not a readable safetensors file ({clip(str(e))}); it may be truncated or "
             "corrupted: delete it and resume from an earlier checkpoint or retrain"
         ) from None
-    if meta.get("format") != FORMAT:
+    if meta.get("format") not in FORMATS:
         raise FlatbmaError(f"{path} is not a flatbma checkpoint (format tag {shown(meta.get('format'))})")
     return tensors, meta
 
@@ -204,14 +240,15 @@ def _sections(
 def check_intact(tensors: Mapping[str, Tensor], meta: Mapping[str, str], path: str | Path) -> None:
     """Raise :class:`FlatbmaError` unless a state file's CPU ``tensors`` and ``meta`` match its recorded checksums.
 
-    A file without checksums (written before flatbma recorded them) is accepted
-    (:func:`flatbma.state_io.checksum_problem`).
+    A file without checksums is accepted only when written before flatbma recorded them
+    (:func:`flatbma.state_io.checksum_problem`): a ``v1`` file that holds none of the records of :data:`RECORDS`,
+    which flatbma wrote only after it wrote checksums.
     """
-    problem = checksum_problem(tensors, meta)
+    problem = checksum_problem(tensors, meta, required=bool(RECORDS & set(meta)))
     if problem:
         raise FlatbmaError(
-            f"checkpoint {path} is damaged: {problem} (a changed bit on the disk, or an edit); restore the run's "
-            "own checkpoint from a copy, or train again"
+            f"checkpoint {path} is damaged: {problem} (an edit, or a changed bit on the disk); restore it from a "
+            "copy, or train again"
         )
 
 
@@ -279,16 +316,23 @@ class RunRecord:
             (:func:`flatbma.experiment.config.run_config.run_identity`).
         data: the fingerprint of the data set it trained on (:func:`flatbma.experiment.run.build.data_fingerprint`);
             ``None`` where it is not checked (evaluating a finished run reads the data as it is now).
+        environment: the library versions of the process that wrote it (``metrics.json`` rebuilt from the
+            checkpoint restores them); recorded, never checked.
     """
 
     config: Mapping[str, Any]
     data: str | None
+    environment: Mapping[str, Any] | None = None
 
 
+ENVIRONMENT_KEY = "environment"
+"""Metadata key of the library versions a checkpoint was written with (:class:`RunRecord`, JSON)."""
 CONFIG_KEY = "config"
 """Metadata key of the resolved config a checkpoint was written with (:class:`RunRecord`, JSON)."""
 DATA_KEY = "data"
 """Metadata key of the fingerprint of the data a checkpoint's run trained on (:class:`RunRecord`)."""
+RECORDS = frozenset({CONFIG_KEY, DATA_KEY, ENVIRONMENT_KEY})
+"""Metadata keys that flatbma wrote only after it recorded checksums: a checkpoint holding one has checksums."""
 
 
 def save_position(
@@ -320,7 +364,10 @@ def save_position(
         meta[WRITTEN_BY] = written_by.to_json()
     if run is not None:
         meta[CONFIG_KEY] = json.dumps(run.config, sort_keys=True, default=str)
-        meta[DATA_KEY] = run.data
+        if run.data is not None:
+            meta[DATA_KEY] = run.data
+        if run.environment is not None:
+            meta[ENVIRONMENT_KEY] = json.dumps(dict(run.environment), sort_keys=True, default=str)
     save_state(state, path, meta, extra)
 
 

@@ -10,7 +10,7 @@ processes share a run (:mod:`~flatbma.experiment.parallel.processes`). This modu
 from __future__ import annotations
 
 import dataclasses
-import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -29,13 +29,13 @@ from flatbma.experiment.run.build import Experiment, build_experiment
 from flatbma.experiment.run.checkpoint import (
     RunRecord,
     at_end,
-    atomic_write_json,
     checkpoint_metadata,
     checkpoint_record,
     config_changes,
     load_position,
     position_text,
     remove_stale_temps,
+    write_sealed_json,
 )
 from flatbma.experiment.run.early_stopping import Monitor
 from flatbma.experiment.run.evaluate import evaluate_state
@@ -54,12 +54,16 @@ from flatbma.experiment.run.stage import (
     check_run_dir,
     finished_run,
     read_metrics,
+    read_metrics_checked,
     same_config,
     start_run,
     train_stage,
     training_ended,
+    training_record,
+    unfinished,
 )
 from flatbma.experiment.run.validate import check_evaluation, validate_run
+from flatbma.state_io import check_replaceable, clip
 from flatbma.types import State
 
 
@@ -121,13 +125,16 @@ def _existing(cfg: RunConfig) -> Trained | None:
 
     Raises:
         FlatbmaError: the directory holds this config's run, interrupted (a checkpoint of it, or an
-            unfinished one of its first stage: continue it with ``--resume``), or finished on other data
-            (the data set changed since).
+            unfinished one of its first stage: continue it with ``--resume``), finished on other data (the
+            data set changed since), or not as it was written: a ``config.yaml`` edited since its checkpoint,
+            a missing or unreadable checkpoint beside its metrics, a damaged or stale ``metrics.json``
+            (:func:`~flatbma.experiment.run.stage.unfinished`).
     """
     run_dir = Path(cfg.output_dir)
     if not processes.main_decides(same_config(run_dir, cfg)):
         return None
-    if processes.main_decides(finished_run(run_dir, cfg)):
+    found = unfinished(run_dir, cfg)
+    if processes.main_decides(found is None):
         exp = build_experiment(cfg)
         if not processes.main_decides(finished_run(run_dir, cfg, data=exp.data_fingerprint)):
             raise FlatbmaError(
@@ -135,6 +142,9 @@ def _existing(cfg: RunConfig) -> Trained | None:
                 "pass --force to train it again on the data as it is now, or choose another output_dir"
             )
         return Trained(experiment=exp, state=trained_state(exp), metrics=read_metrics(run_dir) or {}, reused=True)
+    refusal = _not_as_written(run_dir, *found) if found is not None else None
+    if processes.main_decides(refusal is not None):
+        raise FlatbmaError(refusal or f"{run_dir} is not as its run wrote it (rank 0 says why)")
     stage = prior_stage(cfg)
     started = [(run_dir, cfg.epochs, "its checkpoint")]
     if stage is not None:
@@ -148,6 +158,35 @@ def _existing(cfg: RunConfig) -> Trained | None:
                 f"{run_dir} holds an interrupted run of this config ({what} stands at {at}): continue it with "
                 f"'flatbma train --resume {run_dir}', or pass --force to train it again from the start"
             )
+    return None
+
+
+def _not_as_written(run_dir: Path, what: str, detail: str) -> str | None:
+    """Why ``run_dir``, which holds this config's run, is not as that run wrote it (``None``: it is, or holds none).
+
+    ``what`` and ``detail`` are :func:`~flatbma.experiment.run.stage.unfinished`'s. Never trained over without
+    ``--force``: a hand-edited ``config.yaml`` is not the run its checkpoint is (its numbers would be reported as
+    the edited config's), and a finished run whose checkpoint is gone or unreadable is to be restored, not lost.
+    """
+    force = "or pass --force to train this config anew"
+    kept = os.path.lexists(run_dir / METRICS_FILE)  # it finished once: start_run removes metrics.json first
+    if what == "checkpoint" and (detail == "unreadable" or kept):
+        held = "finished run" if kept else "run"
+        return (
+            f"{run_dir} holds this config's {held}, but its checkpoint is {detail} (truncated, deleted or damaged): "
+            f"restore it from a copy, {force}"
+        )
+    if what == "edited":
+        return (
+            f"{run_dir}'s config.yaml is not the config its checkpoint was trained with ({clip(detail, 60)}; "
+            f"checkpoint vs config.yaml): restore config.yaml, {force}"
+        )
+    if what == "metrics":
+        state = "missing" if detail == "missing" else f"damaged ({detail})"
+        return (
+            f"{run_dir} holds this config's finished run, but its metrics.json is {state}: rebuild it with "
+            f"'flatbma evaluate {run_dir}', or pass --force"
+        )
     return None
 
 
@@ -253,16 +292,19 @@ def evaluate_run(run_dir: str | Path, *, flatness: bool = False, ood: str | None
         if processes.is_main():
             remove_stale_temps(run_dir)  # left by a killed write (the lock is held: no other process writes here)
         metrics_path = run_dir / METRICS_FILE
-        try:
-            metrics = json.loads(metrics_path.read_text()) if metrics_path.is_file() else {}
-        except ValueError:
-            metrics = None
-        if not isinstance(metrics, dict):
-            raise FlatbmaError(f"{metrics_path} is damaged (not a JSON object): delete it and evaluate again")
+        check_replaceable(metrics_path)  # before the evaluation, not after
+        kept, problem = read_metrics_checked(run_dir)
+        if kept is None and problem != "missing":
+            raise FlatbmaError(
+                f"{metrics_path} is damaged ({problem}): delete it and evaluate again (its training record is "
+                "rebuilt from the checkpoint and log.csv)"
+            )
+        # what metrics.json lacks of the run's training (all of it when it was lost) from the checkpoint and log.csv
+        metrics = {**training_record(exp, state, checkpoint_metadata(run_dir / CHECKPOINT_FILE) or {}), **(kept or {})}
         metrics.update(evaluate_state(exp, state, flatness=flatness))
         metrics["health"] = assess(metrics.get("history"), metrics["health"])
         metrics["checkpoint"] = checkpoint_record(meta)  # the checkpoint these metrics are of
         if processes.is_main():
-            atomic_write_json(metrics_path, metrics)
+            write_sealed_json(metrics_path, metrics)
             warn_if_flagged(metrics["health"], f"the run in {run_dir}")  # once its metrics are kept
     return metrics

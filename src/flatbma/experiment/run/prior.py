@@ -28,11 +28,8 @@ from flatbma.experiment.run.build import Experiment, build_experiment
 from flatbma.experiment.run.checkpoint import load_run_state
 from flatbma.experiment.run.lock import hold
 from flatbma.experiment.run.provenance import template
-from flatbma.experiment.run.stage import CHECKPOINT_FILE, FittedPrior, finished_run, train_stage
+from flatbma.experiment.run.stage import CHECKPOINT_FILE, PRIOR_DIR, FittedPrior, finished_run, train_stage
 from flatbma.posteriors import gaussians
-
-PRIOR_DIR = "prior"
-"""Subdirectory of a two-stage run that holds its first stage (a run directory of its own)."""
 
 __all__ = [
     "PRIOR_DIR",

@@ -13,6 +13,7 @@ started from the :class:`FittedPrior`. How processes share a stage is its experi
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -24,41 +25,50 @@ import yaml
 
 from flatbma import progress
 from flatbma.errors import DivergenceError, FlatbmaError
-from flatbma.experiment.config.parse import yaml_float
+from flatbma.experiment.config.parse import shown, yaml_float
 from flatbma.experiment.config.run_config import RunConfig, as_stored, run_identity
 from flatbma.experiment.parallel import processes
 from flatbma.experiment.run.build import Experiment, build_experiment
 from flatbma.experiment.run.checkpoint import (
+    CHECKPOINT_NAME,
+    CONFIG_KEY,
     DATA_KEY,
+    ENVIRONMENT_KEY,
     RunRecord,
     at_end,
     atomic_write_bytes,
-    atomic_write_json,
     checkpoint_metadata,
     checkpoint_record,
+    config_changes,
     config_record,
     history_of,
     json_config,
     load_position,
+    position_text,
     remove_stale_temps,
     save_position,
+    seal_required,
     write_error,
+    write_sealed_json,
 )
 from flatbma.experiment.run.early_stopping import Monitor, stopped
 from flatbma.experiment.run.evaluate import evaluate_state
 from flatbma.experiment.run.health import assess, warn_if_flagged
 from flatbma.experiment.run.lock import hold
-from flatbma.experiment.run.logs import EpochLogger, check_available
+from flatbma.experiment.run.logs import CSV_FILE, EpochLogger, check_available, read_csv
 from flatbma.experiment.run.provenance import environment, provenance, template
 from flatbma.experiment.run.resume import RESUMES_FILE, Resume, append_resume
 from flatbma.experiment.runner import History, Position, fit
 from flatbma.params import model_buffers, trainable_params
 from flatbma.posteriors import gaussians
+from flatbma.state_io import seal_problem
 from flatbma.types import Params, State
 
 CONFIG_FILE = "config.yaml"
-CHECKPOINT_FILE = "checkpoint.safetensors"
+CHECKPOINT_FILE = CHECKPOINT_NAME
 METRICS_FILE = "metrics.json"
+PRIOR_DIR = "prior"
+"""Subdirectory of a two-stage run that holds its first stage (a run directory of its own)."""
 
 
 def same_config(run_dir: Path, cfg: RunConfig) -> bool:
@@ -73,26 +83,54 @@ def same_config(run_dir: Path, cfg: RunConfig) -> bool:
 def finished_run(run_dir: Path, cfg: RunConfig, data: str | None = None) -> bool:
     """Whether ``run_dir`` holds a finished run of ``cfg`` (trained on the data set of fingerprint ``data``).
 
-    Finished means all of: ``config.yaml`` holds ``cfg``'s config (:func:`same_config`); the checkpoint
-    stands at the end of ``cfg``'s training (:func:`~flatbma.experiment.run.checkpoint.at_end`: epoch
-    ``cfg.epochs``, so a run stopped after epoch 4 of 15 is not finished, whatever else its directory
-    holds); ``metrics.json`` was written from that checkpoint (its ``checkpoint`` record names it, see
-    :func:`checkpoint_record`; metrics of versions before the record have none and are taken as the
-    checkpoint's); and, with ``data``, the checkpoint recorded training on that data (checkpoints of
-    versions before the record are taken as trained on it). Only metadata is read: loading the checkpoint
+    Finished means :func:`unfinished` finds nothing wrong. Only metadata is read: loading the checkpoint
     checks it in depth.
     """
+    return unfinished(run_dir, cfg, data) is None
+
+
+UNFINISHED = ("config", "checkpoint", "position", "edited", "data", "metrics")
+"""What :func:`unfinished` may find, in the order it looks."""
+
+
+def unfinished(run_dir: Path, cfg: RunConfig, data: str | None = None) -> tuple[str, str] | None:
+    """``None`` when ``run_dir`` holds a finished run of ``cfg``, else ``(what, detail)`` of the first thing missing.
+
+    Finished means all of its files agree with ``cfg`` and with each other:
+
+    * ``"config"``: ``config.yaml`` holds ``cfg``'s config (:func:`same_config`);
+    * ``"checkpoint"``: the checkpoint is readable (its metadata; detail: ``"missing"`` or ``"unreadable"``);
+    * ``"position"``: it stands at the end of ``cfg``'s training (:func:`training_ended`: epoch ``cfg.epochs``, so
+      a run stopped after epoch 4 of 15 is not finished, whatever else its directory holds);
+    * ``"edited"``: it records ``cfg``'s whole config (its :class:`~flatbma.experiment.run.checkpoint.RunRecord`;
+      a resume writes it again with the config the run goes on with), so a ``config.yaml`` edited by hand is
+      not this run (detail: the keys that differ, checkpoint vs ``config.yaml``); checkpoints of versions
+      before the record have none;
+    * ``"data"``: with ``data``, it recorded training on that data (versions before the record: taken as so);
+    * ``"metrics"``: ``metrics.json`` was written from that checkpoint (its ``checkpoint`` record names it, see
+      :func:`checkpoint_record`; metrics of versions before the record have none and are taken as the
+      checkpoint's) and carries its seal (:func:`read_metrics`; detail: what is wrong with it).
+    """
     if not same_config(run_dir, cfg):
-        return False
-    meta = checkpoint_metadata(run_dir / CHECKPOINT_FILE)
+        return "config", ""
+    path = run_dir / CHECKPOINT_FILE
+    meta = checkpoint_metadata(path)
+    if meta is None:
+        return "checkpoint", "unreadable" if os.path.lexists(path) else "missing"
     if not training_ended(meta, cfg):
-        return False
+        return "position", position_text(meta, cfg.epochs)
+    recorded = config_record(meta)
+    if CONFIG_KEY in meta and recorded != json_config(run_identity(cfg.to_dict())):
+        changes = config_changes(recorded or {}, json_config(run_identity(cfg.to_dict())))
+        return "edited", ", ".join(f"{k}={shown(a, 20)} vs {shown(b, 20)}" for k, (a, b) in changes.items())
     if data is not None and meta.get(DATA_KEY, data) != data:
-        return False
-    metrics = read_metrics(run_dir)
+        return "data", f"{shown(meta.get(DATA_KEY), 20)} vs {data}"
+    metrics, problem = read_metrics_checked(run_dir)
     if metrics is None:
-        return False
-    return metrics.get("checkpoint", checkpoint_record(meta)) == checkpoint_record(meta)
+        return "metrics", problem
+    if metrics.get("checkpoint", checkpoint_record(meta)) != checkpoint_record(meta):
+        return "metrics", "computed from another checkpoint"
+    return None
 
 
 def training_ended(meta: Mapping[str, str] | None, cfg: RunConfig) -> bool:
@@ -112,12 +150,27 @@ def training_ended(meta: Mapping[str, str] | None, cfg: RunConfig) -> bool:
 
 
 def read_metrics(run_dir: Path) -> dict[str, Any] | None:
-    """``run_dir``'s ``metrics.json`` (``None`` when missing, unreadable or not a JSON object)."""
+    """``run_dir``'s ``metrics.json`` (``None`` when missing, unreadable, not a JSON object or its seal is broken)."""
+    return read_metrics_checked(run_dir)[0]
+
+
+def read_metrics_checked(run_dir: Path) -> tuple[dict[str, Any] | None, str]:
+    """``(metrics, "")`` of ``run_dir``'s ``metrics.json``, or ``(None, what is wrong with it)``.
+
+    It must be a JSON object whose seal matches (:func:`flatbma.state_io.seal_problem`), required beside a
+    checkpoint of the current format (:func:`~flatbma.experiment.run.checkpoint.seal_required`).
+    """
+    path = run_dir / METRICS_FILE
+    if not os.path.lexists(path):
+        return None, "missing"
     try:
-        metrics = json.loads((run_dir / METRICS_FILE).read_text())
+        metrics = json.loads(path.read_text())
     except (OSError, ValueError):  # ValueError: not JSON, not UTF-8
-        return None
-    return metrics if isinstance(metrics, dict) else None
+        return None, "not JSON"
+    if not isinstance(metrics, dict):
+        return None, "not a JSON object"
+    problem = seal_problem(metrics, required=seal_required(run_dir))
+    return (None, problem) if problem else (metrics, "")
 
 
 def start_run(run_dir: Path, resolved: dict[str, Any]) -> None:
@@ -283,7 +336,7 @@ def _train_stage(
     if processes.is_main():
         remove_stale_temps(run_dir)  # left by a killed write (the lock is held: no other process writes here)
     written_by = provenance(exp)  # recorded in every checkpoint, checked when it is loaded
-    record = RunRecord(config=run_identity(resolved), data=exp.data_fingerprint)
+    record = RunRecord(config=run_identity(resolved), data=exp.data_fingerprint, environment=environment(exp.device))
     position: Position | None = None
     history = History()
     if resume:
@@ -397,7 +450,7 @@ def _train_stage(
     metrics.update(exp.strategy.record())
     if processes.is_main():
         metrics["checkpoint"] = checkpoint_record(checkpoint_metadata(ckpt))  # what the metrics are of
-        atomic_write_json(run_dir / METRICS_FILE, metrics, note=f"the checkpoint at step {state.step} is intact")
+        write_sealed_json(run_dir / METRICS_FILE, metrics, note=f"the checkpoint at step {state.step} is intact")
         if evaluate:
             warn_if_flagged(metrics["health"], f"the run in {run_dir}")  # once its metrics are kept
     return Trained(experiment=exp, state=state, metrics=metrics)
@@ -414,6 +467,43 @@ def step_stats(history: History) -> dict[str, dict[str, float]]:
     for name in names:
         values = [h.stats[name] for h in history.epochs if name in h.stats]
         out[name] = {"median": float(np.median(values)), "first": values[0], "last": values[-1], "epochs": len(values)}
+    return out
+
+
+def training_record(exp: Experiment, state: State, meta: Mapping[str, str]) -> dict[str, Any]:
+    """What a finished run's ``metrics.json`` records of its training, as its checkpoint and ``log.csv`` hold it.
+
+    For ``flatbma evaluate`` to rebuild a lost ``metrics.json`` whole (it is the cache of a finished run; a
+    damaged one is deleted and evaluated again): the method, seed and steps, the loss ``history`` (the health
+    entry's ``loss_rise`` is assessed from it again), the ``environment`` the checkpoint was written in, the
+    training time (the sum of ``log.csv``'s epoch times, when every epoch has one), the step statistics, the
+    early-stopping record and a two-stage run's ``prior_run`` (its own first stage's). Not restored:
+    ``kl_from_start`` (it needs the run's starting posterior) and ``world_size`` (how many processes trained it).
+    """
+    cfg, run_dir = exp.config, Path(exp.config.output_dir)
+    history = history_of(meta) or History()
+    out: dict[str, Any] = {
+        "method": cfg.method.name,
+        "seed": cfg.seed,
+        "steps": state.step,
+        "history": [h.record() for h in history.epochs],
+    }
+    try:
+        out["environment"] = json.loads(meta[ENVIRONMENT_KEY])
+    except (KeyError, ValueError):  # written before the record
+        pass
+    try:
+        times = [row["time_s"] for row in read_csv(run_dir / CSV_FILE)]
+    except (OSError, ValueError, KeyError):
+        times = []
+    if times and len(times) == len(history.epochs) and all(t is not None for t in times):
+        out["train_time_s"] = float(sum(times))
+    if cfg.prior is not None and (run_dir / PRIOR_DIR).is_dir():  # its own first stage (compare may share one)
+        out["prior_run"] = str(run_dir / PRIOR_DIR)
+    if cfg.train.early_stopping is not None:
+        out["early_stopping"] = Monitor(exp, cfg.train.early_stopping, run_dir).record(history)
+    if any(h.stats for h in history.epochs):
+        out["step_stats"] = step_stats(history)
     return out
 
 

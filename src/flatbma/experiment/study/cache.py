@@ -21,10 +21,11 @@ import yaml
 from flatbma.errors import FlatbmaError
 from flatbma.experiment.config.parse import load_yaml
 from flatbma.experiment.config.run_config import RunConfig
-from flatbma.experiment.run.checkpoint import atomic_write_bytes, checkpoint_metadata, checkpoint_record
+from flatbma.experiment.run.checkpoint import atomic_write_bytes, checkpoint_metadata, checkpoint_record, seal_required
 from flatbma.experiment.run.evaluate import metric_keys
 from flatbma.experiment.run.lock import LOCK_FILE
 from flatbma.experiment.run.stage import CHECKPOINT_FILE, CONFIG_FILE, METRICS_FILE, finished_run
+from flatbma.state_io import seal_problem
 
 COMPARE_CONFIG = "compare_config.yaml"
 """The comparison's record of its config and study in its output directory (written first, by rank 0)."""
@@ -36,7 +37,7 @@ CANDIDATE_FILE = "candidate.json"
 
 def cached_result(row_dir: Path, row_key: str) -> dict[str, Any]:
     """The row another process wrote into ``row_dir`` (its ``compare.json``)."""
-    cached = read_cache(row_dir / RUN_CACHE, is_row_cache)
+    cached = read_cache(row_dir / RUN_CACHE, is_row_cache, sealed_in=row_dir)
     if not isinstance(cached, dict) or cached.get("fingerprint") != row_key or "result" not in cached:
         raise FlatbmaError(
             f"{row_dir / RUN_CACHE} holds no result of this comparison although another process finished that "
@@ -45,12 +46,15 @@ def cached_result(row_dir: Path, row_key: str) -> dict[str, Any]:
     return cached["result"]
 
 
-def read_cache(path: Path, check: Callable[[Any], bool]) -> Any:
+def read_cache(path: Path, check: Callable[[Any], bool], *, sealed_in: Path | None = None) -> Any:
     """What ``path`` (a file of an earlier compare) holds, or ``None`` if it does not exist.
 
     ``check`` says whether the content has the shape flatbma writes there. A file that cannot be read,
     is not JSON or YAML, or fails ``check`` is refused by name: a traceback later, or redoing its part
-    without a word, would hide that the directory was damaged.
+    without a word, would hide that the directory was damaged. With ``sealed_in`` (the run directory whose
+    checkpoint the record belongs to) its seal must match (:func:`flatbma.state_io.seal_problem`; required beside
+    a checkpoint of the current format, :func:`~flatbma.experiment.run.checkpoint.seal_required`): an edited
+    number is refused like a damaged file, never reported.
     """
     if not path.exists():
         return None
@@ -61,6 +65,9 @@ def read_cache(path: Path, check: Callable[[Any], bool]) -> Any:
         raise _damaged(path, str(e).splitlines()[0] if str(e).strip() else type(e).__name__) from None
     if not check(content):
         raise _damaged(path, "not what flatbma writes there")
+    problem = seal_problem(content, required=seal_required(sealed_in)) if sealed_in is not None else None
+    if problem:
+        raise _damaged(path, problem)
     return content
 
 
@@ -104,7 +111,7 @@ def _is_number(value: Any) -> bool:
 
 def read_train_metrics(run_dir: Path) -> dict[str, Any]:
     """The ``metrics.json`` of a finished run that compare reuses."""
-    return read_cache(run_dir / METRICS_FILE, lambda content: isinstance(content, dict)) or {}
+    return read_cache(run_dir / METRICS_FILE, lambda content: isinstance(content, dict), sealed_in=run_dir) or {}
 
 
 def finished(run_dir: Path, cfg: RunConfig, data: str | None = None) -> bool:

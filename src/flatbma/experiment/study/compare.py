@@ -80,14 +80,20 @@ from flatbma.experiment.config.run_config import RunConfig
 from flatbma.experiment.parallel import processes
 from flatbma.experiment.report import documents, findings
 from flatbma.experiment.run.build import Experiment, data_fingerprint, load_data
-from flatbma.experiment.run.checkpoint import atomic_write_bytes, atomic_write_json, remove_stale_temps
+from flatbma.experiment.run.checkpoint import (
+    atomic_write_bytes,
+    atomic_write_json,
+    remove_stale_temps,
+    verify_checkpoint,
+    write_sealed_json,
+)
 from flatbma.experiment.run.evaluate import measure, metric_keys
 from flatbma.experiment.run.health import assess, warn_if_flagged
 from flatbma.experiment.run.lock import hold
 from flatbma.experiment.run.outdir import check_compare_output
 from flatbma.experiment.run.pipeline import load_run, train
 from flatbma.experiment.run.provenance import environment
-from flatbma.experiment.run.stage import METRICS_FILE
+from flatbma.experiment.run.stage import CHECKPOINT_FILE, METRICS_FILE
 from flatbma.experiment.run.validate import validate_runs
 from flatbma.experiment.study import selection
 from flatbma.experiment.study.cache import (
@@ -344,8 +350,9 @@ def _run_one(
         if not force:
             adopt(cfg, trained_elsewhere, data)
         if not force and finished(run_dir, cfg, data):
-            cached = read_cache(cache, is_row_cache)
+            cached = read_cache(cache, is_row_cache, sealed_in=run_dir)
             if fresh(cached, row_key, width_to, source(run_dir, data)):
+                verify_checkpoint(run_dir / CHECKPOINT_FILE)  # the row's numbers are of an intact checkpoint
                 (run_dir / ROW_ERROR).unlink(missing_ok=True)  # an earlier failure of this row is out of date
                 return {**cached["result"], "run_dir": str(run_dir)}  # where the row is now (a comparison may move)
             train_metrics = read_train_metrics(run_dir)
@@ -365,7 +372,7 @@ def _run_one(
             train_metrics, exp, state = trained.metrics, trained.experiment, trained.state
         result = _measured(job.label, cfg, exp, state, train_metrics, compare, width_to)
         result["selection"] = None
-        atomic_write_json(cache, {"fingerprint": row_key, **source(run_dir, data), "result": result})
+        write_sealed_json(cache, {"fingerprint": row_key, **source(run_dir, data), "result": result})
         (run_dir / ROW_ERROR).unlink(missing_ok=True)  # an earlier failure of this row is out of date
     return result
 
@@ -395,7 +402,7 @@ def _record_failure(
 ) -> None:
     """Write the failed ``row`` into ``row_dir``'s :data:`ROW_ERROR` (atomically), its cache stale."""
     record = {"fingerprint": row_key, "cause": cause, **_failure_source(row_dir, cfg, data), "result": row}
-    atomic_write_json(row_dir / ROW_ERROR, record)
+    write_sealed_json(row_dir / ROW_ERROR, record)
 
 
 def _is_failure_record(content: Any) -> bool:
@@ -411,7 +418,7 @@ def _is_failure_record(content: Any) -> bool:
 
 def _reused_failure(run_dir: Path, row_key: str, cfg: RunConfig, data: str) -> dict[str, Any] | None:
     """The failed row recorded in ``run_dir`` by a training that diverged on this config and data, or ``None``."""
-    record = read_cache(run_dir / ROW_ERROR, _is_failure_record)
+    record = read_cache(run_dir / ROW_ERROR, _is_failure_record, sealed_in=run_dir)
     if record is None or record["fingerprint"] != row_key or record.get("cause") != "training":
         return None
     now = _failure_source(run_dir, cfg, data)
@@ -422,7 +429,7 @@ def _reused_failure(run_dir: Path, row_key: str, cfg: RunConfig, data: str) -> d
 
 def _stored_row(job: Job, row_key: str) -> dict[str, Any]:
     """The row another process (or an earlier turn) left in ``job.row_dir``: a failed row's record, else the cache."""
-    record = read_cache(job.row_dir / ROW_ERROR, _is_failure_record)
+    record = read_cache(job.row_dir / ROW_ERROR, _is_failure_record, sealed_in=job.row_dir)
     if record is not None and record["fingerprint"] == row_key:  # _run_one, _run_selected remove it
         return record["result"]
     return cached_result(job.row_dir, row_key)
@@ -487,7 +494,7 @@ def _measured(
     if matched is None and not all(k in train_metrics for k in keys):  # the run directory is complete on its own
         train_metrics.update({k: result[k] for k in keys}, num_samples=cfg.eval.num_samples)
         train_metrics["health"] = result["health"]
-        atomic_write_json(run_dir / METRICS_FILE, train_metrics)
+        write_sealed_json(run_dir / METRICS_FILE, train_metrics)
     warn_if_flagged(result["health"], f"{label} seed {cfg.seed} ({run_dir})")
     return result
 
@@ -538,8 +545,9 @@ def _run_selected(
     cfg = chosen.config
     run_dir = Path(cfg.output_dir)
     with hold(job.row_dir, "compare"), hold(run_dir, "compare"):
-        cached = None if force else read_cache(cache, is_row_cache)
+        cached = None if force else read_cache(cache, is_row_cache, sealed_in=run_dir)
         if not force and fresh(cached, row_key, width_to, source(run_dir, data)):
+            verify_checkpoint(run_dir / CHECKPOINT_FILE)  # the row's numbers are of an intact checkpoint
             if selection.unplaced((cached.get("result") or {}).get("selection")) == selection.unplaced(
                 json.loads(json.dumps(record))
             ):
@@ -549,6 +557,6 @@ def _run_selected(
         train_metrics = read_train_metrics(run_dir)
         result = _measured(job.label, cfg, exp, state, train_metrics, compare, width_to)
         result["selection"] = record
-        atomic_write_json(cache, {"fingerprint": row_key, **source(run_dir, data), "result": result})
+        write_sealed_json(cache, {"fingerprint": row_key, **source(run_dir, data), "result": result})
         (job.row_dir / ROW_ERROR).unlink(missing_ok=True)  # an earlier failure of this row is out of date
     return result

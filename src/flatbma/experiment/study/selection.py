@@ -37,7 +37,7 @@ import torch
 from flatbma.errors import DivergenceError, FlatbmaError
 from flatbma.experiment.config.run_config import RunConfig, run_identity
 from flatbma.experiment.run.build import Experiment
-from flatbma.experiment.run.checkpoint import atomic_write_json
+from flatbma.experiment.run.checkpoint import write_sealed_json
 from flatbma.experiment.run.evaluate import bma_log_probs_over, bma_predictions, draw_samples, regression_validation
 from flatbma.experiment.run.lock import hold
 from flatbma.experiment.run.pipeline import load_run
@@ -130,7 +130,7 @@ def candidate_record(cfg: RunConfig, data: str | None = None) -> dict[str, Any] 
     (:func:`source`; records written before flatbma recorded them are taken as is).
     """
     run_dir = Path(cfg.output_dir)
-    record = read_cache(run_dir / CANDIDATE_FILE, is_candidate_record)
+    record = read_cache(run_dir / CANDIDATE_FILE, is_candidate_record, sealed_in=run_dir)
     resolved = json.loads(json.dumps(cfg.to_dict()))
     if not isinstance(record, dict) or run_identity(record.get("config")) != run_identity(resolved):
         return None
@@ -178,4 +178,4 @@ def train_candidates(job: Job, group: tuple[Candidate, ...], force: bool, data: 
                 record = {"val_nll": validation_nll(exp, state), "train_time_s": train_time, "error": None}
             except DivergenceError as e:
                 record = {"val_nll": None, "train_time_s": None, "error": str(e)}
-            atomic_write_json(run_dir / CANDIDATE_FILE, {"config": cfg.to_dict(), **source(run_dir, data), **record})
+            write_sealed_json(run_dir / CANDIDATE_FILE, {"config": cfg.to_dict(), **source(run_dir, data), **record})
