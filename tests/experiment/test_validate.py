@@ -79,12 +79,20 @@ def no_training(monkeypatch: pytest.MonkeyPatch) -> None:
 
 CASES = [
     pytest.param(
-        {"name": "swag"},  # rank 20, a snapshot every 10 updates of the last quarter (updates 7, 8): 0 of 8
+        {"name": "swag"},  # rank 20 spread over the last quarter (updates 7, 8): one per update, 2 of 20
+        {},
+        "swag needs >= 20 snapshots for method.rank=20, but train.epochs=2 × 4 steps per epoch = 8 updates with "
+        "method.start_step=null \\(the last quarter: 6\\) and method.collect_every=auto \\(1: one snapshot per "
+        "update\\) collect 2: raise train.epochs to >= 20, or lower method.start_step, or method.rank$",
+        id="swag-rank",
+    ),
+    pytest.param(
+        {"name": "swag", "collect_every": 10},  # a snapshot every 10 updates of the last quarter (updates 7, 8): 0
         {},
         "swag needs >= 20 snapshots for method.rank=20, but train.epochs=2 × 4 steps per epoch = 8 updates with "
         "method.start_step=null \\(the last quarter: 6\\) and method.collect_every=10 collect 0: raise train.epochs to "
         ">= 200, or lower method.start_step or method.collect_every, or method.rank",
-        id="swag-rank",
+        id="swag-rank-every",
     ),
     pytest.param(
         {"name": "f-swag", "rank": 5, "start_step": 2, "collect_every": 2},  # (8 − 2)/2 = 3 < 5; 2 + 5·2 = 12 updates

@@ -187,7 +187,8 @@ def test_mean_and_variance_hooks_match_an_independent_computation():
     for i in range(4):
         state, _ = method.update(state, toy_batch(seed=i))
     mean = method.mean(state)
-    m0, m1 = (swag.build(obj, SGD(lr=0.1), rank=2, start_step=0).mean(members.member_state(m, state)) for m in range(2))
+    member = swag.build(obj, SGD(lr=0.1), rank=2, start_step=0, collect_every=10)
+    m0, m1 = (member.mean(members.member_state(m, state)) for m in range(2))
     for k in trainable_params(net):
         torch.testing.assert_close(mean[k], (m0[k] + m1[k]) / 2)
     for k in model_buffers(net):
@@ -218,7 +219,7 @@ def test_split_states_train_their_members_as_the_full_state():
 
 def test_options_and_nesting_are_refused_with_their_keys():
     obj = Objective(model=tiny_bn_net())
-    base = swag.build(obj, SGD(lr=0.1), start_step=0)
+    base = swag.build(obj, SGD(lr=0.1), start_step=0, collect_every=10)
     with pytest.raises(FlatbmaError, match=r"method\.members"):
         multi.build(obj, base, members=0)
     with pytest.raises(FlatbmaError, match="nesting"):

@@ -7,7 +7,9 @@ import numpy as np
 import pytest
 import torch
 import yaml
+from torch.utils.data import DataLoader, TensorDataset
 
+import flatbma
 from flatbma.bn import recompute_bn_statistics
 from flatbma.errors import FlatbmaError
 from flatbma.experiment.cli import main
@@ -79,7 +81,7 @@ def test_variance_keeps_float32_accuracy_for_weights_near_one():
     g = np.random.default_rng(0)
     snaps = (1.0 + 1e-4 * g.standard_normal((40, 6))).astype(np.float32)
     objective = quadratic_objective(torch.eye(6), torch.zeros(6), torch.zeros(6))
-    method = swag.build(objective, SGD(lr=0.1), rank=3, start_step=0)
+    method = swag.build(objective, SGD(lr=0.1), rank=3, start_step=0, collect_every=10)
     state = method.init(trainable_params(objective.model), {})
     aux = dict(state.aux)
     for w in snaps:
@@ -115,7 +117,9 @@ def _hand_built(d=5, k=3, n_collected=7, scale=0.7, diagonal_only=False, seed=1)
     objective = quadratic_objective(
         torch.eye(d, dtype=torch.float64), torch.zeros(d), torch.zeros(d, dtype=torch.float64)
     )
-    method = swag.build(objective, SGD(lr=0.1), rank=k, scale=scale, start_step=0, diagonal_only=diagonal_only)
+    method = swag.build(
+        objective, SGD(lr=0.1), rank=k, scale=scale, start_step=0, collect_every=10, diagonal_only=diagonal_only
+    )
     state = method.init(trainable_params(objective.model), {})
     mean = torch.randn(d, generator=g, dtype=torch.float64)
     var = torch.rand(d, generator=g, dtype=torch.float64) + 0.1
@@ -191,7 +195,7 @@ def test_sampling_is_reproducible_and_uses_only_the_generator():
 def test_bad_options_name_their_key(options, key):
     objective = Objective(model=tiny_bn_net())
     with pytest.raises(FlatbmaError, match=re.escape(key)):
-        swag.build(objective, SGD(), **{"start_step": 0, **options})
+        swag.build(objective, SGD(), **{"start_step": 0, "collect_every": 10, **options})
 
 
 def test_registry_options():
@@ -232,7 +236,7 @@ def test_trajectory_is_the_point_update_and_f_swag_is_sam():
     def run(build, ascent):
         torch.manual_seed(0)
         net = tiny_bn_net()
-        options = {"start_step": 0} if build is swag.build else {}
+        options = {"start_step": 0, "collect_every": 10} if build is swag.build else {}
         method = build(Objective(model=net), SGD(lr=0.1), ascent, **options)
         state = method.init(trainable_params(net), {k: v.clone() for k, v in net.named_buffers()})
         for b in batches:
@@ -322,3 +326,40 @@ def test_cli_trains_swag_on_digits(tmp_path, capsys, method, model):
     steps_per_epoch = metrics["history"][0]["steps"]
     assert int(state.aux["swag/n_collected"]) == (3 * steps_per_epoch - 25) // 4
     assert ("swag/deviations" in state.aux) == (method["name"] != "swag-diag")
+
+
+# ----------------------------------------------------------------------------- collect_every: auto
+
+
+@pytest.mark.parametrize("steps", [80, 81, 97, 380, 1000, 4097])
+@pytest.mark.parametrize(("name", "rank"), [("swag", 20), ("swag", 5), ("swag-diag", None)])
+def test_auto_collects_rank_snapshots_spread_over_the_window_to_its_end(steps, name, rank):
+    """``collect_every: auto`` (the default) over the last quarter: at least ``K`` snapshots, fewer than ``2K``, the
+    last within ``collect_every`` updates of the run's end, the first within ``collect_every`` of the window's start."""
+    section = {"name": name, **({"rank": rank} if rank is not None else {})}
+    k = rank if rank is not None else swag.AUTO_SNAPSHOTS
+    options = parse_method(section).resolved(steps).options
+    start, every = options["start_step"], options["collect_every"]
+    assert start == steps - steps // 4 and every == max(1, (steps // 4) // k)
+    n = swag.snapshots(steps, start_step=start, collect_every=every)
+    assert k <= n < 2 * k
+    assert steps - (start + n * every) < every  # the last snapshot: within one interval of the end
+
+
+def test_an_integer_collect_every_is_kept_and_auto_needs_the_run_length():
+    for every in (1, 10):
+        assert parse_method({"name": "swag", "collect_every": every}).resolved(380).options["collect_every"] == every
+    multiswag = parse_method({"name": "multiswag"}).resolved(380).options["of"].options
+    assert (multiswag["start_step"], multiswag["collect_every"]) == (285, 4)  # 95 window updates // 20
+    with pytest.raises(FlatbmaError, match=r"collect_every: auto .* give collect_every$"):
+        swag.build(Objective(model=tiny_bn_net()), SGD(lr=0.1), start_step=3)
+
+
+def test_auto_trains_rank_snapshots_through_fit_posterior():
+    """The issue-35 case in small: the default SWAG on a run of 80 updates is not refused and collects ``rank``."""
+    x, y = toy_batch(n=160, seed=3)
+    torch.manual_seed(0)
+    loader = DataLoader(TensorDataset(x, y), batch_size=16, shuffle=True)
+    bma = flatbma.fit_posterior(tiny_bn_net(), loader, "swag", epochs=8, lr=0.05, progress=False)
+    assert int(bma.state.aux[swag.N_COLLECTED]) == 20
+    assert bma.method_config["collect_every"] == 1 and bma.method_config["start_step"] == 60

@@ -29,6 +29,7 @@ from flatbma import progress
 from flatbma.checks import shown
 from flatbma.errors import FlatbmaError, FlatbmaWarning, suggest
 from flatbma.experiment.config.methods import METHODS, MethodConfig, parse_method
+from flatbma.experiment.config.parse import type_name
 from flatbma.experiment.config.run_config import load_config
 from flatbma.experiment.config.sections import plain_values
 from flatbma.experiment.parallel import processes
@@ -164,11 +165,12 @@ def _describe_method(name: str) -> str:
         if isinstance(tp, type) and issubclass(tp, Enum):
             kind = " | ".join(str(member.value) for member in tp)  # the spellings a config may use
         else:
-            kind = getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+            kind = type_name(tp).replace(" or ", " | ")
         lines.append(f"  {key:<{width}}  {_plain(value)!r:<12}  {kind}")
-    notes = getattr(spec.ascent, "NOTES", None)  # what the ascent step's options mean, in a few lines
-    if notes:
-        lines += ["", *(f"  {line}" for line in notes.strip().splitlines())]
+    for part in (spec.options, spec.ascent):  # what the family's and the ascent step's options mean, in a few lines
+        notes = getattr(part, "NOTES", None)
+        if notes:
+            lines += ["", *(f"  {line}" for line in notes.strip().splitlines())]
     return "\n".join(lines)
 
 

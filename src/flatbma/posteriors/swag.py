@@ -28,9 +28,10 @@ written before (#24) held the point's entries without ``point/`` (and its optimi
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from functools import partial
-from typing import NamedTuple
+from typing import Any, ClassVar, Literal, NamedTuple
 
 import torch
 from torch import Tensor
@@ -56,6 +57,9 @@ VAR_CLAMP = 1e-30
 """Lower bound of the diagonal variance ``σ² = m2/n`` (0 for a weight no snapshot moved)."""
 
 _HOW_TO_COLLECT_MORE = "lower method.start_step or method.collect_every, or raise train.epochs"
+
+AUTO = "auto"
+"""``collect_every: auto``: the snapshots spread evenly over the collection window (:func:`auto_collect_every`)."""
 
 
 class SwagMoments(NamedTuple):
@@ -102,24 +106,46 @@ class Options:
             method with ``map_steps``): the last quarter of the run's updates at a held learning rate
             (:func:`flatbma.experiment.config.methods.last_quarter`); :func:`build` called directly refuses it,
             so give ``start_step`` there.
-        collect_every: updates between two snapshots.
+        collect_every: updates between two snapshots. ``"auto"``, the default, is resolved by the experiment layer
+            from the run's length as ``start_step: null`` is (:func:`resolve`): the window's updates divided by
+            ``rank``, at least 1 (:func:`auto_collect_every`), so that a window of at least ``rank`` updates
+            collects ``rank`` snapshots spread over it, whatever the run's length; :func:`build` called directly
+            refuses it, so give ``collect_every`` there. An integer is used as it is.
         diagonal_only: keep no deviations and sample from the diagonal Gaussian (SWAG-Diagonal).
     """
+
+    NOTES: ClassVar[str] = """
+The collection window: start_step null (the default) opens it at the last quarter of the run's updates, with
+the learning rate held from there at the value the schedule reached (Maddox et al.'s swa_lr); collect_every
+auto (the default) spreads rank snapshots over it: collect_every = max(1, ⌊window's updates / rank⌋), so any
+window of at least rank updates collects rank snapshots up to its end. Integers are used as given.
+docs/methods.md §3.2.
+"""
 
     rank: int = 20
     scale: float = 1.0
     start_step: int | None = None
-    collect_every: int = 10
+    collect_every: int | Literal["auto"] = AUTO
     diagonal_only: bool = False
+
+
+AUTO_SNAPSHOTS = Options.rank
+"""The snapshots ``collect_every: auto`` spreads over the window of SWAG-Diagonal, which has no ``rank``: SWAG's
+default ``rank``."""
 
 
 @dataclass(frozen=True)
 class DiagonalOptions:
-    """SWAG-Diagonal's options (:func:`build_diag`): :class:`Options` without ``rank`` and ``diagonal_only``."""
+    """SWAG-Diagonal's options (:func:`build_diag`): :class:`Options` without ``rank`` and ``diagonal_only``.
+
+    ``collect_every: auto`` spreads :data:`AUTO_SNAPSHOTS` snapshots over the window (:func:`resolve`).
+    """
+
+    NOTES: ClassVar[str] = Options.NOTES.replace("rank snapshots", "20 snapshots").replace("/ rank", "/ 20")
 
     scale: float = Options.scale
     start_step: int | None = Options.start_step
-    collect_every: int = Options.collect_every
+    collect_every: int | Literal["auto"] = Options.collect_every
 
 
 def build(
@@ -169,6 +195,11 @@ def build(
         raise FlatbmaError(
             "method.start_step: null (the last quarter of the updates) is resolved from the run's length: build "
             "the method with map_steps= (fit_posterior and flatbma train do), or give start_step"
+        )
+    if o.collect_every == AUTO:
+        raise FlatbmaError(
+            "method.collect_every: auto (rank snapshots spread over the window) is resolved from the run's length: "
+            "build the method with map_steps= (fit_posterior and flatbma train do), or give collect_every"
         )
     _check_options(rank=o.rank, scale=o.scale, start_step=o.start_step, collect_every=o.collect_every)
     return Posterior(
@@ -296,6 +327,33 @@ def snapshots(steps: int, *, start_step: int, collect_every: int) -> int:
     """
     _check_schedule(start_step, collect_every)
     return max(0, (steps - start_step) // collect_every)
+
+
+def auto_collect_every(window: int, snapshots: int) -> int:
+    """``collect_every: auto`` for a window of ``window`` updates: ``max(1, ⌊window/snapshots⌋)``.
+
+    Snapshot ``j`` is then taken at update ``start_step + j·collect_every``, so a window of at least
+    ``snapshots`` updates collects ``⌊window/collect_every⌋ ≥ snapshots`` of them (fewer than ``2·snapshots``),
+    spread evenly over it up to its end; a shorter window collects one per update, ``window`` in all (which
+    :func:`flatbma.experiment.config.methods.check_snapshots` refuses below ``rank`` before anything trains).
+    Maddox et al. (2019) collect once per epoch over their window; this spreads the snapshots the same way
+    when the window is not a whole number of epochs.
+    """
+    return max(1, window // snapshots)
+
+
+def resolve(options: Mapping[str, Any], steps: int) -> dict[str, Any]:
+    """``options`` (a method section's, ``start_step`` already resolved) with ``collect_every: auto`` resolved.
+
+    For a run of ``steps`` updates the window is ``steps − start_step`` updates and ``collect_every`` is
+    :func:`auto_collect_every` of it and ``rank`` (:data:`AUTO_SNAPSHOTS` for SWAG-Diagonal, which has no
+    rank); an integer ``collect_every`` and an unresolved ``start_step`` are kept as they are.
+    """
+    out = dict(options)
+    start = out.get("start_step")
+    if out.get("collect_every") == AUTO and start is not None:
+        out["collect_every"] = auto_collect_every(steps - start, out.get("rank", AUTO_SNAPSHOTS))
+    return out
 
 
 def swag_moments(state: State) -> SwagMoments:

@@ -111,6 +111,9 @@ class MethodSpec:
             ``map_steps`` = ``train.epochs`` × steps per epoch updates (:meth:`MethodConfig.resolved`);
             ``None``: the family has no such default. Laplace: ``map_steps`` (the curvature pass after
             the whole MAP); SWAG: :func:`last_quarter`.
+        resolve: ``resolve(options, map_steps) -> options``, the family's other options that follow from the run's
+            length, resolved after ``start_step`` (:meth:`MethodConfig.resolved`); ``None``: none. SWAG:
+            :func:`flatbma.posteriors.swag.resolve` (``collect_every: auto``).
         hold_lr: with ``start_step: null``, the learning rate is held constant from that start on at the
             value the schedule reached there (:meth:`MethodConfig.held_from`): SWAG's constant ``swa_lr``
             over its collection window (Maddox et al. 2019).
@@ -141,6 +144,7 @@ class MethodSpec:
     needs_weights: Callable[[MethodConfig], bool] | None = None
     prior_refusal: str | None = None
     start: Callable[[int], int] | None = None
+    resolve: Callable[[Mapping[str, Any], int], dict[str, Any]] | None = None
     hold_lr: bool = False
     against_map: bool = False
     on_validation: Mapping[str, tuple[float, ...]] = field(default_factory=dict)
@@ -268,13 +272,16 @@ class MethodConfig:
     def resolved(self, map_steps: int) -> MethodConfig:
         """This section with ``start_step: null`` set to :attr:`MethodSpec.start` ``(map_steps)`` (families with one).
 
-        Laplace: ``map_steps`` (its curvature pass follows the whole MAP); SWAG: :func:`last_quarter`.
-        Nested sections (``multi``'s ``of``) are resolved the same way.
+        Laplace: ``map_steps`` (its curvature pass follows the whole MAP); SWAG: :func:`last_quarter`. Then the
+        family's :attr:`MethodSpec.resolve` (SWAG's ``collect_every: auto``). Nested sections (``multi``'s ``of``)
+        are resolved the same way.
         """
         options = {k: v.resolved(map_steps) if isinstance(v, MethodConfig) else v for k, v in self.options.items()}
-        start = METHODS[self.name].start
-        if start is not None and options.get("start_step", 0) is None:
-            options["start_step"] = start(map_steps)
+        spec = METHODS[self.name]
+        if spec.start is not None and options.get("start_step", 0) is None:
+            options["start_step"] = spec.start(map_steps)
+        if spec.resolve is not None:
+            options = spec.resolve(options, map_steps)
         return dataclasses.replace(self, options=options)
 
     def after_map(self) -> list[MethodConfig]:
@@ -497,23 +504,26 @@ def check_snapshots(method: MethodConfig, stage: Stage) -> None:
     if low_rank and o["rank"] < 2:
         return  # the builder refuses it with its own message
     needed = o["rank"] if low_rank else 2
-    every = o["collect_every"]
-    default = o["start_step"] is None  # the last quarter of the stage's updates (MethodSpec.start)
-    start = METHODS[method.name].start(stage.steps) if default else o["start_step"]  # type: ignore[misc]
+    auto = o["collect_every"] == swag.AUTO  # rank snapshots spread over the window (swag.resolve)
 
     def count(steps: int) -> int:
-        first = METHODS[method.name].start(steps) if default else start  # type: ignore[misc]
-        return swag.snapshots(steps, start_step=first, collect_every=every)
+        resolved = method.resolved(steps).options  # start_step: null and collect_every: auto for these steps
+        return swag.snapshots(steps, start_step=resolved["start_step"], collect_every=resolved["collect_every"])
 
     got = count(stage.steps)
     if got >= needed:
         return
+    resolved = method.resolved(stage.steps).options
+    start, every = resolved["start_step"], resolved["collect_every"]
     purpose = f"for {key('rank')}={needed}" if low_rank else "to sample (a variance takes two)"
-    lower = f"{key('start_step')} or {key('collect_every')}" + (f", or {key('rank')}" if low_rank else "")
-    shown_start = f"null (the last quarter: {start})" if default else f"{start}"
+    lower = (f"{key('start_step')}" if auto else f"{key('start_step')} or {key('collect_every')}") + (
+        f", or {key('rank')}" if low_rank else ""
+    )
+    shown_start = f"null (the last quarter: {start})" if o["start_step"] is None else f"{start}"
+    shown_every = f"auto ({every}: one snapshot per update)" if auto else f"{every}"
     raise FlatbmaError(
         f"{method.name} needs >= {needed} snapshots {purpose}, but {stage.describe()} with {key('start_step')}="
-        f"{shown_start} and {key('collect_every')}={every} collect {got}: raise {stage.epochs_key} to >= "
+        f"{shown_start} and {key('collect_every')}={shown_every} collect {got}: raise {stage.epochs_key} to >= "
         f"{stage.epochs_for(stage.steps_for(count, needed))}, or lower {lower}"
     )
 
@@ -570,6 +580,7 @@ register(
 # SWAG's start_step defaults to null (swag.Options): the last quarter of the updates at a held learning rate.
 _SWAG_DEFAULTS: dict[str, Any] = {
     "start": last_quarter,
+    "resolve": swag.resolve,
     "hold_lr": True,
     "check": check_snapshots,
 }

@@ -97,7 +97,10 @@ def _check_unique_keys(node: yaml.MappingNode, where: str) -> None:
 _FLOAT_TEXT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
 
 
-def _type_name(tp: Any) -> str:
+def type_name(tp: Any) -> str:
+    """How a config annotation reads in messages: ``int``, ``'auto'``, ``null``, a union's parts joined by ``or``."""
+    if typing.get_origin(tp) in (Union, types.UnionType):
+        return " or ".join(type_name(a) for a in typing.get_args(tp))
     if tp is type(None):
         return "null"
     if typing.get_origin(tp) is typing.Literal:
@@ -126,7 +129,7 @@ def coerce(value: Any, tp: Any, where: str) -> Any:
                 if dataclasses.is_dataclass(option) and isinstance(value, Mapping):
                     raise  # a section with a bad key or value: the section says which
                 errors.append(str(e))
-        names = " or ".join(_type_name(a) for a in typing.get_args(tp))
+        names = type_name(tp)
         raise FlatbmaError(f"{where} must be {names}, got {shown(value)}")
     if tp is type(None):
         if value is None:
