@@ -24,11 +24,18 @@ method's ``/sgd`` and ``/sam`` (paired medians in the same rounds). Goal (issue 
 
     python bench/step_cost.py [--rounds 15] [--cycle 5] [--threads 2] [--transfer-batches 32 128] [--no-cg-sweep]
         [--cases "cnn 28x28" "mobilenet_v2 64x64 (transfer)"] [--trainable-cases ...] [--trainable-batches 32 128]
-        [--plain-cycle N] [--trainable-methods sam fp-bma ...] [--quick]
+        [--plain-cycle N] [--trainable-methods sam fp-bma ...] [--ivon-cases ...] [--ivon-batches 32] [--quick]
 
 ``--plain-cycle`` times the methods without an amortized second pass (and SGD) over ``N`` updates per round
 instead of ``--cycle`` (the ``k5`` forms always take whole cycles); ``--quick`` is a smoke test of every
 table at batch 2 (one round, no CG sweep): it checks that the script runs, its numbers mean nothing.
+
+A fourth table times IVON (:mod:`flatbma.posteriors.ivon`, issue #37) against the authors' own optimizer, the
+``ivon.IVON`` of ``ivon-opt`` (the dev extra) driven by its documented loop (``sampled_params``, ``zero_grad``,
+forward, ``backward``, ``step``) on a copy of the same model, with flatbma's SGD and AdamW (``Adam`` with
+decoupled weight decay) beside them, on every model of the tables above (:data:`IVON_CASES`: the three fully
+trainable models and the transfer model) at every ``--ivon-batches``; it prints ``/sgd``, ``/adamw`` and
+``/ivon-opt`` (paired medians in the same rounds). Goal: flatbma's IVON ≤ 1.0× ivon-opt's step on every model.
 
 ``--device-table`` prints another table instead, the one ``scripts/gpu-check.sh`` records on a GPU: the step
 time and peak memory of SGD, SAM, FP-BMA and low-rank VI (``--methods``) on the transfer model (MobileNetV2,
@@ -44,10 +51,12 @@ warm-up, then ``--rounds`` timed steps (the median, GPU synchronized around each
 from __future__ import annotations
 
 import argparse
+import copy
 import math
 import os
 import statistics
 import time
+from types import SimpleNamespace
 
 import torch
 from torch import nn
@@ -300,6 +309,93 @@ def bench_fp_bma_transfer(
     return time_updates(runs, (x, y), rounds, device, cycle), sum(v.numel() for v in params.values())
 
 
+IVON_CASES = {
+    # name: (model kwargs, image shape, only BatchNorm + classifier trainable)
+    **{case: (kwargs, shape, False) for case, (kwargs, shape) in TRAINABLE.items()},
+    "mobilenet_v2 64x64 (transfer)": (TRAINABLE["mobilenet_v2 64x64"][0], (3, 64, 64), True),
+}
+"""Models of the IVON table: the fully trainable ones and the transfer model (BatchNorm + classifier trainable)."""
+
+
+IVON_ROWS = ("sgd", "adamw", "ivon", "ivon-opt")
+"""The rows of the IVON table, in order."""
+
+
+class ReferenceIVON:
+    """One step of ``ivon-opt``'s ``IVON`` (the authors' package) in its documented training loop, as a row.
+
+    ``update(state, batch)`` draws ``mc_samples`` weights (``sampled_params(train=True)``), back-propagates the
+    mean loss of each through ``model`` itself (a copy of the benchmark's, so the two never share tensors) and
+    takes ``optimizer.step()``. ``state`` is unused (the optimizer keeps its own).
+    """
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, mc_samples: int = 1) -> None:
+        self.model, self.optimizer, self.mc_samples = model, optimizer, mc_samples
+
+    def init(self, params: dict, buffers: dict) -> None:
+        return None
+
+    def update(self, state: None, batch: tuple) -> tuple[None, SimpleNamespace]:
+        x, y = batch
+        losses = []
+        for _ in range(self.mc_samples):
+            with self.optimizer.sampled_params(train=True):
+                self.optimizer.zero_grad()
+                loss = nn.functional.cross_entropy(self.model(x), y)
+                loss.backward()
+            losses.append(loss.detach())
+        self.optimizer.step()
+        return state, SimpleNamespace(loss=torch.stack(losses).mean())
+
+
+def bench_ivon(
+    case: str, batch_size: int, rounds: int, device: str, cycle: int = 5
+) -> tuple[dict[str, list[float]], int]:
+    """Per-round step times of flatbma's SGD, AdamW and IVON and of ivon-opt's IVON on one model of :data:`IVON_CASES`.
+
+    The same hyper-parameters for both IVONs (``lr`` 0.1, ``ess`` 1000, ``β₁`` 0.9, ``δ`` 5e-4, the other
+    options at their shared defaults); the ``ivon-opt`` row is left out, with a note, when the package is not
+    installed. Returns the times and the number of trainable weights.
+    """
+    kwargs, shape, transfer = IVON_CASES[case]
+    model = build_model(**kwargs, seed=0).to(device).train()
+    if transfer:
+        bayesian_subset_only(model)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(batch_size, *shape, generator=g).to(device)
+    y = torch.randint(0, kwargs["num_classes"], (batch_size,), generator=g).to(device)
+    objective = Objective(model=model, num_data=1000)
+    params, buffers = trainable_params(model), model_buffers(model)
+    sgd = SGD(lr=0.1, momentum=0.9, weight_decay=5e-4)
+    methods = {
+        "sgd": point.build(objective, sgd),
+        "adamw": point.build(objective, Adam(lr=1e-3, weight_decay=5e-4)),
+        "ivon": parse_method({"name": "ivon", "ess": 1000.0}).build(objective, sgd),
+    }
+    try:
+        import ivon as reference  # ivon-opt, the dev extra
+    except ImportError:
+        print("(ivon-opt is not installed: pip install ivon-opt, or the dev extra, for its row)")
+    else:
+        twin = copy.deepcopy(model)
+        trained = [p for p in twin.parameters() if p.requires_grad]
+        methods["ivon-opt"] = ReferenceIVON(twin, reference.IVON(trained, lr=0.1, ess=1000.0, weight_decay=5e-4))
+    runs = {name: [method, method.init(params, buffers), []] for name, method in methods.items()}
+    return time_updates(runs, (x, y), rounds, device, cycle), sum(v.numel() for v in params.values())
+
+
+def print_ivon_ratios(title: str, times: dict[str, list[float]]) -> None:
+    """One row per method: median ms, paired ``/sgd``, ``/adamw`` and ``/ivon-opt`` (``-`` without that row)."""
+    print(title)
+    print(f"{'method':<20}{'ms':>10}{'/sgd':>10}{'/adamw':>10}{'/ivon-opt':>12}")
+    for name in times:
+        peer = f"{paired_ratio(times, name, 'ivon-opt'):>11.2f}x" if "ivon-opt" in times else f"{'-':>12}"
+        print(
+            f"{name:<20}{statistics.median(times[name]) * 1e3:>10.1f}{paired_ratio(times, name):>9.2f}x"
+            f"{paired_ratio(times, name, 'adamw'):>9.2f}x{peer}"
+        )
+
+
 DEVICE_MODELS = {
     # name: (model kwargs, only BatchNorm + classifier trainable)
     "transfer": (dict(name="mobilenet_v2", num_classes=10, in_channels=3), True),
@@ -416,6 +512,10 @@ def main(argv: list[str] | None = None) -> None:
         "--trainable-methods", nargs="*", default=None, help="methods of the third table (default: all; sgd always)"
     )
     parser.add_argument("--plain-cycle", type=int, default=None, help="updates per timing of the methods without k5")
+    parser.add_argument(
+        "--ivon-cases", nargs="*", default=list(IVON_CASES), help=f"models of the IVON table: {list(IVON_CASES)}"
+    )
+    parser.add_argument("--ivon-batches", type=int, nargs="*", default=[32])
     parser.add_argument("--quick", action="store_true", help="smoke test: batch 2, one round (numbers mean nothing)")
     parser.add_argument("--device-table", action="store_true", help="the device table instead (module doc)")
     parser.add_argument("--batch", type=int, default=128, help="device table: batch size")
@@ -428,6 +528,7 @@ def main(argv: list[str] | None = None) -> None:
         args.rounds, args.cycle, args.no_cg_sweep = 1, 5, True
         args.transfer_batches = [2] if args.transfer_batches else []
         args.trainable_batches = [2] if args.trainable_batches else []
+        args.ivon_batches = [2] if args.ivon_batches else []
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.device_table:
@@ -463,6 +564,10 @@ def main(argv: list[str] | None = None) -> None:
                 case, batch_size, args.rounds, args.device, args.cycle, args.plain_cycle, args.trainable_methods
             )
             print_ratios(f"\n{case}, all {trainable:,} weights trainable, batch {batch_size}", t)
+    for case in args.ivon_cases:
+        for batch_size in args.ivon_batches:
+            t, trainable = bench_ivon(case, batch_size, args.rounds, args.device, args.cycle)
+            print_ivon_ratios(f"\nIVON: {case}, {trainable:,} weights trainable, batch {batch_size}", t)
     print(f"load average (1, 5, 15 min) at the end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
 

@@ -23,7 +23,7 @@ def test_fp_bma_transfer_bench_times_every_method():
 @pytest.mark.slow
 def test_step_cost_quick_times_every_flat_seeking_method_on_a_trainable_model(capsys):
     """``--quick`` runs the fully trainable table: a row per method, plain and k5, with /sgd and /sam (not timed)."""
-    step_cost.main(["--quick", "--cases", "--transfer-batches", "--trainable-cases", "cnn 28x28"])
+    step_cost.main(["--quick", "--cases", "--transfer-batches", "--ivon-cases", "--trainable-cases", "cnn 28x28"])
     lines = capsys.readouterr().out.splitlines()
     assert any(line.startswith("cnn 28x28, all 94,186 weights trainable, batch 2") for line in lines)
     names = ["sgd", *step_cost.FLAT_SEEKING, *(f"{m} k5" for m in step_cost.FLAT_SEEKING)]
@@ -105,3 +105,14 @@ def test_fp_bma_identity_finds_a_run_identical_to_itself(tmp_path, capsys):
     fp_bma_identity.main(["--out", first, "--steps", "1", "--batch", "2"])
     fp_bma_identity.main(["--out", str(tmp_path / "second.pt"), "--compare", first, "--steps", "1", "--batch", "2"])
     assert capsys.readouterr().out.strip().endswith("bit-identical")
+
+
+@pytest.mark.slow
+def test_step_cost_quick_times_ivon_against_ivon_opt(capsys):
+    """``--quick`` runs the IVON table: sgd, adamw, ivon and ivon-opt's own step, with /sgd, /adamw, /ivon-opt."""
+    step_cost.main(["--quick", "--cases", "--transfer-batches", "--trainable-cases", "--ivon-cases", "cnn 28x28"])
+    lines = capsys.readouterr().out.splitlines()
+    assert any(line.startswith("IVON: cnn 28x28, 94,186 weights trainable, batch 2") for line in lines)
+    rows = {line.split()[0]: line.split() for line in lines if line.split() and line.split()[0] in step_cost.IVON_ROWS}
+    assert list(rows) == list(step_cost.IVON_ROWS)
+    assert rows["sgd"][2] == "1.00x" and rows["adamw"][3] == "1.00x" and rows["ivon-opt"][4] == "1.00x"

@@ -326,45 +326,65 @@ def update(
     generator = seeded_generator(state.aux[SEED_KEY], state.step, m.device)
     kept = memory_entries(state.aux) if has_memory(ascent) else {}
     with torch.no_grad():
-        sigma = _sigma(rule, h)
+        shifted = h + rule.weight_decay  # h + δ of the h the samples are drawn with
+        sigma = shifted.mul(rule.ess).rsqrt_()  # σ = 1/√(λ(h + δ))
     grad_sum = noise_grad_sum = None
     losses, first_logits = [], None
     for j in range(rule.mc_samples):
         with torch.no_grad():
-            eps = torch.randn(m.shape, generator=generator, device=generator.device, dtype=m.dtype).to(m.device)
-            eps.mul_(sigma)
-            w = weights.views(m + eps)
+            z = torch.randn(m.shape, generator=generator, device=generator.device, dtype=m.dtype).to(m.device)
+            w = weights.views(torch.addcmul(m, z, sigma))  # θ_j = m + σ ⊙ z_j
         bufs = state.buffers if j == 0 else clone(state.buffers)  # running statistics: the first sample's pass
         memory = memory_of(kept, _sample_name(j)) if kept else None
         loss, logits, grads = sharpness_aware_value_and_grad(objective, w, bufs, batch, ascent, memory)
         with torch.no_grad():
             flat = torch.cat([grads[k].reshape(-1) for k in weights.keys])
             if grad_sum is None:
-                grad_sum, noise_grad_sum = flat, flat * eps
+                grad_sum, noise_grad_sum = flat, flat * z
             else:
                 grad_sum.add_(flat)
-                noise_grad_sum.addcmul_(flat, eps)  # type: ignore[union-attr]
+                noise_grad_sum.addcmul_(flat, z)  # type: ignore[union-attr]
         losses.append(loss)
         first_logits = logits if first_logits is None else first_logits
     with torch.no_grad():
-        _apply(rule, m, h, g, grad_sum, noise_grad_sum, state.step)  # type: ignore[arg-type]
+        _apply(rule, m, h, g, shifted, sigma, grad_sum, noise_grad_sum, state.step)  # type: ignore[arg-type]
         stats = {f"{NAME}/hess": h.mean()}
     out = StepOutput(torch.stack(losses).mean(), first_logits, stats)  # type: ignore[arg-type]
     return replace(state, step=state.step + 1), out  # the ascent memories in aux: updated in place
 
 
-def _apply(rule: _Rule, m: Tensor, h: Tensor, g: Tensor, grad_sum: Tensor, noise_grad_sum: Tensor, step: int) -> None:
-    """The momentum, Hessian and mean updates of step ``t = step + 1`` in place, from ``Σ_j ĝ_j``, ``Σ_j ε_j ⊙ ĝ_j``."""
+def _apply(
+    rule: _Rule,
+    m: Tensor,
+    h: Tensor,
+    g: Tensor,
+    shifted: Tensor,
+    sigma: Tensor,
+    grad_sum: Tensor,
+    noise_grad_sum: Tensor,
+    step: int,
+) -> None:
+    """The momentum, Hessian and mean updates of step ``t = step + 1``, in place (every temporary reused).
+
+    From ``Σ_j ĝ_j`` and ``Σ_j z_j ⊙ ĝ_j`` of the ``M`` samples, ``shifted = h + δ`` and ``σ`` of the ``h`` they were
+    drawn with: ``ĥ = (1/M) Σ_j ĝ_j ⊙ (θ_j − m)/σ² = (1/M) Σ_j ĝ_j ⊙ z_j / σ``. A few flat kernels over ``[d]``.
+    """
     b1, b2, delta, k = rule.beta1, rule.beta2, rule.weight_decay, rule.mc_samples
-    grad = grad_sum.div_(k) if k > 1 else grad_sum
-    hess_hat = noise_grad_sum.mul_((h + delta).mul_(rule.ess / k))  # ĥ = mean_j ε_j ĝ_j · λ(h + δ) = ĝ·(θ − m)/σ²
-    correction = (h - hess_hat).square_().div_(h + delta).mul_(0.5 * (1 - b2) ** 2)
-    g.mul_(b1).add_(grad, alpha=1 - b1)
-    h.mul_(b2).add_(hess_hat, alpha=1 - b2).add_(correction)
-    direction = (g / (1 - b1 ** (step + 1))).add_(m, alpha=delta).div_(h + delta)
-    if rule.clip_radius is not None:
-        direction.clamp_(-rule.clip_radius, rule.clip_radius)
-    m.add_(direction, alpha=-rule.learning_rate(step) * rule.lr_factor)
+    if k > 1:
+        grad_sum.div_(k)
+        noise_grad_sum.div_(k)
+    hess_hat = noise_grad_sum.div_(sigma)
+    correction = torch.sub(h, hess_hat, out=sigma).square_()  # (h − ĥ)², in σ's buffer
+    g.mul_(b1).add_(grad_sum, alpha=1 - b1)
+    h.mul_(b2).add_(hess_hat, alpha=1 - b2).addcdiv_(correction, shifted, value=0.5 * (1 - b2) ** 2)
+    debias = 1 - b1 ** (step + 1)
+    numerator = torch.add(g, m, alpha=delta * debias, out=hess_hat)  # (1 − β₁ᵗ)·(g/(1 − β₁ᵗ) + δm)
+    denominator = torch.add(h, delta, out=shifted).mul_(debias)  # (1 − β₁ᵗ)·(h + δ), the new h
+    rate = rule.learning_rate(step) * rule.lr_factor
+    if rule.clip_radius is None:
+        m.addcdiv_(numerator, denominator, value=-rate)
+    else:
+        m.add_(numerator.div_(denominator).clamp_(-rule.clip_radius, rule.clip_radius), alpha=-rate)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -380,7 +400,7 @@ def sample(state: State, n: int, generator: torch.Generator | None = None, *, ru
     out = []
     for _ in range(n):
         z = torch.randn(m.shape, generator=generator, device=device, dtype=m.dtype).to(m.device)
-        out.append({**weights.views(z.mul_(sigma).add_(m)), **clone(state.buffers)})
+        out.append({**weights.views(torch.addcmul(m, z, sigma)), **clone(state.buffers)})
     return out
 
 
