@@ -340,7 +340,7 @@ def update(
         with torch.no_grad():
             flat = torch.cat([grads[k].reshape(-1) for k in weights.keys])
             if grad_sum is None:
-                grad_sum, noise_grad_sum = flat, flat * z
+                grad_sum, noise_grad_sum = flat, z.mul_(flat)
             else:
                 grad_sum.add_(flat)
                 noise_grad_sum.addcmul_(flat, z)  # type: ignore[union-attr]
@@ -375,16 +375,17 @@ def _apply(
         noise_grad_sum.div_(k)
     hess_hat = noise_grad_sum.div_(sigma)
     correction = torch.sub(h, hess_hat, out=sigma).square_()  # (h − ĥ)², in σ's buffer
-    g.mul_(b1).add_(grad_sum, alpha=1 - b1)
-    h.mul_(b2).add_(hess_hat, alpha=1 - b2).addcdiv_(correction, shifted, value=0.5 * (1 - b2) ** 2)
+    g.lerp_(grad_sum, 1 - b1)  # β₁g + (1 − β₁)ĝ
+    h.lerp_(hess_hat, 1 - b2).addcdiv_(correction, shifted, value=0.5 * (1 - b2) ** 2)
     debias = 1 - b1 ** (step + 1)
     numerator = torch.add(g, m, alpha=delta * debias, out=hess_hat)  # (1 − β₁ᵗ)·(g/(1 − β₁ᵗ) + δm)
-    denominator = torch.add(h, delta, out=shifted).mul_(debias)  # (1 − β₁ᵗ)·(h + δ), the new h
-    rate = rule.learning_rate(step) * rule.lr_factor
+    denominator = torch.add(h, delta, out=shifted)  # h + δ, of the new h
+    rate = rule.learning_rate(step) * rule.lr_factor / debias
     if rule.clip_radius is None:
         m.addcdiv_(numerator, denominator, value=-rate)
     else:
-        m.add_(numerator.div_(denominator).clamp_(-rule.clip_radius, rule.clip_radius), alpha=-rate)
+        radius = rule.clip_radius * debias
+        m.add_(numerator.div_(denominator).clamp_(-radius, radius), alpha=-rate)
 
 
 # ---------------------------------------------------------------------------------------------------
