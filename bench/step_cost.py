@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import math
 import os
 import statistics
@@ -317,7 +318,7 @@ IVON_CASES = {
 """Models of the IVON table: the fully trainable ones and the transfer model (BatchNorm + classifier trainable)."""
 
 
-IVON_ROWS = ("sgd", "adamw", "ivon", "ivon-opt")
+IVON_ROWS = ("sgd", "adamw", "ivon", "ivon (update alone)", "ivon-opt", "ivon-opt (update alone)")
 """The rows of the IVON table, in order."""
 
 
@@ -326,11 +327,14 @@ class ReferenceIVON:
 
     ``update(state, batch)`` draws ``mc_samples`` weights (``sampled_params(train=True)``), back-propagates the
     mean loss of each through ``model`` itself (a copy of the benchmark's, so the two never share tensors) and
-    takes ``optimizer.step()``. ``state`` is unused (the optimizer keeps its own).
+    takes ``optimizer.step()``. ``state`` is unused (the optimizer keeps its own). With ``gradients``
+    (``{name: tensor}``) the forward and backward passes are skipped: every sample's gradient is a copy of them.
     """
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, mc_samples: int = 1) -> None:
-        self.model, self.optimizer, self.mc_samples = model, optimizer, mc_samples
+    def __init__(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, gradients: dict | None = None, mc_samples: int = 1
+    ) -> None:
+        self.model, self.optimizer, self.gradients, self.mc_samples = model, optimizer, gradients, mc_samples
 
     def init(self, params: dict, buffers: dict) -> None:
         return None
@@ -341,11 +345,32 @@ class ReferenceIVON:
         for _ in range(self.mc_samples):
             with self.optimizer.sampled_params(train=True):
                 self.optimizer.zero_grad()
-                loss = nn.functional.cross_entropy(self.model(x), y)
-                loss.backward()
+                if self.gradients is None:
+                    loss = nn.functional.cross_entropy(self.model(x), y)
+                    loss.backward()
+                else:
+                    loss = torch.zeros(())
+                    for name, p in self.model.named_parameters():
+                        if name in self.gradients:
+                            p.grad = self.gradients[name].clone()
             losses.append(loss.detach())
         self.optimizer.step()
         return state, SimpleNamespace(loss=torch.stack(losses).mean())
+
+
+@dataclasses.dataclass(frozen=True)
+class FixedGradients(Objective):
+    """An objective whose gradient is a copy of ``gradients`` at any point: a method's update without the passes."""
+
+    gradients: dict = dataclasses.field(default_factory=dict)
+
+    def value_and_grad(self, params, buffers, batch, *, update_buffers=True):
+        logits = torch.zeros(batch[0].shape[0], 10, device=batch[0].device)
+        return torch.zeros((), device=logits.device), logits, {k: self.gradients[k].clone() for k in params}
+
+
+ALONE = " (update alone)"
+"""Suffix of the rows that time an IVON update with fixed gradients, without the forward and backward passes."""
 
 
 def bench_ivon(
@@ -354,8 +379,10 @@ def bench_ivon(
     """Per-round step times of flatbma's SGD, AdamW and IVON and of ivon-opt's IVON on one model of :data:`IVON_CASES`.
 
     The same hyper-parameters for both IVONs (``lr`` 0.1, ``ess`` 1000, ``β₁`` 0.9, ``δ`` 5e-4, the other
-    options at their shared defaults); the ``ivon-opt`` row is left out, with a note, when the package is not
-    installed. Returns the times and the number of trainable weights.
+    options at their shared defaults). Both are also timed with fixed gradients (rows ``… (update alone)``:
+    :class:`FixedGradients`, ``ReferenceIVON(gradients=…)``), the part of the step where the two differ — the
+    forward and backward passes are the same computation in both. The ``ivon-opt`` rows are left out, with a
+    note, when the package is not installed. Returns the times and the number of trainable weights.
     """
     kwargs, shape, transfer = IVON_CASES[case]
     model = build_model(**kwargs, seed=0).to(device).train()
@@ -366,34 +393,45 @@ def bench_ivon(
     y = torch.randint(0, kwargs["num_classes"], (batch_size,), generator=g).to(device)
     objective = Objective(model=model, num_data=1000)
     params, buffers = trainable_params(model), model_buffers(model)
+    gradients = {k: torch.randn(v.shape, generator=g).to(v) for k, v in params.items()}
     sgd = SGD(lr=0.1, momentum=0.9, weight_decay=5e-4)
+    ivon = parse_method({"name": "ivon", "ess": 1000.0})
     methods = {
         "sgd": point.build(objective, sgd),
         "adamw": point.build(objective, Adam(lr=1e-3, weight_decay=5e-4)),
-        "ivon": parse_method({"name": "ivon", "ess": 1000.0}).build(objective, sgd),
+        "ivon": ivon.build(objective, sgd),
+        "ivon" + ALONE: ivon.build(FixedGradients(model=model, num_data=1000, gradients=gradients), sgd),
     }
     try:
         import ivon as reference  # ivon-opt, the dev extra
     except ImportError:
-        print("(ivon-opt is not installed: pip install ivon-opt, or the dev extra, for its row)")
+        print("(ivon-opt is not installed: pip install ivon-opt, or the dev extra, for its rows)")
     else:
-        twin = copy.deepcopy(model)
-        trained = [p for p in twin.parameters() if p.requires_grad]
-        methods["ivon-opt"] = ReferenceIVON(twin, reference.IVON(trained, lr=0.1, ess=1000.0, weight_decay=5e-4))
+        for name, given in (("ivon-opt", None), ("ivon-opt" + ALONE, gradients)):
+            twin = copy.deepcopy(model)
+            trained = [p for p in twin.parameters() if p.requires_grad]
+            optimizer = reference.IVON(trained, lr=0.1, ess=1000.0, weight_decay=5e-4)
+            methods[name] = ReferenceIVON(twin, optimizer, given)
     runs = {name: [method, method.init(params, buffers), []] for name, method in methods.items()}
     return time_updates(runs, (x, y), rounds, device, cycle), sum(v.numel() for v in params.values())
 
 
 def print_ivon_ratios(title: str, times: dict[str, list[float]]) -> None:
-    """One row per method: median ms, paired ``/sgd``, ``/adamw`` and ``/ivon-opt`` (``-`` without that row)."""
+    """One row per method: median ms, paired ``/sgd``, ``/adamw`` and ``/ivon-opt`` (``-`` without that row).
+
+    The ``… (update alone)`` rows have ``/ivon-opt`` against ``ivon-opt (update alone)`` and no other ratio.
+    """
     print(title)
-    print(f"{'method':<20}{'ms':>10}{'/sgd':>10}{'/adamw':>10}{'/ivon-opt':>12}")
+    print(f"{'method':<28}{'ms':>10}{'/sgd':>10}{'/adamw':>10}{'/ivon-opt':>12}")
     for name in times:
-        peer = f"{paired_ratio(times, name, 'ivon-opt'):>11.2f}x" if "ivon-opt" in times else f"{'-':>12}"
-        print(
-            f"{name:<20}{statistics.median(times[name]) * 1e3:>10.1f}{paired_ratio(times, name):>9.2f}x"
-            f"{paired_ratio(times, name, 'adamw'):>9.2f}x{peer}"
+        peer_name = "ivon-opt" + ALONE if name.endswith(ALONE) else "ivon-opt"
+        peer = f"{paired_ratio(times, name, peer_name):>11.2f}x" if peer_name in times else f"{'-':>12}"
+        others = (
+            f"{'-':>10}{'-':>10}"
+            if name.endswith(ALONE)
+            else (f"{paired_ratio(times, name):>9.2f}x{paired_ratio(times, name, 'adamw'):>9.2f}x")
         )
+        print(f"{name:<28}{statistics.median(times[name]) * 1e3:>10.1f}{others}{peer}")
 
 
 DEVICE_MODELS = {

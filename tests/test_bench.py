@@ -113,6 +113,7 @@ def test_step_cost_quick_times_ivon_against_ivon_opt(capsys):
     step_cost.main(["--quick", "--cases", "--transfer-batches", "--trainable-cases", "--ivon-cases", "cnn 28x28"])
     lines = capsys.readouterr().out.splitlines()
     assert any(line.startswith("IVON: cnn 28x28, 94,186 weights trainable, batch 2") for line in lines)
-    rows = {line.split()[0]: line.split() for line in lines if line.split() and line.split()[0] in step_cost.IVON_ROWS}
+    rows = {name: line.split() for line in lines for name in step_cost.IVON_ROWS if line.startswith(name + "  ")}
     assert list(rows) == list(step_cost.IVON_ROWS)
     assert rows["sgd"][2] == "1.00x" and rows["adamw"][3] == "1.00x" and rows["ivon-opt"][4] == "1.00x"
+    assert rows["ivon-opt (update alone)"][-1] == "1.00x" and rows["ivon (update alone)"][-2] == "-"
