@@ -5,6 +5,7 @@ comment and validated up front in the demo's setting (the checks every run makes
 study expands to its entries, candidates, pairs and shared first stages.
 """
 
+import dataclasses
 from pathlib import Path
 
 import yaml
@@ -76,3 +77,23 @@ def test_basins_study_expands_to_the_study():
     assert multi.prior.method.name == "swag" and multi.method.options["members"] == 3
     multiswag = first["multiswag"].candidates[0].config.method.options["of"]
     assert multiswag == multi.prior.method  # the same SWAG as each member's prior stage
+
+
+def test_ivon_study_is_the_demos_task_with_its_arms_grid_and_pairs():
+    """configs/ivon-study.yaml (issue #37): the demo's data (plus a validation pool outside the k-shot images), model,
+    optim and epochs; IVON's and F-IVON's ess and beta2 chosen on validation; the three pairs."""
+    plan = load_plan(CONFIGS / "ivon-study.yaml")
+    demo = load_plan(DEMO)
+    assert plan.base.model == demo.base.model and plan.base.optim == demo.base.optim
+    assert plan.base.train.epochs == demo.base.train.epochs
+    assert dataclasses.replace(plan.base.data, val_pool=0) == demo.base.data and plan.base.data.val_pool == 10
+    jobs = plan.jobs()
+    arms = ["ivon", "f-ivon", "mfvi", "lowrank-vi", "fp-bma", "swag", "sgd"]
+    assert list(dict.fromkeys(j.label for j in jobs)) == arms
+    assert plan.compare.seeds == (0, 1, 2, 3, 4) and plan.compare.reference == "ivon" and plan.compare.flatness
+    assert [tuple(p) for p in plan.compare.pairs] == [("f-ivon", "ivon"), ("ivon", "sgd"), ("ivon", "mfvi")]
+    first = {j.label: j for j in jobs if j.seed == 0}
+    grid = [{"ess": e, "beta2": b} for e in (1e4, 1e5) for b in (0.95, 0.99999)]
+    assert [c.options for c in first["ivon"].candidates] == grid
+    assert [c.options for c in first["f-ivon"].candidates] == grid
+    assert first["fp-bma"].candidates[0].config.prior == first["lowrank-vi"].candidates[0].config.prior
