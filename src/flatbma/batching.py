@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call, vmap
 
+from flatbma import progress
 from flatbma.checks import is_int
 from flatbma.errors import FlatbmaError
 from flatbma.precision import as_float32
@@ -369,7 +370,11 @@ def _sync(device: torch.device) -> None:
 
 
 def _loop_log_probs(model: nn.Module, samples: Sequence[Mapping[str, Tensor]], x: Tensor) -> Tensor:
-    return torch.stack([F.log_softmax(as_float32(functional_call(model, dict(w), (x,))), dim=-1) for w in samples])
+    out = []
+    for w in samples:
+        out.append(F.log_softmax(as_float32(functional_call(model, dict(w), (x,))), dim=-1))
+        progress.current().tick()  # a long BMA batch keeps its phase printing (flatbma.progress)
+    return torch.stack(out)
 
 
 def _batched_log_probs(model: nn.Module, samples: Sequence[Mapping[str, Tensor]], x: Tensor, chunk: int) -> Tensor:
@@ -378,12 +383,11 @@ def _batched_log_probs(model: nn.Module, samples: Sequence[Mapping[str, Tensor]]
 
     mapped = vmap(log_probs, in_dims=(0, None), randomness="different")
     keys = list(samples[0])
-    return torch.cat(
-        [
-            mapped({k: torch.stack([w[k] for w in samples[i : i + chunk]]) for k in keys}, x)
-            for i in range(0, len(samples), chunk)
-        ]
-    )
+    out = []
+    for i in range(0, len(samples), chunk):
+        out.append(mapped({k: torch.stack([w[k] for w in samples[i : i + chunk]]) for k in keys}, x))
+        progress.current().tick()
+    return torch.cat(out)
 
 def _stacking_problem(samples: Sequence[Mapping[str, Tensor]]) -> str | None:
     """Why the weight dicts cannot be stacked key by key, or ``None`` when they can."""

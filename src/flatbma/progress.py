@@ -10,7 +10,8 @@ works reads it with :func:`current`:
   prints one line when it ends: ``flatness: 8 samples λ₁ in 41.2 s``.
 * :meth:`Reporter.line` prints one line under the same condition (the training loop's line per epoch).
 * :meth:`Reporter.tick` keeps a long phase from going silent: called from the loops inside it (every item of
-  a :meth:`Reporter.bar` calls it, and so does each Lanczos iteration), it prints ``flatness: Hessian
+  a :meth:`Reporter.bar` calls it, and so do each sample's forward pass of a BMA, each Hessian-vector product
+  and each landscape point), it prints ``flatness: Hessian
   spectra 3/8, 95 s so far`` once :attr:`Reporter.interval` seconds (30) have passed since the phase's last
   line — so a phase prints at least every ``interval`` seconds plus the time of one loop step. The time is
   read from :attr:`Reporter.clock`, which a test replaces by a fake clock.
