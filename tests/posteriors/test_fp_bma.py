@@ -15,7 +15,7 @@ from flatbma import packed
 from flatbma.errors import FlatbmaError
 from flatbma.experiment.config.methods import METHODS, parse_method
 from flatbma.experiment.run.checkpoint import load_state, save_state
-from flatbma.gaussian import GaussianNoise, geometry, kl_rows, rows, section, theta_layout
+from flatbma.gaussian import GaussianNoise, geometry, kl_rows, natural_covariance_gradient, rows, section, theta_layout
 from flatbma.optim import SAM, SGD, Adam, FisherSAM, sharpness_aware_value_and_grad
 from flatbma.optim.fisher_ball import (
     BallMetric,
@@ -551,7 +551,9 @@ def test_build_with_prior_uses_the_low_rank_kl():
     obj = Objective(model=model, loss_fn=lambda out, y: 0.0 * out.sum(), num_data=n)
     prior = _theta(seed=12, k=5)
     theta = _theta(seed=13, k=3)
-    method = fp_bma.build_with_prior(obj, SGD(lr=1.0, momentum=0.0), FisherBall(), prior, rank=3, kl_weight=kappa)
+    method = fp_bma.build_with_prior(
+        obj, SGD(lr=1.0, momentum=0.0), FisherBall(), prior, rank=3, kl_weight=kappa, variance_step="plain"
+    )
     state = method.init(theta, {})
     before = {k: v.clone() for k, v in state.params.items()}
     state, _ = method.update(state, _tiny_batch())
@@ -702,21 +704,25 @@ def test_geometry_is_kept_with_one_steps_packed_theta_only():
     torch.testing.assert_close(geometry(fresh, torch.float64).c_inv, second.c_inv, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("step", ["natural", "plain"])
 @pytest.mark.parametrize("ascent", [None, SAM(rho=0.1), FisherBall(gamma=0.05)], ids=["none", "sam", "fisher-ball"])
-def test_the_ascent_step_chooses_whether_the_update_perturbs_weights_or_theta(ascent):
-    # low-rank VI + SAM is F-low-rank-VI (each sampled w perturbed); low-rank VI + FisherBall is FP-BMA (θ perturbed)
+def test_the_ascent_step_chooses_whether_the_update_perturbs_weights_or_theta(ascent, step):
+    # low-rank VI + SAM is F-low-rank-VI (each sampled w perturbed); low-rank VI + FisherBall is FP-BMA (θ perturbed);
+    # the variance step then scales log σ's gradient (n/κG = 30 here: no momentum, κ = 1) and clips it
     torch.manual_seed(0)
     model = _Tiny().double()
     obj = Objective(model=model, num_data=30)
     batch = _tiny_batch(1)
-    method = lowrank_vi.build(obj, SGD(lr=1.0, momentum=0.0), ascent, rank=3, init_std=0.1)
+    method = lowrank_vi.build(obj, SGD(lr=1.0, momentum=0.0), ascent, rank=3, init_std=0.1, variance_step=step)
     state = method.init(trainable_params(model), {})
     theta = {k: v.clone() for k, v in state.params.items()}
     family = lowrank_vi.LowRankGaussian(rank=3, init_std=0.1, prior_std=1.0)
     noises = [family.noise(state.params, seeded_generator(state.aux[SEED_KEY], 0, "cpu"))]
     on_theta = ascent_space(ascent) is AscentSpace.THETA
-    step = theta_sharpness_value_and_grad if on_theta else elbo_value_and_grad
-    _, _, grads = step(obj, family, theta, {}, batch, noises, ascent=ascent, kl_weight=1.0)
+    value_and_grad = theta_sharpness_value_and_grad if on_theta else elbo_value_and_grad
+    _, _, grads = value_and_grad(obj, family, theta, {}, batch, noises, ascent=ascent, kl_weight=1.0)
+    if step == "natural":
+        grads = natural_covariance_gradient(state.params, grads, 30.0)
     state, _ = method.update(state, batch)
     for k in theta:
         torch.testing.assert_close(state.params[k], theta[k] - grads[k], rtol=1e-10, atol=1e-12)

@@ -109,7 +109,7 @@ def test_mfvi_kl_gradient_is_divided_by_num_data_exactly_once():
         torch.testing.assert_close(grads[f"mean/{k}"], kappa * mean[k] / s**2 / n)
         torch.testing.assert_close(grads[f"rho/{k}"], kappa * (sigma / s**2 - 1 / sigma) * torch.sigmoid(rho[k]) / n)
     # and the method applies it once: one SGD step of size 1 moves θ by exactly −κ∇KL/n
-    method = mfvi.build(obj, SGD(lr=1.0, momentum=0.0), prior_std=s, kl_weight=kappa)
+    method = mfvi.build(obj, SGD(lr=1.0, momentum=0.0), prior_std=s, kl_weight=kappa, variance_step="plain")
     state = method.init(theta, {})
     before = {k: v.clone() for k, v in state.params.items()}
     state, _ = method.update(state, _tiny_batch())

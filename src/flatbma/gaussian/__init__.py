@@ -36,6 +36,7 @@ from flatbma.gaussian.geometry import (
     diag_and_factor_blocks,
     geometry,
     marginal_variance,
+    natural_covariance_gradient,
     scale_covariance,
 )
 from flatbma.gaussian.kl import (
@@ -96,6 +97,7 @@ __all__ = [
     "log_density",
     "marginal_variance",
     "names_and_shapes",
+    "natural_covariance_gradient",
     "packed_rows",
     "prior_precision",
     "pullback",

@@ -15,7 +15,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from flatbma.gaussian.layout import blocks, factor_scale, rank_of, section
+from flatbma.gaussian.layout import blocks, factor_scale, from_rows, rank_of, rows, section
 from flatbma.packed import Packed
 
 
@@ -113,6 +113,23 @@ def diag_and_factor_blocks(theta: Mapping[str, Tensor]) -> tuple[dict[str, Tenso
     a = {n: 0.5 * torch.exp(2 * v).reshape(-1) for n, v in log_std.items()}
     u = {n: c * f.reshape(k, -1) for n, f in factor.items()}
     return a, u
+
+
+def natural_covariance_gradient(
+    theta: Mapping[str, Tensor], grads: Mapping[str, Tensor], scale: float
+) -> Mapping[str, Tensor]:
+    """``grads`` with its ``log σ`` row multiplied by ``scale/2`` and clipped to ``[−1, 1]``, packed like ``θ``.
+
+    ``2`` is the Fisher information of ``q_θ`` in ``log σᵢ`` while the factor adds little to ``Σᵢᵢ``
+    (``F_logσᵢ = ½(σᵢ²(Σ⁻¹)ᵢᵢ)²``, which is 2 for ``Σ = ½ diag σ²``): the mean-field part of the family, whose
+    natural step this is (:class:`flatbma.posteriors.gaussian_vi.VarianceStep`). The clip bounds a step of
+    ``log σ`` to one learning rate per update against the heavy tail of the single-sample estimate. The rows
+    of ``μ`` and ``L`` are unchanged.
+    """
+    matrix = rows(grads)
+    out = matrix.clone()
+    out[1].mul_(0.5 * scale).clamp_(-1.0, 1.0)
+    return from_rows(out, theta)
 
 
 def dense_covariance(theta: Mapping[str, Tensor]) -> Tensor:

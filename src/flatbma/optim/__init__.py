@@ -16,7 +16,7 @@ from flatbma.optim.fisher_sam import FisherSAM
 from flatbma.optim.loss_scale import LossScaled
 from flatbma.optim.sam import SAM
 from flatbma.optim.schedules import constant, cosine
-from flatbma.optim.sgd import SGD, Adam, DecayMask, with_decay_mask
+from flatbma.optim.sgd import SGD, Adam, DecayMask, steady_gain, with_decay_mask
 from flatbma.optim.torch_sam import SAMOptimizer
 
 __all__ = [
@@ -37,5 +37,6 @@ __all__ = [
     "disable_running_stats",
     "enable_running_stats",
     "sharpness_aware_value_and_grad",
+    "steady_gain",
     "with_decay_mask",
 ]

@@ -165,6 +165,17 @@ class SGD:
         return state
 
 
+def steady_gain(optimizer: object) -> float:
+    """The factor by which an optimizer's steps on a constant gradient ``g`` exceed ``η·g``, in the steady state.
+
+    Heavy-ball SGD with momentum ``μ``: ``m_t → g/(1−μ)``, so its steps reach ``η·g/(1−μ)`` (Nesterov's too:
+    ``g + μ·g/(1−μ)``); any other optimizer: 1 (Adam's steps are ``η·g/|g|``, whatever the scale of ``g``).
+    """
+    if isinstance(optimizer, SGD) and optimizer.momentum:
+        return 1.0 / (1.0 - optimizer.momentum)
+    return 1.0
+
+
 @dataclass(frozen=True)
 class Adam:
     """Adam (Kingma & Ba 2015) with decoupled weight decay (AdamW, Loshchilov & Hutter 2019).

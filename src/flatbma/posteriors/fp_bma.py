@@ -128,8 +128,12 @@ def build_with_prior(
     """
     o = lowrank_vi.Options(**options)
     lowrank_vi.check_rank(o.rank)
-    gaussian_vi.check_options(
-        num_mc_samples=o.num_mc_samples, init_std=o.init_std, prior_std=1.0, kl_weight=o.kl_weight
+    step = gaussian_vi.check_options(
+        num_mc_samples=o.num_mc_samples,
+        init_std=o.init_std,
+        prior_std=1.0,
+        kl_weight=o.kl_weight,
+        variance_step=o.variance_step,
     )
     if not isinstance(prior_theta, Mapping):
         raise FlatbmaError(f"prior_theta must be a dict of tensors in θ layout, got {type(prior_theta).__name__}")
@@ -144,4 +148,4 @@ def build_with_prior(
         raise FlatbmaError("the fp-bma prior contains non-finite values")
     prior = {k: v.detach() for k, v in prior_theta.items()}
     family = LowRankGaussianWithPrior(rank=o.rank, init_std=float(o.init_std), prior_std=1.0, prior=prior)
-    return lowrank_vi.posterior(objective, optimizer, ascent, family, o.num_mc_samples, o.kl_weight)
+    return lowrank_vi.posterior(objective, optimizer, ascent, family, o.num_mc_samples, o.kl_weight, step)

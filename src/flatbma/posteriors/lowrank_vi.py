@@ -40,6 +40,7 @@ from flatbma.gaussian import (
     kl_divergence,
     kl_divergence_grad,
     marginal_variance,
+    natural_covariance_gradient,
     pullback,
     rank_of,
     rows,
@@ -51,6 +52,7 @@ from flatbma.gaussian import (
 from flatbma.packed import Layout
 from flatbma.params import Objective
 from flatbma.posteriors import gaussian_vi
+from flatbma.posteriors.gaussian_vi import VarianceStep
 from flatbma.types import Ascent, GradientTransformation, Params, Posterior, State, StepOutput
 
 __all__ = [
@@ -156,6 +158,12 @@ class LowRankGaussian:
         """How far an ascent step moved ``q``: :func:`~flatbma.gaussian.step_size`."""
         return step_size(theta, moved)
 
+    def natural_variance(
+        self, theta: Mapping[str, Tensor], grads: Mapping[str, Tensor], scale: float
+    ) -> Mapping[str, Tensor]:
+        """``grads``, ``log σ``'s times ``scale/2``, clipped: :func:`~flatbma.gaussian.natural_covariance_gradient`."""
+        return natural_covariance_gradient(theta, grads, scale)
+
 
 def check_rank(rank: int) -> None:
     """Raise a :class:`FlatbmaError` unless ``rank`` (``method.rank``) is an integer ``K ≥ 2``."""
@@ -173,6 +181,7 @@ def posterior(
     family: LowRankGaussian,
     num_mc_samples: int,
     kl_weight: float,
+    variance_step: VarianceStep,
 ) -> Posterior:
     """The Gaussian VI posterior of a low-rank ``family``; its ``gaussian`` is ``q_θ`` itself (:func:`theta_of`).
 
@@ -180,7 +189,13 @@ def posterior(
     (:func:`flatbma.gaussian.marginal_variance`).
     """
     built = gaussian_vi.build(
-        objective, optimizer, ascent, family, num_mc_samples=num_mc_samples, kl_weight=float(kl_weight)
+        objective,
+        optimizer,
+        ascent,
+        family,
+        num_mc_samples=num_mc_samples,
+        kl_weight=float(kl_weight),
+        variance_step=variance_step,
     )
     return replace(built, gaussian=theta_of, mean=gaussian_vi.mean_of, marginal_variance=marginal_variance_of)
 
@@ -231,6 +246,11 @@ class Options:
         init_std: initial marginal standard deviation of every weight.
         prior_std: prior standard deviation ``s`` (of the default prior ``N(0, s²I)``).
         kl_weight: ``κ`` (1 is the ELBO; smaller values temper the KL).
+        variance_step: :class:`~flatbma.posteriors.gaussian_vi.VarianceStep` (or its name): ``natural`` steps
+            ``log σ`` along its natural gradient of the whole ELBO
+            (:func:`~flatbma.gaussian.natural_covariance_gradient`), so that the diagonal part of ``Σ`` moves to the
+            ELBO's optimum at a rate set by the learning rate; ``plain`` the optimizer's step on the plain gradient.
+            The factor ``L`` takes the plain step either way.
     """
 
     rank: int = 5
@@ -238,6 +258,7 @@ class Options:
     init_std: float = 1e-3
     prior_std: float = 1.0
     kl_weight: float = 1.0
+    variance_step: VarianceStep = VarianceStep.NATURAL
 
 
 def build(
@@ -246,7 +267,9 @@ def build(
     """Low-rank plus diagonal Gaussian VI; with an ascent step, F-low-rank-VI or FP-BMA.
 
     Minimizes ``E_{z₁,z₂}[L_B(w(θ, z))] + κ·KL(q_θ ‖ N(0, s²I)) / n`` over ``θ = (μ, log σ, L)`` with
-    ``optimizer`` (``n = objective.num_data``). The ascent step says where it acts
+    ``optimizer`` (``n = objective.num_data``), the gradient of ``log σ`` scaled to its natural step first with
+    ``variance_step: natural`` (the default; :func:`~flatbma.gaussian.natural_covariance_gradient`,
+    :class:`~flatbma.posteriors.gaussian_vi.VarianceStep`). The ascent step says where it acts
     (:mod:`flatbma.posteriors.gaussian_vi`):
 
     * on weights (e.g. :class:`~flatbma.optim.SAM`; registered as ``f-lowrank-vi``): each sampled ``w`` is
@@ -271,8 +294,12 @@ def build(
     """
     o = Options(**options)
     check_rank(o.rank)
-    gaussian_vi.check_options(
-        num_mc_samples=o.num_mc_samples, init_std=o.init_std, prior_std=o.prior_std, kl_weight=o.kl_weight
+    step = gaussian_vi.check_options(
+        num_mc_samples=o.num_mc_samples,
+        init_std=o.init_std,
+        prior_std=o.prior_std,
+        kl_weight=o.kl_weight,
+        variance_step=o.variance_step,
     )
     family = LowRankGaussian(rank=o.rank, init_std=float(o.init_std), prior_std=float(o.prior_std))
-    return posterior(objective, optimizer, ascent, family, o.num_mc_samples, o.kl_weight)
+    return posterior(objective, optimizer, ascent, family, o.num_mc_samples, o.kl_weight, step)

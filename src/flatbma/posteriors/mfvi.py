@@ -19,6 +19,7 @@ from torch import Tensor
 from flatbma.gaussian import GaussianNoise, check_sections, section, standard_normal_like
 from flatbma.params import Objective
 from flatbma.posteriors import gaussian_vi
+from flatbma.posteriors.gaussian_vi import VarianceStep
 from flatbma.types import Ascent, GradientTransformation, Params, Posterior, State
 
 PREFIXES = ("mean", "rho")
@@ -88,6 +89,27 @@ class MeanFieldGaussian:
         """Weight decay acts on ``mean/<name>`` (the weights) only, not on the covariance parameters."""
         return key.startswith("mean/")
 
+    def natural_variance(self, theta: Mapping[str, Tensor], grads: Mapping[str, Tensor], scale: float) -> Params:
+        """``grads`` with ``ρ``'s multiplied by ``scale · F_ρ⁻¹``, clipped: :func:`natural_rho_gradient`."""
+        return natural_rho_gradient(theta, grads, scale)
+
+
+def natural_rho_gradient(theta: Mapping[str, Tensor], grads: Mapping[str, Tensor], scale: float) -> Params:
+    """``grads`` with every ``rho/<name>`` multiplied by ``scale · F_ρ⁻¹ = scale · σ²/(2 sigmoid(ρ)²)``, clipped to ±1.
+
+    The Fisher information of ``N(μ, σ²)`` in ``σ`` is ``2/σ²``; with ``σ = softplus(ρ)``,
+    ``dσ/dρ = sigmoid(ρ)``, so ``F_ρ = 2 sigmoid(ρ)²/σ²`` — exact: the mean-field Fisher is diagonal and
+    block-diagonal between ``μ`` and ``ρ``. For small ``σ`` (``ρ ≪ 0``), ``softplus(ρ) ≈ sigmoid(ρ) ≈ e^ρ`` and the
+    factor is ``scale/2``: the natural step of ``log σ``. ``scale = n/(κG)`` gives the natural gradient of the whole
+    tempered ELBO in ``ρ`` at the optimizer's rate (:class:`~flatbma.posteriors.gaussian_vi.VarianceStep`, which
+    says why the clip). ``μ``'s entries are unchanged.
+    """
+    out = dict(grads)
+    for key, rho in section(theta, "rho").items():
+        ratio = torch.where(rho < -20, torch.ones_like(rho), F.softplus(rho) / torch.sigmoid(rho))  # σ/σ'(ρ) → 1
+        out[f"rho/{key}"] = (grads[f"rho/{key}"] * (0.5 * scale) * ratio.square()).clamp_(-1.0, 1.0)
+    return out
+
 
 @dataclass(frozen=True)
 class Options:
@@ -98,12 +120,17 @@ class Options:
         init_std: ``σ`` at initialization.
         prior_std: prior standard deviation ``s``.
         kl_weight: ``κ`` (1 is the ELBO; smaller values temper the KL).
+        variance_step: :class:`~flatbma.posteriors.gaussian_vi.VarianceStep` (or its name): ``natural`` steps ``ρ``
+            along its natural gradient of the whole ELBO, so that ``σ`` moves from ``init_std`` to the ELBO's
+            optimum at a rate set by the learning rate alone; ``plain`` the optimizer's step on the plain gradient
+            (Blundell et al. 2015), under which ``σ`` stays at ``init_std`` on a data set of thousands of examples.
     """
 
     num_mc_samples: int = 1
     init_std: float = 1e-3
     prior_std: float = 1.0
     kl_weight: float = 1.0
+    variance_step: VarianceStep = VarianceStep.NATURAL
 
 
 def build(
@@ -112,7 +139,11 @@ def build(
     """Bayes by backprop (MFVI), or F-MFVI with an ascent step.
 
     Minimizes ``E_{z~N(0,I)}[L_B(μ + σ⊙z)] + κ·KL(q_θ ‖ N(0, s²I)) / n`` over ``θ = (μ, ρ)`` with
-    ``optimizer``, where ``n = objective.num_data``; with an ascent step each sampled ``w`` is
+    ``optimizer``, where ``n = objective.num_data``; with ``variance_step: natural`` (the default) the gradient in
+    ``ρ`` is multiplied by ``n·F_ρ⁻¹`` first (:func:`natural_rho_gradient`), the natural gradient of the whole
+    ELBO in ``ρ``, so that ``σ`` reaches the ELBO's optimum ``σ_i² = 1/(n h_i + 1/s²)`` at a rate set by the
+    learning rate (:class:`~flatbma.posteriors.gaussian_vi.VarianceStep`, docs/methods.md §3.3). With an ascent
+    step each sampled ``w`` is
     perturbed by ``ε = ascent.perturb(w, ∇L_B(w))`` and ``∇L_B(w + ε)`` is back-propagated to ``θ``
     (see :mod:`flatbma.posteriors.gaussian_vi`).
 
@@ -123,12 +154,22 @@ def build(
         options: the fields of :class:`Options`.
     """
     o = Options(**options)
-    gaussian_vi.check_options(
-        num_mc_samples=o.num_mc_samples, init_std=o.init_std, prior_std=o.prior_std, kl_weight=o.kl_weight
+    step = gaussian_vi.check_options(
+        num_mc_samples=o.num_mc_samples,
+        init_std=o.init_std,
+        prior_std=o.prior_std,
+        kl_weight=o.kl_weight,
+        variance_step=o.variance_step,
     )
     family = MeanFieldGaussian(init_std=float(o.init_std), prior_std=float(o.prior_std))
     built = gaussian_vi.build(
-        objective, optimizer, ascent, family, num_mc_samples=o.num_mc_samples, kl_weight=float(o.kl_weight)
+        objective,
+        optimizer,
+        ascent,
+        family,
+        num_mc_samples=o.num_mc_samples,
+        kl_weight=float(o.kl_weight),
+        variance_step=step,
     )
     return replace(built, mean=gaussian_vi.mean_of, marginal_variance=marginal_variance)
 

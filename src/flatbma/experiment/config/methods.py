@@ -46,6 +46,7 @@ from flatbma.posteriors import (
     sgld,
     swag,
 )
+from flatbma.posteriors.gaussian_vi import VarianceStep
 from flatbma.types import Ascent, Phase, Posterior, Predictive, phases_after
 
 if TYPE_CHECKING:
@@ -129,7 +130,8 @@ class MethodSpec:
         stored: ``{option: value}`` for options added after runs were stored with another behaviour than their
             default: what a stored resolved section (a run directory's ``config.yaml``) without the option
             trained with (:func:`as_trained`). Laplace's ``subset``: ``all`` (it was all weights before
-            ``subset`` existed; its default is now ``last-layer``).
+            ``subset`` existed; its default is now ``last-layer``); Gaussian VI's ``variance_step``: ``plain``
+            (:class:`~flatbma.posteriors.gaussian_vi.VarianceStep`; its default is now ``natural``).
     """
 
     name: str
@@ -615,8 +617,16 @@ register(
     )
 )
 
+# Gaussian VI: run directories stored before variance_step existed trained with the plain step (VarianceStep).
+_VI_STORED: dict[str, Any] = {"stored": {"variance_step": VarianceStep.PLAIN.value}}
 register(
-    MethodSpec("mfvi", "Mean-field Gaussian VI: Bayes by backprop (Blundell et al. 2015)", mfvi.build, mfvi.Options)
+    MethodSpec(
+        "mfvi",
+        "Mean-field Gaussian VI: Bayes by backprop (Blundell et al. 2015)",
+        mfvi.build,
+        mfvi.Options,
+        **_VI_STORED,
+    )
 )
 register(
     MethodSpec(
@@ -626,11 +636,17 @@ register(
         lowrank_vi.Options,
         with_prior=fp_bma.build_with_prior,  # with no ascent step it is low-rank VI with that prior
         gaussian=True,
+        **_VI_STORED,
     )
 )
 register(
     MethodSpec(
-        "f-mfvi", "F-MFVI: SAM on each sampled model of MFVI (Nguyen et al. 2023)", mfvi.build, mfvi.Options, SAM
+        "f-mfvi",
+        "F-MFVI: SAM on each sampled model of MFVI (Nguyen et al. 2023)",
+        mfvi.build,
+        mfvi.Options,
+        SAM,
+        **_VI_STORED,
     )
 )
 register(
@@ -642,6 +658,7 @@ register(
         SAM,
         with_prior=fp_bma.build_with_prior,  # low-rank VI with that prior, SAM on each sample: lowrank-vi's F- twin
         gaussian=True,
+        **_VI_STORED,
     )
 )
 register(
@@ -793,6 +810,7 @@ register(
         FisherBall,
         with_prior=fp_bma.build_with_prior,
         gaussian=True,
+        **_VI_STORED,
     )
 )
 register(
@@ -804,6 +822,7 @@ register(
         FisherBall,
         with_prior=fp_bma.build_with_prior,
         gaussian=True,
+        **_VI_STORED,
     )
 )
 
