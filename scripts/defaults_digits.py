@@ -79,7 +79,8 @@ def main() -> None:
                 rows.append({"method": name, "refused": str(e)})
                 continue
         ours = bma.evaluate(test)
-        mean = evaluate(bma.model, [bma.mean()], test, num_classes=10)
+        point = bma.member(0) if bma.method.members else bma.mean()  # a mixture: its member 0 (BMA.load_into)
+        mean = evaluate(bma.model, [point], test, num_classes=10)
         row = {
             "method": name,
             "bma_nll": ours["nll"],

@@ -91,10 +91,11 @@ def _fingerprint(model: nn.Module) -> tuple[tuple[str, float, float], ...]:
 
 
 def hold(model: nn.Module, name: str, *, mean_loaded: bool = False) -> None:
-    """Record that a predictor of method ``name`` holds ``model``; ``mean_loaded``: it now holds the posterior mean.
+    """Record that a predictor of method ``name`` holds ``model``; ``mean_loaded``: it holds the posterior's weights.
 
     :class:`flatbma.predictor.BMA` calls it (its :meth:`~flatbma.predictor.BMA.load_into` with
-    ``mean_loaded``), so that the flatness functions can say which weights they measure
+    ``mean_loaded``: the posterior mean, or one member of a mixture), so that the flatness functions can say which
+    weights they measure
     (:func:`held_weights_note`). Nothing is kept alive: the record goes with the module.
     """
     holder = _HELD.get(model)

@@ -221,6 +221,10 @@ class BMA:
         self._linearized: LinearizedPredictive | None = None
         self._num_classes: int | None = None
         self._temperature = 1.0
+        self._count: int | None = None
+        self.loaded: str | None = None
+        """What :meth:`load_into` last wrote into the predictor's module (``"the posterior mean"``, ``"member 0 of
+        5"``), or ``None``."""
         self.history: list[dict[str, Any]] = []
         """The training log, one row per epoch (:func:`flatbma.fit_posterior` fills it; empty otherwise): the
         rows of ``flatbma train``'s ``log.csv`` — ``epoch``, ``loss``, ``accuracy``, ``steps``, ``lr``, ``time_s``,
@@ -237,7 +241,20 @@ class BMA:
         name = self._name()
         bn = "recomputed per sample" if self.recompute_bn else "the state's"
         tempered = f", temperature={self.temperature:.4g}" if self.temperature != 1.0 else ""
-        return f"BMA({name}, num_samples={self.num_samples}, seed={self.seed}, bn={bn}, device={self.device}{tempered})"
+        count = f"num_samples={self.num_samples}"
+        if self.method.members:  # a mixture: the samples its members give (an ensemble's members give one each)
+            count = f"num_samples={self._sample_count()} over {self.method.members} members"
+        loaded = f", module holds {self.loaded}" if self.loaded is not None else ""
+        return f"BMA({name}, {count}, seed={self.seed}, bn={bn}, device={self.device}{tempered}{loaded})"
+
+    def _sample_count(self) -> int:
+        """How many samples the BMA averages: those drawn, or as many as the method gives for ``num_samples``."""
+        if self._samples is not None:
+            return len(self._samples)
+        if self._count is None:
+            with self._forward():
+                self._count = len(self._drawn(self.num_samples))  # no statistics recomputed: only counted
+        return self._count
 
     # ---------------------------------------------------------------- torch
     def __call__(self, x: Any) -> Tensor:
@@ -343,17 +360,57 @@ class BMA:
         with self._forward():
             return self._statistics([mean])[0]
 
-    def load_into(self, model: nn.Module | None = None) -> nn.Module:
-        """Write :meth:`mean` into ``model`` (default: the predictor's module), in place; return it.
+    def member(self, m: int = 0) -> Params:
+        """Member ``m``'s weights of a mixture (:attr:`~flatbma.types.Posterior.members` ``> 0``), as a sample.
 
-        The module then holds the posterior mean — SWAG's SWA mean, VI's ``μ``, a point estimate
-        itself — with its BatchNorm statistics, so tools that read the module's own weights measure
-        the posterior's. The predictor's samples do not change (they never read the module's weights
-        that they replace).
+        An ensemble's member is its point — its own weights and BatchNorm statistics, exactly; a mixture of
+        posteriors (``multi``: MultiSWAG, …) gives member ``m``'s posterior mean (its family's
+        :attr:`~flatbma.types.Posterior.mean`; a family without one, its one sample). Statistics as the
+        predictor's samples' (recomputed where the predictor recomputes them).
+
+        Raises:
+            FlatbmaError: a posterior without members, or ``m`` not one of its members.
         """
-        target = load_into(self.model if model is None else model, self.mean())
+        size = self.method.members
+        if not size or self.method.split is None:
+            raise FlatbmaError(
+                f"member(m) is a mixture's (ensemble, multi): this {self._name()} posterior has no members; use mean()"
+            )
+        if not is_int(m) or not 0 <= m < size:
+            raise FlatbmaError(f"member must be an integer in [0, {size}) (this {self._name()}'s members), got {m!r}")
+        own = self.method.split(self.state, [m])
+        if self.method.mean is not None:
+            weights = self.method.mean(own)
+        else:
+            # round-robin over the members: a draw of `size` gives each held member one sample
+            weights = self.method.sample(own, size, torch.Generator(device="cpu").manual_seed(self.seed))[0]
+        with self._forward():
+            return self._statistics([weights])[0]
+
+    def load_into(self, model: nn.Module | None = None, *, member: int | None = None) -> nn.Module:
+        """Write one network of the posterior into ``model`` (default: the predictor's module), in place; return it.
+
+        A posterior with a mean in weight space gets :meth:`mean` — SWAG's SWA mean, VI's ``μ``, a point estimate
+        itself — with its BatchNorm statistics, so tools that read the module's own weights measure the
+        posterior's. A mixture of independently trained members (an ensemble, ``multi``) gets one member,
+        :meth:`member` ``(member)`` (member 0 by default), exactly: the average of weights across basins is no
+        network the mixture holds (for an ensemble of 5 on digits it scored accuracy 0.087), and the BMA is the
+        average of the members' *predictions* (:meth:`predict_proba`, :meth:`as_module`), not of their weights.
+        :attr:`loaded` and the repr say which was written. The predictor's samples do not change (they never read
+        the module's weights that they replace).
+
+        Raises:
+            FlatbmaError: ``member`` for a posterior without members, or not one of its members.
+        """
+        if member is not None or self.method.members:
+            weights = self.member(0 if member is None else member)
+            what = f"member {0 if member is None else member} of {self.method.members}"
+        else:
+            weights, what = self.mean(), "the posterior mean"
+        target = load_into(self.model if model is None else model, weights)
         if model is None or model is self.model:
-            hold(self.model, self._name(), mean_loaded=True)  # flatness on it measures the posterior mean
+            hold(self.model, self._name(), mean_loaded=True)  # flatness on it measures what was loaded
+            self.loaded = what
         return target
 
     # ---------------------------------------------------------------- prediction

@@ -87,7 +87,8 @@ def fit_posterior(
     5. ``BMA(model, method, state, loader, num_samples=..., seed=seed, recompute_bn=...)`` with the
        training log in :attr:`BMA.history <flatbma.predictor.BMA.history>` (``log.csv``'s rows), and
        with ``load_into`` (the default) :meth:`BMA.load_into <flatbma.predictor.BMA.load_into>`: the
-       module then holds the posterior mean with its BatchNorm statistics.
+       module then holds the posterior mean with its BatchNorm statistics — for a mixture of independently
+       trained members (``ensemble``, ``multi``) its member 0, exactly (``bma.loaded`` says which).
 
     Post hoc (``posthoc=True``): the module's weights are already trained (a MAP), so no update belongs to a
     MAP phase — the families whose posterior phase starts at ``start_step`` (default ``null``) start it at the
@@ -113,7 +114,7 @@ def fit_posterior(
 
     Args:
         model: any classifier ``nn.Module`` returning logits; parameters with ``requires_grad=False``
-            stay fixed (not Bayesian). It ends holding the posterior mean (``load_into``).
+            stay fixed (not Bayesian). It ends holding the posterior mean, or a mixture's member 0 (``load_into``).
         loader: training batches — a DataLoader over a sized dataset (its size scales KL terms and
             SG-MCMC noise; its dataset, in a fixed order, also serves to recompute BatchNorm statistics),
             or any re-iterable of batches, e.g. a list of ``(x, y)`` pairs (its batches and rows are counted
@@ -131,8 +132,11 @@ def fit_posterior(
         recompute_bn: see :class:`~flatbma.predictor.BMA`.
         load_into: write the posterior mean (with the BMA's BatchNorm statistics) into ``model``, so that
             ``model(x)`` and the flatness functions without ``weights=`` see the posterior's weights, not
-            the initialization; ``False`` leaves the module's weights as they were (flatness functions
-            called on it then warn that they measure those weights: :func:`flatbma.params.held_weights_note`).
+            the initialization — for an ensemble or ``multi``, member 0 (:meth:`BMA.load_into
+            <flatbma.predictor.BMA.load_into>`: the members' weight average is no network of the mixture; the
+            BMA is ``bma(x)`` or ``bma.as_module()``); ``False`` leaves the module's weights as they were
+            (flatness functions called on it then warn that they measure those weights:
+            :func:`flatbma.params.held_weights_note`).
         progress: show progress: a bar on a terminal; wherever ``stderr`` is no terminal (a notebook, a
             pipe, a log file) one line per epoch, the CLI's (``epoch 3/10  loss ...  acc ...  lr ...``);
             ``False``: nothing (:mod:`flatbma.progress`).
