@@ -8,6 +8,8 @@ import pytest
 
 from flatbma.errors import FlatbmaError
 from flatbma.experiment.config.run_config import load_config
+from flatbma.experiment.run.validate import validate_runs
+from flatbma.experiment.study.compare import _every_run
 from flatbma.experiment.study.plan import load_plan
 
 CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.yaml"))
@@ -43,3 +45,17 @@ def test_the_commands_in_a_config_s_comments_parse(path):
             load_config(path, overrides)
         else:
             load_plan(path, overrides, quick="--quick" in words)
+
+
+@pytest.mark.parametrize(("name", "steps_per_epoch"), [("cifar10", 1), ("cifar100", 4)])
+def test_the_cifar_configs_validate_without_cifar(name, steps_per_epoch, tmp_path):
+    """Every run of the CIFAR configs passes the checks made before training, on data with their step count.
+
+    CIFAR and the ResNet-18 weights are not in the repository: 10-shot digits (100 training images) stands in,
+    in batches that give the CIFAR run's steps per epoch (100 or 1,000 images in batches of 256), so that the
+    options counted in steps (SWAG's collection, cSGLD's cycles) are checked against the schedule they will see.
+    """
+    path = Path(__file__).resolve().parents[2] / "configs" / f"{name}-resnet18-10shot.yaml"
+    data = f"data={{name: digits, k_shot: 10, val_pool: 20, batch_size: {100 // steps_per_epoch}}}"
+    plan = load_plan(path, [data, "model={name: cnn}", f"output_dir={tmp_path}"])
+    validate_runs(_every_run(plan), flatness=plan.compare.flatness)
