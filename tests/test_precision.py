@@ -38,7 +38,7 @@ def test_every_method_trains_under_bf16_within_tolerance_of_fp32(name):
     assert relative_difference(half.params, full.params, start) < BF16_TOLERANCE
 
 
-@pytest.mark.parametrize("name", ["sgd", "sam", "fp-bma", "swag", "ensemble", "multi", "sgld"])
+@pytest.mark.parametrize("name", ["sgd", "sam", "fp-bma", "swag", "ensemble", "multi", "sgld", "ivon"])
 def test_fp16_loss_scale_trains_every_kind_of_state(name):
     start, full, _ = train_steps(name)
     _, half, method = train_steps(name, precision="fp16", wrap=LossScaled())

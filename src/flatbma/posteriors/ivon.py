@@ -45,6 +45,7 @@ import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from functools import partial
+from typing import ClassVar
 
 import torch
 from torch import Tensor
@@ -109,6 +110,14 @@ class Options:
         rescale_lr: ``α_t = (h₀ + δ)·η_t`` (Algorithm 1's optional rescaling, ``ivon-opt``'s default); ``False``:
             ``α_t = η_t``.
     """
+
+    NOTES: ClassVar[str] = """
+IVON is its own optimizer: optim.lr and optim.schedule give its learning rate (times hess_init + delta with
+rescale_lr), optim.momentum is its beta1 and optim.weight_decay its delta (the prior N(0, I/(ess·delta)));
+optim.name adam and optim.nesterov are refused. sigma = 1/sqrt(ess·(h + delta)), h starting at hess_init, moves
+only when the run's updates times (1 − beta2) is not small. Defaults: ivon-opt 0.1.3's (the authors' package),
+ess null = the training-set size (Algorithm 1). docs/methods.md §3.10.
+"""
 
     ess: float | None = None
     hess_init: float = 1.0
