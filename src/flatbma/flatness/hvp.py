@@ -168,8 +168,11 @@ class HessianOperator:
             else:
                 out = self._accumulated_product(v)
         self.num_products += 1
-        progress.current().tick()  # a long phase of products (Lanczos, Hutchinson) prints while it runs
         return out.to(vector.dtype)
+
+    def _tick(self) -> None:
+        """A chunk of a product done: a long phase of products (Lanczos, Hutchinson) prints while it runs."""
+        progress.current().tick(f"Hessian-vector product {self.num_products + 1}")
 
     # -- products -----------------------------------------------------------------------------
 
@@ -190,6 +193,7 @@ class HessianOperator:
                 hv = self._double_backward_product(v, x, y)
             total.add_(hv, alpha=float(nb))
             n += nb
+            self._tick()
         if n == 0:
             raise FlatbmaError(_EMPTY)
         return total / n
@@ -212,6 +216,7 @@ class HessianOperator:
         total = torch.zeros(self.dim, device=self.device, dtype=self._dtype)
         for nb, grads, idx in self._cached:  # the same sum as _accumulated_product's
             total.add_(self._backward_through(grads, idx, v, retain_graph=True), alpha=float(nb))
+            self._tick()
         return total / sum(nb for nb, _, _ in self._cached)
 
     def _gradient_graph(self, x: Tensor, y: Tensor) -> tuple[list[Tensor], list[int]]:
