@@ -8,6 +8,7 @@ study expands to its entries, candidates, pairs and shared first stages.
 import dataclasses
 from pathlib import Path
 
+import pytest
 import yaml
 
 from flatbma.experiment.run.validate import validate_runs
@@ -97,3 +98,36 @@ def test_ivon_study_is_the_demos_task_with_its_arms_grid_and_pairs():
     assert [c.options for c in first["ivon"].candidates] == grid
     assert [c.options for c in first["f-ivon"].candidates] == grid
     assert first["fp-bma"].candidates[0].config.prior == first["lowrank-vi"].candidates[0].config.prior
+
+
+FLAT_PAIRS = [("f-swag", "swag"), ("f-mfvi", "mfvi"), ("f-mc-dropout", "mc-dropout"), ("f-ensemble", "ensemble")]
+FLAT_PAIRS += [("f-sgld", "sgld"), ("f-lowrank-vi", "lowrank-vi")]
+
+
+@pytest.mark.parametrize("name", ["claims-transfer", "claims-scratch"])
+def test_the_claims_studies_expand_to_both_claims_arms_and_validate(name):
+    """Issue #34 parts 2-3: FP-BMA where q can move (no KL to its start, fixed epochs, the SWAG fit as start and
+    prior), its width twins and the positive control; F-X − X for six families at ρ = 0.05; 10 seeds."""
+    plan = load_plan(CONFIGS / f"{name}.yaml")
+    validate_runs(_every_run(plan), flatness=plan.compare.flatness)
+    assert plan.compare.seeds == tuple(range(10)) and plan.compare.flatness
+    assert plan.base.data.test_limit is None and plan.base.train.early_stopping is None  # the whole test split
+    pairs = [tuple(p) for p in plan.compare.pairs]
+    for arm in ("fp-bma-r0.05", "fp-bma-score0.5"):
+        assert (arm, "lowrank-vi") in pairs and (arm, f"twin@{arm}") in pairs
+    assert ("lowrank-vi", "sgd") in pairs  # the positive control
+    assert all(p in pairs for p in FLAT_PAIRS)
+    by_label = {}
+    for job in plan.jobs():
+        by_label.setdefault(job.label, job)
+    vi = [by_label[x].candidates[0].config for x in ("lowrank-vi", "f-lowrank-vi", "fp-bma-r0.05", "fp-bma-score0.5")]
+    swag = by_label["swag"].candidates[0].config
+    for c in vi:
+        assert c.method.options["kl_weight"] == 0.0 and c.prior is not None and c.prior.init
+        assert c.prior.method == swag.method and c.prior.epochs == swag.train.epochs  # q starts at the swag row
+    assert vi[2].method.ascent.radius == 0.05 and vi[3].method.ascent.radius == 0.5
+    assert vi[2].method.ascent.direction == "loss" and vi[3].method.ascent.direction == "score"
+    for flat, plain in FLAT_PAIRS:
+        assert by_label[flat].candidates[0].config.method.ascent.rho == 0.05
+        assert by_label[plain].candidates[0].config.method.ascent is None
+    assert len(by_label["mfvi"].candidates) == 3 and len(by_label["sgld"].candidates) == 3  # chosen on validation
