@@ -5,4 +5,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 FLATBMA=${FLATBMA:-.venv/bin/flatbma}
-"$FLATBMA" compare --config configs/demo.yaml "$@"
+# exit code 3: the comparison is written, but a run is flagged by a health rule or diverged (the warnings above and
+# report.md say which); the demo has done its work, so it ends with 0 after saying so
+status=0
+"$FLATBMA" compare --config configs/demo.yaml "$@" || status=$?
+if [ "$status" -eq 3 ]; then
+  echo "demo: done; a run is flagged or diverged (see the warnings above and report.md)" >&2
+  status=0
+fi
+exit "$status"

@@ -15,7 +15,8 @@ PIP=("$WORK/venv/bin/python" -m pip install -q --disable-pip-version-check)
 "${PIP[@]}" -c constraints-cpu.txt "$WORK"/dist/flatbma-*.whl 2>&1 | grep -v "is ignored" || true
 cd "$WORK"  # away from the checkout: only the installed package is importable
 "$WORK/venv/bin/flatbma" --version
+# exit code 3: trained and written, but flagged by a health rule (one epoch of an 8-unit MLP may not learn)
 "$WORK/venv/bin/flatbma" train --config digits-sam --quiet --set output_dir="$WORK/run" --set train.epochs=1 \
-  --set eval.num_samples=1 --set data.test_limit=100 --set model.width=8
+  --set eval.num_samples=1 --set data.test_limit=100 --set model.width=8 || [ $? -eq 3 ]
 test -f "$WORK/run/metrics.json"
 echo "[wheel-check] the wheel installs and runs: $(ls "$WORK"/dist)"

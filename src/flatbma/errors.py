@@ -16,7 +16,16 @@ class FlatbmaError(ValueError):
 
 
 class DivergenceError(FlatbmaError):
-    """Training produced a non-finite loss; the last good checkpoint is kept."""
+    """Training produced a non-finite loss or a failed linear solve; the last good checkpoint is kept.
+
+    ``cause`` says what went wrong first, for the advice the caller adds: ``"loss"`` (a non-finite training
+    loss), ``"solve"`` (a linear solve failed: a covariance no longer positive definite) or ``"inputs"`` (the
+    batch's inputs held NaN or inf: no step size is to blame).
+    """
+
+    def __init__(self, message: str, cause: str = "loss") -> None:
+        super().__init__(message)
+        self.cause = cause
 
 
 class FlatbmaTypeError(FlatbmaError, TypeError):

@@ -55,7 +55,16 @@ from flatbma.models.contract import first_output, keep_logits
 from flatbma.params import hold, load_into, model_buffers, trainable_params
 from flatbma.precision import Precision, autocast
 from flatbma.predict import Predictions, bma_log_probs, evaluate, labelled, predict, sample_log_probs
-from flatbma.predictor_file import LOGITS_FIRST, LOGITS_OUTPUT, PREDICTOR_FORMAT, likelihood_of, read_file, write_file
+from flatbma.predictor_file import (
+    LOGITS_FIRST,
+    LOGITS_OUTPUT,
+    PREDICTOR_FORMAT,
+    architecture,
+    architecture_problem,
+    likelihood_of,
+    read_file,
+    write_file,
+)
 from flatbma.regression import Gaussian, mixture_metrics, sample_outputs
 from flatbma.state_io import (
     renamed,
@@ -561,6 +570,7 @@ class BMA:
         if self.likelihood is not None:
             settings["likelihood"] = {"name": "gaussian", "noise_std": self.likelihood.noise_std}
         settings["logits"] = LOGITS_FIRST if first_output in self.model._forward_hooks.values() else LOGITS_OUTPUT
+        settings["architecture"] = architecture(self.model)  # load refuses a same-shaped module of other layers
         write_file(path, self.state, settings)
 
     @classmethod
@@ -577,7 +587,9 @@ class BMA:
     ) -> BMA:
         """The predictor :meth:`save` wrote to ``path``, for ``model`` and ``method`` built as before.
 
-        The state must have the structure ``method`` gives ``model`` (checked); the number of samples,
+        The state must have the structure ``method`` gives ``model``, and ``model`` the module tree the file
+        records (:func:`flatbma.predictor_file.architecture`: a same-shaped module with a ``Tanh`` where the fitted
+        one had a ``ReLU`` is refused; files saved before the record are not checked); the number of samples,
         the seed and whether statistics are recomputed come from the file. A predictor saved from a module
         whose forward returns a tuple (``"logits": "first"``) gives ``model``
         :func:`~flatbma.models.keep_logits`'s hook: its first element is the logits, as when it was fitted.
@@ -587,6 +599,11 @@ class BMA:
         """
         state, settings = read_file(path)
         state = _fitted(state, method, model, path, optimizer_recorded="optim" in settings)
+        other = architecture_problem(settings.get("architecture"), model)
+        if other is not None:
+            raise FlatbmaError(
+                f"{path} was saved from another architecture ({other}): load it into a module built as the fitted one"
+            )
         if settings.get("logits", LOGITS_FIRST) == LOGITS_FIRST:  # no record: an older file, either kind of module
             keep_logits(model)
         bma = cls(

@@ -16,11 +16,12 @@ from typing import Any
 
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
+from torch import nn
 
 from flatbma.checks import is_int
 from flatbma.errors import FlatbmaError
 from flatbma.regression import Gaussian
-from flatbma.state_io import FORMATS, SECTIONS, atomic_write_bytes, checksum_problem, encode_state, in_order
+from flatbma.state_io import FORMATS, SECTIONS, atomic_write_bytes, checksum_problem, clip, encode_state, in_order
 from flatbma.types import Params, State
 
 __all__ = [
@@ -28,6 +29,8 @@ __all__ = [
     "LOGITS_OUTPUT",
     "PREDICTOR_FORMAT",
     "PREDICTOR_KEY",
+    "architecture",
+    "architecture_problem",
     "likelihood_of",
     "read_file",
     "read_settings",
@@ -80,7 +83,7 @@ def read_file(path: str | Path) -> tuple[State, dict[str, Any]]:
     if meta.get("format") not in FORMATS:
         raise FlatbmaError(f"{path} is not a flatbma state file: save the predictor with bma.save(path)")
     settings = read_settings(meta, path)
-    newer = any(key in settings for key in ("logits", "optim"))  # records only versions writing checksums wrote
+    newer = any(key in settings for key in ("logits", "optim", "architecture"))  # only versions writing checksums
     damage = checksum_problem(tensors, meta, required=newer)
     if damage:
         raise FlatbmaError(f"{path} is damaged: {damage} (a changed bit on the disk, or an edit); save it again")
@@ -95,6 +98,29 @@ def read_file(path: str | Path) -> tuple[State, dict[str, Any]]:
     except (KeyError, ValueError, TypeError, AttributeError):
         raise FlatbmaError(f"{path}: the state file is damaged (tensor names or metadata); save it again") from None
     return State(step=step, **sections), settings
+
+
+def architecture(model: nn.Module) -> list[str]:
+    """The module tree of ``model`` as a predictor file records it: ``"<name>: <class>"`` for every submodule.
+
+    Two modules of the same shapes but other layers (a ``Tanh`` where the fitted one had a ``ReLU``) hold the
+    same tensors, so the state alone cannot tell them apart; their trees can (:func:`architecture_problem`).
+    Activations called as functions inside ``forward`` are no submodules and are not seen.
+    """
+    return [f"{name or '.'}: {type(module).__qualname__}" for name, module in model.named_modules()]
+
+
+def architecture_problem(recorded: Any, model: nn.Module) -> str | None:
+    """How ``model``'s tree differs from the ``recorded`` one (:func:`architecture`); ``None``: not, or not recorded."""
+    if recorded is None:
+        return None  # saved before the record
+    have = architecture(model)
+    for there, here in zip(recorded, have, strict=False):
+        if there != here:
+            return clip(f"module {there} there, {here.partition(': ')[2]} here", 100)
+    if len(recorded) != len(have):
+        return f"{len(recorded)} modules there, {len(have)} here"
+    return None
 
 
 def likelihood_of(settings: Mapping[str, Any], path: str | Path) -> Gaussian | None:
@@ -121,6 +147,8 @@ def read_settings(meta: Mapping[str, str], path: str | Path) -> dict[str, Any]:
         settings = json.loads(meta[PREDICTOR_KEY])
         valid = settings["format"] == PREDICTOR_FORMAT and is_int(settings["num_samples"]) and is_int(settings["seed"])
         valid = valid and settings.get("logits", LOGITS_FIRST) in (LOGITS_FIRST, LOGITS_OUTPUT)
+        tree = settings.get("architecture", [])
+        valid = valid and isinstance(tree, list) and all(isinstance(entry, str) for entry in tree)
     except (ValueError, KeyError, TypeError):
         valid = False
     if not valid:

@@ -70,7 +70,7 @@ def test_a_diverged_row_is_recorded_reused_and_the_comparison_goes_on(tmp_path, 
 
     monkeypatch.setattr(compare, "train", counting)
     config = _write(tmp_path)
-    assert main(["compare", "--config", config]) == 0
+    assert main(["compare", "--config", config]) == 3  # a row diverged
     out = tmp_path / "out"
     runs = json.loads((out / "results.json").read_text())["runs"]
     ok, hot, twin = runs
@@ -95,12 +95,12 @@ def test_a_diverged_row_is_recorded_reused_and_the_comparison_goes_on(tmp_path, 
 
     # a rerun reuses the failed row's record: nothing is trained again, the rows are the same
     trained.clear()
-    assert main(["compare", "--config", config]) == 0
+    assert main(["compare", "--config", config]) == 3
     assert trained == []
     assert json.loads((out / "results.json").read_text())["runs"] == runs
     assert "swag-hot seed 0 diverged" in capsys.readouterr().err
     # --force trains every row again, the diverged one included (it diverges again)
-    assert main(["compare", "--config", config, "--force"]) == 0
+    assert main(["compare", "--config", config, "--force"]) == 3
     assert sorted(trained) == sorted([ok["run_dir"], hot["run_dir"]])
     again = json.loads((out / "results.json").read_text())["runs"]
     assert again[1]["error"] == hot["error"] and again[2]["error"] == twin["error"]

@@ -137,14 +137,14 @@ def test_a_collapsing_run_is_flagged_but_not_stopped(tmp_path: Path) -> None:
     run = tmp_path / "run"
     cfg = {**BASE, "optim": COLLAPSING, "output_dir": str(run)}
     code, out, err = _cli(["train", "--config", _write(tmp_path, "c", cfg), "--quiet"])
-    assert code == 0 and "wrote" in out  # trained to the end, metrics written
+    assert code == 3 and "wrote" in out  # trained to the end, metrics written; exit code 3: flagged
     lines = err.splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"flatbma: warning: the run in {run} looks collapsed: "), err
     assert "at chance on its training data" in lines[0] and "lower the learning rate" in lines[0]
     health = json.loads((run / "metrics.json").read_text())["health"]
     assert health["ok"] is False and "at_chance" in health["flags"] and health["train_examples"] == 100
     code, _, err = _cli(["evaluate", str(run), "--quiet"])  # re-evaluated: flagged again, in one line
-    assert code == 0 and err.startswith("flatbma: warning: ") and len(err.splitlines()) == 1
+    assert code == 3 and err.startswith("flatbma: warning: ") and len(err.splitlines()) == 1
 
 
 def test_a_healthy_run_says_nothing_and_records_its_health(tmp_path: Path) -> None:
@@ -177,7 +177,7 @@ def test_a_laplace_posterior_that_undoes_its_map_is_flagged(tmp_path: Path, vali
     cfg = {**CNN, "method": UNDOING, "output_dir": str(run)}
     cfg = _with_validation(cfg) if validation else cfg
     code, out, err = _cli(["train", "--config", _write(tmp_path, "c", cfg), "--quiet"])
-    assert code == 0 and "wrote" in out
+    assert code == 3 and "wrote" in out  # 3: flagged
     lines = err.splitlines()
     assert len(lines) == 1 and lines[0].startswith(
         f"flatbma: warning: the run in {run} has a posterior too wide for its mean (narrow it"
@@ -191,7 +191,7 @@ def test_a_laplace_posterior_that_undoes_its_map_is_flagged(tmp_path: Path, vali
     if not validation:  # the BMA's side is the chance rule's measurement, on the same training images
         assert compared["bma_nll"] == health["train_bma_nll"] and compared["examples"] == health["train_examples"]
     code, _, err = _cli(["evaluate", str(run), "--quiet"])  # re-evaluated: the same numbers, flagged again
-    assert code == 0 and len(err.splitlines()) == 1 and "has a posterior too wide" in err
+    assert code == 3 and len(err.splitlines()) == 1 and "has a posterior too wide" in err
     assert json.loads((run / "metrics.json").read_text())["health"]["against_mean"] == compared
 
 
@@ -243,7 +243,7 @@ def test_compare_marks_the_flagged_row_in_its_tables_and_findings(tmp_path: Path
         },
     }
     code, stdout, err = _cli(["compare", "--config", _write(tmp_path, "c", cfg), "--quiet"])
-    assert code == 0, err
+    assert code == 3, err  # a flagged row
     warnings = [line for line in err.splitlines() if line.startswith("flatbma: warning: ")]
     assert len(warnings) == 1 and "sgd-lr30 seed 0" in warnings[0], err
     results = json.loads((out / "results.json").read_text())

@@ -115,7 +115,7 @@ def made(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     out = {}
     for name, method in (("sam", RUN["method"]), ("swag", SWAG)):
         code, err = _cli(["train", "--config", _write(root / f"{name}.yaml", _config(root / name, method=method))])
-        assert code == 0, err
+        assert code in (0, 3), err  # 3: finished, flagged by a health rule (these tiny runs are at chance)
         out[name] = root / name
     return out
 
@@ -146,7 +146,7 @@ class Ctx:
         out = self.tmp / "compare"
         argv = ["compare", "--config", _write(self.tmp / "compare.yaml", {**COMPARE, "output_dir": str(out)})]
         code, err = _cli(argv)
-        assert code == 0, err
+        assert code in (0, 3), err  # 3: its tiny row is flagged by a health rule
         return out, argv
 
     def train(self, **sections: Any) -> list[str]:

@@ -517,7 +517,7 @@ def test_a_two_stage_regression_run_fits_its_prior_on_the_gaussian_nll_and_train
         "--set",
         "optim.lr=0.002",  # the first stage's: the run's optim (no prior.optim)
     )
-    assert code == 0, err
+    assert code in (0, 3), err  # 3: flagged, three epochs at lr 0.002 move its training RMSE by under 1 %
     assert (run_dir / "prior" / "config.yaml").read_text().splitlines()[2:] == (
         (alone / "config.yaml").read_text().splitlines()[2:]
     )  # the same config but its output_dir
@@ -559,7 +559,8 @@ def test_torchrun_trains_a_regression_run_like_one_process(tmp_path):
     args += ["--set", "method={name: swag, rank: 2, start_step: 0, collect_every: 2}"]
     args += ["--set", "train.early_stopping={patience: 5}"]
     one, many = tmp_path / "one", tmp_path / "many"
-    assert main(["train", "--config", "diabetes-regression", "--set", f"output_dir={one}", *TINY, *args]) == 0
+    code = main(["train", "--config", "diabetes-regression", "--set", f"output_dir={one}", *TINY, *args])
+    assert code in (0, 3)  # 3: flagged (this tiny run does no better than the mean on validation); under torchrun 0
     out = torchrun(
         "-m", "flatbma", "train", "--config", "diabetes-regression", "--set", f"output_dir={many}", *TINY, *args
     )

@@ -193,6 +193,8 @@ def fit_posterior(
         )
     optim_section = _optim_section(optim, lr)
     optim_config = parse_dataclass(OptimConfig, optim_section, "optim")
+    if epochs > 0:  # post hoc (epochs 0) trains no step to warm up
+        optim_config.check_length(epochs, "optim", "epochs")
     steps, num_data = _sizes(loader)
     train_device = target_device(device, model)
     if gaussian is None:
@@ -208,7 +210,15 @@ def fit_posterior(
     _check_run(config.resolved(0) if posthoc else config, epochs=epochs, **check)  # post hoc: from update 0
     model.to(train_device)
     objective = Objective(model=model, num_data=num_data, **({"loss_fn": gaussian} if gaussian is not None else {}))
-    stage = dict(loader=loader, steps=steps, seed=seed, device=train_device, progress=progress, gaussian=gaussian)
+    stage = dict(
+        loader=loader,
+        steps=steps,
+        seed=seed,
+        device=train_device,
+        progress=progress,
+        gaussian=gaussian,
+        classes=classes,
+    )
     prior_theta, start = None, None
     if first is not None:
         shuffling = _loader_generator(loader)
@@ -335,6 +345,7 @@ def _train(
     device: torch.device,
     progress: bool,
     gaussian: Gaussian | None,
+    classes: int | None = None,
     prior_theta: Mapping[str, Tensor] | None = None,
     start: tuple[Mapping[str, Tensor], Mapping[str, Tensor]] | None = None,
     check: Callable[[Posterior], None] | None = None,
@@ -345,7 +356,8 @@ def _train(
     ``prior_theta``), initialized at ``start`` ``(params, buffers)`` or at the module's weights, and trained for
     ``epochs`` plus the family's extra epochs by :func:`~flatbma.experiment.runner.fit` with torch's global
     generator forked and seeded with ``seed``, the module in train mode (its mode restored afterwards).
-    ``check`` sees the built posterior before anything trains.
+    ``check`` sees the built posterior before anything trains. With ``classes`` every batch's labels are checked
+    to lie in ``[0, classes)`` (:func:`~flatbma.experiment.runner.check_labels`).
     """
     optimizer = optim_config.build(steps_per_epoch=steps, epochs=max(epochs, 1))  # post hoc Laplace: no step
     rate = config.learning_rate(optim_config.learning_rate(steps, max(epochs, 1)), map_steps)  # SWAG's held rate
@@ -377,9 +389,11 @@ def _train(
                 progress=progress,
                 after_epoch=lambda _state, history: log(history),
                 regression=gaussian is not None,
+                num_classes=classes,
             )
     except DivergenceError as e:
-        raise DivergenceError(f"{e}; lower the learning rate (e.g. lr={optim_config.lr / 10:g})") from None
+        advice = "" if e.cause == "inputs" else f"; {config.divergence_advice(e.cause, optim_config.lr, prefix='')}"
+        raise DivergenceError(f"{e}{advice}", cause=e.cause) from None
     finally:
         model.train(was_training)
     return optimizer, posterior, state, log

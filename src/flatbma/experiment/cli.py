@@ -36,6 +36,7 @@ from flatbma.experiment.parallel import processes
 from flatbma.experiment.report.repeatability import repeat_disagreement
 from flatbma.experiment.report.tables import summary_table
 from flatbma.experiment.run.build import resolve_device
+from flatbma.experiment.run.health import is_flagged
 from flatbma.experiment.run.pipeline import evaluate_run, load_run_config, resume_config, train
 from flatbma.experiment.study.compare import run_compare
 from flatbma.experiment.study.plan import load_plan
@@ -198,15 +199,17 @@ def _print_metrics(metrics: dict) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``flatbma`` command: its exit code.
 
-    Every way a command ends is one of: 0 (done); 2 with one line ``flatbma: error: ...`` (an input error,
-    a machine too small for the config, an output that cannot be written); 130 (Ctrl-C, SIGINT) or 143
-    (SIGTERM) with one line saying that finished checkpoints are kept; 141 without a word when the reader
-    of its output went away (``flatbma methods | head -1``), as a Unix tool ended by SIGPIPE. flatbma's own
-    warnings print as one line ``flatbma: warning: ...`` each, other libraries' not at all.
+    Every way a command ends is one of: 0 (done); :data:`FLAGGED` (3: done and written, but a training-health
+    rule flags the run — ``train``, ``evaluate``, or a row of ``compare`` — or a compared row diverged, each said
+    in a ``flatbma: warning:`` line); 2 with one line ``flatbma: error: ...`` (an input error, a machine too
+    small for the config, an output that cannot be written); 130 (Ctrl-C, SIGINT) or 143 (SIGTERM) with one
+    line saying that finished checkpoints are kept; 141 without a word when the reader of its output went away
+    (``flatbma methods | head -1``), as a Unix tool ended by SIGPIPE. flatbma's own warnings print as one line
+    ``flatbma: warning: ...`` each, other libraries' not at all.
     """
     try:
         with _terminated_on_sigterm(), _warnings_as_lines():
-            _command(argv)
+            code = _command(argv)
             sys.stdout.flush()  # here, not at exit: a full or closed output ends as every other error
     except FlatbmaError as e:
         _error(str(e))
@@ -237,7 +240,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     except _Terminated:
         print("flatbma: terminated (SIGTERM); finished checkpoints are kept", file=sys.stderr)
         return 143
-    return 0
+    return code
+
+
+FLAGGED = 3
+"""The exit code of a command that did its work and wrote its results, but whose run a training-health rule
+flags (:mod:`flatbma.experiment.run.health`), or a comparison with a flagged or diverged row: its numbers
+describe a failed fit. Distinct from 0, so that a script sees it; distinct from 2, since nothing was refused
+and everything was written (``scripts/demo.sh`` accepts it, saying so). Under ``torchrun`` the processes exit 0
+(torchrun reports any other code as a crashed process); the warning lines still say it."""
 
 
 _OUTPUT_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO)
@@ -280,10 +291,10 @@ def _terminated_on_sigterm() -> Iterator[None]:
 
 
 def _show_warning(message: Warning | str, category: type[Warning], *args: object, **kwargs: object) -> None:
-    if issubclass(category, FlatbmaWarning):
-        text = str(message).strip().splitlines()[0] if str(message).strip() else category.__name__
+    if issubclass(category, FlatbmaWarning):  # one line: a break in a value it quotes (a path) is escaped
+        text = str(message).strip().translate(_ESCAPE_LINE_BREAKS) or category.__name__
         text = text if len(text) <= 300 else text[:297] + "..."
-        print(f"flatbma: warning: {text.translate(_ESCAPE_LINE_BREAKS)}", file=sys.stderr, flush=True)
+        print(f"flatbma: warning: {text}", file=sys.stderr, flush=True)
 
 
 @contextlib.contextmanager
@@ -298,9 +309,10 @@ def _warnings_as_lines() -> Iterator[None]:
         yield
 
 
-def _command(argv: Sequence[str] | None) -> None:
-    """Parse ``argv`` and run the command (its errors are :func:`main`'s)."""
+def _command(argv: Sequence[str] | None) -> int:
+    """Parse ``argv`` and run the command (its errors are :func:`main`'s): 0, or :data:`FLAGGED`."""
     args = _build_parser().parse_args(argv)
+    flagged, alone = False, True
     if args.command == "methods" and args.name:
         print(_describe_method(args.name))
     elif args.command == "methods":
@@ -326,7 +338,8 @@ def _command(argv: Sequence[str] | None) -> None:
         with processes.process_group(device), _reporting(args):  # under torchrun: data-parallel
             # a resume's change is written only once the whole config and its checkpoint have passed every check
             trained = train(cfg, force=args.force, resume=bool(args.resume), resumed=resumed)
-            main_process = processes.is_main()
+            main_process, alone = processes.is_main(), processes.world_size() == 1
+        flagged = is_flagged(trained.metrics.get("health"))
         if main_process:
             _print_metrics(trained.metrics)
             run_dir = Path(cfg.output_dir)
@@ -339,7 +352,8 @@ def _command(argv: Sequence[str] | None) -> None:
         device = resolve_device(plan.base.train.device)
         with processes.process_group(device), _reporting(args, every_process=True):  # torchrun: runs spread
             results = run_compare(plan, force=args.force)
-            main_process = processes.is_main()
+            main_process, alone = processes.is_main(), processes.world_size() == 1
+        flagged = any(is_flagged(row.get("health")) or "error" in row for row in results["runs"])
         if main_process:
             print(summary_table(results))
             print(f"wrote {plan.out_dir / 'results.json'}, results.csv, report.md and report.html")
@@ -347,7 +361,8 @@ def _command(argv: Sequence[str] | None) -> None:
         device = resolve_device(load_run_config(args.run_dir).train.device)
         with processes.process_group(device), _reporting(args):  # under torchrun: each evaluates a shard
             metrics = evaluate_run(args.run_dir, flatness=args.flatness, ood=args.ood)
-            main_process = processes.is_main()
+            main_process, alone = processes.is_main(), processes.world_size() == 1
+        flagged = is_flagged(metrics.get("health"))
         if main_process:
             _print_metrics(metrics)
             print(json.dumps({k: metrics[k] for k in SUMMARY_KEYS if k in metrics}))
@@ -355,3 +370,4 @@ def _command(argv: Sequence[str] | None) -> None:
             if disagreement:  # the numbers above hold a λ₁ that a second measurement did not reproduce
                 sys.stdout.flush()
                 print(f"flatbma: warning: {disagreement}", file=sys.stderr, flush=True)
+    return FLAGGED if flagged and alone else 0

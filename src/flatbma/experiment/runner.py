@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from flatbma.errors import DivergenceError
+from flatbma.errors import DivergenceError, FlatbmaError
 from flatbma.progress import current
 from flatbma.types import Batch, State, StepOutput, Transform, training_batch
 
@@ -129,6 +129,7 @@ def fit(
     after_epoch: Callable[[State, History], None] | None = None,
     stop: Callable[[History], bool] | None = None,
     regression: bool = False,
+    num_classes: int | None = None,
 ) -> tuple[State, History]:
     """Run ``state, out = method.update(state, batch)`` over ``epochs`` passes of ``loader``.
 
@@ -158,6 +159,10 @@ def fit(
         regression: the targets are regression ones (a Gaussian likelihood): every epoch records its ``rmse``
             (:class:`EpochLog`), a run resumed right at an epoch's end included. Floating-point targets that are
             not class probabilities are taken as such anyway, from the first step of an epoch.
+        num_classes: the model's classes: every batch's integer labels are checked to lie in
+            ``[0, num_classes)`` before its step (:func:`check_labels`, a minimum and maximum of the labels where
+            the loader put them), so that a bad label in any batch is one :class:`~flatbma.errors.FlatbmaError`,
+            not the loss's ``IndexError`` (or a device-side assert on a GPU); ``None``: not checked.
 
     The epoch's step statistics (:attr:`~flatbma.types.StepOutput.stats`) are averaged into
     :attr:`EpochLog.stats`; their running sums are part of every :class:`Position`.
@@ -169,7 +174,9 @@ def fit(
 
     Raises:
         DivergenceError: on a non-finite loss or a failed linear solve (a covariance that is no longer
-            positive definite); nothing is checkpointed after the last good state.
+            positive definite); nothing is checkpointed after the last good state. A non-finite loss of a step
+            whose inputs held NaN or inf says so (``cause="inputs"``): no step size is to blame.
+        FlatbmaError: a label out of range (with ``num_classes``).
     """
     history = history if history is not None else History()
     total = _length(loader)
@@ -185,20 +192,22 @@ def fit(
         bar = reporter.bar(batches, total=total, initial=applied, desc=f"epoch {epoch + 1}/{epochs}", enabled=progress)
         for batch in bar:
             x, y = training_batch(batch) if isinstance(batch, Mapping) else batch  # a dict: its x and y keys
+            if num_classes is not None:
+                check_labels(y, num_classes, applied + 1, epoch + 1)
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             try:
                 state, out = method.update(state, (x, y))
-            except torch.linalg.LinAlgError as e:  # e.g. a covariance that is no longer positive definite
+            except torch.linalg.LinAlgError:  # e.g. a covariance that is no longer positive definite
                 running.check()  # a non-finite loss of an earlier step is what went wrong first
-                detail = str(e).splitlines()[0].rstrip(". ")
                 raise DivergenceError(
-                    f"a linear solve failed at step {state.step + 1} (epoch {epoch + 1}): {detail}; the trained "
-                    "variables diverged"
+                    f"a linear solve failed at step {state.step + 1} (epoch {epoch + 1}): the covariance is no longer "
+                    "positive definite",
+                    cause="solve",
                 ) from None
             except Exception:
                 running.check()
                 raise
-            running.add(state.step, out, y)
+            running.add(state.step, out, y, x)
             applied += 1
             if not getattr(bar, "disable", False):  # a bar on a terminal: its loss is read every step
                 bar.set_postfix(loss=f"{running.mean_loss():.4f}", refresh=False)
@@ -220,6 +229,22 @@ def fit(
             next_rng = generator.get_state() if generator is not None else None
             checkpoint(state, _here(epoch + 1, 0, next_rng, (0.0, 0.0, 0.0)), history)
     return state, history
+
+
+def check_labels(y: Tensor, num_classes: int, batch: int, epoch: int) -> None:
+    """Raise :class:`FlatbmaError` unless the integer labels ``y`` lie in ``[0, num_classes)`` (soft targets pass).
+
+    One minimum and maximum over the batch, where it lies (on the CPU before it moves, as loaders give it).
+    """
+    if y.is_floating_point() or y.numel() == 0:
+        return
+    low, high = torch.aminmax(y)
+    if int(low) < 0 or int(high) >= num_classes:
+        bad = int(y[(y < 0) | (y >= num_classes)][0])  # the first, in the batch's order
+        raise FlatbmaError(
+            f"label {bad} is out of range (batch {batch} of epoch {epoch}): the model returns {num_classes} logits "
+            f"per example, so labels must be class indices in [0, {num_classes})"
+        )
 
 
 CHECK_EVERY = 32
@@ -252,7 +277,7 @@ class _Running:
         loss, correct, count = resume.partial if resume is not None else (0.0, 0.0, 0.0)
         self.loss, self.correct, self.count = self._scalar(loss), self._scalar(correct), count
         self.stats = {k: [self._scalar(s), n] for k, s, n in resume.stats} if resume is not None else {}
-        self.pending: list[tuple[int, Tensor]] = []
+        self.pending: list[tuple[int, Tensor, Tensor | None]] = []
         self.epoch = epoch
         self.regression = False
 
@@ -262,10 +287,15 @@ class _Running:
         # a float64 Python float, exactly; torch.full fills on the device (torch.tensor would copy, a synchronization)
         return torch.full((), float(value), dtype=torch.float64, device=self.where)
 
-    def add(self, step: int, out: StepOutput, y: Tensor) -> None:
-        """Add one step's outputs (``step``: the state's step after it); check its loss unless on a GPU."""
+    def add(self, step: int, out: StepOutput, y: Tensor, x: Tensor | None = None) -> None:
+        """Add one step's outputs (``step``: the state's step after it; ``x``: its inputs); check its loss off a GPU.
+
+        Whether ``x`` was finite is kept beside the loss (a device reduction, read only with it), so that a
+        non-finite loss caused by the data is reported as such.
+        """
         loss = self._scalar(out.loss)
-        self.pending.append((step, loss))
+        finite = torch.isfinite(x).all() if x is not None and x.is_floating_point() else None  # read with the loss
+        self.pending.append((step, loss, finite))
         self.loss += loss * len(y)
         soft = y.is_floating_point() and y.dim() == 2 and y.shape == out.logits.shape
         if soft:  # soft targets (class probabilities): their most probable class
@@ -288,14 +318,21 @@ class _Running:
         """Raise :class:`DivergenceError` for the first unchecked non-finite loss (one host read)."""
         if not self.pending:
             return
-        losses = torch.stack([loss for _, loss in self.pending])
-        steps = [step for step, _ in self.pending]
+        losses = torch.stack([loss for _, loss, _ in self.pending])
+        steps = [step for step, _, _ in self.pending]
+        inputs = [ok for _, _, ok in self.pending]
         self.pending = []
         finite = torch.isfinite(losses)
         if not bool(finite.all()):
             first = int((~finite).nonzero()[0, 0])
-            value = float(losses[first])
-            raise DivergenceError(f"the training loss became {value} at step {steps[first]} (epoch {self.epoch + 1})")
+            value, where = float(losses[first]), f"step {steps[first]} (epoch {self.epoch + 1})"
+            if inputs[first] is not None and not bool(inputs[first]):
+                raise DivergenceError(
+                    f"the inputs hold NaN or inf values at {where}, so the training loss became {value}: clean the "
+                    "data (drop or impute those values)",
+                    cause="inputs",
+                )
+            raise DivergenceError(f"the training loss became {value} at {where}")
 
     def mean_loss(self) -> float:
         """The mean loss so far (a host read)."""

@@ -181,6 +181,17 @@ def amortized_options() -> dict[str, dataclasses.Field]:
     return {f.name: f for f in dataclasses.fields(Amortized) if f.name != "ascent"}
 
 
+STEP_SIZES = ("gamma", "radius", "rho", "init_std")
+"""Options that set the size of a method's own step or of its starting spread, whichever family or ascent step
+declares them (a rule that reads no method's name): FP-BMA's KL ball (``gamma``, ``radius``), the SAM family's
+neighbourhood (``rho``), a variational posterior's initial standard deviation (``init_std``). A divergence's advice
+names those a method sets beside the learning rate (:meth:`MethodConfig.divergence_advice`)."""
+
+
+def _number(value: Any) -> str:
+    return f"{value:g}" if isinstance(value, int | float) and not isinstance(value, bool) else str(value)
+
+
 @dataclass(frozen=True)
 class MethodConfig:
     """A method selected by name with its typed options (built by :func:`parse_method`).
@@ -312,6 +323,35 @@ class MethodConfig:
         """``{option: grid}`` of the options set to ``val``, to choose on validation data after training."""
         grids = METHODS[self.name].on_validation
         return {k: grid for k, grid in grids.items() if self.options.get(k) == VALIDATION}
+
+    def step_settings(self) -> dict[str, Any]:
+        """``{option: value}`` of the :data:`STEP_SIZES` it sets: in its options, its ascent step, a nested section's.
+
+        A nested section's are keyed by its path (``of.gamma``); options left at ``None`` are not set.
+        """
+        step = self.ascent.ascent if isinstance(self.ascent, Amortized) else self.ascent
+        out = {k: self.options[k] for k in STEP_SIZES if self.options.get(k) is not None}
+        fields = {f.name for f in dataclasses.fields(step)} if step is not None else set()  # not its properties
+        out.update({k: getattr(step, k) for k in STEP_SIZES if k in fields and getattr(step, k) is not None})
+        for key, value in self.options.items():
+            if isinstance(value, MethodConfig):
+                out.update({f"{key}.{k}": v for k, v in value.step_settings().items()})
+        return out
+
+    def divergence_advice(self, cause: str, lr: float, prefix: str = "method.") -> str:
+        """What to lower after training diverged (``cause``: :attr:`flatbma.errors.DivergenceError.cause`).
+
+        ``"lower method.gamma=10000, method.init_std=0.001 or optim.lr=0.05"``: the learning rate and the
+        method's :meth:`step_settings` at their current values — the method's first after a failed linear
+        solve (a covariance pushed out of positive definiteness by its own step: FP-BMA's KL ball, its initial
+        spread), the learning rate first after a non-finite loss. ``prefix``: how the options are named where the
+        advice is read (``method.`` in a config; ``""`` for :func:`flatbma.fit_posterior`'s keywords, whose
+        learning rate is then ``lr``).
+        """
+        named = [f"{prefix}{k}={_number(v)}" for k, v in self.step_settings().items()]
+        rate = f"{'optim.' if prefix else ''}lr={_number(lr)}"
+        order = [*named, rate] if cause == "solve" else [rate, *named]
+        return "lower " + (f"{', '.join(order[:-1])} or {order[-1]}" if len(order) > 1 else order[0])
 
     def with_options(self, **options: Any) -> MethodConfig:
         """This section with ``options`` replaced (e.g. the chosen ``prior_precision``)."""

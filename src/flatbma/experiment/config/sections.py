@@ -268,6 +268,21 @@ class OptimConfig:
         if not 0 <= self.momentum < 1:
             raise FlatbmaError(f"momentum must be in [0, 1), got {self.momentum!r}")
 
+    def check_length(self, epochs: int, where: str = "optim", epochs_key: str = "train.epochs") -> None:
+        """Refuse a warm-up longer than the ``epochs`` it warms up (``where``: the section's name in messages).
+
+        A cosine schedule's warm-up of ``warmup_epochs`` ≥ the run's epochs never reaches ``lr``: the whole run
+        trains at a fraction of the rate it asks for (``warmup_epochs: 100`` with ``epochs: 1`` trained at 1 %).
+
+        Raises:
+            FlatbmaError: one line naming both keys.
+        """
+        if self.warmup_epochs > epochs:
+            raise FlatbmaError(
+                f"{where}.warmup_epochs={self.warmup_epochs:g} is longer than the {epochs} epochs of the run "
+                f"({epochs_key}): the learning rate would never reach {where}.lr; use {where}.warmup_epochs <= {epochs}"
+            )
+
     def build(self, steps_per_epoch: int, epochs: int) -> GradientTransformation:
         """The optimizer, its learning rate following the schedule over ``epochs`` epochs of ``steps_per_epoch`` steps.
 

@@ -352,6 +352,48 @@ def against_mean(
     }
 
 
+def regression_fit(exp: Experiment, samples: list[Params], *, test_rmse: float) -> dict[str, Any]:
+    """How a regression BMA fits data like its training data: the health entry's measurements for its rules.
+
+    The RMSE of the mixture's mean ``(1/M) Σ_m μ_m(x)`` on the validation split when the run has one, else on
+    the first :data:`~flatbma.experiment.run.health.HEALTH_EXAMPLES` (whole batches) un-augmented training
+    examples of :attr:`Experiment.bn_loader`, and the standard deviation of their targets (``ddof = 0``: the
+    RMSE of always predicting their mean), beside the test RMSE. Run under forked random generators: nothing
+    measured after it changes.
+
+    ``fitted_start``: the run started from fitted weights (a two-stage run's prior with ``prior.init``, or
+    ``model.pretrained``), which may rightly barely move.
+
+    Returns:
+        ``{"regression": {"data": "validation" | "training", "examples", "rmse", "target_std", "test_rmse",
+        "fitted_start"}}``.
+    """
+    cfg = exp.config
+    devices = [exp.device.index or 0] if exp.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):  # a DataLoader's iterator draws its base seed
+        if exp.val_loader is not None:
+            batches, data = list(exp.val_loader), "validation"
+        else:
+            batches, used, data = [], 0, "training"
+            for batch in exp.bn_loader:
+                batches.append(batch)
+                used += len(batch[1])
+                if used >= HEALTH_EXAMPLES:
+                    break
+        mu, _, y = regression_moments(exp, samples, batches)
+    mean, y = mu.double().mean(0), y.double()
+    return {
+        "regression": {
+            "data": data,
+            "examples": len(y),
+            "rmse": float((mean - y).pow(2).mean().sqrt()),
+            "target_std": float(y.std(correction=0)),
+            "test_rmse": test_rmse,
+            "fitted_start": cfg.model.pretrained is not None or (cfg.prior is not None and cfg.prior.init),
+        }
+    }
+
+
 REGRESSION_KEYS = ("nll", "rmse", "mae", "coverage_0.5", "coverage_0.9", "coverage_0.95", "calibration_error")
 """Metrics of a regression run's BMA on the test set (:func:`flatbma.regression.mixture_metrics`)."""
 
@@ -407,7 +449,8 @@ def evaluate_state(exp: Experiment, state: State, *, flatness: bool = False) -> 
             )
         with exp.rng.restored():
             samples = with_bn_statistics(exp, draw_samples(exp, state))
-            metrics: dict[str, Any] = {"likelihood": "gaussian", **regression_metrics(exp, samples), "health": None}
+            metrics: dict[str, Any] = {"likelihood": "gaussian", **regression_metrics(exp, samples)}
+            metrics["health"] = regression_fit(exp, samples, test_rmse=metrics["rmse"])
             metrics["bn_statistics"] = bn_statistics(exp)
             metrics.update(diagnostics(exp, state))
             if flatness:
@@ -637,7 +680,7 @@ def measure(
             raise FlatbmaError(CORRUPTIONS_NOT_TABULAR)
         start = time.perf_counter()
         result = evaluate_state(exp, state, flatness=flatness)
-        result.update(health=None, temperature=None, corruptions={}, landscape=None)
+        result.update(temperature=None, corruptions={}, landscape=None)  # its health: evaluate_state's
         if landscape:
             with exp.rng.restored(), report.phase("landscape", "one random direction"):
                 result["landscape"] = landscape_metrics(exp, with_bn_statistics(exp, draw_samples(exp, state)))

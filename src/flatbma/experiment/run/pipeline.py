@@ -141,7 +141,10 @@ def _existing(cfg: RunConfig) -> Trained | None:
                 f"{run_dir} holds this config's finished run, trained on other data (the data set changed since): "
                 "pass --force to train it again on the data as it is now, or choose another output_dir"
             )
-        return Trained(experiment=exp, state=trained_state(exp), metrics=read_metrics(run_dir) or {}, reused=True)
+        metrics = read_metrics(run_dir) or {}
+        if processes.is_main():  # reported again: a reused run is no less flagged
+            warn_if_flagged(metrics.get("health"), f"the run in {run_dir}")
+        return Trained(experiment=exp, state=trained_state(exp), metrics=metrics, reused=True)
     refusal = _not_as_written(run_dir, *found) if found is not None else None
     if processes.main_decides(refusal is not None):
         raise FlatbmaError(refusal or f"{run_dir} is not as its run wrote it (rank 0 says why)")

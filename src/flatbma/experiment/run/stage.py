@@ -406,21 +406,7 @@ def _train_stage(
                 regression=cfg.model.gaussian is not None,
             )
     except DivergenceError as e:
-        lower = f"--set optim.lr={yaml_float(cfg.optim.lr / 10)}"
-        if logger is None and not resume:
-            todo = f"no checkpoint was written yet. Lower the learning rate (e.g. {lower}) and train again"
-            if ckpt.exists():  # another run's, replaced only by this run's first checkpoint
-                todo += f" (the run that was in {run_dir} is left as it was)"
-        elif cfg.prior is None or cfg.prior.optim is not None:  # a resume may change the lr (of this stage only)
-            resume_lower = f"flatbma train --resume {run_dir} {lower}"
-            todo = (
-                f"the last checkpoint is kept at {ckpt}. Lower the learning rate and resume: {resume_lower} "
-                "(if that diverges at once, the checkpoint's weights are already past the divergence: train again "
-                f"with {lower})"
-            )
-        else:
-            todo = f"the last good checkpoint is kept at {ckpt}. Lower the learning rate (e.g. {lower}) and train again"
-        raise DivergenceError(f"{e}; {todo}") from None
+        raise DivergenceError(_diverged(e, cfg, kept=logger is not None or resume), cause=e.cause) from None
     finally:
         if logger is not None:
             logger.close()
@@ -454,6 +440,27 @@ def _train_stage(
         if evaluate:
             warn_if_flagged(metrics["health"], f"the run in {run_dir}")  # once its metrics are kept
     return Trained(experiment=exp, state=state, metrics=metrics)
+
+
+def _diverged(e: DivergenceError, cfg: RunConfig, *, kept: bool) -> str:
+    """The one line of a run that diverged: what happened and what to change (``kept``: a checkpoint of it is there).
+
+    Inputs that held NaN or inf name the data alone. Otherwise the settings that size a step
+    (:meth:`~flatbma.experiment.config.methods.MethodConfig.divergence_advice`); the learning rate alone, when a
+    resume may change it (in a two-stage run only with a ``prior.optim`` section), is changed by resuming.
+    """
+    if e.cause == "inputs":
+        return str(e)
+    run_dir = Path(cfg.output_dir)
+    advice = cfg.method.divergence_advice(e.cause, cfg.optim.lr)
+    lower = f"--set optim.lr={yaml_float(cfg.optim.lr / 10)}"
+    resumable = cfg.prior is None or cfg.prior.optim is not None  # a resume may change the lr (of this stage only)
+    if kept and resumable and not cfg.method.step_settings():
+        return (
+            f"{e}; the last checkpoint is kept: resume with 'flatbma train --resume {run_dir} {lower}' (if that "
+            "diverges at once, train again with it)"
+        )
+    return f"{e}; {advice}, then train again" + ("" if kept else " (nothing was written)")
 
 
 def step_stats(history: History) -> dict[str, dict[str, float]]:

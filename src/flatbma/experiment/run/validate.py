@@ -132,7 +132,10 @@ def check_run(cfg: RunConfig, shape: RunShape, *, flatness: bool) -> None:
     fitted prior (:func:`~flatbma.experiment.run.prior.check_stable_with_prior`).
     """
     first = prior_stage(cfg)
+    cfg.optim.check_length(cfg.train.epochs)
     if first is not None and cfg.prior is not None:
+        where = "prior.optim" if cfg.prior.optim is not None else "optim"
+        first.optim.check_length(first.train.epochs, where, "prior.epochs")
         # the prior.method section checks itself (a mixture's first stage trains it in every member, each step)
         cfg.prior.method.check(Stage(shape, first.train.epochs, "prior.epochs", "prior.method"))
         check_stable_with_prior(cfg, shape.num_train)
