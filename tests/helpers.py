@@ -16,6 +16,9 @@ from torch import nn
 
 from flatbma.params import Objective
 
+DONE = (0, 3)
+"""Exit codes of a command that did its work: 3 when a health rule flags its run (as tiny test runs often are)."""
+
 
 class Quadratic(nn.Module):
     """A module whose output is its weight vector; pair it with :func:`quadratic_loss`."""

@@ -36,6 +36,7 @@ from flatbma.experiment.run.provenance import template
 from flatbma.experiment.runner import fit
 from flatbma.optim import SGD
 from flatbma.params import Objective, model_buffers, trainable_params
+from tests.helpers import DONE
 
 CKPT = "checkpoint.safetensors"
 CONFIG = {
@@ -87,7 +88,7 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     out = {}
     for name, method in METHODS.items():
         config = _write(root / f"{name}.yaml", _cfg(root / name, method=method))
-        assert main(["train", "--config", config]) == 0
+        assert main(["train", "--config", config]) in DONE
         out[name] = root / name
     return out
 
@@ -137,9 +138,9 @@ def test_a_checkpoint_from_before_the_record_is_accepted_and_still_checked(runs,
     run = _copy(runs["sam"], tmp_path)
     _rewrite(run / CKPT, meta=_before_the_records)
     before = json.loads((run / "metrics.json").read_text())
-    assert _run(capsys, "evaluate", str(run))[0] == 0
+    assert _run(capsys, "evaluate", str(run))[0] in DONE
     assert json.loads((run / "metrics.json").read_text())["accuracy"] == before["accuracy"]
-    assert _run(capsys, "train", "--resume", str(run))[0] == 0
+    assert _run(capsys, "train", "--resume", str(run))[0] in DONE
     # an old SWAG checkpoint in a SAM run: refused by its state, whose point update's state lies under point/
     # (SWAG's component, beside its moments under swag/) where the SAM run has it at the top
     shutil.copy(runs["swag"] / CKPT, run / CKPT)
@@ -152,7 +153,7 @@ def test_sgld_samples_kept_in_aux_are_its_own_state(runs, tmp_path, capsys):
     state, _, _ = load_checkpoint(runs["sgld"] / CKPT)
     assert any(k.startswith("samples/") for k in state.aux)  # entries its fresh state lacks
     run = _copy(runs["sgld"], tmp_path)
-    assert _run(capsys, "train", "--resume", str(run))[0] == 0
+    assert _run(capsys, "train", "--resume", str(run))[0] in DONE
     _rewrite(run / CKPT, tensors=lambda t: t.update({"aux/samples/fc.bogus": torch.zeros(2, 3)}))
     assert "aux/samples/fc.bogus is unexpected" in _error(capsys, "evaluate", str(run))
 
@@ -355,7 +356,7 @@ def test_a_full_disk_while_training_is_one_line_and_the_last_checkpoint_resumes(
     )
     assert not [p.name for p in out.iterdir() if p.name.endswith(".tmp")]
     assert load_checkpoint(out / CKPT)[0].step == 7
-    assert _run(capsys, "train", "--resume", str(out))[0] == 0  # space freed: the run resumes exactly
+    assert _run(capsys, "train", "--resume", str(out))[0] in DONE  # space freed: the run resumes exactly
     a, b = load_file(str(runs["sam"] / CKPT)), load_file(str(out / CKPT))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
@@ -397,7 +398,7 @@ def test_stale_temp_files_are_removed_and_outputs_get_the_umask_mode(runs, tmp_p
         path.write_bytes(b"x" * 100)
     old = os.umask(0o027)
     try:
-        assert _run(capsys, "train", "--resume", str(run))[0] == 0  # finished: nothing to train, evaluated again
+        assert _run(capsys, "train", "--resume", str(run))[0] in DONE  # finished: nothing to train, evaluated again
     finally:
         os.umask(old)
     assert not any(p.exists() for p in stale) and all(p.exists() for p in kept)
@@ -425,10 +426,10 @@ def test_resume_may_change_only_the_keys_that_keep_the_state_meaning(runs, tmp_p
 def test_a_stopped_run_continues_with_a_lower_learning_rate_and_more_epochs(tmp_path, capsys):
     """Known answer: one uninterrupted fit whose learning rate drops from 0.05 to 0.01 after epoch 1."""
     one = _cfg(tmp_path / "run", train={"epochs": 1})
-    assert _run(capsys, "train", "--config", _write(tmp_path / "c.yaml", one))[0] == 0
+    assert _run(capsys, "train", "--config", _write(tmp_path / "c.yaml", one))[0] in DONE
     run = tmp_path / "run"
     argv = ["train", "--resume", str(run), "--set", "optim.lr=0.01", "--set", "train.epochs=2"]
-    assert _run(capsys, *argv)[0] == 0
+    assert _run(capsys, *argv)[0] in DONE
 
     cfg = config_from_dict(_cfg(tmp_path / "reference", train={"epochs": 2}))
     exp = build_experiment(cfg)
@@ -455,7 +456,7 @@ def test_a_stopped_run_continues_with_a_lower_learning_rate_and_more_epochs(tmp_
     [record] = json.loads((run / "resumes.json").read_text())
     assert record["changed"] == {"optim.lr": {"old": 0.05, "new": 0.01}, "train.epochs": {"old": 1, "new": 2}}
     assert (record["step"], record["epoch"], record["batch"]) == (STEPS_PER_EPOCH, 1, 0)
-    assert _run(capsys, "evaluate", str(run))[0] == 0  # the changed run is a run like any other
+    assert _run(capsys, "evaluate", str(run))[0] in DONE  # the changed run is a run like any other
 
 
 def test_a_diverged_run_names_the_resume_command_that_lowers_the_learning_rate(tmp_path, capsys):
@@ -477,8 +478,8 @@ def test_a_two_stage_run_refuses_changes_its_first_stage_shares(tmp_path, capsys
         prior={"method": {"name": "swag", "rank": 2, "start_step": 0, "collect_every": 5}, "epochs": 1},
         train={"epochs": 1},
     )
-    assert _run(capsys, "train", "--config", _write(tmp_path / "c.yaml", cfg))[0] == 0
+    assert _run(capsys, "train", "--config", _write(tmp_path / "c.yaml", cfg))[0] in DONE
     msg = _error(capsys, "train", "--resume", str(tmp_path / "two"), "--set", "optim.lr=0.01")
     assert "--resume cannot change optim.lr of this two-stage run: its first stage shares it" in msg
-    assert _run(capsys, "train", "--resume", str(tmp_path / "two"), "--set", "train.epochs=2")[0] == 0
+    assert _run(capsys, "train", "--resume", str(tmp_path / "two"), "--set", "train.epochs=2")[0] in DONE
     assert load_checkpoint(tmp_path / "two" / CKPT)[0].step == 2 * STEPS_PER_EPOCH

@@ -8,6 +8,7 @@ import yaml
 
 from flatbma.experiment.cli import main
 from flatbma.experiment.study.eta import TimeLeft, row_work
+from tests.helpers import DONE
 
 CONFIG = {
     "output_dir": None,
@@ -60,7 +61,7 @@ def _write(tmp_path, cfg):
 @pytest.mark.slow
 def test_compare_writes_every_output_and_resumes(tmp_path, capsys):
     path = _write(tmp_path, CONFIG)
-    assert main(["compare", "--config", path]) == 0, capsys.readouterr().err
+    assert main(["compare", "--config", path]) in DONE, capsys.readouterr().err
     out = tmp_path / "out"
     results = json.loads((out / "results.json").read_text())
     assert len(results["runs"]) == 4
@@ -83,7 +84,7 @@ def test_compare_writes_every_output_and_resumes(tmp_path, capsys):
 
     # rerun: every (method, seed) is reused, nothing retrains
     stamps = {p: p.stat().st_mtime_ns for p in out.glob("runs/*/*/checkpoint.safetensors")}
-    assert main(["compare", "--config", path]) == 0
+    assert main(["compare", "--config", path]) in DONE
     assert {p: p.stat().st_mtime_ns for p in out.glob("runs/*/*/checkpoint.safetensors")} == stamps
     assert json.loads((out / "results.json").read_text())["runs"] == results["runs"]
 

@@ -30,6 +30,7 @@ from hypothesis import strategies as st
 from flatbma.errors import FlatbmaError
 from flatbma.experiment.config.parse import MAX_YAML_NODES, load_yaml
 from tests.experiment.test_hostile_inputs import _cli
+from tests.helpers import DONE
 
 SETTINGS = settings(deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 
@@ -140,7 +141,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     path = root / "c.yaml"
     path.write_text(yaml.safe_dump({**RUN, "output_dir": str(root / "run")}))
     code, err = _cli(["train", "--config", str(path), "--quiet"])
-    assert code == 0, err
+    assert code in DONE, err
     return json.loads((root / "run" / "metrics.json").read_text())
 
 
@@ -187,5 +188,5 @@ def test_a_failing_disk_at_any_write_is_one_line_and_the_run_finishes_the_same(
     else:
         argv = ["train", "--config", str(path), "--force", "--quiet"]
     code, err = _cli(argv)
-    assert code == 0, err
+    assert code in DONE, err
     assert _numbers(json.loads((run / "metrics.json").read_text())) == _numbers(reference)

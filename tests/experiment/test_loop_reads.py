@@ -51,8 +51,15 @@ def test_a_lazy_check_reports_the_same_step_and_keeps_the_same_checkpoint(monkey
     method, state, loader = _setup()
     saved = []
     with pytest.raises(DivergenceError) as e:
-        runner.fit(_diverging(method, 45), state, loader, epochs=2, checkpoint=lambda s, p, h: saved.append(s.step),
-                   checkpoint_every=10, progress=False)
+        runner.fit(
+            _diverging(method, 45),
+            state,
+            loader,
+            epochs=2,
+            checkpoint=lambda s, p, h: saved.append(s.step),
+            checkpoint_every=10,
+            progress=False,
+        )
     assert str(e.value) == "the training loss became nan at step 45 (epoch 1)"
     assert saved == [10, 20, 30, 40]  # never a state after the non-finite loss
 

@@ -460,7 +460,10 @@ def _diverged(e: DivergenceError, cfg: RunConfig, *, kept: bool) -> str:
             f"{e}; the last checkpoint is kept: resume with 'flatbma train --resume {run_dir} {lower}' (if that "
             "diverges at once, train again with it)"
         )
-    return f"{e}; {advice}, then train again" + ("" if kept else " (nothing was written)")
+    if kept:
+        return f"{e}; {advice}, then train again"
+    other = f" (the run that was in {run_dir} is left as it was)" if (run_dir / CHECKPOINT_FILE).exists() else ""
+    return f"{e}; no checkpoint was written yet: {advice}, then train again{other}"
 
 
 def step_stats(history: History) -> dict[str, dict[str, float]]:
