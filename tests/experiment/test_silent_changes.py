@@ -32,11 +32,10 @@ from typing import Any
 import pytest
 import torch
 import yaml
-from safetensors import safe_open
-from safetensors.torch import load_file, save_file
 
 from flatbma.errors import DivergenceError, FlatbmaError
 from flatbma.experiment.run.lock import LOCK_FILE
+from tests.experiment.test_checkpoint_tamper import _rewrite
 from tests.experiment.test_hostile_inputs import (
     CKPT,
     COMPARE,
@@ -49,23 +48,10 @@ from tests.experiment.test_hostile_inputs import (
     contents,
     made,  # noqa: F401  (the module's finished SAM and SWAG runs)
 )
-from tests.helpers import held_by_another_process
+from tests.helpers import DONE, held_by_another_process
 
 SHORT = 200
 """The longest error line, once the paths it names are taken out."""
-DONE = (0, 3)
-"""The exit codes of a command that did its work: 3 when a health rule flags the run (as these tiny runs are)."""
-
-
-def _rewrite(path: Path, *, tensors: Callable[[dict], None] | None = None, meta: Callable[[dict], None] | None = None):
-    data = load_file(str(path))
-    with safe_open(str(path), framework="pt") as f:
-        metadata = dict(f.metadata())
-    if tensors is not None:
-        tensors(data)
-    if meta is not None:
-        meta(metadata)
-    save_file(data, str(path), metadata=metadata)
 
 
 def _short(line: str, *roots: Path) -> str:
@@ -460,10 +446,6 @@ def test_a_regression_run_that_learned_nothing_is_flagged(tmp_path: Path) -> Non
 # 9. every batch's labels
 
 
-def _loader(*batches: tuple[torch.Tensor, torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    return list(batches)
-
-
 def test_an_out_of_range_label_after_the_first_batch_is_one_flatbma_error() -> None:
     import flatbma
 
@@ -497,13 +479,13 @@ def test_non_finite_inputs_are_named_not_the_learning_rate() -> None:
 
 
 def test_a_diverged_fp_bma_names_its_own_step_settings(tmp_path: Path) -> None:
-    """FP-BMA at ``init_std: 1`` (or ``gamma: 1e4``) said 'a linear solve failed … lower the learning rate' in 544
+    """FP-BMA at ``gamma: 1e4`` and ``init_std: 1`` said 'a linear solve failed … lower the learning rate' in 544
     characters; following it failed the same way. Now the method's settings come first, in one short line."""
     run = tmp_path / "run"
-    cfg = {**_config(run, method={"name": "fp-bma", "init_std": 1.0}), "model": {"name": "mlp"}}  # its default width
+    cfg = _config(run, method={"name": "fp-bma", "rank": 2, "gamma": 1.0e4, "init_std": 1.0})
     code, err = _cli(["train", "--config", _write(tmp_path / "c.yaml", cfg), "--quiet"])
     line = assert_one_line(code, err, "a linear solve failed at step")
-    assert "; lower method.init_std=1, " in line and line.index("method.init_std") < line.index("optim.lr"), line
+    assert "; lower method.init_std=1, method.gamma=10000 or optim.lr=0.05, then train again" in line, line
     assert len(_short(line, run)) <= SHORT, line
 
 
