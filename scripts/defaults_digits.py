@@ -7,12 +7,13 @@ the BMA's NLL and accuracy, its posterior mean's (a point estimate at :meth:`fla
 mixture: member 0 alone), their ratio, and the median marginal standard deviation of the posterior over the
 trained weights (``√ marginal_variance`` where the family has one in closed form, else the samples' spread).
 
-    .venv/bin/python scripts/defaults_digits.py [--epochs 20] [--methods sgd,swag,...] [--width 16] [--seed 0]
+    .venv/bin/python scripts/defaults_digits.py [--epochs 20] [--methods sgd,swag,...] [--width 16] [--val 200]
 
 ``--methods`` takes names or method sections in YAML flow style, separated by ``;`` when any has options:
 ``--methods "mfvi;{name: mfvi, kl_weight: 0.1}"``.
 
-Prints one line per method and, with ``--json PATH``, writes them.
+Prints one line per method, the warnings ``fit_posterior`` gave (with ``--val N``: its health check on N held-out
+training images, else on the training data), and, with ``--json PATH``, writes them.
 """
 
 from __future__ import annotations
@@ -55,11 +56,19 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--val", type=int, default=0, help="hold out this many training images as val_loader")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     torch.set_num_threads(1)
     splits = load_digits()
-    train = TensorDataset(splits.train.images, splits.train.labels)
+    images, labels = splits.train.images, splits.train.labels
+    val = None
+    if args.val:  # a fixed random hold-out: fit_posterior's health check then reads validation data
+        order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(0))
+        held, kept = order[: args.val], order[args.val :]
+        val = DataLoader(TensorDataset(images[held], labels[held]), batch_size=256)
+        images, labels = images[kept], labels[kept]
+    train = TensorDataset(images, labels)
     test = DataLoader(TensorDataset(splits.test.images, splits.test.labels), batch_size=256)
     rows = []
     entries = args.methods.split(";") if ";" in args.methods or "{" in args.methods else args.methods.split(",")
@@ -73,7 +82,9 @@ def main() -> None:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             try:
-                bma = flatbma.fit_posterior(model, loader, section, epochs=args.epochs, lr=args.lr, progress=False)
+                bma = flatbma.fit_posterior(
+                    model, loader, section, epochs=args.epochs, lr=args.lr, progress=False, val_loader=val
+                )
             except flatbma.FlatbmaError as e:
                 print(f"{name:11s} refused: {e}", flush=True)
                 rows.append({"method": name, "refused": str(e)})

@@ -341,24 +341,36 @@ def test_members_is_the_one_spelling_of_the_number_of_members():
     assert bma.method_config["size"] == 2 and len(bma.samples) == 2
 
 
-# --- Laplace: a BMA worse than its MAP says so ----------------------------------------------------------
+# --- Laplace: a BMA worse than its MAP says so, with advice for its own settings ------------------------
 
 
 def test_a_laplace_bma_worse_than_its_map_warns_on_validation_or_training_data():
     loader = _loader()
     val = DataLoader(TensorDataset(*_data(90, seed=5)), batch_size=45)
     wide = dict(hessian="diag", subset="all", prior_precision=1e-3, temperature=100, num_samples=8, progress=False)
-    with pytest.warns(FlatbmaWarning, match=r"laplace BMA's validation NLL .* is worse than its MAP's .*δ = 0\.001"):
+    with pytest.warns(FlatbmaWarning) as caught:
         bma = flatbma.fit_posterior(_net(), loader, "laplace", epochs=10, lr=0.1, val_loader=val, **wide)
+    (line,) = [str(w.message) for w in caught if "too wide" in str(w.message)]
+    assert line.startswith("the laplace BMA has a posterior too wide for its posterior mean (try subset: last-layer")
+    assert "prior_precision: val, or above δ = 0.001" in line
+    assert "its BMA is worse than its posterior mean on 90 validation examples" in line
+    assert "probit" not in line and "\n" not in line  # glm is the setting: no advice to leave it for probit
     point = flatbma.evaluate(bma.model, [bma.method.mean(bma.state)], val, num_classes=3)
     assert bma.evaluate(val)["nll"] > point["nll"]  # what the warning says, recomputed
-    with pytest.warns(FlatbmaWarning, match="laplace BMA's training NLL"):
+    with pytest.warns(FlatbmaWarning, match="too wide for its posterior mean .* on 240 training images"):
         flatbma.fit_posterior(_net(), loader, "laplace", epochs=10, lr=0.1, **wide)
+    from flatbma.experiment.config.methods import parse_method
+
+    last = {"name": "laplace", "subset": "last-layer", "predictive": "probit", "prior_precision": "val"}
+    line = parse_method(last).advice(False, {"prior_precision": 3.2})  # the settings it has are not advised
+    assert line == "a fixed prior_precision above δ = 3.2", line
+    line = parse_method({"name": "laplace", "predictive": "samples"}).advice(False, {})
+    assert line == "prior_precision: val, or larger; predictive: glm", line
     with warnings.catch_warnings():
         warnings.simplefilter("error", FlatbmaWarning)
         narrow = dict(hessian="diag", prior_precision=1e6, num_samples=8, progress=False)  # ≈ the MAP: no warning
         flatbma.fit_posterior(_net(), loader, "laplace", epochs=10, lr=0.1, val_loader=val, **narrow)
-        flatbma.fit_posterior(_net(), loader, "sgd", epochs=1, lr=0.05, val_loader=val, progress=False)  # no MAP check
+        flatbma.fit_posterior(_net(), loader, "sgd", epochs=1, lr=0.05, val_loader=val, progress=False)  # a point
 
 
 def test_swag_and_laplace_defaults_live_in_their_options():

@@ -95,6 +95,46 @@ def posterior_mean(
     return mean
 
 
+def member_weights(method: Posterior, state: State, m: int, seed: int) -> Params:
+    """Member ``m``'s weights of a mixture (:attr:`~flatbma.types.Posterior.members` ``> 0``), in the form of a sample.
+
+    An ensemble's member is its point (its own weights and statistics, exactly); a mixture of posteriors
+    (``multi``) gives member ``m``'s posterior mean (its family's :attr:`~flatbma.types.Posterior.mean`), or for a
+    family without one its sample from the generator seeded with ``seed``.
+
+    Raises:
+        FlatbmaError: a posterior without members, or ``m`` not one of them.
+    """
+    size = method.members
+    if not size or method.split is None:
+        raise FlatbmaError("member(m) is a mixture's (ensemble, multi): this posterior has no members; use mean()")
+    if not is_int(m) or not 0 <= m < size:
+        raise FlatbmaError(f"member must be an integer in [0, {size}) (the mixture's members), got {m!r}")
+    own = method.split(state, [m])
+    if method.mean is not None:
+        return method.mean(own)
+    # round-robin over the members: a draw of `size` gives each held member one sample
+    return method.sample(own, size, torch.Generator(device="cpu").manual_seed(seed))[0]
+
+
+def reference_point(
+    method: Posterior, state: State, samples: Sequence[Mapping[str, Tensor]], names: Iterable[str], seed: int
+) -> tuple[Params, str]:
+    """The one network a BMA is compared with (the health rule ``worse_than_mean``), and what it is.
+
+    A mixture of independently trained members: its member 0 (:func:`member_weights`, what
+    :meth:`BMA.load_into` writes), ``"member 0"``; a posterior with a closed-form mean (Laplace's MAP, SWAG's SWA
+    mean, VI's ``μ``, MC dropout's network, a point estimate itself): it, ``"mean"``; otherwise (SG-MCMC) the
+    average of its ``samples`` (:func:`posterior_mean`: a chain's kept iterates), ``"sample average"``. Statistics
+    as given (the caller recomputes them).
+    """
+    if method.members:
+        return member_weights(method, state, 0, seed), "member 0"
+    if method.mean is not None:
+        return method.mean(state), "mean"
+    return posterior_mean(method, state, samples, names), "sample average"
+
+
 def bma_predictions(
     method: Posterior,
     state: State,
@@ -373,28 +413,25 @@ class BMA:
         """Member ``m``'s weights of a mixture (:attr:`~flatbma.types.Posterior.members` ``> 0``), as a sample.
 
         An ensemble's member is its point — its own weights and BatchNorm statistics, exactly; a mixture of
-        posteriors (``multi``: MultiSWAG, …) gives member ``m``'s posterior mean (its family's
-        :attr:`~flatbma.types.Posterior.mean`; a family without one, its one sample). Statistics as the
-        predictor's samples' (recomputed where the predictor recomputes them).
+        posteriors (``multi``: MultiSWAG, …) gives member ``m``'s posterior mean (:func:`member_weights`).
+        Statistics as the predictor's samples' (recomputed where the predictor recomputes them).
 
         Raises:
             FlatbmaError: a posterior without members, or ``m`` not one of its members.
         """
-        size = self.method.members
-        if not size or self.method.split is None:
-            raise FlatbmaError(
-                f"member(m) is a mixture's (ensemble, multi): this {self._name()} posterior has no members; use mean()"
-            )
-        if not is_int(m) or not 0 <= m < size:
-            raise FlatbmaError(f"member must be an integer in [0, {size}) (this {self._name()}'s members), got {m!r}")
-        own = self.method.split(self.state, [m])
-        if self.method.mean is not None:
-            weights = self.method.mean(own)
-        else:
-            # round-robin over the members: a draw of `size` gives each held member one sample
-            weights = self.method.sample(own, size, torch.Generator(device="cpu").manual_seed(self.seed))[0]
+        try:
+            weights = member_weights(self.method, self.state, m, self.seed)
+        except FlatbmaError as e:
+            raise FlatbmaError(str(e).replace("this posterior", f"this {self._name()} posterior")) from None
         with self._forward():
             return self._statistics([weights])[0]
+
+    def reference(self) -> tuple[Params, str]:
+        """The network the BMA is compared with, statistics as the samples': :func:`reference_point` and its label."""
+        samples = self.samples if self.method.mean is None and not self.method.members else []
+        weights, label = reference_point(self.method, self.state, samples, trained_names(self.model), self.seed)
+        with self._forward():
+            return self._statistics([weights])[0], label
 
     def load_into(self, model: nn.Module | None = None, *, member: int | None = None) -> nn.Module:
         """Write one network of the posterior into ``model`` (default: the predictor's module), in place; return it.

@@ -108,7 +108,7 @@ CASES = [
         id="swag-diag",
     ),
     pytest.param(
-        {"name": "sgld"},  # burn-in 1000, thinning 100
+        {"name": "sgld", "burn_in": 1000, "thin": 100},
         {},
         "sgld stores its first sample after method.burn_in \\+ method.thin = 1000 \\+ 100 = 1100 updates, but "
         "train.epochs=2 × 4 steps per epoch = 8 updates: raise train.epochs to >= 275, or lower method.burn_in or "

@@ -108,7 +108,9 @@ def test_sgld_step_is_the_langevin_update_with_the_prior_and_n():
     obj = Objective(model=obj.model, loss_fn=obj.loss_fn, num_data=n)
     obj.model.w.data.copy_(w0)
     for lr_scale, eps in (("potential", lr), ("mean", lr / n)):
-        method = sgld.build(obj, SGD(lr=lr), prior_std=sigma, temperature=temp, lr_scale=lr_scale)
+        method = sgld.build(
+            obj, SGD(lr=lr), prior_std=sigma, temperature=temp, lr_scale=lr_scale, burn_in=1000, thin=100
+        )
         state = method.init(trainable_params(obj.model), {})
         torch.manual_seed(3)
         state, out = method.update(state, NO_DATA)
@@ -126,7 +128,9 @@ def test_f_sgld_takes_the_sam_gradient_plus_noise():
     obj = gaussian_objective(1)
     obj = Objective(model=obj.model, loss_fn=obj.loss_fn, num_data=n)
     obj.model.w.data.copy_(w0)
-    method = sgld.build(obj, SGD(lr=lr), SAM(rho=rho), prior_std=math.inf, lr_scale="potential")
+    method = sgld.build(
+        obj, SGD(lr=lr), SAM(rho=rho), prior_std=math.inf, lr_scale="potential", burn_in=1000, thin=100
+    )
     state = method.init(trainable_params(obj.model), {})
     torch.manual_seed(5)
     state, _ = method.update(state, NO_DATA)
@@ -211,8 +215,8 @@ def test_no_samples_yet_is_a_clear_error():
         (sgld.build, {"prior_std": 0.0}, "method.prior_std"),
         (sgld.build, {"prior_std": float("nan")}, "method.prior_std"),
         (sgld.build, {"lr_scale": "datum"}, "method.lr_scale"),
-        (sgld.build, {"burn_in": -1}, "method.burn_in"),
-        (sgld.build, {"thin": 0}, "method.thin"),
+        (sgld.build, {"burn_in": -1, "thin": 1}, "method.burn_in"),
+        (sgld.build, {"burn_in": 0, "thin": 0}, "method.thin"),
         (sgld.build, {"max_samples": 0}, "method.max_samples"),
         (sgld.build_cyclical, {"cycle_length": 0}, "method.cycle_length"),
         (sgld.build_cyclical, {"exploration": 1.0}, "method.exploration"),
@@ -296,3 +300,18 @@ def test_lr_scale_is_an_enum_given_by_member_or_name():
         chains[scale] = sgld.stored_samples(run_chain(method, obj, 3))["w"]
     assert torch.equal(chains["potential"], chains[sgld.LrScale.POTENTIAL])
     assert not torch.equal(chains["potential"], chains[sgld.LrScale.MEAN])
+
+
+@pytest.mark.parametrize("steps", [8, 60, 380, 4001])
+def test_auto_burn_in_and_thin_spread_the_kept_samples_over_the_second_half(steps):
+    """``burn_in: auto`` is half the run, ``thin: auto`` spreads ``max_samples`` over the rest up to its end; the
+    previous defaults (1000, 100) stored nothing in a run of fewer than 1,100 updates (digits: 380)."""
+    from flatbma.experiment.config.methods import parse_method
+
+    o = parse_method("sgld").resolved(steps).options
+    assert o["burn_in"] == steps // 2 and o["thin"] == max(1, (steps - steps // 2) // 30)
+    stored = sgld.samples_stored(steps, burn_in=o["burn_in"], thin=o["thin"])
+    assert min(30, steps - steps // 2) <= stored < 60 and steps - (o["burn_in"] + stored * o["thin"]) < o["thin"]
+    assert parse_method({"name": "sgld", "burn_in": 7, "thin": 3}).resolved(steps).options["thin"] == 3
+    with pytest.raises(FlatbmaError, match=r"method.burn_in: auto is resolved from the run's length"):
+        sgld.build(gaussian_objective(1), SGD(lr=0.01))

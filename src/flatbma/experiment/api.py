@@ -33,6 +33,7 @@ from flatbma.experiment.config.parse import parse_dataclass, shown
 from flatbma.experiment.config.prior_config import not_gaussian_message, parse_prior
 from flatbma.experiment.config.sections import OptimConfig
 from flatbma.experiment.config.shape import RunShape, Stage
+from flatbma.experiment.run.health import too_wide_line, worse_than_mean
 from flatbma.experiment.run.logs import EpochLogger
 from flatbma.experiment.run.prior import check_lr_with_prior
 from flatbma.experiment.run.validate import available_memory
@@ -144,11 +145,13 @@ def fit_posterior(
             them after training, by the BMA's NLL over its grid — Laplace's ``prior_precision="val"``: δ
             among :data:`~flatbma.experiment.config.methods.PRIOR_PRECISION_GRID` (1e-4 … 1e4), the grid search of
             laplace-torch (Daxberger et al. 2021) — the candidates in :attr:`BMA.selection
-            <flatbma.predictor.BMA.selection>`, the chosen value in ``bma.method_config``. A method fitted
-            around a MAP (Laplace) is compared with its MAP on them after training — on the training data
-            without them — and a
-            :class:`~flatbma.errors.FlatbmaWarning` says when the BMA's NLL is worse than the MAP's (a
-            posterior too wide for the network: its prior precision δ and what to try are in the message).
+            <flatbma.predictor.BMA.selection>`, the chosen value in ``bma.method_config``. After training
+            every classifier's BMA is compared on them — on the training data without them, where only a BMA far
+            worse counts, since the MAP was fitted there — with its reference network (its posterior mean,
+            Laplace's MAP, a mixture's member 0, a chain's average: :meth:`BMA.reference
+            <flatbma.predictor.BMA.reference>`), and one :class:`~flatbma.errors.FlatbmaWarning` line says when
+            the BMA's NLL is worse, with what to change given the method's own settings — the CLI's health rule
+            ``worse_than_mean`` and words (:mod:`flatbma.experiment.run.health`).
         likelihood: ``categorical`` (a classifier: softmax of the logits, cross-entropy) or ``gaussian``
             (regression, :class:`flatbma.regression.Gaussian`: the loss is the Gaussian NLL, the batches'
             targets are floats ``[batch]`` and the predictor's :meth:`~flatbma.predictor.BMA.predict_regression`
@@ -280,8 +283,9 @@ def fit_posterior(
     bma = predictor(config, posterior)
     bma.selection = selection
     bma.history = log.rows
-    if config.against_map():
-        _check_against_map(bma, val_loader if val_loader is not None else loader, val_loader is not None, classes)
+    if classes is not None:  # the health rule worse_than_mean, as the CLI's (a regression has none)
+        data = val_loader if val_loader is not None else loader
+        _check_against_reference(bma, config, data, val_loader is not None, classes, prior=first is not None)
     if load_into:
         bma.load_into()
     return bma
@@ -454,22 +458,22 @@ def _loader_generator(loader: Iterable[Batch]) -> torch.Generator | None:
     return generator if isinstance(generator, torch.Generator) else None
 
 
-_WORSE = {True: 1.01, False: 1.5}
-"""By validation data or not: how much worse than the MAP's NLL a BMA's is before :func:`_check_against_map` warns."""
+def _check_against_reference(
+    bma: BMA, config: MethodConfig, data: Iterable[Batch], validation: bool, num_classes: int, *, prior: bool
+) -> None:
+    """Warn when the BMA's NLL on ``data`` is worse than its reference network's: the CLI's rule and words.
 
-
-def _check_against_map(bma: BMA, data: Iterable[Batch], validation: bool, num_classes: int) -> None:
-    """Warn when the BMA's NLL on ``data`` is worse than its MAP's (the posterior mean, with its own statistics).
-
-    The MAP is the method's :attr:`~flatbma.types.Posterior.mean` with the buffers it trained with, evaluated
-    as a point estimate (:func:`flatbma.predict.evaluate`); the BMA is :meth:`BMA.evaluate
-    <flatbma.predictor.BMA.evaluate>`; it warns when the BMA's NLL exceeds ``r · NLL_MAP + 0.001``: on
-    validation data ``r = 1.01`` (worse beyond rounding), on the training data ``r = 1.5`` (the MAP was fitted
-    to them, so a good posterior is less confident there; a posterior that undoes the MAP is far worse).
-    Soft targets (no NLL of labels) are not compared.
+    The reference is :meth:`BMA.reference <flatbma.predictor.BMA.reference>` (the posterior mean, a mixture's
+    member 0, a chain's average of samples) evaluated as a point estimate (:func:`flatbma.predict.evaluate`); the
+    BMA is :meth:`BMA.evaluate <flatbma.predictor.BMA.evaluate>`. The rule is
+    :func:`flatbma.experiment.run.health.worse_than_mean` — on validation data worse beyond rounding, on the
+    training data (the MAP was fitted to them) by more than 2x and 0.2 log C — and the one line
+    :func:`~flatbma.experiment.run.health.too_wide_line`, with the method's own advice
+    (:meth:`MethodConfig.advice <flatbma.experiment.config.methods.MethodConfig.advice>`). Soft targets (no NLL of
+    labels) are not compared.
     """
     first = first_batch(data)
-    if bma.method.mean is None or first is None or split_batch(first)[1] is None:
+    if first is None or split_batch(first)[1] is None:
         return
     if split_batch(first)[1].is_floating_point():  # type: ignore[union-attr]  # soft targets: no labels to score
         return
@@ -478,24 +482,25 @@ def _check_against_map(bma: BMA, data: Iterable[Batch], validation: bool, num_cl
         ours = bma.evaluate(data, num_classes=num_classes)
         cuda = [bma.device.index or 0] if bma.device.type == "cuda" else []
         with torch.random.fork_rng(devices=cuda):  # a DataLoader's iterator draws its seed: the caller's stream stays
-            mean = bma.method.mean(bma.state)
-            theirs = evaluate(bma.model, [mean], data, num_classes=num_classes, device=bma.device)
+            weights, reference = bma.reference()
+            theirs = evaluate(bma.model, [weights], data, num_classes=num_classes, device=bma.device)
     except FlatbmaError as e:
-        raise FlatbmaError(f"comparing the BMA with its MAP on the {which} data: {e}") from None
-    if ours["nll"] <= _WORSE[validation] * theirs["nll"] + 1e-3:
+        raise FlatbmaError(f"comparing the BMA with its reference network on the {which} data: {e}") from None
+    compared = {
+        "data": which,
+        "examples": int(theirs["n"]),
+        "num_classes": num_classes,
+        "reference": reference,
+        "bma_nll": ours["nll"],
+        "bma_accuracy": ours["accuracy"],
+        "mean_nll": theirs["nll"],
+        "mean_accuracy": theirs["accuracy"],
+    }
+    if not worse_than_mean(compared):
         return
-    delta = (bma.method.diagnostics(bma.state) if bma.method.diagnostics is not None else {}).get("prior_precision")
-    name = (bma.method_config or {}).get("name", "posterior")
-    shown_delta = f" (prior precision δ = {delta:.4g})" if delta is not None else ""
-    warnings.warn(
-        FlatbmaWarning(
-            f"the {name} BMA's {which} NLL {ours['nll']:.4f} (accuracy {ours['accuracy']:.3f}) is worse than "
-            f"its MAP's {theirs['nll']:.4f} (accuracy {theirs['accuracy']:.3f}){shown_delta}: the posterior is too "
-            "wide for this network; try subset='last-layer' (the default), a larger fixed prior_precision or "
-            "prior_precision='val' with a val_loader, or predictive='probit'"
-        ),
-        stacklevel=3,
-    )
+    diagnostics = bma.method.diagnostics(bma.state) if bma.method.diagnostics is not None else {}
+    line = too_wide_line(f"the {config.name} BMA", compared, config.advice(prior, diagnostics))
+    warnings.warn(FlatbmaWarning(line), stacklevel=3)
 
 
 def _check_run(

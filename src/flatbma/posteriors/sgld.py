@@ -12,9 +12,11 @@ end of each cycle) are the posterior samples.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from enum import Enum
 from functools import partial
+from typing import Any, Literal
 
 import torch
 
@@ -31,6 +33,8 @@ SAMPLES = "samples"
 """Name of the stored iterates' component of ``aux`` (:mod:`flatbma.named`): ``samples/<name>``, the iterates of
 parameter ``<name>`` stacked ``[S, ...]``."""
 SAMPLES_PREFIX = SAMPLES + SEP
+AUTO = "auto"
+"""``burn_in: auto`` / ``thin: auto``: resolved from the run's length (:func:`resolve`)."""
 
 
 class LrScale(str, Enum):
@@ -52,16 +56,19 @@ class Options:
         prior_std: ``σ`` of the Gaussian prior; ``inf`` gives a flat prior.
         temperature: ``T > 0``.
         lr_scale: :class:`LrScale` (or its name, ``"mean"`` or ``"potential"``): what ``η_t`` multiplies.
-        burn_in: steps before the first stored sample.
-        thin: steps between stored samples.
+        burn_in: steps before the first stored sample. ``"auto"``, the default, is resolved by the experiment layer
+            from the run's ``T`` updates (:func:`resolve`): ``⌊T/2⌋``, the first half of the run.
+        thin: steps between stored samples. ``"auto"``, the default: ``max(1, ⌊(T − burn_in)/max_samples⌋)``, so
+            that the ``max_samples`` kept are spread over the rest of the run, up to its end (:func:`resolve`).
+            :func:`build` called directly refuses ``"auto"`` for either: give integers there.
         max_samples: samples kept.
     """
 
     prior_std: float = 1.0
     temperature: float = 1.0
     lr_scale: LrScale = LrScale.MEAN
-    burn_in: int = 1000
-    thin: int = 100
+    burn_in: int | Literal["auto"] = AUTO
+    thin: int | Literal["auto"] = AUTO
     max_samples: int = 30
 
     def schedule(self, step: int) -> tuple[float, bool, bool]:
@@ -160,8 +167,13 @@ def build(
     """
     o = Options(**options)
     o = replace(o, lr_scale=_check_common(optimizer, o.prior_std, o.temperature, o.lr_scale, o.max_samples))
-    _check_int("burn_in", o.burn_in, minimum=0)
-    _check_int("thin", o.thin, minimum=1)
+    for name, minimum in (("burn_in", 0), ("thin", 1)):
+        if getattr(o, name) == AUTO:
+            raise FlatbmaError(
+                f"method.{name}: auto is resolved from the run's length: build the method with map_steps= "
+                f"(fit_posterior and flatbma train do), or give {name}"
+            )
+        _check_int(name, getattr(o, name), minimum=minimum)
     return _langevin(objective, optimizer, ascent, o)
 
 
@@ -271,6 +283,21 @@ def stored_samples(state: State) -> Params:
     start = count % size  # ring buffer: the oldest entry
     order = torch.arange(start, start + size) % size
     return {k: v[order.to(v.device)] for k, v in stacked.items()}
+
+
+def resolve(options: Mapping[str, Any], steps: int) -> dict[str, Any]:
+    """``options`` (an SGLD section's) with ``burn_in: auto`` and ``thin: auto`` resolved for ``steps`` updates.
+
+    ``burn_in = ⌊T/2⌋`` (the first half of the run, Welling & Teh's burn-in before the chain is read) and
+    ``thin = max(1, ⌊(T − burn_in)/max_samples⌋)``: the ``max_samples`` iterates kept are spread over the second
+    half up to its end (the ring buffer keeps the latest). Integers are kept as they are.
+    """
+    out = dict(options)
+    if out.get("burn_in") == AUTO:
+        out["burn_in"] = steps // 2
+    if out.get("thin") == AUTO and isinstance(out.get("burn_in"), int):
+        out["thin"] = max(1, (steps - out["burn_in"]) // out.get("max_samples", Options.max_samples))
+    return out
 
 
 def samples_stored(steps: int, *, burn_in: int, thin: int) -> int:

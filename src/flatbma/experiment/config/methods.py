@@ -114,12 +114,16 @@ class MethodSpec:
             the whole MAP); SWAG: :func:`last_quarter`.
         resolve: ``resolve(options, map_steps) -> options``, the family's other options that follow from the run's
             length, resolved after ``start_step`` (:meth:`MethodConfig.resolved`); ``None``: none. SWAG:
-            :func:`flatbma.posteriors.swag.resolve` (``collect_every: auto``).
+            :func:`flatbma.posteriors.swag.resolve` (``collect_every: auto``); SGLD:
+            :func:`flatbma.posteriors.sgld.resolve` (``burn_in: auto``, ``thin: auto``).
         hold_lr: with ``start_step: null``, the learning rate is held constant from that start on at the
             value the schedule reached there (:meth:`MethodConfig.held_from`): SWAG's constant ``swa_lr``
             over its collection window (Maddox et al. 2019).
-        against_map: the posterior is fitted around a MAP (its mean): :func:`flatbma.fit_posterior` compares
-            the BMA's NLL with the MAP's after training and warns when it is worse (Laplace).
+        advice: ``advice(method, prior, diagnostics) -> str``: what to change, given the section's own settings, when
+            the BMA's NLL is worse than its reference network's (the health rule ``worse_than_mean``, in
+            :func:`flatbma.fit_posterior` and the CLI alike: :mod:`flatbma.experiment.run.health`); ``prior``: whether
+            the run has a prior stage; ``diagnostics``: the posterior's (Laplace's ``prior_precision``). ``None``: a
+            generic line. Never advice to set what is already set.
         on_validation: ``{option: grid}``: an option that may be ``val`` (:data:`VALIDATION`), then chosen after
             training among ``grid`` by the BMA's validation NLL (:meth:`MethodConfig.on_validation`; Laplace's
             ``prior_precision``, the grid search of Daxberger et al. 2021 / laplace-torch).
@@ -148,7 +152,7 @@ class MethodSpec:
     start: Callable[[int], int] | None = None
     resolve: Callable[[Mapping[str, Any], int], dict[str, Any]] | None = None
     hold_lr: bool = False
-    against_map: bool = False
+    advice: Callable[[MethodConfig, bool, Mapping[str, Any]], str] | None = None
     on_validation: Mapping[str, tuple[float, ...]] = field(default_factory=dict)
     aliases: Mapping[str, str] = field(default_factory=dict)
     stored: Mapping[str, Any] = field(default_factory=dict)
@@ -362,9 +366,12 @@ class MethodConfig:
         own = METHODS[self.name].regression
         return own and all(v.regression() for v in self.options.values() if isinstance(v, MethodConfig))
 
-    def against_map(self) -> bool:
-        """Whether the BMA is compared with its MAP after fitting (:attr:`MethodSpec.against_map`)."""
-        return METHODS[self.name].against_map
+    def advice(self, prior: bool = False, diagnostics: Mapping[str, Any] | None = None) -> str:
+        """What to change when the BMA is worse than its reference network (:attr:`MethodSpec.advice`), one clause."""
+        spec = METHODS[self.name]
+        if spec.advice is None:
+            return f"narrow the posterior (its options: flatbma methods {self.name})"
+        return spec.advice(self, prior, diagnostics or {})
 
     def learning_rate(self, rate: Callable[[int], float], map_steps: int) -> Callable[[int], float]:
         """The schedule ``step -> η_t`` the method trains with, given the ``optim`` section's ``rate`` (for logs)."""
@@ -571,8 +578,11 @@ def check_snapshots(method: MethodConfig, stage: Stage) -> None:
 
 
 def check_burn_in(method: MethodConfig, stage: Stage) -> None:
-    """SGLD's families: the run must store at least one sample (:func:`flatbma.posteriors.sgld.samples_stored`)."""
-    o, key = method.options, stage.key
+    """SGLD's families: the run must store at least one sample (:func:`flatbma.posteriors.sgld.samples_stored`).
+
+    ``burn_in: auto`` and ``thin: auto`` are resolved for the stage's updates (:func:`flatbma.posteriors.sgld.resolve`).
+    """
+    o, key = method.resolved(stage.steps).options, stage.key
     burn_in, thin = o["burn_in"], o["thin"]
     if sgld.samples_stored(stage.steps, burn_in=burn_in, thin=thin) > 0:
         return
@@ -602,6 +612,87 @@ def check_cycles(method: MethodConfig, stage: Stage) -> None:
     )
 
 
+# What to change when a BMA is worse than its reference network (MethodSpec.advice): each clause names the section's
+# current value and a narrower one, never what is already set; short, since the command line cuts a warning at 300
+# characters (kl_weight < 1 tempers the KL; scale and rate shrink SWAG's covariance and the dropout noise; a larger
+# ess or data_factor narrows IVON and bSAM; Laplace's last layer, a larger δ and the GLM predictive narrow its BMA).
+def swag_advice(method: MethodConfig, prior: bool, diagnostics: Mapping[str, Any]) -> str:
+    """SWAG: half the covariance (``scale``)."""
+    scale = method.options["scale"]
+    return f"scale: {scale / 2:g} (now {scale:g})"
+
+
+def vi_advice(method: MethodConfig, prior: bool, diagnostics: Mapping[str, Any]) -> str:
+    """Gaussian VI: a tempered KL (``kl_weight``); FP-BMA from scratch: a SWAG prior stage, a shorter ascent."""
+    o, tips = method.options, []
+    kappa = o["kl_weight"]
+    if kappa > 0:
+        tips.append(f"kl_weight: {kappa / 10:g} (now {kappa:g})")
+    if VarianceStep(o["variance_step"]) is VarianceStep.PLAIN:
+        init = o["init_std"]
+        tips.append(f"init_std: {init / 10:g} (now {init:g}; σ stays near it with variance_step: plain)")
+    step = method.ascent.ascent if isinstance(method.ascent, Amortized) else method.ascent
+    if isinstance(step, FisherBall):
+        if not prior:
+            tips.append("a SWAG prior stage to start from (prior)")
+        if step.gamma is not None:
+            tips.append(f"gamma: {step.gamma / 10:g} (now {step.gamma:g})")
+        elif step.radius is not None:
+            tips.append(f"radius: {step.radius / 2:g} (now {step.radius:g})")
+    return "; ".join(tips) or f"prior_std: {o['prior_std'] / 10:g} (now {o['prior_std']:g})"
+
+
+def dropout_advice(method: MethodConfig, prior: bool, diagnostics: Mapping[str, Any]) -> str:
+    """MC dropout: half the dropout rate."""
+    rate = method.options["rate"]
+    return f"rate: {rate / 2:g} (now {rate:g})"
+
+
+def langevin_advice(method: MethodConfig, prior: bool, diagnostics: Mapping[str, Any]) -> str:
+    """SG-MCMC: a colder chain."""
+    t = method.options["temperature"]
+    return f"temperature: {t / 10:g} (now {t:g}), or a lower optim.lr"
+
+
+def ensemble_advice(method: MethodConfig, prior: bool, diagnostics: Mapping[str, Any]) -> str:
+    """An ensemble worse than its member 0: members of unequal quality."""
+    return "more epochs or a lower optim.lr: members worse than member 0 are averaged in"
+
+
+def mixture_advice(method: MethodConfig, prior: bool, diagnostics: Mapping[str, Any]) -> str:
+    """A mixture of posteriors: its members' method's advice."""
+    of = method.options.get("of")
+    return f"of.{of.advice(prior, diagnostics)}" if isinstance(of, MethodConfig) else ensemble_advice(method, prior, {})
+
+
+def ivon_advice(method: MethodConfig, prior: bool, diagnostics: Mapping[str, Any]) -> str:
+    """IVON: a larger effective sample size narrows ``q``."""
+    ess = method.options["ess"]
+    return f"ess: 10x (now {'the data size' if ess is None else f'{ess:g}'})"
+
+
+def bsam_advice(method: MethodConfig, prior: bool, diagnostics: Mapping[str, Any]) -> str:
+    """bSAM: a larger data factor (its variance is ``1/(N·data_factor·s)``)."""
+    factor = method.options["data_factor"]
+    return f"data_factor: {factor * 10:g} (now {factor:g})"
+
+
+def laplace_advice(method: MethodConfig, prior: bool, diagnostics: Mapping[str, Any]) -> str:
+    """Laplace: the last layer, a larger prior precision (on validation data), the linearized predictive."""
+    o, tips = method.options, []
+    if laplace.Subset(o["subset"]) is laplace.Subset.ALL:
+        tips.append("subset: last-layer")
+    delta = diagnostics.get("prior_precision")
+    above = f"above δ = {delta:.3g}" if isinstance(delta, int | float) else "larger"
+    if o["prior_precision"] == VALIDATION:
+        tips.append(f"a fixed prior_precision {above}")
+    else:
+        tips.append(f"prior_precision: val, or {above}")
+    if Predictive(o["predictive"]) is Predictive.SAMPLES:
+        tips.append("predictive: glm")
+    return "; ".join(tips)
+
+
 register(
     MethodSpec("sgd", "MAP point estimate by SGD (momentum, weight decay, cosine schedule)", point.build, point.Options)
 )
@@ -621,6 +712,7 @@ register(
 # Posterior families; every F- variant is the same family composed with SAM (Nguyen et al. 2023).
 # SWAG's start_step defaults to null (swag.Options): the last quarter of the updates at a held learning rate.
 _SWAG_DEFAULTS: dict[str, Any] = {
+    "advice": swag_advice,
     "start": last_quarter,
     "resolve": swag.resolve,
     "hold_lr": True,
@@ -658,7 +750,7 @@ register(
 )
 
 # Gaussian VI: run directories stored before variance_step existed trained with the plain step (VarianceStep).
-_VI_STORED: dict[str, Any] = {"stored": {"variance_step": VarianceStep.PLAIN.value}}
+_VI_STORED: dict[str, Any] = {"stored": {"variance_step": VarianceStep.PLAIN.value}, "advice": vi_advice}
 register(
     MethodSpec(
         "mfvi",
@@ -702,7 +794,13 @@ register(
     )
 )
 register(
-    MethodSpec("bsam", "Bayesian SAM: SAM as a relaxation of Bayes (Möllenhoff & Khan 2023)", bsam.build, bsam.Options)
+    MethodSpec(
+        "bsam",
+        "Bayesian SAM: SAM as a relaxation of Bayes (Möllenhoff & Khan 2023)",
+        bsam.build,
+        bsam.Options,
+        advice=bsam_advice,
+    )
 )
 register(
     MethodSpec(
@@ -711,6 +809,7 @@ register(
         ivon.build,
         ivon.Options,
         gaussian=True,
+        advice=ivon_advice,
     )
 )
 register(
@@ -721,6 +820,7 @@ register(
         ivon.Options,
         SAM,
         gaussian=True,
+        advice=ivon_advice,
     )
 )
 
@@ -745,6 +845,7 @@ register(
         mc_dropout.build,
         mc_dropout.Options,
         check=check_dropout_rate,
+        advice=dropout_advice,
     )
 )
 register(
@@ -755,6 +856,7 @@ register(
         mc_dropout.Options,
         SAM,
         check=check_dropout_rate,
+        advice=dropout_advice,
     )
 )
 
@@ -797,6 +899,7 @@ register(
         check=check_member_memory,
         needs_weights=_always,
         aliases={"members": "size"},
+        advice=ensemble_advice,
     )
 )
 register(
@@ -809,6 +912,7 @@ register(
         check=check_member_memory,
         needs_weights=_always,
         aliases={"members": "size"},
+        advice=ensemble_advice,
     )
 )
 register(
@@ -818,6 +922,8 @@ register(
         sgld.build,
         sgld.Options,
         check=check_burn_in,
+        resolve=sgld.resolve,
+        advice=langevin_advice,
     )
 )
 register(
@@ -827,6 +933,7 @@ register(
         sgld.build_cyclical,
         sgld.CyclicalOptions,
         check=check_cycles,
+        advice=langevin_advice,
     )
 )
 register(
@@ -837,6 +944,8 @@ register(
         sgld.Options,
         SAM,
         check=check_burn_in,
+        resolve=sgld.resolve,
+        advice=langevin_advice,
     )
 )
 
@@ -942,6 +1051,7 @@ def _multi(name: str, summary: str, of: str | None) -> MethodSpec:
         with_prior=multi_with_prior,
         check=check_members,
         needs_weights=_always,
+        advice=mixture_advice,
     )
 
 
@@ -1050,7 +1160,7 @@ def _laplace(name: str, summary: str, family: Callable[..., Posterior], **kw: An
         needs_weights=_full_hessian,
         stored={"subset": laplace.Subset.ALL.value},  # run directories stored before subset existed: all weights
         start=_whole_map,
-        against_map=True,
+        advice=laplace_advice,
         on_validation={"prior_precision": PRIOR_PRECISION_GRID},
         prior_refusal=_LAPLACE_PRIOR,
         regression=False,

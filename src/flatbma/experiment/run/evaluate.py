@@ -76,7 +76,7 @@ from flatbma.predict import (
 )
 from flatbma.predictor import bma_predictions as predictor_predictions
 from flatbma.predictor import posterior_mean as mean_weights
-from flatbma.predictor import trained_names
+from flatbma.predictor import reference_point, trained_names
 from flatbma.regression import mixture_metrics, normal_nll, sample_outputs
 from flatbma.rng import splitmix64
 from flatbma.types import Batch, Params, Predictive, State, prediction_mode
@@ -311,27 +311,30 @@ def training_fit(exp: Experiment, predictions: Predictions, state: State | None 
 def against_mean(
     exp: Experiment, state: State, predictions: Predictions, fit: dict[str, Any], batches: int
 ) -> dict[str, Any] | None:
-    """The BMA's NLL and accuracy beside its posterior mean's, for the health rule ``worse_than_mean``.
+    """The BMA's NLL and accuracy beside its reference network's, for the health rule ``worse_than_mean``.
 
-    Compared: a classifier whose method has a :attr:`~flatbma.types.Posterior.mean` (Laplace's MAP, SWAG's SWA
-    mean, VI's ``μ``, MC dropout's deterministic network, a point estimate itself), evaluated as a point
-    estimate with recomputed BatchNorm statistics: those of a linearized predictive (its ``mean``), else
-    :func:`with_bn_statistics`' (one pass over :attr:`Experiment.bn_loader` for a network with BatchNorm). On
-    the validation split when the run has one (then the BMA is evaluated there too), otherwise on the training
-    ``batches`` the BMA's ``fit`` (:func:`training_fit`) scored: one forward pass of the mean over them.
+    The reference (:func:`flatbma.predictor.reference_point`): the posterior mean where the method has one
+    (Laplace's MAP, SWAG's SWA mean, VI's ``μ``, MC dropout's deterministic network, a point estimate itself), a
+    mixture's member 0 (ensembles, ``multi``: their average of means lies in none of their basins), SG-MCMC's
+    average of its samples — evaluated as a point estimate with recomputed BatchNorm statistics: those of a
+    linearized predictive (its ``mean``), else :func:`with_bn_statistics`' (one pass over
+    :attr:`Experiment.bn_loader` for a network with BatchNorm). On the validation split when the run has one
+    (then the BMA is evaluated there too), otherwise on the training ``batches`` the BMA's ``fit``
+    (:func:`training_fit`) scored: one forward pass of the reference over them.
 
     Returns:
-        ``{"data": "validation" | "training", "examples", "num_classes", "bma_nll", "bma_accuracy", "mean_nll",
-        "mean_accuracy"}``, or ``None``: a regression run, a method without a mean (SG-MCMC), or a mixture of
-        independently trained components (:attr:`~flatbma.types.Posterior.members`: ensembles, MultiSWAG), whose
-        average of means lies in none of their basins.
+        ``{"data": "validation" | "training", "examples", "num_classes", "reference", "bma_nll", "bma_accuracy",
+        "mean_nll", "mean_accuracy"}`` (``reference``: ``"mean"``, ``"member 0"`` or ``"sample average"``), or
+        ``None`` for a regression run.
     """
-    if exp.likelihood is not None or exp.method.mean is None or exp.method.members:
+    if exp.likelihood is not None:
         return None
     if isinstance(predictions, LinearizedPredictive):  # linearized at the mean, with the mean's statistics
-        at_mean = [dict(predictions.mean)]
+        at_mean, reference = [dict(predictions.mean)], "mean"
     else:
-        at_mean = with_bn_statistics(exp, [exp.method.mean(state)])
+        names = trained_names(exp.model)
+        weights, reference = reference_point(exp.method, state, predictions, names, exp.config.seed)
+        at_mean = with_bn_statistics(exp, [weights])
     score = partial(evaluate, exp.model, num_classes=exp.num_classes, device=exp.device)
     if exp.val_loader is not None:
         bma = score(predictions, exp.val_loader, mode=prediction_mode(exp.method, exp.config.seed))
@@ -345,6 +348,7 @@ def against_mean(
         "data": data,
         "examples": examples,
         "num_classes": exp.num_classes,
+        "reference": reference,
         "bma_nll": bma["nll"],
         "bma_accuracy": bma["accuracy"],
         "mean_nll": point["nll"],

@@ -15,19 +15,25 @@ metrics are kept — but it is flagged, by three rules:
   training images is at most the chance level — the share of the most frequent class among them,
   what always predicting that class scores — plus two standard errors of an accuracy at that level,
   ``2·sqrt(p(1 − p)/n)``. A BMA that cannot beat that on the data it was fitted to has learned nothing.
-* **worse than its mean**: a posterior with a mean (:attr:`flatbma.types.Posterior.mean`: Laplace's MAP,
-  SWAG's SWA mean, VI's ``μ``, MC dropout's deterministic network, a point estimate itself) whose BMA's NLL
-  exceeds both ``r · NLL_mean`` and ``NLL_mean + s · log C`` (``log C``, the NLL of a uniform guess over ``C``
-  classes), :data:`MEAN_WORSE` — the mean evaluated as a point estimate, with recomputed BatchNorm
-  statistics. On the validation split when the run has one (``r = 1.5``, ``s = 0.1``), otherwise on the
-  training images of the chance rule (``r = 2``, ``s = 0.2``): a MAP was fitted to them, so its training NLL
-  can be tiny and a sound posterior several times worse there — the margin in units of ``log C`` keeps
-  such runs unflagged (a last-layer Laplace with the evidence's δ on digits' small CNN: BMA NLL 0.064
-  against its MAP's 0.018 on training images, 0.13 against 0.063 on validation; MC dropout 0.053 against
-  0.025), while a posterior that undoes its MAP (all weights, KFAC, the evidence's δ on the same CNN: 0.76
-  against 0.018, 0.60 against 0.063) is far beyond it. The run's fit is fine; its posterior is too wide.
-  Methods without a mean (SG-MCMC chains) and mixtures of independently trained components (ensembles,
-  MultiSWAG: the average of their means lies in none of their basins) are not compared.
+* **worse than its mean**: the BMA's NLL exceeds both ``r · NLL_ref`` and ``NLL_ref + s · log C`` (``log C``, the
+  NLL of a uniform guess over ``C`` classes), :data:`MEAN_WORSE`, where ``ref`` is the one network the posterior
+  holds (:func:`flatbma.predictor.reference_point`): its mean (:attr:`flatbma.types.Posterior.mean`: Laplace's
+  MAP, SWAG's SWA mean, VI's ``μ``, MC dropout's deterministic network, a point estimate itself); for a mixture of
+  independently trained members (ensembles, ``multi``), whose average of weights lies in none of their basins,
+  its member 0 (what :meth:`flatbma.BMA.load_into` writes: a mixture worse than one of its members averages in
+  worse ones); for SG-MCMC, which has no closed-form mean, the average of its kept iterates — each evaluated as a
+  point estimate with recomputed BatchNorm statistics. On the validation split when the run has one
+  (``r = 1.01``, ``s = 0.0005``: worse beyond rounding, the BMA's own purpose being held-out predictions),
+  otherwise on the training images of the chance rule (``r = 2``, ``s = 0.2``): a MAP was fitted to them, so its
+  training NLL can be tiny and a sound posterior several times worse there — the margin in units of ``log C``
+  keeps such runs unflagged (a last-layer Laplace with the evidence's δ on digits' small CNN: BMA NLL 0.064
+  against its MAP's 0.018 on training images; MC dropout 0.053 against 0.025), while a posterior that undoes its
+  MAP (all weights, KFAC, the evidence's δ on the same CNN: 0.76 against 0.018) is far beyond it. On validation
+  data the same last-layer Laplace (0.13 against 0.063) is flagged: its BMA predicts held-out data worse than its
+  MAP. The run's fit is fine; its posterior is too wide. :func:`flatbma.fit_posterior` applies the same rule
+  (:func:`worse_than_mean`) to its ``val_loader``, or to the training data without one, and warns in the same
+  words (:func:`too_wide_line`), with advice from the method's own settings (the registry's
+  :attr:`~flatbma.experiment.config.methods.MethodSpec.advice`).
 
 A regression run (a Gaussian likelihood: no classes, no chance level) has three rules of its own instead of
 the classifier's ``at_chance`` and ``worse_than_mean``:
@@ -74,7 +80,9 @@ __all__ = [
     "flagged_line",
     "flagged_text",
     "is_flagged",
+    "too_wide_line",
     "warn_if_flagged",
+    "worse_than_mean",
 ]
 
 RMSE_BLOWUP = 3.0
@@ -89,7 +97,7 @@ LOSS_RISE = 2.0
 HEALTH_EXAMPLES = 1000
 """Training images the BMA is scored on for the chance rule (the first ones of the fixed statistics order)."""
 
-MEAN_WORSE = {"validation": (1.5, 0.1), "training": (2.0, 0.2)}
+MEAN_WORSE = {"validation": (1.01, 0.0005), "training": (2.0, 0.2)}
 """By the data compared on: ``(r, s)`` of the rule ``worse_than_mean``, which fires when the BMA's NLL exceeds both
 ``r · NLL_mean`` and ``NLL_mean + s · log C`` (``log C``: the NLL of a uniform guess over ``C`` classes)."""
 
@@ -104,7 +112,8 @@ REGRESSION_RULES = {
     "rmse_blowup": f"test RMSE > {RMSE_BLOWUP:g} x the targets' standard deviation",
 }
 MEAN_RULE = (
-    "BMA NLL > {:g} x its posterior mean's and > the mean's + {:g} log C on the validation split; > {:g} x and "
+    "BMA NLL > {:g} x its reference network's (its mean, a mixture's member 0, a chain's average) and > its + {:g} "
+    "log C on the validation split; > {:g} x and "
     "+ {:g} log C on training images (a run without one)".format(*MEAN_WORSE["validation"], *MEAN_WORSE["training"])
 )
 
@@ -151,11 +160,8 @@ def assess(history: Sequence[Mapping[str, Any]] | None, fit: Mapping[str, Any] |
     out["against_mean"] = compared = fit.get("against_mean")
     if isinstance(compared, Mapping) and compared.get("data") in MEAN_WORSE:
         out["rules"]["worse_than_mean"] = MEAN_RULE
-        ratio, share = MEAN_WORSE[compared["data"]]
-        ours, theirs, classes = (compared.get(k) for k in ("bma_nll", "mean_nll", "num_classes"))
-        if _finite(ours) and _finite(theirs) and isinstance(classes, int) and classes > 1:
-            if ours > ratio * theirs and ours > theirs + share * math.log(classes):
-                out["flags"].append("worse_than_mean")
+        if worse_than_mean(compared):
+            out["flags"].append("worse_than_mean")
     out["ok"] = not out["flags"]
     return out
 
@@ -173,6 +179,47 @@ def _regression_flags(fit: Mapping[str, Any], history: Sequence[Any]) -> list[st
     if _positive(std) and isinstance(test, int | float) and not test <= RMSE_BLOWUP * std:  # NaN: blown up too
         flags.append("rmse_blowup")
     return flags
+
+
+def worse_than_mean(compared: Mapping[str, Any]) -> bool:
+    """The rule ``worse_than_mean`` on one comparison (module docstring): BMA NLL > ``r·ref`` and > ``ref + s·log C``.
+
+    ``compared``: ``{"data": "validation" | "training", "bma_nll", "mean_nll", "num_classes", ...}``
+    (:func:`flatbma.experiment.run.evaluate.against_mean`, or :func:`flatbma.fit_posterior`'s); other data, or a
+    value not measured, never fires.
+    """
+    if compared.get("data") not in MEAN_WORSE:
+        return False
+    ratio, share = MEAN_WORSE[compared["data"]]
+    ours, theirs, classes = (compared.get(k) for k in ("bma_nll", "mean_nll", "num_classes"))
+    if not (_finite(ours) and _finite(theirs) and isinstance(classes, int) and classes > 1):
+        return False
+    return ours > ratio * theirs and ours > theirs + share * math.log(classes)
+
+
+REFERENCES = {"mean": "posterior mean", "member 0": "member 0", "sample average": "samples' average"}
+"""How the warnings name the network the BMA is compared with (:func:`flatbma.predictor.reference_point`)."""
+
+
+def _reference(compared: Mapping[str, Any]) -> str:
+    return REFERENCES.get(str(compared.get("reference", "mean")), "posterior mean")
+
+
+def too_wide_line(subject: str, compared: Mapping[str, Any], advice: str) -> str:
+    """The one line of a BMA worse than its reference network: ``"<subject> has a posterior too wide for its …"``.
+
+    The advice first (the command line cuts a warning at 300 characters): what to change, from the method's own
+    settings (:meth:`~flatbma.experiment.config.methods.MethodConfig.advice`).
+    """
+    return f"{subject} has a posterior too wide for its {_reference(compared)} (try {advice}): {_worse_text(compared)}"
+
+
+def _worse_text(c: Mapping[str, Any]) -> str:
+    examples = f"{c['examples']} {'validation examples' if c['data'] == 'validation' else 'training images'}"
+    return (
+        f"its BMA is worse than its {_reference(c)} on {examples} (NLL {c['bma_nll']:.3f} vs {c['mean_nll']:.3f}, "
+        f"accuracy {c['bma_accuracy']:.3f} vs {c['mean_accuracy']:.3f})"
+    )
 
 
 def is_flagged(health: Any) -> bool:
@@ -207,12 +254,7 @@ def flagged_text(health: Mapping[str, Any]) -> str:
             f"({regression['target_std']:.3g})"
         )
     if "worse_than_mean" in health.get("flags", ()):
-        c = health["against_mean"]
-        examples = f"{c['examples']} {'validation examples' if c['data'] == 'validation' else 'training images'}"
-        found.append(
-            f"its BMA is worse than its posterior mean on {examples} (NLL {c['bma_nll']:.3f} vs "
-            f"{c['mean_nll']:.3f}, accuracy {c['bma_accuracy']:.3f} vs {c['mean_accuracy']:.3f})"
-        )
+        found.append(_worse_text(health["against_mean"]))
     return "; ".join(found)
 
 
@@ -229,27 +271,30 @@ def _collapsed(health: Mapping[str, Any]) -> bool:
 
 def flagged_line(method: str, run: Mapping[str, Any]) -> str:
     """The line of a flagged compare row in the report's tables and findings: ``"⚠ fp-bma seed 0: ..."``."""
-    failed = "a failed fit" if _collapsed(run["health"]) else "a posterior too wide for its mean"
-    return f"{MARK} {method} seed {run.get('seed')}: {flagged_text(run['health'])}; its numbers describe {failed}"
+    health = run["health"]
+    wide = f"a posterior too wide for its {_reference(health.get('against_mean') or {})}"
+    failed = "a failed fit" if _collapsed(health) else wide
+    return f"{MARK} {method} seed {run.get('seed')}: {flagged_text(health)}; its numbers describe {failed}"
 
 
-def warn_if_flagged(health: Mapping[str, Any], where: str) -> None:
-    """Warn (:class:`HealthWarning`, one line on the command line) when ``health`` flags the run at ``where``."""
+def warn_if_flagged(health: Mapping[str, Any], where: str, advice: str) -> None:
+    """Warn (:class:`HealthWarning`, one line on the command line) when ``health`` flags the run at ``where``.
+
+    ``advice``: what to change when only ``worse_than_mean`` fired, from the method's own settings
+    (:meth:`~flatbma.experiment.config.methods.MethodConfig.advice`; :func:`too_wide_line`).
+    """
     if not is_flagged(health):
         return
     if _collapsed(health):
         flags = set(health.get("flags", ()))
-        advice = (
+        fix = (
             "check optim.lr (too low learns nothing) and train.epochs"
             if flags <= {"at_mean_predictor", "learned_nothing"}
             else "lower the learning rate (or the method's step, e.g. gamma) and train again"
         )
-        text = f"{where} looks collapsed: {flagged_text(health)}; its numbers describe a failed fit: {advice}"
+        text = f"{where} looks collapsed: {flagged_text(health)}; its numbers describe a failed fit: {fix}"
     else:
-        text = (  # the advice first: the command line cuts a warning at 300 characters
-            f"{where} has a posterior too wide for its mean (narrow it; Laplace: subset: last-layer, a larger "
-            f"prior_precision or val, predictive: probit): {flagged_text(health)}"
-        )
+        text = too_wide_line(where, health["against_mean"], advice)
     warnings.warn(text, HealthWarning, stacklevel=2)
 
 

@@ -143,7 +143,8 @@ def _existing(cfg: RunConfig) -> Trained | None:
             )
         metrics = read_metrics(run_dir) or {}
         if processes.is_main():  # reported again: a reused run is no less flagged
-            warn_if_flagged(metrics.get("health"), f"the run in {run_dir}")
+            advice = cfg.method.advice(cfg.prior is not None, metrics.get("diagnostics"))
+            warn_if_flagged(metrics.get("health"), f"the run in {run_dir}", advice)
         return Trained(experiment=exp, state=trained_state(exp), metrics=metrics, reused=True)
     refusal = _not_as_written(run_dir, *found) if found is not None else None
     if processes.main_decides(refusal is not None):
@@ -309,5 +310,6 @@ def evaluate_run(run_dir: str | Path, *, flatness: bool = False, ood: str | None
         metrics["checkpoint"] = checkpoint_record(meta)  # the checkpoint these metrics are of
         if processes.is_main():
             write_sealed_json(metrics_path, metrics)
-            warn_if_flagged(metrics["health"], f"the run in {run_dir}")  # once its metrics are kept
+            advice = cfg.method.advice(cfg.prior is not None, metrics.get("diagnostics"))
+            warn_if_flagged(metrics["health"], f"the run in {run_dir}", advice)  # once its metrics are kept
     return metrics

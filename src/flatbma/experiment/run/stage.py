@@ -438,7 +438,8 @@ def _train_stage(
         metrics["checkpoint"] = checkpoint_record(checkpoint_metadata(ckpt))  # what the metrics are of
         write_sealed_json(run_dir / METRICS_FILE, metrics, note=f"the checkpoint at step {state.step} is intact")
         if evaluate:
-            warn_if_flagged(metrics["health"], f"the run in {run_dir}")  # once its metrics are kept
+            advice = cfg.method.advice(cfg.prior is not None, metrics.get("diagnostics"))
+            warn_if_flagged(metrics["health"], f"the run in {run_dir}", advice)  # once its metrics are kept
     return Trained(experiment=exp, state=state, metrics=metrics)
 
 

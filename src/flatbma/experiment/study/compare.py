@@ -495,7 +495,8 @@ def _measured(
         train_metrics.update({k: result[k] for k in keys}, num_samples=cfg.eval.num_samples)
         train_metrics["health"] = result["health"]
         write_sealed_json(run_dir / METRICS_FILE, train_metrics)
-    warn_if_flagged(result["health"], f"{label} seed {cfg.seed} ({run_dir})")
+    advice = cfg.method.advice(cfg.prior is not None, result.get("diagnostics"))
+    warn_if_flagged(result["health"], f"{label} seed {cfg.seed} ({run_dir})", advice)
     return result
 
 
