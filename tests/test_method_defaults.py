@@ -45,13 +45,14 @@ def test_every_method_runs_with_its_defaults_and_its_bma_is_no_worse_or_it_warns
         warnings.simplefilter("always")
         bma = flatbma.fit_posterior(SmallCNN(1, 10, width=4), loader, method, epochs=8, val_loader=val, progress=False)
     lines = [str(w.message) for w in caught if "too wide" in str(w.message)]
-    ours = bma.evaluate(val)
     weights, reference = bma.reference()
+    compared = {"data": "validation", "num_classes": 10, **bma.paired_nll(val, weights)}  # what fit_posterior weighs
     theirs = evaluate(bma.model, [weights], val, num_classes=10)
-    compared = {"data": "validation", "num_classes": 10, "bma_nll": ours["nll"], "mean_nll": theirs["nll"]}
-    assert ours["accuracy"] > 0.2, ours  # chance is 0.1 (measured: SGLD 0.23, its chain has no momentum; others > 0.8)
+    assert compared["mean_nll"] == pytest.approx(theirs["nll"], rel=1e-6)
+    assert compared["bma_accuracy"] > 0.2, compared  # chance 0.1 (SGLD 0.23: its chain has no momentum; others > 0.77)
     assert len(lines) == worse_than_mean(compared), (lines, compared)  # worse than its reference: one line
-    assert ours["nll"] <= 1.01 * theirs["nll"] + 1e-3 or lines
+    noise = 2 * compared["nll_diff_se"]
+    assert compared["bma_nll"] <= max(1.01 * compared["mean_nll"] + 1e-3, compared["mean_nll"] + noise) or lines
     for line in lines:
         assert line.startswith(f"the {method} BMA has a posterior too wide for its ") and "(try " in line
     samples = bma.samples

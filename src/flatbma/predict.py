@@ -128,6 +128,45 @@ def labelled(batch: object) -> Batch:
     return x, y
 
 
+def paired_nll(
+    model: nn.Module,
+    samples: Predictions,
+    point: Mapping[str, Tensor],
+    batches: Sequence[Batch],
+    *,
+    device: torch.device | str = "cpu",
+    mode: Callable[[nn.Module], AbstractContextManager[Any]] | None = None,
+) -> dict[str, float]:
+    """The BMA of ``samples`` and the point estimate ``point`` on the same labelled ``batches``, example by example.
+
+    Two passes of :func:`predict` over the one list (so the examples pair up, whatever a loader's order would be):
+    the BMA in ``mode``, ``point`` in eval mode. Returns ``{"examples", "bma_nll", "bma_accuracy", "mean_nll",
+    "mean_accuracy", "nll_diff_se"}``: the mean NLLs and accuracies, and the standard error of the mean of the
+    per-example differences ``NLL_BMA,i − NLL_point,i`` (``sd/√n``): how far the BMA's NLL can stand from the
+    point's by the draw of the examples alone (the health rule ``worse_than_mean`` asks the difference to exceed
+    it twice, :mod:`flatbma.experiment.run.health`).
+    """
+    sides = []
+    for weights, side_mode in ((samples, mode), ([dict(point)], None)):
+        nll, correct = [], []
+        for log_probs, y in predict(model, weights, batches, device=device, mode=side_mode):
+            nll.append(-log_probs.double().gather(1, y[:, None].to(torch.int64))[:, 0].cpu())
+            correct.append((log_probs.argmax(-1) == y).cpu())
+        sides.append((torch.cat(nll), torch.cat(correct)))
+    (ours, ours_ok), (theirs, theirs_ok) = sides
+    n = ours.numel()
+    diff = ours - theirs
+    se = float(diff.std(unbiased=True) / math.sqrt(n)) if n > 1 else float("inf")
+    return {
+        "examples": n,
+        "bma_nll": float(ours.mean()),
+        "bma_accuracy": float(ours_ok.double().mean()),
+        "mean_nll": float(theirs.mean()),
+        "mean_accuracy": float(theirs_ok.double().mean()),
+        "nll_diff_se": se,
+    }
+
+
 def evaluate(
     model: nn.Module,
     samples: Predictions,

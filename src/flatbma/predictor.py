@@ -54,7 +54,7 @@ from flatbma.metrics import uncertainty_decomposition
 from flatbma.models.contract import first_output, keep_logits
 from flatbma.params import hold, load_into, model_buffers, trainable_params
 from flatbma.precision import Precision, autocast
-from flatbma.predict import Predictions, bma_log_probs, evaluate, labelled, predict, sample_log_probs
+from flatbma.predict import Predictions, bma_log_probs, evaluate, labelled, paired_nll, predict, sample_log_probs
 from flatbma.predictor_file import (
     LOGITS_FIRST,
     LOGITS_OUTPUT,
@@ -425,6 +425,19 @@ class BMA:
             raise FlatbmaError(str(e).replace("this posterior", f"this {self._name()} posterior")) from None
         with self._forward():
             return self._statistics([weights])[0]
+
+    def paired_nll(self, data: Iterable[Any], point: Mapping[str, Tensor]) -> dict[str, float]:
+        """The BMA and the point estimate ``point`` on the labelled batches of ``data``, example by example.
+
+        :func:`flatbma.predict.paired_nll` with the predictor's samples, device and prediction mode; ``data`` is read
+        once into a list (pass validation-sized data).
+        """
+        self._classifier("paired_nll")
+        batches = [labelled(batch) for batch in data]
+        with self._forward():
+            return paired_nll(
+                self.model, self._predictions(), point, batches, device=self.device, mode=self._mode()
+            )
 
     def reference(self) -> tuple[Params, str]:
         """The network the BMA is compared with, statistics as the samples': :func:`reference_point` and its label."""

@@ -109,6 +109,9 @@ LOG10 = math.log(10)
         (_against("validation", 0.1327, 0.0627), True),  # last-layer: 2.1x
         (_against("validation", 0.6000, 0.0627), True),  # all weights: 9.6x, +0.54
         (_against("validation", 0.0627, 0.0627), False),
+        # and by more than twice the standard error of the paired per-example differences, when measured
+        ({**_against("validation", 0.1327, 0.0627), "nll_diff_se": 0.0349}, True),  # +0.0700 > 0.0698
+        ({**_against("validation", 0.1327, 0.0627), "nll_diff_se": 0.0351}, False),  # within the draw's noise
         # the two conditions, each at its edge
         (_against("validation", 1.01 * 1.2 + 1e-6, 1.2), True),
         (_against("validation", 1.01 * 1.2 - 1e-6, 1.2), False),

@@ -465,9 +465,11 @@ def _check_against_reference(
 
     The reference is :meth:`BMA.reference <flatbma.predictor.BMA.reference>` (the posterior mean, a mixture's
     member 0, a chain's average of samples) evaluated as a point estimate (:func:`flatbma.predict.evaluate`); the
-    BMA is :meth:`BMA.evaluate <flatbma.predictor.BMA.evaluate>`. The rule is
-    :func:`flatbma.experiment.run.health.worse_than_mean` — on validation data worse beyond rounding, on the
-    training data (the MAP was fitted to them) by more than 2x and 0.2 log C — and the one line
+    BMA is :meth:`BMA.evaluate <flatbma.predictor.BMA.evaluate>` (on validation data both example by example,
+    :meth:`BMA.paired_nll <flatbma.predictor.BMA.paired_nll>`). The rule is
+    :func:`flatbma.experiment.run.health.worse_than_mean` — on validation data worse beyond rounding and beyond twice
+    the standard error of the paired differences, on the training data (the MAP was fitted to them) by more than
+    2x and 0.2 log C — and the one line
     :func:`~flatbma.experiment.run.health.too_wide_line`, with the method's own advice
     (:meth:`MethodConfig.advice <flatbma.experiment.config.methods.MethodConfig.advice>`). Soft targets (no NLL of
     labels) are not compared.
@@ -479,23 +481,24 @@ def _check_against_reference(
         return
     which = "validation" if validation else "training"
     try:
-        ours = bma.evaluate(data, num_classes=num_classes)
         cuda = [bma.device.index or 0] if bma.device.type == "cuda" else []
         with torch.random.fork_rng(devices=cuda):  # a DataLoader's iterator draws its seed: the caller's stream stays
             weights, reference = bma.reference()
-            theirs = evaluate(bma.model, [weights], data, num_classes=num_classes, device=bma.device)
+            if validation:  # example by example: the rule weighs the difference against its noise
+                measured = bma.paired_nll(data, weights)
+            else:
+                ours = bma.evaluate(data, num_classes=num_classes)
+                theirs = evaluate(bma.model, [weights], data, num_classes=num_classes, device=bma.device)
+                measured = {
+                    "examples": int(theirs["n"]),
+                    "bma_nll": ours["nll"],
+                    "bma_accuracy": ours["accuracy"],
+                    "mean_nll": theirs["nll"],
+                    "mean_accuracy": theirs["accuracy"],
+                }
     except FlatbmaError as e:
         raise FlatbmaError(f"comparing the BMA with its reference network on the {which} data: {e}") from None
-    compared = {
-        "data": which,
-        "examples": int(theirs["n"]),
-        "num_classes": num_classes,
-        "reference": reference,
-        "bma_nll": ours["nll"],
-        "bma_accuracy": ours["accuracy"],
-        "mean_nll": theirs["nll"],
-        "mean_accuracy": theirs["accuracy"],
-    }
+    compared = {"data": which, "num_classes": num_classes, "reference": reference, **measured}
     if not worse_than_mean(compared):
         return
     diagnostics = bma.method.diagnostics(bma.state) if bma.method.diagnostics is not None else {}

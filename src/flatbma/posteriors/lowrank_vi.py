@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
+from typing import ClassVar
 
 import torch
 from torch import Tensor
@@ -252,6 +253,12 @@ class Options:
             ELBO's optimum at a rate set by the learning rate; ``plain`` the optimizer's step on the plain gradient.
             The factor ``L`` takes the plain step either way.
     """
+
+    NOTES: ClassVar[str] = """
+variance_step: natural (the default) steps log σ along its natural gradient of the whole ELBO, so that the
+diagonal of Σ moves from init_std by about optim.lr per update in log σ; the factor L takes the optimizer's plain
+step (plain: every block's plain step, as runs stored before the option). docs/methods.md §3.3-3.4.
+"""
 
     rank: int = 5
     num_mc_samples: int = 1

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -125,6 +126,12 @@ class Options:
             optimum at a rate set by the learning rate alone; ``plain`` the optimizer's step on the plain gradient
             (Blundell et al. 2015), under which ``σ`` stays at ``init_std`` on a data set of thousands of examples.
     """
+
+    NOTES: ClassVar[str] = """
+variance_step: natural (the default) steps ρ along its natural gradient of the whole ELBO, so that σ² moves from
+init_std² to the mean-field optimum 1/(n·h/kl_weight + 1/prior_std²) by about optim.lr per update in log σ
+(plain: the optimizer's step on the plain gradient, under which σ stays at init_std). docs/methods.md §3.3.
+"""
 
     num_mc_samples: int = 1
     init_std: float = 1e-3

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from enum import Enum
 from functools import partial
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 
@@ -63,6 +63,11 @@ class Options:
             :func:`build` called directly refuses ``"auto"`` for either: give integers there.
         max_samples: samples kept.
     """
+
+    NOTES: ClassVar[str] = """
+burn_in auto (the default): the first half of the run's updates; thin auto: the max_samples kept spread over the
+second half up to its end, max(1, ⌊(T − burn_in)/max_samples⌋). Integers are used as given. docs/methods.md §3.7.
+"""
 
     prior_std: float = 1.0
     temperature: float = 1.0

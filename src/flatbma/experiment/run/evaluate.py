@@ -70,6 +70,7 @@ from flatbma.precision import autocast
 from flatbma.predict import (
     Predictions,
     evaluate,
+    paired_nll,
     predict,
     rescaled_metrics,
     stream_metrics,
@@ -324,8 +325,8 @@ def against_mean(
 
     Returns:
         ``{"data": "validation" | "training", "examples", "num_classes", "reference", "bma_nll", "bma_accuracy",
-        "mean_nll", "mean_accuracy"}`` (``reference``: ``"mean"``, ``"member 0"`` or ``"sample average"``), or
-        ``None`` for a regression run.
+        "mean_nll", "mean_accuracy"}`` (``reference``: ``"mean"``, ``"member 0"`` or ``"sample average"``) and, on
+        validation data, ``nll_diff_se`` (:func:`flatbma.predict.paired_nll`), or ``None`` for a regression run.
     """
     if exp.likelihood is not None:
         return None
@@ -335,22 +336,18 @@ def against_mean(
         names = trained_names(exp.model)
         weights, reference = reference_point(exp.method, state, predictions, names, exp.config.seed)
         at_mean = with_bn_statistics(exp, [weights])
-    score = partial(evaluate, exp.model, num_classes=exp.num_classes, device=exp.device)
-    if exp.val_loader is not None:
-        bma = score(predictions, exp.val_loader, mode=prediction_mode(exp.method, exp.config.seed))
-        point = score(at_mean, exp.val_loader)
-        examples, data = int(point["n"]), "validation"
-    else:
-        bma = {"nll": fit["train_bma_nll"], "accuracy": fit["train_bma_accuracy"]}
-        point = score(at_mean, islice(exp.bn_loader, batches))
-        examples, data = fit["train_examples"], "training"
+    if exp.val_loader is not None:  # example by example: the rule weighs the difference against its noise
+        mode = prediction_mode(exp.method, exp.config.seed)
+        paired = paired_nll(exp.model, predictions, at_mean[0], list(exp.val_loader), device=exp.device, mode=mode)
+        return {"data": "validation", "num_classes": exp.num_classes, "reference": reference, **paired}
+    point = evaluate(exp.model, at_mean, islice(exp.bn_loader, batches), num_classes=exp.num_classes, device=exp.device)
     return {
-        "data": data,
-        "examples": examples,
+        "data": "training",
+        "examples": fit["train_examples"],
         "num_classes": exp.num_classes,
         "reference": reference,
-        "bma_nll": bma["nll"],
-        "bma_accuracy": bma["accuracy"],
+        "bma_nll": fit["train_bma_nll"],
+        "bma_accuracy": fit["train_bma_accuracy"],
         "mean_nll": point["nll"],
         "mean_accuracy": point["accuracy"],
     }
