@@ -15,27 +15,26 @@ metrics are kept — but it is flagged, by three rules:
   training images is at most the chance level — the share of the most frequent class among them,
   what always predicting that class scores — plus two standard errors of an accuracy at that level,
   ``2·sqrt(p(1 − p)/n)``. A BMA that cannot beat that on the data it was fitted to has learned nothing.
-* **worse than its mean**: the BMA's NLL exceeds both ``r · NLL_ref`` and ``NLL_ref + s · log C`` (``log C``, the
-  NLL of a uniform guess over ``C`` classes), :data:`MEAN_WORSE`, where ``ref`` is the one network the posterior
-  holds (:func:`flatbma.predictor.reference_point`): its mean (:attr:`flatbma.types.Posterior.mean`: Laplace's
-  MAP, SWAG's SWA mean, VI's ``μ``, MC dropout's deterministic network, a point estimate itself); for a mixture of
-  independently trained members (ensembles, ``multi``), whose average of weights lies in none of their basins,
-  its member 0 (what :meth:`flatbma.BMA.load_into` writes: a mixture worse than one of its members averages in
-  worse ones); for SG-MCMC, which has no closed-form mean, the average of its kept iterates — each evaluated as a
-  point estimate with recomputed BatchNorm statistics. On the validation split when the run has one
-  (``r = 1.01``, ``s = 0.0005``: worse beyond rounding, the BMA's own purpose being held-out predictions,
-  and by more than :data:`NOISE_Z` standard errors of the per-example differences: without it, MultiSWAG on 200
-  held-out digits images came out worse than its member 0, 0.062 against 0.051, and was flagged, while 10% better
-  on the test set; with it, not), otherwise on the training images of the chance rule (``r = 2``, ``s = 0.2``):
-  a MAP was fitted to them, so its training NLL can be tiny and a sound posterior several times worse there — the
-  margin in units of ``log C`` keeps such runs unflagged (a last-layer Laplace with the evidence's δ on digits' small CNN: BMA NLL 0.064
-  against its MAP's 0.018 on training images; MC dropout 0.053 against 0.025), while a posterior that undoes its
-  MAP (all weights, KFAC, the evidence's δ on the same CNN: 0.76 against 0.018) is far beyond it. On validation
-  data the same last-layer Laplace (0.13 against 0.063) is flagged: its BMA predicts held-out data worse than its
-  MAP. The run's fit is fine; its posterior is too wide. :func:`flatbma.fit_posterior` applies the same rule
-  (:func:`worse_than_mean`) to its ``val_loader``, or to the training data without one, and warns in the same
-  words (:func:`too_wide_line`), with advice from the method's own settings (the registry's
-  :attr:`~flatbma.experiment.config.methods.MethodSpec.advice`).
+* **worse than its mean**: the BMA's NLL exceeds both ``r · NLL_ref`` and ``NLL_ref + s · log C`` (``log C``, the NLL
+  of a uniform guess over ``C`` classes), :data:`MEAN_WORSE`, where ``ref`` is the one network the posterior holds
+  (:func:`flatbma.predictor.reference_point`): its mean (:attr:`flatbma.types.Posterior.mean`: Laplace's MAP, SWAG's
+  SWA mean, VI's ``μ``, MC dropout's deterministic network, a point estimate itself); for a mixture of independently
+  trained members (ensembles, ``multi``), whose average of weights lies in none of their basins, its member 0 (what
+  :meth:`flatbma.BMA.load_into` writes: a mixture worse than one of its members averages in worse ones); for SG-MCMC,
+  which has no closed-form mean, the average of its kept iterates — each evaluated as a point estimate with recomputed
+  BatchNorm statistics. On the validation split when the run has one (``r = 1.01``, ``s = 0.0005``: worse beyond
+  rounding, the BMA's own purpose being held-out predictions, and by more than :data:`NOISE_Z` standard errors of the
+  per-example differences: without it, MultiSWAG on 200 held-out digits images came out worse than its member 0, 0.062
+  against 0.051, and was flagged, while 10% better on the test set; with it, not), otherwise on the training images of
+  the chance rule (``r = 2``, ``s = 0.2``): a MAP was fitted to them, so its training NLL can be tiny and a sound
+  posterior several times worse there — the margin in units of ``log C`` keeps such runs unflagged (a last-layer
+  Laplace with the evidence's δ on digits' small CNN: BMA NLL 0.064 against its MAP's 0.018 on training images; MC
+  dropout 0.053 against 0.025), while a posterior that undoes its MAP (all weights, KFAC, the evidence's δ on the same
+  CNN: 0.76 against 0.018) is far beyond it. On validation data the same last-layer Laplace (0.13 against 0.063) is
+  flagged when that difference exceeds its noise: its BMA predicts held-out data worse than its MAP. The run's fit is fine; its posterior is too wide.
+  :func:`flatbma.fit_posterior` applies the same rule (:func:`worse_than_mean`) to its ``val_loader``, or to the
+  training data without one, and warns in the same words (:func:`too_wide_line`), with advice from the method's own
+  settings (the registry's :attr:`~flatbma.experiment.config.methods.MethodSpec.advice`).
 
 A regression run (a Gaussian likelihood: no classes, no chance level) has three rules of its own instead of
 the classifier's ``at_chance`` and ``worse_than_mean``:
