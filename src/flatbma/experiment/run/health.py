@@ -31,10 +31,10 @@ metrics are kept — but it is flagged, by three rules:
   Laplace with the evidence's δ on digits' small CNN: BMA NLL 0.064 against its MAP's 0.018 on training images; MC
   dropout 0.053 against 0.025), while a posterior that undoes its MAP (all weights, KFAC, the evidence's δ on the same
   CNN: 0.76 against 0.018) is far beyond it. On validation data the same last-layer Laplace (0.13 against 0.063) is
-  flagged when that difference exceeds its noise: its BMA predicts held-out data worse than its MAP. The run's fit is fine; its posterior is too wide.
-  :func:`flatbma.fit_posterior` applies the same rule (:func:`worse_than_mean`) to its ``val_loader``, or to the
-  training data without one, and warns in the same words (:func:`too_wide_line`), with advice from the method's own
-  settings (the registry's :attr:`~flatbma.experiment.config.methods.MethodSpec.advice`).
+  flagged when that difference exceeds its noise: its BMA predicts held-out data worse than its MAP. The run's fit is
+  fine; its posterior is too wide. :func:`flatbma.fit_posterior` applies the same rule (:func:`worse_than_mean`) to
+  its ``val_loader``, or to the training data without one, and warns in the same words (:func:`too_wide_line`), with
+  advice from the method's own settings (the registry's :attr:`~flatbma.experiment.config.methods.MethodSpec.advice`).
 
 A regression run (a Gaussian likelihood: no classes, no chance level) has three rules of its own instead of
 the classifier's ``at_chance`` and ``worse_than_mean``:
