@@ -184,6 +184,8 @@ def trainable_methods(objective: Objective, only: list[str] | None = None) -> di
             config = parse_method(section)
             if config.options.get("start_step", 0) is None:  # SWAG's default window needs a run's length: from 0
                 config = config.with_options(start_step=0)
+            if config.options.get("collect_every") == "auto":  # likewise its spacing: every 10th update, as before
+                config = config.with_options(collect_every=10)
             label = name if every == 1 else f"{name} k{every}"
             if only is None or label in only:
                 methods[label] = config.build(objective, optimizer)

@@ -25,6 +25,7 @@ from flatbma.data import ArrayDataset, load_image_folder
 from flatbma.errors import FlatbmaError
 from flatbma.experiment.cli import main
 from tests.data.test_bad_headers import with_png_size
+from tests.helpers import DONE
 
 BASE = {
     "seed": 0,
@@ -50,9 +51,13 @@ _COUNT = itertools.count()
 
 
 def trains(tmp_path: Path, **data: Any) -> None:
-    """Train on ``data``, expect success (stderr may hold progress lines, but no error)."""
+    """Train on ``data``, expect success (stderr may hold progress lines, but no error).
+
+    A one-epoch run on a handful of images may end at chance and be flagged by a health rule (exit 3, a
+    warning line): the data were read, which is what these cases test.
+    """
     code, err = train(tmp_path, **data)
-    assert code == 0 and "error" not in err, err
+    assert code in DONE and "error" not in err, err
 
 
 def one_error(tmp_path: Path, *needles: str, **data: Any) -> str:
@@ -371,6 +376,6 @@ def test_random_idx_damage_trains_or_fails_with_one_line(
         data[at % len(data)] = value
     (root / name).write_bytes(bytes(data[: max(len(data) - cut, 0)]))
     code, err = train(work, name="idx", root=str(root), k_shot=k_shot)
-    if code != 0:
+    if code not in DONE:
         lines = err.splitlines()
         assert code == 2 and len(lines) == 1 and lines[0].startswith("flatbma: error: "), err

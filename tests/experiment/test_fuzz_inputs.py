@@ -162,6 +162,8 @@ def _cheap(raw: dict[str, Any]) -> dict[str, Any]:
     raw.setdefault("method", {"name": "sgd"})
     raw["data"] = {k: v for k, v in raw.get("data", {}).items() if k not in ("root", "image_size")}
     raw["data"].update(name="digits", image_size=8)
+    if raw["data"].get("val_pool"):  # CIFAR's 500 per class: digits' smallest training class has 116 images
+        raw["data"]["val_pool"] = min(raw["data"]["val_pool"], 20)
     if raw["data"].get("normalize"):  # ImageNet statistics need three channels
         raw["data"]["to_rgb"] = True
     # digits is a classification set: a regression config (model.likelihood: gaussian) moves onto it as a classifier

@@ -207,26 +207,26 @@ RESOLVED = {
     "sam": "c329ef725a47fc4b",
     "asam": "1e069deb20dd5463",
     "fsam": "fce450f91d9b6103",
-    "swag": "f3831a282880f426",
-    "swag-diag": "33d25188a381bc99",
-    "f-swag": "6b40355477fdda4b",
-    "mfvi": "61737e61052ae155",
-    "lowrank-vi": "773c3d52f7b21a68",
-    "f-mfvi": "ccad68bd7cc9bb13",
-    "f-lowrank-vi": "c832c57ea77d8d3c",
+    "swag": "f5824569cc1e3e0e",  # collect_every: auto (#35)
+    "swag-diag": "c5461fab24500e3b",  # collect_every: auto (#35)
+    "f-swag": "3847664785c4f2e0",  # collect_every: auto (#35)
+    "mfvi": "987458df3cc4ed7d",  # variance_step: natural (#35)
+    "lowrank-vi": "f2d0d4e4bfcf803e",  # variance_step: natural (#35)
+    "f-mfvi": "85ce7c625263abee",  # variance_step: natural (#35)
+    "f-lowrank-vi": "45c372a2c58bedfc",  # variance_step: natural (#35)
     "bsam": "cf2079c9b875d3d1",
     "mc-dropout": "8c45d6c89f11d51c",
     "f-mc-dropout": "86e046a1718ef4af",
     "ensemble": "87350af1796c2142",
     "f-ensemble": "de9e4d21fa1c06b4",
-    "sgld": "983da6961b929e83",
+    "sgld": "6f390cd7dcf10448",  # burn_in, thin: auto (#35)
     "csgld": "056851c9a3092e59",
-    "f-sgld": "9b98eccc8eb1e6ff",
-    "fp-bma": "eeefb354de6a82b0",  # radius: 0.05, the default step since #22
-    "sa-bma": "7252ba9f01b460e4",
+    "f-sgld": "ad2b4d7a248fb1d5",  # burn_in, thin: auto (#35)
+    "fp-bma": "e6fd041808f39aef",  # radius: 0.05 (#22), variance_step: natural (#35)
+    "sa-bma": "224e8f87419a0d71",  # variance_step: natural (#35)
     "multi": "d6549a167fda82e5",
-    "multiswag": "cc8b1b7f24d9c126",  # swag's start_step: null (#25)
-    "multi-fp-bma": "c6bcf7cb095abf91",
+    "multiswag": "334ab5e8e8cf5757",  # swag's start_step: null (#25), collect_every: auto (#35)
+    "multi-fp-bma": "d9df450acb7e74a5",  # variance_step: natural (#35)
     "ivon": "72c3be7ac0aec2d9",  # registered after Laplace (#37)
     "f-ivon": "dd6b7d3ca8c2f150",
 }
