@@ -161,3 +161,28 @@ def test_refind_refuses_batches_that_are_not_one_study_in_one_line(tmp_path, cap
     assert len(errors) == 4 and all(e.startswith("refind: error: ") for e in errors)
     assert "config_hash" in errors[0] and "beyond its seeds" in errors[1] and "seed 1" in errors[2]
     assert not (tmp_path / "o").exists()
+
+
+def test_study_acts_finds_the_radius_study_anchored_and_the_regimes_control_failed(capsys):
+    """The two facts issue #34 read from the committed studies: the radius study's q moved a few nats (KL weight 1
+    to a prior equal to its start), and the authors'-regime Gaussian missed SGD's interval."""
+    acts = _script("study_acts")
+    assert acts.main([str(ROOT / "docs/fpbma-study/radius/results.json")]) == 0
+    out = capsys.readouterr().out
+    assert "| lowrank-vi | 5 | 1.53 [0.821, 2.15] |" in out
+    assert "moved no more than 50 nats on some seed: lowrank-vi (0.821)" in out
+    regimes = ROOT / "docs/fpbma-study/regimes/results.json"
+    assert acts.main([str(regimes), "--control", "lowrank-vi", "sgd"]) == 0
+    out = capsys.readouterr().out
+    mean = statistics.mean(
+        r["accuracy"] for r in json.loads(regimes.read_text())["runs"] if r["method"] == "lowrank-vi"
+    )
+    assert f"lowrank-vi's accuracy {mean:.4f} < the low end of sgd's 95% interval" in out and out.endswith("NOT met\n")
+    assert "q moved more than 50 nats on every seed of every variational arm" in out
+
+
+def test_study_acts_refuses_what_is_not_a_results_json_in_one_line(tmp_path, capsys):
+    acts = _script("study_acts")
+    (tmp_path / "r.json").write_text("{}")
+    assert acts.main([str(tmp_path / "r.json")]) == 2
+    assert capsys.readouterr().err.count("\n") == 1
