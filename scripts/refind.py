@@ -14,9 +14,11 @@ place; with it they go to ``DIR`` (created) and ``RESULTS_JSON`` is left as it w
 
 **Seed batches of one study.** Several ``results.json`` of the same comparison run on different seeds (a long
 study run in batches, e.g. across sessions from one pinned commit: ``--set compare.seeds=[5,6,7]``) are merged
-into one: they must hold the same config (``config_hash``, which leaves the seeds out) and the same compare
-section but for its seeds, and no (method, seed) row twice; the rows are concatenated, ``compare.seeds`` is
-their union and ``created`` the latest batch's; then the findings are generated as above from all the rows.
+into one: they must hold the same config but for ``output_dir`` and ``compare.seeds`` (each batch its own
+folder) and the same compare section but for its seeds, and no (method, seed) row twice; the rows are
+concatenated, ``compare.seeds`` is their union, ``created`` the latest batch's and ``batches`` records each
+batch's ``config_hash``, ``output_dir``, seeds and ``created``; then the findings are generated as above from
+all the rows.
 ``--out`` is required then, and the batches are left as they were.
 
 For committed study outputs whose run directories are gone (docs/*-study/): a new finding's field or
@@ -56,8 +58,10 @@ def merge(batches: list[dict[str, Any]], names: list[str]) -> dict[str, Any]:
             )
     seen: dict[tuple[Any, Any], str] = {}
     for results, name in zip(batches, names, strict=True):
-        if results.get("config_hash") != first.get("config_hash"):
-            raise FlatbmaError(f"{name} holds another config than {names[0]} (config_hash differs): not one study")
+        if _study(results) != _study(first):
+            raise FlatbmaError(
+                f"{name} holds another config than {names[0]} (beyond output_dir and compare.seeds): not one study"
+            )
         rest = {k: v for k, v in results["compare"].items() if k != "seeds"}
         if rest != {k: v for k, v in first["compare"].items() if k != "seeds"}:
             raise FlatbmaError(f"{name}'s compare section differs from {names[0]}'s beyond its seeds: not one study")
@@ -74,7 +78,27 @@ def merge(batches: list[dict[str, Any]], names: list[str]) -> dict[str, Any]:
         "runs": [row for results in batches for row in results["runs"]],
         "compare": {**first["compare"], "seeds": seeds},
         "created": max(str(results.get("created", "")) for results in batches),
+        "batches": [
+            {
+                "config_hash": results.get("config_hash"),
+                "output_dir": (results.get("config") or {}).get("output_dir"),
+                "seeds": results["compare"].get("seeds"),
+                "created": results.get("created"),
+            }
+            for results in batches
+        ],
     }
+
+
+def _study(results: dict[str, Any]) -> dict[str, Any]:
+    """A batch's config without what differs between batches of one study: its output_dir and compare.seeds.
+
+    Its ``config_hash`` covers both, so it differs between batches and cannot tell a batch from another study.
+    """
+    config = {k: v for k, v in (results.get("config") or {}).items() if k != "output_dir"}
+    if isinstance(config.get("compare"), dict):
+        config["compare"] = {k: v for k, v in config["compare"].items() if k != "seeds"}
+    return config
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -118,7 +118,14 @@ def test_refind_refuses_what_is_not_a_results_json_in_one_line(tmp_path, capsys)
 def _batch(seeds):
     runs = [{"method": m, "seed": s, **_result(k, s)} for k, m in enumerate(["sgd", "swag"]) for s in seeds]
     compare = {"reference": "sgd", "seeds": list(seeds), "methods": [{"name": "sgd"}, {"name": "swag"}]}
-    return {"config_hash": "abc", "created": f"2024-01-0{1 + min(seeds)}T00:00:00", "compare": compare, "runs": runs}
+    config = {"seed": 0, "output_dir": f"runs/s{min(seeds)}", "compare": {"seeds": list(seeds), "reference": "sgd"}}
+    return {
+        "config_hash": f"hash{min(seeds)}",  # covers output_dir and the seeds: differs between batches
+        "config": config,
+        "created": f"2024-01-0{1 + min(seeds)}T00:00:00",
+        "compare": compare,
+        "runs": runs,
+    }
 
 
 def test_refind_merges_seed_batches_into_the_findings_of_all_seeds(tmp_path):
@@ -137,6 +144,10 @@ def test_refind_merges_seed_batches_into_the_findings_of_all_seeds(tmp_path):
     assert sorted(merged["runs"], key=lambda r: (r["method"], r["seed"])) == whole["runs"]
     assert merged["compare"]["seeds"] == list(SEEDS) and merged["created"] == "2024-01-03T00:00:00"
     assert merged["findings"] == findings({**whole, "runs": merged["runs"]})
+    assert [(b["output_dir"], b["seeds"], b["config_hash"]) for b in merged["batches"]] == [
+        ("runs/s0", [0, 1], "hash0"),
+        ("runs/s2", [2], "hash2"),
+    ]
     (swag,) = [c for c in merged["findings"]["comparisons"] if c["method"] == "swag" and c["metric"] == "accuracy"]
     assert swag["n"] == 3
 
@@ -151,7 +162,9 @@ def test_refind_refuses_batches_that_are_not_one_study_in_one_line(tmp_path, cap
 
     a = write("a.json", _batch((0, 1)))
     out = str(tmp_path / "o")
-    assert refind.main([a, write("b.json", {**_batch((2,)), "config_hash": "other"}), "--out", out]) == 2
+    changed = _batch((2,))
+    changed["config"]["seed"] = 1  # another study's config, not only another batch's folder and seeds
+    assert refind.main([a, write("b.json", changed), "--out", out]) == 2
     other = _batch((2,))
     other["compare"]["reference"] = "swag"
     assert refind.main([a, write("c.json", other), "--out", out]) == 2
@@ -159,7 +172,7 @@ def test_refind_refuses_batches_that_are_not_one_study_in_one_line(tmp_path, cap
     assert refind.main([a, write("e.json", _batch((2,)))]) == 2  # no --out
     errors = capsys.readouterr().err.splitlines()
     assert len(errors) == 4 and all(e.startswith("refind: error: ") for e in errors)
-    assert "config_hash" in errors[0] and "beyond its seeds" in errors[1] and "seed 1" in errors[2]
+    assert "another config" in errors[0] and "beyond its seeds" in errors[1] and "seed 1" in errors[2]
     assert not (tmp_path / "o").exists()
 
 
