@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from flatbma.experiment.config.run_config import config_from_dict
 from flatbma.experiment.parallel import processes
-from flatbma.experiment.run.pipeline import train_run
+from flatbma.experiment.run.pipeline import train
 
 CONFIG = {
     "seed": 0,
@@ -45,7 +45,7 @@ def main() -> None:
     processes.is_distributed = lambda: True  # one process, the data-parallel path (its collectives) on
     try:
         cfg = config_from_dict({**CONFIG, "train": {**CONFIG["train"], "device": device}, "output_dir": str(out)})
-        _, metrics = train_run(cfg)
+        metrics = train(cfg).metrics
     finally:
         dist.destroy_process_group()
     metrics["backend"] = dist.Backend(backend)

@@ -15,6 +15,7 @@ import yaml
 from torch import nn
 
 from flatbma.params import Objective
+from flatbma.types import State
 
 DONE = (0, 3)
 """Exit codes of a command that did its work: 3 when a health rule flags its run (as tiny test runs often are)."""
@@ -208,3 +209,10 @@ solved for 0.8 by brentq (xtol 1e-13), then ``λ/√n`` (tests/test_stats.py's `
 power at these values). statsmodels 0.15 ``TTestPower().solve_power(nobs=n, alpha=0.05, power=0.8)`` gives 3.2640436
 (n = 3), 1.6819971 (n = 5), 0.9960019 (n = 10): equal to its solver's tolerance.
 """
+
+
+def load_state(path: str | Path, device: str = "cpu") -> State:
+    """The state of the state file at ``path`` (a checkpoint, a predictor file), its checksums checked."""
+    from flatbma.experiment.run.checkpoint import load_checkpoint
+
+    return load_checkpoint(path, device)[0]

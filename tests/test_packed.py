@@ -4,12 +4,12 @@ import pytest
 import torch
 
 from flatbma import packed
-from flatbma.experiment.run.checkpoint import load_state, save_state
+from flatbma.experiment.run.checkpoint import save_state
 from flatbma.gaussian import standard_normal_like
 from flatbma.optim import SGD, Adam, FisherBall
 from flatbma.params import Objective, add, detached, model_buffers, scale, trainable_params
 from flatbma.posteriors import fp_bma, lowrank_vi
-from tests.helpers import tiny_bn_net, toy_batch
+from tests.helpers import load_state, tiny_bn_net, toy_batch
 
 SHAPES = {"conv.weight": (4, 3, 3, 3), "bn.weight": (4,), "bn.bias": (4,), "fc.weight": (5, 4), "fc.bias": (5,)}
 

@@ -29,6 +29,7 @@ toy problem below (torch 2.13, CPU): at most 0.011 for every registered method b
 (Fisher-SAM's metric ``1 + η g⊙g`` squares the gradient's bf16 error); the SG-MCMC and VI methods draw the
 same noise in both runs, so only the forward precision differs."""
 
+
 @pytest.mark.parametrize("name", list(METHODS))
 def test_every_method_trains_under_bf16_within_tolerance_of_fp32(name):
     start, full, _ = train_steps(name)
@@ -248,7 +249,7 @@ def test_a_run_may_change_its_device_on_resume(tmp_path, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         train(cfg, evaluate=False)
     assert main(["train", "--resume", str(tmp_path / "run"), "--set", "train.device=cpu"]) == 0
-    from flatbma.experiment.run.checkpoint import load_state
+    from tests.helpers import load_state
 
     resumed = load_state(tmp_path / "run" / "checkpoint.safetensors")
     assert all(torch.equal(resumed.params[k], v) for k, v in reference.state.params.items())
@@ -257,9 +258,8 @@ def test_a_run_may_change_its_device_on_resume(tmp_path, monkeypatch):
 
 def test_an_fp16_run_stopped_at_an_epoch_end_resumes_bit_identically(tmp_path, monkeypatch):
     """The loss scale and its count of finite steps are method state: a resumed fp16 run continues exactly."""
-    from flatbma.experiment.run.checkpoint import load_state
     from flatbma.experiment.run.pipeline import train
-    from tests.helpers import interrupt_after_first_epoch
+    from tests.helpers import interrupt_after_first_epoch, load_state
 
     cfg = config_from_dict(
         {

@@ -52,7 +52,7 @@ def test_frozen_parameters_stay_fixed_through_training(tmp_path):
         f"train: {{epochs: 1, progress: false}}\neval: {{num_samples: 1}}\noutput_dir: {tmp_path / 'run'}\n"
     )
     assert main(["train", "--config", str(cfg)]) == 0
-    from flatbma.experiment.run.checkpoint import load_state
+    from tests.helpers import load_state
 
     state = load_state(tmp_path / "run" / "checkpoint.safetensors")
     assert all(not k.endswith("conv.weight") for k in state.params)

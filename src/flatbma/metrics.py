@@ -1,7 +1,7 @@
 """Classification and uncertainty metrics of a BMA predictive, offline and streaming.
 
 Over 500 lines on purpose: the offline metrics and their streaming versions
-(:class:`StreamingMetrics`, :class:`StreamingEntropyAUROC`) must give the same numbers, so both use the
+(:class:`StreamingMetrics`) must give the same numbers, so both use the
 one input validation (``_check_inputs``), the one per-example decomposition and the same binning
 helpers defined here; split apart, either half would import the other's private helpers.
 
@@ -25,10 +25,10 @@ accepts, :func:`flatbma.types.training_batch`). Each metric then compares the pr
 One-hot rows give exactly the numbers of their labels.
 
 All arithmetic is done in float64, whatever the input dtype. Offline functions see the whole arrays;
-:class:`StreamingMetrics` and :class:`StreamingEntropyAUROC` keep O(bins) sums that can be summed across
+:class:`StreamingMetrics` keeps O(bins) sums that can be summed across
 processes (``state_tensors`` → ``torch.distributed.all_reduce`` → ``load_state_tensors``), and give the
 offline values up to float64 rounding (accuracy, NLL, Brier, ECE) or up to a stated binning error
-(adaptive ECE, entropy AUROC).
+(adaptive ECE).
 
 Bad input that the user can fix (wrong shapes, labels out of range, log-probabilities that are not
 normalized, such as logits or probabilities) raises :class:`~flatbma.errors.FlatbmaError`.
@@ -47,7 +47,6 @@ from flatbma.checks import check_int
 from flatbma.errors import FlatbmaError
 
 __all__ = [
-    "StreamingEntropyAUROC",
     "StreamingMetrics",
     "accuracy",
     "adaptive_ece",
@@ -690,149 +689,4 @@ class StreamingMetrics:
         self._totals += other._totals.to(self.device)
         self._bins += other._bins.to(self.device)
         self._fine += other._fine.to(self.device)
-        return self
-
-
-class StreamingEntropyAUROC:
-    """OOD-detection AUROC of predictive entropy, from two histograms in O(bins) memory.
-
-    Entropies ``H ∈ [0, log C]`` of in-distribution and OOD batches are counted in ``n_bins``
-    equal-width bins of ``[0, log C]`` (the :func:`bin_index` rule applied to ``H / log C``). With
-    per-bin counts ``a_k`` (in) and ``b_k`` (out)::
-
-        AUROC ≈ (1 / (n_in n_out)) Σ_k b_k (Σ_{j<k} a_j + ½ a_k)
-
-    i.e. :func:`ood_auroc` with every pair that falls in the same bin counted as a tie. The error
-    is at most :meth:`max_error` ``= ½ Σ_k a_k b_k / (n_in n_out)``, which is O(bin width) for
-    continuous entropy distributions.
-
-    Args:
-        num_classes: Number of classes ``C ≥ 2``.
-        n_bins: Number of entropy bins.
-        device: Device holding the histograms.
-
-    Raises:
-        FlatbmaError: If ``num_classes < 2`` or ``n_bins < 1``.
-    """
-
-    def __init__(self, num_classes: int, n_bins: int = 2000, device: torch.device | str | None = None) -> None:
-        self.num_classes = _check_positive_int(num_classes, "num_classes")
-        if num_classes < 2:
-            raise FlatbmaError("StreamingEntropyAUROC needs num_classes ≥ 2 (entropy is 0 with one class).")
-        self.n_bins = _check_positive_int(n_bins, "n_bins")
-        self.device = torch.device(device) if device is not None else torch.device("cpu")
-        self.reset()
-
-    def reset(self) -> None:
-        """Forget all accumulated examples."""
-        self._hist = torch.zeros(2, self.n_bins, dtype=_F64, device=self.device)  # rows: in, out
-
-    @torch.no_grad()
-    def _update(self, row: int, log_probs: Tensor) -> None:
-        lp = _check_log_probs(log_probs, num_classes=self.num_classes, allow_empty=True)
-        if lp.shape[0] == 0:
-            return
-        idx = bin_index(_entropy(lp) / math.log(self.num_classes), self.n_bins)
-        ones = torch.ones(idx.shape[0], dtype=_F64, device=idx.device)
-        counts = torch.zeros(self.n_bins, dtype=_F64, device=idx.device).index_add_(0, idx, ones)
-        self._hist[row] += counts.to(self.device)
-
-    def update_in(self, log_probs: Tensor) -> None:
-        """Add a batch of in-distribution predictions.
-
-        Args:
-            log_probs: ``[B, C]`` predictive log-probabilities (float32 or float64).
-
-        Raises:
-            FlatbmaError: If ``log_probs`` is malformed or ``C != num_classes``.
-        """
-        self._update(0, log_probs)
-
-    def update_out(self, log_probs: Tensor) -> None:
-        """Add a batch of out-of-distribution predictions.
-
-        Args:
-            log_probs: ``[B, C]`` predictive log-probabilities (float32 or float64).
-
-        Raises:
-            FlatbmaError: If ``log_probs`` is malformed or ``C != num_classes``.
-        """
-        self._update(1, log_probs)
-
-    def _counts(self) -> tuple[Tensor, Tensor, float, float]:
-        a, b = self._hist.cpu()
-        n_in, n_out = float(a.sum()), float(b.sum())
-        if n_in == 0 or n_out == 0:
-            raise FlatbmaError(
-                f"StreamingEntropyAUROC needs examples on both sides, got n_in={n_in:g}, n_out={n_out:g}; "
-                "call update_in() and update_out() before compute()."
-            )
-        return a, b, n_in, n_out
-
-    def compute(self) -> float:
-        """Binned AUROC (OOD = positive class, higher entropy = more OOD).
-
-        Returns:
-            The AUROC in ``[0, 1]``.
-
-        Raises:
-            FlatbmaError: If either side has no example.
-        """
-        a, b, n_in, n_out = self._counts()
-        below = a.cumsum(0) - a  # Σ_{j<k} a_j
-        return float((b * (below + 0.5 * a)).sum() / (n_in * n_out))
-
-    def max_error(self) -> float:
-        """Bound on ``|compute() − ood_auroc(H_in, H_out)|``: ``½ Σ_k a_k b_k / (n_in n_out)``.
-
-        Returns:
-            The bound.
-
-        Raises:
-            FlatbmaError: If either side has no example.
-        """
-        a, b, n_in, n_out = self._counts()
-        return float(0.5 * (a * b).sum() / (n_in * n_out))
-
-    def state_tensors(self) -> list[Tensor]:
-        """Copies of the state, as float64 tensors to be summed across processes.
-
-        Returns:
-            ``[histograms [2, n_bins]]`` (row 0: in-distribution, row 1: OOD) on the state device.
-        """
-        return [self._hist.clone()]
-
-    def load_state_tensors(self, states: Sequence[Tensor]) -> None:
-        """Replace the state by ``states`` (e.g. after summing :meth:`state_tensors` over processes).
-
-        Args:
-            states: Tensors shaped as returned by :meth:`state_tensors`.
-
-        Raises:
-            FlatbmaError: If the number or shapes of the tensors do not match.
-        """
-        _check_state(states, [(2, self.n_bins)], owner=type(self).__name__)
-        self._hist = states[0].detach().to(device=self.device, dtype=_F64).clone()
-
-    def merge(self, other: StreamingEntropyAUROC) -> StreamingEntropyAUROC:
-        """Add the histograms of ``other`` (built with the same arguments) into ``self``.
-
-        Args:
-            other: Another :class:`StreamingEntropyAUROC`.
-
-        Returns:
-            ``self``.
-
-        Raises:
-            FlatbmaError: If ``other`` was built with different ``num_classes`` or ``n_bins``.
-        """
-        if not isinstance(other, StreamingEntropyAUROC):
-            raise FlatbmaError(f"can only merge a StreamingEntropyAUROC, got {type(other).__name__}.")
-        mine, theirs = (self.num_classes, self.n_bins), (other.num_classes, other.n_bins)
-        if mine != theirs:
-            raise FlatbmaError(
-                f"cannot merge StreamingEntropyAUROC with (num_classes, n_bins)={theirs} into one with "
-                f"{mine}; build both with the same arguments."
-            )
-        self._hist += other._hist.to(self.device)
         return self

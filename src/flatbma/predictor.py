@@ -67,7 +67,6 @@ from flatbma.predictor_file import (
 )
 from flatbma.regression import Gaussian, mixture_metrics, sample_outputs
 from flatbma.state_io import (
-    renamed,
     structure_problem,
 )
 from flatbma.types import Params, Posterior, Predictive, State, prediction_mode, split_batch
@@ -643,9 +642,9 @@ class BMA:
         the seed and whether statistics are recomputed come from the file. A predictor saved from a module
         whose forward returns a tuple (``"logits": "first"``) gives ``model``
         :func:`~flatbma.models.keep_logits`'s hook: its first element is the logits, as when it was fitted.
-        A file without the record (saved before it existed) gives ``model`` the hook too: it takes the first
-        element of a tuple output and passes a tensor through as it is (:func:`~flatbma.models.contract.first_output`),
-        so a module of either kind predicts as it did when it was fitted.
+        A file without the record gives ``model`` the hook too: it takes the first element of a tuple output
+        and passes a tensor through as it is (:func:`~flatbma.models.contract.first_output`), so a module of
+        either kind predicts as it did when it was fitted.
         """
         state, settings = read_file(path)
         state = _fitted(state, method, model, path, optimizer_recorded="optim" in settings)
@@ -654,7 +653,7 @@ class BMA:
             raise FlatbmaError(
                 f"{path} was saved from another architecture ({other}): load it into a module built as the fitted one"
             )
-        if settings.get("logits", LOGITS_FIRST) == LOGITS_FIRST:  # no record: an older file, either kind of module
+        if settings.get("logits", LOGITS_FIRST) == LOGITS_FIRST:  # no record: either kind of module (first_output)
             keep_logits(model)
         bma = cls(
             model,
@@ -860,13 +859,12 @@ def _fitted(
     """``state``, which must have the structure ``method`` gives a fresh state of ``model`` (under a forked RNG).
 
     The rule a resumed run's checkpoint meets (:func:`flatbma.state_io.structure_problem`): the same names,
-    dtypes and shapes, plus only the parameter stacks a sampler keeps in ``aux``; a file of an older layout has
-    its entries renamed first (:func:`flatbma.state_io.renamed`). The state holds its optimizer's entries, so a
+    dtypes and shapes, plus only the parameter stacks a sampler keeps in ``aux``. The state holds its optimizer's
+    entries, so a
     file that does not record its ``optim`` section (``optimizer_recorded`` false) is refused with that advice.
     """
     with torch.random.fork_rng(devices=[]):
         reference = method.init(trainable_params(model), model_buffers(model))
-    state = renamed(state, reference)
     problem = structure_problem(state, reference)
     if problem:
         advice = (

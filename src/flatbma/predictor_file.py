@@ -51,7 +51,7 @@ LOGITS_FIRST, LOGITS_OUTPUT = "first", "output"
 def write_file(path: str | Path, state: State, settings: Mapping[str, Any]) -> None:
     """Write ``state`` and the predictor ``settings`` to ``path``: a state file (:mod:`flatbma.state_io`).
 
-    The layout of the run checkpoints (so their ``load_state`` reads it too), written atomically by
+    The layout of the run checkpoints (so their reader reads it too), written atomically by
     :func:`flatbma.state_io.atomic_write_bytes`: an interrupted write never leaves a half-written file.
 
     Raises:
@@ -140,8 +140,8 @@ def read_settings(meta: Mapping[str, str], path: str | Path) -> dict[str, Any]:
     """The predictor settings in a state file's metadata (:meth:`BMA.save`)."""
     if PREDICTOR_KEY not in meta:
         raise FlatbmaError(
-            f"{path} holds a method state but no predictor settings (a run checkpoint?): build the predictor "
-            "with flatbma.BMA(model, method, load_state(path), train_loader)"
+            f"{path} holds a method state but no predictor settings (a run checkpoint?): evaluate a run with "
+            "'flatbma evaluate RUN_DIR', or save a predictor with BMA.save"
         )
     try:
         settings = json.loads(meta[PREDICTOR_KEY])

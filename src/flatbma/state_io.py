@@ -23,7 +23,6 @@ import re
 import stat
 import tempfile
 from collections.abc import Mapping
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -286,47 +285,6 @@ def in_order(tensors: Mapping[str, Tensor], order: list[str]) -> dict[str, Tenso
     """``tensors`` re-keyed in the saved ``order`` (keys not listed keep their place after them)."""
     listed = [k for k in order if k in tensors]
     return {k: tensors[k] for k in listed} | {k: v for k, v in tensors.items() if k not in set(listed)}
-
-
-def renamed(state: State, reference: State) -> State:
-    """``state`` with the entries of an older layout under the names ``reference`` gives them.
-
-    Composed methods keep each component's state under the component's name (:mod:`flatbma.named`); states
-    written before (#24) held a component's entries without it: the optimizer's (``momentum/<w>``, now
-    ``optimizer/momentum/<w>``; SWAG's and Laplace's ``point/optimizer/momentum/<w>``; a mixture's
-    ``member<m>/[point/]optimizer/momentum/<w>``) and Laplace's curvature (``laplace/<key>``, now
-    ``laplace/curvature/<key>``). An entry ``reference`` has but ``state`` lacks is taken from the entry of
-    ``state`` whose name is the same with one name segment left out, or else two (never the last one), that
-    ``reference`` has no entry of: a rule that reads no method's names. When two such entries of ``state``
-    would do with as many segments left out, none is taken (the state is then :func:`structure_problem`'s
-    to report, never read in a guessed layout). A state of the current layout is returned as it is (the
-    same object).
-    """
-    sections = {}
-    for section in SECTIONS:
-        have, want = getattr(state, section), getattr(reference, section)
-        moves: dict[str, str] = {}
-        for k in want:
-            if k in have:
-                continue
-            for candidates in _shorter(k):
-                found = [old for old in candidates if old in have and old not in want]
-                if found:
-                    if len(found) == 1 and found[0] not in moves:
-                        moves[found[0]] = k
-                    break
-        if moves:
-            sections[section] = {moves.get(k, k): v for k, v in have.items()}
-    return replace(state, **sections) if sections else state
-
-
-def _shorter(name: str) -> list[list[str]]:
-    """``name`` with one segment left out, then with two (the last segment kept): one list per count, each in order."""
-    parts = name.split("/")
-    heads = range(len(parts) - 1)
-    one = ["/".join(parts[:i] + parts[i + 1 :]) for i in heads]
-    two = ["/".join(p for n, p in enumerate(parts) if n not in (i, j)) for i in heads for j in heads if i < j]
-    return [list(dict.fromkeys(one)), list(dict.fromkeys(two))]
 
 
 def structure_problem(state: State, reference: State) -> str | None:

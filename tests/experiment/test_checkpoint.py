@@ -17,13 +17,13 @@ from flatbma.experiment.run.checkpoint import (
     atomic_write_bytes,
     atomic_write_json,
     check_compatible,
-    load_state,
     remove_stale_temps,
     save_state,
 )
 from flatbma.experiment.run.provenance import Provenance, check_provenance, model_fingerprint
 from flatbma.experiment.run.resume import Resume, append_resume, resume_change
 from flatbma.types import State
+from tests.helpers import load_state
 
 
 def _state():

@@ -26,7 +26,7 @@ from flatbma.experiment.config.run_config import config_from_dict
 from flatbma.experiment.parallel import loaders, processes
 from flatbma.experiment.run.checkpoint import load_checkpoint
 from flatbma.experiment.run.lock import LOCK_FILE
-from flatbma.experiment.run.pipeline import train_run
+from flatbma.experiment.run.pipeline import train
 from tests.experiment.torchrun_helpers import ROOT, crash_after, torchrun
 
 BASE = {
@@ -157,7 +157,7 @@ def test_torchrun_cli_trains_like_one_process_and_only_rank0_writes(tmp_path):
     one, many = tmp_path / "one", tmp_path / "many"
     cfg = tmp_path / "c.yaml"
     cfg.write_text(yaml.safe_dump(_config("sgd", one)))
-    train_run(config_from_dict(_config("sgd", one)))
+    train(config_from_dict(_config("sgd", one)))
     out = torchrun("-m", "flatbma", "train", "--config", str(cfg), "--set", f"output_dir={many}")
     assert out.stdout.count("wrote ") == 1 and out.stdout.count("accuracy=") == 1  # rank 0 prints
     expected = ["checkpoint.safetensors", "config.yaml", "log.csv", "metrics.json"]
@@ -175,13 +175,13 @@ def _worker(root: Path) -> None:
         me = processes.rank()
         for method in ("sam", "swag", "fp-bma", "ivon"):
             # rank 1 is given a directory of its own: it must never be created
-            train_run(config_from_dict(_config(method, root / (method if me == 0 else f"{method}-rank1"))))
+            train(config_from_dict(_config(method, root / (method if me == 0 else f"{method}-rank1"))))
         evaluated = evaluate_run(root / "sam")  # every rank reads the run directory
         if me == 0:
             (root / "evaluated.json").write_text(json.dumps(evaluated))
 
         cfg = config_from_dict({**RESUME, "output_dir": str(root / "ref")})
-        train_run(cfg)
+        train(cfg)
         real_save = stage.save_position
         with crash_after(stage, CRASH_AFTER) as calls:
 
@@ -191,14 +191,14 @@ def _worker(root: Path) -> None:
 
             stage.save_position = slow_save
             try:
-                train_run(config_from_dict({**RESUME, "output_dir": str(root / "crashed")}))
+                train(config_from_dict({**RESUME, "output_dir": str(root / "crashed")}))
             finally:
                 stage.save_position = real_save
         if me == 0:
             (root / "crash-position.json").write_text(
                 json.dumps(load_checkpoint(root / "crashed/checkpoint.safetensors")[1])
             )
-        train_run(load_run_config(root / "crashed"), resume=True)
+        train(load_run_config(root / "crashed"), resume=True)
 
         diverged = State(params={"w": torch.full((2,), float(me))}, step=5)
         try:
@@ -216,7 +216,7 @@ def test_torchrun_matches_one_process_for_sam_swag_fpbma_ivon_and_resumes_exactl
     torchrun(str(Path(__file__).resolve()), str(many))
     for method in ("sam", "swag", "fp-bma", "ivon"):
         assert not (many / f"{method}-rank1").exists(), "rank 1 wrote files"
-        train_run(config_from_dict(_config(method, tmp_path / "one" / method)))
+        train(config_from_dict(_config(method, tmp_path / "one" / method)))
         _assert_same_run(tmp_path / "one" / method, many / method)
 
     # evaluate under torchrun (test set split 300 / 299) = the metrics of training

@@ -25,9 +25,9 @@ from flatbma.errors import FlatbmaError
 from flatbma.experiment.cli import main
 from flatbma.experiment.config.methods import METHODS
 from flatbma.experiment.config.run_config import SECTIONS, RunConfig, load_config
-from flatbma.experiment.run.checkpoint import load_checkpoint, load_state
+from flatbma.experiment.run.checkpoint import load_checkpoint
 from flatbma.experiment.study.plan import load_plan
-from tests.helpers import DONE
+from tests.helpers import DONE, load_state
 
 CONFIGS = sorted((Path(__file__).parents[2] / "configs").glob("*.yaml"))
 REAL = {path.name: yaml.safe_load(path.read_text()) for path in CONFIGS}

@@ -39,7 +39,7 @@ from flatbma.experiment.run.health import (
     warn_if_flagged,
     worse_than_mean,
 )
-from flatbma.experiment.run.pipeline import load_run, train_run
+from flatbma.experiment.run.pipeline import load_run, train
 
 BASE: dict[str, Any] = {
     "seed": 0,
@@ -292,7 +292,7 @@ def test_measuring_the_health_changes_no_other_number(tmp_path: Path, method: di
     model = method.pop("model", BASE["model"])
     options = {**BASE, "method": method, "model": model, "eval": {"num_samples": 3}, "output_dir": str(tmp_path / "r")}
     cfg = config_from_dict(options)
-    train_run(cfg, evaluate=False)
+    train(cfg, evaluate=False)
     options = dict(bma_curve=(1, 3), corruptions=("gaussian_noise",), severities=(3,), corruption_samples=None)
 
     def measured() -> dict[str, Any]:

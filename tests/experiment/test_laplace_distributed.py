@@ -17,7 +17,7 @@ import torch
 from flatbma.experiment.config.run_config import config_from_dict
 from flatbma.experiment.parallel import processes
 from flatbma.experiment.run.checkpoint import load_checkpoint
-from flatbma.experiment.run.pipeline import train_run
+from flatbma.experiment.run.pipeline import train
 from flatbma.posteriors import laplace
 from tests.experiment.torchrun_helpers import torchrun
 
@@ -44,7 +44,7 @@ def _worker(root: Path) -> None:
     with processes.process_group(torch.device("cpu")):
         me = processes.rank()
         for hessian in HESSIANS:
-            train_run(config_from_dict(_config(hessian, root / (hessian if me == 0 else f"{hessian}-rank1"))))
+            train(config_from_dict(_config(hessian, root / (hessian if me == 0 else f"{hessian}-rank1"))))
 
 
 @pytest.mark.slow
@@ -56,7 +56,7 @@ def test_two_processes_give_the_curvature_and_metrics_of_one():
         torchrun(str(Path(__file__).resolve()), str(root / "many"))
         for hessian in HESSIANS:
             assert not (root / "many" / f"{hessian}-rank1").exists(), "rank 1 wrote files"
-            train_run(config_from_dict(_config(hessian, root / "one" / hessian)))
+            train(config_from_dict(_config(hessian, root / "one" / hessian)))
             one, _, _ = load_checkpoint(root / "one" / hessian / "checkpoint.safetensors")
             many, _, _ = load_checkpoint(root / "many" / hessian / "checkpoint.safetensors")
             assert one.aux.keys() == many.aux.keys() and one.step == many.step == 10

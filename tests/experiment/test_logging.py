@@ -274,7 +274,7 @@ def test_train_log_is_a_list_of_known_logs():
 def test_a_run_directory_of_a_config_without_train_log_is_the_same_run(tmp_path):
     cfg = config_from_dict({**RESUME, "output_dir": str(tmp_path)})
     older = cfg.to_dict()
-    del older["train"]["log"]  # written before train.log existed
+    del older["train"]["log"]  # the logs are no part of a run's identity (run_identity)
     (tmp_path / stage.CONFIG_FILE).write_text(yaml.safe_dump(older))
     stage.check_run_dir(tmp_path, cfg.to_dict(), force=False)  # not "a different config"
     other = config_from_dict({**RESUME, "seed": 1, "output_dir": str(tmp_path)})

@@ -23,8 +23,7 @@ from flatbma.errors import FlatbmaError
 from flatbma.experiment.cli import main
 from flatbma.experiment.config.run_config import config_from_dict, load_config
 from flatbma.experiment.run.build import build_experiment
-from flatbma.experiment.run.checkpoint import load_state
-from flatbma.experiment.run.pipeline import load_run_config, train_run
+from flatbma.experiment.run.pipeline import load_run_config, train
 from flatbma.experiment.run.prior import check_stable_with_prior, fit_prior, prior_stage
 from flatbma.experiment.runner import fit
 from flatbma.experiment.study.plan import load_plan
@@ -36,7 +35,7 @@ from flatbma.posteriors.gaussians import floored
 from flatbma.posteriors.members import member, member_seed, member_state
 from flatbma.rng import draw_seed, forked_rng
 from tests.experiment.torchrun_helpers import torchrun
-from tests.helpers import one_thread
+from tests.helpers import load_state, one_thread
 
 SWAG = {"name": "swag", "rank": 3, "start_step": 30, "collect_every": 5}
 FP_BMA = {"name": "fp-bma", "rank": 3, "gamma": 0.01}
@@ -96,7 +95,7 @@ def test_each_member_has_its_own_multiswag_prior_and_is_fp_bma_trained_by_hand_f
     del swag_run["prior"]
     swag_run.update(optim={"name": "sgd", "lr": 0.2}, train={**MULTI["train"], "epochs": 5})
     with one_thread():
-        train_run(config_from_dict(swag_run), evaluate=False)
+        train(config_from_dict(swag_run), evaluate=False)
     stage1 = load_state(multi_run / "prior" / "checkpoint.safetensors")
     multiswag = load_state(tmp_path / "multiswag" / "checkpoint.safetensors")
     for part in ("params", "buffers", "aux"):
@@ -138,8 +137,8 @@ def test_each_member_has_its_own_multiswag_prior_and_is_fp_bma_trained_by_hand_f
 def test_one_member_with_a_prior_is_the_single_member_two_stage_run_bit_for_bit(tmp_path: Path) -> None:
     one = _raw(tmp_path / "one", method={"name": "multi-fp-bma", "members": 1, "of": FP_BMA})
     single = _raw(tmp_path / "single", method=FP_BMA)
-    _, a = train_run(config_from_dict(one))
-    _, b = train_run(config_from_dict(single))
+    a = train(config_from_dict(one)).metrics
+    b = train(config_from_dict(single)).metrics
     for key in METRICS:
         assert a[key] == b[key], key
     for stage in ("prior", "."):
@@ -201,7 +200,7 @@ def test_the_learning_rate_bound_is_each_members_with_its_kl_weight() -> None:
 def test_a_swag_prior_without_its_low_rank_part_is_refused_before_stage_one_trains(tmp_path: Path) -> None:
     cfg = config_from_dict(_raw(tmp_path / "diag", prior={**MULTI["prior"], "method": {**SWAG, "diagonal_only": True}}))
     with pytest.raises(FlatbmaError, match=r"prior\.method 'swag' is not a low-rank plus diagonal Gaussian"):
-        train_run(cfg)
+        train(cfg)
     assert not (tmp_path / "diag" / "prior" / "checkpoint.safetensors").exists()
 
 
@@ -222,10 +221,10 @@ def test_resume_mid_stage_one_or_two_is_bit_identical(multi_run: Path, tmp_path:
 
     monkeypatch.setattr(stage_module, "save_position", save_then_crash)
     with one_thread(), pytest.raises(KeyboardInterrupt):
-        train_run(cfg)
+        train(cfg)
     monkeypatch.setattr(stage_module, "save_position", save)
     with one_thread():
-        _, resumed = train_run(load_run_config(crashed), resume=True)
+        resumed = train(load_run_config(crashed), resume=True).metrics
     for name in ("prior", "."):
         a = load_state(multi_run / name / "checkpoint.safetensors")
         b = load_state(crashed / name / "checkpoint.safetensors")

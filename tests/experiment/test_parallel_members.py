@@ -30,7 +30,7 @@ from flatbma.errors import FlatbmaError
 from flatbma.experiment.config.run_config import config_from_dict
 from flatbma.experiment.parallel import loaders, processes
 from flatbma.experiment.run.checkpoint import load_checkpoint
-from flatbma.experiment.run.pipeline import load_run_config, train_run
+from flatbma.experiment.run.pipeline import load_run_config, train
 from flatbma.experiment.study.compare import run_compare
 from flatbma.experiment.study.plan import load_plan
 from flatbma.optim import SAM, SGD
@@ -152,7 +152,7 @@ def test_members_needs_a_method_with_members_and_is_a_typed_option(tmp_path):
     with pytest.raises(
         FlatbmaError, match=r"^method sgd has no independent members to spread; use train\.parallel: data$"
     ):
-        train_run(config_from_dict(cfg))
+        train(config_from_dict(cfg))
     with pytest.raises(FlatbmaError, match=r"train\.parallel must be one of 'data', 'members', got 'seeds'"):
         config_from_dict(_members_config(tmp_path / "x", parallel="seeds"))
     assert config_from_dict({"method": {"name": "sgd"}}).train.parallel == "data"
@@ -180,17 +180,17 @@ def _worker(root: Path) -> None:
     with processes.process_group(torch.device("cpu")):
         me = processes.rank()
         # rank 1 is given a directory of its own: it must never be created
-        train_run(config_from_dict(_members_config(root / ("members" if me == 0 else "members-rank1"))))
+        train(config_from_dict(_members_config(root / ("members" if me == 0 else "members-rank1"))))
 
         with crash_after(stage, CRASH_AFTER):
-            train_run(config_from_dict(_members_config(root / "crashed")))
+            train(config_from_dict(_members_config(root / "crashed")))
 
-        train_run(config_from_dict(_multi_config(root / "multi")))  # members {0, 1} and {2} of a mixture
+        train(config_from_dict(_multi_config(root / "multi")))  # members {0, 1} and {2} of a mixture
 
         too_many = _members_config(root / "too-many")
         too_many["method"]["size"] = 1
         try:
-            train_run(config_from_dict(too_many))
+            train(config_from_dict(too_many))
             message = None
         except FlatbmaError as e:
             message = str(e)
@@ -242,8 +242,8 @@ def test_torchrun_spreads_members_and_compare_runs_like_one_process(tmp_path):
 
     # members on 2 processes = one process (members and optimizer state bit for bit)
     with one_thread():
-        train_run(config_from_dict(_members_config(tmp_path / "one")))
-        train_run(config_from_dict(_members_config(tmp_path / "data", parallel="data")))
+        train(config_from_dict(_members_config(tmp_path / "one")))
+        train(config_from_dict(_members_config(tmp_path / "data", parallel="data")))
     assert not (many / "members-rank1").exists(), "rank 1 wrote files"
     one, _, _ = load_checkpoint(tmp_path / "one" / "checkpoint.safetensors")
     two, _, _ = load_checkpoint(many / "members" / "checkpoint.safetensors")
@@ -268,7 +268,7 @@ def test_torchrun_spreads_members_and_compare_runs_like_one_process(tmp_path):
     crashed = load_run_config(many / "crashed")
     assert load_checkpoint(many / "crashed" / "checkpoint.safetensors")[0].step == 14
     with one_thread():
-        train_run(crashed, resume=True)
+        train(crashed, resume=True)
     resumed, _, _ = load_checkpoint(many / "crashed" / "checkpoint.safetensors")
     for section in ("params", "buffers", "aux"):
         x, y = getattr(one, section), getattr(resumed, section)
@@ -278,7 +278,7 @@ def test_torchrun_spreads_members_and_compare_runs_like_one_process(tmp_path):
 
     # multi (a mixture of F-SWAG posteriors) on 2 processes = one process, bit for bit
     with one_thread():
-        train_run(config_from_dict(_multi_config(tmp_path / "multi-one")))
+        train(config_from_dict(_multi_config(tmp_path / "multi-one")))
     one, _, _ = load_checkpoint(tmp_path / "multi-one" / "checkpoint.safetensors")
     two, _, _ = load_checkpoint(many / "multi" / "checkpoint.safetensors")
     assert one.step == two.step == 38 and {k.split("/")[0] for k in one.aux} == {"member0", "member1", "member2"}

@@ -20,14 +20,14 @@ from flatbma.errors import FlatbmaError
 from flatbma.experiment.cli import main
 from flatbma.experiment.config.run_config import config_from_dict
 from flatbma.experiment.run.build import build_experiment
-from flatbma.experiment.run.checkpoint import load_state
-from flatbma.experiment.run.pipeline import train_run
+from flatbma.experiment.run.pipeline import train
 from flatbma.experiment.run.prior import check_stable_with_prior, fit_prior, prior_stage, sgd_stability_bound
 from flatbma.gaussian import init_from_swag, kl_lowrank, section
 from flatbma.optim import SGD
 from flatbma.params import Objective
 from flatbma.posteriors import fp_bma
 from flatbma.posteriors.gaussians import floored
+from tests.helpers import load_state
 
 TWO_STAGE = {
     "seed": 0,
@@ -81,7 +81,7 @@ def test_cli_train_writes_both_stages_and_evaluate_reads_them(tmp_path: Path, ca
 def test_second_stage_starts_at_the_fitted_posterior(tmp_path: Path) -> None:
     """With a vanishing learning rate the trained θ is the SWAG posterior in θ layout (and not without init)."""
     cfg = config_from_dict(_config(tmp_path, optim__lr=1e-12))
-    train_run(cfg)
+    train(cfg)
     fitted = fit_prior(cfg)  # reused: the first stage finished with this config
     state = load_state(Path(cfg.output_dir) / "checkpoint.safetensors")
     assert set(state.params) == set(fitted.theta)
@@ -91,7 +91,7 @@ def test_second_stage_starts_at_the_fitted_posterior(tmp_path: Path) -> None:
     assert any(not torch.equal(v, 0 * v) for v in section(fitted.theta, "factor").values())
 
     cold = config_from_dict(_config(tmp_path / "cold", optim__lr=1e-12, prior__init=False))
-    train_run(cold)
+    train(cold)
     cold_state = load_state(Path(cold.output_dir) / "checkpoint.safetensors")
     assert not all(torch.allclose(cold_state.params[f"mean/{k}"], v) for k, v in swag_mean.items())
 
@@ -100,7 +100,7 @@ def test_f_lowrank_vi_takes_the_fitted_prior_like_lowrank_vi(tmp_path: Path) -> 
     """F-low-rank VI (SAM on each sample) starts at the fitted posterior too, and its SAM step acts on it."""
     method = {"name": "f-lowrank-vi", "rank": 3, "rho": 0.05}
     cfg = config_from_dict(_config(tmp_path, method=method, optim__lr=1e-12))
-    train_run(cfg)
+    train(cfg)
     fitted = fit_prior(cfg)
     state = load_state(Path(cfg.output_dir) / "checkpoint.safetensors")
     for k, v in fitted.theta.items():
@@ -109,7 +109,7 @@ def test_f_lowrank_vi_takes_the_fitted_prior_like_lowrank_vi(tmp_path: Path) -> 
     flat = config_from_dict(_config(tmp_path / "flat", method=method))
     thetas = []
     for c in (plain, flat):
-        train_run(c)
+        train(c)
         thetas.append(load_state(Path(c.output_dir) / "checkpoint.safetensors").params)
     assert set(thetas[0]) == set(thetas[1])
     assert any(not torch.equal(thetas[0][k], thetas[1][k]) for k in thetas[0])  # the same run but for SAM
@@ -117,19 +117,19 @@ def test_f_lowrank_vi_takes_the_fitted_prior_like_lowrank_vi(tmp_path: Path) -> 
 
 def test_finished_first_stage_is_reused_and_force_retrains_it(tmp_path: Path) -> None:
     cfg = config_from_dict(_config(tmp_path))
-    train_run(cfg)
+    train(cfg)
     ckpt = Path(cfg.output_dir) / "prior" / "checkpoint.safetensors"
     stamp = ckpt.stat().st_mtime_ns
-    train_run(cfg)  # same config: the main stage trains again, the first stage is reused
+    train(cfg)  # same config: the main stage trains again, the first stage is reused
     assert ckpt.stat().st_mtime_ns == stamp
-    train_run(cfg, force=True)
+    train(cfg, force=True)
     assert ckpt.stat().st_mtime_ns != stamp
 
 
 def test_the_second_stage_minimizes_the_kl_to_the_fitted_prior(tmp_path: Path) -> None:
     """The registry build with a prior is ``fp_bma.build_with_prior``: same update as built by hand."""
     cfg = config_from_dict(_config(tmp_path))
-    train_run(prior_stage(cfg))
+    train(prior_stage(cfg))
     fitted = fit_prior(cfg)
     exp = build_experiment(cfg, prior=fitted.theta)
     by_hand = fp_bma.build_with_prior(
@@ -191,7 +191,7 @@ def test_sgd_learning_rate_beyond_the_kl_stability_bound_is_refused_before_train
     cfg = config_from_dict(_config(tmp_path, optim__lr=0.5))  # 1.9·1198·0.01² = 0.228 < 0.5 (n: digits train split)
     message = r"optim.lr=0.5 is above 0.228 = \(1\+m\)·n·prior.min_std²/kl_weight \(n=1198, m=optim.momentum=0.9\)"
     with pytest.raises(FlatbmaError, match=message):
-        train_run(cfg)
+        train(cfg)
     assert not (Path(cfg.output_dir) / "prior" / "checkpoint.safetensors").exists()  # refused before stage 1
 
 
@@ -263,7 +263,7 @@ def test_the_sgd_stability_bound_is_the_edge_of_stability_of_the_kl_to_the_prior
 def test_a_first_stage_whose_options_drop_the_low_rank_part_is_refused_before_it_trains(tmp_path: Path) -> None:
     cfg = config_from_dict(_config(tmp_path, prior__method__diagonal_only=True))  # swag is a Gaussian method...
     with pytest.raises(FlatbmaError, match=r"prior\.method 'swag' is not a low-rank plus diagonal Gaussian posterior"):
-        train_run(cfg)  # ... but not with this option
+        train(cfg)  # ... but not with this option
     assert not (Path(cfg.output_dir) / "prior" / "checkpoint.safetensors").exists()
 
 
@@ -272,7 +272,7 @@ def test_resume_after_a_crash_in_the_first_stage_matches_an_uninterrupted_run(tm
     import flatbma.experiment.run.stage as stage_module
 
     whole = config_from_dict(_config(tmp_path / "whole", train__checkpoint_every=5))
-    train_run(whole)
+    train(whole)
     crashed = config_from_dict(_config(tmp_path / "crashed", train__checkpoint_every=5))
     save = stage_module.save_position
 
@@ -283,10 +283,11 @@ def test_resume_after_a_crash_in_the_first_stage_matches_an_uninterrupted_run(tm
 
     monkeypatch.setattr(stage_module, "save_position", save_then_crash)
     with pytest.raises(KeyboardInterrupt):
-        train_run(crashed)
+        train(crashed)
     monkeypatch.setattr(stage_module, "save_position", save)
     assert not (Path(crashed.output_dir) / "checkpoint.safetensors").exists()
-    run_dir, _ = train_run(run_module.load_run_config(crashed.output_dir), resume=True)  # what `--resume` does
+    run_dir = Path(crashed.output_dir)
+    train(run_module.load_run_config(run_dir), resume=True)  # what `--resume` does
     a = load_state(Path(whole.output_dir) / "checkpoint.safetensors")
     b = load_state(run_dir / "checkpoint.safetensors")
     for k in a.params:

@@ -23,10 +23,10 @@ from flatbma.errors import FlatbmaError
 from flatbma.experiment.cli import main
 from flatbma.experiment.config.run_config import load_config
 from flatbma.experiment.config.sections import Likelihood
-from flatbma.experiment.run.checkpoint import load_state
 from flatbma.experiment.study.plan import load_plan
 from flatbma.models import build_model
 from flatbma.regression import mixture_metrics
+from tests.helpers import load_state
 
 TINY = [
     "--set",

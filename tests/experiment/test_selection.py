@@ -29,11 +29,11 @@ from flatbma.experiment.config.run_config import load_config
 from flatbma.experiment.parallel import strategies
 from flatbma.experiment.run import build, prior
 from flatbma.experiment.run.build import build_experiment
-from flatbma.experiment.run.checkpoint import load_state
 from flatbma.experiment.study import compare, selection
 from flatbma.experiment.study.compare import run_compare
 from flatbma.experiment.study.plan import load_plan
 from flatbma.posteriors import point
+from tests.helpers import load_state
 
 CONFIG: dict[str, Any] = {
     "output_dir": None,

@@ -33,7 +33,7 @@ from flatbma.experiment.config.shape import RunShape, Stage
 from flatbma.experiment.parallel import liveness, processes
 from flatbma.experiment.run import stage
 from flatbma.experiment.run.build import build_experiment
-from flatbma.experiment.run.pipeline import train_run
+from flatbma.experiment.run.pipeline import train
 from flatbma.experiment.run.validate import run_shape, validate_run
 from flatbma.experiment.study.compare import run_compare
 from flatbma.experiment.study.plan import load_plan
@@ -171,7 +171,7 @@ CASES = [
 def test_train_refuses_before_any_step_or_file(tmp_path, no_training, method, sections, message):
     cfg = config_from_dict(_config(tmp_path, method, **sections))
     with pytest.raises(FlatbmaError, match=message):
-        train_run(cfg)
+        train(cfg)
     assert not (tmp_path / "run").exists()
 
 
@@ -195,7 +195,7 @@ def test_the_transfer_pipeline_with_a_short_first_stage_is_refused_before_it_tra
     path = CONFIGS / "fpbma-transfer.yaml"
     cfg = load_config(path, ["prior.epochs=2", f"output_dir={tmp_path / 'run'}"])
     with pytest.raises(FlatbmaError, match=r"swag needs >= 5 snapshots .* collect 0: raise prior.epochs to >= 6,"):
-        train_run(cfg)
+        train(cfg)
     assert not (tmp_path / "run").exists()
     # a short second stage is fine: the first still collects its 24 snapshots
     shape = validate_run(load_config(path, ["train.epochs=2"]))
@@ -208,7 +208,7 @@ def test_a_config_within_its_means_passes_and_trains(tmp_path):
     cfg = config_from_dict(_config(tmp_path, {"name": "swag", "rank": 3, "start_step": 2, "collect_every": 2}))
     expected = RunShape(steps_per_epoch=4, num_train=100, num_test=599, num_classes=10, channels=1)
     assert validate_run(cfg) == expected  # (8 − 2)/2 = 3 snapshots
-    _, metrics = train_run(cfg)
+    metrics = train(cfg).metrics
     assert metrics["steps"] == 8
 
 

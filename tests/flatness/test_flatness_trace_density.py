@@ -51,16 +51,12 @@ def test_slq_density_integrates_to_one_and_its_mean_is_trace_over_d(problem):
     dens = spectral_density(problem.model, problem.batches, num_vectors=6, num_steps=40, seed=0)
     assert dens.nodes.shape == (6, 40) and dens.dim == d
     torch.testing.assert_close(dens.weights.sum(), torch.tensor(1.0, dtype=torch.float64))
-    grid, rho = dens.on_grid()
-    assert float(torch.trapezoid(rho, grid)) == pytest.approx(1.0, rel=1e-6)
     # the mean is a Hutchinson estimate of tr(H)/d with the same probes
     hutch = hutchinson_trace(
         hvp_fn(problem.model, problem.batches), d, num_samples=6, generator=torch.Generator().manual_seed(0)
     )
     assert math.isclose(dens.trace(), hutch.trace, rel_tol=1e-9)
     assert abs(dens.mean() - float(H.trace()) / d) < 3 * hutch.stderr / d
-    # the grid mean of the broadened density is the same number
-    assert math.isclose(float(torch.trapezoid(rho * grid, grid)), dens.mean(), rel_tol=1e-4, abs_tol=1e-6)
     # the nodes lie inside the spectrum
     ev = torch.linalg.eigvalsh(H)
     assert float(dens.nodes.min()) >= float(ev[0]) - 1e-9 and float(dens.nodes.max()) <= float(ev[-1]) + 1e-9
@@ -91,5 +87,3 @@ def test_slq_stops_at_an_invariant_krylov_space():
     assert live.numel() == 6
     torch.testing.assert_close(live.sort().values, torch.tensor([-2.0, -2, 1, 1, 4, 4], dtype=torch.float64))
     assert float(dens.weights.sum()) == pytest.approx(1.0, rel=1e-12)
-    grid, rho = dens.on_grid(sigma=0.1, num_points=4000)
-    assert float(torch.trapezoid(rho, grid)) == pytest.approx(1.0, rel=1e-6)

@@ -4,10 +4,11 @@ state saved in mid-cycle and loaded from its checkpoint file continues bit-ident
 import pytest
 import torch
 
-from flatbma.experiment.run.checkpoint import check_compatible, load_state, save_state
+from flatbma.experiment.run.checkpoint import check_compatible, save_state
 from flatbma.optim import SAM, SGD, Adam, Amortized, FisherBall
 from flatbma.params import Objective, model_buffers, trainable_params
 from flatbma.posteriors import ensemble, ivon, lowrank_vi, mfvi, point, sgld, swag
+from tests.helpers import load_state
 
 
 def _problem():

@@ -1,6 +1,5 @@
 """Bayesian SAM (Möllenhoff & Khan 2023)."""
 
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -9,13 +8,13 @@ from torch.func import functional_call
 
 from flatbma.errors import FlatbmaError
 from flatbma.experiment.config.methods import METHODS, parse_method
-from flatbma.experiment.run.checkpoint import load_state, save_state
+from flatbma.experiment.run.checkpoint import save_state
 from flatbma.gaussian import section, standard_normal_like
 from flatbma.optim import SAM, SGD, Adam, constant
 from flatbma.params import Objective, model_buffers, trainable_params
 from flatbma.posteriors import bsam
 from flatbma.rng import SEED_KEY, seeded_generator
-from tests.helpers import tiny_bn_net, toy_batch, train_via_cli
+from tests.helpers import load_state, tiny_bn_net, toy_batch, train_via_cli
 
 
 def _grad(model, w, batch):

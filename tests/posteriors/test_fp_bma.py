@@ -14,7 +14,7 @@ from torch.func import functional_call
 from flatbma import packed
 from flatbma.errors import FlatbmaError
 from flatbma.experiment.config.methods import METHODS, parse_method
-from flatbma.experiment.run.checkpoint import load_state, save_state
+from flatbma.experiment.run.checkpoint import save_state
 from flatbma.gaussian import GaussianNoise, geometry, kl_rows, natural_covariance_gradient, rows, section, theta_layout
 from flatbma.optim import SAM, SGD, Adam, FisherSAM, sharpness_aware_value_and_grad
 from flatbma.optim.fisher_ball import (
@@ -37,7 +37,7 @@ from flatbma.posteriors.gaussian_vi import (
 )
 from flatbma.rng import SEED_KEY, seeded_generator
 from flatbma.types import AscentSpace, ascent_space
-from tests.helpers import tiny_bn_net, toy_batch, train_via_cli
+from tests.helpers import load_state, tiny_bn_net, toy_batch, train_via_cli
 
 K = 4
 SHAPES = {"fc.weight": (3, 4), "fc.bias": (3,)}  # d = 15

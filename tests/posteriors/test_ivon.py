@@ -15,7 +15,7 @@ import flatbma
 from flatbma.errors import FlatbmaError
 from flatbma.experiment.config.methods import METHODS, parse_method
 from flatbma.experiment.config.run_config import config_from_dict, load_config
-from flatbma.experiment.run.checkpoint import load_state, save_state
+from flatbma.experiment.run.checkpoint import save_state
 from flatbma.experiment.run.pipeline import train
 from flatbma.experiment.run.validate import validate_run
 from flatbma.gaussian import marginal_variance as lowrank_variance
@@ -24,7 +24,7 @@ from flatbma.optim import SAM, SGD, Adam, FisherBall, cosine
 from flatbma.params import Objective, model_buffers, trainable_params
 from flatbma.posteriors import ivon
 from flatbma.rng import SEED_KEY, seeded_generator
-from tests.helpers import interrupt_after_first_epoch, tiny_bn_net, toy_batch
+from tests.helpers import interrupt_after_first_epoch, load_state, tiny_bn_net, toy_batch
 
 STEPS = 24
 

@@ -9,14 +9,14 @@ from torch import nn
 from flatbma.errors import FlatbmaError
 from flatbma.experiment.cli import main
 from flatbma.experiment.config.methods import METHODS
-from flatbma.experiment.run.checkpoint import load_state, save_state
+from flatbma.experiment.run.checkpoint import save_state
 from flatbma.models import MLP
 from flatbma.optim import SAM, SGD
 from flatbma.params import Objective, model_buffers, trainable_params
 from flatbma.posteriors import mc_dropout, point
 from flatbma.predict import bma_log_probs, evaluate
 from flatbma.types import prediction_mode
-from tests.helpers import tiny_bn_net, toy_batch
+from tests.helpers import load_state, tiny_bn_net, toy_batch
 
 
 def plain_net():

@@ -10,11 +10,11 @@ from torch import nn
 from flatbma.errors import FlatbmaError
 from flatbma.experiment.cli import main
 from flatbma.experiment.config.methods import METHODS, parse_method
-from flatbma.experiment.run.checkpoint import load_state, save_state
+from flatbma.experiment.run.checkpoint import save_state
 from flatbma.optim import SAM, SGD, Adam
 from flatbma.params import Objective, trainable_params
 from flatbma.posteriors import sgld
-from tests.helpers import tiny_bn_net, toy_batch
+from tests.helpers import load_state, tiny_bn_net, toy_batch
 
 # A 2-D Gaussian target N(μ, Σ): U(w) = ½ (w − μ)ᵀ P (w − μ), P = Σ⁻¹ (n = 1, flat prior).
 MU = torch.tensor([1.0, -2.0], dtype=torch.float64)

@@ -14,14 +14,14 @@ from flatbma.bn import recompute_bn_statistics
 from flatbma.errors import FlatbmaError
 from flatbma.experiment.cli import main
 from flatbma.experiment.config.methods import METHODS, parse_method
-from flatbma.experiment.run.checkpoint import load_state, save_state
+from flatbma.experiment.run.checkpoint import save_state
 from flatbma.models.small import SmallCNN
 from flatbma.named import part
 from flatbma.optim import SAM, SGD
 from flatbma.params import Objective, trainable_params
 from flatbma.posteriors import point, swag
 from flatbma.predict import evaluate
-from tests.helpers import Scripted, TwoTensors, quadratic_objective, tiny_bn_net, toy_batch
+from tests.helpers import Scripted, TwoTensors, load_state, quadratic_objective, tiny_bn_net, toy_batch
 
 # ----------------------------------------------------------------------------- helpers
 
@@ -152,11 +152,11 @@ def test_samples_have_the_analytic_mean_and_covariance():
     cov = 0.7 * 0.5 * (torch.diag(var) + dev.T @ dev / (3 - 1))
     _check_gaussian(samples, mean, cov)
     # the analytic accessors agree with what is sampled
-    lr = swag.to_lowrank_gaussian(state, scale=0.7)
-    factor = lr.factor["w"]
-    assert factor.shape == (5, 3)
-    torch.testing.assert_close(0.5 * (torch.diag(lr.sigma["w"] ** 2) + factor @ factor.T / (3 - 1)), cov)
-    torch.testing.assert_close(lr.mean["w"], mean)
+    theta = method.gaussian(state)  # the low-rank VI layout: the same Gaussian
+    factor = theta["factor/w"].reshape(3, 5).T
+    sigma2 = theta["log_std/w"].exp() ** 2
+    torch.testing.assert_close(0.5 * (torch.diag(sigma2) + factor @ factor.T / (3 - 1)), cov)
+    torch.testing.assert_close(theta["mean/w"], mean)
 
 
 def test_diagonal_only_and_too_few_deviations():

@@ -14,13 +14,13 @@ from torch.func import functional_call
 from flatbma.errors import FlatbmaError
 from flatbma.experiment.cli import main
 from flatbma.experiment.config.methods import METHODS, parse_method
-from flatbma.experiment.run.checkpoint import load_state, save_state
+from flatbma.experiment.run.checkpoint import save_state
 from flatbma.gaussian import GaussianNoise, section
 from flatbma.optim import SAM, SGD, Adam, FisherBall, cosine
 from flatbma.params import Objective, flatten, model_buffers, trainable_params, unflatten
 from flatbma.posteriors import fp_bma, lowrank_vi, mfvi
 from flatbma.posteriors.gaussian_vi import elbo_value_and_grad
-from tests.helpers import tiny_bn_net, toy_batch
+from tests.helpers import load_state, tiny_bn_net, toy_batch
 
 # ------------------------------------------------------------------------------------------------
 # helpers

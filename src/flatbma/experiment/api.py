@@ -323,7 +323,7 @@ def load_posterior(
         raise FlatbmaError(f"{path}: the predictor settings are damaged (num_data {shown(num_data)}); save it again")
     gaussian = likelihood_of(settings, path)
     objective = Objective(model=model, num_data=num_data, **({"loss_fn": gaussian} if gaussian is not None else {}))
-    optim = settings.get("optim", {})  # none recorded (a file of before): the default optimizer's entries
+    optim = settings.get("optim", {})  # a predictor built by hand records none: the default optimizer's entries
     if not isinstance(optim, Mapping):
         raise FlatbmaError(f"{path}: the predictor settings are damaged (optim {shown(optim)}); save it again")
     optimizer = parse_dataclass(OptimConfig, optim, f"{path}: optim").build(steps_per_epoch=1, epochs=1)

@@ -43,7 +43,7 @@ class EpochLog:
     rmse: float | None = None
 
     def record(self) -> dict[str, Any]:
-        """The epoch as a JSON-ready dict; ``stats``, ``validation`` and ``rmse`` only when there are (as before)."""
+        """The epoch as a JSON-ready dict; ``stats``, ``validation`` and ``rmse`` only when there are any."""
         out: dict[str, Any] = {"epoch": self.epoch, "loss": self.loss, "accuracy": self.accuracy, "steps": self.steps}
         if self.rmse is not None:
             out["rmse"] = self.rmse

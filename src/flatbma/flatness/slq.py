@@ -4,8 +4,7 @@ The spectral density ``φ(t) = (1/d) Σ_i δ(t − λ_i)`` satisfies ``∫ f dφ
 = E_v[vᵀ f(A) v]`` for ``v = z/√d`` with Rademacher ``z``. For one such ``v``, ``m`` Lanczos steps give
 ``T = Vᵀ A V`` with eigenpairs ``(θ_j, s_j)``, and the Gauss quadrature ``vᵀ f(A) v ≈ Σ_j τ_j f(θ_j)``
 with ``τ_j = (e_1ᵀ s_j)²`` is exact for polynomials of degree ``≤ 2m − 1``. Averaging over
-``n_v`` vectors gives nodes ``θ`` and weights ``τ / n_v`` (summing to 1); a smooth density on a grid is
-``Σ w_j N(t; θ_j, σ²)`` (Gaussian broadening). Its mean ``Σ w_j θ_j = (1/n_v) Σ vᵀAv`` is a
+``n_v`` vectors gives nodes ``θ`` and weights ``τ / n_v`` (summing to 1). Its mean ``Σ w_j θ_j = (1/n_v) Σ vᵀAv`` is a
 Hutchinson estimate of ``tr A / d``.
 
 Golub & Meurant (2010); Lin, Saad & Yang, SIAM Review 58 (2016); Ubaru, Chen & Saad (2017);
@@ -14,7 +13,6 @@ Ghorbani, Krishnan & Xiao (2019) and PyHessian (Yao et al., 2020) for neural-net
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
@@ -28,12 +26,6 @@ from flatbma.flatness.lanczos import lanczos_tridiagonal
 from flatbma.types import Batch
 
 __all__ = ["SpectralDensity", "spectral_density", "stochastic_lanczos_quadrature"]
-
-_DEFAULT_SIGMA_FRACTION = 0.01
-"""Default broadening σ as a fraction of the spread of the nodes."""
-_GRID_MARGIN = 5.0
-"""The default grid extends this many σ beyond the outermost nodes."""
-
 
 @dataclass(frozen=True)
 class SpectralDensity:
@@ -61,38 +53,6 @@ class SpectralDensity:
     def trace(self) -> float:
         """``d · mean``, an estimate of ``tr A``."""
         return self.dim * self.mean()
-
-    def on_grid(
-        self, grid: Tensor | None = None, *, sigma: float | None = None, num_points: int = 1000
-    ) -> tuple[Tensor, Tensor]:
-        """The broadened density ``Σ_j w_j N(t; θ_j, σ²)`` evaluated on a grid.
-
-        Args:
-            grid: points ``t`` (1-D); when ``None``, ``num_points`` evenly spaced points covering the
-                nodes with a margin of ``_GRID_MARGIN`` σ on each side, so the density integrates to 1.
-            sigma: broadening; when ``None``, ``_DEFAULT_SIGMA_FRACTION`` of the spread of the nodes
-                (of their largest magnitude if they coincide, 1 if all are zero).
-            num_points: size of the default grid.
-
-        Returns:
-            ``(grid, density)``, float64 on the device of the nodes.
-        """
-        live = self.nodes[self.weights > 0]
-        lo, hi = float(live.min()), float(live.max())
-        if sigma is None:
-            spread = hi - lo if hi > lo else max(abs(lo), abs(hi)) or 1.0
-            sigma = _DEFAULT_SIGMA_FRACTION * spread
-        if not sigma > 0:
-            raise FlatbmaError(f"sigma must be > 0 (got {sigma!r})")
-        if grid is None:
-            if not isinstance(num_points, int) or num_points < 2:
-                raise FlatbmaError(f"num_points must be an integer >= 2 (got {num_points!r})")
-            margin = _GRID_MARGIN * sigma
-            grid = torch.linspace(lo - margin, hi + margin, num_points, dtype=torch.float64)
-        grid = grid.to(device=self.nodes.device, dtype=torch.float64)
-        z = (grid[:, None] - self.nodes.reshape(1, -1)) / sigma
-        kernel = torch.exp(-0.5 * z * z) / (sigma * math.sqrt(2 * math.pi))
-        return grid, kernel @ self.weights.reshape(-1)
 
 
 def stochastic_lanczos_quadrature(

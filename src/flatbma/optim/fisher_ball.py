@@ -246,18 +246,12 @@ def covariance_fisher_diagonal(geo: LowRankGeometry) -> Tensor:
     return torch.cat([(2 * one_minus_w**2)[None], diag_l])
 
 
-def project_rotations(factor: Tensor, g_l: Tensor) -> Tensor:
-    """Remove from ``g_l`` (``[K, d]``) its component along the rotations ``{ΩL : Ω skew}`` of ``L``.
-
-    Minimizes ``‖g − ΩL‖_F`` over skew ``Ω``: ``ΩG + GΩ = X − Xᵀ`` with ``G = LLᵀ``, ``X = gLᵀ``, solved in
-    the eigenbasis of ``G`` (pairs with ``λᵢ + λⱼ = 0``, i.e. columns of a rank-deficient ``L``, are left
-    alone).
-    """
-    return torch.addmm(g_l, _rotation(factor, g_l), factor, alpha=-1.0)
-
-
 def _rotation(factor: Tensor, g_l: Tensor) -> Tensor:
-    """The skew ``Ω`` of :func:`project_rotations` (``g_l − ΩL`` is the projected gradient)."""
+    """The skew ``Ω`` minimizing ``‖g_l − ΩL‖_F`` for ``L = factor`` (``[K, d]``): ``g_l − ΩL`` has no rotation.
+
+    ``ΩG + GΩ = X − Xᵀ`` with ``G = LLᵀ``, ``X = g_l Lᵀ``, solved in the eigenbasis of ``G`` (pairs with
+    ``λᵢ + λⱼ = 0``, i.e. columns of a rank-deficient ``L``, are left alone).
+    """
     gram = factor @ factor.T
     lam, q = torch.linalg.eigh(gram)
     x = g_l @ factor.T
@@ -550,9 +544,9 @@ class FisherBall:
         space: :attr:`AscentSpace.THETA <flatbma.types.AscentSpace.THETA>`: the step perturbs ``θ``.
         gamma: ``γ``, radius of the KL ball (nats). When neither ``gamma`` nor ``radius`` is given the step is
             SAM's default ``ρ = 0.05`` in the weights' units (:data:`DEFAULT_RADIUS`): ``radius = 0.05`` for
-            ``"fisher"``, ``γ = ρ²/2`` for the other metrics (their ball has the radius ``√(2γ)``). The former
-            default ``γ = 0.01`` moved ``μ`` by ``≤ √0.02·σ̄ ≈ 0.001`` on the transfer demo — an ascent that
-            could hardly act (issue #22; ``docs/studies/fpbma.md`` measures the scale).
+            ``"fisher"``, ``γ = ρ²/2`` for the other metrics (their ball has the radius ``√(2γ)``). A KL radius
+            ``γ = 0.01`` moves ``μ`` by ``≤ √0.02·σ̄ ≈ 0.001`` on the transfer demo — an ascent that can hardly
+            act (``docs/studies/fpbma.md`` measures the scale).
         metric: a :class:`BallMetric` (its name is accepted and stored as the member). ``"fisher"``: the
             Fisher of the low-rank plus diagonal Gaussian ``q_θ`` (needs the ``mean/``, ``log_std/``, ``factor/``
             layout); ``"euclidean"``: ``F = I``, i.e. SAM on ``θ`` with ``ρ = √(2γ)``; ``"data-fisher"``:
@@ -561,7 +555,7 @@ class FisherBall:
         cg_tol: stop the conjugate gradients earlier, at this preconditioned residual relative to the
             right-hand side's (0: always ``cg_iters``). The defaults keep every block of ``δ*`` within
             cosine 0.98 of the exact damped solve on the problems of the module docstring, where a
-            fixed single iteration (the former default) left the ``log σ`` block at cosine −0.99.
+            fixed single iteration leaves the ``log σ`` block at cosine −0.99.
             Whatever the stopping point, ``½δ*ᵀF_λδ* = γ`` holds exactly.
         damping: Tikhonov damping ``λ ≥ 0`` of the covariance block, relative to its curvature scale
             (see the module docstring; ``"fisher"`` only).

@@ -21,8 +21,7 @@ perturbs ``θ`` itself instead (FP-BMA, Lim et al. 2025): :func:`theta_sharpness
 State: ``params`` = ``θ``, ``buffers`` = the model's buffers, ``aux`` = the optimizer's state of ``θ`` under
 ``optimizer/`` (``optimizer/momentum/<θ key>``, Adam's ``optimizer/exp_avg/<θ key>`` and
 ``optimizer/exp_avg_sq/<θ key>``), the noise seed ``rng/seed`` and the ascent step's memories under
-``ascent/`` (:mod:`flatbma.named`). States written before #24 held the optimizer's entries without
-``optimizer/``; they are renamed on load (:func:`flatbma.state_io.renamed`).
+``ascent/`` (:mod:`flatbma.named`).
 
 Randomness: the training noise comes from a generator reseeded every step from a seed stored in the
 state (``aux["rng/seed"]``, drawn from torch's global generator in ``init``) and the step number

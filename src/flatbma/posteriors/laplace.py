@@ -75,8 +75,7 @@ SEEN = PREFIX + "seen"
 NLL = PREFIX + "nll"
 """``aux`` entry: ``Σ ℓ_i(w*)`` over those examples (float64), for the reported evidence."""
 ACCUMULATORS = PREFIX + "curvature"
-"""Name of the curvature estimator's accumulators within :data:`LAPLACE` (``laplace/curvature/<key>``). States
-written before #24 held them as ``laplace/<key>``; they are renamed on load (:func:`flatbma.state_io.renamed`)."""
+"""Name of the curvature estimator's accumulators within :data:`LAPLACE` (``laplace/curvature/<key>``)."""
 PRIOR_MEAN = PREFIX + "prior_mean/"
 """Prefix of the ``aux`` entries ``w₀`` of ``prior_mean: pretrained``, one per trained tensor (its dtype)."""
 

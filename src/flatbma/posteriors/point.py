@@ -5,9 +5,7 @@ so does its mean; its width is 0.
 
 State: ``params`` = ``w``, ``buffers`` = the model's buffers, ``aux`` = the optimizer's state under
 ``optimizer/`` (SGD's ``optimizer/momentum/<w>``; Adam's ``optimizer/exp_avg/<w>``, ``optimizer/exp_avg_sq/<w>``)
-and an amortized ascent step's memory under ``ascent/`` (:mod:`flatbma.named`). States written before #24 held
-the optimizer's entries without ``optimizer/`` (``momentum/<w>``); they are renamed on load
-(:func:`flatbma.state_io.renamed`).
+and an amortized ascent step's memory under ``ascent/`` (:mod:`flatbma.named`).
 """
 
 from __future__ import annotations

@@ -20,9 +20,7 @@ State layout (``d`` = number of trained weights, ``K`` = ``rank``):
 * ``aux["point/<key>"]``: the point update's own state (:mod:`flatbma.posteriors.point`: its optimizer's
   moments ``point/optimizer/momentum/<name>``, an ascent step's memory ``point/ascent/…``).
 
-Each component keeps its state under its own name (:mod:`flatbma.named`): ``swag/`` and ``point/``. States
-written before (#24) held the point's entries without ``point/`` (and its optimizer's without ``optimizer/``:
-``momentum/<name>``); loading renames them (:func:`flatbma.state_io.renamed`).
+Each component keeps its state under its own name (:mod:`flatbma.named`): ``swag/`` and ``point/``.
 """
 
 from __future__ import annotations
@@ -77,20 +75,6 @@ class SwagMoments(NamedTuple):
     mean: Tensor
     variance: Tensor
     deviations: Tensor
-
-
-class LowRankGaussian(NamedTuple):
-    """``N(mean, ½(diag σ² + L Lᵀ/(K−1)))`` by parameter name — the low-rank VI parameterization.
-
-    Attributes:
-        mean: ``μ`` by name.
-        sigma: ``σ`` by name (same shapes as ``mean``).
-        factor: ``L`` by name, shape ``(*param.shape, K)``; the ``K`` columns are the deviations.
-    """
-
-    mean: Params
-    sigma: Params
-    factor: Params
 
 
 @dataclass(frozen=True)
@@ -365,32 +349,6 @@ def swag_moments(state: State) -> SwagMoments:
         FlatbmaError: if fewer than two snapshots were collected.
     """
     return _moments(state, _HOW_TO_COLLECT_MORE)
-
-
-def to_lowrank_gaussian(state: State, scale: float = 1.0) -> LowRankGaussian:
-    """The SWAG Gaussian in the low-rank + diagonal VI parameterization (docs/methods.md §3.4).
-
-    Returns ``μ = w̄``, ``σ = √scale·σ_SWAG`` and ``L = √scale·Dᵀ`` (``K_eff`` columns, oldest
-    first), so that ``½(diag σ² + LLᵀ/(K_eff − 1)) = scale · ½(diag σ_SWAG² + DᵀD/(K_eff − 1))`` is
-    exactly the covariance :func:`build` samples from with the same ``scale``: a low-rank VI with
-    rank ``K_eff`` initialized from it starts at the SWAG posterior.
-
-    Raises:
-        FlatbmaError: if fewer than two snapshots were collected or the state is diagonal-only.
-    """
-    m = swag_moments(state)
-    if m.deviations.shape[0] == 0:
-        raise FlatbmaError("this SWAG state holds no deviations (method swag-diag): train it with method swag")
-    root = math.sqrt(scale)
-    like = {k: state.params[k] for k in m.names}
-    mean = unflatten(m.mean.clone(), like)
-    sigma = unflatten(root * m.variance.sqrt(), like)
-    columns = root * m.deviations.T  # [d, K_eff]
-    factor, offset = {}, 0
-    for k, v in like.items():
-        factor[k] = columns[offset : offset + v.numel()].reshape(*v.shape, -1)
-        offset += v.numel()
-    return LowRankGaussian(mean=mean, sigma=sigma, factor=factor)
 
 
 @torch.no_grad()

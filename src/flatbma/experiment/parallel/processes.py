@@ -8,7 +8,7 @@ runs the same command with the same config::
 Process group: with ``WORLD_SIZE > 1`` (set by ``torchrun``), :func:`init_from_env` joins the group
 of its ``env://`` rendezvous — backend NCCL when the run's device is CUDA (each process then uses
 ``cuda:LOCAL_RANK``), gloo otherwise — and :func:`destroy` leaves it at the end
-(:func:`process_group` does both). Library code (:func:`flatbma.experiment.run.pipeline.train_run`) is
+(:func:`process_group` does both). Library code (:func:`flatbma.experiment.run.pipeline.train`) is
 data-parallel whenever a default process group with more than one process is initialized. Every
 collective waits at most ``$FLATBMA_COLLECTIVE_TIMEOUT`` seconds (default 300); a process that stops
 or hangs then ends the block of :func:`process_group` with a :class:`FlatbmaError` naming its rank

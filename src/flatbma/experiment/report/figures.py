@@ -212,7 +212,7 @@ def bma_curve_figure(results: Mapping[str, Any]) -> bytes | None:
 def _run_interval(run: Run) -> tuple[float, float] | None:
     """A run's interval over its samples: the bootstrap interval of its median λ₁.
 
-    Older results without a median: their mean ± the std over samples.
+    A run that records no median: its mean ± the std over samples.
     """
     if run_lambda1_median(run) is None:
         mean, std = run_lambda1(run), as_number(run.get("lambda1_std"))
@@ -228,7 +228,7 @@ def _errorbar(center: float, interval: tuple[float, float] | None) -> list[list[
 
 
 def _run_value(run: Run) -> float | None:
-    """What a run's dot shows: its median λ₁ over samples, else (older results) its mean."""
+    """What a run's dot shows: its median λ₁ over samples, else (a run that records no median) its mean."""
     median = run_lambda1_median(run)
     return median if median is not None else run_lambda1(run)
 
@@ -236,7 +236,7 @@ def _run_value(run: Run) -> float | None:
 def lambda1_figure(results: Mapping[str, Any]) -> bytes | None:
     """λ₁ per method with its intervals; ``None`` when no run has λ₁.
 
-    Bar: the mean over seeds of the runs' median λ₁ (older results without a median: their mean), with
+    Bar: the mean over seeds of the runs' median λ₁ (a run without a median: its mean), with
     its 95% t interval over seeds (two or more seeds; never clipped: λ₁ of an indefinite Hessian can be
     negative). Dots: each run's median over its posterior samples with the bootstrap interval of the
     median (when the run records its per-sample values); a bar marker: the run's mean over samples

@@ -24,7 +24,7 @@ A row whose training diverged (a *failed row*) has no metrics, only ``{"method",
 figure or paired difference (those pair the seeds both rows have numbers for), and :func:`diverged_lines`
 says which seeds of which method diverged.
 
-Any field may be missing or null (results of older versions lack the flatness protocol's keys):
+Any field may be missing or null (a run without the flatness protocol has none of its keys):
 tables then show "–" and a figure without data is skipped with a note.
 
 Statistics (:mod:`flatbma.stats`, level 95%), per method and metric, over the seeds whose run has the
@@ -189,13 +189,12 @@ def get_path(mapping: Any, *keys: Any) -> Any:
 
 
 def run_lambda1(run: Run) -> float | None:
-    """A run's mean λ₁ over its posterior samples (``lambda1_summary``, else the older ``lambda1``)."""
-    summary = as_number(get_path(run, "lambda1_summary", "mean"))
-    return summary if summary is not None else as_number(run.get("lambda1"))
+    """A run's mean λ₁ over its posterior samples (``lambda1``, the mean of ``lambda1_summary``)."""
+    return as_number(run.get("lambda1"))
 
 
 def run_lambda1_median(run: Run) -> float | None:
-    """A run's λ₁: the median over its posterior samples (``lambda1_summary.median``; ``None`` in older results)."""
+    """A run's λ₁: the median over its posterior samples (``lambda1_summary.median``)."""
     return as_number(get_path(run, "lambda1_summary", "median"))
 
 
@@ -216,8 +215,8 @@ def lambda1_values(run: Run) -> list[float]:
 def lambda1_median_interval(run: Run) -> Interval | None:
     """The bootstrap interval (level 95%, seed 0) of a run's median λ₁ over its converged per-sample values.
 
-    ``None`` when the run does not record two or more of them (older results), or when their median is
-    not the run's recorded median (values of another measurement).
+    ``None`` when the run does not record two or more of them, or when their median is not the run's
+    recorded median (values of another measurement).
     """
     values = lambda1_values(run)
     median = run_lambda1_median(run)

@@ -60,7 +60,6 @@ from flatbma.state_io import (
     dtype_name,
     encode_state,
     in_order,
-    renamed,
     sealed,
     state_digest,
     structure_problem,
@@ -168,11 +167,6 @@ def checkpoint_metadata(path: str | Path) -> dict[str, str] | None:
             return dict(f.metadata() or {})
     except (SafetensorError, OSError, ValueError, RuntimeError):
         return None
-
-
-def load_state(path: str | Path, device: str = "cpu") -> State:
-    """Load a state saved by :func:`save_state`; corrupt or foreign files raise :class:`FlatbmaError`."""
-    return load_checkpoint(path, device)[0]
 
 
 def load_checkpoint(path: str | Path, device: str = "cpu") -> tuple[State, dict[str, str], dict[str, Tensor]]:
@@ -288,12 +282,10 @@ def at_end(meta: Mapping[str, str] | None, epochs: int) -> bool:
 def check_compatible(state: State, reference: State, path: str | Path) -> State:
     """The loaded ``state`` in the layout of ``reference``; a :class:`FlatbmaError` unless it has its structure.
 
-    ``reference`` is the state the run's method initializes for the run's model; a checkpoint of an older
-    layout has its entries renamed first (:func:`flatbma.state_io.renamed`: a component's state under its
-    name). The rule (same names, dtypes and shapes; only a sampler's parameter stacks added to ``aux``) is
+    ``reference`` is the state the run's method initializes for the run's model. The rule (same names, dtypes
+    and shapes; only a sampler's parameter stacks added to ``aux``) is
     :func:`flatbma.state_io.structure_problem`'s, which loading a predictor shares.
     """
-    state = renamed(state, reference)
     problem = structure_problem(state, reference)
     if problem:
         raise FlatbmaError(
@@ -358,7 +350,7 @@ def save_position(
         "partial": json.dumps(list(position.partial)),
         "history": json.dumps([h.record() for h in history.epochs]),
     }
-    if position.stats:  # only then: checkpoints without step statistics are as they always were
+    if position.stats:  # only then: a method without step statistics records none
         meta["stats"] = json.dumps([list(entry) for entry in position.stats])
     if written_by is not None:
         meta[WRITTEN_BY] = written_by.to_json()

@@ -194,14 +194,6 @@ def _not_as_written(run_dir: Path, what: str, detail: str) -> str | None:
     return None
 
 
-def train_run(
-    cfg: RunConfig, *, force: bool = False, resume: bool = False, evaluate: bool = True
-) -> tuple[Path, dict[str, Any]]:
-    """:func:`train`, returning (run directory, metrics)."""
-    trained = train(cfg, force=force, resume=resume, evaluate=evaluate)
-    return Path(cfg.output_dir), trained.metrics
-
-
 def load_run_config(run_dir: str | Path) -> RunConfig:
     """The resolved config of a run directory, as the run trained (:func:`as_stored`).
 

@@ -8,7 +8,7 @@ layout with ``σ`` floored at ``prior.min_std``, becomes the second stage's prio
 member: its first stage is ``multi`` of ``prior.method`` with the same members and seed, and member
 ``m`` of the second stage takes member ``m``'s fitted Gaussian (:func:`flatbma.posteriors.multi.build`
 says why not one shared prior). The section itself is parsed by
-:mod:`flatbma.experiment.config.prior_config`; :func:`flatbma.experiment.run.pipeline.train_run` runs both stages.
+:mod:`flatbma.experiment.config.prior_config`; :func:`flatbma.experiment.run.pipeline.train` runs both stages.
 """
 
 from __future__ import annotations
