@@ -18,7 +18,7 @@ import math
 import torch
 from step_cost import TRAINABLE
 
-from flatbma.experiment.config.methods import parse_method
+from flatbma.methods import parse_method
 from flatbma.models import build_model
 from flatbma.optim import Adam, FisherBall
 from flatbma.params import Objective, model_buffers, trainable_params

@@ -21,7 +21,7 @@ import time
 import torch
 from step_cost import TRAINABLE
 
-from flatbma.experiment.config.methods import parse_method
+from flatbma.methods import parse_method
 from flatbma.models import build_model
 from flatbma.optim import SGD, Adam
 from flatbma.params import Objective, model_buffers, trainable_params

@@ -63,7 +63,7 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from flatbma.experiment.config.methods import parse_method
+from flatbma.methods import parse_method
 from flatbma.models import build_model
 from flatbma.models.heads import classifier_of
 from flatbma.optim import ASAM, SAM, SGD, Adam, Amortized, FisherBall, FisherSAM

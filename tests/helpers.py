@@ -67,7 +67,7 @@ def train_steps(name: str, *, precision: str = "fp32", device: str = "cpu", step
     CPU and moved to ``device``; ``precision`` is the Objective's; ``wrap`` (e.g. ``LossScaled()``) wraps the
     built method. ``start`` holds the initial trained variables.
     """
-    from flatbma.experiment.config.methods import parse_method
+    from flatbma.methods import parse_method
     from flatbma.optim import SGD
     from flatbma.params import model_buffers, trainable_params
     from flatbma.precision import Precision

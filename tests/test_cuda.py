@@ -26,7 +26,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from flatbma.experiment.config.methods import METHODS
+from flatbma.methods import METHODS
 from flatbma.optim import LossScaled
 from flatbma.optim.loss_scale import SCALE
 from tests.helpers import relative_difference, tiny_bn_net, toy_batch, train_steps
@@ -191,7 +191,7 @@ decides on the host whether the step leaves the quadratic regime."""
 @pytest.mark.parametrize("name", list(SYNC_BOUND))
 def test_synchronizations_per_training_step(name, record_property):
     from flatbma.experiment import runner
-    from flatbma.experiment.config.methods import parse_method
+    from flatbma.methods import parse_method
     from flatbma.optim import SGD
     from flatbma.params import Objective, model_buffers, trainable_params
     from tests.helpers import METHOD_SECTIONS

@@ -107,9 +107,10 @@ def test_default_swag_collects_over_the_last_quarter_at_the_rate_reached_there()
     Checked against the same run written out: ``swag.build(start_step=T − ⌊T/4⌋)`` with the cosine schedule
     frozen at its value there.
     """
-    from flatbma.experiment.config.methods import last_quarter, parse_method
+    from flatbma.methods import parse_method
     from flatbma.optim import SGD, cosine
     from flatbma.posteriors import swag
+    from flatbma.posteriors.swag import last_quarter
 
     config = parse_method("swag")
     assert config.options["start_step"] is None and config.resolved(100).options["start_step"] == 75
@@ -138,8 +139,8 @@ def test_default_swag_collects_over_the_last_quarter_at_the_rate_reached_there()
 
 def test_fit_posterior_refuses_default_swag_as_the_cli_does_with_the_same_message():
     from flatbma.errors import FlatbmaError
-    from flatbma.experiment.config.methods import parse_method
-    from flatbma.experiment.config.shape import RunShape, Stage
+    from flatbma.family import RunShape, Stage
+    from flatbma.methods import parse_method
 
     loader = _loader()  # 5 steps per epoch
     with pytest.raises(FlatbmaError) as info:
@@ -330,7 +331,7 @@ def test_a_list_of_batches_is_a_loader():
 
 
 def test_members_is_the_one_spelling_of_the_number_of_members():
-    from flatbma.experiment.config.methods import parse_method
+    from flatbma.methods import parse_method
 
     assert parse_method({"name": "ensemble", "members": 3}) == parse_method({"name": "ensemble", "size": 3})
     assert parse_method({"name": "f-ensemble", "members": 2}).options["size"] == 2
@@ -359,7 +360,7 @@ def test_a_laplace_bma_worse_than_its_map_warns_on_validation_or_training_data()
     assert bma.evaluate(val)["nll"] > point["nll"]  # what the warning says, recomputed
     with pytest.warns(FlatbmaWarning, match="too wide for its posterior mean .* on 240 training images"):
         flatbma.fit_posterior(_net(), loader, "laplace", epochs=10, lr=0.1, **wide)
-    from flatbma.experiment.config.methods import parse_method
+    from flatbma.methods import parse_method
 
     last = {"name": "laplace", "subset": "last-layer", "predictive": "probit", "prior_precision": "val"}
     line = parse_method(last).advice(False, {"prior_precision": 3.2})  # the settings it has are not advised
@@ -375,7 +376,7 @@ def test_a_laplace_bma_worse_than_its_map_warns_on_validation_or_training_data()
 
 def test_swag_and_laplace_defaults_live_in_their_options():
     """One value for the library, the registry, the CLI and ``fit_posterior`` (issue #25): the Options' field."""
-    from flatbma.experiment.config.methods import METHODS, parse_method
+    from flatbma.methods import METHODS, parse_method
     from flatbma.optim import SGD
     from flatbma.posteriors import laplace, swag
 
@@ -394,8 +395,8 @@ def test_swag_and_laplace_defaults_live_in_their_options():
 def test_laplace_defaults_to_the_last_layer_which_is_a_laplace_of_the_head_with_the_body_frozen_at_the_map(hessian):
     """The default ``subset: last-layer`` equals post-hoc Laplace (``subset: all``, ``start_step: 0``) of a copy of
     the MAP whose body is frozen: the same curvature, δ by the evidence, evidence and samples."""
-    from flatbma.experiment.config.methods import parse_method
     from flatbma.experiment.runner import fit
+    from flatbma.methods import parse_method
     from flatbma.optim import SGD
     from flatbma.posteriors import laplace
 
@@ -429,7 +430,7 @@ def test_laplace_defaults_to_the_last_layer_which_is_a_laplace_of_the_head_with_
 
 
 def test_prior_precision_val_is_the_grid_value_of_the_smallest_validation_nll():
-    from flatbma.experiment.config.methods import PRIOR_PRECISION_GRID
+    from flatbma.posteriors.laplace import PRIOR_PRECISION_GRID
 
     loader = _loader()
     val = DataLoader(TensorDataset(*_data(90, seed=5)), batch_size=45)

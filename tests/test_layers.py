@@ -18,7 +18,7 @@ SRC = Path(flatbma.__file__).parent
 LAYERS: dict[str, int] = {
     "errors": 0,
     "checks": 1,
-    "options": 1,
+    "options": 2,
     "rng": 1,
     "types": 1,
     "named": 1,
@@ -47,10 +47,12 @@ LAYERS: dict[str, int] = {
     "optim": 5,
     "curvature": 5,
     "flatness": 5,
+    "family": 2,
     "posteriors": 6,
-    "experiment": 7,
-    "": 8,  # the package's __init__: the public API re-exports every library layer
-    "__main__": 9,
+    "methods": 7,
+    "experiment": 8,
+    "": 9,  # the package's __init__: the public API re-exports every library layer
+    "__main__": 10,
 }
 """Units (top-level modules and subpackages of flatbma) by layer, lowest first."""
 

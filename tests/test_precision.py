@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from flatbma.errors import FlatbmaError
-from flatbma.experiment.config.methods import METHODS, parse_method
 from flatbma.experiment.config.run_config import config_from_dict
 from flatbma.experiment.config.sections import TrainConfig
 from flatbma.experiment.runner import fit
+from flatbma.methods import METHODS, parse_method
 from flatbma.optim import SGD, FisherBall, LossScaled
 from flatbma.optim.loss_scale import GROWTH, SCALE
 from flatbma.params import Objective, model_buffers, trainable_params

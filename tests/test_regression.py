@@ -124,7 +124,7 @@ FAST = ["sgd", "swag", "mfvi", "mc-dropout", "ensemble", "sgld", "fp-bma"]
 
 
 def _every_method() -> list[str]:
-    from flatbma.experiment.config.methods import METHODS
+    from flatbma.methods import METHODS
 
     return sorted(METHODS)
 

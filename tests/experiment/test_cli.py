@@ -118,7 +118,7 @@ def test_run_dir_with_another_config_is_not_overwritten(tmp_path, capsys):
 def test_version_and_method_options(capsys):
     import flatbma
     from flatbma.experiment.cli import main
-    from flatbma.experiment.config.methods import METHODS, parse_method
+    from flatbma.methods import METHODS, parse_method
 
     with pytest.raises(SystemExit) as done:
         main(["--version"])

@@ -11,10 +11,10 @@ from scipy import stats as scipy_stats
 
 from flatbma.errors import FlatbmaError
 from flatbma.experiment.cli import main
-from flatbma.experiment.config.parse import parse_dataclass
 from flatbma.experiment.report.documents import write_reports
 from flatbma.experiment.report.findings import findings, pair_comparisons
 from flatbma.experiment.study.plan import CompareConfig, compare_record, load_plan
+from flatbma.options import parse_dataclass
 from tests.helpers import DETECTABLE_PER_S, DONE
 
 NOISE = (0.013, -0.021, 0.008, 0.017, -0.004)

@@ -6,7 +6,7 @@ import pytest
 import yaml
 
 from flatbma.experiment.cli import main
-from flatbma.experiment.config.methods import METHODS
+from flatbma.methods import METHODS
 from tests.helpers import DONE
 
 # options that make each method produce samples within a one-epoch digits run (~19 steps)

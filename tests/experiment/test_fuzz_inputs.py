@@ -23,10 +23,10 @@ from hypothesis import strategies as st
 
 from flatbma.errors import FlatbmaError
 from flatbma.experiment.cli import main
-from flatbma.experiment.config.methods import METHODS
 from flatbma.experiment.config.run_config import SECTIONS, RunConfig, load_config
 from flatbma.experiment.run.checkpoint import load_checkpoint
 from flatbma.experiment.study.plan import load_plan
+from flatbma.methods import METHODS
 from tests.helpers import DONE, load_state
 
 CONFIGS = sorted((Path(__file__).parents[2] / "configs").glob("*.yaml"))

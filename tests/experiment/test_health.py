@@ -24,7 +24,6 @@ import torch
 import yaml
 
 from flatbma.experiment.cli import main
-from flatbma.experiment.config.methods import parse_method
 from flatbma.experiment.config.run_config import config_from_dict
 from flatbma.experiment.report.findings import findings
 from flatbma.experiment.report.tables import summary_table
@@ -40,6 +39,7 @@ from flatbma.experiment.run.health import (
     worse_than_mean,
 )
 from flatbma.experiment.run.pipeline import load_run, train
+from flatbma.methods import parse_method
 
 BASE: dict[str, Any] = {
     "seed": 0,

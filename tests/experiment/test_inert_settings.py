@@ -19,9 +19,9 @@ from typing import Any
 
 import pytest
 
-from flatbma.experiment.config.methods import MethodConfig
 from flatbma.experiment.config.run_config import RunConfig, load_config
 from flatbma.experiment.study.plan import load_plan
+from flatbma.methods import MethodConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))

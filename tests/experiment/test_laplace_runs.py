@@ -22,13 +22,13 @@ import flatbma
 from flatbma.curvature import estimator
 from flatbma.errors import FlatbmaError
 from flatbma.experiment.cli import main
-from flatbma.experiment.config.methods import METHODS, parse_method
 from flatbma.experiment.config.run_config import config_from_dict
 from flatbma.experiment.run import stage
 from flatbma.experiment.run.checkpoint import CONFIG_KEY, load_checkpoint
 from flatbma.experiment.run.pipeline import evaluate_run, load_run, load_run_config, resume_config, train
 from flatbma.experiment.run.provenance import WRITTEN_BY, Provenance
 from flatbma.linearized import linearized_predictions
+from flatbma.methods import METHODS, parse_method
 from flatbma.models import build_model, classifier_of
 from flatbma.posteriors import laplace
 from flatbma.predict import sample_log_probs

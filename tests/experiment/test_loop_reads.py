@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from flatbma.errors import DivergenceError
 from flatbma.experiment import runner
-from flatbma.experiment.config.methods import parse_method
+from flatbma.methods import parse_method
 from flatbma.optim import SGD
 from flatbma.params import Objective, model_buffers, trainable_params
 from flatbma.types import StepOutput

@@ -437,8 +437,8 @@ def test_reference_defaults_to_the_first_method_and_must_exist():
 
 
 def test_compare_config_validates_the_reference(tmp_path):
-    from flatbma.experiment.config.parse import parse_dataclass
     from flatbma.experiment.study.plan import CompareConfig, load_plan
+    from flatbma.options import parse_dataclass
 
     methods = [{"name": "sgd"}, {"name": "swag"}, {"name": "sam", "label": "SAM-0.1"}]
     assert parse_dataclass(CompareConfig, {"methods": methods}, "compare").reference is None

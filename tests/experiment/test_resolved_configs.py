@@ -21,10 +21,10 @@ from pathlib import Path
 
 import pytest
 
-from flatbma.experiment.config.methods import METHODS, parse_method
 from flatbma.experiment.config.run_config import load_config
 from flatbma.experiment.run.stage import run_identity
 from flatbma.experiment.study.plan import load_plan
+from flatbma.methods import METHODS, parse_method
 
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURE = Path(__file__).with_name("fixtures") / "resolved_configs.json"

@@ -7,13 +7,13 @@ import torch
 import yaml
 
 from flatbma.errors import FlatbmaError
-from flatbma.experiment.config.methods import METHODS, parse_method, prior_methods
-from flatbma.experiment.config.parse import coerce
 from flatbma.experiment.config.prior_config import gaussian_methods
 from flatbma.experiment.config.run_config import config_from_dict
 from flatbma.experiment.config.sections import ModelConfig, OptimConfig, Optimizer, Parallel, Schedule, TrainConfig
 from flatbma.experiment.parallel import strategies
+from flatbma.methods import METHODS, parse_method, prior_methods
 from flatbma.optim import SGD, Adam, cosine
+from flatbma.options import coerce
 from flatbma.params import Objective
 from flatbma.transfer import Subset
 
@@ -33,7 +33,7 @@ def _old_probe(name: str) -> bool:
 
 @pytest.mark.parametrize("name", list(METHODS))
 def test_gaussian_field_is_what_the_built_posterior_says(name: str) -> None:
-    assert METHODS[name].gaussian == _old_probe(name)
+    assert METHODS[name].family.gaussian == _old_probe(name)
 
 
 def test_gaussian_methods_are_the_ones_a_prior_stage_accepts() -> None:

@@ -24,7 +24,6 @@ import yaml
 from flatbma.data.datasets import ArrayDataset, DatasetSplits
 from flatbma.errors import FlatbmaError
 from flatbma.experiment.cli import main
-from flatbma.experiment.config.methods import METHODS, MethodSpec
 from flatbma.experiment.config.run_config import load_config
 from flatbma.experiment.parallel import strategies
 from flatbma.experiment.run import build, prior
@@ -32,6 +31,8 @@ from flatbma.experiment.run.build import build_experiment
 from flatbma.experiment.study import compare, selection
 from flatbma.experiment.study.compare import run_compare
 from flatbma.experiment.study.plan import load_plan
+from flatbma.family import Family
+from flatbma.methods import METHODS, MethodSpec
 from flatbma.posteriors import point
 from tests.helpers import load_state
 
@@ -156,7 +157,7 @@ def test_an_option_that_is_a_list_is_not_a_grid(tmp_path: Path, monkeypatch: pyt
     def family(objective, optimizer, ascent=None, **options):
         return point.build(objective, optimizer, ascent)
 
-    monkeypatch.setitem(METHODS, "milestones-sgd", MethodSpec("milestones-sgd", "test only", family, Options))
+    monkeypatch.setitem(METHODS, "milestones-sgd", MethodSpec("milestones-sgd", "test only", Family(family, Options)))
     plan = load_plan(_write(tmp_path, [{"name": "milestones-sgd", "milestones": [1, 2], "scale": [1.0, 2.0]}]))
     (job,) = plan.jobs()
     assert [c.options for c in job.candidates] == [{"scale": 1.0}, {"scale": 2.0}]

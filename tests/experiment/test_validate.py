@@ -29,7 +29,6 @@ import yaml
 from flatbma.errors import FlatbmaError
 from flatbma.experiment.cli import main
 from flatbma.experiment.config.run_config import config_from_dict, load_config
-from flatbma.experiment.config.shape import RunShape, Stage
 from flatbma.experiment.parallel import liveness, processes
 from flatbma.experiment.run import stage
 from flatbma.experiment.run.build import build_experiment
@@ -37,6 +36,7 @@ from flatbma.experiment.run.pipeline import train
 from flatbma.experiment.run.validate import run_shape, validate_run
 from flatbma.experiment.study.compare import run_compare
 from flatbma.experiment.study.plan import load_plan
+from flatbma.family import RunShape, Stage
 from flatbma.optim import SGD
 from flatbma.params import trainable_params
 from flatbma.posteriors import sgld, swag

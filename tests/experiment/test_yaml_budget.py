@@ -4,8 +4,9 @@ import pytest
 import yaml
 
 from flatbma.errors import FlatbmaError
-from flatbma.experiment.config.parse import MAX_YAML_NODES, coerce, load_yaml, shown
+from flatbma.experiment.config.parse import MAX_YAML_NODES, load_yaml, shown
 from flatbma.experiment.config.run_config import load_config, load_raw, parse_override
+from flatbma.options import coerce
 
 
 def _laughs(levels: int, width: int = 10) -> str:

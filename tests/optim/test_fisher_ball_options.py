@@ -8,8 +8,8 @@ import torch
 from torch.distributions import MultivariateNormal
 
 from flatbma.errors import FlatbmaError
-from flatbma.experiment.config.methods import parse_method
 from flatbma.gaussian import dense_covariance, kl_lowrank, log_density, score, section, step_size
+from flatbma.methods import parse_method
 from flatbma.optim import SAM, Amortized, FisherBall
 from flatbma.optim.fisher_ball import DEFAULT_RADIUS
 from flatbma.params import Objective, add, flatten

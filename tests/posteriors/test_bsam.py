@@ -7,9 +7,9 @@ from torch import nn
 from torch.func import functional_call
 
 from flatbma.errors import FlatbmaError
-from flatbma.experiment.config.methods import METHODS, parse_method
 from flatbma.experiment.run.checkpoint import save_state
 from flatbma.gaussian import section, standard_normal_like
+from flatbma.methods import METHODS, parse_method
 from flatbma.optim import SAM, SGD, Adam, constant
 from flatbma.params import Objective, model_buffers, trainable_params
 from flatbma.posteriors import bsam
@@ -143,7 +143,7 @@ def test_options_ascent_and_registry():
         bsam.build(obj, SGD(), rho=-0.1)
     with pytest.raises(FlatbmaError, match="learning_rate"):
         bsam.build(obj, object())
-    assert METHODS["bsam"].ascent is None and METHODS["bsam"].family is bsam.build
+    assert METHODS["bsam"].ascent is None and METHODS["bsam"].family.build is bsam.build
     cfg = parse_method({"name": "bsam", "rho": 0.02, "prior_precision": 25})
     assert cfg.ascent is None and cfg.options["rho"] == 0.02 and cfg.options["prior_precision"] == 25.0
 

@@ -11,8 +11,8 @@ from torch import nn
 from flatbma.data import load_dataset
 from flatbma.errors import FlatbmaError
 from flatbma.experiment.cli import main
-from flatbma.experiment.config.methods import METHODS
 from flatbma.experiment.run.checkpoint import load_checkpoint, save_state
+from flatbma.methods import METHODS
 from flatbma.models import MLP, build_model, classifier_of
 from flatbma.optim import SAM, SGD, Adam
 from flatbma.params import Objective, model_buffers, trainable_params
@@ -236,8 +236,8 @@ def test_bad_options_name_their_key(options, key):
 
 
 def test_registry():
-    assert METHODS["ensemble"].family is ensemble.build and METHODS["ensemble"].ascent is None
-    assert METHODS["f-ensemble"].family is ensemble.build and METHODS["f-ensemble"].ascent is SAM
+    assert METHODS["ensemble"].family.build is ensemble.build and METHODS["ensemble"].ascent is None
+    assert METHODS["f-ensemble"].family.build is ensemble.build and METHODS["f-ensemble"].ascent is SAM
     assert set(METHODS["ensemble"].family_options()) == {"size", "seed"}
 
 

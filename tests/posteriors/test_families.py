@@ -6,7 +6,7 @@ import inspect
 import pytest
 import torch
 
-from flatbma.experiment.config.methods import METHODS, parse_method
+from flatbma.methods import METHODS, parse_method
 from flatbma.optim import SGD
 from flatbma.params import Objective, model_buffers, trainable_params
 from flatbma.posteriors import mc_dropout, swag
@@ -21,25 +21,26 @@ def plain_net() -> torch.nn.Module:
 @pytest.mark.parametrize("name", sorted(METHODS))
 def test_options_are_a_frozen_dataclass_whose_fields_are_the_methods_options(name):
     spec = METHODS[name]
-    assert dataclasses.is_dataclass(spec.options) and spec.options.__dataclass_params__.frozen
-    fields = [f.name for f in dataclasses.fields(spec.options)]
-    nested = ["of"] if spec.of is not None else []
+    options = spec.family.options
+    assert dataclasses.is_dataclass(options) and options.__dataclass_params__.frozen
+    fields = [f.name for f in dataclasses.fields(options)]
+    nested = ["of"] if spec.family.of is not None else []
     assert list(spec.family_options()) == [*nested, *fields]
     defaults = parse_method(name).options
     assert [k for k in defaults] == [*nested, *fields]
     # the dataclass's defaults, one value for the library, the registry and the CLI (issue #25: SWAG's
     # start_step: null and Laplace's subset: last-layer live in swag.Options and laplace.Options)
-    assert all(defaults[f.name] == f.default for f in dataclasses.fields(spec.options))
+    assert all(defaults[f.name] == f.default for f in dataclasses.fields(options))
     assert not hasattr(spec, "overrides")
     if fields:
         with pytest.raises(dataclasses.FrozenInstanceError):
-            setattr(spec.options(), fields[0], None)
+            setattr(options(), fields[0], None)
 
 
 @pytest.mark.parametrize("name", sorted(METHODS))
 def test_no_builder_fakes_its_signature(name):
     spec = METHODS[name]
-    for builder in (spec.family, spec.with_prior):
+    for builder in (spec.family.build, spec.family.with_prior):
         if builder is not None:
             assert not {"__signature__", "__wrapped__"} & set(vars(builder))
             params = inspect.signature(builder).parameters.values()

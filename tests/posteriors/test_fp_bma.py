@@ -13,9 +13,9 @@ from torch.func import functional_call
 
 from flatbma import packed
 from flatbma.errors import FlatbmaError
-from flatbma.experiment.config.methods import METHODS, parse_method
 from flatbma.experiment.run.checkpoint import save_state
 from flatbma.gaussian import GaussianNoise, geometry, kl_rows, natural_covariance_gradient, rows, section, theta_layout
+from flatbma.methods import METHODS, parse_method
 from flatbma.optim import SAM, SGD, Adam, FisherSAM, sharpness_aware_value_and_grad
 from flatbma.optim.fisher_ball import (
     BallMetric,
@@ -607,7 +607,7 @@ def test_bad_options_raise_errors_naming_the_key():
 
 def test_fp_bma_and_sa_bma_are_the_same_registered_method():
     for name in ("fp-bma", "sa-bma"):
-        assert METHODS[name].family is fp_bma.build and METHODS[name].ascent is FisherBall
+        assert METHODS[name].family.build is fp_bma.build and METHODS[name].ascent is FisherBall
     cfg = parse_method({"name": "sa-bma", "rank": 3, "gamma": 0.05, "metric": "data-fisher"})
     assert cfg.options["rank"] == 3 and cfg.ascent == FisherBall(gamma=0.05, metric="data-fisher")
     assert cfg.build(Objective(model=_Tiny()), Adam()).recompute_bn

@@ -13,13 +13,13 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import flatbma
 from flatbma.errors import FlatbmaError
-from flatbma.experiment.config.methods import METHODS, parse_method
 from flatbma.experiment.config.run_config import config_from_dict, load_config
 from flatbma.experiment.run.checkpoint import save_state
 from flatbma.experiment.run.pipeline import train
 from flatbma.experiment.run.validate import validate_run
 from flatbma.gaussian import marginal_variance as lowrank_variance
 from flatbma.gaussian import section
+from flatbma.methods import METHODS, parse_method
 from flatbma.optim import SAM, SGD, Adam, FisherBall, cosine
 from flatbma.params import Objective, model_buffers, trainable_params
 from flatbma.posteriors import ivon
@@ -256,9 +256,9 @@ def test_refusals_name_what_to_change():
     for option, value in (("hess_init", 0.0), ("beta2", 1.0), ("mc_samples", 0), ("ess", -1.0), ("clip_radius", 0)):
         with pytest.raises(FlatbmaError, match=rf"method\.{option}"):
             ivon.build(obj, SGD(), **{option: value})
-    assert METHODS["ivon"].family is ivon.build and METHODS["ivon"].ascent is None
-    assert METHODS["f-ivon"].family is ivon.build and METHODS["f-ivon"].ascent is SAM
-    assert METHODS["ivon"].gaussian and METHODS["f-ivon"].gaussian
+    assert METHODS["ivon"].family.build is ivon.build and METHODS["ivon"].ascent is None
+    assert METHODS["f-ivon"].family.build is ivon.build and METHODS["f-ivon"].ascent is SAM
+    assert METHODS["ivon"].family.gaussian and METHODS["f-ivon"].family.gaussian
 
 
 def test_fit_posterior_trains_ivon_and_load_posterior_predicts_the_same(tmp_path):

@@ -8,8 +8,8 @@ from torch import nn
 
 from flatbma.errors import FlatbmaError
 from flatbma.experiment.cli import main
-from flatbma.experiment.config.methods import METHODS
 from flatbma.experiment.run.checkpoint import save_state
+from flatbma.methods import METHODS
 from flatbma.models import MLP
 from flatbma.optim import SAM, SGD
 from flatbma.params import Objective, model_buffers, trainable_params
@@ -187,8 +187,8 @@ def test_bare_linear_model_is_a_clear_error():
 
 
 def test_registry():
-    assert METHODS["mc-dropout"].family is mc_dropout.build and METHODS["mc-dropout"].ascent is None
-    assert METHODS["f-mc-dropout"].family is mc_dropout.build and METHODS["f-mc-dropout"].ascent is SAM
+    assert METHODS["mc-dropout"].family.build is mc_dropout.build and METHODS["mc-dropout"].ascent is None
+    assert METHODS["f-mc-dropout"].family.build is mc_dropout.build and METHODS["f-mc-dropout"].ascent is SAM
     assert set(METHODS["mc-dropout"].family_options()) == {"rate", "override_existing"}
 
 

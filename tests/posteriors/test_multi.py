@@ -12,8 +12,8 @@ from torch import nn
 
 from flatbma.errors import FlatbmaError
 from flatbma.experiment.cli import main
-from flatbma.experiment.config.methods import METHODS, parse_method
 from flatbma.experiment.config.run_config import config_from_dict
+from flatbma.methods import METHODS, parse_method
 from flatbma.optim import SGD, Adam, FisherBall
 from flatbma.params import Objective, model_buffers, trainable_params
 from flatbma.posteriors import lowrank_vi, members, multi, swag

@@ -9,8 +9,8 @@ from torch import nn
 
 from flatbma.errors import FlatbmaError
 from flatbma.experiment.cli import main
-from flatbma.experiment.config.methods import METHODS, parse_method
 from flatbma.experiment.run.checkpoint import save_state
+from flatbma.methods import METHODS, parse_method
 from flatbma.optim import SAM, SGD, Adam
 from flatbma.params import Objective, trainable_params
 from flatbma.posteriors import sgld
@@ -229,9 +229,9 @@ def test_bad_options_name_their_key(builder, options, key):
 
 
 def test_registry_and_config_parsing():
-    assert METHODS["sgld"].family is sgld.build and METHODS["sgld"].ascent is None
-    assert METHODS["f-sgld"].family is sgld.build and METHODS["f-sgld"].ascent is SAM
-    assert METHODS["csgld"].family is sgld.build_cyclical
+    assert METHODS["sgld"].family.build is sgld.build and METHODS["sgld"].ascent is None
+    assert METHODS["f-sgld"].family.build is sgld.build and METHODS["f-sgld"].ascent is SAM
+    assert METHODS["csgld"].family.build is sgld.build_cyclical
     cfg = parse_method(yaml.safe_load("{name: csgld, cycle_length: 50, prior_std: .inf, lr_scale: potential}"))
     assert cfg.options["cycle_length"] == 50 and cfg.options["exploration"] == 0.8
     assert cfg.options["prior_std"] == math.inf
@@ -306,7 +306,7 @@ def test_lr_scale_is_an_enum_given_by_member_or_name():
 def test_auto_burn_in_and_thin_spread_the_kept_samples_over_the_second_half(steps):
     """``burn_in: auto`` is half the run, ``thin: auto`` spreads ``max_samples`` over the rest up to its end; the
     previous defaults (1000, 100) stored nothing in a run of fewer than 1,100 updates (digits: 380)."""
-    from flatbma.experiment.config.methods import parse_method
+    from flatbma.methods import parse_method
 
     o = parse_method("sgld").resolved(steps).options
     assert o["burn_in"] == steps // 2 and o["thin"] == max(1, (steps - steps // 2) // 30)

@@ -13,8 +13,8 @@ import flatbma
 from flatbma.bn import recompute_bn_statistics
 from flatbma.errors import FlatbmaError
 from flatbma.experiment.cli import main
-from flatbma.experiment.config.methods import METHODS, parse_method
 from flatbma.experiment.run.checkpoint import save_state
+from flatbma.methods import METHODS, parse_method
 from flatbma.models.small import SmallCNN
 from flatbma.named import part
 from flatbma.optim import SAM, SGD
@@ -200,7 +200,7 @@ def test_bad_options_name_their_key(options, key):
 
 def test_registry_options():
     assert {"swag", "swag-diag", "f-swag"} <= set(METHODS)
-    assert METHODS["f-swag"].family is swag.build and METHODS["f-swag"].ascent is SAM
+    assert METHODS["f-swag"].family.build is swag.build and METHODS["f-swag"].ascent is SAM
     assert set(METHODS["swag-diag"].family_options()) == {"scale", "start_step", "collect_every"}
     cfg = parse_method({"name": "swag-diag", "collect_every": 3})
     method = cfg.build(Objective(model=tiny_bn_net()), SGD(), map_steps=40)  # start_step: null, resolved from 40

@@ -18,13 +18,13 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import flatbma
-from flatbma.experiment.config.methods import parse_method
 from flatbma.experiment.config.run_config import config_from_dict
 from flatbma.experiment.run import stage
 from flatbma.experiment.run.checkpoint import CONFIG_KEY
 from flatbma.experiment.run.pipeline import evaluate_run, load_run_config, train
 from flatbma.experiment.run.provenance import WRITTEN_BY, Provenance
 from flatbma.gaussian import natural_covariance_gradient, theta_layout
+from flatbma.methods import parse_method
 from flatbma.optim import SGD, Adam, steady_gain
 from flatbma.packed import pack
 from flatbma.posteriors import mfvi

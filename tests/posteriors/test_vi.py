@@ -13,9 +13,9 @@ from torch.func import functional_call
 
 from flatbma.errors import FlatbmaError
 from flatbma.experiment.cli import main
-from flatbma.experiment.config.methods import METHODS, parse_method
 from flatbma.experiment.run.checkpoint import save_state
 from flatbma.gaussian import GaussianNoise, section
+from flatbma.methods import METHODS, parse_method
 from flatbma.optim import SAM, SGD, Adam, FisherBall, cosine
 from flatbma.params import Objective, flatten, model_buffers, trainable_params, unflatten
 from flatbma.posteriors import fp_bma, lowrank_vi, mfvi
@@ -468,8 +468,8 @@ def test_options_are_validated_with_config_keys():
 
 
 def test_flat_variants_are_the_same_family_with_sam():
-    assert METHODS["f-mfvi"].family is METHODS["mfvi"].family is mfvi.build
-    assert METHODS["f-lowrank-vi"].family is METHODS["lowrank-vi"].family is lowrank_vi.build
+    assert METHODS["f-mfvi"].family.build is METHODS["mfvi"].family.build is mfvi.build
+    assert METHODS["f-lowrank-vi"].family.build is METHODS["lowrank-vi"].family.build is lowrank_vi.build
     assert METHODS["f-mfvi"].ascent is SAM and METHODS["mfvi"].ascent is None
     cfg = parse_method({"name": "f-lowrank-vi", "rank": 3, "rho": 0.1})
     assert cfg.options["rank"] == 3 and cfg.ascent == SAM(rho=0.1)

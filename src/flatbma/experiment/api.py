@@ -1,7 +1,7 @@
 """From PyTorch in one call: train a registered method on your module and loader, get a :class:`~flatbma.predictor.BMA`.
 
 :func:`fit_posterior` is the manual path written once — parse the method by name
-(:func:`~flatbma.experiment.config.methods.parse_method`), build the optimizer of an ``optim`` section
+(:func:`~flatbma.methods.parse_method`), build the optimizer of an ``optim`` section
 (:class:`~flatbma.experiment.config.sections.OptimConfig`, the CLI's defaults), ``method.init`` at the
 module's weights, :func:`~flatbma.experiment.runner.fit` (the one loop), then the predictor — so its
 numbers equal that path's exactly (the README shows both). :func:`load_posterior` reads back what
@@ -28,17 +28,18 @@ from torch import Tensor, nn
 
 from flatbma.checks import check_seed, is_int
 from flatbma.errors import DivergenceError, FlatbmaError, FlatbmaTypeError, FlatbmaWarning
-from flatbma.experiment.config.methods import MethodConfig, parse_method
-from flatbma.experiment.config.parse import parse_dataclass, shown
+from flatbma.experiment.config.parse import shown
 from flatbma.experiment.config.prior_config import not_gaussian_message, parse_prior
 from flatbma.experiment.config.sections import OptimConfig
-from flatbma.experiment.config.shape import RunShape, Stage
 from flatbma.experiment.run.health import too_wide_line, worse_than_mean
 from flatbma.experiment.run.logs import EpochLogger
 from flatbma.experiment.run.prior import check_lr_with_prior
 from flatbma.experiment.run.validate import available_memory
 from flatbma.experiment.runner import History, fit
+from flatbma.family import RunShape, Stage
+from flatbma.methods import MethodConfig, parse_method
 from flatbma.models import check_classifier, keep_logits, returns_sequence
+from flatbma.options import parse_dataclass
 from flatbma.params import Objective, model_buffers, trainable_params
 from flatbma.posteriors import gaussians
 from flatbma.predict import evaluate
@@ -143,7 +144,7 @@ def fit_posterior(
             ``False``: nothing (:mod:`flatbma.progress`).
         val_loader: validation ``(x, y)`` batches (integer labels). An option given as ``"val"`` is chosen on
             them after training, by the BMA's NLL over its grid — Laplace's ``prior_precision="val"``: δ
-            among :data:`~flatbma.experiment.config.methods.PRIOR_PRECISION_GRID` (1e-4 … 1e4), the grid search of
+            among :data:`~flatbma.posteriors.laplace.PRIOR_PRECISION_GRID` (1e-4 … 1e4), the grid search of
             laplace-torch (Daxberger et al. 2021) — the candidates in :attr:`BMA.selection
             <flatbma.predictor.BMA.selection>`, the chosen value in ``bma.method_config``. After training
             every classifier's BMA is compared on them — on the training data without them, where only a BMA far
@@ -471,7 +472,7 @@ def _check_against_reference(
     the standard error of the paired differences, on the training data (the MAP was fitted to them) by more than
     2x and 0.2 log C — and the one line
     :func:`~flatbma.experiment.run.health.too_wide_line`, with the method's own advice
-    (:meth:`MethodConfig.advice <flatbma.experiment.config.methods.MethodConfig.advice>`). Soft targets (no NLL of
+    (:meth:`MethodConfig.advice <flatbma.methods.MethodConfig.advice>`). Soft targets (no NLL of
     labels) are not compared.
     """
     first = first_batch(data)
@@ -519,8 +520,8 @@ def _check_run(
 ) -> None:
     """Refuse options that ask more of the run than it gives, as ``flatbma train`` does (same check, same words).
 
-    :meth:`MethodConfig.check <flatbma.experiment.config.methods.MethodConfig.check>` on the run's
-    :class:`~flatbma.experiment.config.shape.Stage` — e.g. SWAG's snapshots against its rank, SG-MCMC's burn-in,
+    :meth:`MethodConfig.check <flatbma.methods.MethodConfig.check>` on the run's
+    :class:`~flatbma.family.Stage` — e.g. SWAG's snapshots against its rank, SG-MCMC's burn-in,
     members that do not fit in memory — so that ``fit_posterior`` refuses exactly what the CLI refuses for
     ``train.epochs`` epochs of ``steps`` updates (the messages name the CLI's ``keys``: a first stage's
     ``prior.epochs`` and ``prior.method``). The module's weights

@@ -28,8 +28,6 @@ import flatbma
 from flatbma import progress
 from flatbma.checks import shown
 from flatbma.errors import FlatbmaError, FlatbmaWarning, suggest
-from flatbma.experiment.config.methods import METHODS, MethodConfig, parse_method
-from flatbma.experiment.config.parse import type_name
 from flatbma.experiment.config.run_config import load_config
 from flatbma.experiment.config.sections import plain_values
 from flatbma.experiment.parallel import processes
@@ -40,7 +38,9 @@ from flatbma.experiment.run.health import is_flagged
 from flatbma.experiment.run.pipeline import evaluate_run, load_run_config, resume_config, train
 from flatbma.experiment.study.compare import run_compare
 from flatbma.experiment.study.plan import load_plan
+from flatbma.methods import METHODS, MethodConfig, parse_method
 from flatbma.optim import Amortized
+from flatbma.options import type_name
 
 # What str.splitlines() breaks on: escaped in error messages (user values such as keys and paths may hold them).
 _ESCAPE_LINE_BREAKS = {ord(c): repr(c)[1:-1] for c in "\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029"}
@@ -158,7 +158,7 @@ def _describe_method(name: str) -> str:
         rows += [(k, amortized_hints[k], f.default) for k, f in spec.amortized_options().items()]
     lines = [f"{name}: {spec.summary}"]
     ascent = f" + {spec.ascent.__name__}" if spec.ascent is not None else ""
-    lines.append(f"  family: {spec.family.__module__}.{spec.family.__name__}{ascent}")
+    lines.append(f"  family: {spec.family.build.__module__}.{spec.family.build.__name__}{ascent}")
     if not rows:
         lines.append("  (no options)")
     width = max((len(key) for key, _, _ in rows), default=0)
@@ -168,7 +168,7 @@ def _describe_method(name: str) -> str:
         else:
             kind = type_name(tp).replace(" or ", " | ")
         lines.append(f"  {key:<{width}}  {_plain(value)!r:<12}  {kind}")
-    for part in (spec.options, spec.ascent):  # what the family's and the ascent step's options mean, in a few lines
+    for part in (spec.family.options, spec.ascent):  # what the family's and ascent step's options mean, in a few lines
         notes = getattr(part, "NOTES", None)
         if notes:
             lines += ["", *(f"  {line}" for line in notes.strip().splitlines())]

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
+from typing import Any
+
+from flatbma.errors import FlatbmaError
 
 Schedule = Callable[[int], float]
 
@@ -29,3 +33,27 @@ def cosine(lr: float, total_steps: int, warmup_steps: int = 0, final_fraction: f
         return lr * (final_fraction + (1 - final_fraction) * 0.5 * (1 + math.cos(math.pi * t)))
 
     return schedule
+
+
+def held_schedule(rate: Schedule, start: int) -> Schedule:
+    """``η_t = rate(min(t, start))``: ``rate`` until update ``start``, then constant at ``rate(start)``."""
+
+    def schedule(step: int) -> float:
+        return rate(min(step, start))
+
+    return schedule
+
+
+def hold_learning_rate(optimizer: Any, start: int, name: str) -> Any:
+    """``optimizer`` with its learning rate held at ``η_start`` from update ``start`` on (:func:`held_schedule`).
+
+    Raises:
+        FlatbmaError: an optimizer without a ``lr`` schedule field (the built-in SGD and Adam have one).
+    """
+    if not (dataclasses.is_dataclass(optimizer) and any(f.name == "lr" for f in dataclasses.fields(optimizer))):
+        raise FlatbmaError(
+            f"{name} with method.start_step: null holds the learning rate constant over its collection window, which "
+            f"needs an optimizer with a lr schedule (sgd, adam), got a {type(optimizer).__name__}: set "
+            "method.start_step"
+        )
+    return dataclasses.replace(optimizer, lr=held_schedule(optimizer.learning_rate, start))

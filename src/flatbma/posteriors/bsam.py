@@ -32,12 +32,14 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from functools import partial
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from flatbma.checks import check_number
 from flatbma.errors import FlatbmaError
+from flatbma.family import Family, Section
 from flatbma.gaussian import check_sections, is_theta, section, standard_normal_like
 from flatbma.params import Objective, clone
 from flatbma.rng import SEED_KEY, new_seed, seeded_generator
@@ -188,3 +190,16 @@ def mean(state: State) -> Params:
 def marginal_variance(state: State, *, num_data: float) -> Params:
     """``1/(N s)``, exactly the sampler's."""
     return {k: v.detach() ** 2 for k, v in posterior_std(state.params, num_data).items()}
+
+
+def advice(method: Section, prior: bool, diagnostics: Mapping[str, Any]) -> str:
+    """What to change when bSAM's BMA is worse than its mean (:attr:`Family.advice`): a larger data factor.
+
+    Its variance is ``1/(N·data_factor·s)``.
+    """
+    factor = method.options["data_factor"]
+    return f"data_factor: {factor * 10:g} (now {factor:g})"
+
+
+FAMILY = Family(build, Options, advice=advice)
+"""Bayesian SAM (:mod:`flatbma.methods`)."""

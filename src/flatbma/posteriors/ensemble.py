@@ -11,8 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from flatbma.checks import check_int
+from flatbma.family import Family, always
 from flatbma.params import Objective
 from flatbma.posteriors import multi, point
+from flatbma.posteriors.members import check_member_memory, unequal_members
 from flatbma.types import Ascent, GradientTransformation, Posterior
 
 
@@ -94,3 +96,9 @@ def build(
     members = point.build(objective, optimizer, ascent)
     mixture = multi.build(objective, members, members=o.size, seed=o.seed, seed_single=True)
     return replace(mixture, mean=None, marginal_variance=None)
+
+
+FAMILY = Family(
+    build, Options, check=check_member_memory, needs_weights=always, aliases={"members": "size"}, advice=unequal_members
+)
+"""Deep ensembles, and of SAM-trained members F-ensembles (:mod:`flatbma.methods`); ``members`` spells ``size``."""

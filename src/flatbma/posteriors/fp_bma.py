@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 
 from flatbma.errors import FlatbmaError
+from flatbma.family import Family
 from flatbma.gaussian import (
     PREFIXES,
     PriorPrecision,
@@ -149,3 +150,15 @@ def build_with_prior(
     prior = {k: v.detach() for k, v in prior_theta.items()}
     family = LowRankGaussianWithPrior(rank=o.rank, init_std=float(o.init_std), prior_std=1.0, prior=prior)
     return lowrank_vi.posterior(objective, optimizer, ascent, family, o.num_mc_samples, o.kl_weight, step)
+
+
+FAMILY = Family(
+    lowrank_vi.build,
+    lowrank_vi.Options,
+    gaussian=True,
+    with_prior=build_with_prior,
+    stored=gaussian_vi.STORED,
+    advice=gaussian_vi.advice,
+)
+"""Low-rank plus diagonal Gaussian VI, which takes a two-stage run's Gaussian prior (:func:`build_with_prior`):
+low-rank VI, with SAM on each sample F-low-rank VI, with the Fisher ball FP-BMA (:mod:`flatbma.methods`)."""

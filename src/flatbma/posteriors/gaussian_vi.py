@@ -36,7 +36,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from enum import Enum
 from functools import partial
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
@@ -44,8 +44,10 @@ from torch import Tensor
 from flatbma import packed
 from flatbma.checks import check_int, check_number, parse_choice
 from flatbma.errors import FlatbmaError
+from flatbma.family import Section
 from flatbma.gaussian import GaussianNoise, is_theta, section
 from flatbma.named import OPTIMIZER, SEP, chain, part
+from flatbma.optim.amortized import Amortized
 from flatbma.optim.ascent import (
     ASCENT,
     ascent_memory,
@@ -56,6 +58,7 @@ from flatbma.optim.ascent import (
     sharpness_aware_value_and_grad,
     two_pass,
 )
+from flatbma.optim.fisher_ball import FisherBall
 from flatbma.optim.sgd import steady_gain, with_decay_mask
 from flatbma.params import Objective, add, clone, detached, dot, scale
 from flatbma.rng import SEED_KEY, new_seed, seeded_generator
@@ -107,6 +110,31 @@ class VarianceStep(str, Enum):
 
     NATURAL = "natural"
     PLAIN = "plain"
+
+
+STORED = {"variance_step": "plain"}
+"""What a stored run section without ``variance_step`` trained with (:attr:`flatbma.family.Family.stored`): the
+plain step (:attr:`VarianceStep.PLAIN`), the Gaussian VI families' only one before the option."""
+
+
+def advice(method: Section, prior: bool, diagnostics: Mapping[str, Any]) -> str:
+    """VI's :attr:`~flatbma.family.Family.advice`: a tempered KL, σ's start; FP-BMA: a prior, a narrower ball."""
+    o, tips = method.options, []
+    kappa = o["kl_weight"]
+    if kappa > 0:
+        tips.append(f"kl_weight: {kappa / 10:g} (now {kappa:g})")
+    if VarianceStep(o["variance_step"]) is VarianceStep.PLAIN:
+        init = o["init_std"]
+        tips.append(f"init_std: {init / 10:g} (now {init:g}; σ stays near it with variance_step: plain)")
+    step = method.ascent.ascent if isinstance(method.ascent, Amortized) else method.ascent
+    if isinstance(step, FisherBall):
+        if not prior:
+            tips.append("a SWAG prior stage to start from (prior)")
+        if step.gamma is not None:
+            tips.append(f"gamma: {step.gamma / 10:g} (now {step.gamma:g})")
+        elif step.radius is not None:
+            tips.append(f"radius: {step.radius / 2:g} (now {step.radius:g})")
+    return "; ".join(tips) or f"prior_std: {o['prior_std'] / 10:g} (now {o['prior_std']:g})"
 
 
 class ReparameterizedFamily(Protocol):

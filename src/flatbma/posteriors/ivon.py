@@ -45,7 +45,7 @@ import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from functools import partial
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
@@ -53,6 +53,7 @@ from torch import Tensor
 from flatbma import packed
 from flatbma.checks import check_int, check_number
 from flatbma.errors import FlatbmaError
+from flatbma.family import Family, Section
 from flatbma.gaussian import check_sections, is_theta, section
 from flatbma.named import SEP
 from flatbma.optim.ascent import (
@@ -436,3 +437,16 @@ def gaussian(state: State, *, rule: _Rule) -> Params:
     theta.update({f"log_std/{n}": 0.5 * torch.log(2 * variance[n]) for n in means})
     theta.update({f"factor/{n}": v.new_zeros((2, *v.shape)) for n, v in means.items()})
     return theta
+
+
+def advice(method: Section, prior: bool, diagnostics: Mapping[str, Any]) -> str:
+    """What to change when IVON's BMA is worse than its mean (:attr:`Family.advice`).
+
+    A larger effective sample size narrows ``q``.
+    """
+    ess = method.options["ess"]
+    return f"ess: 10x (now {'the data size' if ess is None else f'{ess:g}'})"
+
+
+FAMILY = Family(build, Options, gaussian=True, advice=advice)
+"""IVON, and with SAM at each sampled model F-IVON (:mod:`flatbma.methods`)."""

@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from enum import Enum
 from functools import partial
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
@@ -42,9 +43,11 @@ from flatbma.curvature import (
     optimize_prior,
 )
 from flatbma.errors import FlatbmaError
+from flatbma.family import Family, Nested, Section, Stage
 from flatbma.models import classifier_of, is_pretrained
 from flatbma.named import SEP, chain, part, split
 from flatbma.params import Objective, clone
+from flatbma.posteriors import point
 from flatbma.posteriors.point import NAME as point_name
 from flatbma.posteriors.point import init_aux as point_init_aux
 from flatbma.posteriors.point import step as point_step
@@ -558,3 +561,112 @@ def _num_classes(model: torch.nn.Module) -> int:
             f"laplace needs the number of classes from the model's classifier (its last nn.Linear), but "
             f"{type(model).__name__} has no nn.Linear"
         ) from None
+
+
+MAP_REFUSAL = "Laplace needs a MAP: {where} must be a point method ({methods}), got {got}"
+"""The refusal of an ``of`` that is no point method (:attr:`flatbma.family.Nested.refusal`)."""
+
+
+def build_around(
+    objective: Objective, optimizer: GradientTransformation, ascent: Ascent | None = None, *, of: Any, **options
+) -> Posterior:
+    """:func:`build` around the MAP of ``of`` (a point method's section).
+
+    ``options`` are those of :class:`Options`; ``ascent`` is unused: the MAP's ascent step is ``of``'s
+    (``{name: sam, rho: 0.05}``).
+    """
+    return build(objective, optimizer, of.ascent, **options)
+
+
+def check_laplace(method: Section, stage: Stage) -> None:
+    """Laplace: options, a curvature epoch, a ``full`` Hessian within ``max_full``, a pretrained net for ``w₀``.
+
+    ``prior_mean: pretrained`` needs ``model.pretrained``.
+
+    The run takes the epoch of the family's curvature phase beyond ``stage.epochs`` (its ``phases``), so
+    ``start_step`` (MAP updates) must be at most ``stage.steps`` for the curvature to see a whole epoch.
+    """
+    o, key = method.options, stage.key
+    if o["prior_precision"] == VALIDATION and stage.method_key != "method":  # chosen after training
+        raise FlatbmaError(
+            f"{key('prior_precision')}: val chooses δ on validation data for the run's own method, not for a "
+            f"mixture's members or a prior stage: give {key('prior_precision')} a value, or null (the evidence)"
+        )
+    check_options(Options(**{k: v for k, v in o.items() if k != "of"}), where=stage.method_key)
+    if PriorMean(o["prior_mean"]) is PriorMean.PRETRAINED and not stage.shape.pretrained:
+        raise FlatbmaError(
+            f"{key('prior_mean')}: pretrained centres the prior at the pretrained weights, but model.pretrained is "
+            f"null (nothing is pretrained): set model.pretrained, or use {key('prior_mean')}: zero"
+        )
+    start = o["start_step"]
+    if start is not None and start > stage.steps:
+        raise FlatbmaError(
+            f"{method.name} accumulates its curvature over the epoch after its MAP, but {key('start_step')}={start} "
+            f"is past {stage.describe()}: lower {key('start_step')} to <= {stage.steps} (null: all of them), or raise "
+            f"{stage.epochs_key} to >= {stage.epochs_for(start)}"
+        )
+    d, shape = stage.shape.num_trainable, stage.shape
+    whole = Subset(o["subset"]) is Subset.ALL  # the last layer's d: checked at init
+    if whole and Hessian(o["hessian"]) is Hessian.FULL and d is not None and shape.num_classes is not None:
+        k = shape.num_classes if Curvature(o["curvature"]) is Curvature.GGN else 1
+        if d > o["max_full"] and shape.num_train * k > o["max_full"]:
+            raise FlatbmaError(
+                f"{key('hessian')}: full needs d <= {key('max_full')} (primal) or n·K <= {key('max_full')} (dual), but "
+                f"d = {d} and n·K = {shape.num_train}·{k} = {shape.num_train * k} exceed {key('max_full')}="
+                f"{o['max_full']}: use {key('hessian')}: kfac or diag, model.trainable: classifier, or raise "
+                f"{key('max_full')}"
+            )
+
+
+_LAPLACE_PRIOR = (
+    "its prior is N(w₀, δ⁻¹I) (method.prior_mean, method.prior_precision), fitted around the MAP it trains: remove "
+    "the prior section"
+)
+
+
+def _whole_map(map_steps: int) -> int:
+    """Laplace's ``start_step: null``: the curvature pass starts after the whole MAP (``train.epochs`` of updates)."""
+    return map_steps
+
+
+PRIOR_PRECISION_GRID = tuple(10.0 ** (k / 5) for k in range(-20, 21))
+"""Laplace's ``prior_precision: val`` grid: 41 values ``10^(k/5)``, 1e-4 to 1e4 (laplace-torch's grid search spans
+the same ``10^-4 … 10^4``, in 100 steps by default; Daxberger et al. 2021, "Laplace Redux", §2.4)."""
+
+
+def _full_hessian(method: Section) -> bool:
+    return Hessian(method.options["hessian"]) is Hessian.FULL
+
+def advice(method: Section, prior: bool, diagnostics: Mapping[str, Any]) -> str:
+    """What to change when Laplace's BMA is worse than its MAP (:attr:`Family.advice`).
+
+    The last layer, a larger prior precision (on validation data), the linearized predictive: none it has.
+    """
+    o, tips = method.options, []
+    if Subset(o["subset"]) is Subset.ALL:
+        tips.append("subset: last-layer")
+    delta = diagnostics.get("prior_precision")
+    above = f"above δ = {delta:.3g}" if isinstance(delta, int | float) else "larger"
+    if o["prior_precision"] == VALIDATION:
+        tips.append(f"a fixed prior_precision {above}")
+    else:
+        tips.append(f"prior_precision: val, or {above}")
+    if Predictive(o["predictive"]) is Predictive.SAMPLES:
+        tips.append("predictive: glm")
+    return "; ".join(tips)
+
+
+_COMMON = {
+    "check": check_laplace,
+    "needs_weights": _full_hessian,
+    "start": _whole_map,
+    "advice": advice,
+    "on_validation": {"prior_precision": PRIOR_PRECISION_GRID},
+    "prior_refusal": _LAPLACE_PRIOR,
+    "regression": False,
+    "stored": {"subset": Subset.ALL.value},  # run directories stored before subset existed: all weights
+}
+FAMILY = Family(build_around, Options, of=Nested("sgd", family=point.FAMILY, refusal=MAP_REFUSAL), **_COMMON)
+"""Laplace around the MAP of a point method's section ``of`` (:mod:`flatbma.methods`)."""
+SHARP = Family(build, Options, **_COMMON)
+"""Laplace around the MAP its own ascent step trains: F-Laplace with SAM (:mod:`flatbma.methods`)."""

@@ -9,10 +9,11 @@ trained ``w`` and its width that of the masked weights (:func:`dropout_weight_va
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
 import torch
 from torch import nn
@@ -20,6 +21,7 @@ from torch.nn.modules.dropout import _DropoutNd
 
 from flatbma.checks import is_number
 from flatbma.errors import FlatbmaError
+from flatbma.family import Family, Section, Stage
 from flatbma.models import classifier_of
 from flatbma.params import Objective
 from flatbma.posteriors import point
@@ -206,3 +208,26 @@ def mc_dropout_mode(model: nn.Module) -> Iterator[nn.Module]:
     finally:
         for m, training in modes:
             m.training = training
+
+
+def check_dropout_rate(method: Section, stage: Stage) -> None:
+    """MC dropout: ``rate: 0`` over every dropout layer (``override_existing``) draws no mask, a silent point estimate.
+
+    The library takes it (:func:`build`: the point estimate); a config asking
+    for MC dropout means masks.
+    """
+    if method.options["rate"] == 0 and method.options["override_existing"]:
+        raise FlatbmaError(
+            f"{stage.key('rate')}=0.0 sets every dropout layer to p=0, so every {method.name} sample is the same "
+            "network (a point estimate, which sgd trains): use a rate in (0, 1), e.g. 0.1"
+        )
+
+
+def advice(method: Section, prior: bool, diagnostics: Mapping[str, Any]) -> str:
+    """What to change when MC dropout's BMA is worse than its mean network (:attr:`Family.advice`): half the rate."""
+    rate = method.options["rate"]
+    return f"rate: {rate / 2:g} (now {rate:g})"
+
+
+FAMILY = Family(build, Options, check=check_dropout_rate, advice=advice)
+"""MC dropout, and with SAM on the dropout net F-MC-dropout (:mod:`flatbma.methods`)."""

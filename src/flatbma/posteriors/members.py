@@ -12,14 +12,16 @@ from __future__ import annotations
 import copy
 import math
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from flatbma.errors import FlatbmaError
+from flatbma.family import Section, Stage
 from flatbma.models import classifier_of, is_pretrained
 from flatbma.named import nest, part
 from flatbma.params import clone
@@ -191,3 +193,36 @@ def splitter(size: int) -> Callable[[State, Sequence[int]], State]:
 
 def _join(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix else name
+
+
+def check_member_memory(method: Section, stage: Stage, option: str = "size") -> None:
+    """A posterior of ``method.<option>`` independent members holds at least that many copies of the trained weights.
+
+    Each copy is ``num_trainable`` float32 values (4 bytes): a lower bound of what the members need (their
+    optimizer states, a family's moments and the gradients come on top), refused up front when it exceeds
+    the memory available where the run trains (:attr:`~flatbma.family.RunShape.available_memory`)
+    — instead of an out-of-memory kill minutes later.
+    """
+    d, free = stage.shape.num_trainable, stage.shape.available_memory
+    if d is None or free is None:
+        return
+    count = method.options[option]
+    need = count * d * 4
+    if need > free:
+        raise FlatbmaError(
+            f"{stage.key(option)}={count} members of {d:,} trained weights need at least {_gigabytes(need)} for "
+            f"their weights alone, but {_gigabytes(free)} of memory is available here: lower {stage.key(option)} "
+            f"(at most {free // (4 * d):,} members fit)"
+        )
+
+
+def unequal_members(method: Section, prior: bool, diagnostics: Mapping[str, Any]) -> str:
+    """What to change when a mixture is worse than its member 0 (:attr:`~flatbma.family.Family.advice`).
+
+    Members of unequal quality are averaged in: train them longer or more gently.
+    """
+    return "more epochs or a lower optim.lr: members worse than member 0 are averaged in"
+
+
+def _gigabytes(n: int) -> str:
+    return f"{n / 1e9:,.1f} GB" if n >= 1e8 else f"{n / 1e6:,.1f} MB"

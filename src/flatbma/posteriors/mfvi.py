@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from flatbma.family import Family
 from flatbma.gaussian import GaussianNoise, check_sections, section, standard_normal_like
 from flatbma.params import Objective
 from flatbma.posteriors import gaussian_vi
@@ -184,3 +185,7 @@ def build(
 def marginal_variance(state: State) -> Params:
     """``σ² = softplus(ρ)²`` by parameter name: the exact marginal variances of ``q_θ``."""
     return {n: F.softplus(rho.detach()) ** 2 for n, rho in section(state.params, "rho").items()}
+
+
+FAMILY = Family(build, Options, stored=gaussian_vi.STORED, advice=gaussian_vi.advice)
+"""Mean-field Gaussian VI, and with SAM on each sampled model F-MFVI (:mod:`flatbma.methods`)."""

@@ -9,19 +9,23 @@ ensemble of flat posteriors: flatness within basins, diversity across them.
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
 import torch
+from torch import Tensor
 
 from flatbma.checks import check_int
 from flatbma.errors import FlatbmaError
+from flatbma.family import Family, Nested, Section, Stage, always
 from flatbma.params import Objective
 from flatbma.posteriors.members import (
+    check_member_memory,
     held,
     member,
     member_initializations,
@@ -31,9 +35,10 @@ from flatbma.posteriors.members import (
     prefixed,
     prefixed_members,
     splitter,
+    unequal_members,
 )
 from flatbma.rng import draw_seed, forked_rng, seeded_generator
-from flatbma.types import Batch, Params, Posterior, Predictive, State, StepOutput
+from flatbma.types import Ascent, Batch, Params, Posterior, Predictive, State, StepOutput
 
 
 @dataclass(frozen=True)
@@ -327,4 +332,82 @@ def _prefixed_state(m: int, own: State, into: State) -> State:
         buffers={**into.buffers, **prefixed(m, own.buffers)},
         aux={**into.aux, **prefixed(m, own.aux)},
         step=into.step,
+    )
+
+
+def build_of(
+    objective: Objective, optimizer: Any, ascent: Ascent | None = None, *, of: Section | None = None, **options: Any
+) -> Posterior:
+    """:func:`build` of posteriors of the method ``of`` (a method section).
+
+    ``options`` are those of :class:`Options`. ``ascent`` is unused: the members'
+    ascent step is part of ``of`` (e.g. ``{name: fp-bma, gamma: 0.01}``).
+    """
+    if of is None:
+        raise FlatbmaError("method.of must name the members' method, e.g. of: {name: swag} (see 'flatbma methods')")
+    return build(objective, of.build(objective, optimizer), **options)
+
+
+def build_of_with_prior(
+    objective: Objective,
+    optimizer: Any,
+    ascent: Ascent | None,
+    prior_theta: Mapping[str, Tensor],
+    *,
+    of: Section | None = None,
+    **options: Any,
+) -> Posterior:
+    """:func:`build_of` whose member ``m`` has its own prior: member ``m``'s Gaussian in ``prior_theta``.
+
+    ``prior_theta`` is a mixture's ``θ`` (:attr:`~flatbma.types.Posterior.gaussian` of ``multi``: member
+    ``m``'s under ``member<m>/``), fitted by the per-member first stage (a mixture of ``prior.method``);
+    member ``m`` is ``of`` built with its ``θ_m`` (:func:`member_thetas`) as its prior.
+    """
+    if of is None:
+        return build_of(objective, optimizer, ascent, of=of, **options)  # its refusal
+    thetas = member_thetas(dict(prior_theta), Options(**options).members)
+    return build(objective, [of.build(objective, optimizer, theta) for theta in thetas], **options)
+
+
+def check_members(method: Section, stage: Stage) -> None:
+    """``multi``: its members fit in memory (:func:`check_member_memory`) and check the stage (``method.of.*``).
+
+    Several members average their samples: a members' method that predicts with the network linearized at
+    its mean (Laplace's ``predictive: glm`` or ``probit``) is refused, as :func:`build` does.
+    """
+    check_member_memory(method, stage, "members")
+    of = method.options["of"]
+    if of is not None:
+        of.check(dataclasses.replace(stage, method_key=f"{stage.method_key}.of"))
+        linearized = of.options.get("predictive", Predictive.SAMPLES) is not Predictive.SAMPLES
+        if linearized and method.options["members"] > 1:
+            raise FlatbmaError(
+                f"{method.name} averages its members' samples, but {stage.key('of')} predicts with the network "
+                f"linearized at its mean (predictive: {Predictive(of.options['predictive']).value}): set "
+                f"{stage.key('of.predictive')}: samples, or {stage.key('members')}: 1"
+            )
+
+
+def advice(method: Section, prior: bool, diagnostics: Mapping[str, Any]) -> str:
+    """What to change when a mixture is worse than its member 0 (:attr:`Family.advice`).
+
+    Its members' method's advice.
+    """
+    of = method.options.get("of")
+    return f"of.{of.advice(prior, diagnostics)}" if of is not None else unequal_members(method, prior, {})
+
+
+def mixture(of: str | None) -> Family:
+    """The mixture family whose members' method is ``of`` unless the section names one (:mod:`flatbma.methods`).
+
+    ``multi`` names none, MultiSWAG ``swag``, Multi-FP-BMA ``fp-bma``.
+    """
+    return Family(
+        build_of,
+        Options,
+        of=Nested(of, members=True),
+        with_prior=build_of_with_prior,
+        check=check_members,
+        needs_weights=always,
+        advice=advice,
     )

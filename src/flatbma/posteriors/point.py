@@ -15,6 +15,7 @@ from functools import partial
 
 import torch
 
+from flatbma.family import Family
 from flatbma.named import OPTIMIZER, chain, part
 from flatbma.optim.ascent import ascent_memory, has_memory, memory_entries, memory_of, sharpness_aware_value_and_grad
 from flatbma.params import Objective, clone
@@ -130,3 +131,7 @@ def step(
     if memory is not None:  # updated in place
         new_state = {**new_state, **memory_entries(opt_state)}
     return new_state, StepOutput(loss, logits)
+
+
+FAMILY = Family(build, Options)
+"""The point estimates: SGD and, with an ascent step, SAM, ASAM, Fisher-SAM (:mod:`flatbma.methods`)."""

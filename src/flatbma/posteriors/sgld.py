@@ -22,6 +22,7 @@ import torch
 
 from flatbma.checks import check_int, is_number
 from flatbma.errors import FlatbmaError
+from flatbma.family import Family, Section, Stage
 from flatbma.named import SEP, part
 from flatbma.optim.ascent import ascent_memory, has_memory, memory_of, sharpness_aware_value_and_grad
 from flatbma.params import Objective, clone
@@ -393,3 +394,54 @@ def _check_common(
 
 def _check_int(name: str, value: int, *, minimum: int) -> None:
     check_int(value, f"method.{name} must be an integer >= {minimum}, got {value!r}", minimum=minimum)
+
+
+def check_burn_in(method: Section, stage: Stage) -> None:
+    """SGLD's families: the run must store at least one sample (:func:`samples_stored`).
+
+    ``burn_in: auto`` and ``thin: auto`` are resolved for the stage's updates (:func:`resolve`).
+    """
+    o, key = method.resolved(stage.steps).options, stage.key
+    burn_in, thin = o["burn_in"], o["thin"]
+    if samples_stored(stage.steps, burn_in=burn_in, thin=thin) > 0:
+        return
+    first = burn_in + thin
+    raise FlatbmaError(
+        f"{method.name} stores its first sample after {key('burn_in')} + {key('thin')} = {burn_in} + {thin} = "
+        f"{first} updates, but {stage.describe()}: raise {stage.epochs_key} to >= {stage.epochs_for(first)}, "
+        f"or lower {key('burn_in')} or {key('thin')}"
+    )
+
+
+def check_cycles(method: Section, stage: Stage) -> None:
+    """Cyclical SGLD: the run must store a sample (:func:`cyclical_samples_stored`)."""
+    o, key = method.options, stage.key
+    options = {k: o[k] for k in ("cycle_length", "exploration", "samples_per_cycle")}
+
+    def count(steps: int) -> int:
+        return cyclical_samples_stored(steps, **options)
+
+    if count(stage.steps) > 0:
+        return
+    first = stage.steps_for(count, 1)
+    raise FlatbmaError(
+        f"{method.name} stores its first sample after {first} updates (in the sampling stage of the first cycle of "
+        f"{key('cycle_length')}={o['cycle_length']}), but {stage.describe()}: raise {stage.epochs_key} to >= "
+        f"{stage.epochs_for(first)}, or lower {key('cycle_length')}"
+    )
+
+
+def advice(method: Section, prior: bool, diagnostics: Mapping[str, Any]) -> str:
+    """What to change when an SG-MCMC BMA is worse than its average of samples (:attr:`Family.advice`).
+
+    A colder chain.
+    """
+    t = method.options["temperature"]
+    return f"temperature: {t / 10:g} (now {t:g}), or a lower optim.lr"
+
+
+FAMILY = Family(build, Options, check=check_burn_in, resolve=resolve, advice=advice)
+"""SGLD, and with the SAM gradient F-SGLD (:mod:`flatbma.methods`); ``burn_in: auto`` and ``thin: auto`` are
+:func:`resolve`'s."""
+CYCLICAL = Family(build_cyclical, CyclicalOptions, check=check_cycles, advice=advice)
+"""Cyclical SGLD (:func:`build_cyclical`)."""

@@ -36,6 +36,7 @@ from torch import Tensor
 
 from flatbma.checks import is_int, is_number
 from flatbma.errors import FlatbmaError
+from flatbma.family import Family, Section, Stage
 from flatbma.gaussian import init_from_swag
 from flatbma.named import SEP, chain, split
 from flatbma.params import Objective, flatten, unflatten
@@ -88,7 +89,7 @@ class Options:
             use a trained or pretrained starting point then). ``None``, the default, is resolved by the
             experiment layer from the run's length (``fit_posterior`` and ``flatbma train``, which build the
             method with ``map_steps``): the last quarter of the run's updates at a held learning rate
-            (:func:`flatbma.experiment.config.methods.last_quarter`); :func:`build` called directly refuses it,
+            (:func:`last_quarter`); :func:`build` called directly refuses it,
             so give ``start_step`` there.
         collect_every: updates between two snapshots. ``"auto"``, the default, is resolved by the experiment layer
             from the run's length as ``start_step: null`` is (:func:`resolve`): the window's updates divided by
@@ -319,7 +320,7 @@ def auto_collect_every(window: int, snapshots: int) -> int:
     Snapshot ``j`` is then taken at update ``start_step + j·collect_every``, so a window of at least
     ``snapshots`` updates collects ``⌊window/collect_every⌋ ≥ snapshots`` of them (fewer than ``2·snapshots``),
     spread evenly over it up to its end; a shorter window collects one per update, ``window`` in all (which
-    :func:`flatbma.experiment.config.methods.check_snapshots` refuses below ``rank`` before anything trains).
+    :func:`check_snapshots` refuses below ``rank`` before anything trains).
     Maddox et al. (2019) collect once per epoch over their window; this spreads the snapshots the same way
     when the window is not a whole number of epochs.
     """
@@ -410,3 +411,70 @@ def _check_schedule(start_step: int, collect_every: int) -> None:
         raise FlatbmaError(
             f"method.collect_every must be an integer >= 1 (updates between snapshots), got {collect_every!r}"
         )
+
+
+def last_quarter(map_steps: int) -> int:
+    """SWAG's default ``start_step``: the collection window is the last 25% of the run's updates, ``T − ⌊T/4⌋``.
+
+    With :attr:`~flatbma.family.Family.hold_lr` the learning rate over that window is constant — the protocol of
+    Maddox et al. (NeurIPS 2019; their code's ``swa_start`` and ``swa_lr``, ``experiments/train/run_swag.py``):
+    train with a decaying schedule, then collect snapshots at a constant learning rate ``swa_lr``. Their
+    CIFAR runs collect one snapshot per epoch over epochs 161–300 of 300 (the last 47%), at ``swa_lr`` = 0.01
+    for ``lr_init`` = 0.05 (VGG-16) or 0.05 for 0.1 (WideResNet), reached by a linear decay over 50–90% of
+    the first 160 epochs. Here the window is the last quarter of the updates — three quarters of the run's
+    budget train before collection starts — and ``swa_lr`` is the rate ``optim``'s schedule has reached
+    where the window opens: ``½(1 + cos(3π/4))·optim.lr ≈ 0.146·optim.lr`` for the cosine schedule (their
+    ratio is 0.2 or 0.5), ``optim.lr`` for ``constant``.
+    """
+    return map_steps - map_steps // 4
+
+
+def check_snapshots(method: Section, stage: Stage) -> None:
+    """SWAG's families: the run must collect ``K = rank`` snapshots (2 for the diagonal variant).
+
+    The snapshots of a stage are :func:`snapshots`. Sampling needs two; with
+    fewer than ``K`` the low-rank part has only as many columns as snapshots, a smaller rank than the
+    one asked for — and a second stage started at the fitted posterior (``prior.init``) with ``K``
+    columns cannot start at all.
+    """
+    o, key = method.options, stage.key
+    low_rank = "rank" in o and not o.get("diagonal_only", False)
+    if low_rank and o["rank"] < 2:
+        return  # the builder refuses it with its own message
+    needed = o["rank"] if low_rank else 2
+    auto = o["collect_every"] == AUTO  # rank snapshots spread over the window (resolve)
+
+    def count(steps: int) -> int:
+        resolved = method.resolved(steps).options  # start_step: null and collect_every: auto for these steps
+        return snapshots(steps, start_step=resolved["start_step"], collect_every=resolved["collect_every"])
+
+    got = count(stage.steps)
+    if got >= needed:
+        return
+    resolved = method.resolved(stage.steps).options
+    start, every = resolved["start_step"], resolved["collect_every"]
+    purpose = f"for {key('rank')}={needed}" if low_rank else "to sample (a variance takes two)"
+    lower = (f"{key('start_step')}" if auto else f"{key('start_step')} or {key('collect_every')}") + (
+        f", or {key('rank')}" if low_rank else ""
+    )
+    shown_start = f"null (the last quarter: {start})" if o["start_step"] is None else f"{start}"
+    shown_every = f"auto ({every}: one snapshot per update)" if auto else f"{every}"
+    raise FlatbmaError(
+        f"{method.name} needs >= {needed} snapshots {purpose}, but {stage.describe()} with {key('start_step')}="
+        f"{shown_start} and {key('collect_every')}={shown_every} collect {got}: raise {stage.epochs_key} to >= "
+        f"{stage.epochs_for(stage.steps_for(count, needed))}, or lower {lower}"
+    )
+
+
+def advice(method: Section, prior: bool, diagnostics: Mapping[str, Any]) -> str:
+    """What to change when SWAG's BMA is worse than its mean (:attr:`Family.advice`): half the covariance."""
+    scale = method.options["scale"]
+    return f"scale: {scale / 2:g} (now {scale:g})"
+
+
+_RULES = {"check": check_snapshots, "start": last_quarter, "resolve": resolve, "hold_lr": True, "advice": advice}
+FAMILY = Family(build, Options, gaussian=True, **_RULES)
+"""SWAG, and along a SAM trajectory F-SWAG (:mod:`flatbma.methods`); ``start_step: null`` is :func:`last_quarter`
+at a held learning rate, ``collect_every: auto`` is :func:`resolve`'s."""
+DIAGONAL = Family(build_diag, DiagonalOptions, **_RULES)
+"""SWAG-Diagonal (:func:`build_diag`)."""

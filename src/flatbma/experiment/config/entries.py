@@ -30,8 +30,8 @@ from typing import Any, Literal, Union
 
 from flatbma.checks import shown
 from flatbma.errors import FlatbmaError
-from flatbma.experiment.config.methods import METHODS
 from flatbma.experiment.config.sections import OptimConfig
+from flatbma.methods import METHODS
 from flatbma.optim import Amortized
 
 OWN_SECTIONS = ("optim", "train", "data")

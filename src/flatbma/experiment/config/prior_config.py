@@ -3,9 +3,9 @@
 It lies below :mod:`flatbma.experiment.config.run_config` (whose
 :class:`~flatbma.experiment.config.run_config.RunConfig`
 holds it) and knows methods only through the registry: whether a method's posterior is a low-rank
-plus diagonal Gaussian is its :attr:`~flatbma.experiment.config.methods.MethodSpec.gaussian`, whether it
-takes such a prior its :attr:`~flatbma.experiment.config.methods.MethodSpec.with_prior` (a mixture's: also its
-members' method's, :meth:`~flatbma.experiment.config.methods.MethodConfig.takes_prior`).
+plus diagonal Gaussian is its :attr:`~flatbma.family.Family.gaussian`, whether it
+takes such a prior its :attr:`~flatbma.family.Family.with_prior` (a mixture's: also its
+members' method's, :meth:`~flatbma.methods.MethodConfig.takes_prior`).
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from flatbma.errors import FlatbmaError
-from flatbma.experiment.config.methods import METHODS, MethodConfig, parse_method, prior_methods
-from flatbma.experiment.config.parse import parse_dataclass
 from flatbma.experiment.config.sections import OptimConfig, check_positive, plain, plain_values
+from flatbma.methods import METHODS, MethodConfig, parse_method, prior_methods
+from flatbma.options import parse_dataclass
 
 RANK_OPTION = "rank"
 """The family option holding the number ``K`` of low-rank columns of a Gaussian posterior.
@@ -41,7 +41,7 @@ class PriorConfig:
         method: the first stage's method; its posterior must be a low-rank plus diagonal Gaussian
             (swag, f-swag, lowrank-vi, fp-bma, ...), e.g. ``{name: swag, rank: 5}``. For a mixture
             (``multi-fp-bma``) the first stage is a mixture of it with the run's members and seed, one
-            prior per member (:meth:`~flatbma.experiment.config.methods.MethodConfig.first_stage`).
+            prior per member (:meth:`~flatbma.methods.MethodConfig.first_stage`).
         epochs: training epochs of the first stage.
         optim: the first stage's optimizer; the run's ``optim`` section when ``None``.
         init: start the run's method at the fitted posterior (its ``method.rank`` must then equal the
@@ -93,7 +93,7 @@ class _PriorSection:
 
 def gaussian_methods() -> list[str]:
     """Names of the methods whose posterior is a low-rank plus diagonal Gaussian (a ``prior`` stage)."""
-    return [name for name, spec in METHODS.items() if spec.gaussian]
+    return [name for name, spec in METHODS.items() if spec.family.gaussian]
 
 
 def parse_prior(data: Any, method: MethodConfig) -> PriorConfig | None:
@@ -106,8 +106,8 @@ def parse_prior(data: Any, method: MethodConfig) -> PriorConfig | None:
             "prior must be a mapping with a 'method' key, e.g. prior: {method: {name: swag, rank: 5}, epochs: 10}"
         )
     spec = METHODS[method.name]
-    if spec.prior_refusal is not None:
-        raise FlatbmaError(f"method {method.name!r} takes no prior section: {spec.prior_refusal}")
+    if spec.family.prior_refusal is not None:
+        raise FlatbmaError(f"method {method.name!r} takes no prior section: {spec.family.prior_refusal}")
     inner = method.component()  # a mixture's members' method (multi: method.of), else the method itself
     if inner is None:
         raise FlatbmaError("method.of must name the members' method, e.g. of: {name: fp-bma} (see 'flatbma methods')")
@@ -118,7 +118,7 @@ def parse_prior(data: Any, method: MethodConfig) -> PriorConfig | None:
             f"{', '.join(prior_methods())} or remove the prior section"
         )
     stage = parse_method(rest.method, "prior.method")
-    if not METHODS[stage.name].gaussian:
+    if not METHODS[stage.name].family.gaussian:
         raise FlatbmaError(not_gaussian_message(stage.name))
     optim = parse_dataclass(OptimConfig, rest.optim, "prior.optim") if rest.optim is not None else None
     ranks = (inner.options.get(RANK_OPTION), stage.options.get(RANK_OPTION))

@@ -8,6 +8,7 @@ A :class:`RunConfig` is a method, a seed and an output directory plus the sectio
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -18,8 +19,7 @@ import yaml
 from flatbma.data.tabular import is_regression_dataset
 from flatbma.errors import FlatbmaError, suggest
 from flatbma.experiment.config.entries import first_run_sections
-from flatbma.experiment.config.methods import MethodConfig, as_trained, parse_method
-from flatbma.experiment.config.parse import load_yaml, parse_dataclass, set_dotted, shown
+from flatbma.experiment.config.parse import load_yaml, set_dotted, shown
 from flatbma.experiment.config.prior_config import PriorConfig, parse_prior
 from flatbma.experiment.config.sections import (
     DataConfig,
@@ -30,6 +30,8 @@ from flatbma.experiment.config.sections import (
     plain,
     plain_values,
 )
+from flatbma.methods import METHODS, MethodConfig, parse_method
+from flatbma.options import parse_dataclass
 
 
 @dataclass(frozen=True)
@@ -58,7 +60,7 @@ class RunConfig:
         """Epochs the run trains: ``train.epochs`` plus the method's extra ones.
 
         The extra ones are those of the phases its family declares after them
-        (:meth:`~flatbma.experiment.config.methods.MethodConfig.phases_after`: Laplace's curvature pass); the
+        (:meth:`~flatbma.methods.MethodConfig.phases_after`: Laplace's curvature pass); the
         optimizer's schedule spans ``train.epochs``.
         """
         return self.train.epochs + self.method.extra_epochs()
@@ -74,8 +76,25 @@ class RunConfig:
         return out
 
 
+def as_trained(section: Any) -> Any:
+    """A stored resolved method section as it trained: options it lacks at their family's ``stored`` values.
+
+    A run directory's ``config.yaml`` spells out every option of the section it trained; an option whose
+    default is not what such a run trained with (:attr:`~flatbma.family.Family.stored`: Laplace's ``subset``,
+    Gaussian VI's ``variance_step``) would otherwise read as that default. Nested sections (``of``) are read
+    the same way; anything else is returned as it is.
+    """
+    if not isinstance(section, Mapping) or not isinstance(section.get("name"), str) or section["name"] not in METHODS:
+        return section
+    out = dict(section)
+    out.update({k: v for k, v in METHODS[out["name"]].family.stored.items() if k not in out})
+    if isinstance(out.get("of"), Mapping):
+        out["of"] = as_trained(out["of"])
+    return out
+
+
 def as_stored(raw: Any) -> Any:
-    """A run directory's stored resolved config as it trained (:func:`~flatbma.experiment.config.methods.as_trained`).
+    """A run directory's stored resolved config as it trained (:func:`as_trained`).
 
     Its ``method`` section (and a two-stage run's ``prior.method``) with the options added since it was
     written at the values it trained with — so that evaluating, resuming or reusing an old run computes the
@@ -142,7 +161,7 @@ def check_likelihood(cfg: RunConfig) -> None:
     """Refuse a likelihood the run's data, method or evaluation cannot take (``model.likelihood``), in one line.
 
     A regression data set needs ``gaussian`` and a classification one ``categorical``; the Laplace family
-    (a softmax Gauss-Newton: :attr:`~flatbma.experiment.config.methods.MethodSpec.regression`) fits no
+    (a softmax Gauss-Newton: :attr:`~flatbma.family.Family.regression`) fits no
     regression network; a regression run detects no out-of-distribution inputs and trains no two-stage prior
     (not implemented for it yet), and its feature vectors (no classes, no image) take no k-shot sample and no
     image option.

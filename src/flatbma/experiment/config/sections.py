@@ -28,7 +28,7 @@ from flatbma.transfer import Subset
 from flatbma.types import GradientTransformation
 
 if TYPE_CHECKING:
-    from flatbma.experiment.config.shape import RunShape
+    from flatbma.family import RunShape
 
 _FLOAT32_MAX = 3.4028234663852886e38
 

@@ -34,7 +34,7 @@ metrics are kept — but it is flagged, by three rules:
   flagged when that difference exceeds its noise: its BMA predicts held-out data worse than its MAP. The run's fit is
   fine; its posterior is too wide. :func:`flatbma.fit_posterior` applies the same rule (:func:`worse_than_mean`) to
   its ``val_loader``, or to the training data without one, and warns in the same words (:func:`too_wide_line`), with
-  advice from the method's own settings (the registry's :attr:`~flatbma.experiment.config.methods.MethodSpec.advice`).
+  advice from the method's own settings (the family's :attr:`~flatbma.family.Family.advice`).
 
 A regression run (a Gaussian likelihood: no classes, no chance level) has three rules of its own instead of
 the classifier's ``at_chance`` and ``worse_than_mean``:
@@ -218,7 +218,7 @@ def too_wide_line(subject: str, compared: Mapping[str, Any], advice: str) -> str
     """The one line of a BMA worse than its reference network: ``"<subject> has a posterior too wide for its …"``.
 
     The advice first (the command line cuts a warning at 300 characters): what to change, from the method's own
-    settings (:meth:`~flatbma.experiment.config.methods.MethodConfig.advice`).
+    settings (:meth:`~flatbma.methods.MethodConfig.advice`).
     """
     return f"{subject} has a posterior too wide for its {_reference(compared)} (try {advice}): {_worse_text(compared)}"
 
@@ -290,7 +290,7 @@ def warn_if_flagged(health: Mapping[str, Any], where: str, advice: str) -> None:
     """Warn (:class:`HealthWarning`, one line on the command line) when ``health`` flags the run at ``where``.
 
     ``advice``: what to change when only ``worse_than_mean`` fired, from the method's own settings
-    (:meth:`~flatbma.experiment.config.methods.MethodConfig.advice`; :func:`too_wide_line`).
+    (:meth:`~flatbma.methods.MethodConfig.advice`; :func:`too_wide_line`).
     """
     if not is_flagged(health):
         return

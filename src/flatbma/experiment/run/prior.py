@@ -19,7 +19,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 from flatbma.errors import FlatbmaError
-from flatbma.experiment.config.methods import MethodConfig
 from flatbma.experiment.config.prior_config import PriorConfig, not_gaussian_message
 from flatbma.experiment.config.run_config import RunConfig
 from flatbma.experiment.config.sections import OptimConfig, Optimizer
@@ -29,6 +28,7 @@ from flatbma.experiment.run.checkpoint import load_run_state
 from flatbma.experiment.run.lock import hold
 from flatbma.experiment.run.provenance import template
 from flatbma.experiment.run.stage import CHECKPOINT_FILE, PRIOR_DIR, FittedPrior, finished_run, train_stage
+from flatbma.methods import MethodConfig
 from flatbma.posteriors import gaussians
 
 __all__ = [
@@ -48,7 +48,7 @@ def prior_stage(cfg: RunConfig, run_dir: str | Path | None = None) -> RunConfig 
     The stage shares the run's data, model, seed, training and evaluation settings (without flatness and
     early stopping: the prior is fitted for ``prior.epochs``), trains
     ``prior.method`` — for a mixture, a mixture of it
-    (:meth:`~flatbma.experiment.config.methods.MethodConfig.first_stage`:
+    (:meth:`~flatbma.methods.MethodConfig.first_stage`:
     ``multi`` of it with the run's members and seed, one prior per member) — for ``prior.epochs`` with
     ``prior.optim`` (or the run's optimizer) and writes to
     ``run_dir`` (default ``<output_dir>/prior``; ``flatbma compare`` shares one between the candidates

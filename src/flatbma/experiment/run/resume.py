@@ -16,7 +16,6 @@ from typing import Any
 import flatbma
 from flatbma.checks import is_int
 from flatbma.errors import FlatbmaError
-from flatbma.experiment.config.methods import parse_method
 from flatbma.experiment.run.checkpoint import (
     RESUMABLE,
     atomic_write_json,
@@ -24,6 +23,7 @@ from flatbma.experiment.run.checkpoint import (
     config_changes,
     resumable,
 )
+from flatbma.methods import parse_method
 from flatbma.state_io import clip
 from flatbma.types import Phase
 

@@ -25,7 +25,7 @@ import yaml
 
 from flatbma import progress
 from flatbma.errors import DivergenceError, FlatbmaError
-from flatbma.experiment.config.parse import shown, yaml_float
+from flatbma.experiment.config.parse import shown
 from flatbma.experiment.config.run_config import RunConfig, as_stored, run_identity
 from flatbma.experiment.parallel import processes
 from flatbma.experiment.run.build import Experiment, build_experiment
@@ -59,6 +59,7 @@ from flatbma.experiment.run.logs import CSV_FILE, EpochLogger, check_available, 
 from flatbma.experiment.run.provenance import environment, provenance, template
 from flatbma.experiment.run.resume import RESUMES_FILE, Resume, append_resume
 from flatbma.experiment.runner import History, Position, fit
+from flatbma.options import yaml_float
 from flatbma.params import model_buffers, trainable_params
 from flatbma.posteriors import gaussians
 from flatbma.state_io import seal_problem
@@ -447,7 +448,7 @@ def _diverged(e: DivergenceError, cfg: RunConfig, *, kept: bool) -> str:
     """The one line of a run that diverged: what happened and what to change (``kept``: a checkpoint of it is there).
 
     Inputs that held NaN or inf name the data alone. Otherwise the settings that size a step
-    (:meth:`~flatbma.experiment.config.methods.MethodConfig.divergence_advice`); the learning rate alone, when a
+    (:meth:`~flatbma.methods.MethodConfig.divergence_advice`); the learning rate alone, when a
     resume may change it (in a two-stage run only with a ``prior.optim`` section), is changed by resuming.
     """
     if e.cause == "inputs":

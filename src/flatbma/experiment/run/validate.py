@@ -9,7 +9,7 @@ rate against the KL to a fitted prior. Without it such a config trains for minut
 then fails in its evaluation (or, for a two-stage run, after its whole first stage).
 
 Each part of a config checks itself given a :class:`RunShape` — a method through its registry
-entry (:attr:`~flatbma.experiment.config.methods.MethodSpec.check`, so this module knows no method by name),
+entry (:attr:`~flatbma.family.Family.check`, so this module knows no method by name),
 the evaluation through :meth:`~flatbma.experiment.config.sections.EvalConfig.check` — and
 :func:`check_run` asks every stage of a run: a two-stage run's first stage with ``prior.epochs``
 and the ``prior.method.*`` keys, then its own. ``flatbma train`` calls :func:`validate_run` once,
@@ -32,7 +32,6 @@ from flatbma.data import DatasetSplits
 from flatbma.errors import FlatbmaError
 from flatbma.experiment.config.run_config import RunConfig
 from flatbma.experiment.config.sections import Parallel, plain
-from flatbma.experiment.config.shape import RunShape, Stage
 from flatbma.experiment.parallel import processes, strategies
 from flatbma.experiment.run.build import (
     Experiment,
@@ -43,6 +42,7 @@ from flatbma.experiment.run.build import (
     transforms,
 )
 from flatbma.experiment.run.prior import check_stable_with_prior, prior_stage
+from flatbma.family import RunShape, Stage
 from flatbma.ood import check_ood_data
 
 __all__ = ["available_memory", "check_evaluation", "check_run", "run_shape", "validate_run", "validate_runs"]
@@ -118,7 +118,7 @@ def _needs_trainable(cfg: RunConfig, flatness: bool) -> bool:
     """Whether a check needs the number of trained weights.
 
     ``hessian_k > 1`` can exceed it, and a method may ask
-    (:meth:`~flatbma.experiment.config.methods.MethodConfig.needs_weights`: Laplace's full Hessian).
+    (:meth:`~flatbma.methods.MethodConfig.needs_weights`: Laplace's full Hessian).
     """
     return (flatness and cfg.eval.hessian_k > 1) or cfg.method.needs_weights()
 

@@ -20,9 +20,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from flatbma.experiment.config.methods import point_methods
 from flatbma.experiment.config.run_config import RunConfig
 from flatbma.experiment.study.plan import CompareConfig
+from flatbma.methods import point_methods
 
 Work = Mapping[str, float]
 """A row's work by phase name (``train``, ``BMA``, ``corruptions``, ``flatness``, ...), in that phase's units."""

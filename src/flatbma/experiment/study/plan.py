@@ -21,8 +21,7 @@ from flatbma.data.corruptions import corruption_names
 from flatbma.errors import FlatbmaError, suggest
 from flatbma.experiment.config import entries
 from flatbma.experiment.config.entries import label_of
-from flatbma.experiment.config.methods import parse_method
-from flatbma.experiment.config.parse import parse_dataclass, set_dotted, shown
+from flatbma.experiment.config.parse import set_dotted, shown
 from flatbma.experiment.config.run_config import (
     CORRUPTIONS_NOT_TABULAR,
     RunConfig,
@@ -33,6 +32,8 @@ from flatbma.experiment.config.run_config import (
 )
 from flatbma.experiment.report.findings import check_pairs
 from flatbma.experiment.study.width import check_match_width
+from flatbma.methods import parse_method
+from flatbma.options import parse_dataclass
 
 
 @dataclass(frozen=True)

@@ -18,10 +18,10 @@ from torch import nn
 from flatbma.errors import FlatbmaError, suggest
 from flatbma.experiment.config import entries
 from flatbma.experiment.config.entries import label_of
-from flatbma.experiment.config.methods import METHODS, parse_method
 from flatbma.experiment.config.parse import shown
 from flatbma.experiment.config.prior_config import gaussian_methods
 from flatbma.experiment.run.build import Experiment
+from flatbma.methods import METHODS, parse_method
 from flatbma.optim import SGD
 from flatbma.params import Objective
 from flatbma.posteriors import gaussians
@@ -70,7 +70,7 @@ def gaussian_posterior(entry: Any) -> bool:
     """Whether a compare entry's method, with its options, has a low-rank plus diagonal Gaussian posterior.
 
     Its registry entry says the family's posterior is one
-    (:attr:`~flatbma.experiment.config.methods.MethodSpec.gaussian`), and the posterior built with the entry's options
+    (:attr:`~flatbma.family.Family.gaussian`), and the posterior built with the entry's options
     (of its first candidate) has a
     :attr:`~flatbma.types.Posterior.gaussian`: an option may turn the low-rank part off. Building is cheap and
     draws nothing (a one-weight probe model). An entry whose options do not parse counts as one: its config's
@@ -78,7 +78,7 @@ def gaussian_posterior(entry: Any) -> bool:
     """
     name = entry.get("name")
     spec = METHODS.get(name) if isinstance(name, str) else None
-    if spec is None or not spec.gaussian:
+    if spec is None or not spec.family.gaussian:
         return False
     try:
         method = parse_method(entries.first_run_sections(entry)["method"])
