@@ -32,8 +32,8 @@ from pathlib import Path
 import torch
 
 from flatbma.experiment.run.build import build_experiment
-from flatbma.experiment.runner import fit
 from flatbma.experiment.study.plan import load_plan
+from flatbma.loop import fit
 from flatbma.optim import SAM, SGD, Amortized, cosine
 from flatbma.optim.amortized import POSITION
 from flatbma.optim.ascent import ascended

@@ -104,7 +104,7 @@ def relative_difference(a, b, start) -> float:
 def interrupt_after_first_epoch(monkeypatch) -> None:
     """Make the run's first ``fit`` train one epoch and then raise ``KeyboardInterrupt`` (at an epoch end,
     after its checkpoint); later calls (the resumed run) train normally."""
-    from flatbma.experiment.runner import fit as real_fit
+    from flatbma.loop import fit as real_fit
 
     calls = {"n": 0}
 

@@ -43,7 +43,7 @@ def test_reuse_fidelity_measures_without_changing_the_run():
     from torch import nn
     from torch.utils.data import DataLoader, TensorDataset
 
-    from flatbma.experiment.runner import fit
+    from flatbma.loop import fit
     from flatbma.optim import SAM, SGD, Amortized
     from flatbma.params import Objective, model_buffers, trainable_params
     from flatbma.posteriors import point

@@ -180,7 +180,7 @@ def test_nccl_gives_the_numbers_of_gloo_under_torchrun(tmp_path):
 SYNC_BOUND = {"sgd": 0, "sam": 0, "lowrank-vi": 1, "swag": 1, "fp-bma": None}
 """Host-device synchronizations per training step in a run's steady state (``None``: measured, not bounded).
 
-The loop reads its losses every :data:`flatbma.experiment.runner.CHECK_EVERY` steps and its sums at epoch
+The loop reads its losses every :data:`flatbma.loop.CHECK_EVERY` steps and its sums at epoch
 ends only. What remains per step: low-rank VI and FP-BMA read their noise seed (an int64 in the state)
 to seed the step's generator; SWAG reads its snapshot count when it may collect; FP-BMA's Fisher solve
 tests its residual on the host once per conjugate-gradient iteration (the stopping rule decides the
@@ -190,7 +190,7 @@ decides on the host whether the step leaves the quadratic regime."""
 
 @pytest.mark.parametrize("name", list(SYNC_BOUND))
 def test_synchronizations_per_training_step(name, record_property):
-    from flatbma.experiment import runner
+    from flatbma import loop
     from flatbma.methods import parse_method
     from flatbma.optim import SGD
     from flatbma.params import Objective, model_buffers, trainable_params
@@ -201,9 +201,9 @@ def test_synchronizations_per_training_step(name, record_property):
     method = parse_method(METHOD_SECTIONS.get(name, name)).build(Objective(model, num_data=512), SGD(lr=0.05))
     state = method.init(trainable_params(model), model_buffers(model))
     x, y = toy_batch(n=512)
-    steps = runner.CHECK_EVERY - 1  # one window of steps between two reads of the losses
+    steps = loop.CHECK_EVERY - 1  # one window of steps between two reads of the losses
     batches = [(x[i : i + 16].cuda(), y[i : i + 16].cuda()) for i in range(0, 16 * steps, 16)]  # on the GPU
-    state, _ = runner.fit(method, state, batches, epochs=1, device="cuda", progress=False)  # warm-up
+    state, _ = loop.fit(method, state, batches, epochs=1, device="cuda", progress=False)  # warm-up
     torch.cuda.synchronize()
     where: Counter[str] = Counter()  # the innermost line of flatbma under each synchronization
     outside: Counter[str] = Counter()  # synchronizations with no flatbma frame on the stack (not the loop's)
@@ -221,7 +221,7 @@ def test_synchronizations_per_training_step(name, record_property):
         warnings.showwarning = record
         torch.cuda.set_sync_debug_mode("warn")
         try:
-            runner.fit(method, state, batches, epochs=1, device="cuda", progress=False)
+            loop.fit(method, state, batches, epochs=1, device="cuda", progress=False)
         finally:
             torch.cuda.set_sync_debug_mode("default")
     syncs = sum(where.values())

@@ -13,9 +13,9 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import flatbma
 from flatbma.errors import FlatbmaWarning
-from flatbma.experiment.config.sections import OptimConfig
 from flatbma.experiment.run.logs import COLUMNS
 from flatbma.flatness import hessian_eigenvalues
+from flatbma.optim.config import OptimConfig
 
 
 def _data(n: int = 240, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -127,7 +127,7 @@ def test_default_swag_collects_over_the_last_quarter_at_the_rate_reached_there()
     held = SGD(lr=lambda t: peak(min(t, 30)), momentum=0.9, weight_decay=5e-4)
     manual = swag.build(flatbma.Objective(model, num_data=80), held, rank=3, start_step=30, collect_every=2)
     state = manual.init(flatbma.trainable_params(model), flatbma.model_buffers(model))
-    from flatbma.experiment.runner import fit
+    from flatbma.loop import fit
     from flatbma.rng import forked_rng
 
     with forked_rng(0):
@@ -395,7 +395,7 @@ def test_swag_and_laplace_defaults_live_in_their_options():
 def test_laplace_defaults_to_the_last_layer_which_is_a_laplace_of_the_head_with_the_body_frozen_at_the_map(hessian):
     """The default ``subset: last-layer`` equals post-hoc Laplace (``subset: all``, ``start_step: 0``) of a copy of
     the MAP whose body is frozen: the same curvature, δ by the evidence, evidence and samples."""
-    from flatbma.experiment.runner import fit
+    from flatbma.loop import fit
     from flatbma.methods import parse_method
     from flatbma.optim import SGD
     from flatbma.posteriors import laplace

@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import flatbma
 from flatbma.data import load_digits
-from flatbma.experiment.run.health import worse_than_mean
+from flatbma.health import worse_than_mean
 from flatbma.models.small import SmallCNN
 from flatbma.predict import evaluate
 

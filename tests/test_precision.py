@@ -13,7 +13,7 @@ import torch
 from flatbma.errors import FlatbmaError
 from flatbma.experiment.config.run_config import config_from_dict
 from flatbma.experiment.config.sections import TrainConfig
-from flatbma.experiment.runner import fit
+from flatbma.loop import fit
 from flatbma.methods import METHODS, parse_method
 from flatbma.optim import SGD, FisherBall, LossScaled
 from flatbma.optim.loss_scale import GROWTH, SCALE

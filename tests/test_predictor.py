@@ -18,7 +18,7 @@ from flatbma.errors import FlatbmaError
 from flatbma.experiment.config.run_config import config_from_dict
 from flatbma.experiment.run.evaluate import evaluate_state
 from flatbma.experiment.run.pipeline import train
-from flatbma.experiment.runner import fit
+from flatbma.loop import fit
 from flatbma.optim import SGD, cosine
 from flatbma.posteriors import mc_dropout, point, swag
 from flatbma.predict import bma_log_probs, evaluate

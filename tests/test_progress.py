@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 from flatbma import progress
-from flatbma.experiment.runner import fit
 from flatbma.flatness import hessian_eigenvalues
+from flatbma.loop import fit
 from flatbma.optim import SGD
 from flatbma.params import Objective, model_buffers, trainable_params
 from flatbma.posteriors import point

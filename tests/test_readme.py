@@ -5,7 +5,7 @@ from pathlib import Path
 import torch
 
 import flatbma
-from flatbma.experiment import api
+from flatbma import fit
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -37,7 +37,7 @@ def test_readme_python_api_runs_verbatim_and_its_numbers_hold(tmp_path, monkeypa
 
     def recording(model, *args, **kwargs):  # fit_posterior, keeping a copy of the module it was given
         untrained.append(copy.deepcopy(model))
-        return api.fit_posterior(model, *args, **kwargs)
+        return fit.fit_posterior(model, *args, **kwargs)
 
     monkeypatch.setattr(flatbma, "fit_posterior", recording)
     blocks = _python_api_blocks()

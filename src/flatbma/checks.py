@@ -142,3 +142,18 @@ def check_seed(seed: object, key: str) -> int:
     if not is_int(seed) or not 0 <= seed < 2**63:
         raise FlatbmaError(f"{key} must be an integer in [0, 2**63), got {shown(seed, 40)}")
     return seed
+
+
+_FLOAT32_MAX = 3.4028234663852886e38
+
+
+def check_positive(where: str, value: float | None, *, allow_none: bool = False, allow_zero: bool = False) -> None:
+    """Raise unless ``value > 0`` (``>= 0``: ``allow_zero``; ``None`` passes: ``allow_none``), finite in float32."""
+    if value is None and allow_none:
+        return
+    ok = value is not None and (value >= 0 if allow_zero else value > 0)
+    if not ok:
+        bound = ">= 0" if allow_zero else "> 0"
+        raise FlatbmaError(f"{where} must be {bound}, got {value!r}")
+    if not math.isfinite(value) or value > _FLOAT32_MAX:  # the values meet float32 tensors
+        raise FlatbmaError(f"{where} must be a finite number below 3.4e38 (float32 range), got {value!r}")

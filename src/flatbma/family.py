@@ -15,14 +15,18 @@ experiment layer before anything is written.
 from __future__ import annotations
 
 import dataclasses
+import os
 import typing
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol
+
+import torch
 
 from flatbma.types import Posterior
 
-__all__ = ["STEP_SIZES", "Family", "Nested", "RunShape", "Section", "Stage", "divergence_advice"]
+__all__ = ["STEP_SIZES", "Family", "Nested", "RunShape", "Section", "Stage", "available_memory", "divergence_advice"]
 
 
 @dataclass(frozen=True)
@@ -37,8 +41,8 @@ class RunShape:
         num_trainable: trained weights (the Hessian's dimension), or ``None`` when not computed.
         num_classes: classes of the training data, or ``None`` when not known.
         pretrained: whether the network starts from a checkpoint (``model.pretrained`` is set).
-        available_memory: bytes free where the run trains, counted with ``num_trainable``; ``None`` when not
-            counted or not known.
+        available_memory: bytes free where the run trains (:func:`available_memory`), counted with
+            ``num_trainable``; ``None`` when not counted or not known.
         channels: channels of the test images (``eval.ood``'s corruptions need some), or ``None`` when not known.
     """
 
@@ -77,6 +81,40 @@ def divergence_advice(settings: Mapping[str, Any], cause: str, lr: float, prefix
 
 def _number(value: Any) -> str:
     return f"{value:g}" if isinstance(value, int | float) and not isinstance(value, bool) else str(value)
+
+
+def available_memory(device: torch.device) -> int | None:
+    """Bytes a run on ``device`` can still allocate, or ``None`` when the system does not say.
+
+    A CUDA device's free memory; otherwise the machine's available memory (``MemAvailable`` of
+    ``/proc/meminfo``, else the free pages), capped by a cgroup v2 memory limit (a container's).
+    """
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    free = _meminfo_available()
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        used = Path("/sys/fs/cgroup/memory.current").read_text().strip()
+        if limit.isdigit() and used.isdigit():
+            left = max(int(limit) - int(used), 0)
+            free = left if free is None else min(free, left)
+    except OSError:
+        pass
+    return free
+
+
+def _meminfo_available() -> int | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
 
 
 @dataclass(frozen=True)
@@ -204,7 +242,7 @@ class Family:
             the schedule reached there (SWAG's constant ``swa_lr``, Maddox et al. 2019).
         advice: ``advice(section, prior, diagnostics) -> str``: what to change, given the section's own settings,
             when the BMA's NLL is worse than its reference network's (the health rule ``worse_than_mean``, in
-            :func:`flatbma.fit_posterior` and the CLI alike: :mod:`flatbma.experiment.run.health`); ``prior``:
+            :func:`flatbma.fit_posterior` and the CLI alike: :mod:`flatbma.health`); ``prior``:
             whether the run has a prior stage; ``diagnostics``: the posterior's (Laplace's ``prior_precision``).
             ``None``: a generic line. Never advice to set what is already set; each clause names the section's
             current value and a narrower one, short, since the command line cuts a warning at 300 characters.

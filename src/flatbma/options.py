@@ -197,3 +197,27 @@ def parse_dataclass(cls: type[T], data: Any, where: str) -> T:
         raise FlatbmaError(
             f"{where}: {text}" if where and not text.startswith((f"{where}.", f"{where}[")) else text
         ) from None
+
+
+def plain(section: Any) -> dict[str, Any]:
+    """The resolved ``section`` with every Enum member spelled as its value (as YAML and JSON hold it).
+
+    :func:`resolved`: options added later are left out while they hold their default.
+    """
+    return plain_values(resolved(section))
+
+
+def plain_values(mapping: Mapping[str, Any]) -> dict[str, Any]:
+    """``mapping`` with every Enum member among its values spelled as its value (e.g. a method's options).
+
+    A tuple or list value becomes a list of plain values (as YAML reads it back, e.g. ``train.log``).
+    """
+    return {k: _plain_value(v) for k, v in mapping.items()}
+
+
+def _plain_value(value: Any) -> Any:
+    if isinstance(value, Mapping):  # a nested section (multi's method.of)
+        return plain_values(value)
+    if isinstance(value, (tuple, list)):
+        return [_plain_value(v) for v in value]
+    return value.value if isinstance(value, Enum) else value

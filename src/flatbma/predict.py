@@ -144,7 +144,7 @@ def paired_nll(
     "mean_accuracy", "nll_diff_se"}``: the mean NLLs and accuracies, and the standard error of the mean of the
     per-example differences ``NLL_BMA,i − NLL_point,i`` (``sd/√n``): how far the BMA's NLL can stand from the
     point's by the draw of the examples alone (the health rule ``worse_than_mean`` asks the difference to exceed
-    it twice, :mod:`flatbma.experiment.run.health`).
+    it twice, :mod:`flatbma.health`).
     """
     sides = []
     for weights, side_mode in ((samples, mode), ([dict(point)], None)):

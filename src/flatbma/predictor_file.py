@@ -1,7 +1,7 @@
 """The predictor file: a :class:`flatbma.BMA`'s state and settings in one state file.
 
 :meth:`flatbma.BMA.save` writes it with :func:`write_file`; :meth:`flatbma.BMA.load` and
-:func:`flatbma.experiment.api.load_posterior` read it with :func:`read_file`. The layout is the run
+:func:`flatbma.fit.load_posterior` read it with :func:`read_file`. The layout is the run
 checkpoints' (:mod:`flatbma.state_io`: the method state by section, checksums, format tag), with the
 predictor's settings as JSON under the metadata key :data:`PREDICTOR_KEY`. A missing, truncated, damaged
 or foreign file, or one without predictor settings, ends in one line saying what to do.

@@ -3,7 +3,7 @@
 A method is a :class:`Transform` — a pair of pure-looking functions ``init`` and ``update`` over a
 :class:`State` that holds the trained parameters as a ``dict[str, Tensor]`` — following the shape of
 `posteriors <https://github.com/normal-computing/posteriors>`_ and optax. A :class:`Posterior` is a
-transform that can also ``sample`` weights. The runner (:func:`flatbma.experiment.runner.fit`) drives
+transform that can also ``sample`` weights. The runner (:func:`flatbma.loop.fit`) drives
 any of them with the same loop: ``state, out = method.update(state, batch)``.
 
 ``update`` may modify the tensors of the state it receives in place (like ``inplace=True`` in

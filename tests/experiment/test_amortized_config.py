@@ -12,12 +12,12 @@ import yaml
 from flatbma.experiment.cli import main
 from flatbma.experiment.config import entries
 from flatbma.experiment.config.run_config import config_from_dict
-from flatbma.experiment.config.sections import plain_values
 from flatbma.experiment.run.pipeline import train
 from flatbma.experiment.run.stage import run_identity
 from flatbma.experiment.study.plan import load_plan
 from flatbma.methods import parse_method
 from flatbma.optim import SAM, Amortized, FisherBall, Reuse
+from flatbma.options import plain_values
 from tests.helpers import interrupt_after_first_epoch, load_state
 
 AMORTIZED = {"ascent_every": 5, "reuse": "orthogonal", "reuse_alpha": 0.7, "ascent_fraction": 1.0}

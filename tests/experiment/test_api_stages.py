@@ -15,7 +15,7 @@ from flatbma.errors import FlatbmaError
 from flatbma.experiment.config.run_config import config_from_dict
 from flatbma.experiment.run.build import build_experiment
 from flatbma.experiment.run.pipeline import load_run, train
-from flatbma.experiment.runner import fit
+from flatbma.loop import fit
 from flatbma.optim import SGD
 from flatbma.posteriors import laplace
 

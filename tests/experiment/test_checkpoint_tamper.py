@@ -33,7 +33,7 @@ from flatbma.experiment.run.build import build_experiment
 from flatbma.experiment.run.checkpoint import load_checkpoint, load_position
 from flatbma.experiment.run.pipeline import load_run_config
 from flatbma.experiment.run.provenance import template
-from flatbma.experiment.runner import fit
+from flatbma.loop import fit
 from flatbma.optim import SGD
 from flatbma.params import Objective, model_buffers, trainable_params
 from tests.helpers import DONE

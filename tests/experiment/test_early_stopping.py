@@ -9,9 +9,9 @@ import yaml
 from flatbma.data.fewshot import few_shot_indices
 from flatbma.errors import FlatbmaError
 from flatbma.experiment.cli import main
-from flatbma.experiment.config.sections import DataConfig, TrainConfig, plain
+from flatbma.experiment.config.sections import DataConfig, TrainConfig
 from flatbma.experiment.run.early_stopping import BEST_FILE
-from flatbma.options import parse_dataclass
+from flatbma.options import parse_dataclass, plain
 from tests.helpers import interrupt_after_first_epoch
 
 CONFIG = {

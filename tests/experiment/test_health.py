@@ -28,7 +28,8 @@ from flatbma.experiment.config.run_config import config_from_dict
 from flatbma.experiment.report.findings import findings
 from flatbma.experiment.report.tables import summary_table
 from flatbma.experiment.run import evaluate
-from flatbma.experiment.run.health import (
+from flatbma.experiment.run.pipeline import load_run, train
+from flatbma.health import (
     LOSS_RISE,
     HealthWarning,
     assess,
@@ -38,7 +39,6 @@ from flatbma.experiment.run.health import (
     warn_if_flagged,
     worse_than_mean,
 )
-from flatbma.experiment.run.pipeline import load_run, train
 from flatbma.methods import parse_method
 
 BASE: dict[str, Any] = {

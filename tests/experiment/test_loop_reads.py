@@ -14,8 +14,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
+from flatbma import loop
 from flatbma.errors import DivergenceError
-from flatbma.experiment import runner
 from flatbma.methods import parse_method
 from flatbma.optim import SGD
 from flatbma.params import Objective, model_buffers, trainable_params
@@ -47,11 +47,11 @@ def _diverging(method, at_step: int):
 
 @pytest.mark.parametrize("lazy", [False, True])
 def test_a_lazy_check_reports_the_same_step_and_keeps_the_same_checkpoint(monkeypatch, lazy):
-    monkeypatch.setattr(runner, "_lazy", lambda device: lazy)
+    monkeypatch.setattr(loop, "_lazy", lambda device: lazy)
     method, state, loader = _setup()
     saved = []
     with pytest.raises(DivergenceError) as e:
-        runner.fit(
+        loop.fit(
             _diverging(method, 45),
             state,
             loader,
@@ -67,16 +67,16 @@ def test_a_lazy_check_reports_the_same_step_and_keeps_the_same_checkpoint(monkey
 def test_lazy_sums_equal_eager_ones(monkeypatch):
     histories = {}
     for lazy in (False, True):
-        monkeypatch.setattr(runner, "_lazy", lambda device, lazy=lazy: lazy)
+        monkeypatch.setattr(loop, "_lazy", lambda device, lazy=lazy: lazy)
         method, state, loader = _setup("sam")
-        _, history = runner.fit(method, state, loader, epochs=2, progress=False)
+        _, history = loop.fit(method, state, loader, epochs=2, progress=False)
         histories[lazy] = [h.record() for h in history.epochs]
     assert histories[True] == histories[False]
 
 
 def test_a_steady_training_step_reads_nothing_from_the_device(monkeypatch):
     """With the GPU behaviour, SGD and SAM steps read no value: only the checks every CHECK_EVERY steps do."""
-    monkeypatch.setattr(runner, "_lazy", lambda device: True)
+    monkeypatch.setattr(loop, "_lazy", lambda device: True)
     originals = {r: getattr(torch.Tensor, r) for r in READS}
     counts: collections.Counter = collections.Counter()
 
@@ -94,8 +94,8 @@ def test_a_steady_training_step_reads_nothing_from_the_device(monkeypatch):
         counts.clear()
         for read in READS:
             monkeypatch.setattr(torch.Tensor, read, counting(read))
-        runner.fit(method, state, batches, epochs=1, progress=False)  # 64 steps
+        loop.fit(method, state, batches, epochs=1, progress=False)  # 64 steps
         for read in READS:
             monkeypatch.setattr(torch.Tensor, read, originals[read])
-        checks = 64 // runner.CHECK_EVERY
+        checks = 64 // loop.CHECK_EVERY
         assert sum(counts.values()) == checks + 2, (name, counts)  # one per check; the epoch end's two sums

@@ -25,10 +25,10 @@ from flatbma.experiment.config.run_config import config_from_dict, load_config
 from flatbma.experiment.run.build import build_experiment
 from flatbma.experiment.run.pipeline import load_run_config, train
 from flatbma.experiment.run.prior import check_stable_with_prior, fit_prior, prior_stage
-from flatbma.experiment.runner import fit
 from flatbma.experiment.study.plan import load_plan
 from flatbma.experiment.study.selection import shared_stages
 from flatbma.gaussian import kl_lowrank, section
+from flatbma.loop import fit
 from flatbma.params import Objective
 from flatbma.posteriors import fp_bma
 from flatbma.posteriors.gaussians import floored

@@ -21,12 +21,13 @@ from flatbma.experiment.cli import main
 from flatbma.experiment.config.run_config import config_from_dict
 from flatbma.experiment.run.build import build_experiment
 from flatbma.experiment.run.pipeline import train
-from flatbma.experiment.run.prior import check_stable_with_prior, fit_prior, prior_stage, sgd_stability_bound
+from flatbma.experiment.run.prior import check_stable_with_prior, fit_prior, prior_stage
 from flatbma.gaussian import init_from_swag, kl_lowrank, section
 from flatbma.optim import SGD
 from flatbma.params import Objective
 from flatbma.posteriors import fp_bma
 from flatbma.posteriors.gaussians import floored
+from flatbma.prior import sgd_stability_bound
 from tests.helpers import load_state
 
 TWO_STAGE = {

@@ -328,7 +328,7 @@ def test_the_training_rmse_of_an_epoch_is_that_of_its_steps_outputs_and_survives
     (μ − y)²), μ the first output of each step's (unperturbed) pass, here of fixed weights, so numpy gives it on the
     whole set; a run resumed from a checkpoint inside an epoch, or right at its end, records the same; a classifier's
     history has no rmse."""
-    from flatbma.experiment.runner import History, fit
+    from flatbma.loop import History, fit
     from flatbma.types import State, StepOutput, Transform
 
     gen = torch.Generator().manual_seed(0)

@@ -7,14 +7,15 @@ import torch
 import yaml
 
 from flatbma.errors import FlatbmaError
-from flatbma.experiment.config.prior_config import gaussian_methods
 from flatbma.experiment.config.run_config import config_from_dict
-from flatbma.experiment.config.sections import ModelConfig, OptimConfig, Optimizer, Parallel, Schedule, TrainConfig
+from flatbma.experiment.config.sections import ModelConfig, Parallel, TrainConfig
 from flatbma.experiment.parallel import strategies
 from flatbma.methods import METHODS, parse_method, prior_methods
 from flatbma.optim import SGD, Adam, cosine
+from flatbma.optim.config import OptimConfig, Optimizer, Schedule
 from flatbma.options import coerce
 from flatbma.params import Objective
+from flatbma.prior import gaussian_methods
 from flatbma.transfer import Subset
 
 

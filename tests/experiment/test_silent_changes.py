@@ -377,7 +377,7 @@ def _csv_rows(path: Path) -> list[dict[str, str]]:
 def test_rebuilt_health_keeps_the_loss_rise_of_the_history(made, tmp_path) -> None:  # noqa: F811
     """An FP-BMA run whose loss rose 13,306x came back flagged only ``at_chance``: the rebuilt health reads the
     checkpoint's history, so a rise in it is flagged again."""
-    from flatbma.experiment.run.health import assess
+    from flatbma.health import assess
 
     run = tmp_path / "run"
     shutil.copytree(made["sam"], run)
@@ -427,7 +427,7 @@ def _rmse(*values: float) -> list[dict[str, float]]:
     ],
 )
 def test_the_regression_rules(history: list, fit: dict[str, Any], flags: list[str]) -> None:
-    from flatbma.experiment.run.health import assess
+    from flatbma.health import assess
 
     health = assess(history, fit)
     assert health["flags"] == flags and health["ok"] is (not flags)

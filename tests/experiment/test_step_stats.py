@@ -7,7 +7,7 @@ import yaml
 
 from flatbma.experiment.cli import main
 from flatbma.experiment.run.logs import read_csv
-from flatbma.experiment.runner import History, fit
+from flatbma.loop import History, fit
 from flatbma.types import State, StepOutput, Transform
 from tests.helpers import DONE
 

@@ -29,18 +29,17 @@ from flatbma import progress
 from flatbma.checks import shown
 from flatbma.errors import FlatbmaError, FlatbmaWarning, suggest
 from flatbma.experiment.config.run_config import load_config
-from flatbma.experiment.config.sections import plain_values
 from flatbma.experiment.parallel import processes
 from flatbma.experiment.report.repeatability import repeat_disagreement
 from flatbma.experiment.report.tables import summary_table
 from flatbma.experiment.run.build import resolve_device
-from flatbma.experiment.run.health import is_flagged
 from flatbma.experiment.run.pipeline import evaluate_run, load_run_config, resume_config, train
 from flatbma.experiment.study.compare import run_compare
 from flatbma.experiment.study.plan import load_plan
+from flatbma.health import is_flagged
 from flatbma.methods import METHODS, MethodConfig, parse_method
 from flatbma.optim import Amortized
-from flatbma.options import type_name
+from flatbma.options import plain_values, type_name
 
 # What str.splitlines() breaks on: escaped in error messages (user values such as keys and paths may hold them).
 _ESCAPE_LINE_BREAKS = {ord(c): repr(c)[1:-1] for c in "\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029"}
@@ -245,7 +244,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 FLAGGED = 3
 """The exit code of a command that did its work and wrote its results, but whose run a training-health rule
-flags (:mod:`flatbma.experiment.run.health`), or a comparison with a flagged or diverged row: its numbers
+flags (:mod:`flatbma.health`), or a comparison with a flagged or diverged row: its numbers
 describe a failed fit. Distinct from 0, so that a script sees it; distinct from 2, since nothing was refused
 and everything was written (``scripts/demo.sh`` accepts it, saying so). Under ``torchrun`` the processes exit 0
 (torchrun reports any other code as a crashed process); the warning lines still say it."""

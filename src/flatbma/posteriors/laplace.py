@@ -83,7 +83,7 @@ PRIOR_MEAN = PREFIX + "prior_mean/"
 """Prefix of the ``aux`` entries ``w₀`` of ``prior_mean: pretrained``, one per trained tensor (its dtype)."""
 
 VALIDATION = "val"
-"""``prior_precision: val``: δ chosen on validation data after training (by the experiment layer)."""
+"""``prior_precision: val``: δ chosen on validation data after training (by :func:`flatbma.fit_posterior`)."""
 
 _log = logging.getLogger(__name__)
 
@@ -129,14 +129,14 @@ class Options:
 
     Attributes:
         start_step: MAP updates before the curvature phase (0: post-hoc Laplace of the weights given to
-            ``init``). ``None`` is left to the experiment layer, which sets ``train.epochs`` × steps per
-            epoch, the optimizer's schedule, and runs the epochs :attr:`phases` declares after them: the
+            ``init``). ``None`` is left to :func:`flatbma.training.build`, which sets ``train.epochs`` × steps
+            per epoch, the optimizer's schedule, and runs the epochs :attr:`phases` declares after them: the
             curvature phase; a state cannot be updated with ``None``.
         hessian: ``diag``, ``kfac`` (Linear/Conv2d weights ``B ⊗ A``, everything else diagonal) or ``full``.
         curvature: ``ggn`` or ``ef`` (the empirical Fisher: cheaper, not second-order information).
         prior_precision: a fixed ``δ > 0``, ``None`` to maximize the evidence, or ``"val"``
-            (:data:`VALIDATION`): chosen after training by the BMA's validation NLL over a grid, which the
-            experiment layer does (:func:`flatbma.fit_posterior` with ``val_loader=``); until it is chosen, the
+            (:data:`VALIDATION`): chosen after training by the BMA's validation NLL over a grid, which
+            :func:`flatbma.fit_posterior` does (with ``val_loader=``); until it is chosen, the
             posterior is the evidence's (δ enters neither the MAP nor the curvature).
         prior_structure: ``scalar`` (one ``δ``) or ``layerwise`` (one per parameter tensor; not with ``full``).
         prior_mean: ``zero`` or ``pretrained`` (:class:`PriorMean`; a model with no trained tensor loaded
@@ -284,11 +284,11 @@ def phase(state: State, options: Options) -> Phase:
     """:data:`MAP` for the first ``start_step`` updates, then :data:`CURVATURE` (the state's step says which).
 
     Raises:
-        FlatbmaError: ``start_step`` is ``None`` (left to the experiment layer, which sets it).
+        FlatbmaError: ``start_step`` is ``None`` (left to :func:`flatbma.training.build`, which sets it).
     """
     if options.start_step is None:
         raise FlatbmaError(
-            "laplace.build(start_step=None) leaves the length of the MAP phase to the experiment layer; give "
+            "laplace.build(start_step=None) leaves the MAP phase's length to the run (flatbma.training.build); give "
             "start_step (the MAP updates; 0 = post-hoc Laplace of the weights given to init)"
         )
     return MAP if state.step < options.start_step else CURVATURE

@@ -86,16 +86,16 @@ class Options:
         rank: ``K``, the number of deviations kept (the rank of the low-rank part), at least 2.
         scale: factor multiplying the sampling covariance.
         start_step: updates done before the collection window opens (0 = collect from the start;
-            use a trained or pretrained starting point then). ``None``, the default, is resolved by the
-            experiment layer from the run's length (``fit_posterior`` and ``flatbma train``, which build the
-            method with ``map_steps``): the last quarter of the run's updates at a held learning rate
+            use a trained or pretrained starting point then). ``None``, the default, is resolved from
+            the run's length by :func:`flatbma.training.build` (``fit_posterior`` and ``flatbma train``, which
+            build the method with ``map_steps``): the last quarter of the run's updates at a held learning rate
             (:func:`last_quarter`); :func:`build` called directly refuses it,
             so give ``start_step`` there.
-        collect_every: updates between two snapshots. ``"auto"``, the default, is resolved by the experiment layer
-            from the run's length as ``start_step: null`` is (:func:`resolve`): the window's updates divided by
-            ``rank``, at least 1 (:func:`auto_collect_every`), so that a window of at least ``rank`` updates
-            collects ``rank`` snapshots spread over it, whatever the run's length; :func:`build` called directly
-            refuses it, so give ``collect_every`` there. An integer is used as it is.
+        collect_every: updates between two snapshots. ``"auto"``, the default, is resolved by
+            :func:`flatbma.training.build` from the run's length as ``start_step: null`` is (:func:`resolve`): the
+            window's updates divided by ``rank``, at least 1 (:func:`auto_collect_every`), so that a window of at
+            least ``rank`` updates collects ``rank`` snapshots spread over it, whatever the run's length;
+            :func:`build` called directly refuses it, so give ``collect_every`` there. An integer is used as it is.
         diagonal_only: keep no deviations and sample from the diagonal Gaussian (SWAG-Diagonal).
     """
 

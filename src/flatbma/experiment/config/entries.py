@@ -30,9 +30,9 @@ from typing import Any, Literal, Union
 
 from flatbma.checks import shown
 from flatbma.errors import FlatbmaError
-from flatbma.experiment.config.sections import OptimConfig
 from flatbma.methods import METHODS
 from flatbma.optim import Amortized
+from flatbma.optim.config import OptimConfig
 
 OWN_SECTIONS = ("optim", "train", "data")
 """Run config sections an entry may give its own keys of (they override the shared section's)."""

@@ -2,7 +2,7 @@
 
 A :class:`RunConfig` is a method, a seed and an output directory plus the sections of
 :mod:`flatbma.experiment.config.sections` and, for a two-stage run, the ``prior`` section of
-:mod:`flatbma.experiment.config.prior_config`.
+:mod:`flatbma.prior`.
 """
 
 from __future__ import annotations
@@ -20,18 +20,11 @@ from flatbma.data.tabular import is_regression_dataset
 from flatbma.errors import FlatbmaError, suggest
 from flatbma.experiment.config.entries import first_run_sections
 from flatbma.experiment.config.parse import load_yaml, set_dotted, shown
-from flatbma.experiment.config.prior_config import PriorConfig, parse_prior
-from flatbma.experiment.config.sections import (
-    DataConfig,
-    EvalConfig,
-    ModelConfig,
-    OptimConfig,
-    TrainConfig,
-    plain,
-    plain_values,
-)
+from flatbma.experiment.config.sections import DataConfig, EvalConfig, ModelConfig, TrainConfig
 from flatbma.methods import METHODS, MethodConfig, parse_method
-from flatbma.options import parse_dataclass
+from flatbma.optim.config import OptimConfig
+from flatbma.options import parse_dataclass, plain, plain_values
+from flatbma.prior import PriorConfig, parse_prior
 
 
 @dataclass(frozen=True)

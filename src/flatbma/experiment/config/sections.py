@@ -4,46 +4,26 @@ Each is parsed once from YAML by :func:`flatbma.experiment.config.parse.parse_da
 ``__post_init__``. Options with a fixed set of values are ``str`` Enums: a config gives the string,
 Python code may give the string or the member, and :func:`plain` spells the members as their
 strings again for the resolved ``config.yaml``. The run config that holds them, and the two-stage
-``prior`` section, are in :mod:`flatbma.experiment.config.run_config` and :mod:`flatbma.experiment.config.prior_config`.
+``prior`` section, are in :mod:`flatbma.experiment.config.run_config` and :mod:`flatbma.prior`.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING, Any, Literal
 
-from flatbma.checks import parse_choice
+from flatbma.checks import check_positive, parse_choice
 from flatbma.errors import FlatbmaError
 from flatbma.experiment.config.parse import shown
 from flatbma.ood import check_ood_applies, check_ood_name
-from flatbma.optim import SGD, Adam, constant, cosine
-from flatbma.optim.schedules import Schedule as LearningRate
-from flatbma.options import added, resolved
+from flatbma.options import added
 from flatbma.precision import Precision
 from flatbma.regression import Gaussian
 from flatbma.transfer import Subset
-from flatbma.types import GradientTransformation
 
 if TYPE_CHECKING:
     from flatbma.family import RunShape
-
-_FLOAT32_MAX = 3.4028234663852886e38
-
-
-def check_positive(where: str, value: float | None, *, allow_none: bool = False, allow_zero: bool = False) -> None:
-    """Raise unless ``value > 0`` (``>= 0``: ``allow_zero``; ``None`` passes: ``allow_none``), finite in float32."""
-    if value is None and allow_none:
-        return
-    ok = value is not None and (value >= 0 if allow_zero else value > 0)
-    if not ok:
-        bound = ">= 0" if allow_zero else "> 0"
-        raise FlatbmaError(f"{where} must be {bound}, got {value!r}")
-    if not math.isfinite(value) or value > _FLOAT32_MAX:  # the values meet float32 tensors
-        raise FlatbmaError(f"{where} must be a finite number below 3.4e38 (float32 range), got {value!r}")
-
 
 def _set_member(section: Any, key: str, enum: type[Enum]) -> None:
     """Replace the string in ``section.key`` by its ``enum`` member (a frozen dataclass, in ``__post_init__``)."""
@@ -67,30 +47,6 @@ def _set_members(section: Any, key: str, enum: type[Enum]) -> None:
     object.__setattr__(section, key, tuple(members))
 
 
-def plain(section: Any) -> dict[str, Any]:
-    """The resolved ``section`` with every Enum member spelled as its value (as YAML and JSON hold it).
-
-    :func:`flatbma.options.resolved`: options added later are left out while they hold their default.
-    """
-    return plain_values(resolved(section))
-
-
-def plain_values(mapping: Mapping[str, Any]) -> dict[str, Any]:
-    """``mapping`` with every Enum member among its values spelled as its value (e.g. a method's options).
-
-    A tuple or list value becomes a list of plain values (as YAML reads it back, e.g. ``train.log``).
-    """
-    return {k: _plain_value(v) for k, v in mapping.items()}
-
-
-def _plain_value(value: Any) -> Any:
-    if isinstance(value, Mapping):  # a nested section (multi's method.of)
-        return plain_values(value)
-    if isinstance(value, (tuple, list)):
-        return [_plain_value(v) for v in value]
-    return value.value if isinstance(value, Enum) else value
-
-
 class Parallel(str, Enum):
     """What the processes of a ``torchrun`` launch share out (``train.parallel``; strings and members are accepted).
 
@@ -101,20 +57,6 @@ class Parallel(str, Enum):
 
     DATA = "data"
     MEMBERS = "members"
-
-
-class Optimizer(str, Enum):
-    """The descent optimizer (``optim.name``; strings and members are both accepted)."""
-
-    SGD = "sgd"
-    ADAM = "adam"
-
-
-class Schedule(str, Enum):
-    """The learning-rate schedule (``optim.schedule``; strings and members are both accepted)."""
-
-    COSINE = "cosine"
-    CONSTANT = "constant"
 
 
 @dataclass(frozen=True)
@@ -235,78 +177,6 @@ class ModelConfig:
     def gaussian(self) -> Gaussian | None:
         """The :class:`~flatbma.regression.Gaussian` likelihood of a regression run, ``None`` for a classifier."""
         return Gaussian(noise_std=self.noise_std) if self.likelihood is Likelihood.GAUSSIAN else None
-
-
-@dataclass(frozen=True)
-class OptimConfig:
-    """Descent optimizer of the trained variables.
-
-    Attributes:
-        name: ``sgd`` (momentum, coupled weight decay) or ``adam`` (decoupled weight decay).
-        lr: peak learning rate.
-        momentum: SGD momentum.
-        weight_decay: weight decay.
-        nesterov: Nesterov momentum (SGD).
-        schedule: ``cosine`` decay to 0 over training, or ``constant``.
-        warmup_epochs: linear warm-up length in epochs.
-    """
-
-    name: Optimizer = Optimizer.SGD
-    lr: float = 0.05
-    momentum: float = 0.9
-    weight_decay: float = 5e-4
-    nesterov: bool = False
-    schedule: Schedule = Schedule.COSINE
-    warmup_epochs: float = 0.0
-
-    def __post_init__(self) -> None:
-        _set_member(self, "name", Optimizer)
-        _set_member(self, "schedule", Schedule)
-        check_positive("lr", self.lr)
-        check_positive("weight_decay", self.weight_decay, allow_zero=True)
-        check_positive("warmup_epochs", self.warmup_epochs, allow_zero=True)
-        if not 0 <= self.momentum < 1:
-            raise FlatbmaError(f"momentum must be in [0, 1), got {self.momentum!r}")
-
-    def check_length(self, epochs: int, where: str = "optim", epochs_key: str = "train.epochs") -> None:
-        """Refuse a warm-up longer than the ``epochs`` it warms up (``where``: the section's name in messages).
-
-        A cosine schedule's warm-up of ``warmup_epochs`` ≥ the run's epochs never reaches ``lr``: the whole run
-        trains at a fraction of the rate it asks for (``warmup_epochs: 100`` with ``epochs: 1`` trained at 1 %).
-
-        Raises:
-            FlatbmaError: one line naming both keys.
-        """
-        if self.warmup_epochs > epochs:
-            raise FlatbmaError(
-                f"{where}.warmup_epochs={self.warmup_epochs:g} is longer than the {epochs} epochs of the run "
-                f"({epochs_key}): the learning rate would never reach {where}.lr; use {where}.warmup_epochs <= {epochs}"
-            )
-
-    def build(self, steps_per_epoch: int, epochs: int) -> GradientTransformation:
-        """The optimizer, its learning rate following the schedule over ``epochs`` epochs of ``steps_per_epoch`` steps.
-
-        The warm-up lasts ``round(warmup_epochs · steps_per_epoch)`` steps (cosine schedule).
-        """
-        return OPTIMIZERS[self.name](self, self.learning_rate(steps_per_epoch, epochs))
-
-    def learning_rate(self, steps_per_epoch: int, epochs: int) -> LearningRate:
-        """The schedule ``step -> η_t`` of :meth:`build`'s optimizer (the training log reports it)."""
-        warmup = round(self.warmup_epochs * steps_per_epoch)
-        return SCHEDULES[self.schedule](self.lr, epochs * steps_per_epoch, warmup)
-
-
-OPTIMIZERS: dict[Optimizer, Callable[[OptimConfig, LearningRate], GradientTransformation]] = {
-    Optimizer.SGD: lambda o, lr: SGD(lr=lr, momentum=o.momentum, weight_decay=o.weight_decay, nesterov=o.nesterov),
-    Optimizer.ADAM: lambda o, lr: Adam(lr=lr, weight_decay=o.weight_decay),
-}
-"""Each ``optim.name`` → its optimizer built from the section and a learning-rate schedule."""
-
-SCHEDULES: dict[Schedule, Callable[[float, int, int], LearningRate]] = {
-    Schedule.COSINE: cosine,
-    Schedule.CONSTANT: lambda lr, _steps, _warmup: constant(lr),
-}
-"""Each ``optim.schedule`` → ``schedule(peak lr, total steps, warm-up steps)``."""
 
 
 class TrainLog(str, Enum):

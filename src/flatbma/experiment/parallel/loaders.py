@@ -7,7 +7,7 @@ seeded ``RandomSampler`` on the same generator, consumed identically) and gives 
 Shards always have equal sizes: the epoch's trailing partial batch of ``q`` examples is cut to
 ``N·⌊q/N⌋`` examples (at most ``N − 1`` examples, different each epoch, are left out) and is dropped
 when that leaves fewer than two examples per process (one process drops only a trailing batch of
-one). Resuming (:class:`~flatbma.experiment.runner.Position`) works as in one process:
+one). Resuming (:class:`~flatbma.loop.Position`) works as in one process:
 the loader's generator is shared by the sampler and restored by the runner.
 
 Evaluation: the test set is split into contiguous shards (:func:`shard_loader`), one per process.

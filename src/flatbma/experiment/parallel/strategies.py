@@ -84,7 +84,7 @@ from flatbma.experiment.parallel.processes import (
     rank,
     world_size,
 )
-from flatbma.experiment.runner import History, Position
+from flatbma.loop import History, Position
 from flatbma.metrics import StreamingMetrics
 from flatbma.params import Objective
 from flatbma.types import Batch, Posterior, State, StepOutput, Transform

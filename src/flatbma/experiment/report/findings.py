@@ -53,7 +53,7 @@ from flatbma.experiment.report.rows import (
     read_runs,
     seed_counts,
 )
-from flatbma.experiment.run.health import flagged_line, is_flagged
+from flatbma.health import flagged_line, is_flagged
 from flatbma.stats import POWER, Difference, paired_difference
 
 __all__ = [
@@ -352,7 +352,7 @@ def findings(results: Mapping[str, Any]) -> dict[str, Any]:
         the one it is compared with gets one line saying that nothing is claimed; a pair ``(a, b)``
         whose ``b`` is the reference adds no line, the reference's comparisons have said it); with one
         seed overall, or one method, it is a single line saying that no comparison is claimed. Rows
-        flagged by the training-health rules (:mod:`flatbma.experiment.run.health`) come first, one line
+        flagged by the training-health rules (:mod:`flatbma.health`) come first, one line
         each, and are listed under ``"health"``; before them, one line per method with seeds whose training
         diverged (failed rows, in no comparison: :func:`~flatbma.experiment.report.rows.diverged_lines`),
         listed under ``"diverged"``.

@@ -79,8 +79,8 @@ from flatbma.experiment.report.rows import (
     summary_of,
     width_field,
 )
-from flatbma.experiment.run.health import MARK, flagged_line, is_flagged
 from flatbma.flatness.posterior import HEAVY_TAIL_FACTOR, repeatable
+from flatbma.health import MARK, flagged_line, is_flagged
 from flatbma.stats import POWER, Summary
 
 __all__ = ["Table", "report_tables", "summary_table"]

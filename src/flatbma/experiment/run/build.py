@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader
 
+from flatbma import training
 from flatbma.bn import statistics_loader
 from flatbma.checks import check_device, shown
 from flatbma.data import (
@@ -49,7 +50,7 @@ from flatbma.experiment.parallel import processes, strategies
 from flatbma.experiment.parallel.loaders import seeded_loader
 from flatbma.experiment.parallel.strategies import Strategy
 from flatbma.models import build_model, check_classifier
-from flatbma.optim import LossScaled
+from flatbma.optim.schedules import Schedule
 from flatbma.params import Objective
 from flatbma.precision import Precision
 from flatbma.regression import Gaussian
@@ -106,6 +107,7 @@ class Experiment:
             un-augmented images in a fixed order, the same on every process and every evaluation.
         rng: the global RNG state at the end of building; evaluation starts from it.
         data_fingerprint: :func:`data_fingerprint` of the data set the run draws its examples from.
+        learning_rate: ``step -> η_t`` as the method trains with it (:attr:`flatbma.training.Built.learning_rate`).
         likelihood: the Gaussian likelihood of a regression run (``model.likelihood: gaussian``; then
             ``num_classes`` is 0), ``None`` for a classifier.
     """
@@ -123,6 +125,7 @@ class Experiment:
     bn_loader: DataLoader
     rng: GlobalRNG
     data_fingerprint: str
+    learning_rate: Schedule
     likelihood: Gaussian | None = None
 
 
@@ -364,19 +367,26 @@ def build_experiment(cfg: RunConfig, prior: Params | None = None) -> Experiment:
     model = build_network(cfg, train).to(device)
 
     train_loader = strategy.train_loader(train, d.batch_size, seed=cfg.seed)  # data.batch_size: the global batch
-    optimizer = cfg.optim.build(steps_per_epoch=len(train_loader), epochs=cfg.train.epochs)
     precision = cfg.train.precision
     gaussian = cfg.model.gaussian
     loss = {"loss_fn": gaussian} if gaussian is not None else {}
     objective = strategy.objective(Objective(model=model, num_data=len(train), precision=precision, **loss))
-    method = cfg.method.build(objective, optimizer, prior, map_steps=cfg.train.epochs * len(train_loader))
     if precision is Precision.FP16:
         _check_one_scale(strategy)
-        method = LossScaled()(method)
+    built = training.build(
+        cfg.method,
+        cfg.optim,
+        objective,
+        steps_per_epoch=len(train_loader),
+        epochs=cfg.train.epochs,
+        prior=prior,
+        precision=precision,
+    )
     return Experiment(
         config=cfg,
         model=model,
-        method=method,
+        method=built.posterior,
+        learning_rate=built.learning_rate,
         train_loader=train_loader,
         val_loader=seeded_loader(val, d.eval_batch_size, shuffle=False, seed=0) if val is not None else None,
         # a regression run's mixture metrics (coverage, calibration) are not sums over shards: every process

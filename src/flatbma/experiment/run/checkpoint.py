@@ -9,7 +9,7 @@ a temporary file left by a killed write is removed when the next run starts in t
 the file the mode the user's umask asks for.
 
 A run's checkpoint also holds the loop position (:func:`save_position`, :func:`load_position`): the runner's
-:class:`~flatbma.experiment.runner.Position` (RNG states as ``extra/…`` tensors, counters and running sums as
+:class:`~flatbma.loop.Position` (RNG states as ``extra/…`` tensors, counters and running sums as
 metadata), the training history, who wrote it (:class:`~flatbma.experiment.run.provenance.Provenance`: the
 method, fingerprints of its options and of the model, the flatbma version) and the run it belongs to
 (:class:`RunRecord`: its whole resolved config and the fingerprint of its data). Loading it checks it against
@@ -48,7 +48,7 @@ from flatbma.errors import FlatbmaError
 from flatbma.experiment.config.parse import shown
 from flatbma.experiment.config.run_config import as_stored
 from flatbma.experiment.run.provenance import WRITTEN_BY, Provenance, Template, check_provenance
-from flatbma.experiment.runner import EpochLog, History, Position
+from flatbma.loop import EpochLog, History, Position
 from flatbma.state_io import (
     FORMAT,
     FORMATS,
@@ -271,7 +271,7 @@ def at_end(meta: Mapping[str, str] | None, epochs: int) -> bool:
     """Whether the checkpoint with metadata ``meta`` stands at the end of a run of ``epochs`` epochs.
 
     Its position is epoch ``epochs`` with no batch of a further one: every step trained, the last epoch's
-    log taken (:func:`flatbma.experiment.runner.fit`'s last checkpoint).
+    log taken (:func:`flatbma.loop.fit`'s last checkpoint).
     """
     try:
         return meta is not None and int(meta["epoch"]) == epochs and int(meta["batch"]) == 0

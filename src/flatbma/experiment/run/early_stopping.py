@@ -1,9 +1,9 @@
 """Early stopping on validation (``train.early_stopping``): evaluate, keep the best state, stop on patience.
 
-The loop (:func:`flatbma.experiment.runner.fit`) calls :meth:`Monitor.after_epoch` after every epoch,
+The loop (:func:`flatbma.loop.fit`) calls :meth:`Monitor.after_epoch` after every epoch,
 before that epoch's checkpoint, and asks :meth:`Monitor.stop` before every epoch. Everything the rule
 needs is in the history the checkpoint holds — each evaluation's values in
-:attr:`~flatbma.experiment.runner.EpochLog.validation` — and in ``best.safetensors``, the state of the
+:attr:`~flatbma.loop.EpochLog.validation` — and in ``best.safetensors``, the state of the
 best evaluation, written before the checkpoint that records it. So a run resumed from any checkpoint
 evaluates, keeps and stops exactly as the uninterrupted one: the best epoch and the stopping epoch are
 functions of the history, and a best state written by an interrupted epoch is written again, the same,
@@ -28,7 +28,7 @@ from flatbma.experiment.run.build import Experiment
 from flatbma.experiment.run.checkpoint import check_compatible, load_checkpoint, save_state
 from flatbma.experiment.run.evaluate import validation_metrics
 from flatbma.experiment.run.provenance import Template
-from flatbma.experiment.runner import History
+from flatbma.loop import History
 from flatbma.types import State
 
 BEST_FILE = "best.safetensors"

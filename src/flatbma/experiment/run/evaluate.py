@@ -52,7 +52,6 @@ from flatbma.data.corruptions import applicable, corrupt_dataset
 from flatbma.errors import FlatbmaError
 from flatbma.experiment.config.run_config import CORRUPTIONS_NOT_TABULAR
 from flatbma.experiment.run.build import Experiment
-from flatbma.experiment.run.health import HEALTH_EXAMPLES
 from flatbma.flatness import (
     distinct_samples,
     flatness_report,
@@ -63,6 +62,7 @@ from flatbma.flatness import (
     width,
 )
 from flatbma.flatness.landscape import posterior_landscape, random_direction
+from flatbma.health import HEALTH_EXAMPLES
 from flatbma.linearized import LinearizedPredictive
 from flatbma.metrics import StreamingMetrics
 from flatbma.ood import ood_dataset, ood_metrics, uncertainty_scores
@@ -281,9 +281,9 @@ def _repeat(
 
 
 def training_fit(exp: Experiment, predictions: Predictions, state: State | None = None) -> dict[str, Any]:
-    """How the BMA fits its training data: the health entry's measurements (:mod:`flatbma.experiment.run.health`).
+    """How the BMA fits its training data: the health entry's measurements (:mod:`flatbma.health`).
 
-    The BMA's accuracy and NLL on the first :data:`~flatbma.experiment.run.health.HEALTH_EXAMPLES` (whole
+    The BMA's accuracy and NLL on the first :data:`~flatbma.health.HEALTH_EXAMPLES` (whole
     batches) un-augmented training images of :attr:`Experiment.bn_loader` (a fixed random order, so a
     class-sorted data set gives a sample of every class), and the chance level: the share of the most frequent
     class among them. With ``state``, the BMA against its posterior mean (:func:`against_mean`). Run under forked random
@@ -357,7 +357,7 @@ def regression_fit(exp: Experiment, samples: list[Params], *, test_rmse: float) 
     """How a regression BMA fits data like its training data: the health entry's measurements for its rules.
 
     The RMSE of the mixture's mean ``(1/M) Σ_m μ_m(x)`` on the validation split when the run has one, else on
-    the first :data:`~flatbma.experiment.run.health.HEALTH_EXAMPLES` (whole batches) un-augmented training
+    the first :data:`~flatbma.health.HEALTH_EXAMPLES` (whole batches) un-augmented training
     examples of :attr:`Experiment.bn_loader`, and the standard deviation of their targets (``ddof = 0``: the
     RMSE of always predicting their mean), beside the test RMSE. Run under forked random generators: nothing
     measured after it changes.
@@ -439,7 +439,7 @@ def evaluate_state(exp: Experiment, state: State, *, flatness: bool = False) -> 
     """BMA metrics of ``state`` on the test set (and flatness when asked), from the build's RNG state.
 
     ``health`` holds the BMA's :func:`training_fit`; the caller completes it with the run's loss history
-    (:func:`flatbma.experiment.run.health.assess`). A regression run (:attr:`Experiment.likelihood`) records
+    (:func:`flatbma.health.assess`). A regression run (:attr:`Experiment.likelihood`) records
     :func:`regression_metrics` instead of the classifier's, and its flatness on its Gaussian NLL
     (:func:`flatness_metrics`).
     """

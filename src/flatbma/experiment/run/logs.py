@@ -1,7 +1,7 @@
 """The training logs of a run: a line per epoch on ``stderr``, ``log.csv`` and TensorBoard (``train.log``).
 
-They are written from the loop's one callback, the checkpoint (:func:`flatbma.experiment.runner.fit`
-calls it after every epoch with the :class:`~flatbma.experiment.runner.History` it saves): an
+They are written from the loop's one callback, the checkpoint (:func:`flatbma.loop.fit`
+calls it after every epoch with the :class:`~flatbma.loop.History` it saves): an
 :class:`EpochLogger` logs every epoch of that history it has not logged yet. Under ``torchrun`` only
 rank 0 saves, with the history averaged over the processes, so the logs hold what ``metrics.json``
 will hold.
@@ -21,28 +21,27 @@ from __future__ import annotations
 import csv
 import importlib
 import io
-import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from flatbma import progress
 from flatbma.errors import FlatbmaError
 from flatbma.experiment.config.sections import TrainLog
 from flatbma.experiment.run.checkpoint import atomic_write_bytes, write_error
-from flatbma.experiment.runner import EpochLog, History
+from flatbma.loop import History
 from flatbma.state_io import append_bytes
+from flatbma.training import EpochLines
 
 CSV_FILE = "log.csv"
 TENSORBOARD_DIR = "tensorboard"
 COLUMNS = ("epoch", "loss", "accuracy", "steps", "lr", "time_s")
 """The first columns of ``log.csv``: ``epoch``, ``loss``, ``accuracy`` and ``steps`` are the history's. After
 them come the epoch's step statistics (e.g. ``ascent/mean_shift``) and validation values (``val/nll``) of a
-run that has them (:attr:`~flatbma.experiment.runner.EpochLog.stats`, ``validation``), in the order first
+run that has them (:attr:`~flatbma.loop.EpochLog.stats`, ``validation``), in the order first
 seen; an earlier row lacks a column that appeared later (empty cell)."""
 REGRESSION_COLUMNS = ("epoch", "loss", "rmse", "steps", "lr", "time_s")
 """The first columns of a regression run's ``log.csv`` (``model.likelihood: gaussian``): its targets have no
-accuracy; ``rmse`` is the epoch's training RMSE of the mean (:attr:`~flatbma.experiment.runner.EpochLog.rmse`)."""
+accuracy; ``rmse`` is the epoch's training RMSE of the mean (:attr:`~flatbma.loop.EpochLog.rmse`)."""
 
 
 def check_available(logs: Iterable[TrainLog]) -> None:
@@ -61,8 +60,8 @@ def check_available(logs: Iterable[TrainLog]) -> None:
             ) from None
 
 
-class EpochLogger:
-    """Logs each finished epoch of a run: the line on ``stderr``, ``log.csv``, TensorBoard.
+class EpochLogger(EpochLines):
+    """Logs each finished epoch of a run: its line (:class:`~flatbma.training.EpochLines`), ``log.csv``, TensorBoard.
 
     Call it with the history after every checkpoint (the same history the checkpoint holds); it logs the
     epochs it has not logged yet. Create it right before the loop starts, or at its first checkpoint with
@@ -71,39 +70,17 @@ class EpochLogger:
     Args:
         run_dir: the run directory.
         logs: the files to write (``train.log``).
-        epochs: the run's number of epochs (for the line).
-        learning_rate: ``optim``'s schedule ``step -> η_t``.
-        history: the history the loop starts from (empty, or the resumed checkpoint's).
-        lines: print a line per epoch on ``stderr`` (where :mod:`flatbma.progress` prints lines).
-        started: when the loop started (``time.perf_counter()``), for a logger created after it (at the
-            first checkpoint); ``None``: now.
-        accuracy: the accuracy in the lines and ``log.csv`` (:data:`COLUMNS`); ``False`` for regression targets,
-            which have none: the training RMSE instead (:data:`REGRESSION_COLUMNS`).
+        lines: the arguments of :class:`~flatbma.training.EpochLines`; ``accuracy``: the accuracy in
+            ``log.csv`` (:data:`COLUMNS`), ``False`` for regression targets: the RMSE
+            (:data:`REGRESSION_COLUMNS`).
     """
 
-    def __init__(
-        self,
-        run_dir: Path,
-        logs: Sequence[TrainLog],
-        *,
-        epochs: int,
-        learning_rate: Callable[[int], float],
-        history: History,
-        lines: bool = True,
-        started: float | None = None,
-        accuracy: bool = True,
-    ) -> None:
-        self._epochs = epochs
-        self._accuracy = accuracy
-        self._learning_rate = learning_rate
-        self._lines = lines
-        self._logged = len(history.epochs)
+    def __init__(self, run_dir: Path, logs: Sequence[TrainLog], **lines: Any) -> None:
+        super().__init__(**lines)
         self._csv: Path | None = None
         self._writer: Any = None
-        rows = [self._row(history.epochs, i, None) for i in range(self._logged)]
-        self.rows: list[dict[str, Any]] = [dict(row) for row in rows]
-        """Every epoch's row as logged (the history's epochs it starts from: without a time), ``log.csv``'s."""
-        self._first = COLUMNS if accuracy else REGRESSION_COLUMNS
+        rows = [dict(row) for row in self.rows]
+        self._first = COLUMNS if lines.get("accuracy", True) else REGRESSION_COLUMNS
         self._columns = _columns(rows, self._first)
         if TrainLog.CSV in logs:
             self._csv = run_dir / CSV_FILE
@@ -118,27 +95,14 @@ class EpochLogger:
             for row in rows:
                 self._scalars(row)
             self._writer.flush()
-        self._last = started if started is not None else time.perf_counter()
 
-    def __call__(self, history: History) -> None:
-        """Log the epochs of ``history`` past the ones already logged."""
-        now = time.perf_counter()
-        for i in range(self._logged, len(history.epochs)):
-            row = self._row(history.epochs, i, now - self._last)
-            self.rows.append(dict(row))
-            if self._lines:
-                acc = f"acc {row['accuracy']:.3f}  " if self._accuracy else _rmse_text(row["rmse"])
-                progress.current().line(
-                    f"epoch {row['epoch']}/{self._epochs}  loss {row['loss']:.4f}  {acc}"
-                    f"lr {row['lr']:.4g}  {_seconds(row['time_s'])} s"
-                )
-            if self._csv is not None:
-                self._write_row(history, i, row)
-            if self._writer is not None:
-                self._scalars(row)
-                self._writer.flush()
-            self._last = now
-        self._logged = max(self._logged, len(history.epochs))
+    def logged(self, history: History, i: int, row: dict[str, Any]) -> None:
+        """Write the epoch's row to ``log.csv`` and TensorBoard."""
+        if self._csv is not None:
+            self._write_row(history, i, row)
+        if self._writer is not None:
+            self._scalars(row)
+            self._writer.flush()
 
     def _write_row(self, history: History, i: int, row: dict[str, Any]) -> None:
         """Append ``row`` to ``log.csv``; when it has a column the file lacks, write the file anew with it."""
@@ -146,7 +110,7 @@ class EpochLogger:
             columns = _columns([row], self._columns)
             if columns != self._columns:
                 self._columns = columns
-                rows = [self._row(history.epochs, j, None) for j in range(i)]
+                rows = [self.row(history.epochs, j, None) for j in range(i)]
                 _restart_csv(self._csv, [*rows, row], columns, keep_time=row["epoch"])
                 return
             line = io.StringIO()
@@ -161,33 +125,11 @@ class EpochLogger:
             self._writer.close()
             self._writer = None
 
-    def _row(self, epochs: Sequence[EpochLog], i: int, seconds: float | None) -> dict[str, Any]:
-        h = epochs[i]
-        last_step = sum(e.steps for e in epochs[: i + 1]) - 1  # the step the epoch's last update took
-        return {
-            "epoch": h.epoch,
-            "loss": h.loss,
-            **({"accuracy": h.accuracy} if self._accuracy else {"rmse": h.rmse}),
-            "steps": h.steps,
-            "lr": float(self._learning_rate(max(last_step, 0))),
-            "time_s": seconds,
-            **h.stats,
-            **{f"val/{k}": v for k, v in h.validation.items()},
-        }
-
     def _scalars(self, row: dict[str, Any]) -> None:
         for key in (*self._first[1:3], "lr", "time_s", *(c for c in row if c not in self._first)):
             if row[key] is not None:
                 name = key if "/" in key else f"train/{key}"
                 self._writer.add_scalar(name, row[key], global_step=row["epoch"])
-
-
-def _rmse_text(rmse: float | None) -> str:
-    return f"rmse {rmse:.4f}  " if rmse is not None else ""
-
-
-def _seconds(t: float) -> str:
-    return f"{t:.1f}" if t >= 1 else f"{t:.2f}"
 
 
 def _columns(rows: Iterable[dict[str, Any]], columns: Sequence[str]) -> tuple[str, ...]:

@@ -39,7 +39,6 @@ from flatbma.experiment.run.checkpoint import (
 )
 from flatbma.experiment.run.early_stopping import Monitor
 from flatbma.experiment.run.evaluate import evaluate_state
-from flatbma.experiment.run.health import assess, warn_if_flagged
 from flatbma.experiment.run.lock import hold
 from flatbma.experiment.run.logs import check_available
 from flatbma.experiment.run.outdir import check_run_output
@@ -63,6 +62,7 @@ from flatbma.experiment.run.stage import (
     unfinished,
 )
 from flatbma.experiment.run.validate import check_evaluation, validate_run
+from flatbma.health import assess, warn_if_flagged
 from flatbma.state_io import check_replaceable, clip
 from flatbma.types import State
 

@@ -8,37 +8,32 @@ layout with ``σ`` floored at ``prior.min_std``, becomes the second stage's prio
 member: its first stage is ``multi`` of ``prior.method`` with the same members and seed, and member
 ``m`` of the second stage takes member ``m``'s fitted Gaussian (:func:`flatbma.posteriors.multi.build`
 says why not one shared prior). The section itself is parsed by
-:mod:`flatbma.experiment.config.prior_config`; :func:`flatbma.experiment.run.pipeline.train` runs both stages.
+:mod:`flatbma.prior`; :func:`flatbma.experiment.run.pipeline.train` runs both stages.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable
 from pathlib import Path
 
 from flatbma.errors import FlatbmaError
-from flatbma.experiment.config.prior_config import PriorConfig, not_gaussian_message
 from flatbma.experiment.config.run_config import RunConfig
-from flatbma.experiment.config.sections import OptimConfig, Optimizer
 from flatbma.experiment.parallel import processes
 from flatbma.experiment.run.build import Experiment, build_experiment
 from flatbma.experiment.run.checkpoint import load_run_state
 from flatbma.experiment.run.lock import hold
 from flatbma.experiment.run.provenance import template
 from flatbma.experiment.run.stage import CHECKPOINT_FILE, PRIOR_DIR, FittedPrior, finished_run, train_stage
-from flatbma.methods import MethodConfig
 from flatbma.posteriors import gaussians
+from flatbma.prior import check_lr_with_prior, not_gaussian_message
 
 __all__ = [
     "PRIOR_DIR",
     "FittedPrior",
-    "check_lr_with_prior",
     "check_stable_with_prior",
     "fit_prior",
     "prior_stage",
-    "sgd_stability_bound",
 ]
 
 
@@ -119,54 +114,7 @@ def fit_prior(
     return FittedPrior(theta=theta, buffers=dict(state.buffers), run_dir=run_dir)
 
 
-def sgd_stability_bound(
-    num_data: int, min_std: float, kl_weight: float, *, momentum: float = 0.0, nesterov: bool = False
-) -> float:
-    """The largest SGD learning rate at which descent on ``κ·KL(q ‖ p)/n`` in ``μ`` does not diverge.
-
-    The prior ``p = N(μ_p, Σ_p)``, ``Σ_p = ½(diag σ² + LLᵀ/(K−1))``, enters the KL through
-    ``½(μ − μ_p)ᵀΣ_p⁻¹(μ − μ_p)``, so the curvature in ``μ`` is the Hessian ``(κ/n)Σ_p⁻¹``. Since
-    ``Σ_p ⪰ ½ diag σ² ⪰ ½ s² I`` with ``s = min_std`` the floor of ``σ``, its largest eigenvalue is
-    ``λ_max ≤ 2κ/(n s²)``, with equality as soon as more than ``K`` coordinates sit at the floor (a
-    direction among them orthogonal to ``L``'s columns sees only ``½s²``), as for SWAG's ``σ`` (most
-    below any usable floor). On a quadratic of curvature ``λ``, heavy-ball SGD with momentum ``β``
-    (PyTorch's convention, :class:`flatbma.optim.SGD`) is stable iff ``lr·λ < 2(1 + β)``, Nesterov's iff
-    ``lr·λ < 2(1 + β)/(1 + 2β)`` (both ``2`` for ``β = 0``), so the bound is
-
-        ``n s²/κ · (1 + β)``  (heavy ball),  ``n s²/κ · (1 + β)/(1 + 2β)``  (Nesterov),
-
-    ``n s²/κ`` for plain gradient descent (``∞`` for ``κ = 0``). Weight decay ``λ_wd`` adds ``λ_wd`` to the
-    curvature (negligible beside ``2κ/(n s²)``); the data loss adds its own.
-    """
-    if kl_weight <= 0:
-        return math.inf
-    factor = (1 + momentum) / (1 + 2 * momentum) if nesterov else 1 + momentum
-    return factor * num_data * min_std**2 / kl_weight
-
-
 def check_stable_with_prior(cfg: RunConfig, num_data: int) -> None:
     """:func:`check_lr_with_prior` of a two-stage run's ``prior`` section, ``optim`` and ``method``."""
     assert cfg.prior is not None
     check_lr_with_prior(cfg.prior, cfg.optim, cfg.method, num_data)
-
-
-def check_lr_with_prior(prior: PriorConfig, optim: OptimConfig, method: MethodConfig, num_data: int) -> None:
-    """Refuse an SGD learning rate that the KL to the fitted prior makes diverge (before stage 1 trains).
-
-    The bound is :func:`sgd_stability_bound` for ``n = num_data``, the floor ``prior.min_std``, ``κ`` the
-    method's resolved ``kl_weight`` option (a mixture's: its members' method's, ``method.of.kl_weight``; every
-    member has its own prior, so the bound is each member's) and the run's momentum (Adam's normalized steps are not
-    affected). The learning rate checked is the peak ``optim.lr``.
-    """
-    o = optim
-    component = method.component()
-    assert component is not None  # parse_prior refuses a mixture without members' method
-    kl_weight = float(component.options["kl_weight"])
-    bound = sgd_stability_bound(num_data, prior.min_std, kl_weight, momentum=o.momentum, nesterov=o.nesterov)
-    if o.name is Optimizer.SGD and o.lr > bound:
-        factor = "(1+m)/(1+2m)" if o.nesterov else "(1+m)"
-        raise FlatbmaError(
-            f"optim.lr={o.lr:g} is above {bound:.3g} = {factor}·n·prior.min_std²/kl_weight (n={num_data}, "
-            f"m=optim.momentum={o.momentum:g}), where SGD on the KL to the fitted prior diverges: lower "
-            "optim.lr, raise prior.min_std, or use optim.name=adam"
-        )

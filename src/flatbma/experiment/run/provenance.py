@@ -27,7 +27,7 @@ import flatbma
 from flatbma.errors import FlatbmaError
 from flatbma.experiment.config.parse import shown
 from flatbma.experiment.config.run_config import as_trained
-from flatbma.experiment.config.sections import plain, plain_values
+from flatbma.options import plain, plain_values
 from flatbma.params import model_buffers, trainable_params
 from flatbma.state_io import clip, dtype_name
 from flatbma.types import Posterior, State

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import yaml
 
-from flatbma import progress
+from flatbma import progress, training
 from flatbma.errors import DivergenceError, FlatbmaError
 from flatbma.experiment.config.parse import shown
 from flatbma.experiment.config.run_config import RunConfig, as_stored, run_identity
@@ -53,12 +53,12 @@ from flatbma.experiment.run.checkpoint import (
 )
 from flatbma.experiment.run.early_stopping import Monitor, stopped
 from flatbma.experiment.run.evaluate import evaluate_state
-from flatbma.experiment.run.health import assess, warn_if_flagged
 from flatbma.experiment.run.lock import hold
 from flatbma.experiment.run.logs import CSV_FILE, EpochLogger, check_available, read_csv
 from flatbma.experiment.run.provenance import environment, provenance, template
 from flatbma.experiment.run.resume import RESUMES_FILE, Resume, append_resume
-from flatbma.experiment.runner import History, Position, fit
+from flatbma.health import assess, warn_if_flagged
+from flatbma.loop import History, Position
 from flatbma.options import yaml_float
 from flatbma.params import model_buffers, trainable_params
 from flatbma.posteriors import gaussians
@@ -357,7 +357,6 @@ def _train_stage(
     if processes.is_main() and cfg.train.progress:
         done = f", resumed after epoch {len(history.epochs)}" if resume else ""
         progress.current().line(f"train: {cfg.method.name} into {run_dir}, {cfg.epochs} epochs of {steps} steps{done}")
-    rate = cfg.method.learning_rate(cfg.optim.learning_rate(steps, cfg.train.epochs), cfg.train.epochs * steps)
     logger: EpochLogger | None = None
     logged = History(list(history.epochs))  # what the logs hold when the loop starts (fit appends to history)
 
@@ -376,7 +375,7 @@ def _train_stage(
                 run_dir,
                 kinds,
                 epochs=cfg.epochs,
-                learning_rate=rate,
+                learning_rate=exp.learning_rate,
                 history=logged,
                 lines=lines,
                 started=start,
@@ -387,14 +386,14 @@ def _train_stage(
     monitor = Monitor(exp, cfg.train.early_stopping, run_dir) if cfg.train.early_stopping is not None else None
     method, state = exp.strategy.start(exp.method, state, cfg.method.name)
     start = time.perf_counter()
-    exp.model.train()
     report = progress.current() if cfg.train.progress and processes.is_main() else progress.Reporter(quiet=True)
     try:
         with report.phase("train", f"{cfg.method.name}, {progress.count(cfg.epochs, 'epoch')}"):  # 30 s at most silent
-            state, history = fit(
+            state, history = training.train(
                 method,
                 state,
                 exp.train_loader,
+                model=exp.model,
                 epochs=cfg.epochs,
                 device=exp.device,
                 resume=position,

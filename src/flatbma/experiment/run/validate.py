@@ -22,16 +22,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 from collections.abc import Iterable
-from pathlib import Path
-
-import torch
 
 from flatbma.data import DatasetSplits
 from flatbma.errors import FlatbmaError
 from flatbma.experiment.config.run_config import RunConfig
-from flatbma.experiment.config.sections import Parallel, plain
+from flatbma.experiment.config.sections import Parallel
 from flatbma.experiment.parallel import processes, strategies
 from flatbma.experiment.run.build import (
     Experiment,
@@ -42,8 +38,9 @@ from flatbma.experiment.run.build import (
     transforms,
 )
 from flatbma.experiment.run.prior import check_stable_with_prior, prior_stage
-from flatbma.family import RunShape, Stage
+from flatbma.family import RunShape, Stage, available_memory
 from flatbma.ood import check_ood_data
+from flatbma.options import plain
 
 __all__ = ["available_memory", "check_evaluation", "check_run", "run_shape", "validate_run", "validate_runs"]
 
@@ -79,39 +76,6 @@ def run_shape(cfg: RunConfig, splits: DatasetSplits | None = None, *, trainable:
         available_memory=free,
         channels=data.test.image_shape[0] if hasattr(data.test, "image_shape") else None,
     )
-
-
-def available_memory(device: torch.device) -> int | None:
-    """Bytes a run on ``device`` can still allocate, or ``None`` when the system does not say.
-
-    A CUDA device's free memory; otherwise the machine's available memory (``MemAvailable`` of
-    ``/proc/meminfo``, else the free pages), capped by a cgroup v2 memory limit (a container's).
-    """
-    if device.type == "cuda":
-        return int(torch.cuda.mem_get_info(device)[0])
-    free = _meminfo_available()
-    try:
-        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
-        used = Path("/sys/fs/cgroup/memory.current").read_text().strip()
-        if limit.isdigit() and used.isdigit():
-            left = max(int(limit) - int(used), 0)
-            free = left if free is None else min(free, left)
-    except OSError:
-        pass
-    return free
-
-
-def _meminfo_available() -> int | None:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return None
 
 
 def _needs_trainable(cfg: RunConfig, flatness: bool) -> bool:

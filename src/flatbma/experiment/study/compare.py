@@ -88,7 +88,6 @@ from flatbma.experiment.run.checkpoint import (
     write_sealed_json,
 )
 from flatbma.experiment.run.evaluate import measure, metric_keys
-from flatbma.experiment.run.health import assess, warn_if_flagged
 from flatbma.experiment.run.lock import hold
 from flatbma.experiment.run.outdir import check_compare_output
 from flatbma.experiment.run.pipeline import load_run, train
@@ -112,6 +111,7 @@ from flatbma.experiment.study.cache import (
 from flatbma.experiment.study.eta import TimeLeft, Work, row_work
 from flatbma.experiment.study.plan import CompareConfig, Job, Plan, compare_record
 from flatbma.experiment.study.width import width_matched
+from flatbma.health import assess, warn_if_flagged
 from flatbma.types import State
 
 RESULTS_JSON = "results.json"

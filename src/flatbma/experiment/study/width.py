@@ -19,12 +19,12 @@ from flatbma.errors import FlatbmaError, suggest
 from flatbma.experiment.config import entries
 from flatbma.experiment.config.entries import label_of
 from flatbma.experiment.config.parse import shown
-from flatbma.experiment.config.prior_config import gaussian_methods
 from flatbma.experiment.run.build import Experiment
 from flatbma.methods import METHODS, parse_method
 from flatbma.optim import SGD
 from flatbma.params import Objective
 from flatbma.posteriors import gaussians
+from flatbma.prior import gaussian_methods
 from flatbma.types import State
 
 SAMPLER = "low-rank Gaussian sampler over the scaled θ (SWAG's sampler distribution)"

@@ -1,8 +1,8 @@
-"""The ``prior`` section of a two-stage run, parsed once; :mod:`flatbma.experiment.run.prior` runs it.
+"""The ``prior`` section of a two-stage run, parsed once: the first stage's method, epochs, optimizer and floor.
 
-It lies below :mod:`flatbma.experiment.config.run_config` (whose
-:class:`~flatbma.experiment.config.run_config.RunConfig`
-holds it) and knows methods only through the registry: whether a method's posterior is a low-rank
+:func:`flatbma.fit_posterior` (``prior=``) and ``flatbma train`` (:mod:`flatbma.experiment.run.prior`) run it;
+both refuse a learning rate the KL to the fitted prior makes diverge (:func:`check_lr_with_prior`). It knows
+methods only through the registry: whether a method's posterior is a low-rank
 plus diagonal Gaussian is its :attr:`~flatbma.family.Family.gaussian`, whether it
 takes such a prior its :attr:`~flatbma.family.Family.with_prior` (a mixture's: also its
 members' method's, :meth:`~flatbma.methods.MethodConfig.takes_prior`).
@@ -10,13 +10,15 @@ members' method's, :meth:`~flatbma.methods.MethodConfig.takes_prior`).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
+from flatbma.checks import check_positive
 from flatbma.errors import FlatbmaError
-from flatbma.experiment.config.sections import OptimConfig, check_positive, plain, plain_values
 from flatbma.methods import METHODS, MethodConfig, parse_method, prior_methods
-from flatbma.options import parse_dataclass
+from flatbma.optim.config import OptimConfig, Optimizer
+from flatbma.options import parse_dataclass, plain, plain_values
 
 RANK_OPTION = "rank"
 """The family option holding the number ``K`` of low-rank columns of a Gaussian posterior.
@@ -52,7 +54,7 @@ class PriorConfig:
             curvature up to ``2κ/(n σ²)`` in ``μ`` (the prior's variance along such a weight is ``σ²/2``):
             gradient descent with learning rate ``lr`` is stable only for ``σ² > κ·lr/n`` (heavy-ball
             momentum ``β`` relaxes it to ``κ·lr/((1+β)n)``), which this floor secures for usual ``lr`` and
-            ``n`` (:func:`flatbma.experiment.run.prior.sgd_stability_bound`).
+            ``n`` (:func:`flatbma.prior.sgd_stability_bound`).
     """
 
     method: MethodConfig
@@ -141,3 +143,50 @@ def not_gaussian_message(name: str) -> str:
         f"prior.method {name!r} is not a low-rank plus diagonal Gaussian posterior, so it cannot serve as "
         f"a prior: use one of {', '.join(gaussian_methods())}"
     )
+
+
+def sgd_stability_bound(
+    num_data: int, min_std: float, kl_weight: float, *, momentum: float = 0.0, nesterov: bool = False
+) -> float:
+    """The largest SGD learning rate at which descent on ``κ·KL(q ‖ p)/n`` in ``μ`` does not diverge.
+
+    The prior ``p = N(μ_p, Σ_p)``, ``Σ_p = ½(diag σ² + LLᵀ/(K−1))``, enters the KL through
+    ``½(μ − μ_p)ᵀΣ_p⁻¹(μ − μ_p)``, so the curvature in ``μ`` is the Hessian ``(κ/n)Σ_p⁻¹``. Since
+    ``Σ_p ⪰ ½ diag σ² ⪰ ½ s² I`` with ``s = min_std`` the floor of ``σ``, its largest eigenvalue is
+    ``λ_max ≤ 2κ/(n s²)``, with equality as soon as more than ``K`` coordinates sit at the floor (a
+    direction among them orthogonal to ``L``'s columns sees only ``½s²``), as for SWAG's ``σ`` (most
+    below any usable floor). On a quadratic of curvature ``λ``, heavy-ball SGD with momentum ``β``
+    (PyTorch's convention, :class:`flatbma.optim.SGD`) is stable iff ``lr·λ < 2(1 + β)``, Nesterov's iff
+    ``lr·λ < 2(1 + β)/(1 + 2β)`` (both ``2`` for ``β = 0``), so the bound is
+
+        ``n s²/κ · (1 + β)``  (heavy ball),  ``n s²/κ · (1 + β)/(1 + 2β)``  (Nesterov),
+
+    ``n s²/κ`` for plain gradient descent (``∞`` for ``κ = 0``). Weight decay ``λ_wd`` adds ``λ_wd`` to the
+    curvature (negligible beside ``2κ/(n s²)``); the data loss adds its own.
+    """
+    if kl_weight <= 0:
+        return math.inf
+    factor = (1 + momentum) / (1 + 2 * momentum) if nesterov else 1 + momentum
+    return factor * num_data * min_std**2 / kl_weight
+
+
+def check_lr_with_prior(prior: PriorConfig, optim: OptimConfig, method: MethodConfig, num_data: int) -> None:
+    """Refuse an SGD learning rate that the KL to the fitted prior makes diverge (before stage 1 trains).
+
+    The bound is :func:`sgd_stability_bound` for ``n = num_data``, the floor ``prior.min_std``, ``κ`` the
+    method's resolved ``kl_weight`` option (a mixture's: its members' method's, ``method.of.kl_weight``; every
+    member has its own prior, so the bound is each member's) and the run's momentum (Adam's normalized steps are not
+    affected). The learning rate checked is the peak ``optim.lr``.
+    """
+    o = optim
+    component = method.component()
+    assert component is not None  # parse_prior refuses a mixture without members' method
+    kl_weight = float(component.options["kl_weight"])
+    bound = sgd_stability_bound(num_data, prior.min_std, kl_weight, momentum=o.momentum, nesterov=o.nesterov)
+    if o.name is Optimizer.SGD and o.lr > bound:
+        factor = "(1+m)/(1+2m)" if o.nesterov else "(1+m)"
+        raise FlatbmaError(
+            f"optim.lr={o.lr:g} is above {bound:.3g} = {factor}·n·prior.min_std²/kl_weight (n={num_data}, "
+            f"m=optim.momentum={o.momentum:g}), where SGD on the KL to the fitted prior diverges: lower "
+            "optim.lr, raise prior.min_std, or use optim.name=adam"
+        )

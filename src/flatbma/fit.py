@@ -1,14 +1,13 @@
 """From PyTorch in one call: train a registered method on your module and loader, get a :class:`~flatbma.predictor.BMA`.
 
 :func:`fit_posterior` is the manual path written once — parse the method by name
-(:func:`~flatbma.methods.parse_method`), build the optimizer of an ``optim`` section
-(:class:`~flatbma.experiment.config.sections.OptimConfig`, the CLI's defaults), ``method.init`` at the
-module's weights, :func:`~flatbma.experiment.runner.fit` (the one loop), then the predictor — so its
-numbers equal that path's exactly (the README shows both). :func:`load_posterior` reads back what
-:meth:`BMA.save <flatbma.predictor.BMA.save>` wrote, rebuilding the method from the recorded section.
-
-Both are reached as ``flatbma.fit_posterior`` / ``flatbma.load_posterior``; ``import flatbma`` loads
-this module only when one of them is first used.
+(:func:`~flatbma.methods.parse_method`), build it with the optimizer of an ``optim`` section
+(:class:`~flatbma.optim.config.OptimConfig`, the CLI's defaults) and train it through the one training core
+(:func:`flatbma.training.build`, ``method.init`` at the module's weights, :func:`flatbma.training.train`), as
+``flatbma train`` does, then the predictor — so its numbers equal that path's exactly (the README shows the
+manual path). :func:`load_posterior` reads back what :meth:`BMA.save <flatbma.predictor.BMA.save>` wrote,
+rebuilding the method from the recorded section. Both are reached as ``flatbma.fit_posterior`` /
+``flatbma.load_posterior``.
 
 Over 500 lines on purpose: besides the two functions it holds the API's edge — every check of the caller's
 model, data and options before anything trains (the first batch, the run's length, post-hoc fits, a
@@ -26,27 +25,25 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from flatbma.checks import check_seed, is_int
+from flatbma import training
+from flatbma.checks import check_seed, is_int, shown
 from flatbma.errors import DivergenceError, FlatbmaError, FlatbmaTypeError, FlatbmaWarning
-from flatbma.experiment.config.parse import shown
-from flatbma.experiment.config.prior_config import not_gaussian_message, parse_prior
-from flatbma.experiment.config.sections import OptimConfig
-from flatbma.experiment.run.health import too_wide_line, worse_than_mean
-from flatbma.experiment.run.logs import EpochLogger
-from flatbma.experiment.run.prior import check_lr_with_prior
-from flatbma.experiment.run.validate import available_memory
-from flatbma.experiment.runner import History, fit
-from flatbma.family import RunShape, Stage
+from flatbma.family import RunShape, Stage, available_memory
+from flatbma.health import too_wide_line, worse_than_mean
+from flatbma.loop import History
 from flatbma.methods import MethodConfig, parse_method
 from flatbma.models import check_classifier, keep_logits, returns_sequence
+from flatbma.optim.config import OptimConfig
 from flatbma.options import parse_dataclass
 from flatbma.params import Objective, model_buffers, trainable_params
 from flatbma.posteriors import gaussians
 from flatbma.predict import evaluate
 from flatbma.predictor import BMA, target_device
 from flatbma.predictor_file import likelihood_of, read_file
+from flatbma.prior import check_lr_with_prior, not_gaussian_message, parse_prior
 from flatbma.regression import Gaussian
 from flatbma.rng import first_batch, forked_rng
+from flatbma.training import EpochLines
 from flatbma.types import Batch, Posterior, State, split_batch, training_batch
 
 
@@ -83,7 +80,7 @@ def fit_posterior(
        len(loader))`` (MC dropout inserts its dropout layer here; Laplace's MAP phase is ``map_steps``
        long), then ``method.init`` at the module's trainable parameters and buffers;
     4. with torch's global generator forked and seeded with ``seed`` (the caller's stream is left
-       alone): ``init`` and :func:`~flatbma.experiment.runner.fit` with the module in train mode — for
+       alone): ``init`` and :func:`~flatbma.loop.fit` with the module in train mode — for
        ``epochs`` epochs plus the method's extra ones (``laplace``, ``f-laplace``: one, the curvature
        pass) —; its train/eval mode is restored afterwards;
     5. ``BMA(model, method, state, loader, num_samples=..., seed=seed, recompute_bn=...)`` with the
@@ -152,7 +149,7 @@ def fit_posterior(
             Laplace's MAP, a mixture's member 0, a chain's average: :meth:`BMA.reference
             <flatbma.predictor.BMA.reference>`), and one :class:`~flatbma.errors.FlatbmaWarning` line says when
             the BMA's NLL is worse, with what to change given the method's own settings — the CLI's health rule
-            ``worse_than_mean`` and words (:mod:`flatbma.experiment.run.health`).
+            ``worse_than_mean`` and words (:mod:`flatbma.health`).
         likelihood: ``categorical`` (a classifier: softmax of the logits, cross-entropy) or ``gaussian``
             (regression, :class:`flatbma.regression.Gaussian`: the loss is the Gaussian NLL, the batches'
             targets are floats ``[batch]`` and the predictor's :meth:`~flatbma.predictor.BMA.predict_regression`
@@ -354,54 +351,48 @@ def _train(
     prior_theta: Mapping[str, Tensor] | None = None,
     start: tuple[Mapping[str, Tensor], Mapping[str, Tensor]] | None = None,
     check: Callable[[Posterior], None] | None = None,
-) -> tuple[Any, Posterior, State, EpochLogger]:
+) -> tuple[Any, Posterior, State, EpochLines]:
     """One stage of :func:`fit_posterior`: ``(optimizer, posterior, trained state, its epoch log)``.
 
     The method of ``config`` is built with the optimizer of ``optim_config`` over ``epochs`` (and the prior
     ``prior_theta``), initialized at ``start`` ``(params, buffers)`` or at the module's weights, and trained for
-    ``epochs`` plus the family's extra epochs by :func:`~flatbma.experiment.runner.fit` with torch's global
+    ``epochs`` plus the family's extra epochs by :func:`~flatbma.loop.fit` with torch's global
     generator forked and seeded with ``seed``, the module in train mode (its mode restored afterwards).
     ``check`` sees the built posterior before anything trains. With ``classes`` every batch's labels are checked
-    to lie in ``[0, classes)`` (:func:`~flatbma.experiment.runner.check_labels`).
+    to lie in ``[0, classes)`` (:func:`~flatbma.loop.check_labels`).
     """
-    optimizer = optim_config.build(steps_per_epoch=steps, epochs=max(epochs, 1))  # post hoc Laplace: no step
-    rate = config.learning_rate(optim_config.learning_rate(steps, max(epochs, 1)), map_steps)  # SWAG's held rate
-    posterior = config.build(objective, optimizer, prior_theta, map_steps=map_steps)
+    built = training.build(
+        config, optim_config, objective, steps_per_epoch=steps, epochs=epochs, map_steps=map_steps, prior=prior_theta
+    )
     if check is not None:
-        check(posterior)
+        check(built.posterior)
     model = objective.model
-    was_training = model.training
     try:
         with forked_rng(seed):
-            state = _init(posterior, config.name, start or (trainable_params(model), model_buffers(model)), start)
-            model.train()
-            total = epochs + config.extra_epochs()  # the family's phases after train.epochs (types.Phase)
-            log = EpochLogger(
-                Path(),
-                (),
-                epochs=total,
-                learning_rate=rate,
+            state = _init(built.posterior, config.name, start or (trainable_params(model), model_buffers(model)), start)
+            log = EpochLines(
+                epochs=built.epochs,
+                learning_rate=built.learning_rate,
                 history=History(),
                 lines=progress,
                 accuracy=gaussian is None,  # regression targets have none
             )
-            state, _ = fit(
-                posterior,
+            state, _ = training.train(
+                built.posterior,
                 state,
                 loader,
-                epochs=total,
+                model=model,
+                epochs=built.epochs,
                 device=device,
+                lines=log,
                 progress=progress,
-                after_epoch=lambda _state, history: log(history),
                 regression=gaussian is not None,
                 num_classes=classes,
             )
     except DivergenceError as e:
         advice = "" if e.cause == "inputs" else f"; {config.divergence_advice(e.cause, optim_config.lr, prefix='')}"
         raise DivergenceError(f"{e}{advice}", cause=e.cause) from None
-    finally:
-        model.train(was_training)
-    return optimizer, posterior, state, log
+    return built.optimizer, built.posterior, state, log
 
 
 def _init(posterior: Posterior, name: str, at: tuple[Mapping[str, Tensor], Mapping[str, Tensor]], prior: Any) -> State:
@@ -468,10 +459,10 @@ def _check_against_reference(
     member 0, a chain's average of samples) evaluated as a point estimate (:func:`flatbma.predict.evaluate`); the
     BMA is :meth:`BMA.evaluate <flatbma.predictor.BMA.evaluate>` (on validation data both example by example,
     :meth:`BMA.paired_nll <flatbma.predictor.BMA.paired_nll>`). The rule is
-    :func:`flatbma.experiment.run.health.worse_than_mean` — on validation data worse beyond rounding and beyond twice
+    :func:`flatbma.health.worse_than_mean` — on validation data worse beyond rounding and beyond twice
     the standard error of the paired differences, on the training data (the MAP was fitted to them) by more than
     2x and 0.2 log C — and the one line
-    :func:`~flatbma.experiment.run.health.too_wide_line`, with the method's own advice
+    :func:`~flatbma.health.too_wide_line`, with the method's own advice
     (:meth:`MethodConfig.advice <flatbma.methods.MethodConfig.advice>`). Soft targets (no NLL of
     labels) are not compared.
     """
