@@ -30,6 +30,7 @@ LAYERS: dict[str, int] = {
     "packed": 2,
     "jacobians": 2,
     "metrics": 2,
+    "metric_names": 1,
     "regression": 2,
     "plotting": 2,
     "data": 2,
@@ -125,7 +126,6 @@ EXPERIMENT_LAYERS: dict[str, int] = {
     "run": 2,
     "report": 3,
     "study": 4,
-    "api": 5,
     "cli": 5,
     "__main__": 6,
 }

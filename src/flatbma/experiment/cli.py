@@ -38,22 +38,14 @@ from flatbma.experiment.study.compare import run_compare
 from flatbma.experiment.study.plan import load_plan
 from flatbma.health import is_flagged
 from flatbma.methods import METHODS, MethodConfig, parse_method
+from flatbma.metric_names import SUMMARY
 from flatbma.optim import Amortized
 from flatbma.options import plain_values, type_name
 
 # What str.splitlines() breaks on: escaped in error messages (user values such as keys and paths may hold them).
 _ESCAPE_LINE_BREAKS = {ord(c): repr(c)[1:-1] for c in "\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029"}
-SUMMARY_KEYS = (
-    "accuracy",
-    "nll",
-    "ece",
-    "aece",
-    "brier",
-    "lambda1",
-    "lambda1_over_lambda5",
-    "sam_sharpness",
-    *("rmse", "mae", "coverage_0.9", "calibration_error"),  # a regression run's (model.likelihood: gaussian)
-)
+SUMMARY_KEYS = SUMMARY
+"""What ``flatbma train`` prints on its last line (:data:`flatbma.metric_names.SUMMARY`)."""
 
 
 class _Parser(argparse.ArgumentParser):

@@ -56,6 +56,7 @@ from typing import Any
 
 from flatbma.checks import is_number
 from flatbma.errors import FlatbmaError
+from flatbma.metric_names import NAMES, Group, name, test_keys
 from flatbma.stats import LEVEL as STATS_LEVEL
 from flatbma.stats import Interval, Method, Summary, median_interval, summarize
 
@@ -274,52 +275,30 @@ class Metric:
         return "higher is better" if self.higher == "better" else f"lower is {self.lower}"
 
 
-def _lower_better(
-    key: str,
-    label: str,
-    get: Callable[[Run], float | None] | None = None,
-    bounds: tuple[float | None, float | None] = (None, None),
-) -> Metric:
-    return Metric(key, label, get or _key(key), lower="better", higher="worse", bounds=bounds)
+def _from_table(key: str, group: Group, get: Callable[[Run], float | None] | None = None) -> Metric:
+    """The report's metric of the table's row ``key`` in ``group`` (:mod:`flatbma.metric_names`), read by ``get``."""
+    n = name(key, group)
+    return Metric(n.key, n.label, get or _key(key), n.lower, n.higher, n.bounds, n.reads)
 
 
-UNIT = (0.0, 1.0)
-"""The range of a probability, an accuracy or a calibration error."""
 NONNEGATIVE = (0.0, None)
 
-ACCURACY = Metric("accuracy", "accuracy", _key("accuracy"), lower="worse", higher="better", bounds=UNIT)
-NLL = _lower_better("nll", "NLL", bounds=NONNEGATIVE)
-ECE = _lower_better("ece", "ECE", bounds=UNIT)
-AECE = _lower_better("aece", "AECE", bounds=UNIT)
-BRIER = _lower_better("brier", "Brier", bounds=(0.0, 2.0))
-LAMBDA1 = Metric("lambda1", "λ₁ median", run_lambda1_median, lower="flatter", higher="sharper")
+ACCURACY, NLL, ECE, AECE, BRIER = (_from_table(k, Group.CLASSIFIER) for k in test_keys(Group.CLASSIFIER))
+LAMBDA1 = _from_table("lambda1", Group.FLATNESS, run_lambda1_median)
 """A run's λ₁: the median over its posterior samples (unbounded: a Hessian's top eigenvalue can be negative)."""
-LAMBDA1_MEAN = Metric("lambda1_mean", "λ₁ mean", run_lambda1)
+LAMBDA1_MEAN = _from_table("lambda1_mean", Group.FLATNESS, run_lambda1)
 """The mean over the samples, shown beside the median, never compared (one sharp sample can dominate it)."""
-TRACE_COV = Metric("trace_cov", "tr Σ", width_field("trace_cov"), lower="narrower", higher="wider", bounds=NONNEGATIVE)
-RATIO = Metric("lambda1_over_lambda5", "λ₁/λ₅", _key("lambda1_over_lambda5"))
+TRACE_COV = _from_table("trace_cov", Group.FLATNESS, width_field("trace_cov"))
+RATIO = _from_table("lambda1_over_lambda5", Group.FLATNESS)
 
 PREDICTIVE_METRICS: tuple[Metric, ...] = (ACCURACY, NLL, ECE, AECE, BRIER)
-RMSE = _lower_better("rmse", "RMSE", bounds=NONNEGATIVE)
-MAE = _lower_better("mae", "MAE", bounds=NONNEGATIVE)
-COVERAGE = {
-    a: Metric(
-        f"coverage_{a}", f"coverage {a}", _key(f"coverage_{a}"), "covers less", "covers more", UNIT, "best at the level"
-    )
-    for a in ("0.5", "0.9", "0.95")
-}
-"""A regression run's coverage of the mixture's central intervals; best at its level, so no end is better: a
-significant difference reads "covers less" or "covers more" (which is closer to the level is in the table)."""
-CALIBRATION_ERROR = _lower_better("calibration_error", "calibration error", bounds=UNIT)
-REGRESSION_METRICS: tuple[Metric, ...] = (
-    _lower_better("nll", "NLL"),  # a density's: unbounded below
-    RMSE,
-    MAE,
-    *COVERAGE.values(),
-    CALIBRATION_ERROR,
-)
+REGRESSION_METRICS: tuple[Metric, ...] = tuple(_from_table(k, Group.REGRESSION) for k in test_keys(Group.REGRESSION))
 """The test metrics of a regression run (``model.likelihood: gaussian``): the mixture predictive's
 (:func:`flatbma.regression.mixture_metrics`); a coverage is best at its level, so no end of it is better."""
+RMSE, MAE, CALIBRATION_ERROR = (m for m in REGRESSION_METRICS if m.key in ("rmse", "mae", "calibration_error"))
+COVERAGE = {m.key.removeprefix("coverage_"): m for m in REGRESSION_METRICS if m.key.startswith("coverage_")}
+"""A regression run's coverage of the mixture's central intervals; best at its level, so no end is better: a
+significant difference reads "covers less" or "covers more" (which is closer to the level is in the table)."""
 FLATNESS_METRICS: tuple[Metric, ...] = (LAMBDA1, LAMBDA1_MEAN, TRACE_COV, RATIO)
 COMPARED: tuple[Metric, ...] = (
     *(ACCURACY, NLL, RMSE, MAE, COVERAGE["0.9"], CALIBRATION_ERROR, ECE, BRIER),
@@ -329,12 +308,7 @@ COMPARED: tuple[Metric, ...] = (
 
 A classifier's rows have accuracy, NLL, ECE, Brier; a regression run's NLL, RMSE, MAE, the coverage of the
 central 90% interval and the calibration error (each pair is compared on the metrics both runs measured)."""
-EXTRA_METRICS: tuple[Metric, ...] = (
-    Metric("distribution_lambda1", "λ₁ of the mean Hessian", _key("distribution_lambda1")),
-    Metric("sam_sharpness", "SAM sharpness", _key("sam_sharpness")),
-    Metric("train_time_s", "train time (s)", _key("train_time_s"), bounds=NONNEGATIVE),
-    Metric("eval_time_s", "eval time (s)", _key("eval_time_s"), bounds=NONNEGATIVE),
-)
+EXTRA_METRICS: tuple[Metric, ...] = tuple(_from_table(n.key, Group.OTHER) for n in NAMES if n.group is Group.OTHER)
 
 
 def _scaled_key(name: str) -> Callable[[Run], float | None]:

@@ -64,6 +64,7 @@ from flatbma.flatness import (
 from flatbma.flatness.landscape import posterior_landscape, random_direction
 from flatbma.health import HEALTH_EXAMPLES
 from flatbma.linearized import LinearizedPredictive
+from flatbma.metric_names import Group, test_keys
 from flatbma.metrics import StreamingMetrics
 from flatbma.ood import ood_dataset, ood_metrics, uncertainty_scores
 from flatbma.precision import autocast
@@ -82,8 +83,8 @@ from flatbma.regression import mixture_metrics, normal_nll, sample_outputs
 from flatbma.rng import splitmix64
 from flatbma.types import Batch, Params, Predictive, State, prediction_mode
 
-CLEAN_KEYS = ("accuracy", "nll", "ece", "aece", "brier")
-"""BMA metrics on the clean test set."""
+CLEAN_KEYS = test_keys(Group.CLASSIFIER)
+"""BMA metrics on the clean test set (:mod:`flatbma.metric_names`)."""
 
 
 BN_RECOMPUTED = "recomputed (un-augmented training set)"
@@ -395,7 +396,7 @@ def regression_fit(exp: Experiment, samples: list[Params], *, test_rmse: float) 
     }
 
 
-REGRESSION_KEYS = ("nll", "rmse", "mae", "coverage_0.5", "coverage_0.9", "coverage_0.95", "calibration_error")
+REGRESSION_KEYS = test_keys(Group.REGRESSION)
 """Metrics of a regression run's BMA on the test set (:func:`flatbma.regression.mixture_metrics`)."""
 
 
