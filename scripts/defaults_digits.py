@@ -38,7 +38,7 @@ METHODS = ("sgd", "swag", "mfvi", "lowrank-vi", "fp-bma", "laplace", "ensemble",
 def median_std(bma: flatbma.BMA) -> float:
     """The median marginal standard deviation over the trained weights (closed form, else over the samples)."""
     names = [n for n, p in bma.model.named_parameters() if p.requires_grad]
-    if bma.method.marginal_variance is not None and bma.method.members == 0:
+    if bma.method.marginal_variance is not None and bma.method.can.members == 0:
         variance = bma.method.marginal_variance(bma.state)
         return float(torch.cat([variance[n].reshape(-1) for n in names if n in variance]).sqrt().median())
     samples = bma.samples
@@ -90,7 +90,7 @@ def main() -> None:
                 rows.append({"method": name, "refused": str(e)})
                 continue
         ours = bma.evaluate(test)
-        point = bma.member(0) if bma.method.members else bma.mean()  # a mixture: its member 0 (BMA.load_into)
+        point = bma.member(0) if bma.method.can.members else bma.mean()  # a mixture: its member 0 (BMA.load_into)
         mean = evaluate(bma.model, [point], test, num_classes=10)
         row = {
             "method": name,

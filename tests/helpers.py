@@ -115,7 +115,7 @@ def interrupt_after_first_epoch(monkeypatch) -> None:
             raise KeyboardInterrupt
         return real_fit(method, state, loader, epochs=epochs, **kwargs)
 
-    monkeypatch.setattr("flatbma.experiment.run.stage.fit", stop_after_first_epoch)
+    monkeypatch.setattr("flatbma.training.fit", stop_after_first_epoch)
 
 
 @contextlib.contextmanager

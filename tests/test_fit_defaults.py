@@ -420,7 +420,7 @@ def test_laplace_defaults_to_the_last_layer_which_is_a_laplace_of_the_head_with_
     ref = post.init(flatbma.trainable_params(frozen), flatbma.model_buffers(frozen))
     frozen.train()
     ref, _ = fit(post, ref, loader, epochs=1, progress=False)
-    ours, theirs = bma.method.diagnostics(state), post.diagnostics(ref)
+    ours, theirs = bma.method.can.diagnostics(state), post.can.diagnostics(ref)
     assert ours.keys() == theirs.keys()
     for key in ours:
         assert ours[key] == pytest.approx(theirs[key], rel=1e-5), key
@@ -441,7 +441,7 @@ def test_prior_precision_val_is_the_grid_value_of_the_smallest_validation_nll():
     assert [row["prior_precision"] for row in bma.selection] == list(PRIOR_PRECISION_GRID)
     best = min(bma.selection, key=lambda row: row["val/nll"])
     assert bma.method_config["prior_precision"] == best["prior_precision"]
-    assert bma.method.diagnostics(bma.state)["prior_precision"] == best["prior_precision"]
+    assert bma.method.can.diagnostics(bma.state)["prior_precision"] == best["prior_precision"]
     # each candidate is the fixed-δ run: the grid's values recomputed independently at two of them
     for row in (bma.selection[0], best):
         fixed = flatbma.fit_posterior(_net(), loader, "laplace", prior_precision=row["prior_precision"], **options)
@@ -527,7 +527,7 @@ def test_multiswag_loads_member_zeros_swa_mean():
     want = bma.member(0)
     own = _weights(model)
     assert all(torch.equal(own[k], v) for k, v in want.items())
-    mean0 = bma.method.mean(bma.method.split(bma.state, [0]))
+    mean0 = bma.method.mean(bma.method.can.split(bma.state, [0]))
     names = [n for n, _ in model.named_parameters()]
     assert all(torch.equal(want[k], mean0[k]) for k in names)  # its statistics recomputed at it, as BMA.mean's
     assert "num_samples=6 over 2 members" in repr(bma) and bma.loaded == "member 0 of 2"

@@ -33,6 +33,7 @@ from flatbma.predictor import BMA, BMAModule
 from flatbma.types import (
     Ascent,
     Batch,
+    Capabilities,
     GradientTransformation,
     Params,
     Posterior,
@@ -49,6 +50,7 @@ __all__ = [
     "Ascent",
     "BMAModule",
     "Batch",
+    "Capabilities",
     "DivergenceError",
     "FlatbmaError",
     "FlatbmaTypeError",

@@ -235,7 +235,7 @@ def fit_posterior(
             **stage,
             check=lambda posterior: _check_gaussian(posterior, first.method.name),
         )
-        prior_theta = gaussians.floored(fitted.gaussian(fitted_state), first.min_std)
+        prior_theta = gaussians.floored(fitted.can.gaussian(fitted_state), first.min_std)
         if first.init:
             start = (prior_theta, dict(fitted_state.buffers))
         if shuffling is not None:  # the second stage reads the data in the order the first began with
@@ -440,7 +440,7 @@ def _check_posthoc(config: MethodConfig) -> None:
 
 def _check_gaussian(posterior: Posterior, name: str) -> None:
     """A first stage's posterior must be a low-rank plus diagonal Gaussian (an option may turn it off)."""
-    if posterior.gaussian is None:
+    if posterior.can.gaussian is None:
         raise FlatbmaError(not_gaussian_message(name))
 
 
@@ -493,7 +493,7 @@ def _check_against_reference(
     compared = {"data": which, "num_classes": num_classes, "reference": reference, **measured}
     if not worse_than_mean(compared):
         return
-    diagnostics = bma.method.diagnostics(bma.state) if bma.method.diagnostics is not None else {}
+    diagnostics = bma.method.can.diagnostics(bma.state) if bma.method.can.diagnostics is not None else {}
     line = too_wide_line(f"the {config.name} BMA", compared, config.advice(prior, diagnostics))
     warnings.warn(FlatbmaWarning(line), stacklevel=3)
 

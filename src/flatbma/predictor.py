@@ -104,12 +104,12 @@ def member_weights(method: Posterior, state: State, m: int, seed: int) -> Params
     Raises:
         FlatbmaError: a posterior without members, or ``m`` not one of them.
     """
-    size = method.members
-    if not size or method.split is None:
+    size = method.can.members
+    if not size or method.can.split is None:
         raise FlatbmaError("member(m) is a mixture's (ensemble, multi): this posterior has no members; use mean()")
     if not is_int(m) or not 0 <= m < size:
         raise FlatbmaError(f"member must be an integer in [0, {size}) (the mixture's members), got {m!r}")
-    own = method.split(state, [m])
+    own = method.can.split(state, [m])
     if method.mean is not None:
         return method.mean(own)
     # round-robin over the members: a draw of `size` gives each held member one sample
@@ -127,7 +127,7 @@ def reference_point(
     average of its ``samples`` (:func:`posterior_mean`: a chain's kept iterates), ``"sample average"``. Statistics
     as given (the caller recomputes them).
     """
-    if method.members:
+    if method.can.members:
         return member_weights(method, state, 0, seed), "member 0"
     if method.mean is not None:
         return method.mean(state), "mean"
@@ -157,12 +157,13 @@ def bma_predictions(
         names: the trained parameter names.
         statistics: the samples with recomputed BatchNorm statistics (or as given, where none are recomputed).
     """
-    if method.predictive is Predictive.SAMPLES:
+    if method.can.predictive is Predictive.SAMPLES:
         return statistics(drawn)
     mean = statistics([posterior_mean(method, state, drawn, names)])[0]
-    fv = method.functional_variance
+    fv = method.can.functional_variance
     over = linearized_names(method, state, names)  # last-layer Laplace: the classifier's weights
-    return linearized_predictions(method.predictive, mean, drawn, over, partial(fv, state) if fv is not None else None)
+    variance = partial(fv, state) if fv is not None else None
+    return linearized_predictions(method.can.predictive, mean, drawn, over, variance)
 
 
 class BMA:
@@ -236,10 +237,10 @@ class BMA:
                 "likelihood must be None (a classifier) or a flatbma.regression.Gaussian, got a "
                 f"{type(likelihood).__name__}"
             )
-        if likelihood is not None and method.predictive is not Predictive.SAMPLES:
+        if likelihood is not None and method.can.predictive is not Predictive.SAMPLES:
             raise FlatbmaError(
                 f"a regression BMA averages the samples themselves, but this posterior predicts with "
-                f"{method.predictive.value!r} (a linearized classifier's predictive)"
+                f"{method.can.predictive.value!r} (a linearized classifier's predictive)"
             )
         self.likelihood = likelihood
         self.precision = parse_choice(Precision, precision, "precision")
@@ -290,8 +291,8 @@ class BMA:
         bn = "recomputed per sample" if self.recompute_bn else "the state's"
         tempered = f", temperature={self.temperature:.4g}" if self.temperature != 1.0 else ""
         count = f"num_samples={self.num_samples}"
-        if self.method.members:  # a mixture: the samples its members give (an ensemble's members give one each)
-            count = f"num_samples={self._sample_count()} over {self.method.members} members"
+        if self.method.can.members:  # a mixture: the samples its members give (an ensemble's members give one each)
+            count = f"num_samples={self._sample_count()} over {self.method.can.members} members"
         loaded = f", module holds {self.loaded}" if self.loaded is not None else ""
         return f"BMA({name}, {count}, seed={self.seed}, bn={bn}, device={self.device}{tempered}{loaded})"
 
@@ -440,7 +441,7 @@ class BMA:
 
     def reference(self) -> tuple[Params, str]:
         """The network the BMA is compared with, statistics as the samples': :func:`reference_point` and its label."""
-        samples = self.samples if self.method.mean is None and not self.method.members else []
+        samples = self.samples if self.method.mean is None and not self.method.can.members else []
         weights, label = reference_point(self.method, self.state, samples, trained_names(self.model), self.seed)
         with self._forward():
             return self._statistics([weights])[0], label
@@ -460,9 +461,9 @@ class BMA:
         Raises:
             FlatbmaError: ``member`` for a posterior without members, or not one of its members.
         """
-        if member is not None or self.method.members:
+        if member is not None or self.method.can.members:
             weights = self.member(0 if member is None else member)
-            what = f"member {0 if member is None else member} of {self.method.members}"
+            what = f"member {0 if member is None else member} of {self.method.can.members}"
         else:
             weights, what = self.mean(), "the posterior mean"
         target = load_into(self.model if model is None else model, weights)
@@ -499,7 +500,7 @@ class BMA:
             FlatbmaError: the probit predictive (deterministic: it has no per-sample predictives to split).
         """
         self._classifier("predict_uncertainty")
-        if self.method.predictive is Predictive.PROBIT:
+        if self.method.can.predictive is Predictive.PROBIT:
             raise FlatbmaError(
                 "the probit predictive has no per-sample predictives, so its entropy cannot be split into "
                 "aleatoric and epistemic parts: build the Laplace method with predictive: glm (or samples)"
@@ -735,11 +736,11 @@ class BMA:
 
     def _predictions(self) -> Predictions:
         """What prediction averages: the armed samples, or the linearized predictive (built once, then kept)."""
-        if self.method.predictive is Predictive.SAMPLES:
+        if self.method.can.predictive is Predictive.SAMPLES:
             return self.samples
         if self._linearized is None:
             with self._forward():
-                averaged = self.method.predictive is Predictive.GLM or self.method.mean is None
+                averaged = self.method.can.predictive is Predictive.GLM or self.method.mean is None
                 drawn = self._drawn(self.num_samples) if averaged else []
                 names = trained_names(self.model)
                 linearized = bma_predictions(self.method, self.state, drawn, names, self._statistics)
@@ -793,7 +794,7 @@ class BMA:
                 f"inputs must be floating point like the training data, got {str(x.dtype).removeprefix('torch.')}: "
                 "convert them (x.float())"
             )
-        weights = self.samples[0] if self.method.predictive is Predictive.SAMPLES else self._predictions().mean
+        weights = self.samples[0] if self.method.can.predictive is Predictive.SAMPLES else self._predictions().mean
         dtypes = {v.dtype for v in weights.values() if v.is_floating_point()}
         if dtypes and x.dtype not in dtypes:
             found = " and ".join(sorted(str(d).removeprefix("torch.") for d in dtypes))

@@ -252,25 +252,10 @@ class Predictive(str, Enum):
 
 
 @dataclass(frozen=True)
-class Posterior(Transform):
-    """A transform whose state defines a distribution over weights.
-
-    ``sample(state, n, generator)`` returns ``n`` weight dictionaries, each holding parameters and
-    buffers by their module names, ready for ``torch.func.functional_call``. A point estimate returns
-    its single weight set regardless of ``n`` (the BMA of a point is the point).
+class Capabilities:
+    """What some posteriors can do beyond sampling (:attr:`Posterior.can`); the default can none of it.
 
     Attributes:
-        sample: ``sample(state, n, generator) -> list of weight dicts``.
-        predict_mode: ``predict_mode(model, generator)``: a context manager that puts the model in its
-            prediction mode for the samples drawn from ``generator`` (a generator seeded as the one given to
-            ``sample``, which the mode may draw from; :func:`prediction_mode` makes one per entry); ``None``
-            means eval mode. MC dropout keeps dropout stochastic, with masks that follow from the generator
-            (``None``: from torch's global generator).
-        recompute_bn: whether the samples' own BatchNorm statistics do not match them (weights that
-            were never trained with their own statistics, e.g. SWAG or VI samples). The evaluation
-            (:func:`flatbma.experiment.run.evaluate.posterior_samples`) recomputes the statistics of every
-            method's samples, point estimates included, on the un-augmented training data in a fixed
-            order (:func:`flatbma.bn.recompute_bn_statistics`), so that every method is measured alike.
         gaussian: ``gaussian(state) -> θ`` for posteriors that are a low-rank plus diagonal Gaussian
             ``N(μ, ½(diag σ² + LLᵀ/(K−1)))``: its ``mean/``, ``log_std/`` and ``factor/`` tensors in the
             layout of :mod:`flatbma.gaussian` (SWAG, low-rank VI, FP-BMA). A two-stage run
@@ -290,6 +275,41 @@ class Posterior(Transform):
             alone — the entries of ``state`` they own (the same tensors) and the same ``step``. The
             splits of a partition of ``{0..M−1}`` partition the entries, so the full state is their
             union. ``None`` exactly when ``members == 0``.
+        predictive: how the BMA predicts (:class:`Predictive`): ``SAMPLES`` (every posterior but the
+            Laplace family's linearized ones) averages ``softmax(f(x; w_m))`` over the samples; ``GLM``
+            averages ``softmax(f(x; w̄) + J(x)(w_m − w̄))`` around :attr:`Posterior.mean` ``w̄``; ``PROBIT``
+            is the deterministic ``softmax(κ ⊙ f(x; w̄))`` with ``κ_c = (1 + π/8·σ²_c)^{−½}`` and ``σ²`` from
+            :attr:`functional_variance` (:mod:`flatbma.predict`). ``GLM`` needs :attr:`Posterior.mean`,
+            ``PROBIT`` also :attr:`functional_variance`.
+        functional_variance: ``functional_variance(state, J) -> σ²``: for per-example Jacobians of the
+            logits ``J[name]`` of shape ``[B, C, *shape]`` at the mean, the diagonal of ``J Σ Jᵀ``,
+            ``[B, C]``; ``None`` for posteriors without a closed-form covariance.
+        diagnostics: ``diagnostics(state) -> {name: value}``: scalars the evaluation reports beside the
+            metrics (the Laplace family's prior precision, log evidence and effective number of
+            parameters); ``None`` (the default) reports nothing.
+    """
+
+    gaussian: Callable[[State], Params] | None = None
+    members: int = 0
+    split: Callable[[State, Sequence[int]], State] | None = None
+    predictive: Predictive = Predictive.SAMPLES
+    functional_variance: Callable[[State, Params], Tensor] | None = None
+    diagnostics: Callable[[State], dict[str, float]] | None = None
+
+
+@dataclass(frozen=True)
+class Posterior(Transform):
+    """A transform whose state defines a distribution over weights: ``init``, ``update``, ``sample``.
+
+    ``sample(state, n, generator)`` returns ``n`` weight dictionaries, each holding parameters and
+    buffers by their module names, ready for ``torch.func.functional_call``. A point estimate returns
+    its single weight set regardless of ``n`` (the BMA of a point is the point). Beside them every
+    posterior may give its mean and marginal variances in closed form and its prediction mode; what only
+    some can do (a Gaussian's ``θ``, a mixture's members, a linearized predictive, diagnostics) is in
+    :attr:`can`.
+
+    Attributes:
+        sample: ``sample(state, n, generator) -> list of weight dicts``.
         mean: ``mean(state) -> weights`` at the posterior mean ``E_q[w]``, in the form of a sample
             (parameters and buffers by module name): ``μ`` for a Gaussian (SWAG's SWA mean ``w̄``, VI's
             ``μ``, bSAM's ``m``), the point itself for a point estimate, the trained weights for MC
@@ -302,31 +322,25 @@ class Posterior(Transform):
             exact for the Gaussian families, ``0`` for a point estimate. ``None`` where the posterior
             has none (ensembles, SG-MCMC): the width is then estimated from the BMA's samples
             (:mod:`flatbma.flatness.width`).
-        predictive: how the BMA predicts (:class:`Predictive`): ``SAMPLES`` (every posterior but the
-            Laplace family's linearized ones) averages ``softmax(f(x; w_m))`` over the samples; ``GLM``
-            averages ``softmax(f(x; w̄) + J(x)(w_m − w̄))`` around :attr:`mean` ``w̄``; ``PROBIT`` is
-            the deterministic ``softmax(κ ⊙ f(x; w̄))`` with ``κ_c = (1 + π/8·σ²_c)^{−½}`` and ``σ²`` from
-            :attr:`functional_variance` (:mod:`flatbma.predict`). ``GLM`` needs :attr:`mean`, ``PROBIT``
-            also :attr:`functional_variance`.
-        functional_variance: ``functional_variance(state, J) -> σ²``: for per-example Jacobians of the
-            logits ``J[name]`` of shape ``[B, C, *shape]`` at the mean, the diagonal of ``J Σ Jᵀ``,
-            ``[B, C]``; ``None`` for posteriors without a closed-form covariance.
-        diagnostics: ``diagnostics(state) -> {name: value}``: scalars the evaluation reports beside the
-            metrics (the Laplace family's prior precision, log evidence and effective number of
-            parameters); ``None`` (the default) reports nothing.
+        predict_mode: ``predict_mode(model, generator)``: a context manager that puts the model in its
+            prediction mode for the samples drawn from ``generator`` (a generator seeded as the one given to
+            ``sample``, which the mode may draw from; :func:`prediction_mode` makes one per entry); ``None``
+            means eval mode. MC dropout keeps dropout stochastic, with masks that follow from the generator
+            (``None``: from torch's global generator).
+        recompute_bn: whether the samples' own BatchNorm statistics do not match them (weights that
+            were never trained with their own statistics, e.g. SWAG or VI samples). The evaluation
+            (:func:`flatbma.experiment.run.evaluate.posterior_samples`) recomputes the statistics of every
+            method's samples, point estimates included, on the un-augmented training data in a fixed
+            order (:func:`flatbma.bn.recompute_bn_statistics`), so that every method is measured alike.
+        can: what only some posteriors can do (:class:`Capabilities`).
     """
 
     sample: Callable[[State, int, torch.Generator | None], list[Params]]
-    predict_mode: Callable[[nn.Module, torch.Generator | None], AbstractContextManager[Any]] | None = None
-    recompute_bn: bool = False
-    gaussian: Callable[[State], Params] | None = None
-    members: int = 0
-    split: Callable[[State, Sequence[int]], State] | None = None
     mean: Callable[[State], Params] | None = None
     marginal_variance: Callable[[State], Params] | None = None
-    predictive: Predictive = Predictive.SAMPLES
-    functional_variance: Callable[[State, Params], Tensor] | None = None
-    diagnostics: Callable[[State], dict[str, float]] | None = None
+    predict_mode: Callable[[nn.Module, torch.Generator | None], AbstractContextManager[Any]] | None = None
+    recompute_bn: bool = False
+    can: Capabilities = Capabilities()
 
 
 def prediction_mode(method: Posterior, seed: int) -> Callable[[nn.Module], AbstractContextManager[Any]] | None:

@@ -286,7 +286,7 @@ def test_a_pretrained_prior_mean_run_stores_w0_resumes_bit_identically_and_the_c
     sq = sum(float((ref.params[k].double() - w0[k].double()).square().sum()) for k in w0)
     assert info["prior_precision"] * sq == pytest.approx(info["effective_params"], rel=1e-6)
     exp, state = load_run(load_run_config(ref_dir))  # evaluation of the run directory: the same fit
-    assert exp.method.diagnostics(state) == info
+    assert exp.method.can.diagnostics(state) == info
     cfg = _config(tmp_path, "run", method, model=model)
     with crash_after(stage, 7):  # mid-way through the curvature epoch
         train(cfg)
@@ -318,7 +318,7 @@ def test_fit_posterior_with_a_pretrained_prior_mean_round_trips_through_load_pos
     bma.save(tmp_path / "bma.safetensors")
     loaded = flatbma.load_posterior(tmp_path / "bma.safetensors", pretrained(), loader)
     assert torch.equal(loaded.predict_log_proba(x), bma.predict_log_proba(x))
-    assert loaded.method.diagnostics(loaded.state) == bma.method.diagnostics(bma.state)
+    assert loaded.method.can.diagnostics(loaded.state) == bma.method.can.diagnostics(bma.state)
 
 
 def test_a_run_stored_before_subset_existed_evaluates_and_resumes_as_all_weights(tmp_path):
@@ -338,7 +338,7 @@ def test_a_run_stored_before_subset_existed_evaluates_and_resumes_as_all_weights
     assert resume_config(cfg.output_dir, [])[0].method.options["subset"] == loaded.method.options["subset"]
     exp, state = load_run(loaded)
     assert exp.method.marginal_variance(state).keys() == state.params.keys()  # every weight has a variance
-    assert exp.method.diagnostics(state) == ref.metrics["diagnostics"]
+    assert exp.method.can.diagnostics(state) == ref.metrics["diagnostics"]
     metrics = evaluate_run(cfg.output_dir)
     assert {k: metrics[k] for k in METRICS} == {k: ref.metrics[k] for k in METRICS}
     assert stage.same_config(Path(cfg.output_dir), cfg)  # the same run as subset: all ...

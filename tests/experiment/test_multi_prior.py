@@ -103,7 +103,7 @@ def test_each_member_has_its_own_multiswag_prior_and_is_fp_bma_trained_by_hand_f
     # member m's prior: its own SWAG Gaussian (σ floored), and the members' priors differ
     fitted = fit_prior(cfg)  # reused: finished with this config
     swag_posterior = build_experiment(prior_stage(cfg)).method
-    theta = floored(swag_posterior.gaussian(stage1), cfg.prior.min_std)
+    theta = floored(swag_posterior.can.gaussian(stage1), cfg.prior.min_std)
     assert _same(fitted.theta, theta)
     means = [section(member(m, theta), "mean") for m in range(2)]
     assert means[0].keys() == means[1].keys() and not any(torch.equal(means[0][k], means[1][k]) for k in means[0])

@@ -108,9 +108,9 @@ def test_split_states_train_their_members_as_the_full_state_and_outputs_combine_
     torch.manual_seed(0)
     net = _dropout_net().train()
     method = ensemble.build(Objective(model=net), SGD(lr=0.1, momentum=0.9), SAM(rho=0.05), size=3, seed=3)
-    assert method.members == 3
+    assert method.can.members == 3
     full = method.init(trainable_params(net), model_buffers(net))
-    parts = [method.split(full, [0, 2]), method.split(full, [1])]
+    parts = [method.can.split(full, [0, 2]), method.can.split(full, [1])]
     for section in ("params", "buffers", "aux"):  # the splits partition the entries (same tensors)
         entries = [k for p in parts for k in getattr(p, section)]
         assert sorted(entries) == sorted(getattr(full, section))
@@ -143,7 +143,7 @@ def test_split_states_train_their_members_as_the_full_state_and_outputs_combine_
     torch.testing.assert_close(log_p, outs["full"].logits, rtol=1e-6, atol=1e-6)
     assert torch.allclose(F.softmax(log_p, -1).sum(-1), torch.ones(len(batch[1])))
     with pytest.raises(ValueError, match="distinct member indices"):
-        method.split(full, [0, 3])
+        method.can.split(full, [0, 3])
 
 
 def test_members_needs_a_method_with_members_and_is_a_typed_option(tmp_path):
@@ -300,7 +300,7 @@ def test_torchrun_spreads_members_and_compare_runs_like_one_process(tmp_path):
     for r in (0, 1):  # rank r ran runs r and r + 2 of (sgd, 0), (sgd, 1), (ensemble, 0), (ensemble, 1)
         dirs = {Path(w).relative_to(many / "compare" / "runs").parts[:2] for w in writes[r] if "/runs/" in w}
         assert {seed for _, seed in dirs} == {f"seed{r}"}
-        assert sorted(method.split("-")[0] for method, _ in dirs) == ["ensemble", "sgd"]
+        assert sorted(method.can.split("-")[0] for method, _ in dirs) == ["ensemble", "sgd"]
     shared = {Path(w).name for w in writes[1] if "/runs/" not in w}
     assert shared == set(), f"rank 1 wrote {shared}"
     assert {Path(w).name for w in writes[0] if "/runs/" not in w} >= {"compare_config.yaml", "results.json", "report.*"}

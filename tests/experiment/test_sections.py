@@ -27,7 +27,7 @@ def _old_probe(name: str) -> bool:
     model = torch.nn.Sequential(torch.nn.Linear(2, 2))
     try:
         posterior = parse_method(name).build(Objective(model=model), SGD(lr=0.1), map_steps=40)  # start_step: null
-        return posterior.gaussian is not None and not posterior.members
+        return posterior.can.gaussian is not None and not posterior.can.members
     except FlatbmaError:
         return False
 

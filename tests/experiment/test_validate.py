@@ -26,11 +26,11 @@ import torch
 import torch.distributed as dist
 import yaml
 
+from flatbma import training
 from flatbma.errors import FlatbmaError
 from flatbma.experiment.cli import main
 from flatbma.experiment.config.run_config import config_from_dict, load_config
 from flatbma.experiment.parallel import liveness, processes
-from flatbma.experiment.run import stage
 from flatbma.experiment.run.build import build_experiment
 from flatbma.experiment.run.pipeline import train
 from flatbma.experiment.run.validate import run_shape, validate_run
@@ -70,7 +70,7 @@ def no_training(monkeypatch: pytest.MonkeyPatch) -> None:
     def fit(*args: Any, **kwargs: Any) -> None:
         raise AssertionError("a run started training although its config asks what it cannot give")
 
-    monkeypatch.setattr(stage, "fit", fit)
+    monkeypatch.setattr(training, "fit", fit)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -141,7 +141,7 @@ def test_an_ensemble_is_multi_of_point_estimates_bit_for_bit(size):
     for x, y in zip(outs_a, outs_b, strict=True):
         assert torch.equal(x.loss, y.loss) and torch.equal(x.logits, y.logits)
     assert len(samples_a) == len(samples_b) == size and all(map(_same, samples_a, samples_b))
-    assert ens.members == mix.members == size and ens.recompute_bn == mix.recompute_bn is False
+    assert ens.can.members == mix.can.members == size and ens.recompute_bn == mix.recompute_bn is False
     assert ens.mean is ens.marginal_variance is None  # the members are samples: no closed-form mean or width
     assert mix.mean is not None and mix.marginal_variance is not None
     _, c, _, _, rng_c = runs["multi-unseeded"]

@@ -145,7 +145,7 @@ def test_on_a_quadratic_the_hessian_estimate_converges_to_the_true_diagonal():
     expected = 1 / (ess * (h + delta))  # σ² = 1/(λ(h + δ)), exactly
     assert ((section(state.params, "mean")["weight"][0] - ridge).abs() < expected[0].sqrt()).all()  # within σ
     assert torch.equal(method.marginal_variance(state)["weight"], expected)
-    torch.testing.assert_close(lowrank_variance(method.gaussian(state))["weight"], expected)
+    torch.testing.assert_close(lowrank_variance(method.can.gaussian(state))["weight"], expected)
     draws = torch.stack([w["weight"] for w in method.sample(state, 20000, torch.Generator().manual_seed(1))])
     assert ((draws.var(0) / expected) - 1).abs().max() < 0.05  # ≈ 5 standard errors
     assert ((draws.mean(0) - section(state.params, "mean")["weight"]).abs() / expected.sqrt()).max() < 0.05

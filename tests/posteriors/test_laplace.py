@@ -123,7 +123,7 @@ def test_the_curvature_is_the_estimators_pass_at_the_map_and_the_posterior_its_g
         assert _equal(s, {**{k: w[k] + d[k] for k in w}, **buffers})
     assert _equal(method.marginal_variance(state), blocks.marginal_variance(delta, 0.5))
     assert _equal(method.mean(state), {**w, **buffers})
-    info = method.diagnostics(state)
+    info = method.can.diagnostics(state)
     assert info["prior_precision"] == pytest.approx(delta[blocks.names[0]], rel=1e-12)
     assert info["log_evidence"] == pytest.approx(log_evidence(blocks, w, float(state.aux[laplace.NLL]), delta, 0.5))
     assert 0 < info["effective_params"] <= sum(v.numel() for v in w.values())
@@ -137,10 +137,10 @@ def test_a_fixed_prior_precision_and_layerwise_priors():
     obj = Objective(model=net, num_data=64)
     fixed = laplace.build(obj, SGD(lr=0.1), start_step=0, hessian="diag", prior_precision=7.0, subset="all")
     state, _ = _run(fixed, net, CURVATURE_STEPS)
-    assert fixed.diagnostics(state)["prior_precision"] == 7.0
+    assert fixed.can.diagnostics(state)["prior_precision"] == 7.0
     layerwise = laplace.build(obj, SGD(lr=0.1), start_step=0, hessian="kfac", prior_structure="layerwise", subset="all")
     state, _ = _run(layerwise, net, CURVATURE_STEPS)
-    info = layerwise.diagnostics(state)
+    info = layerwise.can.diagnostics(state)
     per_tensor = {k.split("/", 1)[1]: v for k, v in info.items() if k.startswith("prior_precision/")}
     assert per_tensor.keys() == state.params.keys() and len(set(per_tensor.values())) > 1
     assert info["prior_precision"] == pytest.approx(math.exp(sum(map(math.log, per_tensor.values())) / len(per_tensor)))
@@ -159,7 +159,7 @@ def test_post_hoc_laplace_leaves_the_given_weights_and_memoizes_its_fit(monkeypa
     real = laplace.optimize_prior
     monkeypatch.setattr(laplace, "optimize_prior", lambda *a: solves.append(1) or real(*a))
     first = method.sample(state, 2, torch.Generator().manual_seed(0))
-    method.marginal_variance(state), method.diagnostics(state)
+    method.marginal_variance(state), method.can.diagnostics(state)
     again = method.sample(state, 2, torch.Generator().manual_seed(0))
     assert len(solves) == 1 and all(map(_equal, first, again))  # one eigendecomposition and δ per state
     state, _ = method.update(state, toy_batch(seed=9))  # accumulates in place: a new fit
@@ -182,7 +182,7 @@ def test_multi_of_one_laplace_member_is_laplace_bit_for_bit():
     (base, sa, a), (wrapped, sb, b) = runs
     for section in SECTIONS:
         assert _equal(getattr(a, section), getattr(b, section)), section
-    assert wrapped.predictive is base.predictive is Predictive.GLM
+    assert wrapped.can.predictive is base.can.predictive is Predictive.GLM
     assert all(
         map(
             _equal,
@@ -190,9 +190,9 @@ def test_multi_of_one_laplace_member_is_laplace_bit_for_bit():
             wrapped.sample(sb, 3, torch.Generator().manual_seed(1)),
         )
     )
-    assert base.diagnostics(sa) == wrapped.diagnostics(sb)
+    assert base.can.diagnostics(sa) == wrapped.can.diagnostics(sb)
     jac = {k: torch.randn(5, 3, *v.shape) for k, v in a.params.items()}
-    assert torch.equal(base.functional_variance(sa, jac), wrapped.functional_variance(sb, jac))
+    assert torch.equal(base.can.functional_variance(sa, jac), wrapped.can.functional_variance(sb, jac))
     with pytest.raises(FlatbmaError, match=r"set method\.of\.predictive: samples, or method\.members: 1"):
         multi.build(Objective(model=tiny_bn_net()), base, members=3)
 
@@ -253,7 +253,7 @@ def test_a_pretrained_prior_mean_is_stored_and_enters_only_the_evidence_and_delt
     for section in ("params", "buffers"):
         assert _equal(getattr(state, section), getattr(zero, section)), section
     assert _equal({k: v for k, v in state.aux.items() if not k.startswith(laplace.PRIOR_MEAN)}, zero.aux)
-    info = method.diagnostics(state)
+    info = method.can.diagnostics(state)
     w, delta = state.params, info["prior_precision"]
     sq = sum(float((w[k].double() - w0[k].double()).square().sum()) for k in w)
     assert delta * sq == pytest.approx(info["effective_params"], rel=1e-8)  # MacKay's fixed point around w₀
@@ -262,12 +262,12 @@ def test_a_pretrained_prior_mean_is_stored_and_enters_only_the_evidence_and_delt
     nll = float(state.aux[laplace.NLL])
     assert info["log_evidence"] == pytest.approx(log_evidence(blocks, w, nll, delta, 1.0, w0), rel=1e-12)
     assert info["effective_params"] == pytest.approx(effective_parameters(blocks, delta, 1.0), rel=1e-12)
-    assert delta != pytest.approx(runs["zero", None][0].diagnostics(zero)["prior_precision"], rel=1e-2)
+    assert delta != pytest.approx(runs["zero", None][0].can.diagnostics(zero)["prior_precision"], rel=1e-2)
     assert _equal(method.mean(state), runs["zero", None][0].mean(zero))  # post hoc: the mean stays w*
     (fz, sz), (fp, sp) = runs["zero", 3.0], runs["pretrained", 3.0]
     draws = [m.sample(st, 2, torch.Generator().manual_seed(5)) for m, st in ((fz, sz), (fp, sp))]
     assert all(map(_equal, *draws))  # a fixed δ: the same posterior, only the evidence differs
-    assert fz.diagnostics(sz)["log_evidence"] != fp.diagnostics(sp)["log_evidence"]
+    assert fz.can.diagnostics(sz)["log_evidence"] != fp.can.diagnostics(sp)["log_evidence"]
 
 
 def test_a_pretrained_prior_mean_needs_a_trained_tensor_loaded_from_a_checkpoint(tmp_path):
@@ -355,7 +355,7 @@ def test_probit_is_the_softmax_of_the_logits_scaled_by_their_variance():
     logits = net(x)
     kappa = 1 / torch.sqrt(1 + math.pi / 8 * sigma2)
     probit = linearized_predictions(
-        "probit", method.mean(state), [], list(state.params), lambda j: method.functional_variance(state, j)
+        "probit", method.mean(state), [], list(state.params), lambda j: method.can.functional_variance(state, j)
     )
     assert isinstance(probit, Probit) and len(probit) == 1 and probit[:5] is probit
     torch.testing.assert_close(

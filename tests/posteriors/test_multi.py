@@ -55,7 +55,7 @@ def test_one_member_is_the_family_bit_for_bit(family):
         runs.append((own, out, method.sample(state, 4, torch.Generator().manual_seed(1)), method, state))
         runs[-1] += (torch.get_rng_state(),)
     (a, out_a, samples_a, base, sa, rng_a), (b, out_b, samples_b, wrapped, sb, rng_b) = runs
-    assert wrapped.members == 1 and wrapped.recompute_bn == base.recompute_bn
+    assert wrapped.can.members == 1 and wrapped.recompute_bn == base.recompute_bn
     for section in SECTIONS:
         assert _equal(getattr(a, section), getattr(b, section)), section
     assert a.step == b.step == 8 and torch.equal(rng_a, rng_b)
@@ -102,7 +102,7 @@ def test_mixture_sampling_and_bma_are_the_manual_mixture_of_independently_traine
     nll = -(torch.logsumexp(log_probs, 0) - math.log(n)).gather(1, y[:, None]).mean()
     assert bma["nll"] == pytest.approx(float(nll), rel=1e-5)
     # a split state samples its own members only, the same samples
-    part = method.sample(method.split(state, [1]), n, torch.Generator().manual_seed(2))
+    part = method.sample(method.can.split(state, [1]), n, torch.Generator().manual_seed(2))
     assert len(part) == 2 and all(map(_equal, part, drawn[1]))
 
 
@@ -201,7 +201,7 @@ def test_split_states_train_their_members_as_the_full_state():
     obj = Objective(model=net)
     method = multi.build(obj, _families()["fp-bma"](obj), members=3, seed=3)
     full = method.init(trainable_params(net), model_buffers(net))
-    parts = [method.split(full, [0, 2]), method.split(full, [1])]
+    parts = [method.can.split(full, [0, 2]), method.can.split(full, [1])]
     parts = [
         dataclasses.replace(p, **{s: {k: v.clone() for k, v in getattr(p, s).items()} for s in SECTIONS}) for p in parts
     ]

@@ -152,7 +152,7 @@ def test_samples_have_the_analytic_mean_and_covariance():
     cov = 0.7 * 0.5 * (torch.diag(var) + dev.T @ dev / (3 - 1))
     _check_gaussian(samples, mean, cov)
     # the analytic accessors agree with what is sampled
-    theta = method.gaussian(state)  # the low-rank VI layout: the same Gaussian
+    theta = method.can.gaussian(state)  # the low-rank VI layout: the same Gaussian
     factor = theta["factor/w"].reshape(3, 5).T
     sigma2 = theta["log_std/w"].exp() ** 2
     torch.testing.assert_close(0.5 * (torch.diag(sigma2) + factor @ factor.T / (3 - 1)), cov)

@@ -57,16 +57,17 @@ class LossScaled:
         Every other function of the posterior (``sample``, ``mean``, ``split``, ...) is given the state
         without the scale's entries, as the method knows it (``split`` puts them back into each part).
         """
-        hidden = {
-            f: _hiding(getattr(method, f))
-            for f in ("sample", "gaussian", "mean", "marginal_variance", "functional_variance", "diagnostics")
-            if getattr(method, f) is not None
+        hidden = {f: _hiding(getattr(method, f)) for f in ("sample", "mean", "marginal_variance") if getattr(method, f)}
+        can = method.can
+        hidden_can = {
+            f: _hiding(getattr(can, f)) for f in ("gaussian", "functional_variance", "diagnostics") if getattr(can, f)
         }
+        split = (lambda state, members: self._split(method, state, members)) if can.split is not None else None
         return dataclasses.replace(
             method,
             init=lambda params, buffers: self._init(method, params, buffers),
             update=lambda state, batch: self._update(method, state, batch),
-            split=(lambda state, members: self._split(method, state, members)) if method.split is not None else None,
+            can=dataclasses.replace(can, split=split, **hidden_can),
             **hidden,
         )
 
@@ -101,7 +102,7 @@ class LossScaled:
         return dataclasses.replace(new, aux={**new.aux, **entries}), StepOutput(out.loss, out.logits, stats)
 
     def _split(self, method: Posterior, state: State, members: Sequence[int]) -> State:
-        each = method.split(_without_scale(state), members)  # type: ignore[misc]
+        each = method.can.split(_without_scale(state), members)  # type: ignore[misc]
         return dataclasses.replace(each, aux={**each.aux, **_scale_entries(state)})
 
 

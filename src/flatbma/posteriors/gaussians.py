@@ -40,10 +40,10 @@ def start(posterior: Posterior, state: State) -> list[Params] | None:
     ``gaussian`` raises :class:`~flatbma.errors.FlatbmaError`. So a variational family's (low-rank VI, FP-BMA, a
     mixture of them) is there from its first state on, and SWAG's is not.
     """
-    if posterior.gaussian is None:
+    if posterior.can.gaussian is None:
         return None
     try:
-        theta = posterior.gaussian(state)
+        theta = posterior.can.gaussian(state)
     except FlatbmaError:
         return None
     return [{k: v.detach().clone() for k, v in c.items()} for c in components(theta)]
@@ -55,9 +55,9 @@ def kl_moved(posterior: Posterior, state: State, begin: list[Params]) -> float:
     Member ``m``'s term is ``KL(q_{m,T} ‖ q_{m,0})`` (:func:`flatbma.gaussian.kl_lowrank`): how far training
     moved that member's own posterior.
     """
-    if posterior.gaussian is None:
+    if posterior.can.gaussian is None:
         raise FlatbmaError("the posterior has no Gaussian to compare with its start")
-    end = components(posterior.gaussian(state))
+    end = components(posterior.can.gaussian(state))
     kls = [float(kl_lowrank({k: v.detach() for k, v in e.items()}, b)) for e, b in zip(end, begin, strict=True)]
     return sum(kls) / len(kls)
 
@@ -98,6 +98,6 @@ def rescaled(posterior: Posterior, state: State, factor: float) -> tuple[Posteri
 
 
 def _gaussian(posterior: Posterior, state: State) -> Params:
-    if posterior.gaussian is None:
+    if posterior.can.gaussian is None:
         raise FlatbmaError("the posterior has no low-rank plus diagonal Gaussian (its gaussian is None)")
-    return posterior.gaussian(state)
+    return posterior.can.gaussian(state)

@@ -72,6 +72,7 @@ from flatbma.types import (
     Ascent,
     AscentSpace,
     Batch,
+    Capabilities,
     GradientTransformation,
     Params,
     Posterior,
@@ -232,9 +233,9 @@ def build(
         update=partial(update, rule=rule, objective=objective, ascent=ascent),
         sample=partial(sample, rule=rule),
         recompute_bn=True,
-        gaussian=partial(gaussian, rule=rule),
         mean=mean,
         marginal_variance=partial(marginal_variance, rule=rule),
+        can=Capabilities(gaussian=partial(gaussian, rule=rule)),
     )
 
 

@@ -55,6 +55,7 @@ from flatbma.posteriors.point import weights_of
 from flatbma.types import (
     Ascent,
     Batch,
+    Capabilities,
     GradientTransformation,
     Params,
     Phase,
@@ -248,9 +249,11 @@ def build(
         recompute_bn=True,
         mean=weights_of,
         marginal_variance=partial(marginal_variance, **fixed),
-        predictive=o.predictive,
-        functional_variance=partial(functional_variance, **fixed),
-        diagnostics=partial(diagnostics, **fixed),
+        can=Capabilities(
+            predictive=o.predictive,
+            functional_variance=partial(functional_variance, **fixed),
+            diagnostics=partial(diagnostics, **fixed),
+        ),
     )
 
 

@@ -54,7 +54,7 @@ from flatbma.packed import Layout
 from flatbma.params import Objective
 from flatbma.posteriors import gaussian_vi
 from flatbma.posteriors.gaussian_vi import VarianceStep
-from flatbma.types import Ascent, GradientTransformation, Params, Posterior, State, StepOutput
+from flatbma.types import Ascent, Capabilities, GradientTransformation, Params, Posterior, State, StepOutput
 
 __all__ = [
     "MIN_VARIANCE",
@@ -198,7 +198,8 @@ def posterior(
         kl_weight=float(kl_weight),
         variance_step=variance_step,
     )
-    return replace(built, gaussian=theta_of, mean=gaussian_vi.mean_of, marginal_variance=marginal_variance_of)
+    can = replace(built.can, gaussian=theta_of)
+    return replace(built, mean=gaussian_vi.mean_of, marginal_variance=marginal_variance_of, can=can)
 
 
 def marginal_variance_of(state: State) -> Params:
@@ -228,9 +229,9 @@ def fixed(theta: Mapping[str, Tensor], buffers: Mapping[str, Tensor]) -> tuple[P
         update=untrainable,
         sample=gaussian_vi.sampler(family),
         recompute_bn=True,
-        gaussian=theta_of,
         mean=gaussian_vi.mean_of,
         marginal_variance=marginal_variance_of,
+        can=Capabilities(gaussian=theta_of),
     )
     state = State(params={k: v.detach().clone() for k, v in theta.items()}, buffers=dict(buffers))
     return posterior, state

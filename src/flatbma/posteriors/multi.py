@@ -38,7 +38,7 @@ from flatbma.posteriors.members import (
     unequal_members,
 )
 from flatbma.rng import draw_seed, forked_rng, seeded_generator
-from flatbma.types import Ascent, Batch, Params, Posterior, Predictive, State, StepOutput
+from flatbma.types import Ascent, Batch, Capabilities, Params, Posterior, Predictive, State, StepOutput
 
 
 @dataclass(frozen=True)
@@ -137,17 +137,17 @@ def build(
     bases = tuple(base) if not isinstance(base, Posterior) else (base,) * members
     if len(bases) != members:
         raise FlatbmaError(f"multi needs one posterior per member: got {len(bases)} for method.members={members}")
-    if any(b.members for b in bases):
+    if any(b.can.members for b in bases):
         raise FlatbmaError(
             "method.of is itself a mixture of independent members (an ensemble or multi): "
             "raise method.members instead of nesting mixtures"
         )
     first = bases[0]
     single = members == 1
-    if not single and first.predictive is not Predictive.SAMPLES:
+    if not single and first.can.predictive is not Predictive.SAMPLES:
         raise FlatbmaError(
             f"multi averages its members' samples, but method.of predicts with the network linearized at its mean "
-            f"(predictive: {first.predictive.value}), one per member: set method.of.predictive: samples, or "
+            f"(predictive: {first.can.predictive.value}), one per member: set method.of.predictive: samples, or "
             "method.members: 1"
         )
 
@@ -164,14 +164,16 @@ def build(
         sample=bound(sample),
         predict_mode=bound(predict_mode) if first.predict_mode is not None else None,
         recompute_bn=first.recompute_bn,
-        gaussian=bound(gaussian) if every("gaussian") else None,
-        members=members,
-        split=splitter(members),
         mean=bound(mean) if every("mean") else None,
         marginal_variance=bound(marginal_variance) if every("mean") and every("marginal_variance") else None,
-        predictive=first.predictive,
-        functional_variance=bound(functional_variance) if single and first.functional_variance is not None else None,
-        diagnostics=bound(diagnostics) if every("diagnostics") else None,
+        can=Capabilities(
+            gaussian=bound(gaussian) if all(b.can.gaussian is not None for b in bases) else None,
+            members=members,
+            split=splitter(members),
+            predictive=first.can.predictive,
+            functional_variance=bound(functional_variance) if single and first.can.functional_variance else None,
+            diagnostics=bound(diagnostics) if all(b.can.diagnostics is not None for b in bases) else None,
+        ),
     )
 
 
@@ -278,20 +280,21 @@ def gaussian(state: State, *, bases: Sequence[Posterior]) -> Params:
     """Every held member's ``θ_m`` under its prefix ``member<m>/``."""
     theta: Params = {}
     for m in held(state):
-        theta.update(prefixed(m, bases[m].gaussian(member_state(m, state))))  # type: ignore[misc]
+        theta.update(prefixed(m, bases[m].can.gaussian(member_state(m, state))))  # type: ignore[misc]
     return theta
 
 
 def functional_variance(state: State, jac: Params, *, bases: Sequence[Posterior]) -> torch.Tensor:
     """The single member's ``diag(J Σ Jᵀ)``."""
-    return bases[0].functional_variance(member_state(0, state), jac)  # type: ignore[misc]
+    return bases[0].can.functional_variance(member_state(0, state), jac)  # type: ignore[misc]
 
 
 def diagnostics(state: State, *, bases: Sequence[Posterior]) -> dict[str, float]:
     """The single member's diagnostics, or every held member's under ``member<m>/``."""
     if len(bases) == 1:
-        return bases[0].diagnostics(member_state(0, state))  # type: ignore[misc]
-    return {f"member{m}/{k}": v for m in held(state) for k, v in bases[m].diagnostics(member_state(m, state)).items()}  # type: ignore[misc]
+        return bases[0].can.diagnostics(member_state(0, state))  # type: ignore[misc]
+    each = {m: bases[m].can.diagnostics(member_state(m, state)) for m in held(state)}  # type: ignore[misc]
+    return {f"member{m}/{k}": v for m, values in each.items() for k, v in values.items()}  # type: ignore[misc]
 
 
 def _starts(params: Params, buffers: Params, members: int) -> list[tuple[Params, Params]] | None:

@@ -41,7 +41,7 @@ from flatbma.gaussian import init_from_swag
 from flatbma.named import SEP, chain, split
 from flatbma.params import Objective, flatten, unflatten
 from flatbma.posteriors import point
-from flatbma.types import Ascent, Batch, GradientTransformation, Params, Posterior, State, StepOutput
+from flatbma.types import Ascent, Batch, Capabilities, GradientTransformation, Params, Posterior, State, StepOutput
 
 POINT = point.NAME
 """Name of the point update's component of ``State.aux`` (its optimizer's state, an ascent step's memory)."""
@@ -192,9 +192,9 @@ def build(
         update=partial(update, options=o, objective=objective, optimizer=optimizer, ascent=ascent),
         sample=partial(sample, options=o),
         recompute_bn=True,
-        gaussian=None if o.diagonal_only else partial(gaussian, options=o),
         mean=partial(mean, options=o),
         marginal_variance=partial(marginal_variance, options=o),
+        can=Capabilities(gaussian=None if o.diagonal_only else partial(gaussian, options=o)),
     )
 
 

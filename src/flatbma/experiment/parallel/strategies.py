@@ -216,18 +216,18 @@ class MemberParallel:
     """
 
     def __init__(self, method: Posterior, state: State, name: str) -> None:
-        if method.members < 1 or method.split is None:
+        if method.can.members < 1 or method.can.split is None:
             raise FlatbmaError(f"method {name} has no independent members to spread; use train.parallel: data")
         world, me = world_size(), rank()
-        if world > method.members:
+        if world > method.can.members:
             raise FlatbmaError(
-                f"train.parallel: members gives each process at least one of the {method.members} members of "
-                f"{name}, but {world} processes were launched: launch at most {method.members} "
+                f"train.parallel: members gives each process at least one of the {method.can.members} members of "
+                f"{name}, but {world} processes were launched: launch at most {method.can.members} "
                 "(--nproc_per_node) or use train.parallel: data"
             )
         self.base, self.world, self.rank = method, world, me
-        self.shares = [member_share(method.members, world, r) for r in range(world)]
-        parts = [method.split(state, share) for share in self.shares]
+        self.shares = [member_share(method.can.members, world, r) for r in range(world)]
+        parts = [method.can.split(state, share) for share in self.shares]
         self._order = {sec: list(getattr(state, sec)) for sec in _SECTIONS}
         self._layouts = [
             {sec: {k: (v.shape, v.dtype, v.device) for k, v in getattr(part, sec).items()} for sec in _SECTIONS}
@@ -241,7 +241,7 @@ class MemberParallel:
 
     def local(self, state: State) -> State:
         """This process's members of the full ``state``."""
-        return self.base.split(state, self.shares[self.rank])
+        return self.base.can.split(state, self.shares[self.rank])
 
     def _update(self, state: State, batch: Batch) -> tuple[State, StepOutput]:
         state, out = self.base.update(state, batch)
@@ -256,7 +256,7 @@ class MemberParallel:
         dist.all_gather(gathered, flat.to(collective_device()))
         both = torch.stack(gathered).to(logits.device)
         counts = torch.tensor([len(s) for s in self.shares], dtype=both.dtype, device=both.device)
-        total = self.base.members
+        total = self.base.can.members
         loss = (both[:, 0] * counts).sum() / total
         log_probs = both[:, 1:].view(self.world, *logits.shape) + counts.log().view(-1, *[1] * logits.dim())
         return StepOutput(loss, torch.logsumexp(log_probs, dim=0) - math.log(total))

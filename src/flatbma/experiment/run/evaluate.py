@@ -129,16 +129,16 @@ def bma_predictions(
     samples): :func:`flatbma.predictor.bma_predictions`, the path :class:`flatbma.BMA` takes, with this run's
     statistics (:func:`with_bn_statistics`).
     """
-    if samples is not None and exp.method.predictive is Predictive.SAMPLES:
+    if samples is not None and exp.method.can.predictive is Predictive.SAMPLES:
         return samples
     return predictor_predictions(exp.method, state, drawn, _trained_names(exp), partial(with_bn_statistics, exp))
 
 
 def diagnostics(exp: Experiment, state: State) -> dict[str, Any]:
     """``{"diagnostics": ...}`` of a method that has them (:attr:`~flatbma.types.Posterior.diagnostics`), or ``{}``."""
-    if exp.method.diagnostics is None:
+    if exp.method.can.diagnostics is None:
         return {}
-    return {"diagnostics": exp.method.diagnostics(state)}
+    return {"diagnostics": exp.method.can.diagnostics(state)}
 
 
 def with_bn_statistics(exp: Experiment, samples: list[Params]) -> list[Params]:
@@ -195,7 +195,7 @@ def bn_statistics(exp: Experiment) -> str:
     """
     if not has_batchnorm(exp.model):
         return BN_NONE
-    return BN_RECOMPUTED if exp.method.predictive is Predictive.SAMPLES else BN_AT_MEAN
+    return BN_RECOMPUTED if exp.method.can.predictive is Predictive.SAMPLES else BN_AT_MEAN
 
 
 def _trained_names(exp: Experiment) -> list[str]:
@@ -478,7 +478,7 @@ def evaluate_state(exp: Experiment, state: State, *, flatness: bool = False) -> 
 
 def _samples_if_averaged(exp: Experiment, drawn: list[Params]) -> list[Params] | None:
     """``drawn`` with recomputed statistics when the BMA averages them (``samples``), else ``None`` (made if asked)."""
-    return with_bn_statistics(exp, drawn) if exp.method.predictive is Predictive.SAMPLES else None
+    return with_bn_statistics(exp, drawn) if exp.method.can.predictive is Predictive.SAMPLES else None
 
 
 def bma_log_probs_over(exp: Experiment, samples: Predictions, loader: Iterable[Batch]) -> tuple[Tensor, Tensor]:
@@ -634,7 +634,7 @@ def ood_record(exp: Experiment, predictions: Predictions) -> dict[str, Any]:
         options = dict(device=exp.device, mode=exp.method.predict_mode, precision=partial(forward_precision, exp))
         scores_in = uncertainty_scores(exp.model, predictions, torch.utils.data.DataLoader(test, batch), **options)
         scores_out = uncertainty_scores(exp.model, predictions, torch.utils.data.DataLoader(shifted, batch), **options)
-    return ood_metrics(scores_in, scores_out, name=name, predictive=exp.method.predictive)
+    return ood_metrics(scores_in, scores_out, name=name, predictive=exp.method.can.predictive)
 
 
 def landscape_metrics(exp: Experiment, samples: list[Params]) -> dict[str, list[float]]:

@@ -85,7 +85,7 @@ def fit_prior(
         return None
 
     def check(exp: Experiment) -> None:
-        if exp.method.gaussian is None:  # an option turned the low-rank part off (e.g. SWAG's diagonal_only)
+        if exp.method.can.gaussian is None:  # an option turned the low-rank part off (e.g. SWAG's diagonal_only)
             raise FlatbmaError(not_gaussian_message(cfg.prior.method.name))
         check_stable_with_prior(cfg, len(exp.train_loader.dataset))
 
@@ -110,7 +110,7 @@ def fit_prior(
                 on_start=on_start,
             )
             exp, state = trained.experiment, trained.state
-    theta = gaussians.floored(exp.method.gaussian(state), cfg.prior.min_std)
+    theta = gaussians.floored(exp.method.can.gaussian(state), cfg.prior.min_std)
     return FittedPrior(theta=theta, buffers=dict(state.buffers), run_dir=run_dir)
 
 

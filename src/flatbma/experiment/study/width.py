@@ -84,7 +84,7 @@ def gaussian_posterior(entry: Any) -> bool:
         method = parse_method(entries.first_run_sections(entry)["method"])
     except FlatbmaError:
         return True
-    return method.build(Objective(model=nn.Linear(1, 1)), SGD(lr=1.0)).gaussian is not None
+    return method.build(Objective(model=nn.Linear(1, 1)), SGD(lr=1.0)).can.can.gaussian is not None
 
 
 def width_matched(
@@ -95,7 +95,7 @@ def width_matched(
     Returns the experiment measuring :func:`flatbma.posteriors.gaussians.rescaled` (the scaled ``θ``,
     sampled by the low-rank sampler), its state and the row's ``width_matched`` record.
     """
-    if exp.method.gaussian is None:
+    if exp.method.can.gaussian is None:
         raise FlatbmaError(f"{exp.config.method.name} has no Gaussian posterior to rescale (match_width)")
     own = gaussians.covariance_trace(exp.method, state)
     if not (own > 0 and math.isfinite(own) and math.isfinite(trace_ref) and trace_ref > 0):
