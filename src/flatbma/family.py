@@ -226,7 +226,7 @@ class Family:
             low-rank plus diagonal Gaussian prior in place of its default one (a two-stage run's ``prior``
             section), or ``None`` when it takes no such prior.
         gaussian: whether the posterior is a low-rank plus diagonal Gaussian (its
-            :attr:`~flatbma.types.Posterior.gaussian` gives ``θ``), so that it can be a two-stage run's first stage.
+            :attr:`~flatbma.types.Capabilities.gaussian` gives ``θ``), so that it can be a two-stage run's first stage.
         check: ``check(section, stage)`` raises a :class:`~flatbma.errors.FlatbmaError` when the section's
             options ask more of a run than ``stage`` gives (more snapshots than it collects, ...); ``None``: none.
         needs_weights: ``needs_weights(section)``: whether ``check`` needs the number of trained weights

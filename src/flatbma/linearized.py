@@ -116,7 +116,7 @@ class Probit(LinearizedPredictive):
         mean: ``w̄`` with its buffers.
         names: the trained parameters (those ``Σ`` is over).
         variance: ``variance(J) -> σ²`` ``[B, C]`` for Jacobians ``J[name]`` ``[B, C, *shape]``
-            (a posterior's :attr:`~flatbma.types.Posterior.functional_variance` at its state).
+            (a posterior's :attr:`~flatbma.types.Capabilities.functional_variance` at its state).
     """
 
     mean: Mapping[str, Tensor]

@@ -141,7 +141,7 @@ def bma_predictions(
     names: Sequence[str],
     statistics: Callable[[list[Params]], list[Params]],
 ) -> Predictions:
-    """What a BMA averages, by the method's :attr:`~flatbma.types.Posterior.predictive` (one path for all).
+    """What a BMA averages, by the method's :attr:`~flatbma.types.Capabilities.predictive` (one path for all).
 
     :class:`BMA` and the runs' evaluation (:func:`flatbma.experiment.run.evaluate.bma_predictions`) both go
     through it. Samples → BatchNorm statistics → predictive: ``samples`` averages ``statistics(drawn)``;
@@ -204,7 +204,7 @@ class BMA:
             mixture ``(1/M) Σ_m N(y; μ_m, σ_m²)`` (:meth:`predict_regression`, :meth:`evaluate`), and the
             classifier's methods (:meth:`predict_log_proba`, ...) refuse. :func:`flatbma.fit_posterior` sets it.
 
-    The predictive is the method's (:attr:`~flatbma.types.Posterior.predictive`): the samples' average, or
+    The predictive is the method's (:attr:`~flatbma.types.Capabilities.predictive`): the samples' average, or
     the network linearized at the posterior mean (``glm``: ``f(x; w̄) + J(x)(w_m − w̄)`` over the same
     samples, drawn without statistics of their own; ``probit``), whose BatchNorm statistics are then
     recomputed once, at ``w̄`` — what ``flatbma train`` reports (:func:`flatbma.linearized.linearized_predictions`).

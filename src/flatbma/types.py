@@ -237,7 +237,7 @@ def extra_epochs(options: object) -> int:
 
 
 class Predictive(str, Enum):
-    """How a posterior's BMA predicts (:attr:`Posterior.predictive`; strings and members are both accepted).
+    """How a posterior's BMA predicts (:attr:`Capabilities.predictive`; strings and members are both accepted).
 
     ``SAMPLES``: the Monte-Carlo average of the network's predictive over weight samples ``w_m``.
     ``GLM``: the same average for the network linearized at the posterior mean ``w̄``,

@@ -159,7 +159,7 @@ def _describe_method(name: str) -> str:
         else:
             kind = type_name(tp).replace(" or ", " | ")
         lines.append(f"  {key:<{width}}  {_plain(value)!r:<12}  {kind}")
-    for part in (spec.family.options, spec.ascent):  # what the family's and ascent step's options mean, in a few lines
+    for part in (spec.family.options, spec.ascent):  # what the family's and the ascent's options mean, in a few lines
         notes = getattr(part, "NOTES", None)
         if notes:
             lines += ["", *(f"  {line}" for line in notes.strip().splitlines())]

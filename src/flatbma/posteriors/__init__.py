@@ -5,7 +5,7 @@
 it adds the builder with a low-rank Gaussian prior. ``gaussian_vi`` is the reparameterized-VI
 machinery the VI families share; ``members`` the layout, initializations and seeds of the independent
 components of ``multi`` (a mixture of any family; ``ensemble`` is ``multi`` of point estimates);
-``gaussians`` what the layers above ask of a posterior's Gaussian (:attr:`~flatbma.types.Posterior.gaussian`).
+``gaussians`` what the layers above ask of a posterior's Gaussian (:attr:`~flatbma.types.Capabilities.gaussian`).
 """
 
 from flatbma.posteriors import (

@@ -62,7 +62,7 @@ def build(
       ``log (1/M) Σ_m softmax(f(x; w^m))``. ``sample(state, n, generator)`` of a whole state returns the
       first ``min(n, size)`` members, each once (a point member gives its one point; a BMA over the whole
       ensemble needs ``n >= size``); the members' weights do not depend on the generator.
-    * The members are the posterior's independent components (:attr:`Posterior.members` ``= size``):
+    * The members are the posterior's independent components (:attr:`Capabilities.members` ``= size``):
       ``split``, ``update`` and ``sample`` act on the members a state holds, which is what
       ``train.parallel: members`` spreads over processes.
 

@@ -1,4 +1,4 @@
-"""A posterior's Gaussian (:attr:`~flatbma.types.Posterior.gaussian`) as the layers above use it, never by its keys.
+"""A posterior's Gaussian (:attr:`~flatbma.types.Capabilities.gaussian`) as the layers above use it, never by its keys.
 
 A posterior that is a low-rank plus diagonal Gaussian gives its ``θ`` (the layout of :mod:`flatbma.gaussian`);
 a mixture of them (:mod:`flatbma.posteriors.multi`) gives every member's ``θ_m`` under that member's prefix
@@ -35,7 +35,7 @@ def components(theta: Mapping[str, Tensor]) -> list[Params]:
 def start(posterior: Posterior, state: State) -> list[Params] | None:
     """Copies of the Gaussians of ``posterior`` at ``state`` (one per component, :func:`components`), to compare later.
 
-    ``None`` when the posterior has no Gaussian (:attr:`~flatbma.types.Posterior.gaussian` is ``None``) or the
+    ``None`` when the posterior has no Gaussian (:attr:`~flatbma.types.Capabilities.gaussian` is ``None``) or the
     state holds none yet: a Gaussian formed from snapshots (SWAG's) does not exist in a fresh state, whose
     ``gaussian`` raises :class:`~flatbma.errors.FlatbmaError`. So a variational family's (low-rank VI, FP-BMA, a
     mixture of them) is there from its first state on, and SWAG's is not.

@@ -506,7 +506,7 @@ def _accumulators(aux: Params) -> Params:
 
 
 def describe(fit: Fit) -> dict[str, float]:
-    """A fit's :attr:`~flatbma.types.Posterior.diagnostics`: its prior precision, log evidence and γ.
+    """A fit's :attr:`~flatbma.types.Capabilities.diagnostics`: its prior precision, log evidence and γ.
 
     ``prior_precision`` is the one ``δ``, or the geometric mean of a layerwise one, each then beside it as
     ``prior_precision/<tensor>``; ``effective_params`` is ``γ``.

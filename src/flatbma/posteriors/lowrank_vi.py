@@ -83,7 +83,7 @@ reparameterize = sample_weights
 
 
 def theta_of(state: State) -> Params:
-    """The Gaussian ``q_θ`` of a low-rank VI (or FP-BMA) state: its ``θ`` (:attr:`Posterior.gaussian`)."""
+    """The Gaussian ``q_θ`` of a low-rank VI (or FP-BMA) state: its ``θ`` (:attr:`Capabilities.gaussian`)."""
     return {k: v.detach().clone() for k, v in state.params.items()}
 
 

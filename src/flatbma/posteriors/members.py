@@ -3,7 +3,7 @@
 Used by the mixture of any family (:mod:`flatbma.posteriors.multi`), and so by the deep ensemble
 (:mod:`flatbma.posteriors.ensemble`), its mixture of point estimates. Component ``m`` owns the entries
 ``"member<m>/<key>"`` of a state's ``params``, ``buffers`` and ``aux``; :func:`splitter` is the
-:attr:`~flatbma.types.Posterior.split` of that layout, which ``train.parallel: members`` uses to spread the
+:attr:`~flatbma.types.Capabilities.split` of that layout, which ``train.parallel: members`` uses to spread the
 components over processes.
 """
 
@@ -167,7 +167,7 @@ def mixture_output(outs: Sequence[StepOutput]) -> StepOutput:
 
     The mean loss and, as logits, the mixture's predictive log-probabilities
     ``log (1/m) Σ_j softmax(logits_j)`` (their argmax is the mixture's prediction), as
-    :attr:`~flatbma.types.Posterior.members` requires.
+    :attr:`~flatbma.types.Capabilities.members` requires.
     """
     loss = torch.stack([o.loss for o in outs]).mean()
     log_probs = torch.stack([F.log_softmax(o.logits, dim=-1) for o in outs])
@@ -175,7 +175,7 @@ def mixture_output(outs: Sequence[StepOutput]) -> StepOutput:
 
 
 def splitter(size: int) -> Callable[[State, Sequence[int]], State]:
-    """:attr:`~flatbma.types.Posterior.split` of the ``member<m>/`` layout of ``size`` members."""
+    """:attr:`~flatbma.types.Capabilities.split` of the ``member<m>/`` layout of ``size`` members."""
 
     def split(state: State, indices: Sequence[int]) -> State:
         chosen = list(indices)

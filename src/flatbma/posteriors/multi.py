@@ -68,7 +68,7 @@ def build(
     ``None``: one integer drawn from torch's global generator), and its state is ``base.init`` of them,
     run with torch's global generators seeded by a hash of ``(seed, m)`` (restored afterwards). Given a
     start whose every key is a member's (``member<m>/...``, e.g. the ``θ`` of a mixture of Gaussians,
-    :attr:`Posterior.gaussian`, with its buffers), member ``m`` starts at its own entries instead.
+    :attr:`Capabilities.gaussian`, with its buffers), member ``m`` starts at its own entries instead.
 
     Training (``update``): every member takes ``base.update`` on the same mini-batch. The step draws one
     integer ``s_t`` from torch's global generator and runs member ``m``'s update with the global
@@ -87,7 +87,7 @@ def build(
     generators directly (the state's keys carry the ``member0/`` prefix) — unless ``seed_single``, which
     seeds a single member's ``init`` and ``update`` as those of any member of a larger mixture (the
     deep ensemble's, :func:`flatbma.posteriors.ensemble.build`) — with the family's predictive
-    (:attr:`~flatbma.types.Posterior.predictive`: Laplace's linearized ones included). More members
+    (:attr:`~flatbma.types.Capabilities.predictive`: Laplace's linearized ones included). More members
     average their samples (a linearized predictive, one per member's mean, is refused); a family's
     ``diagnostics`` are reported per member (``member<m>/...``).
 
@@ -109,7 +109,7 @@ def build(
     offered: fitted in one basin, it would pull every member towards that basin through ``KL(q_m ‖ p)``
     (and with ``prior.init`` start them all at the same posterior), which is not a multi-basin mixture.
 
-    The members are the posterior's independent components (:attr:`Posterior.members` ``= M``):
+    The members are the posterior's independent components (:attr:`Capabilities.members` ``= M``):
     ``split(state, indices)`` keeps the ``member<m>/`` entries of ``indices``; ``update``, ``sample``,
     ``mean`` and ``marginal_variance`` act on the members a state holds, which is what
     ``train.parallel: members`` spreads over processes.
@@ -312,7 +312,7 @@ def _starts(params: Params, buffers: Params, members: int) -> list[tuple[Params,
 
 
 def member_thetas(theta: Params, count: int) -> list[Params]:
-    """Member ``m``'s ``θ_m`` of a mixture's ``θ`` (its :attr:`~flatbma.types.Posterior.gaussian`), ``m < count``.
+    """Member ``m``'s ``θ_m`` of a mixture's ``θ`` (its :attr:`~flatbma.types.Capabilities.gaussian`), ``m < count``.
 
     So a layer above the families never reads the ``member<m>/`` names (a two-stage mixture's per-member priors).
 
@@ -362,7 +362,7 @@ def build_of_with_prior(
 ) -> Posterior:
     """:func:`build_of` whose member ``m`` has its own prior: member ``m``'s Gaussian in ``prior_theta``.
 
-    ``prior_theta`` is a mixture's ``θ`` (:attr:`~flatbma.types.Posterior.gaussian` of ``multi``: member
+    ``prior_theta`` is a mixture's ``θ`` (:attr:`~flatbma.types.Capabilities.gaussian` of ``multi``: member
     ``m``'s under ``member<m>/``), fitted by the per-member first stage (a mixture of ``prior.method``);
     member ``m`` is ``of`` built with its ``θ_m`` (:func:`member_thetas`) as its prior.
     """

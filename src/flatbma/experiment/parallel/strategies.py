@@ -39,10 +39,10 @@ recomputation runs on the full un-augmented training data, in the same fixed ord
 computed redundantly on every rank (rank 0 writes them).
 
 Members (``train.parallel: members``, :class:`MemberParallel`): a posterior with independent
-components (:attr:`~flatbma.types.Posterior.members`, e.g. the ``M`` members of an ensemble or
+components (:attr:`~flatbma.types.Capabilities.members`, e.g. the ``M`` members of an ensemble or
 F-ensemble) can instead give each process a disjoint contiguous block of its members
 (:func:`member_share`; block sizes differ by at most one, so ``N ≤ M``). Every rank builds the same
-full state (same seed, same member initializations), keeps its block (``Posterior.split``) and
+full state (same seed, same member initializations), keeps its block (``Capabilities.split``) and
 trains it on ALL the data — the single-process loader, same shuffle and augmentation — with no
 gradient all-reduce; each step's outputs are combined over the ranks (one small ``all_gather``) into
 the mean loss and mixture predictive of all members, so the training history is that of one process.
@@ -236,7 +236,7 @@ class MemberParallel:
         for sec in _SECTIONS:
             owned = [k for layout in self._layouts for k in layout[sec]]
             if len(owned) != len(self._order[sec]) or set(owned) != set(self._order[sec]):
-                raise ValueError(f"{name}: Posterior.split does not partition the state's {sec} entries")
+                raise ValueError(f"{name}: Capabilities.split does not partition the state's {sec} entries")
         self.method = dataclasses.replace(method, update=self._update)
 
     def local(self, state: State) -> State:

@@ -121,7 +121,7 @@ def draw_samples(exp: Experiment, state: State, n: int | None = None, *, seed: i
 def bma_predictions(
     exp: Experiment, state: State, drawn: list[Params], samples: list[Params] | None = None
 ) -> Predictions:
-    """What the BMA averages, by the method's :attr:`~flatbma.types.Posterior.predictive`.
+    """What the BMA averages, by the method's :attr:`~flatbma.types.Capabilities.predictive`.
 
     ``samples``: the ``drawn`` samples with recomputed BatchNorm statistics (:func:`with_bn_statistics`;
     computed here when not given). ``glm`` and ``probit``: the network linearized at the posterior mean,
@@ -135,7 +135,7 @@ def bma_predictions(
 
 
 def diagnostics(exp: Experiment, state: State) -> dict[str, Any]:
-    """``{"diagnostics": ...}`` of a method that has them (:attr:`~flatbma.types.Posterior.diagnostics`), or ``{}``."""
+    """``{"diagnostics": ...}`` of a method that has them (:attr:`~flatbma.types.Capabilities.diagnostics`), or {}."""
     if exp.method.can.diagnostics is None:
         return {}
     return {"diagnostics": exp.method.can.diagnostics(state)}

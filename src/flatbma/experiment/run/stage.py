@@ -239,7 +239,7 @@ class FittedPrior:
     """The first stage of a two-stage run, ready for the second (:func:`flatbma.experiment.run.prior.fit_prior`).
 
     Attributes:
-        theta: the fitted Gaussian in low-rank VI's ``θ`` layout (:attr:`Posterior.gaussian`), its ``σ``
+        theta: the fitted Gaussian in low-rank VI's ``θ`` layout (:attr:`Capabilities.gaussian`), its ``σ``
             floored at ``prior.min_std``.
         buffers: the model buffers at the end of the first stage (BatchNorm statistics).
         run_dir: the first stage's run directory.

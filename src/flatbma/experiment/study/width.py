@@ -3,7 +3,7 @@
 An entry of a method whose posterior is a low-rank plus diagonal Gaussian may name an earlier entry in
 ``match_width``; it trains (and selects) as usual but is measured as ``N(μ, cΣ)`` with
 ``c = tr Σ_ref / tr Σ`` (module docstring of :mod:`flatbma.experiment.study.compare`). Everything here goes
-through the posterior's Gaussian (:attr:`~flatbma.types.Posterior.gaussian`,
+through the posterior's Gaussian (:attr:`~flatbma.types.Capabilities.gaussian`,
 :mod:`flatbma.posteriors.gaussians`): no method or family is named.
 """
 
@@ -72,7 +72,7 @@ def gaussian_posterior(entry: Any) -> bool:
     Its registry entry says the family's posterior is one
     (:attr:`~flatbma.family.Family.gaussian`), and the posterior built with the entry's options
     (of its first candidate) has a
-    :attr:`~flatbma.types.Posterior.gaussian`: an option may turn the low-rank part off. Building is cheap and
+    :attr:`~flatbma.types.Capabilities.gaussian`: an option may turn the low-rank part off. Building is cheap and
     draws nothing (a one-weight probe model). An entry whose options do not parse counts as one: its config's
     own check names the problem.
     """
