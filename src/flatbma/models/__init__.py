@@ -4,7 +4,7 @@ Every model ends in an ``nn.Linear`` classifier found by :func:`classifier_of`; 
 are read only as plain tensors (``torch.load(weights_only=True)`` or safetensors).
 """
 
-from flatbma.models.checkpoint import StateDict, is_pretrained, load_matching, load_state_dict_file
+from flatbma.models.checkpoint import StateDict, copied, is_pretrained, load_matching, load_state_dict_file
 from flatbma.models.contract import check_classifier, keep_logits, logits_of, returns_sequence
 from flatbma.models.heads import classifier_of, replace_classifier, seeded
 from flatbma.models.mobilenet import (
@@ -30,6 +30,7 @@ __all__ = [
     "build_model",
     "check_classifier",
     "classifier_of",
+    "copied",
     "imagenet_weights_path",
     "is_pretrained",
     "keep_logits",

@@ -8,6 +8,7 @@ tensors and plain containers. A file that needs anything else (a pickled module,
 
 from __future__ import annotations
 
+import copy
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -110,6 +111,16 @@ def load_matching(model: nn.Module, state_dict: Mapping[str, Tensor], *, source:
 
 _PRETRAINED = "_flatbma_pretrained"
 """Attribute set on a parameter whose values were loaded from a checkpoint (:func:`is_pretrained`)."""
+
+
+def copied(model: nn.Module) -> nn.Module:
+    """A deep copy of ``model`` whose parameters keep their :func:`is_pretrained` marks (a tensor's copy drops them)."""
+    out = copy.deepcopy(model)
+    marked = {name for name, param in model.named_parameters() if is_pretrained(param)}
+    for name, param in out.named_parameters():
+        if name in marked:
+            setattr(param, _PRETRAINED, True)
+    return out
 
 
 def _mark_pretrained(model: nn.Module, loaded: Mapping[str, Tensor]) -> None:

@@ -49,7 +49,7 @@ from flatbma.experiment.config.sections import DataConfig
 from flatbma.experiment.parallel import processes, strategies
 from flatbma.experiment.parallel.loaders import seeded_loader
 from flatbma.experiment.parallel.strategies import Strategy
-from flatbma.models import build_model, check_classifier
+from flatbma.models import build_model, check_classifier, copied
 from flatbma.optim.schedules import Schedule
 from flatbma.params import Objective
 from flatbma.precision import Precision
@@ -346,25 +346,102 @@ def _check_one_scale(strategy: Strategy) -> None:
         )
 
 
-def build_experiment(cfg: RunConfig, prior: Params | None = None) -> Experiment:
-    """Load data, build the model and the method for ``cfg`` (seeded).
+@dataclass
+class Inputs:
+    """What every stage of a run shares, read and built once (:func:`prepare`): its data and its network.
 
-    ``prior`` is a fitted Gaussian in ``θ`` layout (:func:`flatbma.experiment.run.prior.fit_prior`) that
-    replaces the method's default prior; without it a two-stage run's method keeps its default
-    prior, which is all that sampling and evaluation need.
+    A run's stages (a two-stage run's first and second, the check before either) differ in their method and
+    optimizer, not in their data, network or seed; each stage's experiment is assembled from these
+    (:func:`build_experiment`) with the global random state as building them left it, so that it is the
+    experiment a build of its own would give, bit for bit.
+
+    Attributes:
+        device: where the run trains.
+        data: the examples drawn (:func:`select_data`), without transforms.
+        train: the training examples with the training transform (it may augment).
+        test: the test examples with the evaluation transform.
+        val: the validation examples with the evaluation transform, or ``None``.
+        statistics: the training examples without augmentation (BatchNorm statistics, the Hessian's examples).
+        num_classes: classes of the training data (0 for a regression data set's).
+        model: the network at its initial weights (each experiment gets a copy: :func:`flatbma.models.copied`).
+        fingerprint: :func:`data_fingerprint` of the data set read.
+        random: the global random states right after the network was built (Python's, NumPy's, torch's).
     """
+
+    device: torch.device
+    data: RunData
+    train: Any
+    test: Any
+    val: Any
+    statistics: Any
+    num_classes: int
+    model: torch.nn.Module
+    fingerprint: str
+    random: tuple[Any, ...]
+
+
+def prepare(cfg: RunConfig) -> Inputs:
+    """Read the data set of ``cfg``, draw its examples and build its network at its initial weights (seeded)."""
     seed_everything(cfg.seed)
     device = processes.local_device(resolve_device(cfg.train.device))
-    strategy = strategies.strategy(cfg.train.parallel)
     d = cfg.data
     splits = load_data(d)
     data = select_data(cfg, splits)
     train_tf, eval_tf = transforms(d)
-    statistics_data = train_eval = data.train.with_transform(eval_tf)  # the training images, un-augmented
-    hessian_data = train_eval.subset(data.hessian) if data.hessian is not None else train_eval
+    statistics = data.train.with_transform(eval_tf)  # the training images, un-augmented
     train, test = data.train.with_transform(train_tf), data.test.with_transform(eval_tf)
     val = data.val.with_transform(eval_tf) if data.val is not None else None
     model = build_network(cfg, train).to(device)
+    return Inputs(
+        device=device,
+        data=data,
+        train=train,
+        test=test,
+        val=val,
+        statistics=statistics,
+        num_classes=train.num_classes,
+        model=model,
+        fingerprint=data_fingerprint(splits),
+        random=_random_state(device),
+    )
+
+
+def _random_state(device: torch.device) -> tuple[Any, ...]:
+    """Python's, NumPy's and torch's global random states (the GPUs' on a CUDA run)."""
+    cuda = tuple(torch.cuda.get_rng_state_all()) if device.type == "cuda" else ()
+    return random.getstate(), np.random.get_state(), torch.get_rng_state(), cuda  # noqa: NPY002
+
+
+def _set_random_state(state: tuple[Any, ...]) -> None:
+    python, numpy, cpu, cuda = state
+    random.setstate(python)
+    np.random.set_state(numpy)  # noqa: NPY002
+    torch.set_rng_state(cpu)
+    if cuda:
+        torch.cuda.set_rng_state_all(list(cuda))
+
+
+def build_experiment(cfg: RunConfig, prior: Params | None = None, inputs: Inputs | None = None) -> Experiment:
+    """The experiment of ``cfg``: its data, its network and its method (seeded).
+
+    ``prior`` is a fitted Gaussian in ``θ`` layout (:func:`flatbma.experiment.run.prior.fit_prior`) that
+    replaces the method's default prior; without it a two-stage run's method keeps its default
+    prior, which is all that sampling and evaluation need. ``inputs``: the run's data and network already read
+    and built (:func:`prepare`, for ``cfg``'s data, model and seed); the experiment gets a copy of the network
+    and the global random state they left, as if it had read and built them itself. ``None``: read and built here.
+    """
+    if inputs is None:
+        inputs = prepare(cfg)
+        model = inputs.model
+    else:
+        _set_random_state(inputs.random)
+        model = copied(inputs.model)
+    device = inputs.device
+    strategy = strategies.strategy(cfg.train.parallel)
+    d = cfg.data
+    data, train, test, val = inputs.data, inputs.train, inputs.test, inputs.val
+    statistics_data = inputs.statistics
+    hessian_data = statistics_data.subset(data.hessian) if data.hessian is not None else statistics_data
 
     train_loader = strategy.train_loader(train, d.batch_size, seed=cfg.seed)  # data.batch_size: the global batch
     precision = cfg.train.precision
@@ -395,11 +472,11 @@ def build_experiment(cfg: RunConfig, prior: Params | None = None) -> Experiment:
         if gaussian is None
         else seeded_loader(test, d.eval_batch_size, shuffle=False, seed=0),
         hessian_loader=seeded_loader(hessian_data, d.eval_batch_size, shuffle=False, seed=0),
-        num_classes=train.num_classes,
+        num_classes=inputs.num_classes,
         device=device,
         strategy=strategy,
         bn_loader=statistics_loader(statistics_data, d.eval_batch_size),
         rng=GlobalRNG.capture(device),
-        data_fingerprint=data_fingerprint(splits),
+        data_fingerprint=inputs.fingerprint,
         likelihood=gaussian,
     )

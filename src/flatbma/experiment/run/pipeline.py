@@ -25,7 +25,7 @@ from flatbma.experiment.config.run_config import (
     run_identity,
 )
 from flatbma.experiment.parallel import processes
-from flatbma.experiment.run.build import Experiment, build_experiment
+from flatbma.experiment.run.build import Experiment, Inputs, build_experiment, prepare
 from flatbma.experiment.run.checkpoint import (
     RunRecord,
     at_end,
@@ -103,24 +103,27 @@ def train(
     """
     run_dir = Path(cfg.output_dir)
     check_available(cfg.train.log)  # before a first stage trains or anything is written
-    validate_run(cfg)  # what the config asks of the run's length and data, both stages, before anything is written
+    inputs = prepare(cfg)  # the data read and the network built once, for the checks and both stages
+    validate_run(cfg, inputs=inputs)  # what the config asks of the run's length and data, both stages
     if not resume:
         check_run_output(run_dir, force=force)  # never /, ~ or a mount point; another's files only with --force
     with hold(run_dir, "train"):
         if not resume:
             check_run_dir(run_dir, cfg.to_dict(), force)
-            existing = None if force else _existing(cfg)
+            existing = None if force else _existing(cfg, inputs)
             if existing is not None:
                 return existing
         # a two-stage run claims its directory (`train --resume` finds it) when its first stage starts
-        prior = fit_prior(cfg, force=force, resume=resume, on_start=lambda: start_run(run_dir, cfg.to_dict()))
+        start = lambda: start_run(run_dir, cfg.to_dict())  # noqa: E731
+        prior = fit_prior(cfg, force=force, resume=resume, on_start=start, inputs=inputs)
         if prior is not None and resume:  # interrupted in the first stage: the second starts afresh
             resume = processes.main_decides((run_dir / CHECKPOINT_FILE).is_file())
             force = True
-        return train_stage(cfg, force=force, resume=resume, evaluate=evaluate, prior=prior, resumed=resumed)
+        stage = {"prior": prior, "resumed": resumed, "inputs": inputs}
+        return train_stage(cfg, force=force, resume=resume, evaluate=evaluate, checked=True, **stage)
 
 
-def _existing(cfg: RunConfig) -> Trained | None:
+def _existing(cfg: RunConfig, inputs: Inputs | None = None) -> Trained | None:
     """The run of ``cfg`` its directory already holds: finished (returned as it is) or ``None`` when there is none.
 
     Raises:
@@ -135,7 +138,7 @@ def _existing(cfg: RunConfig) -> Trained | None:
         return None
     found = unfinished(run_dir, cfg)
     if processes.main_decides(found is None):
-        exp = build_experiment(cfg)
+        exp = build_experiment(cfg, inputs=inputs)
         if not processes.main_decides(finished_run(run_dir, cfg, data=exp.data_fingerprint)):
             raise FlatbmaError(
                 f"{run_dir} holds this config's finished run, trained on other data (the data set changed since): "

@@ -20,7 +20,7 @@ from pathlib import Path
 from flatbma.errors import FlatbmaError
 from flatbma.experiment.config.run_config import RunConfig
 from flatbma.experiment.parallel import processes
-from flatbma.experiment.run.build import Experiment, build_experiment
+from flatbma.experiment.run.build import Experiment, Inputs, build_experiment
 from flatbma.experiment.run.checkpoint import load_run_state
 from flatbma.experiment.run.lock import hold
 from flatbma.experiment.run.provenance import template
@@ -70,6 +70,7 @@ def fit_prior(
     resume: bool = False,
     run_dir: str | Path | None = None,
     on_start: Callable[[], None] | None = None,
+    inputs: Inputs | None = None,
 ) -> FittedPrior | None:
     """Train (or reuse, when it finished with the same config and data and not ``force``) the first stage of ``cfg``.
 
@@ -78,7 +79,8 @@ def fit_prior(
     called right before a fresh stage's first checkpoint (:func:`~flatbma.experiment.run.stage.train_stage`).
     Under ``torchrun`` rank 0 decides whether to reuse, so every rank does the same.
     Before the stage trains, its posterior must be a Gaussian and the run's learning rate stable
-    with the prior (:func:`check_stable_with_prior`).
+    with the prior (:func:`check_stable_with_prior`). ``inputs``: the run's data and network already read and
+    built, and its logs checked (:func:`flatbma.experiment.run.pipeline.train`).
     """
     stage = prior_stage(cfg, run_dir)
     if stage is None:
@@ -93,7 +95,7 @@ def fit_prior(
     with hold(run_dir, "train"):
         exp = None
         if processes.main_decides(not force and finished_run(run_dir, stage)):
-            exp = build_experiment(stage)
+            exp = build_experiment(stage, inputs=inputs)
             if not processes.main_decides(finished_run(run_dir, stage, data=exp.data_fingerprint)):
                 exp = None  # finished on other data: the data set changed since, so it trains again
         if exp is not None:
@@ -108,6 +110,8 @@ def fit_prior(
                 evaluate=False,  # `flatbma evaluate <output_dir>/prior` measures the first stage on its own
                 check=check,  # before training
                 on_start=on_start,
+                inputs=inputs,
+                checked=inputs is not None,  # this lock is held; the logs and the directory (force) are checked
             )
             exp, state = trained.experiment, trained.state
     theta = gaussians.floored(exp.method.can.gaussian(state), cfg.prior.min_std)

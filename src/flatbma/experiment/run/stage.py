@@ -12,6 +12,7 @@ started from the :class:`FittedPrior`. How processes share a stage is its experi
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -28,7 +29,7 @@ from flatbma.errors import DivergenceError, FlatbmaError
 from flatbma.experiment.config.parse import shown
 from flatbma.experiment.config.run_config import RunConfig, as_stored, run_identity
 from flatbma.experiment.parallel import processes
-from flatbma.experiment.run.build import Experiment, build_experiment
+from flatbma.experiment.run.build import Experiment, Inputs, build_experiment
 from flatbma.experiment.run.checkpoint import (
     CHECKPOINT_NAME,
     CONFIG_KEY,
@@ -274,6 +275,8 @@ def train_stage(
     check: Callable[[Experiment], None] | None = None,
     on_start: Callable[[], None] | None = None,
     resumed: Resume | None = None,
+    inputs: Inputs | None = None,
+    checked: bool = False,
 ) -> Trained:
     """Train ``cfg`` into its output directory and write ``metrics.json``, holding the directory's lock.
 
@@ -296,12 +299,15 @@ def train_stage(
         resumed: the change ``--resume --set`` made to the run's config, recorded (:func:`record_resume`) once
             the checkpoint it continues from has loaded, or right before a fresh stage's first checkpoint (a
             two-stage run stopped in its first stage), never before.
+        inputs: the run's data and network already read and built (:func:`~flatbma.experiment.run.build.prepare`).
+        checked: the caller already holds the directory's lock and checked the logs and the directory
+            (:func:`flatbma.experiment.run.pipeline.train`): they are not checked again.
 
     Raises:
         FlatbmaError: another process holds the directory (:func:`flatbma.experiment.run.lock.hold`), or the
             checkpoint to resume from is not this run's, or damaged.
     """
-    with hold(cfg.output_dir, "train"):
+    with contextlib.nullcontext() if checked else hold(cfg.output_dir, "train"):
         return _train_stage(
             cfg,
             force=force,
@@ -311,6 +317,8 @@ def train_stage(
             check=check,
             on_start=on_start,
             resumed=resumed,
+            inputs=inputs,
+            checked=checked,
         )
 
 
@@ -324,13 +332,16 @@ def _train_stage(
     check: Callable[[Experiment], None] | None,
     on_start: Callable[[], None] | None,
     resumed: Resume | None = None,
+    inputs: Inputs | None = None,
+    checked: bool = False,
 ) -> Trained:
     run_dir = Path(cfg.output_dir)
     resolved = cfg.to_dict()
-    check_available(cfg.train.log)
-    if not resume:
-        check_run_dir(run_dir, resolved, force)
-    exp = build_experiment(cfg, prior=prior.theta if prior is not None else None)
+    if not checked:
+        check_available(cfg.train.log)
+        if not resume:
+            check_run_dir(run_dir, resolved, force)
+    exp = build_experiment(cfg, prior=prior.theta if prior is not None else None, inputs=inputs)
     if check is not None:
         check(exp)
     ckpt = run_dir / CHECKPOINT_FILE

@@ -31,6 +31,7 @@ from flatbma.experiment.config.sections import Parallel
 from flatbma.experiment.parallel import processes, strategies
 from flatbma.experiment.run.build import (
     Experiment,
+    Inputs,
     build_network,
     load_data,
     resolve_device,
@@ -45,7 +46,9 @@ from flatbma.options import plain
 __all__ = ["available_memory", "check_evaluation", "check_run", "run_shape", "validate_run", "validate_runs"]
 
 
-def run_shape(cfg: RunConfig, splits: DatasetSplits | None = None, *, trainable: bool = False) -> RunShape:
+def run_shape(
+    cfg: RunConfig, splits: DatasetSplits | None = None, *, trainable: bool = False, inputs: Inputs | None = None
+) -> RunShape:
     """The shape of run ``cfg``: its examples drawn as its build draws them, its loader's length.
 
     Args:
@@ -53,17 +56,25 @@ def run_shape(cfg: RunConfig, splits: DatasetSplits | None = None, *, trainable:
         splits: the data set of ``cfg.data`` already read (:func:`~flatbma.experiment.run.build.load_data`),
             to share between runs on the same data; read here when ``None``.
         trainable: also count the trained weights, which builds the network (on the CPU).
+        inputs: the run's data and network already read and built (:func:`~flatbma.experiment.run.build.prepare`):
+            nothing is read or built here.
 
     Raises:
         FlatbmaError: whatever the data selection refuses (a k-shot draw the data cannot give, ...).
     """
-    data = select_data(cfg, splits if splits is not None else load_data(cfg.data))
+    if inputs is not None:
+        data = inputs.data
+    else:
+        data = select_data(cfg, splits if splits is not None else load_data(cfg.data))
     strategy = strategies.strategy(cfg.train.parallel)
     loader = strategy.train_loader(data.train, cfg.data.batch_size, seed=cfg.seed)
     count = free = None
     if trainable:
-        _, eval_tf = transforms(cfg.data)
-        model = build_network(cfg, data.train.with_transform(eval_tf))
+        if inputs is not None:
+            model = inputs.model
+        else:
+            _, eval_tf = transforms(cfg.data)
+            model = build_network(cfg, data.train.with_transform(eval_tf))
         count = sum(p.numel() for p in model.parameters() if p.requires_grad)
         free = available_memory(resolve_device(cfg.train.device))
     return RunShape(
@@ -138,15 +149,16 @@ def check_early_stopping(cfg: RunConfig) -> None:
         )
 
 
-def validate_run(cfg: RunConfig, *, flatness: bool | None = None) -> RunShape:
+def validate_run(cfg: RunConfig, *, flatness: bool | None = None, inputs: Inputs | None = None) -> RunShape:
     """Check ``cfg`` before it trains (``flatbma train``); return its shape.
 
     Args:
         cfg: the run.
         flatness: whether its flatness is measured (default ``eval.flatness``).
+        inputs: its data and network already read and built (:func:`~flatbma.experiment.run.build.prepare`).
     """
     flatness = cfg.eval.flatness if flatness is None else flatness
-    shape = run_shape(cfg, trainable=_needs_trainable(cfg, flatness))
+    shape = run_shape(cfg, trainable=_needs_trainable(cfg, flatness), inputs=inputs)
     check_run(cfg, shape, flatness=flatness)
     check_ood_data(cfg.eval.ood)
     return shape
