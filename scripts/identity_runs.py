@@ -12,7 +12,9 @@ another version wrote). ``diff`` compares every ``metrics.json``, ``results.json
 tensors of every ``*.safetensors`` file, bit for bit, leaving out what differs between two runs of the same code
 (timings, paths, library versions, checksums over metadata that holds them); it prints each difference and exits 1
 when there is one. The runs cover every family and composition, fp16 and bf16, a two-stage prior run, a resumed
-run, ``flatbma evaluate``, ``flatbma compare`` with a prior and with a regression.
+run, ``flatbma evaluate``, ``flatbma compare`` with a prior and with a regression, and two transfer runs from the
+pretrained MobileNetV2 of ``fpbma-transfer`` (its two stages; a MultiSWAG whose members re-draw only what is not
+pretrained).
 """
 
 from __future__ import annotations
@@ -86,6 +88,14 @@ RUNS: dict[str, list[list[str]]] = {
     "evaluated": [["method={name: mfvi}"], ["--evaluate"]],
     "regression": [["method={name: sgd}", "--diabetes"]],
     "regression-swag": [["method={name: swag, rank: 3, collect_every: 2}", "--diabetes"]],
+    "transfer-prior": [["--transfer", "prior.epochs=2", "prior.method.start_step=2", "prior.method.collect_every=1"]],
+    "transfer-multiswag": [
+        [
+            "--transfer",
+            "method={name: multiswag, members: 2, of: {name: swag, rank: 2, start_step: 1, collect_every: 1}}",
+            "prior=null",
+        ]
+    ],
     "compare-prior": [["--compare"]],
     "compare-regression": [["--compare-regression"]],
 }
@@ -115,6 +125,8 @@ compare:
 """
 
 REGRESSION = ["data.test_limit=50", "train.epochs=2", "eval.num_samples=3", "train.log=[csv]"]
+TRANSFER = ["data.test_limit=100", "train.epochs=1", "eval.num_samples=3", "train.log=[csv]"]
+"""The overrides of a transfer run (the shipped ``fpbma-transfer``: an ImageNet MobileNetV2, norm+classifier)."""
 
 IGNORED = {
     "environment",
@@ -163,6 +175,9 @@ def _command(args: list[str], out: Path, name: str) -> list[str]:
     if "--diabetes" in args:
         sets = [*REGRESSION, *[a for a in args if a != "--diabetes"]]
         config = "diabetes-regression"
+    elif "--transfer" in args:
+        sets = [*TRANSFER, *[a for a in args if a != "--transfer"]]
+        config = "fpbma-transfer"
     else:
         sets, config = [*DIGITS, *args], "digits-sam"
     sets = [*sets, f"output_dir={run_dir}"]
