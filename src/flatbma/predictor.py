@@ -95,7 +95,7 @@ def posterior_mean(
 
 
 def member_weights(method: Posterior, state: State, m: int, seed: int) -> Params:
-    """Member ``m``'s weights of a mixture (:attr:`~flatbma.types.Posterior.members` ``> 0``), in the form of a sample.
+    """Member ``m``'s weights of a mixture (:attr:`~flatbma.types.Capabilities.members` ``> 0``), as a sample.
 
     An ensemble's member is its point (its own weights and statistics, exactly); a mixture of posteriors
     (``multi``) gives member ``m``'s posterior mean (its family's :attr:`~flatbma.types.Posterior.mean`), or for a
@@ -410,7 +410,7 @@ class BMA:
             return self._statistics([mean])[0]
 
     def member(self, m: int = 0) -> Params:
-        """Member ``m``'s weights of a mixture (:attr:`~flatbma.types.Posterior.members` ``> 0``), as a sample.
+        """Member ``m``'s weights of a mixture (:attr:`~flatbma.types.Capabilities.members` ``> 0``), as a sample.
 
         An ensemble's member is its point — its own weights and BatchNorm statistics, exactly; a mixture of
         posteriors (``multi``: MultiSWAG, …) gives member ``m``'s posterior mean (:func:`member_weights`).

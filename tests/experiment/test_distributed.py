@@ -167,6 +167,7 @@ def test_torchrun_cli_trains_like_one_process_and_only_rank0_writes(tmp_path):
 
 def _worker(root: Path) -> None:
     """Run under torchrun (2 processes): SAM, SWAG, FP-BMA, IVON; SGLD crash + resume; evaluate; replica check."""
+    from flatbma import training
     from flatbma.experiment.run import stage
     from flatbma.experiment.run.pipeline import evaluate_run, load_run_config
     from flatbma.types import State
@@ -183,7 +184,7 @@ def _worker(root: Path) -> None:
         cfg = config_from_dict({**RESUME, "output_dir": str(root / "ref")})
         train(cfg)
         real_save = stage.save_position
-        with crash_after(stage, CRASH_AFTER) as calls:
+        with crash_after(training, CRASH_AFTER) as calls:
 
             def slow_save(*args):  # rank 0 writes late: the others must still resume from this checkpoint
                 time.sleep(0.5 if len(calls) == CRASH_AFTER - 1 else 0.0)
@@ -256,10 +257,10 @@ import dataclasses, os, signal, sys
 from pathlib import Path
 from flatbma.experiment import cli
 from flatbma.experiment.parallel import loaders, processes
-from flatbma.experiment.run import stage
+from flatbma import training
 
 config, pidfile = sys.argv[1:]
-real_fit = stage.fit
+real_fit = training.fit
 
 def fit(method, *args, **kwargs):  # rank 1 stops itself (SIGSTOP) before its third step
     def update(state, batch):
@@ -269,7 +270,7 @@ def fit(method, *args, **kwargs):  # rank 1 stops itself (SIGSTOP) before its th
         return method.update(state, batch)
     return real_fit(dataclasses.replace(method, update=update), *args, **kwargs)
 
-stage.fit = fit
+training.fit = fit
 code = cli.main(["train", "--config", config])
 Path(pidfile).with_name(f"exit{processes.rank()}").write_text(str(code))
 sys.exit(code)

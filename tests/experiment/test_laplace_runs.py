@@ -19,6 +19,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import flatbma
+from flatbma import training
 from flatbma.curvature import estimator
 from flatbma.errors import FlatbmaError
 from flatbma.experiment.cli import main
@@ -111,7 +112,7 @@ def test_a_resume_in_the_middle_of_the_curvature_epoch_is_bit_identical(tmp_path
     ref = train(_config(tmp_path, "ref", method, data=augment))
     cfg = _config(tmp_path, "run", method, data=augment)
     # checkpoints at steps 2, 4, 4 (epoch end), 6, 8, 8, 10: the 7th is mid-way through the curvature epoch
-    with crash_after(stage, 7):
+    with crash_after(training, 7):
         train(cfg)
     assert load_checkpoint(Path(cfg.output_dir) / "checkpoint.safetensors")[1]["step"] == "10"
     again = train(cfg, resume=True)
@@ -288,7 +289,7 @@ def test_a_pretrained_prior_mean_run_stores_w0_resumes_bit_identically_and_the_c
     exp, state = load_run(load_run_config(ref_dir))  # evaluation of the run directory: the same fit
     assert exp.method.can.diagnostics(state) == info
     cfg = _config(tmp_path, "run", method, model=model)
-    with crash_after(stage, 7):  # mid-way through the curvature epoch
+    with crash_after(training, 7):  # mid-way through the curvature epoch
         train(cfg)
     again = train(cfg, resume=True)
     b = _state(again)
@@ -388,7 +389,7 @@ def test_a_run_stopped_mid_way_resumes_bit_identically(tmp_path, method, crash):
     bits of an uninterrupted run."""
     ref = train(_config(tmp_path, "ref", method))
     cfg = _config(tmp_path, "run", method)
-    with crash_after(stage, crash):
+    with crash_after(training, crash):
         train(cfg)
     again = train(cfg, resume=True)
     a, b = _state(ref), _state(again)

@@ -172,6 +172,7 @@ def test_one_process_helpers_inside_single_process():
 
 def _worker(root: Path) -> None:
     """Run under torchrun (2 processes): members training, a crash, too many processes, compare via the CLI."""
+    from flatbma import training
     from flatbma.experiment.cli import main
     from flatbma.experiment.report import documents
     from flatbma.experiment.run import stage
@@ -182,7 +183,7 @@ def _worker(root: Path) -> None:
         # rank 1 is given a directory of its own: it must never be created
         train(config_from_dict(_members_config(root / ("members" if me == 0 else "members-rank1"))))
 
-        with crash_after(stage, CRASH_AFTER):
+        with crash_after(training, CRASH_AFTER):
             train(config_from_dict(_members_config(root / "crashed")))
 
         train(config_from_dict(_multi_config(root / "multi")))  # members {0, 1} and {2} of a mixture
@@ -300,7 +301,7 @@ def test_torchrun_spreads_members_and_compare_runs_like_one_process(tmp_path):
     for r in (0, 1):  # rank r ran runs r and r + 2 of (sgd, 0), (sgd, 1), (ensemble, 0), (ensemble, 1)
         dirs = {Path(w).relative_to(many / "compare" / "runs").parts[:2] for w in writes[r] if "/runs/" in w}
         assert {seed for _, seed in dirs} == {f"seed{r}"}
-        assert sorted(method.can.split("-")[0] for method, _ in dirs) == ["ensemble", "sgd"]
+        assert sorted(method.split("-")[0] for method, _ in dirs) == ["ensemble", "sgd"]
     shared = {Path(w).name for w in writes[1] if "/runs/" not in w}
     assert shared == set(), f"rank 1 wrote {shared}"
     assert {Path(w).name for w in writes[0] if "/runs/" not in w} >= {"compare_config.yaml", "results.json", "report.*"}

@@ -43,7 +43,7 @@ def crash_after(run: ModuleType, checkpoints: int) -> Iterator[list[int]]:
     on exit. Yields the list that grows by one entry per checkpoint written.
 
     Args:
-        run: the module :mod:`flatbma.experiment.run.stage`, which trains a run (its ``fit`` is replaced).
+        run: the module :mod:`flatbma.training`, whose ``fit`` (the loop) every run trains through (it is replaced).
         checkpoints: the number of checkpoints after which to crash.
     """
     real_fit, calls = run.fit, []

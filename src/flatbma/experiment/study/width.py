@@ -84,7 +84,7 @@ def gaussian_posterior(entry: Any) -> bool:
         method = parse_method(entries.first_run_sections(entry)["method"])
     except FlatbmaError:
         return True
-    return method.build(Objective(model=nn.Linear(1, 1)), SGD(lr=1.0)).can.can.gaussian is not None
+    return method.build(Objective(model=nn.Linear(1, 1)), SGD(lr=1.0)).can.gaussian is not None
 
 
 def width_matched(
