@@ -45,6 +45,7 @@ LAYERS: dict[str, int] = {
     "gaussian": 4,
     "state_io": 2,
     "predictor_file": 3,
+    "likelihood": 3,
     "predictor": 5,
     "ood": 5,
     "optim": 5,

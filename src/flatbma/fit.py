@@ -25,11 +25,13 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from flatbma import likelihood as likelihoods
 from flatbma import training
 from flatbma.checks import check_seed, is_int, shown
 from flatbma.errors import DivergenceError, FlatbmaError, FlatbmaTypeError, FlatbmaWarning
 from flatbma.family import RunShape, Stage, available_memory
 from flatbma.health import too_wide_line, worse_than_mean
+from flatbma.likelihood import Likelihood
 from flatbma.loop import History
 from flatbma.methods import MethodConfig, parse_method
 from flatbma.models import check_classifier, keep_logits, returns_sequence
@@ -181,7 +183,7 @@ def fit_posterior(
     _check_model_argument(model)
     epochs = _epochs(epochs, posthoc)
     check_seed(seed, "seed")
-    gaussian = _likelihood(likelihood, noise_std)
+    gaussian = likelihoods.build(likelihood, noise_std)
     config = parse_method(_method_section(method, method_options))
     if posthoc:
         _check_posthoc(config)
@@ -198,11 +200,7 @@ def fit_posterior(
         optim_config.check_length(epochs, "optim", "epochs")
     steps, num_data = _sizes(loader)
     train_device = target_device(device, model)
-    if gaussian is None:
-        classes: int | None = _check_first_batch(model, loader)
-    else:
-        _check_first_regression_batch(model, loader, gaussian)
-        classes = None
+    classes = _FIRST_BATCH[likelihoods.kind(gaussian)](model, loader, gaussian)
     map_steps = 0 if posthoc else epochs * steps  # post hoc: no update belongs to a MAP phase
     check = dict(model=model, steps=steps, num_data=num_data, num_classes=classes, device=train_device)
     if first is not None:  # both stages' options, before either trains (the CLI's validate_run)
@@ -210,7 +208,7 @@ def fit_posterior(
         check_lr_with_prior(first, optim_config, config, num_data)
     _check_run(config.resolved(0) if posthoc else config, epochs=epochs, **check)  # post hoc: from update 0
     model.to(train_device)
-    objective = Objective(model=model, num_data=num_data, **({"loss_fn": gaussian} if gaussian is not None else {}))
+    objective = Objective(model=model, num_data=num_data, loss_fn=likelihoods.loss(gaussian))
     stage = dict(
         loader=loader,
         steps=steps,
@@ -320,7 +318,7 @@ def load_posterior(
     if not is_int(num_data) or num_data < 1:
         raise FlatbmaError(f"{path}: the predictor settings are damaged (num_data {shown(num_data)}); save it again")
     gaussian = likelihood_of(settings, path)
-    objective = Objective(model=model, num_data=num_data, **({"loss_fn": gaussian} if gaussian is not None else {}))
+    objective = Objective(model=model, num_data=num_data, loss_fn=likelihoods.loss(gaussian))
     optim = settings.get("optim", {})  # a predictor built by hand records none: the default optimizer's entries
     if not isinstance(optim, Mapping):
         raise FlatbmaError(f"{path}: the predictor settings are damaged (optim {shown(optim)}); save it again")
@@ -375,7 +373,7 @@ def _train(
                 learning_rate=built.learning_rate,
                 history=History(),
                 lines=progress,
-                accuracy=gaussian is None,  # regression targets have none
+                accuracy=likelihoods.kind(gaussian).has_classes,  # regression targets have none
             )
             state, _ = training.train(
                 built.posterior,
@@ -386,7 +384,7 @@ def _train(
                 device=device,
                 lines=log,
                 progress=progress,
-                regression=gaussian is not None,
+                regression=not likelihoods.kind(gaussian).has_classes,
                 num_classes=classes,
             )
     except DivergenceError as e:
@@ -569,17 +567,6 @@ def _check_first_batch(model: nn.Module, loader: Iterable[Batch]) -> int:
     return classes
 
 
-def _likelihood(name: object, noise_std: object) -> Gaussian | None:
-    """``None`` for ``categorical``; the :class:`~flatbma.regression.Gaussian` of ``gaussian`` with ``noise_std``."""
-    if name == "categorical":
-        if noise_std is not None:
-            raise FlatbmaError("noise_std is the Gaussian likelihood's: give it with likelihood='gaussian'")
-        return None
-    if name == "gaussian":
-        return Gaussian(noise_std=noise_std)  # type: ignore[arg-type]
-    raise FlatbmaError(f"likelihood must be 'categorical' (a classifier) or 'gaussian' (regression), got {shown(name)}")
-
-
 def _check_first_regression_batch(model: nn.Module, loader: Iterable[Batch], gaussian: Gaussian) -> None:
     """A regression's model and data, checked on the loader's first batch (:func:`fit_posterior`).
 
@@ -671,3 +658,10 @@ def _sizes(loader: Iterable[Batch]) -> tuple[int, int]:
     if steps == 0 or num_data == 0:
         raise FlatbmaError("the training loader is empty")
     return steps, num_data
+
+
+_FIRST_BATCH: dict[Likelihood, Callable[[nn.Module, Iterable[Batch], Gaussian | None], int | None]] = {
+    Likelihood.CATEGORICAL: lambda model, loader, _: _check_first_batch(model, loader),
+    Likelihood.GAUSSIAN: _check_first_regression_batch,  # type: ignore[dict-item]
+}
+"""The check of the first batch by likelihood (:mod:`flatbma.likelihood`): a classifier's gives its classes."""

@@ -36,6 +36,7 @@ import contextlib
 import itertools
 import math
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -49,6 +50,7 @@ from flatbma.bn import eval_mode, has_batchnorm, statistics_loader, with_recompu
 from flatbma.calibration import fit_temperature, scale
 from flatbma.checks import check_device, check_seed, is_int, is_number, parse_choice
 from flatbma.errors import FlatbmaError, FlatbmaTypeError
+from flatbma.likelihood import Likelihood, kind
 from flatbma.linearized import LinearizedPredictive, linearized_names, linearized_predictions
 from flatbma.metrics import uncertainty_decomposition
 from flatbma.models.contract import first_output, keep_logits
@@ -232,12 +234,8 @@ class BMA:
         likelihood: Gaussian | None = None,
     ) -> None:
         _check_arguments(model, method, state, num_samples, seed, recompute_bn)
-        if likelihood is not None and not isinstance(likelihood, Gaussian):
-            raise FlatbmaTypeError(
-                "likelihood must be None (a classifier) or a flatbma.regression.Gaussian, got a "
-                f"{type(likelihood).__name__}"
-            )
-        if likelihood is not None and method.can.predictive is not Predictive.SAMPLES:
+        self._task = TASKS[kind(likelihood)]
+        if self._task.samples_only and method.can.predictive is not Predictive.SAMPLES:
             raise FlatbmaError(
                 f"a regression BMA averages the samples themselves, but this posterior predicts with "
                 f"{method.can.predictive.value!r} (a linearized classifier's predictive)"
@@ -435,9 +433,7 @@ class BMA:
         self._classifier("paired_nll")
         batches = [labelled(batch) for batch in data]
         with self._forward():
-            return paired_nll(
-                self.model, self._predictions(), point, batches, device=self.device, mode=self._mode()
-            )
+            return paired_nll(self.model, self._predictions(), point, batches, device=self.device, mode=self._mode())
 
     def reference(self) -> tuple[Params, str]:
         """The network the BMA is compared with, statistics as the samples': :func:`reference_point` and its label."""
@@ -529,9 +525,7 @@ class BMA:
 
         For a regression BMA (:attr:`likelihood`), the predictive mean ``μ̄`` (:meth:`predict_regression`).
         """
-        if self.likelihood is not None:
-            return self.predict_regression(data)["mean"]
-        return self.predict_log_proba(data).argmax(-1)
+        return self._task.predict(self, data)
 
     def predict_regression(self, data: Any) -> dict[str, Tensor]:
         """The regression BMA's predictive per example (:mod:`flatbma.regression`), ``[N]`` each.
@@ -568,30 +562,7 @@ class BMA:
         A regression BMA (:attr:`likelihood`) gives :func:`flatbma.regression.mixture_metrics` instead: NLL, RMSE,
         MAE, coverage of central intervals and calibration error (``num_classes`` and ``n_bins`` do not apply).
         """
-        if self.likelihood is not None:
-            return self._regression_metrics(loader)
-        if num_classes is None:
-            if isinstance(loader, Iterator):  # one-shot: read its first batch and put it back
-                first = next(loader, None)
-                loader = itertools.chain([first], loader) if first is not None else []
-            else:
-                with torch.random.fork_rng(devices=[]):
-                    first = next(iter(loader), None)
-            if first is None:
-                raise FlatbmaError("the evaluation data is empty: the loader yields no batch")
-            num_classes = self._output_classes(first)
-        with self._forward():
-            return evaluate(
-                self.model,
-                self._predictions(),
-                loader,
-                num_classes=num_classes,
-                n_bins=n_bins,
-                device=self.device,
-                mode=prediction_mode(self.method, self.seed),
-                batched=self.batched,
-                temperature=self.temperature,
-            )
+        return self._task.evaluate(self, loader, num_classes, n_bins)
 
     # ---------------------------------------------------------------- files
     def save(self, path: str | Path) -> None:
@@ -617,8 +588,7 @@ class BMA:
             settings["num_data"] = self.num_data
         if self.temperature != 1.0:
             settings["temperature"] = self.temperature
-        if self.likelihood is not None:
-            settings["likelihood"] = {"name": "gaussian", "noise_std": self.likelihood.noise_std}
+        settings.update(self._task.settings(self.likelihood))
         settings["logits"] = LOGITS_FIRST if first_output in self.model._forward_hooks.values() else LOGITS_OUTPUT
         settings["architecture"] = architecture(self.model)  # load refuses a same-shaped module of other layers
         write_file(path, self.state, settings)
@@ -680,25 +650,44 @@ class BMA:
 
     # ---------------------------------------------------------------- internals
     def _classifier(self, what: str) -> None:
-        if self.likelihood is not None:
-            raise FlatbmaError(
-                f"{what} is a classifier's, but this BMA is a regression's (a Gaussian likelihood): use "
-                "predict_regression, predict (the predictive mean) or evaluate"
-            )
+        if self._task.refuses_classifier:
+            raise FlatbmaError(f"{what} is a classifier's, but {self._task.refuses_classifier}")
 
     def _moments(
         self, model: nn.Module, samples: Predictions, x: Tensor, *, batched: bool | None
     ) -> tuple[Tensor, Tensor]:
         """``(μ, σ²)`` ``[M, B]`` of every sample on the input batch ``x`` (a regression BMA's)."""
-        if self.likelihood is None:
-            raise FlatbmaError(
-                "predict_regression is a regression's, but this BMA is a classifier's: build it with "
-                "likelihood=flatbma.regression.Gaussian(...) (fit_posterior(..., likelihood='gaussian'))"
-            )
+        if self._task.refuses_regression:
+            raise FlatbmaError(f"predict_regression is a regression's, but {self._task.refuses_regression}")
         with torch.no_grad():
-            return self.likelihood.moments(sample_outputs(model, samples, x))
+            return self.likelihood.moments(sample_outputs(model, samples, x))  # type: ignore[union-attr]
 
-    def _regression_metrics(self, loader: Iterable[Any]) -> dict[str, float]:
+    def _evaluate_classes(self, loader: Iterable[Any], num_classes: int | None, n_bins: int) -> dict[str, float]:
+        """:meth:`evaluate` of a classifier's BMA: :func:`flatbma.predict.evaluate` with the predictor's samples."""
+        if num_classes is None:
+            if isinstance(loader, Iterator):  # one-shot: read its first batch and put it back
+                first = next(loader, None)
+                loader = itertools.chain([first], loader) if first is not None else []
+            else:
+                with torch.random.fork_rng(devices=[]):
+                    first = next(iter(loader), None)
+            if first is None:
+                raise FlatbmaError("the evaluation data is empty: the loader yields no batch")
+            num_classes = self._output_classes(first)
+        with self._forward():
+            return evaluate(
+                self.model,
+                self._predictions(),
+                loader,
+                num_classes=num_classes,
+                n_bins=n_bins,
+                device=self.device,
+                mode=prediction_mode(self.method, self.seed),
+                batched=self.batched,
+                temperature=self.temperature,
+            )
+
+    def _regression_metrics(self, loader: Iterable[Any], *_: Any) -> dict[str, float]:
         """:func:`flatbma.regression.mixture_metrics` over the ``(x, y)`` batches of ``loader``."""
         xs, ys = [], []
         for batch in loader:
@@ -852,6 +841,51 @@ class BMAModule(nn.Module):
     def extra_repr(self) -> str:
         """The predictor's repr, shown in the module's."""
         return repr(self.bma)
+
+
+@dataclass(frozen=True)
+class Task:
+    """What a BMA does where a classifier's and a regression's differ (a row of :data:`TASKS`).
+
+    Attributes:
+        predict: ``predict(bma, data)``: :meth:`BMA.predict` — the most probable class, or the predictive mean.
+        evaluate: ``evaluate(bma, loader, num_classes, n_bins)``: :meth:`BMA.evaluate` — the classifier's
+            metrics (:func:`flatbma.predict.evaluate`) or the mixture's (:func:`flatbma.regression.mixture_metrics`).
+        settings: ``settings(likelihood)``: what :meth:`BMA.save` records of the likelihood (nothing for a classifier).
+        samples_only: the predictive averages the samples themselves, so a linearized one cannot serve it.
+        refuses_classifier: why a classifier's method (``predict_log_proba``, ``calibrate``, ...) is refused, or ``""``.
+        refuses_regression: why ``predict_regression`` is refused, or ``""``.
+    """
+
+    predict: Callable[[BMA, Any], Tensor]
+    evaluate: Callable[[BMA, Iterable[Any], int | None, int], dict[str, float]]
+    settings: Callable[[Gaussian | None], dict[str, Any]]
+    samples_only: bool
+    refuses_classifier: str
+    refuses_regression: str
+
+
+TASKS: dict[Likelihood, Task] = {
+    Likelihood.CATEGORICAL: Task(
+        predict=lambda bma, data: bma.predict_log_proba(data).argmax(-1),
+        evaluate=BMA._evaluate_classes,
+        settings=lambda likelihood: {},
+        samples_only=False,
+        refuses_classifier="",
+        refuses_regression="this BMA is a classifier's: build it with likelihood=flatbma.regression.Gaussian(...) "
+        "(fit_posterior(..., likelihood='gaussian'))",
+    ),
+    Likelihood.GAUSSIAN: Task(
+        predict=lambda bma, data: bma.predict_regression(data)["mean"],
+        evaluate=BMA._regression_metrics,
+        settings=lambda likelihood: {"likelihood": {"name": "gaussian", "noise_std": likelihood.noise_std}},  # type: ignore[union-attr]
+        samples_only=True,
+        refuses_classifier="this BMA is a regression's (a Gaussian likelihood): use predict_regression, predict "
+        "(the predictive mean) or evaluate",
+        refuses_regression="",
+    ),
+}
+"""The predictor's rows of the likelihood dispatch (:mod:`flatbma.likelihood`), one per :class:`Likelihood`."""
 
 
 def _fitted(

@@ -8,6 +8,7 @@ on. The loaders of each file format are in :mod:`flatbma.data.datasets` (which r
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -126,6 +127,11 @@ class DatasetSplits:
     train: ArrayDataset
     test: ArrayDataset
     name: str
+
+    def content(self) -> tuple[bytes, list[Tensor]]:
+        """What identifies the data (a run's data fingerprint): its class list, both splits' images and labels."""
+        tensors = [t for s in (self.train, self.test) for t in (s.images, s.labels)]
+        return json.dumps(self.train.classes).encode(), tensors
 
     def __post_init__(self) -> None:
         for split, data in (("train", self.train), ("test", self.test)):

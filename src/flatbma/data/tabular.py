@@ -106,6 +106,10 @@ class RegressionSplits:
     test: TabularDataset
     name: str
 
+    def content(self) -> tuple[bytes, list[Tensor]]:
+        """What identifies the data (a run's data fingerprint): both splits' features and targets."""
+        return b"regression", [t for s in (self.train, self.test) for t in (s.features, s.targets)]
+
     def __post_init__(self) -> None:
         if len(self.train) < 2 or len(self.test) == 0:
             raise FlatbmaError(

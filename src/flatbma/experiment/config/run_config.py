@@ -16,11 +16,12 @@ from typing import Any
 
 import yaml
 
-from flatbma.data.tabular import is_regression_dataset
+from flatbma import likelihood as likelihoods
 from flatbma.errors import FlatbmaError, suggest
 from flatbma.experiment.config.entries import first_run_sections
 from flatbma.experiment.config.parse import load_yaml, set_dotted, shown
 from flatbma.experiment.config.sections import DataConfig, EvalConfig, ModelConfig, TrainConfig
+from flatbma.likelihood import Likelihood
 from flatbma.methods import METHODS, MethodConfig, parse_method
 from flatbma.optim.config import OptimConfig
 from flatbma.options import parse_dataclass, plain, plain_values
@@ -150,6 +151,15 @@ CORRUPTIONS_NOT_TABULAR = (
 """Why a regression run takes no corruptions, in one line (the comparison's plan, before anything trains)."""
 
 
+_MISMATCH = {
+    Likelihood.GAUSSIAN: "dataset {name} has regression targets: set model.likelihood: gaussian "
+    "(and a model with 2 outputs, or 1 with model.noise_std)",
+    Likelihood.CATEGORICAL: "model.likelihood: gaussian needs a regression data set (data.name: diabetes), but {name} "
+    "is a classification one: use model.likelihood: categorical",
+}
+"""What a run whose model's likelihood is not its data's is told, by the data's likelihood."""
+
+
 def check_likelihood(cfg: RunConfig) -> None:
     """Refuse a likelihood the run's data, method or evaluation cannot take (``model.likelihood``), in one line.
 
@@ -159,19 +169,11 @@ def check_likelihood(cfg: RunConfig) -> None:
     (not implemented for it yet), and its feature vectors (no classes, no image) take no k-shot sample and no
     image option.
     """
-    regression_data = is_regression_dataset(cfg.data.name)
-    if cfg.model.gaussian is None:
-        if regression_data:
-            raise FlatbmaError(
-                f"dataset {cfg.data.name!r} has regression targets: set model.likelihood: gaussian "
-                "(and a model with 2 outputs, or 1 with model.noise_std)"
-            )
+    data = likelihoods.of_data(cfg.data.name)
+    if data is not cfg.model.likelihood:
+        raise FlatbmaError(_MISMATCH[data].format(name=repr(cfg.data.name)))
+    if data.has_classes:
         return
-    if not regression_data:
-        raise FlatbmaError(
-            f"model.likelihood: gaussian needs a regression data set (data.name: diabetes), but {cfg.data.name!r} "
-            "is a classification one: use model.likelihood: categorical"
-        )
     for method in (cfg.method, cfg.prior.method if cfg.prior is not None else None):
         if method is not None and not method.regression():
             raise FlatbmaError(

@@ -13,9 +13,11 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING, Any, Literal
 
+from flatbma import likelihood as likelihoods
 from flatbma.checks import check_positive, parse_choice
 from flatbma.errors import FlatbmaError
 from flatbma.experiment.config.parse import shown
+from flatbma.likelihood import Likelihood
 from flatbma.ood import check_ood_applies, check_ood_name
 from flatbma.options import added
 from flatbma.precision import Precision
@@ -24,6 +26,7 @@ from flatbma.transfer import Subset
 
 if TYPE_CHECKING:
     from flatbma.family import RunShape
+
 
 def _set_member(section: Any, key: str, enum: type[Enum]) -> None:
     """Replace the string in ``section.key`` by its ``enum`` member (a frozen dataclass, in ``__post_init__``)."""
@@ -125,15 +128,6 @@ class DataConfig:
         return (self.k_shot is not None and (self.val_per_class > 0 or self.val_pool > 0)) or self.val_fraction > 0
 
 
-class Likelihood(str, Enum):
-    """The likelihood ``p(y | x, w)`` of the network's outputs (``model.likelihood``; strings and members accepted)."""
-
-    CATEGORICAL = "categorical"
-    """A classifier: softmax of the logits, cross-entropy; integer labels."""
-    GAUSSIAN = "gaussian"
-    """Regression, :class:`flatbma.regression.Gaussian`: the loss is the Gaussian NLL; float targets."""
-
-
 @dataclass(frozen=True)
 class ModelConfig:
     """Network.
@@ -169,14 +163,14 @@ class ModelConfig:
         if not 0 <= self.dropout < 1:
             raise FlatbmaError(f"dropout must be in [0, 1), got {self.dropout!r}")
         if self.noise_std is not None:
-            if self.likelihood is not Likelihood.GAUSSIAN:
+            if self.likelihood.has_classes:
                 raise FlatbmaError("model.noise_std is the Gaussian likelihood's: set model.likelihood: gaussian")
             check_positive("noise_std", self.noise_std)
 
     @property
     def gaussian(self) -> Gaussian | None:
         """The :class:`~flatbma.regression.Gaussian` likelihood of a regression run, ``None`` for a classifier."""
-        return Gaussian(noise_std=self.noise_std) if self.likelihood is Likelihood.GAUSSIAN else None
+        return likelihoods.build(self.likelihood, self.noise_std)
 
 
 class TrainLog(str, Enum):

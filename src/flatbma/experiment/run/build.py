@@ -10,9 +10,8 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import inspect
-import json
 import random
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +20,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader
 
+from flatbma import likelihood as likelihoods
 from flatbma import training
 from flatbma.bn import statistics_loader
 from flatbma.checks import check_device, shown
@@ -37,7 +37,6 @@ from flatbma.data import (
 from flatbma.data.tabular import (
     RegressionSplits,
     TabularDataset,
-    is_regression_dataset,
     load_regression_dataset,
     random_split,
     standardized,
@@ -49,6 +48,7 @@ from flatbma.experiment.config.sections import DataConfig
 from flatbma.experiment.parallel import processes, strategies
 from flatbma.experiment.parallel.loaders import seeded_loader
 from flatbma.experiment.parallel.strategies import Strategy
+from flatbma.likelihood import Likelihood
 from flatbma.models import build_model, check_classifier, copied
 from flatbma.optim.schedules import Schedule
 from flatbma.params import Objective
@@ -157,9 +157,7 @@ class RunData:
 
 def load_data(d: DataConfig) -> DatasetSplits | RegressionSplits:
     """The data set of the ``data`` section, as read from its files (or the embedded copy)."""
-    if is_regression_dataset(d.name):
-        return load_regression_dataset(d.name, d.root)
-    return load_dataset(d.name, d.root, **_dataset_options(d))
+    return DATA[likelihoods.of_data(d.name)].load(d)
 
 
 def data_fingerprint(splits: DatasetSplits | RegressionSplits) -> str:
@@ -169,15 +167,11 @@ def data_fingerprint(splits: DatasetSplits | RegressionSplits) -> str:
     resolved config (which fixes the k-shot draw, the test subset and the transforms) it says what data a
     run saw: a checkpoint records it, and a run whose data changed is neither reused nor resumed.
     """
-    if isinstance(splits, RegressionSplits):
-        h, tensors = hashlib.sha256(b"regression"), [(s.features, s.targets) for s in (splits.train, splits.test)]
-    else:
-        h = hashlib.sha256(json.dumps(splits.train.classes).encode())
-        tensors = [(s.images, s.labels) for s in (splits.train, splits.test)]
-    for pair in tensors:
-        for t in pair:
-            h.update(f"{t.dtype}{list(t.shape)}".encode())
-            h.update(memoryview(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()))
+    head, tensors = splits.content()
+    h = hashlib.sha256(head)
+    for t in tensors:
+        h.update(f"{t.dtype}{list(t.shape)}".encode())
+        h.update(memoryview(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()))
     return h.hexdigest()[:16]
 
 
@@ -218,8 +212,11 @@ def select_data(cfg: RunConfig, splits: DatasetSplits | RegressionSplits) -> Run
             class without a training example), a k-shot draw the data cannot give, or a ``data.test_limit``
             or ``eval.hessian_examples`` that keeps no example.
     """
-    if isinstance(splits, RegressionSplits):
-        return select_regression_data(cfg, splits)
+    return DATA[cfg.model.likelihood].select(cfg, splits)
+
+
+def _select_images(cfg: RunConfig, splits: DatasetSplits) -> RunData:
+    """:func:`select_data` of a classifier's image data set."""
     check_learnable(splits)
     d = cfg.data
     train, test = splits.train, splits.test
@@ -273,19 +270,23 @@ def transforms(d: DataConfig) -> tuple[Transform | None, Transform | None]:
 
     A regression data set's feature vectors take none: ``(None, None)``.
     """
-    if is_regression_dataset(d.name):
-        return None, None
+    return DATA[likelihoods.of_data(d.name)].transforms(d)
+
+
+def _image_transforms(d: DataConfig) -> tuple[Transform | None, Transform | None]:
+    """:func:`transforms` of an image data set."""
     train_tf = build_transform(size=d.image_size, to_rgb=d.to_rgb, normalize=d.normalize, augment=d.augment)
     eval_tf = build_transform(size=d.image_size, to_rgb=d.to_rgb, normalize=d.normalize, augment=False)
     return train_tf, eval_tf
 
 
-def build_regression_network(cfg: RunConfig, train: TabularDataset, gaussian: Gaussian) -> torch.nn.Module:
+def build_regression_network(cfg: RunConfig, train: TabularDataset) -> torch.nn.Module:
     """The network of a regression run: ``model.name`` on ``D`` input features with ``gaussian.outputs`` outputs.
 
     2 outputs (mean, raw scale) with a learned noise, 1 (the mean) with a fixed ``model.noise_std``; checked
     with one forward pass on two training examples.
     """
+    gaussian: Gaussian = cfg.model.gaussian  # type: ignore[assignment]  # (DATA's Gaussian row)
     model = build_model(
         cfg.model.name,
         num_classes=gaussian.outputs,
@@ -315,9 +316,11 @@ def build_network(cfg: RunConfig, train: ArrayDataset | TabularDataset) -> torch
     under a forked RNG: the numbers of the run do not change): logits ``[2, num_classes]``, float32, finite
     weights, something to train.
     """
-    gaussian = cfg.model.gaussian
-    if gaussian is not None:
-        return build_regression_network(cfg, train, gaussian)
+    return DATA[cfg.model.likelihood].network(cfg, train)
+
+
+def _build_classifier(cfg: RunConfig, train: ArrayDataset) -> torch.nn.Module:
+    """:func:`build_network` of a classifier."""
     channels, height, width = train[0][0].shape  # (an augmenting transform draws here: runs' numbers count on it)
     with torch.random.fork_rng(devices=[]):  # the check's images draw nothing the run sees
         x = torch.stack([train[i][0] for i in range(min(2, len(train)))])
@@ -335,6 +338,46 @@ def build_network(cfg: RunConfig, train: ArrayDataset | TabularDataset) -> torch
     hint = "" if height == width else f"the images are {height}x{width}, not square: set data.image_size to resize them"
     check_classifier(model, x, name=f"model {shown(cfg.model.name)}", num_classes=train.num_classes, hint=hint)
     return model
+
+
+@dataclass(frozen=True)
+class DataRow:
+    """How a run of one likelihood reads, draws, transforms and tests its data and builds its network (:data:`DATA`).
+
+    Attributes:
+        load: ``load(data section)``: the data set's splits as read (:func:`load_data`).
+        select: ``select(cfg, splits)``: the examples the run uses (:func:`select_data`).
+        transforms: ``transforms(data section)``: the training and evaluation transforms (:func:`transforms`).
+        network: ``network(cfg, train)``: the run's network (:func:`build_network`).
+        test_loader: ``test_loader(strategy, test, batch_size)``: the loader the test metrics read.
+    """
+
+    load: Callable[[DataConfig], Any]
+    select: Callable[[RunConfig, Any], RunData]
+    transforms: Callable[[DataConfig], tuple[Transform | None, Transform | None]]
+    network: Callable[[RunConfig, Any], torch.nn.Module]
+    test_loader: Callable[[Strategy, Any, int], Any]
+
+
+DATA: dict[Likelihood, DataRow] = {
+    Likelihood.CATEGORICAL: DataRow(
+        load=lambda d: load_dataset(d.name, d.root, **_dataset_options(d)),
+        select=_select_images,
+        transforms=_image_transforms,
+        network=_build_classifier,
+        test_loader=lambda strategy, test, batch_size: strategy.test_loader(test, batch_size),
+    ),
+    Likelihood.GAUSSIAN: DataRow(
+        load=lambda d: load_regression_dataset(d.name, d.root),
+        select=select_regression_data,
+        transforms=lambda d: (None, None),  # feature vectors
+        network=build_regression_network,
+        # a regression run's mixture metrics (coverage, calibration) are not sums over shards: every process
+        # scores the whole (small) test set, as one process would
+        test_loader=lambda strategy, test, batch_size: seeded_loader(test, batch_size, shuffle=False, seed=0),
+    ),
+}
+"""The data's rows of the likelihood dispatch (:mod:`flatbma.likelihood`), one per :class:`Likelihood`."""
 
 
 def _check_one_scale(strategy: Strategy) -> None:
@@ -446,8 +489,8 @@ def build_experiment(cfg: RunConfig, prior: Params | None = None, inputs: Inputs
     train_loader = strategy.train_loader(train, d.batch_size, seed=cfg.seed)  # data.batch_size: the global batch
     precision = cfg.train.precision
     gaussian = cfg.model.gaussian
-    loss = {"loss_fn": gaussian} if gaussian is not None else {}
-    objective = strategy.objective(Objective(model=model, num_data=len(train), precision=precision, **loss))
+    loss_fn = likelihoods.loss(gaussian)
+    objective = strategy.objective(Objective(model=model, num_data=len(train), precision=precision, loss_fn=loss_fn))
     if precision is Precision.FP16:
         _check_one_scale(strategy)
     built = training.build(
@@ -466,11 +509,7 @@ def build_experiment(cfg: RunConfig, prior: Params | None = None, inputs: Inputs
         learning_rate=built.learning_rate,
         train_loader=train_loader,
         val_loader=seeded_loader(val, d.eval_batch_size, shuffle=False, seed=0) if val is not None else None,
-        # a regression run's mixture metrics (coverage, calibration) are not sums over shards: every process
-        # scores the whole (small) test set, as one process would
-        test_loader=strategy.test_loader(test, d.eval_batch_size)
-        if gaussian is None
-        else seeded_loader(test, d.eval_batch_size, shuffle=False, seed=0),
+        test_loader=DATA[cfg.model.likelihood].test_loader(strategy, test, d.eval_batch_size),
         hessian_loader=seeded_loader(hessian_data, d.eval_batch_size, shuffle=False, seed=0),
         num_classes=inputs.num_classes,
         device=device,

@@ -36,8 +36,9 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
 from functools import partial
 from itertools import islice
 from typing import Any
@@ -45,6 +46,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from flatbma import likelihood as likelihoods
 from flatbma import progress
 from flatbma.bn import has_batchnorm, with_recomputed_statistics
 from flatbma.calibration import fit_temperature
@@ -63,6 +65,7 @@ from flatbma.flatness import (
 )
 from flatbma.flatness.landscape import posterior_landscape, random_direction
 from flatbma.health import HEALTH_EXAMPLES
+from flatbma.likelihood import Likelihood, kind
 from flatbma.linearized import LinearizedPredictive
 from flatbma.metric_names import Group, test_keys
 from flatbma.metrics import StreamingMetrics
@@ -79,7 +82,7 @@ from flatbma.predict import (
 from flatbma.predictor import bma_predictions as predictor_predictions
 from flatbma.predictor import posterior_mean as mean_weights
 from flatbma.predictor import reference_point, trained_names
-from flatbma.regression import mixture_metrics, normal_nll, sample_outputs
+from flatbma.regression import Gaussian, mixture_metrics, normal_nll, sample_outputs
 from flatbma.rng import splitmix64
 from flatbma.types import Batch, Params, Predictive, State, prediction_mode
 
@@ -327,10 +330,8 @@ def against_mean(
     Returns:
         ``{"data": "validation" | "training", "examples", "num_classes", "reference", "bma_nll", "bma_accuracy",
         "mean_nll", "mean_accuracy"}`` (``reference``: ``"mean"``, ``"member 0"`` or ``"sample average"``) and, on
-        validation data, ``nll_diff_se`` (:func:`flatbma.predict.paired_nll`), or ``None`` for a regression run.
+        validation data, ``nll_diff_se`` (:func:`flatbma.predict.paired_nll`).
     """
-    if exp.likelihood is not None:
-        return None
     if isinstance(predictions, LinearizedPredictive):  # linearized at the mean, with the mean's statistics
         at_mean, reference = [dict(predictions.mean)], "mean"
     else:
@@ -402,7 +403,7 @@ REGRESSION_KEYS = test_keys(Group.REGRESSION)
 
 def metric_keys(record: Any) -> tuple[str, ...]:
     """The test metrics a run's record holds: :data:`REGRESSION_KEYS` for a regression's, else :data:`CLEAN_KEYS`."""
-    return REGRESSION_KEYS if isinstance(record, dict) and record.get("likelihood") == "gaussian" else CLEAN_KEYS
+    return EVALUATIONS[likelihoods.recorded(record.get("likelihood") if isinstance(record, dict) else None)].keys
 
 
 def regression_metrics(exp: Experiment, samples: list[Params]) -> dict[str, Any]:
@@ -421,9 +422,7 @@ def regression_moments(
     Each sample's moments are those of the run's :class:`~flatbma.regression.Gaussian` on its outputs,
     in the method's prediction mode (MC dropout's masks); no gradients.
     """
-    gaussian = exp.likelihood
-    if gaussian is None:
-        raise FlatbmaError("regression_metrics needs a regression run (model.likelihood: gaussian)")
+    gaussian: Gaussian = exp.likelihood  # type: ignore[assignment]  # (EVALUATIONS' Gaussian row)
     mode = prediction_mode(exp.method, exp.config.seed)
     exp.model.eval()
     means, variances, targets = [], [], []
@@ -444,20 +443,28 @@ def evaluate_state(exp: Experiment, state: State, *, flatness: bool = False) -> 
     :func:`regression_metrics` instead of the classifier's, and its flatness on its Gaussian NLL
     (:func:`flatness_metrics`).
     """
-    if exp.likelihood is not None:
-        if exp.config.eval.ood:
-            raise FlatbmaError(
-                "OOD detection (--ood, eval.ood) is not measured for a regression run (model.likelihood: gaussian) yet"
-            )
-        with exp.rng.restored():
-            samples = with_bn_statistics(exp, draw_samples(exp, state))
-            metrics: dict[str, Any] = {"likelihood": "gaussian", **regression_metrics(exp, samples)}
-            metrics["health"] = regression_fit(exp, samples, test_rmse=metrics["rmse"])
-            metrics["bn_statistics"] = bn_statistics(exp)
-            metrics.update(diagnostics(exp, state))
-            if flatness:
-                metrics.update(flatness_metrics(exp, state, samples))
-        return metrics
+    return EVALUATIONS[kind(exp.likelihood)].state(exp, state, flatness)
+
+
+def _regression_state(exp: Experiment, state: State, flatness: bool) -> dict[str, Any]:
+    """:func:`evaluate_state` of a regression run."""
+    if exp.config.eval.ood:
+        raise FlatbmaError(
+            "OOD detection (--ood, eval.ood) is not measured for a regression run (model.likelihood: gaussian) yet"
+        )
+    with exp.rng.restored():
+        samples = with_bn_statistics(exp, draw_samples(exp, state))
+        metrics: dict[str, Any] = {"likelihood": "gaussian", **regression_metrics(exp, samples)}
+        metrics["health"] = regression_fit(exp, samples, test_rmse=metrics["rmse"])
+        metrics["bn_statistics"] = bn_statistics(exp)
+        metrics.update(diagnostics(exp, state))
+        if flatness:
+            metrics.update(flatness_metrics(exp, state, samples))
+    return metrics
+
+
+def _classifier_state(exp: Experiment, state: State, flatness: bool) -> dict[str, Any]:
+    """:func:`evaluate_state` of a classifier."""
     what = f"{progress.count(exp.config.eval.num_samples, 'sample')} on the test set"
     with exp.rng.restored():
         with progress.current().phase("BMA", what):
@@ -505,8 +512,11 @@ def validation_metrics(exp: Experiment, state: State, n: int) -> dict[str, float
         raise FlatbmaError(
             "validation metrics need a validation split: set data.val_per_class, data.val_pool or data.val_fraction"
         )
-    if exp.likelihood is not None:
-        return regression_validation(exp, state, n)
+    return EVALUATIONS[kind(exp.likelihood)].validation(exp, state, n)
+
+
+def _classifier_validation(exp: Experiment, state: State, n: int | None) -> dict[str, float]:
+    """:func:`validation_metrics` of a classifier."""
     training = exp.model.training
     try:
         with exp.rng.restored():
@@ -676,18 +686,48 @@ def measure(
         flatness: measure Hessian spectra and distribution-level flatness.
         landscape: record a 1-D loss landscape.
     """
+    return EVALUATIONS[kind(exp.likelihood)].measure(
+        exp,
+        state,
+        bma_curve=bma_curve,
+        corruptions=corruptions,
+        severities=severities,
+        corruption_samples=corruption_samples,
+        flatness=flatness,
+        landscape=landscape,
+    )
+
+
+def _regression_measure(
+    exp: Experiment, state: State, *, corruptions: tuple[str, ...], flatness: bool, landscape: bool, **_: Any
+) -> dict[str, Any]:
+    """:func:`measure` of a regression run: :func:`evaluate_state`'s metrics, no corruptions (tabular data)."""
     report = progress.current()
-    if exp.likelihood is not None:
-        if corruptions:
-            raise FlatbmaError(CORRUPTIONS_NOT_TABULAR)
-        start = time.perf_counter()
-        result = evaluate_state(exp, state, flatness=flatness)
-        result.update(temperature=None, corruptions={}, landscape=None)  # its health: evaluate_state's
-        if landscape:
-            with exp.rng.restored(), report.phase("landscape", "one random direction"):
-                result["landscape"] = landscape_metrics(exp, with_bn_statistics(exp, draw_samples(exp, state)))
-        result["eval_time_s"] = time.perf_counter() - start
-        return result
+    if corruptions:
+        raise FlatbmaError(CORRUPTIONS_NOT_TABULAR)
+    start = time.perf_counter()
+    result = evaluate_state(exp, state, flatness=flatness)
+    result.update(temperature=None, corruptions={}, landscape=None)  # its health: evaluate_state's
+    if landscape:
+        with exp.rng.restored(), report.phase("landscape", "one random direction"):
+            result["landscape"] = landscape_metrics(exp, with_bn_statistics(exp, draw_samples(exp, state)))
+    result["eval_time_s"] = time.perf_counter() - start
+    return result
+
+
+def _classifier_measure(
+    exp: Experiment,
+    state: State,
+    *,
+    bma_curve: tuple[int, ...],
+    corruptions: tuple[str, ...],
+    severities: tuple[int, ...],
+    corruption_samples: int | None,
+    flatness: bool,
+    landscape: bool,
+) -> dict[str, Any]:
+    """:func:`measure` of a classifier."""
+    report = progress.current()
     with exp.rng.restored():
         start = time.perf_counter()
         with report.phase("BMA", f"{progress.count(exp.config.eval.num_samples, 'sample')} on the test set"):
@@ -730,3 +770,57 @@ def measure(
                 result["landscape"] = landscape_metrics(exp, samples)
         result["eval_time_s"] = time.perf_counter() - start
     return result
+
+
+def _classifier_validation_nll(exp: Experiment, state: State) -> float:
+    """The BMA's NLL ``−mean log p̄(y|x)`` on the validation split (:func:`validation_nll`'s, a classifier's)."""
+    with exp.rng.restored():
+        averaged = bma_predictions(exp, state, draw_samples(exp, state))
+        log_probs, labels = bma_log_probs_over(exp, averaged, exp.val_loader)  # type: ignore[arg-type]
+    return float(-log_probs.gather(1, labels[:, None].to(torch.int64)).mean())
+
+
+def validation_nll(exp: Experiment, state: State) -> float:
+    """The validation NLL of the BMA of ``state``, from the build's RNG state: what a comparison chooses by.
+
+    The samples are drawn exactly as the test evaluation draws them (BatchNorm recomputed on the training
+    data), and averaged by the method's predictive (:func:`bma_predictions`: Laplace's linearized ones included);
+    only the validation loader is read. A regression run (``model.likelihood: gaussian``) is scored by its
+    analogue, the Gaussian-mixture predictive's NLL ``−(1/N) Σᵢ log (1/M) Σ_m N(yᵢ; μ_m(xᵢ), σ_m²(xᵢ))`` of the
+    same samples (:func:`regression_validation`).
+    """
+    return EVALUATIONS[kind(exp.likelihood)].validation_nll(exp, state)
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """How a run of one likelihood is evaluated (a row of :data:`EVALUATIONS`).
+
+    Attributes:
+        state: :func:`evaluate_state`'s ``(exp, state, flatness)``.
+        validation: :func:`validation_metrics`' ``(exp, state, n)``.
+        validation_nll: :func:`validation_nll`'s ``(exp, state)``.
+        measure: :func:`measure`'s, with its keyword arguments.
+        keys: the test metrics a run's record holds (:func:`metric_keys`).
+    """
+
+    state: Callable[[Experiment, State, bool], dict[str, Any]]
+    validation: Callable[[Experiment, State, int | None], dict[str, float]]
+    validation_nll: Callable[[Experiment, State], float]
+    measure: Callable[..., dict[str, Any]]
+    keys: tuple[str, ...]
+
+
+EVALUATIONS: dict[Likelihood, Evaluation] = {
+    Likelihood.CATEGORICAL: Evaluation(
+        _classifier_state, _classifier_validation, _classifier_validation_nll, _classifier_measure, CLEAN_KEYS
+    ),
+    Likelihood.GAUSSIAN: Evaluation(
+        _regression_state,
+        regression_validation,
+        lambda exp, state: regression_validation(exp, state)["nll"],
+        _regression_measure,
+        REGRESSION_KEYS,
+    ),
+}
+"""The evaluation's rows of the likelihood dispatch (:mod:`flatbma.likelihood`), one per :class:`Likelihood`."""

@@ -390,7 +390,7 @@ def _train_stage(
                 history=logged,
                 lines=lines,
                 started=start,
-                accuracy=cfg.model.gaussian is None,  # regression targets have none
+                accuracy=cfg.model.likelihood.has_classes,  # regression targets have none
             )
         logger(h)  # after the checkpoint: the logs never run ahead of it
 
@@ -414,7 +414,7 @@ def _train_stage(
                 history=history,
                 after_epoch=monitor.after_epoch if monitor is not None else None,
                 stop=monitor.stop if monitor is not None else None,
-                regression=cfg.model.gaussian is not None,
+                regression=not cfg.model.likelihood.has_classes,
             )
     except DivergenceError as e:
         raise DivergenceError(_diverged(e, cfg, kept=logger is not None or resume), cause=e.cause) from None

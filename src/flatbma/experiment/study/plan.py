@@ -352,7 +352,7 @@ def _check_regression(plan: Plan) -> None:
     ``compare.flatness``/``landscape`` those of its Gaussian NLL (:func:`flatbma.experiment.run.evaluate.measure`);
     the corruptions are of images, which its feature vectors are not.
     """
-    if plan.base.model.gaussian is None:
+    if plan.base.model.likelihood.has_classes:
         return
     if plan.compare.corruptions:
         raise FlatbmaError(CORRUPTIONS_NOT_TABULAR)

@@ -32,13 +32,11 @@ import math
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from flatbma.errors import DivergenceError, FlatbmaError
 from flatbma.experiment.config.run_config import RunConfig, run_identity
+from flatbma.experiment.run import evaluate
 from flatbma.experiment.run.build import Experiment
 from flatbma.experiment.run.checkpoint import write_sealed_json
-from flatbma.experiment.run.evaluate import bma_log_probs_over, bma_predictions, draw_samples, regression_validation
 from flatbma.experiment.run.lock import hold
 from flatbma.experiment.run.pipeline import load_run
 from flatbma.experiment.run.prior import FittedPrior, fit_prior, prior_stage
@@ -59,26 +57,17 @@ CRITERION = "val_nll"
 
 
 def validation_nll(exp: Experiment, state: State) -> float:
-    """The validation NLL of the BMA of ``state`` (module docstring), from the build's RNG state.
+    """The validation NLL of the BMA of ``state``: :func:`~flatbma.experiment.run.evaluate.validation_nll`.
 
-    The samples are drawn exactly as the test evaluation draws them (BatchNorm recomputed on the training
-    data), and averaged by the method's predictive (:func:`~flatbma.experiment.run.evaluate.bma_predictions`:
-    Laplace's linearized ones included); only the validation loader is read. A regression run
-    (``model.likelihood: gaussian``) is scored by its analogue, the Gaussian-mixture predictive's NLL
-    ``−(1/N) Σᵢ log (1/M) Σ_m N(yᵢ; μ_m(xᵢ), σ_m²(xᵢ))`` of the same samples
-    (:func:`~flatbma.experiment.run.evaluate.regression_validation`).
+    Raises:
+        FlatbmaError: the run has no validation split.
     """
     if exp.val_loader is None:
         raise FlatbmaError(
             "choosing among candidates needs a validation split: set data.k_shot and data.val_per_class > 0 "
             "or data.val_pool > 0 (or data.val_fraction without k_shot)"
         )
-    if exp.likelihood is not None:  # a regression run: the mixture's Gaussian NLL on the validation split
-        return regression_validation(exp, state)["nll"]
-    with exp.rng.restored():
-        averaged = bma_predictions(exp, state, draw_samples(exp, state))
-        log_probs, labels = bma_log_probs_over(exp, averaged, exp.val_loader)
-    return float(-log_probs.gather(1, labels[:, None].to(torch.int64)).mean())
+    return evaluate.validation_nll(exp, state)
 
 
 def choose(scores: list[float | None]) -> int | None:
