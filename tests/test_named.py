@@ -1,10 +1,12 @@
 """Name-spaced state (optax's ``named_chain`` for flat tensor dicts)."""
 
+from typing import NamedTuple
+
 import pytest
 import torch
 
 from flatbma.errors import FlatbmaError
-from flatbma.named import chain, names, nest, part, split
+from flatbma.named import chain, entries, names, nest, part, split, typed
 
 
 def test_each_component_keeps_its_entries_under_its_name_and_gets_the_same_tensors_back():
@@ -18,3 +20,23 @@ def test_each_component_keeps_its_entries_under_its_name_and_gets_the_same_tenso
     assert names(aux) == ["point", "swag"] and part("poin", aux) == {}  # a name is a whole segment
     with pytest.raises(FlatbmaError, match="'amp/scale' belongs to none of the components point, swag"):
         split({**aux, "amp/scale": n}, "point", "swag")
+
+
+class _Typed(NamedTuple):
+    mean: dict[str, torch.Tensor]
+    ring: torch.Tensor | None
+    count: torch.Tensor
+
+
+def test_a_typed_state_lays_out_flat_by_its_field_names_and_reads_back_the_same_tensors():
+    mean, ring, count = {"b": torch.zeros(2), "a": torch.ones(1)}, torch.zeros(3, 3), torch.tensor(4)
+    flat = entries(_Typed(mean, ring, count))
+    assert list(flat) == ["mean/b", "mean/a", "ring", "count"] and flat["ring"] is ring
+    back = typed(_Typed, flat)
+    assert back.mean == mean and back.mean["a"] is mean["a"] and back.ring is ring and back.count is count
+    without_ring = entries(_Typed(mean, None, count))
+    assert "ring" not in without_ring and typed(_Typed, without_ring).ring is None  # an optional field
+    with pytest.raises(FlatbmaError, match="state entry 'extra' belongs to no field of _Typed"):
+        typed(_Typed, {**flat, "extra": count})
+    with pytest.raises(FlatbmaError, match="the state has no entry 'count': it is not a _Typed"):
+        typed(_Typed, {"mean/a": count})

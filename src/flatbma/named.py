@@ -7,11 +7,17 @@ state stays a flat ``dict[str, Tensor]`` that saves to safetensors. :func:`chain
 components together, :func:`part` takes one back out (the same tensors), and no component's entries are told
 apart from another's by anything but their name. Only the family that composes a state reads its names; the
 layers above it (the experiment layer, the predictor, checkpoints) never do.
+
+A family reads and writes its own component as a typed state (posteriors' per-family ``State`` classes): a
+``NamedTuple`` whose fields are tensors, dicts of tensors by weight name, or an optional tensor (``None``: absent).
+:func:`entries` lays one out flat (field ``f``'s tensor as ``"f"``, its dict's entry ``k`` as ``"f/k"``) and
+:func:`typed` reads it back (the same tensors), so the file layout is the field names.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any, NamedTuple, TypeVar
 
 from torch import Tensor
 
@@ -70,3 +76,54 @@ def split(tensors: Mapping[str, Tensor], *names: str) -> tuple[dict[str, Tensor]
 def names(tensors: Mapping[str, Tensor]) -> list[str]:
     """The components whose entries ``tensors`` holds, in the order they first appear."""
     return list(dict.fromkeys(k.partition(SEP)[0] for k in tensors if SEP in k))
+
+
+T = TypeVar("T", bound=NamedTuple)
+
+
+def entries(structure: NamedTuple) -> dict[str, Tensor]:
+    """A typed state's entries in its fields' order: tensor field ``f`` as ``"f"``, dict entry ``k`` as ``"f/k"``.
+
+    The same tensors; a ``None`` field has no entry.
+    """
+    out: dict[str, Tensor] = {}
+    for field, value in zip(structure._fields, structure, strict=True):
+        if isinstance(value, Mapping):
+            out.update(nest(field, value))
+        elif value is not None:
+            out[field] = value
+    return out
+
+
+def typed(cls: type[T], tensors: Mapping[str, Tensor]) -> T:
+    """The typed state ``cls`` (a ``NamedTuple``) of its :func:`entries` ``tensors`` (the same tensors).
+
+    A field annotated as a ``dict`` takes the entries under its name; any other field the entry of its name, or
+    ``None`` when there is none and its annotation allows it.
+
+    Raises:
+        FlatbmaError: an entry of no field, or a missing entry of a field that cannot be ``None`` (a state of
+            another layout).
+    """
+    values: dict[str, Any] = {}
+    for field in cls._fields:
+        annotation = _annotation(cls, field)
+        if annotation.startswith("dict"):
+            values[field] = part(field, tensors)
+        elif field in tensors:
+            values[field] = tensors[field]
+        elif "None" in annotation:
+            values[field] = None
+        else:
+            raise FlatbmaError(f"the state has no entry {field!r}: it is not a {cls.__name__}")
+    known = set(entries(cls(**values)))
+    stray = next((k for k in tensors if k not in known), None)
+    if stray is not None:
+        raise FlatbmaError(f"state entry {stray!r} belongs to no field of {cls.__name__}")
+    return cls(**values)
+
+
+def _annotation(cls: type, field: str) -> str:
+    """The annotation of ``cls``'s ``field`` as written (a NamedTuple keeps a postponed one as a ``ForwardRef``)."""
+    annotation = cls.__annotations__[field]
+    return str(getattr(annotation, "__forward_arg__", annotation))

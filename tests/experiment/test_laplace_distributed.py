@@ -60,13 +60,14 @@ def test_two_processes_give_the_curvature_and_metrics_of_one():
             one, _, _ = load_checkpoint(root / "one" / hessian / "checkpoint.safetensors")
             many, _, _ = load_checkpoint(root / "many" / hessian / "checkpoint.safetensors")
             assert one.aux.keys() == many.aux.keys() and one.step == many.step == 10
-            seen_one, seen_many = int(one.aux[laplace.SEEN]), int(many.aux[laplace.SEEN])
+            c_one, c_many = laplace.curvature_of(one), laplace.curvature_of(many)
+            seen_one, seen_many = int(c_one.seen), int(c_many.seen)
             assert seen_one == 400 and seen_many == 200  # two epochs; each process counts its own shard
-            for key, value in one.aux.items():
-                if key.startswith(laplace.PREFIX) and key != laplace.SEEN:
-                    torch.testing.assert_close(
-                        many.aux[key] / seen_many, value / seen_one, rtol=1e-6, atol=1e-12, msg=f"{hessian} {key}"
-                    )
+            pairs = [*zip(c_one.curvature.items(), c_many.curvature.values()), (("nll", c_one.nll), c_many.nll)]
+            for (key, value), theirs in pairs:
+                torch.testing.assert_close(
+                    theirs / seen_many, value / seen_one, rtol=1e-6, atol=1e-12, msg=f"{hessian} {key}"
+                )
             ma = json.loads((root / "one" / hessian / "metrics.json").read_text())
             mb = json.loads((root / "many" / hessian / "metrics.json").read_text())
             assert mb["world_size"] == 2 and ma["n"] == mb["n"] > 0

@@ -101,9 +101,10 @@ def test_without_augmentation_the_curvature_is_a_deterministic_pass_over_the_tra
     for x, y in exp.hessian_loader:  # all training images, un-augmented, in a fixed order (other batches)
         acc = est.accumulate(acc, chosen, {**state.buffers, **fixed}, x, y, offset=offset)
         offset += len(y)
-    assert offset == int(state.aux[laplace.SEEN]) == 100
+    curvature = laplace.curvature_of(state)
+    assert offset == int(curvature.seen) == 100
     for key, value in acc.items():
-        torch.testing.assert_close(state.aux[f"{laplace.ACCUMULATORS}/{key}"], value, rtol=1e-6, atol=1e-12, msg=key)
+        torch.testing.assert_close(curvature.curvature[key], value, rtol=1e-6, atol=1e-12, msg=key)
 
 
 def test_a_resume_in_the_middle_of_the_curvature_epoch_is_bit_identical(tmp_path):
@@ -276,7 +277,7 @@ def test_a_pretrained_prior_mean_run_stores_w0_resumes_bit_identically_and_the_c
     assert code in (*DONE, None), err
     ref_dir = tmp_path / "ref"
     ref = load_checkpoint(ref_dir / "checkpoint.safetensors")[0]
-    w0 = {k[len(laplace.PRIOR_MEAN) :]: v for k, v in ref.aux.items() if k.startswith(laplace.PRIOR_MEAN)}
+    w0 = laplace.curvature_of(ref).prior_mean
     assert w0.keys() == ref.params.keys()
     for k, v in w0.items():
         expected = torch.zeros_like(v) if k.startswith(classifier_of(source)[0] + ".") else source.state_dict()[k]
@@ -315,7 +316,7 @@ def test_fit_posterior_with_a_pretrained_prior_mean_round_trips_through_load_pos
     bma = flatbma.fit_posterior(
         pretrained(), loader, "laplace", epochs=1, lr=0.05, num_samples=3, hessian="diag", prior_mean="pretrained"
     )
-    assert any(k.startswith(laplace.PRIOR_MEAN) for k in bma.state.aux)
+    assert laplace.curvature_of(bma.state).prior_mean
     bma.save(tmp_path / "bma.safetensors")
     loaded = flatbma.load_posterior(tmp_path / "bma.safetensors", pretrained(), loader)
     assert torch.equal(loaded.predict_log_proba(x), bma.predict_log_proba(x))

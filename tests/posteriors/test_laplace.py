@@ -15,7 +15,7 @@ from flatbma.curvature import effective_parameters, estimator, log_evidence, opt
 from flatbma.errors import FlatbmaError
 from flatbma.linearized import Linearized, Probit, linearized_predictions
 from flatbma.models import build_model, classifier_of
-from flatbma.named import part, split
+from flatbma.named import split
 from flatbma.optim import SAM, SGD, Amortized
 from flatbma.params import Objective, model_buffers, trainable_params
 from flatbma.posteriors import laplace, members, multi, point
@@ -94,7 +94,7 @@ def test_the_map_phase_is_the_point_methods_run_byte_for_byte(ascent):
             F.cross_entropy(functional_call(net, {**q.params, **q.buffers}, (bx,)), by, reduction="none").double().sum()
             for bx, by in _batches()[MAP_STEPS:]
         )
-    assert float(q.aux[laplace.NLL]) == pytest.approx(float(nll), rel=1e-12)
+    assert float(laplace.curvature_of(q).nll) == pytest.approx(float(nll), rel=1e-12)
 
 
 @pytest.mark.parametrize("hessian", ["diag", "kfac", "full"])
@@ -109,7 +109,7 @@ def test_the_curvature_is_the_estimators_pass_at_the_map_and_the_posterior_its_g
     acc = est.init()
     for offset, (x, y) in zip(range(0, 64, 16), _batches()[MAP_STEPS:]):
         acc = est.accumulate(acc, w, buffers, x, y, offset=offset)
-    own = part(laplace.ACCUMULATORS, state.aux)
+    own = laplace.curvature_of(state).curvature
     assert own.keys() == acc.keys()
     for k in acc:
         torch.testing.assert_close(own[k], acc[k], rtol=1e-12, atol=0)
@@ -125,7 +125,8 @@ def test_the_curvature_is_the_estimators_pass_at_the_map_and_the_posterior_its_g
     assert _equal(method.mean(state), {**w, **buffers})
     info = method.can.diagnostics(state)
     assert info["prior_precision"] == pytest.approx(delta[blocks.names[0]], rel=1e-12)
-    assert info["log_evidence"] == pytest.approx(log_evidence(blocks, w, float(state.aux[laplace.NLL]), delta, 0.5))
+    nll = float(laplace.curvature_of(state).nll)
+    assert info["log_evidence"] == pytest.approx(log_evidence(blocks, w, nll, delta, 0.5))
     assert 0 < info["effective_params"] <= sum(v.numel() for v in w.values())
     sq = sum(float(v.double().square().sum()) for v in w.values())  # MacKay's fixed point δ‖w*‖² = γ
     assert info["prior_precision"] * sq == pytest.approx(info["effective_params"], rel=1e-6)
@@ -243,8 +244,8 @@ def test_a_pretrained_prior_mean_is_stored_and_enters_only_the_evidence_and_delt
     head = classifier_of(net)[0] + "."
     _, zero = runs["zero", None]
     method, state = runs["pretrained", None]
-    assert not any(k.startswith(laplace.PRIOR_MEAN) for k in zero.aux)  # zero: the state as before
-    w0 = {k[len(laplace.PRIOR_MEAN) :]: v for k, v in state.aux.items() if k.startswith(laplace.PRIOR_MEAN)}
+    assert not laplace.curvature_of(zero).prior_mean  # zero: the state as before
+    w0 = laplace.curvature_of(state).prior_mean
     assert w0.keys() == state.params.keys() and any(k.startswith(head) for k in w0)
     for k, v in w0.items():
         expected = torch.zeros_like(v) if k.startswith(head) else checkpoint[k]
@@ -252,14 +253,14 @@ def test_a_pretrained_prior_mean_is_stored_and_enters_only_the_evidence_and_delt
     assert not torch.equal(state.params[next(iter(w0))], w0[next(iter(w0))])  # w* moved away from w₀
     for section in ("params", "buffers"):
         assert _equal(getattr(state, section), getattr(zero, section)), section
-    assert _equal({k: v for k, v in state.aux.items() if not k.startswith(laplace.PRIOR_MEAN)}, zero.aux)
+    assert _equal({k: v for k, v in state.aux.items() if not k.startswith("laplace/prior_mean/")}, zero.aux)
     info = method.can.diagnostics(state)
     w, delta = state.params, info["prior_precision"]
     sq = sum(float((w[k].double() - w0[k].double()).square().sum()) for k in w)
     assert delta * sq == pytest.approx(info["effective_params"], rel=1e-8)  # MacKay's fixed point around w₀
     est = estimator("diag", "ggn", net, w, num_data=16, num_classes=4)
-    blocks = est.blocks(part(laplace.ACCUMULATORS, zero.aux), 16, 16)
-    nll = float(state.aux[laplace.NLL])
+    blocks = est.blocks(laplace.curvature_of(zero).curvature, 16, 16)
+    nll = float(laplace.curvature_of(state).nll)
     assert info["log_evidence"] == pytest.approx(log_evidence(blocks, w, nll, delta, 1.0, w0), rel=1e-12)
     assert info["effective_params"] == pytest.approx(effective_parameters(blocks, delta, 1.0), rel=1e-12)
     assert delta != pytest.approx(runs["zero", None][0].can.diagnostics(zero)["prior_precision"], rel=1e-2)

@@ -16,7 +16,7 @@ from flatbma.experiment.cli import main
 from flatbma.experiment.run.checkpoint import save_state
 from flatbma.methods import METHODS, parse_method
 from flatbma.models.small import SmallCNN
-from flatbma.named import part
+from flatbma.named import part, typed
 from flatbma.optim import SAM, SGD
 from flatbma.params import Objective, trainable_params
 from flatbma.posteriors import point, swag
@@ -84,8 +84,9 @@ def test_variance_keeps_float32_accuracy_for_weights_near_one():
     method = swag.build(objective, SGD(lr=0.1), rank=3, start_step=0, collect_every=10)
     state = method.init(trainable_params(objective.model), {})
     aux = dict(state.aux)
+    moments = typed(swag.Moments, part(swag.SWAG, aux))  # the same tensors as aux's
     for w in snaps:
-        swag._collect({"w": torch.from_numpy(w)}, aux)
+        swag._collect({"w": torch.from_numpy(w)}, moments)
     variance = swag.swag_moments(replace(state, aux=aux)).variance.numpy()
     np.testing.assert_allclose(variance, snaps.astype(np.float64).var(0), rtol=1e-3)
 

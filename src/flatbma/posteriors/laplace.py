@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from enum import Enum
 from functools import partial
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -45,7 +45,7 @@ from flatbma.curvature import (
 from flatbma.errors import FlatbmaError
 from flatbma.family import Family, Nested, Section, Stage
 from flatbma.models import classifier_of, is_pretrained
-from flatbma.named import SEP, chain, part, split
+from flatbma.named import chain, entries, part, split, typed
 from flatbma.params import Objective, clone
 from flatbma.posteriors import point
 from flatbma.posteriors.point import NAME as point_name
@@ -70,18 +70,25 @@ POINT = point_name
 """Name of the MAP's component of ``State.aux``: the point update's state (its optimizer's, ``point/optimizer/``),
 :mod:`flatbma.named`."""
 LAPLACE = "laplace"
-"""Name of the curvature's component of ``State.aux``: the accumulators (:data:`ACCUMULATORS`), the counters below and
-``w₀``."""
-PREFIX = LAPLACE + SEP
-"""Prefix of the curvature's entries in ``State.aux``."""
-SEEN = PREFIX + "seen"
-"""``aux`` entry: examples whose curvature was accumulated (int64; this process's, under data parallelism)."""
-NLL = PREFIX + "nll"
-"""``aux`` entry: ``Σ ℓ_i(w*)`` over those examples (float64), for the reported evidence."""
-ACCUMULATORS = PREFIX + "curvature"
-"""Name of the curvature estimator's accumulators within :data:`LAPLACE` (``laplace/curvature/<key>``)."""
-PRIOR_MEAN = PREFIX + "prior_mean/"
-"""Prefix of the ``aux`` entries ``w₀`` of ``prior_mean: pretrained``, one per trained tensor (its dtype)."""
+"""Name of the curvature's component of ``State.aux``: an :class:`Accumulated` (:mod:`flatbma.named`)."""
+SEEN = f"{LAPLACE}/seen"
+"""The ``State.aux`` entry of :attr:`Accumulated.seen`."""
+
+
+class Accumulated(NamedTuple):
+    """The Laplace family's own state: what the curvature phase accumulated at ``w*``.
+
+    Attributes:
+        curvature: the curvature estimator's accumulators, by their keys (:mod:`flatbma.curvature`).
+        seen: examples whose curvature was accumulated (int64; this process's, under data parallelism).
+        nll: ``Σ ℓ_i(w*)`` over those examples (float64), for the reported evidence.
+        prior_mean: ``w₀`` of ``prior_mean: pretrained``, one per trained tensor (its dtype); empty otherwise.
+    """
+
+    curvature: dict[str, Tensor]
+    seen: Tensor
+    nll: Tensor
+    prior_mean: dict[str, Tensor]
 
 VALIDATION = "val"
 """``prior_precision: val``: δ chosen on validation data after training (by :func:`flatbma.fit_posterior`)."""
@@ -266,21 +273,27 @@ def init(
     optimizer: GradientTransformation,
     ascent: Ascent | None,
 ) -> State:
-    """The MAP's point state, empty curvature accumulators, ``SEEN = NLL = 0`` and, if pretrained, ``w₀``.
+    """The MAP's point state, empty curvature accumulators, ``seen = nll = 0`` and, if pretrained, ``w₀``.
 
     The point state is :func:`flatbma.posteriors.point.init_aux`'s: the optimizer's, and an amortized ascent's memory.
     """
     params = clone(params)
-    aux = chain((POINT, point_init_aux(optimizer, ascent, params)))
     est = _estimator(options, objective, chosen(options, objective, params))
     _log.info("laplace curvature: %s", est.describe())
     device = next(iter(params.values())).device
-    aux.update(chain((ACCUMULATORS, est.init())))
-    aux[SEEN] = torch.zeros((), dtype=torch.int64, device=device)
-    aux[NLL] = torch.zeros((), dtype=torch.float64, device=device)
-    if options.prior_mean is PriorMean.PRETRAINED:
-        aux.update({PRIOR_MEAN + k: v for k, v in pretrained_mean(objective.model, params).items()})
+    own = Accumulated(
+        curvature=est.init(),
+        seen=torch.zeros((), dtype=torch.int64, device=device),
+        nll=torch.zeros((), dtype=torch.float64, device=device),
+        prior_mean=pretrained_mean(objective.model, params) if options.prior_mean is PriorMean.PRETRAINED else {},
+    )
+    aux = chain((POINT, point_init_aux(optimizer, ascent, params)), (LAPLACE, entries(own)))
     return State(params=params, buffers=clone(buffers), aux=aux)
+
+
+def curvature_of(state: State) -> Accumulated:
+    """The state's :class:`Accumulated` (its ``laplace/`` entries, the same tensors)."""
+    return typed(Accumulated, part(LAPLACE, state.aux))
 
 
 def phase(state: State, options: Options) -> Phase:
@@ -330,7 +343,9 @@ def curvature_step(state: State, batch: Batch, *, options: Options, objective: O
     x, y = batch
     bayesian = chosen(options, objective, state.params)
     est = _estimator(options, objective, bayesian)
-    seen, b = int(state.aux[SEEN]), int(y.shape[0])
+    opt, own = split(state.aux, POINT, LAPLACE)
+    curv = typed(Accumulated, own)
+    seen, b = int(curv.seen), int(y.shape[0])
     if est.form == "dual" and seen + b > objective.num_data:
         raise FlatbmaError(
             f"laplace: hessian: full in its dual form keeps one row per training example, so its curvature "
@@ -344,17 +359,15 @@ def curvature_step(state: State, batch: Batch, *, options: Options, objective: O
         averaged = reduce(floats) if floats else {}
         buffers = {k: averaged[k].clone() if k in averaged else v for k, v in buffers.items()}
     fixed = {k: v for k, v in state.params.items() if k not in bayesian}  # at w*, no curvature
-    acc = est.accumulate(_accumulators(state.aux), bayesian, {**buffers, **fixed}, x, y, offset=seen, reduce=reduce)
+    acc = est.accumulate(curv.curvature, bayesian, {**buffers, **fixed}, x, y, offset=seen, reduce=reduce)
     with torch.no_grad(), eval_mode(objective.model):
         logits = objective.logits({**state.params, **buffers}, x)
         losses = F.cross_entropy(logits, y, reduction="none")
     nll = losses.to(torch.float64).sum()
     if reduce is not None:  # Σ over the global batch / number of processes, as the curvature
         nll = reduce({"nll": nll / b})["nll"] * b
-    aux = dict(state.aux)
-    aux.update(chain((ACCUMULATORS, acc)))
-    aux[SEEN] = state.aux[SEEN] + b
-    aux[NLL] = state.aux[NLL] + nll
+    curv = curv._replace(curvature={**curv.curvature, **acc}, seen=curv.seen + b, nll=curv.nll + nll)
+    aux = chain((POINT, opt), (LAPLACE, entries(curv)))
     out = StepOutput(objective.loss_fn(logits, y), logits)
     return replace(state, buffers=buffers, aux=aux, step=state.step + 1), out
 
@@ -372,7 +385,8 @@ def fitted(state: State, *, options: Options, objective: Objective) -> Fit:
 
 
 def _fit(state: State, *, options: Options, objective: Objective) -> Fit:
-    seen = int(state.aux[SEEN])
+    curv = curvature_of(state)
+    seen = int(curv.seen)
     if seen < 1:
         raise FlatbmaError(
             "laplace: no curvature was accumulated yet (the state is still in its MAP phase): train at least one "
@@ -380,20 +394,16 @@ def _fit(state: State, *, options: Options, objective: Objective) -> Fit:
         )
     params = chosen(options, objective, state.params)
     est = _estimator(options, objective, params)
-    blocks = est.blocks(_accumulators(state.aux), seen, objective.num_data)
+    blocks = est.blocks(curv.curvature, seen, objective.num_data)
     w0 = None
     if options.prior_mean is PriorMean.PRETRAINED:
-        w0 = {
-            k[len(PRIOR_MEAN) :]: v
-            for k, v in state.aux.items()
-            if k.startswith(PRIOR_MEAN) and k[len(PRIOR_MEAN) :] in params
-        }
+        w0 = {k: v for k, v in curv.prior_mean.items() if k in params}
     t = options.temperature
     if options.prior_precision is None or options.prior_precision == VALIDATION:  # val: the evidence's until chosen
         delta = optimize_prior(blocks, params, t, options.prior_structure, w0)
     else:
         delta = dict.fromkeys(blocks.names, float(options.prior_precision))
-    nll = float(state.aux[NLL]) * objective.num_data / seen  # the summed loss over the n training examples
+    nll = float(curv.nll) * objective.num_data / seen  # the summed loss over the n training examples
     return Fit(
         blocks=blocks,
         delta=delta,
@@ -498,11 +508,6 @@ def pretrained_mean(model: torch.nn.Module, params: Params) -> Params:
             "set model.pretrained (flatbma.models.build_model(..., pretrained=...)), or use prior_mean: zero"
         )
     return {k: v.detach().clone() if k in loaded else torch.zeros_like(v) for k, v in params.items()}
-
-
-def _accumulators(aux: Params) -> Params:
-    """The curvature estimator's accumulators among ``aux`` (its :data:`ACCUMULATORS` entries, without the name)."""
-    return part(ACCUMULATORS, aux)
 
 
 def describe(fit: Fit) -> dict[str, float]:

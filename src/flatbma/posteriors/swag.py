@@ -9,14 +9,7 @@ that is F-SWAG (Nguyen et al., NeurIPS 2023).
 State layout (``d`` = number of trained weights, ``K`` = ``rank``):
 
 * ``params``: the current iterate ``w`` (by module name); ``buffers``: its BatchNorm statistics;
-* ``aux["swag/mean/<name>"]``, ``aux["swag/m2/<name>"]``: running mean ``w̄`` of the snapshots and
-  their sum of squared deviations ``Σ_i (w_i − w̄_{i−1})⊙(w_i − w̄_i)`` (Welford's update, so the
-  diagonal variance ``m2/n`` keeps its accuracy in float32 where ``mean(w⊙w) − w̄⊙w̄`` cancels
-  catastrophically, e.g. for BatchNorm scales near 1 that move by 1e-4);
-* ``aux["swag/deviations"]``: ``[K, d]`` ring buffer of the last ``K`` deviations ``w_i − w̄_i``
-  (``w̄_i`` the mean *including* snapshot ``i``, as in the paper), flattened in sorted-name order;
-  absent for the diagonal-only variant;
-* ``aux["swag/n_collected"]``: number of snapshots (0-d int64);
+* ``aux["swag/..."]``: the moments, a :class:`Moments` (:func:`flatbma.named.typed`);
 * ``aux["point/<key>"]``: the point update's own state (:mod:`flatbma.posteriors.point`: its optimizer's
   moments ``point/optimizer/momentum/<name>``, an ascent step's memory ``point/ascent/…``).
 
@@ -38,7 +31,7 @@ from flatbma.checks import is_int, is_number
 from flatbma.errors import FlatbmaError
 from flatbma.family import Family, Section, Stage
 from flatbma.gaussian import init_from_swag
-from flatbma.named import SEP, chain, split
+from flatbma.named import chain, entries, part, split, typed
 from flatbma.params import Objective, flatten, unflatten
 from flatbma.posteriors import point
 from flatbma.types import Ascent, Batch, Capabilities, GradientTransformation, Params, Posterior, State, StepOutput
@@ -46,12 +39,9 @@ from flatbma.types import Ascent, Batch, Capabilities, GradientTransformation, P
 POINT = point.NAME
 """Name of the point update's component of ``State.aux`` (its optimizer's state, an ascent step's memory)."""
 SWAG = "swag"
-"""Name of SWAG's own component of ``State.aux``: the moments (:mod:`flatbma.named`)."""
-PREFIX = SWAG + SEP
-MEAN = PREFIX + "mean/"
-M2 = PREFIX + "m2/"
-DEVIATIONS = PREFIX + "deviations"
-N_COLLECTED = PREFIX + "n_collected"
+"""Name of SWAG's own component of ``State.aux``: the :class:`Moments` (:mod:`flatbma.named`)."""
+N_COLLECTED = f"{SWAG}/n_collected"
+"""The ``State.aux`` entry of :attr:`Moments.n_collected`, the number of snapshots."""
 VAR_CLAMP = 1e-30
 """Lower bound of the diagonal variance ``σ² = m2/n`` (0 for a weight no snapshot moved)."""
 
@@ -59,6 +49,25 @@ _HOW_TO_COLLECT_MORE = "lower method.start_step or method.collect_every, or rais
 
 AUTO = "auto"
 """``collect_every: auto``: the snapshots spread evenly over the collection window (:func:`auto_collect_every`)."""
+
+
+class Moments(NamedTuple):
+    """SWAG's own state: the running moments of the snapshots and the deviation ring buffer.
+
+    Attributes:
+        mean: running mean ``w̄`` of the snapshots, by weight name.
+        m2: their sum of squared deviations ``Σ_i (w_i − w̄_{i−1})⊙(w_i − w̄_i)`` (Welford's update, so the diagonal
+            variance ``m2/n`` keeps its accuracy in float32 where ``mean(w⊙w) − w̄⊙w̄`` cancels catastrophically,
+            e.g. for BatchNorm scales near 1 that move by 1e-4).
+        deviations: ``[K, d]`` ring buffer of the last ``K`` deviations ``w_i − w̄_i`` (``w̄_i`` the mean *including*
+            snapshot ``i``, as in the paper), flattened in sorted-name order; ``None`` for the diagonal-only variant.
+        n_collected: number of snapshots (0-d int64).
+    """
+
+    mean: dict[str, Tensor]
+    m2: dict[str, Tensor]
+    deviations: Tensor | None
+    n_collected: Tensor
 
 
 class SwagMoments(NamedTuple):
@@ -214,17 +223,14 @@ def init(
 ) -> State:
     """The point's state (:func:`flatbma.posteriors.point.init`) with empty moments: ``n = 0``, ``w̄ = m₂ = D = 0``."""
     state = point.init(params, buffers, optimizer=optimizer, ascent=ascent)
-    w = state.params
-    aux = chain((POINT, state.aux))
-    for k in sorted(w):
-        aux[MEAN + k] = torch.zeros_like(w[k])
-        aux[M2 + k] = torch.zeros_like(w[k])
-    if not options.diagonal_only:
-        d = sum(v.numel() for v in w.values())
-        first = next(iter(w.values()))
-        aux[DEVIATIONS] = first.new_zeros(options.rank, d)
-    aux[N_COLLECTED] = torch.zeros((), dtype=torch.int64, device=next(iter(w.values())).device)
-    return replace(state, aux=aux)
+    w, first = state.params, next(iter(state.params.values()))
+    moments = Moments(
+        mean={k: torch.zeros_like(w[k]) for k in sorted(w)},
+        m2={k: torch.zeros_like(w[k]) for k in sorted(w)},
+        deviations=None if options.diagonal_only else first.new_zeros(options.rank, sum(v.numel() for v in w.values())),
+        n_collected=torch.zeros((), dtype=torch.int64, device=first.device),
+    )
+    return replace(state, aux=chain((POINT, state.aux), (SWAG, entries(moments))))
 
 
 def update(
@@ -239,11 +245,10 @@ def update(
     """The point update; update ``s`` is a snapshot if ``s > start_step`` and ``collect_every | s − start_step``."""
     own, moments = split(state.aux, POINT, SWAG)
     state, out = point.update(replace(state, aux=own), batch, objective=objective, optimizer=optimizer, ascent=ascent)
-    aux = chain((POINT, state.aux), (SWAG, moments))
     s = state.step
     if s > options.start_step and (s - options.start_step) % options.collect_every == 0:
-        _collect(state.params, aux)
-    return replace(state, aux=aux), out
+        _collect(state.params, typed(Moments, moments))
+    return replace(state, aux=chain((POINT, state.aux), (SWAG, moments))), out
 
 
 def sample(state: State, n: int, generator: torch.Generator | None = None, *, options: Options) -> list[Params]:
@@ -353,39 +358,40 @@ def swag_moments(state: State) -> SwagMoments:
 
 
 @torch.no_grad()
-def _collect(params: Params, aux: Params) -> None:
-    """Add the snapshot ``params`` to the moments and the ring buffer in ``aux`` (in place)."""
-    n = int(aux[N_COLLECTED])
+def _collect(params: Params, moments: Moments) -> None:
+    """Add the snapshot ``params`` to the ``moments`` and their ring buffer (in place)."""
+    n = int(moments.n_collected)
     names = sorted(params)
     weight = 1.0 / (n + 1)
     for k in names:
         w = params[k]
-        before = w - aux[MEAN + k]
-        aux[MEAN + k].lerp_(w, weight)
-        aux[M2 + k].addcmul_(before, w - aux[MEAN + k])
-    if DEVIATIONS in aux:
-        dev = aux[DEVIATIONS]
+        before = w - moments.mean[k]
+        moments.mean[k].lerp_(w, weight)
+        moments.m2[k].addcmul_(before, w - moments.mean[k])
+    if moments.deviations is not None:
+        dev = moments.deviations
         w = flatten({k: params[k] for k in names})
-        dev[n % dev.shape[0]] = w - flatten({k: aux[MEAN + k] for k in names})
-    aux[N_COLLECTED].add_(1)
+        dev[n % dev.shape[0]] = w - flatten({k: moments.mean[k] for k in names})
+    moments.n_collected.add_(1)
 
 
 def _moments(state: State, how_to_fix: str) -> SwagMoments:
-    aux = state.aux
-    if N_COLLECTED not in aux:
+    own = part(SWAG, state.aux)
+    if "n_collected" not in own:
         raise FlatbmaError("this state has no SWAG statistics (no 'swag/n_collected'): it was not trained with SWAG")
-    n = int(aux[N_COLLECTED])
+    m = typed(Moments, own)
+    n = int(m.n_collected)
     if n < 2:
         raise FlatbmaError(
             f"SWAG collected {n} snapshot(s) of the weights in {state.step} updates, but sampling needs "
             f"at least 2; {how_to_fix}"
         )
-    names = tuple(sorted(k[len(MEAN) :] for k in aux if k.startswith(MEAN)))
-    mean = torch.cat([aux[MEAN + k].reshape(-1) for k in names])
-    m2 = torch.cat([aux[M2 + k].reshape(-1) for k in names])
+    names = tuple(sorted(m.mean))
+    mean = torch.cat([m.mean[k].reshape(-1) for k in names])
+    m2 = torch.cat([m.m2[k].reshape(-1) for k in names])
     variance = torch.clamp(m2 / n, min=VAR_CLAMP)
-    if DEVIATIONS in aux:
-        dev = aux[DEVIATIONS]
+    if m.deviations is not None:
+        dev = m.deviations
         k = dev.shape[0]
         deviations = torch.roll(dev, -(n % k), dims=0) if n >= k else dev[:n]
     else:
