@@ -56,6 +56,7 @@ from typing import Any
 
 from flatbma.checks import is_number
 from flatbma.errors import FlatbmaError
+from flatbma.likelihood import Likelihood
 from flatbma.metric_names import NAMES, Group, name, test_keys
 from flatbma.stats import LEVEL as STATS_LEVEL
 from flatbma.stats import Interval, Method, Summary, median_interval, summarize
@@ -296,6 +297,11 @@ REGRESSION_METRICS: tuple[Metric, ...] = tuple(_from_table(k, Group.REGRESSION) 
 """The test metrics of a regression run (``model.likelihood: gaussian``): the mixture predictive's
 (:func:`flatbma.regression.mixture_metrics`); a coverage is best at its level, so no end of it is better."""
 RMSE, MAE, CALIBRATION_ERROR = (m for m in REGRESSION_METRICS if m.key in ("rmse", "mae", "calibration_error"))
+SUMMARY_METRICS: dict[Likelihood, tuple[Metric, ...]] = {
+    Likelihood.CATEGORICAL: PREDICTIVE_METRICS,
+    Likelihood.GAUSSIAN: REGRESSION_METRICS,
+}
+"""The summary table's predictive columns by the runs' likelihood (:mod:`flatbma.likelihood`)."""
 COVERAGE = {m.key.removeprefix("coverage_"): m for m in REGRESSION_METRICS if m.key.startswith("coverage_")}
 """A regression run's coverage of the mixture's central intervals; best at its level, so no end is better: a
 significant difference reads "covers less" or "covers more" (which is closer to the level is in the table)."""

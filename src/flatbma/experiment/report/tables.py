@@ -32,6 +32,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from flatbma import likelihood as likelihoods
 from flatbma.experiment.report.findings import (
     Comparison,
     comparisons,
@@ -51,9 +52,8 @@ from flatbma.experiment.report.rows import (
     LAMBDA1_MEAN,
     LEVEL,
     MISSING,
-    PREDICTIVE_METRICS,
-    REGRESSION_METRICS,
     RMSE,
+    SUMMARY_METRICS,
     TEMPERATURE_METRICS,
     TRACE_COV,
     Metric,
@@ -176,8 +176,8 @@ def _summary_metrics(runs: Sequence[Run]) -> tuple[Metric, ...]:
     flat = [m for m in FLATNESS_METRICS if any(m.get(r) is not None for r in runs)]
     if (LAMBDA1 in flat or LAMBDA1_MEAN in flat) and TRACE_COV not in flat:
         flat.insert(flat.index(LAMBDA1_MEAN if LAMBDA1_MEAN in flat else LAMBDA1) + 1, TRACE_COV)
-    regression = any(RMSE.get(r) is not None for r in runs)
-    return (*(REGRESSION_METRICS if regression else PREDICTIVE_METRICS), *flat)
+    recorded = next((r["likelihood"] for r in runs if isinstance(r, Mapping) and r.get("likelihood")), None)
+    return (*SUMMARY_METRICS[likelihoods.recorded(recorded)], *flat)
 
 
 BOUNDS_NOTE = (
