@@ -28,6 +28,10 @@ state (``aux["rng/seed"]``, drawn from torch's global generator in ``init``) and
 (:func:`flatbma.rng.seeded_generator`), so a saved-and-loaded state resumes with exactly the noise it
 would have drawn; ``sample`` uses the caller's generator. The Gaussian maths (``θ`` layouts, noise,
 KL divergences) is :mod:`flatbma.gaussian`.
+
+Over 500 lines on purpose: the one negative-ELBO update that mean-field VI, low-rank VI, FP-BMA and their
+flat-seeking variants share — both ascent spaces (weights, ``θ``), the variance steps and the step-size
+records — lives here once, so that the families differ only in their :class:`ReparameterizedFamily`.
 """
 
 from __future__ import annotations

@@ -8,6 +8,10 @@ run is finished only as :func:`finished_run` says. A one-stage run is one stage;
 (:mod:`flatbma.experiment.run.prior`) trains its first stage into ``<output_dir>/prior`` and then its own,
 started from the :class:`FittedPrior`. How processes share a stage is its experiment's strategy
 (:mod:`flatbma.experiment.parallel.processes`).
+
+Over 500 lines on purpose: starting, resuming, checkpointing and finishing a run directory are one protocol
+(what is written when, under which lock, and what a crash at any point leaves); split, its invariants would be
+spread over modules that each hold half of it.
 """
 
 from __future__ import annotations
