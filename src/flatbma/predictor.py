@@ -234,8 +234,7 @@ class BMA:
         likelihood: Gaussian | None = None,
     ) -> None:
         _check_arguments(model, method, state, num_samples, seed, recompute_bn)
-        self._task = TASKS[kind(likelihood)]
-        if self._task.samples_only and method.can.predictive is not Predictive.SAMPLES:
+        if TASKS[kind(likelihood)].samples_only and method.can.predictive is not Predictive.SAMPLES:
             raise FlatbmaError(
                 f"a regression BMA averages the samples themselves, but this posterior predicts with "
                 f"{method.can.predictive.value!r} (a linearized classifier's predictive)"
@@ -649,6 +648,11 @@ class BMA:
         return bma
 
     # ---------------------------------------------------------------- internals
+    @property
+    def _task(self) -> Task:
+        """The row of :data:`TASKS` of this BMA's :attr:`likelihood`."""
+        return TASKS[kind(self.likelihood)]
+
     def _classifier(self, what: str) -> None:
         if self._task.refuses_classifier:
             raise FlatbmaError(f"{what} is a classifier's, but {self._task.refuses_classifier}")
