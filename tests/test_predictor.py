@@ -329,7 +329,7 @@ def test_the_iterates_a_sampler_keeps_are_accepted_on_load(tmp_path):
     x, y = _data()
     loader = DataLoader(TensorDataset(x, y), batch_size=48, shuffle=True)
     bma = flatbma.fit_posterior(_net(), loader, "sgld", epochs=3, lr=0.01, burn_in=5, thin=2, num_samples=2)
-    assert any(k.startswith("samples/") for k in bma.state.aux)  # grown while training
+    assert any(k.startswith("sgld/samples/") for k in bma.state.aux)  # grown while training
     path = tmp_path / "sgld.safetensors"
     bma.save(path)
     xs = _data(20, seed=4)[0]

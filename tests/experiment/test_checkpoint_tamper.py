@@ -151,7 +151,7 @@ def test_a_checkpoint_from_before_the_record_is_accepted_and_still_checked(runs,
 
 def test_sgld_samples_kept_in_aux_are_its_own_state(runs, tmp_path, capsys):
     state, _, _ = load_checkpoint(runs["sgld"] / CKPT)
-    assert any(k.startswith("samples/") for k in state.aux)  # entries its fresh state lacks
+    assert any(k.startswith("sgld/samples/") for k in state.aux)  # entries its fresh state lacks
     run = _copy(runs["sgld"], tmp_path)
     assert _run(capsys, "train", "--resume", str(run))[0] in DONE
     _rewrite(run / CKPT, tensors=lambda t: t.update({"aux/samples/fc.bogus": torch.zeros(2, 3)}))

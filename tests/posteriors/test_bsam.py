@@ -10,6 +10,7 @@ from flatbma.errors import FlatbmaError
 from flatbma.experiment.run.checkpoint import save_state
 from flatbma.gaussian import section, standard_normal_like
 from flatbma.methods import METHODS, parse_method
+from flatbma.named import part, typed
 from flatbma.optim import SAM, SGD, Adam, constant
 from flatbma.params import Objective, model_buffers, trainable_params
 from flatbma.posteriors import bsam
@@ -59,6 +60,7 @@ def test_update_follows_algorithm_1():
             torch.testing.assert_close(state.params[f"mean/{k}"], m[k])
             torch.testing.assert_close(state.params[f"precision/{k}"], s[k])
             torch.testing.assert_close(state.aux[f"bsam/momentum/{k}"], gm[k])
+        assert typed(bsam.Momentum, part(bsam.NAME, state.aux)).momentum.keys() == gm.keys()  # its typed state
 
 
 def test_bsam_improves_on_a_toy_classification_problem():

@@ -12,6 +12,7 @@ from torch.func import functional_call
 from torch.utils.data import DataLoader, TensorDataset
 
 import flatbma
+from flatbma import named
 from flatbma.errors import FlatbmaError
 from flatbma.experiment.config.run_config import config_from_dict, load_config
 from flatbma.experiment.run.checkpoint import save_state
@@ -97,6 +98,11 @@ def test_means_and_hessians_equal_the_reference_ivon_opt(mc_samples, clip_radius
         ref_hess = optimizer.param_groups[0]["hess"]
         ours = torch.cat([section(state.params, "hess")[n].reshape(-1) for n in names])
         torch.testing.assert_close(ours, ref_hess, rtol=1e-5, atol=1e-6)
+        g = named.typed(
+            ivon.Momentum, named.part(ivon.NAME, state.aux)
+        ).momentum  # the typed state: ivon/momentum/<name>
+        ours = torch.cat([g[n].reshape(-1) for n in names])
+        torch.testing.assert_close(ours, optimizer.param_groups[0]["momentum"], rtol=1e-5, atol=1e-6)
         if clip_radius is not None:
             moved = torch.cat([(means[n] - before[n]).abs().reshape(-1) for n in names])
             lr_t = sgd.learning_rate(step) * (hess_init + wd)

@@ -11,6 +11,7 @@ from flatbma.errors import FlatbmaError
 from flatbma.experiment.cli import main
 from flatbma.experiment.run.checkpoint import save_state
 from flatbma.methods import METHODS, parse_method
+from flatbma.named import part, typed
 from flatbma.optim import SAM, SGD, Adam
 from flatbma.params import Objective, trainable_params
 from flatbma.posteriors import sgld
@@ -128,9 +129,7 @@ def test_f_sgld_takes_the_sam_gradient_plus_noise():
     obj = gaussian_objective(1)
     obj = Objective(model=obj.model, loss_fn=obj.loss_fn, num_data=n)
     obj.model.w.data.copy_(w0)
-    method = sgld.build(
-        obj, SGD(lr=lr), SAM(rho=rho), prior_std=math.inf, lr_scale="potential", burn_in=1000, thin=100
-    )
+    method = sgld.build(obj, SGD(lr=lr), SAM(rho=rho), prior_std=math.inf, lr_scale="potential", burn_in=1000, thin=100)
     state = method.init(trainable_params(obj.model), {})
     torch.manual_seed(5)
     state, _ = method.update(state, NO_DATA)
@@ -152,7 +151,9 @@ def test_burn_in_thinning_and_ring_buffer():
         history.append(state.params["w"].clone())
     # stored after steps 5, 7, 9, 11, 13 (1-based); the ring keeps the last three, oldest first
     assert int(state.aux[sgld.COUNT_KEY]) == 5
-    assert state.aux["samples/w"].shape == (3, 1, 2)
+    chain = typed(sgld.Chain, part(sgld.NAME, state.aux))  # its typed state: sgld/collected, sgld/samples/<name>
+    assert int(chain.collected) == 5 and chain.samples["w"].shape == (3, 1, 2)
+    assert chain.samples["w"] is state.aux["sgld/samples/w"]
     expected = torch.stack([history[8], history[10], history[12]])
     torch.testing.assert_close(sgld.stored_samples(state)["w"], expected)
     # sample: evenly spaced from the oldest to the latest (the latest for n = 1); n is capped
@@ -160,6 +161,20 @@ def test_burn_in_thinning_and_ring_buffer():
     torch.testing.assert_close(picks[0]["w"], history[12])
     assert len(method.sample(state, 10, None)) == 3
     torch.testing.assert_close(torch.stack([s["w"] for s in method.sample(state, 2, None)]), expected[[0, 2]])
+
+
+def test_a_chain_that_records_iterates_it_does_not_hold_is_refused_in_one_line():
+    """A state whose ``sgld/collected`` counts iterates with no ``sgld/samples/`` entries (another layout's)."""
+    obj = gaussian_objective(1)
+    method = sgld.build(obj, SGD(lr=0.01), burn_in=1, thin=1, max_samples=3)
+    state = method.init(trainable_params(obj.model), {})
+    for _ in range(3):  # iterates stored after steps 2 and 3
+        state, _ = method.update(state, NO_DATA)
+    stale = {k: v for k, v in state.aux.items() if not k.startswith("sgld/samples/")}
+    stale["samples/w"] = state.aux["sgld/samples/w"]
+    for call in (lambda s: method.sample(s, 1, None), lambda s: method.update(s, NO_DATA)):
+        with pytest.raises(FlatbmaError, match="records 2 stored iterates but holds none"):
+            call(dataclasses.replace(state, aux=stale))
 
 
 def test_csgld_stores_samples_per_cycle_evenly_in_the_sampling_stage():

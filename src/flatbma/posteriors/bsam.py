@@ -24,7 +24,7 @@ bSAM is its own optimizer: of the ``optimizer`` it is given it uses only the lea
 ignored (``β₁``, ``β₂`` and ``prior_precision`` play those roles). It also brings its own ascent
 step (``ρ``), so it is registered without one. BatchNorm running statistics are updated by the first
 (noisy) pass only. Layout: ``θ = {"mean/<name>": m, "precision/<name>": s}``; ``aux`` holds the
-momentum ``"bsam/momentum/<name>"`` and the noise seed.
+momentum ``"bsam/momentum/<name>"`` (:class:`Momentum`) and the noise seed.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from functools import partial
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -41,11 +41,24 @@ from flatbma.checks import check_number
 from flatbma.errors import FlatbmaError
 from flatbma.family import Family, Section
 from flatbma.gaussian import check_sections, is_theta, section, standard_normal_like
+from flatbma.named import entries, nest, part, typed
 from flatbma.params import Objective, clone
 from flatbma.rng import SEED_KEY, new_seed, seeded_generator
 from flatbma.types import Ascent, Batch, GradientTransformation, Params, Posterior, State, StepOutput
 
 PREFIXES = ("mean", "precision")
+NAME = "bsam"
+"""The component bSAM keeps its :class:`Momentum` under in ``aux`` (:mod:`flatbma.named`): ``bsam/momentum/<name>``."""
+
+
+class Momentum(NamedTuple):
+    """bSAM's own state (component :data:`NAME` of ``aux``).
+
+    Attributes:
+        momentum: ``g_m`` by weight name.
+    """
+
+    momentum: dict[str, Tensor]
 
 
 def _check(name: str, value: float, low: float, high: float = float("inf"), *, closed_low: bool) -> None:
@@ -131,7 +144,7 @@ def init(params: Params, buffers: Params, *, options: Options) -> State:
         theta = {f"mean/{k}": v.detach().clone() for k, v in params.items()}
         theta.update({f"precision/{k}": torch.full_like(v, float(options.init_precision)) for k, v in params.items()})
     m = section(theta, "mean")
-    aux = {f"bsam/momentum/{k}": torch.zeros_like(v) for k, v in m.items()}
+    aux = nest(NAME, entries(Momentum({k: torch.zeros_like(v) for k, v in m.items()})))
     aux[SEED_KEY] = seed.to(next(iter(m.values())).device)
     return State(params=theta, buffers=clone(buffers), aux=aux)
 
@@ -159,9 +172,10 @@ def update(
         perturbed = {k: m[k] + o.rho * g[k] / prec[k] for k in m}
     _, _, g_eps = objective.value_and_grad(perturbed, state.buffers, batch, update_buffers=False)
     lr = learning_rate(state.step)
+    momentum = typed(Momentum, part(NAME, state.aux)).momentum
     with torch.no_grad():
         for k in m:
-            gm = state.aux[f"bsam/momentum/{k}"]
+            gm = momentum[k]
             gm.mul_(o.beta1).add_(g_eps[k] + delta * m[k], alpha=1 - o.beta1)
             s = prec[k]
             target = s.sqrt() * g[k].abs() + (delta + o.damping)

@@ -30,8 +30,9 @@ With an ascent step on weights (F-IVON, :func:`build`) the gradient at each samp
 one, ``∇L_B(θ_j + ε_j)`` with ``ε_j = ascent.perturb(θ_j, ∇L_B(θ_j))``, and enters both ``ĝ`` and ``ĥ``.
 
 State: ``params`` = ``{"mean/<name>": m, "hess/<name>": h}`` (packed as one ``[2, d]`` buffer, names in sorted
-order), ``aux`` = ``{"ivon/momentum/<name>": g}`` (one ``[d]`` buffer), the noise seed ``rng/seed`` and an
-amortized ascent step's memories ``ascent/sample<j>/…``; the step count ``t`` is :attr:`State.step` + 1.
+order), ``aux`` = ``{"ivon/momentum/<name>": g}`` (:class:`Momentum`, one ``[d]`` buffer), the noise seed
+``rng/seed`` and an amortized ascent step's memories ``ascent/sample<j>/…``; the step count ``t`` is
+:attr:`State.step` + 1.
 Randomness: step ``t``'s noise is drawn from the generator of ``(rng/seed, t − 1)``
 (:func:`flatbma.rng.seeded_generator`), ``z_j`` as one ``[d]`` draw in the layout's order, so a resumed state
 draws what it would have. Data-parallel runs all-reduce every ``∇L_B(θ_j)`` (``Objective.reduce_grads``) and draw
@@ -45,7 +46,7 @@ import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from functools import partial
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import torch
 from torch import Tensor
@@ -55,7 +56,7 @@ from flatbma.checks import check_int, check_number
 from flatbma.errors import FlatbmaError
 from flatbma.family import Family, Section
 from flatbma.gaussian import check_sections, is_theta, section
-from flatbma.named import SEP
+from flatbma.named import SEP, entries, nest, part, typed
 from flatbma.optim.ascent import (
     ASCENT,
     ascent_memory,
@@ -86,6 +87,18 @@ PREFIXES = ("mean", "hess")
 
 NAME = "ivon"
 """The component IVON keeps its momentum under in ``aux`` (:mod:`flatbma.named`): ``ivon/momentum/<name>``."""
+
+
+class Momentum(NamedTuple):
+    """IVON's own state (component :data:`NAME` of ``aux``, :mod:`flatbma.named`).
+
+    Attributes:
+        momentum: the gradient momentum ``g`` by weight name; after :func:`init` (or once per state after a load)
+            views of one ``[d]`` buffer laid out as ``θ``'s rows.
+    """
+
+    momentum: dict[str, Tensor]
+
 
 KIND = "ivon"
 """``Layout.kind`` of ``θ``'s packed ``[2, d]`` buffer (:func:`theta_layout`)."""
@@ -260,14 +273,16 @@ def theta_layout(shapes: Mapping[str, torch.Size]) -> packed.Layout:
 
 
 @functools.lru_cache(maxsize=16)
-def _row_layout(layout: packed.Layout, prefix: str) -> packed.Layout:
-    """One row of ``θ``'s layout as a ``[d]`` layout with the keys ``<prefix><name>`` (weights, momentum)."""
+def _row_layout(layout: packed.Layout) -> packed.Layout:
+    """One row of ``θ``'s layout as a ``[d]`` layout keyed by weight name (the weights, the momentum)."""
     half = len(layout.keys) // 2
-    keys = tuple(prefix + k.removeprefix("mean/") for k in layout.keys[:half])
+    keys = tuple(k.removeprefix("mean/") for k in layout.keys[:half])
     return packed.Layout(keys, layout.shapes[:half], layout.strides[:half], layout.offsets[:half], (layout.shape[1],))
 
 
-_MOMENTUM = f"{NAME}{SEP}momentum{SEP}"
+def _momentum(state: State) -> dict[str, Tensor]:
+    """``g`` by weight name, read through the typed state (the same tensors)."""
+    return typed(Momentum, part(NAME, state.aux)).momentum
 
 
 def _packed(state: State) -> tuple[State, Tensor, Tensor, Tensor, packed.Layout]:
@@ -277,18 +292,17 @@ def _packed(state: State) -> tuple[State, Tensor, Tensor, Tensor, packed.Layout]
     here (same values: packing only changes the storage).
     """
     found = packed.buffer(state.params, kind=KIND)
-    momentum_keys = None if found is None else _row_layout(found[0], _MOMENTUM).keys
-    flat_g = None if momentum_keys is None else packed.flat_of([state.aux[k] for k in momentum_keys], momentum_keys)
+    g = _momentum(state)
+    flat_g = None if found is None else packed.flat_of(g, _row_layout(found[0]).keys)
     if found is None or flat_g is None:
         check_sections(state.params, PREFIXES, "ivon")
         layout = theta_layout({n: v.shape for n, v in section(state.params, "mean").items()})
         params = packed.pack(state.params, layout)
-        rows = _row_layout(layout, _MOMENTUM)
-        momentum = packed.pack({k: state.aux[k] for k in rows.keys}, rows)
-        state = replace(state, params=params, aux={**state.aux, **momentum})
-        found, flat_g = packed.buffer(params, kind=KIND), packed.flat_of(momentum)
+        g = packed.pack(g, _row_layout(layout))
+        state = replace(state, params=params, aux={**state.aux, **nest(NAME, entries(Momentum(g)))})
+        found, flat_g = packed.buffer(params, kind=KIND), packed.flat_of(g)
     layout, theta = found  # type: ignore[misc]
-    return state, theta[0], theta[1], flat_g, _row_layout(layout, "")
+    return state, theta[0], theta[1], flat_g, _row_layout(layout)
 
 
 def _sigma(rule: _Rule, h: Tensor) -> Tensor:
@@ -313,12 +327,12 @@ def init(params: Params, buffers: Params, *, rule: _Rule, ascent: Ascent | None)
     theta = packed.pack(
         {**{f"mean/{n}": v for n, v in mean_.items()}, **{f"hess/{n}": v for n, v in hess.items()}}, layout
     )
-    rows = _row_layout(layout, _MOMENTUM)
+    rows = _row_layout(layout)
     device = next(iter(theta.values())).device
-    momentum = rows.views(torch.zeros(rows.numel, dtype=theta[layout.keys[0]].dtype, device=device))
-    aux = {**momentum, SEED_KEY: seed.to(device)}
+    g = rows.views(torch.zeros(rows.numel, dtype=theta[layout.keys[0]].dtype, device=device))
+    aux = {**nest(NAME, entries(Momentum(g))), SEED_KEY: seed.to(device)}
     if has_memory(ascent):
-        weights = _row_layout(layout, "").views(packed.flat_of(theta)[0].clone())
+        weights = _row_layout(layout).views(packed.flat_of(theta)[0].clone())
         for j in range(rule.mc_samples):
             aux.update(ascent_memory(ascent, weights, _sample_name(j)))
     return State(params=theta, buffers=clone(buffers), aux=aux)

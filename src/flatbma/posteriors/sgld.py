@@ -16,26 +16,38 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from enum import Enum
 from functools import partial
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, NamedTuple
 
 import torch
+from torch import Tensor
 
 from flatbma.checks import check_int, is_number
 from flatbma.errors import FlatbmaError
 from flatbma.family import Family, Section, Stage
-from flatbma.named import SEP, part
+from flatbma.named import SEP, entries, nest, part, typed
 from flatbma.optim.ascent import ascent_memory, has_memory, memory_of, sharpness_aware_value_and_grad
 from flatbma.params import Objective, clone
 from flatbma.types import Ascent, Batch, GradientTransformation, Params, Posterior, State, StepOutput
 
-COUNT_KEY = "sgld/collected"
-"""Aux key of the number of samples collected so far (a 0-d int64 tensor)."""
-SAMPLES = "samples"
-"""Name of the stored iterates' component of ``aux`` (:mod:`flatbma.named`): ``samples/<name>``, the iterates of
-parameter ``<name>`` stacked ``[S, ...]``."""
-SAMPLES_PREFIX = SAMPLES + SEP
+NAME = "sgld"
+"""The component of ``aux`` the chain keeps its :class:`Chain` under (:mod:`flatbma.named`)."""
+COUNT_KEY = f"{NAME}{SEP}collected"
+"""Aux key of the number of samples collected so far (:attr:`Chain.collected`)."""
 AUTO = "auto"
 """``burn_in: auto`` / ``thin: auto``: resolved from the run's length (:func:`resolve`)."""
+
+
+class Chain(NamedTuple):
+    """The chain's own state (component :data:`NAME` of ``aux``): ``sgld/collected``, ``sgld/samples/<name>``.
+
+    Attributes:
+        collected: the number of iterates stored so far (0-d int64); past ``max_samples`` a ring buffer.
+        samples: the stored iterates of each weight stacked ``[S, ...]``, ``S = min(collected, max_samples)``
+            (empty before the first).
+    """
+
+    collected: Tensor
+    samples: dict[str, Tensor]
 
 
 class LrScale(str, Enum):
@@ -228,8 +240,8 @@ def _langevin(
 
 
 def init(params: Params, buffers: Params, *, ascent: Ascent | None) -> State:
-    """The weights (copied), no sample stored (``aux["sgld/collected"] = 0``) and the ascent step's memory."""
-    aux = {COUNT_KEY: torch.zeros((), dtype=torch.long), **ascent_memory(ascent, params)}
+    """The weights (copied), an empty :class:`Chain` and the ascent step's memory."""
+    aux = {**nest(NAME, entries(Chain(torch.zeros((), dtype=torch.long), {}))), **ascent_memory(ascent, params)}
     return State(params=clone(params), buffers=clone(buffers), aux=aux)
 
 
@@ -279,9 +291,11 @@ def sample(
 
 def stored_samples(state: State) -> Params:
     """The stored iterates in chronological order: ``{name: tensor [S, ...]}`` (empty when none)."""
-    count = int(state.aux[COUNT_KEY]) if COUNT_KEY in state.aux else 0
-    stacked = part(SAMPLES, state.aux)
-    if count == 0 or not stacked:
+    own = part(NAME, state.aux)
+    if not own:
+        return {}
+    count, stacked = _chain(own)
+    if count == 0:
         return {}
     size = next(iter(stacked.values())).shape[0]
     if count <= size:
@@ -355,18 +369,33 @@ def _cycle(cycle_length: int, exploration: float, samples_per_cycle: int) -> tup
     return first_sampling, sampling_steps // samples_per_cycle
 
 
+def _chain(own: Params) -> tuple[int, dict[str, Tensor]]:
+    """``(collected, samples)`` of the :class:`Chain` entries ``own``.
+
+    Raises:
+        FlatbmaError: a chain that records stored iterates but holds none (a state of another layout).
+    """
+    chain = typed(Chain, own)
+    count = int(chain.collected)
+    if count and not chain.samples:
+        raise FlatbmaError(
+            f"the sgld state records {count} stored iterates but holds none (no aux entries {NAME}{SEP}samples/...): "
+            "it was not written by this version of flatbma's sgld; train it again"
+        )
+    return count, chain.samples
+
+
 @torch.no_grad()
 def _store(aux: Params, params: Params, max_samples: int) -> Params:
-    count = int(aux[COUNT_KEY])
-    out = dict(aux)
+    """``aux`` with ``params`` stored in its :class:`Chain`: appended, or over the oldest past ``max_samples``."""
+    count, samples = _chain(part(NAME, aux))
+    samples = dict(samples)
     for k, w in params.items():
-        key = SAMPLES_PREFIX + k
         if count < max_samples:
-            out[key] = torch.cat([aux[key], w[None]]) if count else w[None].clone()
+            samples[k] = torch.cat([samples[k], w[None]]) if count else w[None].clone()
         else:
-            out[key][count % max_samples].copy_(w)
-    out[COUNT_KEY] = torch.full((), count + 1, dtype=torch.long)
-    return out
+            samples[k][count % max_samples].copy_(w)
+    return {**aux, **nest(NAME, entries(Chain(torch.full((), count + 1, dtype=torch.long), samples)))}
 
 
 def _check_common(
