@@ -199,3 +199,26 @@ def test_study_acts_refuses_what_is_not_a_results_json_in_one_line(tmp_path, cap
     (tmp_path / "r.json").write_text("{}")
     assert acts.main([str(tmp_path / "r.json")]) == 2
     assert capsys.readouterr().err.count("\n") == 1
+
+
+def test_claims_tables_are_the_tables_of_the_claims_page(capsys):
+    """docs/studies/claims.md's verdict tables are `scripts/claims_tables.py`'s output on the committed results,
+    verbatim: a number on the page is the report's own, and the page cannot drift from its results.json."""
+    script = _script("claims_tables")
+    results = json.loads((ROOT / "docs/claims-study/scratch/results.json").read_text())
+    fpbma, flat = script.tables(results)
+    page = (ROOT / "docs/studies/claims.md").read_text()
+    assert fpbma in page and flat in page
+    assert len(fpbma.splitlines()) == 2 + 4 and len(flat.splitlines()) == 2 + 6  # 4 FP-BMA pairs, 6 F-X − X pairs
+    assert "| f-mfvi − mfvi | **+0.0038 [0.0014, 0.0062]** | **−0.0259 [−0.0282, −0.0235]** |" in flat
+    assert "(δ₈₀ 0.0054)" in fpbma  # a null with the difference it could have detected
+    assert script.main([str(ROOT / "docs/claims-study/scratch/results.json")]) == 0
+    assert capsys.readouterr().out.count("| pair |") == 2
+
+
+def test_claims_tables_refuses_results_without_pairs_in_one_line(tmp_path, capsys):
+    script = _script("claims_tables")
+    (tmp_path / "r.json").write_text("{}")
+    assert script.main([str(tmp_path / "r.json")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no paired differences (findings.pairs)" in err
