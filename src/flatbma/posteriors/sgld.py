@@ -378,8 +378,9 @@ def _chain(own: Params) -> tuple[int, dict[str, Tensor]]:
     chain = typed(Chain, own)
     count = int(chain.collected)
     if count and not chain.samples:
+        iterates = f"{count} stored iterate{'s' if count != 1 else ''}"
         raise FlatbmaError(
-            f"the sgld state records {count} stored iterates but holds none (no aux entries {NAME}{SEP}samples/...): "
+            f"the sgld state records {iterates} but holds none (no aux entries {NAME}{SEP}samples/...): "
             "it was not written by this version of flatbma's sgld; train it again"
         )
     return count, chain.samples
