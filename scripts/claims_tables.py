@@ -2,7 +2,7 @@
 
     .venv/bin/python scripts/claims_tables.py docs/claims-study/scratch/results.json
 
-Reads the paired differences ``flatbma compare`` wrote (``findings.pairs``, the config's ``compare.pairs``) and
+Takes the paired differences of the config's ``compare.pairs`` as the report computes them from the rows, and
 prints two markdown tables:
 
 1. **FP-BMA's claim**: each FP-BMA arm against low-rank VI and against its width-matched twin (``twin@<arm>``):
@@ -22,89 +22,78 @@ import argparse
 import json
 import statistics
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from flatbma.errors import FlatbmaError
-from flatbma.experiment.report.findings import detectable_text, difference_text
-from flatbma.experiment.report.rows import by_method, read_runs, run_lambda1_median, width_field
-from flatbma.stats import Difference, Interval
+from flatbma.experiment.report.findings import Comparison, detectable_text, difference_text, pair_comparisons
+from flatbma.experiment.report.rows import ACCURACY, BRIER, LAMBDA1, NLL, TRACE_COV, Metric, Run, by_method, read_runs
+from flatbma.experiment.report.tables import Table
 
-FPBMA_METRICS = ("accuracy", "nll", "lambda1", "trace_cov")
-FLAT_METRICS = ("accuracy", "nll", "brier", "lambda1", "trace_cov")
-LABELS = {"accuracy": "accuracy", "nll": "NLL", "brier": "Brier", "lambda1": "λ₁ median", "trace_cov": "tr Σ"}
+FPBMA_METRICS = (ACCURACY, NLL, LAMBDA1, TRACE_COV)
+FLAT_METRICS = (ACCURACY, NLL, BRIER, LAMBDA1, TRACE_COV)
 FLAT_PREFIX = "f-"
 TWIN = "twin@"
 
 
-def _difference(found: Mapping[str, Any]) -> Difference:
-    """A ``findings.pairs`` entry as the :class:`~flatbma.stats.Difference` the report formats."""
-    interval = found.get("interval")
-    return Difference(
-        n=found["n"],
-        mean=found["mean"],
-        interval=Interval(interval["low"], interval["high"], interval["level"]) if interval else None,
-        significant=bool(found["significant"]),
-        detectable=found.get("detectable"),
-    )
-
-
-def cell(found: Mapping[str, Any] | None) -> str:
+def cell(found: Comparison | None) -> str:
     """``**mean [low, high]**`` when the interval excludes 0, else ``mean [low, high] (δ₈₀ d)``; ``—`` when absent.
 
     A difference that is 0 on every seed (MC dropout's tr Σ: no weight covariance is measured) reads ``0 on every
     seed``.
     """
-    if found is None:
+    if found is None or found.difference is None:
         return "—"
-    d = _difference(found)
+    d = found.difference
     if d.mean == 0 and d.interval is not None and d.interval.low == d.interval.high == 0:
         return "0 on every seed"
     text = difference_text(d)
     return f"**{text}**" if d.significant else f"{text} (δ₈₀ {detectable_text(d)})"
 
 
-def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|---|" + ":-:|" * (len(header) - 1)]
-    lines += ["| " + " | ".join(row) + " |" for row in rows]
-    return "\n".join(lines)
-
-
-def _mean(runs: Sequence[Mapping[str, Any]], get: Callable[[Mapping[str, Any]], float | None]) -> str:
-    values = [v for v in map(get, runs) if v is not None]
+def _mean(runs: Sequence[Run], metric: Metric) -> str:
+    values = [v for v in map(metric.get, runs) if v is not None]
     return f"{statistics.fmean(values):.3g}" if values else "—"
 
 
 def tables(results: Mapping[str, Any]) -> tuple[str, str]:
-    """``(FP-BMA's table, the flat-seeking table)`` as markdown: the pairs the comparison lists, in its order."""
-    listed = results.get("findings", {}).get("pairs") if isinstance(results, Mapping) else None
-    if not listed:
+    """``(FP-BMA's table, the flat-seeking table)`` as markdown: the pairs the comparison lists, in its order.
+
+    The differences are the report's own (:func:`~flatbma.experiment.report.findings.pair_comparisons`, the
+    "Paired differences" table of report.md), computed from the results' rows.
+    """
+    if not isinstance(results, Mapping) or not results.get("findings", {}).get("pairs"):
         raise FlatbmaError(
             "the results hold no paired differences (findings.pairs): not a finished comparison with compare.pairs "
             "(flatbma compare writes them after its last row; scripts/refind.py merges seed batches)"
         )
-    pairs: dict[tuple[str, str], dict[str, Any]] = {}
-    for found in listed:
-        pairs.setdefault((found["method"], found["reference"]), {})[found["metric"]] = found
+    pairs: dict[tuple[str, str], dict[str, Comparison]] = {}
+    for found in pair_comparisons(results):
+        pairs.setdefault((found.method, found.reference), {})[found.metric.key] = found
     runs = by_method(read_runs(results))
 
     fpbma = [(a, b) for a, b in pairs if a.startswith("fp-bma") and (b == "lowrank-vi" or b == TWIN + a)]
-    fpbma_rows = [[f"{a} − {b}", *(cell(pairs[a, b].get(m)) for m in FPBMA_METRICS)] for a, b in fpbma]
     flat = [(a, b) for a, b in pairs if a == FLAT_PREFIX + b]
-    flat_rows = [
-        [
-            f"{a} − {b}",
-            *(cell(pairs[a, b].get(m)) for m in FLAT_METRICS),
-            _mean(runs.get(b, []), run_lambda1_median),
-            _mean(runs.get(b, []), width_field("trace_cov")),
-        ]
-        for a, b in flat
-    ]
-    return (
-        _table(["pair", *(LABELS[m] for m in FPBMA_METRICS)], fpbma_rows),
-        _table(["pair", *(LABELS[m] for m in FLAT_METRICS), "X's λ₁ median", "X's tr Σ"], flat_rows),
+    fpbma_table = Table(
+        "FP-BMA's claim",
+        ["pair", *(m.label for m in FPBMA_METRICS)],
+        [[f"{a} − {b}", *(cell(pairs[a, b].get(m.key)) for m in FPBMA_METRICS)] for a, b in fpbma],
     )
+    flat_table = Table(
+        "The flat-seeking claim",
+        ["pair", *(m.label for m in FLAT_METRICS), f"X's {LAMBDA1.label}", f"X's {TRACE_COV.label}"],
+        [
+            [
+                f"{a} − {b}",
+                *(cell(pairs[a, b].get(m.key)) for m in FLAT_METRICS),
+                _mean(runs.get(b, []), LAMBDA1),
+                _mean(runs.get(b, []), TRACE_COV),
+            ]
+            for a, b in flat
+        ],
+    )
+    return fpbma_table.markdown(), flat_table.markdown()
 
 
 def main(argv: list[str] | None = None) -> int:
