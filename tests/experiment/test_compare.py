@@ -149,6 +149,29 @@ def test_the_time_left_comes_from_each_methods_measured_cost(monkeypatch, capsys
     )
 
 
+def test_a_row_read_from_its_cache_is_not_taken_for_its_cost(monkeypatch, capsys):
+    """A resumed comparison's cached rows take ~0 s: learned, they promised "0.0 min left" for hours of rows."""
+    from flatbma import progress
+    from flatbma.experiment.study import compare
+
+    clock = [0.0]
+    monkeypatch.setattr(compare.time, "perf_counter", lambda: clock[0])
+    items = [("sgd", 0), ("sgd", 1), ("sgd", 2)]
+    reporter = progress.Reporter(terminal=False, clock=lambda: clock[0])
+    for item in compare._progress(
+        items, "compare", str, True, 0, 1, kind=lambda item: item[0], work=lambda item: {"train": 10}
+    ):
+        if item[1] > 0:  # seed 0 comes from its cache: no phase runs
+            with reporter.phase("train"):
+                clock[0] += 60.0
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("compare: [")]
+    assert lines[0].endswith("read from its cache; time left known once a row is measured"), lines
+    assert lines[1].endswith("done in 60 s; about 1.0 min left"), lines
+    learned = TimeLeft()
+    learned.add("a", 0.01, [], {"train": 10})
+    assert not learned.rows and learned.text([("a", None)]) == "time left known once a row is measured"
+
+
 def test_a_rows_work_counts_its_phases_in_units_of_its_config():
     from flatbma.experiment.config.run_config import config_from_dict
     from flatbma.experiment.study.plan import CompareConfig

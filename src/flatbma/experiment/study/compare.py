@@ -302,7 +302,7 @@ def _progress(
         if show and bar.disable and not reporter.quiet:  # no bar here: a log, or a process other than rank 0
             print(
                 f"{what}{f' (process {me})' if world > 1 else ''}: [{i}/{len(items)}] {describe(item)} "
-                f"done in {took:.0f} s; {learned.text(rows[i:])}",
+                f"{f'done in {took:.0f} s' if phases else 'read from its cache'}; {learned.text(rows[i:])}",
                 file=sys.stderr,
                 flush=True,
             )

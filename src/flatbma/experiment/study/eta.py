@@ -12,7 +12,8 @@ demo took 40 on a loaded machine. So a row's work is counted per phase in units 
 * any other row: ``Σ_phase units · rate(phase) + rest``, with ``rate(phase)`` the costliest time per unit
   that phase took in the rows so far and ``rest`` the costliest time a row spent outside its phases.
 
-It is re-estimated after every row, from all rows measured so far.
+It is re-estimated after every row, from all rows measured so far. A row that ran no timed phase was read
+whole from its cache (a resumed comparison): its time says nothing of a row's cost, and it is not learned.
 """
 
 from __future__ import annotations
@@ -71,7 +72,12 @@ class TimeLeft:
     rest: float = 0.0
 
     def add(self, kind: str, seconds: float, phases: Sequence[tuple[str, float]], work: Work | None) -> None:
-        """Learn from a finished row: its kind, time, ``(phase, seconds)`` of its phases and its work."""
+        """Learn from a finished row: its kind, time, ``(phase, seconds)`` of its phases and its work.
+
+        A row without phases (read from its cache) is not learned.
+        """
+        if not phases:
+            return
         self.rows.setdefault(kind, []).append(seconds)
         spent: dict[str, float] = {}
         for name, s in phases:
@@ -97,6 +103,8 @@ class TimeLeft:
         """``about N min left`` for the ``(kind, work)`` rows still to do, saying which kinds are not yet timed."""
         if not remaining:
             return "nothing left"
+        if not self.rows:
+            return "time left known once a row is measured"
         left = sum(self.estimate(kind, work) for kind, work in remaining)
         text = f"about {left / 60:.1f} min left"
         untimed = list(dict.fromkeys(kind for kind, _ in remaining if not self.rows.get(kind)))
