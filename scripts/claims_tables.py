@@ -1,6 +1,7 @@
 """The claims study's two verdict tables (docs/studies/claims.md) from a finished comparison's ``results.json``.
 
     .venv/bin/python scripts/claims_tables.py docs/claims-study/scratch/results.json
+    .venv/bin/python scripts/claims_tables.py docs/claims-study/transfer/results.json --without-flagged
 
 Takes the paired differences of the config's ``compare.pairs`` as the report computes them from the rows, and
 prints two markdown tables:
@@ -14,6 +15,10 @@ A cell is the mean paired difference a − b with its 95% t interval over the se
 interval excludes 0; otherwise it is followed by ``δ₈₀``, the smallest difference those seeds could have detected
 (two-sided 5%, 80% power: :func:`flatbma.stats.detectable_difference`). The numbers are the report's own
 (:func:`flatbma.experiment.report.findings.difference_text`), so the tables and ``report.md`` agree digit for digit.
+
+``--without-flagged`` is a sensitivity analysis: it drops every row that the training-health rules flag
+(:mod:`flatbma.health`: its training loss rose, its BMA fell below its MAP, ...) before pairing, so a pair is taken
+over the seeds on which neither arm's fit failed. The tables without it, over every seed run, are the study's own.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from flatbma.errors import FlatbmaError
 from flatbma.experiment.report.findings import Comparison, detectable_text, difference_text, pair_comparisons
 from flatbma.experiment.report.rows import ACCURACY, BRIER, LAMBDA1, NLL, TRACE_COV, Metric, Run, by_method, read_runs
 from flatbma.experiment.report.tables import Table
+from flatbma.health import is_flagged
 
 FPBMA_METRICS = (ACCURACY, NLL, LAMBDA1, TRACE_COV)
 FLAT_METRICS = (ACCURACY, NLL, BRIER, LAMBDA1, TRACE_COV)
@@ -57,17 +63,20 @@ def _mean(runs: Sequence[Run], metric: Metric) -> str:
     return f"{statistics.fmean(values):.3g}" if values else "—"
 
 
-def tables(results: Mapping[str, Any]) -> tuple[str, str]:
+def tables(results: Mapping[str, Any], *, without_flagged: bool = False) -> tuple[str, str]:
     """``(FP-BMA's table, the flat-seeking table)`` as markdown: the pairs the comparison lists, in its order.
 
     The differences are the report's own (:func:`~flatbma.experiment.report.findings.pair_comparisons`, the
-    "Paired differences" table of report.md), computed from the results' rows.
+    "Paired differences" table of report.md), computed from the results' rows; ``without_flagged``: from its rows
+    that the training-health rules do not flag (module docstring).
     """
     if not isinstance(results, Mapping) or not results.get("findings", {}).get("pairs"):
         raise FlatbmaError(
             "the results hold no paired differences (findings.pairs): not a finished comparison with compare.pairs "
             "(flatbma compare writes them after its last row; scripts/refind.py merges seed batches)"
         )
+    if without_flagged:
+        results = {**results, "runs": [r for r in results.get("runs", []) if not is_flagged(r.get("health"))]}
     pairs: dict[tuple[str, str], dict[str, Comparison]] = {}
     for found in pair_comparisons(results):
         pairs.setdefault((found.method, found.reference), {})[found.metric.key] = found
@@ -100,13 +109,17 @@ def main(argv: list[str] | None = None) -> int:
     """Print both tables of ``RESULTS_JSON``; 2 with one line on stderr when it is not a finished comparison's."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("results", type=Path, help="a finished comparison's results.json")
+    parser.add_argument(
+        "--without-flagged", action="store_true", help="drop the rows the training-health rules flag (a sensitivity)"
+    )
     args = parser.parse_args(argv)
     try:
-        fpbma, flat = tables(json.loads(args.results.read_text()))
+        fpbma, flat = tables(json.loads(args.results.read_text()), without_flagged=args.without_flagged)
     except (OSError, ValueError, KeyError, FlatbmaError) as e:
         print(f"claims_tables: error: {e}", file=sys.stderr)
         return 2
-    print(f"FP-BMA's claim (a − b, mean [95% t interval] over common seeds)\n\n{fpbma}\n")
+    over = "common seeds whose rows no health rule flags" if args.without_flagged else "common seeds"
+    print(f"FP-BMA's claim (a − b, mean [95% t interval] over {over})\n\n{fpbma}\n")
     print(f"The flat-seeking claim (F-X − X; X's λ₁ median and tr Σ: its mean over seeds)\n\n{flat}")
     return 0
 

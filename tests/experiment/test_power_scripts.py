@@ -216,6 +216,35 @@ def test_claims_tables_are_the_tables_of_the_claims_page(capsys):
     assert capsys.readouterr().out.count("| pair |") == 2
 
 
+def test_the_transfer_settings_tables_and_their_sensitivity_are_on_the_claims_page(capsys):
+    """The transfer setting's tables, over every seed and without the rows the health rules flag, are the script's
+    output verbatim; the sensitivity drops exactly the flagged seeds of each pair (seed 5 of the Gaussian arms, and
+    seed 9 of the score arm), so its FP-BMA rows differ and its F-X − X rows without a flagged run do not."""
+    script = _script("claims_tables")
+    path = ROOT / "docs/claims-study/transfer/results.json"
+    results = json.loads(path.read_text())
+    page = (ROOT / "docs/studies/claims.md").read_text()
+    fpbma, flat = script.tables(results)
+    clean_fpbma, clean_flat = script.tables(results, without_flagged=True)
+    for table in (fpbma, flat, clean_fpbma, clean_flat):
+        assert table in page
+    assert len(fpbma.splitlines()) == 2 + 4 and len(flat.splitlines()) == 2 + 6
+    flagged = {(r["method"], r["seed"]) for r in results["runs"] if r.get("health", {}).get("ok") is False}
+    assert flagged == {
+        *(
+            (m, 5)
+            for m in ("lowrank-vi", "fp-bma-r0.05", "fp-bma-score0.5", "twin@fp-bma-r0.05", "twin@fp-bma-score0.5")
+        ),
+        ("fp-bma-score0.5", 9),
+    }
+    assert set(fpbma.splitlines()[2:]).isdisjoint(clean_fpbma.splitlines()[2:])  # every FP-BMA pair lost a seed
+    untouched = [line for line in flat.splitlines()[2:] if not line.startswith("| f-lowrank-vi")]
+    assert set(untouched) <= set(clean_flat.splitlines())
+    assert "| f-mfvi − mfvi | +0.010 [−0.002, 0.022] (δ₈₀ 0.017) | **−0.090 [−0.128, −0.053]** |" in flat
+    assert script.main([str(path), "--without-flagged"]) == 0
+    assert "over common seeds whose rows no health rule flags" in capsys.readouterr().out
+
+
 def test_claims_tables_refuses_results_without_pairs_in_one_line(tmp_path, capsys):
     script = _script("claims_tables")
     (tmp_path / "r.json").write_text("{}")
