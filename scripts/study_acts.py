@@ -7,7 +7,9 @@ A study of a family that does not move measures nothing (issue #34), so each arm
 
 - ``kl_from_start``: KL(q ‖ q's start) in nats for the variational families (how far q moved);
 - the width: median marginal σ and tr Σ of the posterior (``width``), and for a Gaussian VI arm its median σ over
-  its ``init_std`` (does σ leave its initial value?); a zero width is a posterior that collapsed to a point;
+  its ``init_std`` (does σ leave its initial value?); a zero width is a posterior that collapsed to a point. An arm
+  that starts at its prior stage's fit (``prior.init``, σ floored at ``prior.min_std``) never had ``init_std`` as
+  its σ: its ratio is left out (``—``);
 - ``chosen``: what validation picked among the arm's candidates (``selection.chosen``), counted over seeds;
 - ``λ₁ unconverged``: Hessian–vector power iterations that stopped before their tolerance, over all samples;
 - ``twin factor``: a width twin's scale on its reference's trace (``width_matched.factor``).
@@ -55,8 +57,15 @@ def acts(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """One arm's evidence of acting (module docstring), from its rows over seeds."""
     kl = [r["kl_from_start"] for r in rows if r.get("kl_from_start") is not None]
     width = [r["width"] for r in rows if isinstance(r.get("width"), dict)]
-    init = [r["method_options"].get("init_std") for r in rows if isinstance(r.get("method_options"), dict)]
-    ratio = [w["median_std"] / s for w, s in zip(width, init, strict=False) if s and w.get("median_std") is not None]
+    ratio = [
+        r["width"]["median_std"] / r["method_options"]["init_std"]
+        for r in rows
+        if isinstance(r.get("width"), dict)
+        and r["width"].get("median_std") is not None
+        and isinstance(r.get("method_options"), dict)
+        and r["method_options"].get("init_std")
+        and not (isinstance(r.get("prior"), dict) and r["prior"].get("init"))  # started at the prior's fit
+    ]
     chosen = Counter(
         ", ".join(f"{k}={v}" for k, v in sorted(r["selection"]["chosen"].items()))
         for r in rows

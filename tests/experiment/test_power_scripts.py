@@ -192,6 +192,18 @@ def test_study_acts_finds_the_radius_study_anchored_and_the_regimes_control_fail
     )
     assert f"lowrank-vi's accuracy {mean:.4f} < the low end of sgd's 95% interval" in out and out.endswith("NOT met\n")
     assert "q moved more than 50 nats on every seed of every variational arm" in out
+    assert "| lowrank-vi | 5 | 6.68e+04 [2.17e+04, 4.93e+05] | 0.0099 [0.00969, 0.0108] | 0.99 [0.969, 1.08] |" in out
+
+
+def test_study_acts_gives_no_init_std_ratio_to_an_arm_started_at_its_prior_fit(capsys):
+    """A q started at its prior stage's fit (prior.init, σ floored at prior.min_std) never had init_std as its σ:
+    the transfer study's low-rank VI ended at median σ 0.0098, which read as "9.78× init_std" though it started at
+    σ ≥ 0.01/√2. MFVI, started at init_std, keeps its ratio."""
+    acts = _script("study_acts")
+    assert acts.main([str(ROOT / "docs/claims-study/transfer/results.json")]) == 0
+    out = capsys.readouterr().out
+    assert "| lowrank-vi | 10 | 2.41e+05 [1.79e+05, 6.55e+05] | 0.00978 [0.00884, 0.0141] | — |" in out
+    assert "| mfvi | 10 | — | 0.0013 [0.0013, 0.0013] | 1.3 [1.3, 1.3] |" in out
 
 
 def test_study_acts_refuses_what_is_not_a_results_json_in_one_line(tmp_path, capsys):
