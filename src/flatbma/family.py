@@ -116,7 +116,6 @@ def _meminfo_available() -> int | None:
         return None
 
 
-
 @dataclass(frozen=True)
 class Stage:
     """One stage of a run (a two-stage run has two) as its method sees it: its length and the keys that set it.
@@ -251,10 +250,6 @@ class Family:
         aliases: other spellings of options, ``{alias: option}`` (ensemble's ``members``: its ``size``).
         regression: whether the family fits with any loss, so with a Gaussian likelihood's; Laplace's
             curvature is the softmax's Gauss-Newton: it does not.
-        stored: ``{option: value}`` for options whose default is not what runs stored without the option trained
-            with: what a stored resolved section (a run directory's ``config.yaml``) lacking the option reads as
-            (:func:`flatbma.experiment.config.run_config.as_trained`). Laplace's ``subset``: ``all``; Gaussian VI's
-            ``variance_step``: ``plain``.
     """
 
     build: Callable[..., Posterior]
@@ -272,7 +267,6 @@ class Family:
     on_validation: Mapping[str, tuple[float, ...]] = field(default_factory=dict)
     aliases: Mapping[str, str] = field(default_factory=dict)
     regression: bool = True
-    stored: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not dataclasses.is_dataclass(self.options):

@@ -3,7 +3,6 @@
 resolved configs left as they were."""
 
 import copy
-import dataclasses
 import hashlib
 import io
 import json
@@ -323,33 +322,35 @@ def test_fit_posterior_with_a_pretrained_prior_mean_round_trips_through_load_pos
     assert loaded.method.can.diagnostics(loaded.state) == bma.method.can.diagnostics(bma.state)
 
 
-def test_a_run_stored_before_subset_existed_evaluates_and_resumes_as_all_weights(tmp_path):
-    """A Laplace run directory whose ``config.yaml`` has no ``subset`` (written before the option existed, when the
-    posterior was over all weights) reads as ``subset: all``, not as the new default ``last-layer``: evaluating it
-    gives the numbers it trained with, and a config of ``subset: all`` finds it finished."""
+def test_a_run_stored_before_subset_existed_is_refused_in_one_line_never_read_with_the_new_default(tmp_path, capsys):
+    """A Laplace run directory whose ``config.yaml`` has no ``subset`` was written by an older flatbma, when the
+    posterior was over all weights; read with today's default (``last-layer``) it would be evaluated as another
+    posterior. flatbma has no release and ships no reader of older layouts: evaluate and --resume refuse it in one
+    line, and no config of today finds it finished. A checkpoint whose records lack the option (beside a complete
+    ``config.yaml``) is refused too."""
     method = {"name": "laplace", "hessian": "diag", "subset": "all"}
     cfg = _config(tmp_path, "old", method)
-    ref = train(cfg)
+    train(cfg)
     path = Path(cfg.output_dir) / "config.yaml"
-    stored = yaml.safe_load(path.read_text())
+    complete = path.read_text()
+    stored = yaml.safe_load(complete)
     assert stored["method"].pop("subset") == "all"  # an old run's config: no subset
     path.write_text(yaml.safe_dump(stored, sort_keys=False))
-    _without_subset(Path(cfg.output_dir) / "checkpoint.safetensors")  # and its checkpoint's records
-    loaded = load_run_config(cfg.output_dir)
-    assert laplace.Subset(loaded.method.options["subset"]) is laplace.Subset.ALL
-    assert resume_config(cfg.output_dir, [])[0].method.options["subset"] == loaded.method.options["subset"]
-    exp, state = load_run(loaded)
-    assert exp.method.marginal_variance(state).keys() == state.params.keys()  # every weight has a variance
-    assert exp.method.can.diagnostics(state) == ref.metrics["diagnostics"]
-    metrics = evaluate_run(cfg.output_dir)
-    assert {k: metrics[k] for k in METRICS} == {k: ref.metrics[k] for k in METRICS}
-    assert stage.same_config(Path(cfg.output_dir), cfg)  # the same run as subset: all ...
-    assert not stage.same_config(Path(cfg.output_dir), _config(tmp_path, "old", {**method, "subset": "last-layer"}))
-    default = _config(tmp_path, "old", {"name": "laplace", "hessian": "diag"})  # ... not as the new default's
-    assert laplace.Subset(default.method.options["subset"]) is laplace.Subset.LAST_LAYER
+    with pytest.raises(FlatbmaError, match=r"config\.yaml was written by an older flatbma: it has no method\.subset,"):
+        load_run_config(cfg.output_dir)
+    capsys.readouterr()
+    for argv in (["evaluate", cfg.output_dir], ["train", "--resume", cfg.output_dir]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "written by an older flatbma: it has no method.subset" in err, err
+    assert not stage.same_config(Path(cfg.output_dir), cfg)
+    default = _config(tmp_path, "old", {"name": "laplace", "hessian": "diag"})
     assert not stage.same_config(Path(cfg.output_dir), default)
-    with pytest.raises(FlatbmaError, match=r"subset='all' vs 'last-layer'"):  # never silently another posterior
-        load_run(dataclasses.replace(loaded, method=default.method))
+
+    path.write_text(complete)
+    _without_subset(Path(cfg.output_dir) / "checkpoint.safetensors")  # its checkpoint's records lack it
+    with pytest.raises(FlatbmaError, match=r"checkpoint .* was written with .*subset=— vs .all."):
+        evaluate_run(cfg.output_dir)
 
 
 def _without_subset(path: Path) -> None:

@@ -193,7 +193,7 @@ def test_sections_without_the_new_options_resolve_exactly_as_before():
         "init_std": 1e-3,
         "prior_std": 1.0,
         "kl_weight": 1.0,
-        "variance_step": "natural",  # a family option (issue #35): stored runs without it read as plain (as_trained)
+        "variance_step": "natural",  # a family option (issue #35)
         "gamma": 0.01,
         "metric": FisherBall().metric,
         "cg_iters": 20,

@@ -1,6 +1,6 @@
 """Gaussian VI learns its variances with its defaults (issue #35): the natural step of ``log σ``
 (:class:`flatbma.posteriors.gaussian_vi.VarianceStep`) against the known optimum of Bayesian linear regression, on a
-small classifier, and runs stored before the option, which read as the plain step they trained with."""
+small classifier, and runs stored before the option, which are refused (their step was plain, the default is not)."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import flatbma
+from flatbma.errors import FlatbmaError
 from flatbma.experiment.config.run_config import config_from_dict
 from flatbma.experiment.run import stage
 from flatbma.experiment.run.checkpoint import CONFIG_KEY
@@ -177,22 +178,24 @@ def _config(tmp: Path, method: dict) -> object:
     return config_from_dict({**copy.deepcopy(BASE), "method": method, "output_dir": str(tmp / "run")})
 
 
-def test_a_run_stored_before_variance_step_existed_reads_as_the_plain_step(tmp_path):
-    """A run directory without ``variance_step`` (written before it existed, when every step was plain) is the run
-    of ``variance_step: plain`` — evaluated as it trained, reused by a config that pins it — and not the default's."""
-    method = {"name": "mfvi", "variance_step": "plain"}
-    cfg = _config(tmp_path, method)
-    ref = train(cfg)
+def test_a_run_stored_before_variance_step_existed_is_refused_not_read_with_the_natural_step(tmp_path):
+    """A run directory without ``variance_step`` (written when every step was plain) would read as today's default,
+    the natural step: its config.yaml is refused, and so is a checkpoint whose records lack the option."""
+    cfg = _config(tmp_path, {"name": "mfvi", "variance_step": "plain"})
+    train(cfg)
     path = Path(cfg.output_dir) / "config.yaml"
-    stored = yaml.safe_load(path.read_text())
+    complete = path.read_text()
+    stored = yaml.safe_load(complete)
     assert stored["method"].pop("variance_step") == "plain"
     path.write_text(yaml.safe_dump(stored, sort_keys=False))
-    _without_variance_step(Path(cfg.output_dir) / "checkpoint.safetensors")
-    assert VarianceStep(load_run_config(cfg.output_dir).method.options["variance_step"]) is VarianceStep.PLAIN
-    metrics = evaluate_run(cfg.output_dir)
-    assert {k: metrics[k] for k in ("accuracy", "nll")} == {k: ref.metrics[k] for k in ("accuracy", "nll")}
-    assert stage.same_config(Path(cfg.output_dir), cfg)
+    with pytest.raises(FlatbmaError, match=r"written by an older flatbma: it has no method\.variance_step,"):
+        load_run_config(cfg.output_dir)
+    assert not stage.same_config(Path(cfg.output_dir), cfg)
     assert not stage.same_config(Path(cfg.output_dir), _config(tmp_path, {"name": "mfvi"}))
+    path.write_text(complete)
+    _without_variance_step(Path(cfg.output_dir) / "checkpoint.safetensors")
+    with pytest.raises(FlatbmaError, match=r"checkpoint .* was written with .*variance_step=— vs .plain."):
+        evaluate_run(cfg.output_dir)
 
 
 def _without_variance_step(path: Path) -> None:

@@ -153,12 +153,7 @@ def build_with_prior(
 
 
 FAMILY = Family(
-    lowrank_vi.build,
-    lowrank_vi.Options,
-    gaussian=True,
-    with_prior=build_with_prior,
-    stored=gaussian_vi.STORED,
-    advice=gaussian_vi.advice,
+    lowrank_vi.build, lowrank_vi.Options, gaussian=True, with_prior=build_with_prior, advice=gaussian_vi.advice
 )
 """Low-rank plus diagonal Gaussian VI, which takes a two-stage run's Gaussian prior (:func:`build_with_prior`):
 low-rank VI, with SAM on each sample F-low-rank VI, with the Fisher ball FP-BMA (:mod:`flatbma.methods`)."""

@@ -108,17 +108,11 @@ class VarianceStep(str, Enum):
     method), and so does a low-rank factor (its Fisher is far from diagonal). An optimizer that normalizes each
     coordinate's step (Adam) is invariant to the scaling, not to the clip.
 
-    ``PLAIN``: the optimizer's step on the plain gradient in every block (Blundell et al. 2015), the behaviour of
-    runs stored before this option existed.
+    ``PLAIN``: the optimizer's step on the plain gradient in every block (Blundell et al. 2015).
     """
 
     NATURAL = "natural"
     PLAIN = "plain"
-
-
-STORED = {"variance_step": "plain"}
-"""What a stored run section without ``variance_step`` trained with (:attr:`flatbma.family.Family.stored`): the
-plain step (:attr:`VarianceStep.PLAIN`), the Gaussian VI families' only one before the option."""
 
 
 def advice(method: Section, prior: bool, diagnostics: Mapping[str, Any]) -> str:

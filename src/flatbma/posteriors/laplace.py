@@ -90,6 +90,7 @@ class Accumulated(NamedTuple):
     nll: Tensor
     prior_mean: dict[str, Tensor]
 
+
 VALIDATION = "val"
 """``prior_precision: val``: δ chosen on validation data after training (by :func:`flatbma.fit_posterior`)."""
 
@@ -645,6 +646,7 @@ the same ``10^-4 … 10^4``, in 100 steps by default; Daxberger et al. 2021, "La
 def _full_hessian(method: Section) -> bool:
     return Hessian(method.options["hessian"]) is Hessian.FULL
 
+
 def advice(method: Section, prior: bool, diagnostics: Mapping[str, Any]) -> str:
     """What to change when Laplace's BMA is worse than its MAP (:attr:`Family.advice`).
 
@@ -672,7 +674,6 @@ _COMMON = {
     "on_validation": {"prior_precision": PRIOR_PRECISION_GRID},
     "prior_refusal": _LAPLACE_PRIOR,
     "regression": False,
-    "stored": {"subset": Subset.ALL.value},  # run directories stored before subset existed: all weights
 }
 FAMILY = Family(build_around, Options, of=Nested("sgd", family=point.FAMILY, refusal=MAP_REFUSAL), **_COMMON)
 """Laplace around the MAP of a point method's section ``of`` (:mod:`flatbma.methods`)."""

@@ -258,7 +258,7 @@ class Options:
     NOTES: ClassVar[str] = """
 variance_step: natural (the default) steps log σ along its natural gradient of the whole ELBO, so that the
 diagonal of Σ moves from init_std by about optim.lr per update in log σ; the factor L takes the optimizer's plain
-step (plain: every block's plain step, as runs stored before the option). docs/methods.md §3.3-3.4.
+step (plain: every block's plain step). docs/methods.md §3.3-3.4.
 """
 
     rank: int = 5

@@ -187,5 +187,5 @@ def marginal_variance(state: State) -> Params:
     return {n: F.softplus(rho.detach()) ** 2 for n, rho in section(state.params, "rho").items()}
 
 
-FAMILY = Family(build, Options, stored=gaussian_vi.STORED, advice=gaussian_vi.advice)
+FAMILY = Family(build, Options, advice=gaussian_vi.advice)
 """Mean-field Gaussian VI, and with SAM on each sampled model F-MFVI (:mod:`flatbma.methods`)."""

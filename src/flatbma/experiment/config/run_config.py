@@ -22,7 +22,7 @@ from flatbma.experiment.config.entries import first_run_sections
 from flatbma.experiment.config.parse import load_yaml, set_dotted, shown
 from flatbma.experiment.config.sections import DataConfig, EvalConfig, ModelConfig, TrainConfig
 from flatbma.likelihood import Likelihood
-from flatbma.methods import METHODS, MethodConfig, parse_method
+from flatbma.methods import MethodConfig, parse_method
 from flatbma.optim.config import OptimConfig
 from flatbma.options import parse_dataclass, plain, plain_values
 from flatbma.prior import PriorConfig, parse_prior
@@ -70,38 +70,25 @@ class RunConfig:
         return out
 
 
-def as_trained(section: Any) -> Any:
-    """A stored resolved method section as it trained: options it lacks at their family's ``stored`` values.
+def missing_options(stored: Any, resolved: Mapping[str, Any], where: str = "") -> list[str]:
+    """The dotted keys of ``resolved`` (a run's :meth:`RunConfig.to_dict`) that the ``stored`` config lacks.
 
-    A run directory's ``config.yaml`` spells out every option of the section it trained; an option whose
-    default is not what such a run trained with (:attr:`~flatbma.family.Family.stored`: Laplace's ``subset``,
-    Gaussian VI's ``variance_step``) would otherwise read as that default. Nested sections (``of``) are read
-    the same way; anything else is returned as it is.
+    A run directory's ``config.yaml`` spells out every option of its run; one it lacks was added since an older
+    flatbma wrote it, and its default need not be what that run trained with (Laplace's ``subset``, Gaussian VI's
+    ``variance_step``), so such a run is refused, never read with the new default
+    (:func:`flatbma.experiment.run.pipeline.load_run_config`). flatbma has no release: no reader of older
+    layouts ships.
     """
-    if not isinstance(section, Mapping) or not isinstance(section.get("name"), str) or section["name"] not in METHODS:
-        return section
-    out = dict(section)
-    out.update({k: v for k, v in METHODS[out["name"]].family.stored.items() if k not in out})
-    if isinstance(out.get("of"), Mapping):
-        out["of"] = as_trained(out["of"])
-    return out
-
-
-def as_stored(raw: Any) -> Any:
-    """A run directory's stored resolved config as it trained (:func:`as_trained`).
-
-    Its ``method`` section (and a two-stage run's ``prior.method``) with the options added since it was
-    written at the values it trained with — so that evaluating, resuming or reusing an old run computes the
-    posterior it was trained as, never the new default (Laplace's ``subset``). Anything else is as given.
-    """
-    if not isinstance(raw, dict):
-        return raw
-    out = dict(raw)
-    if "method" in out:
-        out["method"] = as_trained(out["method"])
-    if isinstance(out.get("prior"), dict) and "method" in out["prior"]:
-        out["prior"] = {**out["prior"], "method": as_trained(out["prior"]["method"])}
-    return out
+    if not isinstance(stored, Mapping):
+        return []
+    missing = []
+    for key, value in resolved.items():
+        path = f"{where}{key}"
+        if key not in stored:
+            missing.append(path)
+        elif isinstance(value, Mapping):
+            missing += missing_options(stored[key], value, f"{path}.")
+    return missing
 
 
 def run_identity(resolved: Any) -> Any:

@@ -46,7 +46,6 @@ from torch import Tensor
 
 from flatbma.errors import FlatbmaError
 from flatbma.experiment.config.parse import shown
-from flatbma.experiment.config.run_config import as_stored
 from flatbma.experiment.run.provenance import WRITTEN_BY, Provenance, Template, check_provenance
 from flatbma.loop import EpochLog, History, Position
 from flatbma.state_io import (
@@ -432,18 +431,14 @@ def check_continuation(meta: Mapping[str, str], run: RunRecord, path: str | Path
 
 
 def config_record(meta: Mapping[str, str] | None) -> dict[str, Any] | None:
-    """The run config a checkpoint's metadata records (:class:`RunRecord`), as it trained; ``None``: none, or damaged.
-
-    Options added since it was written read as what it trained with
-    (:func:`~flatbma.experiment.config.run_config.as_stored`), as its run directory's ``config.yaml`` does.
-    """
+    """The run config a checkpoint's metadata records (:class:`RunRecord`); ``None``: none, or damaged."""
     if meta is None or CONFIG_KEY not in meta:
         return None
     try:
         recorded = json.loads(meta[CONFIG_KEY])
     except ValueError:
         return None
-    return as_stored(recorded) if isinstance(recorded, dict) else None
+    return recorded if isinstance(recorded, dict) else None
 
 
 def json_config(config: Mapping[str, Any]) -> Any:

@@ -18,9 +18,9 @@ from flatbma.errors import FlatbmaError
 from flatbma.experiment.config.parse import set_dotted
 from flatbma.experiment.config.run_config import (
     RunConfig,
-    as_stored,
     config_from_dict,
     load_raw,
+    missing_options,
     parse_override,
     run_identity,
 )
@@ -198,15 +198,23 @@ def _not_as_written(run_dir: Path, what: str, detail: str) -> str | None:
 
 
 def load_run_config(run_dir: str | Path) -> RunConfig:
-    """The resolved config of a run directory, as the run trained (:func:`as_stored`).
+    """The resolved config of a run directory; a :class:`FlatbmaError` if an older flatbma wrote it.
 
-    A section written before an option existed reads as what it trained with, not the option's new default
-    (a Laplace run without ``subset`` is over all weights).
+    Its ``config.yaml`` must spell out every option this version has (:func:`missing_options`): an option added
+    since would read as its new default, which need not be what the run trained with.
     """
     run_dir = Path(run_dir)
     if not (run_dir / CONFIG_FILE).is_file():
         raise FlatbmaError(f"{run_dir} is not a run directory (no {CONFIG_FILE}); pass the output_dir of a run")
-    cfg = config_from_dict(as_stored(load_raw(run_dir / CONFIG_FILE)))  # as it trained (options added since)
+    raw = load_raw(run_dir / CONFIG_FILE)
+    cfg = config_from_dict(raw)
+    missing = missing_options(raw, cfg.to_dict())
+    if missing:
+        raise FlatbmaError(
+            f"{run_dir / CONFIG_FILE} was written by an older flatbma: it has no {', '.join(missing[:3])}"
+            f"{' and more' if len(missing) > 3 else ''}, whose default may not be what it trained with; "
+            "train the run again"
+        )
     return dataclasses.replace(cfg, output_dir=str(run_dir))
 
 
@@ -245,7 +253,7 @@ def resume_config(run_dir: str | Path, overrides: list[str]) -> tuple[RunConfig,
     cfg = load_run_config(run_dir)
     if not overrides:
         return cfg, None
-    raw = as_stored(load_raw(Path(run_dir) / CONFIG_FILE))
+    raw = load_raw(Path(run_dir) / CONFIG_FILE)
     old = config_from_dict(raw)
     for item in overrides:
         set_dotted(raw, *parse_override(item))

@@ -26,7 +26,6 @@ from torch import Tensor, nn
 import flatbma
 from flatbma.errors import FlatbmaError
 from flatbma.experiment.config.parse import shown
-from flatbma.experiment.config.run_config import as_trained
 from flatbma.options import plain, plain_values
 from flatbma.params import model_buffers, trainable_params
 from flatbma.state_io import clip, dtype_name
@@ -134,8 +133,6 @@ def check_provenance(meta: Mapping[str, str], want: Provenance, path: str | Path
         raise FlatbmaError(
             f"checkpoint {path}: the record of who wrote it is damaged; restore the run's own checkpoint or train again"
         ) from None
-    # options added since it was written, at what it trained with (Laplace's subset: all), as its config.yaml reads
-    have = dataclasses.replace(have, options=as_trained(have.options))
     todo = "restore the run's own checkpoint, or train this config into another output_dir"
     if have.method != want.method:
         raise FlatbmaError(

@@ -31,7 +31,7 @@ import yaml
 from flatbma import progress, training
 from flatbma.errors import DivergenceError, FlatbmaError
 from flatbma.experiment.config.parse import shown
-from flatbma.experiment.config.run_config import RunConfig, as_stored, run_identity
+from flatbma.experiment.config.run_config import RunConfig, run_identity
 from flatbma.experiment.parallel import processes
 from flatbma.experiment.run.build import Experiment, Inputs, build_experiment
 from flatbma.experiment.run.checkpoint import (
@@ -80,7 +80,7 @@ PRIOR_DIR = "prior"
 def same_config(run_dir: Path, cfg: RunConfig) -> bool:
     """Whether ``run_dir``'s ``config.yaml`` holds ``cfg``'s config (:func:`run_identity`; a damaged one does not)."""
     try:
-        stored = as_stored(yaml.safe_load((run_dir / CONFIG_FILE).read_text()))  # as it trained
+        stored = yaml.safe_load((run_dir / CONFIG_FILE).read_text())
         return run_identity(stored) == run_identity(cfg.to_dict())
     except (OSError, ValueError, yaml.YAMLError):  # ValueError: not UTF-8 (a damaged file is not a finished run)
         return False
@@ -201,7 +201,7 @@ def start_run(run_dir: Path, resolved: dict[str, Any]) -> None:
 
 def _read_config(run_dir: Path) -> Any:
     try:
-        return as_stored(yaml.safe_load((run_dir / CONFIG_FILE).read_text()))  # as it trained
+        return yaml.safe_load((run_dir / CONFIG_FILE).read_text())
     except (OSError, ValueError, yaml.YAMLError):
         return None
 
