@@ -298,11 +298,11 @@ def _progress(
         with progress.collecting() as phases:
             yield item
         took = time.perf_counter() - begun
-        learned.add(rows[i - 1][0], took, phases, rows[i - 1][1])
+        measured = learned.add(rows[i - 1][0], took, phases, rows[i - 1][1])
         if show and bar.disable and not reporter.quiet:  # no bar here: a log, or a process other than rank 0
             print(
                 f"{what}{f' (process {me})' if world > 1 else ''}: [{i}/{len(items)}] {describe(item)} "
-                f"{f'done in {took:.0f} s' if phases else 'read from its cache'}; {learned.text(rows[i:])}",
+                f"{f'done in {took:.0f} s' if measured else 'read from its cache'}; {learned.text(rows[i:])}",
                 file=sys.stderr,
                 flush=True,
             )

@@ -71,13 +71,13 @@ class TimeLeft:
     rates: dict[str, float] = field(default_factory=dict)
     rest: float = 0.0
 
-    def add(self, kind: str, seconds: float, phases: Sequence[tuple[str, float]], work: Work | None) -> None:
+    def add(self, kind: str, seconds: float, phases: Sequence[tuple[str, float]], work: Work | None) -> bool:
         """Learn from a finished row: its kind, time, ``(phase, seconds)`` of its phases and its work.
 
-        A row without phases (read from its cache) is not learned.
+        Returns whether it was learned: a row without phases was read from its cache and is not.
         """
         if not phases:
-            return
+            return False
         self.rows.setdefault(kind, []).append(seconds)
         spent: dict[str, float] = {}
         for name, s in phases:
@@ -87,6 +87,7 @@ class TimeLeft:
             if units:
                 self.rates[name] = max(self.rates.get(name, 0.0), s / units)
         self.rest = max(self.rest, seconds - sum(spent.values()))
+        return True
 
     def estimate(self, kind: str, work: Work | None) -> float:
         """The expected time of a row: its kind's mean, or for a kind not timed yet its work at the learned rates.
