@@ -1,12 +1,10 @@
 """flatbma: flat-posterior-aware Bayesian deep learning in PyTorch.
 
-The public API is exactly what this module re-exports: the subpackages and modules below, the contract types
-of :mod:`flatbma.types`, the training objective and parameter helpers of :mod:`flatbma.params`, the BMA
-predictive of :mod:`flatbma.predict` and its predictor :class:`~flatbma.predictor.BMA` (in torch code:
-:class:`~flatbma.predictor.BMAModule`). Importing flatbma loads neither matplotlib (:mod:`flatbma.plotting`
-imports it when a figure is drawn) nor the experiment layer (:mod:`flatbma.experiment`: run configs, run
-directories, the CLI and reports). :func:`fit_posterior` and :func:`load_posterior` (:mod:`flatbma.fit`) train
-through the library's one training core (:mod:`flatbma.training`), as ``flatbma train`` does.
+The public API is exactly what this module re-exports: the subpackages below, the contract types of
+:mod:`flatbma.types`, the objective and parameter helpers of :mod:`flatbma.params`, the BMA predictive of
+:mod:`flatbma.predict`, its predictor :class:`~flatbma.predictor.BMA` (:class:`~flatbma.predictor.BMAModule` in
+torch code) and :func:`fit_posterior` / :func:`load_posterior` (:mod:`flatbma.fit`). Importing flatbma loads
+neither matplotlib nor the experiment layer (:mod:`flatbma.experiment`: configs, run directories, CLI, reports).
 """
 
 from flatbma import (

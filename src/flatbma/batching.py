@@ -1,12 +1,8 @@
 """How a BMA's weight samples are evaluated: one at a time (the loop), several per call (batched), or chosen.
 
-The ``M`` forward passes ``f(x; w_m)`` run either one sample at a time (the *loop*) or several
-samples per call (*batched*): the weight dicts of a chunk of samples are stacked key by key
-(parameters and buffers alike, as ``torch.func.stack_module_state`` does) and
-``torch.func.vmap(functional_call(model, ·, (x,)), in_dims=(0, None))`` maps over the stacked
-dimension. Both give the same numbers up to float rounding; see :func:`log_probs` for which
-one runs: the automatic choice times the two paths only where their results agree bit for bit, so
-that the numbers never depend on timing.
+The loop calls ``functional_call(model, w_m, (x,))`` per sample; batched evaluation stacks a chunk's weight
+dicts key by key (as ``torch.func.stack_module_state``) and maps over them with ``torch.func.vmap``. Both agree
+up to float rounding; the automatic choice (:func:`log_probs`) never lets the numbers depend on timing.
 """
 
 from __future__ import annotations
@@ -84,10 +80,9 @@ class _Footprint:
 class Choice:
     """The automatic choice for one key (:func:`_choice_key`).
 
-    ``by`` is ``"probe"`` when both paths gave bit-identical results and the faster one was taken
-    (``seconds``: the fastest probe round of the loop and of vmap), ``"rule"`` when the footprint
-    rule decided (the results differ, the model draws random numbers or updates buffers),
-    ``"fallback"`` when ``vmap`` failed during the probe (the loop, remembered in ``_VMAP_FAILED``).
+    ``by`` is ``"probe"`` when both paths agreed bit for bit and the faster was taken (``seconds``: the fastest
+    round of the loop and of vmap), ``"rule"`` when the footprint rule decided, ``"fallback"`` when ``vmap``
+    failed during the probe (the loop, remembered in ``_VMAP_FAILED``).
     """
 
     batched: bool
@@ -101,10 +96,8 @@ _TrainingFlags = tuple[bool, ...]
 _FootprintKey = tuple[_TrainingFlags, tuple[int, ...], torch.dtype]
 _ChoiceKey = tuple[Any, ...]
 
-# Per model (weakly referenced, so dropped with the model): the train/eval configurations in which
-# vmap failed and the loop succeeded, the memoized footprints and the automatic choices. _LOCK
-# guards the writes (two threads may both probe one key: either choice gives the same numbers, see
-# _probe; concurrent timing only makes the choice slower to be right).
+# Per model (weakly referenced): the train/eval configurations where vmap failed and the loop succeeded, the
+# memoized footprints and the automatic choices. _LOCK guards the writes (two threads probing one key is harmless).
 _VMAP_FAILED: WeakKeyDictionary[nn.Module, set[_TrainingFlags]] = WeakKeyDictionary()
 _FOOTPRINTS: WeakKeyDictionary[nn.Module, dict[_FootprintKey, _Footprint | None]] = WeakKeyDictionary()
 _CHOICES: WeakKeyDictionary[nn.Module, dict[_ChoiceKey, Choice]] = WeakKeyDictionary()
@@ -121,70 +114,41 @@ def log_probs(
 ) -> Tensor:
     """``log_softmax(f(x; w_m))`` for every weight sample ``w_m``: a tensor ``[M, B, C]``.
 
-    Batched evaluation stacks the weight dicts of ``chunk_size`` samples key by key (parameters and
-    buffers, so per-sample BatchNorm statistics are kept) and maps
-    ``functional_call(model, w, (x,))`` over them with ``torch.func.vmap(in_dims=(0, None),
-    randomness="different")``. The loop calls ``functional_call`` once per sample. Both give the same
-    numbers up to float rounding, except that stochastic layers (dropout kept active by MC dropout's
-    prediction mode) draw other — equally valid, independent per sample — random numbers under
-    ``vmap`` than in the loop; either path is reproducible for a fixed global seed and chunk size.
-    Modules that update buffers in ``forward`` (train-mode BatchNorm) update the stacked copies when
-    batched and the sample dicts themselves in the loop; the outputs agree.
+    Batched evaluation stacks ``chunk_size`` samples' weight dicts key by key (buffers too, so per-sample BatchNorm
+    statistics are kept) and maps ``functional_call(model, w, (x,))`` over them with
+    ``torch.func.vmap(in_dims=(0, None), randomness="different")``; the loop calls it once per sample. Both agree
+    up to float rounding, except that stochastic layers (MC dropout) draw other, equally valid random numbers
+    under ``vmap``; each path is reproducible for a fixed global seed and chunk size.
 
-    Automatic choice (``batched=None``). The loop when it is the only path: a single sample, dicts
-    that cannot be stacked (other keys, shapes, dtypes or devices), a chunk of one sample (the
-    activation budget), or ``vmap`` failed before for this model in its train/eval configuration.
-    Otherwise the choice is made once per key — model (weakly referenced) and train/eval
-    configuration, sample layout and count, input shape, dtype and device, chunk size, thread count
-    — and cached; how it is made keeps the results independent of timing:
+    Automatic choice (``batched=None``): the loop when it is the only path (one sample, dicts that cannot be
+    stacked, chunks of one, or ``vmap`` failed before for this model in its train/eval configuration); otherwise
+    one cached choice per key (model and train/eval configuration, sample layout and count, input shape, dtype and
+    device, chunk size, thread count), made so that the numbers never depend on timing:
 
-    1. *Agreement check* (no timing). Float rounding differs between the paths whenever their
-       kernels sum in another order (``vmap`` turns convolutions into grouped convolutions and
-       linear layers into batched matrix products). On this project's CPU the float32 MLP gives
-       bit-identical results; every convolutional net (small CNN, ResNet-18, MobileNetV2 with its
-       transfer subset) and the float64 MLP at batch 256 do not. Real data is a weak witness: the
-       small CNN of width 8 differs in 0–0.6% of the values of a batch (in none for 1 or 3
-       images), so one batch that agrees proves nothing. The check therefore runs both paths on two
-       samples and the batch with every floating-point entry scaled by a random power of two
-       (``2^k``, ``|k| ≤ 2``, from a private generator: exact, and the spread of magnitudes makes
-       any change of summation order show — 38–100% of the values of those nets differ). It
-       passes only if the results are finite and bit-identical, the forward pass draws no random
-       numbers and no module with buffers is in training mode.
-    2. If it passes, a *timed probe* on the first batch: both paths, :data:`_PROBE_ROUNDS`
-       interleaved rounds, the faster (by its fastest round) is kept — provided the whole batch
-       also agrees bit for bit. The choice then changes the speed, never the numbers.
-    3. Otherwise the deterministic *footprint rule*: a shape-only forward pass on the meta device
-       (once per model, train/eval configuration and input shape; the model's forward hooks see it)
-       measures the leaf modules' outputs; accelerators batch whenever a chunk holds two samples or
-       more, the CPU only when the mean leaf output is at most :data:`CPU_BATCHED_MAX_MEAN_ELEMENTS`.
-       Timing is not used here on purpose: where the paths round differently, a timed choice would
-       make the numbers depend on the machine's load. The price is the slower path where the rule
-       misjudges a close case (``bench/bma.py``).
+    1. *Agreement check*: both paths on two samples and the batch, every float entry scaled by ``2^k``,
+       ``|k| ≤ 2`` (exact, and it exposes any change of summation order, which convolutions under ``vmap`` have).
+       It passes only if the results are finite and bit-identical, the forward draws no random numbers and no
+       module with buffers is training.
+    2. If it passes, a *timed probe* on the first batch (:data:`_PROBE_ROUNDS` interleaved rounds): the faster
+       path is kept, provided the whole batch agrees bit for bit too.
+    3. Otherwise the *footprint rule*: a shape-only forward on the meta device measures the leaf outputs;
+       accelerators batch whenever a chunk holds two samples, the CPU only when the mean leaf output is at most
+       :data:`CPU_BATCHED_MAX_MEAN_ELEMENTS` (``bench/bma.py``).
 
-    The check and the probe leave torch's CPU (and the input's CUDA) generator as the chosen path
-    alone would: a model that draws random numbers gets its state back before the rule's path runs.
-    They call ``forward`` more often on the first batch of a key (hooks and Python-side counters see
-    it), cost a few extra passes once per key, and are off whenever ``batched`` is ``True`` or
-    ``False``. A check, not a proof: two different summation orders that agree on every scrambled
-    value would pass it; none of the models above comes close.
-
-    Fallback: when the batched call raises ``RuntimeError`` or ``NotImplementedError`` — what
-    functorch raises for ``.item()``, data-dependent control flow or an operator without a batching
-    rule — the loop recomputes the whole result, so a fallback never changes the numbers; if the loop
-    succeeds the model's configuration is remembered and not batched again. Errors of the model
-    itself are then raised by the loop. With ``batched=True`` there is no fallback.
+    The check and probe restore torch's CPU (and the input's CUDA) generator and call ``forward`` a few extra
+    times on a key's first batch (hooks see it). If the batched call raises ``RuntimeError`` or
+    ``NotImplementedError`` (``.item()``, data-dependent control flow, no batching rule), the loop recomputes the
+    whole result and the configuration is not batched again; with ``batched=True`` there is no fallback.
 
     Args:
         model: the template module, already in its prediction mode.
         samples: weight dicts (parameters and buffers by module name), one per posterior sample.
         x: one input batch.
         batched: ``True`` batches, ``False`` loops, ``None`` chooses as described above.
-        chunk_size: samples per batched call; ``None`` takes as many as fit
-            :data:`ACTIVATION_BUDGET_BYTES` (at least one, at most all).
+        chunk_size: samples per batched call; ``None`` takes as many as fit :data:`ACTIVATION_BUDGET_BYTES`.
 
     Raises:
-        FlatbmaError: for invalid ``batched``/``chunk_size``, and with ``batched=True`` when the
-            samples cannot be stacked or ``vmap`` cannot evaluate the model.
+        FlatbmaError: invalid options; with ``batched=True``, samples that cannot stack or a model vmap cannot run.
     """
     check_options(batched, chunk_size)
     if batched is False or (batched is None and len(samples) < 2):
@@ -213,9 +177,7 @@ def decision(
 ) -> Choice | None:
     """The choice :func:`log_probs` made (``batched=None``) for these samples and inputs, ``None`` before it made one.
 
-    The choice belongs to its key (the model in its present train/eval configuration, the sample layout and
-    count, the input's shape, dtype and device, the chunk size, the thread count): other values of the same
-    shapes share it.
+    Other values with the same key (see :func:`log_probs`) share the choice.
     """
     footprint = _footprint(model, samples[0], x) if chunk_size is None else None
     chunk = chunk_size or _auto_chunk_size(footprint, samples[0], x, len(samples))
@@ -235,10 +197,9 @@ def check_options(batched: object, chunk_size: object) -> None:
 def _auto_log_probs(
     model: nn.Module, samples: Sequence[Mapping[str, Tensor]], x: Tensor, chunk: int, rule: bool
 ) -> Tensor:
-    """``batched=None`` once the samples are known to be several: the cached choice, probed when new.
+    """``batched=None`` for several samples: the cached choice, probed when new.
 
-    Whether the samples stack is checked only where they would be stacked (a new key, or a cached choice
-    to batch): a cached choice of the loop returns at once, without the per-tensor check of every sample.
+    Stacking is checked only where the samples would be stacked, so a cached choice of the loop returns at once.
     """
     if chunk < 2:
         return _loop_log_probs(model, samples, x)

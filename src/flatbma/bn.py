@@ -26,11 +26,7 @@ from flatbma.types import Params, split_batch
 
 @contextlib.contextmanager
 def eval_mode(model: nn.Module) -> Iterator[nn.Module]:
-    """Put ``model`` in eval mode for the block and restore every submodule's previous mode afterwards.
-
-    Each module gets its own mode back (a module with a frozen, eval-mode part stays so), not the
-    root's mode for all.
-    """
+    """Put ``model`` in eval mode for the block, then give every submodule its own previous mode back."""
     modes = [(m, m.training) for m in model.modules()]
     model.eval()
     try:
@@ -43,8 +39,8 @@ def eval_mode(model: nn.Module) -> Iterator[nn.Module]:
 def disable_running_stats(model: nn.Module) -> None:
     """Freeze BatchNorm running statistics (momentum 0) until :func:`enable_running_stats`.
 
-    The layers still normalize with the batch statistics in train mode; only the running averages
-    and ``num_batches_tracked`` stay unchanged.
+    In train mode the layers still normalize with batch statistics; only the running averages and
+    ``num_batches_tracked`` stay unchanged.
     """
     for m in model.modules():
         if isinstance(m, _BatchNorm) and not hasattr(m, "_flatbma_momentum"):
@@ -78,17 +74,13 @@ def recompute_bn_statistics(
 ) -> Params:
     """BatchNorm running statistics of ``weights`` recomputed on ``loader`` (SWAG's ``bn_update``).
 
-    A weight sample drawn from a posterior does not come with statistics that match it; this pass
-    estimates them as the average of the batch statistics over one epoch of ``loader``, each batch
-    weighted by its size: with batches ``B_1 … B_J`` of sizes ``n_j``, the running mean is
-    ``Σ_j n_j μ_{B_j} / Σ_j n_j`` and the running variance ``Σ_j n_j s²_{B_j} / Σ_j n_j`` (``s²`` the
-    unbiased batch variance), computed by the layers' own update with momentum ``n_j / (n_1 + … + n_j)``
-    for batch ``j``. One batch gives the statistics of all the data exactly. The pass runs without
-    gradient with the BatchNorm layers in train mode and every other module in eval mode (dropout
-    off, so that a dropout network's statistics are those of its deterministic forward pass, not of
-    one draw of masks). The statistics are a deterministic function of ``weights`` and the loader's
-    batches: give it a loader without randomness (no shuffling, no augmentation) for reproducible ones.
-    The batches are ``(x, y)``, ``(x,)`` or inputs ``x`` alone; labels are not used.
+    A posterior sample comes without matching statistics; one pass over ``loader`` estimates them as the
+    size-weighted average of batch statistics: running mean ``Σ_j n_j μ_{B_j} / Σ_j n_j`` and variance
+    ``Σ_j n_j s²_{B_j} / Σ_j n_j`` (``s²`` unbiased), via the layers' own update with momentum
+    ``n_j / (n_1 + … + n_j)``. The pass runs without gradient, BatchNorm layers in train mode and every other
+    module in eval mode (dropout off: the deterministic forward's statistics); modes and momenta are restored.
+    The result is deterministic in ``weights`` and the batches, so give a loader without shuffling or
+    augmentation. Batches are ``(x, y)``, ``(x,)`` or ``x``; labels are unused.
 
     Returns:
         ``weights`` with every BatchNorm buffer replaced by the recomputed one (a new dict).
@@ -139,12 +131,9 @@ def with_recomputed_statistics(
 ) -> list[Params]:
     """``samples`` with their BatchNorm statistics recomputed on ``loader`` (:func:`recompute_bn_statistics`).
 
-    Repeats of the same weights (the same tensors, as MC dropout's samples are) are recomputed once and
-    share one dict. Samples of a model without BatchNorm are returned as given. Give it the training
-    data without augmentation in a fixed order (:func:`statistics_loader`), so that the statistics are a
-    function of the weights alone; the evaluation of runs
-    (:func:`flatbma.experiment.run.evaluate.with_bn_statistics`) and the predictor
-    (:class:`flatbma.predictor.BMA`) both call this.
+    Repeats of the same tensors (MC dropout's samples) are recomputed once and share one dict; a model without
+    BatchNorm gets ``samples`` back as given. Give it the un-augmented training data in a fixed order
+    (:func:`statistics_loader`), so the statistics are a function of the weights alone.
     """
     if not has_batchnorm(model):
         return list(samples)
@@ -163,14 +152,10 @@ def statistics_loader(
 ) -> DataLoader:
     """``dataset`` in a fixed order, in batches of ``batch_size``, for BatchNorm statistics.
 
-    The order is one permutation of ``range(len(dataset))`` drawn from a generator seeded with 0: it
-    depends on the size of the data set only, not on the run's seed or on any RNG state, so every
-    evaluation and every process gets the same batches. (A permutation rather than the data set's
-    order, because that order may be sorted by class — image folders are — and class-pure batches
-    would give every batch, and so the recomputed statistics, the spread of one class only.) A
-    trailing batch of one example (BatchNorm cannot normalize it) joins the batch before it. Give it
-    data without random augmentation: the statistics are then a function of the weights alone.
-    ``collate_fn`` is the DataLoader's (``None``: PyTorch's default).
+    The order is one permutation of ``range(len(dataset))`` from a generator seeded with 0: it depends only on the
+    data set's size, so every evaluation and process gets the same batches, and class-sorted data (image folders)
+    does not give class-pure batches. A trailing batch of one example (BatchNorm cannot normalize it) joins the
+    one before. Give it data without random augmentation. ``collate_fn`` is the DataLoader's (``None``: default).
     """
     order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(0)).tolist()
     batches = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]

@@ -1,9 +1,7 @@
 """Argument checks shared by every layer (the ``_check_*`` habit of torch-uncertainty).
 
-Python's ``bool`` is an ``int``, so ``isinstance(True, int)`` holds; a config value ``true`` must not
-pass as the integer 1 or the number 1.0. These predicates and checks say it once. The checks raise
-:class:`~flatbma.errors.FlatbmaError` with the caller's own message (what was wrong and how to fix
-it), so each call site keeps its wording.
+``bool`` is an ``int`` in Python, but a config's ``true`` must not pass as 1 or 1.0: these predicates say it
+once. The checks raise :class:`~flatbma.errors.FlatbmaError` with the caller's own message.
 """
 
 from __future__ import annotations
@@ -27,11 +25,7 @@ _SHOWN.maxstring = _SHOWN.maxother = _SHOWN.maxlong = 60
 
 
 def shown(value: Any, limit: int = 80) -> str:
-    """``repr(value)`` for an error message, at most ``limit`` characters whatever the value's size.
-
-    Every user value an error message quotes (a key, a name, a path given in a config) goes through
-    here, so that a 100 KB value makes a line of bounded length.
-    """
+    """``repr(value)`` for an error message, at most ``limit`` characters whatever the value's size."""
     text = _SHOWN.repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
@@ -39,8 +33,8 @@ def shown(value: Any, limit: int = 80) -> str:
 def parse_choice(cls: type[E], value: Any, key: str) -> E:
     """The member of the option Enum ``cls`` for ``value`` (a member or its string), else a :class:`FlatbmaError`.
 
-    The message names ``key``, the choices, the value given (its repr cut at 40 characters) and the closest
-    choice: ``"reuse must be one of 'orthogonal', 'none', got 'orth'. Did you mean 'orthogonal'?"``.
+    E.g. ``"reuse must be one of 'orthogonal', 'none', got 'orth'. Did you mean 'orthogonal'?"`` (the value's
+    repr cut at 40 characters).
     """
     try:
         return cls(value)
@@ -84,8 +78,7 @@ def check_number(
 ) -> float:
     """``value`` if it is a number (not a bool) in the interval ``[low, high]``; else :class:`FlatbmaError`.
 
-    ``low_open``/``high_open`` exclude the bound; NaN is never inside. The value is returned as given
-    (an ``int`` stays an ``int``).
+    ``low_open``/``high_open`` exclude the bound; NaN is never inside. Returned as given (an ``int`` stays one).
     """
     if not is_number(value):
         raise FlatbmaError(message)
@@ -97,10 +90,9 @@ def check_number(
 
 
 def check_finite_vector(values: object, name: str) -> Tensor:
-    """``values`` as a float64 CPU tensor if it is a non-empty 1-D sequence of finite numbers.
+    """``values`` (list, tuple, array or tensor) as a float64 CPU tensor if it is a non-empty 1-D finite sequence.
 
-    Accepts a list, tuple, array or tensor (detached and copied to the CPU); anything else raises
-    :class:`FlatbmaError` with a message that names the argument ``name``.
+    Otherwise a :class:`FlatbmaError` naming the argument ``name``.
     """
     try:
         t = torch.as_tensor(values, dtype=torch.float64).detach().cpu()
@@ -118,9 +110,8 @@ def check_device(
 ) -> torch.device:
     """``device`` (a name or a ``torch.device``) as a device flatbma can use on this machine.
 
-    A CPU, an existing CUDA device or an available MPS device (of ``kinds``; the predictor also takes
-    ``meta``, shapes only); anything else is a :class:`FlatbmaError` naming ``key`` and what to use
-    ``instead`` (``"auto or cpu"`` in a config).
+    A CPU, an existing CUDA device or an available MPS device, among ``kinds`` (the predictor also takes ``meta``);
+    else a :class:`FlatbmaError` naming ``key`` and what to use ``instead`` (``"auto or cpu"`` in a config).
     """
     try:
         parsed = torch.device(device)  # type: ignore[arg-type]

@@ -1,8 +1,7 @@
 """User-facing errors.
 
-Every error a user can fix by changing their input is a :class:`FlatbmaError`: the CLI prints its
-message on one line and exits non-zero, without a traceback. Messages say what was wrong and what to
-do about it.
+Every error a user can fix by changing their input is a :class:`FlatbmaError`, whose message says what was
+wrong and what to do; the CLI prints it on one line and exits non-zero, without a traceback.
 """
 
 from __future__ import annotations
@@ -18,9 +17,8 @@ class FlatbmaError(ValueError):
 class DivergenceError(FlatbmaError):
     """Training produced a non-finite loss or a failed linear solve; the last good checkpoint is kept.
 
-    ``cause`` says what went wrong first, for the advice the caller adds: ``"loss"`` (a non-finite training
-    loss), ``"solve"`` (a linear solve failed: a covariance no longer positive definite) or ``"inputs"`` (the
-    batch's inputs held NaN or inf: no step size is to blame).
+    ``cause`` says what went wrong first: ``"loss"`` (a non-finite loss), ``"solve"`` (a covariance no longer
+    positive definite) or ``"inputs"`` (the inputs held NaN or inf: no step size is to blame).
     """
 
     def __init__(self, message: str, cause: str = "loss") -> None:
@@ -35,8 +33,7 @@ class FlatbmaTypeError(FlatbmaError, TypeError):
 class FlatbmaWarning(UserWarning):
     """Something a user should know that does not stop the work (an unconverged solver, a collapsed run).
 
-    The command line prints each as one line ``flatbma: warning: ...``; warnings of other libraries
-    (torch, matplotlib, PIL) are not shown there.
+    The command line prints each as one line ``flatbma: warning: ...`` and hides other libraries' warnings.
     """
 
 

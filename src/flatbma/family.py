@@ -1,15 +1,10 @@
 """What a posterior family declares beside its ``build``: its options, its checks before a run, its compositions.
 
-A family module (:mod:`flatbma.posteriors.swag`, ...) holds its :class:`Family`: the ``build(objective,
-optimizer, ascent=None, **options)`` of its transform, the frozen dataclass of its options, and what only
-the family knows — how many updates its options ask of a run (:attr:`Family.check` against a :class:`Stage`),
-what its ``start_step: null`` resolves to, whether it takes a Gaussian prior, a nested method section
-(:class:`Nested`: a mixture's members, Laplace's MAP). The registry (:mod:`flatbma.methods`) maps a name to a
-family and an ascent step; nothing else looks a family up by name.
-
-A run's shape (:class:`RunShape`: its data's size, its network's) and one stage of it (:class:`Stage`) are
-what the checks read; the library computes the shape where it trains (:func:`flatbma.training.train`), the
-experiment layer before anything is written.
+A family module (:mod:`flatbma.posteriors.swag`, ...) holds its :class:`Family`: its transform's ``build``, its
+frozen options dataclass, and what only the family knows — how many updates its options ask of a run
+(:attr:`Family.check` against a :class:`Stage`), what ``start_step: null`` resolves to, whether it takes a
+Gaussian prior, a nested method section (:class:`Nested`). The registry (:mod:`flatbma.methods`) maps a name to
+a family and an ascent step. The checks read a :class:`RunShape` (data and network sizes) and a :class:`Stage`.
 """
 
 from __future__ import annotations
@@ -34,15 +29,14 @@ class RunShape:
     """What a run's data decide about it, computed before it trains.
 
     Attributes:
-        steps_per_epoch: updates per epoch: batches of ``data.batch_size`` of the training examples as
-            the run's loader deals them (one process, or the global batches of ``torchrun``).
+        steps_per_epoch: updates per epoch, as the run's loader deals batches (one process, or ``torchrun``'s
+            global batches).
         num_train: training examples ``n`` (the k-shot draw, validation held out).
         num_test: test examples the metrics are computed on (``data.test_limit`` applied).
         num_trainable: trained weights (the Hessian's dimension), or ``None`` when not computed.
         num_classes: classes of the training data, or ``None`` when not known.
         pretrained: whether the network starts from a checkpoint (``model.pretrained`` is set).
-        available_memory: bytes free where the run trains (:func:`available_memory`), counted with
-            ``num_trainable``; ``None`` when not counted or not known.
+        available_memory: bytes free where the run trains (:func:`available_memory`), or ``None``.
         channels: channels of the test images (``eval.ood``'s corruptions need some), or ``None`` when not known.
     """
 
@@ -66,12 +60,11 @@ names those a method sets beside the learning rate (:func:`divergence_advice`)."
 def divergence_advice(settings: Mapping[str, Any], cause: str, lr: float, prefix: str = "method.") -> str:
     """What to lower after training diverged (``cause``: :attr:`flatbma.errors.DivergenceError.cause`).
 
-    ``"lower method.gamma=10000, method.init_std=0.001 or optim.lr=0.05"``: the learning rate and the method's
-    ``settings`` of :data:`STEP_SIZES` (:meth:`flatbma.methods.MethodConfig.step_settings`) at their current values
-    — the method's first after a failed linear solve (a covariance pushed out of positive definiteness by its own
-    step: FP-BMA's KL ball, its initial spread), the learning rate first after a non-finite loss. ``prefix``: how
-    the options are named where the advice is read (``method.`` in a config; ``""`` for
-    :func:`flatbma.fit_posterior`'s keywords, whose learning rate is then ``lr``).
+    E.g. ``"lower method.gamma=10000, method.init_std=0.001 or optim.lr=0.05"``: the learning rate and the
+    method's ``settings`` of :data:`STEP_SIZES` at their current values — the method's first after a failed linear
+    solve (``cause="solve"``: a covariance pushed out of positive definiteness by its own step), the learning rate
+    first otherwise. ``prefix`` names the options (``method.`` in a config; ``""`` for
+    :func:`flatbma.fit_posterior`'s keywords, the learning rate then ``lr``).
     """
     named = [f"{prefix}{k}={_number(v)}" for k, v in settings.items()]
     rate = f"{'optim.' if prefix else ''}lr={_number(lr)}"
@@ -86,8 +79,7 @@ def _number(value: Any) -> str:
 def available_memory(device: torch.device) -> int | None:
     """Bytes a run on ``device`` can still allocate, or ``None`` when the system does not say.
 
-    A CUDA device's free memory; otherwise the machine's available memory (``MemAvailable`` of
-    ``/proc/meminfo``, else the free pages), capped by a cgroup v2 memory limit (a container's).
+    A CUDA device's free memory; else ``MemAvailable`` (or free pages), capped by a cgroup v2 limit.
     """
     if device.type == "cuda":
         return int(torch.cuda.mem_get_info(device)[0])
@@ -123,7 +115,7 @@ class Stage:
     Attributes:
         shape: the run's shape (both stages share the data).
         epochs: the stage's epochs.
-        epochs_key: the key that sets them (``train.epochs``, or ``prior.epochs`` for a first stage).
+        epochs_key: the key that sets them (``train.epochs``, or a first stage's ``prior.epochs``).
         method_key: the section of the stage's method (``method``, or ``prior.method``).
     """
 
@@ -194,14 +186,13 @@ class Nested:
     """A method section nested in a method's own, under the key ``of``: a mixture's members, Laplace's MAP.
 
     Attributes:
-        default: the method ``of`` is when the section names none; ``None``: none (the family then refuses
-            to build, asking for one: plain ``multi``).
+        default: the method ``of`` is when the section names none; ``None``: the family refuses to build without
+            one (plain ``multi``).
         family: the family ``of`` must be of (Laplace's MAP: the point family); ``None``: any.
-        members: whether ``of`` is what every independent member of a mixture trains: then ``of`` is the
-            method's component (whose options a two-stage run's checks read) and a two-stage run's first stage
-            is a mixture of ``prior.method``.
-        refusal: the refusal of an ``of`` of another family, formatted with ``where`` (the key), ``family``,
-            ``methods`` (the names of that family's methods) and ``got`` (the name given, quoted).
+        members: whether ``of`` is what every member of a mixture trains: then ``of`` is the method's component
+            (read by a two-stage run's checks) and a two-stage run's first stage is a mixture of ``prior.method``.
+        refusal: the message for an ``of`` of another family, formatted with ``where``, ``family``, ``methods``
+            and ``got``.
     """
 
     default: str | None
@@ -215,41 +206,32 @@ class Family:
     """A posterior family as the registry composes it: its build, its options, its rules.
 
     Attributes:
-        build: ``build(objective, optimizer, ascent=None, **options) -> Posterior`` (and ``of=`` when the
-            family nests a section).
-        options: the frozen options dataclass: its fields are the family's options, their defaults the
-            options' defaults. A family whose run takes epochs beyond ``train.epochs`` declares them as phases
-            in its class variable ``phases`` (:class:`flatbma.types.Phase`; Laplace's curvature phase).
-        of: the family's nested method section (:class:`Nested`), or ``None``.
-        with_prior: ``with_prior(objective, optimizer, ascent, prior_theta, **options)``, the family with a
-            low-rank plus diagonal Gaussian prior in place of its default one (a two-stage run's ``prior``
-            section), or ``None`` when it takes no such prior.
-        gaussian: whether the posterior is a low-rank plus diagonal Gaussian (its
-            :attr:`~flatbma.types.Capabilities.gaussian` gives ``θ``), so that it can be a two-stage run's first stage.
-        check: ``check(section, stage)`` raises a :class:`~flatbma.errors.FlatbmaError` when the section's
-            options ask more of a run than ``stage`` gives (more snapshots than it collects, ...); ``None``: none.
-        needs_weights: ``needs_weights(section)``: whether ``check`` needs the number of trained weights
-            (:attr:`RunShape.num_trainable`, which builds the network).
-        prior_refusal: why the family takes no ``prior`` section, when there is more to say than that it has
-            no ``with_prior``.
-        start: ``start(map_steps)``, what ``start_step: null`` resolves to for a run of ``map_steps`` =
-            ``train.epochs`` × steps per epoch updates; ``None``: the family has no such default.
-        resolve: ``resolve(options, map_steps) -> options``, the family's other options that follow from the run's
-            length, resolved after ``start_step``; ``None``: none (SWAG's ``collect_every: auto``, SGLD's
-            ``burn_in: auto`` and ``thin: auto``).
-        hold_lr: with ``start_step: null`` the learning rate is held constant from that start on at the value
-            the schedule reached there (SWAG's constant ``swa_lr``, Maddox et al. 2019).
-        advice: ``advice(section, prior, diagnostics) -> str``: what to change, given the section's own settings,
-            when the BMA's NLL is worse than its reference network's (the health rule ``worse_than_mean``, in
-            :func:`flatbma.fit_posterior` and the CLI alike: :mod:`flatbma.health`); ``prior``:
-            whether the run has a prior stage; ``diagnostics``: the posterior's (Laplace's ``prior_precision``).
-            ``None``: a generic line. Never advice to set what is already set; each clause names the section's
-            current value and a narrower one, short, since the command line cuts a warning at 300 characters.
-        on_validation: ``{option: grid}``: an option that may be ``val``, chosen after training among ``grid``
-            by the BMA's validation NLL (Laplace's ``prior_precision``).
+        build: ``build(objective, optimizer, ascent=None, **options) -> Posterior`` (and ``of=`` when nesting).
+        options: the frozen options dataclass; its class variable ``phases`` (:class:`flatbma.types.Phase`)
+            declares epochs beyond ``train.epochs`` (Laplace's curvature pass).
+        of: the nested method section (:class:`Nested`), or ``None``.
+        with_prior: ``with_prior(objective, optimizer, ascent, prior_theta, **options)``: the family with a
+            low-rank plus diagonal Gaussian prior (a two-stage run's); ``None``: it takes none.
+        gaussian: whether the posterior is a low-rank plus diagonal Gaussian
+            (:attr:`~flatbma.types.Capabilities.gaussian`), so it can be a two-stage run's first stage.
+        check: ``check(section, stage)`` raises a :class:`~flatbma.errors.FlatbmaError` when the options ask
+            more of a run than ``stage`` gives (more snapshots than it collects, ...).
+        needs_weights: ``needs_weights(section)``: whether ``check`` reads :attr:`RunShape.num_trainable`.
+        prior_refusal: why the family takes no ``prior`` section, beyond having no ``with_prior``.
+        start: ``start(map_steps)``: what ``start_step: null`` resolves to for ``map_steps`` updates.
+        resolve: ``resolve(options, map_steps) -> options``: other options that follow from the run's length
+            (SWAG's ``collect_every: auto``, SGLD's ``burn_in``/``thin: auto``), after ``start_step``.
+        hold_lr: with ``start_step: null``, hold the learning rate from that start at the schedule's value
+            there (SWAG's constant ``swa_lr``, Maddox et al. 2019).
+        advice: ``advice(section, prior, diagnostics) -> str``: what to change when the BMA's NLL is worse than
+            its reference network's (:mod:`flatbma.health`), given whether there is a prior stage and the
+            posterior's diagnostics. Each clause names a current value and a narrower one, briefly (the command
+            line cuts a warning at 300 characters). ``None``: a generic line.
+        on_validation: ``{option: grid}``: options that may be ``val``, chosen after training among ``grid`` by
+            the BMA's validation NLL (Laplace's ``prior_precision``).
         aliases: other spellings of options, ``{alias: option}`` (ensemble's ``members``: its ``size``).
-        regression: whether the family fits with any loss, so with a Gaussian likelihood's; Laplace's
-            curvature is the softmax's Gauss-Newton: it does not.
+        regression: whether the family fits with any loss (a Gaussian likelihood's); Laplace's softmax
+            Gauss-Newton does not.
     """
 
     build: Callable[..., Posterior]

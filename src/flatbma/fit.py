@@ -1,17 +1,13 @@
 """From PyTorch in one call: train a registered method on your module and loader, get a :class:`~flatbma.predictor.BMA`.
 
-:func:`fit_posterior` is the manual path written once — parse the method by name
-(:func:`~flatbma.methods.parse_method`), build it with the optimizer of an ``optim`` section
-(:class:`~flatbma.optim.config.OptimConfig`, the CLI's defaults) and train it through the one training core
-(:func:`flatbma.training.build`, ``method.init`` at the module's weights, :func:`flatbma.training.train`), as
-``flatbma train`` does, then the predictor — so its numbers equal that path's exactly (the README shows the
-manual path). :func:`load_posterior` reads back what :meth:`BMA.save <flatbma.predictor.BMA.save>` wrote,
-rebuilding the method from the recorded section. Both are reached as ``flatbma.fit_posterior`` /
-``flatbma.load_posterior``.
+:func:`fit_posterior` is the CLI's path written once: parse the method (:func:`~flatbma.methods.parse_method`),
+build it with an ``optim`` section's optimizer (:class:`~flatbma.optim.config.OptimConfig`, the CLI's defaults),
+train it through :func:`flatbma.training.build` and :func:`flatbma.training.train`, then build the predictor —
+so its numbers equal ``flatbma train``'s exactly. :func:`load_posterior` reads back what
+:meth:`BMA.save <flatbma.predictor.BMA.save>` wrote, rebuilding the method from the recorded section.
 
-Over 500 lines on purpose: besides the two functions it holds the API's edge — every check of the caller's
-model, data and options before anything trains (the first batch, the run's length, post-hoc fits, a
-two-stage ``prior`` section), each ending in one line — beside the one function they guard.
+Over 500 lines on purpose: besides the two functions it holds every check of the caller's model, data and
+options before anything trains, each ending in one line, beside the function they guard.
 """
 
 from __future__ import annotations
@@ -72,113 +68,66 @@ def fit_posterior(
 ) -> BMA:
     """Train ``method`` on ``model`` over ``loader`` for ``epochs`` epochs and return its BMA predictor.
 
-    What it does, step by step (the README's manual block does the same by hand):
+    ``flatbma train``'s path in one call: the method section ``{"name": method, **method_options}``, the ``optim``
+    section ``{**optim, "lr": lr}`` with the CLI's defaults (SGD with momentum and weight decay, cosine schedule
+    over ``epochs · len(loader)`` steps), training with torch's global generator forked and seeded with ``seed``
+    (the caller's stream and the module's train/eval mode are restored), then ``BMA(model, method, state, loader,
+    ...)`` with the training log in :attr:`BMA.history <flatbma.predictor.BMA.history>`. Distributed training is
+    the CLI's.
 
-    1. ``parse_method({"name": method, **method_options})`` — options as in a config's ``method``
-       section (``flatbma methods NAME`` lists them), checked, with their defaults;
-    2. the optimizer of the ``optim`` section ``{**optim, "lr": lr}`` with the CLI's defaults (SGD with
-       momentum and weight decay, cosine schedule over ``epochs · len(loader)`` steps);
-    3. ``method.build(Objective(model, num_data=len(loader.dataset)), optimizer, map_steps=epochs ·
-       len(loader))`` (MC dropout inserts its dropout layer here; Laplace's MAP phase is ``map_steps``
-       long), then ``method.init`` at the module's trainable parameters and buffers;
-    4. with torch's global generator forked and seeded with ``seed`` (the caller's stream is left
-       alone): ``init`` and :func:`~flatbma.loop.fit` with the module in train mode — for
-       ``epochs`` epochs plus the method's extra ones (``laplace``, ``f-laplace``: one, the curvature
-       pass) —; its train/eval mode is restored afterwards;
-    5. ``BMA(model, method, state, loader, num_samples=..., seed=seed, recompute_bn=...)`` with the
-       training log in :attr:`BMA.history <flatbma.predictor.BMA.history>` (``log.csv``'s rows), and
-       with ``load_into`` (the default) :meth:`BMA.load_into <flatbma.predictor.BMA.load_into>`: the
-       module then holds the posterior mean with its BatchNorm statistics — for a mixture of independently
-       trained members (``ensemble``, ``multi``) its member 0, exactly (``bma.loaded`` says which).
+    Before training, one forward pass on the first batch (read without moving any random stream) checks the
+    data and model: a batch is ``(x, y)`` or a dict (:func:`flatbma.types.split_batch`); targets are integer labels
+    in ``[0, classes)`` or soft targets ``[batch, classes]`` (rows ≥ 0 summing to 1; loss ``−Σ_c y_c log p_c``);
+    the model returns float32/float64 logits ``[batch, classes]``, or a tuple led by them
+    (:func:`flatbma.models.keep_logits` then hooks it). The options are checked against the run's length with
+    ``flatbma train``'s messages.
 
-    Post hoc (``posthoc=True``): the module's weights are already trained (a MAP), so no update belongs to a
-    MAP phase — the families whose posterior phase starts at ``start_step`` (default ``null``) start it at the
-    first update: Laplace's curvature pass alone on the given weights (``epochs`` defaults to 0: the pass is
-    the one epoch the family adds; laplace-torch's ``Laplace(model, ...).fit(loader)``), SWAG's snapshots
-    from the first update at the learning rate held at ``lr`` over its ``epochs`` (SWAG from a pretrained
-    solution, Maddox et al. 2019). A method without such a phase (VI, FP-BMA, ensembles, ...) already starts
-    at the module's weights and refuses ``posthoc``.
+    Post hoc (``posthoc=True``): the weights are already a MAP, so a family whose posterior phase starts at
+    ``start_step`` (default ``null``) starts it at the first update: Laplace's curvature pass alone (``epochs``
+    defaults to 0), SWAG's snapshots at the held ``lr`` (Maddox et al., NeurIPS 2019). Other methods refuse it.
 
-    Two stages (``prior=``, the config's ``prior`` section: ``{"method": {...}, "epochs": ..., "optim": ...,
-    "init": ..., "min_std": ...}``): FP-BMA's Bayesian transfer pipeline (Lim et al., UAI 2025) in one call,
-    as ``flatbma train`` runs it (docs/cli.md "Two-stage runs"). The first stage trains ``prior["method"]``
-    (a mixture's: a mixture of it, one prior per member) on ``loader`` for ``prior["epochs"]`` epochs with
-    ``prior["optim"]`` (or this call's optimizer), like this function with ``load_into=False`` and the same
-    ``seed``; its Gaussian posterior, its ``σ`` floored at ``min_std``, becomes the prior of ``method``,
-    which then starts there (``init``, the default) and trains for ``epochs``. The loader's shuffling
-    generator (a DataLoader's ``generator``) is set back before the second stage, so that each stage reads
-    the data in the order the CLI's fresh stage does: on the same data, model, seed and sections the
-    states and predictions equal ``flatbma train``'s. The options are checked before either stage trains,
-    with the CLI's messages (``prior.method.*`` keys, the learning rate against the KL to the prior).
-
-    Distributed training is the CLI's (``flatbma train``).
+    Two stages (``prior={"method": {...}, "epochs": ..., "optim": ..., "init": ..., "min_std": ...}``): FP-BMA's
+    Bayesian transfer pipeline (Lim et al., UAI 2025; docs/cli.md "Two-stage runs"). The first stage trains
+    ``prior["method"]`` (for a mixture, one prior per member) with ``prior["optim"]`` or this call's optimizer;
+    its Gaussian posterior, ``σ`` floored at ``min_std``, becomes ``method``'s prior and (``init``) its start. A
+    DataLoader's ``generator`` is reset between stages, so the results equal ``flatbma train``'s.
 
     Args:
-        model: any classifier ``nn.Module`` returning logits; parameters with ``requires_grad=False``
-            stay fixed (not Bayesian). It ends holding the posterior mean, or a mixture's member 0 (``load_into``).
-        loader: training batches — a DataLoader over a sized dataset (its size scales KL terms and
-            SG-MCMC noise; its dataset, in a fixed order, also serves to recompute BatchNorm statistics),
-            or any re-iterable of batches, e.g. a list of ``(x, y)`` pairs (its batches and rows are counted
-            once; BatchNorm statistics read it as it is). A one-shot iterator is refused: every epoch reads
-            the data again.
+        model: a classifier returning logits; parameters with ``requires_grad=False`` stay fixed. Moved to
+            ``device``.
+        loader: a DataLoader over a sized dataset (its size scales KL terms and SG-MCMC noise; its dataset, in a
+            fixed order, recomputes BatchNorm statistics) or any re-iterable of batches; not a one-shot iterator.
         method: a registered method name (``flatbma methods``) or a method section ``{name: ..., ...}``.
-        epochs: passes over ``loader`` (the optimizer's schedule spans them; Laplace adds its curvature pass);
-            required but with ``posthoc`` (default 0 there).
+        epochs: passes over ``loader`` (Laplace adds its curvature pass); required unless ``posthoc``.
         lr: the peak learning rate (``optim.lr``); ``None`` keeps the section's.
         optim: other ``optim`` keys (``name``, ``momentum``, ``weight_decay``, ``schedule``, ...).
         num_samples: ``M``, samples of the BMA.
-        seed: seed of training's random draws (data order of a DataLoader without its own generator,
-            initialization noise, dropout masks) and of the BMA's samples.
-        device: where to train and predict (the module is moved there); ``None``: the module's device.
+        seed: seeds training's draws (a DataLoader's order without its own generator, initialization, dropout)
+            and the BMA's samples.
+        device: where to train and predict; ``None``: the module's device.
         recompute_bn: see :class:`~flatbma.predictor.BMA`.
-        load_into: write the posterior mean (with the BMA's BatchNorm statistics) into ``model``, so that
-            ``model(x)`` and the flatness functions without ``weights=`` see the posterior's weights, not
-            the initialization — for an ensemble or ``multi``, member 0 (:meth:`BMA.load_into
-            <flatbma.predictor.BMA.load_into>`: the members' weight average is no network of the mixture; the
-            BMA is ``bma(x)`` or ``bma.as_module()``); ``False`` leaves the module's weights as they were
-            (flatness functions called on it then warn that they measure those weights:
-            :func:`flatbma.params.held_weights_note`).
-        progress: show progress: a bar on a terminal; wherever ``stderr`` is no terminal (a notebook, a
-            pipe, a log file) one line per epoch, the CLI's (``epoch 3/10  loss ...  acc ...  lr ...``);
-            ``False``: nothing (:mod:`flatbma.progress`).
-        val_loader: validation ``(x, y)`` batches (integer labels). An option given as ``"val"`` is chosen on
-            them after training, by the BMA's NLL over its grid — Laplace's ``prior_precision="val"``: δ
-            among :data:`~flatbma.posteriors.laplace.PRIOR_PRECISION_GRID` (1e-4 … 1e4), the grid search of
-            laplace-torch (Daxberger et al. 2021) — the candidates in :attr:`BMA.selection
-            <flatbma.predictor.BMA.selection>`, the chosen value in ``bma.method_config``. After training
-            every classifier's BMA is compared on them — on the training data without them, where only a BMA far
-            worse counts, since the MAP was fitted there — with its reference network (its posterior mean,
-            Laplace's MAP, a mixture's member 0, a chain's average: :meth:`BMA.reference
-            <flatbma.predictor.BMA.reference>`), and one :class:`~flatbma.errors.FlatbmaWarning` line says when
-            the BMA's NLL is worse, with what to change given the method's own settings — the CLI's health rule
-            ``worse_than_mean`` and words (:mod:`flatbma.health`).
-        likelihood: ``categorical`` (a classifier: softmax of the logits, cross-entropy) or ``gaussian``
-            (regression, :class:`flatbma.regression.Gaussian`: the loss is the Gaussian NLL, the batches'
-            targets are floats ``[batch]`` and the predictor's :meth:`~flatbma.predictor.BMA.predict_regression`
-            and :meth:`~flatbma.predictor.BMA.evaluate` give the mixture predictive and its NLL, RMSE and coverage).
-            Laplace (a softmax Gauss-Newton) refuses ``gaussian``.
+        load_into: write the posterior mean with the BMA's BatchNorm statistics (a mixture's member 0) into
+            ``model``, so that ``model(x)`` and the flatness functions see it
+            (:meth:`BMA.load_into <flatbma.predictor.BMA.load_into>`); ``False`` leaves the weights as they were.
+        progress: a bar on a terminal, else one line per epoch; ``False``: nothing (:mod:`flatbma.progress`).
+        val_loader: validation ``(x, y)`` batches. Options given as ``"val"`` are chosen on them by the BMA's NLL
+            (Laplace's ``prior_precision``: δ among :data:`~flatbma.posteriors.laplace.PRIOR_PRECISION_GRID`, as
+            laplace-torch does; candidates in :attr:`BMA.selection <flatbma.predictor.BMA.selection>`). A
+            classifier's BMA is then compared with its reference network on them (without them, on the training
+            data) and a :class:`~flatbma.errors.FlatbmaWarning` says when it is worse and what to change
+            (:mod:`flatbma.health`).
+        likelihood: ``categorical`` (softmax, cross-entropy) or ``gaussian`` (regression with float targets
+            ``[batch]``, :class:`flatbma.regression.Gaussian`; the predictor gives the mixture predictive with
+            :meth:`~flatbma.predictor.BMA.predict_regression`). Laplace refuses ``gaussian``.
         noise_std: with ``gaussian``: ``None`` learns the noise (the model returns ``[batch, 2]``: mean and raw
-            scale), a positive number fixes it (the model returns ``[batch, 1]``).
+            scale); a positive number fixes it (the model returns ``[batch, 1]``).
         posthoc: fit the posterior around the module's trained weights, with no MAP phase (above).
         prior: a ``prior`` section: train a Gaussian posterior first and use it as ``method``'s prior (above).
         **method_options: the method's options (e.g. ``rank=10``, ``rho=0.05``).
 
-    Before training, the model is checked with one forward pass on the first batch of ``loader`` (read
-    without moving any random stream: :func:`flatbma.rng.first_batch`): the batch is a pair ``(x, y)`` of
-    inputs and targets or a dict (inputs under ``x``, ``input``, ``inputs``, ``image``, ``images`` or
-    ``pixel_values``, targets under ``y``, ``label``, ``labels``, ``target`` or ``targets``: the first key
-    present, :func:`flatbma.types.split_batch`); targets are 1-D integer labels in ``[0, classes)`` or soft
-    targets, float class probabilities ``[batch, classes]`` (rows ≥ 0 summing to 1; the loss is then
-    ``−Σ_c y_c log p_c``); the model returns float32 or float64 logits ``[batch, classes]``, or a tuple whose
-    first element they are (``(logits, features)``: :func:`flatbma.models.keep_logits` then makes the module
-    return its first element, with a forward hook) (:func:`flatbma.models.check_classifier`: no meta or
-    16-bit weights, something to train). Then the method's options are checked against the run's length
-    as ``flatbma train`` checks them, with the same messages (SWAG's snapshots against its rank, ...).
-
     Raises:
-        FlatbmaError: invalid options, model or data (a :class:`~flatbma.errors.FlatbmaTypeError`, also a
-            ``TypeError``, for an argument of the wrong kind), each in one line saying what to change;
-            DivergenceError (a FlatbmaError) when training diverges.
+        FlatbmaError: invalid options, model or data (FlatbmaTypeError, also a ``TypeError``, for a wrong kind).
+        DivergenceError: training diverged (a FlatbmaError).
     """
     _check_model_argument(model)
     epochs = _epochs(epochs, posthoc)
@@ -296,12 +245,10 @@ def load_posterior(
 ) -> BMA:
     """The predictor :func:`fit_posterior`'s :meth:`BMA.save <flatbma.predictor.BMA.save>` wrote to ``path``.
 
-    The method is rebuilt from the section recorded in the file for ``model`` — a fresh module of the
-    same architecture (MC dropout inserts its dropout layer into it again). Its optimizer is never used:
-    the predictor only samples. Predictions equal those of the saved predictor bit for bit — for a module
-    whose forward returns ``(logits, features)`` too: the file records the :func:`~flatbma.models.keep_logits`
-    hook that :func:`fit_posterior` installed, and ``model`` gets it again.
-    ``train_loader`` is needed when the predictor recomputes BatchNorm statistics, as at saving.
+    The method is rebuilt from the section recorded in the file, for ``model``: a fresh module of the same
+    architecture (MC dropout inserts its dropout layer again; a recorded :func:`~flatbma.models.keep_logits`
+    hook is installed again). Predictions equal the saved predictor's bit for bit. ``train_loader`` is needed
+    when the predictor recomputes BatchNorm statistics, as at saving.
     """
     _check_model_argument(model)
     if not isinstance(path, str | os.PathLike):
@@ -352,12 +299,10 @@ def _train(
 ) -> tuple[Any, Posterior, State, EpochLines]:
     """One stage of :func:`fit_posterior`: ``(optimizer, posterior, trained state, its epoch log)``.
 
-    The method of ``config`` is built with the optimizer of ``optim_config`` over ``epochs`` (and the prior
-    ``prior_theta``), initialized at ``start`` ``(params, buffers)`` or at the module's weights, and trained for
-    ``epochs`` plus the family's extra epochs by :func:`~flatbma.loop.fit` with torch's global
-    generator forked and seeded with ``seed``, the module in train mode (its mode restored afterwards).
-    ``check`` sees the built posterior before anything trains. With ``classes`` every batch's labels are checked
-    to lie in ``[0, classes)`` (:func:`~flatbma.loop.check_labels`).
+    Builds ``config``'s method with ``optim_config``'s optimizer over ``epochs`` (prior ``prior_theta``), lets
+    ``check`` see the posterior, initializes it at ``start`` ``(params, buffers)`` or at the module's weights, and
+    trains ``epochs`` plus the family's extra epochs with torch's global generator forked and seeded with
+    ``seed``. With ``classes`` every batch's labels are checked to lie in ``[0, classes)``.
     """
     built = training.build(
         config, optim_config, objective, steps_per_epoch=steps, epochs=epochs, map_steps=map_steps, prior=prior_theta
@@ -453,16 +398,10 @@ def _check_against_reference(
 ) -> None:
     """Warn when the BMA's NLL on ``data`` is worse than its reference network's: the CLI's rule and words.
 
-    The reference is :meth:`BMA.reference <flatbma.predictor.BMA.reference>` (the posterior mean, a mixture's
-    member 0, a chain's average of samples) evaluated as a point estimate (:func:`flatbma.predict.evaluate`); the
-    BMA is :meth:`BMA.evaluate <flatbma.predictor.BMA.evaluate>` (on validation data both example by example,
-    :meth:`BMA.paired_nll <flatbma.predictor.BMA.paired_nll>`). The rule is
-    :func:`flatbma.health.worse_than_mean` — on validation data worse beyond rounding and beyond twice
-    the standard error of the paired differences, on the training data (the MAP was fitted to them) by more than
-    2x and 0.2 log C — and the one line
-    :func:`~flatbma.health.too_wide_line`, with the method's own advice
-    (:meth:`MethodConfig.advice <flatbma.methods.MethodConfig.advice>`). Soft targets (no NLL of
-    labels) are not compared.
+    The reference is :meth:`BMA.reference <flatbma.predictor.BMA.reference>` evaluated as a point estimate (on
+    validation data both example by example, :meth:`BMA.paired_nll <flatbma.predictor.BMA.paired_nll>`). The rule
+    is :func:`flatbma.health.worse_than_mean`, the line :func:`~flatbma.health.too_wide_line` with
+    :meth:`MethodConfig.advice <flatbma.methods.MethodConfig.advice>`. Soft targets are not compared.
     """
     first = first_batch(data)
     if first is None or split_batch(first)[1] is None:
@@ -509,12 +448,10 @@ def _check_run(
 ) -> None:
     """Refuse options that ask more of the run than it gives, as ``flatbma train`` does (same check, same words).
 
-    :meth:`MethodConfig.check <flatbma.methods.MethodConfig.check>` on the run's
-    :class:`~flatbma.family.Stage` — e.g. SWAG's snapshots against its rank, SG-MCMC's burn-in,
-    members that do not fit in memory — so that ``fit_posterior`` refuses exactly what the CLI refuses for
-    ``train.epochs`` epochs of ``steps`` updates (the messages name the CLI's ``keys``: a first stage's
-    ``prior.epochs`` and ``prior.method``). The module's weights
-    are what they are: ``prior_mean: pretrained`` reads which were loaded (:func:`flatbma.models.is_pretrained`).
+    :meth:`MethodConfig.check <flatbma.methods.MethodConfig.check>` on the run's :class:`~flatbma.family.Stage`
+    (SWAG's snapshots against its rank, SG-MCMC's burn-in, members that do not fit in memory); the messages name
+    the CLI's ``keys`` (a first stage's: ``prior.epochs``, ``prior.method``). The module's weights count as
+    pretrained (``prior_mean: pretrained`` reads them).
     """
     weights = config.needs_weights()
     shape = RunShape(
@@ -530,10 +467,9 @@ def _check_run(
 
 
 def _check_first_batch(model: nn.Module, loader: Iterable[Batch]) -> int:
-    """The model and the data, checked on the loader's first batch before anything trains (:func:`fit_posterior`).
+    """Check the model and data on the loader's first batch before anything trains; return the number of classes.
 
-    A model whose forward pass returns a tuple or list gets :func:`~flatbma.models.keep_logits` (its first
-    element is the logits). Returns the number of classes.
+    A model whose forward returns a tuple or list gets :func:`~flatbma.models.keep_logits` (logits first).
     """
     batch = first_batch(loader)
     if batch is None:
@@ -632,8 +568,7 @@ def _sizes(loader: Iterable[Batch]) -> tuple[int, int]:
     """``(steps per epoch, number of training examples)`` of ``loader``.
 
     A DataLoader over a sized dataset: ``len(loader)`` and ``len(loader.dataset)``. Any other re-iterable of
-    batches (a list of ``(x, y)`` pairs or dicts): read once, with every random stream left as it was
-    (:func:`flatbma.rng.first_batch`'s rule), its batches and their rows counted.
+    batches is read once, every random stream left as it was, and its batches and rows counted.
     """
     dataset = getattr(loader, "dataset", None)
     if dataset is not None:

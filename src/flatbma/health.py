@@ -1,65 +1,33 @@
 """Training health: whether a finished run fitted its training data, flagged without stopping the run.
 
-A run can end with finite numbers and still have failed: its loss climbed for the whole run (a step
-size or KL radius too large for the posterior, e.g. FP-BMA with ``gamma: 100``), or its BMA predicts
-no better than chance on the very images it trained on. Such a run is not stopped — its checkpoint and
-metrics are kept — but it is flagged, by three rules:
+A run can end with finite numbers and still have failed (a step size or KL radius too large, e.g. FP-BMA with
+``gamma: 100``). It keeps its checkpoint and metrics but is flagged by these rules:
 
-* **loss rise**: the last epoch's mean training loss is more than :data:`LOSS_RISE` times the first
-  epoch's. The first epoch's mean already holds the highest losses of a run (those at its
-  initialization: ``log C`` for a fresh head), and an epoch mean moves with mini-batch noise by a few
-  per cent, not by a factor of two; a healthy run ends below its first epoch (a cosine schedule ends
-  with a step size near 0). Twice the first epoch is therefore far outside noise: the optimizer moved
-  away from the data. Runs of one epoch have nothing to compare.
-* **at chance on the training data**: the BMA's accuracy on up to :data:`HEALTH_EXAMPLES` un-augmented
-  training images is at most the chance level — the share of the most frequent class among them,
-  what always predicting that class scores — plus two standard errors of an accuracy at that level,
-  ``2·sqrt(p(1 − p)/n)``. A BMA that cannot beat that on the data it was fitted to has learned nothing.
-* **worse than its mean**: the BMA's NLL exceeds both ``r · NLL_ref`` and ``NLL_ref + s · log C`` (``log C``, the NLL
-  of a uniform guess over ``C`` classes), :data:`MEAN_WORSE`, where ``ref`` is the one network the posterior holds
-  (:func:`flatbma.predictor.reference_point`): its mean (:attr:`flatbma.types.Posterior.mean`: Laplace's MAP, SWAG's
-  SWA mean, VI's ``μ``, MC dropout's deterministic network, a point estimate itself); for a mixture of independently
-  trained members (ensembles, ``multi``), whose average of weights lies in none of their basins, its member 0 (what
-  :meth:`flatbma.BMA.load_into` writes: a mixture worse than one of its members averages in worse ones); for SG-MCMC,
-  which has no closed-form mean, the average of its kept iterates — each evaluated as a point estimate with recomputed
-  BatchNorm statistics. On the validation split when the run has one (``r = 1.01``, ``s = 0.0005``: worse beyond
-  rounding, the BMA's own purpose being held-out predictions, and by more than :data:`NOISE_Z` standard errors of the
-  per-example differences: without it, MultiSWAG on 200 held-out digits images came out worse than its member 0, 0.062
-  against 0.051, and was flagged, while 10% better on the test set; with it, not), otherwise on the training images of
-  the chance rule (``r = 2``, ``s = 0.2``): a MAP was fitted to them, so its training NLL can be tiny and a sound
-  posterior several times worse there — the margin in units of ``log C`` keeps such runs unflagged (a last-layer
-  Laplace with the evidence's δ on digits' small CNN: BMA NLL 0.064 against its MAP's 0.018 on training images; MC
-  dropout 0.053 against 0.025), while a posterior that undoes its MAP (all weights, KFAC, the evidence's δ on the same
-  CNN: 0.76 against 0.018) is far beyond it. On validation data the same last-layer Laplace (0.13 against 0.063) is
-  flagged when that difference exceeds its noise: its BMA predicts held-out data worse than its MAP. The run's fit is
-  fine; its posterior is too wide. :func:`flatbma.fit_posterior` applies the same rule (:func:`worse_than_mean`) to
-  its ``val_loader``, or to the training data without one, and warns in the same words (:func:`too_wide_line`), with
-  advice from the method's own settings (the family's :attr:`~flatbma.family.Family.advice`).
+* **loss rise**: the last epoch's mean training loss exceeds :data:`LOSS_RISE` times the first epoch's (which
+  holds the run's highest losses; mini-batch noise moves epoch means by a few per cent). Needs two epochs.
+* **at chance on the training data**: the BMA's accuracy on up to :data:`HEALTH_EXAMPLES` un-augmented training
+  images is at most the chance level ``p`` (the share of their most frequent class) plus ``2·sqrt(p(1 − p)/n)``.
+* **worse than its mean**: the BMA's NLL exceeds both ``r · NLL_ref`` and ``NLL_ref + s · log C``
+  (:data:`MEAN_WORSE`), ``ref`` being the one network the posterior holds, evaluated as a point estimate
+  (:func:`flatbma.predictor.reference_point`: its mean; a mixture's member 0, since the members' weight
+  average lies in none of their basins; SG-MCMC's average of kept iterates). On the validation split when there
+  is one (``r = 1.01``, ``s = 0.0005``, and beyond :data:`NOISE_Z` standard errors of the per-example
+  differences), else on the chance rule's training images (``r = 2``, ``s = 0.2``: a MAP fitted there has a
+  tiny NLL that a sound posterior may exceed several times). The fit is fine; the posterior is too wide.
+  :func:`flatbma.fit_posterior` applies the same rule (:func:`worse_than_mean`) and words (:func:`too_wide_line`).
 
-A regression run (a Gaussian likelihood: no classes, no chance level) has three rules of its own instead of
-the classifier's ``at_chance`` and ``worse_than_mean``:
+A regression run (a Gaussian likelihood: no classes) replaces ``at_chance`` and ``worse_than_mean`` with:
 
-* **no better than the mean predictor** (``at_mean_predictor``): the BMA's root mean squared error on the
-  validation split, or without one on up to :data:`HEALTH_EXAMPLES` un-augmented training examples, is at
-  least the standard deviation of their targets — the error of always predicting their mean (their own
-  mean: a predictor that knew it in advance, so the rule errs towards not flagging). That is ``R² ≤ 0``: the
-  network explains none of the targets' variance, on data it was fitted to or drawn like it.
-* **learned nothing** (``learned_nothing``): its last epoch's training RMSE is within :data:`NO_PROGRESS` (1 %)
-  of its first epoch's. An epoch's RMSE is over the same examples every epoch, so a network whose weights do
-  not move keeps it to the digit (``lr = 1e-9`` on diabetes: 0.991 at every epoch, a training ``R²`` of 0.018
-  from its initialization alone); the first epoch already averages the errors at the start, and a network that
-  fits anything lowers the last by far more (0.954 → 0.621 at the shipped ``lr = 0.01``; 0.95 → 0.93 in two
-  epochs of the tests' 8-unit MLP). Runs of one epoch have nothing to compare, and runs started from fitted
-  weights (a two-stage run's prior with ``prior.init``, ``model.pretrained``) may rightly barely move: not
-  compared.
-* **RMSE blow-up** (``rmse_blowup``): the test RMSE is more than :data:`RMSE_BLOWUP` times the targets'
-  standard deviation. Predicting their mean scores about that deviation on data like them, and a Gaussian
-  target lies within three of them of its mean but for 0.3 % of the time: a predictive whose typical error is
-  beyond that (test RMSE 31.6 with Adam at ``lr = 1``, 67.6 with SWAG's ``scale: 1000``, on standardized
-  targets) is broken, whatever its training loss did.
+* **no better than the mean predictor** (``at_mean_predictor``): the BMA's RMSE on the validation split (else on
+  up to :data:`HEALTH_EXAMPLES` un-augmented training examples) is at least their targets' standard deviation:
+  ``R² ≤ 0``.
+* **learned nothing** (``learned_nothing``): the last epoch's training RMSE is within :data:`NO_PROGRESS` of the
+  first's. Not compared for one epoch, or from fitted weights (``prior.init``, ``model.pretrained``).
+* **RMSE blow-up** (``rmse_blowup``): the test RMSE exceeds :data:`RMSE_BLOWUP` times the targets' standard
+  deviation (a Gaussian target lies beyond three deviations 0.3 % of the time).
 
-:func:`assess` puts the rules together into the ``health`` entry of ``metrics.json`` and of a compare
-row; :func:`warning` is its one line; :func:`flagged_text` the reports' and findings' wording.
+:func:`assess` gives the ``health`` entry of ``metrics.json`` and a compare row; ``warn_if_flagged`` is its one
+line; :func:`flagged_text` the reports' and findings' wording.
 """
 
 from __future__ import annotations
@@ -140,9 +108,8 @@ def assess(history: Sequence[Mapping[str, Any]] | None, fit: Mapping[str, Any] |
     Returns:
         ``{"ok", "flags", "rules", "first_loss", "last_loss", "loss_ratio", "train_bma_accuracy",
         "train_examples", "chance_accuracy", "train_bma_nll", "against_mean"}``: ``flags`` lists the rules that
-        fired (``"loss_rise"``, ``"at_chance"``, ``"worse_than_mean"``), ``ok`` is whether none did; a value that
-        was not measured is ``None`` (``against_mean`` too for a method without a mean, whose ``rules`` then
-        leave that rule out).
+        fired, ``ok`` is whether none did; an unmeasured value is ``None`` (``against_mean`` too for a method
+        without a mean, whose ``rules`` then leave that rule out).
     """
     out: dict[str, Any] = {"ok": True, "flags": [], "rules": {"loss_rise": LOSS_RULE, "at_chance": CHANCE_RULE}}
     losses = [h.get("loss") for h in history or [] if isinstance(h, Mapping)]
@@ -192,8 +159,7 @@ def worse_than_mean(compared: Mapping[str, Any]) -> bool:
     """The rule ``worse_than_mean`` on one comparison (module docstring): BMA NLL > ``r·ref`` and > ``ref + s·log C``.
 
     ``compared``: ``{"data": "validation" | "training", "bma_nll", "mean_nll", "num_classes", ...}``
-    (:func:`flatbma.experiment.run.evaluate.against_mean`, or :func:`flatbma.fit_posterior`'s); other data, or a
-    value not measured, never fires.
+    (:func:`flatbma.experiment.run.evaluate.against_mean`'s); other data or an unmeasured value never fires.
     """
     if compared.get("data") not in MEAN_WORSE:
         return False
@@ -217,8 +183,8 @@ def _reference(compared: Mapping[str, Any]) -> str:
 def too_wide_line(subject: str, compared: Mapping[str, Any], advice: str) -> str:
     """The one line of a BMA worse than its reference network: ``"<subject> has a posterior too wide for its …"``.
 
-    The advice first (the command line cuts a warning at 300 characters): what to change, from the method's own
-    settings (:meth:`~flatbma.methods.MethodConfig.advice`).
+    The ``advice`` (:meth:`~flatbma.methods.MethodConfig.advice`) comes first: the command line cuts a warning at
+    300 characters.
     """
     return f"{subject} has a posterior too wide for its {_reference(compared)} (try {advice}): {_worse_text(compared)}"
 
@@ -232,7 +198,7 @@ def _worse_text(c: Mapping[str, Any]) -> str:
 
 
 def is_flagged(health: Any) -> bool:
-    """Whether a ``health`` entry (possibly missing: rows of older versions) flags its run."""
+    """Whether a ``health`` entry (possibly missing) flags its run."""
     return isinstance(health, Mapping) and health.get("ok") is False
 
 
@@ -287,10 +253,9 @@ def flagged_line(method: str, run: Mapping[str, Any]) -> str:
 
 
 def warn_if_flagged(health: Mapping[str, Any], where: str, advice: str) -> None:
-    """Warn (:class:`HealthWarning`, one line on the command line) when ``health`` flags the run at ``where``.
+    """Warn (:class:`HealthWarning`, one line) when ``health`` flags the run at ``where``.
 
-    ``advice``: what to change when only ``worse_than_mean`` fired, from the method's own settings
-    (:meth:`~flatbma.methods.MethodConfig.advice`; :func:`too_wide_line`).
+    ``advice``: what to change when only ``worse_than_mean`` fired (:meth:`~flatbma.methods.MethodConfig.advice`).
     """
     if not is_flagged(health):
         return

@@ -1,19 +1,15 @@
 """Per-example Jacobian-transpose rows of a network's logits, and the cross-entropy factors they meet.
 
-For a network ``f(x; w) ∈ R^C`` called as ``fn(params, x) -> logits [B, C]`` whose examples do not
-interact (eval-mode BatchNorm, no dropout), write ``J_i = ∂f(x_i; w)/∂w ∈ R^{C×d}``. Given cotangents
-``s_ik ∈ R^C`` (``k = 1..K`` per example) this module computes the rows ``r_ik = J_iᵀ s_ik``, by
-``torch.func.vmap`` over examples of ``torch.func.vjp`` of ``fn`` at one example, with the ``K``
-cotangents vmapped too: ``K`` vector-Jacobian products per example and no ``[B, C, d]`` Jacobian unless
-asked for (:func:`jacobian`, the cotangents ``e_1..e_C``).
+For ``f(x; w) ∈ R^C`` called as ``fn(params, x) -> logits [B, C]`` with non-interacting examples (eval-mode
+BatchNorm, no dropout), write ``J_i = ∂f(x_i; w)/∂w ∈ R^{C×d}``. Given cotangents ``s_ik ∈ R^C`` (``k = 1..K``
+per example), :func:`rows` computes ``r_ik = J_iᵀ s_ik`` by ``torch.func.vmap`` over examples of
+``torch.func.vjp``, the cotangents vmapped too: no ``[B, C, d]`` Jacobian unless asked for (:func:`jacobian`).
 
-A loss ``ℓ(f, y)`` with Hessian ``Λ_i = ∇²_f ℓ(f_i, y_i) = L_i L_iᵀ`` gives the generalized Gauss-Newton
+A loss with Hessian ``Λ_i = ∇²_f ℓ(f_i, y_i) = L_i L_iᵀ`` gives the generalized Gauss-Newton
 ``G = Σ_i J_iᵀ Λ_i J_i = Σ_ik r_ik r_ikᵀ`` with ``s_ik = L_i e_k`` (Martens & Grosse 2015, §A; Immer et
-al. 2021). For the cross-entropy of softmax probabilities ``p_i``, ``Λ_i = diag p_i − p_i p_iᵀ`` and
-:func:`ce_sqrt_hessian` gives the factor ``L_i = diag √p_i − p_i √p_iᵀ`` (``L Lᵀ = Λ`` since
-``diag √p · √p = p`` and ``√pᵀ√p = 1``). The empirical Fisher uses one cotangent per example, the
-loss gradient ``s_i = p_i − onehot(y_i)`` (:func:`ce_gradient`; Kunstner et al. 2019 on why it is not
-second-order information).
+al. 2021). For softmax cross-entropy ``Λ_i = diag p_i − p_i p_iᵀ`` and :func:`ce_sqrt_hessian` gives
+``L_i = diag √p_i − p_i √p_iᵀ``. The empirical Fisher uses one cotangent per example, the loss gradient
+``s_i = p_i − onehot(y_i)`` (:func:`ce_gradient`; Kunstner et al. 2019 on why it is not second-order information).
 """
 
 from __future__ import annotations

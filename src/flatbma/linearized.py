@@ -1,8 +1,7 @@
 """The predictives of the network linearized at the posterior mean ``w̄`` (Laplace's ``glm`` and ``probit``).
 
-:class:`Linearized` (the MC-GLM predictive, ``f(x; w̄) + J(x)Δ_m`` averaged like the samples) and
-:class:`Probit` (deterministic) replace the network by its linearization at ``w̄``. Both take one
-per-example Jacobian ``J(x)`` of the logits per input batch (:func:`flatbma.jacobians.jacobian`); the BMA
+:class:`Linearized` (MC-GLM, ``f(x; w̄) + J(x)Δ_m`` averaged like samples) and :class:`Probit`
+(deterministic) take one per-example Jacobian ``J(x)`` of the logits per input batch; the BMA
 (:mod:`flatbma.predict`) takes either in place of weight samples.
 """
 
@@ -69,11 +68,9 @@ class LinearizedPredictive:
 class Linearized(LinearizedPredictive):
     """The MC-GLM predictive (Immer, Korzepa & Bauer, AISTATS 2021) of ``M`` weight samples.
 
-    ``log p(y|x) = log (1/M) Σ_m softmax(f(x; w̄) + J(x)Δ_m)_y`` with ``Δ_m = w_m − w̄`` over the
-    trained parameters and ``J(x) = ∂f(x; w)/∂w`` at ``w̄``: the BMA of the network linearized at the
-    mean, the GLM whose Laplace posterior the samples are. ``J(x)`` is computed once per input batch
-    (:func:`flatbma.jacobians.jacobian`); each sample then costs one contraction
-    ``Σ_name J[name] · Δ_m[name]`` instead of a forward pass.
+    ``log p(y|x) = log (1/M) Σ_m softmax(f(x; w̄) + J(x)Δ_m)_y`` with ``Δ_m = w_m − w̄`` over the trained
+    parameters and ``J(x) = ∂f(x; w)/∂w`` at ``w̄``: the BMA of the GLM whose Laplace posterior the samples are.
+    ``J(x)`` is computed once per batch; each sample then costs one contraction ``Σ_name J[name] · Δ_m[name]``.
 
     Attributes:
         mean: ``w̄`` with its buffers (the BatchNorm statistics every linearized logit uses).
@@ -108,9 +105,8 @@ class Linearized(LinearizedPredictive):
 class Probit(LinearizedPredictive):
     """The probit approximation of the GLM predictive (MacKay 1992; Daxberger et al. 2021).
 
-    ``p(y|x) = softmax(κ ⊙ f(x; w̄))`` with ``κ_c = (1 + π/8 · σ²_c)^{−½}`` and ``σ²_c = (J(x) Σ J(x)ᵀ)_cc``
-    the variance of the linearized logit ``c`` under the posterior covariance ``Σ``. Deterministic:
-    one "sample" (``len`` 1).
+    ``p(y|x) = softmax(κ ⊙ f(x; w̄))`` with ``κ_c = (1 + π/8 · σ²_c)^{−½}`` and ``σ²_c = (J(x) Σ J(x)ᵀ)_cc``,
+    the variance of logit ``c`` under the posterior covariance ``Σ``. Deterministic: ``len`` 1.
 
     Attributes:
         mean: ``w̄`` with its buffers.
@@ -139,9 +135,8 @@ class Probit(LinearizedPredictive):
 def linearized_names(method: Posterior, state: State, names: Sequence[str]) -> list[str]:
     """The trained ``names`` a linearized predictive differentiates: those the posterior has a variance for.
 
-    ``names`` in their order, less the weights :attr:`~flatbma.types.Posterior.marginal_variance` leaves out —
-    weights the posterior holds fixed at its mean (last-layer Laplace: every weight but the classifier's),
-    whose ``Δ_m`` is 0 and whose Jacobian would not change a prediction, only cost its memory.
+    ``names`` in order, less those :attr:`~flatbma.types.Posterior.marginal_variance` leaves out (held at the mean,
+    e.g. all but the classifier's in last-layer Laplace): their ``Δ_m`` is 0, their Jacobian only costs memory.
     """
     if method.marginal_variance is None:
         return list(names)

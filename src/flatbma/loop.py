@@ -1,8 +1,7 @@
 """The one training loop. It trains any :class:`~flatbma.types.Transform`; it knows no method by name.
 
-The loop can stop anywhere (a crash, SIGKILL) and continue bit-identically from its last checkpoint:
-a :class:`Position` records the epoch, the batches of it already applied, the data-order generator's
-state at the start of the epoch and the global RNG states right after the last applied step.
+It can stop anywhere (a crash, SIGKILL) and continue bit-identically from its last checkpoint's
+:class:`Position` (epoch, batches applied, data-order generator state, global RNG states).
 """
 
 from __future__ import annotations
@@ -23,15 +22,13 @@ from flatbma.types import Batch, State, StepOutput, Transform, training_batch
 class EpochLog:
     """Mean training loss and accuracy (of the unperturbed pass) over one epoch.
 
-    With soft targets (class probabilities ``[batch, classes]``) the accuracy is the agreement of the
-    logits' top class with the targets' most probable class. Regression targets (floating point, not such
-    probabilities: a Gaussian likelihood, :mod:`flatbma.regression`) have no classes; their ``accuracy``
-    stays 0, ``loss`` is the Gaussian NLL and ``rmse`` the root mean squared error of the first output (the
-    mean ``μ``) against the targets, ``√((1/n) Σᵢ (μ(xᵢ) − yᵢ)²)`` over the epoch's examples; ``None`` otherwise.
+    With soft targets (``[batch, classes]`` probabilities) accuracy is the agreement of the logits' top class with
+    the targets' most probable class. Regression targets (a Gaussian likelihood, :mod:`flatbma.regression`) leave
+    ``accuracy`` 0; ``loss`` is the Gaussian NLL and ``rmse`` is ``√((1/n) Σᵢ (μ(xᵢ) − yᵢ)²)`` of the first output
+    (the mean ``μ``) over the epoch's examples; ``None`` otherwise.
 
-    ``stats``: the mean over the epoch's steps of every statistic a step reported
-    (:attr:`~flatbma.types.StepOutput.stats`, e.g. ``ascent/mean_shift``), over the steps that reported it.
-    ``validation``: values measured after the epoch (early stopping's validation metrics); empty when none.
+    ``stats``: each step statistic (:attr:`~flatbma.types.StepOutput.stats`, e.g. ``ascent/mean_shift``) averaged
+    over the steps that reported it. ``validation``: values measured after the epoch (early stopping's), or empty.
     """
 
     epoch: int
@@ -71,8 +68,8 @@ class Position:
         loader_rng: state of the loader's shuffling generator at the start of the epoch (or ``None``).
         torch_rng: global CPU RNG state after the last applied step.
         cuda_rng: global CUDA RNG states, when CUDA is initialized.
-        partial: running sums ``(loss·n, correct, n)`` of the current epoch (regression targets: ``correct`` is the
-            sum of squared errors of the mean, :class:`EpochLog`'s ``rmse``).
+        partial: running sums ``(loss·n, correct, n)`` of the current epoch (regression: ``correct`` is the sum of
+            squared errors of the mean).
         stats: running sums ``(name, sum, steps)`` of the current epoch's step statistics.
     """
 
@@ -133,49 +130,34 @@ def fit(
 ) -> tuple[State, History]:
     """Run ``state, out = method.update(state, batch)`` over ``epochs`` passes of ``loader``.
 
+    Step statistics are averaged into :attr:`EpochLog.stats`. On a GPU losses are summed there and read every
+    :data:`CHECK_EVERY` steps and before every checkpoint and epoch end, with the CPU's numbers (:class:`_Running`).
+
     Args:
         method: any transform (optimizer or posterior).
         state: its initial (or resumed) state.
-        loader: re-iterable of ``(x, y)`` batches or dict batches (:func:`flatbma.types.split_batch`'s keys),
-            ``y`` integer labels or class probabilities (moved to ``device`` here). For exact resumption its
-            shuffling generator is read from ``loader.generator`` (a ``torch.utils.data.DataLoader``).
+        loader: re-iterable of ``(x, y)`` or dict batches (:func:`flatbma.types.split_batch`), ``y`` integer labels
+            or class probabilities; moved to ``device`` here. Exact resumption reads its shuffling generator from
+            ``loader.generator`` (a DataLoader's).
         epochs: total number of epochs.
         device: where batches go.
-        resume: the position of a checkpoint to continue from (``state`` and ``history`` must be the
-            ones saved with it).
-        checkpoint: ``checkpoint(state, position, history)`` is called after every epoch and every
+        resume: the checkpoint position to continue from (with the ``state`` and ``history`` saved with it).
+        checkpoint: ``checkpoint(state, position, history)``, called after every epoch and every
             ``checkpoint_every`` steps, always with a state whose losses were all finite.
         checkpoint_every: step interval of intra-epoch checkpoints (0 = epoch ends only).
-        progress: show a progress bar with ETA (on a terminal, unless quiet: :mod:`flatbma.progress`;
-            never in logs or pipes, where the run's line per epoch comes from ``checkpoint``,
-            :class:`flatbma.experiment.run.logs.EpochLogger`).
+        progress: a progress bar on a terminal, unless quiet (:mod:`flatbma.progress`).
         history: the history to append to.
-        after_epoch: ``after_epoch(state, history)`` is called after each epoch is appended to ``history``
-            and before its checkpoint (it may add the epoch's ``validation`` values, which the checkpoint
-            then holds): e.g. early stopping's validation (:mod:`flatbma.experiment.run.early_stopping`).
-        stop: ``stop(history)`` is asked before every epoch (a resumed run included); training ends when it
-            says so. It must be a function of the history alone, so that a resumed run stops where the
-            uninterrupted one did.
-        regression: the targets are regression ones (a Gaussian likelihood): every epoch records its ``rmse``
-            (:class:`EpochLog`), a run resumed right at an epoch's end included. Floating-point targets that are
-            not class probabilities are taken as such anyway, from the first step of an epoch.
-        num_classes: the model's classes: every batch's integer labels are checked to lie in
-            ``[0, num_classes)`` before its step (:func:`check_labels`, a minimum and maximum of the labels where
-            the loader put them), so that a bad label in any batch is one :class:`~flatbma.errors.FlatbmaError`,
-            not the loss's ``IndexError`` (or a device-side assert on a GPU); ``None``: not checked.
-
-    The epoch's step statistics (:attr:`~flatbma.types.StepOutput.stats`) are averaged into
-    :attr:`EpochLog.stats`; their running sums are part of every :class:`Position`.
-
-    On a GPU the step's loss, accuracy and statistics are summed there and read every :data:`CHECK_EVERY`
-    steps, before every checkpoint and at every epoch end (a host read each: the steps in between need no
-    synchronization with the host); the sums, the history and the divergence report are the same numbers
-    either way (:class:`_Running`). A progress bar on a terminal reads the running loss at every step.
+        after_epoch: ``after_epoch(state, history)``, called after each epoch is appended and before its
+            checkpoint; it may add the epoch's ``validation`` values (early stopping).
+        stop: ``stop(history)``, asked before every epoch; training ends when it says so. It must depend on the
+            history alone, so a resumed run stops where the uninterrupted one did.
+        regression: regression targets: every epoch records its ``rmse`` (also inferred from float targets that
+            are not class probabilities).
+        num_classes: check every batch's integer labels lie in ``[0, num_classes)`` (:func:`check_labels`), so a
+            bad label is a :class:`~flatbma.errors.FlatbmaError`, not a device-side assert; ``None``: unchecked.
 
     Raises:
-        DivergenceError: on a non-finite loss or a failed linear solve (a covariance that is no longer
-            positive definite); nothing is checkpointed after the last good state. A non-finite loss of a step
-            whose inputs held NaN or inf says so (``cause="inputs"``): no step size is to blame.
+        DivergenceError: a non-finite loss (``cause="inputs"`` if the inputs held NaN/inf) or a failed linear solve.
         FlatbmaError: a label out of range (with ``num_classes``).
     """
     history = history if history is not None else History()
@@ -234,7 +216,7 @@ def fit(
 def check_labels(y: Tensor, num_classes: int, batch: int, epoch: int) -> None:
     """Raise :class:`FlatbmaError` unless the integer labels ``y`` lie in ``[0, num_classes)`` (soft targets pass).
 
-    One minimum and maximum over the batch, where it lies (on the CPU before it moves, as loaders give it).
+    One minimum and maximum over the batch, on the device where it lies.
     """
     if y.is_floating_point() or y.numel() == 0:
         return
@@ -259,16 +241,11 @@ def _lazy(device: torch.device | str) -> bool:
 class _Running:
     """An epoch's running sums — loss·n, correct predictions, n, every step statistic — and its divergence check.
 
-    For regression targets (:attr:`regression`: floating point, not class probabilities) the second sum is that of
-    the squared errors ``(μ(xᵢ) − yᵢ)²`` of the first output, the mean of a Gaussian likelihood.
-
-    The sums are float64 tensors added in the order of the steps, as Python floats would be: the same
-    numbers whatever the device. On a GPU they stay there and the losses of the steps since the last
-    :meth:`check` are read together, every :data:`CHECK_EVERY` steps and before every checkpoint and epoch
-    end, so that a step does not wait for the host to read its loss; elsewhere (a CPU, where reading costs
-    nothing) every step's loss is checked at once. A non-finite loss is reported with the step and value it
-    had either way, and the last checkpoint is the same: on a GPU the steps after it up to the check run
-    in vain, their states never saved.
+    For regression targets the second sum is of the squared errors of the first output (the mean). The sums are
+    float64 tensors added in step order: the same numbers on any device. On a GPU they stay there and pending
+    losses are read together, every :data:`CHECK_EVERY` steps and before every checkpoint and epoch end, so no
+    step waits for the host; on a CPU every loss is checked at once. Either way a non-finite loss is reported with
+    its step and value, and the last checkpoint is the same.
     """
 
     def __init__(self, resume: Position | None, device: torch.device | str, epoch: int) -> None:
@@ -290,8 +267,7 @@ class _Running:
     def add(self, step: int, out: StepOutput, y: Tensor, x: Tensor | None = None) -> None:
         """Add one step's outputs (``step``: the state's step after it; ``x``: its inputs); check its loss off a GPU.
 
-        Whether ``x`` was finite is kept beside the loss (a device reduction, read only with it), so that a
-        non-finite loss caused by the data is reported as such.
+        Whether ``x`` was finite is kept beside the loss, so a non-finite loss caused by the data is reported as such.
         """
         loss = self._scalar(out.loss)
         finite = torch.isfinite(x).all() if x is not None and x.is_floating_point() else None  # read with the loss

@@ -1,14 +1,11 @@
 """The method registry: names used in configs, ``flatbma methods`` and :func:`flatbma.fit_posterior` → family + ascent.
 
-This is the only place where methods are looked up by string. A method is a posterior family
-(:class:`~flatbma.family.Family`: its ``build``, its frozen options dataclass and its rules, all in the family's
-own module) composed with an optional ascent step class, so a flat-seeking variant is an entry that names the
-same family with an ascent step — never a copy. Family options are the fields of the family's options
-dataclass (their defaults live there); ascent options are the fields of the ascent dataclass; both are
-parsed from their dataclasses alike. A method with an ascent step also takes the options of
-:class:`~flatbma.optim.Amortized` (``ascent_every``, ``reuse``, ``reuse_alpha``, ``ascent_fraction``: its
-second pass every ``k`` steps, on a fraction of the batch), which wrap the step; given none of them, the
-method is its plain step and its resolved section names none of them.
+The only place methods are looked up by string. A method is a posterior family
+(:class:`~flatbma.family.Family`, defined in its own module) composed with an optional ascent step class, so a
+flat-seeking variant names the same family with an ascent step. Family and ascent options are the fields of
+their dataclasses (defaults there), parsed alike. A method with an ascent step also takes the options of
+:class:`~flatbma.optim.Amortized` (``ascent_every``, ``reuse``, ``reuse_alpha``, ``ascent_fraction``: the second
+pass every ``k`` steps, on a fraction of the batch); given none, its resolved section names none of them.
 """
 
 from __future__ import annotations
@@ -120,12 +117,10 @@ class MethodConfig:
     ) -> Posterior:
         """Build the method's transform for ``objective`` and ``optimizer``.
 
-        With ``prior`` (a low-rank plus diagonal Gaussian in ``θ`` layout, e.g. the ``gaussian`` of a
-        SWAG posterior) the family's ``with_prior`` builder is used: the prior replaces the family's
-        default one, so options of that default (``prior_std``) do not apply.
-
-        ``map_steps`` (``train.epochs`` × steps per epoch) resolves a ``start_step: null`` (:meth:`resolved`),
-        and holds the learning rate from there where the family asks (:attr:`~flatbma.family.Family.hold_lr`).
+        With ``prior`` (a low-rank plus diagonal Gaussian in ``θ`` layout, e.g. a SWAG posterior's ``gaussian``) the
+        family's ``with_prior`` builds it; the prior replaces the family's default one (``prior_std`` does not apply).
+        ``map_steps`` (``train.epochs`` × steps per epoch) resolves ``start_step: null`` (:meth:`resolved`) and holds
+        the learning rate from there where the family asks (:attr:`~flatbma.family.Family.hold_lr`).
         """
         if map_steps is not None:
             held = self.held_from(map_steps)
@@ -158,9 +153,8 @@ class MethodConfig:
     def first_stage(self, prior_method: MethodConfig) -> MethodConfig:
         """The method of a two-stage run's first stage, given ``prior.method``.
 
-        A mixture's is plain ``multi`` of ``prior.method`` with the same members and member seed, so member
-        ``m`` of the first stage starts from the same independent initialization as member ``m`` of the second
-        (:func:`flatbma.posteriors.members.member_initializations`) and fits member ``m``'s prior.
+        A mixture's is ``multi`` of ``prior.method`` with the same members and member seed, so member ``m`` of both
+        stages starts from the same initialization and the first fits member ``m``'s prior.
         """
         of = self.family.of
         if of is None or not of.members:
@@ -175,10 +169,7 @@ class MethodConfig:
             check(self, stage)
 
     def phases_after(self) -> tuple[Phase, ...]:
-        """The phases the run takes after ``train.epochs``: its family's, then the longest of a nested section's.
-
-        A family's are those its options declare (:func:`flatbma.types.phases_after`; Laplace's curvature phase).
-        """
+        """The phases after ``train.epochs``: its family's (Laplace's curvature), then a nested section's longest."""
         nested = [v.phases_after() for v in self.options.values() if isinstance(v, MethodConfig)]
         longest = max(nested, key=lambda ps: sum(p.epochs or 0 for p in ps), default=())
         return phases_after(self.family.options) + longest
@@ -194,11 +185,10 @@ class MethodConfig:
         return own or any(v.needs_weights() for v in self.options.values() if isinstance(v, MethodConfig))
 
     def resolved(self, map_steps: int) -> MethodConfig:
-        """This section with ``start_step: null`` set to the family's ``start(map_steps)`` (families with one).
+        """This section with ``start_step: null`` set to the family's ``start(map_steps)``, then its ``resolve``.
 
-        Laplace: ``map_steps`` (its curvature pass follows the whole MAP); SWAG: the last quarter. Then the
-        family's ``resolve`` (SWAG's ``collect_every: auto``). Nested sections (``multi``'s ``of``) are resolved
-        the same way.
+        Laplace: ``map_steps`` (its curvature pass follows the whole MAP); SWAG: the last quarter, and
+        ``collect_every: auto``. Nested sections are resolved the same way.
         """
         options = {k: v.resolved(map_steps) if isinstance(v, MethodConfig) else v for k, v in self.options.items()}
         family = self.family
@@ -211,8 +201,7 @@ class MethodConfig:
     def after_map(self) -> list[MethodConfig]:
         """The sections (itself, a nested one) whose posterior phase starts after a MAP phase of ``start_step`` updates.
 
-        Those of a family with a ``start`` (Laplace, SWAG): what :func:`flatbma.fit_posterior`'s ``posthoc``
-        skips, resolving their ``start_step: null`` to 0.
+        Those of a family with a ``start`` (Laplace, SWAG): what ``posthoc`` skips, resolving ``start_step: null`` to 0.
         """
         nested = [c for v in self.options.values() if isinstance(v, MethodConfig) for c in v.after_map()]
         return ([self] if self.family.start is not None else []) + nested
@@ -220,9 +209,8 @@ class MethodConfig:
     def held_from(self, map_steps: int) -> int | None:
         """The update from which the learning rate is held constant (the family's ``hold_lr``), or ``None``.
 
-        SWAG with ``start_step: null``: the last quarter's first update, its collection window's start; a
-        nested section's (MultiSWAG's members share one optimizer). An explicit ``start_step`` keeps the
-        ``optim`` schedule as it is.
+        SWAG with ``start_step: null``: its collection window's first update; or a nested section's (MultiSWAG's
+        members share one optimizer). An explicit ``start_step`` keeps the ``optim`` schedule.
         """
         family = self.family
         if family.hold_lr and family.start is not None and self.options.get("start_step", 0) is None:
@@ -312,8 +300,7 @@ def register(spec: MethodSpec) -> MethodSpec:
 def parse_method(data: Any, where: str = "method") -> MethodConfig:
     """Parse the ``method`` config section: ``{name: sam, rho: 0.05, ...}``.
 
-    Family options (the fields of the family's options dataclass; a nested ``of`` by :func:`_parse_of`) come
-    first in the order the section gives them, then the others with their defaults.
+    Family options come first in the section's order, then the others with their defaults.
     """
     if isinstance(data, str):
         data = {"name": data}

@@ -1,11 +1,9 @@
 """Every number a run reports by name, in one table: its key, how it reads, which end is better, its range.
 
-A metric is computed where its maths lives — :mod:`flatbma.metrics` for a classifier's predictive,
-:mod:`flatbma.regression` for a Gaussian regression's, :mod:`flatbma.flatness` for the flatness protocol —
-and this table is the one place its name is spelled for what reads the results: the test metrics a run's
-evaluation keeps (:func:`test_keys`), the line ``flatbma train`` prints (:data:`SUMMARY`), the comparison's
-tables, findings and figures (:mod:`flatbma.experiment.report.rows` adds how to read each from a run). A new
-metric is its computation and one row here.
+A metric is computed where its maths lives (:mod:`flatbma.metrics`, :mod:`flatbma.regression`,
+:mod:`flatbma.flatness`); this table is the one place its name is spelled for what reads the results (the
+test metrics kept, :func:`test_keys`; the line ``flatbma train`` prints, :data:`SUMMARY`; the comparison's
+tables, findings and figures). A new metric is its computation and one row here.
 """
 
 from __future__ import annotations

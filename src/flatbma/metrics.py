@@ -1,37 +1,23 @@
 """Classification and uncertainty metrics of a BMA predictive, offline and streaming.
 
-Over 500 lines on purpose: the offline metrics and their streaming versions
-(:class:`StreamingMetrics`) must give the same numbers, so both use the
-one input validation (``_check_inputs``), the one per-example decomposition and the same binning
-helpers defined here; split apart, either half would import the other's private helpers.
+Over 500 lines on purpose: the offline metrics and :class:`StreamingMetrics` must give the same numbers,
+so they share one input validation, per-example decomposition and binning helpers.
 
-Every function takes the BMA predictive **log-probabilities** ``log_probs`` of shape ``[B, C]`` (the
-log-mean-exp over posterior samples of the per-sample log-softmax, computed elsewhere, e.g. by
-:mod:`flatbma.predict`) and integer labels of shape ``[B]``. Notation: ``p_ic = exp(log_probs[i, c])``,
-prediction ``ŷ_i = argmax_c p_ic`` (ties go to the lowest class index), confidence
-``conf_i = max_c p_ic``, ``correct_i = 1[ŷ_i = y_i]``, ``n = B``.
+Every function takes the BMA predictive **log-probabilities** ``log_probs`` ``[B, C]`` (e.g. from
+:mod:`flatbma.predict`) and integer labels ``[B]``. Notation: ``p_ic = exp(log_probs[i, c])``,
+``ŷ_i = argmax_c p_ic`` (ties to the lowest class index), ``conf_i = max_c p_ic``,
+``correct_i = 1[ŷ_i = y_i]``, ``n = B``.
 
-**Soft targets.** Instead of labels, every function takes float class probabilities ``q`` of shape
-``[B, C]`` (rows non-negative, summing to 1 within 1e-4: label-smoothed or mixed targets, what training
-accepts, :func:`flatbma.types.training_batch`). Each metric then compares the predictive with ``q``:
+**Soft targets.** Labels may instead be float class probabilities ``q`` ``[B, C]`` (rows non-negative,
+summing to 1 within 1e-4, as :func:`flatbma.types.training_batch` accepts). NLL is then the cross-entropy
+``−Σ_c q_ic log p_ic`` (``q_ic = 0`` terms count 0), Brier ``Σ_c (p_ic − q_ic)²``, and accuracy, ECE,
+adaptive ECE and the reliability diagram score correctness against ``y_i = argmax_c q_ic`` (ties to the
+lowest index; calibration needs a yes/no outcome). One-hot rows give exactly the numbers of their labels.
 
-* NLL is the cross-entropy ``−Σ_c q_ic log p_ic`` (terms with ``q_ic = 0`` count 0, even where ``p_ic = 0``);
-* Brier is ``Σ_c (p_ic − q_ic)²``;
-* accuracy, ECE, adaptive ECE and the reliability diagram score correctness against the label
-  ``y_i = argmax_c q_ic`` (ties to the lowest index): calibration of a top-class confidence needs a yes/no
-  outcome per example, and a soft target's most probable class is the one a hard label would name —
-  the choice keeps these metrics those of the labels that the targets smooth.
-
-One-hot rows give exactly the numbers of their labels.
-
-All arithmetic is done in float64, whatever the input dtype. Offline functions see the whole arrays;
-:class:`StreamingMetrics` keeps O(bins) sums that can be summed across
-processes (``state_tensors`` → ``torch.distributed.all_reduce`` → ``load_state_tensors``), and give the
-offline values up to float64 rounding (accuracy, NLL, Brier, ECE) or up to a stated binning error
-(adaptive ECE).
-
-Bad input that the user can fix (wrong shapes, labels out of range, log-probabilities that are not
-normalized, such as logits or probabilities) raises :class:`~flatbma.errors.FlatbmaError`.
+All arithmetic is float64. :class:`StreamingMetrics` keeps O(bins) sums that can be summed across processes
+and matches the offline values up to float64 rounding (adaptive ECE: up to a stated binning error).
+Malformed input (wrong shapes, labels out of range, unnormalized log-probabilities such as logits) raises
+:class:`~flatbma.errors.FlatbmaError`.
 """
 
 from __future__ import annotations
@@ -67,8 +53,7 @@ _F64 = torch.float64
 # input checks
 # --------------------------------------------------------------------------------------------------
 def _normalization_atol(dtype: torch.dtype) -> float:
-    # Loose enough for a log-mean-exp computed in float32 (or half precision), tight enough to reject
-    # logits and probabilities, whose log-sum-exp is essentially never within 1e-3 of 0.
+    # Loose enough for a float32/half log-mean-exp, tight enough to reject logits and probabilities.
     return max(1e-3, 8.0 * torch.finfo(dtype).eps)
 
 
@@ -190,11 +175,7 @@ _SOFT_ATOL = 1e-4
 
 
 def _per_example(lp: Tensor, y: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Float64 ``(conf, correct, nll, brier)`` per example from checked inputs: labels ``[B]`` or soft targets.
-
-    Soft targets ``q`` ``[B, C]``: ``nll_i = −Σ_c q_ic log p_ic`` (a ``q_ic = 0`` term is 0), ``brier_i =
-    Σ_c (p_ic − q_ic)²``, ``correct_i`` against ``argmax_c q_ic`` (the module docstring says why).
-    """
+    """Float64 ``(conf, correct, nll, brier)`` per example from checked labels ``[B]`` or soft targets ``[B, C]``."""
     max_lp, pred = lp.max(dim=1)  # first maximal index on ties
     conf = max_lp.exp()
     p = lp.exp()
@@ -213,20 +194,17 @@ def _per_example(lp: Tensor, y: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]
 def bin_index(values: Tensor, n_bins: int) -> Tensor:
     """Index of the equal-width bin of ``[0, 1]`` holding each value.
 
-    Bin ``b`` covers ``(b/n_bins, (b+1)/n_bins]``, except that 0 goes in the first bin; values outside
-    ``[0, 1]`` (rounding) go in the first or last bin. The rule, evaluated in float64, is::
-
-        idx = clamp(ceil(value * n_bins) - 1, 0, n_bins - 1)
-
-    so with ``n_bins=4``: 0 → 0, 0.25 → 0, 0.5 → 1, 0.75 → 2, 1.0 → 3. A value on a bin edge that
-    float64 cannot represent exactly (e.g. 0.2 with 15 bins) may land on either side of it.
+    ``idx = clamp(ceil(value * n_bins) - 1, 0, n_bins - 1)`` in float64: bin ``b`` covers
+    ``(b/n_bins, (b+1)/n_bins]``, 0 goes in the first bin and values outside ``[0, 1]`` in the first or last
+    (``n_bins=4``: 0 → 0, 0.25 → 0, 0.5 → 1, 1.0 → 3). An edge float64 cannot represent exactly (0.2 with
+    15 bins) may land on either side.
 
     Args:
         values: Values in ``[0, 1]`` (e.g. confidences), any shape.
         n_bins: Number of bins, ≥ 1.
 
     Returns:
-        int64 tensor of bin indices, shaped like ``values``.
+        int64 bin indices shaped like ``values``.
     """
     n_bins = _check_positive_int(n_bins, "n_bins")
     idx = torch.ceil(values.to(_F64) * n_bins) - 1
@@ -261,10 +239,7 @@ def _reliability_from_bins(sums: Tensor, n_bins: int) -> dict[str, Tensor]:
 
 
 def _equal_mass_boundaries(n: int, n_groups: int) -> list[int]:
-    """Ranks ``P_0 = 0 < … ≤ P_G = n`` splitting ``n`` sorted items into ``G`` nearly equal chunks.
-
-    Same sizes as ``numpy.array_split``: the first ``n mod G`` chunks hold one item more.
-    """
+    """Ranks ``P_0 = 0 ≤ … ≤ P_G = n`` splitting ``n`` items into ``G`` chunks sized as ``numpy.array_split``."""
     q, r = divmod(n, n_groups)
     return [g * q + min(g, r) for g in range(n_groups + 1)]
 
@@ -287,14 +262,7 @@ def _auroc_counts(scores_in: Tensor, scores_out: Tensor) -> Tensor:
 # offline metrics
 # --------------------------------------------------------------------------------------------------
 def accuracy(log_probs: Tensor, labels: Tensor) -> float:
-    """Top-1 accuracy ``(1/n) Σ_i 1[argmax_c p_ic = y_i]``; ties in ``p`` go to the lowest class index.
-
-    Args:
-        log_probs: ``[B, C]`` predictive log-probabilities (float32 or float64).
-        labels: ``[B]`` integer class labels in ``[0, C)``.
-
-    Returns:
-        The accuracy in ``[0, 1]``.
+    """Top-1 accuracy ``(1/n) Σ_i 1[argmax_c p_ic = y_i]``, in ``[0, 1]``; ties go to the lowest class index.
 
     Raises:
         FlatbmaError: If the inputs are malformed (see the module docstring).
@@ -305,18 +273,9 @@ def accuracy(log_probs: Tensor, labels: Tensor) -> float:
 
 
 def nll(log_probs: Tensor, labels: Tensor) -> float:
-    """Mean negative log-likelihood ``(1/n) Σ_i −log p(y_i | x_i)``, read directly off the log-probs.
+    """Mean negative log-likelihood ``(1/n) Σ_i −log p(y_i | x_i)`` in nats, in ``[0, +inf]``.
 
-    No probability is clamped: the value is finite whenever every true class has ``p > 0`` (other
-    classes may have ``p = 0``, i.e. log-prob ``-inf``), and ``+inf`` if some true class has
-    log-prob ``-inf``.
-
-    Args:
-        log_probs: ``[B, C]`` predictive log-probabilities (float32 or float64).
-        labels: ``[B]`` integer class labels in ``[0, C)``.
-
-    Returns:
-        The mean NLL in nats, in ``[0, +inf]``.
+    Nothing is clamped: the value is ``+inf`` if some true class has log-prob ``-inf``.
 
     Raises:
         FlatbmaError: If the inputs are malformed (see the module docstring).
@@ -327,19 +286,10 @@ def nll(log_probs: Tensor, labels: Tensor) -> float:
 
 
 def brier(log_probs: Tensor, labels: Tensor) -> float:
-    """Brier score summed over classes, averaged over examples: ``(1/n) Σ_i Σ_c (p_ic − 1[y_i = c])²``.
+    """Brier score ``(1/n) Σ_i Σ_c (p_ic − 1[y_i = c])²``, in ``[0, 2]`` (multi-class definition, Brier 1950).
 
-    The multi-class definition (Brier 1950), applied to every number of classes: with two classes it
-    is **twice** scikit-learn's ``brier_score_loss(y, p_1)``, which scores only the positive class,
-    ``(1/n) Σ_i (p_i1 − y_i)²`` — both classes contribute the same squared error. Halve it to compare
-    with binary Brier scores reported that way.
-
-    Args:
-        log_probs: ``[B, C]`` predictive log-probabilities (float32 or float64).
-        labels: ``[B]`` integer class labels in ``[0, C)``.
-
-    Returns:
-        The Brier score, in ``[0, 2]``.
+    With two classes it is **twice** scikit-learn's ``brier_score_loss(y, p_1)``, which scores only the
+    positive class; halve it to compare with binary Brier scores.
 
     Raises:
         FlatbmaError: If the inputs are malformed (see the module docstring).
@@ -350,21 +300,11 @@ def brier(log_probs: Tensor, labels: Tensor) -> float:
 
 
 def ece(log_probs: Tensor, labels: Tensor, n_bins: int = 15) -> float:
-    """Expected calibration error with equal-width confidence bins.
+    """Expected calibration error with ``n_bins`` equal-width confidence bins, in ``[0, 1]``.
 
-    ``ECE = Σ_b (n_b / n) |acc_b − conf_b|``, where bin ``b`` holds the examples whose confidence
-    ``max_c p_ic`` has :func:`bin_index` ``b`` (bin ``b`` covers ``(b/n_bins, (b+1)/n_bins]``,
-    confidence 0 goes in the first bin and 1.0 in the last), ``n_b`` is its size, and ``acc_b`` /
-    ``conf_b`` are its mean correctness and mean confidence. Empty bins contribute 0. Equivalently
-    ``ECE = (1/n) Σ_b |Σ_{i∈b} correct_i − Σ_{i∈b} conf_i|``, which is how it is computed.
-
-    Args:
-        log_probs: ``[B, C]`` predictive log-probabilities (float32 or float64).
-        labels: ``[B]`` integer class labels in ``[0, C)``.
-        n_bins: Number of equal-width bins on ``[0, 1]``.
-
-    Returns:
-        The ECE, in ``[0, 1]``.
+    ``ECE = Σ_b (n_b / n) |acc_b − conf_b| = (1/n) Σ_b |Σ_{i∈b} correct_i − Σ_{i∈b} conf_i|``, where bin ``b``
+    holds the examples whose confidence has :func:`bin_index` ``b``, ``n_b`` is its size and ``acc_b`` /
+    ``conf_b`` its mean correctness and confidence; empty bins contribute 0.
 
     Raises:
         FlatbmaError: If the inputs are malformed or ``n_bins < 1``.
@@ -377,21 +317,11 @@ def ece(log_probs: Tensor, labels: Tensor, n_bins: int = 15) -> float:
 
 
 def adaptive_ece(log_probs: Tensor, labels: Tensor, n_bins: int = 15) -> float:
-    """Adaptive (equal-mass) ECE.
+    """Adaptive (equal-mass) ECE, in ``[0, 1]``.
 
-    The examples are sorted by confidence (stable sort, so tied confidences keep their input order)
-    and split into ``n_bins`` consecutive chunks of nearly equal size — the first ``n mod n_bins``
-    chunks hold ``⌊n / n_bins⌋ + 1`` examples, the others ``⌊n / n_bins⌋`` (as ``numpy.array_split``;
-    when ``n < n_bins`` some chunks are empty and contribute 0). Then, as for :func:`ece`,
-    ``aECE = Σ_g (n_g / n) |acc_g − conf_g| = (1/n) Σ_g |Σ_{i∈g} correct_i − Σ_{i∈g} conf_i|``.
-
-    Args:
-        log_probs: ``[B, C]`` predictive log-probabilities (float32 or float64).
-        labels: ``[B]`` integer class labels in ``[0, C)``.
-        n_bins: Number of equal-mass chunks.
-
-    Returns:
-        The adaptive ECE, in ``[0, 1]``.
+    The examples are stably sorted by confidence and split into ``n_bins`` consecutive chunks sized as
+    ``numpy.array_split`` (empty chunks, when ``n < n_bins``, contribute 0); then, as for :func:`ece`,
+    ``aECE = (1/n) Σ_g |Σ_{i∈g} correct_i − Σ_{i∈g} conf_i|``.
 
     Raises:
         FlatbmaError: If the inputs are malformed or ``n_bins < 1``.
@@ -408,13 +338,7 @@ def adaptive_ece(log_probs: Tensor, labels: Tensor, n_bins: int = 15) -> float:
 
 
 def predictive_entropy(log_probs: Tensor) -> Tensor:
-    """Entropy of each predictive distribution, ``H_i = −Σ_c p_ic log p_ic`` (nats, ``0 · log 0 = 0``).
-
-    Args:
-        log_probs: ``[B, C]`` predictive log-probabilities (float32 or float64).
-
-    Returns:
-        ``[B]`` float64 entropies in ``[0, log C]``.
+    """Entropy of each predictive, ``H_i = −Σ_c p_ic log p_ic`` (``0 · log 0 = 0``): ``[B]`` float64 nats.
 
     Raises:
         FlatbmaError: If ``log_probs`` is malformed.
@@ -425,22 +349,20 @@ def predictive_entropy(log_probs: Tensor) -> Tensor:
 def uncertainty_decomposition(sample_log_probs: Tensor) -> dict[str, Tensor]:
     """Total, aleatoric and epistemic uncertainty of each example's BMA, from its per-sample predictives.
 
-    With ``p_m = exp(sample_log_probs[m])`` the predictive of sample ``m`` and ``p̄ = (1/M) Σ_m p_m`` the BMA
-    (computed as ``logsumexp_m − log M``)::
+    With ``p_m = exp(sample_log_probs[m])`` and the BMA ``p̄ = (1/M) Σ_m p_m``::
 
         total      H[p̄]                       (the BMA's predictive entropy)
-        aleatoric  (1/M) Σ_m H[p_m]           (expected entropy: the noise every sample sees)
-        epistemic  H[p̄] − (1/M) Σ_m H[p_m]    (mutual information I(y; w | x) between label and weights)
+        aleatoric  (1/M) Σ_m H[p_m]           (expected entropy)
+        epistemic  H[p̄] − (1/M) Σ_m H[p_m]    (mutual information I(y; w | x))
 
-    (Houlsby et al. 2011, BALD; Depeweg et al., ICML 2018). ``epistemic ≥ 0`` by Jensen's inequality
-    (entropy is concave), up to float64 rounding; it is 0 for one sample or identical samples.
+    (Houlsby et al. 2011, BALD; Depeweg et al., ICML 2018). ``epistemic ≥ 0`` up to rounding (Jensen).
 
     Args:
         sample_log_probs: ``[M, B, C]`` per-sample log-probabilities (each row normalized).
 
     Returns:
-        ``{"total", "aleatoric", "epistemic"}``: ``[B]`` float64 tensors in nats, ``total = aleatoric + epistemic``
-        exactly (``epistemic`` is defined as the difference).
+        ``{"total", "aleatoric", "epistemic"}``: ``[B]`` float64 tensors in nats; ``total = aleatoric + epistemic``
+        exactly.
 
     Raises:
         FlatbmaError: If ``sample_log_probs`` is not ``[M, B, C]`` or a row is malformed.
@@ -461,10 +383,8 @@ def uncertainty_decomposition(sample_log_probs: Tensor) -> dict[str, Tensor]:
 def ood_auroc(entropy_in: Tensor, entropy_out: Tensor) -> float:
     """AUROC of predictive entropy as a detector of out-of-distribution (OOD) inputs.
 
-    ``AUROC = P(H_out > H_in) + ½ P(H_out = H_in)`` for independent draws from the two sets, i.e.
-    ``(1 / (n_in n_out)) Σ_{i,o} (1[H_o > H_i] + ½ 1[H_o = H_i])`` (the Mann–Whitney statistic; equal
-    to the area under the ROC curve with OOD as the positive class). Computed exactly with integer
-    counts in O((n_in + n_out) log n_in).
+    ``AUROC = P(H_out > H_in) + ½ P(H_out = H_in)`` (the Mann–Whitney statistic, OOD the positive class),
+    computed exactly with integer counts in O((n_in + n_out) log n_in).
 
     Args:
         entropy_in: ``[n_in]`` scores of in-distribution examples (e.g. :func:`predictive_entropy`).
@@ -485,15 +405,9 @@ def ood_auroc(entropy_in: Tensor, entropy_out: Tensor) -> float:
 def reliability_diagram(log_probs: Tensor, labels: Tensor, n_bins: int = 15) -> dict[str, Tensor]:
     """Per-bin statistics of the equal-width confidence binning used by :func:`ece`.
 
-    Args:
-        log_probs: ``[B, C]`` predictive log-probabilities (float32 or float64).
-        labels: ``[B]`` integer class labels in ``[0, C)``.
-        n_bins: Number of equal-width bins on ``[0, 1]``.
-
     Returns:
-        A dict of float64 CPU tensors: ``bin_edges`` ``[n_bins + 1]`` (``linspace(0, 1)``), ``count``
-        ``[n_bins]`` (``n_b``), ``confidence`` ``[n_bins]`` (mean confidence ``conf_b``) and
-        ``accuracy`` ``[n_bins]`` (``acc_b``); the last two are NaN for empty bins.
+        Float64 CPU tensors: ``bin_edges`` ``[n_bins + 1]``, and ``[n_bins]`` ``count`` (``n_b``),
+        ``confidence`` (``conf_b``) and ``accuracy`` (``acc_b``); the last two are NaN for empty bins.
 
     Raises:
         FlatbmaError: If the inputs are malformed or ``n_bins < 1``.
@@ -522,20 +436,13 @@ def _check_state(states: Sequence[Tensor], shapes: list[tuple[int, ...]], owner:
 class StreamingMetrics:
     """Accuracy, NLL, Brier, ECE and adaptive ECE accumulated over batches in O(bins) memory.
 
-    State (all float64): the totals ``n``, ``Σ correct``, ``Σ −log p(y|x)``, ``Σ Brier``; for each of
-    the ``n_bins`` equal-width bins of :func:`ece` the count, ``Σ conf`` and ``Σ correct``; and the same
-    three sums over ``n_fine_bins`` equal-width fine bins of ``[0, 1]`` (same :func:`bin_index` rule).
+    State (float64): totals ``n``, ``Σ correct``, ``Σ −log p(y|x)``, ``Σ Brier``, and the count, ``Σ conf`` and
+    ``Σ correct`` per bin of the ``n_bins`` :func:`ece` bins and of ``n_fine_bins`` fine equal-width bins.
+    Accuracy, NLL, Brier and ECE equal the offline functions on the concatenated data up to float64 rounding.
 
-    Accuracy, NLL, Brier and ECE equal :func:`accuracy`, :func:`nll`, :func:`brier` and :func:`ece` on
-    the concatenated data up to float64 rounding, however the data is split into batches.
-
-    Adaptive ECE is computed from the fine histogram: the examples inside a fine bin are treated as
-    indistinguishable, so the equal-mass chunk boundaries of :func:`adaptive_ece` (ranks ``P_g``) are
-    placed by linear interpolation of the cumulative fine-bin sums (a fine bin straddling a boundary
-    is shared in proportion to its count). This is exact up to the fine-bin resolution: it equals the
-    offline value (up to rounding) whenever no fine bin holds examples of two different chunks — in
-    particular when every fine bin holds at most one example — and otherwise differs from it by at
-    most ``(2/n) Σ_j n_j`` over the fine bins ``j`` that straddle a chunk boundary.
+    Adaptive ECE places the equal-mass chunk boundaries of :func:`adaptive_ece` by linear interpolation of
+    the cumulative fine-bin sums. It equals the offline value whenever no fine bin holds examples of two
+    chunks, and otherwise differs by at most ``(2/n) Σ_j n_j`` over the fine bins ``j`` straddling a boundary.
 
     Distributed use (sum the state over processes, then compute anywhere)::
 
@@ -547,9 +454,8 @@ class StreamingMetrics:
 
     Args:
         num_classes: Number of classes ``C``; every batch must have ``C`` columns.
-        n_bins: Number of equal-width bins for ECE and the reliability diagram.
-        n_fine_bins: Number of equal-width fine bins used for adaptive ECE (also its number of groups
-            is ``n_bins``).
+        n_bins: Number of bins for ECE and the reliability diagram, and of chunks for adaptive ECE.
+        n_fine_bins: Number of fine bins that adaptive ECE interpolates.
         device: Device holding the state (put it where the log-probs are to avoid transfers).
 
     Raises:
@@ -580,9 +486,8 @@ class StreamingMetrics:
         """Add a batch (an empty batch is a no-op).
 
         Args:
-            log_probs: ``[B, C]`` predictive log-probabilities (float32 or float64).
-            labels: ``[B]`` integer class labels in ``[0, C)``, or soft targets: float class probabilities
-                ``[B, C]`` (the module docstring says how each metric reads them).
+            log_probs: ``[B, C]`` predictive log-probabilities.
+            labels: ``[B]`` integer class labels, or ``[B, C]`` soft targets.
 
         Raises:
             FlatbmaError: If the inputs are malformed or ``C != num_classes``.
@@ -604,10 +509,7 @@ class StreamingMetrics:
         return n
 
     def compute(self) -> dict[str, float]:
-        """Metrics of all examples seen so far.
-
-        Returns:
-            ``{"accuracy", "nll", "ece", "aece", "brier", "n"}`` as floats (``n`` is the example count).
+        """Metrics of all examples seen so far: ``{"accuracy", "nll", "ece", "aece", "brier", "n"}`` as floats.
 
         Raises:
             FlatbmaError: If no example has been seen.
@@ -638,26 +540,15 @@ class StreamingMetrics:
         return float(d_at.diff().abs().sum() / n)
 
     def reliability(self) -> dict[str, Tensor]:
-        """Reliability diagram of all examples seen so far; same keys as :func:`reliability_diagram`.
-
-        Returns:
-            ``bin_edges``, ``count``, ``confidence``, ``accuracy`` (float64 CPU tensors).
-        """
+        """Reliability diagram of all examples seen so far, as :func:`reliability_diagram` returns it."""
         return _reliability_from_bins(self._bins, self.n_bins)
 
     def state_tensors(self) -> list[Tensor]:
-        """Copies of the state, as float64 tensors to be summed across processes.
-
-        Returns:
-            ``[totals [4], bins [3, n_bins], fine bins [3, n_fine_bins]]`` on the state device.
-        """
+        """Copies of the state to sum across processes: ``[totals [4], bins [3, n_bins], fine [3, n_fine_bins]]``."""
         return [self._totals.clone(), self._bins.clone(), self._fine.clone()]
 
     def load_state_tensors(self, states: Sequence[Tensor]) -> None:
-        """Replace the state by ``states`` (e.g. after summing :meth:`state_tensors` over processes).
-
-        Args:
-            states: Tensors shaped as returned by :meth:`state_tensors`.
+        """Replace the state by ``states``, shaped as :meth:`state_tensors` returns them (e.g. summed over processes).
 
         Raises:
             FlatbmaError: If the number or shapes of the tensors do not match.
@@ -666,13 +557,7 @@ class StreamingMetrics:
         self._totals, self._bins, self._fine = (t.detach().to(device=self.device, dtype=_F64).clone() for t in states)
 
     def merge(self, other: StreamingMetrics) -> StreamingMetrics:
-        """Add the examples accumulated by ``other`` (built with the same arguments) into ``self``.
-
-        Args:
-            other: Another :class:`StreamingMetrics`.
-
-        Returns:
-            ``self``.
+        """Add the examples accumulated by ``other`` (built with the same arguments) into ``self``; return ``self``.
 
         Raises:
             FlatbmaError: If ``other`` was built with different ``num_classes``/``n_bins``/``n_fine_bins``.

@@ -1,17 +1,13 @@
 """Name-spaced state: each component of a composed method keeps its state under its own name.
 
-The flat-dict form of optax's ``named_chain``: a method made of components (SWAG = the point update's optimizer
-state + SWAG's moments; Laplace = its MAP's state + the curvature; a mixture = its members) holds component
-``c``'s entries ``k`` as ``"<c>/<k>"`` in :attr:`flatbma.types.State.aux` (or ``params``/``buffers``), so that a
-state stays a flat ``dict[str, Tensor]`` that saves to safetensors. :func:`chain` puts ``(name, entries)``
-components together, :func:`part` takes one back out (the same tensors), and no component's entries are told
-apart from another's by anything but their name. Only the family that composes a state reads its names; the
-layers above it (the experiment layer, the predictor, checkpoints) never do.
+The flat-dict form of optax's ``named_chain``: a composed method (SWAG = optimizer state + moments; a mixture =
+its members) holds component ``c``'s entries ``k`` as ``"<c>/<k>"`` in :attr:`flatbma.types.State.aux` (or
+``params``/``buffers``), so a state stays a flat ``dict[str, Tensor]`` that saves to safetensors. :func:`chain`
+puts components together and :func:`part` takes one back out (the same tensors). Only the family that composes
+a state reads its names.
 
-A family reads and writes its own component as a typed state (posteriors' per-family ``State`` classes): a
-``NamedTuple`` whose fields are tensors, dicts of tensors by weight name, or an optional tensor (``None``: absent).
-:func:`entries` lays one out flat (field ``f``'s tensor as ``"f"``, its dict's entry ``k`` as ``"f/k"``) and
-:func:`typed` reads it back (the same tensors), so the file layout is the field names.
+A family's own component is a typed ``NamedTuple`` of tensors, dicts of tensors by weight name, or optional
+tensors; :func:`entries` lays it out flat (``"f"``, ``"f/k"``) and :func:`typed` reads it back.
 """
 
 from __future__ import annotations
@@ -44,10 +40,7 @@ def part(name: str, tensors: Mapping[str, Tensor]) -> dict[str, Tensor]:
 
 
 def without(name: str, tensors: Mapping[str, Tensor]) -> dict[str, Tensor]:
-    """Every entry of ``tensors`` but component ``name``'s (the same tensors, in their order).
-
-    The state a wrapper that added component ``name`` (the loss scale's ``amp/``) hands the method it wraps.
-    """
+    """Every entry of ``tensors`` but component ``name``'s (the same tensors, in their order)."""
     head = name + SEP
     return {k: v for k, v in tensors.items() if not k.startswith(head)}
 
@@ -82,10 +75,7 @@ T = TypeVar("T", bound=NamedTuple)
 
 
 def entries(structure: NamedTuple) -> dict[str, Tensor]:
-    """A typed state's entries in its fields' order: tensor field ``f`` as ``"f"``, dict entry ``k`` as ``"f/k"``.
-
-    The same tensors; a ``None`` field has no entry.
-    """
+    """A typed state's entries in field order: field ``f`` as ``"f"``, its dict's entry ``k`` as ``"f/k"``."""
     out: dict[str, Tensor] = {}
     for field, value in zip(structure._fields, structure, strict=True):
         if isinstance(value, Mapping):
@@ -98,8 +88,7 @@ def entries(structure: NamedTuple) -> dict[str, Tensor]:
 def typed(cls: type[T], tensors: Mapping[str, Tensor]) -> T:
     """The typed state ``cls`` (a ``NamedTuple``) of its :func:`entries` ``tensors`` (the same tensors).
 
-    A field annotated as a ``dict`` takes the entries under its name; any other field the entry of its name, or
-    ``None`` when there is none and its annotation allows it.
+    A ``dict`` field takes the entries under its name; another field its entry, or ``None`` if absent and allowed.
 
     Raises:
         FlatbmaError: an entry of no field, or a missing entry of a field that cannot be ``None`` (a state of

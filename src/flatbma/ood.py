@@ -2,18 +2,15 @@
 
 ``eval.ood`` names the OOD set (:func:`ood_dataset`):
 
-* a **corruption** (``flatbma.data.corruption_names()``, e.g. ``gaussian_noise``): the run's test set with that
-  corruption at severity 5 (Hendrycks & Dietterich 2019), the strongest shift of the benchmark;
-* a **data set** (``flatbma.data.dataset_names()``, e.g. ``animal-mnist`` for a ``digits`` run): its test split,
-  every image resized (bilinear, antialiased) to the run's stored image size and its channels matched (grey
-  repeated to RGB, RGB to grey by the ITU-R 601 luma), then read through the run's evaluation transform.
+* a **corruption** (``flatbma.data.corruption_names()``): the run's test set with it at severity 5
+  (Hendrycks & Dietterich 2019);
+* a **data set** (``flatbma.data.dataset_names()``): its test split resized (bilinear, antialiased) to the run's
+  image size, channels matched (grey repeated to RGB, RGB to grey by ITU-R 601 luma), with the run's eval transform.
 
-Two scores per example rank it as OOD (:func:`flatbma.metrics.uncertainty_decomposition`): the predictive
-entropy ``H[p̄(y|x)]`` (total uncertainty) and the mutual information ``I(y; w | x) = H[p̄] − E_w H[p(y|x, w)]``
-(epistemic uncertainty, Houlsby et al. 2011; Depeweg et al. 2018). Each detector's AUROC is
-:func:`flatbma.metrics.ood_auroc` (exact Mann–Whitney, OOD the positive class; 0.5 is chance). A point estimate
-has no epistemic part (its mutual information is 0 everywhere: AUROC 0.5), and the probit predictive none
-that can be split from the rest (its mutual-information AUROC is ``None``).
+Two scores rank an example as OOD (:func:`flatbma.metrics.uncertainty_decomposition`): the predictive entropy
+``H[p̄(y|x)]`` and the mutual information ``I(y; w | x) = H[p̄] − E_w H[p(y|x, w)]`` (Houlsby et al. 2011), each
+scored by :func:`flatbma.metrics.ood_auroc`. A point estimate's mutual information is 0 (AUROC 0.5); the probit
+predictive's cannot be split out (its AUROC is ``None``).
 """
 
 from __future__ import annotations
@@ -71,10 +68,7 @@ def check_ood_applies(name: str, channels: int) -> None:
 
 
 def check_ood_data(name: str | None) -> None:
-    """Refuse an ``eval.ood`` data set that cannot be read here, before anything trains or is written.
-
-    A corruption needs nothing but the run's own test set; a data set is read as :func:`ood_dataset` reads it
-    (its default place or embedded copy).
+    """Refuse an ``eval.ood`` data set that cannot be read from its default place (a corruption always can).
 
     Raises:
         FlatbmaError: one line naming the set and why it cannot be read.
@@ -97,12 +91,11 @@ def ood_dataset(name: str, test: ArrayDataset, *, seed: int, root: str | None = 
     Args:
         name: a corruption or a data set name.
         test: the run's (in-distribution) test set.
-        seed: seed of a corruption's random draws (the run's, as for the corrupted test sets).
+        seed: seed of a corruption's random draws.
         root: where the data set's files are (``None``: its default place or embedded copy).
 
     Raises:
-        FlatbmaError: an unknown name, a corruption that does not apply to the images (``saturate`` on grey
-            images), or a data set that cannot be read.
+        FlatbmaError: an unknown name, a corruption that does not apply to the images, or an unreadable data set.
     """
     check_ood_name(name)
     channels, height, width = test.image_shape
@@ -143,9 +136,7 @@ def uncertainty_scores(
 ) -> dict[str, Tensor]:
     """Per-example ``total``, ``aleatoric`` and ``epistemic`` uncertainty of the BMA over ``loader`` (CPU, float64).
 
-    Each batch's per-sample predictives (:func:`flatbma.predict.sample_log_probs`) are split by
-    :func:`flatbma.metrics.uncertainty_decomposition`, with the model in ``mode`` (eval mode when ``None``)
-    and the forward passes under ``precision()`` (none when ``None``).
+    The model runs in ``mode`` (``None``: eval mode) under ``precision()`` (``None``: none).
     """
     parts: list[dict[str, Tensor]] = []
     with (mode or eval_mode)(model), precision() if precision is not None else nullcontext():

@@ -1,17 +1,12 @@
 """Options as frozen dataclasses: parsed from plain mappings (:func:`parse_dataclass`), resolved (:func:`resolved`).
 
-A config section or a family's options is a frozen dataclass; :func:`parse_dataclass` builds it from a plain
-mapping (YAML, ``--set``, keyword arguments) once, checking each value against its field's annotation
-(:func:`coerce`) and refusing unknown keys with a suggestion, in one line that names the key.
+:func:`parse_dataclass` builds a config section or a family's options from a plain mapping (YAML, ``--set``,
+keyword arguments), checking each value against its field's annotation (:func:`coerce`) and refusing unknown
+keys with a suggestion.
 
-A run's identity is its resolved configuration (every option spelled out, ``config.yaml``): ``flatbma
-compare`` reuses a finished run when the resolved section of its config is the same, and ``--resume``
-checks it. An option added later would appear in every resolved section — with its default — and make
-every run resolved before it a different run, although its numbers are the same. So an option added
-later is declared with :func:`added` and :func:`resolved` leaves it out while it holds its default:
-configs that do not use it resolve exactly as before, and a run that uses it is a new run. The same
-rule serves the config sections (:mod:`flatbma.experiment.config.sections`) and the ascent steps' options
-(:mod:`flatbma.optim`, e.g. FP-BMA's ``radius``).
+A run's identity is its resolved configuration (``config.yaml``): ``flatbma compare`` reuses a finished run
+whose resolved section is the same, and ``--resume`` checks it. An option declared with :func:`added` is left
+out by :func:`resolved` while it holds its default, so adding it keeps existing runs' identity.
 """
 
 from __future__ import annotations
@@ -41,10 +36,7 @@ def added(default: Any) -> Any:
 
 
 def resolved(options: Any) -> dict[str, Any]:
-    """``dataclasses.asdict(options)`` without the :func:`added` fields that hold their default.
-
-    Nested dataclasses (a section inside a section) are resolved the same way.
-    """
+    """``dataclasses.asdict(options)`` without the :func:`added` fields that hold their default, recursively."""
     out: dict[str, Any] = {}
     for f in dataclasses.fields(options):
         value = getattr(options, f.name)
@@ -200,18 +192,12 @@ def parse_dataclass(cls: type[T], data: Any, where: str) -> T:
 
 
 def plain(section: Any) -> dict[str, Any]:
-    """The resolved ``section`` with every Enum member spelled as its value (as YAML and JSON hold it).
-
-    :func:`resolved`: options added later are left out while they hold their default.
-    """
+    """The :func:`resolved` ``section`` with every Enum member spelled as its value (as YAML and JSON hold it)."""
     return plain_values(resolved(section))
 
 
 def plain_values(mapping: Mapping[str, Any]) -> dict[str, Any]:
-    """``mapping`` with every Enum member among its values spelled as its value (e.g. a method's options).
-
-    A tuple or list value becomes a list of plain values (as YAML reads it back, e.g. ``train.log``).
-    """
+    """``mapping`` with every Enum member spelled as its value, and tuples and lists as lists (as YAML reads back)."""
     return {k: _plain_value(v) for k, v in mapping.items()}
 
 

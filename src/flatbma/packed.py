@@ -1,24 +1,18 @@
 """Tensor dicts stored as views of one flat buffer, so per-step updates run as a few large kernels.
 
-A variational posterior over a transfer subset holds hundreds of small tensors (three per BatchNorm
-and classifier parameter for low-rank VI: ``mean/``, ``log_std/``, ``factor/``). Updating them one by
-one costs a fixed ~10–20 µs of dispatch per tensor and operation, which on CPU adds up to tens of
-milliseconds per step — more than the arithmetic. :func:`pack` lays such a dict out in one flat
-buffer described by a :class:`Layout` and returns views of it under the same keys; code that knows
-the layout (:func:`flat_of`) works on the buffer directly, everything else sees an ordinary
-``dict[str, Tensor]`` and works unchanged (the views behave like any tensor; in-place updates of a
-view show in the buffer and vice versa).
+A posterior over many small tensors pays ~10–20 µs of dispatch per tensor and operation, more than the
+arithmetic on CPU. :func:`pack` lays such a dict out in one flat buffer described by a :class:`Layout` and
+returns views of it under the same keys; code that knows the layout (:func:`flat_of`) works on the buffer,
+everything else sees an ordinary ``dict[str, Tensor]`` (in-place updates of a view show in the buffer).
 
 Two forms:
 
-* a plain ``dict`` of views (:meth:`Layout.views`) — what a posterior keeps in its state. It is
-  recognized by identity: its keys are the layout's, in its order, and every value is a view of the
-  buffer the layout is attached to (``tensor._base``). Values replaced by other tensors, a reordered or
-  partial dict, copies and checkpoint round trips all fall back to the per-tensor path, which
-  computes the same numbers;
-* a :class:`Packed` mapping (:meth:`Layout.lazy`) — what intermediate results (gradients, steps) are
-  returned as: a read-only ``Mapping`` that creates its views only if some code asks for a tensor by
-  key, so a chain of flat operations never pays for ~300 view objects.
+* a plain ``dict`` of views (:meth:`Layout.views`), kept in a posterior's state. It is recognized by
+  identity (the layout's keys in order, every value a view of the buffer, ``tensor._base``); a replaced,
+  reordered or partial dict, copies and checkpoint round trips fall back to the per-tensor path, with the
+  same numbers;
+* a :class:`Packed` mapping (:meth:`Layout.lazy`) for intermediate results (gradients, steps): read-only,
+  it creates its views only when a tensor is asked for by key.
 """
 
 from __future__ import annotations
@@ -45,10 +39,8 @@ class Layout:
         shapes: the shape of each tensor.
         strides: the strides of each view into the buffer (not necessarily contiguous).
         offsets: the element offset of each view in the buffer.
-        shape: the natural shape of the whole buffer (e.g. ``[K+2, d]`` for low-rank VI's ``θ``); its
-            product is ``numel``.
-        kind: who laid it out (``"contiguous"`` or a family's name), so that code relying on a
-            particular arrangement of the buffer can tell.
+        shape: the natural shape of the whole buffer (e.g. ``[K+2, d]`` for low-rank VI's ``θ``).
+        kind: who laid it out (``"contiguous"`` or a family's name).
     """
 
     keys: tuple[str, ...]
@@ -76,10 +68,9 @@ class Layout:
         return Layout(tuple(keys), tuple(shapes), tuple(strides), tuple(offsets), (offset,))
 
     def views(self, flat: Tensor) -> Params:
-        """The dict of views of ``flat`` (``numel`` elements, any shape), registering the layout on it.
+        """The dict of views of ``flat`` (``numel`` elements), registering the layout on it.
 
-        ``flat`` must own its contiguous storage (not be a view itself) so that the views' ``_base``
-        is ``flat``; anything else is copied first.
+        A ``flat`` that does not own its contiguous storage is copied first.
         """
         flat = _root(flat, self)
         setattr(flat, _ATTRIBUTE, self)
@@ -105,12 +96,9 @@ def _root(flat: Tensor, layout: Layout) -> Tensor:
 class Packed(Mapping[str, Tensor]):
     """A read-only mapping ``key -> tensor`` backed by one buffer laid out by ``layout``.
 
-    Looking a key up creates all the views once (:meth:`Layout.views`); code that knows the layout uses
-    :func:`flat_of` and never does. ``dict(packed)`` is an ordinary packed dict of views.
-
-    ``derived`` holds what code computes from the mapping's values and keeps with them (e.g.
-    :func:`flatbma.gaussian.geometry` of a ``θ``): a mapping is one step's value, read, never updated in
-    place while it is in use (:func:`as_packed` makes a new one for each step).
+    Looking a key up creates all the views once (:meth:`Layout.views`); ``dict(packed)`` is a packed dict of
+    views. ``derived`` caches what code computes from the values (e.g. :func:`flatbma.gaussian.geometry` of a
+    ``θ``), so a mapping is never updated in place while in use.
     """
 
     __slots__ = ("_views", "derived", "flat", "layout")
@@ -154,8 +142,7 @@ def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
 def pack(tensors: Mapping[str, Tensor], layout: Layout | None = None) -> Params:
     """Copies of ``tensors`` as views of one new buffer laid out by ``layout`` (default: contiguous).
 
-    The tensors must share one dtype and device and match the layout's keys and shapes; the result
-    has the layout's key order.
+    The tensors must share one dtype and device and match the layout's keys and shapes.
     """
     layout = Layout.contiguous(tensors) if layout is None else layout
     ref = tensors[layout.keys[0]]
@@ -174,8 +161,7 @@ def buffer(
 ) -> tuple[Layout, Tensor] | None:
     """``(layout, buffer)`` of a packed mapping (or of a list of its values with their ``keys``), else ``None``.
 
-    The buffer comes in the layout's ``shape``. With ``kind``, only a layout of that kind counts. A plain
-    dict or list is checked by one walk over its values; a :class:`Packed` mapping at once.
+    The buffer comes in the layout's ``shape``. With ``kind``, only a layout of that kind counts.
     """
     if isinstance(tensors, Packed):
         layout, base = tensors.layout, tensors.flat
@@ -216,11 +202,7 @@ def flat_of(
 
 
 def as_packed(tensors: Mapping[str, Tensor]) -> Mapping[str, Tensor]:
-    """A packed dict as a :class:`Packed` mapping over the same tensors (anything else unchanged).
-
-    Checking a plain dict walks all its values; a :class:`Packed` mapping is recognized at once, so a
-    step that consults the layout many times converts its parameters once.
-    """
+    """A packed dict as a :class:`Packed` mapping over the same tensors (anything else unchanged)."""
     if isinstance(tensors, Packed):
         return tensors
     found = buffer(tensors)
@@ -233,10 +215,8 @@ def as_packed(tensors: Mapping[str, Tensor]) -> Mapping[str, Tensor]:
 def coalesce(keys: Sequence[str], *sources: Mapping[str, Tensor] | Sequence[Tensor]) -> tuple[list[Tensor], ...]:
     """One flat tensor per source when all are packed alike, else each source's tensors in ``keys`` order.
 
-    A source is a mapping with the keys ``keys`` or the list of its values in that order. Returns
-    ``([flat₁], [flat₂], ...)`` when all are packed in one common layout (for ``keys``, in order): a
-    ``torch._foreach_*`` update then runs on one tensor per source instead of one per key, with the
-    same result.
+    A source is a mapping with the keys ``keys`` or the list of its values in that order. With one common
+    layout it returns ``([flat₁], [flat₂], ...)``, so a ``torch._foreach_*`` update runs on one tensor per source.
     """
     found = [buffer(source, keys) for source in sources]
     if found[0] is not None and all(f is not None and f[0] == found[0][0] for f in found[1:]):
@@ -255,11 +235,9 @@ def zeros_like(tensors: Mapping[str, Tensor]) -> Params:
 def pack_with_mirrors(params: Mapping[str, Tensor], aux: Mapping[str, Tensor], layout: Layout) -> tuple[Params, Params]:
     """Pack ``params`` and every group of ``aux`` entries ``"<prefix>/<key>"`` that covers all its keys.
 
-    ``<prefix>`` may have several segments (``optimizer/exp_avg``: :mod:`flatbma.named`); ``<key>`` is the
-    longest tail of the entry's name that is a key of ``params``.
-    The optimizer state of packed parameters (e.g. Adam's ``optimizer/exp_avg/<key>``) is then packed alike, so
-    a state that lost its packing (loaded from a checkpoint, moved between devices) gets it back.
-    Other ``aux`` entries are kept as they are, in their order.
+    ``<key>`` is the longest tail of the entry's name that is a key of ``params``; ``<prefix>`` may have several
+    segments (``optimizer/exp_avg``). So an optimizer state that lost its packing (checkpoint, device move) gets
+    it back; other ``aux`` entries are kept as they are.
     """
     packed = pack(params, layout)
     groups: dict[str, dict[str, Tensor]] = {}
@@ -275,10 +253,7 @@ def pack_with_mirrors(params: Mapping[str, Tensor], aux: Mapping[str, Tensor], l
 
 
 def _mirrored(key: str, params: Mapping[str, Tensor]) -> tuple[str, str]:
-    """``(prefix, rest)`` of an ``aux`` entry's name ``"<prefix>/<rest>"``: ``rest`` its longest tail in ``params``.
-
-    ``("", "")`` if no tail is a key of ``params``.
-    """
+    """``(prefix, rest)`` of ``key = "<prefix>/<rest>"``, ``rest`` its longest tail in ``params``; or ``("", "")``."""
     for i, c in enumerate(key):
         if c == "/" and key[i + 1 :] in params:
             return key[:i], key[i + 1 :]

@@ -24,8 +24,7 @@ from flatbma.types import Batch, Params
 def trainable_params(model: nn.Module) -> Params:
     """Detached copies of the parameters with ``requires_grad=True``, keyed by module name.
 
-    Parameters with ``requires_grad=False`` are left out: they stay fixed at the module's own values,
-    which is how a Bayesian subset (e.g. only normalization and classifier layers) is expressed.
+    Frozen parameters are left out (they stay at the module's values): that is how a Bayesian subset is expressed.
     """
     return {k: v.detach().clone() for k, v in model.named_parameters() if v.requires_grad}
 
@@ -36,14 +35,11 @@ def model_buffers(model: nn.Module) -> Params:
 
 
 def load_into(model: nn.Module, weights: Mapping[str, Tensor]) -> nn.Module:
-    """Copy ``weights`` into ``model``'s own parameters and buffers, in place.
+    """Copy ``weights`` (tensors by module name) into ``model``'s own parameters and buffers, in place.
 
-    The inverse of :func:`trainable_params` and :func:`model_buffers`.
-    ``weights`` holds tensors by module name — a posterior's mean (:attr:`flatbma.types.Posterior.mean`,
-    :meth:`flatbma.predictor.BMA.mean`), one sample, or a point estimate's ``{**state.params,
-    **state.buffers}``. Tensors it does not name keep their values (a frozen backbone). After this the
-    module computes ``f(x; weights)`` when called as usual, and tools that read the module's own weights
-    (:func:`flatbma.flatness.hessian_eigenvalues` without ``weights=``) measure them.
+    The inverse of :func:`trainable_params` and :func:`model_buffers`; ``weights`` may be a posterior's mean
+    (:meth:`flatbma.predictor.BMA.mean`), a sample, or ``{**state.params, **state.buffers}``. Tensors it does not
+    name keep their values.
 
     Returns:
         ``model``.
@@ -93,10 +89,7 @@ def _fingerprint(model: nn.Module) -> tuple[tuple[str, float, float], ...]:
 def hold(model: nn.Module, name: str, *, mean_loaded: bool = False) -> None:
     """Record that a predictor of method ``name`` holds ``model``; ``mean_loaded``: it holds the posterior's weights.
 
-    :class:`flatbma.predictor.BMA` calls it (its :meth:`~flatbma.predictor.BMA.load_into` with
-    ``mean_loaded``: the posterior mean, or one member of a mixture), so that the flatness functions can say which
-    weights they measure
-    (:func:`held_weights_note`). Nothing is kept alive: the record goes with the module.
+    Read by :func:`held_weights_note`; the record goes with the module (a weak reference).
     """
     holder = _HELD.get(model)
     if holder is None or holder.name != name:
@@ -108,9 +101,8 @@ def hold(model: nn.Module, name: str, *, mean_loaded: bool = False) -> None:
 def held_weights_note(model: nn.Module) -> str | None:
     """Why measuring ``model``'s own weights may not be what is meant, or ``None``.
 
-    ``None`` unless a predictor holds ``model`` (:func:`hold`) and the module's weights are not the
-    posterior mean that was last written into it (``fit_posterior(..., load_into=False)``, or weights
-    changed since).
+    A note when a predictor holds ``model`` (:func:`hold`) and its weights are not the posterior mean last
+    written into it.
     """
     holder = _HELD.get(model)
     if holder is None or (holder.mean is not None and holder.mean == _fingerprint(model)):
@@ -137,11 +129,7 @@ def detached(params: Mapping[str, Tensor]) -> Mapping[str, Tensor]:
 
 
 def add(a: Mapping[str, Tensor], b: Mapping[str, Tensor], alpha: float = 1.0) -> Mapping[str, Tensor]:
-    """``a + alpha * b`` for every key of ``b`` (keys of ``a`` missing from ``b`` are kept).
-
-    Two dicts packed in one layout (:mod:`flatbma.packed`) are added as one tensor; the result is then a
-    :class:`~flatbma.packed.Packed` mapping.
-    """
+    """``a + alpha * b`` for every key of ``b``, keeping ``a``'s other keys (a ``Packed`` result if both are packed)."""
     packed_a = packed.buffer(a)
     packed_b = packed.buffer(b) if packed_a is not None else None
     if packed_b is not None and packed_b[0] == packed_a[0]:
@@ -200,8 +188,7 @@ def value_and_grad(
 ) -> tuple[Tensor, Tensor, Params]:
     """Evaluate ``fn(params) -> (loss, aux)`` and the gradient of ``loss`` w.r.t. every tensor of ``params``.
 
-    Uses reverse-mode autograd on detached leaves that share storage with ``params``; the returned
-    ``loss`` and ``aux`` are detached.
+    The returned ``loss`` and ``aux`` are detached.
     """
     leaves = {k: v.detach().requires_grad_(True) for k, v in params.items()}
     loss, aux = fn(leaves)
@@ -215,14 +202,11 @@ class Objective:
     """The data term: a model called functionally and a mean loss over a mini-batch.
 
     Attributes:
-        model: the template module. Its parameters that are not passed in a call keep their own
-            values (frozen parts); its train/eval mode decides BatchNorm/dropout behaviour.
+        model: the template module; parameters not passed keep their values, its train/eval mode applies.
         loss_fn: ``loss_fn(logits, labels)`` returning the mean loss; cross-entropy by default.
         num_data: size ``n`` of the training set (scales KL terms and SG-MCMC potentials).
         reduce_grads: optional hook applied to every gradient dict (data-parallel all-reduce).
-        precision: the forward pass's precision (:mod:`flatbma.precision`): ``fp32`` (no autocast) or
-            ``bf16``/``fp16`` (the model called under autocast, its logits returned as float32; the
-            loss and everything after it in float32).
+        precision: ``fp32``, or ``bf16``/``fp16`` autocast of the forward pass with float32 logits and loss.
     """
 
     model: nn.Module
@@ -255,19 +239,16 @@ class Objective:
 
         Args:
             params: the weights to differentiate.
-            buffers: model buffers; updated in place by BatchNorm in train mode when
-                ``update_buffers`` is true, otherwise a throw-away copy is used so that running
-                statistics are not touched (e.g. in a SAM step's second pass).
+            buffers: model buffers; BatchNorm updates them in place in train mode if ``update_buffers``,
+                else a throw-away copy is used (e.g. a SAM step's second pass).
             batch: ``(x, y)``.
             update_buffers: whether this pass may update running statistics.
 
-        Under a loss scale ``S`` (:func:`flatbma.precision.scaling`: fp16 training, :class:`flatbma.optim.LossScaled`)
-        the gradient of ``S·L`` is taken and divided by ``S`` after the reduction (exact: ``S`` is a power of
-        two); the returned loss and gradient are those of ``L``.
+        Under a loss scale ``S`` (:func:`flatbma.precision.scaling`) the gradient of ``S·L`` is divided by ``S``
+        after the reduction (exact, a power of two); the loss and gradient returned are those of ``L``.
 
         Raises:
-            GradientOverflow: under a loss scale, when the (reduced) gradient is not finite — on every
-                process alike, the reduction having spread it.
+            GradientOverflow: under a loss scale, when the reduced gradient is not finite (on every process).
         """
         bufs = buffers if update_buffers else clone(buffers)
         scale = loss_scale()

@@ -1,17 +1,12 @@
 """Figures as PNG bytes: the one matplotlib helper of flatbma, and the loss-landscape plots.
 
-* :func:`figure` — a matplotlib ``Figure`` with a grid of axes, built without pyplot (no global
-  state, the Agg canvas), and :func:`png` — its PNG bytes at a given dpi with no software stamp, so
-  the same drawing gives the same bytes. ``flatbma.experiment.report.tables`` draws its figures with them.
-* :func:`landscape_1d_png` / :func:`plot_landscape_1d` — 1-D loss curves with ±std bands, e.g. the
-  mean and standard deviation over posterior samples of
-  :func:`~flatbma.flatness.posterior_landscape`;
-  :func:`landscape_2d_png` / :func:`plot_landscape_2d` — a contour plot of
-  :func:`~flatbma.flatness.loss_surface`. The values come from :mod:`flatbma.flatness`; this module
-  only draws them.
+* :func:`figure` — a matplotlib ``Figure`` with a grid of axes, built without pyplot (no global state), and
+  :func:`png` — its PNG bytes with no software stamp, so the same drawing gives the same bytes.
+* :func:`landscape_1d_png` / :func:`plot_landscape_1d` — 1-D loss curves with ±std bands (e.g. of
+  :func:`~flatbma.flatness.posterior_landscape`); :func:`landscape_2d_png` / :func:`plot_landscape_2d` — a
+  contour plot of :func:`~flatbma.flatness.loss_surface`.
 
-matplotlib is an optional dependency (``pip install flatbma[plots]``): it is imported only when a
-figure is drawn, so importing flatbma never loads it.
+matplotlib is optional (``pip install flatbma[plots]``) and imported only when a figure is drawn.
 """
 
 from __future__ import annotations
@@ -55,14 +50,13 @@ def check_available(what: str = "plots") -> None:
 def figure(nrows: int, ncols: int, width: float, height: float, *, what: str = "plots") -> tuple[Any, list[Any]]:
     """A matplotlib ``Figure`` of ``nrows × ncols`` panels of ``width × height`` inches, and its axes.
 
-    The figure has a constrained layout and no pyplot state; the axes are returned row by row in a
-    flat list.
+    The figure has a constrained layout; the axes are returned row by row in a flat list.
 
     Args:
         nrows: rows of panels.
         ncols: columns of panels.
-        width: width of one panel in inches (the figure is ``width · ncols`` wide).
-        height: height of one panel in inches (the figure is ``height · nrows`` high).
+        width: width of one panel in inches.
+        height: height of one panel in inches.
         what: what needs matplotlib, for the message when it is missing (e.g. ``"report figures"``).
 
     Raises:
@@ -156,10 +150,7 @@ def landscape_2d_png(
     title: str | None = None,
     dpi: float = _LANDSCAPE_DPI,
 ) -> bytes:
-    """PNG bytes of a contour plot of ``surface[i, j] = f(alphas[i], betas[j])``.
-
-    ``surface`` is e.g. the output of :func:`~flatbma.flatness.loss_surface` on ``alphas × betas``.
-    """
+    """PNG bytes of a contour plot of ``surface[i, j] = f(alphas[i], betas[j])`` (e.g. a ``loss_surface``)."""
     a, b = check_finite_vector(alphas, "alphas"), check_finite_vector(betas, "betas")
     z = torch.as_tensor(surface, dtype=torch.float64).detach().cpu()
     if tuple(z.shape) != (len(a), len(b)):

@@ -1,35 +1,24 @@
 """Mixed precision (``train.precision``): which computations run in bf16/fp16 and which keep fp32 or fp64.
 
 With :attr:`Precision.BF16` or :attr:`Precision.FP16` only the model's forward passes run under
-:func:`torch.autocast` (:func:`autocast`): in training (:meth:`flatbma.params.Objective.logits`, both
-passes of a sharpness-aware step), in BatchNorm recomputation and in the BMA's predictions
-(:mod:`flatbma.predict` through :class:`flatbma.predictor.BMA` and :mod:`flatbma.experiment.run.evaluate`).
-There matrix products and convolutions take the lower dtype and the ops that autocast keeps in float32
-stay there; the logits leave the forward pass as float32 (:func:`as_float32`), so losses, log-softmax,
-the BMA's ``logsumexp`` and the metrics are float32 (or float64 where they were before).
+:func:`torch.autocast` (:func:`autocast`): in training (:meth:`flatbma.params.Objective.logits`), BatchNorm
+recomputation and the BMA's predictions. The logits leave the forward pass as float32 (:func:`as_float32`),
+so losses, log-softmax, the BMA's ``logsumexp`` and the metrics keep float32 or float64.
 
 Everything else keeps its precision, outside autocast:
 
-* the trained variables, their gradients and every optimizer's state: float32 (autocast differentiates
-  back to the float32 parameters);
-* the ascent steps' perturbation (:mod:`flatbma.optim.ascent`): ``ε = ρ g/‖g‖`` and its kin take norms
-  and ratios of float32 gradients — in bf16 (8 significant bits) the norm of a many-million-entry
-  gradient would be off by more than the radius' own precision;
-* FisherBall's Fisher solve (:mod:`flatbma.optim.fisher_ball`): float64, as always — conjugate gradients
-  on a damped Fisher whose scales span orders of magnitude lose their residual test in float32 already;
-* the Gaussian closed forms (:mod:`flatbma.gaussian`): the KL divergences, log-densities and their
-  Woodbury algebra in float64 (their trace terms cancel parts of size ``‖Ũ‖² ≫ 1``), the sampler and its
-  pullback in the variables' float32 — a bf16 log-determinant would have about three significant digits;
-* the Laplace family's curvature and the flatness protocol's Hessian-vector products
-  (:mod:`flatbma.flatness.hvp` and :mod:`flatbma.flatness.lanczos` turn autocast off, :func:`full_precision`,
-  :func:`outside_autocast`): Lanczos needs float32 or float64 products to keep its vectors orthogonal.
+* trained variables, gradients and optimizer state: float32;
+* the ascent steps' perturbation ``ε = ρ g/‖g‖`` (:mod:`flatbma.optim.ascent`): float32 norms;
+* FisherBall's conjugate-gradient Fisher solve (:mod:`flatbma.optim.fisher_ball`): float64;
+* the Gaussian closed forms (:mod:`flatbma.gaussian`): KLs, log-densities and Woodbury algebra in float64,
+  the sampler in float32;
+* Laplace curvature and the flatness Hessian-vector products (:mod:`flatbma.flatness.hvp`,
+  :mod:`flatbma.flatness.lanczos`: :func:`full_precision`, :func:`outside_autocast`), so Lanczos stays orthogonal.
 
-fp16 (5 exponent bits) also needs a loss scale: gradients of small losses underflow to zero in fp16
-activations. :class:`flatbma.optim.LossScaled` keeps a dynamic scale ``S`` in the method state; during its
-update the forward passes' losses are multiplied by ``S`` (:func:`scaling`, read by
-:meth:`flatbma.params.Objective.value_and_grad`) and the gradients divided by it again (``S`` is a power of
-two: both are exact). A gradient that is not finite raises :class:`GradientOverflow` at once — before an
-ascent step could use it — and the step is skipped: no ascent, no update, the scale halved.
+fp16 also needs a loss scale, as small gradients underflow. :class:`flatbma.optim.LossScaled` keeps a dynamic
+power-of-two scale ``S``; within :func:`scaling`, :meth:`flatbma.params.Objective.value_and_grad` differentiates
+``S·L`` and divides the gradient by ``S`` (exact). A non-finite gradient raises :class:`GradientOverflow` at once
+and the step is skipped (no ascent, no update, the scale halved).
 """
 
 from __future__ import annotations
@@ -65,11 +54,7 @@ class Precision(str, Enum):
 
 
 def autocast(precision: Precision | str | None, device: torch.device | str) -> contextlib.AbstractContextManager:
-    """:func:`torch.autocast` to ``precision``'s dtype on ``device``'s type; no context at all for fp32 (or ``None``).
-
-    fp32 enters nothing, so that a run at the default precision executes exactly the operations it did
-    before this setting existed.
-    """
+    """:func:`torch.autocast` to ``precision``'s dtype on ``device``'s type; no context for fp32 (or ``None``)."""
     if precision is None or Precision(precision) is Precision.FP32:
         return contextlib.nullcontext()
     device_type = torch.device(device).type

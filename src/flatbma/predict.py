@@ -3,11 +3,8 @@
 ``log p(y|x) = log (1/M) Σ_m softmax(f(x; w_m))_y = logsumexp_m log_softmax(f(x; w_m))_y − log M``,
 computed in log space (never ``log`` of an averaged, clamped probability).
 
-The ``M`` forward passes ``f(x; w_m)`` run one sample at a time or several per call, as
-:mod:`flatbma.batching` chooses (the numbers never depend on timing). In place of the samples, every
-function below also takes a predictive of the network linearized at the posterior mean (the Laplace
-family's, :mod:`flatbma.linearized`): :class:`~flatbma.linearized.Linearized` or
-:class:`~flatbma.linearized.Probit`.
+The ``M`` forward passes run one sample at a time or several per call, as :mod:`flatbma.batching` chooses.
+In place of the samples, every function also takes a linearized predictive (:mod:`flatbma.linearized`).
 """
 
 from __future__ import annotations
@@ -43,10 +40,8 @@ def sample_log_probs(
 ) -> Tensor:
     """``log_softmax(f(x; w_m))`` for every sample: a tensor ``[M, B, C]``.
 
-    Weight samples are evaluated by :func:`flatbma.batching.log_probs` (``batched`` and ``chunk_size``: the
-    loop, batched calls, or the automatic choice); a linearized predictive
-    (:class:`~flatbma.linearized.Linearized`, :class:`~flatbma.linearized.Probit`) gives its own
-    ``log_probs`` (``batched`` and ``chunk_size`` are checked but do not apply).
+    Weight samples are evaluated by :func:`flatbma.batching.log_probs` (``batched``: batch the samples, loop,
+    or ``None`` to choose; ``chunk_size``: samples per batched call); a linearized predictive gives its own.
 
     Raises:
         FlatbmaError: for invalid ``batched``/``chunk_size``, and with ``batched=True`` when the
@@ -72,10 +67,7 @@ def bma_log_probs(
     batched: bool | None = None,
     chunk_size: int | None = None,
 ) -> Tensor:
-    """BMA predictive log-probabilities ``[B, C]`` of one input batch.
-
-    ``batched`` and ``chunk_size`` choose how the samples are evaluated, see :func:`sample_log_probs`.
-    """
+    """BMA predictive log-probabilities ``[B, C]`` of one input batch (``batched``: :func:`sample_log_probs`)."""
     if not samples:
         raise FlatbmaError("BMA needs at least one posterior sample (num_samples >= 1)")
     return log_mean_exp(sample_log_probs(model, samples, x, batched=batched, chunk_size=chunk_size))
@@ -95,14 +87,11 @@ def predict(
 
     Args:
         model: the template module.
-        samples: weight dicts (parameters and buffers) of the posterior samples, or a linearized
-            predictive (:class:`~flatbma.linearized.Linearized`, :class:`~flatbma.linearized.Probit`).
+        samples: weight dicts (parameters and buffers) of the posterior samples, or a linearized predictive.
         loader: ``(x, y)`` batches (inputs alone: :meth:`flatbma.predictor.BMA.predict_log_proba`).
         device: where batches go.
-        mode: context manager factory for the model's prediction mode (a posterior's
-            ``predict_mode``); eval mode when ``None``.
-        batched: batch the samples (``True``), loop over them (``False``) or choose (``None``);
-            see :func:`sample_log_probs`.
+        mode: context manager factory for the prediction mode (a posterior's ``predict_mode``); ``None``: eval.
+        batched: batch the samples (``True``), loop (``False``) or choose (``None``).
         chunk_size: samples per batched call; ``None`` sizes chunks automatically.
     """
     batching.check_options(batched, chunk_size)
@@ -139,12 +128,9 @@ def paired_nll(
 ) -> dict[str, float]:
     """The BMA of ``samples`` and the point estimate ``point`` on the same labelled ``batches``, example by example.
 
-    Two passes of :func:`predict` over the one list (so the examples pair up, whatever a loader's order would be):
-    the BMA in ``mode``, ``point`` in eval mode. Returns ``{"examples", "bma_nll", "bma_accuracy", "mean_nll",
-    "mean_accuracy", "nll_diff_se"}``: the mean NLLs and accuracies, and the standard error of the mean of the
-    per-example differences ``NLL_BMA,i − NLL_point,i`` (``sd/√n``): how far the BMA's NLL can stand from the
-    point's by the draw of the examples alone (the health rule ``worse_than_mean`` asks the difference to exceed
-    it twice, :mod:`flatbma.health`).
+    The BMA runs in ``mode``, ``point`` in eval mode. Returns ``{"examples", "bma_nll", "bma_accuracy",
+    "mean_nll", "mean_accuracy", "nll_diff_se"}``: the means, and the standard error ``sd/√n`` of the
+    per-example differences ``NLL_BMA,i − NLL_point,i``.
     """
     sides = []
     for weights, side_mode in ((samples, mode), ([dict(point)], None)):
@@ -183,11 +169,9 @@ def evaluate(
 ) -> dict[str, float]:
     """Accuracy, NLL, ECE, adaptive ECE and Brier score of the BMA predictive over ``loader``.
 
-    ``temperature`` ``T`` scales the predictive to ``log softmax(log p̄ / T)`` (:func:`stream_metrics`; 1: none).
-    The other keyword arguments are those of :func:`predict`. ``reduce_metrics`` is applied to the
-    accumulated :class:`~flatbma.metrics.StreamingMetrics` before they are computed: with each
-    process evaluating a shard of the data,
-    :func:`flatbma.experiment.parallel.processes.all_reduce_metrics` sums them over the processes.
+    ``temperature`` ``T`` scales the predictive to ``log softmax(log p̄ / T)`` (1: none); ``reduce_metrics`` is
+    applied to the accumulated :class:`~flatbma.metrics.StreamingMetrics` before computing (e.g. a sum over
+    processes each evaluating a shard). The other keyword arguments are those of :func:`predict`.
     """
     states = stream_metrics(
         model,
@@ -227,28 +211,12 @@ def stream_metrics(
 ) -> dict[int, StreamingMetrics]:
     """The metric states of the BMA of the first ``m`` samples for every ``m`` in ``sizes``, in one pass.
 
-    Every batch's ``M`` per-sample log-probabilities (:func:`sample_log_probs`) are computed once;
-    the BMA of the first ``m`` is ``log p_m(y|x) = logsumexp_{i<m} log softmax(f(x; w_i))_y − log m``
-    (for ``m = M`` exactly :func:`bma_log_probs`). ``temperature`` ``T`` rescales each predictive to
-    ``log softmax(log p_m / T)`` (:func:`flatbma.calibration.scale`; 1 leaves it unchanged).
-
-    Args:
-        model: the template module.
-        samples: weight dicts (parameters and buffers) of the posterior samples, or a linearized
-            predictive (:class:`~flatbma.linearized.Linearized`, :class:`~flatbma.linearized.Probit`).
-        loader: ``(x, y)`` batches; ``y`` integer labels or soft targets ``[batch, classes]`` (:mod:`flatbma.metrics`).
-        num_classes: number of classes of the :class:`~flatbma.metrics.StreamingMetrics`.
-        n_bins: their number of ECE bins.
-        sizes: numbers of samples; each is cut to ``M`` and ``M`` itself is always included.
-        temperature: ``T > 0`` of the rescaled predictives.
-        device: where batches go.
-        mode: the model's prediction mode (a posterior's ``predict_mode``); eval mode when ``None``.
-        batched: batch the samples, loop over them or choose (``None``); see :func:`sample_log_probs`.
-        chunk_size: samples per batched call; ``None`` sizes chunks automatically.
-        reduce_metrics: applied to every state at the end, in increasing ``m`` (see :func:`evaluate`).
-        keep: a list that every batch's full-BMA log-probabilities (``m = M``, before ``temperature``)
-            and labels are appended to, so that :func:`rescaled_metrics` can rescale them without
-            another pass over the data.
+    Each batch's ``M`` per-sample log-probabilities are computed once; the BMA of the first ``m`` is
+    ``logsumexp_{i<m} log softmax(f(x; w_i))_y − log m``, rescaled to ``log softmax(log p_m / T)``
+    (:func:`flatbma.calibration.scale`). ``sizes`` are cut to ``M``, and ``M`` is always included;
+    ``reduce_metrics`` is applied to every state at the end; ``keep``, a list, receives every batch's
+    ``(full-BMA log-probabilities before T, labels)`` for :func:`rescaled_metrics`. The other arguments are
+    those of :func:`evaluate` and :func:`predict`.
 
     Returns:
         ``{m: state}`` in increasing ``m``.
@@ -285,9 +253,7 @@ def rescaled_metrics(
 ) -> StreamingMetrics:
     """The metric state of the kept BMA predictives (:func:`stream_metrics`'s ``keep``) rescaled by ``T``.
 
-    Each batch is ``log softmax(log p / T)`` (:func:`flatbma.calibration.scale`; ``T = 1`` leaves it
-    unchanged), in the order kept: the state :func:`stream_metrics` with this ``temperature`` gives over
-    the same batches, without evaluating the samples again.
+    The state :func:`stream_metrics` with this ``temperature`` gives, without evaluating the samples again.
     """
     state = StreamingMetrics(num_classes=num_classes, n_bins=n_bins)
     for log_probs, y in kept:

@@ -1,32 +1,20 @@
 """The BMA predictor: a trained posterior's predictive, with every detail of prediction owned by it.
 
-Over 500 lines on purpose: :class:`BMA` owns every detail of prediction listed below (samples,
-BatchNorm statistics, mode, randomness, device) for classifiers and regressors alike, and each detail is
-a method of the one object that holds the samples; the numerics are in :mod:`flatbma.predict` and
-:mod:`flatbma.bn`, the file format in :mod:`flatbma.predictor_file`.
+Over 500 lines on purpose: :class:`BMA` owns every detail of prediction below, for classifiers and regressors,
+as methods of the one object that holds the samples (numerics in :mod:`flatbma.predict` and :mod:`flatbma.bn`).
 
-:class:`BMA` turns ``(model, method, state)`` into ``p(y|x) = (1/M) Σ_m softmax(f(x; w_m))``, i.e.
-``log p(y|x) = logsumexp_m log_softmax(f(x; w_m)) − log M`` (:func:`flatbma.predict.bma_log_probs`),
-and takes off the caller's hands what the functions below it leave to the caller:
+:class:`BMA` turns ``(model, method, state)`` into ``log p(y|x) = logsumexp_m log_softmax(f(x; w_m)) − log M``
+(:func:`flatbma.predict.bma_log_probs`) and owns:
 
-* **samples** — ``M`` weight samples drawn once, from a CPU generator seeded with ``seed``, and kept:
-  every prediction uses the same ones (so asking twice gives the same answer);
-* **BatchNorm** — when the posterior's samples carry no statistics of their own
-  (:attr:`flatbma.types.Posterior.recompute_bn`: SWAG, VI, SG-MCMC, bSAM), every sample's statistics
-  are recomputed on the training data in a fixed order (:func:`flatbma.bn.statistics_loader`,
-  :func:`flatbma.bn.with_recomputed_statistics`) — the path of ``flatbma train``'s evaluation;
-* **mode** — eval mode during prediction, or the posterior's prediction mode
-  (:attr:`~flatbma.types.Posterior.predict_mode`: MC dropout keeps dropout stochastic), with the
-  module's own train/eval modes restored afterwards, whatever they were;
-* **randomness of the prediction mode** — MC dropout's masks follow from the generator the samples are
-  drawn with (:func:`flatbma.types.prediction_mode` of the predictor's seed), so its answers depend on
-  its seed alone, not on what else sampled from the method;
-* **device** — samples and inputs on one device; inputs alone (``x``, ``(x,)``) or ``(x, y)`` batches,
-  one batch or a DataLoader of them.
+* **samples** — ``M`` weight samples drawn once from a CPU generator seeded with ``seed``, then kept;
+* **BatchNorm** — where :attr:`flatbma.types.Posterior.recompute_bn`, every sample's statistics are recomputed
+  on the training data in a fixed order (:func:`flatbma.bn.statistics_loader`);
+* **mode** — eval mode, or the posterior's :attr:`~flatbma.types.Posterior.predict_mode` (MC dropout), with
+  MC dropout's masks seeded by the predictor's seed; the module's modes are restored afterwards;
+* **device** — samples and inputs on one device; inputs alone or ``(x, y)`` batches, one batch or a DataLoader.
 
-Its numbers equal the careful manual path exactly: ``method.sample(state, M,
-torch.Generator().manual_seed(seed))``, statistics recomputed per sample with
-:func:`flatbma.bn.recompute_bn_statistics` on ``statistics_loader(dataset, batch_size)``, then
+Its numbers equal the manual path exactly: ``method.sample(state, M, torch.Generator().manual_seed(seed))``,
+:func:`flatbma.bn.recompute_bn_statistics` per sample on ``statistics_loader(dataset, batch_size)``, then
 :func:`flatbma.predict.evaluate` with ``mode=prediction_mode(method, seed)``.
 """
 
@@ -84,9 +72,8 @@ def posterior_mean(
 ) -> Params:
     """The weights at the posterior mean ``E_q[w]``, in the form of a sample.
 
-    :attr:`flatbma.types.Posterior.mean` when the method has it; otherwise the average of ``samples``
-    over the trained parameters ``names`` — an ensemble's member average, a chain's kept iterates —
-    with the first sample's other tensors (buffers; BatchNorm statistics are the caller's business).
+    :attr:`flatbma.types.Posterior.mean` when the method has it; otherwise the average of ``samples`` over the
+    trained parameters ``names``, with the first sample's other tensors (buffers, not recomputed).
     """
     if method.mean is not None:
         return method.mean(state)
@@ -99,9 +86,8 @@ def posterior_mean(
 def member_weights(method: Posterior, state: State, m: int, seed: int) -> Params:
     """Member ``m``'s weights of a mixture (:attr:`~flatbma.types.Capabilities.members` ``> 0``), as a sample.
 
-    An ensemble's member is its point (its own weights and statistics, exactly); a mixture of posteriors
-    (``multi``) gives member ``m``'s posterior mean (its family's :attr:`~flatbma.types.Posterior.mean`), or for a
-    family without one its sample from the generator seeded with ``seed``.
+    An ensemble's member is its point, exactly; a mixture of posteriors (``multi``) gives member ``m``'s posterior
+    mean, or for a family without one its sample from the generator seeded with ``seed``.
 
     Raises:
         FlatbmaError: a posterior without members, or ``m`` not one of them.
@@ -121,13 +107,10 @@ def member_weights(method: Posterior, state: State, m: int, seed: int) -> Params
 def reference_point(
     method: Posterior, state: State, samples: Sequence[Mapping[str, Tensor]], names: Iterable[str], seed: int
 ) -> tuple[Params, str]:
-    """The one network a BMA is compared with (the health rule ``worse_than_mean``), and what it is.
+    """The one network a BMA is compared with (the health rule ``worse_than_mean``), and its label.
 
-    A mixture of independently trained members: its member 0 (:func:`member_weights`, what
-    :meth:`BMA.load_into` writes), ``"member 0"``; a posterior with a closed-form mean (Laplace's MAP, SWAG's SWA
-    mean, VI's ``μ``, MC dropout's network, a point estimate itself): it, ``"mean"``; otherwise (SG-MCMC) the
-    average of its ``samples`` (:func:`posterior_mean`: a chain's kept iterates), ``"sample average"``. Statistics
-    as given (the caller recomputes them).
+    A mixture's member 0 (``"member 0"``); else the closed-form mean (``"mean"``); else the average of
+    ``samples`` (``"sample average"``). Statistics as given.
     """
     if method.can.members:
         return member_weights(method, state, 0, seed), "member 0"
@@ -143,21 +126,18 @@ def bma_predictions(
     names: Sequence[str],
     statistics: Callable[[list[Params]], list[Params]],
 ) -> Predictions:
-    """What a BMA averages, by the method's :attr:`~flatbma.types.Capabilities.predictive` (one path for all).
+    """What a BMA averages, by the method's :attr:`~flatbma.types.Capabilities.predictive`.
 
-    :class:`BMA` and the runs' evaluation (:func:`flatbma.experiment.run.evaluate.bma_predictions`) both go
-    through it. Samples → BatchNorm statistics → predictive: ``samples`` averages ``statistics(drawn)``;
-    ``glm`` and ``probit`` the network linearized at the posterior mean ``w̄`` (:func:`posterior_mean` over
-    ``drawn``), whose statistics are recomputed once, there (``statistics([w̄])``;
-    :func:`flatbma.linearized.linearized_predictions`: ``glm`` averages over ``Δ_m = w_m − w̄`` of the
-    ``drawn`` samples, ``probit`` takes the method's functional variance at ``state``).
+    ``samples`` averages ``statistics(drawn)``; ``glm`` and ``probit`` the network linearized at the posterior
+    mean ``w̄`` with statistics recomputed once there (:func:`flatbma.linearized.linearized_predictions`:
+    ``glm`` averages over ``Δ_m = w_m − w̄``, ``probit`` uses the functional variance at ``state``).
 
     Args:
         method: the posterior.
         state: its trained state.
         drawn: its weight samples as :meth:`~flatbma.types.Posterior.sample` drew them (the state's statistics).
         names: the trained parameter names.
-        statistics: the samples with recomputed BatchNorm statistics (or as given, where none are recomputed).
+        statistics: maps samples to the samples with BatchNorm statistics recomputed (where they are).
     """
     if method.can.predictive is Predictive.SAMPLES:
         return statistics(drawn)
@@ -175,41 +155,27 @@ class BMA:
         model: the module the method was built for (its frozen parameters are used as they are).
         method: the trained :class:`~flatbma.types.Posterior` (a point estimate is a BMA of one sample).
         state: its trained state.
-        train_loader: the training data, used only to recompute BatchNorm statistics: a DataLoader's
-            dataset is read in the fixed order of :func:`flatbma.bn.statistics_loader` in batches of its
-            ``batch_size`` (shuffling does not enter; give data without random augmentation, or its
-            draws enter the statistics); any other re-iterable of batches is read as it is. Required
-            when statistics are recomputed.
+        train_loader: the training data, used only to recompute BatchNorm statistics (required then): a
+            DataLoader's dataset is read in the fixed order of :func:`flatbma.bn.statistics_loader` with its
+            ``batch_size`` (give data without random augmentation); any other re-iterable is read as it is.
         num_samples: ``M``, the number of posterior samples.
         seed: seed of the CPU generator the samples are drawn from.
         recompute_bn: recompute the samples' BatchNorm statistics: ``None`` when the posterior needs it
-            (:attr:`~flatbma.types.Posterior.recompute_bn`), ``True`` for every method (what ``flatbma
-            train`` reports: point estimates too), ``False`` never. Nothing happens without BatchNorm.
-        device: where the samples, the inputs and the module go (the module is moved there, as
-            ``model.to(device)`` would); ``None``: the module's device.
+            (:attr:`~flatbma.types.Posterior.recompute_bn`), ``True`` always (as ``flatbma train``), ``False`` never.
+        device: where the samples, inputs and module go (the module is moved); ``None``: the module's device.
         batched: how the samples are evaluated (:func:`flatbma.predict.sample_log_probs`).
-        method_config: the method's config section (``name`` and options), written by :meth:`save` so that
-            :func:`flatbma.load_posterior` can rebuild the method; :func:`flatbma.fit_posterior` sets it.
-        optim_config: the ``optim`` section the method trained with, written by :meth:`save` beside
-            ``method_config``: the state holds that optimizer's entries (SGD's momentum, Adam's moments), so
-            :func:`flatbma.load_posterior` rebuilds the method with it (the predictor never steps it);
-            :func:`flatbma.fit_posterior` sets it.
-        num_data: the number of training examples the method was built with (``Objective.num_data``),
-            written by :meth:`save` beside ``method_config`` (the Laplace family's curvature scales with it);
-            :func:`flatbma.fit_posterior` sets it.
-        precision: the precision of the forward passes of prediction and BatchNorm recomputation
-            (:class:`~flatbma.precision.Precision`): ``fp32`` (no autocast), ``bf16`` or ``fp16`` (autocast
-            on the predictor's device; the logits, the BMA and the metrics stay float32, the linearized
-            predictives float32 throughout: :mod:`flatbma.precision`). Not saved: a runtime choice.
-        likelihood: ``None`` for a classifier (the network returns logits); a :class:`~flatbma.regression.Gaussian`
-            for a regression network (its outputs are the likelihood's mean and noise): the predictive is then the
-            mixture ``(1/M) Σ_m N(y; μ_m, σ_m²)`` (:meth:`predict_regression`, :meth:`evaluate`), and the
-            classifier's methods (:meth:`predict_log_proba`, ...) refuse. :func:`flatbma.fit_posterior` sets it.
+        method_config: the method's config section (``name`` and options), saved for :func:`flatbma.load_posterior`.
+        optim_config: the ``optim`` section the method trained with (the state holds its entries), saved.
+        num_data: the training-set size the method was built with (``Objective.num_data``), saved.
+        precision: ``fp32``, ``bf16`` or ``fp16`` autocast of the forward passes (:mod:`flatbma.precision`).
+        likelihood: ``None`` for a classifier; a :class:`~flatbma.regression.Gaussian` for a regression network,
+            whose predictive is the mixture ``(1/M) Σ_m N(y; μ_m, σ_m²)`` (the classifier's methods refuse).
+
+    :func:`flatbma.fit_posterior` sets ``method_config``, ``optim_config``, ``num_data`` and ``likelihood``.
 
     The predictive is the method's (:attr:`~flatbma.types.Capabilities.predictive`): the samples' average, or
-    the network linearized at the posterior mean (``glm``: ``f(x; w̄) + J(x)(w_m − w̄)`` over the same
-    samples, drawn without statistics of their own; ``probit``), whose BatchNorm statistics are then
-    recomputed once, at ``w̄`` — what ``flatbma train`` reports (:func:`flatbma.linearized.linearized_predictions`).
+    the network linearized at the posterior mean (``glm``: ``f(x; w̄) + J(x)(w_m − w̄)``; ``probit``), with
+    BatchNorm statistics recomputed once at ``w̄``.
 
     Raises:
         FlatbmaError: invalid arguments, or statistics to recompute without ``train_loader``.
@@ -308,18 +274,14 @@ class BMA:
         return self.predict_proba(x)
 
     def as_module(self) -> BMAModule:
-        """The predictor as an ``nn.Module`` for ordinary torch code (:class:`BMAModule`).
-
-        Its ``forward(x)`` is :meth:`predict_log_proba`, usable wherever a classifier's logits are.
-        """
+        """The predictor as an ``nn.Module`` whose ``forward(x)`` is :meth:`predict_log_proba` (:class:`BMAModule`)."""
         self._classifier("as_module")
         return BMAModule(self)
 
     def to(self, device: torch.device | str) -> BMA:
         """Move the predictor — its module, state, samples and later inputs — to ``device``, in place; return it.
 
-        The samples drawn so far move as they are (their BatchNorm statistics are not recomputed); a linearized
-        predictive is rebuilt on the new device when next used.
+        The samples drawn so far move as they are (statistics not recomputed).
         """
         device = check_device(device, "device", instead="cpu", kinds=_DEVICE_KINDS)
         if device == self.device:
@@ -337,9 +299,8 @@ class BMA:
     def temperature(self) -> float:
         """``T`` of the temperature-scaled predictive ``softmax(log p̄(y|x) / T)`` (1: none; :meth:`calibrate` fits it).
 
-        It enters :meth:`predict_log_proba` and all that derives from it (:meth:`predict_proba`, :meth:`predict`,
-        calling the predictor, :meth:`as_module`) and :meth:`evaluate`; :meth:`save` records it. The split of
-        :meth:`predict_uncertainty` is the posterior's own (the scaled predictive has no per-sample parts).
+        It enters :meth:`predict_log_proba`, all that derives from it, and :meth:`evaluate`, not
+        :meth:`predict_uncertainty`; :meth:`save` records it.
         """
         return self._temperature
 
@@ -352,10 +313,8 @@ class BMA:
     def calibrate(self, val_loader: Iterable[Any]) -> float:
         """Fit :attr:`temperature` on validation ``(x, y)`` batches (integer labels); return it.
 
-        Temperature scaling (Guo et al. 2017) as ``flatbma compare`` does it: the untempered BMA log-probabilities
-        of the validation data, then ``T`` minimizing their NLL (:func:`flatbma.calibration.fit_temperature`),
-        so that on the same samples and data the two give the same ``T``. Refitting starts from the untempered
-        predictive again. Never fit it on the test data.
+        Temperature scaling (Guo et al. 2017): ``T`` minimizing the NLL of the untempered BMA log-probabilities
+        (:func:`flatbma.calibration.fit_temperature`), as ``flatbma compare`` fits it. Never fit on the test data.
 
         Raises:
             FlatbmaError: a regression BMA, no validation batch, inputs without labels or soft targets.
@@ -390,9 +349,8 @@ class BMA:
     def sample(self, n: int) -> list[Params]:
         """``n`` weight samples drawn with the predictor's seed, statistics as the predictor's.
 
-        ``n = num_samples`` gives the predictor's own samples; other ``n`` draw anew from the same seed.
-        Each is a dict of parameters and buffers by module name (``functional_call`` ready; e.g.
-        ``hessian_eigenvalues(model, data, weights=w)``). The dicts are fresh; their tensors are shared.
+        ``n = num_samples`` gives the predictor's own samples; other ``n`` draw anew from the same seed. Each is a
+        fresh dict of parameters and buffers by module name (``functional_call`` ready), sharing its tensors.
         """
         if not is_int(n) or n < 1:
             raise FlatbmaError(f"the number of samples must be a positive integer, got {n!r}")
@@ -409,9 +367,7 @@ class BMA:
     def member(self, m: int = 0) -> Params:
         """Member ``m``'s weights of a mixture (:attr:`~flatbma.types.Capabilities.members` ``> 0``), as a sample.
 
-        An ensemble's member is its point — its own weights and BatchNorm statistics, exactly; a mixture of
-        posteriors (``multi``: MultiSWAG, …) gives member ``m``'s posterior mean (:func:`member_weights`).
-        Statistics as the predictor's samples' (recomputed where the predictor recomputes them).
+        :func:`member_weights`, with statistics recomputed where the predictor recomputes them.
 
         Raises:
             FlatbmaError: a posterior without members, or ``m`` not one of its members.
@@ -426,8 +382,7 @@ class BMA:
     def paired_nll(self, data: Iterable[Any], point: Mapping[str, Tensor]) -> dict[str, float]:
         """The BMA and the point estimate ``point`` on the labelled batches of ``data``, example by example.
 
-        :func:`flatbma.predict.paired_nll` with the predictor's samples, device and prediction mode; ``data`` is read
-        once into a list (pass validation-sized data).
+        :func:`flatbma.predict.paired_nll`; ``data`` is read once into a list (pass validation-sized data).
         """
         self._classifier("paired_nll")
         batches = [labelled(batch) for batch in data]
@@ -444,14 +399,9 @@ class BMA:
     def load_into(self, model: nn.Module | None = None, *, member: int | None = None) -> nn.Module:
         """Write one network of the posterior into ``model`` (default: the predictor's module), in place; return it.
 
-        A posterior with a mean in weight space gets :meth:`mean` — SWAG's SWA mean, VI's ``μ``, a point estimate
-        itself — with its BatchNorm statistics, so tools that read the module's own weights measure the
-        posterior's. A mixture of independently trained members (an ensemble, ``multi``) gets one member,
-        :meth:`member` ``(member)`` (member 0 by default), exactly: the average of weights across basins is no
-        network the mixture holds (for an ensemble of 5 on digits it scored accuracy 0.087), and the BMA is the
-        average of the members' *predictions* (:meth:`predict_proba`, :meth:`as_module`), not of their weights.
-        :attr:`loaded` and the repr say which was written. The predictor's samples do not change (they never read
-        the module's weights that they replace).
+        A posterior with a mean in weight space gets :meth:`mean` with its BatchNorm statistics. A mixture (an
+        ensemble, ``multi``) gets one member, :meth:`member` ``(member)`` (default 0): averaging weights across
+        basins gives no network the mixture holds. :attr:`loaded` says which was written; the samples do not change.
 
         Raises:
             FlatbmaError: ``member`` for a posterior without members, or not one of its members.
@@ -471,11 +421,9 @@ class BMA:
     def predict_log_proba(self, data: Any) -> Tensor:
         """BMA log-probabilities ``[N, C]`` of ``data``, on the predictor's device.
 
-        ``data`` is one batch — inputs ``x``, a tuple ``(x,)`` or ``(x, y)``, a dict ``{"x": ...}``
-        (:func:`flatbma.types.split_batch` names its keys), or a list ``[x, y]`` whose ``y`` holds integer
-        labels (what a DataLoader yields) — or an iterable of such batches (a DataLoader); labels are ignored.
-        Rows follow the order of the inputs. After :meth:`calibrate`, ``log softmax(log p̄ / T)``
-        (:attr:`temperature`).
+        ``data`` is one batch — ``x``, ``(x,)``, ``(x, y)``, ``{"x": ...}`` (:func:`flatbma.types.split_batch`) or a
+        list ``[x, y]`` with integer labels — or an iterable of batches; labels are ignored. After
+        :meth:`calibrate`, ``log softmax(log p̄ / T)``.
         """
         self._classifier("predict_log_proba")
         log_probs = torch.cat(self._per_batch(data, bma_log_probs))
@@ -484,12 +432,9 @@ class BMA:
     def predict_uncertainty(self, data: Any) -> dict[str, Tensor]:
         """Per-example total, aleatoric and epistemic uncertainty of the BMA (nats), ``[N]`` each.
 
-        ``total`` is the entropy of the BMA predictive ``H[p̄(y|x)]``; ``aleatoric`` the samples' expected
-        entropy ``E_w H[p(y|x, w)]``; ``epistemic`` their difference, the mutual information
-        ``I(y; w | x)`` between the label and the weights (:func:`flatbma.metrics.uncertainty_decomposition`):
-        ``total = aleatoric + epistemic``. Over the predictor's ``M`` samples (or the GLM predictive's
-        linearized samples); a point estimate has ``epistemic = 0``. Same ``data`` as :meth:`predict_log_proba`;
-        float64 tensors on the predictor's device.
+        ``total = H[p̄(y|x)]``, ``aleatoric = E_w H[p(y|x, w)]``, ``epistemic = I(y; w | x)`` their difference
+        (:func:`flatbma.metrics.uncertainty_decomposition`), untempered. Same ``data`` as
+        :meth:`predict_log_proba`; float64 on the predictor's device.
 
         Raises:
             FlatbmaError: the probit predictive (deterministic: it has no per-sample predictives to split).
@@ -529,9 +474,8 @@ class BMA:
     def predict_regression(self, data: Any) -> dict[str, Tensor]:
         """The regression BMA's predictive per example (:mod:`flatbma.regression`), ``[N]`` each.
 
-        ``mean`` ``μ̄ = (1/M) Σ_m μ_m``, ``std`` ``√(aleatoric + epistemic)``, ``aleatoric`` ``(1/M) Σ_m σ_m²`` (the
-        noise) and ``epistemic`` ``(1/M) Σ_m (μ_m − μ̄)²`` (the spread of the samples' means): variances of the
-        mixture ``(1/M) Σ_m N(y; μ_m, σ_m²)``. Same ``data`` as :meth:`predict_log_proba`; on the predictor's device.
+        ``mean`` ``μ̄ = (1/M) Σ_m μ_m``, ``std`` ``√(aleatoric + epistemic)``, ``aleatoric`` ``(1/M) Σ_m σ_m²`` and
+        ``epistemic`` ``(1/M) Σ_m (μ_m − μ̄)²``. Same ``data`` as :meth:`predict_log_proba`.
 
         Raises:
             FlatbmaError: a classifier's BMA (no :attr:`likelihood`).
@@ -545,21 +489,13 @@ class BMA:
     def evaluate(self, loader: Iterable[Any], *, num_classes: int | None = None, n_bins: int = 15) -> dict[str, float]:
         """Accuracy, NLL, ECE, adaptive ECE and Brier score of the BMA on ``(x, y)`` batches.
 
-        ``y``: integer labels ``[batch]``, or soft targets — float class probabilities ``[batch, classes]``,
-        as training takes them: NLL is then the cross-entropy ``−(1/n) Σ_i Σ_c y_ic log p̄_ic``, Brier
-        ``(1/n) Σ_i Σ_c (p̄_ic − y_ic)²``, accuracy and the ECEs score the top class against ``argmax_c y_ic``
-        (:mod:`flatbma.metrics`); one-hot rows give exactly their labels' numbers.
+        ``y``: integer labels ``[batch]`` or soft targets ``[batch, classes]`` (:mod:`flatbma.metrics` says how
+        they are scored). Returns the dict of :func:`flatbma.predict.evaluate`, temperature-scaled after
+        :meth:`calibrate`; ``num_classes=None`` reads it from the model's output on the first batch (read ahead
+        under a forked RNG, so the loader's iteration is unchanged).
 
-        The dict of :func:`flatbma.predict.evaluate` (``n`` and ``num_samples`` included), computed by
-        it with the predictor's samples, device and prediction mode. ``num_classes``: ``None`` reads it
-        from the model's output on the first batch, read ahead under a forked RNG (a DataLoader's
-        iterator draws its base seed from the global RNG), so that the loader is then iterated exactly
-        as :func:`flatbma.predict.evaluate` alone would.
-
-        The predictive is the temperature-scaled one after :meth:`calibrate` (:attr:`temperature`).
-
-        A regression BMA (:attr:`likelihood`) gives :func:`flatbma.regression.mixture_metrics` instead: NLL, RMSE,
-        MAE, coverage of central intervals and calibration error (``num_classes`` and ``n_bins`` do not apply).
+        A regression BMA gives :func:`flatbma.regression.mixture_metrics` instead (NLL, RMSE, MAE, interval
+        coverage, calibration error).
         """
         return self._task.evaluate(self, loader, num_classes, n_bins)
 
@@ -567,12 +503,9 @@ class BMA:
     def save(self, path: str | Path) -> None:
         """Write the state and the predictor's settings to ``path`` (safetensors, atomically, no pickle).
 
-        :meth:`load` (or :func:`flatbma.load_posterior` when the method's config is known) gives a
-        predictor with the same samples and the same predictions, bit for bit. A module that returns its
-        logits as the first element of a tuple (:func:`flatbma.models.keep_logits`'s hook, which
-        :func:`flatbma.fit_posterior` installs) is recorded as such (``"logits": "first"``), and :meth:`load`
-        installs the hook on the module it is given again; any other module as returning its logits
-        (``"logits": "output"``). A fitted :attr:`temperature` is recorded (``"temperature"``).
+        :meth:`load` (or :func:`flatbma.load_posterior`) gives the same predictions, bit for bit. The file records
+        the temperature, the architecture, and whether the module's logits are the first element of a tuple
+        (:func:`flatbma.models.keep_logits`'s hook, reinstalled by :meth:`load`).
         """
         settings = {
             "format": PREDICTOR_FORMAT,
@@ -607,14 +540,9 @@ class BMA:
         """The predictor :meth:`save` wrote to ``path``, for ``model`` and ``method`` built as before.
 
         The state must have the structure ``method`` gives ``model``, and ``model`` the module tree the file
-        records (:func:`flatbma.predictor_file.architecture`: a same-shaped module with a ``Tanh`` where the fitted
-        one had a ``ReLU`` is refused; files saved before the record are not checked); the number of samples,
-        the seed and whether statistics are recomputed come from the file. A predictor saved from a module
-        whose forward returns a tuple (``"logits": "first"``) gives ``model``
-        :func:`~flatbma.models.keep_logits`'s hook: its first element is the logits, as when it was fitted.
-        A file without the record gives ``model`` the hook too: it takes the first element of a tuple output
-        and passes a tensor through as it is (:func:`~flatbma.models.contract.first_output`), so a module of
-        either kind predicts as it did when it was fitted.
+        records (:func:`flatbma.predictor_file.architecture`); the number of samples, the seed and ``recompute_bn``
+        come from the file. ``model`` gets :func:`~flatbma.models.keep_logits`'s hook unless the file records
+        logits as the output.
         """
         state, settings = read_file(path)
         state = _fitted(state, method, model, path, optimizer_recorded="optim" in settings)
@@ -751,9 +679,7 @@ class BMA:
     def _forward(self) -> contextlib.AbstractContextManager[None]:
         """A block of forward passes under :attr:`precision`, after which torch's global generators are as before it.
 
-        The generators: the CPU's, and the predictor's GPU's. Prediction draws nothing from them that matters
-        (the samples come from the seeded generator, MC dropout's masks from its own seeded fork), but a
-        DataLoader's iterator draws its base seed from them: the caller's random stream is left alone.
+        (CPU's and the predictor's GPU's: a DataLoader's iterator draws its base seed from them.)
         """
         cuda = self.device.type == "cuda"
         devices = [self.device.index if self.device.index is not None else torch.cuda.current_device()] if cuda else []
@@ -809,19 +735,13 @@ class BMA:
 class BMAModule(nn.Module):
     """A :class:`BMA` as an ``nn.Module`` (:meth:`BMA.as_module`): ``forward(x)`` gives its log-probabilities.
 
-    ``forward(x)`` is :meth:`BMA.predict_log_proba`: ``log p̄(y|x)`` ``[N, C]``, temperature-scaled after
-    :meth:`BMA.calibrate`, on the predictor's device. Log-probabilities are logits of the BMA predictive
-    (``softmax(log p̄) = p̄``), so code written for a classifier's logits works on it as it is:
-    ``F.cross_entropy(module(x), y)`` is the BMA's NLL, ``module(x).softmax(-1)`` (or ``.exp()``) its
-    probabilities, ``argmax`` its class. What it is and is not:
+    Log-probabilities work as a classifier's logits (``softmax(log p̄) = p̄``): ``F.cross_entropy(module(x), y)``
+    is the BMA's NLL, ``argmax`` its class.
 
-    * no parameters and no buffers: the predictor's samples are not trainable, an optimizer given
-      ``module.parameters()`` gets none, and no gradient flows (prediction runs under ``torch.no_grad``);
-    * ``train()``/``eval()`` set the wrapper's flag only: the BMA always predicts in its own prediction mode
-      (eval mode; MC dropout's masks for MC dropout), whatever the wrapper's or the network's mode;
-    * ``.to(device)``, ``.cuda()``, ``.cpu()`` move the predictor (:meth:`BMA.to`); a dtype conversion
-      (``.double()``, ``.half()``) is refused: the samples keep their dtype (``precision=`` chooses autocast);
-    * its ``state_dict`` is empty: save the predictor with :meth:`BMA.save`; no TorchScript.
+    * no parameters or buffers, and no gradient flows (prediction runs under ``torch.no_grad``);
+    * ``train()``/``eval()`` set the wrapper's flag only: the BMA always predicts in its own prediction mode;
+    * ``.to(device)``, ``.cuda()``, ``.cpu()`` move the predictor (:meth:`BMA.to`); a dtype conversion is refused;
+    * its ``state_dict`` is empty (save with :meth:`BMA.save`); no TorchScript.
     """
 
     def __init__(self, bma: BMA) -> None:
@@ -852,9 +772,8 @@ class Task:
     """What a BMA does where a classifier's and a regression's differ (a row of :data:`TASKS`).
 
     Attributes:
-        predict: ``predict(bma, data)``: :meth:`BMA.predict` — the most probable class, or the predictive mean.
-        evaluate: ``evaluate(bma, loader, num_classes, n_bins)``: :meth:`BMA.evaluate` — the classifier's
-            metrics (:func:`flatbma.predict.evaluate`) or the mixture's (:func:`flatbma.regression.mixture_metrics`).
+        predict: ``predict(bma, data)``: :meth:`BMA.predict`.
+        evaluate: ``evaluate(bma, loader, num_classes, n_bins)``: :meth:`BMA.evaluate`.
         settings: ``settings(likelihood)``: what :meth:`BMA.save` records of the likelihood (nothing for a classifier).
         samples_only: the predictive averages the samples themselves, so a linearized one cannot serve it.
         refuses_classifier: why a classifier's method (``predict_log_proba``, ``calibrate``, ...) is refused, or ``""``.
@@ -897,10 +816,8 @@ def _fitted(
 ) -> State:
     """``state``, which must have the structure ``method`` gives a fresh state of ``model`` (under a forked RNG).
 
-    The rule a resumed run's checkpoint meets (:func:`flatbma.state_io.structure_problem`): the same names,
-    dtypes and shapes, plus only the parameter stacks a sampler keeps in ``aux``. The state holds its optimizer's
-    entries, so a
-    file that does not record its ``optim`` section (``optimizer_recorded`` false) is refused with that advice.
+    :func:`flatbma.state_io.structure_problem`'s rule; a refusal of a file without its ``optim`` section
+    (``optimizer_recorded`` false) advises building the method with the optimizer it trained with.
     """
     with torch.random.fork_rng(devices=[]):
         reference = method.init(trainable_params(model), model_buffers(model))
@@ -942,10 +859,7 @@ def _check_arguments(
 
 
 def target_device(device: torch.device | str | None, model: nn.Module) -> torch.device:
-    """``device`` as a usable ``torch.device`` (:func:`~flatbma.checks.check_device`); ``None``: the module's.
-
-    The module's device is that of its first parameter or buffer (or the CPU).
-    """
+    """``device`` as a usable ``torch.device``; ``None``: the module's first parameter's or buffer's (or the CPU)."""
     if device is None:
         first = next(itertools.chain(model.parameters(), model.buffers()), None)
         return first.device if first is not None else torch.device("cpu")

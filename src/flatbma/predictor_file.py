@@ -1,10 +1,7 @@
 """The predictor file: a :class:`flatbma.BMA`'s state and settings in one state file.
 
-:meth:`flatbma.BMA.save` writes it with :func:`write_file`; :meth:`flatbma.BMA.load` and
-:func:`flatbma.fit.load_posterior` read it with :func:`read_file`. The layout is the run
-checkpoints' (:mod:`flatbma.state_io`: the method state by section, checksums, format tag), with the
-predictor's settings as JSON under the metadata key :data:`PREDICTOR_KEY`. A missing, truncated, damaged
-or foreign file, or one without predictor settings, ends in one line saying what to do.
+The layout is the run checkpoints' (:mod:`flatbma.state_io`), with the predictor's settings as JSON under the
+metadata key :data:`PREDICTOR_KEY`. A missing, damaged or foreign file ends in one line saying what to do.
 """
 
 from __future__ import annotations
@@ -51,8 +48,7 @@ LOGITS_FIRST, LOGITS_OUTPUT = "first", "output"
 def write_file(path: str | Path, state: State, settings: Mapping[str, Any]) -> None:
     """Write ``state`` and the predictor ``settings`` to ``path``: a state file (:mod:`flatbma.state_io`).
 
-    The layout of the run checkpoints (so their reader reads it too), written atomically by
-    :func:`flatbma.state_io.atomic_write_bytes`: an interrupted write never leaves a half-written file.
+    Written atomically: an interrupted write never leaves a half-written file.
 
     Raises:
         FlatbmaError: the file cannot be written (one line saying why and what to do).
@@ -103,9 +99,8 @@ def read_file(path: str | Path) -> tuple[State, dict[str, Any]]:
 def architecture(model: nn.Module) -> list[str]:
     """The module tree of ``model`` as a predictor file records it: ``"<name>: <class>"`` for every submodule.
 
-    Two modules of the same shapes but other layers (a ``Tanh`` where the fitted one had a ``ReLU``) hold the
-    same tensors, so the state alone cannot tell them apart; their trees can (:func:`architecture_problem`).
-    Activations called as functions inside ``forward`` are no submodules and are not seen.
+    It tells apart same-shaped modules of other layers (a ``Tanh`` for a ``ReLU``), which the state cannot;
+    activations called as functions inside ``forward`` are not seen.
     """
     return [f"{name or '.'}: {type(module).__qualname__}" for name, module in model.named_modules()]
 
@@ -113,7 +108,7 @@ def architecture(model: nn.Module) -> list[str]:
 def architecture_problem(recorded: Any, model: nn.Module) -> str | None:
     """How ``model``'s tree differs from the ``recorded`` one (:func:`architecture`); ``None``: not, or not recorded."""
     if recorded is None:
-        return None  # saved before the record
+        return None  # not recorded
     have = architecture(model)
     for there, here in zip(recorded, have, strict=False):
         if there != here:

@@ -1,11 +1,8 @@
 """The ``prior`` section of a two-stage run, parsed once: the first stage's method, epochs, optimizer and floor.
 
-:func:`flatbma.fit_posterior` (``prior=``) and ``flatbma train`` (:mod:`flatbma.experiment.run.prior`) run it;
-both refuse a learning rate the KL to the fitted prior makes diverge (:func:`check_lr_with_prior`). It knows
-methods only through the registry: whether a method's posterior is a low-rank
-plus diagonal Gaussian is its :attr:`~flatbma.family.Family.gaussian`, whether it
-takes such a prior its :attr:`~flatbma.family.Family.with_prior` (a mixture's: also its
-members' method's, :meth:`~flatbma.methods.MethodConfig.takes_prior`).
+:func:`flatbma.fit_posterior` (``prior=``) and ``flatbma train`` run it, refusing a learning rate the KL to the
+fitted prior makes diverge (:func:`check_lr_with_prior`). Methods are known through the registry
+(:attr:`~flatbma.family.Family.gaussian`, :meth:`~flatbma.methods.MethodConfig.takes_prior`).
 """
 
 from __future__ import annotations
@@ -32,29 +29,22 @@ and a second stage started at the fitted posterior (``prior.init``) must have th
 class PriorConfig:
     """The first stage of a two-stage run: a Gaussian posterior fitted on the run's (target) data.
 
-    It becomes the prior ``p`` in ``KL(q_θ ‖ p)`` and the initialization of the run's method.
-
-    This is the Bayesian transfer-learning pipeline of SA-BMA / FP-BMA (Lim et al., UAI 2025): SWAG on
-    the target data → FP-BMA with the SWAG prior, started at the SWAG posterior → BMA. The stage trains
-    into ``<output_dir>/prior`` (a run directory of its own, with its own BMA metrics) and is reused
-    when it has already finished with the same config.
+    It becomes the prior ``p`` in ``KL(q_θ ‖ p)`` and the initialization of the run's method: the Bayesian
+    transfer-learning pipeline of SA-BMA / FP-BMA (Lim et al., UAI 2025), SWAG → FP-BMA with the SWAG prior → BMA.
+    The stage trains into ``<output_dir>/prior`` (a run directory of its own), reused when finished with the
+    same config.
 
     Attributes:
-        method: the first stage's method; its posterior must be a low-rank plus diagonal Gaussian
-            (swag, f-swag, lowrank-vi, fp-bma, ...), e.g. ``{name: swag, rank: 5}``. For a mixture
-            (``multi-fp-bma``) the first stage is a mixture of it with the run's members and seed, one
-            prior per member (:meth:`~flatbma.methods.MethodConfig.first_stage`).
+        method: the first stage's method, a low-rank plus diagonal Gaussian, e.g. ``{name: swag, rank: 5}``.
+            For a mixture the first stage is a mixture of it with the run's members and seed, one prior per
+            member (:meth:`~flatbma.methods.MethodConfig.first_stage`).
         epochs: training epochs of the first stage.
         optim: the first stage's optimizer; the run's ``optim`` section when ``None``.
-        init: start the run's method at the fitted posterior (its ``method.rank`` must then equal the
-            number of deviation columns the first stage collected, so the first stage must have a low-rank
-            part: not IVON's diagonal Gaussian); otherwise only the prior is used.
-        min_std: floor of the fitted Gaussian's diagonal standard deviations ``σ`` (prior and start).
-            SWAG's ``σ`` is ~0 for weights the snapshots barely move, and ``κ·KL(q ‖ p)/n`` then has
-            curvature up to ``2κ/(n σ²)`` in ``μ`` (the prior's variance along such a weight is ``σ²/2``):
-            gradient descent with learning rate ``lr`` is stable only for ``σ² > κ·lr/n`` (heavy-ball
-            momentum ``β`` relaxes it to ``κ·lr/((1+β)n)``), which this floor secures for usual ``lr`` and
-            ``n`` (:func:`flatbma.prior.sgd_stability_bound`).
+        init: start the run's method at the fitted posterior (its ``method.rank`` must then equal the first
+            stage's, which needs a low-rank part); otherwise only the prior is used.
+        min_std: floor of the fitted Gaussian's diagonal standard deviations ``σ`` (prior and start): SGD on
+            ``κ·KL(q ‖ p)/n`` is stable only for ``σ² > κ·lr/n`` (:func:`flatbma.prior.sgd_stability_bound`),
+            and SWAG's ``σ`` is ~0 for weights the snapshots barely move.
     """
 
     method: MethodConfig
@@ -80,11 +70,7 @@ class PriorConfig:
 
 @dataclass(frozen=True)
 class _PriorSection:
-    """The keys of the ``prior`` section, each checked once.
-
-    ``method`` and ``optim`` as written (each is then parsed as its section), the plain ones typed (their
-    defaults are :class:`PriorConfig`'s).
-    """
+    """The keys of the ``prior`` section: ``method`` and ``optim`` as written (parsed later), the others typed."""
 
     method: Any = None
     epochs: int = PriorConfig.epochs
@@ -150,19 +136,14 @@ def sgd_stability_bound(
 ) -> float:
     """The largest SGD learning rate at which descent on ``κ·KL(q ‖ p)/n`` in ``μ`` does not diverge.
 
-    The prior ``p = N(μ_p, Σ_p)``, ``Σ_p = ½(diag σ² + LLᵀ/(K−1))``, enters the KL through
-    ``½(μ − μ_p)ᵀΣ_p⁻¹(μ − μ_p)``, so the curvature in ``μ`` is the Hessian ``(κ/n)Σ_p⁻¹``. Since
-    ``Σ_p ⪰ ½ diag σ² ⪰ ½ s² I`` with ``s = min_std`` the floor of ``σ``, its largest eigenvalue is
-    ``λ_max ≤ 2κ/(n s²)``, with equality as soon as more than ``K`` coordinates sit at the floor (a
-    direction among them orthogonal to ``L``'s columns sees only ``½s²``), as for SWAG's ``σ`` (most
-    below any usable floor). On a quadratic of curvature ``λ``, heavy-ball SGD with momentum ``β``
-    (PyTorch's convention, :class:`flatbma.optim.SGD`) is stable iff ``lr·λ < 2(1 + β)``, Nesterov's iff
-    ``lr·λ < 2(1 + β)/(1 + 2β)`` (both ``2`` for ``β = 0``), so the bound is
+    With the prior ``p = N(μ_p, Σ_p)``, ``Σ_p = ½(diag σ² + LLᵀ/(K−1)) ⪰ ½ s² I`` (``s = min_std``), the KL's
+    Hessian in ``μ`` is ``(κ/n)Σ_p⁻¹`` with ``λ_max ≤ 2κ/(n s²)`` (equality once more than ``K`` coordinates sit
+    at the floor). On a quadratic of curvature ``λ``, heavy-ball SGD with momentum ``β`` (PyTorch's convention)
+    is stable iff ``lr·λ < 2(1 + β)``, Nesterov's iff ``lr·λ < 2(1 + β)/(1 + 2β)``, so the bound is
 
         ``n s²/κ · (1 + β)``  (heavy ball),  ``n s²/κ · (1 + β)/(1 + 2β)``  (Nesterov),
 
-    ``n s²/κ`` for plain gradient descent (``∞`` for ``κ = 0``). Weight decay ``λ_wd`` adds ``λ_wd`` to the
-    curvature (negligible beside ``2κ/(n s²)``); the data loss adds its own.
+    ``n s²/κ`` for ``β = 0`` and ``∞`` for ``κ = 0``. Weight decay and the data loss add curvature, not counted.
     """
     if kl_weight <= 0:
         return math.inf
@@ -173,10 +154,9 @@ def sgd_stability_bound(
 def check_lr_with_prior(prior: PriorConfig, optim: OptimConfig, method: MethodConfig, num_data: int) -> None:
     """Refuse an SGD learning rate that the KL to the fitted prior makes diverge (before stage 1 trains).
 
-    The bound is :func:`sgd_stability_bound` for ``n = num_data``, the floor ``prior.min_std``, ``κ`` the
-    method's resolved ``kl_weight`` option (a mixture's: its members' method's, ``method.of.kl_weight``; every
-    member has its own prior, so the bound is each member's) and the run's momentum (Adam's normalized steps are not
-    affected). The learning rate checked is the peak ``optim.lr``.
+    The bound is :func:`sgd_stability_bound` for ``n = num_data``, ``prior.min_std``, ``κ`` the method's (or a
+    mixture's members') ``kl_weight`` and the run's momentum, checked against the peak ``optim.lr``; Adam is
+    not checked.
     """
     o = optim
     component = method.component()

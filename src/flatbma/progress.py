@@ -1,29 +1,17 @@
 """What flatbma shows while it works: a bar on a terminal, one line per finished phase elsewhere, nothing when quiet.
 
-The decision — terminal or not, quiet or not — is made here and nowhere else. A :class:`Reporter` holds
-it; the command line sets one for the whole command (:func:`reporting`, ``--quiet``) and the code that
-works reads it with :func:`current`:
+A :class:`Reporter` holds the decision; the command line sets one per command (:func:`reporting`,
+``--quiet``) and working code reads it with :func:`current`:
 
-* :meth:`Reporter.bar` wraps a loop in a ``tqdm`` bar, shown only on a terminal (``stderr`` is a TTY)
-  and never when quiet; elsewhere the loop runs bare.
-* :meth:`Reporter.phase` times a block and, when ``stderr`` is not a terminal (a log file, CI, a pipe),
-  prints one line when it ends: ``flatness: 8 samples λ₁ in 41.2 s``.
-* :meth:`Reporter.line` prints one line under the same condition (the training loop's line per epoch).
-* :meth:`Reporter.tick` keeps a long phase from going silent: called from the loops inside it (every item of
-  a :meth:`Reporter.bar` calls it, and so do each sample's forward pass of a BMA, each Hessian-vector product
-  and each landscape point), it prints ``flatness: Hessian
-  spectra 3/8, 95 s so far`` once :attr:`Reporter.interval` seconds (30) have passed since the phase's last
-  line — so a phase prints at least every ``interval`` seconds plus the time of one loop step. The time is
-  read from :attr:`Reporter.clock`, which a test replaces by a fake clock.
-* :func:`collecting` gathers the durations of the phases that end inside it (``flatbma compare`` learns
-  its time left from them).
+* :meth:`Reporter.bar` wraps a loop in a ``tqdm`` bar, shown only on a terminal and never when quiet.
+* :meth:`Reporter.phase` times a block and, when ``stderr`` is not a terminal, prints one line when it ends:
+  ``flatness: 8 samples λ₁ in 41.2 s``; :meth:`Reporter.line` prints one line under the same condition.
+* :meth:`Reporter.tick`, called from the loops inside a phase, prints ``flatness: Hessian spectra 3/8, 95 s so
+  far`` once :attr:`Reporter.interval` seconds have passed since the phase's last line.
+* :func:`collecting` gathers the durations of the phases that end inside it.
 
-Everything goes to ``stderr``, so the results a command prints on ``stdout`` stay clean. Without a
-command line (Python code) the default reporter is not quiet: bars on a terminal, phase lines elsewhere.
-Reporting never draws random numbers or changes what it wraps: the numbers are the same with any reporter.
-(Hence the plain ``tqdm`` bar: ``tqdm.auto``'s asyncio bar opens an iterator of what it wraps when it is
-created and another when the loop starts, and every iterator of a ``DataLoader`` draws its base seed from
-the global generator — so MC dropout's masks would change. In a notebook ``stderr`` is no terminal: lines.)
+Everything goes to ``stderr``. Reporting never draws random numbers or changes what it wraps (hence the plain
+``tqdm`` bar: ``tqdm.auto``'s opens two iterators of a ``DataLoader``, each drawing a base seed).
 """
 
 from __future__ import annotations
@@ -86,9 +74,7 @@ class Reporter:
     ) -> tqdm:
         """``iterable`` wrapped in a ``tqdm`` bar, disabled unless :attr:`bars` and ``enabled``.
 
-        The bar disappears when the loop ends (``leave=False``, unless ``options`` say otherwise); the
-        other ``options`` are ``tqdm``'s (``initial``, ``unit``, ...). A disabled bar is a bare loop whose
-        ``set_postfix`` does nothing.
+        ``options`` are ``tqdm``'s (``leave=False`` by default). A disabled bar is a bare loop.
         """
         options.setdefault("leave", False)
         bar = _Bar(iterable, desc=desc, total=total, disable=not (enabled and self.bars), dynamic_ncols=True, **options)
@@ -105,8 +91,7 @@ class Reporter:
     def phase(self, what: str, detail: str = "") -> Iterator[None]:
         """Time the block; when :attr:`lines`, print ``"<what>: <detail> in <seconds> s"`` once it ends.
 
-        Within it :meth:`tick` prints a line at least every :attr:`interval` seconds. Nothing is printed when the
-        block raises (the error says what happened). Its duration goes to the :func:`collecting` block around it.
+        Nothing is printed when the block raises. Its duration goes to the :func:`collecting` block around it.
         """
         start = self.clock()
         token = _PHASE.set(_Phase(what, start, self))
@@ -122,9 +107,9 @@ class Reporter:
     def tick(self, where: str | None = None) -> None:
         """Note progress inside the current :meth:`phase`; print a line if the phase has been silent too long.
 
-        ``where`` (e.g. ``"Hessian spectra 3/8"``) is kept until the next one. When the reporter that opened the
-        phase prints :attr:`lines` and its :attr:`interval` seconds have passed since the phase's last line, it
-        prints ``"<phase>: <where>, <seconds> s so far"``. Outside a phase, or not printing lines, it does nothing.
+        ``where`` (e.g. ``"Hessian spectra 3/8"``) is kept until the next one. If the phase's reporter prints
+        :attr:`lines` and :attr:`interval` seconds have passed since the phase's last line, it prints
+        ``"<phase>: <where>, <seconds> s so far"``.
         """
         phase = _PHASE.get()
         if phase is None or not phase.reporter.lines:  # the phase's own reporter decides (a quiet stage stays so)

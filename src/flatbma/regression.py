@@ -2,20 +2,16 @@
 
 The likelihood (:class:`Gaussian`) is ``p(y | x, w) = N(y; μ(x; w), σ²(x; w))`` with one of two noise models:
 
-* **learned** (``noise_std=None``, the default): the network returns two numbers per example, the mean ``μ``
-  and a raw scale ``s``, with ``σ² = softplus(s) + 10⁻⁶`` — heteroscedastic noise learned with the weights, so
-  every posterior over the weights is one over the noise too (Nix & Weigend 1994; Lakshminarayanan, Pritzel &
-  Blundell 2017);
-* **fixed** (``noise_std=σ``): the network returns ``μ`` alone (``[B, 1]``), ``σ`` is a constant.
+* **learned** (``noise_std=None``, the default): the network returns ``(μ, s)`` per example with
+  ``σ² = softplus(s) + 10⁻⁶``, heteroscedastic noise learned with the weights (Nix & Weigend 1994;
+  Lakshminarayanan, Pritzel & Blundell 2017);
+* **fixed** (``noise_std=σ``): the network returns ``μ`` alone (``[B, 1]``).
 
-The training loss is the mean negative log-likelihood ``½ log(2π σ²) + (y − μ)² / (2σ²)`` (with its constant,
-so that it is an NLL in nats). Over posterior samples ``w_1 … w_M`` the BMA predictive is the mixture
-``p(y|x) = (1/M) Σ_m N(y; μ_m, σ_m²)``; its mean is ``μ̄ = (1/M) Σ_m μ_m`` and its variance splits into an
-aleatoric part ``(1/M) Σ_m σ_m²`` and an epistemic part ``(1/M) Σ_m (μ_m − μ̄)²`` (the law of total
-variance). :func:`mixture_metrics` scores it: NLL of the mixture, RMSE of ``μ̄``, and calibration by the
-coverage of the mixture's central intervals, read exactly from the probability integral transform
-``F(y) = (1/M) Σ_m Φ((y − μ_m)/σ_m)``: ``y`` lies in the central ``α`` interval iff ``|F(y) − ½| ≤ α/2``
-(Kuleshov, Fenner & Ermon 2018 for calibration by quantile coverage).
+The training loss is the mean NLL ``½ log(2π σ²) + (y − μ)² / (2σ²)`` in nats. The BMA predictive is the mixture
+``p(y|x) = (1/M) Σ_m N(y; μ_m, σ_m²)`` with mean ``μ̄ = (1/M) Σ_m μ_m`` and variance aleatoric
+``(1/M) Σ_m σ_m²`` + epistemic ``(1/M) Σ_m (μ_m − μ̄)²``. :func:`mixture_metrics` scores it, calibration by
+the coverage of central intervals: ``y`` lies in the central ``α`` interval iff ``|F(y) − ½| ≤ α/2`` with
+``F(y) = (1/M) Σ_m Φ((y − μ_m)/σ_m)`` (Kuleshov, Fenner & Ermon 2018).
 """
 
 from __future__ import annotations
@@ -46,12 +42,10 @@ _CALIBRATION_LEVELS = tuple(round(0.05 * k, 2) for k in range(1, 20))  # 0.05 �
 class Gaussian:
     """The Gaussian likelihood ``N(y; μ(x; w), σ²)``: learned heteroscedastic ``σ`` (``noise_std=None``) or fixed.
 
-    Called as a loss, ``gaussian(outputs, y)`` is the mean NLL over the batch (an :class:`flatbma.params.Objective`'s
-    ``loss_fn``).
+    Called as a loss, ``gaussian(outputs, y)`` is the mean NLL over the batch (an ``Objective``'s ``loss_fn``).
 
     Attributes:
-        noise_std: ``None``: ``σ`` is learned — the network returns ``[B, 2]``, ``(μ, s)`` with
-            ``σ² = softplus(s) + 10⁻⁶``; a positive number: ``σ`` is fixed and the network returns ``[B, 1]``.
+        noise_std: ``None``: learned, outputs ``[B, 2]``; a positive number: fixed, outputs ``[B, 1]``.
     """
 
     noise_std: float | None = None
@@ -119,11 +113,9 @@ def mixture_metrics(means: Tensor, variances: Tensor, y: Tensor) -> dict[str, fl
         y: ``[N]`` targets.
 
     Returns:
-        ``nll`` (mean over examples of ``−log p(y|x)``), ``rmse`` and ``mae`` of ``μ̄``, ``coverage_<α>`` (share of
-        targets inside the central ``α`` interval, ``α`` in :data:`COVERAGE_LEVELS`), ``calibration_error``
-        (``(1/19) Σ_α |coverage_α − α|`` over ``α = 0.05, 0.10, …, 0.95``), ``mean_std`` (the mean predictive
-        standard deviation ``√(aleatoric + epistemic)``), ``aleatoric_var`` and ``epistemic_var`` (their means),
-        ``n`` and ``num_samples``; float64 arithmetic.
+        ``nll`` (mean ``−log p(y|x)``), ``rmse`` and ``mae`` of ``μ̄``, ``coverage_<α>`` for ``α`` in
+        :data:`COVERAGE_LEVELS`, ``calibration_error`` (``(1/19) Σ_α |coverage_α − α|``, ``α = 0.05, …, 0.95``),
+        ``mean_std``, ``aleatoric_var``, ``epistemic_var`` (means), ``n`` and ``num_samples``; float64.
 
     Raises:
         FlatbmaError: shapes that do not match, or variances that are not positive.

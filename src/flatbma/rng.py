@@ -1,10 +1,8 @@
 """Reproducible randomness shared by the methods: SplitMix64 seeds, seeded generators, forked RNG.
 
-A method that must draw the same numbers after a checkpoint round trip, or whatever else runs in the
-process, derives its seeds from a stored seed and a stream number with SplitMix64 (Steele, Lea and
-Flood, "Fast splittable pseudorandom number generators", OOPSLA 2014) — the output function of
-``splitmix64`` applied to ``seed + (stream + 1)·φ`` (``φ`` the 64-bit golden ratio) — instead of
-advancing one global stream whose position depends on the history of the run.
+A method that must draw the same numbers after a checkpoint round trip, whatever else runs in the process,
+derives its seeds from a stored seed and a stream number with SplitMix64 (Steele, Lea and Flood, OOPSLA 2014)
+instead of advancing one global stream.
 """
 
 from __future__ import annotations
@@ -33,9 +31,8 @@ def splitmix64(seed: int, stream: int) -> int:
     """The SplitMix64 value of ``(seed, stream)``, a 64-bit unsigned integer.
 
     ``z = seed + (stream + 1)·φ mod 2⁶⁴``, then ``z ← (z ⊕ z≫30)·0xBF58476D1CE4E5B9``,
-    ``z ← (z ⊕ z≫27)·0x94D049BB133111EB``, ``z ⊕ z≫31`` (all mod 2⁶⁴): distinct streams of one seed give
-    statistically independent values. ``torch.Generator.manual_seed`` takes 63 bits; callers keep the
-    low (:func:`seeded_generator`) or the high ones (:func:`flatbma.posteriors.members.member_seed`).
+    ``z ← (z ⊕ z≫27)·0x94D049BB133111EB``, ``z ⊕ z≫31`` (all mod 2⁶⁴, ``φ`` the 64-bit golden ratio).
+    ``torch.Generator.manual_seed`` takes 63 bits: callers keep the low or the high ones.
     """
     z = (seed + (stream + 1) * _GOLDEN) & _MASK64
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
@@ -62,8 +59,7 @@ def derive_seed(seed: int, stream: int) -> int:
 def seeded_generator(seed: Tensor | int, stream: int, device: torch.device | str = "cpu") -> torch.Generator:
     """A generator on ``device`` seeded with the low 63 bits of :func:`splitmix64` of ``(seed, stream)``.
 
-    ``stream`` is the step number for training noise (``-1`` for initialization), so every step draws
-    independent noise that is reproducible from the stored seed alone.
+    ``stream`` is the step number for training noise (``-1`` for initialization).
     """
     g = torch.Generator(device=device)
     g.manual_seed(derive_seed(int(seed), stream))
@@ -84,11 +80,8 @@ def forked_rng(seed: int) -> Iterator[None]:
 def first_batch(loader: Iterable[Any]) -> Any:
     """The first batch of ``loader`` (``None`` if it yields none), read without moving any random stream.
 
-    A DataLoader's iterator draws its base seed (and a shuffling sampler its permutation) from the
-    loader's generator, or torch's global one when it has none; a dataset may augment with Python's or
-    NumPy's. Every one of them — torch's global CPU generator, ``loader.generator``,
-    ``loader.sampler.generator``, Python's and NumPy's global states — is as before afterwards, so the
-    loader then yields exactly what it would have without this look ahead.
+    Torch's global CPU generator, ``loader.generator``, ``loader.sampler.generator`` and Python's and NumPy's
+    global states are restored, so the loader then yields exactly what it would have.
     """
     generators = [getattr(loader, "generator", None), getattr(getattr(loader, "sampler", None), "generator", None)]
     owned = [(g, g.get_state()) for g in generators if isinstance(g, torch.Generator)]

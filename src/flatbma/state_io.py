@@ -1,16 +1,11 @@
 """State files and atomic writes, below every layer that writes them (the run checkpoints, the BMA predictor).
 
-A state file is one ``.safetensors`` file: the tensors of a :class:`~flatbma.types.State`'s ``params``,
-``buffers`` and ``aux`` as ``<section>/<name>`` (plus optional ``extra/<name>``), and string metadata
-holding the format tag :data:`FORMAT`, the ``step`` and the key ``order`` of every section (safetensors
-returns tensors sorted by name; the order is part of the state: it fixes the summation order of global
-norms) and the ``checksums`` of every tensor and of the rest of the metadata (:func:`checksums`), so that a
-changed bit is found when the file is read (:func:`checksum_problem`). Every file is written through
-:func:`atomic_write_bytes`: a temporary file in the same directory, ``fsync``, rename — so an interrupted
-write never leaves a half-written file, and a file hard-linked elsewhere keeps its bytes under its other
-names — and a failed write is one :class:`~flatbma.errors.FlatbmaError` line (:func:`write_error`). Only
-regular files are ever replaced or appended to (:func:`check_replaceable`): a symbolic link, FIFO, device
-or directory at the path is refused, never replaced by a file.
+A state file is one ``.safetensors`` file: a :class:`~flatbma.types.State`'s tensors as ``<section>/<name>``
+(plus optional ``extra/<name>``), and metadata holding the format tag :data:`FORMAT`, the ``step``, the key
+``order`` of every section (it fixes the summation order of global norms) and the :func:`checksums` of every
+tensor and the rest of the metadata. Files are written by :func:`atomic_write_bytes` (temporary file,
+``fsync``, rename); a failed write is one :class:`~flatbma.errors.FlatbmaError` line; only regular files are
+replaced or appended to (:func:`check_replaceable`).
 """
 
 from __future__ import annotations
@@ -79,9 +74,8 @@ def _umask() -> int:
 def check_replaceable(path: str | Path) -> None:
     """Refuse to write ``path`` unless it is missing or a regular file.
 
-    A symbolic link (it may lead to a device or out of the directory), a FIFO (a write would block), a
-    device (``/dev/full``: as root a rename would replace the node) or a directory is never replaced by a
-    file. A path that cannot be examined is left to the write, which names the problem.
+    A symbolic link, FIFO, device or directory is never replaced by a file. A path that cannot be examined is
+    left to the write, which names the problem.
 
     Raises:
         FlatbmaError: ``path`` exists and is no regular file, in one line saying what to do.
@@ -106,11 +100,10 @@ def check_replaceable(path: str | Path) -> None:
 def atomic_write_bytes(path: Path, data: bytes, *, note: str = "") -> None:
     """Write ``data`` to ``path`` via a temporary file and ``os.replace``; the file gets mode ``0o666 & ~umask``.
 
-    ``path`` must be missing or a regular file (:func:`check_replaceable`); one hard-linked elsewhere is
-    replaced under this name only. A failed write leaves ``path`` as it was and raises :class:`FlatbmaError`
-    (disk full, read-only file system, permission denied, ...) saying what to do, followed by ``note`` (e.g.
-    which checkpoint is intact). An interruption (``KeyboardInterrupt``) propagates after the temporary
-    file is removed.
+    ``path`` must be missing or a regular file (:func:`check_replaceable`); one hard-linked elsewhere is replaced
+    under this name only. A failed write leaves ``path`` as it was and raises :class:`FlatbmaError` saying what to
+    do, then ``note`` (e.g. which checkpoint is intact). An interruption propagates after the temporary file is
+    removed.
     """
     path = Path(path)
     check_replaceable(path)
@@ -138,9 +131,7 @@ def atomic_write_bytes(path: Path, data: bytes, *, note: str = "") -> None:
 def append_bytes(path: Path, data: bytes) -> None:
     """Append ``data`` to the regular file ``path`` (created when missing), as a log grows.
 
-    ``path`` must be missing or a regular file (:func:`check_replaceable`); one hard-linked elsewhere is
-    first replaced by a copy of its own (:func:`atomic_write_bytes` of its bytes and ``data``), so that its
-    other names keep their bytes.
+    A file hard-linked elsewhere is first replaced by a copy of its own, so its other names keep their bytes.
 
     Raises:
         FlatbmaError: ``path`` is no regular file; ``OSError`` of the write itself is the caller's to report.
@@ -195,8 +186,7 @@ def tensor_checksum(t: Tensor) -> str:
 def checksums(tensors: Mapping[str, Tensor], metadata: Mapping[str, str]) -> dict[str, Any]:
     """``{"tensors": {name: checksum}, "metadata": checksum}`` of a state file's CPU tensors and metadata.
 
-    The metadata's checksum covers every entry but :data:`CHECKSUMS` itself (keys sorted), so a changed
-    step, position or record is found like a changed tensor.
+    The metadata's checksum covers every entry but :data:`CHECKSUMS` itself (keys sorted).
     """
     rest = {k: v for k, v in metadata.items() if k != CHECKSUMS}
     return {
@@ -210,12 +200,9 @@ def checksum_problem(
 ) -> str | None:
     """What in a state file read back (CPU ``tensors``, ``metadata``) differs from its recorded checksums.
 
-    ``None`` when everything matches, or when the file records none and is of a format written before
-    flatbma recorded them (a ``v1`` file without checksums, accepted as it is). A file of the current
-    format (:data:`FORMAT`) always records them, and so does one that holds a record only versions writing
-    checksums wrote (``required``, the caller's to say): without them it is refused, since a file cannot
-    lose the key but by an edit — the format tag is itself covered by the metadata's checksum. Otherwise a
-    short text naming the first tensor (or the metadata) that differs, cut to 160 characters.
+    ``None`` when everything matches, or when a ``v1`` file records none. A file of :data:`FORMAT`, or one the
+    caller knows must have them (``required``), is refused without them. Otherwise a short text naming the
+    first tensor (or the metadata) that differs, cut to 160 characters.
     """
     text = metadata.get(CHECKSUMS)
     if text is None:
@@ -258,9 +245,8 @@ SEAL = "checksum"
 def sealed(record: Mapping[str, Any]) -> dict[str, Any]:
     """``record`` with :data:`SEAL`: a short SHA-256 of the rest of it, so that an edit or a damaged byte is found.
 
-    The caches a result is read from (a run's ``metrics.json``, a comparison row's ``compare.json``, ...)
-    are written sealed and read back through :func:`seal_problem`. The checksum is of the record's JSON
-    with sorted keys: what ``json`` writes and reads back (floats round-trip exactly) hashes the same.
+    The checksum is of the record's JSON with sorted keys, so what ``json`` writes and reads back hashes the
+    same; read it back through :func:`seal_problem`.
     """
     rest = {k: v for k, v in record.items() if k != SEAL}
     return {**rest, SEAL: _digest(json.dumps(rest, sort_keys=True, separators=(",", ":")).encode())}
@@ -269,8 +255,7 @@ def sealed(record: Mapping[str, Any]) -> dict[str, Any]:
 def seal_problem(record: Any, *, required: bool) -> str | None:
     """What is wrong with the seal of a JSON ``record`` read back (:func:`sealed`), or ``None``.
 
-    A record without one is accepted unless ``required`` (the caller knows it was written by a version that
-    seals: e.g. its run's checkpoint is of the current format).
+    A record without one is accepted unless ``required``.
     """
     if not isinstance(record, dict):
         return None
@@ -290,11 +275,10 @@ def in_order(tensors: Mapping[str, Tensor], order: list[str]) -> dict[str, Tenso
 def structure_problem(state: State, reference: State) -> str | None:
     """What keeps ``state`` from having the structure of ``reference``, or ``None`` if nothing does.
 
-    ``reference`` is the state the method initializes for the model. ``params``, ``buffers`` and ``aux``
-    must hold its names with the same dtypes and shapes. The only entries ``reference`` lacks that are
-    accepted are ``aux`` stacks of copies of a parameter (``<prefix>/<name>`` of shape ``[S, *shape]`` and
-    the parameter's dtype): the iterates a sampler keeps as it trains (SGLD). Every other entry is a
-    problem (e.g. a SWAG state for a SAM method). The answer names the first entry, cut to 160 characters.
+    ``reference`` is the state the method initializes for the model: each section must hold its names with the
+    same dtypes and shapes. The only extra entries accepted are ``aux`` stacks of copies of a parameter
+    (``<prefix>/<name>``, ``[S, *shape]``, its dtype: a sampler's iterates). The answer names the first
+    offending entry, cut to 160 characters.
     """
     for section in SECTIONS:
         have, want = getattr(state, section), getattr(reference, section)

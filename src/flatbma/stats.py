@@ -1,22 +1,15 @@
 """Summary statistics with intervals: what a number in a report or README carries.
 
-* :func:`summarize` — mean, standard deviation, median and a two-sided ``level`` interval for the mean
-  of a sample: Student's t interval ``x̄ ± t_{1−α/2, n−1} s/√n`` (for a few seeds), or the
-  bootstrap percentile interval (for many heavy-tailed values, e.g. λ₁ of posterior samples;
-  Efron & Tibshirani 1993, §13) via :func:`scipy.stats.bootstrap`, seeded, so the same values
-  give the same interval.
-* :func:`median_interval` — the seeded bootstrap percentile interval of the median (Efron & Tibshirani
-  1993, §13), the summary of a heavy-tailed sample that one large value cannot move.
-* :func:`paired_difference` — the mean of paired differences ``d_i = a_i − b_i`` (the same seed for
-  both methods) with its t interval, whether it excludes 0, and the smallest difference the pairs could
-  have detected (:func:`detectable_difference`). A difference whose interval includes 0 reads "no
-  difference larger than δ₈₀ detected" (:func:`verdict`), never "no difference".
-* :func:`detectable_difference` — that smallest difference: the paired t test's exact power
-  (:func:`paired_t_power`, the noncentral t) solved for :data:`POWER` at the size ``1 − level`` of the
-  interval's test.
+* :func:`summarize` — mean, std, median and a two-sided ``level`` interval of the mean: Student's t
+  ``x̄ ± t_{1−α/2, n−1} s/√n`` (a few seeds), or the seeded bootstrap percentile interval (many heavy-tailed
+  values; Efron & Tibshirani 1993, §13).
+* :func:`median_interval` — the seeded bootstrap percentile interval of the median.
+* :func:`paired_difference` — the mean of paired differences ``d_i = a_i − b_i`` with its t interval and
+  the smallest difference the pairs could have detected (:func:`detectable_difference`, from the exact
+  power :func:`paired_t_power`). An interval including 0 reads "no difference larger than δ₈₀ detected"
+  (:func:`verdict`), never "no difference".
 
-With one value the interval is ``None`` (nothing is claimed), and so are the standard deviation and the
-detectable difference.
+With one value the interval, the standard deviation and the detectable difference are ``None``.
 """
 
 from __future__ import annotations
@@ -85,13 +78,7 @@ class Interval:
 class Summary:
     """Mean, spread and interval of ``n`` finite values.
 
-    Attributes:
-        n: number of values.
-        mean: their mean.
-        std: sample standard deviation (``ddof = 1``); ``None`` when ``n = 1``.
-        median: their median.
-        interval: ``level`` interval of the mean; ``None`` when ``n = 1``.
-        method: how the interval was built.
+    ``std`` (``ddof = 1``) and ``interval`` (of the mean, built by ``method``) are ``None`` when ``n = 1``.
     """
 
     n: int
@@ -139,15 +126,10 @@ def summarize(
 ) -> Summary:
     """Mean, std, median and a ``level`` interval of the mean of ``values``.
 
-    Args:
-        values: finite numbers (at least one).
-        level: confidence level of the interval.
-        method: ``"t"`` (Student's t) or ``"bootstrap"`` (percentile bootstrap of the mean with
-            ``resamples`` resamples drawn by a generator seeded with ``seed``).
-        resamples: bootstrap resamples.
-        seed: bootstrap seed.
+    ``method``: ``"t"`` (Student's t) or ``"bootstrap"`` (percentile bootstrap of the mean, ``resamples``
+    resamples seeded with ``seed``).
     """
-    try:  # checks.parse_choice's wording; stats sits beside checks in the layers, so it cannot import it
+    try:  # checks.parse_choice's wording (stats cannot import checks)
         method = Method(method)
     except ValueError:
         names = ", ".join(repr(m.value) for m in Method)
@@ -185,8 +167,7 @@ def median_interval(
 ) -> Interval | None:
     """The ``level`` percentile-bootstrap interval of the median of ``values``; ``None`` for one value.
 
-    ``resamples`` resamples drawn by a generator seeded with ``seed`` (the same values give the same
-    interval); values that are all equal give the point ``[x, x]``.
+    ``resamples`` resamples seeded with ``seed``; values that are all equal give the point ``[x, x]``.
     """
     _check_level(level)
     x = _values(values, "median_interval")
@@ -210,13 +191,8 @@ def median_interval(
 class Difference:
     """A paired difference ``mean(a − b)`` with its t interval and the smallest difference it could detect.
 
-    Attributes:
-        n: number of pairs.
-        mean: mean difference.
-        interval: its ``level`` interval (``None`` with one pair).
-        significant: whether the interval excludes 0 (``False`` with one pair).
-        detectable: the smallest true ``|mean|`` that the paired t test at size ``1 − level`` detects with
-            power :data:`POWER`, from these pairs' spread (:func:`detectable_difference`); ``None`` with one pair.
+    ``significant``: whether the interval excludes 0; ``detectable``: :func:`detectable_difference` of these
+    pairs. With one pair ``interval`` and ``detectable`` are ``None`` and ``significant`` is ``False``.
     """
 
     n: int
@@ -233,11 +209,7 @@ class Difference:
 def paired_difference(
     a: Sequence[float], b: Sequence[float], *, level: float = LEVEL, power: float = POWER
 ) -> Difference:
-    """``mean(a_i − b_i)`` over pairs (e.g. two methods on the same seeds) with Student's t interval.
-
-    Its :attr:`~Difference.detectable` is :func:`detectable_difference` of the differences' sample standard
-    deviation and number at size ``1 − level`` and ``power``.
-    """
+    """``mean(a_i − b_i)`` over pairs (e.g. two methods on the same seeds) with Student's t interval."""
     _check_level(level)
     x, y = _values(a, "paired_difference"), _values(b, "paired_difference")
     if x.size != y.size:
@@ -269,15 +241,12 @@ def _positive_count(n: int) -> int:
 def paired_t_power(delta: float, std: float, n: int, *, level: float = LEVEL) -> float:
     """The power of the two-sided paired t test at size ``α = 1 − level`` against a true mean difference ``delta``.
 
-    With ``n`` pairs whose differences are normal with standard deviation ``std``, the statistic
-    ``T = d̄ √n / s`` follows the noncentral t law ``T′`` with ``ν = n − 1`` degrees of freedom and
-    noncentrality ``λ = delta √n / std`` (Johnson, Kotz & Balakrishnan 1995, *Continuous Univariate
-    Distributions* 2, ch. 31), and the power is
+    With normal differences of standard deviation ``std``, ``T = d̄ √n / s`` is noncentral t ``T′`` with
+    ``ν = n − 1`` and ``λ = delta √n / std`` (Johnson, Kotz & Balakrishnan 1995, ch. 31); the power is
 
         P(|T′| > t_{1−α/2, ν}) = P(T′_λ > t_{1−α/2, ν}) + P(T′_{−λ} > t_{1−α/2, ν})
 
-    (the lower tail written as the upper tail at ``−λ``, where scipy's noncentral t stays finite);
-    ``α`` at ``delta = 0``.
+    (``α`` at ``delta = 0``).
 
     Raises:
         FlatbmaError: on ``n < 2`` (no test), a negative or non-finite ``std``, a non-finite ``delta``.
@@ -302,23 +271,13 @@ def _power(nc: float, df: int, level: float) -> float:
 def detectable_difference(std: float, n: int, *, level: float = LEVEL, power: float = POWER) -> float | None:
     """The smallest mean difference that ``n`` pairs with spread ``std`` detect with probability ``power``.
 
-    For the two-sided paired t test at size ``α = 1 − level`` (the test the ``level`` interval reads:
-    it excludes 0 exactly when the test rejects), with ``ν = n − 1``:
+    For the two-sided paired t test at size ``α = 1 − level`` (the one the ``level`` interval reads), ``ν = n − 1``:
 
         δ_power = min{δ > 0 : P(|T′| > t_{1−α/2, ν}) ≥ power},   T′ ~ noncentral t(ν, δ √n / s)
 
-    (:func:`paired_t_power`), solved for the noncentrality ``λ*`` by Brent's method
-    (:func:`scipy.optimize.brentq`; the power rises with ``λ``), then ``δ = λ* s / √n``: ``λ*`` depends on
-    ``n`` alone, so ``δ`` scales with ``s``. The usual approximation (the known-σ formula with t quantiles,
-    which neglects the far tail and the noncentral t's skew) is
-
-        δ ≈ (t_{1−α/2, ν} + t_{power, ν}) s / √n,
-
-    below the exact value by 14% at ``n = 2``, 1.2% at ``n = 5``, 0.13% at ``n = 10``, and within 0.03% of
-    it from ``n = 30`` on. At 5% and 80% with
-    ``s = 1``: ``δ = 11.55`` (``n = 2``), ``1.682`` (``n = 5``), ``0.996`` (``n = 10``). Here ``s`` is the
-    differences' sample standard deviation, so ``δ`` states what a study of that spread could detect, not
-    a property of the true σ.
+    solved for the noncentrality ``λ*`` by Brent's method, then ``δ = λ* s / √n``. The usual approximation
+    ``(t_{1−α/2, ν} + t_{power, ν}) s / √n`` is 14% low at ``n = 2``, 1.2% at ``n = 5``. At 5% and 80% with
+    ``s = 1``: ``δ = 11.55`` (``n = 2``), ``1.682`` (``n = 5``), ``0.996`` (``n = 10``).
 
     Args:
         std: the sample standard deviation of the paired differences (``ddof = 1``), finite and ``≥ 0``.
@@ -327,8 +286,7 @@ def detectable_difference(std: float, n: int, *, level: float = LEVEL, power: fl
         power: the power, in ``(1 − level, 1)``.
 
     Returns:
-        ``δ`` in the differences' units; ``0.0`` for ``std = 0``; ``None`` for one pair (no test: nothing
-        is claimed).
+        ``δ`` in the differences' units; ``0.0`` for ``std = 0``; ``None`` for one pair (no test).
 
     Raises:
         FlatbmaError: on a negative or non-finite ``std``, ``n < 1``, or ``level``/``power`` out of range.
@@ -357,8 +315,7 @@ def _noncentrality(df: int, level: float, power: float) -> float:
 def verdict(difference: Difference, lower_is_better: bool) -> str:
     """``"better"``, ``"worse"`` or ``"no difference larger than δ detected"`` for ``a`` against ``b``.
 
-    ``δ`` is :attr:`Difference.detectable` with 3 significant digits; with one pair, "no comparison
-    claimed (one pair)".
+    ``δ`` is :attr:`Difference.detectable` to 3 significant digits; one pair gives "no comparison claimed (one pair)".
     """
     if not difference.significant:
         if difference.detectable is None:

@@ -1,17 +1,13 @@
 """The one way a registered method trains: built for a network, then driven by the loop, in memory.
 
-Both doors to training come here: :func:`flatbma.fit_posterior` and ``flatbma train``'s stage
-(:mod:`flatbma.experiment.run.stage`, which adds the run directory around it: checkpoints, logs, resuming,
-the processes of a ``torchrun`` launch). The path, top to bottom:
+:func:`flatbma.fit_posterior` and ``flatbma train``'s stage (which adds checkpoints, logs, resuming) both
+train through it:
 
-1. :func:`build` — the method's transform for the network: the optimizer of the ``optim`` section over the
-   run's epochs (:class:`~flatbma.optim.config.OptimConfig`), the registry's
-   :meth:`~flatbma.methods.MethodConfig.build` (``start_step: null`` resolved, SWAG's held learning rate, a
-   fitted Gaussian prior), fp16's loss scale; and the learning rate the logs report;
+1. :func:`build` — the method's transform: the ``optim`` optimizer over the run's epochs, the registry's
+   :meth:`~flatbma.methods.MethodConfig.build`, fp16's loss scale, and the learning rate the logs report;
 2. the caller's ``posterior.init`` at the network's weights (or at a fitted prior);
-3. :func:`train` — :func:`flatbma.loop.fit` over the run's epochs and the family's extra ones
-   (:attr:`Built.epochs`), the network in train mode (its mode restored afterwards), each finished epoch shown
-   and kept by :class:`EpochLines`.
+3. :func:`train` — :func:`flatbma.loop.fit` over :attr:`Built.epochs` in train mode, each finished epoch
+   shown and kept by :class:`EpochLines`.
 """
 
 from __future__ import annotations
@@ -66,10 +62,9 @@ def build(
 ) -> Built:
     """``method`` built on ``objective`` with the optimizer of ``optim`` over ``epochs`` epochs of ``steps_per_epoch``.
 
-    ``map_steps`` (default ``epochs · steps_per_epoch``; 0 post hoc: no update belongs to a MAP phase) resolves
-    ``start_step: null``; ``prior`` is a fitted Gaussian in ``θ`` layout that replaces the method's default
-    prior (a two-stage run's second stage); ``precision`` fp16 wraps the method in its loss scale
-    (:class:`~flatbma.optim.LossScaled`). The schedule spans at least one epoch (a post hoc fit has none).
+    ``map_steps`` (default ``epochs · steps_per_epoch``; 0 post hoc) resolves ``start_step: null``; ``prior`` is
+    a fitted Gaussian in ``θ`` layout replacing the method's default prior; ``precision`` fp16 wraps the method
+    in :class:`~flatbma.optim.LossScaled`. The schedule spans at least one epoch.
     """
     spans = max(epochs, 1)
     map_steps = epochs * steps_per_epoch if map_steps is None else map_steps
@@ -102,10 +97,9 @@ def train(
 ) -> tuple[State, History]:
     """``method`` trained from ``state`` over ``epochs`` passes of ``loader`` (:func:`flatbma.loop.fit`).
 
-    ``model`` (the network the method's objective holds) is in train mode throughout and back in its mode
-    afterwards. ``lines`` is shown and kept each finished epoch, after ``after_epoch`` (early stopping's
-    validation, whose values the row then holds); a caller that checkpoints logs from its ``checkpoint``
-    instead, after each checkpoint is written. The other arguments are :func:`~flatbma.loop.fit`'s.
+    ``model`` (the network the method's objective holds) is in train mode throughout, its mode restored
+    afterwards. ``lines`` is called each finished epoch, after ``after_epoch`` (e.g. early stopping's
+    validation; a caller that checkpoints logs from ``checkpoint`` instead). The rest are :func:`~flatbma.loop.fit`'s.
     """
 
     def finished(s: State, h: History) -> None:
@@ -140,21 +134,17 @@ def train(
 class EpochLines:
     """Each finished epoch of a run as a row — shown as a line on ``stderr`` and kept in :attr:`rows`.
 
-    Call it with the history after every epoch (or every checkpoint): it handles the epochs it has not seen
-    yet. A row holds the epoch's mean training loss and accuracy (of the unperturbed pass; a regression run's
-    RMSE instead), its steps, the learning rate of the schedule at the epoch's last step, the epoch's wall
-    time (``None`` for an epoch of the history it starts from), its step statistics and validation values
-    (``val/<name>``). ``flatbma train`` writes the rows into ``log.csv`` (its
-    :class:`~flatbma.experiment.run.logs.EpochLogger`); :func:`flatbma.fit_posterior` keeps them as the
-    predictor's :attr:`~flatbma.predictor.BMA.history`.
+    Call it with the history after every epoch (or checkpoint): it handles the epochs not seen yet. A row holds
+    the epoch's mean training loss and accuracy (regression: RMSE), steps, the learning rate at its last step,
+    wall time (``None`` for epochs of the starting history), step statistics and ``val/<name>`` values.
 
     Args:
         epochs: the run's number of epochs (for the line).
         learning_rate: ``step -> η_t``.
         history: the history the loop starts from (empty, or a resumed checkpoint's).
         lines: print a line per epoch (where :mod:`flatbma.progress` prints lines).
-        started: when the loop started (``time.perf_counter()``), for an instance made after it; ``None``: now.
-        accuracy: the rows hold the accuracy; ``False`` for regression targets, which have none: the RMSE.
+        started: when the loop started (``time.perf_counter()``); ``None``: now.
+        accuracy: the rows hold the accuracy; ``False``: the RMSE (regression).
     """
 
     def __init__(

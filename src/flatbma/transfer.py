@@ -1,11 +1,9 @@
 """Bayesian transfer learning: choose which parameters of a pretrained network are Bayesian.
 
-FP-BMA's transfer scheme (Lim et al., UAI 2025, §4) makes only the normalization layers and the
-classifier Bayesian; everything else stays at the pretrained values. Selection is by module *type*
-(every BatchNorm / LayerNorm / GroupNorm / InstanceNorm — including those inside downsample
-branches — plus the final ``nn.Linear``), never by name substrings (docs/methods.md §10.1, item 4).
-The rest is frozen by ``requires_grad=False`` (the laplace-torch convention), which every method
-honours because :func:`flatbma.params.trainable_params` only returns trainable parameters.
+FP-BMA's transfer scheme (Lim et al., UAI 2025, §4) makes only the normalization layers and the classifier
+Bayesian. Selection is by module *type* (every BatchNorm / LayerNorm / GroupNorm / InstanceNorm, plus the final
+``nn.Linear``), never by name; the rest is frozen by ``requires_grad=False``
+(:func:`flatbma.params.trainable_params` returns only trainable parameters).
 """
 
 from __future__ import annotations

@@ -1,13 +1,12 @@
 """The one contract every optimizer and posterior in flatbma implements.
 
-A method is a :class:`Transform` — a pair of pure-looking functions ``init`` and ``update`` over a
-:class:`State` that holds the trained parameters as a ``dict[str, Tensor]`` — following the shape of
-`posteriors <https://github.com/normal-computing/posteriors>`_ and optax. A :class:`Posterior` is a
-transform that can also ``sample`` weights. The runner (:func:`flatbma.loop.fit`) drives
-any of them with the same loop: ``state, out = method.update(state, batch)``.
+A method is a :class:`Transform` — functions ``init`` and ``update`` over a :class:`State` holding the trained
+parameters as a ``dict[str, Tensor]``, in the shape of `posteriors <https://github.com/normal-computing/posteriors>`_
+and optax; a :class:`Posterior` can also ``sample`` weights. :func:`flatbma.loop.fit` drives any of them with
+``state, out = method.update(state, batch)``.
 
-``update`` may modify the tensors of the state it receives in place (like ``inplace=True`` in
-posteriors) and returns the state to use next; callers must not rely on the old state afterwards.
+``update`` may modify the tensors of the state it receives in place and returns the state to use next;
+callers must not rely on the old state afterwards.
 """
 
 from __future__ import annotations
@@ -55,11 +54,8 @@ def _from_mapping(batch: Mapping[Any, Any]) -> tuple[Tensor, Tensor | None]:
 def split_batch(batch: object) -> tuple[Tensor, Tensor | None]:
     """``(x, y)`` of one batch: ``(x, y)`` or ``(x,)`` (a tuple or a list, as DataLoaders yield), ``x``, or a dict.
 
-    A dict batch (what a DataLoader over a dataset of dicts yields, e.g. ``{"x": ..., "y": ...}``) holds its
-    inputs under the first of the keys :data:`INPUT_KEYS` it has (``x``, ``input``, ``inputs``, ``image``,
-    ``images``, ``pixel_values``) and its targets under the first of :data:`TARGET_KEYS` (``y``, ``label``,
-    ``labels``, ``target``, ``targets``); other keys are ignored. ``y`` is ``None`` for inputs alone
-    (``x``, ``(x,)`` or a dict without a target key).
+    A dict batch holds its inputs under the first of :data:`INPUT_KEYS` it has and its targets under the first
+    of :data:`TARGET_KEYS`; other keys are ignored. ``y`` is ``None`` for inputs alone.
 
     Raises:
         FlatbmaError: for anything else (three tensors, a non-tensor entry, a dict without an input key).
@@ -80,14 +76,12 @@ def split_batch(batch: object) -> tuple[Tensor, Tensor | None]:
 def training_batch(batch: object) -> tuple[Tensor, Tensor]:
     """``(x, y)`` of a training batch: a pair of tensors or a dict (:func:`split_batch`), one target per row of ``x``.
 
-    ``y`` holds 1-D integer class indices, or soft targets: float class probabilities ``[batch, classes]``
-    (each row non-negative, summing to 1; the loss is then the cross-entropy with those probabilities,
-    ``−Σ_c y_c log p_c``, as :func:`torch.nn.functional.cross_entropy` computes it).
+    ``y`` holds 1-D integer class indices, or soft targets ``[batch, classes]`` (rows of class probabilities;
+    the loss is then ``−Σ_c y_c log p_c``).
 
     Raises:
         FlatbmaTypeError: another batch (inputs alone, three tensors) or labels of another kind.
-        FlatbmaError: targets that are not one per input (their values are checked against the model's
-            classes by the caller).
+        FlatbmaError: targets that are not one per input (the caller checks their values).
     """
     if isinstance(batch, Mapping):
         x, y = _from_mapping(batch)
@@ -126,21 +120,15 @@ class State:
     """State of a method: a small frozen record of tensors and a step counter.
 
     Attributes:
-        params: the trained variables. For point methods these are the model weights ``w``; for
-            variational families the variational parameters ``θ`` (keys carry a prefix such as
-            ``"mean/"``); a method documents its layout.
+        params: the trained variables: the weights ``w`` for point methods, the variational parameters ``θ``
+            for variational families (keys prefixed, e.g. ``"mean/"``).
         buffers: model buffers (BatchNorm running statistics) that forward passes update.
-        aux: method state — optimizer moments, SWAG moments, ... — as a flat ``dict[str, Tensor]``
-            with ``/``-separated keys, so that every state saves to safetensors without pickling. A composed
-            method keeps each component's entries under the component's name (:mod:`flatbma.named`, optax's
-            ``named_chain``: an optimizer's ``optimizer/``, SWAG's ``point/`` and ``swag/``, a mixture's
-            ``member<m>/``, the fp16 loss scale's ``amp/``), which only the family reads.
+        aux: method state (optimizer moments, SWAG moments, ...) as a flat ``dict[str, Tensor]`` with
+            ``/``-separated keys, saved to safetensors without pickling; a composed method keeps each
+            component's entries under its name (:mod:`flatbma.named`).
         step: number of ``update`` calls applied so far.
-        derived: what a method computes from this state's tensors on first use and keeps with them
-            (:func:`derive`: the Laplace family's fitted posterior, ``H``'s eigendecomposition and ``δ``). Never
-            saved (a loaded state derives it again) and never compared; a state made by ``update`` or
-            ``dataclasses.replace`` starts without any (its tensors may have changed in place), and a
-            :func:`view` of a state keeps its own among the state's.
+        derived: what a method computes from this state's tensors on first use (:func:`derive`). Never
+            saved or compared; a state made by ``update`` or ``dataclasses.replace`` starts without any.
     """
 
     params: Params
@@ -156,8 +144,7 @@ T = TypeVar("T")
 def derive(state: State, key: Hashable, compute: Callable[[State], T]) -> T:
     """``compute(state)``, computed once per state: kept in :attr:`State.derived` under ``key``.
 
-    Valid because a state's tensors do not change while it is in use: ``update`` returns the state to use
-    next, and callers do not rely on the old one afterwards (the module docstring).
+    Valid because a state's tensors do not change while it is in use (the module docstring).
     """
     if key not in state.derived:
         state.derived[key] = compute(state)
@@ -167,8 +154,8 @@ def derive(state: State, key: Hashable, compute: Callable[[State], T]) -> T:
 def view(state: State, key: str, params: Params, buffers: Params, aux: Params) -> State:
     """A state of (some of) ``state``'s tensors under other names — one member's, the method's own without a wrapper's.
 
-    Its :attr:`~State.derived` values are kept in ``state``'s under ``key``, so that a view made again
-    (one per call of a posterior's function) finds what an earlier one derived. ``step`` is ``state``'s.
+    Its :attr:`~State.derived` values are kept in ``state``'s under ``key``, so a view made again finds them.
+    ``step`` is ``state``'s.
     """
     out = State(params=params, buffers=buffers, aux=aux, step=state.step)
     object.__setattr__(out, "derived", state.derived.setdefault(key, {}))  # frozen: set as __init__ does
@@ -178,8 +165,7 @@ def view(state: State, key: str, params: Params, buffers: Params, aux: Params) -
 class StepOutput(NamedTuple):
     """What one ``update`` reports: the (unperturbed) mini-batch loss and the logits it computed.
 
-    ``stats``: named scalars of the step that the loop averages over each epoch and logs (e.g. FP-BMA's
-    ``ascent/mean_shift``, ``ascent/kl``: how far its ascent moved ``q``); ``None`` when there are none.
+    ``stats``: named scalars the loop averages over each epoch and logs (e.g. ``ascent/kl``), or ``None``.
     """
 
     loss: Tensor
@@ -199,13 +185,12 @@ class Transform:
 class Phase:
     """One phase of a family's updates, declared in the class variable ``phases`` of its options (:func:`phases`).
 
-    A family's updates go through its phases in order; which one a state is in follows from the state (its
-    ``step`` against the options, e.g. Laplace's ``start_step``), so a checkpoint holds it.
+    A family's updates go through its phases in order; a state's phase follows from its ``step`` and the options.
 
     Attributes:
         name: what the phase does (``"map"``, ``"curvature"``), as logs and refusals name it.
-        epochs: ``None`` for a phase within the run's ``train.epochs`` (the optimizer's schedule spans them);
-            else the passes over the training data the phase takes after them (Laplace's curvature pass: 1).
+        epochs: ``None`` for a phase within the run's ``train.epochs``; else the passes over the training data
+            it takes after them (Laplace's curvature pass: 1).
     """
 
     name: str
@@ -239,11 +224,11 @@ def extra_epochs(options: object) -> int:
 class Predictive(str, Enum):
     """How a posterior's BMA predicts (:attr:`Capabilities.predictive`; strings and members are both accepted).
 
-    ``SAMPLES``: the Monte-Carlo average of the network's predictive over weight samples ``w_m``.
+    ``SAMPLES``: the Monte-Carlo average of ``softmax(f(x; w_m))`` over weight samples ``w_m``.
     ``GLM``: the same average for the network linearized at the posterior mean ``w̄``,
-    ``f_lin(x; w_m) = f(x; w̄) + J(x)(w_m − w̄)`` (the MC-GLM predictive, Immer et al. 2021).
-    ``PROBIT``: the probit approximation of the GLM predictive, ``softmax(κ ⊙ f(x; w̄))``,
-    ``κ_c = (1 + π/8·σ²_c)^{−½}`` with ``σ²_c = (J Σ Jᵀ)_cc`` (MacKay 1992; deterministic).
+    ``f(x; w̄) + J(x)(w_m − w̄)`` (Immer et al. 2021); needs :attr:`Posterior.mean`.
+    ``PROBIT``: the deterministic ``softmax(κ ⊙ f(x; w̄))``, ``κ_c = (1 + π/8·σ²_c)^{−½}``,
+    ``σ²_c = (J Σ Jᵀ)_cc`` (MacKay 1992); also needs ``Capabilities.functional_variance``.
     """
 
     SAMPLES = "samples"
@@ -256,37 +241,24 @@ class Capabilities:
     """What some posteriors can do beyond sampling (:attr:`Posterior.can`); the default can none of it.
 
     Attributes:
-        gaussian: ``gaussian(state) -> θ`` for posteriors that are a low-rank plus diagonal Gaussian
-            ``N(μ, ½(diag σ² + LLᵀ/(K−1)))``: its ``mean/``, ``log_std/`` and ``factor/`` tensors in the
-            layout of :mod:`flatbma.gaussian` (SWAG, low-rank VI, FP-BMA). A two-stage run
-            uses it as the prior and initialization of the second stage; ``None`` for other posteriors.
-            A mixture of such Gaussians (:attr:`members` ``> 0``, ``multi``) gives every member's ``θ``
-            under its ``member<m>/`` prefix: one prior per member, not one Gaussian.
-        members: number ``M`` of independent components (ensemble members) when the posterior is the
-            uniform mixture ``q = (1/M) Σ_m q_m`` of components trained without interacting; 0 (the
-            default) when it has none. ``train.parallel: members`` spreads them over processes.
-            Contract: every component owns its own entries of ``params``/``buffers``/``aux``;
-            ``update`` on a :attr:`split` state trains exactly the components it holds, as in the full
-            state, and reports their mean loss and the log of their mixture predictive
-            ``log (1/m) Σ_{j held} p_j(y|x)`` (so the outputs of a partition combine exactly); random
-            draws of a component do not depend on which other components the state holds; ``sample``
-            on a split state returns samples of its components only.
-        split: ``split(state, indices) -> State``: the state of components ``indices ⊆ {0..M−1}``
-            alone — the entries of ``state`` they own (the same tensors) and the same ``step``. The
-            splits of a partition of ``{0..M−1}`` partition the entries, so the full state is their
-            union. ``None`` exactly when ``members == 0``.
-        predictive: how the BMA predicts (:class:`Predictive`): ``SAMPLES`` (every posterior but the
-            Laplace family's linearized ones) averages ``softmax(f(x; w_m))`` over the samples; ``GLM``
-            averages ``softmax(f(x; w̄) + J(x)(w_m − w̄))`` around :attr:`Posterior.mean` ``w̄``; ``PROBIT``
-            is the deterministic ``softmax(κ ⊙ f(x; w̄))`` with ``κ_c = (1 + π/8·σ²_c)^{−½}`` and ``σ²`` from
-            :attr:`functional_variance` (:mod:`flatbma.predict`). ``GLM`` needs :attr:`Posterior.mean`,
-            ``PROBIT`` also :attr:`functional_variance`.
-        functional_variance: ``functional_variance(state, J) -> σ²``: for per-example Jacobians of the
-            logits ``J[name]`` of shape ``[B, C, *shape]`` at the mean, the diagonal of ``J Σ Jᵀ``,
-            ``[B, C]``; ``None`` for posteriors without a closed-form covariance.
+        gaussian: ``gaussian(state) -> θ`` for a low-rank plus diagonal Gaussian ``N(μ, ½(diag σ² + LLᵀ/(K−1)))``:
+            its ``mean/``, ``log_std/`` and ``factor/`` tensors in the layout of :mod:`flatbma.gaussian`, used
+            as a two-stage run's prior. A mixture of such Gaussians gives every member's ``θ`` under its
+            ``member<m>/`` prefix. ``None`` for other posteriors.
+        members: number ``M`` of components of a uniform mixture ``q = (1/M) Σ_m q_m`` trained without
+            interacting (0: none). Contract: each component owns its entries of the state; ``update`` on a
+            :attr:`split` state trains exactly its components as in the full state, reporting their mean loss
+            and the log of their mixture predictive ``log (1/m) Σ_{j held} p_j(y|x)``; a component's random
+            draws do not depend on the others held; ``sample`` on a split state samples its components only.
+        split: ``split(state, indices) -> State``: the entries (same tensors) and ``step`` of components
+            ``indices ⊆ {0..M−1}``; a partition's splits partition the entries. ``None`` exactly when
+            ``members == 0``.
+        predictive: how the BMA predicts (:class:`Predictive`).
+        functional_variance: ``functional_variance(state, J) -> σ²``: for per-example logit Jacobians ``J[name]``
+            ``[B, C, *shape]`` at the mean, the diagonal of ``J Σ Jᵀ``, ``[B, C]``; ``None`` without a
+            closed-form covariance.
         diagnostics: ``diagnostics(state) -> {name: value}``: scalars the evaluation reports beside the
-            metrics (the Laplace family's prior precision, log evidence and effective number of
-            parameters); ``None`` (the default) reports nothing.
+            metrics (e.g. Laplace's log evidence); ``None`` reports nothing.
     """
 
     gaussian: Callable[[State], Params] | None = None
@@ -301,37 +273,23 @@ class Capabilities:
 class Posterior(Transform):
     """A transform whose state defines a distribution over weights: ``init``, ``update``, ``sample``.
 
-    ``sample(state, n, generator)`` returns ``n`` weight dictionaries, each holding parameters and
-    buffers by their module names, ready for ``torch.func.functional_call``. A point estimate returns
-    its single weight set regardless of ``n`` (the BMA of a point is the point). Beside them every
-    posterior may give its mean and marginal variances in closed form and its prediction mode; what only
-    some can do (a Gaussian's ``θ``, a mixture's members, a linearized predictive, diagnostics) is in
-    :attr:`can`.
+    A point estimate's ``sample`` returns its single weight set regardless of ``n``. What only some posteriors
+    can do is in :attr:`can`.
 
     Attributes:
-        sample: ``sample(state, n, generator) -> list of weight dicts``.
-        mean: ``mean(state) -> weights`` at the posterior mean ``E_q[w]``, in the form of a sample
-            (parameters and buffers by module name): ``μ`` for a Gaussian (SWAG's SWA mean ``w̄``, VI's
-            ``μ``, bSAM's ``m``), the point itself for a point estimate, the trained weights for MC
-            dropout (``E[w ⊙ z/(1−p)] = w``). ``None`` for posteriors without a closed-form mean
-            (ensembles, SG-MCMC): the evaluation then takes the average of the BMA's samples — the
-            member average of an ensemble, the average of a chain's kept iterates. The flatness
-            protocol measures λ₁ there (``lambda1_at_mean``).
-        marginal_variance: ``marginal_variance(state) -> v`` with ``v[name]`` the diagonal of the
-            posterior covariance ``Σ`` over trained parameter ``name`` (same shape), in closed form:
-            exact for the Gaussian families, ``0`` for a point estimate. ``None`` where the posterior
-            has none (ensembles, SG-MCMC): the width is then estimated from the BMA's samples
-            (:mod:`flatbma.flatness.width`).
-        predict_mode: ``predict_mode(model, generator)``: a context manager that puts the model in its
-            prediction mode for the samples drawn from ``generator`` (a generator seeded as the one given to
-            ``sample``, which the mode may draw from; :func:`prediction_mode` makes one per entry); ``None``
-            means eval mode. MC dropout keeps dropout stochastic, with masks that follow from the generator
-            (``None``: from torch's global generator).
-        recompute_bn: whether the samples' own BatchNorm statistics do not match them (weights that
-            were never trained with their own statistics, e.g. SWAG or VI samples). The evaluation
-            (:func:`flatbma.experiment.run.evaluate.posterior_samples`) recomputes the statistics of every
-            method's samples, point estimates included, on the un-augmented training data in a fixed
-            order (:func:`flatbma.bn.recompute_bn_statistics`), so that every method is measured alike.
+        sample: ``sample(state, n, generator) -> list of n weight dicts`` (parameters and buffers by module
+            name, ready for ``torch.func.functional_call``).
+        mean: ``mean(state) -> weights`` at the posterior mean ``E_q[w]``, in the form of a sample (``μ`` for
+            a Gaussian, the point itself, MC dropout's trained weights). ``None`` without a closed-form mean
+            (ensembles, SG-MCMC): the evaluation then averages the BMA's samples.
+        marginal_variance: ``marginal_variance(state) -> v``, ``v[name]`` the diagonal of the posterior
+            covariance over trained parameter ``name`` (same shape), in closed form (``0`` for a point).
+            ``None`` where there is none: the width is then estimated from samples.
+        predict_mode: ``predict_mode(model, generator)``: a context manager putting the model in its prediction
+            mode, which may draw from ``generator`` (MC dropout's masks; ``None``: the global generator);
+            ``None`` means eval mode.
+        recompute_bn: whether the samples' own BatchNorm statistics do not match them (e.g. SWAG or VI
+            samples), so they must be recomputed on the training data (:func:`flatbma.bn.recompute_bn_statistics`).
         can: what only some posteriors can do (:class:`Capabilities`).
     """
 
@@ -346,8 +304,7 @@ class Posterior(Transform):
 def prediction_mode(method: Posterior, seed: int) -> Callable[[nn.Module], AbstractContextManager[Any]] | None:
     """``method``'s prediction mode for samples drawn from a CPU generator seeded with ``seed``; ``None``: eval mode.
 
-    Every entry gets a fresh generator seeded alike, so every prediction with those samples draws the same
-    randomness (MC dropout's masks), whatever ran before it.
+    Every entry gets a fresh generator seeded alike, so every prediction draws the same masks.
     """
     mode = method.predict_mode
     if mode is None:
@@ -370,10 +327,8 @@ class AscentSpace(str, Enum):
 class Ascent(Protocol):
     """An ascent (perturbation) step of the sharpness-aware family.
 
-    ``perturb(params, grads)`` returns ``ε`` (same keys as ``grads``) such that the descent gradient
-    is taken at ``params + ε``; ``space`` says what ``params`` are. SAM, ASAM and Fisher-SAM act on
-    weights; FP-BMA's Fisher ball acts on variational parameters. An ascent step without a ``space``
-    attribute acts on weights (:func:`ascent_space`).
+    ``perturb(params, grads)`` returns ``ε`` (same keys as ``grads``): the descent gradient is taken at
+    ``params + ε``. ``space`` says what ``params`` are (absent: weights, :func:`ascent_space`).
     """
 
     space: AscentSpace

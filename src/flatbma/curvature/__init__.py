@@ -1,20 +1,11 @@
 """Curvature of the training loss as a block-diagonal Gaussian precision, and its evidence.
 
 The pieces of a Gaussian approximation ``N(w*, (H/T + δ)⁻¹)`` around a point ``w*``, where ``H`` is the
-generalized Gauss-Newton (or empirical Fisher) of the summed loss in one of three structures — diagonal,
-Kronecker-factored for Linear/Conv2d layers (Martens & Grosse 2015; Grosse & Martens 2016) or full
-(primal ``[d, d]``, or dual through the ``nK`` per-example rows; Khan et al. 2019):
-
-* :mod:`~flatbma.curvature.estimators`: :func:`estimator` and the streaming :class:`Estimator` s
-  (fixed-shape float64 accumulators, one batch at a time, ``H = (n/n_seen)·Σ_seen``);
-* :mod:`~flatbma.curvature.kfac`: forward hooks, patches and Kronecker-factor increments;
-* :mod:`~flatbma.curvature.structures`: :class:`Blocks`, ``H`` eigendecomposed per block, with
-  ``log det``, samples, marginal and functional variances of ``N(0, (H/T + δ)⁻¹)``;
-* :mod:`~flatbma.curvature.evidence`: the Laplace evidence and the prior precision that maximizes it
-  (MacKay 1992; Immer et al. 2021).
-
-Rows ``J_iᵀ s_ik`` come from :mod:`flatbma.jacobians`; the posterior built on this lives in
-:mod:`flatbma.posteriors`.
+generalized Gauss-Newton (or empirical Fisher) of the summed loss, diagonal, Kronecker-factored for Linear/Conv2d
+layers (Martens & Grosse 2015; Grosse & Martens 2016) or full (primal ``[d, d]``, or dual through the ``nK``
+per-example rows; Khan et al. 2019): streaming estimators of ``H`` (:func:`estimator`), ``H`` eigendecomposed per
+block with ``log det``, samples and variances (:class:`Blocks`), and the Laplace evidence with the prior
+precision that maximizes it (MacKay 1992; Immer et al. 2021).
 """
 
 from flatbma.curvature.estimators import (

@@ -3,13 +3,11 @@
 ``H`` is the generalized Gauss-Newton ``G = Σ_i J_iᵀ Λ_i J_i = Σ_ik r_ik r_ikᵀ``, ``r_ik = J_iᵀ L_i e_k``
 with ``Λ_i = L_i L_iᵀ`` the loss Hessian in the logits (Martens & Grosse 2015; Immer et al. 2021), or
 the empirical Fisher ``Σ_i g_i g_iᵀ``, ``g_i = J_iᵀ ∇_f ℓ_i`` (one cotangent per example; Kunstner et al.
-2019: not second-order information). Rows come from :mod:`flatbma.jacobians`. An estimator adds one
-batch at a time to fixed-shape accumulators (``init``), so a pass over the data can be checkpointed and
-resumed anywhere, and turns them into :class:`~flatbma.curvature.structures.Blocks` with
-
-    ``H = (n / n_seen) · Σ_seen``      (``n`` = data size, ``n_seen`` = examples accumulated),
-
-i.e. the per-example mean scaled to the data size (exact when every example was seen once).
+2019: not second-order information), with rows from :mod:`flatbma.jacobians`. An estimator adds one batch at a
+time to fixed-shape accumulators (``init``), so a pass over the data can be checkpointed and resumed anywhere,
+and turns them into :class:`~flatbma.curvature.structures.Blocks` with ``H = (n / n_seen) · Σ_seen`` (``n`` =
+data size, ``n_seen`` = examples accumulated): the per-example mean scaled to the data size, exact when every
+example was seen once.
 
 * :class:`DiagEstimator`: ``diag H = Σ_ik r_ik²`` per parameter.
 * :class:`KfacEstimator`: ``B ⊗ A`` for Linear/Conv2d weights (:mod:`flatbma.curvature.kfac`), the bias's
@@ -453,8 +451,7 @@ def estimator(
         num_data: ``n``, the size of the data the pass runs over.
         num_classes: ``C``, the number of logits.
         max_full: the largest ``d`` (primal) or ``n·K`` (dual) for ``hessian: full``.
-        likelihood: the loss by its Hessian factor and gradient in the logits (tests use
-            :func:`squared_error`, ``L = I``).
+        likelihood: the loss by its Hessian factor and gradient in the logits (e.g. :func:`squared_error`, ``L = I``).
         chunk: examples whose rows are computed at once (``None``: as many as fit 64 MB of rows).
     """
     hessian = parse_choice(Hessian, hessian, "hessian")

@@ -1,8 +1,7 @@
 """Datasets, few-shot sampling and image transforms.
 
-Loaders read local files only and return :class:`DatasetSplits`; :func:`load_dataset` looks them up
-by name in :data:`DATASETS`. :func:`few_shot` draws reproducible k-shot subsets whose validation
-examples come out of the k-shot budget.
+Loaders read local files only and return :class:`DatasetSplits`; :func:`load_dataset` looks them up by name in
+:data:`DATASETS`. :func:`few_shot` draws reproducible k-shot subsets (validation out of the k-shot budget).
 :func:`corrupt` applies the CIFAR-C corruptions to any images; :func:`load_cifar_c` reads the published files.
 """
 

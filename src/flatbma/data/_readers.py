@@ -1,15 +1,10 @@
 """Low-level readers for the on-disk formats of the built-in datasets.
 
-Two formats need care:
-
-* **idx** (MNIST, Fashion-MNIST): a big-endian header (magic number, then one ``uint32`` per dimension)
-  followed by the raw array. The header is parsed here with numpy and every size is checked, so a
-  truncated download is reported as such instead of surfacing as a reshape error.
-* **pickle** (CIFAR-10/100, Animal-MNIST): ``pickle.load`` runs whatever callables the file names, so
-  an arbitrary pickle is arbitrary code. :func:`load_data_pickle` uses an unpickler whose
-  ``find_class`` admits only the handful of numpy globals needed to rebuild a plain ``ndarray`` (and a
-  latin-1-only ``_codecs.encode``, which Python 3 uses for ``bytes`` in protocol-2 pickles); any other
-  global, such as ``os.system``, is refused before it can be called.
+* **idx** (MNIST, Fashion-MNIST): a big-endian header (magic number, one ``uint32`` per dimension), then the
+  raw array; every size is checked, so a truncated download is reported as such, not as a reshape error.
+* **pickle** (CIFAR-10/100, Animal-MNIST): an arbitrary pickle is arbitrary code, so :func:`load_data_pickle`'s
+  ``find_class`` admits only the numpy globals that rebuild a plain ``ndarray`` (and a latin-1-only
+  ``_codecs.encode``, how protocol-2 pickles store ``bytes``); any other global is refused before it is called.
 """
 
 from __future__ import annotations
@@ -77,15 +72,11 @@ def load_data_pickle(path: Path, *, compressed: bool = False, source: str, max_b
         path: The pickle file.
         compressed: Whether the file is gzip-compressed.
         source: Where a good copy of the file comes from; appended to error messages.
-        max_bytes: The most bytes the (decompressed) pickle may hold: a gzip bomb is refused after
-            reading ``max_bytes + 1`` bytes, before the rest is decompressed.
-
-    Returns:
-        The unpickled object.
+        max_bytes: The most bytes the (decompressed) pickle may hold: a gzip bomb is refused after reading
+            ``max_bytes + 1`` bytes.
 
     Raises:
-        FlatbmaError: The file is missing, truncated, not a pickle, or names a callable outside the
-            allow-list (which a genuine data file never does).
+        FlatbmaError: The file is missing, truncated, too large, not a pickle, or names a disallowed global.
     """
     try:
         with gzip.open(path, "rb") if compressed else path.open("rb") as f:
@@ -124,27 +115,20 @@ _IDX_DTYPES: dict[int, str] = {
 
 
 def read_idx(path: Path, *, ndim: int, source: str) -> np.ndarray:
-    """Read an idx file (optionally ``.gz``) holding an unsigned-byte array with ``ndim`` dimensions.
+    """Read an idx file (optionally ``.gz``) into a ``uint8`` array of ``ndim`` dimensions, shaped as its header says.
 
-    The header is four bytes ``0, 0, type, ndim`` followed by ``ndim`` big-endian ``uint32`` sizes;
-    images files have magic ``0x00000803`` (2051) and label files ``0x00000801`` (2049).
-
-    The header is read first and the data size it declares, ``∏ sizes`` bytes, is computed with
-    Python integers (three ``uint32`` sizes overflow 64 bits) and compared with the file before the
-    data is read: with the file's length for a plain file, and for a ``.gz`` file by decompressing at
-    most one byte more than declared. So a damaged header never allocates what it declares.
+    The header is ``0, 0, type, ndim`` and ``ndim`` big-endian ``uint32`` sizes (magic ``0x00000803`` for images,
+    ``0x00000801`` for labels). The declared data size ``∏ sizes`` (Python integers: no overflow) is compared with
+    the file before the data is read — its length, or for ``.gz`` at most one byte more than declared
+    decompressed — so a damaged header never allocates what it declares.
 
     Args:
         path: The file; a name ending in ``.gz`` is decompressed first.
         ndim: Expected number of dimensions (3 for images, 1 for labels).
         source: Where a good copy of the file comes from; appended to error messages.
 
-    Returns:
-        A ``uint8`` array of the shape given in the header.
-
     Raises:
-        FlatbmaError: Wrong magic number, unexpected element type or rank, or a size mismatch
-            (for example a truncated download).
+        FlatbmaError: Wrong magic number, element type or rank, or a size mismatch (e.g. a truncated download).
     """
     compressed = path.suffix == ".gz"
     try:
@@ -253,25 +237,18 @@ def _short(value: object, limit: int = 80) -> str:
 
 
 def read_npy(path: Path, *, source: str) -> np.ndarray:
-    """Memory-map a ``.npy`` file of a plain numeric array, after checking its header against its size.
+    """Memory-map (read-only) a ``.npy`` file of a plain numeric array, after checking its header against its size.
 
-    The header (``numpy.lib.format``: magic, version 1.0 or 2.0, then a literal dict of ``descr``,
-    ``fortran_order`` and ``shape``) is read with numpy's own reader. The array is accepted only when
-    its dtype is a plain boolean, integer or floating-point type (no object arrays, which need
-    pickle, no records or sub-arrays), every size is ``>= 0`` and ``∏ shape × itemsize`` (Python
-    integers) equals the bytes that follow the header. Only then is the file mapped
-    (``mmap_mode="r"``): nothing is read or allocated before the sizes agree.
+    The header (version 1.0 or 2.0) is read with ``numpy.lib.format``. The array is accepted only with a plain
+    boolean, integer or floating-point dtype (no object arrays, records or sub-arrays), sizes ``>= 0`` and
+    ``∏ shape × itemsize`` equal to the bytes after the header; only then is it mapped (``mmap_mode="r"``).
 
     Args:
         path: The file.
         source: Where a good copy of the file comes from; appended to error messages.
 
-    Returns:
-        A read-only memory-mapped array.
-
     Raises:
-        FlatbmaError: The file is missing or unreadable, not a ``.npy`` file, of an unsupported
-            version or dtype, or its size disagrees with its header.
+        FlatbmaError: Missing or unreadable, not ``.npy``, unsupported version or dtype, or a size mismatch.
     """
     try:
         with path.open("rb") as f:

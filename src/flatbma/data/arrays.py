@@ -1,9 +1,8 @@
 """The in-memory data set every loader returns: :class:`ArrayDataset`, :class:`DatasetSplits`, and their checks.
 
-An :class:`ArrayDataset` holds ``[N, C, H, W]`` images (``uint8`` or float in ``[0, 1]``), int64 labels and
-its class list, each checked when it is built; a :class:`DatasetSplits` pairs a train and a test part that
-share one class list and image shape. :func:`check_learnable` refuses data a classifier cannot be trained
-on. The loaders of each file format are in :mod:`flatbma.data.datasets` (which re-exports these names).
+An :class:`ArrayDataset` holds ``[N, C, H, W]`` images (``uint8`` or float in ``[0, 1]``), int64 labels and its
+class list, checked when built; a :class:`DatasetSplits` pairs train and test parts sharing one class list and
+image shape. :func:`check_learnable` refuses data a classifier cannot be trained on.
 """
 
 from __future__ import annotations
@@ -34,19 +33,17 @@ Transform = Callable[[Tensor], Tensor]
 class ArrayDataset(Dataset[tuple[Tensor, int]]):
     """Images and labels held in memory.
 
-    Item ``i`` is ``(image, label)``: the image as float32 ``[C, H, W]`` in ``[0, 1]`` (``uint8``
-    storage is divided by 255), then passed through ``transform``; the label as an ``int``.
+    Item ``i`` is ``(image, label)``: the image as float32 ``[C, H, W]`` in ``[0, 1]`` (``uint8`` divided by 255)
+    passed through ``transform``, the label as an ``int``.
 
     Args:
-        images: ``[N, C, H, W]``, either ``uint8`` (0-255) or floating point in ``[0, 1]`` (stored as
-            float32).
+        images: ``[N, C, H, W]``, ``uint8`` (0-255) or floating point in ``[0, 1]`` (stored as float32).
         labels: ``[N]`` integer class indices in ``[0, len(classes))`` (stored as int64).
         classes: Class names; index ``c`` names label ``c``. A class may have no examples.
         transform: Applied to each float image.
 
     Raises:
-        FlatbmaError: Wrong ranks, dtypes or lengths, labels out of range, non-finite or out-of-range
-            float pixels, or an empty or duplicated class list.
+        FlatbmaError: Wrong ranks, dtypes or lengths, bad labels or pixels, or an empty or duplicated class list.
     """
 
     images: Tensor
@@ -154,8 +151,7 @@ class DatasetSplits:
 def check_learnable(splits: DatasetSplits) -> None:
     """Refuse data a classifier cannot be trained on: fewer than two classes, or a class without a training example.
 
-    A loaded data set may hold such classes (a class folder with only test images, a partial copy); a
-    run on it would report numbers for classes it never saw (or accuracy 1.0 on one class).
+    Such data (a class folder with only test images, a partial copy) would report numbers for unseen classes.
 
     Raises:
         FlatbmaError: naming the classes, and what to do.

@@ -1,16 +1,10 @@
 """Reader for the published CIFAR-10-C and CIFAR-100-C files (Hendrycks & Dietterich, ICLR 2019).
 
-The published layout is one directory (``CIFAR-10-C/`` or ``CIFAR-100-C/`` once extracted) holding
-
-* ``<corruption>.npy``: ``uint8 [5 * n, H, W, 3]`` (``[50000, 32, 32, 3]``), the ``n`` test images at
-  severity 1, then all of them at severity 2, ..., up to 5;
-* ``labels.npy``: integer labels ``[5 * n]`` (the ``n`` test labels repeated for each severity; a file
-  of ``n`` labels is accepted too).
-
-The files are read with ``numpy.load(..., allow_pickle=False, mmap_mode="r")``, so only the rows of the
-requested severity are read from disk. Nothing is downloaded: fetch the archives from Zenodo yourself
-(CIFAR-10-C: https://zenodo.org/records/2535967, CIFAR-100-C: https://zenodo.org/records/3555552),
-extract them and pass the directory.
+The published directory (``CIFAR-10-C/`` or ``CIFAR-100-C/``) holds ``<corruption>.npy``,
+``uint8 [5 * n, H, W, 3]`` (the ``n`` test images at severity 1, then 2, ..., 5), and ``labels.npy``, integer
+``[5 * n]`` (or ``[n]``). Files are memory-mapped, so only the requested severity's rows are read. Nothing is
+downloaded: get the archives from Zenodo (CIFAR-10-C: https://zenodo.org/records/2535967, CIFAR-100-C:
+https://zenodo.org/records/3555552).
 """
 
 from __future__ import annotations
@@ -92,10 +86,7 @@ def _stems(directory: Path) -> list[str]:
 
 
 def cifar_c_corruptions(root: str | Path) -> list[str]:
-    """List the corruptions whose ``.npy`` file is present under ``root``.
-
-    The published ones come first in the published order (:data:`CIFAR_C_CORRUPTIONS`), then any other
-    files, sorted.
+    """List the corruptions whose ``.npy`` file is present under ``root``: published order first, then others sorted.
 
     Args:
         root: The CIFAR-10-C / CIFAR-100-C folder, or the directory containing it.
@@ -119,21 +110,18 @@ def load_cifar_c(
 ) -> ArrayDataset:
     """Load one corruption at one severity of CIFAR-10-C or CIFAR-100-C as an :class:`ArrayDataset`.
 
-    Returns the ``n`` test images of block ``severity`` (rows ``(severity - 1) * n`` to
-    ``severity * n - 1``) as ``uint8 [n, 3, H, W]`` with their labels; items read as float ``[0, 1]``.
+    The ``n`` test images of block ``severity`` as ``uint8 [n, 3, H, W]`` with their labels (items read as float).
 
     Args:
         root: The CIFAR-10-C / CIFAR-100-C folder, or the directory containing it.
         corruption: A file stem present under ``root`` (see :func:`cifar_c_corruptions`), e.g.
             ``"gaussian_noise"``; case-insensitive, ``-`` and spaces read as ``_``.
         severity: 1 to 5.
-        classes: Class names in label order; CIFAR-10's (:data:`CIFAR10_CLASSES`) when ``None``. Pass
-            the 100 CIFAR-100 names for CIFAR-100-C (e.g. ``load_cifar100(root).test.classes``).
+        classes: Class names in label order; ``None``: :data:`CIFAR10_CLASSES`. For CIFAR-100-C pass the 100
+            names (e.g. ``load_cifar100(root).test.classes``).
 
     Raises:
-        FlatbmaError: Missing directory or files, an unknown corruption, a severity outside 1..5, arrays
-            of the wrong dtype or shape, label and image counts that do not match, or labels out of
-            range for ``classes``.
+        FlatbmaError: Missing files, unknown corruption, bad severity, arrays or label counts, labels out of range.
     """
     directory = _root(root)
     level = _check_severity(severity)

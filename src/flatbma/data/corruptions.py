@@ -1,20 +1,15 @@
 """Common image corruptions at five severities, in plain torch (CIFAR-10-C style).
 
 Over 500 lines on purpose: the eighteen corruptions and their shared filters, warps and colour maps
-form one table of constants (below) that must be read against the reference script as a whole; the
-filters (border handling, Gaussian kernels, resampling matrices) have no use outside these corruptions.
+form one table of constants that must be read against the reference script as a whole.
 
-Re-implements the corruptions of Hendrycks & Dietterich, "Benchmarking Neural Network Robustness to
-Common Corruptions and Perturbations" (ICLR 2019) with the severity constants of their CIFAR script
-(``make_cifar_c.py`` in github.com/hendrycks/robustness). No OpenCV, scikit-image, ImageMagick or
-torchvision is needed: filters, warps and colour maps are written with torch (plus numpy for the
-sequential pixel shuffle and the plasma fractal, and Pillow for JPEG and box resampling).
-
-The published CIFAR-10-C / CIFAR-100-C files are the reference for benchmark numbers (load them with
-:func:`flatbma.data.load_cifar_c`). These re-implementations follow the same maths and constants, so
-they give corruptions of the same kind and strength; they are not bit-identical to the published
-files (different random streams, and the differences listed under "Approximations"). Use them for
-datasets that have no published corrupted version (MNIST-like, few-shot folders, other image sizes).
+Re-implements Hendrycks & Dietterich, "Benchmarking Neural Network Robustness to Common Corruptions and
+Perturbations" (ICLR 2019) with the severity constants of their ``make_cifar_c.py``
+(github.com/hendrycks/robustness), in torch (numpy for the pixel shuffle and plasma fractal, Pillow for JPEG
+and box resampling; no OpenCV, scikit-image, ImageMagick or torchvision). Same maths and constants, so the
+same kind and strength of corruption, but not bit-identical to the published files (other random streams,
+and the approximations below): benchmark numbers use the published CIFAR-10-C / CIFAR-100-C files
+(:func:`flatbma.data.load_cifar_c`); these are for datasets without a published corrupted version.
 
 Constants per severity 1..5 (pixel units are for 32x32 CIFAR images and are used as they are for other
 sizes, except where a size fraction ``s = min(H, W)`` is given):
@@ -47,50 +42,28 @@ pixelate           box-downscale to ``int(side * c)`` and back, c 0.95, 0.9, 0.8
 jpeg_compression   Pillow JPEG quality 80, 65, 58, 50, 40
 ================== ======================================================================================
 
-Approximations (beyond the different random streams):
+Approximations (beyond the random streams):
 
-* **frost**: the published frost adds random crops of five photographs of frost (``frost1.png`` ...),
-  which this module does not ship. It adds a *procedural* frost instead: a rough plasma fractal
-  (patchy ice) plus short streaks grown from random seeds in random directions (ice needles), centred
-  on the mean colour of the published photos (RGB about 0.57, 0.66, 0.70; their luma for grey images)
-  with a pixel standard deviation of about 0.1, similar to theirs. The blend ``a * x + b * frost`` and
-  its constants are the published ones, but the texture differs, so frost errors are *not*
-  comparable to published CIFAR-10-C frost numbers.
-* **motion_blur** and the snow streaks re-implement ImageMagick's ``MotionBlurImage`` (a one-sided
-  Gaussian of ``2 * ceil(radius) + 1`` taps along the angle, taps rounded to whole pixels) with edge
-  pixels repeated; ImageMagick versions differ slightly at the borders.
-* **zoom_blur** and the snow zoom use bilinear zooms about the image centre; the published
-  ``clipped_zoom`` crops ``ceil(side / z)`` pixels and zooms them with ``scipy.ndimage.zoom``, which
-  differs by sub-pixel offsets.
-* **elastic_transform** samples its affine warp with symmetric (half-sample) reflection at the border
-  where the published code uses OpenCV's ``BORDER_REFLECT_101``; its constants are size fractions,
-  so they apply to any image size.
-* **impulse_noise** decides per value (per channel, like the published call on an ``H x W x 3`` array)
-  with probability ``amount``, then salt or pepper with probability 1/2 each.
-* **fog** draws the plasma fractal at the next power of two >= ``max(H, W)`` and crops it.
-* **spatter** (one of the four extra CIFAR-10-C corruptions) needs OpenCV's Canny edges, distance
-  transform and histogram equalization and is not provided; the published ``spatter.npy`` still loads
-  with :func:`flatbma.data.load_cifar_c`.
-* The published datasets are stored as 8-bit images; :func:`corrupt` returns floats (only
-  ``glass_blur``, ``jpeg_compression`` and the snow layer are quantized to 8 bits on the way, as
-  published), while :func:`corrupt_dataset` stores 8-bit results when the dataset stores 8-bit images.
+* **frost**: the published frost blends in crops of five photographs, not shipped here; a procedural frost
+  (plasma-fractal patches plus needle streaks, in the photos' mean colour and spread) replaces them, so frost
+  errors are *not* comparable to published CIFAR-10-C frost numbers (the blend and constants are published).
+* **motion_blur** and the snow streaks re-implement ImageMagick's ``MotionBlurImage`` (a one-sided Gaussian of
+  ``2 * ceil(radius) + 1`` taps, rounded to whole pixels, edges repeated); borders differ slightly.
+* **zoom_blur** and the snow zoom are bilinear about the centre (published: ``scipy.ndimage.zoom`` of a crop,
+  sub-pixel offsets apart); **elastic_transform** reflects half-sample-symmetrically (published: OpenCV's
+  ``BORDER_REFLECT_101``), with size-fraction constants valid for any size.
+* **fog** crops a plasma fractal drawn at the next power of two >= ``max(H, W)``.
+* **spatter** needs OpenCV and is not provided; the published ``spatter.npy`` loads with
+  :func:`flatbma.data.load_cifar_c`.
+* :func:`corrupt` returns floats (only ``glass_blur``, ``jpeg_compression`` and the snow layer are quantized
+  to 8 bits on the way, as published); :func:`corrupt_dataset` keeps 8-bit datasets 8-bit.
 
-Severities that are not ordered by how much they change an image, kept as published (the tests check
-each of these shapes):
-
-* ``saturate`` lowers the saturation at severities 1-2 (to 30 % and 10 %) and raises it at 3-5, so
-  severity 3 (x1.5) changes an image less than severity 2 (x0.1);
-* ``glass_blur`` severities 1-3 share one shuffling pass and differ only in the blur sigma, which
-  smooths the shuffled pixels back; 4-5 shuffle twice;
-* ``elastic_transform`` trades a shrinking affine warp (0.08 to 0.03 of the side) for a growing but
-  small elastic field, so severity 1 moves pixels the most;
-* ``pixelate`` uses Pillow's box filter, whose whole-pixel windows make the change from, e.g.,
-  32 -> 28 -> 32 larger than from 32 -> 27 -> 32 on some images; the number of distinct rows kept
-  (``int(side * c)``) does decrease;
-* near-ties: ``motion_blur`` 3 and 4 ((6, 2) vs (8, 2) differ only in taps of weight < 0.3 %) and
-  ``snow`` 2 and 3 (same blend and about the same snow mass, larger flakes at 3);
-* ``frost`` darkens the image by ``1 - a`` while adding a bright layer, which cancel in a mean absolute
-  difference; its loss of correlation with the clean image grows with ``b / a``.
+Severities kept as published though not ordered by how much they change an image (the tests check these):
+``saturate`` lowers saturation at 1-2 and raises it at 3-5 (3 changes less than 2); ``glass_blur`` 1-3 shuffle
+once and differ only in blur; ``elastic_transform``'s affine warp shrinks with severity, so 1 moves pixels most;
+``pixelate``'s whole-pixel box windows can make 32 -> 28 -> 32 change more than 32 -> 27 -> 32; ``motion_blur``
+3/4 and ``snow`` 2/3 nearly tie; ``frost``'s darkening by ``1 - a`` and bright layer cancel in a mean absolute
+difference (its decorrelation grows with ``b / a``).
 """
 
 from __future__ import annotations
@@ -687,12 +660,7 @@ def _check_images(images: object, name: str) -> Tensor:
 
 
 def corruption_names(channels: int | None = None) -> list[str]:
-    """Return the corruption names in the published order.
-
-    Args:
-        channels: When given (1 or 3), only the corruptions that apply to images with that many
-            channels.
-    """
+    """Return the corruption names in the published order; with ``channels`` (1 or 3), those that apply."""
     if channels is None:
         return list(CORRUPTIONS)
     channels = _check_channels(channels)
@@ -702,8 +670,7 @@ def corruption_names(channels: int | None = None) -> list[str]:
 def applicable(name: str, channels: int) -> bool:
     """Whether corruption ``name`` applies to images with ``channels`` channels.
 
-    Every corruption applies to grey (1) and RGB (3) images except ``saturate``, which needs colour.
-    Other channel counts are not supported.
+    All apply to grey (1) and RGB (3) images except ``saturate``, which needs colour; no other channel count.
 
     Raises:
         FlatbmaError: Unknown corruption name.
@@ -716,12 +683,9 @@ def applicable(name: str, channels: int) -> bool:
 def corrupt(images: Tensor, name: str, severity: int, *, seed: int) -> Tensor:
     """Apply corruption ``name`` at ``severity`` to a batch of images.
 
-    The result depends only on the images, the name, the severity and ``seed`` (a fresh
-    ``torch.Generator`` seeded with it drives every random draw), so equal calls give equal outputs.
-    Each image of the batch gets its own random draws; they depend on its position and the batch
-    size, so corrupt the same batch (or use :func:`corrupt_dataset`) to reproduce a result. The work
-    is done in float32 on the CPU; the result is clamped to ``[0, 1]`` and returned with the input's
-    dtype and device.
+    Deterministic in the images, name, severity and ``seed`` (a fresh ``torch.Generator`` drives every draw).
+    Each image's draws depend on its position and the batch size, so reproduce a result with the same batch
+    (or :func:`corrupt_dataset`). Computed in float32 on the CPU, clamped to ``[0, 1]``.
 
     Args:
         images: Float images ``[N, C, H, W]`` with values in ``[0, 1]``, ``C`` 1 or 3, sides >= 8.
@@ -733,8 +697,7 @@ def corrupt(images: Tensor, name: str, severity: int, *, seed: int) -> Tensor:
         The corrupted images, same shape, dtype and device as ``images``.
 
     Raises:
-        FlatbmaError: Unknown name, severity outside 1..5, a bad seed, or images of the wrong type,
-            rank, channel count, size or value range (``saturate`` on grey images included).
+        FlatbmaError: Bad name, severity, seed, or images (type, rank, channels, size, range; saturate on grey).
     """
     key = _check_name(name)
     level = _check_severity(severity)
@@ -754,19 +717,11 @@ def _chunk_seed(seed: int, chunk: int) -> int:
 
 
 def corrupt_dataset(ds: ArrayDataset, name: str, severity: int, seed: int) -> ArrayDataset:
-    """Return a copy of ``ds`` whose stored images are corrupted; labels, classes and transform kept.
+    """Return a copy of ``ds`` whose stored images are corrupted (:func:`corrupt`); labels, classes, transform kept.
 
-    The corruption acts on the raw ``[0, 1]`` images, before the dataset's own transform (which still
-    runs when items are read). Images are processed in chunks of :data:`DATASET_CHUNK`, chunk ``k``
-    with a seed derived from ``(seed, k)``, so the result is deterministic and memory stays bounded.
-    8-bit datasets stay 8-bit (rounded), as in the published CIFAR-10-C files; float datasets stay
-    float32.
-
-    Args:
-        ds: The clean dataset.
-        name: One of :func:`corruption_names`.
-        severity: 1 to 5.
-        seed: Non-negative integer seeding the random draws.
+    ``name``, ``severity`` and ``seed`` as for :func:`corrupt`. The corruption acts on the raw ``[0, 1]`` images,
+    before the dataset's transform, in chunks of :data:`DATASET_CHUNK` images, chunk ``k`` seeded from
+    ``(seed, k)``. 8-bit datasets stay 8-bit (rounded), as the published CIFAR-10-C files; float ones float32.
 
     Raises:
         FlatbmaError: As :func:`corrupt`.

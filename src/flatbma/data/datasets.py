@@ -1,13 +1,11 @@
 """In-memory image datasets and loaders for the formats flatbma reads.
 
-Over 500 lines on purpose: it is the registry :data:`DATASETS` and the seven formats' readers it names;
-each reader is a short function over shared checks (directories, labels, stratified splits, bounded
-decoding), and the registry must see every loader. The in-memory data set they all return is its own
-module (:mod:`flatbma.data.arrays`, re-exported here).
+Over 500 lines on purpose: the registry :data:`DATASETS` and the seven readers it names, short functions over
+shared checks (directories, labels, stratified splits, bounded decoding) that the registry must all see.
 
-Every loader returns a :class:`DatasetSplits` of two :class:`ArrayDataset` objects that share one
-class list. Loaders read only local files; nothing is downloaded. The string registry
-:data:`DATASETS` (used by configs and the CLI) maps a name to its loader:
+Every loader reads only local files (nothing is downloaded) and returns a :class:`DatasetSplits` of two
+:class:`ArrayDataset` objects (:mod:`flatbma.data.arrays`, re-exported here) sharing one class list.
+:data:`DATASETS`, used by configs and the CLI, maps a name to its loader:
 
 ============== ======================================================================================
 name           source
@@ -84,9 +82,8 @@ FASHION_MNIST_CLASSES = (
     "Bag",
     "Ankle boot",
 )
-# The animal-mnist package names its classes only in its PyPI description ("Bear, Bird, Cat, Cow,
-# Dog, Elephant, Giraffe, Horse, Sheep, Zebra"); its loader code has no names. That labels 0..9
-# follow this alphabetical order was checked by looking at the images of every label.
+# Named only in the animal-mnist PyPI description; labels 0..9 follow this alphabetical order (checked
+# on the images of every label).
 ANIMAL_MNIST_CLASSES = (
     "Bear",
     "Bird",
@@ -151,9 +148,8 @@ def _int_labels(values: object, path: Path, help_text: str) -> np.ndarray:
 def load_digits(root: str | Path | None = None) -> DatasetSplits:
     """Load scikit-learn's 8x8 handwritten digits (1,797 images, 10 classes).
 
-    Pixels have 17 grey levels (0-16) and are scaled to ``[0, 1]`` by dividing by 16, giving float32
-    images ``[N, 1, 8, 8]``. The split is stratified with 1/3 of each class held out for testing,
-    drawn with seed 0, so it is the same on every machine.
+    Pixels (0-16) are divided by 16: float32 images ``[N, 1, 8, 8]`` in ``[0, 1]``. A stratified third of each
+    class is held out for testing (seed 0, the same on every machine).
 
     Args:
         root: Must be ``None``: the data ships with scikit-learn.
@@ -177,14 +173,11 @@ _ANIMAL_HELP = (
 
 
 def load_animal_mnist(root: str | Path | None = None) -> DatasetSplits:
-    """Load Animal-MNIST: 10,000 grayscale 28x28 animal silhouettes, 1,000 per class.
+    """Load Animal-MNIST: 10,000 grayscale 28x28 animal silhouettes, 1,000 per class (:data:`ANIMAL_MNIST_CLASSES`).
 
-    The files come from the ``animal-mnist`` PyPI package, located with
-    ``importlib.util.find_spec`` without importing it (its modules import TensorFlow). Both are
-    gzip-compressed pickles of one numpy array each (images ``uint8 [10000, 28, 28]``, labels ``int64
-    [10000]``, sorted by class). They are read with the restricted unpickler of this package, which
-    rebuilds numpy arrays and nothing else. The split is stratified with 20 % of each class held out,
-    drawn with seed 0 (8,000 train / 2,000 test). Classes: :data:`ANIMAL_MNIST_CLASSES`.
+    Reads the gzipped numpy pickles of the ``animal-mnist`` PyPI package (found without importing it: it imports
+    TensorFlow) with a restricted unpickler that rebuilds numpy arrays only. Images ``uint8 [N, 1, 28, 28]``; a
+    stratified 20 % of each class is held out (seed 0: 8,000 train / 2,000 test).
 
     Args:
         root: Directory holding ``animal_data_version_3.gz`` and ``animal_label_version_3.gz``;
@@ -302,13 +295,12 @@ def _load_idx(root: Path, classes: Sequence[str] | None, name: str, help_text: s
 def load_idx(root: str | Path | None = None, *, classes: Sequence[str] | None = None) -> DatasetSplits:
     """Load an MNIST-format (idx) directory: MNIST, Fashion-MNIST, KMNIST, ...
 
-    Files are found by name in ``root`` (or ``root/raw``, or ``root/<name>/raw`` as torchvision
-    stores them): ``train*images-idx3-ubyte`` and ``train*labels-idx1-ubyte`` for training,
-    ``t10k*``/``test*`` for testing, each optionally gzipped. Headers are parsed and every size is
-    checked (truncated files are reported). Images become ``uint8 [N, 1, H, W]``.
+    Files are found by name in ``root``, ``root/raw`` or ``root/<name>/raw`` (torchvision's layout):
+    ``train*images-idx3-ubyte``, ``train*labels-idx1-ubyte`` and their ``t10k*``/``test*`` pair, optionally
+    gzipped. Headers and sizes are checked (truncated files are reported). Images are ``uint8 [N, 1, H, W]``.
 
     Args:
-        root: The directory.
+        root: The directory holding the idx files.
         classes: Class names; defaults to ``"0"`` .. ``str(max label)``.
     """
     root = _existing_dir(root, "idx", _IDX_LAYOUT)
@@ -406,9 +398,8 @@ _CIFAR100_HELP = (
 def load_cifar10(root: str | Path | None = None) -> DatasetSplits:
     """Load CIFAR-10 (50,000 train / 10,000 test, 32x32 RGB, 10 classes) from the official pickles.
 
-    The batch files are pickles; they are read with a restricted unpickler that rebuilds only
-    built-in containers and plain numpy arrays, so a tampered file cannot run code. Images become
-    ``uint8 [N, 3, 32, 32]``; class names come from ``batches.meta``.
+    A restricted unpickler rebuilds only built-in containers and plain numpy arrays, so a tampered file cannot
+    run code. Images are ``uint8 [N, 3, 32, 32]``; class names come from ``batches.meta``.
 
     Args:
         root: ``cifar-10-batches-py`` or the directory containing it.
@@ -424,8 +415,7 @@ def load_cifar10(root: str | Path | None = None) -> DatasetSplits:
 def load_cifar100(root: str | Path | None = None) -> DatasetSplits:
     """Load CIFAR-100 (50,000 train / 10,000 test, 32x32 RGB, 100 fine classes) from the official pickles.
 
-    Read like :func:`load_cifar10`; labels are the ``fine_labels`` and class names the
-    ``fine_label_names`` of ``meta``.
+    Read like :func:`load_cifar10`, with ``fine_labels`` and ``meta``'s ``fine_label_names``.
 
     Args:
         root: ``cifar-100-python`` or the directory containing it.
@@ -441,9 +431,8 @@ _FOLDER_HELP = (
 )
 _SIXTEEN_BIT_GREY = frozenset({"I;16", "I;16L", "I;16B", "I;16N", "I"})
 _GREY_MODES = frozenset({"1", "L", "LA"}) | _SIXTEEN_BIT_GREY
-# What PIL's decoders raise on a damaged file besides OSError (truncated data, UnidentifiedImageError):
-# its plugins parse headers with struct and indexing, check them with ValueError and SyntaxError, and
-# refuse variants they do not implement (found by tests/data/test_bad_headers.py and longer fuzzing).
+# What PIL's decoders raise on a damaged file besides OSError: header parsing (struct, indexing), checks
+# (ValueError, SyntaxError), unimplemented variants (found by tests/data/test_bad_headers.py and fuzzing).
 _DECODE_ERRORS = (
     OSError,
     ValueError,
@@ -463,12 +452,9 @@ _BOMB_PIXELS = re.compile(r"\((\d+) pixels\)")
 def _decoded(path: Path, use: Callable[[Image.Image], T]) -> T:
     """``use(image)`` for the image file ``path`` opened with PIL; every decoding failure is a :class:`FlatbmaError`.
 
-    PIL refuses an image of more than twice ``PIL.Image.MAX_IMAGE_PIXELS`` pixels and only warns above
-    ``MAX_IMAGE_PIXELS``; here the warning is an error too, so a decompression bomb (a small file that
-    decodes to gigabytes) is refused from its header, before any pixel is decoded. PIL's other warnings
-    and log records about a damaged file (``Corrupt EXIF data``, ...) are dropped: the image either
-    decodes or the error says what was wrong, in one line. Only PNG, JPEG and BMP decoders are used
-    (the formats of :data:`IMAGE_EXTENSIONS`), so a file holding, say, TIFF data is refused by name.
+    PIL's decompression-bomb warning (over ``PIL.Image.MAX_IMAGE_PIXELS``) is an error here, so a bomb is refused
+    from its header before any pixel is decoded. PIL's other warnings and log records about damaged files are
+    dropped. Only the PNG, JPEG and BMP decoders are used, so e.g. TIFF data is refused by name.
     """
     pil_log = logging.getLogger("PIL")  # its plugins log to child loggers, which inherit this level
     level = pil_log.level
@@ -513,8 +499,8 @@ def _listing(directory: Path) -> list[Path]:
 def _eight_bit(image: Image.Image) -> Image.Image:
     """``image`` with 8-bit samples: 16-bit greyscale (PNG's ``I;16``, PIL's ``I``) scaled by 255/65535, rounded.
 
-    PIL's own conversion of these modes to ``L`` clips every value above 255 (most of a 16-bit image) to
-    255 instead of scaling; other modes are returned as they are (PIL scales 16-bit colour PNGs on opening).
+    PIL's own conversion to ``L`` clips values above 255 instead of scaling; other modes are returned as they
+    are (PIL scales 16-bit colour PNGs on opening).
     """
     if image.mode not in _SIXTEEN_BIT_GREY:
         return image
@@ -525,12 +511,10 @@ def _eight_bit(image: Image.Image) -> Image.Image:
 def load_image_folder(root: str | Path | None = None, *, size: int | None = None) -> DatasetSplits:
     """Load ``root/train/<class>/*`` and ``root/test/<class>/*`` image files with PIL.
 
-    Images are converted to single-channel ``L`` if every image is grayscale, otherwise to ``RGB``,
-    and stored as ``uint8 [N, C, H, W]``; 16-bit greyscale images are scaled to 8 bits
-    (``v·255/65535``). All images must have one size unless ``size`` is given.
-    Files are decoded as PNG, JPEG or BMP, whatever their extension; a damaged file, another format or
-    an image over PIL's decompression-bomb limit (``PIL.Image.MAX_IMAGE_PIXELS``) is a
-    :class:`FlatbmaError` naming the file.
+    Images become ``uint8 [N, C, H, W]``: single-channel ``L`` if every image is grayscale, else ``RGB``
+    (16-bit greyscale scaled to 8 bits, ``v·255/65535``). Files are decoded as PNG, JPEG or BMP whatever their
+    extension; a damaged file, another format or a decompression bomb (over ``PIL.Image.MAX_IMAGE_PIXELS``)
+    is a :class:`FlatbmaError` naming the file.
 
     Args:
         root: The directory holding ``train`` and ``test``.
@@ -623,9 +607,7 @@ def dataset_names() -> list[str]:
 
 
 def load_dataset(name: str, root: str | Path | None = None, **options: Any) -> DatasetSplits:
-    """Load a registered dataset by name.
-
-    Names are case-insensitive and ``_`` is read as ``-`` (``"Animal_MNIST"`` is ``animal-mnist``).
+    """Load a registered dataset by name (case-insensitive, ``_`` read as ``-``).
 
     Args:
         name: One of :func:`dataset_names`.

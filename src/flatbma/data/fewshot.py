@@ -1,17 +1,11 @@
 """Reproducible class-stratified sampling: k-shot subsets and train/test splits.
 
-Few-shot protocol (docs/methods.md §6 and §10.1 item 5): from each class, exactly ``k`` training images are
-drawn without replacement by a ``torch.Generator`` seeded with ``seed``. If a validation set is wanted,
-its ``val_per_class`` images per class come *out of that k-shot budget* (leaving ``k - val_per_class``
-for training), so model selection never sees more labelled data than the k-shot setting allows and
-never touches the test set. With ``val_per_class=0`` validation is explicitly disabled. Alternatively
-``val_pool`` images per class are drawn from *outside* the k-shot images (the rest of the training
-pool, as the FP-BMA authors' 10% validation split is): all ``k`` images train, and selection is less
-noisy — but it uses labels that a strict few-shot setting would not have.
-
-Classes are visited in increasing label order and each draws one ``randperm`` of its full size, so
-for a fixed seed the draw of one class does not depend on ``k`` and the k-shot sets are nested:
-the 5-shot set is contained in the 10-shot set of the same seed (with ``val_per_class=0``).
+Few-shot protocol (docs/methods.md §6 and §10.1 item 5): exactly ``k`` training images per class, drawn without
+replacement by a ``torch.Generator`` seeded with ``seed``. Validation takes ``val_per_class`` of them *out of
+the k-shot budget*, so model selection never sees more labels than the setting allows (``0``: no validation),
+or ``val_pool`` images per class from *outside* them (as the FP-BMA authors' 10% split: less noisy selection,
+with labels a strict few-shot setting lacks). Each class, in label order, draws one ``randperm`` of its full
+size, so for a fixed seed the k-shot sets are nested (5-shot ⊂ 10-shot, with ``val_per_class=0``).
 """
 
 from __future__ import annotations
@@ -100,24 +94,19 @@ def few_shot_indices(
     Args:
         labels: 1-D integer class labels of the full training set.
         k: Labelled examples per class in total (training + validation), at least 1.
-        seed: Seed of the ``torch.Generator`` that draws the examples; the same seed gives the same
-            indices.
-        val_per_class: Examples per class moved from the k-shot budget to validation,
-            ``0 <= val_per_class < k``; ``0`` disables validation.
-        num_classes: Number of classes; defaults to ``max(labels) + 1``. Pass it when some class may
-            have no examples at all, so that the emptiness is detected.
+        seed: Seed of the ``torch.Generator`` that draws the examples.
+        val_per_class: Examples per class moved from the k-shot budget to validation, ``0 <= val_per_class < k``.
+        num_classes: Number of classes (default ``max(labels) + 1``); pass it so an empty last class is detected.
         class_names: Names used in error messages.
         val_pool: Validation examples per class drawn from outside the ``k`` (the next ones of the same
-            per-class permutation, so the ``k`` are those of ``val_pool=0``); not with ``val_per_class``.
+            per-class permutation); not with ``val_per_class``.
 
     Returns:
-        ``(train_indices, val_indices)``: sorted int64 indices into ``labels`` with
-        ``k - val_per_class`` and ``val_per_class`` examples per class (``k`` and ``val_pool`` with
-        ``val_pool``); disjoint. ``val_indices`` is empty when there is no validation.
+        ``(train_indices, val_indices)``: sorted, disjoint int64 indices into ``labels``, ``k - val_per_class``
+        and ``val_per_class`` per class (``k`` and ``val_pool`` with ``val_pool``); ``val_indices`` may be empty.
 
     Raises:
-        FlatbmaError: ``k < 1``, ``val_per_class`` outside ``[0, k)``, a class with no examples, or a
-            class with fewer than ``k`` examples (the message names the smallest such class).
+        FlatbmaError: bad ``k``/``val_per_class``/``val_pool``, or a class with fewer than ``k`` examples.
     """
     k = _check_int(k, "k")
     val_per_class = _check_int(val_per_class, "val_per_class")
@@ -167,21 +156,10 @@ def few_shot_indices(
 def few_shot(
     dataset: D, k: int, *, seed: int, val_per_class: int = 0, val_pool: int = 0
 ) -> tuple[D, D | None]:
-    """Return the k-shot training subset of ``dataset`` and its validation subset (or ``None``).
+    """Return the k-shot training subset of ``dataset`` and its validation subset (``None`` when it has none).
 
-    See :func:`few_shot_indices`; the dataset's class list is used, so a class with no examples is
-    reported even if it is the last one.
-
-    Args:
-        dataset: The full training set.
-        k: Labelled examples per class in total (training + validation).
-        seed: Seed of the draw.
-        val_per_class: Examples per class taken from the k-shot budget for validation; ``0`` (and no
-            ``val_pool``) returns ``None`` as the validation set.
-        val_pool: Validation examples per class drawn from outside the k-shot images.
-
-    Returns:
-        ``(train, val)`` subsets sharing the classes and transform of ``dataset``.
+    :func:`few_shot_indices` of its labels with the same options, and its class list, so that a class with no
+    examples is detected even if it is the last; the subsets share its classes and transform.
     """
     train_idx, val_idx = few_shot_indices(
         dataset.labels,
@@ -196,15 +174,12 @@ def few_shot(
 
 
 def stratified_split(labels: Tensor, fraction: float, seed: int) -> tuple[Tensor, Tensor]:
-    """Split indices into (kept, held-out) with ``fraction`` of each class held out.
-
-    Each class ``c`` of size ``n_c`` contributes ``floor(fraction * n_c + 1/2)`` randomly chosen
-    examples (drawn by a ``torch.Generator`` seeded with ``seed``) to the held-out part.
+    """Split indices into (kept, held-out), ``floor(fraction · n_c + 1/2)`` of each class ``c`` held out at random.
 
     Args:
         labels: 1-D integer class labels.
         fraction: Held-out fraction per class, strictly between 0 and 1.
-        seed: Seed of the draw.
+        seed: Seed of the ``torch.Generator`` of the draw.
 
     Returns:
         ``(kept_indices, held_out_indices)``: sorted, disjoint int64 indices covering all examples.

@@ -1,7 +1,6 @@
 """Tabular regression data sets: feature vectors and one float target per example, held in memory.
 
-The string registry :data:`REGRESSION_DATASETS` (used by configs and the CLI with ``model.likelihood:
-gaussian``) maps a name to its loader:
+:data:`REGRESSION_DATASETS` (configs and the CLI, with ``model.likelihood: gaussian``) maps a name to its loader:
 
 ========= ===========================================================================================
 name      source
@@ -10,10 +9,9 @@ diabetes  scikit-learn's bundled diabetes data (442 patients, 10 features, a dis
           score a year later; Efron et al. 2004), split 80/20 by a permutation of seed 0
 ========= ===========================================================================================
 
-A loader returns the raw features and targets; :func:`standardized` rescales every split by the
-mean and standard deviation of the *training* examples only (features per column and the target), so
-that no statistic of the validation or test examples leaks into training, and RMSE, MAE and the NLL
-are in standard deviations of the training targets.
+Loaders return raw features and targets; :func:`standardized` rescales every split by the *training* mean and
+standard deviation (per feature column and the target): nothing of the held-out examples leaks into training,
+and RMSE, MAE and NLL are in standard deviations of the training targets.
 """
 
 from __future__ import annotations
@@ -47,8 +45,7 @@ SPLIT_SEED = 0
 class TabularDataset(Dataset[tuple[Tensor, Tensor]]):
     """Feature vectors ``[N, D]`` and float targets ``[N]`` (float32); item ``i`` is ``(features[i], targets[i])``.
 
-    The default collate stacks the targets into ``[batch]`` floats: the targets of
-    :class:`flatbma.regression.Gaussian`.
+    The default collate gives ``[batch]`` float targets, as :class:`flatbma.regression.Gaussian` takes them.
     """
 
     features: Tensor
@@ -129,8 +126,7 @@ def random_split(n: int, fraction: float, seed: int) -> tuple[Tensor, Tensor]:
 def standardized(train: TabularDataset, *others: TabularDataset) -> tuple[TabularDataset, ...]:
     """``train`` and ``others`` rescaled by the mean and standard deviation of ``train`` only (features and target).
 
-    ``x' = (x − mean_train(x)) / std_train(x)`` per feature column (a constant column keeps scale 1), and
-    the same for the target; the statistics of the other splits are never read.
+    ``x' = (x − mean_train(x)) / std_train(x)`` per feature column and for the target (a constant keeps scale 1).
     """
     mean, std = train.features.mean(0), train.features.std(0)
     std = torch.where(std > 0, std, torch.ones_like(std))
@@ -142,7 +138,7 @@ def standardized(train: TabularDataset, *others: TabularDataset) -> tuple[Tabula
 def load_diabetes(root: str | None = None) -> RegressionSplits:
     """scikit-learn's bundled diabetes data: 442 examples of 10 features and a float target; 80/20, seed 0.
 
-    The raw (un-scaled) features and target are read (``scaled=False``); :func:`standardized` scales them.
+    Features and target are raw (``scaled=False``); :func:`standardized` scales them.
     """
     if root is not None:
         raise FlatbmaError("dataset 'diabetes' ships with scikit-learn and takes no root; leave root unset.")

@@ -1,8 +1,7 @@
 """Image transforms in plain torch.
 
-Every transform accepts a single float image ``[C, H, W]`` or a batch ``[N, C, H, W]`` and returns the
-same rank. Random transforms draw from an optional ``torch.Generator`` (the global generator when
-``None``); on a batch they draw independently for every image.
+Every transform takes a float image ``[C, H, W]`` or a batch ``[N, C, H, W]`` and returns the same rank.
+Random transforms draw from an optional ``torch.Generator`` (``None``: the global one), per image of a batch.
 """
 
 from __future__ import annotations
@@ -51,11 +50,7 @@ def _pair(size: int | Sequence[int], what: str) -> tuple[int, int]:
 
 
 class Compose:
-    """Apply transforms in order.
-
-    Args:
-        transforms: Callables mapping a tensor to a tensor.
-    """
+    """Apply transforms (callables from tensor to tensor) in order."""
 
     def __init__(self, transforms: Sequence[Transform]) -> None:
         self.transforms = list(transforms)
@@ -71,10 +66,7 @@ class Compose:
 
 
 class Resize:
-    """Resize to a fixed ``(height, width)`` by bilinear interpolation.
-
-    Downscaling (either side shrinking) uses ``antialias=True`` so that fine detail is low-pass
-    filtered instead of aliased. An int ``size`` means a square ``size x size`` output.
+    """Resize to a fixed ``(height, width)`` (an int: square) by bilinear interpolation, antialiased when shrinking.
 
     Args:
         size: Output size, an int or ``(height, width)``.
@@ -193,10 +185,8 @@ class RandomCrop:
     """Zero-pad every side by ``padding`` pixels, then crop a random ``size`` window.
 
     Args:
-        size: Crop size, an int or ``(height, width)``; ``None`` keeps the input's own size (the usual
-            "pad and crop back" augmentation).
-        padding: Zero padding added to each side before cropping; ``None`` is 1/8 of the input's
-            smaller side, at least 1 (4 pixels on 32×32 CIFAR, 1 on 8×8 digits).
+        size: Crop size, an int or ``(height, width)``; ``None``: the input's size ("pad and crop back").
+        padding: Zero padding per side; ``None``: 1/8 of the input's smaller side, at least 1 (4 on CIFAR).
         generator: Source of randomness; the global generator when ``None``.
     """
 
@@ -250,11 +240,10 @@ def build_transform(
     crop_padding: int | None = None,
     generator: torch.Generator | None = None,
 ) -> Compose:
-    """Build the standard pipeline: to RGB, resize, augment, normalize (each step optional).
+    """Build the standard :class:`Compose` pipeline: to RGB, resize, augment, normalize (each optional; none: identity).
 
-    Augmentation is the usual pad-and-crop back to the same size plus a horizontal flip with
-    probability 1/2; it runs after resizing (so the padding is in output pixels) and before
-    normalization (so the padding is black).
+    Augmentation (pad-and-crop back to the same size, then a horizontal flip with probability 1/2) runs after
+    resizing (padding in output pixels) and before normalization (padding is black).
 
     Args:
         size: Resize to this size (int for square, or ``(height, width)``); ``None`` keeps the size.
@@ -264,9 +253,6 @@ def build_transform(
         augment: Add random crop and flip (training only).
         crop_padding: Zero padding on each side before the random crop; ``None``: 1/8 of the side.
         generator: Source of randomness for the augmentation.
-
-    Returns:
-        A :class:`Compose`; with every option off it is the identity.
     """
     steps: list[Transform] = []
     if to_rgb:

@@ -117,9 +117,8 @@ def _add_quiet(command: argparse.ArgumentParser) -> None:
 def _reporting(args: argparse.Namespace, *, every_process: bool = False) -> contextlib.AbstractContextManager:
     """The command's :class:`~flatbma.progress.Reporter`, set once for the whole command.
 
-    Quiet with ``--quiet`` and, unless ``every_process`` (compare: each process runs runs of its own),
-    on every process but rank 0. Every command prints a line per epoch and per phase, and a long phase a line
-    at least every 30 s (:meth:`~flatbma.progress.Reporter.tick`).
+    Quiet with ``--quiet`` and, unless ``every_process`` (compare: each process runs its own runs), on every
+    process but rank 0.
     """
     quiet = args.quiet or not (every_process or processes.is_main())
     return progress.reporting(progress.Reporter(quiet=quiet))
@@ -190,13 +189,11 @@ def _print_metrics(metrics: dict) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``flatbma`` command: its exit code.
 
-    Every way a command ends is one of: 0 (done); :data:`FLAGGED` (3: done and written, but a training-health
-    rule flags the run — ``train``, ``evaluate``, or a row of ``compare`` — or a compared row diverged, each said
-    in a ``flatbma: warning:`` line); 2 with one line ``flatbma: error: ...`` (an input error, a machine too
-    small for the config, an output that cannot be written); 130 (Ctrl-C, SIGINT) or 143 (SIGTERM) with one
-    line saying that finished checkpoints are kept; 141 without a word when the reader of its output went away
-    (``flatbma methods | head -1``), as a Unix tool ended by SIGPIPE. flatbma's own warnings print as one line
-    ``flatbma: warning: ...`` each, other libraries' not at all.
+    Exit codes: 0 (done); :data:`FLAGGED` (3: done and written, but a training-health rule flags the run or a
+    compared row diverged, said in a ``flatbma: warning:`` line); 2 with one line ``flatbma: error: ...`` (an input
+    error, a machine too small for the config, an unwritable output); 130 (SIGINT) or 143 (SIGTERM) with one line
+    saying finished checkpoints are kept; 141 silently when the output's reader went away (SIGPIPE). flatbma's own
+    warnings print as one ``flatbma: warning: ...`` line each, other libraries' not at all.
     """
     try:
         with _terminated_on_sigterm(), _warnings_as_lines():
@@ -292,8 +289,7 @@ def _show_warning(message: Warning | str, category: type[Warning], *args: object
 def _warnings_as_lines() -> Iterator[None]:
     """The warnings of flatbma (:class:`~flatbma.errors.FlatbmaWarning`) as one line each; no other library's.
 
-    torch's and matplotlib's warnings (a pickle protocol, a degenerate axis) say nothing a user of the
-    command can act on, and would stand beside the one line of an error.
+    Other libraries' warnings say nothing a user of the command can act on.
     """
     with warnings.catch_warnings():
         warnings.showwarning = _show_warning
@@ -327,7 +323,6 @@ def _command(argv: Sequence[str] | None) -> int:
             raise FlatbmaError("train needs --config FILE (or --resume RUN_DIR)")
         device = resolve_device(cfg.train.device)
         with processes.process_group(device), _reporting(args):  # under torchrun: data-parallel
-            # a resume's change is written only once the whole config and its checkpoint have passed every check
             trained = train(cfg, force=args.force, resume=bool(args.resume), resumed=resumed)
             main_process, alone = processes.is_main(), processes.world_size() == 1
         flagged = is_flagged(trained.metrics.get("health"))

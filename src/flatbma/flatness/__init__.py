@@ -3,23 +3,18 @@
 * :func:`hvp_fn` — the operator ``v ↦ ∇²L_S(w) v`` of the mean loss over a data set, batch by batch;
 * :func:`hessian_eigenvalues` — the top-``k`` eigenvalues (Lanczos, or power iteration as reference);
 * :func:`hessian_trace` — Hutchinson's trace estimate with its standard error;
-* :func:`spectral_density` — the eigenvalue density by stochastic Lanczos quadrature.
+* :func:`spectral_density` — the eigenvalue density by stochastic Lanczos quadrature;
 * :func:`loss_along` / :func:`loss_surface` / :func:`posterior_landscape` — 1-D and 2-D loss landscapes
-  along filter-normalized random (:func:`random_direction`) or top-eigenvector directions.
-* :func:`sample_spectra` / :func:`distribution_spectrum` / :func:`sam_sharpness` /
-  :func:`flatness_report` — the flatness of a posterior: per-sample spectra and distribution-level
-  measures; :func:`flatness_report` is the measurement protocol (every eigenvalue to a residual
-  tolerance, λ₁ over samples with a bootstrap interval, λ₁ at the mean, trace, sharpness) and
-  :func:`repeatability` compares two measurements of one posterior; they share their spectrum
-  keywords (``k``, ``params``, ``loss_fn``, ``tol``, ``max_iter``) as :class:`SpectrumOptions`.
+  along filter-normalized random (:func:`random_direction`) or top-eigenvector directions;
+* :func:`sample_spectra` / :func:`distribution_spectrum` / :func:`sam_sharpness` — a posterior's per-sample and
+  distribution-level flatness; :func:`flatness_report` is the measurement protocol, :func:`repeatability` compares
+  two measurements; their shared spectrum keywords are :class:`SpectrumOptions`;
 * :func:`width` / :func:`sample_variance` — the posterior's width (``tr Σ``, median marginal std).
 
 The solvers on flat vectors (:func:`lanczos`, :func:`power_iteration`, :func:`hutchinson_trace`,
-:func:`stochastic_lanczos_quadrature`) work for any symmetric operator.
-
-The landscape plots (:func:`plot_landscape_1d`, :func:`plot_landscape_2d` and their ``*_png``
-forms) live in :mod:`flatbma.plotting` and are re-exported here; they need matplotlib
-(``pip install flatbma[plots]``), imported only when a plot is drawn.
+:func:`stochastic_lanczos_quadrature`) work for any symmetric operator. The landscape plots
+(:func:`plot_landscape_1d`, :func:`plot_landscape_2d` and their ``*_png`` forms) are re-exported from
+:mod:`flatbma.plotting`; they need matplotlib (``pip install flatbma[plots]``).
 """
 
 from flatbma.flatness.hutchinson import TraceEstimate, hessian_trace, hutchinson_trace, rademacher

@@ -1,10 +1,8 @@
 """Trace of a symmetric operator, and of the training-loss Hessian, by Hutchinson's estimator.
 
-With Rademacher vectors ``z`` (entries ±1 with probability ½), ``E[zᵀ A z] = tr A`` and
-``Var[zᵀ A z] = 2 Σ_{i≠j} A_ij²``; the estimate is the mean of ``m`` independent ``zᵀ A z`` and its
-standard error is their sample standard deviation over ``√m``. Rademacher vectors have the smallest
-variance among estimators of this form (Hutchinson, 1990); PyHessian (Yao et al., 2020) uses it for
-the Hessian trace.
+With Rademacher ``z`` (entries ±1 with probability ½), ``E[zᵀ A z] = tr A`` and ``Var[zᵀ A z] = 2 Σ_{i≠j} A_ij²``;
+the estimate is the mean of ``m`` independent ``zᵀ A z``, its standard error their sample std over ``√m``.
+Rademacher probes give the smallest variance of this form (Hutchinson, 1990); as in PyHessian (Yao et al., 2020).
 """
 
 from __future__ import annotations
@@ -81,15 +79,8 @@ def hessian_trace(
 ) -> TraceEstimate:
     """Hutchinson estimate of ``tr ∇²L_S(w)`` over the chosen parameters, with its standard error.
 
-    Args:
-        model: the module (see :func:`~flatbma.flatness.hvp_fn`).
-        data: ``(x, y)`` batches of the training data, or one batch.
-        loss_fn: mean loss ``loss_fn(logits, y)``; cross-entropy when ``None``.
-        params: the parameters of the Hessian (a dict, a list of names, or all trainable ones).
-        weights: parameters and buffers at which to evaluate, e.g. a posterior sample.
-        num_samples: number of Rademacher probes (Hessian-vector products).
-        seed: seed of the probes.
-        hvp: :class:`~flatbma.flatness.HVPMethod`.
+    ``model``, ``data``, ``loss_fn``, ``params``, ``weights`` and ``hvp`` are as in :func:`~flatbma.flatness.hvp_fn`;
+    ``num_samples`` Rademacher probes (Hessian-vector products) are drawn from ``seed``.
 
     Raises:
         FlatbmaError: on bad input (see :func:`~flatbma.flatness.hessian_eigenvalues`).

@@ -1,45 +1,31 @@
 """Hessian-vector products of the mean training loss, as a linear operator on flat vectors.
 
-Over 500 lines on purpose: the operator, its two product modes and the leaner second-order graphs
-(frozen-weight convolutions, eval-mode BatchNorm as an affine map) are used only by the operator's
-double-backward product and are only correct under the conditions it sets up (eval mode, the chosen
-parameters differentiated); kept apart they would be public pieces with no caller of their own.
+Over 500 lines on purpose: the operator, its two product modes and the leaner second-order graphs are used only
+by the double-backward product and are correct only under the conditions it sets up (eval mode, the chosen
+parameters differentiated).
 
-For data ``S`` split into batches ``B_1 … B_J`` of sizes ``n_j`` (``n = Σ_j n_j``) and a loss function
-that returns the *mean* loss of a batch, the training loss and its Hessian-vector product are
+For data ``S`` split into batches ``B_1 … B_J`` of sizes ``n_j`` (``n = Σ_j n_j``) and a loss function that
+returns the *mean* loss of a batch,
 
     L_S(w) = Σ_j (n_j / n) · L_{B_j}(w),        H v = Σ_j (n_j / n) · ∇²L_{B_j}(w) v,
 
-accumulated batch by batch, so that memory is bounded by one batch whatever the size of ``S``, and
-within a batch over chunks of at most ``chunk_size`` examples (:func:`hvp_fn`; by default
-:data:`CPU_CHUNK_SIZE` on CPU), each with its own gradient graph: the transient memory of a product
-then scales with a chunk. Each chunk's product is computed either by
+accumulated batch by batch (memory bounded by one batch), and within a batch over chunks of at most
+``chunk_size`` examples (:func:`hvp_fn`; :data:`CPU_CHUNK_SIZE` on CPU by default), each with its own gradient
+graph. Each chunk's product is computed by
 
-* ``"double_backward"`` (reverse-over-reverse): ``∇_w ⟨∇_w L_B(w), v⟩`` with
-  :func:`torch.autograd.grad` and ``create_graph=True``; when the data is one batch the gradient
-  graphs of its chunks are built once and reused by every product (as PyHessian does for the whole
-  batch), or by
+* ``"double_backward"`` (reverse-over-reverse): ``∇_w ⟨∇_w L_B(w), v⟩`` with :func:`torch.autograd.grad` and
+  ``create_graph=True``; when the data is one batch its chunks' gradient graphs are built once and reused by
+  every product (as PyHessian does), or
 * ``"func"`` (forward-over-reverse): ``jvp(grad(L_B), (w,), (v,))`` with :mod:`torch.func` over
   :func:`torch.func.functional_call`.
 
-The model runs in eval mode (BatchNorm uses its running statistics, dropout is off), so that the
-loss is a deterministic function of ``w``; its mode is restored after each product. Only the chosen
-parameters are differentiated; all other parameters and buffers stay fixed.
+The model runs in eval mode (BatchNorm on running statistics, no dropout), so the loss is a deterministic
+function of ``w``; its mode is restored after each product. Only the chosen parameters are differentiated.
 
-Faster second-order graphs (double backward): reverse-over-reverse differentiates the backward node
-of every layer, and two of PyTorch's generic double backwards do more than a Hessian-vector product
-needs. (1) A convolution's also forms the gradient with respect to the convolution's *weight* — once
-per group, so ``C`` small convolutions for a depthwise layer — even when that weight is not
-differentiated; for a convolution whose weight is not among the chosen parameters the gradient graph
-is therefore built with an equivalent convolution whose backward is the transposed convolution of the
-output gradient alone (:class:`_FrozenWeightConv`), whose double backward is one grouped convolution.
-(2) BatchNorm's double backward evaluates the train-mode formula; in eval mode the layer is the affine
-map ``x ↦ γ (x − μ)/√(σ² + ε) + β`` of its running statistics, and the graph is built with that map
-(:func:`_affine_batch_norm`, through :class:`_ChannelAffine`, whose backward does not keep the copy
-of the activation that ``addcmul``'s does). Both are the same function of the inputs (products agree
-to rounding: float64 to 1e-15; in float32 no less accurate against a float64 reference). On the MobileNetV2
-transfer model of the demo (52 frozen convolutions, 17 depthwise; 52 BatchNorm layers) they make a
-product ~2.3× faster on CPU (0.80 → 0.35 s for 100 images at 48×48, one thread).
+Double backward builds leaner second-order graphs, the same function to rounding (float64 to 1e-15): a convolution
+whose weight is not chosen runs through :class:`_FrozenWeightConv` (double backward: one grouped convolution), an
+eval-mode BatchNorm as the affine map ``x ↦ γ (x − μ)/√(σ² + ε) + β`` (:func:`_affine_batch_norm`); a product on
+the demo's MobileNetV2 transfer model is ~2.3× faster on CPU.
 """
 
 from __future__ import annotations
@@ -87,11 +73,10 @@ class HVPMethod(str, Enum):
 
 
 class HessianOperator:
-    """``v ↦ ∇²L_S(w) v`` on flat vectors of the chosen parameters (see the module docstring).
+    """``v ↦ ∇²L_S(w) v`` on flat vectors of the chosen parameters; build it with :func:`hvp_fn`.
 
-    Build it with :func:`hvp_fn`. Vectors are flat in the key order of :attr:`point`
-    (:func:`flatbma.params.flatten`); a product is computed in the parameters' dtype and returned in
-    the dtype of the input vector, so callers may keep their vectors in float64.
+    Vectors are flat in the key order of :attr:`point` (:func:`flatbma.params.flatten`); a product is computed
+    in the parameters' dtype and returned in the input vector's dtype, so callers may keep float64 vectors.
 
     Attributes:
         point: the chosen parameters ``w`` (detached), by module name.
@@ -381,11 +366,9 @@ def _affine_batch_norm(module: _BatchNorm, x: Tensor) -> Tensor:
 class _ChannelAffine(torch.autograd.Function):
     """``x·s + b`` (one :func:`torch.addcmul`) with the backward of ``addcmul`` minus its copy of ``x``.
 
-    PyTorch's own backward of ``addcmul(b, x, s, value=1)`` forms ``grad · (x · value)``: under
-    ``create_graph`` the product ``x · 1``, a copy of the activation, is saved by the second-order
-    graph, one per BatchNorm layer (15 MiB of the 73 MiB gradient graph of ResNet-18 width 16 at batch
-    32). This backward forms ``grad · x`` from the saved ``x`` instead. ``x · 1`` is exact, so the
-    forward, the gradient and the Hessian-vector product are the same numbers, bit for bit.
+    PyTorch's backward forms ``grad · (x · 1)``, and under ``create_graph`` the second-order graph keeps that copy
+    of the activation per BatchNorm layer; this one forms ``grad · x`` from the saved ``x`` — the same numbers,
+    bit for bit.
     """
 
     @staticmethod
@@ -424,10 +407,7 @@ def _eval_batch_norms(model: nn.Module) -> list[nn.Module]:
 
 @contextlib.contextmanager
 def _lean_second_order(convolutions: Sequence[nn.Module], batch_norms: Sequence[nn.Module]) -> Iterator[None]:
-    """Convolutions through :class:`_FrozenWeightConv`, BatchNorm layers through :func:`_affine_batch_norm`.
-
-    Within the block only (module docstring); the modules are restored afterwards.
-    """
+    """Within the block, route convolutions via :class:`_FrozenWeightConv`, BatchNorm via :func:`_affine_batch_norm`."""
     for module in convolutions:
         module._conv_forward = functools.partial(_frozen_conv_forward, module)
     for module in batch_norms:
@@ -456,40 +436,27 @@ def hvp_fn(
 ) -> HessianOperator:
     """Return the Hessian-vector product ``v ↦ ∇²L_S(w) v`` of the mean loss over ``data``.
 
-    ``L_S(w) = Σ_j (n_j/n) L_{B_j}(w)`` over the batches ``B_j`` of ``data`` (see the module docstring
-    for how products are computed). The point ``w`` is taken, per tensor, from ``params`` if it is a
-    dict, else from ``weights``, else from the model itself.
+    ``L_S(w) = Σ_j (n_j/n) L_{B_j}(w)`` over the batches ``B_j`` of ``data``. The point ``w`` is taken, per
+    tensor, from ``params`` if it is a dict, else from ``weights``, else from the model itself.
 
     Args:
-        model: the module, called as ``functional_call(model, weights, (x,))``; it is put in eval mode
-            during each product and its mode is restored afterwards.
-        data: a DataLoader or any re-iterable of ``(x, y)`` batches (a one-shot iterator is read into
-            a list), or a single batch ``(x, y)``. It is iterated once per product, so it should be
-            deterministic (no random augmentation, no ``drop_last`` with shuffling).
-        loss_fn: ``loss_fn(logits, y)`` returning the *mean* loss over the batch; cross-entropy when
-            ``None``.
+        model: called as ``functional_call(model, weights, (x,))``, in eval mode during each product.
+        data: a DataLoader or any re-iterable of ``(x, y)`` batches (a one-shot iterator is read into a list), or
+            one batch. It is iterated once per product, so it should be deterministic (no random augmentation, no
+            ``drop_last`` with shuffling).
+        loss_fn: ``loss_fn(logits, y)`` returning the *mean* loss over the batch; cross-entropy when ``None``.
         params: the parameters to differentiate (:data:`ParamSelection`); the others stay fixed.
-        weights: parameters and/or buffers by module name at which to evaluate, e.g. a posterior
-            sample from ``Posterior.sample``; tensors not given keep the model's own values. Without
-            ``weights`` (and ``params`` values) the module's own weights are measured; when a
-            :class:`~flatbma.predictor.BMA` holds the module and the module does not hold that
-            posterior's mean (``fit_posterior(..., load_into=False)``, or weights changed since), a
-            :class:`~flatbma.errors.FlatbmaWarning` says so (:func:`flatbma.params.held_weights_note`).
+        weights: parameters and/or buffers by module name at which to evaluate, e.g. a posterior sample; tensors
+            not given keep the model's values. Without it, when a :class:`~flatbma.predictor.BMA` holds the module
+            and the module does not hold that posterior's mean, a :class:`~flatbma.errors.FlatbmaWarning` says so.
         hvp: :class:`HVPMethod`.
-        chunk_size: most examples per gradient graph: a larger batch is split into
-            ``⌈n_b / chunk_size⌉`` chunks of as equal sizes as possible, each with its own graph
-            (kept for every product when ``data`` is one batch), and the product is accumulated
-            over them as over batches. The memory of a product (the graph being differentiated and
-            the gradients it sends back, about one activation per layer per example) scales with a
-            chunk instead of the batch; the graphs kept for a single batch total the same. The sum
-            over chunks is the whole batch's product up to rounding (float32: 2e-7 to 9e-7 relative
-            in norm on the models of ``bench/hessian.py`` and the demo's transfer model). ``None``:
-            whole batches. ``"auto"``: :data:`CPU_CHUNK_SIZE` on CPU, where a product costs the same
-            per example from ~16 examples up, and whole batches on other devices.
+        chunk_size: most examples per gradient graph: a larger batch is split into ``⌈n_b / chunk_size⌉``
+            near-equal chunks, each with its own graph, and the product accumulated over them; a product's memory
+            then scales with a chunk, and the sum equals the whole batch's product to rounding (float32: < 1e-6
+            relative). ``None``: whole batches. ``"auto"``: :data:`CPU_CHUNK_SIZE` on CPU, whole batches elsewhere.
 
     Raises:
-        FlatbmaError: on empty data, unknown or duplicate parameter names, shape mismatches, or
-            parameters the loss does not depend on.
+        FlatbmaError: on empty data, unknown or duplicate parameter names, shape mismatches, or an unused parameter set.
     """
     return HessianOperator(model, data, loss_fn=loss_fn, params=params, weights=weights, hvp=hvp, chunk_size=chunk_size)
 
@@ -579,11 +546,10 @@ def _reiterable(data: Any) -> Iterable[Batch]:
 
 
 def _unpack(batch: Any) -> Batch:
-    """``(x, y)`` of a batch of the Hessian data: a pair, or a dict read as training reads it.
+    """``(x, y)`` of a batch of the Hessian data: a pair, or a dict read by :func:`flatbma.types.split_batch`.
 
-    A dict holds its inputs under the first of :data:`~flatbma.types.INPUT_KEYS` it has (``x``, ``image``,
-    ``pixel_values``, ...) and its targets under the first of :data:`~flatbma.types.TARGET_KEYS` (``y``,
-    ``label``, ``labels``, ...): :func:`flatbma.types.split_batch`, as :func:`flatbma.fit_posterior` reads it.
+    A dict holds its inputs under the first of :data:`~flatbma.types.INPUT_KEYS` it has and its targets under the
+    first of :data:`~flatbma.types.TARGET_KEYS`, as in training.
     """
     if isinstance(batch, Mapping):
         x, y = split_batch(batch)

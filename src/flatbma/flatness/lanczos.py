@@ -1,39 +1,24 @@
 """The largest eigenvalues of a symmetric operator, and of the training-loss Hessian.
 
-Over 500 lines on purpose: Lanczos, its thick restart and the power-iteration reference that
-checks it share the argument checks, the float64-accumulated dot products and norms, the breakdown
-threshold and the convergence warning; split apart, the reference would import the method's internals
-or restate them. The Hessian entry point (:func:`hessian_eigenvalues`) is a thin wrapper at the end.
+* :func:`lanczos` — Lanczos with full reorthogonalization. After ``m`` products with ``A`` it holds an orthonormal
+  basis ``V_m`` of the Krylov space ``span{v, Av, …, A^{m−1}v}`` and the tridiagonal ``T_m = V_mᵀ A V_m``; the Ritz
+  pairs ``(θ_i, y_i = V_m s_i)`` of ``T_m s_i = θ_i s_i`` have residuals ``‖A y_i − θ_i y_i‖ = β_m |e_mᵀ s_i|``.
+  For symmetric ``A`` some eigenvalue lies within that residual of ``θ_i``, so the test
+  ``β_m |e_mᵀ s_i| ≤ tol · max(|θ_i|, √eps · max_j |θ_j|)`` on the ``k`` largest Ritz values bounds their relative
+  error by ``tol`` (an absolute one below ``√eps`` times the spectral radius, ``eps`` the products' machine
+  epsilon). Each new vector is orthogonalized twice against the whole basis (classical Gram–Schmidt twice), so no
+  spurious copies of converged Ritz values appear. When the Krylov space becomes invariant (``β_m`` at rounding
+  level) the process goes on from a new random vector orthogonal to the basis, so eigenvalues outside the start
+  vector's Krylov space are still found; an eigenvalue of multiplicity > 1 *inside* a non-invariant Krylov space
+  is seen once (:func:`power_iteration` finds every copy). With ``basis_size`` the basis is bounded and
+  thick-restarted; :func:`hessian_eigenvalues` uses :func:`default_basis_size`.
 
-* :func:`lanczos` — Lanczos with full reorthogonalization. After ``m`` products with the operator
-  ``A`` it holds an orthonormal basis ``V_m`` of the Krylov space ``span{v, Av, …, A^{m−1}v}`` and the
-  tridiagonal ``T_m = V_mᵀ A V_m``; the Ritz pairs ``(θ_i, y_i = V_m s_i)`` of ``T_m s_i = θ_i s_i``
-  have residuals ``‖A y_i − θ_i y_i‖ = β_m |e_mᵀ s_i|`` at no extra cost. For symmetric ``A`` some
-  eigenvalue lies within that residual of ``θ_i``, so the test
-  ``β_m |e_mᵀ s_i| ≤ tol · max(|θ_i|, √eps · max_j |θ_j|)`` for the ``k`` largest Ritz values bounds
-  their relative error by ``tol`` (an absolute error for eigenvalues below ``√eps`` times the
-  spectral radius, which products computed with machine epsilon ``eps`` cannot resolve relatively). Every new vector is
-  orthogonalized twice against the whole basis (classical Gram–Schmidt twice, which keeps the basis
-  orthonormal to working precision), so no spurious copies of converged Ritz values appear. When the
-  Krylov space becomes invariant (``β_m`` at the products' rounding level) the process continues
-  from a new random vector orthogonal to the basis (``T`` becomes block-diagonal) and does not stop
-  at that step, so eigenvalues outside the start vector's Krylov space are still found. Caveat of
-  every single-vector Krylov method: an eigenvalue of multiplicity > 1 *inside* a Krylov space that
-  is not invariant is seen once; :func:`power_iteration` (deflation) finds every copy. With
-  ``basis_size`` the basis is bounded and a full one is thick-restarted (Wu & Simon 2000): the memory
-  is ``basis_size`` vectors whatever the number of products; :func:`hessian_eigenvalues` and the
-  flatness protocol use :func:`default_basis_size`.
-
-  Precision: the basis is in ``dtype`` (the parameters' dtype for the Hessian: float32 for a float32
-  model, where the products' own rounding, relative ``eps_32 ≈ 1.2e-7``, bounds the accuracy anyway);
-  ``α_j = v_jᵀ A v_j``, ``β_j = ‖w‖``, ``T``, its eigendecomposition and the Ritz values are float64
-  (dot products and norms accumulate float32 entries in float64 a block of 2¹⁶ entries at a time, so
-  no float64 copy of a whole vector is made). The restart's rotation ``S_ℓᵀ V`` is formed in float64
-  and rounded once to ``dtype``. Eigenvalues are then resolved to ``max(tol, ~√d · eps_dtype)``
-  relative to ``‖A‖``; the convergence test's floor ``√eps`` is above that.
-* :func:`power_iteration` — the reference: power iteration with deflation by projection, as in
-  PyHessian (Yao et al., 2020), on the shifted operator ``A + ρI`` (``ρ`` the spectral radius) so that
-  largest magnitude means largest algebraic eigenvalue.
+  Precision: the basis is in ``dtype`` (the parameters' dtype for the Hessian); ``α``, ``β``, ``T``, its
+  eigendecomposition and the Ritz values are float64 (dot products and norms accumulate in float64 by blocks,
+  without a float64 copy of a whole vector). Eigenvalues are resolved to ``max(tol, ~√d · eps_dtype)`` relative to
+  ``‖A‖``.
+* :func:`power_iteration` — the reference: power iteration with deflation by projection, as in PyHessian
+  (Yao et al., 2020).
 
 Lanczos (1950); Paige (1972); Parlett, *The Symmetric Eigenvalue Problem* (1998), §13;
 Giraud, Langou & Rozložník (2005) on Gram–Schmidt twice; Wu & Simon (2000) on thick restart.
@@ -96,13 +81,11 @@ class EigenResult:
         eigenvalues: ``(k,)`` float64, descending.
         eigenvectors: ``(k, d)`` orthonormal rows, in the order of ``eigenvalues`` (in the dtype of
             the solver's vectors); ``None`` from :func:`lanczos` with ``vectors=False``.
-        residuals: ``(k,)`` residual norms ``‖A y_i − θ_i y_i‖`` of the unit vectors ``y_i`` (for
-            Lanczos the recurrence's estimate ``β_m |e_mᵀ s_i|``; for power iteration that of the
-            deflated operator, which adds the errors of the eigenvectors deflated before).
+        residuals: ``(k,)`` residual norms ``‖A y_i − θ_i y_i‖`` of the unit vectors ``y_i`` (Lanczos: the estimate
+            ``β_m |e_mᵀ s_i|``; power iteration: that of the deflated operator).
         num_matvecs: operator products used.
         converged: whether every residual met the tolerance.
         converged_each: ``(k,)`` bool, whether each eigenvalue met it (``converged`` is their conjunction).
-            A result reports its eigenvalues with these flags so that a caller can keep the converged ones.
     """
 
     eigenvalues: Tensor
@@ -131,21 +114,14 @@ def lanczos(
 ) -> EigenResult:
     """The ``k`` largest (algebraic) eigenpairs of a symmetric operator by Lanczos (module docstring).
 
-    Memory: the basis, ``m × d`` in ``dtype`` with ``m ≤ basis_size`` rows (grown as needed), besides
-    ``matvec``'s own. ``T``, the Ritz values and the scalars ``α, β`` are float64 whatever ``dtype``.
+    Memory: the basis, ``m × d`` in ``dtype`` with ``m ≤ basis_size`` rows (grown as needed), besides ``matvec``'s.
 
-    Thick restart (``basis_size`` set and reached before convergence; Wu & Simon 2000): the ``ℓ``
-    largest Ritz vectors ``Y = V_m S_ℓ`` replace the basis in place, the pending Lanczos vector
-    ``v_{m+1}`` follows them, and ``T`` restarts as the arrowhead ``[[Θ_ℓ, σ], [σᵀ, ·]]`` with
-    ``σ = β_m S_ℓᵀ e_m``; the relation ``A V = V T + β v eᵀ`` and with it the residual estimate
-    ``β |e_mᵀ s_i|`` continue to hold. ``ℓ = k + ⌈(basis_size − k)/2⌉ − 1`` keeps the wanted pairs and
-    the next ones, whose directions keep the wanted ones converging as in an unrestarted run.
-    ``S_ℓᵀ V_m`` is formed in float64, a block of columns at a time, and rounded once to ``dtype``:
-    ``Y`` is orthonormal to the precision of ``dtype`` and the relation holds to that precision,
-    ``‖A Y − Y Θ − β v σᵀ‖ ≤ c · m · eps_dtype · ‖A‖`` (float32: ~1e-7 ‖A‖, below the products' own
-    error ``eps`` when they compute in float32, as the operator's products do by default). A run that
-    converges before the basis is full does not restart and gives the numbers of an unbounded run,
-    bit for bit.
+    Thick restart (``basis_size`` reached before convergence): the ``ℓ = k + ⌈(basis_size − k)/2⌉ − 1`` largest
+    Ritz vectors ``Y = V_m S_ℓ`` replace the basis in place, followed by the pending vector ``v_{m+1}``, and ``T``
+    restarts as the arrowhead ``[[Θ_ℓ, σ], [σᵀ, ·]]`` with ``σ = β_m S_ℓᵀ e_m``, so ``A V = V T + β v eᵀ`` and the
+    residual estimate ``β |e_mᵀ s_i|`` still hold. ``S_ℓᵀ V_m`` is formed in float64 and rounded once to ``dtype``,
+    so the relation holds to ``dtype``'s precision. A run that converges before the basis is full gives an
+    unbounded run's numbers, bit for bit.
 
     Args:
         matvec: ``v ↦ A v`` on vectors of length ``dim`` in ``dtype``.
@@ -153,19 +129,14 @@ def lanczos(
         k: number of eigenpairs, ``1 ≤ k ≤ d``.
         tol: relative residual tolerance.
         max_iter: maximum number of products (capped at ``d`` when the basis is not bounded).
-        eps: relative precision of ``matvec`` (machine epsilon of the dtype it computes in). It sets
-            the ``floor = √eps`` of the tolerance and the breakdown threshold ``β ≤ 10 √d eps ‖T‖``
-            below which the Krylov space counts as invariant.
+        eps: relative precision of ``matvec`` (its dtype's machine epsilon); sets the tolerance floor ``√eps`` and
+            the breakdown threshold ``β ≤ 10 √d eps ‖T‖`` below which the Krylov space counts as invariant.
         generator: CPU generator for the start vector(s).
         device: where the basis lives.
-        dtype: of the basis vectors. float32 suffices (and halves the memory) when ``matvec``
-            computes in float32: its rounding, not the basis's, then limits the accuracy.
-        warn: issue a :class:`ConvergenceWarning` when some eigenvalue misses the tolerance (callers
-            that report :attr:`EigenResult.converged_each` themselves turn it off).
-        basis_size: most basis vectors held at once (``≥ k + 2``); ``None``: unbounded (at most
-            ``max_iter``). A bound caps the memory at ``basis_size`` vectors and restarts (above).
-        vectors: form the Ritz vectors (:attr:`EigenResult.eigenvectors`, ``k × d`` more memory at
-            the end); ``False`` returns ``eigenvectors=None``.
+        dtype: of the basis vectors; float32 suffices (half the memory) when ``matvec`` computes in float32.
+        warn: issue a :class:`ConvergenceWarning` when some eigenvalue misses the tolerance.
+        basis_size: most basis vectors held at once (``≥ k + 2``), restarting when full; ``None``: unbounded.
+        vectors: form the Ritz vectors (``k × d`` more memory); ``False`` returns ``eigenvectors=None``.
     """
     _check_solver_args(dim, k, tol, max_iter)
     if max_iter < k:
@@ -231,8 +202,7 @@ def lanczos(
 def _rotate(basis: Tensor, s: Tensor) -> None:
     """``basis[:ℓ] ← sᵀ basis`` in place for ``s`` (``m × ℓ``, float64), a block of columns at a time.
 
-    Each block is multiplied in float64 and rounded once to the basis's dtype; the temporaries are
-    ``(m + ℓ) × width`` float64 with ``m · width ≤ 2¹⁷`` (1 MiB each), not ``ℓ × d``.
+    Each block is multiplied in float64 and rounded once to the basis's dtype; temporaries are ~1 MiB, not ``ℓ × d``.
     """
     sT = s.T.to(basis.device)
     width = max(1, (1 << 17) // basis.shape[0])
@@ -255,23 +225,13 @@ def power_iteration(
 ) -> EigenResult:
     """The ``k`` largest (algebraic) eigenpairs by power iteration with deflation — the reference.
 
-    As in PyHessian (Yao et al., 2020): each eigenpair is found by iterating ``v ← P B v / ‖P B v‖``
-    with ``P`` projecting out the eigenvectors found so far, and accepted when the residual
-    ``‖P A v − θv‖`` with ``θ = vᵀAv`` meets the tolerance of :func:`lanczos` (with ``max|θ|`` replaced by
-    the largest ``|θ|`` found). ``B = A`` finds eigenvalues in order of *magnitude*; as long as they
-    come out non-negative they are the largest algebraic ones. The first negative one is ``λ_min``;
-    it is deflated and the search goes on with ``B = A − λ_min I``, positive semi-definite, whose
-    dominant direction is the largest algebraic eigenvalue left.
+    Each eigenpair comes from iterating ``v ← P B v / ‖P B v‖``, ``P`` projecting out the eigenvectors found so
+    far, until the residual ``‖P A v − θv‖`` (``θ = vᵀAv``) meets :func:`lanczos`'s tolerance. ``B = A`` finds
+    eigenvalues by *magnitude*, the largest algebraic ones while they are non-negative; the first negative one is
+    ``λ_min``, deflated, and the search goes on with the positive semi-definite ``B = A − λ_min I``.
 
-    Args:
-        matvec: ``v ↦ A v`` on float64 vectors.
-        dim: dimension ``d``.
-        k: number of eigenpairs.
-        tol: relative residual tolerance.
-        max_iter: maximum products *per eigenpair*.
-        eps: relative precision of ``matvec``, as in :func:`lanczos`.
-        generator: CPU generator for the start vectors.
-        device: where the vectors live.
+    Arguments as :func:`lanczos`'s (``matvec`` on float64 vectors), except that ``max_iter`` counts products *per
+    eigenpair*.
     """
     _check_solver_args(dim, k, tol, max_iter)
     dev = torch.device(device) if device is not None else torch.device("cpu")
@@ -358,9 +318,7 @@ _BLOCK = 1 << 16  # entries per block of _dot and _norm: float64 temporaries of 
 def _dot(a: Tensor, b: Tensor) -> float:
     """``aᵀb`` accumulated in float64 (products of float32 numbers are exact there).
 
-    Vectors longer than :data:`_BLOCK` are converted a block at a time, so that no float64 copy of a
-    whole vector (8d bytes, more than the float32 vector itself) is held; the blocks' sums are added
-    in float64 (a different order of the same float64 sum: the result moves by ~1e-16 relative).
+    Vectors longer than :data:`_BLOCK` are converted a block at a time, so no float64 copy of a whole vector is held.
     """
     if a.dtype == torch.float64 and b.dtype == torch.float64:
         return float(a @ b)
@@ -459,11 +417,8 @@ def _warn_unconverged(name: str, result: EigenResult, max_iter: int) -> None:
 def default_basis_size(k: int) -> int:
     """Lanczos vectors held at once for ``k`` Hessian eigenvalues: ``max(8, k + 3)``.
 
-    A thick restart (:func:`lanczos`) then keeps at least ``k + 1`` Ritz vectors and adds at least two
-    new directions per cycle. Measured on the models of ``bench/hessian.py`` (tol 1e-3 / 1e-4): the
-    top-5 in 19 / 21 products (CNN) and 17 / 20 (ResNet-18 width 16), against 17 / 19 and 16 / 19
-    unbounded; λ₁ in 4–7 products, within the 8 vectors (no restart). The basis then holds as many
-    vectors as power iteration with deflation (PyHessian) does for the top-5, instead of one per product.
+    A thick restart then keeps at least ``k + 1`` Ritz vectors and adds at least two new directions per cycle; on
+    ``bench/hessian.py`` the top-5 take 1–4 more products than unbounded Lanczos, and λ₁ needs no restart.
     """
     return max(8, k + 3)
 
@@ -487,14 +442,13 @@ def hessian_eigenvalues(
     """The ``k`` largest eigenvalues of the Hessian of the mean training loss ``L_S`` at ``w``.
 
     ``λ_1 ≥ … ≥ λ_k`` of ``∇²L_S(w)`` over the chosen parameters, by :func:`lanczos` or the reference
-    :func:`power_iteration` on :func:`~flatbma.flatness.hvp_fn` products. The residual tolerance
-    ``tol`` bounds the relative error of each eigenvalue; eigenvalues smaller than ``√ε`` (of the
-    parameters' dtype) times ``λ_1`` in magnitude get an absolute bound instead.
+    :func:`power_iteration` on :func:`~flatbma.flatness.hvp_fn` products. ``tol`` bounds each eigenvalue's relative
+    error; those below ``√ε`` (of the parameters' dtype) times ``λ_1`` in magnitude get an absolute bound instead.
 
     Args:
         model: the module (see :func:`~flatbma.flatness.hvp_fn`).
-        data: ``(x, y)`` batches of the training data, or one batch; a batch may be a dict, read as training
-            reads it (:func:`flatbma.types.split_batch`: ``{"x": ..., "y": ...}``, ``image``/``label``, ...).
+        data: ``(x, y)`` batches of the training data, or one batch; a dict batch is read as in training
+            (:func:`flatbma.types.split_batch`).
         k: number of eigenvalues.
         loss_fn: mean loss ``loss_fn(logits, y)``; cross-entropy when ``None``.
         params: the parameters of the Hessian (a dict, a list of names, or all trainable ones).
@@ -504,16 +458,14 @@ def hessian_eigenvalues(
         method: :class:`EigenMethod`.
         seed: seed of the random start vector(s).
         hvp: :class:`~flatbma.flatness.HVPMethod`.
-        basis_size: most Lanczos vectors held at once (:func:`lanczos`); ``"auto"``:
-            :func:`default_basis_size`; ``None``: unbounded.
+        basis_size: most Lanczos vectors held at once; ``"auto"``: :func:`default_basis_size`; ``None``: unbounded.
         chunk_size: most examples per gradient graph (:func:`~flatbma.flatness.hvp_fn`).
 
     Returns:
         ``(k,)`` float64 tensor, descending, on the parameters' device.
 
     Raises:
-        FlatbmaError: on bad input (``k`` larger than the number of parameters, empty data, parameters
-            the loss does not depend on, a Hessian that is identically zero).
+        FlatbmaError: on bad input (``k`` above the parameter count, empty data, unused parameters, a zero Hessian).
     """
     method = parse_choice(EigenMethod, method, "method")
     _check_solver_args(math.inf, k, tol, max_iter)

@@ -5,25 +5,19 @@ batch size, as in :func:`~flatbma.flatness.hvp_fn`),
 
     1-D:  f(α) = L_S(w + α d₁),        2-D:  f(α, β) = L_S(w + α d₁ + β d₂),
 
-evaluated with the model in eval mode (BatchNorm uses the running statistics held in ``w`` or in the
-model, unchanged along the direction; dropout is off). For a posterior, every sample ``w_m`` is moved
-along the *same* direction and the curve is reported as mean ± standard deviation over samples.
+evaluated in eval mode (BatchNorm on the running statistics of ``w`` or the model, unchanged along the direction;
+no dropout). For a posterior, every sample ``w_m`` moves along the *same* direction and the curve is reported as
+mean ± standard deviation over samples. Directions:
 
-Directions:
+* :func:`random_direction` — a Gaussian direction, *filter-normalized* (Li et al., "Visualizing the Loss Landscape
+  of Neural Nets", NeurIPS 2018): for every filter ``i`` (the slice ``w[i]`` along the output dimension)
+  ``d[i] ← d[i] / ‖d[i]‖ · ‖w[i]‖``, which removes the scale invariance of ReLU/BatchNorm networks from the
+  plot; one-dimensional tensors (biases, BatchNorm) follow :class:`BiasBNPolicy`.
+* :func:`top_eigen_direction` — the unit eigenvector of the largest Hessian eigenvalue ``λ₁``, along which
+  ``f(α) ≈ L_S(w) + α gᵀv + ½ λ₁ α²``.
 
-* :func:`random_direction` — a Gaussian direction, *filter-normalized* as in Li et al., "Visualizing
-  the Loss Landscape of Neural Nets" (NeurIPS 2018): for every filter ``i`` of every weight tensor
-  (the slice ``w[i]`` along the first, output dimension: an output channel of a convolution, an
-  output row of a linear layer) ``d[i] ← d[i] / ‖d[i]‖ · ‖w[i]‖``. The direction then has the scale
-  of the weights filter by filter, which removes the scale invariance of ReLU/BatchNorm networks
-  from the plot. One-dimensional tensors (biases, BatchNorm scales and shifts) follow
-  :class:`BiasBNPolicy`: set to zero (the paper's plots, ``ignore='biasbn'`` in its code) or set
-  to the weights themselves (its code's alternative).
-* :func:`top_eigen_direction` — the unit eigenvector of the largest Hessian eigenvalue ``λ₁``
-  (Lanczos on Hessian-vector products), along which ``f(α) ≈ L_S(w) + α gᵀv + ½ λ₁ α²``.
-
-This module computes the values only; :mod:`flatbma.plotting` draws them
-(:func:`~flatbma.plotting.plot_landscape_1d`, :func:`~flatbma.plotting.plot_landscape_2d`).
+:mod:`flatbma.plotting` draws the values (:func:`~flatbma.plotting.plot_landscape_1d`,
+:func:`~flatbma.plotting.plot_landscape_2d`).
 """
 
 from __future__ import annotations
@@ -71,8 +65,8 @@ _NORM_EPS = 1e-10  # as in Li et al.'s code: d · ‖w‖ / (‖d‖ + 1e-10)
 class BiasBNPolicy(str, Enum):
     """What a filter-normalized direction holds for one-dimensional tensors (biases, BatchNorm).
 
-    ``ZERO``: nothing (the loss is not probed along them); ``WEIGHTS``: the weights themselves,
-    ``d = w``, so that moving along ``d`` rescales them.
+    ``ZERO``: nothing (the paper's plots, ``ignore='biasbn'`` in its code); ``WEIGHTS``: ``d = w``, so moving
+    along ``d`` rescales them.
     """
 
     ZERO = "zero"
@@ -113,19 +107,15 @@ def random_direction(
 ) -> Params:
     """A random direction ``d ~ N(0, I)`` in the space of the chosen parameters, filter-normalized.
 
-    With ``filter_normalized``, every filter ``i`` of a tensor with two or more dimensions is rescaled
-    to the norm of the weights' filter, ``d[i] ← d[i] · ‖w[i]‖ / (‖d[i]‖ + 1e-10)`` (Li et al., 2018;
-    see the module docstring), and one-dimensional tensors follow ``bias_bn``. Without it the
-    Gaussian draw is returned as is, for every tensor.
+    With ``filter_normalized``, every filter ``i`` of a tensor with two or more dimensions is rescaled,
+    ``d[i] ← d[i] · ‖w[i]‖ / (‖d[i]‖ + 1e-10)``, and one-dimensional tensors follow ``bias_bn``.
 
     Args:
-        point: the weights the direction is normalized to: a module (its parameters) or a tensor dict
-            such as a posterior sample. A sample also holds buffers (BatchNorm running statistics):
-            name the parameters with ``params`` so that buffers are not perturbed.
-        params: names of the tensors of ``point`` to include; for a module its trainable
-            parameters, for a dict its floating-point tensors when ``None``.
-        seed: seed of the CPU generator that draws ``d`` (tensor by tensor in the order of
-            ``params``), so the direction is the same on every device.
+        point: the weights the direction is normalized to: a module (its parameters) or a tensor dict such as a
+            posterior sample; a sample also holds buffers, so name the parameters with ``params``.
+        params: names of the tensors of ``point`` to include; ``None``: a module's trainable parameters, a dict's
+            floating-point tensors.
+        seed: seeds the CPU generator that draws ``d``, so the direction is the same on every device.
         filter_normalized: apply filter normalization.
         bias_bn: :class:`BiasBNPolicy` for one-dimensional tensors under filter normalization.
 
@@ -193,23 +183,13 @@ def top_eigen_direction(
 ) -> EigenDirection:
     """The eigenvector of the largest eigenvalue ``λ₁`` of ``∇²L_S(w)``, by :func:`~flatbma.flatness.lanczos`.
 
-    The eigenvector's error is about the residual tolerance times ``λ₁`` divided by the gap
-    ``λ₁ − λ₂``: lower ``tol`` when the top eigenvalues are close.
-
-    Args:
-        model: the module (see :func:`~flatbma.flatness.hvp_fn`).
-        data: ``(x, y)`` batches of the training data, or one batch.
-        params: the parameters of the Hessian (a dict, a list of names, or all trainable ones).
-        weights: parameters and buffers at which to evaluate, e.g. a posterior sample.
-        loss_fn: mean loss ``loss_fn(logits, y)``; cross-entropy when ``None``.
-        tol: relative residual tolerance of Lanczos.
-        max_iter: maximum number of Hessian-vector products.
-        seed: seed of the start vector.
-        hvp: :class:`~flatbma.flatness.HVPMethod`.
+    ``model``, ``data``, ``params``, ``weights``, ``loss_fn`` and ``hvp`` are as in :func:`~flatbma.flatness.hvp_fn`;
+    Lanczos runs to the relative residual ``tol`` within ``max_iter`` products, from a start vector drawn from
+    ``seed``. The eigenvector's error is about ``tol · λ₁ / (λ₁ − λ₂)``: lower ``tol`` when the top eigenvalues are
+    close.
 
     Returns:
-        :class:`EigenDirection` with the unit eigenvector keyed like the operator's point, in the
-        parameters' dtype.
+        :class:`EigenDirection`, the unit eigenvector keyed by parameter name, in the parameters' dtype.
     """
     op = hvp_fn(model, data, loss_fn=loss_fn, params=params, weights=weights, hvp=hvp)
     result = lanczos(
@@ -314,8 +294,7 @@ def posterior_landscape(
 ) -> LandscapeBand:
     """Mean ± standard deviation over samples of :func:`loss_along_samples` (unbiased std; 0 for one sample).
 
-    The direction is usually normalized to one reference point, e.g. ``random_direction(samples[0],
-    names)``, and shared by all samples so that their curves are comparable.
+    The direction is usually normalized to one point, e.g. ``random_direction(samples[0], names)``.
     """
     losses = loss_along_samples(model, data, samples, direction, alphas, loss_fn=loss_fn)
     std = losses.std(dim=0, unbiased=True) if losses.shape[0] > 1 else torch.zeros(losses.shape[1], dtype=losses.dtype)

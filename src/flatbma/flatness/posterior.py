@@ -1,40 +1,25 @@
 """Flatness of a posterior: per-sample Hessian spectra, distribution-level measures, and their protocol.
 
-Over 500 lines on purpose: the measures (per-sample spectra, the averaged-Hessian spectrum, SAM
-sharpness) and the protocol that combines them (:func:`flatness_report`, :func:`repeatability`) share
-the rules stated below — distinct samples only, unconverged eigenvalues never averaged — and the
-protocol's only job is to apply those rules to these measures; the solvers themselves live in
-:mod:`~flatbma.flatness.lanczos` and :mod:`~flatbma.flatness.hvp`.
+Over 500 lines on purpose: the measures and the protocol that combines them share its rules (distinct samples
+only, unconverged eigenvalues never averaged); the solvers live in :mod:`~flatbma.flatness.lanczos` and
+:mod:`~flatbma.flatness.hvp`.
 
-The seed papers measure the flatness of a posterior by the top Hessian eigenvalues of sampled models
-(λ₁ and λ₁/λ₅, averaged over samples). Reviewers asked whether an average of per-sample eigenvalues
-measures the flatness of a *distribution*; flatbma reports both:
+Flatness is reported both per sample and for the distribution:
 
 * :func:`sample_spectra` — ``λ_1 … λ_k`` of ``∇²L_S(w_m)`` for each sample ``w_m ~ q``;
-* :func:`distribution_spectrum` — the top eigenvalues of the Hessian of the expected loss
-  ``E_q[L_S(w)]`` with respect to the posterior's location. For samples ``w_m = μ + ξ_m`` with
-  the noise ``ξ_m`` held fixed (the reparameterization), ``∇²_μ (1/S) Σ_m L_S(μ + ξ_m)
-  = (1/S) Σ_m ∇²L_S(w_m)``: the eigenvalues of the *averaged Hessian*, which are at most the
-  average of the per-sample top eigenvalues (λ₁ is convex in the matrix), with equality only when
-  the samples' sharp directions align;
-* :func:`sam_sharpness` — ``E_w[max_{‖ε‖≤ρ} L_S(w+ε) − L_S(w)]`` with the first-order maximizer
-  ``ε = ρ ∇L_S(w)/‖∇L_S(w)‖`` (Foret et al. 2021), averaged over samples.
+* :func:`distribution_spectrum` — the top eigenvalues of the Hessian of ``E_q[L_S(w)]`` in the posterior's
+  location: with the noise of ``w_m = μ + ξ_m`` held fixed, ``∇²_μ (1/S) Σ_m L_S(μ + ξ_m) = (1/S) Σ_m ∇²L_S(w_m)``,
+  the *averaged Hessian*, whose λ₁ is at most the average per-sample λ₁ (λ₁ is convex in the matrix), with
+  equality only when the samples' sharp directions align;
+* :func:`sam_sharpness` — ``max_{‖ε‖≤ρ} L_S(w+ε) − L_S(w)`` per sample with the first-order maximizer
+  ``ε = ρ ∇L_S(w)/‖∇L_S(w)‖`` (Foret et al., ICLR 2021).
 
-The measurement protocol (:func:`flatness_report`, the same for every method) puts them together:
-
-* every eigenvalue comes from Lanczos run to a residual tolerance (``tol``; ``max_iter`` products at
-  most) and carries its convergence flag; an eigenvalue that missed the tolerance is reported as such
-  (``lambda1_unconverged``, ``hessian_warnings``) and is never averaged into a result;
-* λ₁ per sample is summarized over the samples by mean, median and a seeded percentile-bootstrap
-  interval of the mean (:func:`flatbma.stats.summarize`) — per-sample λ₁ is heavy-tailed, so a
-  mean ± std of two samples says little;
-* λ₁ at the posterior mean, the spectrum of the averaged Hessian, Hutchinson's trace per sample
-  (summarized like λ₁) and the SAM sharpness complete it;
-* :func:`repeatability` compares two measurements of the same posterior (another measurement seed and
-  another draw of samples): their difference must lie within their combined reported uncertainty.
-
-Samples that are the same weights (the same tensors, e.g. MC dropout's copies of one network, whose
-masks the eval-mode Hessian does not see) are measured once: the summaries are over distinct samples.
+The protocol (:func:`flatness_report`, the same for every method): every eigenvalue comes from Lanczos to a
+residual tolerance with its convergence flag, and an unconverged one is reported as such, never averaged;
+per-sample λ₁ (heavy-tailed) is summarized by mean, median and a seeded percentile-bootstrap interval of the mean
+(:func:`flatbma.stats.summarize`); λ₁ at the posterior mean, the averaged-Hessian spectrum, Hutchinson's trace and
+the SAM sharpness complete it. :func:`repeatability` compares two measurements of one posterior. Samples that are
+the same weights (the same tensors, e.g. MC dropout's copies of one network) are measured once.
 """
 
 from __future__ import annotations
@@ -84,10 +69,7 @@ _DISTRIBUTION_STREAM = -2
 class SpectrumOptions:
     """How the flatness entry points measure a Hessian spectrum: the keywords they all take, in one place.
 
-    :func:`measure_samples`, :func:`distribution_spectrum` and :func:`flatness_report` build it from
-    their keyword arguments (each with its own defaults) and measure with it (:func:`sample_spectra` hands
-    the same keywords to :func:`~flatbma.flatness.hessian_eigenvalues`); the defaults here are the
-    protocol's (:func:`flatness_report`).
+    The defaults are the protocol's (:func:`flatness_report`).
 
     Attributes:
         k: eigenvalues per spectrum.
@@ -203,10 +185,8 @@ def measure_samples(
 ) -> list[SampleFlatness]:
     """Top-``k`` eigenpairs (Lanczos to ``tol``) and, with ``trace_probes ≥ 2``, Hutchinson's trace of every sample.
 
-    One Hessian operator per sample serves both (its gradient graph is built once when ``data`` is one
-    batch) and is dropped before the next sample. Sample ``i`` draws its Lanczos start vector and its
-    probes from streams ``2i`` and ``2i + 1`` of ``seed`` (:func:`flatbma.rng.splitmix64`), so the
-    measurement of a sample does not depend on the others.
+    One Hessian operator per sample serves both. Sample ``i`` draws its Lanczos start vector and its probes from
+    streams ``2i`` and ``2i + 1`` of ``seed``, so a sample's measurement does not depend on the others.
     """
     options = SpectrumOptions(k=k, params=params, loss_fn=loss_fn, tol=tol, max_iter=max_iter)
     return _measure(model, samples, list(data), options, seed=seed, trace_probes=trace_probes)
@@ -382,8 +362,7 @@ def flatness_report(
 
     Args:
         model: the network (called with each sample's weights and buffers).
-        samples: posterior samples (weights and buffers by module name); repeats of the same weights
-            are measured once.
+        samples: posterior samples (weights and buffers by module name); repeats are measured once.
         data: the training batches the Hessian is taken over (un-augmented).
         mean: the weights at the posterior mean, for ``lambda1_at_mean`` (``None``: not measured).
         k: eigenvalues per spectrum (``k > 1`` adds ``λ₁/λ_k``).
@@ -399,16 +378,14 @@ def flatness_report(
 
     Returns:
         ``lambda1`` (mean of the converged per-sample λ₁, ``None`` if none converged), ``lambda1_std``,
-        ``lambda1_summary`` (:meth:`flatbma.stats.Summary.to_dict`), ``lambda1_unconverged`` (the
-        unconverged per-sample λ₁ values), ``hessian_top_eigenvalues`` / ``hessian_eigenvalue_converged``
-        (``[S][k]``), with ``k > 1`` ``lambda1_over_lambda{k}`` and its std over the samples whose λ₁
-        and λ_k both converged, ``lambda1_at_mean`` / ``lambda1_at_mean_converged``,
-        ``distribution_top_eigenvalues`` / ``distribution_converged`` / ``distribution_lambda1`` (``None``
-        unless converged), ``hessian_trace`` (a summary over samples, or over one sample's probes),
-        ``sam_sharpness`` / ``sam_sharpness_std``, ``flatness_samples`` (distinct samples),
-        ``hessian_products``, ``hessian_converged`` (every reported eigenvalue converged) and
-        ``hessian_warnings`` (one line per unconverged eigenvalue). With a single sample the
-        distribution spectrum is that sample's spectrum.
+        ``lambda1_summary`` (:meth:`flatbma.stats.Summary.to_dict`), ``lambda1_unconverged``,
+        ``hessian_top_eigenvalues`` / ``hessian_eigenvalue_converged`` (``[S][k]``), with ``k > 1``
+        ``lambda1_over_lambda{k}`` and its std over the samples whose λ₁ and λ_k both converged,
+        ``lambda1_at_mean`` / ``lambda1_at_mean_converged``, ``distribution_top_eigenvalues`` /
+        ``distribution_converged`` / ``distribution_lambda1`` (``None`` unless converged), ``hessian_trace``
+        (a summary over samples, or over one sample's probes), ``sam_sharpness`` / ``sam_sharpness_std``,
+        ``flatness_samples`` (distinct samples), ``hessian_products``, ``hessian_converged`` and
+        ``hessian_warnings`` (one line per unconverged eigenvalue).
     """
     _check_samples(samples)
     data = list(data)
@@ -484,30 +461,20 @@ def repeatability(
 ) -> dict[str, Any]:
     """Whether two measurements of the same posterior's λ₁ agree within their reported intervals.
 
-    ``first`` and ``second`` are :class:`~flatbma.stats.Summary` objects or their
-    :meth:`~flatbma.stats.Summary.to_dict` forms, with means ``m₁, m₂`` and ``level`` intervals. With
-    ``h₁``, ``h₂`` the half-widths of the two intervals on the sides facing each other (``high₁ − m₁`` and
-    ``m₂ − low₂`` when ``m₂ ≥ m₁``), they **agree** when
+    ``first`` and ``second`` are :class:`~flatbma.stats.Summary` objects or their ``to_dict`` forms, with means
+    ``m₁, m₂`` and ``level`` intervals. With ``h₁``, ``h₂`` the half-widths of the two intervals on the sides facing
+    each other, they **agree** when ``|m₁ − m₂| ≤ √(h₁² + h₂²)``, the two-sample test at the intervals' level (for
+    normal means ``h = z·se``): honest intervals agree with their repetition with probability ``level``. Also
+    reported: ``means_in_other_interval`` (``|m₁ − m₂| ≤ min(h₁, h₂)``, which fails about one time in three even
+    for honest intervals of ~8 samples) and ``intervals_overlap``.
 
-        ``|m₁ − m₂| ≤ √(h₁² + h₂²)``,
+    Without intervals (one distinct sample) the two values agree when they differ by at most ``2·tol``
+    relatively, as two Lanczos runs that met the tolerance ``tol`` can; no converged λ₁ agrees with nothing.
 
-    the two-sample test at the intervals' level (for normal means ``h = z·se``, and the difference of
-    two independent means has standard error ``√(se₁² + se₂²)``): a measurement whose intervals are
-    honest agrees with its repetition with probability ``level``. Also reported:
-    ``means_in_other_interval`` — each mean in the other's interval, ``|m₁ − m₂| ≤ min(h₁, h₂)`` — which
-    fails about one time in three for honest intervals of ~8 samples even in theory (the difference has
-    ``√2`` times the standard error of one mean; on the MLP of the tests it held in 20 of 40 repeated
-    pairs, the criterion above in 36, the overlap in 39), and ``intervals_overlap``.
-
-    A measurement of one distinct sample (a point estimate) has no interval over samples; its two
-    values agree when they differ by at most ``2·tol`` relatively — what two Lanczos runs that both met
-    the residual tolerance ``tol`` can differ by. A measurement with no converged λ₁ agrees with nothing.
-
-    Agreement within the intervals is not enough when λ₁ is heavy-tailed: one sharp sample gives a
-    mean with an interval wide enough to hold any repetition (means 36,647 [1,640, 105,786] and 1,979
-    "agree"). The measurement is **repeatable** (:func:`repeatable`) when the means agree as above *and*
-    the two means, and the two medians, lie within a factor :data:`HEAVY_TAIL_FACTOR` of each other
-    (``mean_ratio``, ``median_ratio``: the larger magnitude over the smaller, ``inf`` across signs or zero).
+    Since a heavy-tailed λ₁ gives intervals wide enough to hold any repetition, the measurement is **repeatable**
+    (:func:`repeatable`) when the means agree *and* the two means, and the two medians, lie within a factor
+    :data:`HEAVY_TAIL_FACTOR` of each other (``mean_ratio``, ``median_ratio``: larger magnitude over smaller,
+    ``inf`` across signs or zero).
 
     Returns:
         ``{"first", "second" (the summaries), "agree", "means_in_other_interval", "intervals_overlap",
@@ -561,11 +528,10 @@ def _ratio(x: Any, y: Any) -> float | None:
 
 
 def repeatable(record: Mapping[str, Any]) -> bool | None:
-    """Whether a repeated λ₁ measurement (:func:`repeatability`'s record, of any flatbma version) is repeatable.
+    """Whether a repeated λ₁ measurement (:func:`repeatability`'s record) is repeatable.
 
-    ``agree`` and both means, and both medians where recorded, within :data:`HEAVY_TAIL_FACTOR` of each
-    other (the ratios are computed from ``first`` and ``second`` when a record predates them). ``None``
-    when the record says nothing (no boolean ``agree``).
+    ``agree`` and both means, and both medians where recorded, within :data:`HEAVY_TAIL_FACTOR` of each other
+    (ratios computed from ``first`` and ``second``); ``None`` when the record has no boolean ``agree``.
     """
     agree = record.get("agree")
     if not isinstance(agree, bool):

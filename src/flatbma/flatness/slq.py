@@ -1,11 +1,10 @@
 """Spectral density of a symmetric operator, and of the Hessian, by stochastic Lanczos quadrature.
 
-The spectral density ``φ(t) = (1/d) Σ_i δ(t − λ_i)`` satisfies ``∫ f dφ = (1/d) tr f(A)
-= E_v[vᵀ f(A) v]`` for ``v = z/√d`` with Rademacher ``z``. For one such ``v``, ``m`` Lanczos steps give
-``T = Vᵀ A V`` with eigenpairs ``(θ_j, s_j)``, and the Gauss quadrature ``vᵀ f(A) v ≈ Σ_j τ_j f(θ_j)``
-with ``τ_j = (e_1ᵀ s_j)²`` is exact for polynomials of degree ``≤ 2m − 1``. Averaging over
-``n_v`` vectors gives nodes ``θ`` and weights ``τ / n_v`` (summing to 1). Its mean ``Σ w_j θ_j = (1/n_v) Σ vᵀAv`` is a
-Hutchinson estimate of ``tr A / d``.
+The spectral density ``φ(t) = (1/d) Σ_i δ(t − λ_i)`` satisfies ``∫ f dφ = (1/d) tr f(A) = E_v[vᵀ f(A) v]`` for
+``v = z/√d`` with Rademacher ``z``. For one such ``v``, ``m`` Lanczos steps give ``T = Vᵀ A V`` with eigenpairs
+``(θ_j, s_j)``, and the Gauss quadrature ``vᵀ f(A) v ≈ Σ_j τ_j f(θ_j)``, ``τ_j = (e_1ᵀ s_j)²``, is exact for
+polynomials of degree ``≤ 2m − 1``. Averaging over ``n_v`` vectors gives nodes ``θ`` and weights ``τ / n_v``
+(summing to 1), whose mean ``Σ w_j θ_j`` is a Hutchinson estimate of ``tr A / d``.
 
 Golub & Meurant (2010); Lin, Saad & Yang, SIAM Review 58 (2016); Ubaru, Chen & Saad (2017);
 Ghorbani, Krishnan & Xiao (2019) and PyHessian (Yao et al., 2020) for neural-network Hessians.
@@ -32,8 +31,8 @@ class SpectralDensity:
     """A discrete approximation ``Σ_j w_j δ(t − θ_j)`` of the spectral density.
 
     Attributes:
-        nodes: ``(n_v, m)`` float64 Ritz values, one row per probe vector. A run that stopped early
-            (invariant Krylov space) is padded with nodes of weight 0.
+        nodes: ``(n_v, m)`` float64 Ritz values, one row per probe; a run that stopped early is padded with
+            nodes of weight 0.
         weights: ``(n_v, m)`` float64 quadrature weights; all of them sum to 1.
         dim: dimension ``d`` of the operator.
     """
@@ -106,16 +105,8 @@ def spectral_density(
 ) -> SpectralDensity:
     """Eigenvalue density of ``∇²L_S(w)`` over the chosen parameters by stochastic Lanczos quadrature.
 
-    Args:
-        model: the module (see :func:`~flatbma.flatness.hvp_fn`).
-        data: ``(x, y)`` batches of the training data, or one batch.
-        loss_fn: mean loss ``loss_fn(logits, y)``; cross-entropy when ``None``.
-        params: the parameters of the Hessian (a dict, a list of names, or all trainable ones).
-        weights: parameters and buffers at which to evaluate, e.g. a posterior sample.
-        num_vectors: number of probe vectors.
-        num_steps: Lanczos steps per probe.
-        seed: seed of the probes.
-        hvp: :class:`~flatbma.flatness.HVPMethod`.
+    ``model``, ``data``, ``loss_fn``, ``params``, ``weights`` and ``hvp`` are as in :func:`~flatbma.flatness.hvp_fn`;
+    ``num_vectors`` probes are drawn from ``seed``, with ``num_steps`` Lanczos steps each.
 
     Raises:
         FlatbmaError: on bad input (see :func:`~flatbma.flatness.hessian_eigenvalues`).

@@ -1,16 +1,13 @@
 """The width of a posterior over the Bayesian subset: ``tr Σ`` and the median marginal standard deviation.
 
-A flatness comparison needs the width beside it: samples of a wider posterior lie further from its
-mode, in sharper places, whatever the posterior's flatness. For the diagonal ``v = diag Σ`` of the
-posterior covariance over the trained parameters (``d`` coordinates),
+A flatness comparison needs the width beside it: samples of a wider posterior lie further from its mode, in
+sharper places. For the diagonal ``v = diag Σ`` of the posterior covariance over the trained parameters,
 
     ``tr Σ = Σ_i v_i``,        median marginal std ``= median_i √v_i``.
 
-``v`` is exact where the posterior gives it in closed form
-(:attr:`flatbma.types.Posterior.marginal_variance`: the Gaussian families, the dropout network's
-weights, ``0`` for a point) and otherwise estimated from ``S`` samples ``w_1 … w_S`` (ensemble members,
-SG-MCMC iterates) by the unbiased per-coordinate variance ``v̂_i = Σ_s (w_{s,i} − w̄_i)² / (S − 1)``
-(``E v̂ = v``; ``0`` for ``S = 1``).
+``v`` is exact where the posterior gives it in closed form (:attr:`flatbma.types.Posterior.marginal_variance`)
+and otherwise estimated from ``S`` samples by the unbiased per-coordinate variance
+``v̂_i = Σ_s (w_{s,i} − w̄_i)² / (S − 1)`` (``0`` for ``S = 1``).
 """
 
 from __future__ import annotations

@@ -5,17 +5,13 @@
     ``w = μ + (1/√2)(σ ⊙ z₁ + L z₂ / √(K − 1))``,  ``z₁ ~ N(0, I_d)``, ``z₂ ~ N(0, I_K)`` (mean 0),
 
 exactly the SWAG sampler (Maddox et al. 2019), so a SWAG posterior converts to it exactly
-(:func:`init_from_swag`). Layout of ``θ`` for every trained parameter ``<name>`` of shape ``S``:
-``"mean/<name>"`` (``μ``, shape ``S``), ``"log_std/<name>"`` (``log σ``, shape ``S``) and
-``"factor/<name>"`` of shape ``[K, *S]``: row ``k`` of the factor block is the part of column ``k`` of
-``L`` that belongs to ``<name>``. Keeping the factor per parameter (rather than one flat ``[d, K]``
-matrix) keeps ``θ`` a dict of named tensors, so optimizers, checkpoints and Bayesian-subset
-selection work unchanged; :func:`dense_covariance` assembles ``Σ`` (parameters in sorted name order)
-where linear algebra needs it. ``z₂`` is shared by all parameters (one global ``L``).
+(:func:`init_from_swag`). For every trained parameter ``<name>`` of shape ``S``, ``θ`` holds ``"mean/<name>"``
+(``μ``) and ``"log_std/<name>"`` (``log σ``), both of shape ``S``, and ``"factor/<name>"`` of shape ``[K, *S]``,
+whose row ``k`` is ``<name>``'s part of column ``k`` of ``L``. As a dict of named tensors, ``θ`` works unchanged
+with optimizers, checkpoints and subset selection; :func:`dense_covariance` assembles ``Σ`` (sorted names) where
+linear algebra needs it. ``z₂`` is shared by all parameters (one global ``L``).
 
-This is the maths shared by the methods built on the family — low-rank VI and its flat variants
-(:mod:`flatbma.posteriors.lowrank_vi`), FP-BMA's Fisher-ball ascent (:mod:`flatbma.optim.fisher_ball`),
-SWAG's Gaussian (:mod:`flatbma.posteriors.swag`) — and it depends on none of them:
+The maths shared by low-rank VI, FP-BMA's Fisher-ball ascent and SWAG's Gaussian, depending on none of them:
 
 * :mod:`~flatbma.gaussian.layout`: the sections of ``θ``, the packed ``[K+2, d]`` matrix, SWAG's ``θ``;
 * :mod:`~flatbma.gaussian.sampling`: standard-normal noise, the sampler and its closed-form pullback;
@@ -23,10 +19,9 @@ SWAG's Gaussian (:mod:`flatbma.posteriors.swag`) — and it depends on none of t
 * :mod:`~flatbma.gaussian.kl`: ``KL`` to ``N(0, s²I)`` and to another low-rank Gaussian, with gradients;
 * :mod:`~flatbma.gaussian.density`: ``log q_θ(w)``, its score ``∇_θ log q_θ(w)`` and the size of a step of ``θ``.
 
-Precision: none of it runs under autocast, whatever ``train.precision`` says (:mod:`flatbma.precision`: only
-the model's forward passes do). The KL divergences, log-densities and step sizes are evaluated in float64
-(their trace and log-determinant terms cancel parts much larger than the result); the sampler and its
-pullback run in the variables' dtype, float32.
+Precision: none of it runs under autocast (only the model's forward passes do). The KL divergences, log-densities
+and step sizes are evaluated in float64 (their trace and log-determinant terms cancel much larger parts); the
+sampler and its pullback run in the variables' dtype, float32.
 """
 
 from flatbma.gaussian.density import log_density, score, step_size

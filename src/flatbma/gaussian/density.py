@@ -63,9 +63,8 @@ def score(theta: Mapping[str, Tensor], weights: Mapping[str, Tensor]) -> Tensor:
 def step_size(theta: Mapping[str, Tensor], moved: Mapping[str, Tensor]) -> dict[str, Tensor]:
     """How far ``q`` moved from ``θ`` to ``θ'`` (``moved``), as 0-d float64 tensors.
 
-    ``mean_shift = ‖μ' − μ‖₂`` (the Euclidean move of the mean: the radius of a SAM step that moves the
-    weights as far), ``kl = KL(q_θ' ‖ q_θ)`` (exact) and ``kl_mean = ½δμᵀΣ⁻¹δμ`` (``δμ = μ' − μ``: the KL of
-    moving the mean alone, the part of ``kl`` that the mean block takes in the quadratic model).
+    ``mean_shift = ‖μ' − μ‖₂`` (the radius of a SAM step that moves the weights as far), ``kl = KL(q_θ' ‖ q_θ)``
+    (exact) and ``kl_mean = ½δμᵀΣ⁻¹δμ`` (``δμ = μ' − μ``: the KL of moving the mean alone).
     """
     with torch.no_grad():
         before, after = rows(theta), rows(moved)

@@ -54,9 +54,8 @@ class LowRankGeometry(NamedTuple):
 def _cholesky(matrix: Tensor) -> Tensor:
     """The Cholesky factor of ``matrix``; on a GPU without the error check's host synchronization.
 
-    Used for capacitances ``I + ŨᵀŨ ⪰ I``, positive definite for every finite ``Ũ``: on a GPU a failure
-    can only come from a non-finite input, which the factor then carries into a non-finite loss (the
-    training loop's divergence check, read every few steps) instead of a synchronization every step.
+    For capacitances ``I + ŨᵀŨ ⪰ I``, positive definite for every finite ``Ũ``: on a GPU a non-finite input gives a
+    non-finite factor, and so a non-finite loss for the divergence check, instead of a synchronization every step.
     On a CPU it raises :class:`torch.linalg.LinAlgError` as :func:`torch.linalg.cholesky` does.
     """
     if matrix.is_cuda:
@@ -67,10 +66,9 @@ def _cholesky(matrix: Tensor) -> Tensor:
 def geometry(theta: Mapping[str, Tensor], dtype: torch.dtype | None = None, *, cache: bool = True) -> LowRankGeometry:
     """The Woodbury quantities of ``q_θ``'s covariance, computed in ``dtype`` (default: ``θ``'s).
 
-    For a :class:`~flatbma.packed.Packed` ``θ`` (one step's, :func:`flatbma.packed.as_packed`) the result is
-    kept with it (:attr:`~flatbma.packed.Packed.derived`), so that an FP-BMA step computes it once for the
-    ascent's Fisher solve and the closed-form KL gradient; any other ``θ`` is computed anew. Inputs that
-    require gradients are never kept, and ``cache=False`` keeps nothing (a fixed second Gaussian, a prior).
+    For a :class:`~flatbma.packed.Packed` ``θ`` the result is kept with it (:attr:`~flatbma.packed.Packed.derived`),
+    so one FP-BMA step computes it once for the ascent's Fisher solve and the KL gradient. Inputs that require
+    gradients are never kept, nor is anything with ``cache=False`` (a fixed second Gaussian, a prior).
     """
     keep = cache and isinstance(theta, Packed) and not (torch.is_grad_enabled() and theta.flat.requires_grad)
     if keep and ("geometry", dtype) in theta.derived:  # type: ignore[union-attr]
@@ -120,11 +118,10 @@ def natural_covariance_gradient(
 ) -> Mapping[str, Tensor]:
     """``grads`` with its ``log σ`` row multiplied by ``scale/2`` and clipped to ``[−1, 1]``, packed like ``θ``.
 
-    ``2`` is the Fisher information of ``q_θ`` in ``log σᵢ`` while the factor adds little to ``Σᵢᵢ``
-    (``F_logσᵢ = ½(σᵢ²(Σ⁻¹)ᵢᵢ)²``, which is 2 for ``Σ = ½ diag σ²``): the mean-field part of the family, whose
-    natural step this is (:class:`flatbma.posteriors.gaussian_vi.VarianceStep`). The clip bounds a step of
-    ``log σ`` to one learning rate per update against the heavy tail of the single-sample estimate. The rows
-    of ``μ`` and ``L`` are unchanged.
+    ``2`` is the Fisher information of ``q_θ`` in ``log σᵢ`` when the factor adds little to ``Σᵢᵢ``
+    (``F_logσᵢ = ½(σᵢ²(Σ⁻¹)ᵢᵢ)²``, 2 for ``Σ = ½ diag σ²``): the natural step of the family's mean-field part
+    (:class:`flatbma.posteriors.gaussian_vi.VarianceStep`). The clip bounds a ``log σ`` step to one learning rate
+    against the heavy tail of the single-sample estimate; the rows of ``μ`` and ``L`` are unchanged.
     """
     matrix = rows(grads)
     out = matrix.clone()
@@ -135,8 +132,7 @@ def natural_covariance_gradient(
 def dense_covariance(theta: Mapping[str, Tensor]) -> Tensor:
     """``Σ = ½(diag σ² + L Lᵀ/(K−1))`` as a dense ``[d, d]`` matrix.
 
-    Rows follow ``flatten(section(theta, "mean"))``: parameters in sorted name order. For tests and
-    small models only (``O(d²)`` memory).
+    Rows follow ``flatten(section(theta, "mean"))`` (sorted names); ``O(d²)`` memory: for tests and small models.
     """
     a, u = diag_and_factor_blocks(theta)
     names = list(section(theta, "mean"))
@@ -146,11 +142,7 @@ def dense_covariance(theta: Mapping[str, Tensor]) -> Tensor:
 
 
 def marginal_variance(theta: Mapping[str, Tensor]) -> dict[str, Tensor]:
-    """``diag Σ = σ²/2 + Σ_k L_{·k}²/(2(K−1))`` by parameter name, shaped like the parameter.
-
-    The marginal variances of ``q_θ`` (the diagonal of :func:`dense_covariance`) in ``O(dK)``, without
-    forming ``Σ``: the posterior's width (:mod:`flatbma.flatness.width`).
-    """
+    """``diag Σ = σ²/2 + Σ_k L_{·k}²/(2(K−1))`` by parameter name, shaped like the parameter, in ``O(dK)``."""
     a, u = diag_and_factor_blocks(theta)
     mean = section(theta, "mean")
     return {n: (a[n] + (u[n] * u[n]).sum(0)).reshape(mean[n].shape) for n in mean}
@@ -160,8 +152,7 @@ def scale_covariance(theta: Mapping[str, Tensor], c: float) -> dict[str, Tensor]
     """``θ`` of ``N(μ, cΣ)``: ``log σ += ½ log c`` and ``L *= √c``, ``μ`` unchanged (new tensors, by key).
 
     Both terms of ``Σ = ½(diag σ² + LLᵀ/(K−1))`` scale by ``c``, so :func:`dense_covariance` and
-    :func:`marginal_variance` of the result are ``c`` times those of ``θ`` (``tr`` too). ``flatbma compare``'s
-    ``match_width`` uses it to give two posteriors the same ``tr Σ``.
+    :func:`marginal_variance` of the result (and ``tr Σ``) are ``c`` times those of ``θ``.
 
     Raises:
         ValueError: unless ``c`` is finite and > 0.

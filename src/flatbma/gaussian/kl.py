@@ -23,9 +23,8 @@ from flatbma.gaussian.layout import PREFIXES, blocks, check_sections, factor_sca
 def kl_divergence(theta: Mapping[str, Tensor], prior_std: float) -> Tensor:
     """``KL(N(μ, Σ) ‖ N(0, s² I))`` in ``O(dK²)``.
 
-    ``KL = ½[(tr Σ + ‖μ‖²)/s² − d + d log s² − log det Σ]`` with ``Σ = A + U Uᵀ``, ``A = diag(σ²/2)``,
-    ``U = L/√(2(K−1))``; ``tr Σ = Σ a_i + ‖U‖²_F`` and, by the matrix determinant lemma,
-    ``log det Σ = Σ log a_i + log det(I_K + Uᵀ A⁻¹ U)``.
+    ``KL = ½[(tr Σ + ‖μ‖²)/s² − d + d log s² − log det Σ]`` with ``tr Σ = Σ a_i + ‖U‖²_F`` and
+    ``log det Σ = Σ log a_i + log det(I_K + Uᵀ A⁻¹ U)`` (matrix determinant lemma).
     """
     mean, log_std = section(theta, "mean"), section(theta, "log_std")
     a, u = diag_and_factor_blocks(theta)
@@ -52,8 +51,7 @@ def kl_divergence_grad(theta: Mapping[str, Tensor], prior_std: float) -> Mapping
 
     ``∇_μ KL = μ/s²``, ``∇_logσ KL = σ²/(2s²) − σ²⊙diag(Σ⁻¹)/2`` and ``∇_L KL = (L/s² − Σ⁻¹L)/(2(K−1))``
     (``L`` as ``d×K``), with ``diag Σ⁻¹`` and ``Σ⁻¹L`` from the Woodbury quantities of
-    :func:`~flatbma.gaussian.geometry.geometry` (shared with the Fisher-ball ascent at the same ``θ``) — a
-    few flat operations instead of differentiating :func:`kl_divergence` through its per-parameter loop.
+    :func:`~flatbma.gaussian.geometry.geometry` (shared with the Fisher-ball ascent at the same ``θ``).
     """
     mu, _, factor = blocks(theta)
     geo = geometry(theta, torch.float64)
@@ -71,13 +69,11 @@ def kl_divergence_grad(theta: Mapping[str, Tensor], prior_std: float) -> Mapping
 def kl_lowrank(theta_q: Mapping[str, Tensor], prior_theta: Mapping[str, Tensor]) -> Tensor:
     """``KL(q ‖ p)`` between two low-rank plus diagonal Gaussians in ``θ`` layout, in ``O(d(K_q + K_p)²)``.
 
-    ``KL = ½[tr(Σ_p⁻¹Σ_q) + (μ_p − μ_q)ᵀΣ_p⁻¹(μ_p − μ_q) − d + log det Σ_p − log det Σ_q]`` with
-    ``Σ = A + UUᵀ``, ``A = diag(σ²/2)``, ``U = L/√(2(K−1))`` for each. Everything is computed in the
+    ``KL = ½[tr(Σ_p⁻¹Σ_q) + (μ_p − μ_q)ᵀΣ_p⁻¹(μ_p − μ_q) − d + log det Σ_p − log det Σ_q]``, computed in the
     coordinates whitened by ``A_p`` (``Ũ_p = A_p^{-1/2}U_p``, capacitance ``C_p = I + Ũ_pᵀŨ_p``):
-    ``Σ_p⁻¹ = A_p^{-1/2}(I − Ũ_pC_p⁻¹Ũ_pᵀ)A_p^{-1/2}`` (Woodbury) and
-    ``log det Σ = Σ log aᵢ + log det C`` (matrix determinant lemma). The ranks may differ;
-    differentiable in ``theta_q`` (and in ``prior_theta``); evaluated in double precision, returned in
-    ``q``'s dtype.
+    ``Σ_p⁻¹ = A_p^{-1/2}(I − Ũ_pC_p⁻¹Ũ_pᵀ)A_p^{-1/2}`` (Woodbury) and ``log det Σ = Σ log aᵢ + log det C``
+    (matrix determinant lemma). The ranks may differ; differentiable in ``theta_q`` and ``prior_theta``;
+    evaluated in double precision, returned in ``q``'s dtype.
 
     Args:
         theta_q: ``q``'s ``mean/``, ``log_std/``, ``factor/`` parameters.
@@ -106,16 +102,16 @@ def kl_lowrank(theta_q: Mapping[str, Tensor], prior_theta: Mapping[str, Tensor])
 def kl_rows(q: Tensor, p: Tensor, p_geometry: LowRankGeometry | None = None) -> Tensor:
     """:func:`kl_lowrank` of two ``[K+2, d]`` matrices ``[μ; log σ; L]`` (:func:`rows`), in ``p``'s dtype, unchecked.
 
-    ``q`` may be in a narrower dtype than ``p`` (float32 rows of a step's ``θ'``): its rows are read once and
-    promoted where they are first used, not copied first. With ``r = a_q/a_p`` and everything whitened by
-    ``A_p`` (``Ũ_p``, ``Ũ_q = U_qA_p^{-1/2}``, ``C_p = I + Ũ_pᵀŨ_p``), the trace is
+    ``q`` may be in a narrower dtype than ``p`` (float32 rows of a step's ``θ'``): its rows are promoted where first
+    used, not copied. With ``r = a_q/a_p`` and everything whitened by ``A_p`` (``Ũ_p``, ``Ũ_q = U_qA_p^{-1/2}``,
+    ``C_p = I + Ũ_pᵀŨ_p``), the trace is
     ``tr(Σ_p⁻¹Σ_q) = Σr − tr(C_p⁻¹Ũ_pᵀ diag(r) Ũ_p) + tr(Ũ_qᵀŨ_q) − tr(C_p⁻¹(Ũ_pᵀŨ_q)(Ũ_pᵀŨ_q)ᵀ)`` and
     ``log det C_q = log det(I + Ũ_qᵀ diag(1/r) Ũ_q)`` (``q``'s own whitening): four ``K×K`` Gram matrices over
     three ``[K, d]`` products.
 
-    ``p_geometry``: :func:`~flatbma.gaussian.geometry.geometry` of ``p`` in ``p``'s dtype when it is at hand (an
-    ascent step's own): its ``Ũ_pᵀ``, ``A_p^{-1/2}`` and the Cholesky factor of ``C_p`` are the numbers computed
-    here, so ``p``'s factor is not read again (only ``p``'s rows 0 and 1 are) and ``C_p`` is not formed again.
+    ``p_geometry``: :func:`~flatbma.gaussian.geometry.geometry` of ``p`` in ``p``'s dtype, when at hand (an ascent
+    step's own): it supplies ``Ũ_pᵀ``, ``A_p^{-1/2}`` and the Cholesky factor of ``C_p``, so of ``p`` only rows 0
+    and 1 are read.
     """
     dtype = p.dtype
     s_q, mu_q = q[1].to(dtype), q[0].to(dtype)

@@ -50,11 +50,7 @@ def section(theta: Mapping[str, Tensor], prefix: str) -> Params:
 
 
 def is_theta(params: Mapping[str, Tensor]) -> bool:
-    """Whether ``params`` are variational parameters (``"/"``-prefixed keys), not model weights.
-
-    Module parameter names never contain ``/`` (PyTorch joins them with ``.``), so the two layouts
-    cannot be confused.
-    """
+    """Whether ``params`` are variational parameters (``"/"``-prefixed keys; module parameter names have none)."""
     return bool(params) and all("/" in k for k in params)
 
 
@@ -83,10 +79,9 @@ def rank_of(theta: Mapping[str, Tensor]) -> int:
 def theta_layout(theta: Mapping[str, Tensor]) -> Layout:
     """The packed layout of ``θ`` (:mod:`flatbma.packed`): one ``[K+2, d]`` matrix.
 
-    Row 0 holds ``μ``, row 1 ``log σ`` and rows ``2..K+1`` the factor ``L`` (row ``k+2`` = column ``k`` of
-    ``L``); parameter ``<name>`` owns the same columns in every row, in sorted name order. So
-    ``[log σ; L]`` is the contiguous ``[K+1, d]`` block the Fisher algebra works on and ``L`` the
-    ``[K, d]`` matrix the sampler multiplies, without any copy.
+    Row 0 holds ``μ``, row 1 ``log σ`` and rows ``2..K+1`` the factor ``L`` (row ``k+2`` = column ``k`` of ``L``);
+    parameter ``<name>`` owns the same columns in every row, in sorted name order, so ``[log σ; L]`` (``[K+1, d]``,
+    for the Fisher algebra) and ``L`` (``[K, d]``, for the sampler) are contiguous blocks used without copies.
     """
     mean = section(theta, "mean")
     k = rank_of(theta)
@@ -196,11 +191,10 @@ def init_from_swag(
 ) -> Params:
     """Variational parameters whose ``q_θ`` is the SWAG Gaussian (Maddox et al. 2019).
 
-    SWAG's covariance is ``scale · ½(diag σ²_SWAG + D Dᵀ/(K−1))`` with deviation matrix ``D ∈ R^{d×K}``
-    (columns ``w_k − w̄``); the same shape as this family, so ``μ = w̄``, ``σ = √(scale·σ²_SWAG)`` and
-    ``L = √scale · D`` reproduce it exactly (variances below :data:`MIN_VARIANCE` are raised to it).
-    Pass the result to a low-rank posterior's ``init`` in place of the model weights; the method's
-    ``rank`` must equal ``K``.
+    SWAG's covariance ``scale · ½(diag σ²_SWAG + D Dᵀ/(K−1))``, ``D ∈ R^{d×K}`` with columns ``w_k − w̄``, has this
+    family's shape: ``μ = w̄``, ``σ = √(scale·σ²_SWAG)``, ``L = √scale · D`` reproduce it exactly (variances below
+    :data:`MIN_VARIANCE` are raised to it). Pass the result to a low-rank posterior's ``init`` in place of the
+    model weights, with the method's ``rank`` equal to ``K``.
 
     Args:
         mean: SWAG mean ``w̄`` — a flat ``[d]`` vector (in ``like``'s key order) or a dict by name.

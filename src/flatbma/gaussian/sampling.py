@@ -127,8 +127,7 @@ def sample_weights(theta: Mapping[str, Tensor], z1: Mapping[str, Tensor], z2: Te
     k = z2.shape[-1]
     c = factor_scale(k)
     batch = z2.shape[:-1]
-    # One flat [K, d] pass instead of one small product per tensor: a few large kernels (and as many in
-    # the backward pass) for the ~100 BatchNorm and classifier tensors of a transfer subset.
+    # one flat [K, d] pass: a few large kernels (and as many backward) instead of one small product per tensor
     mu, log_std, factor = blocks(theta)
     noise = _flat_noise(z1, names, batch)
     flat = mu + math.sqrt(0.5) * torch.exp(log_std) * noise + c * (z2 @ factor)
@@ -139,9 +138,8 @@ def sample_weights(theta: Mapping[str, Tensor], z1: Mapping[str, Tensor], z2: Te
 def pullback(theta: Mapping[str, Tensor], noise: GaussianNoise, grads: Mapping[str, Tensor]) -> Mapping[str, Tensor]:
     """``(∂w/∂θ)ᵀ g`` for ``w = sample_weights(θ, z₁, z₂)``, in closed form (no autograd graph).
 
-    ``w`` is linear in ``μ``, ``σ`` and ``L``: ``∂/∂μ = g``, ``∂/∂log σ = g ⊙ σ ⊙ z₁/√2`` and
-    ``∂/∂L_k = c·z₂ₖ·g`` with ``c = 1/√(2(K−1))`` — one flat pass over all tensors, returned packed
-    like ``θ`` (:func:`~flatbma.gaussian.layout.theta_layout`). ``z₂`` must have shape ``[K]``.
+    ``w`` is linear in ``μ``, ``σ`` and ``L``: ``∂/∂μ = g``, ``∂/∂log σ = g ⊙ σ ⊙ z₁/√2`` and ``∂/∂L_k = c·z₂ₖ·g``
+    with ``c = 1/√(2(K−1))``, packed like ``θ`` (:func:`~flatbma.gaussian.layout.theta_layout`); ``z₂``: shape ``[K]``.
     """
     names, _ = names_and_shapes(theta)
     k = noise.z2.shape[-1]

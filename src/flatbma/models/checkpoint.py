@@ -1,9 +1,8 @@
 """Safe loading of state-dict checkpoints into models.
 
-Checkpoints are never unpickled as arbitrary objects: ``.safetensors`` files are read with
-safetensors, every other file with ``torch.load(..., weights_only=True)``, which only rebuilds
-tensors and plain containers. A file that needs anything else (a pickled module, an object whose
-``__reduce__`` runs code) is refused with a :class:`FlatbmaError`.
+Checkpoints are never unpickled as arbitrary objects: ``.safetensors`` files are read with safetensors, any other
+with ``torch.load(..., weights_only=True)``; a file that needs more (a pickled module, code in ``__reduce__``) is
+refused with a :class:`FlatbmaError`.
 """
 
 from __future__ import annotations
@@ -28,19 +27,11 @@ _MAX_LISTED = 8
 def load_state_dict_file(path: str | os.PathLike[str]) -> StateDict:
     """Read a state dict from a ``.pth``/``.pt`` (weights-only) or ``.safetensors`` file, on the CPU.
 
-    A state dict nested under one of the keys ``"state_dict"``, ``"model_state_dict"`` or ``"model"``
-    (the usual training-checkpoint layouts) is unwrapped, and a ``"module."`` prefix shared by every
-    key (``nn.DataParallel``) is removed.
-
-    Args:
-        path: the checkpoint file.
-
-    Returns:
-        The tensors by name.
+    A state dict nested under ``"state_dict"``, ``"model_state_dict"`` or ``"model"`` is unwrapped, and a
+    ``"module."`` prefix shared by every key (``nn.DataParallel``) is removed. Returns the tensors by name.
 
     Raises:
-        FlatbmaError: if the file is missing, cannot be read safely, or is not a mapping from names to
-            tensors.
+        FlatbmaError: if the file is missing, cannot be read safely, or is not a mapping from names to tensors.
     """
     path = Path(path).expanduser()
     if not path.is_file():
@@ -55,24 +46,16 @@ def load_state_dict_file(path: str | os.PathLike[str]) -> StateDict:
 def load_matching(model: nn.Module, state_dict: Mapping[str, Tensor], *, source: str, head: str) -> bool:
     """Load ``state_dict`` into ``model``: every tensor must match, except possibly the classifier.
 
-    All keys must correspond one to one and have equal shapes (missing ``num_batches_tracked``
-    counters of old BatchNorm checkpoints are tolerated, as in PyTorch). The only allowed difference
-    is the *shape* of the classifier ``head``'s tensors (a different class count): the head is then
-    left as initialized in ``model`` and re-drawn with ``reset_parameters()`` (the default
-    ``nn.Linear`` initialization, from the current RNG) — everything else is loaded.
+    Keys must correspond one to one with equal shapes (missing ``num_batches_tracked`` counters are tolerated).
+    The only allowed difference is the *shape* of the classifier ``head``'s tensors (another class count): the
+    head is then re-drawn with ``reset_parameters()`` from the current RNG and everything else is loaded.
+    Loaded parameters are marked :func:`is_pretrained`.
 
-    Args:
-        model: the network, built with the architecture of the checkpoint.
-        state_dict: the tensors to load.
-        source: how to name the checkpoint in error messages (usually its path).
-        head: qualified name of the classifier module (see :func:`flatbma.models.classifier_of`).
-
-    Returns:
-        ``True`` if the head was re-initialized because its shape differs from the checkpoint's.
+    ``source`` names the checkpoint in error messages (usually its path); ``head`` is the qualified name of the
+    classifier module (:func:`flatbma.models.classifier_of`). Returns whether the head was re-initialized.
 
     Raises:
-        FlatbmaError: listing the missing, unexpected and mismatched keys if the checkpoint does not
-            fit the model.
+        FlatbmaError: listing the missing, unexpected and mismatched keys if the checkpoint does not fit.
     """
     expected = model.state_dict()
     head_prefix = f"{head}."
@@ -132,9 +115,8 @@ def _mark_pretrained(model: nn.Module, loaded: Mapping[str, Tensor]) -> None:
 def is_pretrained(param: Tensor) -> bool:
     """Whether ``param``'s values were loaded from a checkpoint by :func:`load_matching` (not randomly initialized).
 
-    The mark is on the parameter object itself, so it survives renaming or wrapping the module that holds it;
-    a head re-initialized or replaced for another class count is not marked. Independent members of a mixture
-    re-draw only parameters that are not pretrained (:func:`flatbma.posteriors.members.member_initializations`).
+    The mark is on the parameter object, so it survives renaming or wrapping its module (not a tensor copy: use
+    ``copied``); a head re-initialized or replaced for another class count is not marked.
     """
     return bool(getattr(param, _PRETRAINED, False))
 

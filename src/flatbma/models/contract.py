@@ -1,10 +1,8 @@
 """What flatbma needs of a classifier, checked with one forward pass on a batch before anything trains.
 
-A model — built-in, ``torchvision:``/``timm:``, the user's own ``package.module:factory`` or the module
-given to :func:`flatbma.fit_posterior` — is checked once by :func:`check_classifier`, so that a model
-that cannot train ends in one line naming it and the fix, instead of a traceback from inside the first
-step (a matmul of the wrong shape, a dtype mismatch, a ``NaN`` loss blamed on the learning rate).
-:func:`logits_of` says what a forward pass must return; it is the one place that decides it.
+Every model is checked once by :func:`check_classifier`, so one that cannot train fails with one line naming it and
+the fix rather than a traceback from inside the first step. :func:`logits_of` decides what a forward pass must
+return.
 """
 
 from __future__ import annotations
@@ -54,9 +52,8 @@ def first_output(module: nn.Module, inputs: object, output: object) -> object:
 def keep_logits(model: nn.Module) -> nn.Module:
     """Make ``model`` return the first element of a tuple output — its logits — with a forward hook; return it.
 
-    The hook (:func:`first_output`) is registered once, and works under ``functional_call`` too; remove it
-    with ``model._forward_hooks`` if the module must return its tuple again. :func:`flatbma.fit_posterior`
-    calls it for a model whose forward pass returns a tuple (``(logits, features)``: first element = logits).
+    The hook (:func:`first_output`) is registered once and works under ``functional_call`` too; remove it with
+    ``model._forward_hooks`` if the module must return its tuple again.
     """
     if first_output not in model._forward_hooks.values():
         model.register_forward_hook(first_output)
@@ -73,9 +70,8 @@ def check_classifier(model: nn.Module, x: Tensor, *, name: str, num_classes: int
        of ``x`` (a :class:`~flatbma.errors.FlatbmaTypeError` when ``x`` is not floating);
     3. every parameter is finite (``NaN`` weights, e.g. from a damaged checkpoint);
     4. at least one parameter is trainable (``requires_grad``);
-    5. ``model(x)`` runs — in eval mode, without gradients, with torch's random generators forked, so
-       that the module's mode and buffers and the caller's random stream are as before (``hint`` is
-       added to the message when it fails);
+    5. ``model(x)`` runs — in eval mode, without gradients, random generators forked, so the module's mode and
+       buffers and the caller's random stream are unchanged (``hint`` is added to the message when it fails);
     6. it returns logits (:func:`logits_of`) of shape ``[len(x), C]`` with ``C >= 2`` (``C = num_classes``
        when given), of ``x``'s dtype.
 

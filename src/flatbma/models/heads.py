@@ -1,8 +1,7 @@
 """The classification head of a network, and seeded construction.
 
-Transfer learning (FP-BMA §4) re-initializes the classifier of a pretrained network for the new
-classes; :func:`classifier_of` finds it by module *type* (the last :class:`torch.nn.Linear` in
-``named_modules()`` order), never by a name substring.
+Transfer learning (FP-BMA §4) re-initializes a pretrained network's classifier for the new classes;
+:func:`classifier_of` finds it by module *type*, never by a name substring.
 """
 
 from __future__ import annotations
@@ -20,14 +19,8 @@ from flatbma.models._checks import check_positive_int, check_seed
 def classifier_of(model: nn.Module) -> tuple[str, nn.Linear]:
     """Return the qualified name and module of the final classification layer.
 
-    The final classifier is the last :class:`torch.nn.Linear` in ``model.named_modules()`` order —
-    ``"fc"`` for ResNets, ``"classifier.1"`` for MobileNetV2, ``"classifier"`` for the small models.
-
-    Args:
-        model: the network.
-
-    Returns:
-        ``(name, linear)`` with ``model.get_submodule(name) is linear``.
+    The last :class:`torch.nn.Linear` in ``model.named_modules()`` order — ``"fc"`` for ResNets, ``"classifier.1"``
+    for MobileNetV2, ``"classifier"`` for the small models. Returns ``(name, linear)``.
 
     Raises:
         FlatbmaError: if the model contains no ``nn.Linear``.
@@ -47,17 +40,9 @@ def classifier_of(model: nn.Module) -> tuple[str, nn.Linear]:
 def replace_classifier(model: nn.Module, num_classes: int, *, seed: int | None = None) -> nn.Linear:
     """Replace the final classifier by a freshly initialized ``nn.Linear`` with ``num_classes`` outputs.
 
-    The new layer has the same input size and bias setting as the old one and PyTorch's default
-    ``nn.Linear`` initialization (drawn under ``seed`` when given, without touching the global RNG).
-    The replacement happens in place; the module is also returned.
-
-    Args:
-        model: the network whose :func:`classifier_of` layer is replaced.
-        num_classes: number of outputs of the new layer.
-        seed: seed of the initialization, or ``None`` to draw from the global RNG.
-
-    Returns:
-        The new ``nn.Linear``.
+    In place; the new layer keeps the old one's input size, bias setting, device and dtype, with PyTorch's default
+    initialization drawn under ``seed`` (the global RNG untouched) or, for ``None``, from the global RNG.
+    Returns the new layer.
     """
     check_positive_int("num_classes", num_classes)
     name, old = classifier_of(model)
@@ -75,11 +60,7 @@ def replace_classifier(model: nn.Module, num_classes: int, *, seed: int | None =
 def seeded(seed: int | None) -> Iterator[None]:
     """Run the body with the CPU RNG seeded by ``seed``, restoring the global RNG state afterwards.
 
-    With ``seed=None`` the body draws from (and advances) the global RNG as usual. Model parameters are
-    created on the CPU, so only the CPU generator is forked.
-
-    Args:
-        seed: the seed, or ``None``.
+    With ``seed=None`` the body draws from (and advances) the global RNG; only the CPU generator is forked.
     """
     check_seed(seed)
     if seed is None:

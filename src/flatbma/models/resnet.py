@@ -1,9 +1,8 @@
 """ResNet-18 with torchvision's parameter names and a CIFAR or ImageNet stem.
 
 He et al., "Deep Residual Learning for Image Recognition", CVPR 2016. Module names follow
-``torchvision.models.ResNet`` exactly (``conv1``, ``bn1``, ``layer{1..4}.{i}.conv1/bn1/conv2/bn2``,
-``layer{2,3,4}.0.downsample.{0,1}``, ``fc``), so torchvision-style state dicts load unchanged. The
-only module torchvision lacks is a parameter-free ``dropout`` before ``fc`` (identity at ``p=0``).
+``torchvision.models.ResNet`` exactly, so torchvision-style state dicts load unchanged; the one addition is a
+parameter-free ``dropout`` before ``fc``.
 """
 
 from __future__ import annotations
@@ -126,17 +125,7 @@ def resnet18(
 ) -> ResNet:
     """ResNet-18: :class:`ResNet` with two :class:`BasicBlock` per stage.
 
-    With ``width=64, stem="imagenet", num_classes=1000`` the state dict equals torchvision's
-    ``resnet18`` key for key and shape (11,689,512 parameters).
-
-    Args:
-        num_classes: number of output logits.
-        in_channels: number of input channels.
-        width: base width (channels of the first stage); the parameter count grows as ``width²``.
-        stem: ``"cifar"`` (3×3 conv, no max-pool) or ``"imagenet"`` (7×7/2 conv + 3×3/2 max-pool).
-        dropout: dropout probability before ``fc`` (no parameters, so names are unaffected).
-
-    Returns:
-        The network, initialized like torchvision's (Kaiming-normal convolutions, unit BatchNorm).
+    Arguments as :class:`ResNet`'s (the parameter count grows as ``width²``); initialized like torchvision's. With
+    ``width=64, stem="imagenet", num_classes=1000`` the state dict equals torchvision's ``resnet18`` key for key.
     """
     return ResNet((2, 2, 2, 2), num_classes, in_channels, width, stem, dropout)

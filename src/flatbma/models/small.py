@@ -12,8 +12,7 @@ from flatbma.models._checks import check_dropout, check_positive_int
 class MLP(nn.Module):
     """A ReLU multi-layer perceptron on flattened inputs.
 
-    Layout: ``features`` = ``Flatten`` then, per hidden layer, ``Linear → ReLU → Dropout``; then the
-    final ``nn.Linear`` named ``classifier``.
+    Layout: ``features`` = ``Flatten`` then, per hidden layer, ``Linear → ReLU → Dropout``; then ``classifier``.
 
     Args:
         in_features: number of input features after flattening (``C·H·W`` for images).
@@ -48,9 +47,8 @@ class MLP(nn.Module):
 class SmallCNN(nn.Module):
     """Three ``conv3×3 → BatchNorm → ReLU`` blocks, global average pooling and a linear classifier.
 
-    Channels ``width, 2·width, 4·width``; the second and third blocks have stride 2, so the network
-    works on any input of at least 1×1 pixels (8×8 digits, 28×28 or 32×32 images). Layout:
-    ``features`` (the blocks), ``pool``, ``dropout``, ``classifier`` (``nn.Linear``).
+    Channels ``width, 2·width, 4·width``; the second and third blocks have stride 2, and any input of at least 1×1
+    pixels works. Layout: ``features`` (the blocks), ``pool``, ``dropout``, ``classifier`` (``nn.Linear``).
 
     Args:
         in_channels: number of input channels.

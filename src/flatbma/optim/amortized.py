@@ -1,74 +1,50 @@
 """The second pass of any ascent step, taken only every ``k`` steps and on a fraction of the batch.
 
-Every flat-seeking method pays a second forward/backward pass per step (:func:`flatbma.optim.ascent.two_pass`).
 :class:`Amortized` wraps any ascent step — :class:`~flatbma.optim.SAM`, :class:`~flatbma.optim.ASAM`,
-:class:`~flatbma.optim.FisherSAM` on weights, :class:`~flatbma.optim.FisherBall` on a variational
-posterior's ``θ`` — and takes that pass only at every ``ascent_every``-th step, reusing in between what
+:class:`~flatbma.optim.FisherSAM` on weights, :class:`~flatbma.optim.FisherBall` on a variational posterior's
+``θ`` — and takes its second forward/backward pass only at every ``ascent_every``-th step, reusing in between what
 the last one learned, optionally on a fraction of the batch.
 
-**LookSAM** (Liu et al., CVPR 2022, Algorithm 1). With ``g = ∇L_B(w)``, SAM's gradient is
-``g_s = ∇L_B(w + ε)``, ``ε = ρg/‖g‖``. Split ``g_s = c·g + g_v`` with ``g_vᵀg = 0``:
+**LookSAM** (Liu et al., CVPR 2022, Algorithm 1). With ``g = ∇L_B(w)``, SAM's gradient is ``g_s = ∇L_B(w + ε)``,
+``ε = ρg/‖g‖``. Split ``g_s = c·g + g_v`` with ``g_vᵀg = 0``:
 
     ``g_v = g_s − (gᵀg_s / ‖g‖²)·g``.
 
-To first order ``g_s ≈ g + Hε``: the part along ``g`` only rescales the SGD step, and ``g_v`` is what
-steers towards flatter regions; Liu et al. observe that it changes slowly over steps. So at the steps
-``t ≡ 0 (mod k)`` both passes run and ``g_v`` is stored; at the ``k − 1`` steps in between only ``g`` is
-computed and the descent gradient is
+``g_v`` steers towards flatter regions and changes slowly over steps. At the steps ``t ≡ 0 (mod k)`` both passes
+run and ``g_v`` is stored; at the ``k − 1`` steps in between only ``g`` is computed and the descent gradient is
 
     ``g̃ = g + α·(‖g‖/‖g_v‖)·g_v``,
 
-the stored direction rescaled to the current gradient's norm (the paper's adaptive ratio) times ``α``
-(``reuse_alpha``; 0.7 is the LookSAM reference implementations' default). The paper's formula over the
-whole parameter vector is used, not a per-tensor one.
+with ``α = reuse_alpha`` (0.7, the reference implementations' default), over the whole parameter vector.
 
-**Any ascent step: the dual metric.** Each ascent step here maximizes the linearized loss over a ball
-``εᵀMε ≤ ρ²`` of its own metric ``M`` (SAM ``I``; ASAM ``T_w⁻²``; Fisher-SAM ``diag(1 + ηg⊙g)``; FisherBall
-the damped Fisher ``F_λ(θ)`` of ``q_θ`` with ``ρ = √(2γ)``), so ``ε = ρM⁻¹g/‖g‖_*`` with the dual norm
-``‖g‖_* = √(gᵀM⁻¹g)`` — gradients are covectors, and their inner product is ``⟨a, b⟩_* = aᵀM⁻¹b``. LookSAM's
-split, made orthogonal in that inner product, ``g_s = c·g + g_v`` with ``⟨g_v, g⟩_* = 0``, needs no solve:
-``M⁻¹g = (‖g‖_*/ρ)·ε``, so ``⟨a, g⟩_* ∝ aᵀε`` and
+**Any ascent step: the dual metric.** Each ascent step maximizes the linearized loss over a ball ``εᵀMε ≤ ρ²`` of
+its own metric ``M`` (SAM ``I``; ASAM ``T_w⁻²``; Fisher-SAM ``diag(1 + ηg⊙g)``; FisherBall the damped Fisher
+``F_λ(θ)`` of ``q_θ`` with ``ρ = √(2γ)``), so ``ε = ρM⁻¹g/‖g‖_*`` with the dual norm ``‖g‖_* = √(gᵀM⁻¹g)``.
+The split, made orthogonal in ``⟨a, b⟩_* = aᵀM⁻¹b``, needs no solve since ``M⁻¹g ∝ ε``:
 
-    ``g_v = g_s − (εᵀg_s / εᵀg)·g``,   i.e. ``εᵀg_v = 0``:
+    ``g_v = g_s − (εᵀg_s / εᵀg)·g``,   i.e. ``εᵀg_v = 0``.
 
-``g_v`` is the part of the perturbed gradient with no slope along the ascent direction. The dual norms are
-read off the ascent step itself, ``ε(a)ᵀa = ρ‖a‖_*`` for ``ε(a) = ascent.perturb(w, a)``, all at the ascent
-step (``g₀``: its first-pass gradient): ``‖g₀‖_*/‖g_v‖_* = ε(g₀)ᵀg₀ / ε(g_v)ᵀg_v``, the first free (``ε(g₀) = ε``),
-the second one more ``perturb``. At a reuse step the current gradient's dual norm would cost a ``perturb``
-per step — a Fisher solve for FisherBall, 12–15% of a forward/backward pass on the transfer model of
-``bench/step_cost.py`` — so it is carried over from the ascent step by the change of the Euclidean norm,
-``‖g‖_* ≈ ‖g₀‖_*·‖g‖/‖g₀‖`` (the metric's scale changes as slowly as ``g_v``, LookSAM's premise):
+Dual norms are read off the ascent step, ``ε(a)ᵀa = ρ‖a‖_*`` for ``ε(a) = ascent.perturb(w, a)``: at the ascent
+step (first-pass gradient ``g₀``) ``‖g₀‖_*/‖g_v‖_* = ε(g₀)ᵀg₀ / ε(g_v)ᵀg_v`` costs one more ``perturb``; at a
+reuse step ``‖g‖_*`` is carried over by the Euclidean norm, ``‖g‖_* ≈ ‖g₀‖_*·‖g‖/‖g₀‖``, so
 
     ``g̃ = g + α·(‖g‖/‖g₀‖)·(ε(g₀)ᵀg₀ / ε(g_v)ᵀg_v)·g_v``,
 
-one stored scalar ``ε(g₀)ᵀg₀ / (‖g₀‖·ε(g_v)ᵀg_v)`` beside ``g_v``. For SAM (``M = I``:
-``ε(a)ᵀa = ρ‖a‖``) this is LookSAM's formula exactly. Fisher-SAM's metric ``1 + ηa⊙a`` is built from the
-gradient it is given, so ``g₀`` and ``g_v`` are each measured in their own.
+with one stored scalar beside ``g_v``; for SAM this is LookSAM's formula exactly. For FisherBall (on
+``θ = (μ, log σ, L)``, ``g`` the data term's gradient; the KL gradient is added after, unchanged) the split is the
+``F⁻¹``-orthogonal one and the extra ``perturb`` one Fisher solve; where its trust region shortens a ``δ``, or its
+projection makes ``√(aᵀF_λ⁻¹a)`` a seminorm, the ratio is that of its pairings (a ``g_v`` with
+``δ(g_v)ᵀg_v = 0`` adds nothing).
 
-**FisherBall (FP-BMA) in θ-space.** There the ascent is ``δ* = √(2γ)F⁻¹g/√(gᵀF⁻¹g)`` on ``θ = (μ, log σ, L)``
-with ``g = ∇_θ E_z L_B(w(θ, z))`` and ``g_s`` the same gradient at ``θ + δ*`` (the data term only: the KL
-gradient is added after, unchanged, at every step). The split above is the ``F⁻¹``-orthogonal one,
-``g_v = g_s − (δ*ᵀg_s/δ*ᵀg)·g`` with ``g_vᵀF⁻¹g = 0``: the part of the perturbed gradient that the KL-ball
-direction does not see — the same computation on the stored ``δ*``, no extra solve. The adaptive ratio is
-that of natural-gradient norms ``√(g₀ᵀF⁻¹g₀)/√(g_vᵀF⁻¹g_v)`` at the ascent step (``δ*ᵀg₀``, free, over
-``δ(g_v)ᵀg_v``: one more Fisher solve with the ascent's own preconditioned CG, no forward or backward pass),
-carried to the reuse steps by ``‖g‖/‖g₀‖``. Where the ascent is not exactly the ball's maximizer the ratio is
-that of its pairings: FisherBall's trust region may shorten a ``δ``, and the rotation directions of ``L`` it
-projects out of ``g`` make ``√(aᵀF_λ⁻¹a)`` a seminorm (a ``g_v`` with ``δ(g_v)ᵀg_v = 0`` adds nothing).
+**Batch fraction** (ESAM, Du et al., ICLR 2022). With ``ascent_fraction = f < 1`` the second pass runs on the first
+``⌈f·B⌉`` examples of the batch (at least two, for train-mode BatchNorm), cutting its cost by ``1 − f``. Unlike
+ESAM's sharpness-sensitive selection the subset is fixed: uniformly random as the loader shuffles, and exact on
+resumption. The first pass always sees the whole batch.
 
-**Batch fraction** (ESAM, Du et al., ICLR 2022). With ``ascent_fraction = f < 1`` the second pass — the
-gradient at the perturbed point, which is ``g_s`` and hence ``g_v`` — runs on the first ``⌈f·B⌉`` examples of
-the batch only (at least two: BatchNorm in train mode needs two), cutting its cost by ``1 − f``. ESAM's
-sharpness-sensitive selection ranks the examples by their loss increase under ``ε``, which needs
-per-example losses at ``w + ε`` over the whole batch; here the subset is fixed, which is a uniformly random
-one because the training loader shuffles (and keeps resumption exact: no random draw). The first pass
-always sees the whole batch.
-
-**State.** The memory — the cycle position, ``g_v`` and its scale — is created by :meth:`Amortized.init`
-and lives in the method state's ``aux`` (:data:`flatbma.optim.ascent.MEMORY`), updated in place, so a
-checkpoint holds it and a run resumed in mid-cycle continues bit-identically. With ``ascent_every = 1``
-and ``ascent_fraction = 1`` the descent gradients are exactly those of the wrapped step (bit-identical;
-``g_v`` is still computed and stored).
+**State.** The memory (cycle position, ``g_v`` and its scale) is created by :meth:`Amortized.init` and lives in the
+method state's ``aux`` (:data:`flatbma.optim.ascent.MEMORY`), updated in place, so a run resumed mid-cycle
+continues bit-identically. With ``ascent_every = 1`` and ``ascent_fraction = 1`` the descent gradients are exactly
+the wrapped step's.
 """
 
 from __future__ import annotations
@@ -111,9 +87,8 @@ class Amortized:
     """An ascent step whose second pass runs every ``ascent_every`` steps, on a fraction of the batch.
 
     ``Amortized(SAM(0.05), ascent_every=5)`` is LookSAM; ``Amortized(FisherBall(), ascent_every=5)`` is
-    FP-BMA with the θ-space analogue (module docstring). It is itself an ascent step (``space`` and
-    ``perturb`` are the wrapped step's), so it composes with every family that takes one; its memory
-    (:meth:`init`) is kept in the family's state.
+    FP-BMA with the θ-space analogue (module docstring). It is itself an ascent step (``space`` and ``perturb``
+    are the wrapped step's); its memory (:meth:`init`) is kept in the family's state.
 
     Attributes:
         ascent: the wrapped ascent step.

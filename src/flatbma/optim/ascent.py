@@ -1,24 +1,16 @@
 """The shared perturb-then-descend logic of the sharpness-aware family.
 
-Every flat-seeking method — SAM, ASAM, Fisher-SAM on a point estimate, the F-variants of the
-posterior families, FP-BMA on variational parameters — takes the descent gradient at a perturbed
-point ``params + ε`` where ``ε = ascent.perturb(params, g)``. This module holds that two-pass step once
-(:func:`two_pass`, for any gradient function: of the weights here, of ``θ`` in
-:func:`flatbma.posteriors.gaussian_vi.theta_sharpness_value_and_grad`); the ascent steps differ only in
-``perturb``.
+Every flat-seeking method takes the descent gradient at a perturbed point ``params + ε``,
+``ε = ascent.perturb(params, g)``; :func:`two_pass` is that step for any gradient function (of the weights here, of
+``θ`` in :func:`flatbma.posteriors.gaussian_vi.theta_sharpness_value_and_grad`).
 
-An ascent step may also schedule its second pass (:class:`flatbma.optim.Amortized`: every ``k`` steps, on
-a fraction of the batch). Such a step keeps state between steps — its *memory*, tensors the method
-stores in its state's ``aux`` under :data:`MEMORY` (:func:`ascent_memory`) and hands back at every step
-(:func:`memory_of`), so that checkpoints hold it and a resumed run continues exactly. It is updated in
-place. Stateless ascent steps (SAM, ASAM, Fisher-SAM, FisherBall) have no memory and add no entries.
+An ascent step that schedules its second pass (:class:`flatbma.optim.Amortized`) keeps a *memory*: tensors stored
+in the method state's ``aux`` under :data:`MEMORY` (:func:`ascent_memory`), handed back at every step
+(:func:`memory_of`) and updated in place, so checkpoints hold it. Stateless steps add no entries.
 
-Precision: under ``train.precision`` bf16/fp16 only the two passes' forward computations run under autocast
-(:meth:`flatbma.params.Objective.logits`); the gradients they return are float32 (those of the float32
-variables), and ``ε``, its norms and the step to ``x + ε`` are computed in float32 outside autocast — the
-ratio ``ρ/‖g‖`` of a bf16 norm would carry bf16's 8-bit error into every perturbed weight. Under fp16's loss
-scale an overflowing first pass raises :class:`flatbma.precision.GradientOverflow` before ``perturb`` sees its
-gradient (:class:`flatbma.optim.LossScaled` then skips the step).
+Precision: under bf16/fp16 only the forward computations run under autocast; the gradients are float32, and ``ε``,
+its norms and ``x + ε`` are computed in float32 outside autocast. Under fp16's loss scale an overflowing first
+pass raises :class:`flatbma.precision.GradientOverflow` before ``perturb`` sees its gradient.
 """
 
 from __future__ import annotations
@@ -62,8 +54,7 @@ def has_memory(ascent: Ascent | None) -> bool:
 def needs_sample(ascent: Ascent | None) -> bool:
     """Whether ``ascent`` is taken from the drawn weight sample rather than a first pass's gradient.
 
-    Such a step (:class:`flatbma.optim.FisherBall` with ``direction: score``) has ``perturb_sample(θ, w)``
-    and is applied by :func:`flatbma.posteriors.gaussian_vi.theta_sharpness_value_and_grad`.
+    Such a step (:class:`flatbma.optim.FisherBall` with ``direction: score``) has ``perturb_sample(θ, w)``.
     """
     return bool(getattr(ascent, "needs_sample", False))
 
@@ -96,8 +87,8 @@ def two_pass(
 
     First pass ``g = ∇L_B(x)`` (``gradient(x, batch, True)``). Without an ascent step the result is ``g``;
     otherwise ``ε = ascent.perturb(x, g)`` and the second pass ``gradient(x + ε, batch, False)`` gives the
-    result (Foret et al. 2021). An ascent step with a memory (:func:`has_memory`) decides itself, from
-    ``g`` and ``memory``, whether and on what to take the second pass (``ascent.descent_gradient``).
+    result (Foret et al., ICLR 2021). An ascent step with a memory (:func:`has_memory`) decides itself whether
+    and on what to take the second pass (``ascent.descent_gradient``).
 
     Returns:
         ``(L_B(x), logits at x, descent gradient)``.
@@ -135,10 +126,8 @@ def sharpness_aware_value_and_grad(
 ) -> tuple[Tensor, Tensor, Params]:
     """Loss and logits at ``w`` and the descent gradient ``∇L_B(w + ε)``: :func:`two_pass` on the weights.
 
-    First pass: ``g = ∇L_B(w)`` (BatchNorm running statistics are updated here, once). Without an
-    ascent step the result is ``g``. Otherwise ``ε = ascent.perturb(w, g)`` and the second pass
-    returns ``∇L_B(w + ε)`` on the same batch with the running statistics left untouched (Foret et
-    al. 2021). ``memory``: the ascent step's memory (:func:`memory_of`), for a step that has one.
+    BatchNorm running statistics are updated by the first pass only, once. ``memory``: the ascent step's memory
+    (:func:`memory_of`), for a step that has one.
 
     Returns:
         ``(L_B(w), logits at w, gradient)``.

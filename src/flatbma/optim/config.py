@@ -1,8 +1,7 @@
 """The ``optim`` section: which descent optimizer, its learning rate and schedule, as one frozen dataclass.
 
-:class:`OptimConfig` builds the optimizer of a run (``flatbma train``'s ``optim`` section, ``fit_posterior``'s
-``optim=`` and ``lr=``) over its epochs: SGD with momentum and weight decay or Adam, a cosine or constant
-schedule with a linear warm-up.
+:class:`OptimConfig` builds a run's optimizer over its epochs: SGD with momentum and weight decay or Adam, a cosine
+or constant schedule with a linear warm-up.
 """
 
 from __future__ import annotations
@@ -69,8 +68,7 @@ class OptimConfig:
     def check_length(self, epochs: int, where: str = "optim", epochs_key: str = "train.epochs") -> None:
         """Refuse a warm-up longer than the ``epochs`` it warms up (``where``: the section's name in messages).
 
-        A cosine schedule's warm-up of ``warmup_epochs`` ≥ the run's epochs never reaches ``lr``: the whole run
-        trains at a fraction of the rate it asks for (``warmup_epochs: 100`` with ``epochs: 1`` trained at 1 %).
+        Such a warm-up never reaches ``lr``: the whole run would train at a fraction of the rate it asks for.
 
         Raises:
             FlatbmaError: one line naming both keys.

@@ -1,75 +1,50 @@
 """The FP-BMA / SA-BMA ascent step on variational parameters (Lim et al., UAI 2025).
 
-Over 500 lines on purpose: the Fisher of the low-rank plus diagonal Gaussian, its preconditioned
-CG solve, the rotation projection and the step that uses them are one derivation (below) whose pieces
-are only correct together (the preconditioner is exact for this Fisher's blocks, the projection for
-this factor's rotations); the Gaussian's own geometry lives in :mod:`flatbma.gaussian`.
+Over 500 lines on purpose: the Fisher of the low-rank plus diagonal Gaussian, its preconditioned CG solve, the
+rotation projection and the step are one derivation whose pieces are only correct together; the Gaussian's own
+geometry lives in :mod:`flatbma.gaussian`.
 
 FP-BMA perturbs the *distribution* ``q_θ`` inside a KL ball:
 
     ``max_{δ: KL(q_{θ+δ} ‖ q_θ) ≤ γ} E_{q_{θ+δ}} L_B``,  ``KL(q_{θ+δ} ‖ q_θ) ≈ ½ δᵀF(θ)δ``,
 
 whose linearized solution is ``δ* = √(2γ) F⁻¹g / √(gᵀF⁻¹g)`` with ``g = ∇_θ E_z L_B(w(θ, z))`` the
-reparameterized *data-loss* gradient and ``F(θ)`` the Fisher information of the variational family
-(not the data Fisher). :class:`FisherBall` computes ``δ*`` for the low-rank plus diagonal Gaussian of
-:mod:`flatbma.gaussian`,
+reparameterized *data-loss* gradient and ``F(θ)`` the Fisher information of the variational family (not the data
+Fisher). :class:`FisherBall` computes ``δ*`` for the low-rank plus diagonal Gaussian of :mod:`flatbma.gaussian`,
 
     ``Σ = ½(diag σ² + LLᵀ/(K−1)) = A + UUᵀ``,  ``A = diag(σ²/2)``,  ``U = L/√(2(K−1))``,
 
-with ``θ = (μ, log σ, L)``. For a Gaussian the Fisher is block-diagonal between the mean and the
-covariance parameters, ``F_ij = ∂_iμᵀΣ⁻¹∂_jμ + ½ tr(Σ⁻¹∂_iΣ Σ⁻¹∂_jΣ)``:
+with ``θ = (μ, log σ, L)``. The Fisher is block-diagonal between the mean and the covariance parameters,
+``F_ij = ∂_iμᵀΣ⁻¹∂_jμ + ½ tr(Σ⁻¹∂_iΣ Σ⁻¹∂_jΣ)``:
 
-* mean block ``F_μ = Σ⁻¹``, so ``F_μ⁻¹g_μ = Σg_μ = ½(σ²⊙g + L(Lᵀg)/(K−1))`` exactly, without an inverse;
+* mean block ``F_μ = Σ⁻¹``, so ``F_μ⁻¹g_μ = Σg_μ = ½(σ²⊙g + L(Lᵀg)/(K−1))`` exactly;
 * covariance block, for ``v = (v_logσ, V)``: ``dΣ[v] = diag(σ²⊙v_logσ) + (VLᵀ + LVᵀ)/(2(K−1))``,
-  ``M = Σ⁻¹dΣ[v]Σ⁻¹``, ``(Fv)_logσ = ½σ²⊙diag(M)`` and ``(Fv)_L = ½ML/(K−1)``. The products are formed
-  in ``O(dK²)`` by the Woodbury identity in the coordinates whitened by ``A`` (``Ũ = A^{-1/2}U``,
-  capacitance ``C = I + ŨᵀŨ``, ``Σ⁻¹ = A^{-1/2}(I − ŨC⁻¹Ũᵀ)A^{-1/2}``); no ``d×d`` matrix is formed.
-  ``F_cov⁻¹g_cov`` is solved by conjugate gradients, preconditioned with the exact diagonal of ``F_cov``
-  plus an exact coarse solve on the factor directions ``V = SL`` (``S`` symmetric), whose curvature is
-  ``~1/d`` of the rest. The iteration stops at a relative preconditioned residual ``cg_tol`` or after
-  ``cg_iters`` iterations. A fixed small count is not enough block by block: against a
-  dense pseudo-inverse solve (``bench/fisher_ball_cg.py``: 480 problems, ``d`` 12–300, ``K`` 2–10,
-  factor/σ 0.01–3, single-sample reparameterized gradients, SWAG-like floored σ), the worst cosine of
-  the ``log σ`` block is −0.99 after 1 iteration, 0.59 after 3 and 0.97 after 12 (the ``log σ`` block
-  holds a tiny share of the energy norm CG minimizes, so its error is not monotone in the count); the
-  residual stop at 1e-3 (capped at 20 iterations) gives worst cosines 0.995 (``log σ``) and 0.984
-  (``L``) with 7 iterations (median; 20 at most). Large ``d`` converges faster: on the MobileNetV2 transfer subset of
-  ``bench/step_cost.py`` (``d = 46,922``, ``K = 5``, isotropic start or a SWAG-like floored prior) the
-  default stops after 1–4 iterations, ~4 ms each (~1% of an FP-BMA step).
+  ``M = Σ⁻¹dΣ[v]Σ⁻¹``, ``(Fv)_logσ = ½σ²⊙diag(M)`` and ``(Fv)_L = ½ML/(K−1)``, formed in ``O(dK²)`` by the
+  Woodbury identity in the coordinates whitened by ``A`` (``Ũ = A^{-1/2}U``, capacitance ``C = I + ŨᵀŨ``), with
+  no ``d×d`` matrix. ``F_cov⁻¹g_cov`` is solved by conjugate gradients, preconditioned with the exact diagonal of
+  ``F_cov`` plus an exact coarse solve on the factor directions ``V = SL`` (``S`` symmetric), until the relative
+  preconditioned residual reaches ``cg_tol`` or after ``cg_iters`` iterations. A small fixed count is not enough
+  (one iteration can leave the ``log σ`` block at cosine −0.99 to the exact solve); the default stop keeps every
+  block within cosine 0.98 on ``bench/fisher_ball_cg.py``, and at large ``d`` takes 1–4 iterations (~1% of a step).
 
-The covariance block is singular: rotations of the factor (``V = ΩL`` with ``Ω`` skew, ``K(K−1)/2``
-directions; ``L`` is stored ``[K, d]``) leave ``Σ`` unchanged. The exact expected gradient has no
-component along them, but a single-sample reparameterized gradient does, and any damped inverse
-would blow that pure noise up by ``1/λ`` and spend the whole KL budget on a rotation that does not
-change ``q``. So ``g_L`` is first projected onto the orthogonal complement of the rotations (a ``K×K``
-Sylvester solve); the damped solution is then free of rotations in the damping metric. The remaining
-ill-conditioning (factor columns much smaller than ``σ``, where ``Σ`` depends on ``L`` only
-quadratically and the Fisher vanishes) is handled by Tikhonov damping in whitened units: the solve is
-``(F_cov + λB)x = g_cov`` with ``λ = damping`` and ``B = diag(1 on log σ, 1/(2(K−1)aᵢ) on L)`` — the
-curvature scale of each block (``F_logσ ≈ 2``, ``F_L ≈ 1/(2(K−1)a)`` when ``L`` is not small), which
-makes ``λ`` dimensionless: a plain ``λI`` would be ~``σ²`` times weaker on ``L`` than on ``log σ`` and
-vanish for the small ``σ`` of network posteriors. It bounds the step along degenerate factor directions
-(``‖δ_L A^{-1/2}‖/√(2(K−1)) ≤ √(2γ/λ)``). The mean block is exact, and ``δ*`` is normalized in the same
-damped metric, so ``½δ*ᵀF_λδ* = γ`` exactly (and ``KL(q_{θ+δ*} ‖ q_θ) ≈ γ`` up to third order and the
-damping).
+The covariance block is singular: rotations of the factor (``V = ΩL``, ``Ω`` skew) leave ``Σ`` unchanged. A
+single-sample gradient has a noise component along them that any damped inverse would amplify by ``1/λ``, so
+``g_L`` is first projected off the rotations (a ``K×K`` Sylvester solve). The remaining ill-conditioning (factor
+columns much smaller than ``σ``) is handled by Tikhonov damping in whitened units: the solve is
+``(F_cov + λB)x = g_cov`` with ``λ = damping`` and ``B = diag(1 on log σ, 1/(2(K−1)aᵢ) on L)``, each block's
+curvature scale, which makes ``λ`` dimensionless and bounds the step along degenerate factor directions
+(``‖δ_L A^{-1/2}‖/√(2(K−1)) ≤ √(2γ/λ)``). ``δ*`` is normalized in the same damped metric, so ``½δ*ᵀF_λδ* = γ``
+exactly.
 
 Metrics (:class:`BallMetric`): ``"fisher"`` (the above), ``"euclidean"`` (``F = I``: SAM on ``θ`` with
-``ρ = √(2γ)``) and ``"data-fisher"`` (``F = 1 + η g⊙g`` on every block: Fisher-SAM's metric on ``θ``).
-
-The step acts on ``θ`` (``FisherBall.space`` is :attr:`~flatbma.types.AscentSpace.THETA`), so a
-Gaussian VI posterior built with it takes the θ-level sharpness-aware step
+``ρ = √(2γ)``) and ``"data-fisher"`` (``F = 1 + η g⊙g`` on every block: Fisher-SAM's metric on ``θ``). The step
+acts on ``θ`` (``FisherBall.space`` is :attr:`~flatbma.types.AscentSpace.THETA`), so a Gaussian VI posterior built
+with it takes the θ-level sharpness-aware step
 (:func:`flatbma.posteriors.gaussian_vi.theta_sharpness_value_and_grad`): that composition is FP-BMA.
 
-Precision: never under autocast, whatever ``train.precision`` says (:mod:`flatbma.precision`). The geometry
-(:func:`geometry` in ``torch.float64``: ``Ũ``, ``C⁻¹``, ``w``), the ``K×K`` algebra, the mean block and the trust
-region run in float64 (the trust region compares KLs that cancel to a few digits). The conjugate gradients
-run in the coordinates whitened by ``A`` (:func:`whitened_fisher_product`), where the damped Fisher is
-``F̃ + λI ⪰ λI`` with every factor of its products of norm ≤ 1, so the scales of a fitted SWAG prior's
-factor/σ no longer reach the iteration; there, with ``precision: auto`` (the default), the ``[K, d]``
-operands are float32 and the sums over ``d`` float64 (:func:`gram`) whenever :func:`float32_error` — the
-relative perturbation of ``F̃ + λI`` this causes, ``c·u₃₂(1 + a)²/λ`` with ``a = ‖Ũ‖_F·max_k s_k/(1 + s_k²)``
-from the ``K×K`` capacitance — is at most ``cg_tol``; otherwise (factor singular values spread far apart, where
-``T = I − ŨC⁻¹Ũᵀ`` cancels) in float64. The step ``δ*`` returns in ``θ``'s float32.
+Precision: never under autocast. The geometry (:func:`geometry`), the ``K×K`` algebra, the mean block and the trust
+region run in float64; the conjugate gradients' ``[K, d]`` operands in float32 under ``precision: auto`` when
+:func:`float32_error` allows (sums in float64, :func:`gram`). ``δ*`` returns in ``θ``'s dtype.
 """
 
 from __future__ import annotations
@@ -207,11 +182,10 @@ GRAM_BLOCK = 256
 def gram(a: Tensor, b: Tensor) -> Tensor:
     """``a bᵀ`` (``[m, n]`` by ``[k, n]``) as float64: one product, or float32 blocks summed in float64.
 
-    Float64 operands: one matrix product. Float32 operands: the sums over ``n`` are split into blocks of
-    :data:`GRAM_BLOCK` terms, each summed in float32 (one batched product), and the blocks are summed in
-    float64, so that each entry's rounding error is at most ``(GRAM_BLOCK − 1)·u₃₂·Σ|a||b| + n·u₆₄·Σ|a||b|``
-    (Higham, *Accuracy and Stability of Numerical Algorithms*, §3.1) instead of ``(n − 1)·u₃₂·Σ|a||b|`` for a
-    float32 sum over all ``n`` terms. The result is float64.
+    Float32 operands: the sums over ``n`` are split into blocks of :data:`GRAM_BLOCK` terms, each summed in float32,
+    and the blocks summed in float64, so each entry's rounding error is at most
+    ``(GRAM_BLOCK − 1)·u₃₂·Σ|a||b| + n·u₆₄·Σ|a||b|`` instead of ``(n − 1)·u₃₂·Σ|a||b|`` (Higham, *Accuracy and
+    Stability of Numerical Algorithms*, §3.1).
     """
     if a.dtype == torch.float64:
         return a @ b.T
@@ -296,15 +270,12 @@ def _symmetric_basis(k: int, dtype: torch.dtype, device: torch.device) -> Tensor
 def _preconditioner(geo: LowRankGeometry, damping: float) -> _Preconditioner:
     """Two-level additive preconditioner ``J⁻¹ + Z(ZᵀF̃_λZ)⁻¹Zᵀ`` of ``F̃_λ = F̃ + λI`` in whitened coordinates.
 
-    ``F̃ = D_cF_covD_c`` is the Fisher in the coordinates ``[v_logσ; cVA^{-1/2}]`` of
-    :func:`whitened_fisher_product` and ``λI = D_cλBD_c`` its damping; the preconditioner is
-    ``D_c⁻¹M D_c⁻¹`` for the preconditioner ``M`` of ``F_cov + λB`` below, so conjugate gradients take the same
-    steps in either coordinates. ``J`` is the exact diagonal (:func:`covariance_fisher_diagonal`) plus the
-    damping. It misses the factor directions ``V = SL`` (``S`` symmetric: rescaling and mixing the columns of
-    ``L``), whose curvature is ``~1/d`` of the rest (``Σ`` is already wide along ``L``); with ``Z`` spanning them
-    (``m = K(K+1)/2`` columns), the Galerkin matrix is closed-form: ``⟨S'L, F_cov SL⟩ = 2 tr(S'ESE)``,
-    ``E = I − C⁻¹``, and ``⟨S'L, λB SL⟩ = λ tr(S'S(C − I))`` (``Z`` spanned by ``SŨᵀ`` in whitened coordinates:
-    the same Galerkin matrix over ``c²``), so the coarse solve costs ``O(dK²)`` per application.
+    ``F̃ = D_cF_covD_c`` is the Fisher in the coordinates of :func:`whitened_fisher_product` and ``λI = D_cλBD_c``
+    its damping, so conjugate gradients take the same steps in either coordinates. ``J`` is the exact diagonal
+    (:func:`covariance_fisher_diagonal`) plus the damping. It misses the factor directions ``V = SL`` (``S``
+    symmetric), whose curvature is ``~1/d`` of the rest; with ``Z`` spanning them (``m = K(K+1)/2`` columns, ``SŨᵀ``
+    in whitened coordinates) the Galerkin matrix is closed-form, ``⟨S'L, F_cov SL⟩ = 2 tr(S'ESE)``
+    (``E = I − C⁻¹``) and ``⟨S'L, λB SL⟩ = λ tr(S'S(C − I))``, so the coarse solve costs ``O(dK²)``.
     """
     k = geo.u.shape[0]
     basis = _symmetric_basis(k, geo.u.dtype, geo.u.device)
@@ -334,18 +305,13 @@ float64 (0.97, over the problems of ``bench/fisher_ball_cg.py`` and adversarial 
 def float32_error(geo: LowRankGeometry, damping: float) -> float:
     """``δ = c·u₃₂·(1 + a)²/λ``: the relative perturbation of the damped whitened Fisher by a float32 solve.
 
-    A product :func:`whitened_fisher_product` on float32 operands returns ``f̂ = F̃_λy + e``. Every ``[K, d]``
-    term of it is a product of factors of norm at most 1 (``T``, ``P = C⁻¹Ũᵀ`` with ``‖P‖₂ = max_k s_k/(1 + s_k²)``,
-    ``E = I − C⁻¹``, ``ŨC⁻¹Ũᵀ``; ``s_k²`` the eigenvalues of ``C − I``) applied to ``y``, except ``R = ṼŨ`` and
-    ``G = ŨᵀDŨ``, which enter only as ``RP`` and ``PᵀGP`` (:func:`whitened_fisher_product`'s identities). A
-    relative perturbation ``η`` of the entries of ``Ũ``, ``P`` or of the reductions (float32 rounding:
-    ``η ~ u₃₂``, the reductions summed in float64 by :func:`gram`) moves ``RP`` by at most ``η‖y‖a`` and
-    ``PᵀGP`` by ``η‖D‖a²`` with ``a = ‖Ũ‖_F‖P‖₂``, so to first order ``‖e‖_F ≤ c·u₃₂(1 + a)²‖y‖_F``. Since
-    ``F̃_λ ⪰ λI`` in these coordinates, ``F̂_λ = F̃_λ + Δ`` with ``‖F̃_λ⁻¹Δ‖ ≤ δ``, which moves the solution by at
-    most ``δ/(1 − δ)`` relative (and each CG iterate's true residual by ``~δ`` per iteration): the float32 solve
-    is used only while ``δ`` is at most ``cg_tol``, the truncation error the solve accepts anyway. The
-    cancellation the float64 solve guards against (``T = I − ŨC⁻¹Ũᵀ`` with ``‖Ũ‖ ≫ 1``) is in ``a``: large when
-    the factor's singular values spread (``‖Ũ‖_F ≫ s_min ≫ 1``), ``≈ √K`` when they are alike. ``λ = 0``: ``inf``.
+    A float32 :func:`whitened_fisher_product` returns ``f̂ = F̃_λy + e``. Its ``[K, d]`` terms are products of
+    factors of norm at most 1 (``T``, ``P = C⁻¹Ũᵀ`` with ``‖P‖₂ = max_k s_k/(1 + s_k²)``, ``E``, ``ŨC⁻¹Ũᵀ``;
+    ``s_k²`` the eigenvalues of ``C − I``) except ``RP`` and ``PᵀGP``, which a relative rounding ``η ~ u₃₂`` moves
+    by at most ``η‖y‖a`` and ``η‖D‖a²`` with ``a = ‖Ũ‖_F‖P‖₂``; so ``‖e‖_F ≤ c·u₃₂(1 + a)²‖y‖_F`` to first order.
+    Since ``F̃_λ ⪰ λI``, this moves the solution by at most ``δ/(1 − δ)`` relative: the float32 solve is used only
+    while ``δ ≤ cg_tol``, the truncation error the solve accepts anyway. ``a`` is large when the factor's singular
+    values spread (``‖Ũ‖_F ≫ s_min ≫ 1``, where ``T = I − ŨC⁻¹Ũᵀ`` cancels), ``≈ √K`` when alike. ``λ = 0``: ``inf``.
     """
     if damping <= 0:
         return math.inf
@@ -377,14 +343,11 @@ def solve_covariance_fisher(
 ) -> CGResult:
     """``(F_cov + λB)⁻¹g`` (``g`` of shape ``[K+1, d]``) by preconditioned conjugate gradients from 0.
 
-    ``B`` is :func:`damping_scale`; the preconditioner ``M`` is :func:`_preconditioner`. The iteration stops
-    at the first iterate whose relative preconditioned residual ``√(rᵀMr / gᵀMg)`` is at most ``cg_tol``
-    (checked on the host: one synchronization per iteration on an accelerator), after ``cg_iters``
-    iterations, or when the search direction is numerically exhausted (zero curvature). Every iterate
-    ``x`` satisfies ``xᵀ(F_cov + λB)x = gᵀx`` (the residual is orthogonal to the Krylov space holding
-    ``x``), so the damped quadratic form is ``gᵀx`` at any stopping point. The iteration that hits the cap
-    stops at the new iterate (its residual would not be used), so ``cg_iters = 1`` costs one
-    preconditioner application and one Fisher product.
+    ``B`` is :func:`damping_scale`; the preconditioner ``M`` is :func:`_preconditioner`. The iteration stops at the
+    first iterate whose relative preconditioned residual ``√(rᵀMr / gᵀMg)`` is at most ``cg_tol`` (one host
+    synchronization per iteration), after ``cg_iters`` iterations, or at zero curvature. Every iterate satisfies
+    ``xᵀ(F_cov + λB)x = gᵀx``, so the damped quadratic form is ``gᵀx`` at any stopping point. ``cg_iters = 1`` costs
+    one preconditioner application and one Fisher product. ``dtype``: of the ``[K, d]`` operands (default ``g``'s).
     """
     if cg_iters < 1:
         raise ValueError(f"cg_iters must be >= 1, got {cg_iters}")
@@ -452,10 +415,9 @@ def natural_gradient(
 ) -> tuple[Mapping[str, Tensor], Tensor]:
     """``x = F_λ⁻¹g`` for the low-rank plus diagonal Gaussian and the quadratic form ``gᵀx``.
 
-    ``F_λ`` is the variational Fisher with Tikhonov damping ``λB`` on the covariance block. With
-    ``project`` the rotation directions ``N`` of ``L`` are removed from ``g`` first (``Nᵀg = 0``); then
-    ``NᵀF_λx = λNᵀBx = 0`` (``FN = 0``), so ``x`` has no component along the rotations in the damping
-    metric — the minimum-norm solution rather than the ``1/λ``-amplified one. See the module docstring.
+    ``F_λ`` is the variational Fisher with Tikhonov damping ``λB`` on the covariance block. With ``project`` the
+    rotation directions ``N`` of ``L`` are removed from ``g`` first; then ``NᵀF_λx = λNᵀBx = 0``, so ``x`` has no
+    component along the rotations in the damping metric (the minimum-norm solution, not the ``1/λ``-amplified one).
 
     Args:
         theta: ``mean/``, ``log_std/``, ``factor/`` variational parameters.
@@ -464,8 +426,8 @@ def natural_gradient(
         cg_iters: the most conjugate-gradient iterations for the covariance block.
         cg_tol: stop earlier at this relative preconditioned residual (:func:`solve_covariance_fisher`).
         project: project the null space of ``F_cov`` (rotations of ``L``) out of ``g``.
-        precision: a :class:`SolvePrecision`: ``"float64"`` (every operand), or ``"auto"``: the solve's ``[K, d]``
-            operands in float32 when :func:`float32_error` is at most ``cg_tol`` (> 0), else in float64.
+        precision: a :class:`SolvePrecision`: ``"float64"``, or ``"auto"``: the solve's ``[K, d]`` operands in float32
+            when :func:`float32_error` is at most ``cg_tol`` (> 0).
 
     Returns:
         ``(x by key of θ, gᵀx)``; ``x`` in ``θ``'s dtype.
@@ -505,8 +467,7 @@ within ~10% of its quadratic model, so the exact check is skipped (the mean bloc
 def _leaves_quadratic_regime(theta: Mapping[str, Tensor], x: Mapping[str, Tensor], scale: float) -> bool:
     """Whether the step ``scale·x`` moves some ``log σ`` or the factor by more than :data:`_QUADRATIC_REGIME`.
 
-    At fixed covariance the Gaussian KL is exactly ``½δμᵀΣ⁻¹δμ``, the mean block of the Fisher model;
-    only the covariance parameters make it non-quadratic (exponentially so in ``log σ``).
+    Only the covariance parameters make the Gaussian KL non-quadratic (exponentially so in ``log σ``).
     """
     _, x_log_std, x_factor = blocks(x)
     log_std_step = float(x_log_std.abs().max())
@@ -525,65 +486,46 @@ ICLR 2021), so that FP-BMA and SAM move the weights by the same Euclidean length
 class FisherBall:
     """FP-BMA's ascent step on ``θ``: the maximizer of the linearized loss in a KL ball of radius ``γ``.
 
-    ``δ* = √(2γ) F⁻¹g / √(gᵀF⁻¹g)`` (Lim et al., UAI 2025, the SA-BMA step), so ``½δ*ᵀFδ* = γ`` and, for
-    small ``γ``, ``KL(q_{θ+δ*} ‖ q_θ) ≈ γ``. ``g`` must be the reparameterized data-loss gradient
-    ``∇_θ E_z L_B(w(θ, z))`` (see :func:`flatbma.posteriors.gaussian_vi.theta_sharpness_value_and_grad`,
-    which a Gaussian VI posterior uses because this step's :attr:`space` is ``θ``).
+    ``δ* = √(2γ) F⁻¹g / √(gᵀF⁻¹g)`` (Lim et al., UAI 2025, the SA-BMA step), so ``½δ*ᵀFδ* = γ`` and, for small
+    ``γ``, ``KL(q_{θ+δ*} ‖ q_θ) ≈ γ``. ``g`` must be the reparameterized data-loss gradient
+    ``∇_θ E_z L_B(w(θ, z))`` (see :func:`flatbma.posteriors.gaussian_vi.theta_sharpness_value_and_grad`).
 
     **The scale of γ.** A mean shift ``δμ`` costs ``KL = ½δμᵀΣ⁻¹δμ``, so the step moves ``μ`` by at most
-    ``√(2γ)·σ̄`` in Euclidean norm (``σ̄`` a marginal std of ``q`` along the move): the same ``γ`` is a tiny
-    move for a narrow ``q`` and a large one for a wide ``q``, and it changes as ``q``'s width does during
-    training. The low-rank part of ``Σ`` makes some directions far wider than the diagonal floor, so measured
-    steps are larger than the bound with the floor: on the transfer demo's SWAG prior ``γ = 1`` moved ``μ`` by
-    0.04–0.07 per step, about SAM's ``ρ = 0.05`` (docs/methods.md §5.1). ``radius`` states the step in the
-    weights' units instead: ``γ`` is then set at
-    every step so that ``‖δμ‖₂ = radius``. Every step's size is recorded by the posterior
+    ``√(2γ)·σ̄`` (``σ̄`` a marginal std of ``q`` along the move): the same ``γ`` means less as ``q`` narrows and more
+    as it widens (docs/methods.md §5.1). ``radius`` states the step in the weights' units instead: ``γ`` is then set
+    at every step so that ``‖δμ‖₂ = radius``. The posterior records every step's size
     (:func:`flatbma.gaussian.step_size`: ``‖δμ‖₂``, the exact ``KL(q_{θ+δ} ‖ q_θ)`` and the mean's share).
 
     Attributes:
         space: :attr:`AscentSpace.THETA <flatbma.types.AscentSpace.THETA>`: the step perturbs ``θ``.
-        gamma: ``γ``, radius of the KL ball (nats). When neither ``gamma`` nor ``radius`` is given the step is
-            SAM's default ``ρ = 0.05`` in the weights' units (:data:`DEFAULT_RADIUS`): ``radius = 0.05`` for
-            ``"fisher"``, ``γ = ρ²/2`` for the other metrics (their ball has the radius ``√(2γ)``). A KL radius
-            ``γ = 0.01`` moves ``μ`` by ``≤ √0.02·σ̄ ≈ 0.001`` on the transfer demo — an ascent that can hardly
-            act (``docs/studies/fpbma.md`` measures the scale).
-        metric: a :class:`BallMetric` (its name is accepted and stored as the member). ``"fisher"``: the
-            Fisher of the low-rank plus diagonal Gaussian ``q_θ`` (needs the ``mean/``, ``log_std/``, ``factor/``
-            layout); ``"euclidean"``: ``F = I``, i.e. SAM on ``θ`` with ``ρ = √(2γ)``; ``"data-fisher"``:
-            ``F = 1 + η g⊙g`` on every block, i.e. Fisher-SAM on ``θ`` with ``ρ = √(2γ)``.
+        gamma: ``γ``, radius of the KL ball (nats). When neither ``gamma`` nor ``radius`` is given the step is SAM's
+            default ``ρ = 0.05`` in the weights' units (:data:`DEFAULT_RADIUS`): ``radius = 0.05`` for ``"fisher"``,
+            ``γ = ρ²/2`` for the other metrics (their ball has the radius ``√(2γ)``).
+        metric: a :class:`BallMetric` (its name is accepted and stored as the member); ``"fisher"`` needs the
+            ``mean/``, ``log_std/``, ``factor/`` layout.
         cg_iters: the most conjugate-gradient iterations for the covariance block (``"fisher"`` only).
-        cg_tol: stop the conjugate gradients earlier, at this preconditioned residual relative to the
-            right-hand side's (0: always ``cg_iters``). The defaults keep every block of ``δ*`` within
-            cosine 0.98 of the exact damped solve on the problems of the module docstring, where a
-            fixed single iteration leaves the ``log σ`` block at cosine −0.99.
-            Whatever the stopping point, ``½δ*ᵀF_λδ* = γ`` holds exactly.
+        cg_tol: stop the conjugate gradients earlier, at this preconditioned residual relative to the right-hand
+            side's (0: always ``cg_iters``); ``½δ*ᵀF_λδ* = γ`` holds exactly at any stopping point.
         damping: Tikhonov damping ``λ ≥ 0`` of the covariance block, relative to its curvature scale
-            (see the module docstring; ``"fisher"`` only).
+            (``"fisher"`` only).
         eta: ``η`` of the ``"data-fisher"`` metric.
-        max_kl_ratio: trust region on the exact divergence (``"fisher"`` only): when
-            ``KL(q_{θ+δ*} ‖ q_θ)`` exceeds ``max_kl_ratio · γ``, ``δ*`` is scaled by the largest ``t ∈ [0, 1]``
-            (bisection to 2⁻¹²) that keeps it within. The exact KL is only evaluated for steps that move
-            some ``log σ`` by more than 0.1 or the factor by more than 10% (smaller ones are within
-            ~10% of the quadratic model). The quadratic
-            model ``½δᵀF_λδ`` can badly underestimate the KL along directions the damping dominates
-            (e.g. ``log σ`` when the factor carries almost all of the variance); ``inf`` turns it off.
-        radius: the step in the weights' units (``"fisher"`` only; not with ``gamma``). With ``direction:
-            loss``: ``γ`` is chosen at every step so that ``‖δμ‖₂ = radius`` (the covariance blocks move by the
-            same multiple of ``F⁻¹g``; the trust region then bounds the exact KL by ``max_kl_ratio`` times that
-            step's ``½δᵀF_λδ``). With ``direction: score``: the Euclidean norm of every block's step.
-        direction: a :class:`Direction`. ``"loss"`` (the paper): ``F⁻¹g`` above. ``"score"`` (as in the
-            authors' code, ``SABMA_optim.first_step``, not the paper): ``δ_b = radius·s_b/‖s_b‖`` for each
-            block ``b`` of ``θ`` (the mean, ``log σ``, the factor — each as one vector over all weights),
-            ``s = ∇_θ log q_θ(w)`` at the drawn sample ``w`` (:func:`flatbma.gaussian.score`; the loss gradient
-            plays no part), the same noise re-used at ``θ + δ``. Needs ``radius`` and the sample
-            (:meth:`perturb_sample`; one Monte-Carlo sample per step).
-        blocks: a :class:`BallBlocks`. ``"all"``; ``"mean"``: only ``μ`` is perturbed — with ``direction: loss``
-            ``δμ = t·Σg_μ``, ``t`` from ``½δμᵀΣ⁻¹δμ = γ`` (exact: the KL of a mean shift is quadratic) or from
-            ``radius``; the covariance, where a large ``γ`` otherwise goes (it is cheapest there in KL),
-            is left alone.
-        precision: a :class:`SolvePrecision` (``"fisher"`` only). ``"auto"``: the conjugate-gradient solve runs on
-            float32 ``[K, d]`` operands (its ``K×K`` algebra and sums in float64) when :func:`float32_error`, the
-            relative perturbation this causes, is at most ``cg_tol``; else, and with ``"float64"``, in float64.
+        max_kl_ratio: trust region on the exact divergence (``"fisher"`` only): when ``KL(q_{θ+δ*} ‖ q_θ)`` exceeds
+            ``max_kl_ratio · γ``, ``δ*`` is scaled by the largest ``t ∈ [0, 1]`` (bisection to 2⁻¹²) that keeps it
+            within; checked only for steps that move some ``log σ`` by more than 0.1 or the factor by more than 10%.
+            The quadratic model can badly underestimate the KL along directions the damping dominates; ``inf``
+            turns it off.
+        radius: the step in the weights' units (``"fisher"`` only; not with ``gamma``). With ``direction: loss``,
+            ``γ`` is chosen at every step so that ``‖δμ‖₂ = radius`` (the trust region then bounds the exact KL by
+            ``max_kl_ratio`` times that step's ``½δᵀF_λδ``); with ``direction: score``, every block's step norm.
+        direction: a :class:`Direction`. ``"loss"`` (the paper): ``F⁻¹g`` above. ``"score"`` (the authors' code,
+            ``SABMA_optim.first_step``, not the paper): ``δ_b = radius·s_b/‖s_b‖`` per block ``b`` of ``θ``, with
+            ``s = ∇_θ log q_θ(w)`` at the drawn sample ``w`` (:func:`flatbma.gaussian.score`) and the same noise
+            re-used at ``θ + δ``; needs ``radius`` and the sample (:meth:`perturb_sample`).
+        blocks: a :class:`BallBlocks`. ``"all"``; ``"mean"``: only ``μ`` is perturbed, ``δμ = t·Σg_μ`` with ``t``
+            from ``½δμᵀΣ⁻¹δμ = γ`` (exact) or from ``radius``; the covariance, where a large ``γ`` otherwise goes
+            (it is cheapest there in KL), is left alone.
+        precision: a :class:`SolvePrecision` (``"fisher"`` only): ``"auto"`` runs the solve on float32 ``[K, d]``
+            operands when :func:`float32_error` is at most ``cg_tol``; ``"float64"`` always in float64.
     """
 
     space: ClassVar[AscentSpace] = AscentSpace.THETA
@@ -744,9 +686,8 @@ docs/methods.md §5.1-5.2.
     def perturb_sample(self, params: Mapping[str, Tensor], weights: Mapping[str, Tensor]) -> Params:
         """``direction: score``: ``δ_b = radius·s_b/‖s_b‖`` per block ``b``, ``s = ∇_θ log q_θ(w)`` at the sample ``w``.
 
-        The blocks are the mean, ``log σ`` and the factor, each one vector over all trained weights (as the
-        authors' parameter groups); with ``blocks: mean`` only the mean moves. Computed from ``θ`` and ``w``
-        alone (no loss gradient), so it can be formed before any forward pass.
+        The blocks are the mean, ``log σ`` and the factor, each one vector over all trained weights; with
+        ``blocks: mean`` only the mean moves. Needs no loss gradient, so it can be formed before any forward pass.
         """
         theta = detached(params)
         s = score(theta, weights)

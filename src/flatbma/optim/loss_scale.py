@@ -1,21 +1,16 @@
 """fp16's dynamic loss scale for any method: :class:`LossScaled`, a functional ``torch.amp.GradScaler``.
 
-Under fp16 autocast (:mod:`flatbma.precision`) small gradients underflow in the fp16 activations of the
-backward pass. The method's losses are therefore multiplied by a scale ``S`` before differentiation and the
-gradients divided by it again (:meth:`flatbma.params.Objective.value_and_grad`). ``S`` adapts as in
-``GradScaler`` (Micikevicius et al. 2018): a step whose gradient is not finite is skipped and ``S`` halved;
-after ``growth_interval`` finite steps in a row ``S`` doubles.
+Under fp16 autocast small gradients underflow in the backward pass, so the method's losses are multiplied by a
+scale ``S`` before differentiation and the gradients divided by it again
+(:meth:`flatbma.params.Objective.value_and_grad`). ``S`` adapts as in ``GradScaler`` (Micikevicius et al., ICLR
+2018): a step whose gradient is not finite is skipped and ``S`` halved; after ``growth_interval`` finite steps in a
+row ``S`` doubles.
 
-A skipped step is skipped whole, as sharpness-aware training under a scaler does: the first pass's
-gradient overflows before the ascent step could read it, so neither the ascent (the second pass) nor the
-update runs — a second-pass overflow likewise skips the update. The state after it is the state before
-it (parameters, method state and BatchNorm statistics, restored from a copy taken before the step), with
-``step`` advanced by one so that learning-rate schedules and the loop's position follow the batches, as
-a schedule stepped beside ``GradScaler`` does. Every step reports ``amp/skipped`` (1 for a skipped step,
-else 0: its epoch mean is the fraction skipped, in ``log.csv``) and ``amp/scale`` (the scale it used).
-
-The scale and the count of finite steps live in the method state (``aux``: :data:`SCALE`, :data:`GROWTH`),
-so checkpoints hold them and a resumed run continues exactly.
+A skipped step is skipped whole (an overflow in either pass skips the ascent and the update): parameters, method
+state and BatchNorm statistics are restored from a copy taken before it, with ``step`` advanced by one so
+schedules follow the batches. Every step reports ``amp/skipped`` (1 or 0) and ``amp/scale`` (the scale it used).
+The scale and the count of finite steps live in the method state (``aux``: :data:`SCALE`, :data:`GROWTH`), so
+checkpoints hold them.
 """
 
 from __future__ import annotations
@@ -54,8 +49,8 @@ class LossScaled:
     def __call__(self, method: Posterior) -> Posterior:
         """``method`` with its ``init`` adding the scale's entries and its ``update`` run under the scale.
 
-        Every other function of the posterior (``sample``, ``mean``, ``split``, ...) is given the state
-        without the scale's entries, as the method knows it (``split`` puts them back into each part).
+        Every other function of the posterior (``sample``, ``mean``, ...) is given the state without the scale's
+        entries (``split`` puts them back into each part).
         """
         hidden = {f: _hiding(getattr(method, f)) for f in ("sample", "mean", "marginal_variance") if getattr(method, f)}
         can = method.can

@@ -1,13 +1,10 @@
 """SGD with momentum and coupled weight decay, and Adam with decoupled weight decay, on tensor dicts.
 
-Weight decay is an L2 prior on the *weights*. When the optimized tensors are not all weights — the
-variational parameters ``θ`` of a Gaussian posterior hold ``mean/`` (weights) beside ``log_std/``,
-``factor/`` or ``rho/`` (the covariance) — the owner of ``θ`` restricts the decay with a
-:data:`DecayMask`, a predicate on the keys: :func:`with_decay_mask` composes it with an optimizer
-(:func:`flatbma.posteriors.gaussian_vi.build` does so with its family's ``decays``). Without a mask the
-decay acts on every tensor, as for point methods, SWAG, SGLD and ensembles. On a packed dict
-(:mod:`flatbma.packed`) the decayed entries are taken as slices of the one buffer, merged where they
-are contiguous (the mean is row 0 of low-rank VI's ``[K+2, d]`` buffer: one slice, one kernel).
+Weight decay is an L2 prior on the *weights*. When the optimized tensors are not all weights (a Gaussian
+posterior's ``θ`` holds ``mean/`` beside ``log_std/``, ``factor/`` or ``rho/``), the decay is restricted by a
+:data:`DecayMask`, a predicate on the keys, composed with an optimizer by :func:`with_decay_mask`; without a mask
+it acts on every tensor. On a packed dict (:mod:`flatbma.packed`) the decayed entries are slices of the one
+buffer, merged where contiguous.
 """
 
 from __future__ import annotations
@@ -35,9 +32,8 @@ _Optimizer = TypeVar("_Optimizer")
 def with_decay_mask(optimizer: _Optimizer, mask: DecayMask) -> _Optimizer:
     """``optimizer`` with its weight decay restricted to the keys where ``mask(key)`` holds.
 
-    An existing mask is kept and combined with ``mask`` (both must hold). An optimizer without a
-    ``decay_mask`` field is returned as it is when it has no weight decay; with one it cannot
-    restrict, it is refused.
+    An existing mask is combined with ``mask`` (both must hold). An optimizer without a ``decay_mask`` field is
+    returned as it is when it has no weight decay, else refused with a ``FlatbmaError``.
     """
     if is_dataclass(optimizer) and any(f.name == "decay_mask" for f in fields(optimizer)):
         old = optimizer.decay_mask

@@ -1,8 +1,7 @@
 """Bayesian SAM (bSAM; Möllenhoff & Khan, "SAM as an Optimal Relaxation of Bayes", ICLR 2023).
 
-A diagonal Gaussian posterior ``q(w) = N(m, diag(1/(N s)))`` with mean ``m`` and precision scale ``s``,
-trained by the paper's Algorithm 1 (a natural-gradient, Adam-like update on the relaxed Bayes
-objective whose inner maximization is a SAM step):
+A diagonal Gaussian posterior ``q(w) = N(m, diag(1/(N s)))`` trained by the paper's Algorithm 1 (a natural-gradient,
+Adam-like update on the relaxed Bayes objective whose inner maximization is a SAM step):
 
     ``w = m + e``,  ``e ~ N(0, diag(1/(N s)))``               noisy weights
     ``g = ∇L_B(w)``                                            gradient at the noisy weights
@@ -12,19 +11,12 @@ objective whose inner maximization is a SAM step):
     ``s ← β₂ s + (1 − β₂)(√s ⊙ |g| + δ + γ)``                  precision
     ``m ← m − α_t g_m / s``
 
-where ``N = data_factor · objective.num_data`` is the (effective) data-set size, ``δ = λ₀ / N`` the
-L2 regularizer of the prior ``N(0, I/λ₀)`` (``λ₀ = prior_precision``, the authors' ``priorprec``),
-``γ`` the damping and ``α_t`` the learning rate. All operations are elementwise. The mean is updated
-with the new ``s``, as in the paper's Algorithm 1 (the authors' JAX code divides by the previous
-``s``; the difference is one β₂-step). ``data_factor`` is the authors' ``dafactor`` heuristic for data
-augmentation (they use 4 on CIFAR with augmentation).
-
-bSAM is its own optimizer: of the ``optimizer`` it is given it uses only the learning-rate schedule
-``optimizer.learning_rate(step)`` (``α_t``); momentum, betas and weight decay of that optimizer are
-ignored (``β₁``, ``β₂`` and ``prior_precision`` play those roles). It also brings its own ascent
-step (``ρ``), so it is registered without one. BatchNorm running statistics are updated by the first
-(noisy) pass only. Layout: ``θ = {"mean/<name>": m, "precision/<name>": s}``; ``aux`` holds the
-momentum ``"bsam/momentum/<name>"`` (:class:`Momentum`) and the noise seed.
+elementwise, where ``N = data_factor · objective.num_data`` (``data_factor``: the authors' augmentation heuristic,
+4 on augmented CIFAR), ``δ = λ₀ / N`` for the prior ``N(0, I/λ₀)`` (``λ₀ = prior_precision``), ``γ`` the damping and
+``α_t = optimizer.learning_rate(step)``: the only thing bSAM takes from ``optimizer``. It has its own ascent step
+(``ρ``), so it takes none. The mean is updated with the new ``s``, as in Algorithm 1. BatchNorm running statistics
+are updated by the first (noisy) pass only. Layout: ``θ = {"mean/<name>": m, "precision/<name>": s}``; ``aux``
+holds the momentum ``"bsam/momentum/<name>"`` (:class:`Momentum`) and the noise seed.
 """
 
 from __future__ import annotations
@@ -104,11 +96,8 @@ def build(
     The authors' CIFAR-10 learning rate is ``α = 0.5`` with a cosine schedule. ``s`` only decays from ``s₀``
     at rate ``1 − β₂``, so early steps are ``≈ α(1 − β₁)·g/s₀``-sized: short runs need a larger ``α``.
 
-    Args:
-        objective: model and mini-batch loss; ``objective.num_data`` gives ``N``.
-        optimizer: only its ``learning_rate(step)`` schedule is used.
-        ascent: must be ``None`` (bSAM's ascent is built in; its radius is ``rho``).
-        options: the fields of :class:`Options`.
+    Raises:
+        FlatbmaError: an ``ascent``, an optimizer without ``learning_rate``, or an option out of range.
     """
     o = Options(**options)
     if ascent is not None:
@@ -207,10 +196,7 @@ def marginal_variance(state: State, *, num_data: float) -> Params:
 
 
 def advice(method: Section, prior: bool, diagnostics: Mapping[str, Any]) -> str:
-    """What to change when bSAM's BMA is worse than its mean (:attr:`Family.advice`): a larger data factor.
-
-    Its variance is ``1/(N·data_factor·s)``.
-    """
+    """What to change when bSAM's BMA is worse than its mean (:attr:`Family.advice`): a larger data factor."""
     factor = method.options["data_factor"]
     return f"data_factor: {factor * 10:g} (now {factor:g})"
 

@@ -1,26 +1,19 @@
 """FP-BMA / SA-BMA: flat-posterior-aware Bayesian model averaging (Lim et al., UAI 2025).
 
 FP-BMA is a composition, not a family of its own: the low-rank plus diagonal Gaussian of
-:mod:`flatbma.posteriors.lowrank_vi` (same ``θ`` layout ``mean/``, ``log_std/``, ``factor/`` and the same
-sampler) with the Fisher-ball ascent step :class:`flatbma.optim.FisherBall`, which acts on ``θ``. It
-trains
+:mod:`flatbma.posteriors.lowrank_vi` (same ``θ`` layout ``mean/``, ``log_std/``, ``factor/``, same sampler) with
+the Fisher-ball ascent step :class:`flatbma.optim.FisherBall` on ``θ``. It trains
 
     ``min_θ  max_{θ': KL(q_θ' ‖ q_θ) ≤ γ}  E_{w~q_θ'} L_B(w)  +  κ · KL(q_θ ‖ p) / n``
 
-with the two-pass step of :func:`flatbma.posteriors.gaussian_vi.theta_sharpness_value_and_grad`: the
-reparameterized data gradient ``g = ∇_θ E_z L_B(w(θ, z))`` (noise drawn once per step), the ascent
-``δ* = ascent.perturb(θ, g)`` — ``√(2γ)F⁻¹g/√(gᵀF⁻¹g)`` in the Fisher metric of ``q_θ`` — and the descent
-gradient ``∇_θ E_z L_B(w(θ + δ*, z))`` with the same noise, plus the KL gradient at ``θ``. BatchNorm
-running statistics are updated by the first pass only. The registry entries ``fp-bma`` and ``sa-bma``
-are ``lowrank_vi.build`` with ``FisherBall`` (:data:`build` is that builder, under this name).
+with the two-pass step of :func:`flatbma.posteriors.gaussian_vi.theta_sharpness_value_and_grad`: the ascent
+``δ* = √(2γ)F⁻¹g/√(gᵀF⁻¹g)`` along the data gradient ``g = ∇_θ E_z L_B(w(θ, z))`` in the Fisher metric of ``q_θ``,
+then the descent gradient at ``θ + δ*`` with the same noise, plus the KL gradient at ``θ``. :func:`build` uses the
+prior ``p = N(0, s²I)``; :func:`build_with_prior` takes a low-rank plus diagonal Gaussian ``p`` (e.g. a source-task
+SWAG posterior).
 
-Priors: :func:`build` uses ``p = N(0, s²I)``; :func:`build_with_prior` takes any low-rank plus diagonal
-Gaussian ``p`` in the same ``θ`` layout, e.g. a SWAG posterior fitted on the source task
-(``init_from_swag(...)``), for transfer learning; its KL is :func:`~flatbma.gaussian.kl_lowrank`.
-
-Unlike the authors' public code (docs/methods.md §10.1), the perturbation follows the
-data-loss gradient ``g`` (not the score of ``log q``), ``z₂`` has mean 0, and the Fisher matches the
-sampler's ``Σ = ½(diag σ² + LLᵀ/(K−1))``.
+Unlike the authors' public code (docs/methods.md §10.1), the perturbation follows the data-loss gradient ``g`` (not
+the score of ``log q``), ``z₂`` has mean 0, and the Fisher matches the sampler's ``Σ = ½(diag σ² + LLᵀ/(K−1))``.
 """
 
 from __future__ import annotations
@@ -62,8 +55,7 @@ class LowRankGaussianWithPrior(LowRankGaussian):
     Attributes:
         prior: the prior's ``mean/``, ``log_std/``, ``factor/`` tensors (``prior_std`` is unused).
         precision: the prior's :class:`~flatbma.gaussian.PriorPrecision` (``Σ_p⁻¹`` in Woodbury form); by default
-            computed once, on the prior's device (:func:`~flatbma.gaussian.prior_precision`); the KL gradient
-            computes it again on ``θ``'s device when they differ (at every step: give the prior on ``θ``'s device).
+            computed once, on the prior's device. When ``θ`` is on another device it is recomputed at every step.
     """
 
     prior: Mapping[str, Tensor] = field(default_factory=dict)
@@ -110,22 +102,16 @@ def build_with_prior(
 ) -> Posterior:
     """FP-BMA with a low-rank plus diagonal Gaussian prior, for Python callers and transfer pipelines.
 
-    As :func:`build`, with ``KL(q_θ ‖ p)`` computed by :func:`~flatbma.gaussian.kl_lowrank` for the prior
-    ``p = N(μ_p, ½(diag σ_p² + L_pL_pᵀ/(K_p−1)))`` given in ``θ`` layout — e.g. a SWAG posterior of the
-    source task, ``init_from_swag(mean, variance, deviations, like)``, which may also be
-    passed to ``init`` to start ``q`` there (``rank`` must then equal its ``K``). The prior is not
-    stored in the state: to resume training, build again with the same prior (``sample`` does not
-    need it). It is not a registry option, because config options are typed scalars; with
-    ``ascent=None`` it is low-rank VI with that prior (the ``lowrank-vi`` entry's ``with_prior``).
+    As :func:`build`, with ``KL(q_θ ‖ p)`` (:func:`~flatbma.gaussian.kl_lowrank`) for the prior
+    ``p = N(μ_p, ½(diag σ_p² + L_pL_pᵀ/(K_p−1)))`` given as ``prior_theta``: ``mean/``, ``log_std/``, ``factor/``
+    tensors for exactly the trainable parameters, of any rank ``K_p ≥ 2`` (e.g. a source-task SWAG posterior,
+    ``init_from_swag(...)``, which may also be passed to ``init`` to start ``q`` there if ``rank`` equals its ``K``).
+    The prior is not stored in the state: to resume training, build again with it. ``options`` are
+    :class:`~flatbma.posteriors.lowrank_vi.Options` (``prior_std`` does not apply); ``ascent=None`` gives low-rank
+    VI with that prior.
 
-    Args:
-        objective: model and mini-batch loss.
-        optimizer: optimizer of ``θ``; its weight decay acts on ``μ`` only.
-        ascent: the ascent step (:class:`~flatbma.optim.FisherBall` for FP-BMA), or ``None``.
-        prior_theta: the prior's ``mean/``, ``log_std/``, ``factor/`` tensors for exactly the trainable
-            parameters (its rank ``K_p ≥ 2`` may differ from ``rank``).
-        options: the fields of :class:`~flatbma.posteriors.lowrank_vi.Options`; ``prior_std``, the scale of
-            the default prior that ``prior_theta`` replaces, does not apply.
+    Raises:
+        FlatbmaError: ``prior_theta`` is not a ``θ``-layout dict of finite tensors of rank ``≥ 2`` matching ``mean/``.
     """
     o = lowrank_vi.Options(**options)
     lowrank_vi.check_rank(o.rank)

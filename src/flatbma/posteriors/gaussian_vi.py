@@ -1,37 +1,25 @@
 """Reparameterized Gaussian variational inference, shared by mean-field and low-rank VI and their F-variants.
 
-A family ``q_θ`` is described by a :class:`ReparameterizedFamily`: how ``θ`` is initialized from the
-model's weights, how standard-normal noise is drawn, the differentiable map ``w = w(θ, z)`` and the
-closed-form ``KL(q_θ ‖ p)``. :func:`build` turns any such family into a
-:class:`~flatbma.types.Posterior` trained on the negative ELBO per example (Blundell et al. 2015)
+A :class:`ReparameterizedFamily` describes ``q_θ``: how ``θ`` is initialized from the weights, how standard-normal
+noise is drawn, the differentiable map ``w = w(θ, z)`` and the closed-form ``KL(q_θ ‖ p)``. :func:`build` turns it
+into a :class:`~flatbma.types.Posterior` trained on the negative ELBO per example (Blundell et al. 2015)
 
     ``ℒ(θ) = E_{z}[L_B(w(θ, z))] + κ · KL(q_θ ‖ p) / n``
 
-with ``n = objective.num_data`` (the KL is divided by the data-set size here and nowhere else) and
-``κ = kl_weight``. The expectation is estimated with ``M`` reparameterized samples per step.
+with ``n = objective.num_data`` (the KL is divided by the data-set size here and nowhere else), ``κ = kl_weight``
+and the expectation estimated with ``M`` reparameterized samples per step.
 
-With an ascent step this is the flat-seeking variant (F-VI, Nguyen et al., NeurIPS 2023,
-Algorithm 1): for each sample ``w = w(θ, z)``, ``g = ∇_w L_B(w)``, ``ε = ascent.perturb(w, g)`` and the
-data gradient is ``∇L_B(w + ε)`` back-propagated to ``θ`` through the reparameterization, i.e. the
-vector-Jacobian product ``(∂w/∂θ)ᵀ ∇L_B(w + ε)``; the KL gradient is added unchanged. Without an
-ascent step the same composition is the plain reparameterization (ELBO) gradient. An ascent step
-whose ``space`` is :attr:`~flatbma.types.AscentSpace.THETA` (:class:`flatbma.optim.FisherBall`)
-perturbs ``θ`` itself instead (FP-BMA, Lim et al. 2025): :func:`theta_sharpness_value_and_grad`.
+With an ascent step on weights this is F-VI (Nguyen et al., NeurIPS 2023, Algorithm 1; :func:`elbo_value_and_grad`);
+with one on ``θ`` (:class:`flatbma.optim.FisherBall`), FP-BMA (Lim et al. 2025; :func:`theta_sharpness_value_and_grad`).
 
 State: ``params`` = ``θ``, ``buffers`` = the model's buffers, ``aux`` = the optimizer's state of ``θ`` under
-``optimizer/`` (``optimizer/momentum/<θ key>``, Adam's ``optimizer/exp_avg/<θ key>`` and
-``optimizer/exp_avg_sq/<θ key>``), the noise seed ``rng/seed`` and the ascent step's memories under
-``ascent/`` (:mod:`flatbma.named`).
-
-Randomness: the training noise comes from a generator reseeded every step from a seed stored in the
-state (``aux["rng/seed"]``, drawn from torch's global generator in ``init``) and the step number
-(:func:`flatbma.rng.seeded_generator`), so a saved-and-loaded state resumes with exactly the noise it
-would have drawn; ``sample`` uses the caller's generator. The Gaussian maths (``θ`` layouts, noise,
-KL divergences) is :mod:`flatbma.gaussian`.
+``optimizer/``, the noise seed ``rng/seed`` and the ascent step's memories under ``ascent/``. The training noise of
+a step comes from a generator seeded by ``(rng/seed, step)``, so a reloaded state resumes with exactly the noise it
+would have drawn; ``sample`` uses the caller's generator.
 
 Over 500 lines on purpose: the one negative-ELBO update that mean-field VI, low-rank VI, FP-BMA and their
-flat-seeking variants share — both ascent spaces (weights, ``θ``), the variance steps and the step-size
-records — lives here once, so that the families differ only in their :class:`ReparameterizedFamily`.
+flat-seeking variants share lives here once, so that the families differ only in their
+:class:`ReparameterizedFamily`.
 """
 
 from __future__ import annotations
@@ -82,31 +70,23 @@ from flatbma.types import (
 class VarianceStep(str, Enum):
     """How the optimizer steps the variance parameters (``method.variance_step``; strings and members accepted).
 
-    ``ℒ = E_q[L_B] + κ·KL(q‖p)/n`` is the ELBO *per example*, so its gradient in a variance parameter is
-    ``O(1/n)`` where ``σ`` is small: for mean-field ``q`` with data curvature ``h_i`` (``E_q ∂²L_B/∂w_i² ≈ h_i``),
-    ``∂ℒ/∂log σ_i = σ_i²h_i + κ(σ_i²/s² − 1)/n``. A step ``−η·∂ℒ/∂log σ_i`` moves ``log σ_i`` by about ``ηκ/n``
-    per update from a small ``σ_i``: on digits (``n = 1,197``, SGD ``η = 0.05`` with momentum 0.9, 380 updates)
-    ``log σ`` moved by ≈ 0.16 and ``σ`` stayed at ``init_std`` (median 1.07e-3 after 20 epochs, 1.25e-3 after 60).
+    ``ℒ`` is the ELBO *per example*, so its gradient in a variance parameter is ``O(1/n)`` where ``σ`` is small: for
+    mean-field ``q`` with data curvature ``h_i``, ``∂ℒ/∂log σ_i = σ_i²h_i + κ(σ_i²/s² − 1)/n``, and a plain step
+    ``−η·∂ℒ/∂log σ_i`` moves ``log σ_i`` by about ``ηκ/n`` per update: ``σ`` hardly leaves ``init_std``.
 
     ``NATURAL`` (the default) steps the diagonal variance parameters (mean-field ``ρ``, low-rank ``log σ``) along
-    their natural gradient (Amari 1998) of the tempered ELBO's whole ``(n/κ)·ℒ``, the gradient of that block
-    multiplied by ``(n/κ)·F⁻¹/G`` and clipped to ``[−1, 1]`` (the family's ``natural_variance``): ``F`` the Fisher
-    information of ``q`` in it (2 in ``log σ``), ``G`` the optimizer's gain on a constant gradient
-    (:func:`flatbma.optim.sgd.steady_gain`: ``1/(1−μ)`` for heavy-ball SGD). In ``log σ`` the step is then
+    their natural gradient (Amari 1998) of the tempered ELBO ``(n/κ)·ℒ``: that block's gradient times
+    ``(n/κ)·F⁻¹/G``, clipped to ``[−1, 1]`` (the family's ``natural_variance``), with ``F`` the Fisher of ``q`` in it
+    (2 in ``log σ``) and ``G`` the optimizer's gain on a constant gradient (:func:`flatbma.optim.sgd.steady_gain`:
+    ``1/(1−μ)`` for heavy-ball SGD). In ``log σ`` the step is
 
         ``Δ log σ_i = −η·clip(½((n/κ)σ_i²h_i + σ_i²/s² − 1))``,
 
-    a contraction to the optimum of the mean-field ELBO, ``σ_i² = 1/((n/κ)h_i + 1/s²)`` (``1/Λ_ii`` for a Gaussian
-    model with posterior precision ``Λ``), at rate ``η`` per update whatever ``n`` and ``σ``, climbing by ``η/2``
-    per update from far below — the rate of the precision updates of natural-gradient VI (Khan et al. 2018, "Fast
-    and scalable Bayesian deep learning by weight-perturbation in Adam"; Khan & Rue 2023, "The Bayesian learning
-    rule"; Shen et al. 2024, IVON). The two safeguards are measured, not decorative: with a momentum-amplified
-    rate ``η/(1−μ) = 0.5`` or without the clip, the single-sample estimate of ``h_i`` (its noise
-    ``≈ ½√(n/B)`` at the optimum, heavy-tailed) threw ``σ`` up and down until the loss was NaN (Bayesian linear
-    regression; the CNN on digits within 2 epochs). The mean keeps the optimizer's plain step (SGD on ``μ`` as a
-    MAP trains; its natural step ``(n/κ)Σ∇_μℒ`` is a Newton step with the posterior precision: VOGN, another
-    method), and so does a low-rank factor (its Fisher is far from diagonal). An optimizer that normalizes each
-    coordinate's step (Adam) is invariant to the scaling, not to the clip.
+    a contraction to the mean-field optimum ``σ_i² = 1/((n/κ)h_i + 1/s²)`` at rate ``η`` per update whatever ``n``
+    and ``σ``, the rate of natural-gradient VI (Khan et al. 2018; Khan & Rue 2023; Shen et al. 2024, IVON). Both the
+    clip and the division by ``G`` are needed: without either, the noisy single-sample estimate of ``h_i`` drives
+    the loss to NaN. The mean and a low-rank factor keep the optimizer's plain step. Adam is invariant to the
+    scaling, not to the clip.
 
     ``PLAIN``: the optimizer's step on the plain gradient in every block (Blundell et al. 2015).
     """
@@ -197,13 +177,11 @@ def elbo_value_and_grad(
     and ``n = objective.num_data``. Each vector-Jacobian product ``(∂w_m/∂θ)ᵀg_m`` is the family's
     closed-form ``pullback`` when it has one, else autograd; the KL gradient is :func:`kl_grad`.
 
-    BatchNorm running statistics are updated once: by the first (unperturbed) pass of the first sample.
-
     Args:
         objective: model and mean mini-batch loss ``L_B``.
         family: the variational family.
         theta: variational parameters.
-        buffers: model buffers (updated in place by the first pass in train mode).
+        buffers: model buffers, updated in place (BatchNorm) by the first, unperturbed pass of the first sample.
         batch: ``(x, y)``.
         noises: one :class:`GaussianNoise` per Monte-Carlo sample (``M = len(noises) ≥ 1``).
         ascent: ascent step applied to each sampled ``w``, or ``None``.
@@ -239,8 +217,7 @@ def elbo_value_and_grad(
 def _pullback(family: ReparameterizedFamily, theta: Params, noise: GaussianNoise, g: Params) -> Params:
     """``(∂w/∂θ)ᵀ g`` for ``w = family.reparameterize(θ, noise)``.
 
-    ``family.pullback`` when the family has it in closed form (no autograd graph through the sampler:
-    a fixed per-step cost that matters for the ~300 tensors of a transfer subset), else autograd.
+    ``family.pullback`` when the family has it in closed form (cheaper: no autograd graph), else autograd.
     """
     closed_form = getattr(family, "pullback", None)
     if closed_form is not None and (noise.z2 is None or noise.z2.dim() == 1):
@@ -278,27 +255,24 @@ def theta_sharpness_value_and_grad(
 ) -> tuple[Tensor, Tensor, Params]:
     """The sharpness-aware step applied to the variational parameters ``θ`` themselves (FP-BMA).
 
-    The θ-level counterpart of :func:`flatbma.optim.ascent.sharpness_aware_value_and_grad`
-    (Lim et al., UAI 2025): with the same noise ``z_m`` in both passes,
+    The θ-level counterpart of :func:`flatbma.optim.ascent.sharpness_aware_value_and_grad` (Lim et al., UAI 2025):
+    with the same noise ``z_m`` in both passes,
 
     1. ``g = ∇_θ (1/M) Σ_m L_B(w(θ, z_m))`` — the reparameterized data-loss gradient, no KL;
     2. ``δ = ascent.perturb(θ, g)`` (e.g. :class:`flatbma.optim.FisherBall`);
     3. ``∇_θ ℒ = ∇_θ' (1/M) Σ_m L_B(w(θ', z_m))|_{θ'=θ+δ} + κ ∇_θ KL(q_θ‖p) / n`` — the KL at the
        unperturbed ``θ``, ``n = objective.num_data``.
 
-    Without an ascent step this is the plain negative-ELBO gradient of :func:`elbo_value_and_grad`.
-    BatchNorm running statistics are updated once, by the first sample of the first pass. Steps 1–3 are
-    :func:`flatbma.optim.ascent.two_pass` on ``θ``, so an ascent step with a memory
-    (:class:`flatbma.optim.Amortized`, given its ``memory``) schedules the second pass here as on weights.
+    Without an ascent step this is :func:`elbo_value_and_grad`. BatchNorm running statistics are updated once, by
+    the first sample of the first pass. Steps 1–3 are :func:`flatbma.optim.ascent.two_pass` on ``θ``, so an ascent
+    step with a ``memory`` (:class:`flatbma.optim.Amortized`) schedules the second pass as on weights.
 
     An ascent step taken from the drawn sample (:func:`flatbma.optim.ascent.needs_sample`: FisherBall's
-    ``direction: score``, the authors' code) replaces steps 1–2 by ``δ = ascent.perturb_sample(θ, w(θ, z))``
-    for the one noise sample ``z``; the first pass is then a forward pass only (its loss, logits and
-    BatchNorm update), since ``δ`` does not depend on the loss.
+    ``direction: score``) replaces steps 1–2 by ``δ = ascent.perturb_sample(θ, w(θ, z))`` for the one noise sample
+    ``z``; the first pass is then forward only.
 
-    ``record``: when given, filled with the step's size — the family's ``step_size(θ, θ + δ)``
-    (:func:`flatbma.gaussian.step_size`: ``mean_shift``, ``kl``, ``kl_mean``) — at every step that takes
-    the second pass, if the family has one.
+    ``record``: when given, filled with the family's ``step_size(θ, θ + δ)`` (:func:`flatbma.gaussian.step_size`)
+    at every step that takes the second pass, if the family has one.
 
     Returns:
         ``(mean over samples of L_B(w(θ, z_m)), logits of the first sample at θ, gradient by key of θ)``.
@@ -354,8 +328,8 @@ def _sample_ascent(
 def _repacked(family: ReparameterizedFamily, state: State) -> State:
     """``state`` with ``θ`` and its optimizer state packed in ``family.layout`` (:mod:`flatbma.packed`).
 
-    A state from :func:`build`'s ``init`` is packed already; one loaded from a checkpoint or moved to
-    another device is packed again here, once (same values: packing only changes the storage).
+    A state from ``init`` is packed already; one loaded from a checkpoint or moved to another device is packed here
+    (same values, other storage).
     """
     if not hasattr(family, "layout") or packed.layout_of(state.params) is not None:
         return state
@@ -389,31 +363,18 @@ def build(
 ) -> Posterior:
     """A :class:`~flatbma.types.Posterior` that fits ``family`` by (flat-seeking) reparameterized VI.
 
-    ``θ_{t+1} = optimizer(θ_t, P ∇_θ ℒ)`` with ``P`` the variance step (:class:`VarianceStep`: with ``NATURAL`` the
-    family's ``natural_variance`` with ``s = n/(κG)``, ``G`` the optimizer's :func:`~flatbma.optim.sgd.steady_gain`;
-    the identity with ``PLAIN``), the optimizer's weight decay restricted to the entries
-    ``family.decays`` selects (the mean: it is an L2 prior on the weights, not on ``σ`` or ``L``;
-    :func:`flatbma.optim.sgd.with_decay_mask`), with the gradient on ``M`` fresh noise samples per
-    step chosen by where the ascent step acts (its ``space``, :func:`flatbma.types.ascent_space`): on weights (SAM and
-    the like, or no ascent step) :func:`elbo_value_and_grad` perturbs each sampled ``w`` (F-VI); on
-    ``θ`` (:class:`flatbma.optim.FisherBall`) :func:`theta_sharpness_value_and_grad` perturbs ``θ``
-    (FP-BMA). An ascent step with a memory (:class:`flatbma.optim.Amortized`) keeps it in ``aux``: one
-    over ``θ`` on ``θ``, one per Monte-Carlo sample over the weights on weights (:func:`weight_memories`).
-    ``init`` accepts either the model weights (``θ`` is then centred at them
-    by ``family.init_theta``) or a ready ``θ`` in the family's layout (e.g. from
-    :func:`flatbma.gaussian.init_from_swag`). ``sample`` draws ``w ~ q_θ`` and attaches
-    the state's buffers; BatchNorm statistics must be recomputed per sample (``recompute_bn=True``).
-    ``update`` reports the data term (the mean of ``L_B`` over the ``M`` samples, without the KL) and
-    the logits of the first sample.
+    ``θ_{t+1} = optimizer(θ_t, P ∇_θ ℒ)`` on ``M`` fresh noise samples per step, with ``P`` the variance step
+    (:class:`VarianceStep`: with ``NATURAL`` the family's ``natural_variance`` with ``s = n/(κG)``, ``G`` the
+    optimizer's :func:`~flatbma.optim.sgd.steady_gain`; the identity with ``PLAIN``). The optimizer's weight decay
+    acts only on the entries ``family.decays`` selects (the mean). The gradient is :func:`elbo_value_and_grad` for an
+    ascent step on weights or none (F-VI), :func:`theta_sharpness_value_and_grad` for one on ``θ`` (FP-BMA). An
+    ascent memory (:class:`flatbma.optim.Amortized`) is kept in ``aux``: one on ``θ``, or one per Monte-Carlo
+    sample on weights (:func:`weight_memories`).
 
-    Args:
-        objective: model and mini-batch loss; ``objective.num_data`` scales the KL.
-        optimizer: the optimizer of ``θ`` (its weight decay is restricted to ``family.decays``).
-        ascent: ascent step for the flat-seeking variant (on weights or on ``θ``), or ``None``.
-        family: the variational family.
-        num_mc_samples: ``M``.
-        kl_weight: ``κ``.
-        variance_step: :class:`VarianceStep`.
+    ``init`` accepts the model weights (``θ`` is centred at them by ``family.init_theta``) or a ready ``θ`` in the
+    family's layout (e.g. from :func:`flatbma.gaussian.init_from_swag`). ``sample`` draws ``w ~ q_θ`` with the
+    state's buffers (``recompute_bn=True``). ``update`` reports the data term (mean ``L_B`` over the
+    ``M = num_mc_samples`` samples, without the KL) and the logits of the first sample.
     """
     natural = variance_step is VarianceStep.NATURAL
     size = objective.num_data / kl_weight if kl_weight else objective.num_data  # n/κ: the tempered ELBO's
@@ -442,10 +403,7 @@ def init(
     ascent: Ascent | None,
     num_mc_samples: int,
 ) -> State:
-    """``θ``, its optimizer's state (``aux["optimizer/…"]``), the noise seed (``aux["rng/seed"]``), the ascent memories.
-
-    ``θ`` is ``family.init_theta`` of the weights ``params``, or ``params`` itself when it is a ``θ``.
-    """
+    """``θ`` (``family.init_theta`` of ``params``, or ``params`` if a ``θ``), optimizer state, seed, ascent memories."""
     seed = new_seed()
     if is_theta(params):
         theta = clone(params)
@@ -513,9 +471,8 @@ def _sample_name(i: int) -> str:
 def weight_memories(family: ReparameterizedFamily, ascent: Ascent, theta: Mapping[str, Tensor], m: int) -> Params:
     """The memories of an ascent step on weights, one per Monte-Carlo sample: ``aux["ascent/sample<i>/…"]``.
 
-    Sample ``i`` of a step continues the memory of sample ``i`` of the steps before (the samples of a
-    step are exchangeable, so which one is ``i`` is arbitrary). Shaped like the weights ``w(θ, z)``, read
-    from one draw with a throw-away generator (no draw from any generator of the run).
+    Sample ``i`` of a step continues the memory of sample ``i`` of the steps before. Shaped like the weights
+    ``w(θ, z)`` of one draw with a throw-away generator (no generator of the run is drawn from).
     """
     with torch.no_grad():
         weights = family.reparameterize(theta, family.noise(theta, torch.Generator(_device(theta)).manual_seed(0)))
@@ -539,9 +496,6 @@ def sample(
 
 
 def mean_of(state: State) -> Params:
-    """The weights at the mean ``μ`` of a Gaussian VI state (its ``mean/`` section), with its buffers.
-
-    :attr:`~flatbma.types.Posterior.mean` of every family whose ``θ`` holds ``mean/`` (mean-field and low-rank VI).
-    """
+    """The weights at the mean ``μ`` of a Gaussian VI state (its ``mean/`` section), with its buffers."""
     mean = {n: v.detach().clone() for n, v in section(state.params, "mean").items()}
     return {**mean, **{k: v.detach().clone() for k, v in state.buffers.items()}}

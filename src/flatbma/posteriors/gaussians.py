@@ -1,11 +1,8 @@
 """A posterior's Gaussian (:attr:`~flatbma.types.Capabilities.gaussian`) as the layers above use it, never by its keys.
 
-A posterior that is a low-rank plus diagonal Gaussian gives its ``θ`` (the layout of :mod:`flatbma.gaussian`);
-a mixture of them (:mod:`flatbma.posteriors.multi`) gives every member's ``θ_m`` under that member's prefix
-(:mod:`flatbma.posteriors.members`). The experiment layer asks here for what it needs of them — each
-component's Gaussian and how far training moved it (:func:`start`, :func:`kl_moved`), the Gaussian floored
-for a prior (:func:`floored`), its width and a copy of it rescaled to another width (:func:`covariance_trace`,
-:func:`rescaled`) — and reads no key of ``θ`` or of a state itself.
+A low-rank plus diagonal Gaussian posterior gives its ``θ`` (the layout of :mod:`flatbma.gaussian`); a mixture of
+them (:mod:`flatbma.posteriors.multi`) gives every member's ``θ_m`` under that member's prefix. The experiment layer
+reads no key of ``θ`` or of a state itself, only these functions.
 """
 
 from __future__ import annotations
@@ -35,10 +32,8 @@ def components(theta: Mapping[str, Tensor]) -> list[Params]:
 def start(posterior: Posterior, state: State) -> list[Params] | None:
     """Copies of the Gaussians of ``posterior`` at ``state`` (one per component, :func:`components`), to compare later.
 
-    ``None`` when the posterior has no Gaussian (:attr:`~flatbma.types.Capabilities.gaussian` is ``None``) or the
-    state holds none yet: a Gaussian formed from snapshots (SWAG's) does not exist in a fresh state, whose
-    ``gaussian`` raises :class:`~flatbma.errors.FlatbmaError`. So a variational family's (low-rank VI, FP-BMA, a
-    mixture of them) is there from its first state on, and SWAG's is not.
+    ``None`` when the posterior has no Gaussian or the state holds none yet (SWAG's, formed from snapshots, does not
+    exist in a fresh state; a variational family's does).
     """
     if posterior.can.gaussian is None:
         return None
@@ -52,8 +47,8 @@ def start(posterior: Posterior, state: State) -> list[Params] | None:
 def kl_moved(posterior: Posterior, state: State, begin: list[Params]) -> float:
     """``KL(q_T ‖ q_0)`` of the Gaussian at ``state`` from ``begin`` (:func:`start`); a mixture's: the member mean.
 
-    Member ``m``'s term is ``KL(q_{m,T} ‖ q_{m,0})`` (:func:`flatbma.gaussian.kl_lowrank`): how far training
-    moved that member's own posterior.
+    Raises:
+        FlatbmaError: the posterior has no Gaussian.
     """
     if posterior.can.gaussian is None:
         raise FlatbmaError("the posterior has no Gaussian to compare with its start")
@@ -63,11 +58,7 @@ def kl_moved(posterior: Posterior, state: State, begin: list[Params]) -> float:
 
 
 def floored(theta: Mapping[str, Tensor], min_std: float) -> Params:
-    """``θ`` (a Gaussian's, or a mixture's: every member's) with every diagonal ``σ`` at least ``min_std``.
-
-    Every ``log σ`` entry (``log_std/<name>``, under a member's prefix or not) is clamped at ``log min_std``;
-    the other entries are the same tensors, in ``θ``'s order.
-    """
+    """``θ`` (a Gaussian's, or a mixture's: every member's) with every ``log_std/`` entry clamped at ``log min_std``."""
     floor = math.log(min_std)
     return {k: v.clamp_min(floor) if unprefixed(k).startswith("log_std/") else v for k, v in theta.items()}
 
@@ -85,9 +76,8 @@ def covariance_trace(posterior: Posterior, state: State) -> float:
 def rescaled(posterior: Posterior, state: State, factor: float) -> tuple[Posterior, State]:
     """``N(μ, factor·Σ)`` of the posterior's Gaussian at ``state``, as a posterior to measure (not to train).
 
-    The scaled ``θ`` (:func:`flatbma.gaussian.scale_covariance`) is sampled by the low-rank family's sampler —
-    SWAG's sampler distribution — with ``state``'s buffers beside every sample and ``posterior``'s prediction
-    mode (:func:`flatbma.posteriors.lowrank_vi.fixed`).
+    The scaled ``θ`` (:func:`flatbma.gaussian.scale_covariance`) is sampled by the low-rank family's sampler, with
+    ``state``'s buffers and ``posterior``'s prediction mode (:func:`flatbma.posteriors.lowrank_vi.fixed`).
 
     Raises:
         FlatbmaError: the posterior has no Gaussian.

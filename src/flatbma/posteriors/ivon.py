@@ -1,11 +1,9 @@
 """Improved Variational Online Newton: IVON (Shen et al., ICML 2024, Algorithm 1), a posterior and its optimizer.
 
-Shen et al., "Variational Learning is Effective for Large Deep Networks", ICML 2024 (arXiv 2402.17641); the
-authors' package is ``ivon-opt`` (team-approx-bayes/ivon), which ``tests/posteriors/test_ivon.py`` checks this
-against.
+"Variational Learning is Effective for Large Deep Networks" (arXiv 2402.17641); reference package ``ivon-opt``.
 
-A mean-field Gaussian ``q(w) = N(m, diag σ²)`` with ``σ = 1/√(λ(h + δ))``, trained by a natural-gradient
-update at the cost of one gradient per Monte-Carlo sample. Step ``t = 1, 2, …`` with ``M`` samples:
+A mean-field Gaussian ``q(w) = N(m, diag σ²)`` with ``σ = 1/√(λ(h + δ))``, trained by a natural-gradient update at
+the cost of one gradient per Monte-Carlo sample. Step ``t = 1, 2, …`` with ``M`` samples:
 
     ``θ_j = m + σ ⊙ z_j``, ``z_j ~ N(0, I)``                          the samples (``j = 1..M``)
     ``ĝ = (1/M) Σ_j ∇L_B(θ_j)``                                        the gradient at the samples
@@ -15,28 +13,22 @@ update at the cost of one gradient per Monte-Carlo sample. Step ``t = 1, 2, …`
     ``m ← m − α_t · clip((g/(1 − β₁ᵗ) + δ m)/(h + δ), −ξ, ξ)``          mean (bias-corrected momentum)
 
 then ``σ = 1/√(λ(h + δ))`` with the new ``h``; ``σ`` and ``(θ_j − m)/σ²`` in ``ĥ`` are those of the ``h`` the
-samples were drawn with. ``λ`` (``ess``) is the effective sample size, ``N`` the training-set size by default:
-``q`` then approximates the posterior of ``N`` examples under the prior ``N(0, I/(λδ))`` (``δ`` is the weight
-decay). ``h`` starts at ``h₀`` (``hess_init``) and ``g`` at 0. With ``rescale_lr`` (the algorithm's optional
-line, ``ivon-opt``'s default) ``α_t = (h₀ + δ)·η_t``, so that the first steps are SGD-sized steps of rate
-``η_t``; ``ξ`` (``clip_radius``) clips every coordinate of the step, ``None`` for none.
+samples were drawn with. ``λ`` (``ess``, default ``N``, the training-set size) is the effective sample size: ``q``
+then approximates the posterior of ``N`` examples under the prior ``N(0, I/(λδ))``, ``δ`` the weight decay. ``h``
+starts at ``h₀`` (``hess_init``), ``g`` at 0. With ``rescale_lr`` (``ivon-opt``'s default) ``α_t = (h₀ + δ)·η_t``,
+so the first steps are SGD-sized; ``ξ`` (``clip_radius``) clips every coordinate of the step, ``None`` for none.
 
-IVON is its own optimizer: of the ``optimizer`` it is given (flatbma's SGD, the ``optim`` section) it reads
-``η_t = optimizer.learning_rate(step)`` (``optim.lr`` and ``optim.schedule``), ``β₁ = optimizer.momentum`` and
-``δ = optimizer.weight_decay``; Adam and Nesterov momentum are refused (one line, :func:`build`). Prediction:
-the BMA samples ``w ~ N(m, σ²)``; the posterior mean is ``m``.
+IVON is its own optimizer: from flatbma's SGD it reads ``η_t = optimizer.learning_rate(step)``,
+``β₁ = optimizer.momentum`` and ``δ = optimizer.weight_decay``; Adam and Nesterov momentum are refused. The BMA
+samples ``w ~ N(m, σ²)``; the posterior mean is ``m``. With an ascent step on weights (F-IVON) the gradient at
+each sample is ``∇L_B(θ_j + ε_j)``, ``ε_j = ascent.perturb(θ_j, ∇L_B(θ_j))``, in both ``ĝ`` and ``ĥ``.
 
-With an ascent step on weights (F-IVON, :func:`build`) the gradient at each sample is the sharpness-aware
-one, ``∇L_B(θ_j + ε_j)`` with ``ε_j = ascent.perturb(θ_j, ∇L_B(θ_j))``, and enters both ``ĝ`` and ``ĥ``.
-
-State: ``params`` = ``{"mean/<name>": m, "hess/<name>": h}`` (packed as one ``[2, d]`` buffer, names in sorted
-order), ``aux`` = ``{"ivon/momentum/<name>": g}`` (:class:`Momentum`, one ``[d]`` buffer), the noise seed
-``rng/seed`` and an amortized ascent step's memories ``ascent/sample<j>/…``; the step count ``t`` is
-:attr:`State.step` + 1.
-Randomness: step ``t``'s noise is drawn from the generator of ``(rng/seed, t − 1)``
-(:func:`flatbma.rng.seeded_generator`), ``z_j`` as one ``[d]`` draw in the layout's order, so a resumed state
-draws what it would have. Data-parallel runs all-reduce every ``∇L_B(θ_j)`` (``Objective.reduce_grads``) and draw
-the same ``z_j`` on every rank, so ``ĝ`` and ``ĥ`` are those of the global batch: the reference's ``sync=True``.
+State: ``params`` = ``{"mean/<name>": m, "hess/<name>": h}`` (packed as one ``[2, d]`` buffer, names sorted),
+``aux`` = ``{"ivon/momentum/<name>": g}`` (:class:`Momentum`, one ``[d]`` buffer), the noise seed ``rng/seed`` and
+an amortized ascent step's memories ``ascent/sample<j>/…``; ``t`` is :attr:`State.step` + 1. Step ``t``'s noise is
+drawn from the generator of ``(rng/seed, t − 1)`` (:func:`flatbma.rng.seeded_generator`), one ``[d]`` draw per
+``z_j``, so a resumed state draws what it would have. Data-parallel runs all-reduce every ``∇L_B(θ_j)`` and draw
+the same ``z_j`` on every rank: ``ĝ`` and ``ĥ`` are those of the global batch (the reference's ``sync=True``).
 """
 
 from __future__ import annotations
@@ -90,11 +82,10 @@ NAME = "ivon"
 
 
 class Momentum(NamedTuple):
-    """IVON's own state (component :data:`NAME` of ``aux``, :mod:`flatbma.named`).
+    """IVON's own state (component :data:`NAME` of ``aux``).
 
     Attributes:
-        momentum: the gradient momentum ``g`` by weight name; after :func:`init` (or once per state after a load)
-            views of one ``[d]`` buffer laid out as ``θ``'s rows.
+        momentum: the gradient momentum ``g`` by weight name, as views of one ``[d]`` buffer laid out as ``θ``'s rows.
     """
 
     momentum: dict[str, Tensor]
@@ -108,22 +99,17 @@ KIND = "ivon"
 class Options:
     """IVON's options (:func:`build`); ``β₁``, ``δ`` and ``η_t`` come from the optimizer (``optim``).
 
-    The defaults are those of the authors' package ``ivon-opt`` 0.1.3, with ``λ = N`` as the paper's Algorithm 1
-    (the settings of the authors' runs, team-approx-bayes/ivon-experiments, are named beside each):
+    The defaults are ``ivon-opt`` 0.1.3's, with ``λ = N`` as in Algorithm 1.
 
     Attributes:
-        ess: ``λ``, the effective sample size; ``None``: ``N``, the training-set size (Algorithm 1's ``λ ← N``,
-            the package's usage guide ``ess=len(train_dataset)``). A larger ``λ`` narrows ``q``.
-        hess_init: ``h₀ > 0``, the initial Hessian estimate, so the initial ``σ = 1/√(λ(h₀ + δ))``
-            (``ivon-opt``'s default 1.0; the authors' CIFAR ResNets use 0.5, ImageNet 0.05, GPT-2 0.001).
-        beta2: ``β₂``, the Hessian's decay (``1 − 10⁻⁵``: ``ivon-opt``'s default and the authors' CIFAR runs;
-            ``h`` moves by a fraction ``≈ (1 − β₂)`` of ``ĥ − h`` per step, so a run of ``T`` steps moves ``σ``
-            only when ``T(1 − β₂)`` is not small).
-        mc_samples: ``M``, samples (gradients) per step (1: the paper's standard setting).
-        clip_radius: ``ξ``, the elementwise clip of the step; ``None`` for none (``ivon-opt``'s ``inf``, the
-            authors' image classification; their GPT-2 runs use ``10⁻³``).
-        rescale_lr: ``α_t = (h₀ + δ)·η_t`` (Algorithm 1's optional rescaling, ``ivon-opt``'s default); ``False``:
-            ``α_t = η_t``.
+        ess: ``λ``, the effective sample size; ``None``: ``N``, the training-set size. A larger ``λ`` narrows ``q``.
+        hess_init: ``h₀ > 0``, the initial Hessian estimate, so the initial ``σ = 1/√(λ(h₀ + δ))`` (the authors'
+            CIFAR ResNets use 0.5, ImageNet 0.05, GPT-2 0.001).
+        beta2: ``β₂``, the Hessian's decay; ``h`` moves by ``≈ (1 − β₂)(ĥ − h)`` per step, so a run of ``T``
+            steps moves ``σ`` only when ``T(1 − β₂)`` is not small.
+        mc_samples: ``M``, samples (gradients) per step.
+        clip_radius: ``ξ``, the elementwise clip of the step; ``None`` for none (the authors' GPT-2 runs: ``10⁻³``).
+        rescale_lr: ``α_t = (h₀ + δ)·η_t`` (Algorithm 1's optional rescaling); ``False``: ``α_t = η_t``.
     """
 
     NOTES: ClassVar[str] = """
@@ -210,13 +196,8 @@ def build(
 ) -> Posterior:
     """IVON (Shen et al. 2024, Algorithm 1; the update is in the module docstring), or F-IVON with an ascent step.
 
-    Args:
-        objective: model and mean mini-batch loss; ``objective.num_data`` is ``N`` (``ess: null``).
-        optimizer: flatbma's :class:`~flatbma.optim.SGD`: ``η_t = optimizer.learning_rate(step)``,
-            ``β₁ = optimizer.momentum``, ``δ = optimizer.weight_decay``.
-        ascent: an ascent step on weights (SAM, ASAM, Fisher-SAM, or :class:`~flatbma.optim.Amortized` around
-            one) taken at every sample, or ``None``.
-        options: the fields of :class:`Options`.
+    ``optimizer`` must be flatbma's :class:`~flatbma.optim.SGD`; ``ascent`` a step on weights (SAM, ASAM,
+    Fisher-SAM, or :class:`~flatbma.optim.Amortized` around one), taken at every sample.
 
     Raises:
         FlatbmaError: an option out of range, another optimizer (Adam), Nesterov momentum, or an ascent step on
@@ -286,11 +267,7 @@ def _momentum(state: State) -> dict[str, Tensor]:
 
 
 def _packed(state: State) -> tuple[State, Tensor, Tensor, Tensor, packed.Layout]:
-    """``(state, m, h, g, weights layout)``: ``θ`` and the momentum as flat buffers (packed again once if needed).
-
-    A state from :func:`init` is packed; one loaded from a checkpoint or moved to another device is packed again
-    here (same values: packing only changes the storage).
-    """
+    """``(state, m, h, g, weights layout)``: ``θ`` and the momentum as flat buffers (packed again once if needed)."""
     found = packed.buffer(state.params, kind=KIND)
     g = _momentum(state)
     flat_g = None if found is None else packed.flat_of(g, _row_layout(found[0]).keys)
@@ -392,7 +369,7 @@ def _apply(
     """The momentum, Hessian and mean updates of step ``t = step + 1``, in place (every temporary reused).
 
     From ``Σ_j ĝ_j`` and ``Σ_j z_j ⊙ ĝ_j`` of the ``M`` samples, ``shifted = h + δ`` and ``σ`` of the ``h`` they were
-    drawn with: ``ĥ = (1/M) Σ_j ĝ_j ⊙ (θ_j − m)/σ² = (1/M) Σ_j ĝ_j ⊙ z_j / σ``. A few flat kernels over ``[d]``.
+    drawn with: ``ĥ = (1/M) Σ_j ĝ_j ⊙ (θ_j − m)/σ² = (1/M) Σ_j ĝ_j ⊙ z_j / σ``.
     """
     b1, b2, delta, k = rule.beta1, rule.beta2, rule.weight_decay, rule.mc_samples
     if k > 1:
@@ -443,8 +420,7 @@ def marginal_variance(state: State, *, rule: _Rule) -> Params:
 def gaussian(state: State, *, rule: _Rule) -> Params:
     """``N(m, diag σ²)`` in the low-rank ``θ`` layout of :mod:`flatbma.gaussian`: ``log_std = log(√2 σ)``, ``L = 0``.
 
-    That layout's ``Σ = ½(diag s² + LLᵀ/(K−1))`` with ``s = √2 σ`` and ``L = 0`` (rank 2) is ``diag σ²`` exactly,
-    so width matching (``match_width``) and a two-stage run's prior read IVON's posterior as it is.
+    That layout's ``Σ = ½(diag s² + LLᵀ/(K−1))`` with ``s = √2 σ`` and ``L = 0`` (rank 2) is ``diag σ²`` exactly.
     """
     variance = marginal_variance(state, rule=rule)
     means = section(state.params, "mean")
@@ -455,10 +431,7 @@ def gaussian(state: State, *, rule: _Rule) -> Params:
 
 
 def advice(method: Section, prior: bool, diagnostics: Mapping[str, Any]) -> str:
-    """What to change when IVON's BMA is worse than its mean (:attr:`Family.advice`).
-
-    A larger effective sample size narrows ``q``.
-    """
+    """What to change when IVON's BMA is worse than its mean (:attr:`Family.advice`): a larger ``ess`` narrows ``q``."""
     ess = method.options["ess"]
     return f"ess: 10x (now {'the data size' if ess is None else f'{ess:g}'})"
 

@@ -1,18 +1,16 @@
 """The Laplace approximation around a MAP trained in the same run: ``q(w) = N(w*, (H/T + δ)⁻¹)``.
 
-Over 500 lines on purpose: a family is one module over its ``Options`` and ``State`` (the guide's
-form); the Laplace family's two stages (the MAP and the curvature pass), its prior-precision choice and
-its option checks all read the same ``Options`` and ``Fit``, and the curvature itself already lives in
+Over 500 lines on purpose: the family's two stages (the MAP and the curvature pass), its prior-precision choice
+and its option checks all read the same ``Options`` and ``Fit``; the curvature itself lives in
 :mod:`flatbma.curvature`.
 
-``w*`` is a point estimate (:func:`flatbma.posteriors.point.step`: SGD, or SAM/ASAM/Fisher-SAM with an
-ascent step — F-Laplace), ``H`` the generalized Gauss-Newton (or empirical Fisher) of the summed
-training loss at ``w*`` in a diagonal, Kronecker-factored or full structure (:mod:`flatbma.curvature`),
-``δ`` the precision of the prior ``N(w₀, δ⁻¹I)`` — fixed, or maximizing the Laplace evidence (MacKay
-1992; Immer et al. 2021) — with ``w₀ = 0`` or the pretrained weights (L2-SP; Li, Grandvalet & Davoine
-2018), and ``T`` a temperature. The posterior's predictive is the network linearized
-at ``w*`` (the GLM predictive of Immer, Korzepa & Bauer 2021), its probit approximation, or the network
-itself on the samples (:class:`flatbma.types.Predictive`; Daxberger et al. 2021, "Laplace Redux").
+``w*`` is a point estimate (:func:`flatbma.posteriors.point.step`: SGD, or SAM/ASAM/Fisher-SAM: F-Laplace), ``H``
+the generalized Gauss-Newton (or empirical Fisher) of the summed training loss at ``w*`` in a diagonal,
+Kronecker-factored or full structure, ``δ`` the precision of the prior ``N(w₀, δ⁻¹I)`` — fixed, or maximizing the
+Laplace evidence (MacKay 1992; Immer et al. 2021) — with ``w₀ = 0`` or the pretrained weights (L2-SP; Li,
+Grandvalet & Davoine 2018), and ``T`` a temperature. The predictive is the network linearized at ``w*`` (GLM;
+Immer, Korzepa & Bauer 2021), its probit approximation, or the network on the samples
+(:class:`flatbma.types.Predictive`; Daxberger et al. 2021, "Laplace Redux").
 """
 
 from __future__ import annotations
@@ -100,10 +98,9 @@ _log = logging.getLogger(__name__)
 class PriorMean(str, Enum):
     """The mean ``w₀`` of the prior ``N(w₀, δ⁻¹I)``.
 
-    ``zero``: ``w₀ = 0`` (the point weight decay pulls to). ``pretrained``: ``w₀`` is the value given to
-    ``init`` of every trained tensor loaded from a pretrained checkpoint (:func:`flatbma.models.is_pretrained`)
-    and 0 for the others (a re-initialized head): the L2-SP prior of transfer learning (Li, Grandvalet &
-    Davoine, ICML 2018), which shrinks towards the source network rather than towards 0.
+    ``zero``: ``w₀ = 0``. ``pretrained``: ``w₀`` is the value given to ``init`` of every trained tensor loaded from
+    a pretrained checkpoint (:func:`flatbma.models.is_pretrained`), 0 for the others (a re-initialized head): the
+    L2-SP prior of transfer learning (Li, Grandvalet & Davoine, ICML 2018).
     """
 
     ZERO = "zero"
@@ -111,12 +108,10 @@ class PriorMean(str, Enum):
 
 
 class Subset(str, Enum):
-    """The weights the Laplace approximation is over (the others stay at the MAP: a point estimate of them).
+    """The weights the Laplace approximation is over; the others stay at the MAP (which trains them all).
 
     ``all``: every trained weight. ``last-layer``: the weight and bias of the classifier, the model's last
-    ``nn.Linear`` (:func:`flatbma.models.classifier_of`) — last-layer Laplace, laplace-torch's default
-    (Daxberger et al., "Laplace Redux", NeurIPS 2021, §4: the last layer is a cheap and strong default,
-    also against the all-weights KFAC Laplace). The MAP phase trains every trained weight either way.
+    ``nn.Linear``: laplace-torch's default (Daxberger et al., "Laplace Redux", NeurIPS 2021, §4).
     """
 
     ALL = "all"
@@ -138,15 +133,12 @@ class Options:
 
     Attributes:
         start_step: MAP updates before the curvature phase (0: post-hoc Laplace of the weights given to
-            ``init``). ``None`` is left to :func:`flatbma.training.build`, which sets ``train.epochs`` × steps
-            per epoch, the optimizer's schedule, and runs the epochs :attr:`phases` declares after them: the
-            curvature phase; a state cannot be updated with ``None``.
+            ``init``). ``None``: all the run's ``train.epochs``, set by :func:`flatbma.training.build`.
         hessian: ``diag``, ``kfac`` (Linear/Conv2d weights ``B ⊗ A``, everything else diagonal) or ``full``.
         curvature: ``ggn`` or ``ef`` (the empirical Fisher: cheaper, not second-order information).
-        prior_precision: a fixed ``δ > 0``, ``None`` to maximize the evidence, or ``"val"``
-            (:data:`VALIDATION`): chosen after training by the BMA's validation NLL over a grid, which
-            :func:`flatbma.fit_posterior` does (with ``val_loader=``); until it is chosen, the
-            posterior is the evidence's (δ enters neither the MAP nor the curvature).
+        prior_precision: a fixed ``δ > 0``, ``None`` to maximize the evidence, or ``"val"`` (:data:`VALIDATION`):
+            chosen after training by the BMA's validation NLL over a grid (:func:`flatbma.fit_posterior` with
+            ``val_loader=``); until then the posterior is the evidence's.
         prior_structure: ``scalar`` (one ``δ``) or ``layerwise`` (one per parameter tensor; not with ``full``).
         prior_mean: ``zero`` or ``pretrained`` (:class:`PriorMean`; a model with no trained tensor loaded
             from a checkpoint is refused at ``init``).
@@ -154,10 +146,7 @@ class Options:
         predictive: ``glm``, ``probit`` or ``samples`` (:class:`flatbma.types.Predictive`).
         max_full: ``full``: the primal ``[d, d]`` form up to ``d = max_full``, the dual rows up to
             ``n·C = max_full``; otherwise refused.
-        subset: the weights the posterior is over (:class:`Subset`): the ``last-layer`` (the default: the
-            classifier's weight and bias; the other trained weights stay at ``w*``, and ``H``, ``δ``, the
-            evidence, the samples and the variances are the last layer's) — laplace-torch's default and the
-            recommendation of Daxberger et al. ("Laplace Redux", NeurIPS 2021, §4) — or ``all`` trained weights.
+        subset: the weights the posterior is over (:class:`Subset`): ``last-layer`` (the default) or ``all``.
     """
 
     phases: ClassVar[tuple[Phase, ...]] = (MAP, CURVATURE)
@@ -197,46 +186,24 @@ def build(
 ) -> Posterior:
     """A MAP phase, then a curvature phase, then ``N(w*, P⁻¹)`` with ``P = H/T + δ``.
 
-    MAP phase: updates ``1..start_step`` are :func:`flatbma.posteriors.point.step` byte for byte — ``w``
-    trained with ``optimizer`` (and ``ascent``: SAM gives F-Laplace) — so after them the state's ``w``
-    equals that of the point method with the same optimizer and data.
+    MAP phase: updates ``1..start_step`` are exactly :func:`flatbma.posteriors.point.step` (with ``ascent``, SAM
+    gives F-Laplace), so the state's ``w`` then equals the point method's with the same optimizer and data.
 
-    Curvature phase: every later update leaves ``w = w*`` (and the optimizer state) alone and adds the
-    batch's curvature ``Σ_{i∈B} J_iᵀ Λ_i J_i`` (GGN, ``Λ_i = diag p_i − p_i p_iᵀ``; or the empirical Fisher
-    ``Σ_i g_i g_iᵀ``) to the accumulators of the ``hessian`` structure, with the model in eval mode on the
-    state's buffers (a deterministic function of ``w``), and reports the loss and logits at ``w*``. After
-    ``n_seen`` examples ``H = (n/n_seen)·Σ_seen`` (``n = objective.num_data``). Under data parallelism
-    (``objective.reduce_grads``) each batch's curvature is the mean over the processes of their shards'
-    (:meth:`flatbma.curvature.Estimator.accumulate`), and the first curvature step also averages the
-    BatchNorm running statistics over the processes, so every process linearizes at the same network.
+    Curvature phase: every later update leaves ``w = w*`` and the optimizer state alone and adds the batch's
+    ``Σ_{i∈B} J_iᵀ Λ_i J_i`` (GGN of the cross-entropy, ``Λ_i = diag p_i − p_i p_iᵀ``; or the empirical Fisher
+    ``Σ_i g_i g_iᵀ``) to the accumulators (:func:`curvature_step`). After ``n_seen`` examples
+    ``H = (n/n_seen)·Σ_seen`` (``n = objective.num_data``).
 
-    Prior: ``N(w₀, δ⁻¹I)``, with ``w₀ = 0`` (``prior_mean: zero``) or, with ``prior_mean: pretrained``,
-    the L2-SP mean of Li, Grandvalet & Davoine (2018): the value given to ``init`` of every trained tensor
-    loaded from a pretrained checkpoint (:func:`flatbma.models.is_pretrained`) and 0 for the others (a
-    re-initialized head), kept in the state (``aux["laplace/prior_mean/<name>"]``) so that a checkpoint or a
-    saved predictor holds it. The Laplace approximation stays post hoc: its mean is ``w*``, and ``w₀`` enters
-    only through ``δ`` and the evidence.
+    The prior mean ``w₀`` (:class:`PriorMean`) is kept in the state (``aux["laplace/prior_mean/<name>"]``); the
+    posterior mean stays ``w*``: ``w₀`` enters only through ``δ`` and the evidence.
 
-    Posterior (computed from the state on first use and kept with it, :func:`flatbma.types.derive`; never
-    saved): ``δ`` is
-    ``prior_precision``, or the maximizer of the Laplace evidence (MacKay 1992)
+    Posterior (computed on first use, :func:`fitted`; never saved): ``δ`` is ``prior_precision``, or the maximizer
+    of the Laplace evidence (MacKay 1992)
     ``log Z(δ) = −Σ_i ℓ_i(w*) − ½ Σ_g δ_g‖w*_g − w₀_g‖² + ½ Σ_g d_g log δ_g − ½ log det(H/T + diag δ)``,
-    where ``δ‖w* − w₀‖² = γ`` (:func:`flatbma.curvature.optimize_prior`; one ``δ`` or one per parameter
-    tensor); ``sample`` returns
-    ``w* + Δ_m``, ``Δ_m ~ N(0, P⁻¹)``; ``mean`` is ``w*`` with its buffers; ``marginal_variance`` is
-    ``diag P⁻¹`` and ``functional_variance`` ``diag(J P⁻¹ Jᵀ)``, both exact for the structure;
-    ``diagnostics`` report ``δ``, ``log Z(δ)`` and ``γ``. The samples' BatchNorm statistics are
-    recomputed (``recompute_bn``); the linearized predictives recompute them once, at ``w*``.
-
-    Note: the MAP minimizes the loss plus the optimizer's weight decay, so ``w*`` is the mode of the
-    posterior only when ``δ = n·weight_decay`` (coupled SGD decay); post-hoc Laplace with another ``δ``
-    is the usual practice (Daxberger et al. 2021).
-
-    Args:
-        objective: model and mini-batch loss (cross-entropy: the GGN's ``Λ`` is its Hessian).
-        optimizer: the MAP's descent step.
-        ascent: the MAP's ascent step (SAM: F-Laplace), or ``None``.
-        options: the fields of :class:`Options`.
+    where ``δ‖w* − w₀‖² = γ`` (:func:`flatbma.curvature.optimize_prior`). ``sample`` returns ``w* + Δ_m``,
+    ``Δ_m ~ N(0, P⁻¹)``; ``marginal_variance`` is ``diag P⁻¹`` and ``functional_variance`` ``diag(J P⁻¹ Jᵀ)``,
+    both exact for the structure; ``diagnostics`` report ``δ``, ``log Z(δ)`` and ``γ``. ``w*`` is the posterior
+    mode only when ``δ = n·weight_decay`` (coupled SGD decay).
 
     Raises:
         FlatbmaError: an option out of range, a loss other than cross-entropy, and (at ``init``) a
@@ -274,10 +241,7 @@ def init(
     optimizer: GradientTransformation,
     ascent: Ascent | None,
 ) -> State:
-    """The MAP's point state, empty curvature accumulators, ``seen = nll = 0`` and, if pretrained, ``w₀``.
-
-    The point state is :func:`flatbma.posteriors.point.init_aux`'s: the optimizer's, and an amortized ascent's memory.
-    """
+    """The MAP's state (:func:`flatbma.posteriors.point.init_aux`), empty accumulators and, if pretrained, ``w₀``."""
     params = clone(params)
     est = _estimator(options, objective, chosen(options, objective, params))
     _log.info("laplace curvature: %s", est.describe())
@@ -495,9 +459,6 @@ def _estimator(options: Options, objective: Objective, params: Params) -> Estima
 def pretrained_mean(model: torch.nn.Module, params: Params) -> Params:
     """``w₀`` of ``prior_mean: pretrained``: ``params`` where ``model`` loaded them from a checkpoint, else zeros.
 
-    A copy of each tensor of ``params`` that :func:`flatbma.models.is_pretrained` marks in ``model``, zeros of
-    its shape and dtype for the others.
-
     Raises:
         FlatbmaError: none of ``params`` was loaded from a checkpoint (``w₀`` would be 0: ``prior_mean: zero``).
     """
@@ -514,8 +475,7 @@ def pretrained_mean(model: torch.nn.Module, params: Params) -> Params:
 def describe(fit: Fit) -> dict[str, float]:
     """A fit's :attr:`~flatbma.types.Capabilities.diagnostics`: its prior precision, log evidence and γ.
 
-    ``prior_precision`` is the one ``δ``, or the geometric mean of a layerwise one, each then beside it as
-    ``prior_precision/<tensor>``; ``effective_params`` is ``γ``.
+    A layerwise ``δ`` gives the geometric mean as ``prior_precision`` and each as ``prior_precision/<tensor>``.
     """
     values = list(fit.delta.values())
     if len(set(values)) == 1:
@@ -581,8 +541,7 @@ def build_around(
 ) -> Posterior:
     """:func:`build` around the MAP of ``of`` (a point method's section).
 
-    ``options`` are those of :class:`Options`; ``ascent`` is unused: the MAP's ascent step is ``of``'s
-    (``{name: sam, rho: 0.05}``).
+    ``options`` are those of :class:`Options`; ``ascent`` is unused: the MAP's ascent step is ``of``'s.
     """
     return build(objective, optimizer, of.ascent, **options)
 
@@ -590,10 +549,10 @@ def build_around(
 def check_laplace(method: Section, stage: Stage) -> None:
     """Laplace: options, a curvature epoch, a ``full`` Hessian within ``max_full``, a pretrained net for ``w₀``.
 
-    ``prior_mean: pretrained`` needs ``model.pretrained``.
+    ``start_step`` must be at most ``stage.steps``: the curvature epoch runs after ``stage.epochs``.
 
-    The run takes the epoch of the family's curvature phase beyond ``stage.epochs`` (its ``phases``), so
-    ``start_step`` (MAP updates) must be at most ``stage.steps`` for the curvature to see a whole epoch.
+    Raises:
+        FlatbmaError: any of these fails, or ``prior_precision: val`` outside the run's own method.
     """
     o, key = method.options, stage.key
     if o["prior_precision"] == VALIDATION and stage.method_key != "method":  # chosen after training
@@ -650,7 +609,7 @@ def _full_hessian(method: Section) -> bool:
 def advice(method: Section, prior: bool, diagnostics: Mapping[str, Any]) -> str:
     """What to change when Laplace's BMA is worse than its MAP (:attr:`Family.advice`).
 
-    The last layer, a larger prior precision (on validation data), the linearized predictive: none it has.
+    The last layer, a larger prior precision (on validation data), the linearized predictive: those it lacks.
     """
     o, tips = method.options, []
     if Subset(o["subset"]) is Subset.ALL:

@@ -4,15 +4,14 @@
 
     ``w = μ + (1/√2)(σ ⊙ z₁ + L z₂ / √(K − 1))``,  ``z₁ ~ N(0, I_d)``, ``z₂ ~ N(0, I_K)`` (mean 0),
 
-exactly the SWAG sampler (Maddox et al. 2019), so a SWAG posterior can initialize it
-(:func:`init_from_swag`). ``θ`` holds ``"mean/<name>"``, ``"log_std/<name>"`` and ``"factor/<name>"``
-(shape ``[K, *S]``) for every trained parameter ``<name>`` of shape ``S``; the family's maths — layout,
-sampler, covariance geometry, KL divergences — is :mod:`flatbma.gaussian`, re-exported here.
+exactly the SWAG sampler (Maddox et al. 2019), so a SWAG posterior can initialize it (:func:`init_from_swag`).
+``θ`` holds ``"mean/<name>"``, ``"log_std/<name>"`` and ``"factor/<name>"`` (shape ``[K, *S]``) for every trained
+parameter of shape ``S``; the family's maths is :mod:`flatbma.gaussian`, re-exported here.
 
 The prior is ``p = N(0, s² I)`` (:func:`build`) or another low-rank plus diagonal Gaussian
-(:func:`flatbma.posteriors.fp_bma.build_with_prior`). The method is chosen by the ascent step composed
-with the family: none, low-rank VI; one on weights (SAM), F-low-rank-VI (Nguyen et al., NeurIPS 2023);
-the Fisher ball on ``θ`` (:class:`flatbma.optim.FisherBall`), FP-BMA (Lim et al., UAI 2025).
+(:func:`flatbma.posteriors.fp_bma.build_with_prior`). The ascent step chooses the method: none, low-rank VI; SAM on
+weights, F-low-rank-VI (Nguyen et al., NeurIPS 2023); the Fisher ball on ``θ`` (:class:`flatbma.optim.FisherBall`),
+FP-BMA (Lim et al., UAI 2025).
 """
 
 from __future__ import annotations
@@ -104,8 +103,8 @@ class LowRankGaussian:
     def init_theta(self, params: Params, generator: torch.Generator) -> Params:
         """``μ = w₀``, ``σ = init_std``, ``L_ik ~ N(0, init_std²(K−1)/K)``.
 
-        Then ``E[Σ] = init_std² I``. The factor starts random, not at 0: ``L = 0`` is a stationary point
-        of the expected objective (``E[z₂] = 0`` makes the expected gradient in ``L`` vanish there).
+        Then ``E[Σ] = init_std² I``. ``L`` starts random because ``L = 0`` is a stationary point of the expected
+        objective (``E[z₂] = 0``).
         """
         k = self.rank
         c = self.init_std * math.sqrt((k - 1) / k)
@@ -184,11 +183,7 @@ def posterior(
     kl_weight: float,
     variance_step: VarianceStep,
 ) -> Posterior:
-    """The Gaussian VI posterior of a low-rank ``family``; its ``gaussian`` is ``q_θ`` itself (:func:`theta_of`).
-
-    Its mean is ``μ`` (:func:`~flatbma.posteriors.gaussian_vi.mean_of`) and its marginal variances ``diag Σ``
-    (:func:`flatbma.gaussian.marginal_variance`).
-    """
+    """The Gaussian VI posterior of a low-rank ``family``: mean ``μ``, variances ``diag Σ``, gaussian ``q_θ``."""
     built = gaussian_vi.build(
         objective,
         optimizer,
@@ -210,12 +205,8 @@ def marginal_variance_of(state: State) -> Params:
 def fixed(theta: Mapping[str, Tensor], buffers: Mapping[str, Tensor]) -> tuple[Posterior, State]:
     """The Gaussian ``q_θ`` itself as a posterior to measure, not to train, and its state.
 
-    It samples with the family's sampler :func:`~flatbma.gaussian.sample_weights` —
-    ``w = μ + (1/√2)(σ ⊙ z₁ + L z₂/√(K−1))``, which is SWAG's sampler distribution (Maddox et al. 2019) —
-    with ``buffers`` beside every sample (``recompute_bn=True``: the evaluation recomputes them); its mean
-    is ``μ`` and its marginal variances ``diag Σ`` in closed form. ``flatbma compare``'s ``match_width``
-    measures a Gaussian posterior with its covariance scaled this way
-    (:func:`~flatbma.gaussian.scale_covariance`).
+    It samples with the family's sampler, with ``buffers`` beside every sample (``recompute_bn=True``); its mean is
+    ``μ`` and its marginal variances ``diag Σ``. ``init`` and ``update`` raise ``FlatbmaError``.
     """
     rank = rank_of(theta)
     check_rank(rank)
@@ -243,16 +234,13 @@ class Options:
 
     Attributes:
         rank: ``K ≥ 2``, the number of factor columns.
-        num_mc_samples: Monte-Carlo samples ``M`` per step (their gradients are averaged; FP-BMA's two
-            passes share them).
+        num_mc_samples: Monte-Carlo samples ``M`` per step (gradients averaged; FP-BMA's two passes share them).
         init_std: initial marginal standard deviation of every weight.
         prior_std: prior standard deviation ``s`` (of the default prior ``N(0, s²I)``).
         kl_weight: ``κ`` (1 is the ELBO; smaller values temper the KL).
         variance_step: :class:`~flatbma.posteriors.gaussian_vi.VarianceStep` (or its name): ``natural`` steps
-            ``log σ`` along its natural gradient of the whole ELBO
-            (:func:`~flatbma.gaussian.natural_covariance_gradient`), so that the diagonal part of ``Σ`` moves to the
-            ELBO's optimum at a rate set by the learning rate; ``plain`` the optimizer's step on the plain gradient.
-            The factor ``L`` takes the plain step either way.
+            ``log σ`` along the natural gradient of the ELBO; ``plain`` takes the optimizer's step on the plain
+            gradient. The factor ``L`` takes the plain step either way.
     """
 
     NOTES: ClassVar[str] = """
@@ -275,10 +263,8 @@ def build(
     """Low-rank plus diagonal Gaussian VI; with an ascent step, F-low-rank-VI or FP-BMA.
 
     Minimizes ``E_{z₁,z₂}[L_B(w(θ, z))] + κ·KL(q_θ ‖ N(0, s²I)) / n`` over ``θ = (μ, log σ, L)`` with
-    ``optimizer`` (``n = objective.num_data``), the gradient of ``log σ`` scaled to its natural step first with
-    ``variance_step: natural`` (the default; :func:`~flatbma.gaussian.natural_covariance_gradient`,
-    :class:`~flatbma.posteriors.gaussian_vi.VarianceStep`). The ascent step says where it acts
-    (:mod:`flatbma.posteriors.gaussian_vi`):
+    ``optimizer`` (``n = objective.num_data``); with ``variance_step: natural`` (the default) the ``log σ`` gradient
+    is first scaled to its natural step (:func:`~flatbma.gaussian.natural_covariance_gradient`). An ascent step acts:
 
     * on weights (e.g. :class:`~flatbma.optim.SAM`; registered as ``f-lowrank-vi``): each sampled ``w`` is
       perturbed by ``ε = ascent.perturb(w, ∇L_B(w))`` and ``∇L_B(w + ε)`` is back-propagated to ``θ``;
@@ -286,19 +272,9 @@ def build(
       ``θ ← optimizer(θ, ∇_θ E_z L_B(w(θ + δ*, z)) + κ ∇_θ KL(q_θ ‖ p) / n`` with
       ``δ* = ascent.perturb(θ, ∇_θ E_z L_B(w(θ, z)))``, the same ``z`` in both passes (Lim et al. 2025).
 
-    ``init`` also accepts a ``θ`` from :func:`init_from_swag`; ``sample`` needs recomputed BatchNorm
-    statistics (``recompute_bn=True``).
-
-    The expected gradient in ``L`` is second order (``∝ H L`` by Stein's lemma) while its single-sample
-    noise is first order, so under Adam, which normalizes every coordinate, ``L`` diffuses by about
-    ``lr·√t`` in absolute units; prefer a smaller Adam learning rate than for mean-field VI (on digits
-    3e-3 rather than 1e-2) or SGD.
-
-    Args:
-        objective: model and mini-batch loss.
-        optimizer: optimizer of ``θ`` (Adam is the usual choice); its weight decay acts on ``μ`` only.
-        ascent: ascent step for the flat-seeking variants, or ``None``.
-        options: the fields of :class:`Options`.
+    ``init`` also accepts a ``θ`` from :func:`init_from_swag`. The optimizer's weight decay acts on ``μ`` only. The
+    expected gradient in ``L`` is second order (``∝ H L``, Stein's lemma) but its noise first order, so under Adam
+    ``L`` diffuses by about ``lr·√t``: prefer a smaller Adam learning rate than for mean-field VI, or SGD.
     """
     o = Options(**options)
     check_rank(o.rank)

@@ -1,9 +1,8 @@
 """MC dropout (Gal & Ghahramani, ICML 2016) and its flat-seeking variant F-MC-dropout (Nguyen et al. 2023).
 
-Training a network with dropout is approximate variational inference with ``q(W)`` = the weights
-multiplied by Bernoulli masks; the BMA averages ``M`` stochastic forward passes, each with a fresh
-mask: ``p(y|x) ≈ (1/M) Σ_m softmax(f(x; w ⊙ z_m))``, ``z_m ~ Bernoulli(1 − p)``. Its mean is the
-trained ``w`` and its width that of the masked weights (:func:`dropout_weight_variance`).
+Dropout training is approximate VI with ``q(W)`` = the weights times Bernoulli masks; the BMA averages ``M``
+forward passes, each with a fresh mask: ``p(y|x) ≈ (1/M) Σ_m softmax(f(x; w ⊙ z_m))``, ``z_m ~ Bernoulli(1 − p)``.
+Its mean is the trained ``w``, its width that of the masked weights (:func:`dropout_weight_variance`).
 """
 
 from __future__ import annotations
@@ -49,10 +48,8 @@ def build(
     """MC dropout: train ``w`` with dropout active, predict with ``M`` fresh dropout masks.
 
     Training is :func:`flatbma.posteriors.point.build`'s update on the dropout network,
-    ``w_{t+1} = opt(w_t, ∇L_B(w_t + ε_t; z'_t))`` with ``ε_t = ascent.perturb(w_t, ∇L_B(w_t; z_t))``,
-    where every forward pass draws its own mask: with an ascent step (F-MC-dropout, Nguyen et al.
-    2023) the second pass of SAM sees a fresh mask ``z'_t``. Without an ascent step it is ordinary
-    dropout training.
+    ``w_{t+1} = opt(w_t, ∇L_B(w_t + ε_t; z'_t))`` with ``ε_t = ascent.perturb(w_t, ∇L_B(w_t; z_t))``, every forward
+    pass drawing its own mask (with SAM, F-MC-dropout, the second pass sees a fresh ``z'_t``).
 
     **This function mutates** ``objective.model`` **(in place):**
 
@@ -60,24 +57,12 @@ def build(
        ``nn.AlphaDropout``, ...) gets ``p = rate``;
     2. if ``rate > 0`` and afterwards no dropout layer has ``p > 0``, the classifier ``name`` found by
        :func:`flatbma.models.classifier_of` is replaced by ``nn.Sequential(nn.Dropout(rate), linear)``
-       (the same ``nn.Linear`` object), so its parameters are renamed ``"<name>.weight"`` →
-       ``"<name>.1.weight"``. Take the parameters passed to ``init`` (e.g.
-       :func:`flatbma.params.trainable_params`) **after** ``build``; ``init`` rejects stale names.
+       (the same ``nn.Linear``), renaming ``"<name>.weight"`` → ``"<name>.1.weight"``. Take the parameters passed
+       to ``init`` (e.g. :func:`flatbma.params.trainable_params`) **after** ``build``; ``init`` rejects stale names.
+       Building twice on the same model inserts nothing the second time.
 
-    Building twice on the same model inserts nothing the second time.
-
-    Sampling: ``sample(state, n, generator)`` returns ``n`` references to the same weights; the
-    masks come from the forward passes in the prediction mode :func:`predict_mode` (eval mode, but
-    dropout layers in train mode), entered with a generator seeded as the sampling one: its block runs
-    on a forked copy of torch's RNG seeded with one draw from that generator, so the masks of a
-    prediction pass depend only on the generator's seed and the order of the forward passes, and the
-    caller's RNG stream is left untouched.
-
-    Args:
-        objective: model and mini-batch loss; its model is modified as described above.
-        optimizer: the descent step.
-        ascent: the ascent step (SAM for F-MC-dropout), or ``None``.
-        options: the fields of :class:`Options`.
+    ``sample(state, n, generator)`` returns ``n`` references to the same weights; the masks are drawn by the forward
+    passes in :func:`predict_mode`.
 
     Raises:
         FlatbmaError: ``rate`` outside ``[0, 1)``, or a dropout layer is needed but the model is a
@@ -126,8 +111,7 @@ def sample(state: State, n: int, generator: torch.Generator | None = None) -> li
 def predict_mode(model: nn.Module, generator: torch.Generator | None = None) -> Iterator[nn.Module]:
     """:func:`mc_dropout_mode`, its masks drawn from torch's RNG forked and seeded by one draw from ``generator``.
 
-    ``generator``: seeded as the samples' (:func:`flatbma.types.prediction_mode`); ``None``: the masks come
-    from torch's global RNG itself.
+    So the masks depend only on that seed and the order of the passes; ``None``: torch's global RNG itself.
     """
     with mc_dropout_mode(model):
         if generator is None:
@@ -145,13 +129,10 @@ def marginal_variance(state: State, *, model: nn.Module) -> Params:
 def dropout_weight_variance(model: nn.Module, params: Params) -> Params:
     """The marginal variances of MC dropout's weight distribution, by trained parameter name.
 
-    An ``nn.Linear`` right after an ``nn.Dropout(p)`` in an ``nn.Sequential`` (the classifier that
-    :func:`build` inserts, or a torchvision-style ``Dropout → Linear`` head) computes
-    ``W (x ⊙ z)/(1−p) = (W diag(z)/(1−p)) x`` with ``z_j ~ Bernoulli(1−p)``: its weights are distributed as
-    ``W_ij z_j/(1−p)``, with mean ``W_ij`` and variance ``W_ij² p/(1−p)`` (Gal & Ghahramani 2016's
-    view of dropout as a distribution over weights). Those are its width; every other trained parameter
-    (the bias, layers without dropout before them) has variance 0. Dropout layers elsewhere (on
-    activations inside blocks) have no such form in weight space and are not counted.
+    An ``nn.Linear`` right after an ``nn.Dropout(p)`` in an ``nn.Sequential`` (the classifier :func:`build` inserts,
+    or a torchvision-style head) computes ``(W diag(z)/(1−p)) x`` with ``z_j ~ Bernoulli(1−p)``: its weights
+    ``W_ij z_j/(1−p)`` have mean ``W_ij`` and variance ``W_ij² p/(1−p)``. Every other trained parameter has
+    variance 0; dropout on activations elsewhere has no weight-space form and is not counted.
     """
     variance = {k: torch.zeros_like(v) for k, v in params.items()}
     for name, module in model.named_modules():
@@ -169,14 +150,9 @@ def dropout_weight_variance(model: nn.Module, params: Params) -> Params:
 def prepare_dropout(model: nn.Module, rate: float, *, override_existing: bool = True) -> list[str]:
     """Make ``model`` a dropout network with rate ``rate`` (see :func:`build`); return the renamed modules.
 
-    Args:
-        model: the network, modified in place.
-        rate: dropout probability.
-        override_existing: set every existing dropout layer's ``p`` to ``rate``.
-
-    Returns:
-        The names of classifiers wrapped into ``nn.Sequential(nn.Dropout(rate), linear)`` (empty when
-        the model already had an active dropout layer or ``rate`` is 0).
+    ``model`` is modified in place. Returns the names of classifiers wrapped into
+    ``nn.Sequential(nn.Dropout(rate), linear)`` (empty when the model already had an active dropout layer or
+    ``rate`` is 0).
     """
     layers = [m for m in model.modules() if isinstance(m, _DropoutNd)]
     if override_existing:
@@ -213,8 +189,8 @@ def mc_dropout_mode(model: nn.Module) -> Iterator[nn.Module]:
 def check_dropout_rate(method: Section, stage: Stage) -> None:
     """MC dropout: ``rate: 0`` over every dropout layer (``override_existing``) draws no mask, a silent point estimate.
 
-    The library takes it (:func:`build`: the point estimate); a config asking
-    for MC dropout means masks.
+    Raises:
+        FlatbmaError: ``rate`` is 0 and ``override_existing`` is set.
     """
     if method.options["rate"] == 0 and method.options["override_existing"]:
         raise FlatbmaError(

@@ -1,10 +1,8 @@
 """Independent components of a mixture posterior: their initializations, state layout, seeds and splits.
 
-Used by the mixture of any family (:mod:`flatbma.posteriors.multi`), and so by the deep ensemble
-(:mod:`flatbma.posteriors.ensemble`), its mixture of point estimates. Component ``m`` owns the entries
-``"member<m>/<key>"`` of a state's ``params``, ``buffers`` and ``aux``; :func:`splitter` is the
-:attr:`~flatbma.types.Capabilities.split` of that layout, which ``train.parallel: members`` uses to spread the
-components over processes.
+Component ``m`` of a mixture (:mod:`flatbma.posteriors.multi`) owns the entries ``"member<m>/<key>"`` of a state's
+``params``, ``buffers`` and ``aux``; :func:`splitter` is the :attr:`~flatbma.types.Capabilities.split` of that
+layout, which ``train.parallel: members`` uses to spread the components over processes.
 """
 
 from __future__ import annotations
@@ -63,21 +61,13 @@ def member_initializations(
 ) -> list[tuple[Params, Params]]:
     """``(params, buffers)`` of every member: member 0 = the given ones, others re-initialized.
 
-    Every module of ``model`` that has ``reset_parameters``, whose parameters are all in the trainable
-    set (the keys of ``params``) and that is either the classifier head (:func:`flatbma.models.classifier_of`)
-    or holds no parameter loaded from a pretrained checkpoint (:func:`flatbma.models.is_pretrained`) is
-    re-initialized for member ``m ≥ 1``; the rest — frozen parts,
-    trainable pretrained parts (the BatchNorm layers of the norm+classifier transfer scheme keep their
-    pretrained affine parameters and statistics in every member), and trainable parameters of modules
-    without ``reset_parameters`` — is shared with member 0: members differ where the single model was
-    randomly initialized (a from-scratch network everywhere, a pretrained one in its new head), as a deep
-    ensemble for transfer learning does. The buffers of re-initialized modules are reset with them.
+    For member ``m ≥ 1``, every module of ``model`` with ``reset_parameters`` whose parameters are all trainable
+    (keys of ``params``) and that is the classifier head or holds no pretrained parameter
+    (:func:`flatbma.models.is_pretrained`) is re-initialized, with its buffers; the rest is shared with member 0.
+    Members thus differ where the single model was randomly initialized.
 
-    Member ``m ≥ 1`` is drawn with torch's CPU generator seeded by the ``m``-th integer drawn from a
-    generator seeded with ``seed``, on a forked copy of the RNG (the global stream is untouched), by CPU
-    copies of the re-initialized modules whose values then move to the model's device: the members are
-    the same numbers whatever device the model is on (a GPU's generator would draw others). ``model``
-    itself is not touched.
+    Member ``m`` is drawn on CPU copies under a forked RNG (the global stream is untouched) seeded from ``(seed, m)``,
+    so the members are the same numbers on any device. ``model`` itself is not touched.
     """
     trainable = set(params)
     head = _head_name(model)
@@ -133,10 +123,7 @@ def unprefixed(key: str) -> str:
 
 
 def prefixed_members(tensors: Params) -> list[int] | None:
-    """The members, ascending, whose entries ``tensors`` holds when every key is a member's; ``None`` otherwise.
-
-    ``None`` also for no keys at all: model weights (whose names never contain ``/``) are no member's.
-    """
+    """The members, ascending, whose entries ``tensors`` holds when every key is a member's; ``None`` otherwise."""
     found = [_PREFIX.match(k) for k in tensors]
     if not found or not all(found):
         return None
@@ -165,9 +152,8 @@ def member_seed(seed: int, m: int) -> int:
 def mixture_output(outs: Sequence[StepOutput]) -> StepOutput:
     """The step output of a uniform mixture of the members that produced ``outs``.
 
-    The mean loss and, as logits, the mixture's predictive log-probabilities
-    ``log (1/m) Σ_j softmax(logits_j)`` (their argmax is the mixture's prediction), as
-    :attr:`~flatbma.types.Capabilities.members` requires.
+    The mean loss and, as logits, the mixture's predictive log-probabilities ``log (1/m) Σ_j softmax(logits_j)``
+    (their argmax is the mixture's prediction), as :attr:`~flatbma.types.Capabilities.members` requires.
     """
     loss = torch.stack([o.loss for o in outs]).mean()
     log_probs = torch.stack([F.log_softmax(o.logits, dim=-1) for o in outs])
@@ -198,10 +184,11 @@ def _join(prefix: str, name: str) -> str:
 def check_member_memory(method: Section, stage: Stage, option: str = "size") -> None:
     """A posterior of ``method.<option>`` independent members holds at least that many copies of the trained weights.
 
-    Each copy is ``num_trainable`` float32 values (4 bytes): a lower bound of what the members need (their
-    optimizer states, a family's moments and the gradients come on top), refused up front when it exceeds
-    the memory available where the run trains (:attr:`~flatbma.family.RunShape.available_memory`)
-    — instead of an out-of-memory kill minutes later.
+    Each copy is ``num_trainable`` float32 values (4 bytes), a lower bound (optimizer states and gradients come on
+    top). Does nothing when the shape or the available memory is unknown.
+
+    Raises:
+        FlatbmaError: that bound exceeds :attr:`~flatbma.family.RunShape.available_memory`.
     """
     d, free = stage.shape.num_trainable, stage.shape.available_memory
     if d is None or free is None:
@@ -217,10 +204,7 @@ def check_member_memory(method: Section, stage: Stage, option: str = "size") -> 
 
 
 def unequal_members(method: Section, prior: bool, diagnostics: Mapping[str, Any]) -> str:
-    """What to change when a mixture is worse than its member 0 (:attr:`~flatbma.family.Family.advice`).
-
-    Members of unequal quality are averaged in: train them longer or more gently.
-    """
+    """What to change when a mixture is worse than its member 0 (:attr:`~flatbma.family.Family.advice`)."""
     return "more epochs or a lower optim.lr: members worse than member 0 are averaged in"
 
 

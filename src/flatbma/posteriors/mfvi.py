@@ -1,9 +1,8 @@
 """Mean-field Gaussian variational inference: Bayes by backprop (Blundell et al., ICML 2015).
 
-``q_θ(w) = N(μ, diag σ²)`` with ``σ = softplus(ρ)``; ``θ`` is stored as ``"mean/<name>"`` (``μ``) and
-``"rho/<name>"`` (``ρ``) for every trainable parameter ``<name>``. The prior is ``p = N(0, s² I)``.
-Built with an ascent step this is F-MFVI (flat-seeking VI, Nguyen et al., NeurIPS 2023); the training
-step is :func:`flatbma.posteriors.gaussian_vi.elbo_value_and_grad`.
+``q_θ(w) = N(μ, diag σ²)`` with ``σ = softplus(ρ)``; ``θ`` is stored as ``"mean/<name>"`` (``μ``) and ``"rho/<name>"``
+(``ρ``) for every trainable parameter. The prior is ``p = N(0, s² I)``. With an ascent step this is F-MFVI (flat-seeking
+VI, Nguyen et al., NeurIPS 2023); the step is :func:`flatbma.posteriors.gaussian_vi.elbo_value_and_grad`.
 """
 
 from __future__ import annotations
@@ -99,12 +98,10 @@ class MeanFieldGaussian:
 def natural_rho_gradient(theta: Mapping[str, Tensor], grads: Mapping[str, Tensor], scale: float) -> Params:
     """``grads`` with every ``rho/<name>`` multiplied by ``scale · F_ρ⁻¹ = scale · σ²/(2 sigmoid(ρ)²)``, clipped to ±1.
 
-    The Fisher information of ``N(μ, σ²)`` in ``σ`` is ``2/σ²``; with ``σ = softplus(ρ)``,
-    ``dσ/dρ = sigmoid(ρ)``, so ``F_ρ = 2 sigmoid(ρ)²/σ²`` — exact: the mean-field Fisher is diagonal and
-    block-diagonal between ``μ`` and ``ρ``. For small ``σ`` (``ρ ≪ 0``), ``softplus(ρ) ≈ sigmoid(ρ) ≈ e^ρ`` and the
-    factor is ``scale/2``: the natural step of ``log σ``. ``scale = n/(κG)`` gives the natural gradient of the whole
-    tempered ELBO in ``ρ`` at the optimizer's rate (:class:`~flatbma.posteriors.gaussian_vi.VarianceStep`, which
-    says why the clip). ``μ``'s entries are unchanged.
+    The Fisher of ``N(μ, σ²)`` in ``σ`` is ``2/σ²`` and ``dσ/dρ = sigmoid(ρ)``, so ``F_ρ = 2 sigmoid(ρ)²/σ²`` exactly
+    (the mean-field Fisher is diagonal). For ``ρ ≪ 0`` the factor is ``scale/2``, the natural step of ``log σ``.
+    ``scale = n/(κG)`` gives the natural gradient of the tempered ELBO in ``ρ`` at the optimizer's rate
+    (:class:`~flatbma.posteriors.gaussian_vi.VarianceStep`). ``μ``'s entries are unchanged.
     """
     out = dict(grads)
     for key, rho in section(theta, "rho").items():
@@ -123,9 +120,8 @@ class Options:
         prior_std: prior standard deviation ``s``.
         kl_weight: ``κ`` (1 is the ELBO; smaller values temper the KL).
         variance_step: :class:`~flatbma.posteriors.gaussian_vi.VarianceStep` (or its name): ``natural`` steps ``ρ``
-            along its natural gradient of the whole ELBO, so that ``σ`` moves from ``init_std`` to the ELBO's
-            optimum at a rate set by the learning rate alone; ``plain`` the optimizer's step on the plain gradient
-            (Blundell et al. 2015), under which ``σ`` stays at ``init_std`` on a data set of thousands of examples.
+            along the natural gradient of the ELBO; ``plain`` takes the optimizer's step on the plain gradient
+            (Blundell et al. 2015), under which ``σ`` stays near ``init_std`` on thousands of examples.
     """
 
     NOTES: ClassVar[str] = """
@@ -146,20 +142,12 @@ def build(
 ) -> Posterior:
     """Bayes by backprop (MFVI), or F-MFVI with an ascent step.
 
-    Minimizes ``E_{z~N(0,I)}[L_B(μ + σ⊙z)] + κ·KL(q_θ ‖ N(0, s²I)) / n`` over ``θ = (μ, ρ)`` with
-    ``optimizer``, where ``n = objective.num_data``; with ``variance_step: natural`` (the default) the gradient in
-    ``ρ`` is multiplied by ``n·F_ρ⁻¹`` first (:func:`natural_rho_gradient`), the natural gradient of the whole
-    ELBO in ``ρ``, so that ``σ`` reaches the ELBO's optimum ``σ_i² = 1/(n h_i + 1/s²)`` at a rate set by the
-    learning rate (:class:`~flatbma.posteriors.gaussian_vi.VarianceStep`, docs/methods.md §3.3). With an ascent
-    step each sampled ``w`` is
-    perturbed by ``ε = ascent.perturb(w, ∇L_B(w))`` and ``∇L_B(w + ε)`` is back-propagated to ``θ``
-    (see :mod:`flatbma.posteriors.gaussian_vi`).
-
-    Args:
-        objective: model and mini-batch loss.
-        optimizer: optimizer of ``θ`` (Adam is the usual choice); its weight decay acts on ``μ`` only.
-        ascent: ascent step for F-MFVI, or ``None``.
-        options: the fields of :class:`Options`.
+    Minimizes ``E_{z~N(0,I)}[L_B(μ + σ⊙z)] + κ·KL(q_θ ‖ N(0, s²I)) / n`` over ``θ = (μ, ρ)`` with ``optimizer``,
+    ``n = objective.num_data``. With ``variance_step: natural`` (the default) the ``ρ`` gradient is first multiplied
+    by ``n·F_ρ⁻¹`` (:func:`natural_rho_gradient`), so that ``σ`` reaches the ELBO's optimum
+    ``σ_i² = 1/(n h_i + 1/s²)`` at a rate set by the learning rate (docs/methods.md §3.3). With an ascent step each
+    sampled ``w`` is perturbed by ``ε = ascent.perturb(w, ∇L_B(w))`` and ``∇L_B(w + ε)`` is back-propagated to ``θ``.
+    Adam is the usual ``optimizer``; its weight decay acts on ``μ`` only.
     """
     o = Options(**options)
     step = gaussian_vi.check_options(

@@ -1,10 +1,8 @@
 """A uniform mixture of ``M`` independently trained posteriors of one family: MultiSWAG, Multi-FP-BMA, ...
 
-``q(w) = (1/M) Σ_m q_m(w)``, each component ``q_m`` a posterior of the same family trained from its own
-initialization on the same data, without interacting — the multi-basin BMA of Wilson & Izmailov
-(NeurIPS 2020, "Bayesian deep learning and a probabilistic perspective of generalization"), whose
-MultiSWAG is this mixture of SWAG posteriors. With a flat-seeking family (F-SWAG, FP-BMA) it is an
-ensemble of flat posteriors: flatness within basins, diversity across them.
+``q(w) = (1/M) Σ_m q_m(w)``, each ``q_m`` a posterior of the same family trained independently from its own
+initialization on the same data: the multi-basin BMA of Wilson & Izmailov (NeurIPS 2020), whose MultiSWAG is this
+mixture of SWAG posteriors. With a flat-seeking family (F-SWAG, FP-BMA) it is an ensemble of flat posteriors.
 """
 
 from __future__ import annotations
@@ -59,67 +57,38 @@ def build(
 ) -> Posterior:
     """The uniform mixture of ``members`` independently trained posteriors ``base``.
 
-    ``base`` is the family of every member, or one posterior per member (``base[m]`` is member ``m``'s,
-    all of one family): a two-stage run gives member ``m`` its own prior that way (below).
+    Initialization: member ``m`` starts at the weights of a deep ensemble
+    (:func:`flatbma.posteriors.members.member_initializations` under ``seed``; ``None``: one draw from torch's global
+    generator), or at its own entries of a start whose every key is a member's (``member<m>/...``); its state is
+    ``base.init`` of them under global generators seeded by a hash of ``(seed, m)`` (restored afterwards).
 
-    Initialization (``init(params, buffers)``): member ``m``'s starting weights are those of a deep ensemble
-    (:func:`flatbma.posteriors.members.member_initializations`: member 0 the given ones, member ``m ≥ 1``
-    every fully trainable module of ``objective.model`` re-initialized under a seed drawn from ``seed``;
-    ``None``: one integer drawn from torch's global generator), and its state is ``base.init`` of them,
-    run with torch's global generators seeded by a hash of ``(seed, m)`` (restored afterwards). Given a
-    start whose every key is a member's (``member<m>/...``, e.g. the ``θ`` of a mixture of Gaussians,
-    :attr:`Capabilities.gaussian`, with its buffers), member ``m`` starts at its own entries instead.
+    Training: every member takes ``base.update`` on the same mini-batch under global generators seeded by a hash of
+    ``(s_t, m)``, ``s_t`` one draw per step, so a member's draws do not depend on the others. It reports the mean
+    member loss and the log-predictive ``log (1/M) Σ_m softmax(f_m)``.
 
-    Training (``update``): every member takes ``base.update`` on the same mini-batch. The step draws one
-    integer ``s_t`` from torch's global generator and runs member ``m``'s update with the global
-    generators seeded by a hash of ``(s_t, m)``, so member ``m``'s draws do not depend on the other
-    members. It reports the mean member loss and the mixture's log-predictive
-    ``log (1/M) Σ_m softmax(f_m)`` (:func:`~flatbma.posteriors.members.mixture_output`).
+    Sampling (``sample(state, n, g)``): round-robin, sample ``i`` from member ``i mod M``, member ``m`` with its own
+    generator seeded from ``(s, m)``, ``s`` one draw from ``g``. ``recompute_bn`` and ``predict_mode`` are the
+    family's, the latter entered with the last member's generator, ``(s, M − 1)``.
 
-    Sampling (``sample(state, n, g)``): round-robin over the members — sample ``i`` comes from member
-    ``i mod M``, so member ``m`` gives ``⌈(n − m)/M⌉`` samples (none when ``n ≤ m``; a point-estimate
-    family gives its one point). One integer ``s`` is drawn from ``g`` and member ``m`` samples with its
-    own generator seeded from ``(s, m)`` (:func:`flatbma.rng.seeded_generator`), so a member's samples do
-    not depend on the others. The samples' BatchNorm statistics are the family's (``recompute_bn``), and so
-    is the prediction mode (``predict_mode``), entered with the generator of the last member, ``(s, M − 1)``.
+    ``members == 1`` is the family itself, bit for bit, predictive included (keys prefixed ``member0/``; no seed
+    drawn unless ``seed_single``). More members average their samples (a linearized predictive is refused); a
+    family's ``diagnostics`` are reported per member (``member<m>/...``).
 
-    ``members == 1`` is the family itself, bit for bit: no seed is drawn and ``base`` runs on the global
-    generators directly (the state's keys carry the ``member0/`` prefix) — unless ``seed_single``, which
-    seeds a single member's ``init`` and ``update`` as those of any member of a larger mixture (the
-    deep ensemble's, :func:`flatbma.posteriors.ensemble.build`) — with the family's predictive
-    (:attr:`~flatbma.types.Capabilities.predictive`: Laplace's linearized ones included). More members
-    average their samples (a linearized predictive, one per member's mean, is refused); a family's
-    ``diagnostics`` are reported per member (``member<m>/...``).
+    Mean and width, when the family has them: ``E_q[w] = (1/M) Σ_m μ_m`` (with member 0's buffers) and, by the law
+    of total variance, ``Var_q[w_i] = (1/M) Σ_m Var_{q_m}[w_i] + (1/M) Σ_m (μ_{m,i} − μ̄_i)²``. With Gaussian
+    members, ``gaussian(state)`` is every member's ``θ_m`` under its prefix ``member<m>/``: one Gaussian per member.
 
-    Mean and width: the mixture mean is the average of the members' means, ``E_q[w] = (1/M) Σ_m μ_m``
-    (with member 0's buffers; the evaluation recomputes BatchNorm statistics); its marginal variance
-    follows from the law of total variance over the uniform choice of member,
-    ``Var_q[w_i] = (1/M) Σ_m Var_{q_m}[w_i] + (1/M) Σ_m (μ_{m,i} − μ̄_i)²`` (the mean within-member
-    variance plus the population variance of the member means). Both exist when the family has them.
+    Two-stage runs (MultiSWAG → Multi-FP-BMA): the first stage is ``multi`` of the prior's method with the same
+    ``M`` and ``seed``, and member ``m`` takes that stage's member ``m`` as its prior (and, with ``prior.init``, its
+    start). A shared prior, fitted in one basin, would pull every member into it, so it is not offered.
 
-    Gaussian members (``gaussian``): when the family's posterior is a low-rank plus diagonal Gaussian,
-    the mixture's ``gaussian(state)`` is every member's ``θ_m`` under its prefix (``member<m>/mean/...``,
-    ``member<m>/log_std/...``, ``member<m>/factor/...``) — not one Gaussian, but one per member.
-
-    Two-stage runs (a ``prior`` section, MultiSWAG → Multi-FP-BMA) have per-member prior stages: the
-    first stage is itself a mixture, ``multi`` of the prior's method with the same ``M`` and ``seed``,
-    so its member ``m`` starts from the same independent initialization as member ``m`` here; member
-    ``m`` then takes member ``m``'s fitted Gaussian as its own prior (``base[m]`` built with it) and,
-    with ``prior.init``, starts at it (the member-prefixed start above). One *shared* prior stage is not
-    offered: fitted in one basin, it would pull every member towards that basin through ``KL(q_m ‖ p)``
-    (and with ``prior.init`` start them all at the same posterior), which is not a multi-basin mixture.
-
-    The members are the posterior's independent components (:attr:`Capabilities.members` ``= M``):
-    ``split(state, indices)`` keeps the ``member<m>/`` entries of ``indices``; ``update``, ``sample``,
-    ``mean`` and ``marginal_variance`` act on the members a state holds, which is what
-    ``train.parallel: members`` spreads over processes.
+    :attr:`Capabilities.members` ``= M``: ``split(state, indices)`` keeps the ``member<m>/`` entries of
+    ``indices``; ``update``, ``sample``, ``mean`` and ``marginal_variance`` act on the members a state holds.
 
     Args:
         objective: model and mini-batch loss (its model gives the members' initializations).
-        base: the family of every member, built for ``objective``; or ``members`` posteriors, member ``m``'s
-            the ``m``-th, of one family.
-        seed_single: with ``members == 1``, draw the seeds of ``init`` (unless ``seed`` is given) and of
-            every step, and run the member under them, as with more members (above); ignored otherwise.
+        base: the family of every member, or ``members`` posteriors of one family (member ``m``'s own prior).
+        seed_single: with ``members == 1``, seed ``init`` and every step as with more members; ignored otherwise.
         options: the fields of :class:`Options`.
 
     Raises:
@@ -244,10 +213,7 @@ def sample(
 def predict_mode(
     model: torch.nn.Module, generator: torch.Generator | None = None, *, bases: Sequence[Posterior]
 ) -> AbstractContextManager[Any]:
-    """The family's prediction mode, entered with the generator of the last member, ``(s, M − 1)`` (:func:`sample`).
-
-    Also when ``n < M`` samples leave member ``M − 1`` without one: the mode follows from the seed alone.
-    """
+    """The family's prediction mode, entered with the generator of the last member, ``(s, M − 1)`` (:func:`sample`)."""
     last = bases[-1]
     if len(bases) > 1 and generator is not None:
         generator = seeded_generator(draw_seed(generator), len(bases) - 1, generator.device)
@@ -314,8 +280,6 @@ def _starts(params: Params, buffers: Params, members: int) -> list[tuple[Params,
 def member_thetas(theta: Params, count: int) -> list[Params]:
     """Member ``m``'s ``θ_m`` of a mixture's ``θ`` (its :attr:`~flatbma.types.Capabilities.gaussian`), ``m < count``.
 
-    So a layer above the families never reads the ``member<m>/`` names (a two-stage mixture's per-member priors).
-
     Raises:
         FlatbmaError: ``θ`` holds other members than ``0..count−1`` (or is no mixture's).
     """
@@ -343,8 +307,7 @@ def build_of(
 ) -> Posterior:
     """:func:`build` of posteriors of the method ``of`` (a method section).
 
-    ``options`` are those of :class:`Options`. ``ascent`` is unused: the members'
-    ascent step is part of ``of`` (e.g. ``{name: fp-bma, gamma: 0.01}``).
+    ``options`` are those of :class:`Options`. ``ascent`` is unused: the members' ascent step is part of ``of``.
     """
     if of is None:
         raise FlatbmaError("method.of must name the members' method, e.g. of: {name: swag} (see 'flatbma methods')")
@@ -362,9 +325,8 @@ def build_of_with_prior(
 ) -> Posterior:
     """:func:`build_of` whose member ``m`` has its own prior: member ``m``'s Gaussian in ``prior_theta``.
 
-    ``prior_theta`` is a mixture's ``θ`` (:attr:`~flatbma.types.Capabilities.gaussian` of ``multi``: member
-    ``m``'s under ``member<m>/``), fitted by the per-member first stage (a mixture of ``prior.method``);
-    member ``m`` is ``of`` built with its ``θ_m`` (:func:`member_thetas`) as its prior.
+    ``prior_theta`` is a mixture's ``θ`` (member ``m``'s under ``member<m>/``), fitted by the per-member first
+    stage; member ``m`` is ``of`` built with its ``θ_m`` (:func:`member_thetas`) as its prior.
     """
     if of is None:
         return build_of(objective, optimizer, ascent, of=of, **options)  # its refusal
@@ -375,8 +337,7 @@ def build_of_with_prior(
 def check_members(method: Section, stage: Stage) -> None:
     """``multi``: its members fit in memory (:func:`check_member_memory`) and check the stage (``method.of.*``).
 
-    Several members average their samples: a members' method that predicts with the network linearized at
-    its mean (Laplace's ``predictive: glm`` or ``probit``) is refused, as :func:`build` does.
+    With several members, a linearized predictive of ``of`` (Laplace's ``glm`` or ``probit``) is refused.
     """
     check_member_memory(method, stage, "members")
     of = method.options["of"]
@@ -392,10 +353,7 @@ def check_members(method: Section, stage: Stage) -> None:
 
 
 def advice(method: Section, prior: bool, diagnostics: Mapping[str, Any]) -> str:
-    """What to change when a mixture is worse than its member 0 (:attr:`Family.advice`).
-
-    Its members' method's advice.
-    """
+    """What to change when a mixture is worse than its member 0 (:attr:`Family.advice`): its members' method's."""
     of = method.options.get("of")
     return f"of.{of.advice(prior, diagnostics)}" if of is not None else unequal_members(method, prior, {})
 

@@ -1,7 +1,6 @@
 """Point estimates (MAP): SGD and the sharpness-aware optimizers SAM, ASAM and Fisher-SAM.
 
-The "posterior" is a Dirac mass at ``w``; sampling returns ``w`` (the BMA of a point is the point), and
-so does its mean; its width is 0.
+The "posterior" is a Dirac mass at ``w``: sampling and the mean return ``w``, the width is 0.
 
 State: ``params`` = ``w``, ``buffers`` = the model's buffers, ``aux`` = the optimizer's state under
 ``optimizer/`` (SGD's ``optimizer/momentum/<w>``; Adam's ``optimizer/exp_avg/<w>``, ``optimizer/exp_avg_sq/<w>``)
@@ -37,17 +36,11 @@ def build(
 ) -> Posterior:
     """Train a point estimate ``w`` with ``optimizer``, optionally sharpness-aware.
 
-    ``w_{t+1} = opt(w_t, ∇L_B(w_t + ε_t))`` with ``ε_t = ascent.perturb(w_t, ∇L_B(w_t))``
-    (``ε_t = 0`` without an ascent step: plain SGD/MAP). With :class:`~flatbma.optim.SAM` this is SAM
-    (Foret et al. 2021); with :class:`~flatbma.optim.ASAM`, ASAM; with
-    :class:`~flatbma.optim.FisherSAM`, Fisher-SAM; with :class:`~flatbma.optim.Amortized` around one of
-    them, the same with the second pass every ``k`` steps (LookSAM), its memory kept in ``aux``.
-
-    Args:
-        objective: model and mini-batch loss.
-        optimizer: the descent step.
-        ascent: the ascent step, or ``None`` for a plain optimizer.
-        options: none (:class:`Options`).
+    ``w_{t+1} = opt(w_t, ∇L_B(w_t + ε_t))`` with ``ε_t = ascent.perturb(w_t, ∇L_B(w_t))`` (``ε_t = 0`` without an
+    ascent step: plain SGD/MAP). With :class:`~flatbma.optim.SAM` this is SAM (Foret et al. 2021); with
+    :class:`~flatbma.optim.ASAM`, ASAM; with :class:`~flatbma.optim.FisherSAM`, Fisher-SAM; with
+    :class:`~flatbma.optim.Amortized` around one of them, the second pass every ``k`` steps (LookSAM), its memory in
+    ``aux``. There are no ``options``.
     """
     Options(**options)
     return Posterior(
@@ -109,8 +102,6 @@ def step(
     batch: Batch,
 ) -> tuple[Params, StepOutput]:
     """One (sharpness-aware) optimizer step on ``params``, in place: the update of :func:`build`.
-
-    Shared by every family that trains point weights (MC dropout, Laplace's MAP).
 
     Args:
         objective: model and mini-batch loss.

@@ -5,8 +5,8 @@ The chain targets the tempered posterior ``p_T(w | S) ∝ exp(−U(w)/T)`` with 
 
     U(w) = n·L_S(w) − log p(w),   p(w) = N(0, σ² I),
 
-estimated on a mini-batch as ``Û(w) = n·L_B(w) + ‖w‖²/(2σ²)``; the iterates after burn-in (or at the
-end of each cycle) are the posterior samples.
+estimated on a mini-batch as ``Û(w) = n·L_B(w) + ‖w‖²/(2σ²)``; the iterates after burn-in (or at the end of each
+cycle) are the posterior samples.
 """
 
 from __future__ import annotations
@@ -69,11 +69,10 @@ class Options:
         prior_std: ``σ`` of the Gaussian prior; ``inf`` gives a flat prior.
         temperature: ``T > 0``.
         lr_scale: :class:`LrScale` (or its name, ``"mean"`` or ``"potential"``): what ``η_t`` multiplies.
-        burn_in: steps before the first stored sample. ``"auto"``, the default, is resolved by the experiment layer
-            from the run's ``T`` updates (:func:`resolve`): ``⌊T/2⌋``, the first half of the run.
-        thin: steps between stored samples. ``"auto"``, the default: ``max(1, ⌊(T − burn_in)/max_samples⌋)``, so
-            that the ``max_samples`` kept are spread over the rest of the run, up to its end (:func:`resolve`).
-            :func:`build` called directly refuses ``"auto"`` for either: give integers there.
+        burn_in: steps before the first stored sample; ``"auto"`` (the default): ``⌊T/2⌋`` of the run's ``T``
+            updates (:func:`resolve`).
+        thin: steps between stored samples; ``"auto"`` (the default): ``max(1, ⌊(T − burn_in)/max_samples⌋)``.
+            :func:`build` called directly refuses ``"auto"`` for either.
         max_samples: samples kept.
     """
 
@@ -105,12 +104,9 @@ second half up to its end, max(1, ⌊(T − burn_in)/max_samples⌋). Integers a
 
 @dataclass(frozen=True)
 class CyclicalOptions:
-    """Cyclical SGLD's options (:func:`build_cyclical`).
+    """Cyclical SGLD's options (:func:`build_cyclical`); ``prior_std``, ``temperature``, ``lr_scale`` as in SGLD's.
 
     Attributes:
-        prior_std: ``σ`` of the Gaussian prior; ``inf`` gives a flat prior.
-        temperature: ``T > 0``.
-        lr_scale: :class:`LrScale` (or its name; see :func:`build`).
         cycle_length: steps per cycle ``L``.
         exploration: fraction of each cycle without noise, in ``[0, 1)``.
         samples_per_cycle: iterates stored per cycle (at most the sampling stage's length).
@@ -153,32 +149,22 @@ def build(
         w ← w − ε_t ∇Û(w + δ_t) + √(2 ε_t T) ξ_t,   ξ_t ~ N(0, I),
         ∇Û(w + δ) = n ∇L_B(w + δ) + w/σ²,
 
-    where ``δ_t = ascent.perturb(w, ∇L_B(w))`` (``δ = 0`` without an ascent step; the prior term is
-    taken at ``w``). For small ``ε`` the iterates are distributed as ``p_T(w|S) ∝ exp(−U(w)/T)``:
-    ``T = 1`` is the Bayesian posterior, ``T < 1`` a cold posterior. The noise is drawn from torch's
-    global RNG (seeded by the run; with data-parallel gradient reduction every process must draw the
-    same noise, i.e. be seeded alike).
+    where ``δ_t = ascent.perturb(w, ∇L_B(w))`` (``δ = 0`` without an ascent step; the prior term is taken at
+    ``w``). For small ``ε`` the iterates follow ``p_T(w|S) ∝ exp(−U(w)/T)``: ``T = 1`` is the Bayesian posterior,
+    ``T < 1`` a cold one. The noise comes from torch's global RNG (under data parallelism every process must be
+    seeded alike).
 
-    Step size: ``η_t = optimizer.learning_rate(t)`` (the configured schedule). With
-    ``lr_scale="potential"``, ``ε_t = η_t`` multiplies the gradient of the full-data potential ``U``,
-    so ``η`` must be small: an SGD-sized learning rate divided by ``n`` (and ``η·λ_max(∇²U) < 2``). With
-    ``lr_scale="mean"``, ``ε_t = η_t/n``: ``η_t`` multiplies the gradient of the per-datum potential
-    ``U/n = L_B + ‖w‖²/(2nσ²)``, as an SGD learning rate does, and the noise scale is ``√(2 η_t T/n)``
-    (the parameterization of Zhang et al.'s code). Only the schedule of ``optimizer`` is used: SGLD
-    ignores its momentum, weight decay and state (the prior is the weight decay: ``1/(nσ²)`` per datum).
+    Step size: ``η_t = optimizer.learning_rate(t)``. With ``lr_scale="potential"``, ``ε_t = η_t`` multiplies the
+    gradient of the full-data potential ``U``, so ``η`` must be small (an SGD-sized rate divided by ``n``;
+    ``η·λ_max(∇²U) < 2``). With ``lr_scale="mean"``, ``ε_t = η_t/n``: ``η_t`` multiplies the gradient of
+    ``U/n = L_B + ‖w‖²/(2nσ²)`` as an SGD learning rate does, and the noise scale is ``√(2 η_t T/n)`` (Zhang et
+    al.'s code). Only the schedule of ``optimizer`` is used: its momentum, weight decay and state are ignored (the
+    prior is the weight decay).
 
-    Samples: after step ``t`` (``t + 1`` steps taken) the iterate is stored when
-    ``t + 1 > burn_in`` and ``(t + 1 − burn_in)`` is a multiple of ``thin``; at most ``max_samples``
-    are kept (a ring buffer keeps the latest). ``sample(state, n, generator)`` returns ``min(n, S)`` of
-    the ``S`` stored iterates in chronological order, evenly spaced from the oldest to the latest (the
-    latest alone for ``n = 1``), with the current buffers; ``recompute_bn`` is true, so BatchNorm
-    statistics are recomputed for each sample. The generator is not used.
-
-    Args:
-        objective: model, mini-batch loss and ``num_data = n``.
-        optimizer: supplies ``learning_rate(step)``.
-        ascent: the ascent step (SAM for F-SGLD), or ``None``.
-        options: the fields of :class:`Options`.
+    Samples: after ``t + 1`` steps the iterate is stored when ``t + 1 > burn_in`` and ``thin`` divides
+    ``t + 1 − burn_in``; a ring buffer keeps the latest ``max_samples``. ``sample(state, n, generator)`` returns
+    ``min(n, S)`` of the ``S`` stored iterates, evenly spaced oldest to latest (the latest for ``n = 1``), with the
+    current buffers (``recompute_bn``); the generator is not used.
 
     Raises:
         FlatbmaError: on an invalid option, or an optimizer without ``learning_rate``.
@@ -204,19 +190,11 @@ def build_cyclical(
 
         ε_t = ε⁰_t · ½ (cos(π r) + 1),
 
-    where ``ε⁰_t`` is :func:`build`'s step size (``η_t`` or ``η_t/n`` by ``lr_scale``; use
-    ``optim.schedule: constant`` for the paper's schedule, since a decaying ``η_t`` multiplies it).
-    Exploration stage ``r < exploration``: the step has no noise (SGD on ``U``, moving to a new mode).
-    Sampling stage ``r ≥ exploration``: Langevin steps with noise ``√(2 ε_t T) ξ``. Per cycle,
-    ``samples_per_cycle`` iterates are stored, spaced evenly over the sampling stage and ending with the
-    cycle's last step (where the step size is smallest). Storage and :attr:`Posterior.sample` are as in
-    :func:`build` (``max_samples`` latest kept).
-
-    Args:
-        objective: model, mini-batch loss and ``num_data = n``.
-        optimizer: supplies ``learning_rate(step)``.
-        ascent: the ascent step, or ``None``.
-        options: the fields of :class:`CyclicalOptions`.
+    where ``ε⁰_t`` is :func:`build`'s step size (use ``optim.schedule: constant`` for the paper's schedule).
+    Exploration stage ``r < exploration``: no noise (SGD on ``U``, to a new mode). Sampling stage
+    ``r ≥ exploration``: Langevin steps with noise ``√(2 ε_t T) ξ``. Per cycle, ``samples_per_cycle`` iterates are
+    stored, spaced evenly over the sampling stage and ending with the cycle's last step. Storage and sampling are as
+    in :func:`build`; ``options`` are :class:`CyclicalOptions`.
 
     Raises:
         FlatbmaError: on an invalid option.
@@ -308,9 +286,8 @@ def stored_samples(state: State) -> Params:
 def resolve(options: Mapping[str, Any], steps: int) -> dict[str, Any]:
     """``options`` (an SGLD section's) with ``burn_in: auto`` and ``thin: auto`` resolved for ``steps`` updates.
 
-    ``burn_in = ⌊T/2⌋`` (the first half of the run, Welling & Teh's burn-in before the chain is read) and
-    ``thin = max(1, ⌊(T − burn_in)/max_samples⌋)``: the ``max_samples`` iterates kept are spread over the second
-    half up to its end (the ring buffer keeps the latest). Integers are kept as they are.
+    ``burn_in = ⌊T/2⌋`` and ``thin = max(1, ⌊(T − burn_in)/max_samples⌋)``, so the ``max_samples`` iterates kept are
+    spread over the second half. Integers are kept as they are.
     """
     out = dict(options)
     if out.get("burn_in") == AUTO:
@@ -323,8 +300,7 @@ def resolve(options: Mapping[str, Any], steps: int) -> dict[str, Any]:
 def samples_stored(steps: int, *, burn_in: int, thin: int) -> int:
     """The number of iterates :func:`build` stores in ``steps`` steps: ``max(0, ⌊(steps − burn_in)/thin⌋)``.
 
-    Step ``t`` (``t + 1`` steps taken) stores when ``t + 1 > burn_in`` and ``thin`` divides ``t + 1 − burn_in``,
-    so the ``n``-th iterate is stored after ``burn_in + n·thin`` steps (at most ``max_samples`` are kept).
+    The ``n``-th iterate is stored after ``burn_in + n·thin`` steps (at most ``max_samples`` are kept).
 
     Raises:
         FlatbmaError: ``burn_in < 0`` or ``thin < 1`` (as :func:`build`).
@@ -337,9 +313,8 @@ def samples_stored(steps: int, *, burn_in: int, thin: int) -> int:
 def cyclical_samples_stored(steps: int, *, cycle_length: int, exploration: float, samples_per_cycle: int) -> int:
     """The number of iterates :func:`build_cyclical` stores in ``steps`` steps.
 
-    With ``L = cycle_length``, the iterates stored in a cycle are those at positions
-    ``j = L − 1 − i·s`` (``i < samples_per_cycle``, ``s`` the spacing of the sampling stage), so ``steps``
-    steps store ``⌊steps/L⌋·samples_per_cycle`` plus the positions ``j < steps mod L`` of the cycle begun.
+    With ``L = cycle_length``, a cycle stores the iterates at positions ``j = L − 1 − i·s`` (``i < samples_per_cycle``,
+    ``s`` the sampling stage's spacing): ``⌊steps/L⌋·samples_per_cycle`` plus those ``j < steps mod L``.
 
     Raises:
         FlatbmaError: invalid options (as :func:`build_cyclical`).
@@ -427,10 +402,7 @@ def _check_int(name: str, value: int, *, minimum: int) -> None:
 
 
 def check_burn_in(method: Section, stage: Stage) -> None:
-    """SGLD's families: the run must store at least one sample (:func:`samples_stored`).
-
-    ``burn_in: auto`` and ``thin: auto`` are resolved for the stage's updates (:func:`resolve`).
-    """
+    """SGLD's families: the run must store at least one sample (:func:`samples_stored`), ``auto`` options resolved."""
     o, key = method.resolved(stage.steps).options, stage.key
     burn_in, thin = o["burn_in"], o["thin"]
     if samples_stored(stage.steps, burn_in=burn_in, thin=thin) > 0:
@@ -462,10 +434,7 @@ def check_cycles(method: Section, stage: Stage) -> None:
 
 
 def advice(method: Section, prior: bool, diagnostics: Mapping[str, Any]) -> str:
-    """What to change when an SG-MCMC BMA is worse than its average of samples (:attr:`Family.advice`).
-
-    A colder chain.
-    """
+    """What to change when an SG-MCMC BMA is worse than its average of samples (:attr:`Family.advice`): colder."""
     t = method.options["temperature"]
     return f"temperature: {t / 10:g} (now {t:g}), or a lower optim.lr"
 

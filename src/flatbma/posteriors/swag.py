@@ -1,19 +1,12 @@
 """SWAG: a Gaussian fitted to the SGD trajectory (Maddox et al., NeurIPS 2019), and F-SWAG.
 
-The weights are trained by a point estimate's update (:func:`flatbma.posteriors.point.build`: the
-optimizer, optionally sharpness-aware); every ``collect_every`` updates after the first
-``start_step`` ones, the current iterate ``w`` is a *snapshot* that updates the running moments and
-the deviation ring buffer. With an ascent step (SAM) the collected trajectory is a SAM trajectory:
-that is F-SWAG (Nguyen et al., NeurIPS 2023).
+The weights are trained by a point estimate's update (:func:`flatbma.posteriors.point.build`); every
+``collect_every`` updates after the first ``start_step``, the current iterate ``w`` is a *snapshot* that updates the
+running moments and the deviation ring buffer. Along a SAM trajectory this is F-SWAG (Nguyen et al., NeurIPS 2023).
 
-State layout (``d`` = number of trained weights, ``K`` = ``rank``):
-
-* ``params``: the current iterate ``w`` (by module name); ``buffers``: its BatchNorm statistics;
-* ``aux["swag/..."]``: the moments, a :class:`Moments` (:func:`flatbma.named.typed`);
-* ``aux["point/<key>"]``: the point update's own state (:mod:`flatbma.posteriors.point`: its optimizer's
-  moments ``point/optimizer/momentum/<name>``, an ascent step's memory ``point/ascent/…``).
-
-Each component keeps its state under its own name (:mod:`flatbma.named`): ``swag/`` and ``point/``.
+State (``d`` trained weights, ``K = rank``): ``params`` is the current iterate ``w``, ``buffers`` its BatchNorm
+statistics; ``aux["swag/..."]`` holds the :class:`Moments` and ``aux["point/<key>"]`` the point update's own state
+(optimizer, ascent memory).
 """
 
 from __future__ import annotations
@@ -56,9 +49,8 @@ class Moments(NamedTuple):
 
     Attributes:
         mean: running mean ``w̄`` of the snapshots, by weight name.
-        m2: their sum of squared deviations ``Σ_i (w_i − w̄_{i−1})⊙(w_i − w̄_i)`` (Welford's update, so the diagonal
-            variance ``m2/n`` keeps its accuracy in float32 where ``mean(w⊙w) − w̄⊙w̄`` cancels catastrophically,
-            e.g. for BatchNorm scales near 1 that move by 1e-4).
+        m2: their sum of squared deviations ``Σ_i (w_i − w̄_{i−1})⊙(w_i − w̄_i)`` (Welford's update: ``m2/n`` keeps
+            its float32 accuracy where ``mean(w⊙w) − w̄⊙w̄`` cancels).
         deviations: ``[K, d]`` ring buffer of the last ``K`` deviations ``w_i − w̄_i`` (``w̄_i`` the mean *including*
             snapshot ``i``, as in the paper), flattened in sorted-name order; ``None`` for the diagonal-only variant.
         n_collected: number of snapshots (0-d int64).
@@ -94,17 +86,12 @@ class Options:
     Attributes:
         rank: ``K``, the number of deviations kept (the rank of the low-rank part), at least 2.
         scale: factor multiplying the sampling covariance.
-        start_step: updates done before the collection window opens (0 = collect from the start;
-            use a trained or pretrained starting point then). ``None``, the default, is resolved from
-            the run's length by :func:`flatbma.training.build` (``fit_posterior`` and ``flatbma train``, which
-            build the method with ``map_steps``): the last quarter of the run's updates at a held learning rate
-            (:func:`last_quarter`); :func:`build` called directly refuses it,
-            so give ``start_step`` there.
-        collect_every: updates between two snapshots. ``"auto"``, the default, is resolved by
-            :func:`flatbma.training.build` from the run's length as ``start_step: null`` is (:func:`resolve`): the
-            window's updates divided by ``rank``, at least 1 (:func:`auto_collect_every`), so that a window of at
-            least ``rank`` updates collects ``rank`` snapshots spread over it, whatever the run's length;
-            :func:`build` called directly refuses it, so give ``collect_every`` there. An integer is used as it is.
+        start_step: updates before the collection window opens (0 = collect from the start, from a trained or
+            pretrained point). ``None`` (the default): the last quarter of the run's updates at a held learning
+            rate (:func:`last_quarter`), resolved by :func:`flatbma.training.build`.
+        collect_every: updates between two snapshots. ``"auto"`` (the default): the window's updates divided by
+            ``rank``, at least 1 (:func:`auto_collect_every`), resolved like ``start_step`` (:func:`resolve`).
+            :func:`build` called directly refuses ``None`` and ``"auto"``.
         diagonal_only: keep no deviations and sample from the diagonal Gaussian (SWAG-Diagonal).
     """
 
@@ -147,39 +134,23 @@ def build(
 ) -> Posterior:
     """SWAG (Maddox et al. 2019); with ``ascent=SAM`` F-SWAG (Nguyen et al. 2023).
 
-    Training is the point update ``w_{t+1} = opt(w_t, ∇L_B(w_t + ε_t))`` of
-    :func:`flatbma.posteriors.point.build` (``ε_t = 0`` without an ascent step). After update
-    ``s`` (counting from 1), with ``s > start_step`` and ``(s − start_step) % collect_every == 0``,
-    the iterate ``w`` is the ``(n+1)``-th snapshot, added by Welford's update (``w̄'`` the new mean)::
+    Training is the point update ``w_{t+1} = opt(w_t, ∇L_B(w_t + ε_t))`` of :func:`flatbma.posteriors.point.build`.
+    After update ``s`` (from 1), with ``s > start_step`` and ``(s − start_step) % collect_every == 0``, the iterate
+    ``w`` is the ``(n+1)``-th snapshot, added by Welford's update (``w̄'`` the new mean)::
 
         w̄' = w̄ + (w − w̄)/(n+1),   m₂ ← m₂ + (w − w̄)⊙(w − w̄'),   D[n mod K] ← w − w̄',   w̄ ← w̄',   n ← n+1.
 
-    ``m₂`` is the sum of squared deviations of the snapshots from their mean, so ``m₂/n`` is their
-    (population) variance without the cancellation of ``mean(w⊙w) − w̄⊙w̄`` in float32.
-
-    (Maddox et al. collect once per epoch from epoch ``swa_start`` on: ``start_step = swa_start·E``,
-    ``collect_every = E`` for ``E`` updates per epoch.) Sampling draws ``z₁ ~ N(0, I_d)``,
-    ``z₂ ~ N(0, I_{K_eff})`` from the generator and returns::
+    (Maddox et al. collect once per epoch from epoch ``swa_start``: ``start_step = swa_start·E``,
+    ``collect_every = E``.) Sampling draws ``z₁ ~ N(0, I_d)``, ``z₂ ~ N(0, I_{K_eff})`` from the generator::
 
         w = w̄ + √scale · ( σ⊙z₁/√2 + Dᵀz₂/√(2(K_eff − 1)) ),   σ² = clamp(m₂/n, 1e-30),
 
-    i.e. ``w ~ N(w̄, scale · ½(diag σ² + DᵀD/(K_eff − 1)))`` — docs/methods.md §3.2, with the covariance
-    multiplied by ``scale``; ``diagonal_only`` drops the ``D`` term (SWAG-Diagonal,
-    ``N(w̄, scale · ½ diag σ²)``). ``K_eff = min(n, K)``: until ``K`` deviations exist, the available
-    ones are used with ``K_eff − 1`` in the denominator. Sampling needs ``n ≥ 2`` snapshots.
+    i.e. ``w ~ N(w̄, scale · ½(diag σ² + DᵀD/(K_eff − 1)))`` (docs/methods.md §3.2); ``diagonal_only`` drops the
+    ``D`` term. ``K_eff = min(n, K)``; sampling needs ``n ≥ 2`` snapshots. The ½ is in the sampler: Maddox et al.'s
+    ``scale=0.5`` is ``scale=1`` here.
 
-    Note: the ½ is part of the sampler here; Maddox et al.'s code has no ½ in its sampler and
-    obtains it from ``scale=0.5`` — that corresponds to ``scale=1`` here.
-
-    The samples' BatchNorm statistics must be recomputed (``recompute_bn=True``): they are the
-    statistics of the last iterate, not of the sampled weights. The posterior's mean is ``w̄`` and its
-    marginal variances are ``scale · ½(σ² + Σ_k D_k²/(K_eff − 1))`` (``scale · ½σ²`` diagonal-only).
-
-    Args:
-        objective: model and mini-batch loss.
-        optimizer: the descent step producing the trajectory.
-        ascent: the ascent step (SAM → F-SWAG), or ``None`` for the SGD trajectory of SWAG.
-        options: the fields of :class:`Options`.
+    The samples' BatchNorm statistics are those of the last iterate and must be recomputed (``recompute_bn``). The
+    mean is ``w̄``, the marginal variances ``scale · ½(σ² + Σ_k D_k²/(K_eff − 1))`` (``scale · ½σ²`` diagonal-only).
 
     Raises:
         FlatbmaError: for an invalid option (the message names the ``method.*`` key).
@@ -210,10 +181,7 @@ def build(
 def build_diag(
     objective: Objective, optimizer: GradientTransformation, ascent: Ascent | None = None, **options
 ) -> Posterior:
-    """SWAG-Diagonal (Maddox et al. 2019): :func:`build` with ``diagonal_only=True``.
-
-    Its options are the fields of :class:`DiagonalOptions`.
-    """
+    """SWAG-Diagonal (Maddox et al. 2019): :func:`build` with ``diagonal_only=True`` (:class:`DiagonalOptions`)."""
     DiagonalOptions(**options)  # refuses rank and diagonal_only
     return build(objective, optimizer, ascent, diagonal_only=True, **options)
 
@@ -308,9 +276,8 @@ def _schedule(options: Options) -> str:
 def snapshots(steps: int, *, start_step: int, collect_every: int) -> int:
     """The number of snapshots :func:`build` collects in ``steps`` updates: ``max(0, ⌊(steps − start)/every⌋)``.
 
-    Update ``s`` (counting from 1) collects when ``s > start_step`` and ``(s − start_step) % collect_every == 0``,
-    so snapshot ``n`` is taken at update ``start_step + n·collect_every``: ``n`` snapshots take that many updates.
-    Sampling needs ``n ≥ 2``; the low-rank part has its ``K = rank`` columns once ``n ≥ K``.
+    Snapshot ``n`` is taken at update ``start_step + n·collect_every``. Sampling needs ``n ≥ 2``; the low-rank part
+    has its ``K = rank`` columns once ``n ≥ K``.
 
     Raises:
         FlatbmaError: ``start_step < 0`` or ``collect_every < 1`` (as :func:`build`).
@@ -322,12 +289,8 @@ def snapshots(steps: int, *, start_step: int, collect_every: int) -> int:
 def auto_collect_every(window: int, snapshots: int) -> int:
     """``collect_every: auto`` for a window of ``window`` updates: ``max(1, ⌊window/snapshots⌋)``.
 
-    Snapshot ``j`` is then taken at update ``start_step + j·collect_every``, so a window of at least
-    ``snapshots`` updates collects ``⌊window/collect_every⌋ ≥ snapshots`` of them (fewer than ``2·snapshots``),
-    spread evenly over it up to its end; a shorter window collects one per update, ``window`` in all (which
-    :func:`check_snapshots` refuses below ``rank`` before anything trains).
-    Maddox et al. (2019) collect once per epoch over their window; this spreads the snapshots the same way
-    when the window is not a whole number of epochs.
+    A window of at least ``snapshots`` updates then collects between ``snapshots`` and ``2·snapshots`` of them,
+    spread evenly up to its end; a shorter window collects one per update.
     """
     return max(1, window // snapshots)
 
@@ -335,9 +298,8 @@ def auto_collect_every(window: int, snapshots: int) -> int:
 def resolve(options: Mapping[str, Any], steps: int) -> dict[str, Any]:
     """``options`` (a method section's, ``start_step`` already resolved) with ``collect_every: auto`` resolved.
 
-    For a run of ``steps`` updates the window is ``steps − start_step`` updates and ``collect_every`` is
-    :func:`auto_collect_every` of it and ``rank`` (:data:`AUTO_SNAPSHOTS` for SWAG-Diagonal, which has no
-    rank); an integer ``collect_every`` and an unresolved ``start_step`` are kept as they are.
+    ``collect_every`` is :func:`auto_collect_every` of the window ``steps − start_step`` and ``rank``
+    (:data:`AUTO_SNAPSHOTS` for SWAG-Diagonal); an integer ``collect_every`` or a ``None`` ``start_step`` is kept.
     """
     out = dict(options)
     start = out.get("start_step")
@@ -348,8 +310,6 @@ def resolve(options: Mapping[str, Any], steps: int) -> dict[str, Any]:
 
 def swag_moments(state: State) -> SwagMoments:
     """Flat mean, diagonal variance and deviations (oldest first) of a SWAG state.
-
-    The sampling covariance of :func:`build` is ``scale · ½(diag variance + DᵀD/(K_eff − 1))``.
 
     Raises:
         FlatbmaError: if fewer than two snapshots were collected.
@@ -422,26 +382,18 @@ def _check_schedule(start_step: int, collect_every: int) -> None:
 def last_quarter(map_steps: int) -> int:
     """SWAG's default ``start_step``: the collection window is the last 25% of the run's updates, ``T − ⌊T/4⌋``.
 
-    With :attr:`~flatbma.family.Family.hold_lr` the learning rate over that window is constant — the protocol of
-    Maddox et al. (NeurIPS 2019; their code's ``swa_start`` and ``swa_lr``, ``experiments/train/run_swag.py``):
-    train with a decaying schedule, then collect snapshots at a constant learning rate ``swa_lr``. Their
-    CIFAR runs collect one snapshot per epoch over epochs 161–300 of 300 (the last 47%), at ``swa_lr`` = 0.01
-    for ``lr_init`` = 0.05 (VGG-16) or 0.05 for 0.1 (WideResNet), reached by a linear decay over 50–90% of
-    the first 160 epochs. Here the window is the last quarter of the updates — three quarters of the run's
-    budget train before collection starts — and ``swa_lr`` is the rate ``optim``'s schedule has reached
-    where the window opens: ``½(1 + cos(3π/4))·optim.lr ≈ 0.146·optim.lr`` for the cosine schedule (their
-    ratio is 0.2 or 0.5), ``optim.lr`` for ``constant``.
+    With :attr:`~flatbma.family.Family.hold_lr` the learning rate is constant over that window, Maddox et al.'s
+    protocol (decaying schedule, then snapshots at a constant ``swa_lr``; their CIFAR runs collect over the last
+    47% of epochs at ``swa_lr/lr_init`` = 0.2 or 0.5). Here ``swa_lr`` is the rate the schedule has reached where the
+    window opens: ``½(1 + cos(3π/4))·optim.lr ≈ 0.146·optim.lr`` for cosine, ``optim.lr`` for ``constant``.
     """
     return map_steps - map_steps // 4
 
 
 def check_snapshots(method: Section, stage: Stage) -> None:
-    """SWAG's families: the run must collect ``K = rank`` snapshots (2 for the diagonal variant).
+    """SWAG's families: the run must collect ``K = rank`` snapshots (2 for the diagonal variant), else it is refused.
 
-    The snapshots of a stage are :func:`snapshots`. Sampling needs two; with
-    fewer than ``K`` the low-rank part has only as many columns as snapshots, a smaller rank than the
-    one asked for — and a second stage started at the fitted posterior (``prior.init``) with ``K``
-    columns cannot start at all.
+    With fewer than ``K``, a second stage started at the posterior (``prior.init``) could not start.
     """
     o, key = method.options, stage.key
     low_rank = "rank" in o and not o.get("diagonal_only", False)

@@ -1,19 +1,15 @@
 """Compare entries as written: candidate grids and the run config sections of one candidate.
 
 A ``compare.methods`` entry is a method section with optional ``label``, ``prior`` and ``optim`` keys
-(:func:`run_sections`). It may give a list of values for any option whose type is a scalar (a number,
-a flag or a name): a method option (``rho``, ``gamma``, ``rank``, …, typed by the registry's
-options dataclasses), a key of the entry's own ``optim`` section, or an option of a nested method section (the
-members' method ``of`` of a mixture, typed by that method's options)::
+(:func:`run_sections`). Any option of scalar type (number, flag or name) may be a list of values: a method option
+(``rho``, ``gamma``, ``rank``, …), a key of its ``optim`` section, or an option of a nested method ``of``::
 
     {name: sam, rho: [0.01, 0.05, 0.1], optim: {lr: [0.01, 0.05]}}
     {name: multi-fp-bma, members: 3, of: {name: fp-bma, gamma: [0.01, 0.1]}}   # candidates of.gamma=…
 
-Every combination — the Cartesian product of the lists, in the order written (:func:`points`) — is a
-*candidate*, an ordinary run of its own; :mod:`flatbma.experiment.study.selection` scores them on
-validation data. An option whose type is itself a list (a tuple annotation) is a value, never a grid;
-so is anything in an entry's ``prior`` section. This module works on the raw config mappings, below
-the typed run config (``flatbma train`` on a compare config trains :func:`first_run_sections`).
+Every combination (the Cartesian product in the order written, :func:`points`) is a *candidate*, a run of its
+own, scored on validation data by :mod:`flatbma.experiment.study.selection`. A tuple-typed option, and anything
+in ``prior``, is a value, never a grid. The module works on the raw config mappings.
 """
 
 from __future__ import annotations
@@ -145,13 +141,9 @@ def _text(value: Any) -> str:
 def run_sections(method: Any, shared: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The run config sections of one ``compare.methods`` entry (at one point of its candidate grid).
 
-    An entry is a method section; its optional ``prior`` key becomes the run's ``prior`` section (a
-    two-stage run, e.g. ``{name: fp-bma, rank: 5, prior: {method: {name: swag, rank: 5}, epochs: 15}}``),
-    its optional ``optim``, ``train`` and ``data`` sections override the keys they give of the shared
-    config's sections (``shared``: the config's raw sections by name; e.g. ``{name: sgd, optim: {lr: 0.1}}``,
-    ``{name: sgd, train: {epochs: 15}}``), and its optional ``label`` (the name in tables and plots) and
-    ``match_width`` (how the trained posterior is measured) are not part of the run's config. Only ``optim``
-    keys take candidate lists.
+    Its ``prior`` becomes the run's ``prior`` section (a two-stage run, e.g. ``{name: fp-bma, prior: {method:
+    {name: swag}, epochs: 15}}``); its ``optim``, ``train`` and ``data`` override the keys they give of ``shared``
+    (the config's raw sections by name); ``label`` and ``match_width`` are dropped (measurement, not run, keys).
     """
     if not isinstance(method, dict):
         return {"method": method}

@@ -1,9 +1,7 @@
 """Read configs: YAML (:func:`load_yaml`) and ``--set`` overrides (:func:`set_dotted`).
 
-YAML is read by :func:`load_yaml`: the safe loader, with a budget on the size of the document once its
-aliases are expanded, so that an expansion bomb ("billion laughs") is refused before anything iterates
-it. The plain mappings it gives are parsed into typed frozen dataclasses by
-:func:`flatbma.options.parse_dataclass`; values quoted in error messages are :func:`shown` at a bounded size.
+:func:`load_yaml` uses the safe loader with a budget on the alias-expanded size, so an expansion bomb ("billion
+laughs") is refused before anything iterates it.
 """
 
 from __future__ import annotations
@@ -24,13 +22,11 @@ config has a few hundred; a 9-level billion-laughs document has ~10⁹)."""
 def load_yaml(text: str, where: str) -> Any:
     """The YAML document ``text``, read with the safe loader and a budget on its expanded size.
 
-    It is refused when it expands to over :data:`MAX_YAML_NODES` nodes or refers to itself, in time
-    linear in the text's size: the composed node graph shares the node of every alias, so its expanded
-    size is counted with one memoized walk before any Python object is built. The same walk refuses a
-    mapping that names a key twice (:func:`_check_unique_keys`).
+    The expanded size is counted by one memoized walk of the composed node graph (aliases share nodes), in time
+    linear in the text, before any Python object is built; the same walk refuses duplicate keys.
 
     Raises:
-        FlatbmaError: an expansion bomb, a recursive alias or a duplicate key, naming ``where``.
+        FlatbmaError: over :data:`MAX_YAML_NODES` nodes, a recursive alias or a duplicate key, naming ``where``.
         yaml.YAMLError: invalid YAML (callers word that error themselves).
     """
     loader = yaml.SafeLoader(text)
@@ -71,9 +67,8 @@ def _expanded_size(node: yaml.Node, sizes: dict[int, int | None], where: str) ->
 def _check_unique_keys(node: yaml.MappingNode, where: str) -> None:
     """Refuse a mapping that names a key twice, which PyYAML reads silently as its last value.
 
-    Keys are compared as the loader resolves them: by tag and text, so ``method`` and ``"method"`` are
-    the same key and ``1`` and ``"1"`` are not. A merge key (``<<: *defaults``) is not a key of its own:
-    the keys written beside it override the merged ones, as YAML specifies.
+    Keys compare by tag and text (``method`` and ``"method"`` are the same key, ``1`` and ``"1"`` are not). A merge
+    key (``<<: *defaults``) is not a key of its own: the keys beside it override the merged ones.
     """
     first_line: dict[tuple[str, str], int] = {}
     for key, _ in node.value:

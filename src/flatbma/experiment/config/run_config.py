@@ -1,9 +1,4 @@
-"""Typed, frozen run configuration, parsed once from YAML (safe loader) and ``--set`` overrides.
-
-A :class:`RunConfig` is a method, a seed and an output directory plus the sections of
-:mod:`flatbma.experiment.config.sections` and, for a two-stage run, the ``prior`` section of
-:mod:`flatbma.prior`.
-"""
+"""Typed, frozen run configuration, parsed once from YAML (safe loader) and ``--set`` overrides."""
 
 from __future__ import annotations
 
@@ -51,11 +46,9 @@ class RunConfig:
 
     @property
     def epochs(self) -> int:
-        """Epochs the run trains: ``train.epochs`` plus the method's extra ones.
+        """Epochs the run trains: ``train.epochs`` (the optimizer's schedule) plus the method's extra phases'.
 
-        The extra ones are those of the phases its family declares after them
-        (:meth:`~flatbma.methods.MethodConfig.phases_after`: Laplace's curvature pass); the
-        optimizer's schedule spans ``train.epochs``.
+        The extra ones are :meth:`~flatbma.methods.MethodConfig.phases_after` (e.g. Laplace's curvature pass).
         """
         return self.train.epochs + self.method.extra_epochs()
 
@@ -73,11 +66,8 @@ class RunConfig:
 def missing_options(stored: Any, resolved: Mapping[str, Any], where: str = "") -> list[str]:
     """The dotted keys of ``resolved`` (a run's :meth:`RunConfig.to_dict`) that the ``stored`` config lacks.
 
-    A run directory's ``config.yaml`` spells out every option of its run; one it lacks was added since an older
-    flatbma wrote it, and its default need not be what that run trained with (Laplace's ``subset``, Gaussian VI's
-    ``variance_step``), so such a run is refused, never read with the new default
-    (:func:`flatbma.experiment.run.pipeline.load_run_config`). flatbma has no release: no reader of older
-    layouts ships.
+    A stored config lacking an option was written by an older flatbma; its run is refused, never read with a
+    default it may not have trained with.
     """
     if not isinstance(stored, Mapping):
         return []
@@ -94,9 +84,7 @@ def missing_options(stored: Any, resolved: Mapping[str, Any], where: str = "") -
 def run_identity(resolved: Any) -> Any:
     """A resolved config without ``output_dir`` and ``train.log``: what must match for two configs to be the same run.
 
-    Where a run directory is and which logs it writes change none of its numbers (and configs written
-    before ``train.log`` existed lack it), so a run directory holds the same run after it is moved or
-    copied (a comparison's runs are reused in their new place) and whatever its logs.
+    Neither changes a number, so a run directory holds the same run after it is moved or copied, whatever its logs.
     """
     if not isinstance(resolved, dict):
         return resolved
@@ -150,11 +138,9 @@ _MISMATCH = {
 def check_likelihood(cfg: RunConfig) -> None:
     """Refuse a likelihood the run's data, method or evaluation cannot take (``model.likelihood``), in one line.
 
-    A regression data set needs ``gaussian`` and a classification one ``categorical``; the Laplace family
-    (a softmax Gauss-Newton: :attr:`~flatbma.family.Family.regression`) fits no
-    regression network; a regression run detects no out-of-distribution inputs and trains no two-stage prior
-    (not implemented for it yet), and its feature vectors (no classes, no image) take no k-shot sample and no
-    image option.
+    A regression data set needs ``gaussian``, a classification one ``categorical``. A regression run refuses
+    methods without :attr:`~flatbma.family.Family.regression` (Laplace's softmax Gauss-Newton), ``eval.ood``,
+    ``data.k_shot`` and the image options.
     """
     data = likelihoods.of_data(cfg.data.name)
     if data is not cfg.model.likelihood:
@@ -226,7 +212,7 @@ def config_path(path: str | Path) -> Path:
     """The file a ``--config`` argument names: a path, or a shipped config's name (``demo``, ``configs/demo.yaml``).
 
     A path that exists is read as it is; otherwise a bare name (with or without ``.yaml``, or under ``configs/``)
-    names a config shipped with flatbma, so the README's commands work from an installed package too.
+    names a shipped config.
     """
     path = Path(path)
     if path.exists() or path.parent not in (Path("."), Path("configs")) or path.suffix not in ("", ".yaml"):

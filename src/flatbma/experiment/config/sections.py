@@ -1,10 +1,7 @@
 """The sections of a run config — data, model, optimizer, training loop, evaluation — as typed frozen dataclasses.
 
-Each is parsed once from YAML by :func:`flatbma.experiment.config.parse.parse_dataclass` and validated in
-``__post_init__``. Options with a fixed set of values are ``str`` Enums: a config gives the string,
-Python code may give the string or the member, and :func:`plain` spells the members as their
-strings again for the resolved ``config.yaml``. The run config that holds them, and the two-stage
-``prior`` section, are in :mod:`flatbma.experiment.config.run_config` and :mod:`flatbma.prior`.
+Each is validated in ``__post_init__``. Options with a fixed set of values are ``str`` Enums: a config gives the
+string, Python code the string or the member.
 """
 
 from __future__ import annotations
@@ -51,12 +48,7 @@ def _set_members(section: Any, key: str, enum: type[Enum]) -> None:
 
 
 class Parallel(str, Enum):
-    """What the processes of a ``torchrun`` launch share out (``train.parallel``; strings and members are accepted).
-
-    ``data``: every process trains all of the method on its shard of each global batch; ``members``:
-    each trains a disjoint share of the posterior's independent members on all the data
-    (:class:`~flatbma.experiment.parallel.strategies.MemberParallel`).
-    """
+    """What the processes of a ``torchrun`` launch share out (``train.parallel``; see ``TrainConfig.parallel``)."""
 
     DATA = "data"
     MEMBERS = "members"
@@ -71,11 +63,8 @@ class DataConfig:
         root: directory of the files, for data sets that are not embedded.
         k_shot: images per class drawn (by ``seed``) from the training split; ``None`` = all.
         val_per_class: images per class of the k-shot budget held out for validation (0 = none).
-        val_pool: images per class drawn for validation from *outside* the k-shot images (the rest of the
-            training split; all ``k_shot`` images then train). Less noisy selection, temperature scaling and
-            early stopping than a few held-out shots, but it uses labels a strict few-shot setting would
-            not have (the FP-BMA authors' validation split is 10% of the full training set). Not with
-            ``val_per_class``.
+        val_pool: images per class drawn for validation from *outside* the k-shot images (all of which then
+            train); labels a strict few-shot setting would not have. Not with ``val_per_class``.
         image_size: resize images to this square size.
         to_rgb: repeat a single grey channel to three (for ImageNet backbones).
         normalize: ``"imagenet"`` mean/std normalization, or none.
@@ -83,9 +72,8 @@ class DataConfig:
         batch_size: training mini-batch size.
         eval_batch_size: evaluation batch size.
         test_limit: evaluate on a seeded stratified subset of this many test images (``None`` = all).
-        val_fraction: the share of each class of the training split held out for validation when there is
-            no ``k_shot`` draw (a full-data run: selection, temperature scaling and early stopping then have
-            a validation split); drawn by ``seed``, stratified, in ``[0, 1)``.
+        val_fraction: share of each class of the training split held out for validation without ``k_shot``;
+            drawn by ``seed``, stratified, in ``[0, 1)``.
     """
 
     name: str = "digits"
@@ -137,15 +125,13 @@ class ModelConfig:
         pretrained: ``"imagenet"`` (offline weights) or a path to a state dict; ``None`` = random init.
         width: base width of the network (model-specific default when ``None``).
         dropout: dropout rate before the classifier.
-        trainable: which parameters the method trains (and, for a posterior, makes Bayesian):
-            ``all``, ``norm+classifier`` (every normalization layer and the classifier, selected by
-            module type — FP-BMA's Bayesian transfer learning) or ``classifier``; the rest stays at
-            its pretrained (or initial) values.
-        likelihood: ``categorical`` (a classifier) or ``gaussian`` (regression on a regression data set,
-            e.g. ``data.name: diabetes``: :class:`flatbma.regression.Gaussian`; the network returns the mean
-            and a raw scale, or the mean alone with ``noise_std``).
-        noise_std: with ``gaussian``: ``null`` learns the noise ``σ(x)`` with the weights (two outputs), a
-            positive number fixes ``σ`` (one output), in standard deviations of the (standardized) target.
+        trainable: which parameters the method trains (and a posterior makes Bayesian): ``all``,
+            ``norm+classifier`` (normalization layers and classifier, by module type — FP-BMA's transfer
+            learning) or ``classifier``; the rest stays at its pretrained (or initial) values.
+        likelihood: ``categorical`` (a classifier) or ``gaussian`` (regression, :class:`flatbma.regression.Gaussian`:
+            the network returns the mean and a raw scale, or the mean alone with ``noise_std``).
+        noise_std: with ``gaussian``: ``null`` learns ``σ(x)`` with the weights (two outputs), a positive number
+            fixes ``σ`` (one output), in standard deviations of the standardized target.
     """
 
     name: str = "mlp"
@@ -198,14 +184,11 @@ class Criterion(str, Enum):
 class EarlyStopping:
     """Early stopping on validation (``train.early_stopping``), the protocol of the FP-BMA authors' scripts.
 
-    After every ``every`` epochs (and the last), the posterior's current state is evaluated on the
-    validation split with ``samples`` posterior samples (BatchNorm statistics recomputed as for the
-    test evaluation; a sampler's current samples); the state of the best evaluation (smallest
-    ``criterion``; the first on ties) is kept in ``best.safetensors``, training stops once ``patience``
-    epochs have passed since it, and the run is evaluated at that best state. The values are in the
-    history (``log.csv``: ``val/nll``, ``val/loss``, ``val/accuracy``; a regression run's ``val/rmse`` instead of
-    ``val/accuracy``, its NLLs those of the Gaussian likelihood); ``metrics.json`` records the best
-    epoch. A resumed run stops, and keeps, exactly what the uninterrupted one did.
+    Every ``every`` epochs (and the last) the posterior is evaluated on the validation split with ``samples``
+    samples (BatchNorm statistics recomputed); the best state (smallest ``criterion``, first on ties) is kept in
+    ``best.safetensors``, training stops ``patience`` epochs after it, and the run is evaluated at it. The values go
+    to ``log.csv`` (``val/nll``, ``val/loss``, ``val/accuracy`` or ``val/rmse``), the best epoch to ``metrics.json``.
+    A resumed run stops and keeps exactly what the uninterrupted one did.
 
     Attributes:
         criterion: a :class:`Criterion` (``nll`` or ``loss``).
@@ -237,21 +220,17 @@ class TrainConfig:
         epochs: passes over the training data.
         checkpoint_every: also checkpoint every this many steps (0 = at epoch ends only).
         device: ``auto`` (CUDA when available), ``cpu``, ``cuda``, ``cuda:1``, ...
-        progress: show the training progress: a bar on a terminal, one line per epoch on ``stderr``
-            elsewhere (``--quiet`` silences it too).
-        log: the per-epoch logs written into the run directory, any of ``csv`` (``log.csv``, on by
-            default: a few hundred bytes per run, readable by any tool without parsing JSON) and
-            ``tensorboard`` (optional extra ``flatbma[tensorboard]``); ``[]`` writes none.
-        parallel: what the processes of a ``torchrun`` launch share out: ``data`` (every process
-            trains all of the method on its shard of each global batch) or ``members`` (each trains a
-            disjoint share of the posterior's independent members, e.g. ensemble members, on all the
-            data; only for methods with members). See :mod:`flatbma.experiment.parallel.processes`.
+        progress: a bar on a terminal, one line per epoch on ``stderr`` elsewhere (``--quiet`` silences it too).
+        log: per-epoch logs in the run directory, any of ``csv`` (``log.csv``, default) and ``tensorboard``
+            (optional extra ``flatbma[tensorboard]``); ``[]`` writes none.
+        parallel: what the processes of a ``torchrun`` launch share out: ``data`` (each process trains the whole
+            method on its shard of each global batch) or ``members`` (each trains a disjoint share of the
+            posterior's independent members on all the data; methods with members only).
         early_stopping: stop on validation and keep the best state (:class:`EarlyStopping`); ``None``:
             train all ``epochs`` and keep the last.
-        precision: the precision of the model's forward passes in training and in the BMA's predictions
-            (:class:`~flatbma.precision.Precision`): ``fp32``; ``bf16`` (autocast); ``fp16`` (autocast and a
-            dynamic loss scale whose overflows skip the step, :class:`flatbma.optim.LossScaled`). What
-            keeps float32/float64 whatever it says: :mod:`flatbma.precision`.
+        precision: of the forward passes in training and in the BMA (:class:`~flatbma.precision.Precision`):
+            ``fp32``; ``bf16`` (autocast); ``fp16`` (autocast and a dynamic loss scale whose overflows skip the
+            step, :class:`flatbma.optim.LossScaled`).
     """
 
     epochs: int = 10
@@ -275,39 +254,24 @@ class TrainConfig:
 class EvalConfig:
     """Evaluation, and the flatness protocol (:func:`flatbma.flatness.flatness_report`), the same for every method.
 
-    Every method's samples (point estimates included) get BatchNorm statistics recomputed on the
-    un-augmented training images in a fixed order; the BMA and the flatness use them.
-
     Attributes:
         num_samples: posterior samples M in the BMA.
         n_bins: ECE bins.
-        flatness: also measure flatness after training (``flatbma evaluate --flatness`` does it
-            for a finished run).
-        flatness_samples: posterior samples whose Hessian is measured (λ₁ per sample, summarized by
-            mean, median and a bootstrap interval over them).
-        hessian_k: top Hessian eigenvalues per sample (λ₁ … λ_k); ``k > 1`` adds ``λ₁/λ_k`` over the
-            samples where λ_k converged, and costs more Lanczos steps.
-        hessian_examples: training examples (without augmentation) the Hessian is taken over, a
-            stratified subset; ``None`` = all of the run's training examples.
+        flatness: also measure flatness after training (``flatbma evaluate --flatness`` for a finished run).
+        flatness_samples: posterior samples whose Hessian is measured (λ₁ per sample, then summarized).
+        hessian_k: top Hessian eigenvalues per sample (λ₁ … λ_k); ``k > 1`` adds ``λ₁/λ_k`` where λ_k converged.
+        hessian_examples: size of the stratified, un-augmented training subset of the Hessian (``None`` = all).
         hessian_max_iter: cap on the Hessian-vector products of one spectrum; an eigenvalue that has
             not met ``hessian_tol`` by then is reported as unconverged, not averaged.
-        hessian_tol: relative residual tolerance of every reported eigenvalue: Lanczos stops when
-            ``‖H y − θ y‖ ≤ tol·|θ|``, which bounds θ's relative error by ``tol``. 1e-3 keeps that error
-            two orders of magnitude below the spread of λ₁ between posterior samples (tens of percent,
-            which sets the interval of the mean), so a tighter tolerance would not change a
-            conclusion; on the demo's transfer model λ₁ then takes 6–8 products (1e-4: one more; λ₅ to
-            1e-3: 14–20).
+        hessian_tol: Lanczos stops when ``‖H y − θ y‖ ≤ tol·|θ|``, bounding θ's relative error by ``tol``; 1e-3
+            is two orders of magnitude below the spread of λ₁ between posterior samples.
         sharpness_rho: radius of the SAM sharpness ``E_w[max_{‖ε‖≤ρ} L(w+ε) − L(w)]``.
         trace: also estimate the Hessian trace per sample (Hutchinson, ``trace_probes`` products each).
         trace_probes: Rademacher probes per sample of the trace estimate.
-        distribution_spectrum: also compute the spectrum of the averaged Hessian ``E_q[H]`` (each of
-            its products costs one product per sample).
-        repeatability: repeat λ₁ per sample with another measurement seed and another draw of samples
-            (the noise test; doubles the cost of λ₁).
-        ood: the out-of-distribution set of OOD detection (:mod:`flatbma.ood`): a corruption (the
-            test set at severity 5) or another data set (its test split, resized to the run's images); the
-            AUROC of the predictive entropy and of the mutual information go to ``metrics["ood"]``.
-            ``None``: no OOD detection.
+        distribution_spectrum: also the spectrum of the averaged Hessian ``E_q[H]`` (one product per sample each).
+        repeatability: repeat λ₁ with another measurement seed and draw of samples (doubles the cost of λ₁).
+        ood: the OOD set (:mod:`flatbma.ood`): a corruption (test set at severity 5) or another data set's test
+            split; AUROCs of predictive entropy and mutual information go to ``metrics["ood"]`` (``None``: none).
     """
 
     num_samples: int = 30
@@ -354,12 +318,12 @@ class EvalConfig:
     def check(self, shape: RunShape, *, flatness: bool) -> None:
         """Refuse settings the run's data sizes make meaningless or impossible (before it trains).
 
-        ``n_bins`` must not exceed the ``n`` test examples: with more bins than examples, at least
-        ``n_bins − n`` of ECE's equal-width bins are empty and every equal-mass chunk of adaptive ECE holds
-        less than one example, so both are binning noise rather than calibration (the usual 10–20 bins,
-        Guo et al. 2017, suit thousands of examples), and the metric state grows with ``n_bins``. With
-        ``flatness`` (the Hessian is measured), ``hessian_k`` must not exceed the Hessian's dimension, the
-        number of trained weights (when ``shape`` knows it).
+        ``n_bins`` must not exceed the test examples (more bins leave ECE's bins empty: binning noise, not
+        calibration), the OOD set must fit the run's channels, and with ``flatness`` ``hessian_k`` must not exceed
+        the number of trained weights (when ``shape`` knows it).
+
+        Raises:
+            FlatbmaError: naming the setting and a value that works.
         """
         if self.n_bins > shape.num_test:
             raise FlatbmaError(

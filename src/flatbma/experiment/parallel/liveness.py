@@ -1,29 +1,20 @@
 """Collective timeouts under ``torchrun``: a stopped or hung process ends the job with one line naming it.
 
-Without a timeout, a process that stops (``SIGSTOP``, a frozen node, a debugger) or hangs (a dead
-network file system, a deadlock) makes every other process wait forever in its next collective
-operation. :func:`flatbma.experiment.parallel.processes.init_from_env` therefore creates the process group
-with a timeout of :func:`collective_timeout` seconds — the environment variable
-``FLATBMA_COLLECTIVE_TIMEOUT`` (default :data:`DEFAULT_TIMEOUT`, 300 s). It is a property of the launch,
-not of the experiment: it never changes a result, so it is not a config key (whose resolved form
-fingerprints a run and the caches of ``flatbma compare``).
+:func:`flatbma.experiment.parallel.processes.init_from_env` creates the process group with a timeout of
+:func:`collective_timeout` seconds (``$FLATBMA_COLLECTIVE_TIMEOUT``, default :data:`DEFAULT_TIMEOUT`, 300 s), so
+a stopped or hung process does not make the others wait forever in their next collective. It is a property of
+the launch, not a config key: it never changes a result, so it is in no run's fingerprint.
 
-To name the process that did not answer, every process runs a :class:`Heartbeat`: a daemon thread
-that counts up ``alive/<rank>`` in the rendezvous store every ``interval = min(5 s, timeout/10)`` and
-publishes how many collectives its process has entered. When a collective times out,
-:func:`diagnose` reads the counters twice, ``2.5·interval`` apart: a process whose counter stood still
-is stopped, frozen or gone ("rank 1 did not answer within 300 s"); when every process is alive, the
-one that entered fewer collectives is stuck elsewhere or much slower. The store lives in ``torchrun``'s
-agent (or, without it, in rank 0), so it answers while any worker is stopped.
+To name the process that did not answer, every process runs a :class:`Heartbeat`, a daemon thread that counts up
+``alive/<rank>`` in the rendezvous store every ``interval = min(5 s, timeout/10)`` and publishes how many
+collectives its process has entered. On a timeout :func:`diagnose` reads the counters twice, ``2.5·interval``
+apart: a process whose counter stood still is stopped or gone; when all are alive, the one that entered fewer
+collectives is stuck elsewhere or much slower. The store lives in ``torchrun``'s agent (or rank 0), so it
+answers while a worker is stopped. Waits that are long by design (``flatbma compare`` waiting for its slowest
+process) use :meth:`Heartbeat.agree`, which waits as long as the others are alive.
 
-Waits that are long by design — ``flatbma compare`` gives each process its share of whole runs and
-then waits for the slowest — are not collectives but :meth:`Heartbeat.agree`: a store-based
-rendezvous that waits as long as the other processes are alive, and fails only when one of them
-falls silent for the timeout.
-
-Tested with gloo on CPU (``tests/experiment/test_distributed.py``). NCCL (untested here): its
-watchdog aborts a process whose collective times out (``TORCH_NCCL_ASYNC_ERROR_HANDLING``) before
-Python sees an error, so there the timeout ends the job but the line naming the rank may not appear;
+Tested with gloo on CPU. With NCCL (untested) the watchdog (``TORCH_NCCL_ASYNC_ERROR_HANDLING``) aborts a
+process whose collective times out before Python sees an error, so the line naming the rank may not appear;
 with ``TORCH_NCCL_BLOCKING_WAIT=1`` the timeout is raised as a ``DistBackendError`` and diagnosed here.
 """
 
@@ -83,8 +74,6 @@ class Heartbeat:
 
     Args:
         store: the rendezvous store of the group (keys go under the prefix ``flatbma/``).
-        rank: this process's rank.
-        world: the number of processes.
         timeout: the collective timeout in seconds.
         sequence: how many collectives this process has entered (``None``: unknown).
     """

@@ -1,14 +1,11 @@
 """The data loaders of a run's processes: shards of the same global batches, and evaluation shards.
 
-Data: ``data.batch_size`` is the GLOBAL batch; it must be divisible by the number of processes
-``N``. :class:`ShardedBatchSampler` draws the global batches exactly as one process does (the same
-seeded ``RandomSampler`` on the same generator, consumed identically) and gives rank ``r`` the
-``r``-th contiguous slice of each, so one process and ``N`` processes see the same global batches.
-Shards always have equal sizes: the epoch's trailing partial batch of ``q`` examples is cut to
-``N·⌊q/N⌋`` examples (at most ``N − 1`` examples, different each epoch, are left out) and is dropped
-when that leaves fewer than two examples per process (one process drops only a trailing batch of
-one). Resuming (:class:`~flatbma.loop.Position`) works as in one process:
-the loader's generator is shared by the sampler and restored by the runner.
+Data: ``data.batch_size`` is the global batch and must be divisible by the number of processes ``N``.
+:class:`ShardedBatchSampler` draws the global batches exactly as one process does and gives rank ``r`` the
+``r``-th contiguous slice of each. Shards always have equal sizes: the epoch's trailing partial batch of ``q``
+examples is cut to ``N·⌊q/N⌋`` (at most ``N − 1`` examples, different each epoch, are left out) and dropped when
+that leaves fewer than two examples per process (one process drops only a trailing batch of one). Resuming
+works as in one process: the loader's generator is shared by the sampler and restored by the runner.
 
 Evaluation: the test set is split into contiguous shards (:func:`shard_loader`), one per process.
 """
@@ -48,11 +45,10 @@ def global_batch_sizes(num_examples: int, batch_size: int, world: int = 1) -> li
 class ShardedBatchSampler(Sampler[list[int]]):
     """Rank ``rank``'s contiguous slice of every global batch of the single-process shuffled order.
 
-    The global batches are drawn by ``BatchSampler(RandomSampler(range(n), generator=generator),
-    batch_size)`` — what ``DataLoader(shuffle=True, generator=generator)`` does in one process, with
-    the same draws from ``generator`` — and cut to :func:`global_batch_sizes`. Rank ``r`` of ``N``
-    gets examples ``[r·b/N, (r+1)·b/N)`` of a global batch of size ``b``. With ``world_size=1`` the
-    batches are those of the single-process loader.
+    The global batches are drawn by ``BatchSampler(RandomSampler(range(n), generator=generator), batch_size)``,
+    as ``DataLoader(shuffle=True, generator=generator)`` does in one process, and cut to
+    :func:`global_batch_sizes`; rank ``r`` of ``N`` gets examples ``[r·b/N, (r+1)·b/N)`` of a global batch of
+    size ``b``.
 
     Args:
         num_examples: size ``n`` of the data set.

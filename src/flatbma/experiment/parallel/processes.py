@@ -5,20 +5,13 @@ runs the same command with the same config::
 
     torchrun --nproc_per_node=4 -m flatbma train --config configs/digits-sam.yaml
 
-Process group: with ``WORLD_SIZE > 1`` (set by ``torchrun``), :func:`init_from_env` joins the group
-of its ``env://`` rendezvous — backend NCCL when the run's device is CUDA (each process then uses
-``cuda:LOCAL_RANK``), gloo otherwise — and :func:`destroy` leaves it at the end
-(:func:`process_group` does both). Library code (:func:`flatbma.experiment.run.pipeline.train`) is
-data-parallel whenever a default process group with more than one process is initialized. Every
-collective waits at most ``$FLATBMA_COLLECTIVE_TIMEOUT`` seconds (default 300); a process that stops
-or hangs then ends the block of :func:`process_group` with a :class:`FlatbmaError` naming its rank
-(:mod:`flatbma.experiment.parallel.liveness`; gloo tested, NCCL untested).
+Process group: with ``WORLD_SIZE > 1`` (set by ``torchrun``) :func:`process_group` joins the group and leaves it
+at the end; library code is data-parallel whenever a default group of more than one process is initialized. A
+process that stops or hangs ends the block with a :class:`FlatbmaError` naming its rank after
+``$FLATBMA_COLLECTIVE_TIMEOUT`` seconds (default 300; gloo tested, NCCL untested).
 
-How a run is shared over the group is its strategy (:mod:`flatbma.experiment.parallel.strategies`), the
-data each process reads its loaders (:mod:`flatbma.experiment.parallel.loaders`). The collectives on
-tensors live here: the mean of gradients (:func:`all_reduce_mean`), the sum of metric states
-(:func:`all_reduce_metrics`), averaged BatchNorm statistics (:func:`average_buffers`) and the check
-that every replica holds the same state (:func:`check_replicas`).
+The tensor collectives (:func:`all_reduce_mean`, :func:`all_reduce_metrics`, :func:`average_buffers`,
+:func:`check_replicas`) live here; how a run is shared is its strategy (:mod:`flatbma.experiment.parallel.strategies`).
 """
 
 from __future__ import annotations
@@ -79,10 +72,7 @@ def rank() -> int:
 
 @contextlib.contextmanager
 def single_process() -> Iterator[None]:
-    """Within the block this process acts alone: one process, rank 0, no collectives, it writes its files.
-
-    ``flatbma compare`` runs each rank's share of its runs in such a block, as ordinary runs.
-    """
+    """Within the block this process acts alone: one process, rank 0, no collectives, it writes its files."""
     global _single_process_depth
     _single_process_depth += 1
     try:
@@ -155,10 +145,9 @@ def barrier() -> None:
 def init_from_env(device: torch.device) -> bool:
     """Join the process group described by ``torchrun``'s environment when ``WORLD_SIZE > 1``.
 
-    Backend NCCL for a CUDA ``device`` (after ``torch.cuda.set_device(LOCAL_RANK)``), gloo otherwise;
-    rendezvous ``env://`` (``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``). The rendezvous
-    and every collective wait at most :func:`~flatbma.experiment.parallel.liveness.collective_timeout` seconds,
-    and a :class:`~flatbma.experiment.parallel.liveness.Heartbeat` runs until :func:`destroy`.
+    Backend NCCL for a CUDA ``device`` (after ``torch.cuda.set_device(LOCAL_RANK)``), gloo otherwise; rendezvous
+    ``env://``. The rendezvous and every collective wait at most
+    :func:`~flatbma.experiment.parallel.liveness.collective_timeout` seconds; a heartbeat runs until :func:`destroy`.
 
     Args:
         device: the run's resolved ``train.device``.
@@ -167,9 +156,7 @@ def init_from_env(device: torch.device) -> bool:
         Whether a group was created here (``False`` in one process or when one already exists).
 
     Raises:
-        FlatbmaError: if the device names one GPU (each process must take ``cuda:LOCAL_RANK``), the
-            node has fewer GPUs than processes, the timeout is not a number of seconds, or not every
-            process joined within it.
+        FlatbmaError: a device naming one GPU, fewer GPUs than processes, a bad timeout, a process not joining in time.
     """
     if launched_world_size() <= 1 or (dist.is_available() and dist.is_initialized()):
         return False
@@ -221,11 +208,7 @@ def destroy() -> None:
 
 @contextlib.contextmanager
 def process_group(device: torch.device) -> Iterator[None]:
-    """:func:`init_from_env` for the block and :func:`destroy` after it (if the group was created here).
-
-    A collective that times out within the block (:mod:`flatbma.experiment.parallel.liveness`) ends it with a
-    :class:`FlatbmaError` naming the process that did not answer.
-    """
+    """:func:`init_from_env` for the block and :func:`destroy` after it (if the group was created here)."""
     created = init_from_env(device)
     try:
         yield

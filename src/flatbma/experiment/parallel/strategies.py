@@ -1,61 +1,42 @@
 """How the processes of a ``torchrun`` launch share a run, for every method: the run's parallel strategy.
 
-Strategy: a run chooses its parallel mode once, when its experiment is built (:func:`strategy`:
-:class:`Strategy` for one process, :class:`DataParallel`, :class:`Members`), and asks it for every
-part that depends on the processes — loaders, objective, the transform each process trains, the
-checkpoint callback, the resumed position, the state at the end and the metric reduction — so the
+Strategy: a run picks its parallel mode once, when its experiment is built (:func:`strategy`: :class:`Strategy`
+for one process, :class:`DataParallel`, :class:`Members`), and asks it for every process-dependent part, so the
 run itself has no parallel branches.
 
 Gradients: :func:`data_parallel` sets ``Objective.reduce_grads`` to
-:func:`~flatbma.experiment.parallel.processes.all_reduce_mean`,
-``ḡ = (1/N) Σ_r ∇L_{B_r}(w)`` — the mean of the per-rank mean-loss gradients, i.e. the gradient of
-the global batch since the shards have equal sizes — with ONE flattened ``all_reduce`` per gradient
-evaluation (all tensors of a dtype bucketed into one buffer). The hook runs on every gradient before
-any ascent step, so SAM-family perturbations ``ε = ρ ḡ/‖ḡ‖`` use the all-reduced gradient (the
-"m = global batch" SAM, not per-rank m-sharpness) and both passes of a sharpness-aware step are
-all-reduced; VI/FP-BMA reduce the weight-space gradient of every Monte-Carlo sample before the
-chain rule to ``θ``. BatchNorm normalizes with per-rank batch statistics (no SyncBatchNorm); the
-running statistics are averaged over the ranks (:func:`average_buffers`) in every checkpoint and
-before evaluation — the EMA is linear, so averaging at checkpoints does not change the final average.
+:func:`~flatbma.experiment.parallel.processes.all_reduce_mean`, ``ḡ = (1/N) Σ_r ∇L_{B_r}(w)`` — the gradient of
+the global batch, as the shards have equal sizes — with one flattened ``all_reduce`` per gradient evaluation.
+The hook runs before any ascent step, so SAM-family perturbations ``ε = ρ ḡ/‖ḡ‖`` use the all-reduced gradient
+(the "m = global batch" SAM, not per-rank m-sharpness); VI/FP-BMA reduce each Monte-Carlo sample's weight-space
+gradient before the chain rule to ``θ``. BatchNorm uses per-rank batch statistics (no SyncBatchNorm); running
+statistics are averaged over the ranks (:func:`average_buffers`) in every checkpoint and before evaluation (the
+EMA is linear, so this does not change the final average).
 
-Randomness: every rank seeds identically (``seed``), so parameter-space noise — VI's ``z``, SGLD's
-``ξ``, bSAM's noise, posterior sampling — is identical on every rank and the replicas stay equal
-(checked by :func:`check_replicas` at every checkpoint and at the end). Per-example draws
-(augmentation crops/flips, training dropout masks, MC-dropout masks at prediction) run on each
-rank's own examples but from the same stream, so the ``k``-th example of every shard gets the same
-draw; they equal the single-process draws only when they do not depend on the batch shape.
+Randomness: every rank seeds identically, so parameter-space noise (VI's ``z``, SGLD's ``ξ``, bSAM's noise,
+posterior sampling) is identical and the replicas stay equal (:func:`check_replicas`). Per-example draws
+(augmentation, dropout masks) come from the same stream on each rank's own examples: the ``k``-th example of every
+shard gets the same draw, the single-process one only when the draw does not depend on the batch shape.
 
-State and files: SWAG moments and SG-MCMC samples are functions of the (identical) parameters, so
-they are identical on all ranks. Only rank 0 writes ``config.yaml``, checkpoints and
-``metrics.json``; every rank reads the run directory on ``--resume``/``evaluate``, so multi-node
-runs need ``output_dir`` on a file system all nodes share. Training history (per-epoch loss and
-accuracy) is averaged over the ranks, i.e. it is that of the global batches.
+State and files: SWAG moments and SG-MCMC samples follow from the identical parameters. Only rank 0 writes
+``config.yaml``, checkpoints and ``metrics.json``; every rank reads the run directory on ``--resume``/``evaluate``,
+so multi-node runs need an ``output_dir`` all nodes share. Training history is averaged over the ranks.
 
-Evaluation: the test set is split into contiguous shards (:func:`shard_loader`), each rank
-accumulates :class:`~flatbma.metrics.StreamingMetrics` on its shard and :func:`all_reduce_metrics`
-sums their states, so the metrics equal the single-process ones up to float rounding. BatchNorm
-recomputation runs on the full un-augmented training data, in the same fixed order, on every rank
-(:func:`flatbma.experiment.run.build.statistics_loader`: identical results) and flatness diagnostics are
-computed redundantly on every rank (rank 0 writes them).
+Evaluation: each rank accumulates :class:`~flatbma.metrics.StreamingMetrics` on a contiguous test shard
+(:func:`shard_loader`) and :func:`all_reduce_metrics` sums their states: the single-process metrics up to float
+rounding. BatchNorm recomputation (:func:`flatbma.experiment.run.build.statistics_loader`) and flatness
+diagnostics run identically on every rank; rank 0 writes them.
 
-Members (``train.parallel: members``, :class:`MemberParallel`): a posterior with independent
-components (:attr:`~flatbma.types.Capabilities.members`, e.g. the ``M`` members of an ensemble or
-F-ensemble) can instead give each process a disjoint contiguous block of its members
-(:func:`member_share`; block sizes differ by at most one, so ``N ≤ M``). Every rank builds the same
-full state (same seed, same member initializations), keeps its block (``Capabilities.split``) and
-trains it on ALL the data — the single-process loader, same shuffle and augmentation — with no
-gradient all-reduce; each step's outputs are combined over the ranks (one small ``all_gather``) into
-the mean loss and mixture predictive of all members, so the training history is that of one process.
-At every checkpoint and at the end the blocks are merged into the full state on every rank (one
-broadcast per rank); rank 0 saves it, and evaluation shards the test set as above. Since a member's
-initialization, data, and random draws do not depend on the other members (the ensemble seeds each
-member's step separately), the trained members equal those of one process; checkpoints hold the full
-state and the global position, so a run resumes with any number of processes.
+Members (``train.parallel: members``, :class:`MemberParallel`): a posterior with independent components
+(:attr:`~flatbma.types.Capabilities.members`, e.g. an ensemble's ``M`` members) can instead give each process a
+disjoint contiguous block of them (:func:`member_share`, so ``N ≤ M``), trained on all the data with the
+single-process loader and no gradient all-reduce. A member's initialization, data and draws do not depend on the
+others, so the trained members equal those of one process. Checkpoints hold the merged full state and the global
+position, so a run resumes with any number of processes.
 
-Runs (``flatbma compare``): under ``torchrun`` the comparison's (method, seed) runs are dealt out
-round-robin, each run an ordinary single-process run
-(:func:`~flatbma.experiment.parallel.processes.single_process`: no collectives
-inside); rank 0 then collects the result rows from the run directories and writes the reports.
+Runs (``flatbma compare``): under ``torchrun`` the (method, seed) runs are dealt out round-robin, each an ordinary
+single-process run (:func:`~flatbma.experiment.parallel.processes.single_process`); rank 0 then collects the
+result rows and writes the reports.
 """
 
 from __future__ import annotations
@@ -163,9 +144,8 @@ def local_position(position: Position) -> Position:
 def checkpoint_hook(save: Save) -> Save:
     """The runner's checkpoint callback for data-parallel training (a collective: all ranks call it).
 
-    Checks the replicas, averages BatchNorm statistics, globalizes position and history, and lets
-    rank 0 alone call ``save``. Returns on every rank only once the checkpoint is written, so that a
-    rank which stops right after it and resumes at once reads this checkpoint, not the one before.
+    Checks the replicas, averages BatchNorm statistics, globalizes position and history, lets rank 0 alone call
+    ``save``, and returns on every rank once the checkpoint is written (so an immediate resume reads it).
     """
 
     def hook(state: State, position: Position, history: History) -> None:
@@ -195,15 +175,12 @@ _SECTIONS = ("params", "buffers", "aux")
 class MemberParallel:
     """A posterior's independent members spread over the processes (``train.parallel: members``).
 
-    Built on every rank from the same FULL state (a fresh ``init`` or a loaded checkpoint). Process
-    ``r`` of ``N`` trains members ``member_share(M, N, r)``: :meth:`local` is its part of the state,
-    :attr:`method` the posterior to train it with (its ``update`` combines the step outputs of all
-    ranks), :meth:`merge` rebuilds the full state on every rank. In one process it trains all members
-    and changes nothing.
-
-    Combined outputs: with rank ``r`` holding ``m_r`` members, mean loss ``ℓ_r`` and mixture
-    log-predictive ``log p_r``, the ensemble's are ``ℓ = Σ_r m_r ℓ_r / M`` and
-    ``log p = logsumexp_r(log p_r + log m_r) − log M`` (exact up to float rounding).
+    Built on every rank from the same full state. Process ``r`` of ``N`` trains members
+    ``member_share(M, N, r)``: :meth:`local` is its part of the state, :attr:`method` the posterior to train it
+    with (its ``update`` combines the step outputs of all ranks), :meth:`merge` rebuilds the full state on every
+    rank. With rank ``r`` holding ``m_r`` members, mean loss ``ℓ_r`` and mixture log-predictive ``log p_r``, the
+    combined outputs are ``ℓ = Σ_r m_r ℓ_r / M`` and ``log p = logsumexp_r(log p_r + log m_r) − log M``.
+    In one process it trains all members and changes nothing.
 
     Args:
         method: a posterior with ``members > 0`` and ``split`` (:class:`~flatbma.types.Posterior`).
@@ -282,9 +259,8 @@ class MemberParallel:
     def checkpoint_hook(self, save: Save) -> Save:
         """The runner's checkpoint callback (a collective): merge the members, rank 0 calls ``save``.
 
-        Position and history are the same on every rank (same data, same global random stream,
-        combined step outputs), so they are saved as they are. Returns once the file is written
-        (a barrier), as :func:`checkpoint_hook` does.
+        Position and history are identical on every rank and saved as they are; returns once the file is
+        written (a barrier).
         """
 
         def hook(state: State, position: Position, history: History) -> None:
@@ -326,15 +302,12 @@ def _broadcast(tensors: dict[tuple[str, str], Tensor], src: int) -> dict[tuple[s
 class Strategy:
     """How the processes share a run; this base class is one process training everything alone.
 
-    A run asks its strategy, and only it, for what depends on the processes: the loaders, the
-    objective, the transform and state this process trains, the checkpoint callback, the position a
-    resumed run continues from, the state every process evaluates, and how test metrics combine.
-    :func:`strategy` chooses it once, when the run's experiment is built.
+    A run asks its strategy alone for what depends on the processes: loaders, objective, the transform and
+    state it trains, checkpoint callback, resumed position, final state, metric reduction.
 
     Args:
-        sharded: every process evaluates a contiguous shard of the test set (:func:`shard_loader`)
-            and the metric states are summed over the processes (:func:`all_reduce_metrics`); the
-            run records its ``world_size``.
+        sharded: each process evaluates a contiguous test shard (:func:`shard_loader`), metric states are
+            summed over the processes (:func:`all_reduce_metrics`) and the run records its ``world_size``.
     """
 
     def __init__(self, *, sharded: bool = False) -> None:
@@ -383,8 +356,7 @@ class Strategy:
 class DataParallel(Strategy):
     """``train.parallel: data`` on ``N`` processes: shards of every global batch, all-reduced gradients.
 
-    See the module docstring: the same global batches as one process, replicas checked and
-    BatchNorm statistics averaged in every checkpoint and at the end, rank 0 saves.
+    Replicas are checked and BatchNorm statistics averaged at every checkpoint and at the end; rank 0 saves.
     """
 
     def __init__(self) -> None:
@@ -412,10 +384,9 @@ class DataParallel(Strategy):
 
 
 class Members(Strategy):
-    """``train.parallel: members``: each process trains its share of the independent members (:class:`MemberParallel`).
+    """``train.parallel: members``: each process trains its share of the independent members.
 
-    In one process it trains all members. A method without members, or more processes than members,
-    is refused when training starts (:class:`MemberParallel`).
+    A method without members, or more processes than members, is refused at :meth:`start`.
     """
 
     def __init__(self, *, sharded: bool) -> None:
@@ -444,8 +415,7 @@ class Members(Strategy):
 def strategy(parallel: Parallel | str) -> Strategy:
     """The strategy of a run with ``train.parallel = parallel`` in the current process group.
 
-    ``members`` spreads the members (over one process or many); ``data`` is data-parallel under a
-    process group of several processes and one process otherwise.
+    ``members`` spreads the members over one process or many; ``data`` is data-parallel when several run.
     """
     if Parallel(parallel) is Parallel.MEMBERS:
         return Members(sharded=is_distributed())

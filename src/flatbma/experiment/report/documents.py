@@ -1,10 +1,9 @@
 """The documents of a comparison: ``results.csv``, ``figures/*.png``, ``report.md`` and a self-contained HTML report.
 
-:func:`write_reports` writes, into one folder, ``results.csv`` (one row per run, flat columns,
-:func:`csv_rows`), ``figures/*.png`` (:mod:`flatbma.experiment.report.figures`), ``report.md`` (findings,
-tables, and the figures by relative path) and ``report.html``, which is self-contained: its figures are
-embedded as base64 PNG data URIs. The tables are :mod:`flatbma.experiment.report.tables`', the findings
-:mod:`flatbma.experiment.report.findings`'. Figures need matplotlib (``pip install flatbma[plots]``).
+:func:`write_reports` writes, into one folder, ``results.csv`` (one row per run, flat columns, :func:`csv_rows`),
+``figures/*.png``, ``report.md`` (findings, tables, and the figures by relative path) and ``report.html``, which
+is self-contained: its figures are embedded as base64 PNG data URIs. Figures need matplotlib
+(``pip install flatbma[plots]``).
 """
 
 from __future__ import annotations
@@ -41,10 +40,9 @@ def csv_rows(results: Mapping[str, Any]) -> tuple[list[str], list[dict[str, Any]
     """``(columns, rows)``: one flat row per run.
 
     Scalars keep their key; dicts are flattened with dotted keys (``method_options.rank``,
-    ``lambda1_summary.interval.low``) and lists are written as JSON; the BMA
-    curve becomes ``bma_<metric>_m<M>``, corruptions ``corr_<name>_s<severity>_<metric>``. The
-    reliability diagram and the landscape curve are left out (see ``results.json``). Columns are
-    the union over runs in order of appearance; a run without a column leaves it empty.
+    ``lambda1_summary.interval.low``), lists written as JSON; the BMA curve becomes ``bma_<metric>_m<M>``,
+    corruptions ``corr_<name>_s<severity>_<metric>``. The reliability diagram and landscape curve are left out
+    (see ``results.json``). Columns are the union over runs in order of appearance, empty where a run lacks one.
     """
     rows = [_flat_run(run) for run in read_runs(results)]
     columns = list(dict.fromkeys(k for row in rows for k in row))
@@ -106,7 +104,7 @@ def write_reports(results: Mapping[str, Any], out_dir: str | Path) -> dict[str, 
     The findings are generated anew from ``results`` (:func:`findings`), never copied from it.
 
     Args:
-        results: the ``results.json`` dict (see the module docstring).
+        results: the ``results.json`` dict.
         out_dir: the folder to write into (created if missing). A figure that is skipped for lack
             of data has its stale PNG from an earlier report removed.
 

@@ -236,12 +236,10 @@ def _run_value(run: Run) -> float | None:
 def lambda1_figure(results: Mapping[str, Any]) -> bytes | None:
     """λ₁ per method with its intervals; ``None`` when no run has λ₁.
 
-    Bar: the mean over seeds of the runs' median λ₁ (a run without a median: its mean), with
-    its 95% t interval over seeds (two or more seeds; never clipped: λ₁ of an indefinite Hessian can be
-    negative). Dots: each run's median over its posterior samples with the bootstrap interval of the
-    median (when the run records its per-sample values); a bar marker: the run's mean over samples
-    (one sharp sample can make it many times the median); a cross: λ₁ at the posterior mean. The axis
-    is logarithmic when the values drawn span more than a factor of 10 and are all positive.
+    Bar: the mean over seeds of the runs' median λ₁ (else their mean), with its 95% t interval over two or more
+    seeds (never clipped: λ₁ can be negative). Dots: each run's median with the bootstrap interval of the median;
+    a bar marker: the run's mean over samples; a cross: λ₁ at the posterior mean. The axis is logarithmic when
+    the values drawn are all positive and span more than a factor of 10.
     """
     groups = by_method(read_runs(results))
     methods = [m for m, rs in groups.items() if any(_run_value(r) is not None for r in rs)]
@@ -299,8 +297,7 @@ def lambda1_figure(results: Mapping[str, Any]) -> bytes | None:
 def corruption_figure(results: Mapping[str, Any]) -> bytes | None:
     """BMA accuracy/NLL/ECE vs corruption severity (0 = clean), mean over corruptions ± std over seeds.
 
-    With one severity there is nothing between clean and it to draw a line through: each method is a
-    pair of points with error bars (offset side by side), not a line from clean.
+    With one severity each method is a pair of points with error bars (side by side), not a line from clean.
     """
     runs = read_runs(results)
     severities = [s for s in severities_of(runs) if to_number(s) is not None]
@@ -351,10 +348,9 @@ def corruption_figure(results: Mapping[str, Any]) -> bytes | None:
 def landscape_curves(results: Mapping[str, Any]) -> dict[str, tuple[list[float], list[float], list[float]]]:
     """Per method ``{label: (alphas, mean, std)}`` of the 1-D posterior loss landscapes, pooled over seeds.
 
-    Each run holds the mean ``m_s(α)`` and standard deviation ``σ_s(α)`` over its samples; the seeds of
-    a method (those with the alphas of its first seed) are pooled as an equal mixture: mean
-    ``m = mean_s m_s`` and std ``√(mean_s σ_s² + mean_s (m_s − m)²)`` (the law of total variance,
-    population variance over seeds). Methods without a landscape are left out.
+    Each run holds the mean ``m_s(α)`` and std ``σ_s(α)`` over its samples; a method's seeds (those with the alphas
+    of its first seed) are pooled as an equal mixture: mean ``m = mean_s m_s``, std
+    ``√(mean_s σ_s² + mean_s (m_s − m)²)`` (law of total variance). Methods without a landscape are left out.
     """
     curves = {}
     for method, runs in by_method(read_runs(results)).items():

@@ -1,28 +1,21 @@
 """Paired comparisons of the methods of a comparison, and the findings generated from them.
 
-Statistics (:mod:`flatbma.stats`, level 95%; the metrics and runs are read by
-:mod:`flatbma.experiment.report.rows`):
+Statistics (:mod:`flatbma.stats`, level 95%):
 
-* **Paired differences** against the reference method (``compare.reference``, default the first
-  method): for each other method and each metric of :data:`~flatbma.experiment.report.rows.COMPARED`,
-  ``d_s = x_s − x_s(reference)`` over the seeds both ran, their mean and t interval
-  (:func:`flatbma.stats.paired_difference`; the same seed means the same k-shot training set and
-  initialization, so the pairing removes that variation). The interval of a metric bounded to
-  ``[low, high]`` (accuracy, ECE, Brier) is clipped to the range of a difference, ``±(high − low)``.
-* **Listed pairs** (``compare.pairs: [[a, b], ...]``, in addition): ``d_s = x_s(a) − x_s(b)`` over the
-  seeds both ran, with the same interval, metrics and verdicts (:func:`pair_comparisons`).
-* **Detectable difference** of each of them: the smallest true mean difference that the two-sided paired
-  t test at 5% (the test the 95% interval reads) detects with 80% power over those seeds, from the
-  differences' spread (:func:`flatbma.stats.detectable_difference`, the noncentral t; ``≈ (t_{0.975, n−1}
-  + t_{0.8, n−1}) s/√n``), in the metric's units.
-* **Findings** (:func:`findings`): one line per (method, metric), generated from those differences:
-  "better"/"worse" when the interval excludes 0 (for λ₁ and the width tr Σ, which have no better
-  end, "flatter"/"sharper" and "narrower"/"wider"; for a regression run's coverage, best at its level,
-  "covers more"/"covers less"), else "no difference larger than δ detected", ``δ`` the detectable
-  difference (never "no difference": a null is as strong as its power); with one seed no comparison is
-  claimed. λ₁ is compared only where both runs of a pair report their width, and
-  its line is followed by the width's (a wider posterior puts samples in sharper places whatever its
-  flatness). ``flatbma compare`` stores them in ``results["findings"]``.
+* **Paired differences** against the reference (``compare.reference``, default the first method): for each
+  other method and each metric of :data:`~flatbma.experiment.report.rows.COMPARED`, ``d_s = x_s − x_s(reference)``
+  over the seeds both ran, their mean and t interval (:func:`flatbma.stats.paired_difference`; a seed fixes the
+  k-shot training set and initialization, so pairing removes that variation). For a metric bounded to
+  ``[low, high]`` the interval is clipped to ``±(high − low)``.
+* **Listed pairs** (``compare.pairs: [[a, b], ...]``): ``d_s = x_s(a) − x_s(b)``, likewise (:func:`pair_comparisons`).
+* **Detectable difference**: the smallest true mean difference that the two-sided paired t test at 5% detects
+  with 80% power over those seeds (:func:`flatbma.stats.detectable_difference`, noncentral t;
+  ``≈ (t_{0.975, n−1} + t_{0.8, n−1}) s/√n``), in the metric's units.
+* **Findings** (:func:`findings`): one line per (method, metric): "better"/"worse" when the interval excludes 0
+  ("flatter"/"sharper" for λ₁, "narrower"/"wider" for the width tr Σ, "covers more"/"covers less" for a
+  regression coverage), else "no difference larger than δ detected", ``δ`` the detectable difference; with one
+  seed nothing is claimed. λ₁ is compared only where both runs report their width, and its line is followed by
+  the width's (a wider posterior puts samples in sharper places whatever its flatness).
 """
 
 from __future__ import annotations
@@ -217,8 +210,7 @@ def check_pairs(pairs: Any, labels: Sequence[str]) -> tuple[tuple[str, str], ...
         The pairs as ``(a, b)`` tuples; ``()`` for ``None``.
 
     Raises:
-        FlatbmaError: one line naming the first pair that is not a list of two labels, names a method
-            that is not compared, compares a method with itself or repeats an earlier pair.
+        FlatbmaError: naming the first pair that is not two compared labels, pairs a method with itself or repeats one.
     """
     if pairs is None:
         return ()
@@ -309,9 +301,7 @@ def _on_every_metric(method: str, other: str, groups: Mapping[str, Sequence[Run]
 
 
 def comparisons(results: Mapping[str, Any]) -> list[Comparison]:
-    """Every method against the reference on every metric both measured.
-
-    The metrics are :data:`~flatbma.experiment.report.rows.COMPARED`.
+    """Every method against the reference on every metric of :data:`~flatbma.experiment.report.rows.COMPARED`.
 
     Raises:
         FlatbmaError: if ``results`` has no runs or its ``compare.reference`` is not among its methods.
@@ -345,17 +335,12 @@ def findings(results: Mapping[str, Any]) -> dict[str, Any]:
 
     Returns:
         ``{"reference", "level", "power", "test", "detectable_difference", "claimed", "comparisons":
-        [Comparison.to_dict()], "text": [lines]}`` (each comparison's ``detectable`` at ``power``, defined by
-        ``detectable_difference``), and with ``compare.pairs`` also ``"pairs": [Comparison.to_dict()]`` (each pair
-        ``a − b``, with ``reference`` = b; :func:`pair_comparisons`). ``text`` has one line per
-        comparison, the reference's first, then the pairs' (a method sharing fewer than two seeds with
-        the one it is compared with gets one line saying that nothing is claimed; a pair ``(a, b)``
-        whose ``b`` is the reference adds no line, the reference's comparisons have said it); with one
-        seed overall, or one method, it is a single line saying that no comparison is claimed. Rows
-        flagged by the training-health rules (:mod:`flatbma.health`) come first, one line
-        each, and are listed under ``"health"``; before them, one line per method with seeds whose training
-        diverged (failed rows, in no comparison: :func:`~flatbma.experiment.report.rows.diverged_lines`),
-        listed under ``"diverged"``.
+        [Comparison.to_dict()], "text": [lines]}``, with ``compare.pairs`` also ``"pairs"`` (each ``a − b``,
+        ``reference`` = b), and the lists ``"diverged"`` and ``"health"``. ``text`` has one line per method with
+        diverged seeds, then one per row flagged by :mod:`flatbma.health`, then one per comparison (the
+        reference's, then the pairs'; a pair whose ``b`` is the reference adds none). A method sharing fewer than
+        two seeds with its counterpart gets a line claiming nothing; with one seed overall, or one method, the
+        comparisons are a single such line.
     """
     groups = by_method(read_runs(results))
     reference = reference_of(results, groups)

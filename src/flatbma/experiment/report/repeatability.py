@@ -1,10 +1,9 @@
 """The report's words on measurement repeatability: whether a repeated λ₁ measurement repeated, and why not.
 
 A run with ``eval.repeatability`` measures λ₁ twice (another measurement seed and another draw of samples;
-:func:`flatbma.flatness.posterior.repeatability`); the rule of what repeats is
-:func:`flatbma.flatness.posterior.repeatable`. :func:`repeatability_lines` gives the flatness table's
-line per method (:mod:`flatbma.experiment.report.tables`), :func:`repeat_disagreement` the one line
-``flatbma evaluate --flatness`` prints when a measurement did not repeat.
+:func:`flatbma.flatness.posterior.repeatability`); :func:`flatbma.flatness.posterior.repeatable` decides what
+repeats. :func:`repeatability_lines` gives the flatness table's line per method, :func:`repeat_disagreement`
+the line ``flatbma evaluate --flatness`` prints when a measurement did not repeat.
 """
 
 from __future__ import annotations
@@ -73,7 +72,7 @@ def _repeat_text(rep: Mapping[str, Any]) -> str:
 def repeat_disagreement(record: Any) -> str | None:
     """One line saying that a repeated λ₁ measurement (``repeatability`` of a run) did not repeat; ``None`` if it did.
 
-    Used by ``flatbma evaluate --flatness``; the rule is :func:`flatbma.flatness.posterior.repeatable`.
+    The rule is :func:`flatbma.flatness.posterior.repeatable`.
     """
     if not isinstance(record, Mapping) or repeatable(record) is not False:
         return None

@@ -19,30 +19,23 @@ Input is the ``results.json`` dict written by ``flatbma compare``::
                "landscape": {"alphas": [...], "mean": [...], "std": [...]} | null,
                "diagnostics": {"prior_precision", "log_evidence", "effective_params": float} (Laplace only)}, ...]}
 
-A row whose training diverged (a *failed row*) has no metrics, only ``{"method", "method_options", "optim",
-"prior", "seed", "run_dir", "error": str}``: :func:`read_runs` leaves it out, so it is in no mean, interval,
-figure or paired difference (those pair the seeds both rows have numbers for), and :func:`diverged_lines`
-says which seeds of which method diverged.
+A row whose training diverged (a *failed row*) has only ``{"method", "method_options", "optim", "prior",
+"seed", "run_dir", "error": str}``: :func:`read_runs` leaves it out of every mean, interval, figure and paired
+difference, and :func:`diverged_lines` names the seeds that diverged. Any field may be missing or null: tables
+then show "–" and a figure without data is skipped with a note.
 
-Any field may be missing or null (a run without the flatness protocol has none of its keys):
-tables then show "–" and a figure without data is skipped with a note.
+Statistics (:mod:`flatbma.stats`, level 95%), per method and metric, over the seeds whose run has the value:
+with two or more, the mean ± sample std (``ddof = 1``) and Student's t interval ``x̄ ± t_{0.975, n−1} s/√n``;
+with one seed, the value alone. Intervals are clipped to the metric's range (:attr:`Metric.bounds`: accuracy,
+ECE and AECE in [0, 1], Brier in [0, 2], NLL, tr Σ and times ≥ 0); λ₁, of a possibly indefinite Hessian, is
+never clipped.
 
-Statistics (:mod:`flatbma.stats`, level 95%), per method and metric, over the seeds whose run has the
-value: with two or more, the mean ± the sample standard deviation (``ddof = 1``) and Student's t
-interval of the mean, ``x̄ ± t_{0.975, n−1} s/√n``; with one seed, the value alone (titles say
-"one seed; no interval", never "mean ± std"). The interval of a metric bounded by its definition is
-clipped to its range (:attr:`Metric.bounds`: accuracy, ECE and AECE in [0, 1], Brier in [0, 2], NLL,
-the width tr Σ and times ≥ 0); λ₁, the top eigenvalue of a Hessian that can be indefinite, has no bound
-and is never clipped.
+A run's λ₁ (:data:`LAMBDA1`) is the **median** over its posterior samples, since per-sample λ₁ is heavy-tailed
+(the mean, :data:`LAMBDA1_MEAN`, is shown beside it); its interval is the seeded percentile bootstrap of the
+median (:func:`lambda1_median_interval`) of the converged per-sample values, when the run records them.
 
-A run's λ₁ (:data:`LAMBDA1`) is the **median** over its posterior samples (``lambda1_summary.median``):
-per-sample λ₁ is heavy-tailed, and one sharp sample can make the mean (:data:`LAMBDA1_MEAN`, shown
-beside it) many times every other sample's value. Its interval over the samples is the seeded
-percentile bootstrap of the median (:func:`lambda1_median_interval`) of the converged per-sample
-values (``hessian_top_eigenvalues``), when the run records them.
-
-Brier score: as :func:`flatbma.metrics.brier`, summed over all classes, ``(1/n) Σ_i Σ_c (p_ic − 1[y_i = c])²``
-— on a binary problem twice scikit-learn's ``brier_score_loss`` (which scores the positive class only).
+Brier score (:func:`flatbma.metrics.brier`) sums over all classes, ``(1/n) Σ_i Σ_c (p_ic − 1[y_i = c])²`` — on
+a binary problem twice scikit-learn's ``brier_score_loss``.
 """
 
 from __future__ import annotations
@@ -111,8 +104,6 @@ Run = Mapping[str, Any]
 
 def read_runs(results: Mapping[str, Any]) -> list[Run]:
     """The runs with numbers of a ``results.json`` dict, each checked to be a dict with a ``method`` name.
-
-    Failed rows (an ``error``, no metrics: their training diverged) are left out (:func:`failed_runs`).
 
     Raises:
         FlatbmaError: if ``results`` is not a dict, has no runs, or a run has no method name, or every run failed.
@@ -339,9 +330,8 @@ def summary_of(
 ) -> Summary | None:
     """Mean, std and 95% t interval of the values that are present (:func:`flatbma.stats.summarize`).
 
-    ``None`` when no value is present. A non-finite value (a diverged run's NLL) gives its mean
-    without spread or interval rather than being dropped. The interval is clipped to ``bounds``
-    (a metric's :attr:`Metric.bounds`), the range its definition confines the metric to.
+    ``None`` when no value is present. A non-finite value (a diverged run's NLL) gives its mean without spread
+    or interval rather than being dropped; the interval is clipped to ``bounds``.
     """
     xs = [v for v in values if v is not None]
     if not xs:

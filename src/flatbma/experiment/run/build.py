@@ -1,12 +1,10 @@
 """An experiment: a run config assembled into data loaders, the model and the method (seeded).
 
-Building is deterministic: :func:`build_experiment` seeds every generator first, and the experiment
-records the global RNG state it leaves (:attr:`Experiment.rng`), so that its evaluation draws the
-same random numbers whether it runs right after building or after training in the same process.
+:func:`build_experiment` seeds every generator first and records the global RNG state it leaves
+(:attr:`Experiment.rng`), so evaluation draws the same numbers right after building or after training.
 
-Over 500 lines on purpose: the data a run reads and draws (k-shot, validation, test subset, Hessian examples),
-its network and its loaders are one deterministic sequence of random draws, kept in one module so that its
-order (which the runs' numbers depend on) can be read top to bottom.
+Over 500 lines on purpose: the data a run draws (k-shot, validation, test subset, Hessian examples), its network
+and its loaders are one deterministic sequence of random draws, whose order the runs' numbers depend on.
 """
 
 from __future__ import annotations
@@ -104,16 +102,13 @@ class Experiment:
     """Everything a run needs, built from a config.
 
     Attributes:
-        hessian_loader: the training examples the Hessian is taken over (``eval.hessian_examples``;
-            all of them by default), without augmentation, in batches of ``data.eval_batch_size``.
+        hessian_loader: the un-augmented training examples the Hessian is taken over (``eval.hessian_examples``).
         strategy: how the processes share the run (:func:`flatbma.experiment.parallel.strategies.strategy`).
-        bn_loader: the training data for BatchNorm recomputation (:func:`statistics_loader`): the
-            un-augmented images in a fixed order, the same on every process and every evaluation.
+        bn_loader: the un-augmented training images in a fixed order, for BatchNorm recomputation.
         rng: the global RNG state at the end of building; evaluation starts from it.
         data_fingerprint: :func:`data_fingerprint` of the data set the run draws its examples from.
         learning_rate: ``step -> η_t`` as the method trains with it (:attr:`flatbma.training.Built.learning_rate`).
-        likelihood: the Gaussian likelihood of a regression run (``model.likelihood: gaussian``; then
-            ``num_classes`` is 0), ``None`` for a classifier.
+        likelihood: the Gaussian likelihood of a regression run (``num_classes`` then 0), ``None`` for a classifier.
     """
 
     config: RunConfig
@@ -146,11 +141,9 @@ class RunData:
 
     Attributes:
         train: the training examples (the k-shot draw of ``data.k_shot``, else the whole training split).
-        val: the validation examples: held out of the k-shot budget (``data.val_per_class``), drawn from
-            outside it (``data.val_pool``), or a share of a full training split (``data.val_fraction``); or ``None``.
+        val: the validation examples (``data.val_per_class``, ``data.val_pool`` or ``data.val_fraction``), or ``None``.
         test: the test examples (the stratified subset of ``data.test_limit``, else the whole test split).
-        hessian: indices into ``train`` of the examples the Hessian is taken over (``eval.hessian_examples``),
-            or ``None`` for all of them.
+        hessian: indices into ``train`` of the Hessian's examples (``eval.hessian_examples``), or ``None`` for all.
     """
 
     train: ArrayDataset | TabularDataset
@@ -167,9 +160,8 @@ def load_data(d: DataConfig) -> DatasetSplits | RegressionSplits:
 def data_fingerprint(splits: DatasetSplits | RegressionSplits) -> str:
     """A short SHA-256 of a data set's content: both splits' images and labels (dtype, shape, bytes) and its classes.
 
-    Equal data, equal fingerprints; a changed pixel, label, class name or example changes it. With the
-    resolved config (which fixes the k-shot draw, the test subset and the transforms) it says what data a
-    run saw: a checkpoint records it, and a run whose data changed is neither reused nor resumed.
+    With the resolved config it says what data a run saw: a checkpoint records it, and a run whose data changed
+    is neither reused nor resumed.
     """
     head, tensors = splits.content()
     h = hashlib.sha256(head)
@@ -182,9 +174,8 @@ def data_fingerprint(splits: DatasetSplits | RegressionSplits) -> str:
 def select_regression_data(cfg: RunConfig, splits: RegressionSplits) -> RunData:
     """The examples of a regression run, every split standardized on the training examples only.
 
-    ``data.val_fraction`` of the training split is held out (a permutation of the run's seed), ``data.test_limit``
-    test examples are kept (a permutation of seed 0), then every split is rescaled by the statistics of the
-    training examples only (:func:`flatbma.data.tabular.standardized`).
+    ``data.val_fraction`` of the training split is held out (by the run's seed) and ``data.test_limit`` test
+    examples kept (by seed 0) before rescaling (:func:`flatbma.data.tabular.standardized`).
     """
     d = cfg.data
     train, test, val = splits.train, splits.test, None
@@ -270,10 +261,7 @@ def _select_images(cfg: RunConfig, splits: DatasetSplits) -> RunData:
 
 
 def transforms(d: DataConfig) -> tuple[Transform | None, Transform | None]:
-    """``(training, evaluation)`` transforms of the ``data`` section (the evaluation one never augments).
-
-    A regression data set's feature vectors take none: ``(None, None)``.
-    """
+    """``(training, evaluation)`` transforms of the ``data`` section (evaluation never augments; regression: none)."""
     return DATA[likelihoods.of_data(d.name)].transforms(d)
 
 
@@ -316,9 +304,8 @@ def build_regression_network(cfg: RunConfig, train: TabularDataset) -> torch.nn.
 def build_network(cfg: RunConfig, train: ArrayDataset | TabularDataset) -> torch.nn.Module:
     """The network of ``cfg`` (on the CPU, seeded) for the images of ``train``, only ``model.trainable`` trainable.
 
-    It is checked with one forward pass on two images of ``train`` (:func:`~flatbma.models.check_classifier`,
-    under a forked RNG: the numbers of the run do not change): logits ``[2, num_classes]``, float32, finite
-    weights, something to train.
+    Checked with one forward pass on two images under a forked RNG (:func:`~flatbma.models.check_classifier`):
+    logits ``[2, num_classes]``, float32, finite weights, something to train.
     """
     return DATA[cfg.model.likelihood].network(cfg, train)
 
@@ -397,10 +384,8 @@ def _check_one_scale(strategy: Strategy) -> None:
 class Inputs:
     """What every stage of a run shares, read and built once (:func:`prepare`): its data and its network.
 
-    A run's stages (a two-stage run's first and second, the check before either) differ in their method and
-    optimizer, not in their data, network or seed; each stage's experiment is assembled from these
-    (:func:`build_experiment`) with the global random state as building them left it, so that it is the
-    experiment a build of its own would give, bit for bit.
+    A run's stages differ in method and optimizer, not in data, network or seed; each stage's experiment is
+    assembled from these (:func:`build_experiment`), bit for bit the one a build of its own would give.
 
     Attributes:
         device: where the run trains.
@@ -471,11 +456,10 @@ def _set_random_state(state: tuple[Any, ...]) -> None:
 def build_experiment(cfg: RunConfig, prior: Params | None = None, inputs: Inputs | None = None) -> Experiment:
     """The experiment of ``cfg``: its data, its network and its method (seeded).
 
-    ``prior`` is a fitted Gaussian in ``θ`` layout (:func:`flatbma.experiment.run.prior.fit_prior`) that
-    replaces the method's default prior; without it a two-stage run's method keeps its default
-    prior, which is all that sampling and evaluation need. ``inputs``: the run's data and network already read
-    and built (:func:`prepare`, for ``cfg``'s data, model and seed); the experiment gets a copy of the network
-    and the global random state they left, as if it had read and built them itself. ``None``: read and built here.
+    ``prior``: a fitted Gaussian in ``θ`` layout (:func:`flatbma.experiment.run.prior.fit_prior`) replacing the
+    method's default prior (enough for sampling and evaluation). ``inputs``: the data and network of
+    :func:`prepare`; the experiment gets a copy of the network and the random state they left, as if it had built
+    them itself (``None``: built here).
     """
     if inputs is None:
         inputs = prepare(cfg)

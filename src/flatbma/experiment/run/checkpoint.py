@@ -1,32 +1,17 @@
 """Saving and loading method states without unpickling: safetensors tensors + JSON metadata.
 
 A checkpoint is one ``.safetensors`` file whose tensors are the state's ``params/…``, ``buffers/…`` and
-``aux/…`` entries and whose string metadata holds ``step`` and a format tag. Files are written to a
-temporary name in the same directory and renamed, so a crash never leaves a half-written checkpoint;
-a temporary file left by a killed write is removed when the next run starts in that directory
-(:func:`remove_stale_temps`). Every write (:func:`atomic_write_bytes`) ends in one
-:class:`~flatbma.errors.FlatbmaError` line when the disk is full, read-only or not writable, and gives
-the file the mode the user's umask asks for.
+``aux/…`` entries and whose string metadata holds ``step`` and a format tag. Files are written to a temporary
+name and renamed, so a crash never leaves a half-written checkpoint (:func:`remove_stale_temps` clears what a
+killed write left); a failed write ends in one :class:`~flatbma.errors.FlatbmaError` line.
 
-A run's checkpoint also holds the loop position (:func:`save_position`, :func:`load_position`): the runner's
-:class:`~flatbma.loop.Position` (RNG states as ``extra/…`` tensors, counters and running sums as
-metadata), the training history, who wrote it (:class:`~flatbma.experiment.run.provenance.Provenance`: the
-method, fingerprints of its options and of the model, the flatbma version) and the run it belongs to
-(:class:`RunRecord`: its whole resolved config and the fingerprint of its data). Loading it checks it against
-the run that loads it (:class:`~flatbma.experiment.run.provenance.Template`): who wrote it, every tensor's
-name, dtype and shape, the RNG states and the position, on ``--resume`` the config and data
-(:func:`check_continuation`), and last every tensor and the metadata against the checksums written with them
-(:func:`check_intact`), so that a checkpoint of another run, an altered one or a damaged one (one flipped bit)
-ends in one line naming both sides instead of training or evaluating something else. Checkpoints written
-before a record existed are accepted without it.
-
-A ``flatbma train --resume RUN --set key=value`` may change the keys of :data:`RESUMABLE` (they do
-not change what the trained state means; :mod:`flatbma.experiment.run.resume` records the change).
+A run's checkpoint also holds the loop position (:func:`save_position`), the training history, who wrote it
+(:class:`~flatbma.experiment.run.provenance.Provenance`) and the run it belongs to (:class:`RunRecord`);
+:func:`load_position` checks all of it, so another run's, an altered or a damaged checkpoint ends in one line
+naming both sides. ``--resume --set`` may change only the keys of :data:`RESUMABLE`.
 
 Over 500 lines on purpose: the writer and every check of the reader share one file layout (key
-prefixes, metadata names, checksums); split apart, each half would restate it. Who wrote a checkpoint
-(:mod:`~flatbma.experiment.run.provenance`) and what a resume may change
-(:mod:`~flatbma.experiment.run.resume`) are already their own modules.
+prefixes, metadata names, checksums); split apart, each half would restate it.
 """
 
 from __future__ import annotations
@@ -78,9 +63,8 @@ def atomic_write_json(path: Path, obj: Any, *, note: str = "") -> None:
 def write_sealed_json(path: Path, obj: dict[str, Any], *, note: str = "") -> None:
     """Write the record ``obj`` sealed with its checksum (:func:`flatbma.state_io.sealed`), atomically.
 
-    The caches a result is read from — a run's ``metrics.json``, a comparison row's ``compare.json`` and
-    ``row_error.json``, a candidate's ``candidate.json`` — are written so; :func:`seal_required` says when one
-    read back must carry its seal.
+    For the caches a result is read from (``metrics.json``, ``compare.json``, ``row_error.json``,
+    ``candidate.json``); :func:`seal_required` says when one read back must carry its seal.
     """
     atomic_write_json(path, sealed(obj), note=note)
 
@@ -88,9 +72,8 @@ def write_sealed_json(path: Path, obj: dict[str, Any], *, note: str = "") -> Non
 def seal_required(directory: Path) -> bool:
     """Whether the sealed records in ``directory`` must carry their seal: its checkpoint is of the current format.
 
-    A version that writes checkpoints of :data:`flatbma.state_io.FORMAT` seals every record it writes beside
-    them, and the checkpoint's format tag is covered by its own checksums: a record without its seal there
-    lost it by an edit. Beside an older checkpoint (or none) an unsealed record is one of an older version.
+    Beside a checkpoint of :data:`flatbma.state_io.FORMAT` (its format tag covered by its checksums) an unsealed
+    record lost its seal by an edit; beside an older checkpoint, or none, it is an older version's.
     """
     meta = checkpoint_metadata(Path(directory) / CHECKPOINT_NAME)
     return meta is not None and meta.get("format") == FORMAT
@@ -103,9 +86,8 @@ CHECKPOINT_NAME = "checkpoint.safetensors"
 def remove_stale_temps(directory: str | Path) -> list[Path]:
     """Remove the temporary files (``.<name>.<random>.tmp``) that killed writes left in ``directory``.
 
-    Call it where a command starts writing into ``directory`` (one process: rank 0) holding the directory's
-    lock (:func:`flatbma.experiment.run.lock.hold`), so that no other process writes there: a temporary file is
-    stale only then. Returns the files removed; files that cannot be removed are left.
+    Call it on one process holding the directory's lock (:func:`flatbma.experiment.run.lock.hold`): only then is
+    a temporary file stale. Returns the files removed; those that cannot be removed are left.
     """
     removed = []
     try:
@@ -134,12 +116,8 @@ def save_state(
 ) -> None:
     """Save ``state`` atomically to ``path`` (safetensors).
 
-    Args:
-        state: the method state.
-        path: the file.
-        metadata: extra string metadata (JSON text for structured values).
-        extra: extra tensors stored under ``extra/<key>`` (e.g. RNG states), read back by
-            :func:`load_checkpoint`.
+    ``metadata``: extra string metadata (JSON text for structured values); ``extra``: tensors stored under
+    ``extra/<key>`` (e.g. RNG states), read back by :func:`load_checkpoint`.
 
     Raises:
         FlatbmaError: the file cannot be written (the message says which checkpoint at ``path`` is intact).
@@ -178,10 +156,7 @@ def load_checkpoint(path: str | Path, device: str = "cpu") -> tuple[State, dict[
 
 
 def verify_checkpoint(path: str | Path) -> None:
-    """Raise :class:`FlatbmaError` unless the checkpoint at ``path`` reads and matches its checksums.
-
-    For a cache of numbers computed from it (a comparison's row) that is reused without loading the state.
-    """
+    """Raise :class:`FlatbmaError` unless the checkpoint at ``path`` reads and matches its checksums."""
     tensors, meta = _read(Path(path))
     check_intact(tensors, meta, path)
 
@@ -233,9 +208,7 @@ def _sections(
 def check_intact(tensors: Mapping[str, Tensor], meta: Mapping[str, str], path: str | Path) -> None:
     """Raise :class:`FlatbmaError` unless a state file's CPU ``tensors`` and ``meta`` match its recorded checksums.
 
-    A file without checksums is accepted only when written before flatbma recorded them
-    (:func:`flatbma.state_io.checksum_problem`): a ``v1`` file that holds none of the records of :data:`RECORDS`,
-    which flatbma wrote only after it wrote checksums.
+    A file without checksums is accepted only when it holds none of :data:`RECORDS` (an older ``v1`` file).
     """
     problem = checksum_problem(tensors, meta, required=bool(RECORDS & set(meta)))
     if problem:
@@ -248,9 +221,8 @@ def check_intact(tensors: Mapping[str, Tensor], meta: Mapping[str, str], path: s
 def checkpoint_record(meta: Mapping[str, str] | None) -> dict[str, Any] | None:
     """Which checkpoint has the metadata ``meta``: ``{"step", "checksum"}`` (``None`` for no or unreadable metadata).
 
-    ``checksum`` is the short hash of its recorded checksums (:func:`flatbma.state_io.state_digest`), ``None``
-    for a checkpoint written before flatbma recorded them. ``metrics.json`` and a comparison's row cache
-    record the checkpoint they were computed from, so that they are never taken for another's.
+    ``checksum``: the short hash of its recorded checksums (:func:`flatbma.state_io.state_digest`), ``None``
+    without them. Records computed from a checkpoint carry this, so they are never taken for another's.
     """
     try:
         step = int(meta["step"]) if meta is not None else None
@@ -267,11 +239,7 @@ def position_text(meta: Mapping[str, str], epochs: int) -> str:
 
 
 def at_end(meta: Mapping[str, str] | None, epochs: int) -> bool:
-    """Whether the checkpoint with metadata ``meta`` stands at the end of a run of ``epochs`` epochs.
-
-    Its position is epoch ``epochs`` with no batch of a further one: every step trained, the last epoch's
-    log taken (:func:`flatbma.loop.fit`'s last checkpoint).
-    """
+    """Whether the checkpoint with metadata ``meta`` stands at the end of a run of ``epochs`` epochs (batch 0)."""
     try:
         return meta is not None and int(meta["epoch"]) == epochs and int(meta["batch"]) == 0
     except (KeyError, ValueError):
@@ -281,9 +249,8 @@ def at_end(meta: Mapping[str, str] | None, epochs: int) -> bool:
 def check_compatible(state: State, reference: State, path: str | Path) -> State:
     """The loaded ``state`` in the layout of ``reference``; a :class:`FlatbmaError` unless it has its structure.
 
-    ``reference`` is the state the run's method initializes for the run's model. The rule (same names, dtypes
-    and shapes; only a sampler's parameter stacks added to ``aux``) is
-    :func:`flatbma.state_io.structure_problem`'s, which loading a predictor shares.
+    ``reference``: the state the run's method initializes for its model. Same names, dtypes and shapes; only a
+    sampler's parameter stacks may be added to ``aux`` (:func:`flatbma.state_io.structure_problem`).
     """
     problem = structure_problem(state, reference)
     if problem:
@@ -303,12 +270,11 @@ class RunRecord:
     """What a run's checkpoint records of the run that wrote it, beyond :class:`Provenance`.
 
     Attributes:
-        config: the run's whole resolved config without its place (``output_dir``) and logs
+        config: the run's resolved config without ``output_dir`` and logs
             (:func:`flatbma.experiment.config.run_config.run_identity`).
-        data: the fingerprint of the data set it trained on (:func:`flatbma.experiment.run.build.data_fingerprint`);
-            ``None`` where it is not checked (evaluating a finished run reads the data as it is now).
-        environment: the library versions of the process that wrote it (``metrics.json`` rebuilt from the
-            checkpoint restores them); recorded, never checked.
+        data: the fingerprint of its training data (:func:`flatbma.experiment.run.build.data_fingerprint`);
+            ``None`` where it is not checked.
+        environment: the library versions of the writing process; recorded, never checked.
     """
 
     config: Mapping[str, Any]
@@ -367,12 +333,10 @@ def load_position(
 ) -> tuple[State, Position, History]:
     """``(state, position, history)`` saved by :func:`save_position`, checked against the run's ``template``.
 
-    Checks, each refused with one :class:`FlatbmaError` line naming both sides: who wrote it
-    (:func:`check_provenance`), every tensor's name, dtype and shape (:func:`check_compatible`), the RNG
-    states and the position (:func:`check_position`); with ``continuing`` (``train --resume``: the run
-    that goes on from it), that its config differs from the recorded one only in :data:`RESUMABLE` keys and
-    its data is the recorded data (:func:`check_continuation`); last, that nothing changed since it was
-    written (:func:`check_intact`). The state is on ``template.device``.
+    Each check refuses with one :class:`FlatbmaError` line naming both sides: who wrote it (:func:`check_provenance`),
+    every tensor's name, dtype and shape (:func:`check_compatible`), the RNG states and position
+    (:func:`check_position`), with ``continuing`` (``train --resume``) the config and data
+    (:func:`check_continuation`), last the checksums (:func:`check_intact`). The state is on ``template.device``.
     """
     tensors, meta = _read(path)
     state, extra = _sections(tensors, meta, path, str(template.device))
@@ -406,9 +370,8 @@ def load_position(
 def check_continuation(meta: Mapping[str, str], run: RunRecord, path: str | Path) -> None:
     """Raise :class:`FlatbmaError` unless ``run`` may continue from the checkpoint whose metadata is ``meta``.
 
-    Its config may differ from the recorded one only in :data:`RESUMABLE` keys (what ``--resume --set``
-    may change), and its data must be the recorded data set: anything else would train a mix of two
-    runs. A checkpoint without the records (written before flatbma recorded them) is accepted.
+    Its config may differ from the recorded one only in :data:`RESUMABLE` keys and its data must be the recorded
+    data: anything else would train a mix of two runs. A checkpoint without these records is accepted.
     """
     if CONFIG_KEY in meta:
         recorded = config_record(meta)

@@ -1,18 +1,10 @@
 """Early stopping on validation (``train.early_stopping``): evaluate, keep the best state, stop on patience.
 
-The loop (:func:`flatbma.loop.fit`) calls :meth:`Monitor.after_epoch` after every epoch,
-before that epoch's checkpoint, and asks :meth:`Monitor.stop` before every epoch. Everything the rule
-needs is in the history the checkpoint holds — each evaluation's values in
-:attr:`~flatbma.loop.EpochLog.validation` — and in ``best.safetensors``, the state of the
-best evaluation, written before the checkpoint that records it. So a run resumed from any checkpoint
-evaluates, keeps and stops exactly as the uninterrupted one: the best epoch and the stopping epoch are
-functions of the history, and a best state written by an interrupted epoch is written again, the same,
-when that epoch is trained again.
-
-The rule (:class:`~flatbma.experiment.config.sections.EarlyStopping`): evaluate after every ``every`` epochs and
-the last; the best evaluation has the smallest ``criterion`` (the first on ties); stop once ``patience``
-epochs have passed since it; evaluate the run at the best state (the authors' scripts: the epoch with the
-best validation loss, patience 50 of 150 epochs, 3 samples).
+The loop (:func:`flatbma.loop.fit`) calls :meth:`Monitor.after_epoch` after every epoch, before its checkpoint,
+and :meth:`Monitor.stop` before every epoch. All the rule (:class:`~flatbma.experiment.config.sections.EarlyStopping`)
+needs is in the checkpoint's history (:attr:`~flatbma.loop.EpochLog.validation`) and in ``best.safetensors``,
+written before the checkpoint that records it, so a run resumed from any checkpoint evaluates, keeps and stops
+exactly as the uninterrupted one.
 """
 
 from __future__ import annotations

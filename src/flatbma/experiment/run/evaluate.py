@@ -1,35 +1,24 @@
 """Evaluation in one place: a trained (experiment, state) → metrics.
 
-* :func:`posterior_samples` — the ``eval.num_samples`` weight samples of the BMA, BatchNorm statistics
-  recomputed for every method whose model has BatchNorm — point estimates included — on the
-  un-augmented training images in a fixed order (:attr:`Experiment.bn_loader`): the BMA and the
-  flatness use the same, deterministic statistics;
+* :func:`posterior_samples` — the ``eval.num_samples`` weight samples of the BMA, BatchNorm statistics recomputed
+  for every method (point estimates included), the same for the BMA and the flatness;
 * :func:`bma_metrics` — accuracy, NLL, ECE, adaptive ECE and Brier score of the BMA predictive
-  ``log p(y|x) = logsumexp_m log softmax(f(x; w_m))_y − log M`` (:func:`flatbma.predict.evaluate`), or of
-  the Laplace family's linearized predictive (:func:`bma_predictions`: ``glm``, ``probit``), whose
-  BatchNorm statistics are recomputed once, at the posterior mean; a method's ``diagnostics`` (Laplace:
-  prior precision, log evidence, effective number of parameters) are reported beside them;
-* :func:`bma_curve_metrics` — the same for the BMA of the first ``m`` samples, every ``m`` of a list,
-  in one pass (:func:`flatbma.predict.stream_metrics`), with the reliability diagram of the full BMA;
+  ``log p(y|x) = logsumexp_m log softmax(f(x; w_m))_y − log M``, or of the Laplace family's linearized
+  predictive (``glm``, ``probit``: statistics recomputed once, at the posterior mean), with the method's
+  ``diagnostics``;
+* :func:`bma_curve_metrics` — the same for the BMA of the first ``m`` samples, every ``m`` of a list, in one pass;
 * temperature scaling on the validation split (Guo et al. 2017), corrupted test sets (Hendrycks &
-  Dietterich 2019), a 1-D loss landscape;
-* :func:`flatness_metrics` — the flatness protocol, the same for every method: λ₁ of the Hessian of
-  the mean training loss over all training examples (``eval.hessian_examples``), per sample over
-  ``eval.flatness_samples`` samples, every eigenvalue to a residual tolerance, summarized with a
-  bootstrap interval; λ₁ at the posterior mean; the averaged Hessian's spectrum, the Hessian trace
-  and the SAM sharpness; the posterior's width; and the measurement repeated with another seed and
-  another draw of samples (:func:`flatbma.flatness.flatness_report`, :func:`flatbma.flatness.repeatability`);
-* :func:`evaluate_state` (what ``flatbma train``/``evaluate`` record) and :func:`measure` (what
-  ``flatbma compare`` records) put them together.
+  Dietterich 2019), OOD detection, a 1-D loss landscape;
+* :func:`flatness_metrics` — the flatness protocol (:func:`flatbma.flatness.flatness_report`), the same for
+  every method;
+* :func:`evaluate_state` (``flatbma train``/``evaluate``) and :func:`measure` (``flatbma compare``) put them
+  together.
 
-Both entry points draw their random numbers (posterior samples, MC-dropout masks, corruption seeds'
-loaders) from the state the experiment's build left (:attr:`Experiment.rng`) under a forked RNG, and
-BatchNorm statistics involve no randomness: the metrics of a state do not depend on what ran before
-in the process — right after training or from a checkpoint on disk, they are the same.
+Both entry points draw their random numbers from the build's RNG state (:attr:`Experiment.rng`) under a fork, so
+the metrics of a state do not depend on what ran before in the process (after training or from a checkpoint).
 
-Over 500 lines on purpose: evaluation in one place, so that ``train``, ``evaluate`` and ``compare``
-measure a state with the same code; the maths lives below it (:mod:`flatbma.predict`,
-:mod:`flatbma.flatness`, :func:`flatbma.predictor.bma_predictions`).
+Over 500 lines on purpose: ``train``, ``evaluate`` and ``compare`` measure a state with the same code; the maths
+lives below (:mod:`flatbma.predict`, :mod:`flatbma.flatness`, :func:`flatbma.predictor.bma_predictions`).
 """
 
 from __future__ import annotations
@@ -103,12 +92,7 @@ REPEAT_STREAM = 1
 
 
 def posterior_samples(exp: Experiment, state: State, n: int | None = None, *, seed: int | None = None) -> list[Params]:
-    """``n`` posterior samples (default ``eval.num_samples``), with recomputed BatchNorm statistics.
-
-    Sampling uses a CPU generator seeded with ``seed`` (default: the run's seed) (:func:`draw_samples`).
-    Every sample of a model with BatchNorm — whatever the method, point estimates included — gets the
-    statistics of one pass over :attr:`Experiment.bn_loader` (:func:`with_bn_statistics`).
-    """
+    """``n`` posterior samples (default ``eval.num_samples``): :func:`draw_samples`, then :func:`with_bn_statistics`."""
     return with_bn_statistics(exp, draw_samples(exp, state, n, seed=seed))
 
 
@@ -126,11 +110,9 @@ def bma_predictions(
 ) -> Predictions:
     """What the BMA averages, by the method's :attr:`~flatbma.types.Capabilities.predictive`.
 
-    ``samples``: the ``drawn`` samples with recomputed BatchNorm statistics (:func:`with_bn_statistics`;
-    computed here when not given). ``glm`` and ``probit``: the network linearized at the posterior mean,
-    whose statistics are recomputed once, there (``glm`` averages over ``Δ_m = w_m − w̄`` of the ``drawn``
-    samples): :func:`flatbma.predictor.bma_predictions`, the path :class:`flatbma.BMA` takes, with this run's
-    statistics (:func:`with_bn_statistics`).
+    ``samples``: the ``drawn`` samples with recomputed BatchNorm statistics (computed here when not given).
+    ``glm`` and ``probit``: the network linearized at the posterior mean, statistics recomputed there (``glm``
+    averages over ``Δ_m = w_m − w̄`` of ``drawn``), as :class:`flatbma.BMA` does.
     """
     if samples is not None and exp.method.can.predictive is Predictive.SAMPLES:
         return samples
@@ -147,11 +129,9 @@ def diagnostics(exp: Experiment, state: State) -> dict[str, Any]:
 def with_bn_statistics(exp: Experiment, samples: list[Params]) -> list[Params]:
     """``samples`` with BatchNorm statistics recomputed on the un-augmented training data in a fixed order.
 
-    :func:`flatbma.bn.with_recomputed_statistics` over :attr:`Experiment.bn_loader` (dropout off, so
-    that MC dropout's statistics are those of its deterministic network; the predictor
-    :class:`flatbma.predictor.BMA` takes the same path). Repeats of the same weights (the same tensors,
-    as MC dropout's samples are) are recomputed once and share one dict, which the flatness protocol
-    then measures once. Samples of a model without BatchNorm are returned as given.
+    One pass over :attr:`Experiment.bn_loader` with dropout off (MC dropout gets its deterministic network's
+    statistics). Repeats of the same weights (same tensors) are recomputed once and share one dict; samples of a
+    model without BatchNorm are returned as given.
     """
     with forward_precision(exp):
         return with_recomputed_statistics(exp.model, samples, exp.bn_loader, device=exp.device)
@@ -160,9 +140,8 @@ def with_bn_statistics(exp: Experiment, samples: list[Params]) -> list[Params]:
 def forward_precision(exp: Experiment) -> AbstractContextManager[Any]:
     """The run's ``train.precision`` for the BMA's forward passes: autocast to bf16/fp16, none at fp32.
 
-    It covers the BatchNorm recomputation and the predictions (:func:`with_bn_statistics`, :func:`bma_metrics`,
-    :func:`bma_curve_metrics`, :func:`bma_log_probs_over`); the logits leave the model as float32. The flatness
-    protocol's Hessian-vector products and the linearized predictives stay float32 (:mod:`flatbma.precision`).
+    It covers the BatchNorm recomputation and the predictions; the logits leave the model as float32.
+    Hessian-vector products and linearized predictives stay float32 (:mod:`flatbma.precision`).
     """
     return autocast(exp.config.train.precision, exp.device)
 
@@ -170,9 +149,8 @@ def forward_precision(exp: Experiment) -> AbstractContextManager[Any]:
 def posterior_mean(exp: Experiment, state: State, samples: list[Params]) -> Params:
     """The weights at the posterior mean, with recomputed BatchNorm statistics.
 
-    :func:`flatbma.predictor.posterior_mean`: :attr:`flatbma.types.Posterior.mean` when the method has
-    it; otherwise the average of ``samples`` (the BMA's) over the trained parameters — an ensemble's
-    member average, a chain's kept iterates — with the first sample's other tensors.
+    :attr:`flatbma.types.Posterior.mean` when the method has it, else the average of ``samples`` over the trained
+    parameters (with the first sample's other tensors).
     """
     return with_bn_statistics(exp, [mean_weights(exp.method, state, samples, _trained_names(exp))])[0]
 
@@ -180,9 +158,8 @@ def posterior_mean(exp: Experiment, state: State, samples: list[Params]) -> Para
 def posterior_width(exp: Experiment, state: State, samples: list[Params]) -> dict[str, Any]:
     """``tr Σ`` and the median marginal std over the trained parameters (:mod:`flatbma.flatness.width`).
 
-    Exact (:attr:`flatbma.types.Posterior.marginal_variance`) for the Gaussian families, MC dropout
-    (the variance of its masked weights) and point estimates (0); otherwise the per-coordinate
-    variance over the BMA's ``samples`` (ensemble members, SG-MCMC iterates).
+    Exact (:attr:`flatbma.types.Posterior.marginal_variance`) where the method has it, else the per-coordinate
+    variance over the distinct ``samples``.
     """
     if exp.method.marginal_variance is not None:
         return width(exp.method.marginal_variance(state), exact=True, source="closed form").to_dict()
@@ -192,10 +169,7 @@ def posterior_width(exp: Experiment, state: State, samples: list[Params]) -> dic
 
 
 def bn_statistics(exp: Experiment) -> str:
-    """What the samples' BatchNorm statistics are, for the results.
-
-    :data:`BN_RECOMPUTED`, :data:`BN_AT_MEAN` for a linearized predictive, or :data:`BN_NONE`.
-    """
+    """What the samples' BatchNorm statistics are: :data:`BN_RECOMPUTED`, :data:`BN_AT_MEAN` or :data:`BN_NONE`."""
     if not has_batchnorm(exp.model):
         return BN_NONE
     return BN_RECOMPUTED if exp.method.can.predictive is Predictive.SAMPLES else BN_AT_MEAN
@@ -223,19 +197,13 @@ def bma_metrics(exp: Experiment, samples: Predictions) -> dict[str, Any]:
 def flatness_metrics(exp: Experiment, state: State, samples: list[Params]) -> dict[str, Any]:
     """The flatness protocol of ``state``, its posterior width and the measurement's repeatability.
 
-    The Hessian is that of the mean training loss (no augmentation) over the trained parameters — the
-    Bayesian subset when ``model.trainable`` restricts it — on :attr:`Experiment.hessian_loader`,
-    every sample with recomputed BatchNorm statistics (those of the BMA). λ₁ per sample is measured
-    on the first ``eval.flatness_samples`` samples (drawn anew when the BMA has fewer), λ₁ at the
-    posterior mean (:func:`posterior_mean`) and the extras ``eval.trace`` and
-    ``eval.distribution_spectrum`` ask for (:func:`flatbma.flatness.flatness_report`). With
-    ``eval.repeatability`` λ₁ per sample is measured again on a second draw of samples with another
-    measurement seed (both from stream :data:`REPEAT_STREAM` of the run's seed) and the two
-    summaries are compared (:func:`flatbma.flatness.repeatability`).
-
-    The training loss is the classifier's mean cross-entropy, or a regression run's mean Gaussian NLL
-    ``(1/n) Σᵢ [½ log(2π σ²(xᵢ)) + (yᵢ − μ(xᵢ))²/(2σ²(xᵢ))]`` with its noise (:attr:`Experiment.likelihood`:
-    ``model.noise_std``, or the learned ``σ``): the loss it trained on.
+    The Hessian is that of the mean training loss (no augmentation) over the trained parameters, on
+    :attr:`Experiment.hessian_loader`, every sample with the BMA's BatchNorm statistics. The loss is the one the run
+    trained on: mean cross-entropy, or the Gaussian NLL ``(1/n) Σᵢ [½ log(2π σ²(xᵢ)) + (yᵢ − μ(xᵢ))²/(2σ²(xᵢ))]``.
+    λ₁ is measured per sample on the first ``eval.flatness_samples`` samples (drawn anew when the BMA has fewer)
+    and at the posterior mean, plus the extras ``eval.trace`` and ``eval.distribution_spectrum`` ask for
+    (:func:`flatbma.flatness.flatness_report`). With ``eval.repeatability`` λ₁ per sample is measured again on
+    another draw with another seed (stream :data:`REPEAT_STREAM` of the run's seed) and the summaries compared.
     """
     e = exp.config.eval
     start = time.perf_counter()
@@ -287,11 +255,9 @@ def _repeat(
 def training_fit(exp: Experiment, predictions: Predictions, state: State | None = None) -> dict[str, Any]:
     """How the BMA fits its training data: the health entry's measurements (:mod:`flatbma.health`).
 
-    The BMA's accuracy and NLL on the first :data:`~flatbma.health.HEALTH_EXAMPLES` (whole
-    batches) un-augmented training images of :attr:`Experiment.bn_loader` (a fixed random order, so a
-    class-sorted data set gives a sample of every class), and the chance level: the share of the most frequent
-    class among them. With ``state``, the BMA against its posterior mean (:func:`against_mean`). Run under forked random
-    generators: nothing measured after it changes.
+    The BMA's accuracy and NLL on the first :data:`~flatbma.health.HEALTH_EXAMPLES` (whole batches) un-augmented
+    training images of :attr:`Experiment.bn_loader` (a fixed random order), and the chance level (the share of the
+    most frequent class among them); with ``state``, :func:`against_mean`. Runs under forked random generators.
 
     Returns:
         ``{"train_bma_accuracy", "train_bma_nll", "train_examples", "chance_accuracy", "against_mean"}``.
@@ -318,14 +284,10 @@ def against_mean(
 ) -> dict[str, Any] | None:
     """The BMA's NLL and accuracy beside its reference network's, for the health rule ``worse_than_mean``.
 
-    The reference (:func:`flatbma.predictor.reference_point`): the posterior mean where the method has one
-    (Laplace's MAP, SWAG's SWA mean, VI's ``μ``, MC dropout's deterministic network, a point estimate itself), a
-    mixture's member 0 (ensembles, ``multi``: their average of means lies in none of their basins), SG-MCMC's
-    average of its samples — evaluated as a point estimate with recomputed BatchNorm statistics: those of a
-    linearized predictive (its ``mean``), else :func:`with_bn_statistics`' (one pass over
-    :attr:`Experiment.bn_loader` for a network with BatchNorm). On the validation split when the run has one
-    (then the BMA is evaluated there too), otherwise on the training ``batches`` the BMA's ``fit``
-    (:func:`training_fit`) scored: one forward pass of the reference over them.
+    The reference (:func:`flatbma.predictor.reference_point`): the posterior mean where the method has one, a
+    mixture's member 0 (an average of means lies in none of its basins), SG-MCMC's sample average — evaluated as a
+    point estimate with recomputed BatchNorm statistics. On the validation split when the run has one (the BMA
+    too), else on the training ``batches`` :func:`training_fit` scored into ``fit``.
 
     Returns:
         ``{"data": "validation" | "training", "examples", "num_classes", "reference", "bma_nll", "bma_accuracy",
@@ -358,14 +320,10 @@ def against_mean(
 def regression_fit(exp: Experiment, samples: list[Params], *, test_rmse: float) -> dict[str, Any]:
     """How a regression BMA fits data like its training data: the health entry's measurements for its rules.
 
-    The RMSE of the mixture's mean ``(1/M) Σ_m μ_m(x)`` on the validation split when the run has one, else on
-    the first :data:`~flatbma.health.HEALTH_EXAMPLES` (whole batches) un-augmented training
-    examples of :attr:`Experiment.bn_loader`, and the standard deviation of their targets (``ddof = 0``: the
-    RMSE of always predicting their mean), beside the test RMSE. Run under forked random generators: nothing
-    measured after it changes.
-
-    ``fitted_start``: the run started from fitted weights (a two-stage run's prior with ``prior.init``, or
-    ``model.pretrained``), which may rightly barely move.
+    The RMSE of the mixture mean ``(1/M) Σ_m μ_m(x)`` on the validation split, else on the first
+    :data:`~flatbma.health.HEALTH_EXAMPLES` (whole batches) training examples of :attr:`Experiment.bn_loader`, and
+    their targets' std (``ddof = 0``: the RMSE of predicting their mean). ``fitted_start``: the run started from
+    fitted weights (``prior.init`` or ``model.pretrained``), which may rightly barely move. Runs under forked RNGs.
 
     Returns:
         ``{"regression": {"data": "validation" | "training", "examples", "rmse", "target_std", "test_rmse",
@@ -419,8 +377,7 @@ def regression_moments(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Every sample's ``(μ_m, σ_m²)`` ``[M, N]`` on a whole loader and its targets ``[N]``, on the CPU.
 
-    Each sample's moments are those of the run's :class:`~flatbma.regression.Gaussian` on its outputs,
-    in the method's prediction mode (MC dropout's masks); no gradients.
+    By the run's :class:`~flatbma.regression.Gaussian`, in the method's prediction mode; no gradients.
     """
     gaussian: Gaussian = exp.likelihood  # type: ignore[assignment]  # (EVALUATIONS' Gaussian row)
     mode = prediction_mode(exp.method, exp.config.seed)
@@ -438,10 +395,8 @@ def regression_moments(
 def evaluate_state(exp: Experiment, state: State, *, flatness: bool = False) -> dict[str, Any]:
     """BMA metrics of ``state`` on the test set (and flatness when asked), from the build's RNG state.
 
-    ``health`` holds the BMA's :func:`training_fit`; the caller completes it with the run's loss history
-    (:func:`flatbma.health.assess`). A regression run (:attr:`Experiment.likelihood`) records
-    :func:`regression_metrics` instead of the classifier's, and its flatness on its Gaussian NLL
-    (:func:`flatness_metrics`).
+    ``health`` holds :func:`training_fit` (the caller adds the loss history, :func:`flatbma.health.assess`); a
+    regression run records :func:`regression_metrics` instead.
     """
     return EVALUATIONS[kind(exp.likelihood)].state(exp, state, flatness)
 
@@ -502,11 +457,9 @@ def bma_log_probs_over(exp: Experiment, samples: Predictions, loader: Iterable[B
 def validation_metrics(exp: Experiment, state: State, n: int) -> dict[str, float]:
     """The BMA of ``n`` posterior samples of ``state`` on the validation split: ``nll``, ``loss``, ``accuracy``.
 
-    ``nll = −mean log (1/n) Σ_m p(y|x, w_m)`` (the BMA's), ``loss = −mean (1/n) Σ_m log p(y|x, w_m)`` (each
-    sample's cross-entropy, averaged) and the BMA's accuracy. The samples are drawn and their BatchNorm
-    statistics recomputed as for the test evaluation, from the build's RNG state (so the value is a
-    function of ``state`` alone, and the global RNG of a training loop that asks is left as it was); the
-    model's train/eval mode is restored. A regression run's: :func:`regression_validation`.
+    ``nll = −mean log (1/n) Σ_m p(y|x, w_m)``, ``loss = −mean (1/n) Σ_m log p(y|x, w_m)``. Samples are drawn as for
+    the test evaluation, from the build's RNG state (the caller's global RNG is left as it was); the model's
+    train/eval mode is restored. Raises ``FlatbmaError`` without a validation split.
     """
     if exp.val_loader is None:
         raise FlatbmaError(
@@ -537,11 +490,8 @@ def _classifier_validation(exp: Experiment, state: State, n: int | None) -> dict
 def regression_validation(exp: Experiment, state: State, n: int | None = None) -> dict[str, float]:
     """The mixture of ``n`` posterior samples of ``state`` on the validation split: ``nll``, ``loss``, ``rmse``.
 
-    The regression analogue of :func:`validation_metrics`: ``nll = −mean log (1/n) Σ_m N(y; μ_m, σ_m²)`` (the
-    mixture's Gaussian NLL, :func:`flatbma.regression.mixture_metrics`), ``loss = −mean (1/n) Σ_m log N(y; μ_m,
-    σ_m²)`` (each sample's Gaussian NLL, averaged) and the RMSE of the mixture mean ``μ̄``. ``n`` defaults to
-    ``eval.num_samples``; drawn as :func:`validation_metrics` draws them (from the build's RNG state, BatchNorm
-    recomputed, the model's train/eval mode restored).
+    As :func:`validation_metrics`, with ``nll = −mean log (1/n) Σ_m N(y; μ_m, σ_m²)``, ``loss = −mean (1/n) Σ_m
+    log N(y; μ_m, σ_m²)`` and the RMSE of the mixture mean; ``n`` defaults to ``eval.num_samples``.
     """
     if exp.val_loader is None:
         raise FlatbmaError(
@@ -650,9 +600,7 @@ def ood_record(exp: Experiment, predictions: Predictions) -> dict[str, Any]:
 def landscape_metrics(exp: Experiment, samples: list[Params]) -> dict[str, list[float]]:
     """Training loss of the samples along one filter-normalized random direction (mean ± std over samples).
 
-    The loss is that of :func:`flatness_metrics` (a regression run's: the Gaussian NLL).
-
-    The samples are the distinct ones among the first ``eval.flatness_samples``.
+    The loss of :func:`flatness_metrics`, over the distinct samples among the first ``eval.flatness_samples``.
     """
     names = _trained_names(exp)
     chosen = distinct_samples(samples[: exp.config.eval.flatness_samples])
@@ -676,15 +624,9 @@ def measure(
 ) -> dict[str, Any]:
     """Every comparison measurement of ``state`` (``flatbma compare``), from the build's RNG state.
 
-    Args:
-        exp: the run's experiment.
-        state: its trained state.
-        bma_curve: numbers of samples ``m`` of the BMA curve.
-        corruptions: corruption names evaluated on the test set.
-        severities: their severities.
-        corruption_samples: BMA samples on the corrupted sets (the first ones; ``None``: all).
-        flatness: measure Hessian spectra and distribution-level flatness.
-        landscape: record a 1-D loss landscape.
+    ``bma_curve``: numbers of samples ``m`` of the BMA curve; ``corruptions`` × ``severities``: the corrupted test
+    sets; ``corruption_samples``: BMA samples on them (the first ones; ``None``: all); ``flatness``: measure Hessian
+    spectra and distribution-level flatness; ``landscape``: record a 1-D loss landscape.
     """
     return EVALUATIONS[kind(exp.likelihood)].measure(
         exp,
@@ -783,11 +725,8 @@ def _classifier_validation_nll(exp: Experiment, state: State) -> float:
 def validation_nll(exp: Experiment, state: State) -> float:
     """The validation NLL of the BMA of ``state``, from the build's RNG state: what a comparison chooses by.
 
-    The samples are drawn exactly as the test evaluation draws them (BatchNorm recomputed on the training
-    data), and averaged by the method's predictive (:func:`bma_predictions`: Laplace's linearized ones included);
-    only the validation loader is read. A regression run (``model.likelihood: gaussian``) is scored by its
-    analogue, the Gaussian-mixture predictive's NLL ``−(1/N) Σᵢ log (1/M) Σ_m N(yᵢ; μ_m(xᵢ), σ_m²(xᵢ))`` of the
-    same samples (:func:`regression_validation`).
+    Samples are drawn as for the test evaluation and averaged by the method's predictive (:func:`bma_predictions`);
+    a regression run is scored by its mixture NLL ``−(1/N) Σᵢ log (1/M) Σ_m N(yᵢ; μ_m(xᵢ), σ_m²(xᵢ))``.
     """
     return EVALUATIONS[kind(exp.likelihood)].validation_nll(exp, state)
 

@@ -1,30 +1,15 @@
 """One writer per directory: the lock a command holds on a run or comparison directory while it works there.
 
-``flatbma train`` (``--resume`` too), ``evaluate`` and ``compare`` hold the lock of every directory they
-write, from before they read what it holds until they are done (:func:`hold`). The lock is an advisory
-``fcntl.flock`` on an open descriptor of the directory itself, so the operating system releases it when its
-process ends, however it ends (``SIGKILL`` too): a killed run never leaves a directory locked. It is held
-on the directory, not on a file inside it, so that nothing a user can delete inside the directory lets a
-second writer in while the holder lives (a lock on a file holds only that file's inode: with the file
-deleted, a second process would create and lock a new one). The file :data:`LOCK_FILE` beside it holds the
-holder's process id and command, and a second command that wants the directory is refused in one line
-naming them — instead of two processes writing one checkpoint, a log of twice the epochs, or an
-``evaluate`` removing the temporary file a training is writing. When the last block ends the file is
-emptied, and a directory the lock created is removed again if nothing else was written into it (a command
-refused before its first file leaves no trace).
+``flatbma train`` (``--resume`` too), ``evaluate`` and ``compare`` hold the lock of every directory they write,
+from before they read it until they are done (:func:`hold`). It is an advisory ``fcntl.flock`` on a descriptor
+of the directory itself, so the operating system releases it however the process ends (``SIGKILL`` too), and
+nothing deleted inside the directory lets a second writer in. The file :data:`LOCK_FILE` holds the holder's
+process id and command; a second command is refused in one line naming them. When the last block ends the file
+is emptied, and a directory the lock created is removed again if nothing else was written into it.
 
-:data:`LOCK_FILE` is only ever a regular file of flatbma's own: a symbolic link or anything but a regular
-file there is refused, and one hard-linked elsewhere (a run directory copied with ``cp -al``) is first
-replaced by a file of its own, so that writing the note never changes the file it is linked to.
-
-The lock is re-entrant within a process (a two-stage run holds its directory and then its first
-stage's inside it; ``compare`` holds its directory and each run's). Under ``torchrun`` only the process
-that writes files holds it (:func:`flatbma.experiment.parallel.processes.is_main`). Where a file system
-cannot lock a directory (``flock`` on a directory descriptor fails for another reason than another
-holder: some network file systems), the lock is taken on :data:`LOCK_FILE` instead, as it was before,
-and holds against everything but that file's deletion. Where neither the directory nor the lock file can
-be opened (a directory without write permission, on a read-only file system) or the file system has no
-locks, the command goes on without it: nothing can be written there, and the write that fails says so.
+The lock is re-entrant within a process; under ``torchrun`` only rank 0 holds it. Where a file system cannot lock
+a directory, :data:`LOCK_FILE` is locked instead (holding against all but its deletion); where neither can be
+opened or the file system has no locks, the command goes on without it, and the write that fails says so.
 """
 
 from __future__ import annotations
@@ -69,10 +54,8 @@ _held: dict[str, _Held] = {}
 def hold(directory: str | Path, command: str, *, every_process: bool = True) -> Iterator[None]:
     """Hold the lock of ``directory`` (created if missing) within the block; ``command`` names the holder.
 
-    Under ``torchrun`` only rank 0 holds it. With ``every_process`` (every process of the group runs this
-    call) they agree on the outcome (:func:`flatbma.experiment.parallel.processes.all_or_none`), so a refusal
-    ends every process at once; ``flatbma compare``'s rank 0 claims its output directory alone
-    (``every_process=False``).
+    Under ``torchrun`` only rank 0 holds it. With ``every_process`` (every process of the group makes this call)
+    they agree on the outcome (:func:`flatbma.experiment.parallel.processes.all_or_none`): a refusal ends them all.
 
     Raises:
         FlatbmaError: another process holds it — one line naming its process id and command, and what to do;

@@ -1,19 +1,13 @@
 """The training logs of a run: a line per epoch on ``stderr``, ``log.csv`` and TensorBoard (``train.log``).
 
-They are written from the loop's one callback, the checkpoint (:func:`flatbma.loop.fit`
-calls it after every epoch with the :class:`~flatbma.loop.History` it saves): an
-:class:`EpochLogger` logs every epoch of that history it has not logged yet. Under ``torchrun`` only
-rank 0 saves, with the history averaged over the processes, so the logs hold what ``metrics.json``
-will hold.
+An :class:`EpochLogger` is called at every checkpoint with the :class:`~flatbma.loop.History` saved and logs the
+epochs it has not logged yet; under ``torchrun`` only rank 0 saves, with the history averaged over the processes.
 
-A log always equals the history of the checkpoint it continues from: on ``--resume`` ``log.csv``
-keeps its rows up to the checkpoint's last finished epoch and drops the rest (an interrupted run may
-have logged epochs past its last checkpoint), rows the checkpoint has but the file lacks are written
-from the history, and TensorBoard is told to hide the old events of every later epoch
-(``purge_step``). Each row holds the epoch's mean training loss and accuracy (of the unperturbed
-pass; a regression run's RMSE instead of the accuracy) and its steps exactly as the history has them,
-the learning rate of ``optim``'s schedule at the epoch's last step, and the epoch's wall time (empty for a
-row rewritten from a checkpoint).
+A log always equals the history of the checkpoint it continues from: on ``--resume`` ``log.csv`` keeps its rows up
+to the checkpoint's last finished epoch, rows it lacks are written from the history, and TensorBoard hides later
+events (``purge_step``). Each row holds the epoch's mean training loss and accuracy (of the unperturbed pass; a
+regression run's RMSE instead) and steps as the history has them, the schedule's learning rate at the epoch's
+last step, and the epoch's wall time (empty for a row rewritten from a checkpoint).
 """
 
 from __future__ import annotations
@@ -63,16 +57,11 @@ def check_available(logs: Iterable[TrainLog]) -> None:
 class EpochLogger(EpochLines):
     """Logs each finished epoch of a run: its line (:class:`~flatbma.training.EpochLines`), ``log.csv``, TensorBoard.
 
-    Call it with the history after every checkpoint (the same history the checkpoint holds); it logs the
-    epochs it has not logged yet. Create it right before the loop starts, or at its first checkpoint with
-    ``started`` (the first epoch's time counts from then), and :meth:`close` it after.
-
-    Args:
-        run_dir: the run directory.
-        logs: the files to write (``train.log``).
-        lines: the arguments of :class:`~flatbma.training.EpochLines`; ``accuracy``: the accuracy in
-            ``log.csv`` (:data:`COLUMNS`), ``False`` for regression targets: the RMSE
-            (:data:`REGRESSION_COLUMNS`).
+    Call it with the history after every checkpoint; it logs the epochs it has not logged yet. Create it right
+    before the loop starts, or at its first checkpoint with ``started`` (the first epoch's time counts from then),
+    and :meth:`close` it after. ``logs``: the files to write into ``run_dir`` (``train.log``); ``lines``: the
+    arguments of :class:`~flatbma.training.EpochLines`, where ``accuracy=False`` (regression) writes the RMSE
+    (:data:`REGRESSION_COLUMNS`) in place of the accuracy (:data:`COLUMNS`).
     """
 
     def __init__(self, run_dir: Path, logs: Sequence[TrainLog], **lines: Any) -> None:
@@ -143,9 +132,8 @@ def _columns(rows: Iterable[dict[str, Any]], columns: Sequence[str]) -> tuple[st
 def _restart_csv(path: Path, rows: list[dict[str, Any]], columns: Sequence[str], keep_time: int | None = None) -> None:
     """Write ``path`` anew: the header and ``rows`` (the resumed history), with what ``path`` recorded of them.
 
-    An epoch ``path`` has a row of keeps its learning rate (a resume may have changed ``optim.lr`` since)
-    and its time; in ``rows`` too. The other rows keep the current schedule's rate and no time, except the
-    row of epoch ``keep_time``, whose time is the one it holds.
+    An epoch ``path`` has a row of keeps its learning rate (a resume may have changed ``optim.lr``) and time; the
+    others get the current schedule's rate and no time, except epoch ``keep_time``, written as ``rows`` has it.
     """
     recorded = _recorded(path)
     out = io.StringIO(newline="")

@@ -1,26 +1,18 @@
 """Where ``flatbma train`` and ``flatbma compare`` may write: the one check of an ``output_dir``.
 
-A command writes its files (``config.yaml``, checkpoints, metrics, reports, and for a comparison a
-tree of run directories) into ``output_dir``, and with ``--force`` overwrites files of those names.
-So before anything is written, the directory must be one of
+Before anything is written (``--force`` overwrites files of flatbma's names), the directory must be one of
 
 * **missing** — it is created;
-* **empty** — nothing in it but the temporary files of a killed flatbma write (``.<name>.<8 chars>.tmp``,
-  see :func:`flatbma.state_io.atomic_write_bytes`) and flatbma's lock file (:mod:`flatbma.experiment.run.lock`);
-* **a flatbma directory of the command's kind**:
-
-  - a *run directory* (``flatbma train``) holds a regular file ``config.yaml`` that is what flatbma
-    writes there, the resolved run config: a YAML mapping holding every key of :data:`RUN_KEYS`
-    (``config.yaml`` is a common name, so its content decides);
-  - a *compare directory* (``flatbma compare``) holds a regular file ``compare_config.yaml`` (a name of
-    flatbma's own; its content is checked by the comparison, which refuses a damaged one by name).
-
-  The command's own checks then decide whether it holds the same config (else ``--force``);
-
-* anything else — a directory holding other files — only with ``--force``.
+* **empty** — but for the temporary files of a killed flatbma write (``.<name>.<8 chars>.tmp``) and flatbma's
+  lock file (:mod:`flatbma.experiment.run.lock`);
+* **a flatbma directory of the command's kind** — a *run directory* holds a regular file ``config.yaml`` that is a
+  YAML mapping with every key of :data:`RUN_KEYS` (the name is common, so its content decides); a *compare
+  directory* holds a regular file ``compare_config.yaml``. The command's own checks then decide whether it holds
+  the same config (else ``--force``);
+* anything else — only with ``--force``.
 
 Never, even with ``--force``: a file system root (``/``), a mount point or the user's home directory,
-whatever the spelling (``..``, symlinks): flatbma would mix its files with everything there.
+whatever the spelling (``..``, symlinks).
 """
 
 from __future__ import annotations
@@ -86,7 +78,6 @@ def _check(path: Path, force: bool, kind: str, marker: str, is_kind: Callable[[P
             "remove it, or choose another output_dir"
         )
     real = Path(os.path.realpath(path))
-    # Paths are shown whole, like every path in flatbma's messages: the user needs them to act (the OS bounds them).
     where = f"output_dir {path}" + (f" (that is {real})" if str(real) != str(path) else "")
     special = _special(real)
     if special:

@@ -1,10 +1,8 @@
 """A run: config → (the prior stage of a two-stage run) → its own stage → BMA evaluation → metrics.json.
 
-The parts live below: assembling an experiment (:mod:`~flatbma.experiment.run.build`), training one
-stage into its run directory (:mod:`~flatbma.experiment.run.stage`), the two-stage pipeline
-(:mod:`~flatbma.experiment.run.prior`), evaluation (:mod:`~flatbma.experiment.run.evaluate`) and how
-processes share a run (:mod:`~flatbma.experiment.parallel.processes`). This module puts them together for
-``flatbma train`` and ``flatbma evaluate``.
+It puts the parts (:mod:`~flatbma.experiment.run.build`, :mod:`~flatbma.experiment.run.stage`,
+:mod:`~flatbma.experiment.run.prior`, :mod:`~flatbma.experiment.run.evaluate`) together for ``flatbma train`` and
+``flatbma evaluate``.
 """
 
 from __future__ import annotations
@@ -77,29 +75,19 @@ def train(
 ) -> Trained:
     """Train ``cfg`` into its output directory and write ``metrics.json``; return the trained stage.
 
-    With ``resume``, continue from the directory's checkpoint exactly where it stopped (same data
-    order, same random draws) instead of starting over. A two-stage run (``cfg.prior``) first fits
-    its prior stage (:func:`~flatbma.experiment.run.prior.fit_prior`), then trains its method with that
-    prior and, with ``prior.init``, from it. Without ``evaluate`` the BMA evaluation is left to the
-    caller (``flatbma compare`` measures more, on the returned experiment and state).
+    With ``resume``, continue from the directory's checkpoint exactly where it stopped (same data order, same
+    random draws). A two-stage run (``cfg.prior``) first fits its prior stage
+    (:func:`~flatbma.experiment.run.prior.fit_prior`), then trains its method with that prior and, with
+    ``prior.init``, from it. Without ``evaluate`` the BMA evaluation is left to the caller.
 
-    The run holds its directory's lock throughout (:func:`flatbma.experiment.run.lock.hold`: a second
-    process is refused). Without ``resume`` and ``force``, a directory that already holds this config's
-    run is never trained over: a finished one (:func:`~flatbma.experiment.run.stage.finished_run`, on the
-    data as it is now) is returned as it is, nothing trained or written (:attr:`Trained.reused`); an
-    interrupted one is refused with the ``--resume`` command that continues it. With ``force`` the run
-    that was there is replaced only once the new one writes its first checkpoint.
+    Holds the directory's lock throughout (:func:`flatbma.experiment.run.lock.hold`). Without ``resume`` and
+    ``force``, this config's finished run (:func:`~flatbma.experiment.run.stage.finished_run`) is returned as it is
+    (:attr:`Trained.reused`) and an interrupted one is refused with the ``--resume`` command that continues it;
+    with ``force`` the old run is replaced only at the new one's first checkpoint. ``resumed``: the change
+    ``--resume --set`` makes (:func:`resume_config`), written only once every check has passed.
 
-    ``resumed``: the change ``--resume --set`` makes to the run's config (:func:`resume_config`). It is
-    written (``config.yaml``, ``resumes.json``) only once every check has passed — the whole config's, as for
-    a new run, and the checkpoint's loading — right before the run goes on, so that a refused resume changes
-    nothing on disk.
-
-    Data-parallel when a process group is initialized (``torchrun``, see
-    :mod:`flatbma.experiment.parallel.processes`): every rank trains on its shard of each global batch and
-    only rank 0 writes files.
-    With ``train.parallel: members`` every rank instead trains its share of the posterior's independent
-    members on all the data (:class:`~flatbma.experiment.parallel.strategies.Members`).
+    Under ``torchrun`` every rank trains its shard of each global batch (with ``train.parallel: members``, its
+    share of the members, :class:`~flatbma.experiment.parallel.strategies.Members`); only rank 0 writes files.
     """
     run_dir = Path(cfg.output_dir)
     check_available(cfg.train.log)  # before a first stage trains or anything is written
@@ -127,11 +115,8 @@ def _existing(cfg: RunConfig, inputs: Inputs | None = None) -> Trained | None:
     """The run of ``cfg`` its directory already holds: finished (returned as it is) or ``None`` when there is none.
 
     Raises:
-        FlatbmaError: the directory holds this config's run, interrupted (a checkpoint of it, or an
-            unfinished one of its first stage: continue it with ``--resume``), finished on other data (the
-            data set changed since), or not as it was written: a ``config.yaml`` edited since its checkpoint,
-            a missing or unreadable checkpoint beside its metrics, a damaged or stale ``metrics.json``
-            (:func:`~flatbma.experiment.run.stage.unfinished`).
+        FlatbmaError: the directory holds this config's run interrupted (continue it with ``--resume``), finished
+            on other data, or not as it was written (:func:`~flatbma.experiment.run.stage.unfinished`).
     """
     run_dir = Path(cfg.output_dir)
     if not processes.main_decides(same_config(run_dir, cfg)):
@@ -171,9 +156,8 @@ def _existing(cfg: RunConfig, inputs: Inputs | None = None) -> Trained | None:
 def _not_as_written(run_dir: Path, what: str, detail: str) -> str | None:
     """Why ``run_dir``, which holds this config's run, is not as that run wrote it (``None``: it is, or holds none).
 
-    ``what`` and ``detail`` are :func:`~flatbma.experiment.run.stage.unfinished`'s. Never trained over without
-    ``--force``: a hand-edited ``config.yaml`` is not the run its checkpoint is (its numbers would be reported as
-    the edited config's), and a finished run whose checkpoint is gone or unreadable is to be restored, not lost.
+    ``what`` and ``detail``: :func:`~flatbma.experiment.run.stage.unfinished`'s. A hand-edited ``config.yaml`` is not
+    the run its checkpoint is, and a finished run whose checkpoint is gone is to be restored, not lost.
     """
     force = "or pass --force to train this config anew"
     kept = os.path.lexists(run_dir / METRICS_FILE)  # it finished once: start_run removes metrics.json first
@@ -200,8 +184,8 @@ def _not_as_written(run_dir: Path, what: str, detail: str) -> str | None:
 def load_run_config(run_dir: str | Path) -> RunConfig:
     """The resolved config of a run directory; a :class:`FlatbmaError` if an older flatbma wrote it.
 
-    Its ``config.yaml`` must spell out every option this version has (:func:`missing_options`): an option added
-    since would read as its new default, which need not be what the run trained with.
+    Its ``config.yaml`` must spell out every option (:func:`missing_options`): a default need not be what it trained
+    with.
     """
     run_dir = Path(run_dir)
     if not (run_dir / CONFIG_FILE).is_file():
@@ -219,11 +203,9 @@ def load_run_config(run_dir: str | Path) -> RunConfig:
 
 
 def load_run(cfg: RunConfig) -> tuple[Experiment, State]:
-    """The experiment of a finished run ``cfg`` and its trained state, read from its checkpoint.
+    """The experiment of a finished run ``cfg`` and its trained state (``trained_state``).
 
-    The state is the checkpoint's, or with ``train.early_stopping`` the best validation evaluation's
-    (:meth:`~flatbma.experiment.run.early_stopping.Monitor.best`), as the run evaluated it. The experiment is built
-    without the run's fitted prior: sampling and evaluation do not need it.
+    The experiment is built without the run's fitted prior: sampling and evaluation do not need it.
     """
     exp = build_experiment(cfg)
     return exp, trained_state(exp)
@@ -246,9 +228,9 @@ def trained_state(exp: Experiment) -> State:
 def resume_config(run_dir: str | Path, overrides: list[str]) -> tuple[RunConfig, Resume | None]:
     """The config ``flatbma train --resume RUN_DIR --set ...`` continues with, and its change (``None``: no ``--set``).
 
-    A resume may change only :data:`~flatbma.experiment.run.checkpoint.RESUMABLE` keys
-    (:func:`~flatbma.experiment.run.resume.resume_change`), and in a two-stage run only keys its
-    first stage does not share (the first stage is reused as it was trained).
+    It may change only :data:`~flatbma.experiment.run.checkpoint.RESUMABLE` keys
+    (:func:`~flatbma.experiment.run.resume.resume_change`), and in a two-stage run only keys its first stage
+    (reused as trained) does not share.
     """
     cfg = load_run_config(run_dir)
     if not overrides:
@@ -272,16 +254,12 @@ def resume_config(run_dir: str | Path, overrides: list[str]) -> tuple[RunConfig,
 def evaluate_run(run_dir: str | Path, *, flatness: bool = False, ood: str | None = None) -> dict[str, Any]:
     """Re-evaluate a finished run from its directory (config + checkpoint) and update metrics.json.
 
-    ``ood``: the OOD set of OOD detection (``eval.ood``, :mod:`flatbma.ood`) for this evaluation, in
-    place of the run's own (which ``None`` keeps); it changes no other number.
-
-    Holds the directory's lock (a run that is training is refused, and its temporary files are never
-    touched). ``metrics.json`` records the checkpoint it was computed from (``checkpoint``).
+    ``ood``: the OOD set (``eval.ood``, :mod:`flatbma.ood`) for this evaluation in place of the run's own (``None``
+    keeps it); it changes no other number. Holds the directory's lock.
 
     Raises:
-        FlatbmaError: another process holds the directory; the run is unfinished (its checkpoint stands
-            before the end of its training: continue it with ``train --resume``); the checkpoint is not
-            this run's, or damaged.
+        FlatbmaError: another process holds the directory; the run is unfinished (continue it with
+            ``train --resume``); the checkpoint is not this run's, or damaged; ``metrics.json`` is damaged.
     """
     run_dir = Path(run_dir)
     cfg = load_run_config(run_dir)

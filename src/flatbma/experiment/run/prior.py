@@ -1,14 +1,10 @@
 """Two-stage runs (a ``prior`` section): fit a Gaussian posterior on the target data, then train with it as prior.
 
-The Bayesian transfer-learning pipeline of SA-BMA / FP-BMA (Lim et al., UAI 2025): the first stage
-(e.g. SWAG) trains into ``<output_dir>/prior`` — a run directory of its own, reused when it has
-finished with the same config — and its posterior, a low-rank plus diagonal Gaussian in ``θ``
-layout with ``σ`` floored at ``prior.min_std``, becomes the second stage's prior ``p`` in
-``KL(q_θ ‖ p)`` and, with ``prior.init``, its starting point. A mixture (``multi``) has one prior per
-member: its first stage is ``multi`` of ``prior.method`` with the same members and seed, and member
-``m`` of the second stage takes member ``m``'s fitted Gaussian (:func:`flatbma.posteriors.multi.build`
-says why not one shared prior). The section itself is parsed by
-:mod:`flatbma.prior`; :func:`flatbma.experiment.run.pipeline.train` runs both stages.
+The Bayesian transfer-learning pipeline of SA-BMA / FP-BMA (Lim et al., UAI 2025): the first stage (e.g. SWAG)
+trains into ``<output_dir>/prior``, a run directory of its own reused when finished with the same config; its
+posterior, a low-rank plus diagonal Gaussian in ``θ`` layout with ``σ`` floored at ``prior.min_std``, becomes the
+second stage's prior ``p`` in ``KL(q_θ ‖ p)`` and, with ``prior.init``, its starting point. A mixture
+(``multi``) has one prior per member: member ``m`` of the second stage takes member ``m``'s fitted Gaussian.
 """
 
 from __future__ import annotations
@@ -40,14 +36,10 @@ __all__ = [
 def prior_stage(cfg: RunConfig, run_dir: str | Path | None = None) -> RunConfig | None:
     """The run config of the first stage of a two-stage ``cfg`` (``None`` for a one-stage run).
 
-    The stage shares the run's data, model, seed, training and evaluation settings (without flatness and
-    early stopping: the prior is fitted for ``prior.epochs``), trains
-    ``prior.method`` — for a mixture, a mixture of it
-    (:meth:`~flatbma.methods.MethodConfig.first_stage`:
-    ``multi`` of it with the run's members and seed, one prior per member) — for ``prior.epochs`` with
-    ``prior.optim`` (or the run's optimizer) and writes to
-    ``run_dir`` (default ``<output_dir>/prior``; ``flatbma compare`` shares one between the candidates
-    of a hyperparameter selection); it is not evaluated (``flatbma evaluate <output_dir>/prior`` does it).
+    The stage shares the run's data, model, seed, training and evaluation settings (without flatness and early
+    stopping) and trains ``prior.method`` (a mixture's: :meth:`~flatbma.methods.MethodConfig.first_stage`) for
+    ``prior.epochs`` with ``prior.optim`` (or the run's optimizer) into ``run_dir`` (default
+    ``<output_dir>/prior``). It is not evaluated.
     """
     p = cfg.prior
     if p is None:
@@ -74,13 +66,11 @@ def fit_prior(
 ) -> FittedPrior | None:
     """Train (or reuse, when it finished with the same config and data and not ``force``) the first stage of ``cfg``.
 
-    Returns ``None`` for a one-stage run. The stage trains into ``run_dir`` (:func:`prior_stage`), holding
-    its lock. With ``resume`` an unfinished first stage continues from its checkpoint. ``on_start`` is
-    called right before a fresh stage's first checkpoint (:func:`~flatbma.experiment.run.stage.train_stage`).
-    Under ``torchrun`` rank 0 decides whether to reuse, so every rank does the same.
-    Before the stage trains, its posterior must be a Gaussian and the run's learning rate stable
-    with the prior (:func:`check_stable_with_prior`). ``inputs``: the run's data and network already read and
-    built, and its logs checked (:func:`flatbma.experiment.run.pipeline.train`).
+    Returns ``None`` for a one-stage run. The stage trains into ``run_dir`` (:func:`prior_stage`) holding its
+    lock; with ``resume`` an unfinished one continues from its checkpoint; ``on_start``: as
+    :func:`~flatbma.experiment.run.stage.train_stage`'s. Before it trains, its posterior must be a Gaussian and the
+    run's learning rate stable with the prior (:func:`check_stable_with_prior`). ``inputs``: the run's data and
+    network already built, and its logs checked.
     """
     stage = prior_stage(cfg, run_dir)
     if stage is None:

@@ -1,9 +1,7 @@
 """Who wrote a run's checkpoint (:class:`Provenance`) and what a checkpoint must hold to be a run's (:class:`Template`).
 
-A run's checkpoint records the method, fingerprints of its options and of the model, and the flatbma
-version (:func:`provenance`); loading it checks them against the run that loads it
-(:func:`check_provenance`), and the tensors against a fresh state of the run's method
-(:func:`template`, :func:`flatbma.experiment.run.checkpoint.load_position`).
+Loading a checkpoint checks its recorded method and fingerprints of options and model against the loading run
+(:func:`check_provenance`), and its tensors against a fresh state of the run's method (:func:`template`).
 """
 
 from __future__ import annotations
@@ -65,8 +63,8 @@ class Provenance:
         options: the resolved ``method`` section (name and every option), JSON values.
         model: the resolved ``model`` section.
         model_fingerprint: :func:`model_fingerprint` of the model and ``model``.
-        flatbma: the flatbma version that wrote it (``None``: not recorded). Recorded, not checked: the
-            format tag decides whether a file can be read, and a newer flatbma resumes an older run.
+        flatbma: the flatbma version that wrote it (``None``: not recorded); never checked (the format tag
+            decides whether a file can be read).
     """
 
     method: str
@@ -120,9 +118,8 @@ _MISSING = object()
 def check_provenance(meta: Mapping[str, str], want: Provenance, path: str | Path) -> Provenance | None:
     """Raise :class:`FlatbmaError` unless the checkpoint's metadata says ``want`` wrote it.
 
-    A checkpoint without the record (written before flatbma recorded it) is accepted: its tensors and
-    position are still checked (:func:`check_compatible`, :func:`check_position`), which tells apart
-    every two methods whose states differ. Returns the recorded provenance (``None`` without one).
+    A checkpoint without the record is accepted (its tensors and position are still checked). Returns the
+    recorded provenance (``None`` without one).
     """
     text = meta.get(WRITTEN_BY)
     if text is None:
@@ -161,8 +158,7 @@ class Template:
     Attributes:
         provenance: who must have written it.
         state: the fresh state of the run's method and model: every tensor's name, dtype and shape.
-        epochs: the epochs the run trains, ``train.epochs`` plus its method's extra ones (the position's epoch
-            lies in ``[0, epochs]``).
+        epochs: the epochs the run trains, ``train.epochs`` plus its method's extra ones.
         batches: batches per epoch (the position's batch lies in ``[0, batches]``); ``None`` if unknown.
         loader_rng: a state of the data-order generator (its size and dtype), ``None`` if the loader has none.
         device: where the loaded state goes.
@@ -189,10 +185,7 @@ def provenance(exp: Experiment) -> Provenance:
 
 
 def template(exp: Experiment) -> Template:
-    """The :class:`Template` of ``exp``'s run.
-
-    The reference state is initialized under a forked RNG, so the run's random streams are left alone.
-    """
+    """The :class:`Template` of ``exp``'s run (its reference state drawn under a forked RNG)."""
     state = reference_state(exp.method, exp.model, exp.device)
     generator = getattr(exp.train_loader, "generator", None)
     try:
@@ -248,13 +241,10 @@ KERNEL_VARIABLES = (
 def environment(device: torch.device | str | None = None) -> dict[str, Any]:
     """Where a run's numbers were computed: the library versions and the machine's kernels (``metrics.json``).
 
-    Floating-point results depend on the kernels: torch picks its vectorized ones by the CPU's instruction set
-    (``cpu_capability``: ``DEFAULT``, ``AVX2``, ``AVX512``; ``ATEN_CPU_CAPABILITY`` caps it), oneDNN its
-    convolutions by its own dispatch (``ONEDNN_MAX_CPU_ISA`` caps it), MKL its matrix products, and a
-    reduction's order by the number of threads. So the record holds the CPU model, its ISA flags
-    (:data:`ISA_FLAGS` present in ``/proc/cpuinfo``), torch's capability, the threads, the BLAS and oneDNN
-    builds (``torch.__config__.show()``), the :data:`KERNEL_VARIABLES` that are set, and on a GPU its name
-    and the CUDA and cuDNN versions: two runs whose records differ here may differ in their last digits.
+    Floating-point results depend on the kernels (chosen by the CPU's instruction set and each library's
+    dispatch) and the number of threads. So the record holds the CPU model, its :data:`ISA_FLAGS`, torch's
+    ``cpu_capability``, the threads, the BLAS and oneDNN builds, the :data:`KERNEL_VARIABLES` that are set, and on
+    a GPU its name and the CUDA and cuDNN versions: runs whose records differ here may differ in their last digits.
     """
     record: dict[str, Any] = {
         "flatbma": flatbma.__version__,

@@ -1,8 +1,6 @@
 """Changing a run's config on ``flatbma train --resume RUN --set key=value``: checked, and recorded in ``resumes.json``.
 
-A resume may change the keys of :data:`~flatbma.experiment.run.checkpoint.RESUMABLE` (they do not change
-what the trained state means); the change is appended to the run's ``resumes.json`` (:func:`resume_change`,
-:func:`append_resume`).
+Only the keys of :data:`~flatbma.experiment.run.checkpoint.RESUMABLE` may change (:func:`resume_change`).
 """
 
 from __future__ import annotations

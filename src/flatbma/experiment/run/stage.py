@@ -1,17 +1,14 @@
 """One stage of a run: a config trained into its run directory — build, start or resume, the one loop, metrics.
 
-A run directory holds the resolved ``config.yaml``, ``checkpoint.safetensors`` (the state with its
-loop position, :func:`~flatbma.experiment.run.checkpoint.save_position`) and ``metrics.json`` (with the
-record of the checkpoint it was computed from). A stage trains holding the directory's lock
-(:mod:`flatbma.experiment.run.lock`) and writes nothing before its first checkpoint (:func:`start_run`); a
-run is finished only as :func:`finished_run` says. A one-stage run is one stage; a two-stage run
-(:mod:`flatbma.experiment.run.prior`) trains its first stage into ``<output_dir>/prior`` and then its own,
-started from the :class:`FittedPrior`. How processes share a stage is its experiment's strategy
-(:mod:`flatbma.experiment.parallel.processes`).
+A run directory holds the resolved ``config.yaml``, ``checkpoint.safetensors`` (the state with its loop
+position) and ``metrics.json`` (with the record of the checkpoint it was computed from). A stage trains holding
+the directory's lock (:mod:`flatbma.experiment.run.lock`) and writes nothing before its first checkpoint
+(:func:`start_run`); a run is finished only as :func:`finished_run` says. A two-stage run
+(:mod:`flatbma.experiment.run.prior`) trains its first stage into ``<output_dir>/prior``, then its own, started
+from the :class:`FittedPrior`.
 
 Over 500 lines on purpose: starting, resuming, checkpointing and finishing a run directory are one protocol
-(what is written when, under which lock, and what a crash at any point leaves); split, its invariants would be
-spread over modules that each hold half of it.
+(what is written when, under which lock, and what a crash at any point leaves).
 """
 
 from __future__ import annotations
@@ -89,8 +86,7 @@ def same_config(run_dir: Path, cfg: RunConfig) -> bool:
 def finished_run(run_dir: Path, cfg: RunConfig, data: str | None = None) -> bool:
     """Whether ``run_dir`` holds a finished run of ``cfg`` (trained on the data set of fingerprint ``data``).
 
-    Finished means :func:`unfinished` finds nothing wrong. Only metadata is read: loading the checkpoint
-    checks it in depth.
+    Finished: :func:`unfinished` finds nothing wrong (in metadata only; loading checks the checkpoint in depth).
     """
     return unfinished(run_dir, cfg, data) is None
 
@@ -105,17 +101,15 @@ def unfinished(run_dir: Path, cfg: RunConfig, data: str | None = None) -> tuple[
     Finished means all of its files agree with ``cfg`` and with each other:
 
     * ``"config"``: ``config.yaml`` holds ``cfg``'s config (:func:`same_config`);
-    * ``"checkpoint"``: the checkpoint is readable (its metadata; detail: ``"missing"`` or ``"unreadable"``);
-    * ``"position"``: it stands at the end of ``cfg``'s training (:func:`training_ended`: epoch ``cfg.epochs``, so
-      a run stopped after epoch 4 of 15 is not finished, whatever else its directory holds);
-    * ``"edited"``: it records ``cfg``'s whole config (its :class:`~flatbma.experiment.run.checkpoint.RunRecord`;
-      a resume writes it again with the config the run goes on with), so a ``config.yaml`` edited by hand is
-      not this run (detail: the keys that differ, checkpoint vs ``config.yaml``); checkpoints of versions
-      before the record have none;
-    * ``"data"``: with ``data``, it recorded training on that data (versions before the record: taken as so);
-    * ``"metrics"``: ``metrics.json`` was written from that checkpoint (its ``checkpoint`` record names it, see
-      :func:`checkpoint_record`; metrics of versions before the record have none and are taken as the
-      checkpoint's) and carries its seal (:func:`read_metrics`; detail: what is wrong with it).
+    * ``"checkpoint"``: the checkpoint's metadata is readable (detail: ``"missing"`` or ``"unreadable"``);
+    * ``"position"``: it stands at the end of ``cfg``'s training (:func:`training_ended`);
+    * ``"edited"``: it records ``cfg``'s whole config (:class:`~flatbma.experiment.run.checkpoint.RunRecord`), so a
+      hand-edited ``config.yaml`` is not this run (detail: the keys that differ, checkpoint vs ``config.yaml``);
+    * ``"data"``: with ``data``, it recorded training on that data;
+    * ``"metrics"``: ``metrics.json`` was written from that checkpoint (:func:`checkpoint_record`) and carries its
+      seal (:func:`read_metrics`; detail: what is wrong with it).
+
+    A checkpoint or ``metrics.json`` without the record a check reads passes that check.
     """
     if not same_config(run_dir, cfg):
         return "config", ""
@@ -142,9 +136,8 @@ def unfinished(run_dir: Path, cfg: RunConfig, data: str | None = None) -> tuple[
 def training_ended(meta: Mapping[str, str] | None, cfg: RunConfig) -> bool:
     """Whether the checkpoint of metadata ``meta`` ends ``cfg``'s training.
 
-    At its last epoch (:func:`~flatbma.experiment.run.checkpoint.at_end`), or — with ``train.early_stopping`` — at
-    the end of an epoch after which its rule stopped training (:func:`flatbma.experiment.run.early_stopping.stopped`
-    on the checkpoint's history: the loop trains no further epoch from there).
+    At its last epoch (:func:`~flatbma.experiment.run.checkpoint.at_end`), or, with ``train.early_stopping``, at
+    the end of an epoch after which its rule stopped training (:func:`flatbma.experiment.run.early_stopping.stopped`).
     """
     if at_end(meta, cfg.epochs):
         return True
@@ -182,10 +175,9 @@ def read_metrics_checked(run_dir: Path) -> tuple[dict[str, Any] | None, str]:
 def start_run(run_dir: Path, resolved: dict[str, Any]) -> None:
     """Make ``run_dir`` the directory of a new run of ``resolved``, right before its first checkpoint (rank 0).
 
-    The files of the run it held go first — its checkpoint and ``metrics.json``, and ``resumes.json`` when
-    it held a run of another config — then ``config.yaml`` is written: the directory never holds a config
-    beside another run's checkpoint, and a run that fails before its first checkpoint (``--force`` with a
-    config that cannot train) leaves the run that was there as it was.
+    The old run's checkpoint and ``metrics.json`` go first (and ``resumes.json`` when its config differs), then
+    ``config.yaml`` is written: a config never sits beside another run's checkpoint, and a run that fails before
+    its first checkpoint leaves the old one as it was.
     """
     if not processes.is_main():
         return
@@ -219,8 +211,7 @@ def check_run_dir(run_dir: Path, resolved: dict[str, Any], force: bool) -> None:
 def record_resume(run_dir: Path, resumed: Resume | None) -> None:
     """Write a resume's changed ``config.yaml`` and append the change to ``resumes.json`` (rank 0; nothing without one).
 
-    Called once every check of the resumed run has passed (:func:`train_stage`): a refused resume changes
-    nothing on disk.
+    Call it once every check of the resumed run has passed: a refused resume changes nothing on disk.
     """
     if resumed is not None and resumed.changed and processes.is_main():
         write_config(run_dir, dict(resumed.resolved))
@@ -259,8 +250,7 @@ class FittedPrior:
 class Trained:
     """A trained stage: its experiment, final state and the metrics written to ``metrics.json``.
 
-    ``reused``: the run was already finished in its directory and is returned as it was, nothing trained
-    or written (:func:`flatbma.experiment.run.pipeline.train`).
+    ``reused``: the run was already finished in its directory and is returned as it was, nothing trained or written.
     """
 
     experiment: Experiment
@@ -284,12 +274,9 @@ def train_stage(
 ) -> Trained:
     """Train ``cfg`` into its output directory and write ``metrics.json``, holding the directory's lock.
 
-    A fresh stage writes nothing before its first checkpoint: then it replaces the run the directory
-    held (:func:`start_run`) and writes its config, checkpoint and logs. Its checkpoints record the run
-    (:class:`~flatbma.experiment.run.checkpoint.RunRecord`: its config and data); a resumed stage continues only
-    from a checkpoint of its own config (up to :data:`~flatbma.experiment.run.checkpoint.RESUMABLE` keys) and
-    data. ``metrics.json`` records the checkpoint it was computed from (``checkpoint``,
-    :func:`~flatbma.experiment.run.checkpoint.checkpoint_record`).
+    A fresh stage writes nothing before its first checkpoint, then replaces the directory's run (:func:`start_run`).
+    A resumed stage continues only from a checkpoint of its own config (up to
+    :data:`~flatbma.experiment.run.checkpoint.RESUMABLE` keys) and data.
 
     Args:
         cfg: the stage's config.
@@ -298,14 +285,10 @@ def train_stage(
         evaluate: add the BMA evaluation (:func:`~flatbma.experiment.run.evaluate.evaluate_state`) to the metrics.
         prior: the fitted first stage: the method's prior and, with ``prior.init``, its start.
         check: called with the built experiment before anything is written or trained.
-        on_start: called right before a fresh stage's first checkpoint (a two-stage run claims its own
-            directory when its first stage starts).
-        resumed: the change ``--resume --set`` made to the run's config, recorded (:func:`record_resume`) once
-            the checkpoint it continues from has loaded, or right before a fresh stage's first checkpoint (a
-            two-stage run stopped in its first stage), never before.
+        on_start: called right before a fresh stage's first checkpoint.
+        resumed: the change ``--resume --set`` made to the config, recorded (:func:`record_resume`) once checks pass.
         inputs: the run's data and network already read and built (:func:`~flatbma.experiment.run.build.prepare`).
-        checked: the caller already holds the directory's lock and checked the logs and the directory
-            (:func:`flatbma.experiment.run.pipeline.train`): they are not checked again.
+        checked: the caller already holds the lock and checked the logs and the directory; not checked again.
 
     Raises:
         FlatbmaError: another process holds the directory (:func:`flatbma.experiment.run.lock.hold`), or the
@@ -485,8 +468,7 @@ def _diverged(e: DivergenceError, cfg: RunConfig, *, kept: bool) -> str:
 def step_stats(history: History) -> dict[str, dict[str, float]]:
     """Every step statistic of ``history`` (:attr:`EpochLog.stats`): its median over the epochs' means, first, last.
 
-    The median over epochs of the per-epoch mean (not over single steps: the loop keeps epoch means), and the
-    first and last epochs' means, which show how the statistic's scale changed during training.
+    Over the per-epoch means (the loop keeps no single steps); first and last show how the scale changed.
     """
     names = dict.fromkeys(k for h in history.epochs for k in h.stats)
     out = {}
@@ -499,12 +481,10 @@ def step_stats(history: History) -> dict[str, dict[str, float]]:
 def training_record(exp: Experiment, state: State, meta: Mapping[str, str]) -> dict[str, Any]:
     """What a finished run's ``metrics.json`` records of its training, as its checkpoint and ``log.csv`` hold it.
 
-    For ``flatbma evaluate`` to rebuild a lost ``metrics.json`` whole (it is the cache of a finished run; a
-    damaged one is deleted and evaluated again): the method, seed and steps, the loss ``history`` (the health
-    entry's ``loss_rise`` is assessed from it again), the ``environment`` the checkpoint was written in, the
-    training time (the sum of ``log.csv``'s epoch times, when every epoch has one), the step statistics, the
-    early-stopping record and a two-stage run's ``prior_run`` (its own first stage's). Not restored:
-    ``kl_from_start`` (it needs the run's starting posterior) and ``world_size`` (how many processes trained it).
+    For ``flatbma evaluate`` to rebuild a lost ``metrics.json``: the method, seed and steps, the loss ``history``,
+    the ``environment``, the training time (the sum of ``log.csv``'s epoch times, when every epoch has one), the
+    step statistics, the early-stopping record and ``prior_run``. Not restored: ``kl_from_start`` (it needs the
+    starting posterior) and ``world_size``.
     """
     cfg, run_dir = exp.config, Path(exp.config.output_dir)
     history = history_of(meta) or History()
@@ -516,7 +496,7 @@ def training_record(exp: Experiment, state: State, meta: Mapping[str, str]) -> d
     }
     try:
         out["environment"] = json.loads(meta[ENVIRONMENT_KEY])
-    except (KeyError, ValueError):  # written before the record
+    except (KeyError, ValueError):  # no record
         pass
     try:
         times = [row["time_s"] for row in read_csv(run_dir / CSV_FILE)]

@@ -1,21 +1,15 @@
 """Everything a config demands of its run, checked against the data sizes before anything trains or is written.
 
-A config is checked twice. Parsing (:mod:`flatbma.experiment.config.run_config`) checks each value on its own.
-This module checks what depends on the run's *shape* — how many updates the run takes, how many
-examples it trains and tests on — which is known once the data set is read, long before the first
-step: SWAG's snapshots against its rank, SG-MCMC's burn-in and thinning against the run's length,
-ECE's bins against the test set, the Hessian's eigenvalues against its dimension, the learning
-rate against the KL to a fitted prior. Without it such a config trains for minutes or hours and
-then fails in its evaluation (or, for a two-stage run, after its whole first stage).
+Parsing checks each value on its own; this module checks what depends on the run's *shape* (its updates, training
+and test examples), known once the data set is read: SWAG's snapshots against its rank, SG-MCMC's burn-in and
+thinning against the run's length, ECE's bins against the test set, the Hessian's eigenvalues against its
+dimension, the learning rate against the KL to a fitted prior. Otherwise such a config fails only after training.
 
-Each part of a config checks itself given a :class:`RunShape` — a method through its registry
-entry (:attr:`~flatbma.family.Family.check`, so this module knows no method by name),
-the evaluation through :meth:`~flatbma.experiment.config.sections.EvalConfig.check` — and
-:func:`check_run` asks every stage of a run: a two-stage run's first stage with ``prior.epochs``
-and the ``prior.method.*`` keys, then its own. ``flatbma train`` calls :func:`validate_run` once,
-before its first stage (:func:`flatbma.experiment.run.pipeline.train`); ``flatbma compare`` calls
-:func:`validate_runs` once for every entry × seed × candidate, before the first run starts.
-Every refusal is one :class:`~flatbma.errors.FlatbmaError` line naming the key, the numbers and the fix.
+Each part of a config checks itself given a :class:`RunShape` (a method through
+:attr:`~flatbma.family.Family.check`, the evaluation through
+:meth:`~flatbma.experiment.config.sections.EvalConfig.check`); :func:`check_run` asks every stage of a run.
+:func:`validate_run` serves ``flatbma train``, :func:`validate_runs` ``flatbma compare``. Every refusal is one
+:class:`~flatbma.errors.FlatbmaError` line naming the key, the numbers and the fix.
 """
 
 from __future__ import annotations
@@ -51,13 +45,9 @@ def run_shape(
 ) -> RunShape:
     """The shape of run ``cfg``: its examples drawn as its build draws them, its loader's length.
 
-    Args:
-        cfg: the run.
-        splits: the data set of ``cfg.data`` already read (:func:`~flatbma.experiment.run.build.load_data`),
-            to share between runs on the same data; read here when ``None``.
-        trainable: also count the trained weights, which builds the network (on the CPU).
-        inputs: the run's data and network already read and built (:func:`~flatbma.experiment.run.build.prepare`):
-            nothing is read or built here.
+    ``splits``: the data set of ``cfg.data`` already read (:func:`~flatbma.experiment.run.build.load_data`; read
+    here when ``None``); ``trainable``: also count the trained weights, which builds the network (on the CPU);
+    ``inputs``: the run's data and network already built (:func:`~flatbma.experiment.run.build.prepare`).
 
     Raises:
         FlatbmaError: whatever the data selection refuses (a k-shot draw the data cannot give, ...).
@@ -90,21 +80,16 @@ def run_shape(
 
 
 def _needs_trainable(cfg: RunConfig, flatness: bool) -> bool:
-    """Whether a check needs the number of trained weights.
-
-    ``hessian_k > 1`` can exceed it, and a method may ask
-    (:meth:`~flatbma.methods.MethodConfig.needs_weights`: Laplace's full Hessian).
-    """
+    """Whether a check needs the number of trained weights (``hessian_k > 1``, or the method's ``needs_weights``)."""
     return (flatness and cfg.eval.hessian_k > 1) or cfg.method.needs_weights()
 
 
 def check_run(cfg: RunConfig, shape: RunShape, *, flatness: bool) -> None:
     """Check every stage of ``cfg`` against ``shape`` (module docstring); ``flatness``: the Hessian is measured.
 
-    A two-stage run's first stage (:func:`~flatbma.experiment.run.prior.prior_stage`) trains ``prior.epochs``
-    on the same data; its method must leave the second stage what it needs (e.g. SWAG's ``K`` deviation
-    columns when the second starts there), and the run's learning rate must be stable with the
-    fitted prior (:func:`~flatbma.experiment.run.prior.check_stable_with_prior`).
+    A two-stage run's first stage (:func:`~flatbma.experiment.run.prior.prior_stage`) trains ``prior.epochs`` on the
+    same data and must leave the second what it needs; the run's learning rate must be stable with the fitted
+    prior (:func:`~flatbma.experiment.run.prior.check_stable_with_prior`).
     """
     first = prior_stage(cfg)
     cfg.optim.check_length(cfg.train.epochs)
@@ -152,10 +137,8 @@ def check_early_stopping(cfg: RunConfig) -> None:
 def validate_run(cfg: RunConfig, *, flatness: bool | None = None, inputs: Inputs | None = None) -> RunShape:
     """Check ``cfg`` before it trains (``flatbma train``); return its shape.
 
-    Args:
-        cfg: the run.
-        flatness: whether its flatness is measured (default ``eval.flatness``).
-        inputs: its data and network already read and built (:func:`~flatbma.experiment.run.build.prepare`).
+    ``flatness``: whether its flatness is measured (default ``eval.flatness``); ``inputs``: its data and network
+    already built (:func:`~flatbma.experiment.run.build.prepare`).
     """
     flatness = cfg.eval.flatness if flatness is None else flatness
     shape = run_shape(cfg, trainable=_needs_trainable(cfg, flatness), inputs=inputs)
@@ -167,9 +150,8 @@ def validate_run(cfg: RunConfig, *, flatness: bool | None = None, inputs: Inputs
 def check_evaluation(exp: Experiment, *, flatness: bool) -> None:
     """Check what ``flatbma evaluate`` reads before it evaluates: the evaluation settings against the built run.
 
-    ``eval.*`` of a run directory's ``config.yaml`` (changed since training by ``--resume --set``, or
-    ``--ood``) are checked as ``flatbma train`` checks them (:meth:`~flatbma.experiment.config.sections.EvalConfig
-    .check`: ``n_bins`` against the test examples, ``hessian_k`` against the trained weights, the OOD set).
+    ``eval.*`` (changeable since training by ``--resume --set`` or ``--ood``) is checked as ``flatbma train`` checks
+    it (:meth:`~flatbma.experiment.config.sections.EvalConfig.check`).
     """
     cfg = exp.config
     shape = RunShape(

@@ -49,12 +49,11 @@ def cached_result(row_dir: Path, row_key: str) -> dict[str, Any]:
 def read_cache(path: Path, check: Callable[[Any], bool], *, sealed_in: Path | None = None) -> Any:
     """What ``path`` (a file of an earlier compare) holds, or ``None`` if it does not exist.
 
-    ``check`` says whether the content has the shape flatbma writes there. A file that cannot be read,
-    is not JSON or YAML, or fails ``check`` is refused by name: a traceback later, or redoing its part
-    without a word, would hide that the directory was damaged. With ``sealed_in`` (the run directory whose
-    checkpoint the record belongs to) its seal must match (:func:`flatbma.state_io.seal_problem`; required beside
-    a checkpoint of the current format, :func:`~flatbma.experiment.run.checkpoint.seal_required`): an edited
-    number is refused like a damaged file, never reported.
+    ``check`` says whether the content has the shape flatbma writes there. A file that cannot be read, is not
+    JSON or YAML, or fails ``check`` is refused by name, so a damaged directory never goes unnoticed. With
+    ``sealed_in`` (the run directory whose checkpoint the record belongs to) its seal must match
+    (:func:`flatbma.state_io.seal_problem`; required beside a checkpoint of the current format): an edited
+    number is refused like a damaged file.
     """
     if not path.exists():
         return None
@@ -132,8 +131,8 @@ def source(run_dir: Path, data: str) -> dict[str, Any]:
 def fresh(cached: Any, row_key: str, width_to: tuple[str, float] | None, source: dict[str, Any]) -> bool:
     """Whether a cached row belongs to this comparison and, width-matched, to the reference's current width.
 
-    It must also have been measured from ``source`` (:func:`source`): the run's current checkpoint and the
-    data set as it is now. Rows cached before flatbma recorded them lack the records and are taken as is.
+    It must also have been measured from ``source``: the run's current checkpoint and the data set as it is now
+    (a row without these records is taken as is).
     """
     if not (isinstance(cached, dict) and cached.get("fingerprint") == row_key and "result" in cached):
         return False

@@ -1,14 +1,11 @@
 """``flatbma compare``: methods × seeds through the one runner, evaluated for calibration, shift and flatness.
 
-Over 500 lines on purpose: this is the compare loop — planning the jobs, running or reusing each
-(method, seed), recording failures, measuring (width-matched where asked) and reporting progress — and
-its steps decide together which run is skipped, retried or refused. What could stand alone already does:
-the plan (:mod:`~flatbma.experiment.study.plan`), the on-disk caches
-(:mod:`~flatbma.experiment.study.cache`), candidate selection (:mod:`~flatbma.experiment.study.selection`),
-width matching (:mod:`~flatbma.experiment.study.width`) and the report (:mod:`flatbma.experiment.report`).
+Over 500 lines on purpose: the compare loop — planning, running or reusing each (method, seed), recording
+failures, measuring and reporting progress — decides in one place which run is skipped, retried or refused;
+what could stand alone (plan, caches, candidate selection, width matching, report) has its own module.
 
-A compare config is a run config (the shared data/model/optim/train/eval sections and a default
-``method``) plus a ``compare`` section listing what varies::
+A compare config is a run config (shared data/model/optim/train/eval sections and a default ``method``) plus a
+``compare`` section listing what varies::
 
     compare:
       methods: [{name: sgd}, {name: sam, rho: 0.05}, {name: fp-bma, rank: 5}]
@@ -22,42 +19,30 @@ A compare config is a run config (the shared data/model/optim/train/eval section
       pairs: [[fp-bma, swag], [sam, sgd]]   # further paired differences, each a − b (in addition)
       quick: {methods: [sgd, sam], seeds: [0], set: [train.epochs=2]}
 
-Each (method, seed) is an ordinary run directory under ``OUT/runs/<method>/seed<s>`` (trained with
-:func:`flatbma.experiment.run.pipeline.train` and measured, on the experiment and state it just trained, by
-:func:`flatbma.experiment.run.evaluate.measure`); its comparison measurements are cached beside it in
-``compare.json`` together with the hash of the config that produced them, so a rerun skips every
-finished (method, seed) and reuses it. The output directory records its compare config and refuses
-to mix results of a different one unless ``--force`` is given. Under ``torchrun`` the runs are
-spread over the processes (:func:`run_compare`).
+Each (method, seed) is an ordinary run directory ``OUT/runs/<method>/seed<s>``, trained by
+:func:`flatbma.experiment.run.pipeline.train` and measured by :func:`flatbma.experiment.run.evaluate.measure`;
+its measurements are cached beside it in ``compare.json`` with the hash of their config, so a rerun reuses
+every finished (method, seed). The output directory records its compare config and refuses to mix in results
+of a different one unless ``--force`` is given.
 
-An entry may carry its own ``optim`` section (its keys override the shared one's) and give lists of
-candidate values, e.g. ``{name: sam, rho: [0.01, 0.05, 0.1], optim: {lr: [0.01, 0.05]}}``: every
-combination is then a run of its own in ``OUT/runs/<method>/seed<s>/cand-<options>``, and the row of
-that (method, seed) is the candidate with the best validation NLL, the only one measured on the test
-set (:mod:`flatbma.experiment.study.selection`; ``selection`` in the row records every candidate's score).
+An entry may carry its own ``optim`` section (overriding the shared one's keys) and lists of candidate values,
+e.g. ``{name: sam, rho: [0.01, 0.05, 0.1], optim: {lr: [0.01, 0.05]}}``: each combination is a run in
+``OUT/runs/<method>/seed<s>/cand-<options>``, and the row is the candidate with the best validation NLL, the
+only one measured on the test set (``selection`` in the row records every candidate's score).
 
-**Width-matched posteriors.** An entry of a method whose posterior is a low-rank plus diagonal Gaussian
-(``swag``, ``lowrank-vi``, ``fp-bma``, …: :attr:`MethodSpec.gaussian`) may name an earlier entry in
-``match_width``, e.g. ``{name: swag, label: swag-wide, rank: 5, match_width: fp-bma}``. It trains (and
-selects) as usual, but is *measured* as ``N(μ, cΣ)`` with
+**Width-matched posteriors.** An entry whose posterior is a low-rank plus diagonal Gaussian (``swag``,
+``lowrank-vi``, ``fp-bma``, …: :attr:`MethodSpec.gaussian`) may name an earlier entry in ``match_width``, e.g.
+``{name: swag, label: swag-wide, rank: 5, match_width: fp-bma}``. It trains and selects as usual but is measured
+as ``N(μ, cΣ)`` with ``c = tr Σ_ref / tr Σ`` (``tr Σ_ref``: ``width.trace_cov`` of the referenced entry's row for
+the same seed), so a flatness comparison of the two rows is not confounded by width. The scaled posterior is
+sampled through the posterior's Gaussian hook (:func:`flatbma.posteriors.gaussians.rescaled`); the row records
+``width_matched: {to, factor, ...}``.
 
-    ``c = tr Σ_ref / tr Σ``,
-
-``tr Σ_ref`` the posterior width (``width.trace_cov``, :mod:`flatbma.flatness.width`) of the
-referenced entry's row for the same seed and ``tr Σ`` the entry's own (closed form), so both rows have
-the same ``tr Σ`` and a flatness comparison between them is not confounded by width. The scaled ``θ``
-(:func:`flatbma.gaussian.scale_covariance`) is sampled by the low-rank Gaussian's sampler through the
-posterior's Gaussian hook (:func:`flatbma.posteriors.gaussians.rescaled`); the row records
-``width_matched: {to, factor, ...}``. Under ``torchrun`` these rows are measured in a second phase,
-after every other row (:func:`run_compare`).
-
-**Diverged rows.** A row of one candidate whose training diverges (:class:`~flatbma.errors.DivergenceError`)
-does not stop the comparison: it is a *failed row* ``{method, method_options, optim, prior, seed, run_dir,
-error}`` without metrics, recorded in ``row_error.json`` beside its run (:data:`ROW_ERROR`, with the row key,
-the run's config and what it was trained from) and reused by a rerun as long as those match, so a
-deterministic divergence is not trained again (``--force`` trains it again). A row width-matched to a failed
-row is failed too (nothing to match its width to). The report leaves failed rows out of every mean and
-paired difference and says which seeds of which method diverged (:mod:`flatbma.experiment.report.rows`).
+**Diverged rows.** A candidate whose training diverges (:class:`~flatbma.errors.DivergenceError`) gives a
+*failed row* ``{method, method_options, optim, prior, seed, run_dir, error}`` without metrics, recorded in
+:data:`ROW_ERROR` beside its run and reused by a rerun while the row key, config and source match (``--force``
+trains it again). A row width-matched to a failed row fails too. The report leaves failed rows out of every
+mean and paired difference and names the seeds that diverged.
 """
 
 from __future__ import annotations
@@ -142,28 +127,20 @@ def _check_out_dir(plan: Plan, force: bool) -> None:
 def run_compare(plan: Plan, *, force: bool = False, progress: bool = True) -> dict[str, Any]:
     """Train and measure every (method, seed) not already finished; write results and reports.
 
-    A (method, seed) with candidate lists takes two phases: first every candidate is trained (a
-    finished one is reused) and scored on the validation split
-    (:func:`~flatbma.experiment.study.selection.train_candidates`); then the
-    best one is measured like any run (:func:`_run_selected`).
+    A (method, seed) with candidate lists first trains (or reuses) and scores every candidate on the validation
+    split (:func:`~flatbma.experiment.study.selection.train_candidates`), then measures the best
+    (:func:`_run_selected`). Width-matched rows run in a second round, after every other row.
 
-    Under ``torchrun`` (a process group of ``N`` processes, see :mod:`flatbma.experiment.parallel.processes`)
-    the work is spread, each piece as an ordinary single-process run: process ``r`` first trains the
-    candidate groups ``r, r+N, r+2N, …`` (a group is one candidate, or the candidates that share a
-    first stage), then, once every process has finished, does the (method, seed) rows ``r, r+N, …`` of
-    :meth:`Plan.jobs` (methods outer, seeds inner). When all have finished, every process reads the
-    other processes' rows from their caches (``compare.json``), so ``output_dir`` must be on a file
-    system they share; rank 0 alone writes ``compare_config.yaml`` (first), ``results.json`` and the
-    reports. Every process returns the same results.
+    Under ``torchrun`` with ``N`` processes each piece is an ordinary single-process run: process ``r`` trains the
+    candidate groups ``r, r+N, …`` (a group: the candidates sharing a first stage), then, once all have finished,
+    the rows ``r, r+N, …`` of :meth:`Plan.jobs` (methods outer, seeds inner). Every process then reads the others'
+    rows from their caches (``output_dir`` must be on a shared file system) and returns the same results; rank 0
+    alone writes ``compare_config.yaml`` (first), ``results.json`` and the reports.
 
-    Width-matched rows (``match_width``, module docstring) need their reference's row: they are dealt
-    out in a second round after every other row (a collective in between), then read it from its cache.
-
-    Rank 0 holds the output directory's lock throughout and every process the lock of each run directory
-    it works in (:func:`flatbma.experiment.run.lock.hold`). A row is reused only when its run is finished on
-    the data as it is now (:func:`~flatbma.experiment.run.stage.finished_run`, the data set's
-    :func:`~flatbma.experiment.run.build.data_fingerprint`) and its cache was measured from that run's
-    checkpoint on that data (:func:`fresh`); a changed data set trains the rows again.
+    Rank 0 holds the output directory's lock throughout, every process the lock of each run directory it works in.
+    A row is reused only when its run finished on the current data
+    (:func:`~flatbma.experiment.run.build.data_fingerprint`) and its cache was measured from that run's checkpoint
+    (:func:`fresh`); a changed data set trains the rows again.
     """
     with contextlib.ExitStack() as owned:  # rank 0 holds the output directory's lock throughout
         return _run_compare(plan, force, progress, owned)
@@ -279,11 +256,9 @@ def _progress(
 ) -> Iterator[T]:
     """``items`` with a progress bar, or without a terminal (a log file, CI) one line on stderr per item done.
 
-    ``me`` and ``world`` are the process's rank and the number of processes (only rank 0 shows a bar).
-    Bar or lines as :func:`flatbma.progress.current` decides (none with ``--quiet``). Each line, and the
-    bar, gives the time left learned from the items done so far (:class:`~flatbma.experiment.study.eta.TimeLeft`):
-    the measured cost of each ``kind`` of item (the method), and for a kind not yet timed its ``work`` per phase
-    at the rates its phases took in the items so far.
+    ``me``/``world``: this process's rank and the process count (only rank 0 shows a bar; none with ``--quiet``).
+    The time left is learned from the items done (:class:`~flatbma.experiment.study.eta.TimeLeft`): the measured
+    cost of each ``kind`` of item, and for a kind not yet timed its ``work`` per phase at the rates seen so far.
     """
     reporter = progress.current()
     # a bar shows this estimate in place of tqdm's, which assumes every item costs the same
@@ -338,10 +313,9 @@ def _run_one(
 ) -> dict[str, Any]:
     """The row of a (method, seed) with one candidate: train it (or reuse it) and measure it, holding its lock.
 
-    ``data``: the fingerprint of the data set (:func:`~flatbma.experiment.run.build.data_fingerprint`); ``width_to``:
-    ``(label, tr Σ_ref)`` of a width-matched row (:func:`_width_reference`). ``trained_elsewhere``: runs of
-    the comparison trained before this row (the candidates of selections, the rows a width-matched row comes
-    after); a finished one of the same config is copied in rather than trained again (:func:`adopt`).
+    ``data``: the data set's fingerprint; ``width_to``: ``(label, tr Σ_ref)`` of a width-matched row.
+    ``trained_elsewhere``: runs trained earlier in the comparison; a finished one of the same config is copied in
+    rather than trained again (:func:`adopt`).
     """
     cfg = job.candidates[0].config
     run_dir = Path(cfg.output_dir)
@@ -509,9 +483,8 @@ def _run_selected(
 ) -> dict[str, Any]:
     """The row of a (method, seed) with candidates: the one with the best validation NLL, measured on the test set.
 
-    Its run is read back from its directory (another process may have trained it) and measured by
-    :func:`_measured` like a lone run, holding the locks of the row's and the run's directories;
-    ``selection`` in the row records every candidate.
+    Its run is read back from its directory (another process may have trained it) and measured like a lone run,
+    holding the row's and the run's locks; ``selection`` in the row records every candidate.
     """
     records = [selection.candidate_record(c.config, data) for c in job.candidates]
     missing = [c.config.output_dir for c, r in zip(job.candidates, records, strict=True) if r is None]

@@ -1,11 +1,10 @@
 """A parsed compare config (:class:`Plan`): the shared run config, the ``compare`` section, and one job per row.
 
-A compare config is a run config (the shared data/model/optim/train/eval sections and a default
-``method``) plus a ``compare`` section listing what varies (:class:`CompareConfig`; the module docstring of
-:mod:`flatbma.experiment.study.compare`). :func:`load_plan` parses it once and refuses, before anything
-trains, what the comparison cannot honour: unknown keys, repeated labels or seeds, candidate lists without
-a validation split, a ``match_width`` it cannot measure (:func:`flatbma.experiment.study.width.check_match_width`).
-Each (method, seed) is a :class:`Job`, one row of ``results.json``, with its candidates (:class:`Candidate`).
+A compare config is a run config plus a ``compare`` section listing what varies (:class:`CompareConfig`; see
+:mod:`flatbma.experiment.study.compare`). :func:`load_plan` parses it once and refuses, before anything trains,
+what the comparison cannot honour: unknown keys, repeated labels or seeds, candidate lists without a validation
+split, a ``match_width`` it cannot measure. Each (method, seed) is a :class:`Job`, one row of ``results.json``,
+with its candidates (:class:`Candidate`).
 """
 
 from __future__ import annotations
@@ -56,31 +55,23 @@ class CompareConfig:
     """The ``compare`` section.
 
     Attributes:
-        methods: method sections (``{name: ..., options...}``) to compare; an entry may carry a ``prior``
-            section (a two-stage run, see :class:`~flatbma.experiment.config.run_config.PriorConfig`), an ``optim``
-            section (its keys override the shared ``optim``'s; a first stage without ``prior.optim``
-            trains with it too), a ``label`` (its name in tables and plots) and lists of candidate
-            values for scalar options and ``optim`` keys, chosen per seed on the validation split
-            (:mod:`flatbma.experiment.study.selection`), and ``match_width`` (the label of an earlier entry
-            whose posterior width this Gaussian one is measured at; module docstring).
-        seeds: seeds; each (method, seed) is one run.
+        methods: method sections (``{name: ..., options...}``); an entry may carry a ``prior`` section (a two-stage
+            run), an ``optim`` section (overriding the shared one's keys; a first stage without ``prior.optim``
+            trains with it too), a ``label`` (its name in tables and plots), lists of candidate values for scalar
+            options and ``optim`` keys (chosen per seed on the validation split) and ``match_width`` (the label of
+            an earlier entry whose posterior width this Gaussian one is measured at).
+        seeds: each (method, seed) is one run.
         corruptions: corruption names evaluated on the test set (``flatbma.data.corruption_names()``).
         severities: corruption severities in 1..5.
-        corruption_samples: BMA samples on the corrupted test sets: the first ones of the run's
-            ``eval.num_samples`` (``None``: all). Every corrupted copy costs a pass per sample, so on a
-            CPU a smaller BMA there keeps the shift evaluation affordable; the clean test set always
-            uses every sample.
+        corruption_samples: BMA samples on the corrupted test sets, the first of the run's ``eval.num_samples``
+            (``None``: all); each corrupted copy costs a pass per sample. The clean test set uses every sample.
         bma_curve: numbers of BMA samples M at which accuracy/NLL/ECE are also reported.
         flatness: measure Hessian spectra and distribution-level flatness.
         landscape: record a 1-D loss landscape of the posterior along a filter-normalized direction.
-        reference: the label of the method every other one is compared with (paired differences over
-            seeds and the report's findings, :func:`flatbma.experiment.report.findings`); ``None``: the
-            first method. It only shapes the report, so it is not part of the results' fingerprint.
-        pairs: further comparisons ``[a, b]`` of two method labels, each reported as the paired
-            difference ``a − b`` over the seeds both ran, in addition to the reference's
-            (:func:`flatbma.experiment.report.findings.pair_comparisons`). Like ``reference`` it only shapes the
-            report: not part of the fingerprint, the study or a row's cache key, and left out of the
-            recorded ``compare`` section when empty.
+        reference: the label of the method every other one is compared with (``None``: the first method).
+        pairs: further comparisons ``[a, b]`` of two method labels, each reported as the paired difference
+            ``a − b`` over the seeds both ran. Like ``reference``, it only shapes the report: it is in no
+            fingerprint, study or row cache key.
         quick: the reduced setting of ``--quick`` (written to ``<output_dir>-quick``, beside the full run).
     """
 
@@ -144,7 +135,6 @@ class Job:
 
     Attributes:
         label: the entry's name in tables and plots.
-        seed: the seed.
         row_dir: where the row is cached (``compare.json``): the run directory of a lone candidate, else
             the directory holding the candidates' run directories and their shared first stages.
         candidates: the entry's runs for this seed; of several, the row is the one chosen on validation
@@ -224,10 +214,9 @@ class Plan:
     def study(self) -> str:
         """Hash of what every row shares: the base sections and the measurement settings, without the rows.
 
-        The method entries, seeds, ``reference`` and ``quick`` are left out, so a comparison that adds
-        methods or seeds (or drops some) is the same study in the same ``output_dir``: its finished rows
-        are reused and only the new ones train and are measured. The base's ``method``, ``seed`` and
-        ``prior`` are each run's own (every run's resolved config is checked when it is reused).
+        The method entries, seeds, ``reference`` and ``quick`` are left out, so a comparison that adds or drops
+        methods or seeds stays the same study in the same ``output_dir`` and reuses its finished rows. The base's
+        ``method``, ``seed`` and ``prior`` are each run's own (checked per run when it is reused).
         """
         base = {k: v for k, v in run_identity(self.base.to_dict()).items() if k not in _PER_RUN}
         return _digest({"base": base, "measure": _measurement(self.compare)})
@@ -254,10 +243,9 @@ _ROWS = ("methods", "seeds", *_REPORT_ONLY, "quick")
 
 
 def compare_record(compare: CompareConfig) -> dict[str, Any]:
-    """The compare section as recorded in ``results.json`` and ``compare_config.yaml``.
+    """The compare section as recorded in ``results.json`` and ``compare_config.yaml``: plain values.
 
-    Its fields as plain values; ``pairs`` only when some are listed, so a comparison without pairs
-    writes exactly what it wrote before they existed.
+    ``pairs`` is recorded only when some are listed.
     """
     record = dataclasses.asdict(compare)
     if not record["pairs"]:
@@ -348,9 +336,8 @@ def load_plan(path: str | Path, overrides: list[str] = (), *, quick: bool = Fals
 def _check_regression(plan: Plan) -> None:
     """Refuse corruptions in a regression comparison (``model.likelihood: gaussian``), before it trains.
 
-    Its rows are the mixture predictive's NLL, RMSE, MAE, coverage and calibration error, and with
-    ``compare.flatness``/``landscape`` those of its Gaussian NLL (:func:`flatbma.experiment.run.evaluate.measure`);
-    the corruptions are of images, which its feature vectors are not.
+    Its rows are the mixture predictive's NLL, RMSE, MAE, coverage and calibration error (with
+    ``compare.flatness``/``landscape`` also its Gaussian NLL's); the corruptions are of images, not feature vectors.
     """
     if plan.base.model.likelihood.has_classes:
         return

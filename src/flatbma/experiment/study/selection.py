@@ -1,27 +1,20 @@
 """Hyperparameter selection on validation data: the score of ``flatbma compare``'s candidates and the choice.
 
-The candidates are the grid points of a compare entry (:mod:`flatbma.experiment.config.entries`); this module
-scores them (:func:`validation_nll`), chooses (:func:`choose`) and trains them (:func:`train_candidates`).
-
-A compare method entry may give a list of values for any option whose type is a scalar (a number, a
-flag or a name): a method option (``rho``, ``gamma``, ``rank``, …, typed by the registry's
-signatures) or a key of the entry's own ``optim`` section::
+A compare method entry may give a list of values for any scalar option (a number, a flag or a name): a method
+option (``rho``, ``gamma``, ``rank``, …) or a key of the entry's own ``optim`` section::
 
     {name: sam, rho: [0.01, 0.05, 0.1], optim: {lr: [0.01, 0.05]}}
 
-Every combination — the Cartesian product of the lists, in the order written — is a *candidate*, an
-ordinary run of its own. Per method and seed, the candidate whose BMA predictive has the smallest
-negative log-likelihood on the validation split is chosen,
+Every combination (the Cartesian product of the lists, in the order written) is a *candidate*, an ordinary run.
+Per method and seed, the candidate whose BMA predictive has the smallest validation NLL is chosen,
 
     NLL_val = −(1/N) Σᵢ log p(yᵢ | xᵢ),   log p(y | x) = logsumexp_m log softmax f(x; w_m)_y − log M,
 
 over the validation split (``data.val_per_class`` images per class held out of the k-shot budget, or
-``data.val_pool`` drawn from outside it) and the run's
-``eval.num_samples`` posterior samples (the samples its test evaluation draws). The test set plays
-no part in the choice, and only the chosen candidate is evaluated on it — the protocol of the papers
-the methods come from, which choose SAM's ρ (Foret et al. 2021) or FP-BMA's γ (Lim et al. 2025) on
-held-out training data. An option whose type is itself a list (a tuple annotation) is a value, never
-a grid; so is anything in an entry's ``prior`` section.
+``data.val_pool`` drawn from outside it) and the run's ``eval.num_samples`` posterior samples. Only the chosen
+candidate is evaluated on the test set, as in the methods' papers (SAM's ρ, Foret et al. 2021; FP-BMA's γ, Lim
+et al. 2025). A list-typed option (a tuple annotation) is a value, never a grid; so is anything in an entry's
+``prior`` section.
 """
 
 from __future__ import annotations
@@ -116,7 +109,7 @@ def candidate_record(cfg: RunConfig, data: str | None = None) -> dict[str, Any] 
     """The validation record of candidate ``cfg`` (``candidate.json``) if it belongs to exactly this config.
 
     With ``data`` (the data set's fingerprint), also to the run's current checkpoint and that data
-    (:func:`source`; records written before flatbma recorded them are taken as is).
+    (:func:`source`; a record without these is taken as is).
     """
     run_dir = Path(cfg.output_dir)
     record = read_cache(run_dir / CANDIDATE_FILE, is_candidate_record, sealed_in=run_dir)
@@ -133,11 +126,10 @@ def candidate_record(cfg: RunConfig, data: str | None = None) -> dict[str, Any] 
 def train_candidates(job: Job, group: tuple[Candidate, ...], force: bool, data: str) -> None:
     """Train (or reuse) the candidates of ``group`` and record each one's validation NLL in its ``candidate.json``.
 
-    Nothing here reads the test set: training does not evaluate, and the score reads only the
-    validation split (:func:`flatbma.experiment.study.selection.validation_nll`). A two-stage group trains its
-    shared first stage once, into ``<row_dir>/prior-<hash of its config>`` (reused when finished). A
-    candidate whose training diverges is recorded as such and not chosen. ``data`` is the data set's
-    fingerprint; each candidate's run directory is worked in holding its lock.
+    Nothing here reads the test set. A two-stage group trains its shared first stage once, into
+    ``<row_dir>/prior-<hash of its config>`` (reused when finished). A candidate whose training diverges is
+    recorded as such and never chosen. ``data``: the data set's fingerprint; each candidate's run directory is
+    worked in holding its lock.
     """
     fitted: FittedPrior | None = None
     stage_error: str | None = None

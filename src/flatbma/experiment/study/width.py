@@ -34,9 +34,8 @@ SAMPLER = "low-rank Gaussian sampler over the scaled θ (SWAG's sampler distribu
 def check_match_width(compare: Any) -> None:
     """Refuse a ``match_width`` the comparison cannot honour, before anything trains.
 
-    ``compare`` is the ``compare`` section (:class:`~flatbma.experiment.study.plan.CompareConfig`). The entry's
-    posterior must be a low-rank plus diagonal Gaussian with its options (:func:`gaussian_posterior`), the
-    label that of an earlier entry measured as trained, and the comparison must measure widths
+    The entry's posterior must be a low-rank plus diagonal Gaussian with its options (:func:`gaussian_posterior`),
+    the label that of an earlier entry measured as trained, and the comparison must measure widths
     (``compare.flatness``).
     """
     earlier: dict[str, dict[str, Any]] = {}
@@ -69,12 +68,10 @@ def check_match_width(compare: Any) -> None:
 def gaussian_posterior(entry: Any) -> bool:
     """Whether a compare entry's method, with its options, has a low-rank plus diagonal Gaussian posterior.
 
-    Its registry entry says the family's posterior is one
-    (:attr:`~flatbma.family.Family.gaussian`), and the posterior built with the entry's options
-    (of its first candidate) has a
-    :attr:`~flatbma.types.Capabilities.gaussian`: an option may turn the low-rank part off. Building is cheap and
-    draws nothing (a one-weight probe model). An entry whose options do not parse counts as one: its config's
-    own check names the problem.
+    Its family's registry entry says so (:attr:`~flatbma.family.Family.gaussian`) and the posterior built with the
+    entry's (first candidate's) options has a :attr:`~flatbma.types.Capabilities.gaussian`: an option may turn the
+    low-rank part off. Building is cheap and draws nothing (a one-weight probe model). An entry whose options do
+    not parse counts as one: its config's own check names the problem.
     """
     name = entry.get("name")
     spec = METHODS.get(name) if isinstance(name, str) else None
