@@ -41,7 +41,7 @@ class Precision(str, Enum):
     """The precision of the model's forward passes (``train.precision``; strings and members are accepted)."""
 
     FP32 = "fp32"
-    """float32 throughout: no autocast (the default; every run before this option existed)."""
+    """float32 throughout: no autocast (the default)."""
     BF16 = "bf16"
     """Forward passes under autocast to bfloat16 (float32's exponent range: no loss scale needed)."""
     FP16 = "fp16"

@@ -546,12 +546,12 @@ class BMA:
         """
         state, settings = read_file(path)
         state = _fitted(state, method, model, path, optimizer_recorded="optim" in settings)
-        other = architecture_problem(settings.get("architecture"), model)
+        other = architecture_problem(settings["architecture"], model)
         if other is not None:
             raise FlatbmaError(
                 f"{path} was saved from another architecture ({other}): load it into a module built as the fitted one"
             )
-        if settings.get("logits", LOGITS_FIRST) == LOGITS_FIRST:  # no record: either kind of module (first_output)
+        if settings["logits"] == LOGITS_FIRST:
             keep_logits(model)
         bma = cls(
             model,

@@ -18,7 +18,7 @@ from torch import nn
 from flatbma.checks import is_int
 from flatbma.errors import FlatbmaError
 from flatbma.regression import Gaussian
-from flatbma.state_io import FORMATS, SECTIONS, atomic_write_bytes, checksum_problem, clip, encode_state, in_order
+from flatbma.state_io import FORMAT, SECTIONS, atomic_write_bytes, checksum_problem, clip, encode_state, in_order
 from flatbma.types import Params, State
 
 __all__ = [
@@ -42,7 +42,7 @@ PREDICTOR_FORMAT = "flatbma-bma-v1"
 
 LOGITS_FIRST, LOGITS_OUTPUT = "first", "output"
 """The predictor file's ``logits`` record: the module's logits are the first element of its tuple output
-(:func:`flatbma.models.keep_logits`), or its output. Files saved before the record existed have none."""
+(:func:`flatbma.models.keep_logits`), or its output."""
 
 
 def write_file(path: str | Path, state: State, settings: Mapping[str, Any]) -> None:
@@ -76,11 +76,10 @@ def read_file(path: str | Path) -> tuple[State, dict[str, Any]]:
         raise FlatbmaError(
             f"{path} is not a readable safetensors file (truncated?): save the predictor again"
         ) from None
-    if meta.get("format") not in FORMATS:
+    if meta.get("format") != FORMAT:
         raise FlatbmaError(f"{path} is not a flatbma state file: save the predictor with bma.save(path)")
     settings = read_settings(meta, path)
-    newer = any(key in settings for key in ("logits", "optim", "architecture"))  # only versions writing checksums
-    damage = checksum_problem(tensors, meta, required=newer)
+    damage = checksum_problem(tensors, meta)
     if damage:
         raise FlatbmaError(f"{path} is damaged: {damage} (a changed bit on the disk, or an edit); save it again")
     sections: dict[str, Params] = {s: {} for s in SECTIONS}
@@ -106,9 +105,7 @@ def architecture(model: nn.Module) -> list[str]:
 
 
 def architecture_problem(recorded: Any, model: nn.Module) -> str | None:
-    """How ``model``'s tree differs from the ``recorded`` one (:func:`architecture`); ``None``: not, or not recorded."""
-    if recorded is None:
-        return None  # not recorded
+    """How ``model``'s tree differs from the ``recorded`` one (:func:`architecture`); ``None``: it does not."""
     have = architecture(model)
     for there, here in zip(recorded, have, strict=False):
         if there != here:
@@ -141,8 +138,8 @@ def read_settings(meta: Mapping[str, str], path: str | Path) -> dict[str, Any]:
     try:
         settings = json.loads(meta[PREDICTOR_KEY])
         valid = settings["format"] == PREDICTOR_FORMAT and is_int(settings["num_samples"]) and is_int(settings["seed"])
-        valid = valid and settings.get("logits", LOGITS_FIRST) in (LOGITS_FIRST, LOGITS_OUTPUT)
-        tree = settings.get("architecture", [])
+        valid = valid and settings["logits"] in (LOGITS_FIRST, LOGITS_OUTPUT)
+        tree = settings["architecture"]
         valid = valid and isinstance(tree, list) and all(isinstance(entry, str) for entry in tree)
     except (ValueError, KeyError, TypeError):
         valid = False

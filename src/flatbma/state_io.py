@@ -29,10 +29,8 @@ from flatbma.errors import FlatbmaError
 from flatbma.types import State
 
 FORMAT = "flatbma-state-v2"
-"""Format tag of the state files flatbma writes: ``v2`` files always record their checksums (:func:`checksum_problem`
-refuses one without them, so that removing the one key does not turn the check off)."""
-FORMATS = ("flatbma-state-v1", FORMAT)
-"""The format tags flatbma reads: ``v1`` files were written with or (before checksums existed) without them."""
+"""Format tag of the state files flatbma writes and reads; they always record their checksums
+(:func:`checksum_problem` refuses one without them, so that removing the one key does not turn the check off)."""
 SECTIONS = ("params", "buffers", "aux")
 """The sections of a :class:`~flatbma.types.State` stored in a state file."""
 CHECKSUMS = "checksums"
@@ -195,20 +193,16 @@ def checksums(tensors: Mapping[str, Tensor], metadata: Mapping[str, str]) -> dic
     }
 
 
-def checksum_problem(
-    tensors: Mapping[str, Tensor], metadata: Mapping[str, str], *, required: bool = False
-) -> str | None:
+def checksum_problem(tensors: Mapping[str, Tensor], metadata: Mapping[str, str]) -> str | None:
     """What in a state file read back (CPU ``tensors``, ``metadata``) differs from its recorded checksums.
 
-    ``None`` when everything matches, or when a ``v1`` file records none. A file of :data:`FORMAT`, or one the
-    caller knows must have them (``required``), is refused without them. Otherwise a short text naming the
+    ``None`` when everything matches. A file without checksums is refused: it cannot lose the key but by an
+    edit, since the format tag is itself covered by the metadata's checksum. Otherwise a short text naming the
     first tensor (or the metadata) that differs, cut to 160 characters.
     """
     text = metadata.get(CHECKSUMS)
     if text is None:
-        if metadata.get("format") == FORMAT or required:
-            return f"it records no checksums, which {shown_format(metadata)} files always do"
-        return None
+        return f"it records no checksums, which {shown_format(metadata)} files always do"
     try:
         recorded = json.loads(text)
         want_tensors, want_meta = dict(recorded["tensors"]), recorded["metadata"]
@@ -252,15 +246,12 @@ def sealed(record: Mapping[str, Any]) -> dict[str, Any]:
     return {**rest, SEAL: _digest(json.dumps(rest, sort_keys=True, separators=(",", ":")).encode())}
 
 
-def seal_problem(record: Any, *, required: bool) -> str | None:
-    """What is wrong with the seal of a JSON ``record`` read back (:func:`sealed`), or ``None``.
-
-    A record without one is accepted unless ``required``.
-    """
+def seal_problem(record: Any) -> str | None:
+    """What is wrong with the seal of a JSON ``record`` read back (:func:`sealed`), or ``None``."""
     if not isinstance(record, dict):
         return None
     if SEAL not in record:
-        return "it has no checksum (an edit?)" if required else None
+        return "it has no checksum (an edit?)"
     if sealed(record)[SEAL] != record[SEAL]:
         return "it does not match its checksum"
     return None

@@ -214,7 +214,8 @@ def test_provenance_round_trips_and_mismatches_name_both_sides():
     assert Provenance.from_json(p.to_json()) == p
     meta = {"written_by": p.to_json()}
     assert check_provenance(meta, p, "c") == p
-    assert check_provenance({}, p, "c") is None  # written before the record existed: accepted
+    with pytest.raises(FlatbmaError, match="does not record who wrote it"):  # an older layout: refused, not guessed
+        check_provenance({}, p, "c")
     cases = {
         "checkpoint c was written by method 'swag' but this run is 'sam': restore": _provenance(method="sam"),
         "checkpoint c was written with other swag options than this run's (rank=2 vs 5; checkpoint vs run)": (

@@ -35,7 +35,6 @@ from flatbma.experiment.run.provenance import WRITTEN_BY, Provenance, Template, 
 from flatbma.loop import EpochLog, History, Position
 from flatbma.state_io import (
     FORMAT,
-    FORMATS,
     SECTIONS,
     TEMP_NAME,
     atomic_write_bytes,
@@ -64,19 +63,9 @@ def write_sealed_json(path: Path, obj: dict[str, Any], *, note: str = "") -> Non
     """Write the record ``obj`` sealed with its checksum (:func:`flatbma.state_io.sealed`), atomically.
 
     For the caches a result is read from (``metrics.json``, ``compare.json``, ``row_error.json``,
-    ``candidate.json``); :func:`seal_required` says when one read back must carry its seal.
+    ``candidate.json``): read back, they must carry their seal.
     """
     atomic_write_json(path, sealed(obj), note=note)
-
-
-def seal_required(directory: Path) -> bool:
-    """Whether the sealed records in ``directory`` must carry their seal: its checkpoint is of the current format.
-
-    Beside a checkpoint of :data:`flatbma.state_io.FORMAT` (its format tag covered by its checksums) an unsealed
-    record lost its seal by an edit; beside an older checkpoint, or none, it is an older version's.
-    """
-    meta = checkpoint_metadata(Path(directory) / CHECKPOINT_NAME)
-    return meta is not None and meta.get("format") == FORMAT
 
 
 CHECKPOINT_NAME = "checkpoint.safetensors"
@@ -177,8 +166,11 @@ def _read(path: Path) -> tuple[dict[str, Tensor], dict[str, str]]:
             f"checkpoint {path} is not a readable safetensors file ({clip(str(e))}); it may be truncated or "
             "corrupted: delete it and resume from an earlier checkpoint or retrain"
         ) from None
-    if meta.get("format") not in FORMATS:
-        raise FlatbmaError(f"{path} is not a flatbma checkpoint (format tag {shown(meta.get('format'))})")
+    if meta.get("format") != FORMAT:
+        raise FlatbmaError(
+            f"{path} is not a checkpoint this flatbma reads (format tag {shown(meta.get('format'))}, not {FORMAT}): "
+            "an older flatbma's or another tool's; train the run again"
+        )
     return tensors, meta
 
 
@@ -206,11 +198,8 @@ def _sections(
 
 
 def check_intact(tensors: Mapping[str, Tensor], meta: Mapping[str, str], path: str | Path) -> None:
-    """Raise :class:`FlatbmaError` unless a state file's CPU ``tensors`` and ``meta`` match its recorded checksums.
-
-    A file without checksums is accepted only when it holds none of :data:`RECORDS` (an older ``v1`` file).
-    """
-    problem = checksum_problem(tensors, meta, required=bool(RECORDS & set(meta)))
+    """Raise :class:`FlatbmaError` unless a state file's CPU ``tensors`` and ``meta`` match its recorded checksums."""
+    problem = checksum_problem(tensors, meta)
     if problem:
         raise FlatbmaError(
             f"checkpoint {path} is damaged: {problem} (an edit, or a changed bit on the disk); restore it from a "
@@ -221,8 +210,8 @@ def check_intact(tensors: Mapping[str, Tensor], meta: Mapping[str, str], path: s
 def checkpoint_record(meta: Mapping[str, str] | None) -> dict[str, Any] | None:
     """Which checkpoint has the metadata ``meta``: ``{"step", "checksum"}`` (``None`` for no or unreadable metadata).
 
-    ``checksum``: the short hash of its recorded checksums (:func:`flatbma.state_io.state_digest`), ``None``
-    without them. Records computed from a checkpoint carry this, so they are never taken for another's.
+    ``checksum``: the short hash of its recorded checksums (:func:`flatbma.state_io.state_digest`). Records
+    computed from a checkpoint carry this, so they are never taken for another's.
     """
     try:
         step = int(meta["step"]) if meta is not None else None
@@ -288,8 +277,6 @@ CONFIG_KEY = "config"
 """Metadata key of the resolved config a checkpoint was written with (:class:`RunRecord`, JSON)."""
 DATA_KEY = "data"
 """Metadata key of the fingerprint of the data a checkpoint's run trained on (:class:`RunRecord`)."""
-RECORDS = frozenset({CONFIG_KEY, DATA_KEY, ENVIRONMENT_KEY})
-"""Metadata keys that flatbma wrote only after it recorded checksums: a checkpoint holding one has checksums."""
 
 
 def save_position(
@@ -297,8 +284,8 @@ def save_position(
     state: State,
     position: Position,
     history: History,
-    written_by: Provenance | None = None,
-    run: RunRecord | None = None,
+    written_by: Provenance,
+    run: RunRecord,
 ) -> None:
     """Save ``state`` with the loop ``position`` and ``history`` it was reached with (:func:`load_position`).
 
@@ -317,14 +304,12 @@ def save_position(
     }
     if position.stats:  # only then: a method without step statistics records none
         meta["stats"] = json.dumps([list(entry) for entry in position.stats])
-    if written_by is not None:
-        meta[WRITTEN_BY] = written_by.to_json()
-    if run is not None:
-        meta[CONFIG_KEY] = json.dumps(run.config, sort_keys=True, default=str)
-        if run.data is not None:
-            meta[DATA_KEY] = run.data
-        if run.environment is not None:
-            meta[ENVIRONMENT_KEY] = json.dumps(dict(run.environment), sort_keys=True, default=str)
+    meta[WRITTEN_BY] = written_by.to_json()
+    meta[CONFIG_KEY] = json.dumps(run.config, sort_keys=True, default=str)
+    if run.data is not None:
+        meta[DATA_KEY] = run.data
+    if run.environment is not None:
+        meta[ENVIRONMENT_KEY] = json.dumps(dict(run.environment), sort_keys=True, default=str)
     save_state(state, path, meta, extra)
 
 
@@ -371,20 +356,18 @@ def check_continuation(meta: Mapping[str, str], run: RunRecord, path: str | Path
     """Raise :class:`FlatbmaError` unless ``run`` may continue from the checkpoint whose metadata is ``meta``.
 
     Its config may differ from the recorded one only in :data:`RESUMABLE` keys and its data must be the recorded
-    data: anything else would train a mix of two runs. A checkpoint without these records is accepted.
+    data: anything else would train a mix of two runs.
     """
-    if CONFIG_KEY in meta:
-        recorded = config_record(meta)
-        if recorded is None:
-            raise FlatbmaError(f"checkpoint {path}: its record of the config it was written with is damaged")
-        current = json_config(run.config)
-        edited = {k: v for k, v in config_changes(recorded, current).items() if not resumable(k)}
-        if edited:
-            detail = clip(", ".join(f"{k}={shown(a, 20)} vs {shown(b, 20)}" for k, (a, b) in edited.items()), 60)
-            raise FlatbmaError(
-                f"checkpoint {path} was written with another config than its run directory's config.yaml now holds "
-                f"({detail}; checkpoint vs config.yaml): restore config.yaml, or train a new run"
-            )
+    recorded = config_record(meta)
+    if recorded is None:
+        raise FlatbmaError(f"checkpoint {path}: its record of the config it was written with is missing or damaged")
+    edited = {k: v for k, v in config_changes(recorded, json_config(run.config)).items() if not resumable(k)}
+    if edited:
+        detail = clip(", ".join(f"{k}={shown(a, 20)} vs {shown(b, 20)}" for k, (a, b) in edited.items()), 60)
+        raise FlatbmaError(
+            f"checkpoint {path} was written with another config than its run directory's config.yaml now holds "
+            f"({detail}; checkpoint vs config.yaml): restore config.yaml, or train a new run"
+        )
     data = meta.get(DATA_KEY)
     if data is not None and run.data is not None and data != run.data:
         raise FlatbmaError(

@@ -115,15 +115,11 @@ def _differences(have: Mapping[str, Any], want: Mapping[str, Any]) -> str:
 _MISSING = object()
 
 
-def check_provenance(meta: Mapping[str, str], want: Provenance, path: str | Path) -> Provenance | None:
-    """Raise :class:`FlatbmaError` unless the checkpoint's metadata says ``want`` wrote it.
-
-    A checkpoint without the record is accepted (its tensors and position are still checked). Returns the
-    recorded provenance (``None`` without one).
-    """
+def check_provenance(meta: Mapping[str, str], want: Provenance, path: str | Path) -> Provenance:
+    """Raise :class:`FlatbmaError` unless the checkpoint's metadata says ``want`` wrote it; returns the record."""
     text = meta.get(WRITTEN_BY)
     if text is None:
-        return None
+        raise FlatbmaError(f"checkpoint {path} does not record who wrote it (an older flatbma's?): train the run again")
     try:
         have = Provenance.from_json(text)
     except (ValueError, TypeError):

@@ -33,7 +33,6 @@ from flatbma.experiment.parallel import processes
 from flatbma.experiment.run.build import Experiment, Inputs, build_experiment
 from flatbma.experiment.run.checkpoint import (
     CHECKPOINT_NAME,
-    CONFIG_KEY,
     DATA_KEY,
     ENVIRONMENT_KEY,
     RunRecord,
@@ -49,7 +48,6 @@ from flatbma.experiment.run.checkpoint import (
     position_text,
     remove_stale_temps,
     save_position,
-    seal_required,
     write_error,
     write_sealed_json,
 )
@@ -108,8 +106,6 @@ def unfinished(run_dir: Path, cfg: RunConfig, data: str | None = None) -> tuple[
     * ``"data"``: with ``data``, it recorded training on that data;
     * ``"metrics"``: ``metrics.json`` was written from that checkpoint (:func:`checkpoint_record`) and carries its
       seal (:func:`read_metrics`; detail: what is wrong with it).
-
-    A checkpoint or ``metrics.json`` without the record a check reads passes that check.
     """
     if not same_config(run_dir, cfg):
         return "config", ""
@@ -120,15 +116,15 @@ def unfinished(run_dir: Path, cfg: RunConfig, data: str | None = None) -> tuple[
     if not training_ended(meta, cfg):
         return "position", position_text(meta, cfg.epochs)
     recorded = config_record(meta)
-    if CONFIG_KEY in meta and recorded != json_config(run_identity(cfg.to_dict())):
+    if recorded != json_config(run_identity(cfg.to_dict())):
         changes = config_changes(recorded or {}, json_config(run_identity(cfg.to_dict())))
         return "edited", ", ".join(f"{k}={shown(a, 20)} vs {shown(b, 20)}" for k, (a, b) in changes.items())
-    if data is not None and meta.get(DATA_KEY, data) != data:
+    if data is not None and meta.get(DATA_KEY) != data:
         return "data", f"{shown(meta.get(DATA_KEY), 20)} vs {data}"
     metrics, problem = read_metrics_checked(run_dir)
     if metrics is None:
         return "metrics", problem
-    if metrics.get("checkpoint", checkpoint_record(meta)) != checkpoint_record(meta):
+    if metrics.get("checkpoint") != checkpoint_record(meta):
         return "metrics", "computed from another checkpoint"
     return None
 
@@ -156,8 +152,7 @@ def read_metrics(run_dir: Path) -> dict[str, Any] | None:
 def read_metrics_checked(run_dir: Path) -> tuple[dict[str, Any] | None, str]:
     """``(metrics, "")`` of ``run_dir``'s ``metrics.json``, or ``(None, what is wrong with it)``.
 
-    It must be a JSON object whose seal matches (:func:`flatbma.state_io.seal_problem`), required beside a
-    checkpoint of the current format (:func:`~flatbma.experiment.run.checkpoint.seal_required`).
+    It must be a JSON object whose seal matches (:func:`flatbma.state_io.seal_problem`).
     """
     path = run_dir / METRICS_FILE
     if not os.path.lexists(path):
@@ -168,7 +163,7 @@ def read_metrics_checked(run_dir: Path) -> tuple[dict[str, Any] | None, str]:
         return None, "not JSON"
     if not isinstance(metrics, dict):
         return None, "not a JSON object"
-    problem = seal_problem(metrics, required=seal_required(run_dir))
+    problem = seal_problem(metrics)
     return (None, problem) if problem else (metrics, "")
 
 

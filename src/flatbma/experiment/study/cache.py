@@ -21,7 +21,7 @@ import yaml
 from flatbma.errors import FlatbmaError
 from flatbma.experiment.config.parse import load_yaml
 from flatbma.experiment.config.run_config import RunConfig
-from flatbma.experiment.run.checkpoint import atomic_write_bytes, checkpoint_metadata, checkpoint_record, seal_required
+from flatbma.experiment.run.checkpoint import atomic_write_bytes, checkpoint_metadata, checkpoint_record
 from flatbma.experiment.run.evaluate import metric_keys
 from flatbma.experiment.run.lock import LOCK_FILE
 from flatbma.experiment.run.stage import CHECKPOINT_FILE, CONFIG_FILE, METRICS_FILE, finished_run
@@ -52,8 +52,7 @@ def read_cache(path: Path, check: Callable[[Any], bool], *, sealed_in: Path | No
     ``check`` says whether the content has the shape flatbma writes there. A file that cannot be read, is not
     JSON or YAML, or fails ``check`` is refused by name, so a damaged directory never goes unnoticed. With
     ``sealed_in`` (the run directory whose checkpoint the record belongs to) its seal must match
-    (:func:`flatbma.state_io.seal_problem`; required beside a checkpoint of the current format): an edited
-    number is refused like a damaged file.
+    (:func:`flatbma.state_io.seal_problem`): an edited number is refused like a damaged file.
     """
     if not path.exists():
         return None
@@ -64,7 +63,7 @@ def read_cache(path: Path, check: Callable[[Any], bool], *, sealed_in: Path | No
         raise _damaged(path, str(e).splitlines()[0] if str(e).strip() else type(e).__name__) from None
     if not check(content):
         raise _damaged(path, "not what flatbma writes there")
-    problem = seal_problem(content, required=seal_required(sealed_in)) if sealed_in is not None else None
+    problem = seal_problem(content) if sealed_in is not None else None
     if problem:
         raise _damaged(path, problem)
     return content
@@ -131,12 +130,12 @@ def source(run_dir: Path, data: str) -> dict[str, Any]:
 def fresh(cached: Any, row_key: str, width_to: tuple[str, float] | None, source: dict[str, Any]) -> bool:
     """Whether a cached row belongs to this comparison and, width-matched, to the reference's current width.
 
-    It must also have been measured from ``source``: the run's current checkpoint and the data set as it is now
-    (a row without these records is taken as is).
+    It must also have been measured from ``source`` (:func:`source`): the run's current checkpoint and the
+    data set as it is now.
     """
     if not (isinstance(cached, dict) and cached.get("fingerprint") == row_key and "result" in cached):
         return False
-    if any(key in cached and cached[key] != value for key, value in source.items()):
+    if any(cached.get(key) != value for key, value in source.items()):
         return False
     matched = cached["result"].get("width_matched")
     if width_to is None:

@@ -109,14 +109,14 @@ def candidate_record(cfg: RunConfig, data: str | None = None) -> dict[str, Any] 
     """The validation record of candidate ``cfg`` (``candidate.json``) if it belongs to exactly this config.
 
     With ``data`` (the data set's fingerprint), also to the run's current checkpoint and that data
-    (:func:`source`; a record without these is taken as is).
+    (:func:`source`).
     """
     run_dir = Path(cfg.output_dir)
     record = read_cache(run_dir / CANDIDATE_FILE, is_candidate_record, sealed_in=run_dir)
     resolved = json.loads(json.dumps(cfg.to_dict()))
     if not isinstance(record, dict) or run_identity(record.get("config")) != run_identity(resolved):
         return None
-    if data is not None and any(record.get(k, v) != v for k, v in source(run_dir, data).items()):
+    if data is not None and any(record.get(k) != v for k, v in source(run_dir, data).items()):
         return None
     if record.get("error") is None and not finished(run_dir, cfg, data):
         return None
