@@ -1,10 +1,9 @@
 """flatbma: flat-posterior-aware Bayesian deep learning in PyTorch.
 
 The public API is exactly what this module re-exports: the subpackages below, the contract types of
-:mod:`flatbma.types`, the objective and parameter helpers of :mod:`flatbma.params`, the BMA predictive of
-:mod:`flatbma.predict`, its predictor :class:`~flatbma.predictor.BMA` (:class:`~flatbma.predictor.BMAModule` in
-torch code) and :func:`fit_posterior` / :func:`load_posterior` (:mod:`flatbma.fit`). Importing flatbma loads
-neither matplotlib nor the experiment layer (:mod:`flatbma.experiment`: configs, run directories, CLI, reports).
+:mod:`flatbma.types`, the helpers of :mod:`flatbma.params`, the BMA predictive (:mod:`flatbma.predict`) and its
+predictor :class:`~flatbma.predictor.BMA`, :func:`fit_posterior` and :func:`load_posterior`. Importing flatbma
+loads neither matplotlib nor the experiment layer (:mod:`flatbma.experiment`: configs, run directories, CLI).
 """
 
 from flatbma import (

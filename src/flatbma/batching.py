@@ -1,8 +1,7 @@
 """How a BMA's weight samples are evaluated: one at a time (the loop), several per call (batched), or chosen.
 
-The loop calls ``functional_call(model, w_m, (x,))`` per sample; batched evaluation stacks a chunk's weight
-dicts key by key (as ``torch.func.stack_module_state``) and maps over them with ``torch.func.vmap``. Both agree
-up to float rounding; the automatic choice (:func:`log_probs`) never lets the numbers depend on timing.
+Both paths agree up to float rounding; the automatic choice (:func:`log_probs`) never lets the numbers depend on
+timing (measurements: docs/benchmarks.md, ``bench/bma.py``).
 """
 
 from __future__ import annotations
@@ -37,16 +36,13 @@ __all__ = [
 
 
 ACTIVATION_BUDGET_BYTES = 256 * 2**20
-"""Budget for one batched call: the chunk's largest layer output plus its stacked weights.
-
-It sets the automatic chunk size (peak memory of a call is a small multiple of it)."""
+"""Bytes for one batched call (the chunk's largest layer output plus its stacked weights): sets the automatic chunk
+size; a call's peak memory is a small multiple of it."""
 
 CPU_BATCHED_MAX_MEAN_ELEMENTS = 16_384
-"""The footprint rule (the automatic choice wherever the two paths' results differ): on the CPU it
-batches only forward passes whose leaf modules output at most this many elements on average (per
-sample, for the given input batch): those are dominated by per-operation overhead, which batching
-removes. Larger layers run slower under ``vmap`` on the CPU (its batching rules turn convolutions
-into grouped ones and normalization into several passes over the activations), see ``bench/bma.py``."""
+"""The footprint rule (the automatic choice wherever the two paths' results differ): on the CPU, batch only forward
+passes whose leaf modules output at most this many elements on average (per sample and input batch); larger layers
+run slower under ``vmap`` there (it turns convolutions into grouped ones)."""
 
 _UNSTACKED_CHUNK = 8
 """Chunk size when the activation footprint of the model cannot be estimated."""
@@ -126,26 +122,22 @@ def log_probs(
     device, chunk size, thread count), made so that the numbers never depend on timing:
 
     1. *Agreement check*: both paths on two samples and the batch, every float entry scaled by ``2^k``,
-       ``|k| ≤ 2`` (exact, and it exposes any change of summation order, which convolutions under ``vmap`` have).
-       It passes only if the results are finite and bit-identical, the forward draws no random numbers and no
-       module with buffers is training.
+       ``|k| ≤ 2`` (exact, and it exposes any change of summation order). It passes only if the results are finite
+       and bit-identical, the forward draws no random numbers and no module with buffers is training.
     2. If it passes, a *timed probe* on the first batch (:data:`_PROBE_ROUNDS` interleaved rounds): the faster
        path is kept, provided the whole batch agrees bit for bit too.
     3. Otherwise the *footprint rule*: a shape-only forward on the meta device measures the leaf outputs;
        accelerators batch whenever a chunk holds two samples, the CPU only when the mean leaf output is at most
-       :data:`CPU_BATCHED_MAX_MEAN_ELEMENTS` (``bench/bma.py``).
+       :data:`CPU_BATCHED_MAX_MEAN_ELEMENTS`.
 
     The check and probe restore torch's CPU (and the input's CUDA) generator and call ``forward`` a few extra
     times on a key's first batch (hooks see it). If the batched call raises ``RuntimeError`` or
     ``NotImplementedError`` (``.item()``, data-dependent control flow, no batching rule), the loop recomputes the
     whole result and the configuration is not batched again; with ``batched=True`` there is no fallback.
 
-    Args:
-        model: the template module, already in its prediction mode.
-        samples: weight dicts (parameters and buffers by module name), one per posterior sample.
-        x: one input batch.
-        batched: ``True`` batches, ``False`` loops, ``None`` chooses as described above.
-        chunk_size: samples per batched call; ``None`` takes as many as fit :data:`ACTIVATION_BUDGET_BYTES`.
+    ``model`` is the template module, already in its prediction mode; ``samples`` are weight dicts (parameters and
+    buffers by module name); ``chunk_size`` is samples per batched call (``None``: as many as fit
+    :data:`ACTIVATION_BUDGET_BYTES`).
 
     Raises:
         FlatbmaError: invalid options; with ``batched=True``, samples that cannot stack or a model vmap cannot run.

@@ -1,10 +1,7 @@
 """Explicit BatchNorm utilities.
 
-* :func:`disable_running_stats` / :func:`enable_running_stats` for users' own SAM loops (the second
-  pass must not update running statistics);
-* :func:`recompute_bn_statistics` for weights sampled from a posterior (SWAG's ``bn_update``), and
-  :func:`with_recomputed_statistics` for every sample of a BMA, on the training data in the fixed order
-  of :func:`statistics_loader`.
+:func:`disable_running_stats` for users' own SAM loops (the second pass must not update running statistics);
+:func:`recompute_bn_statistics` (SWAG's ``bn_update``) for posterior samples, in :func:`statistics_loader`'s order.
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """Post-hoc temperature scaling of a BMA predictive (Guo et al. 2017), fitted on validation data only.
 
-``p_T(y|x) = softmax(log p(y|x) / T)``; ``T`` minimizes the validation NLL. The NLL is convex in
-``β = 1/T`` (a log-sum-exp of affine functions minus an affine function), so a golden-section search
-over ``β`` finds the global minimum within the bracket.
+``p_T(y|x) = softmax(log p(y|x) / T)``; ``T`` minimizes the validation NLL, which is convex in ``β = 1/T``, so a
+golden-section search over ``β`` finds the global minimum within the bracket (docs/methods.md §7).
 """
 
 from __future__ import annotations
@@ -25,10 +24,7 @@ def scale(log_probs: Tensor, temperature: float) -> Tensor:
 def fit_temperature(log_probs: Tensor, labels: Tensor, *, bounds: tuple[float, float] = (0.05, 20.0)) -> float:
     """The temperature ``T ∈ bounds`` minimizing the mean NLL of ``softmax(log_probs / T)`` on ``labels``.
 
-    Args:
-        log_probs: validation log-probabilities ``[N, C]`` (e.g. the BMA predictive).
-        labels: validation labels ``[N]``.
-        bounds: the search bracket for ``T``.
+    ``log_probs`` ``[N, C]`` (e.g. the BMA predictive) and ``labels`` ``[N]`` are validation data.
     """
     if log_probs.ndim != 2 or len(log_probs) == 0 or len(log_probs) != len(labels):
         raise FlatbmaError(

@@ -1,10 +1,7 @@
 """What a posterior family declares beside its ``build``: its options, its checks before a run, its compositions.
 
-A family module (:mod:`flatbma.posteriors.swag`, ...) holds its :class:`Family`: its transform's ``build``, its
-frozen options dataclass, and what only the family knows — how many updates its options ask of a run
-(:attr:`Family.check` against a :class:`Stage`), what ``start_step: null`` resolves to, whether it takes a
-Gaussian prior, a nested method section (:class:`Nested`). The registry (:mod:`flatbma.methods`) maps a name to
-a family and an ascent step. The checks read a :class:`RunShape` (data and network sizes) and a :class:`Stage`.
+A family module (:mod:`flatbma.posteriors.swag`, ...) holds its :class:`Family`; the registry (:mod:`flatbma.methods`)
+maps a name to a family and an ascent step. The checks read a :class:`RunShape` and a :class:`Stage`.
 """
 
 from __future__ import annotations
@@ -51,19 +48,16 @@ class RunShape:
 
 
 STEP_SIZES = ("gamma", "radius", "rho", "init_std")
-"""Options that set the size of a method's own step or of its starting spread, whichever family or ascent step
-declares them (a rule that reads no method's name): FP-BMA's KL ball (``gamma``, ``radius``), the SAM family's
-neighbourhood (``rho``), a variational posterior's initial standard deviation (``init_std``). A divergence's advice
-names those a method sets beside the learning rate (:func:`divergence_advice`)."""
+"""Options that size a method's own step or starting spread, whichever family or ascent step declares them: FP-BMA's
+KL ball (``gamma``, ``radius``), SAM's ``rho``, a variational ``init_std``; named by :func:`divergence_advice`."""
 
 
 def divergence_advice(settings: Mapping[str, Any], cause: str, lr: float, prefix: str = "method.") -> str:
     """What to lower after training diverged (``cause``: :attr:`flatbma.errors.DivergenceError.cause`).
 
     E.g. ``"lower method.gamma=10000, method.init_std=0.001 or optim.lr=0.05"``: the learning rate and the
-    method's ``settings`` of :data:`STEP_SIZES` at their current values — the method's first after a failed linear
-    solve (``cause="solve"``: a covariance pushed out of positive definiteness by its own step), the learning rate
-    first otherwise. ``prefix`` names the options (``method.`` in a config; ``""`` for
+    method's ``settings`` of :data:`STEP_SIZES` at their current values, the method's first after a failed linear
+    solve (``cause="solve"``), the learning rate first otherwise. ``prefix`` names the options (``""`` for
     :func:`flatbma.fit_posterior`'s keywords, the learning rate then ``lr``).
     """
     named = [f"{prefix}{k}={_number(v)}" for k, v in settings.items()]
@@ -224,9 +218,8 @@ class Family:
         hold_lr: with ``start_step: null``, hold the learning rate from that start at the schedule's value
             there (SWAG's constant ``swa_lr``, Maddox et al. 2019).
         advice: ``advice(section, prior, diagnostics) -> str``: what to change when the BMA's NLL is worse than
-            its reference network's (:mod:`flatbma.health`), given whether there is a prior stage and the
-            posterior's diagnostics. Each clause names a current value and a narrower one, briefly (the command
-            line cuts a warning at 300 characters). ``None``: a generic line.
+            its reference network's (:mod:`flatbma.health`); each clause names a current value and a narrower one
+            (the command line cuts a warning at 300 characters). ``None``: a generic line.
         on_validation: ``{option: grid}``: options that may be ``val``, chosen after training among ``grid`` by
             the BMA's validation NLL (Laplace's ``prior_precision``).
         aliases: other spellings of options, ``{alias: option}`` (ensemble's ``members``: its ``size``).

@@ -6,8 +6,7 @@ train it through :func:`flatbma.training.build` and :func:`flatbma.training.trai
 so its numbers equal ``flatbma train``'s exactly. :func:`load_posterior` reads back what
 :meth:`BMA.save <flatbma.predictor.BMA.save>` wrote, rebuilding the method from the recorded section.
 
-Over 500 lines on purpose: besides the two functions it holds every check of the caller's model, data and
-options before anything trains, each ending in one line, beside the function they guard.
+Over 500 lines on purpose: beside the two functions, every check of the caller's model, data and options.
 """
 
 from __future__ import annotations
@@ -68,33 +67,28 @@ def fit_posterior(
 ) -> BMA:
     """Train ``method`` on ``model`` over ``loader`` for ``epochs`` epochs and return its BMA predictor.
 
-    ``flatbma train``'s path in one call: the method section ``{"name": method, **method_options}``, the ``optim``
-    section ``{**optim, "lr": lr}`` with the CLI's defaults (SGD with momentum and weight decay, cosine schedule
-    over ``epochs · len(loader)`` steps), training with torch's global generator forked and seeded with ``seed``
-    (the caller's stream and the module's train/eval mode are restored), then ``BMA(model, method, state, loader,
-    ...)`` with the training log in :attr:`BMA.history <flatbma.predictor.BMA.history>`. Distributed training is
-    the CLI's.
+    ``flatbma train``'s path in one call, with the same numbers: the method section ``{"name": method,
+    **method_options}``, the ``optim`` section ``{**optim, "lr": lr}`` with the CLI's defaults, training with torch's
+    global generator forked and seeded with ``seed`` (the caller's stream and the module's train/eval mode are
+    restored), then ``BMA(model, method, state, loader, ...)`` with the training log in
+    :attr:`BMA.history <flatbma.predictor.BMA.history>`. Distributed training is the CLI's. What it owns and checks:
+    docs/python-api.md.
 
-    Before training, one forward pass on the first batch (read without moving any random stream) checks the
-    data and model: a batch is ``(x, y)`` or a dict (:func:`flatbma.types.split_batch`); targets are integer labels
-    in ``[0, classes)`` or soft targets ``[batch, classes]`` (rows ≥ 0 summing to 1; loss ``−Σ_c y_c log p_c``);
-    the model returns float32/float64 logits ``[batch, classes]``, or a tuple led by them
-    (:func:`flatbma.models.keep_logits` then hooks it). The options are checked against the run's length with
-    ``flatbma train``'s messages.
+    Before training, one forward pass on the first batch checks the data and model: a batch is ``(x, y)`` or a
+    dict (:func:`flatbma.types.split_batch`); targets are integer labels in ``[0, classes)`` or soft targets
+    ``[batch, classes]`` (rows ≥ 0 summing to 1; loss ``−Σ_c y_c log p_c``); the model returns float32/float64
+    logits ``[batch, classes]``, or a tuple led by them (:func:`flatbma.models.keep_logits` then hooks it).
 
-    Post hoc (``posthoc=True``): the weights are already a MAP, so a family whose posterior phase starts at
-    ``start_step`` (default ``null``) starts it at the first update: Laplace's curvature pass alone (``epochs``
-    defaults to 0), SWAG's snapshots at the held ``lr`` (Maddox et al., NeurIPS 2019). Other methods refuse it.
+    Post hoc (``posthoc=True``): a family whose posterior phase starts at ``start_step`` (default ``null``) starts it
+    at the first update: Laplace's curvature pass alone (``epochs`` defaults to 0), SWAG's snapshots at the held
+    ``lr`` (Maddox et al., NeurIPS 2019). Other methods refuse it.
 
     Two stages (``prior={"method": {...}, "epochs": ..., "optim": ..., "init": ..., "min_std": ...}``): FP-BMA's
-    Bayesian transfer pipeline (Lim et al., UAI 2025; docs/cli.md "Two-stage runs"). The first stage trains
-    ``prior["method"]`` (for a mixture, one prior per member) with ``prior["optim"]`` or this call's optimizer;
-    its Gaussian posterior, ``σ`` floored at ``min_std``, becomes ``method``'s prior and (``init``) its start. A
-    DataLoader's ``generator`` is reset between stages, so the results equal ``flatbma train``'s.
+    Bayesian transfer pipeline (Lim et al., UAI 2025; docs/cli.md "Two-stage runs"): the first stage's Gaussian
+    posterior, ``σ`` floored at ``min_std``, becomes ``method``'s prior and (``init``) its start.
 
     Args:
-        model: a classifier returning logits; parameters with ``requires_grad=False`` stay fixed. Moved to
-            ``device``.
+        model: a classifier returning logits, moved to ``device``; parameters with ``requires_grad=False`` stay fixed.
         loader: a DataLoader over a sized dataset (its size scales KL terms and SG-MCMC noise; its dataset, in a
             fixed order, recomputes BatchNorm statistics) or any re-iterable of batches; not a one-shot iterator.
         method: a registered method name (``flatbma methods``) or a method section ``{name: ..., ...}``.
@@ -102,22 +96,17 @@ def fit_posterior(
         lr: the peak learning rate (``optim.lr``); ``None`` keeps the section's.
         optim: other ``optim`` keys (``name``, ``momentum``, ``weight_decay``, ``schedule``, ...).
         num_samples: ``M``, samples of the BMA.
-        seed: seeds training's draws (a DataLoader's order without its own generator, initialization, dropout)
-            and the BMA's samples.
+        seed: seeds training's draws (data order, initialization, dropout) and the BMA's samples.
         device: where to train and predict; ``None``: the module's device.
         recompute_bn: see :class:`~flatbma.predictor.BMA`.
-        load_into: write the posterior mean with the BMA's BatchNorm statistics (a mixture's member 0) into
-            ``model``, so that ``model(x)`` and the flatness functions see it
+        load_into: write the posterior mean with its BatchNorm statistics (a mixture's member 0) into ``model``
             (:meth:`BMA.load_into <flatbma.predictor.BMA.load_into>`); ``False`` leaves the weights as they were.
         progress: a bar on a terminal, else one line per epoch; ``False``: nothing (:mod:`flatbma.progress`).
-        val_loader: validation ``(x, y)`` batches. Options given as ``"val"`` are chosen on them by the BMA's NLL
-            (Laplace's ``prior_precision``: δ among :data:`~flatbma.posteriors.laplace.PRIOR_PRECISION_GRID`, as
-            laplace-torch does; candidates in :attr:`BMA.selection <flatbma.predictor.BMA.selection>`). A
-            classifier's BMA is then compared with its reference network on them (without them, on the training
-            data) and a :class:`~flatbma.errors.FlatbmaWarning` says when it is worse and what to change
-            (:mod:`flatbma.health`).
+        val_loader: validation ``(x, y)`` batches: options given as ``"val"`` are chosen on them by the BMA's NLL
+            (candidates in :attr:`BMA.selection <flatbma.predictor.BMA.selection>`), and a classifier's BMA is
+            compared with its reference network on them (else on the training data; :mod:`flatbma.health`).
         likelihood: ``categorical`` (softmax, cross-entropy) or ``gaussian`` (regression with float targets
-            ``[batch]``, :class:`flatbma.regression.Gaussian`; the predictor gives the mixture predictive with
+            ``[batch]``, :class:`flatbma.regression.Gaussian`; predict with
             :meth:`~flatbma.predictor.BMA.predict_regression`). Laplace refuses ``gaussian``.
         noise_std: with ``gaussian``: ``None`` learns the noise (the model returns ``[batch, 2]``: mean and raw
             scale); a positive number fixes it (the model returns ``[batch, 1]``).
@@ -246,9 +235,9 @@ def load_posterior(
     """The predictor :func:`fit_posterior`'s :meth:`BMA.save <flatbma.predictor.BMA.save>` wrote to ``path``.
 
     The method is rebuilt from the section recorded in the file, for ``model``: a fresh module of the same
-    architecture (MC dropout inserts its dropout layer again; a recorded :func:`~flatbma.models.keep_logits`
-    hook is installed again). Predictions equal the saved predictor's bit for bit. ``train_loader`` is needed
-    when the predictor recomputes BatchNorm statistics, as at saving.
+    architecture (MC dropout's layer and a recorded :func:`~flatbma.models.keep_logits` hook are installed again).
+    Predictions equal the saved predictor's bit for bit; ``train_loader`` is needed when the predictor recomputes
+    BatchNorm statistics, as at saving.
     """
     _check_model_argument(model)
     if not isinstance(path, str | os.PathLike):
@@ -299,10 +288,9 @@ def _train(
 ) -> tuple[Any, Posterior, State, EpochLines]:
     """One stage of :func:`fit_posterior`: ``(optimizer, posterior, trained state, its epoch log)``.
 
-    Builds ``config``'s method with ``optim_config``'s optimizer over ``epochs`` (prior ``prior_theta``), lets
-    ``check`` see the posterior, initializes it at ``start`` ``(params, buffers)`` or at the module's weights, and
-    trains ``epochs`` plus the family's extra epochs with torch's global generator forked and seeded with
-    ``seed``. With ``classes`` every batch's labels are checked to lie in ``[0, classes)``.
+    Builds ``config``'s method (prior ``prior_theta``), lets ``check`` see the posterior, initializes it at ``start``
+    ``(params, buffers)`` or at the module's weights, and trains it with torch's global generator forked and seeded
+    with ``seed``. With ``classes`` every batch's labels are checked to lie in ``[0, classes)``.
     """
     built = training.build(
         config, optim_config, objective, steps_per_epoch=steps, epochs=epochs, map_steps=map_steps, prior=prior_theta
@@ -399,9 +387,8 @@ def _check_against_reference(
     """Warn when the BMA's NLL on ``data`` is worse than its reference network's: the CLI's rule and words.
 
     The reference is :meth:`BMA.reference <flatbma.predictor.BMA.reference>` evaluated as a point estimate (on
-    validation data both example by example, :meth:`BMA.paired_nll <flatbma.predictor.BMA.paired_nll>`). The rule
-    is :func:`flatbma.health.worse_than_mean`, the line :func:`~flatbma.health.too_wide_line` with
-    :meth:`MethodConfig.advice <flatbma.methods.MethodConfig.advice>`. Soft targets are not compared.
+    validation data both example by example); the rule :func:`flatbma.health.worse_than_mean`. Soft targets are
+    not compared.
     """
     first = first_batch(data)
     if first is None or split_batch(first)[1] is None:
@@ -448,10 +435,8 @@ def _check_run(
 ) -> None:
     """Refuse options that ask more of the run than it gives, as ``flatbma train`` does (same check, same words).
 
-    :meth:`MethodConfig.check <flatbma.methods.MethodConfig.check>` on the run's :class:`~flatbma.family.Stage`
-    (SWAG's snapshots against its rank, SG-MCMC's burn-in, members that do not fit in memory); the messages name
-    the CLI's ``keys`` (a first stage's: ``prior.epochs``, ``prior.method``). The module's weights count as
-    pretrained (``prior_mean: pretrained`` reads them).
+    The messages name the CLI's ``keys`` (a first stage's: ``prior.epochs``, ``prior.method``). The module's weights
+    count as pretrained (``prior_mean: pretrained`` reads them).
     """
     weights = config.needs_weights()
     shape = RunShape(

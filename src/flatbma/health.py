@@ -1,30 +1,27 @@
 """Training health: whether a finished run fitted its training data, flagged without stopping the run.
 
-A run can end with finite numbers and still have failed (a step size or KL radius too large, e.g. FP-BMA with
-``gamma: 100``). It keeps its checkpoint and metrics but is flagged by these rules:
+A run can end with finite numbers and still have failed (a step size or KL radius too large). It keeps its
+checkpoint and metrics but is flagged by these rules (their reasons and examples: docs/reliability.md):
 
-* **loss rise**: the last epoch's mean training loss exceeds :data:`LOSS_RISE` times the first epoch's (which
-  holds the run's highest losses; mini-batch noise moves epoch means by a few per cent). Needs two epochs.
+* **loss rise**: the last epoch's mean training loss exceeds :data:`LOSS_RISE` times the first epoch's. Needs two
+  epochs.
 * **at chance on the training data**: the BMA's accuracy on up to :data:`HEALTH_EXAMPLES` un-augmented training
   images is at most the chance level ``p`` (the share of their most frequent class) plus ``2·sqrt(p(1 − p)/n)``.
 * **worse than its mean**: the BMA's NLL exceeds both ``r · NLL_ref`` and ``NLL_ref + s · log C``
   (:data:`MEAN_WORSE`), ``ref`` being the one network the posterior holds, evaluated as a point estimate
-  (:func:`flatbma.predictor.reference_point`: its mean; a mixture's member 0, since the members' weight
-  average lies in none of their basins; SG-MCMC's average of kept iterates). On the validation split when there
-  is one (``r = 1.01``, ``s = 0.0005``, and beyond :data:`NOISE_Z` standard errors of the per-example
-  differences), else on the chance rule's training images (``r = 2``, ``s = 0.2``: a MAP fitted there has a
-  tiny NLL that a sound posterior may exceed several times). The fit is fine; the posterior is too wide.
-  :func:`flatbma.fit_posterior` applies the same rule (:func:`worse_than_mean`) and words (:func:`too_wide_line`).
+  (:func:`flatbma.predictor.reference_point`). On the validation split when there is one (and beyond
+  :data:`NOISE_Z` standard errors of the per-example differences), else on the chance rule's training images.
+  The fit is fine; the posterior is too wide. :func:`flatbma.fit_posterior` applies the same rule
+  (:func:`worse_than_mean`) and words (:func:`too_wide_line`).
 
 A regression run (a Gaussian likelihood: no classes) replaces ``at_chance`` and ``worse_than_mean`` with:
 
 * **no better than the mean predictor** (``at_mean_predictor``): the BMA's RMSE on the validation split (else on
-  up to :data:`HEALTH_EXAMPLES` un-augmented training examples) is at least their targets' standard deviation:
-  ``R² ≤ 0``.
+  up to :data:`HEALTH_EXAMPLES` training examples) is at least their targets' standard deviation: ``R² ≤ 0``.
 * **learned nothing** (``learned_nothing``): the last epoch's training RMSE is within :data:`NO_PROGRESS` of the
   first's. Not compared for one epoch, or from fitted weights (``prior.init``, ``model.pretrained``).
 * **RMSE blow-up** (``rmse_blowup``): the test RMSE exceeds :data:`RMSE_BLOWUP` times the targets' standard
-  deviation (a Gaussian target lies beyond three deviations 0.3 % of the time).
+  deviation.
 
 :func:`assess` gives the ``health`` entry of ``metrics.json`` and a compare row; ``warn_if_flagged`` is its one
 line; :func:`flagged_text` the reports' and findings' wording.
@@ -67,14 +64,11 @@ HEALTH_EXAMPLES = 1000
 """Training images the BMA is scored on for the chance rule (the first ones of the fixed statistics order)."""
 
 MEAN_WORSE = {"validation": (1.01, 0.0005), "training": (2.0, 0.2)}
-"""By the data compared on: ``(r, s)`` of the rule ``worse_than_mean`` (module docstring)."""
+"""By the data compared on: ``(r, s)`` of the rule ``worse_than_mean`` (module docstring; ``log C``: a uniform NLL)."""
 
 NOISE_Z = 2.0
 """On validation data the BMA's NLL must also exceed its reference's by this many standard errors of the mean of
-their per-example differences (``nll_diff_se``): a difference the draw of the validation examples alone would
-make about 2% of the time (one-sided)."""
-"""By the data compared on: ``(r, s)`` of the rule ``worse_than_mean``, which fires when the BMA's NLL exceeds both
-``r · NLL_mean`` and ``NLL_mean + s · log C`` (``log C``: the NLL of a uniform guess over ``C`` classes)."""
+their per-example differences (``nll_diff_se``): about 2% one-sided by the draw of the examples alone."""
 
 MARK = "⚠"
 """The mark of a method with a flagged run in compare's tables and findings."""

@@ -1,15 +1,10 @@
 """Per-example Jacobian-transpose rows of a network's logits, and the cross-entropy factors they meet.
 
-For ``f(x; w) ∈ R^C`` called as ``fn(params, x) -> logits [B, C]`` with non-interacting examples (eval-mode
-BatchNorm, no dropout), write ``J_i = ∂f(x_i; w)/∂w ∈ R^{C×d}``. Given cotangents ``s_ik ∈ R^C`` (``k = 1..K``
-per example), :func:`rows` computes ``r_ik = J_iᵀ s_ik`` by ``torch.func.vmap`` over examples of
-``torch.func.vjp``, the cotangents vmapped too: no ``[B, C, d]`` Jacobian unless asked for (:func:`jacobian`).
-
-A loss with Hessian ``Λ_i = ∇²_f ℓ(f_i, y_i) = L_i L_iᵀ`` gives the generalized Gauss-Newton
-``G = Σ_i J_iᵀ Λ_i J_i = Σ_ik r_ik r_ikᵀ`` with ``s_ik = L_i e_k`` (Martens & Grosse 2015, §A; Immer et
-al. 2021). For softmax cross-entropy ``Λ_i = diag p_i − p_i p_iᵀ`` and :func:`ce_sqrt_hessian` gives
-``L_i = diag √p_i − p_i √p_iᵀ``. The empirical Fisher uses one cotangent per example, the loss gradient
-``s_i = p_i − onehot(y_i)`` (:func:`ce_gradient`; Kunstner et al. 2019 on why it is not second-order information).
+With ``J_i = ∂f(x_i; w)/∂w ∈ R^{C×d}`` and cotangents ``s_ik ∈ R^C``, :func:`rows` computes ``r_ik = J_iᵀ s_ik``
+by ``torch.func.vmap`` of ``torch.func.vjp`` over examples: no ``[B, C, d]`` Jacobian unless asked for
+(:func:`jacobian`). A loss Hessian ``Λ_i = L_i L_iᵀ`` gives the generalized Gauss-Newton
+``G = Σ_i J_iᵀ Λ_i J_i = Σ_ik r_ik r_ikᵀ`` with ``s_ik = L_i e_k`` (Martens & Grosse 2015); the empirical Fisher
+takes ``s_i`` the loss gradient (derivation: docs/methods.md §3.9).
 """
 
 from __future__ import annotations
@@ -31,12 +26,9 @@ Fn = Callable[[Params, Tensor], Tensor]
 def rows(fn: Fn, params: Params, x: Tensor, cotangents: Tensor, *, chunk: int | None = None) -> Params:
     """Per-example rows ``r_ik = J_iᵀ s_ik`` of the logits' Jacobian transposed.
 
-    Args:
-        fn: ``fn(params, x) -> [B, C]``, called here on one example at a time (``x_i[None]``).
-        params: the point ``w`` at which the Jacobians are taken, by name.
-        x: inputs ``[B, *in]``.
-        cotangents: ``[B, K, C]``, ``cotangents[i, k] = s_ik``.
-        chunk: examples per vmapped call (``None``: all at once); bounds memory, not the result.
+    ``fn`` is called on one example at a time (``x_i[None]``), at the point ``params``; ``x`` is ``[B, *in]``,
+    ``cotangents`` ``[B, K, C]`` with ``cotangents[i, k] = s_ik``; ``chunk``, examples per vmapped call (``None``:
+    all at once), bounds memory, not the result.
 
     Returns:
         ``{name: [B, K, *shape]}`` with ``out[name][i, k] = (J_iᵀ s_ik)[name]``.

@@ -1,12 +1,9 @@
 """The likelihood ``p(y | x, w)`` of a network's outputs: the one place that tells a classifier from a regression.
 
-* :attr:`Likelihood.CATEGORICAL` — a classifier: ``p(y | x, w) = softmax(f(x; w))_y``, trained on the mean
-  cross-entropy, scored by accuracy, NLL, ECE and Brier; represented by ``None`` (the loss functions' default);
-* :attr:`Likelihood.GAUSSIAN` — regression: ``p(y | x, w) = N(y; μ(x; w), σ²)``
-  (:class:`flatbma.regression.Gaussian`), trained on the Gaussian NLL, scored on the BMA's mixture predictive.
-
-Each layer that treats the two differently keeps one table keyed by :class:`Likelihood` (e.g.
-:data:`flatbma.predictor.TASKS`) and looks its row up with :func:`kind`; no code tests for a regression elsewhere.
+A classifier's ``softmax(f(x; w))_y`` (represented by ``None``, the loss functions' default) or a regression's
+``N(y; μ(x; w), σ²)`` (:class:`flatbma.regression.Gaussian`). Each layer that treats the two differently keeps one
+table keyed by :class:`Likelihood` (e.g. :data:`flatbma.predictor.TASKS`) and looks its row up with :func:`kind`;
+no code tests for a regression elsewhere.
 """
 
 from __future__ import annotations

@@ -153,12 +153,9 @@ def linearized_predictions(
 ) -> LinearizedPredictive:
     """The ``GLM`` or ``PROBIT`` predictive (:class:`flatbma.types.Predictive`) around ``mean``.
 
-    Args:
-        predictive: ``glm`` or ``probit``.
-        mean: ``w̄`` with its buffers (BatchNorm statistics: recomputed once, at ``w̄``, by the caller).
-        samples: the posterior's weight samples ``w_m`` (``glm``: ``Δ_m = w_m − w̄`` over ``names``).
-        names: the trained parameter names.
-        variance: ``probit``: ``J -> diag(JΣJᵀ)`` (the posterior's functional variance at its state).
+    ``mean`` is ``w̄`` with its buffers (BatchNorm statistics recomputed once, at ``w̄``, by the caller); ``glm``
+    takes the posterior's ``samples`` (``Δ_m = w_m − w̄`` over the trained ``names``), ``probit`` its ``variance``
+    ``J -> diag(JΣJᵀ)`` (the posterior's functional variance at its state).
 
     Raises:
         FlatbmaError: ``samples`` (for ``glm``) or ``variance`` (for ``probit``) missing, or another predictive.

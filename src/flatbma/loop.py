@@ -23,9 +23,8 @@ class EpochLog:
     """Mean training loss and accuracy (of the unperturbed pass) over one epoch.
 
     With soft targets (``[batch, classes]`` probabilities) accuracy is the agreement of the logits' top class with
-    the targets' most probable class. Regression targets (a Gaussian likelihood, :mod:`flatbma.regression`) leave
-    ``accuracy`` 0; ``loss`` is the Gaussian NLL and ``rmse`` is ``√((1/n) Σᵢ (μ(xᵢ) − yᵢ)²)`` of the first output
-    (the mean ``μ``) over the epoch's examples; ``None`` otherwise.
+    the targets' most probable class. Regression targets leave ``accuracy`` 0; ``loss`` is the Gaussian NLL and
+    ``rmse`` ``√((1/n) Σᵢ (μ(xᵢ) − yᵢ)²)`` of the mean output ``μ`` over the epoch's examples (else ``None``).
 
     ``stats``: each step statistic (:attr:`~flatbma.types.StepOutput.stats`, e.g. ``ascent/mean_shift``) averaged
     over the steps that reported it. ``validation``: values measured after the epoch (early stopping's), or empty.
@@ -130,8 +129,7 @@ def fit(
 ) -> tuple[State, History]:
     """Run ``state, out = method.update(state, batch)`` over ``epochs`` passes of ``loader``.
 
-    Step statistics are averaged into :attr:`EpochLog.stats`. On a GPU losses are summed there and read every
-    :data:`CHECK_EVERY` steps and before every checkpoint and epoch end, with the CPU's numbers (:class:`_Running`).
+    Step statistics are averaged into :attr:`EpochLog.stats`; losses are summed and checked as :class:`_Running` says.
 
     Args:
         method: any transform (optimizer or posterior).
@@ -151,8 +149,7 @@ def fit(
             checkpoint; it may add the epoch's ``validation`` values (early stopping).
         stop: ``stop(history)``, asked before every epoch; training ends when it says so. It must depend on the
             history alone, so a resumed run stops where the uninterrupted one did.
-        regression: regression targets: every epoch records its ``rmse`` (also inferred from float targets that
-            are not class probabilities).
+        regression: every epoch records its ``rmse`` (also inferred from float targets that are not probabilities).
         num_classes: check every batch's integer labels lie in ``[0, num_classes)`` (:func:`check_labels`), so a
             bad label is a :class:`~flatbma.errors.FlatbmaError`, not a device-side assert; ``None``: unchecked.
 
@@ -241,11 +238,10 @@ def _lazy(device: torch.device | str) -> bool:
 class _Running:
     """An epoch's running sums — loss·n, correct predictions, n, every step statistic — and its divergence check.
 
-    For regression targets the second sum is of the squared errors of the first output (the mean). The sums are
-    float64 tensors added in step order: the same numbers on any device. On a GPU they stay there and pending
-    losses are read together, every :data:`CHECK_EVERY` steps and before every checkpoint and epoch end, so no
-    step waits for the host; on a CPU every loss is checked at once. Either way a non-finite loss is reported with
-    its step and value, and the last checkpoint is the same.
+    For regression targets the second sum is of the squared errors of the mean. The sums are float64 tensors added
+    in step order: the same numbers on any device. On a GPU pending losses are read together, every
+    :data:`CHECK_EVERY` steps and before every checkpoint and epoch end; on a CPU every loss is checked at once.
+    Either way a non-finite loss is reported with its step and value, and the last checkpoint is the same.
     """
 
     def __init__(self, resume: Position | None, device: torch.device | str, epoch: int) -> None:

@@ -1,11 +1,9 @@
 """The method registry: names used in configs, ``flatbma methods`` and :func:`flatbma.fit_posterior` → family + ascent.
 
-The only place methods are looked up by string. A method is a posterior family
-(:class:`~flatbma.family.Family`, defined in its own module) composed with an optional ascent step class, so a
-flat-seeking variant names the same family with an ascent step. Family and ascent options are the fields of
-their dataclasses (defaults there), parsed alike. A method with an ascent step also takes the options of
-:class:`~flatbma.optim.Amortized` (``ascent_every``, ``reuse``, ``reuse_alpha``, ``ascent_fraction``: the second
-pass every ``k`` steps, on a fraction of the batch); given none, its resolved section names none of them.
+The only place methods are looked up by string. A method is a posterior family (:class:`~flatbma.family.Family`)
+composed with an optional ascent step class (a flat-seeking variant: the same family with an ascent step); their
+options are the fields of their dataclasses. A method with an ascent step also takes :func:`amortized_options`
+(the second pass every ``k`` steps, on a fraction of the batch); given none, its resolved section names none.
 """
 
 from __future__ import annotations

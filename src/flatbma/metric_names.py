@@ -1,9 +1,8 @@
 """Every number a run reports by name, in one table: its key, how it reads, which end is better, its range.
 
-A metric is computed where its maths lives (:mod:`flatbma.metrics`, :mod:`flatbma.regression`,
-:mod:`flatbma.flatness`); this table is the one place its name is spelled for what reads the results (the
-test metrics kept, :func:`test_keys`; the line ``flatbma train`` prints, :data:`SUMMARY`; the comparison's
-tables, findings and figures). A new metric is its computation and one row here.
+A metric is computed where its maths lives (:mod:`flatbma.metrics`, :mod:`flatbma.regression`, :mod:`flatbma.flatness`);
+this table is the one place its name is spelled for what reads the results (:func:`test_keys`, :data:`SUMMARY`,
+the comparison's tables, findings and figures). A new metric is its computation and one row here.
 """
 
 from __future__ import annotations
@@ -84,9 +83,8 @@ NAMES: tuple[Name, ...] = (
     _lower_better("calibration_error", "calibration error", _R, UNIT, summary=True),
 )
 """Every reported number, by group: a classifier's test metrics (the BMA's on the clean test set), the flatness
-protocol's (λ₁ is the median over the posterior's samples: one sharp sample can make the mean many times every
-other's), other measurements, a regression's test metrics (the mixture predictive's,
-:func:`flatbma.regression.mixture_metrics`; a coverage is best at its level, so no end of it is better)."""
+protocol's (λ₁ is the median over the posterior's samples, robust to one sharp sample), other measurements, a
+regression's test metrics (the mixture predictive's; a coverage is best at its level, so no end of it is better)."""
 
 SUMMARY: tuple[str, ...] = tuple(dict.fromkeys(n.key for n in NAMES if n.summary))
 """The metrics ``flatbma train`` prints on its last line, in the table's order (those a run has)."""

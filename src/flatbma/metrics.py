@@ -1,22 +1,16 @@
-"""Classification and uncertainty metrics of a BMA predictive, offline and streaming.
+"""Classification and uncertainty metrics of a BMA predictive, offline and streaming (docs/methods.md §7).
 
-Over 500 lines on purpose: the offline metrics and :class:`StreamingMetrics` must give the same numbers,
-so they share one input validation, per-example decomposition and binning helpers.
+Every function takes the BMA predictive **log-probabilities** ``log_probs`` ``[B, C]`` and integer labels ``[B]``.
+Notation: ``p_ic = exp(log_probs[i, c])``, ``ŷ_i = argmax_c p_ic`` (ties to the lowest class index),
+``conf_i = max_c p_ic``, ``correct_i = 1[ŷ_i = y_i]``, ``n = B``.
 
-Every function takes the BMA predictive **log-probabilities** ``log_probs`` ``[B, C]`` (e.g. from
-:mod:`flatbma.predict`) and integer labels ``[B]``. Notation: ``p_ic = exp(log_probs[i, c])``,
-``ŷ_i = argmax_c p_ic`` (ties to the lowest class index), ``conf_i = max_c p_ic``,
-``correct_i = 1[ŷ_i = y_i]``, ``n = B``.
+**Soft targets.** Labels may instead be float class probabilities ``q`` ``[B, C]`` (rows summing to 1 within
+1e-4). NLL is then ``−Σ_c q_ic log p_ic`` (``0 · log 0 = 0``), Brier ``Σ_c (p_ic − q_ic)²``; accuracy and the
+calibration metrics score correctness against ``y_i = argmax_c q_ic``. One-hot rows give their labels' numbers.
 
-**Soft targets.** Labels may instead be float class probabilities ``q`` ``[B, C]`` (rows non-negative,
-summing to 1 within 1e-4, as :func:`flatbma.types.training_batch` accepts). NLL is then the cross-entropy
-``−Σ_c q_ic log p_ic`` (``q_ic = 0`` terms count 0), Brier ``Σ_c (p_ic − q_ic)²``, and accuracy, ECE,
-adaptive ECE and the reliability diagram score correctness against ``y_i = argmax_c q_ic`` (ties to the
-lowest index; calibration needs a yes/no outcome). One-hot rows give exactly the numbers of their labels.
-
-All arithmetic is float64. :class:`StreamingMetrics` keeps O(bins) sums that can be summed across processes
-and matches the offline values up to float64 rounding (adaptive ECE: up to a stated binning error).
-Malformed input (wrong shapes, labels out of range, unnormalized log-probabilities such as logits) raises
+All arithmetic is float64; :class:`StreamingMetrics` keeps O(bins) sums, summable across processes, and matches
+the offline values up to float64 rounding (adaptive ECE: up to a stated binning error). Malformed input (wrong
+shapes, labels out of range, unnormalized log-probabilities such as logits) raises
 :class:`~flatbma.errors.FlatbmaError`.
 """
 
@@ -49,9 +43,7 @@ __all__ = [
 _F64 = torch.float64
 
 
-# --------------------------------------------------------------------------------------------------
-# input checks
-# --------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------- input checks
 def _normalization_atol(dtype: torch.dtype) -> float:
     # Loose enough for a float32/half log-mean-exp, tight enough to reject logits and probabilities.
     return max(1e-3, 8.0 * torch.finfo(dtype).eps)
@@ -151,9 +143,7 @@ def _check_scores(scores: object, name: str) -> Tensor:
     return s
 
 
-# --------------------------------------------------------------------------------------------------
-# per-example quantities and binning (shared by offline and streaming code)
-# --------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------- per-example quantities and binning (shared)
 def _check_soft_targets(targets: Tensor, batch: int, num_classes: int, device: torch.device) -> Tensor:
     """Validate soft targets ``[batch, num_classes]`` (probability rows) and return them as float64."""
     if tuple(targets.shape) != (batch, num_classes):
@@ -192,19 +182,12 @@ def _per_example(lp: Tensor, y: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]
 
 
 def bin_index(values: Tensor, n_bins: int) -> Tensor:
-    """Index of the equal-width bin of ``[0, 1]`` holding each value.
+    """Index of the equal-width bin of ``[0, 1]`` holding each value: int64, shaped like ``values``.
 
     ``idx = clamp(ceil(value * n_bins) - 1, 0, n_bins - 1)`` in float64: bin ``b`` covers
     ``(b/n_bins, (b+1)/n_bins]``, 0 goes in the first bin and values outside ``[0, 1]`` in the first or last
     (``n_bins=4``: 0 → 0, 0.25 → 0, 0.5 → 1, 1.0 → 3). An edge float64 cannot represent exactly (0.2 with
     15 bins) may land on either side.
-
-    Args:
-        values: Values in ``[0, 1]`` (e.g. confidences), any shape.
-        n_bins: Number of bins, ≥ 1.
-
-    Returns:
-        int64 bin indices shaped like ``values``.
     """
     n_bins = _check_positive_int(n_bins, "n_bins")
     idx = torch.ceil(values.to(_F64) * n_bins) - 1
@@ -258,9 +241,7 @@ def _auroc_counts(scores_in: Tensor, scores_out: Tensor) -> Tensor:
     return (less + leq).sum()
 
 
-# --------------------------------------------------------------------------------------------------
-# offline metrics
-# --------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------- offline metrics
 def accuracy(log_probs: Tensor, labels: Tensor) -> float:
     """Top-1 accuracy ``(1/n) Σ_i 1[argmax_c p_ic = y_i]``, in ``[0, 1]``; ties go to the lowest class index.
 
@@ -273,9 +254,7 @@ def accuracy(log_probs: Tensor, labels: Tensor) -> float:
 
 
 def nll(log_probs: Tensor, labels: Tensor) -> float:
-    """Mean negative log-likelihood ``(1/n) Σ_i −log p(y_i | x_i)`` in nats, in ``[0, +inf]``.
-
-    Nothing is clamped: the value is ``+inf`` if some true class has log-prob ``-inf``.
+    """Mean negative log-likelihood ``(1/n) Σ_i −log p(y_i | x_i)`` in nats, in ``[0, +inf]`` (nothing clamped).
 
     Raises:
         FlatbmaError: If the inputs are malformed (see the module docstring).
@@ -288,8 +267,7 @@ def nll(log_probs: Tensor, labels: Tensor) -> float:
 def brier(log_probs: Tensor, labels: Tensor) -> float:
     """Brier score ``(1/n) Σ_i Σ_c (p_ic − 1[y_i = c])²``, in ``[0, 2]`` (multi-class definition, Brier 1950).
 
-    With two classes it is **twice** scikit-learn's ``brier_score_loss(y, p_1)``, which scores only the
-    positive class; halve it to compare with binary Brier scores.
+    With two classes, **twice** scikit-learn's ``brier_score_loss(y, p_1)``, which scores only the positive class.
 
     Raises:
         FlatbmaError: If the inputs are malformed (see the module docstring).
@@ -349,7 +327,7 @@ def predictive_entropy(log_probs: Tensor) -> Tensor:
 def uncertainty_decomposition(sample_log_probs: Tensor) -> dict[str, Tensor]:
     """Total, aleatoric and epistemic uncertainty of each example's BMA, from its per-sample predictives.
 
-    With ``p_m = exp(sample_log_probs[m])`` and the BMA ``p̄ = (1/M) Σ_m p_m``::
+    With ``p_m = exp(sample_log_probs[m])`` (``[M, B, C]``, rows normalized) and the BMA ``p̄ = (1/M) Σ_m p_m``::
 
         total      H[p̄]                       (the BMA's predictive entropy)
         aleatoric  (1/M) Σ_m H[p_m]           (expected entropy)
@@ -357,12 +335,8 @@ def uncertainty_decomposition(sample_log_probs: Tensor) -> dict[str, Tensor]:
 
     (Houlsby et al. 2011, BALD; Depeweg et al., ICML 2018). ``epistemic ≥ 0`` up to rounding (Jensen).
 
-    Args:
-        sample_log_probs: ``[M, B, C]`` per-sample log-probabilities (each row normalized).
-
     Returns:
-        ``{"total", "aleatoric", "epistemic"}``: ``[B]`` float64 tensors in nats; ``total = aleatoric + epistemic``
-        exactly.
+        ``{"total", "aleatoric", "epistemic"}``: ``[B]`` float64 nats; ``total = aleatoric + epistemic`` exactly.
 
     Raises:
         FlatbmaError: If ``sample_log_probs`` is not ``[M, B, C]`` or a row is malformed.
@@ -383,15 +357,9 @@ def uncertainty_decomposition(sample_log_probs: Tensor) -> dict[str, Tensor]:
 def ood_auroc(entropy_in: Tensor, entropy_out: Tensor) -> float:
     """AUROC of predictive entropy as a detector of out-of-distribution (OOD) inputs.
 
-    ``AUROC = P(H_out > H_in) + ½ P(H_out = H_in)`` (the Mann–Whitney statistic, OOD the positive class),
-    computed exactly with integer counts in O((n_in + n_out) log n_in).
-
-    Args:
-        entropy_in: ``[n_in]`` scores of in-distribution examples (e.g. :func:`predictive_entropy`).
-        entropy_out: ``[n_out]`` scores of OOD examples.
-
-    Returns:
-        The AUROC, in ``[0, 1]``; 0.5 is chance.
+    ``AUROC = P(H_out > H_in) + ½ P(H_out = H_in)`` over the scores ``entropy_in`` ``[n_in]`` and ``entropy_out``
+    ``[n_out]`` (e.g. :func:`predictive_entropy`; the Mann–Whitney statistic, OOD the positive class), computed
+    exactly with integer counts in O((n_in + n_out) log n_in). In ``[0, 1]``; 0.5 is chance.
 
     Raises:
         FlatbmaError: If either input is not a non-empty 1-D tensor, or contains NaN.
@@ -418,9 +386,7 @@ def reliability_diagram(log_probs: Tensor, labels: Tensor, n_bins: int = 15) -> 
     return _reliability_from_bins(_binned_sums(bin_index(conf, n_bins), n_bins, conf, correct), n_bins)
 
 
-# --------------------------------------------------------------------------------------------------
-# streaming metrics
-# --------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------- streaming metrics
 def _check_state(states: Sequence[Tensor], shapes: list[tuple[int, ...]], owner: str) -> None:
     if len(states) != len(shapes):
         raise FlatbmaError(f"{owner}.load_state_tensors expects {len(shapes)} tensors, got {len(states)}.")
@@ -444,19 +410,12 @@ class StreamingMetrics:
     the cumulative fine-bin sums. It equals the offline value whenever no fine bin holds examples of two
     chunks, and otherwise differs by at most ``(2/n) Σ_j n_j`` over the fine bins ``j`` straddling a boundary.
 
-    Distributed use (sum the state over processes, then compute anywhere)::
+    Distributed use: ``all_reduce`` (sum) every tensor of :meth:`state_tensors` over the processes, then
+    ``load_state_tensors`` them and ``compute`` anywhere.
 
-        states = [t.to(backend_device) for t in metrics.state_tensors()]
-        for t in states:
-            torch.distributed.all_reduce(t)  # default op is SUM
-        metrics.load_state_tensors(states)
-        results = metrics.compute()
-
-    Args:
-        num_classes: Number of classes ``C``; every batch must have ``C`` columns.
-        n_bins: Number of bins for ECE and the reliability diagram, and of chunks for adaptive ECE.
-        n_fine_bins: Number of fine bins that adaptive ECE interpolates.
-        device: Device holding the state (put it where the log-probs are to avoid transfers).
+    ``num_classes``: the ``C`` columns of every batch; ``n_bins``: the bins of ECE and the reliability diagram, and
+    adaptive ECE's chunks; ``n_fine_bins``: the fine bins adaptive ECE interpolates; ``device``: where the state
+    lives (where the log-probs are avoids transfers).
 
     Raises:
         FlatbmaError: If an argument is not an integer ≥ 1.
@@ -483,11 +442,7 @@ class StreamingMetrics:
 
     @torch.no_grad()
     def update(self, log_probs: Tensor, labels: Tensor) -> None:
-        """Add a batch (an empty batch is a no-op).
-
-        Args:
-            log_probs: ``[B, C]`` predictive log-probabilities.
-            labels: ``[B]`` integer class labels, or ``[B, C]`` soft targets.
+        """Add a batch (an empty batch is a no-op): ``log_probs`` ``[B, C]``, ``[B]`` labels or ``[B, C]`` soft targets.
 
         Raises:
             FlatbmaError: If the inputs are malformed or ``C != num_classes``.

@@ -2,9 +2,8 @@
 
 The flat-dict form of optax's ``named_chain``: a composed method (SWAG = optimizer state + moments; a mixture =
 its members) holds component ``c``'s entries ``k`` as ``"<c>/<k>"`` in :attr:`flatbma.types.State.aux` (or
-``params``/``buffers``), so a state stays a flat ``dict[str, Tensor]`` that saves to safetensors. :func:`chain`
-puts components together and :func:`part` takes one back out (the same tensors). Only the family that composes
-a state reads its names.
+``params``/``buffers``), so a state stays a flat ``dict[str, Tensor]`` that saves to safetensors. Only the
+family that composes a state reads its names.
 
 A family's own component is a typed ``NamedTuple`` of tensors, dicts of tensors by weight name, or optional
 tensors; :func:`entries` lays it out flat (``"f"``, ``"f/k"``) and :func:`typed` reads it back.
@@ -23,9 +22,8 @@ SEP = "/"
 """What separates a component's name from its entries' keys."""
 
 OPTIMIZER = "optimizer"
-"""The name a family keeps its optimizer's state under (SGD's ``optimizer/momentum/<w>``, Adam's
-``optimizer/exp_avg/<w>`` and ``optimizer/exp_avg_sq/<w>``): every family that trains with a
-:class:`~flatbma.types.GradientTransformation` (the point family and what builds on it, the Gaussian VI families)."""
+"""The name every family that trains with a :class:`~flatbma.types.GradientTransformation` keeps its optimizer's
+state under (SGD's ``optimizer/momentum/<w>``, Adam's ``optimizer/exp_avg/<w>`` and ``optimizer/exp_avg_sq/<w>``)."""
 
 
 def nest(name: str, tensors: Mapping[str, Tensor]) -> dict[str, Tensor]:

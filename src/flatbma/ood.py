@@ -1,16 +1,11 @@
 """Out-of-distribution (OOD) detection: does the BMA's uncertainty tell the test set from another one?
 
-``eval.ood`` names the OOD set (:func:`ood_dataset`):
+``eval.ood`` names the OOD set (:func:`ood_dataset`): a **corruption**, applied to the run's test set at severity 5
+(Hendrycks & Dietterich 2019), or a **data set**, its test split resized (bilinear, antialiased) to the run's images,
+channels matched (grey repeated to RGB, RGB to grey by ITU-R 601 luma), with the run's eval transform.
 
-* a **corruption** (``flatbma.data.corruption_names()``): the run's test set with it at severity 5
-  (Hendrycks & Dietterich 2019);
-* a **data set** (``flatbma.data.dataset_names()``): its test split resized (bilinear, antialiased) to the run's
-  image size, channels matched (grey repeated to RGB, RGB to grey by ITU-R 601 luma), with the run's eval transform.
-
-Two scores rank an example as OOD (:func:`flatbma.metrics.uncertainty_decomposition`): the predictive entropy
-``H[p̄(y|x)]`` and the mutual information ``I(y; w | x) = H[p̄] − E_w H[p(y|x, w)]`` (Houlsby et al. 2011), each
-scored by :func:`flatbma.metrics.ood_auroc`. A point estimate's mutual information is 0 (AUROC 0.5); the probit
-predictive's cannot be split out (its AUROC is ``None``).
+Two scores, each by :func:`flatbma.metrics.ood_auroc`: the predictive entropy ``H[p̄(y|x)]`` and the mutual
+information ``I(y; w | x)`` (Houlsby et al. 2011; ``None`` for the probit predictive); docs/methods.md §7.
 """
 
 from __future__ import annotations
@@ -86,13 +81,9 @@ def check_ood_data(name: str | None) -> None:
 
 
 def ood_dataset(name: str, test: ArrayDataset, *, seed: int, root: str | None = None) -> ArrayDataset:
-    """The OOD set ``name`` (module docstring) shaped like ``test``, with ``test``'s transform.
+    """The OOD set ``name`` (module docstring) shaped like the run's test set ``test``, with its transform.
 
-    Args:
-        name: a corruption or a data set name.
-        test: the run's (in-distribution) test set.
-        seed: seed of a corruption's random draws.
-        root: where the data set's files are (``None``: its default place or embedded copy).
+    ``seed`` seeds a corruption's draws; ``root``: where a data set's files are (``None``: its default place).
 
     Raises:
         FlatbmaError: an unknown name, a corruption that does not apply to the images, or an unreadable data set.

@@ -1,9 +1,5 @@
 """Options as frozen dataclasses: parsed from plain mappings (:func:`parse_dataclass`), resolved (:func:`resolved`).
 
-:func:`parse_dataclass` builds a config section or a family's options from a plain mapping (YAML, ``--set``,
-keyword arguments), checking each value against its field's annotation (:func:`coerce`) and refusing unknown
-keys with a suggestion.
-
 A run's identity is its resolved configuration (``config.yaml``): ``flatbma compare`` reuses a finished run
 whose resolved section is the same, and ``--resume`` checks it. An option declared with :func:`added` is left
 out by :func:`resolved` while it holds its default, so adding it keeps existing runs' identity.
@@ -155,10 +151,8 @@ def yaml_float(x: float) -> str:
 def parse_dataclass(cls: type[T], data: Any, where: str) -> T:
     """Build the frozen dataclass ``cls`` from a mapping, rejecting unknown keys with a suggestion.
 
-    Args:
-        cls: the dataclass type; field annotations drive the type checks, field defaults fill gaps.
-        data: a mapping (``None`` means all defaults).
-        where: the dotted config path, used in error messages.
+    Field annotations drive the type checks and defaults fill gaps (``data=None``: all defaults); ``where`` is the
+    dotted config path the messages name.
     """
     if data is None:
         data = {}

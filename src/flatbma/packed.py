@@ -5,14 +5,10 @@ arithmetic on CPU. :func:`pack` lays such a dict out in one flat buffer describe
 returns views of it under the same keys; code that knows the layout (:func:`flat_of`) works on the buffer,
 everything else sees an ordinary ``dict[str, Tensor]`` (in-place updates of a view show in the buffer).
 
-Two forms:
-
-* a plain ``dict`` of views (:meth:`Layout.views`), kept in a posterior's state. It is recognized by
-  identity (the layout's keys in order, every value a view of the buffer, ``tensor._base``); a replaced,
-  reordered or partial dict, copies and checkpoint round trips fall back to the per-tensor path, with the
-  same numbers;
-* a :class:`Packed` mapping (:meth:`Layout.lazy`) for intermediate results (gradients, steps): read-only,
-  it creates its views only when a tensor is asked for by key.
+Two forms: a plain ``dict`` of views (:meth:`Layout.views`), kept in a posterior's state and recognized by
+identity (the layout's keys in order, every value a view of the buffer; a replaced, reordered or partial dict,
+copies and checkpoint round trips fall back to the per-tensor path, with the same numbers); and a read-only
+:class:`Packed` mapping (:meth:`Layout.lazy`) for intermediate results, whose views are made on first lookup.
 """
 
 from __future__ import annotations
@@ -34,13 +30,9 @@ _ATTRIBUTE = "_flatbma_layout"
 class Layout:
     """Where every tensor of a dict lies in one flat buffer of ``numel`` elements.
 
-    Attributes:
-        keys: the dict's keys, in order.
-        shapes: the shape of each tensor.
-        strides: the strides of each view into the buffer (not necessarily contiguous).
-        offsets: the element offset of each view in the buffer.
-        shape: the natural shape of the whole buffer (e.g. ``[K+2, d]`` for low-rank VI's ``θ``).
-        kind: who laid it out (``"contiguous"`` or a family's name).
+    ``keys`` in order, and each view's ``shapes``, ``strides`` (not necessarily contiguous) and element ``offsets``;
+    ``shape``: the natural shape of the whole buffer (e.g. ``[K+2, d]`` for low-rank VI's ``θ``); ``kind``: who laid
+    it out (``"contiguous"`` or a family's name).
     """
 
     keys: tuple[str, ...]

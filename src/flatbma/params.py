@@ -35,14 +35,11 @@ def model_buffers(model: nn.Module) -> Params:
 
 
 def load_into(model: nn.Module, weights: Mapping[str, Tensor]) -> nn.Module:
-    """Copy ``weights`` (tensors by module name) into ``model``'s own parameters and buffers, in place.
+    """Copy ``weights`` (tensors by module name) into ``model``'s own parameters and buffers, in place; return it.
 
     The inverse of :func:`trainable_params` and :func:`model_buffers`; ``weights`` may be a posterior's mean
     (:meth:`flatbma.predictor.BMA.mean`), a sample, or ``{**state.params, **state.buffers}``. Tensors it does not
     name keep their values.
-
-    Returns:
-        ``model``.
 
     Raises:
         FlatbmaError: a name the module does not have, or a tensor of another shape.
@@ -101,8 +98,7 @@ def hold(model: nn.Module, name: str, *, mean_loaded: bool = False) -> None:
 def held_weights_note(model: nn.Module) -> str | None:
     """Why measuring ``model``'s own weights may not be what is meant, or ``None``.
 
-    A note when a predictor holds ``model`` (:func:`hold`) and its weights are not the posterior mean last
-    written into it.
+    A note when a predictor holds ``model`` (:func:`hold`) but not the posterior mean last written into it.
     """
     holder = _HELD.get(model)
     if holder is None or (holder.mean is not None and holder.mean == _fingerprint(model)):
@@ -186,10 +182,7 @@ def _device(params: Mapping[str, Tensor]) -> torch.device:
 def value_and_grad(
     fn: Callable[[Params], tuple[Tensor, Tensor]], params: Mapping[str, Tensor]
 ) -> tuple[Tensor, Tensor, Params]:
-    """Evaluate ``fn(params) -> (loss, aux)`` and the gradient of ``loss`` w.r.t. every tensor of ``params``.
-
-    The returned ``loss`` and ``aux`` are detached.
-    """
+    """Detached ``(loss, aux) = fn(params)`` and the gradient of ``loss`` w.r.t. every tensor of ``params``."""
     leaves = {k: v.detach().requires_grad_(True) for k, v in params.items()}
     loss, aux = fn(leaves)
     grads = torch.autograd.grad(loss, list(leaves.values()), allow_unused=True)
@@ -235,17 +228,12 @@ class Objective:
         *,
         update_buffers: bool = True,
     ) -> tuple[Tensor, Tensor, Params]:
-        """Loss, logits and (reduced) gradient at ``params``.
+        """Loss, logits and (reduced) gradient at ``params`` on the batch ``(x, y)``.
 
-        Args:
-            params: the weights to differentiate.
-            buffers: model buffers; BatchNorm updates them in place in train mode if ``update_buffers``,
-                else a throw-away copy is used (e.g. a SAM step's second pass).
-            batch: ``(x, y)``.
-            update_buffers: whether this pass may update running statistics.
-
-        Under a loss scale ``S`` (:func:`flatbma.precision.scaling`) the gradient of ``S·L`` is divided by ``S``
-        after the reduction (exact, a power of two); the loss and gradient returned are those of ``L``.
+        BatchNorm updates ``buffers`` in place in train mode if ``update_buffers``, else a throw-away copy (e.g. a
+        SAM step's second pass). Under a loss scale ``S`` (:func:`flatbma.precision.scaling`) the gradient of
+        ``S·L`` is divided by ``S`` after the reduction (exact, a power of two); the loss and gradient returned are
+        those of ``L``.
 
         Raises:
             GradientOverflow: under a loss scale, when the reduced gradient is not finite (on every process).

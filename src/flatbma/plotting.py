@@ -1,12 +1,8 @@
 """Figures as PNG bytes: the one matplotlib helper of flatbma, and the loss-landscape plots.
 
-* :func:`figure` — a matplotlib ``Figure`` with a grid of axes, built without pyplot (no global state), and
-  :func:`png` — its PNG bytes with no software stamp, so the same drawing gives the same bytes.
-* :func:`landscape_1d_png` / :func:`plot_landscape_1d` — 1-D loss curves with ±std bands (e.g. of
-  :func:`~flatbma.flatness.posterior_landscape`); :func:`landscape_2d_png` / :func:`plot_landscape_2d` — a
-  contour plot of :func:`~flatbma.flatness.loss_surface`.
-
-matplotlib is optional (``pip install flatbma[plots]``) and imported only when a figure is drawn.
+:func:`figure` builds a grid of axes without pyplot (no global state) and :func:`png` gives PNG bytes without a
+software stamp, so the same drawing gives the same bytes. matplotlib is optional (``pip install flatbma[plots]``)
+and imported only when a figure is drawn.
 """
 
 from __future__ import annotations
@@ -50,14 +46,8 @@ def check_available(what: str = "plots") -> None:
 def figure(nrows: int, ncols: int, width: float, height: float, *, what: str = "plots") -> tuple[Any, list[Any]]:
     """A matplotlib ``Figure`` of ``nrows × ncols`` panels of ``width × height`` inches, and its axes.
 
-    The figure has a constrained layout; the axes are returned row by row in a flat list.
-
-    Args:
-        nrows: rows of panels.
-        ncols: columns of panels.
-        width: width of one panel in inches.
-        height: height of one panel in inches.
-        what: what needs matplotlib, for the message when it is missing (e.g. ``"report figures"``).
+    The figure has a constrained layout; the axes are returned row by row in a flat list. ``what``: what needs
+    matplotlib, for the message when it is missing (e.g. ``"report figures"``).
 
     Raises:
         FlatbmaError: if matplotlib is not installed, saying how to install it.
@@ -77,8 +67,7 @@ def png(fig: Any, *, dpi: float) -> bytes:
     return buf.getvalue()
 
 
-# --------------------------------------------------------------------------------------------------
-# loss landscapes
+# ---------------------------------------------------------------- loss landscapes
 
 
 def _as_list(values: Any) -> list[float]:

@@ -10,15 +10,13 @@ Everything else keeps its precision, outside autocast:
 * trained variables, gradients and optimizer state: float32;
 * the ascent steps' perturbation ``ε = ρ g/‖g‖`` (:mod:`flatbma.optim.ascent`): float32 norms;
 * FisherBall's conjugate-gradient Fisher solve (:mod:`flatbma.optim.fisher_ball`): float64;
-* the Gaussian closed forms (:mod:`flatbma.gaussian`): KLs, log-densities and Woodbury algebra in float64,
-  the sampler in float32;
-* Laplace curvature and the flatness Hessian-vector products (:mod:`flatbma.flatness.hvp`,
-  :mod:`flatbma.flatness.lanczos`: :func:`full_precision`, :func:`outside_autocast`), so Lanczos stays orthogonal.
+* the Gaussian closed forms: KLs, log-densities and Woodbury algebra in float64, the sampler in float32;
+* Laplace curvature, Hessian-vector products and Lanczos (:func:`full_precision`, :func:`outside_autocast`), so
+  Lanczos stays orthogonal.
 
-fp16 also needs a loss scale, as small gradients underflow. :class:`flatbma.optim.LossScaled` keeps a dynamic
-power-of-two scale ``S``; within :func:`scaling`, :meth:`flatbma.params.Objective.value_and_grad` differentiates
-``S·L`` and divides the gradient by ``S`` (exact). A non-finite gradient raises :class:`GradientOverflow` at once
-and the step is skipped (no ascent, no update, the scale halved).
+fp16 also needs a loss scale, as small gradients underflow: :class:`flatbma.optim.LossScaled` keeps a dynamic
+power-of-two scale ``S`` (:func:`scaling`); a non-finite gradient raises :class:`GradientOverflow` at once and
+the step is skipped (no ascent, no update, the scale halved).
 """
 
 from __future__ import annotations

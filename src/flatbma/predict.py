@@ -83,16 +83,12 @@ def predict(
     batched: bool | None = None,
     chunk_size: int | None = None,
 ) -> Iterator[tuple[Tensor, Tensor]]:
-    """Yield ``(BMA log-probabilities, labels)`` batch by batch.
+    """Yield ``(BMA log-probabilities, labels)`` for every ``(x, y)`` batch of ``loader``, on ``device``.
 
-    Args:
-        model: the template module.
-        samples: weight dicts (parameters and buffers) of the posterior samples, or a linearized predictive.
-        loader: ``(x, y)`` batches (inputs alone: :meth:`flatbma.predictor.BMA.predict_log_proba`).
-        device: where batches go.
-        mode: context manager factory for the prediction mode (a posterior's ``predict_mode``); ``None``: eval.
-        batched: batch the samples (``True``), loop (``False``) or choose (``None``).
-        chunk_size: samples per batched call; ``None`` sizes chunks automatically.
+    ``samples``: weight dicts (parameters and buffers) or a linearized predictive; ``mode``: a context manager
+    factory for the prediction mode (a posterior's ``predict_mode``; ``None``: eval); ``batched``: batch the
+    samples (``True``), loop (``False``) or choose (``None``); ``chunk_size``: samples per batched call (``None``:
+    sized automatically). Inputs alone: :meth:`flatbma.predictor.BMA.predict_log_proba`.
     """
     batching.check_options(batched, chunk_size)
     with (mode or eval_mode)(model):
@@ -216,10 +212,7 @@ def stream_metrics(
     (:func:`flatbma.calibration.scale`). ``sizes`` are cut to ``M``, and ``M`` is always included;
     ``reduce_metrics`` is applied to every state at the end; ``keep``, a list, receives every batch's
     ``(full-BMA log-probabilities before T, labels)`` for :func:`rescaled_metrics`. The other arguments are
-    those of :func:`evaluate` and :func:`predict`.
-
-    Returns:
-        ``{m: state}`` in increasing ``m``.
+    those of :func:`evaluate` and :func:`predict`. Returns ``{m: state}`` in increasing ``m``.
     """
     if not samples:
         raise FlatbmaError("BMA needs at least one posterior sample (num_samples >= 1)")

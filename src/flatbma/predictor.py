@@ -1,18 +1,12 @@
 """The BMA predictor: a trained posterior's predictive, with every detail of prediction owned by it.
 
-Over 500 lines on purpose: :class:`BMA` owns every detail of prediction below, for classifiers and regressors,
-as methods of the one object that holds the samples (numerics in :mod:`flatbma.predict` and :mod:`flatbma.bn`).
+Over 500 lines on purpose: :class:`BMA` owns every detail of prediction, for classifiers and regressors, as
+methods of the one object that holds the samples (numerics in :mod:`flatbma.predict` and :mod:`flatbma.bn`).
 
 :class:`BMA` turns ``(model, method, state)`` into ``log p(y|x) = logsumexp_m log_softmax(f(x; w_m)) − log M``
-(:func:`flatbma.predict.bma_log_probs`) and owns:
-
-* **samples** — ``M`` weight samples drawn once from a CPU generator seeded with ``seed``, then kept;
-* **BatchNorm** — where :attr:`flatbma.types.Posterior.recompute_bn`, every sample's statistics are recomputed
-  on the training data in a fixed order (:func:`flatbma.bn.statistics_loader`);
-* **mode** — eval mode, or the posterior's :attr:`~flatbma.types.Posterior.predict_mode` (MC dropout), with
-  MC dropout's masks seeded by the predictor's seed; the module's modes are restored afterwards;
-* **device** — samples and inputs on one device; inputs alone or ``(x, y)`` batches, one batch or a DataLoader.
-
+over ``M`` samples drawn once from a CPU generator seeded with ``seed``, their BatchNorm statistics recomputed
+on the training data in a fixed order where the posterior needs it, in eval mode or the posterior's
+:attr:`~flatbma.types.Posterior.predict_mode` (MC dropout's masks seeded by ``seed``; modes restored after).
 Its numbers equal the manual path exactly: ``method.sample(state, M, torch.Generator().manual_seed(seed))``,
 :func:`flatbma.bn.recompute_bn_statistics` per sample on ``statistics_loader(dataset, batch_size)``, then
 :func:`flatbma.predict.evaluate` with ``mode=prediction_mode(method, seed)``.
@@ -132,12 +126,8 @@ def bma_predictions(
     mean ``w̄`` with statistics recomputed once there (:func:`flatbma.linearized.linearized_predictions`:
     ``glm`` averages over ``Δ_m = w_m − w̄``, ``probit`` uses the functional variance at ``state``).
 
-    Args:
-        method: the posterior.
-        state: its trained state.
-        drawn: its weight samples as :meth:`~flatbma.types.Posterior.sample` drew them (the state's statistics).
-        names: the trained parameter names.
-        statistics: maps samples to the samples with BatchNorm statistics recomputed (where they are).
+    ``drawn``: the samples as :meth:`~flatbma.types.Posterior.sample` drew them (the state's statistics);
+    ``names``: the trained parameters; ``statistics``: maps samples to them with BatchNorm statistics recomputed.
     """
     if method.can.predictive is Predictive.SAMPLES:
         return statistics(drawn)
@@ -155,9 +145,8 @@ class BMA:
         model: the module the method was built for (its frozen parameters are used as they are).
         method: the trained :class:`~flatbma.types.Posterior` (a point estimate is a BMA of one sample).
         state: its trained state.
-        train_loader: the training data, used only to recompute BatchNorm statistics (required then): a
-            DataLoader's dataset is read in the fixed order of :func:`flatbma.bn.statistics_loader` with its
-            ``batch_size`` (give data without random augmentation); any other re-iterable is read as it is.
+        train_loader: the training data (without augmentation), read only to recompute BatchNorm statistics: a
+            DataLoader's dataset in :func:`flatbma.bn.statistics_loader`'s fixed order, another re-iterable as is.
         num_samples: ``M``, the number of posterior samples.
         seed: seed of the CPU generator the samples are drawn from.
         recompute_bn: recompute the samples' BatchNorm statistics: ``None`` when the posterior needs it
@@ -172,10 +161,8 @@ class BMA:
             whose predictive is the mixture ``(1/M) Σ_m N(y; μ_m, σ_m²)`` (the classifier's methods refuse).
 
     :func:`flatbma.fit_posterior` sets ``method_config``, ``optim_config``, ``num_data`` and ``likelihood``.
-
-    The predictive is the method's (:attr:`~flatbma.types.Capabilities.predictive`): the samples' average, or
-    the network linearized at the posterior mean (``glm``: ``f(x; w̄) + J(x)(w_m − w̄)``; ``probit``), with
-    BatchNorm statistics recomputed once at ``w̄``.
+    The predictive is the method's :attr:`~flatbma.types.Capabilities.predictive`: the samples' average, or the
+    network linearized at the posterior mean ``w̄`` (``glm``, ``probit``; statistics recomputed once at ``w̄``).
 
     Raises:
         FlatbmaError: invalid arguments, or statistics to recompute without ``train_loader``.
@@ -238,9 +225,8 @@ class BMA:
         """What :meth:`load_into` last wrote into the predictor's module (``"the posterior mean"``, ``"member 0 of
         5"``), or ``None``."""
         self.history: list[dict[str, Any]] = []
-        """The training log, one row per epoch (:func:`flatbma.fit_posterior` fills it; empty otherwise): the
-        rows of ``flatbma train``'s ``log.csv`` — ``epoch``, ``loss``, ``accuracy``, ``steps``, ``lr``, ``time_s``,
-        then the epoch's step statistics (:mod:`flatbma.experiment.run.logs`). Not saved by :meth:`save`."""
+        """The training log (:func:`flatbma.fit_posterior` fills it; else empty): ``flatbma train``'s ``log.csv``
+        rows, one per epoch. Not saved by :meth:`save`."""
         self.selection: list[dict[str, Any]] = []
         """Options chosen on validation data (:func:`flatbma.fit_posterior` with an option ``val``, e.g. Laplace's
         ``prior_precision``): one row per candidate, ``{option: value, "val/nll": ...}``; empty otherwise."""
@@ -365,9 +351,7 @@ class BMA:
             return self._statistics([mean])[0]
 
     def member(self, m: int = 0) -> Params:
-        """Member ``m``'s weights of a mixture (:attr:`~flatbma.types.Capabilities.members` ``> 0``), as a sample.
-
-        :func:`member_weights`, with statistics recomputed where the predictor recomputes them.
+        """Member ``m``'s weights of a mixture, as a sample: :func:`member_weights`, statistics as the predictor's.
 
         Raises:
             FlatbmaError: a posterior without members, or ``m`` not one of its members.
@@ -487,15 +471,11 @@ class BMA:
         return {"mean": mean, "std": (aleatoric + epistemic).sqrt(), "aleatoric": aleatoric, "epistemic": epistemic}
 
     def evaluate(self, loader: Iterable[Any], *, num_classes: int | None = None, n_bins: int = 15) -> dict[str, float]:
-        """Accuracy, NLL, ECE, adaptive ECE and Brier score of the BMA on ``(x, y)`` batches.
+        """Accuracy, NLL, ECE, adaptive ECE and Brier score of the BMA on ``(x, y)`` batches (labels or soft targets).
 
-        ``y``: integer labels ``[batch]`` or soft targets ``[batch, classes]`` (:mod:`flatbma.metrics` says how
-        they are scored). Returns the dict of :func:`flatbma.predict.evaluate`, temperature-scaled after
-        :meth:`calibrate`; ``num_classes=None`` reads it from the model's output on the first batch (read ahead
-        under a forked RNG, so the loader's iteration is unchanged).
-
-        A regression BMA gives :func:`flatbma.regression.mixture_metrics` instead (NLL, RMSE, MAE, interval
-        coverage, calibration error).
+        The dict of :func:`flatbma.predict.evaluate`, temperature-scaled after :meth:`calibrate`; ``num_classes=None``
+        reads it from the model's output on the first batch (read under a forked RNG: the loader is unchanged). A
+        regression BMA gives :func:`flatbma.regression.mixture_metrics` instead.
         """
         return self._task.evaluate(self, loader, num_classes, n_bins)
 
@@ -771,13 +751,10 @@ class BMAModule(nn.Module):
 class Task:
     """What a BMA does where a classifier's and a regression's differ (a row of :data:`TASKS`).
 
-    Attributes:
-        predict: ``predict(bma, data)``: :meth:`BMA.predict`.
-        evaluate: ``evaluate(bma, loader, num_classes, n_bins)``: :meth:`BMA.evaluate`.
-        settings: ``settings(likelihood)``: what :meth:`BMA.save` records of the likelihood (nothing for a classifier).
-        samples_only: the predictive averages the samples themselves, so a linearized one cannot serve it.
-        refuses_classifier: why a classifier's method (``predict_log_proba``, ``calibrate``, ...) is refused, or ``""``.
-        refuses_regression: why ``predict_regression`` is refused, or ``""``.
+    ``predict``, ``evaluate``: :meth:`BMA.predict`'s and :meth:`BMA.evaluate`'s work; ``settings(likelihood)``: what
+    :meth:`BMA.save` records of the likelihood; ``samples_only``: the predictive averages the samples themselves (a
+    linearized one cannot serve it); ``refuses_classifier``, ``refuses_regression``: why a classifier's method
+    (``predict_log_proba``, ``calibrate``, ...) or ``predict_regression`` is refused, or ``""``.
     """
 
     predict: Callable[[BMA, Any], Tensor]

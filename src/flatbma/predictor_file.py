@@ -46,9 +46,7 @@ LOGITS_FIRST, LOGITS_OUTPUT = "first", "output"
 
 
 def write_file(path: str | Path, state: State, settings: Mapping[str, Any]) -> None:
-    """Write ``state`` and the predictor ``settings`` to ``path``: a state file (:mod:`flatbma.state_io`).
-
-    Written atomically: an interrupted write never leaves a half-written file.
+    """Write ``state`` and the predictor ``settings`` to ``path`` as a state file, atomically (never half-written).
 
     Raises:
         FlatbmaError: the file cannot be written (one line saying why and what to do).

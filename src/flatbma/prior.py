@@ -18,21 +18,17 @@ from flatbma.optim.config import OptimConfig, Optimizer
 from flatbma.options import parse_dataclass, plain, plain_values
 
 RANK_OPTION = "rank"
-"""The family option holding the number ``K`` of low-rank columns of a Gaussian posterior.
-
-The one place that names it: every Gaussian family (SWAG, low-rank VI, FP-BMA) calls it ``rank``,
-and a second stage started at the fitted posterior (``prior.init``) must have the first stage's ``K``.
-"""
+"""The family option holding the number ``K`` of low-rank columns of every Gaussian posterior (SWAG, low-rank VI,
+FP-BMA); a second stage started at the fitted posterior (``prior.init``) must have the first stage's ``K``."""
 
 
 @dataclass(frozen=True)
 class PriorConfig:
     """The first stage of a two-stage run: a Gaussian posterior fitted on the run's (target) data.
 
-    It becomes the prior ``p`` in ``KL(q_θ ‖ p)`` and the initialization of the run's method: the Bayesian
-    transfer-learning pipeline of SA-BMA / FP-BMA (Lim et al., UAI 2025), SWAG → FP-BMA with the SWAG prior → BMA.
-    The stage trains into ``<output_dir>/prior`` (a run directory of its own), reused when finished with the
-    same config.
+    It becomes the prior ``p`` in ``KL(q_θ ‖ p)`` and the run's initialization: SWAG → FP-BMA with the SWAG prior
+    → BMA (Lim et al., UAI 2025; docs/methods.md §6).
+    The stage trains into ``<output_dir>/prior``, reused when finished with the same config.
 
     Attributes:
         method: the first stage's method, a low-rank plus diagonal Gaussian, e.g. ``{name: swag, rank: 5}``.
@@ -42,9 +38,8 @@ class PriorConfig:
         optim: the first stage's optimizer; the run's ``optim`` section when ``None``.
         init: start the run's method at the fitted posterior (its ``method.rank`` must then equal the first
             stage's, which needs a low-rank part); otherwise only the prior is used.
-        min_std: floor of the fitted Gaussian's diagonal standard deviations ``σ`` (prior and start): SGD on
-            ``κ·KL(q ‖ p)/n`` is stable only for ``σ² > κ·lr/n`` (:func:`flatbma.prior.sgd_stability_bound`),
-            and SWAG's ``σ`` is ~0 for weights the snapshots barely move.
+        min_std: floor of the fitted Gaussian's diagonal standard deviations ``σ`` (prior and start), which keeps
+            SGD on the KL stable (:func:`flatbma.prior.sgd_stability_bound`; why: docs/methods.md §6).
     """
 
     method: MethodConfig

@@ -1,14 +1,9 @@
 """What flatbma shows while it works: a bar on a terminal, one line per finished phase elsewhere, nothing when quiet.
 
-A :class:`Reporter` holds the decision; the command line sets one per command (:func:`reporting`,
-``--quiet``) and working code reads it with :func:`current`:
-
-* :meth:`Reporter.bar` wraps a loop in a ``tqdm`` bar, shown only on a terminal and never when quiet.
-* :meth:`Reporter.phase` times a block and, when ``stderr`` is not a terminal, prints one line when it ends:
-  ``flatness: 8 samples λ₁ in 41.2 s``; :meth:`Reporter.line` prints one line under the same condition.
-* :meth:`Reporter.tick`, called from the loops inside a phase, prints ``flatness: Hessian spectra 3/8, 95 s so
-  far`` once :attr:`Reporter.interval` seconds have passed since the phase's last line.
-* :func:`collecting` gathers the durations of the phases that end inside it.
+A :class:`Reporter` holds the decision; the command line sets one per command (:func:`reporting`, ``--quiet``)
+and working code reads it with :func:`current`: :meth:`Reporter.bar` wraps a loop, :meth:`Reporter.phase` times a
+block and prints its line (``flatness: 8 samples λ₁ in 41.2 s``), :meth:`Reporter.tick` says where a long phase
+stands every :attr:`Reporter.interval` seconds, and :func:`collecting` gathers the phases' durations.
 
 Everything goes to ``stderr``. Reporting never draws random numbers or changes what it wraps (hence the plain
 ``tqdm`` bar: ``tqdm.auto``'s opens two iterators of a ``DataLoader``, each drawing a base seed).

@@ -1,11 +1,8 @@
 """Regression: a Gaussian likelihood for the network, and the metrics of the BMA's Gaussian-mixture predictive.
 
-The likelihood (:class:`Gaussian`) is ``p(y | x, w) = N(y; μ(x; w), σ²(x; w))`` with one of two noise models:
-
-* **learned** (``noise_std=None``, the default): the network returns ``(μ, s)`` per example with
-  ``σ² = softplus(s) + 10⁻⁶``, heteroscedastic noise learned with the weights (Nix & Weigend 1994;
-  Lakshminarayanan, Pritzel & Blundell 2017);
-* **fixed** (``noise_std=σ``): the network returns ``μ`` alone (``[B, 1]``).
+The likelihood (:class:`Gaussian`) is ``p(y | x, w) = N(y; μ(x; w), σ²(x; w))``, its noise **learned**
+(``noise_std=None``, the default: the network returns ``(μ, s)`` per example, ``σ² = softplus(s) + 10⁻⁶``; Nix &
+Weigend 1994; Lakshminarayanan et al. 2017) or **fixed** (``noise_std=σ``: the network returns ``μ`` alone).
 
 The training loss is the mean NLL ``½ log(2π σ²) + (y − μ)² / (2σ²)`` in nats. The BMA predictive is the mixture
 ``p(y|x) = (1/M) Σ_m N(y; μ_m, σ_m²)`` with mean ``μ̄ = (1/M) Σ_m μ_m`` and variance aleatoric
@@ -107,10 +104,7 @@ def sample_outputs(model: nn.Module, samples: Sequence[Mapping[str, Tensor]], x:
 def mixture_metrics(means: Tensor, variances: Tensor, y: Tensor) -> dict[str, float]:
     """NLL, RMSE and calibration of the mixture predictive ``(1/M) Σ_m N(y; μ_m, σ_m²)`` (module docstring).
 
-    Args:
-        means: ``[M, N]`` per-sample means ``μ_m``.
-        variances: ``[M, N]`` per-sample variances ``σ_m² > 0``.
-        y: ``[N]`` targets.
+    ``means`` ``μ_m`` and ``variances`` ``σ_m² > 0``: ``[M, N]`` per sample; ``y``: ``[N]`` targets.
 
     Returns:
         ``nll`` (mean ``−log p(y|x)``), ``rmse`` and ``mae`` of ``μ̄``, ``coverage_<α>`` for ``α`` in

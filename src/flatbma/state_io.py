@@ -3,9 +3,8 @@
 A state file is one ``.safetensors`` file: a :class:`~flatbma.types.State`'s tensors as ``<section>/<name>``
 (plus optional ``extra/<name>``), and metadata holding the format tag :data:`FORMAT`, the ``step``, the key
 ``order`` of every section (it fixes the summation order of global norms) and the :func:`checksums` of every
-tensor and the rest of the metadata. Files are written by :func:`atomic_write_bytes` (temporary file,
-``fsync``, rename); a failed write is one :class:`~flatbma.errors.FlatbmaError` line; only regular files are
-replaced or appended to (:func:`check_replaceable`).
+tensor and the rest of the metadata. Files are written atomically (:func:`atomic_write_bytes`), and only regular
+files are replaced or appended to (:func:`check_replaceable`).
 """
 
 from __future__ import annotations
@@ -72,8 +71,7 @@ def _umask() -> int:
 def check_replaceable(path: str | Path) -> None:
     """Refuse to write ``path`` unless it is missing or a regular file.
 
-    A symbolic link, FIFO, device or directory is never replaced by a file. A path that cannot be examined is
-    left to the write, which names the problem.
+    A path that cannot be examined is left to the write, which names the problem.
 
     Raises:
         FlatbmaError: ``path`` exists and is no regular file, in one line saying what to do.
@@ -196,9 +194,8 @@ def checksums(tensors: Mapping[str, Tensor], metadata: Mapping[str, str]) -> dic
 def checksum_problem(tensors: Mapping[str, Tensor], metadata: Mapping[str, str]) -> str | None:
     """What in a state file read back (CPU ``tensors``, ``metadata``) differs from its recorded checksums.
 
-    ``None`` when everything matches. A file without checksums is refused: it cannot lose the key but by an
-    edit, since the format tag is itself covered by the metadata's checksum. Otherwise a short text naming the
-    first tensor (or the metadata) that differs, cut to 160 characters.
+    A short text naming the first tensor (or the metadata) that differs, cut to 160 characters, or ``None``. A file
+    without checksums is refused (only an edit removes the key: the format tag is covered by the metadata's).
     """
     text = metadata.get(CHECKSUMS)
     if text is None:

@@ -1,13 +1,11 @@
 """Summary statistics with intervals: what a number in a report or README carries.
 
-* :func:`summarize` — mean, std, median and a two-sided ``level`` interval of the mean: Student's t
-  ``x̄ ± t_{1−α/2, n−1} s/√n`` (a few seeds), or the seeded bootstrap percentile interval (many heavy-tailed
-  values; Efron & Tibshirani 1993, §13).
+* :func:`summarize` — mean, std, median and a ``level`` interval of the mean: Student's t ``x̄ ± t_{1−α/2, n−1} s/√n``
+  (a few seeds), or the seeded bootstrap percentile interval (many heavy-tailed values; Efron & Tibshirani 1993).
 * :func:`median_interval` — the seeded bootstrap percentile interval of the median.
 * :func:`paired_difference` — the mean of paired differences ``d_i = a_i − b_i`` with its t interval and
-  the smallest difference the pairs could have detected (:func:`detectable_difference`, from the exact
-  power :func:`paired_t_power`). An interval including 0 reads "no difference larger than δ₈₀ detected"
-  (:func:`verdict`), never "no difference".
+  the smallest difference the pairs could have detected (:func:`detectable_difference`). An interval including 0
+  reads "no difference larger than δ₈₀ detected" (:func:`verdict`), never "no difference" (docs/methods.md §9).
 
 With one value the interval, the standard deviation and the detectable difference are ``None``.
 """
@@ -275,15 +273,9 @@ def detectable_difference(std: float, n: int, *, level: float = LEVEL, power: fl
 
         δ_power = min{δ > 0 : P(|T′| > t_{1−α/2, ν}) ≥ power},   T′ ~ noncentral t(ν, δ √n / s)
 
-    solved for the noncentrality ``λ*`` by Brent's method, then ``δ = λ* s / √n``. The usual approximation
-    ``(t_{1−α/2, ν} + t_{power, ν}) s / √n`` is 14% low at ``n = 2``, 1.2% at ``n = 5``. At 5% and 80% with
-    ``s = 1``: ``δ = 11.55`` (``n = 2``), ``1.682`` (``n = 5``), ``0.996`` (``n = 10``).
-
-    Args:
-        std: the sample standard deviation of the paired differences (``ddof = 1``), finite and ``≥ 0``.
-        n: the number of pairs.
-        level: the confidence level of the interval; the test's size is ``1 − level``.
-        power: the power, in ``(1 − level, 1)``.
+    solved for the noncentrality ``λ*`` by Brent's method, then ``δ = λ* s / √n`` (not the usual approximation,
+    14% low at ``n = 2``: docs/methods.md §9). ``std``: the paired differences' ``s`` (``ddof = 1``); ``power`` in
+    ``(1 − level, 1)``.
 
     Returns:
         ``δ`` in the differences' units; ``0.0`` for ``std = 0``; ``None`` for one pair (no test).

@@ -1,13 +1,9 @@
 """The one way a registered method trains: built for a network, then driven by the loop, in memory.
 
 :func:`flatbma.fit_posterior` and ``flatbma train``'s stage (which adds checkpoints, logs, resuming) both
-train through it:
-
-1. :func:`build` — the method's transform: the ``optim`` optimizer over the run's epochs, the registry's
-   :meth:`~flatbma.methods.MethodConfig.build`, fp16's loss scale, and the learning rate the logs report;
-2. the caller's ``posterior.init`` at the network's weights (or at a fitted prior);
-3. :func:`train` — :func:`flatbma.loop.fit` over :attr:`Built.epochs` in train mode, each finished epoch
-   shown and kept by :class:`EpochLines`.
+train through it: :func:`build` (the method's transform, its optimizer, fp16's loss scale, the learning rate the
+logs report), the caller's ``posterior.init`` (at the network's weights or a fitted prior), then :func:`train`
+(:func:`flatbma.loop.fit` over :attr:`Built.epochs` in train mode, each finished epoch kept by :class:`EpochLines`).
 """
 
 from __future__ import annotations
@@ -36,11 +32,8 @@ __all__ = ["Built", "EpochLines", "build", "train"]
 class Built:
     """A method built for one run (:func:`build`).
 
-    Attributes:
-        posterior: the method's transform.
-        optimizer: the optimizer it updates its variables with.
-        learning_rate: ``step -> η_t`` as the method trains with it (SWAG's held rate): what the logs report.
-        epochs: the run's epochs plus those of the family's phases after them (Laplace's curvature pass).
+    ``learning_rate``: ``step -> η_t`` as the method trains with it (SWAG's held rate), what the logs report;
+    ``epochs``: the run's epochs plus those of the family's phases after them (Laplace's curvature pass).
     """
 
     posterior: Posterior
@@ -138,13 +131,9 @@ class EpochLines:
     the epoch's mean training loss and accuracy (regression: RMSE), steps, the learning rate at its last step,
     wall time (``None`` for epochs of the starting history), step statistics and ``val/<name>`` values.
 
-    Args:
-        epochs: the run's number of epochs (for the line).
-        learning_rate: ``step -> η_t``.
-        history: the history the loop starts from (empty, or a resumed checkpoint's).
-        lines: print a line per epoch (where :mod:`flatbma.progress` prints lines).
-        started: when the loop started (``time.perf_counter()``); ``None``: now.
-        accuracy: the rows hold the accuracy; ``False``: the RMSE (regression).
+    ``history``: the one the loop starts from (empty, or a resumed checkpoint's); ``lines``: print a line per epoch
+    (where :mod:`flatbma.progress` prints lines); ``started``: the loop's start (``time.perf_counter()``; ``None``:
+    now); ``accuracy``: rows hold the accuracy, else the RMSE (regression).
     """
 
     def __init__(

@@ -1,9 +1,8 @@
 """Bayesian transfer learning: choose which parameters of a pretrained network are Bayesian.
 
 FP-BMA's transfer scheme (Lim et al., UAI 2025, §4) makes only the normalization layers and the classifier
-Bayesian. Selection is by module *type* (every BatchNorm / LayerNorm / GroupNorm / InstanceNorm, plus the final
-``nn.Linear``), never by name; the rest is frozen by ``requires_grad=False``
-(:func:`flatbma.params.trainable_params` returns only trainable parameters).
+Bayesian, selected by module *type*, never by name; the rest is frozen by ``requires_grad=False``, which
+:func:`flatbma.params.trainable_params` honours (docs/methods.md §6).
 """
 
 from __future__ import annotations
@@ -68,11 +67,7 @@ def subset_names(model: nn.Module, subset: Subset | str) -> list[str]:
 
 
 def restrict_trainable(model: nn.Module, names: Iterable[str]) -> int:
-    """Make exactly ``names`` trainable (``requires_grad``) and freeze every other parameter.
-
-    Returns:
-        The number of trainable scalars.
-    """
+    """Make exactly ``names`` trainable (``requires_grad``), freeze the rest; return the number of trainable scalars."""
     names = set(names)
     params = dict(model.named_parameters())
     unknown = names - set(params)

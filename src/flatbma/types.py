@@ -273,8 +273,7 @@ class Capabilities:
 class Posterior(Transform):
     """A transform whose state defines a distribution over weights: ``init``, ``update``, ``sample``.
 
-    A point estimate's ``sample`` returns its single weight set regardless of ``n``. What only some posteriors
-    can do is in :attr:`can`.
+    A point estimate's ``sample`` returns its single weight set regardless of ``n``.
 
     Attributes:
         sample: ``sample(state, n, generator) -> list of n weight dicts`` (parameters and buffers by module

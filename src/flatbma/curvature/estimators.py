@@ -7,14 +7,9 @@ the empirical Fisher ``Σ_i g_i g_iᵀ``, ``g_i = J_iᵀ ∇_f ℓ_i`` (one cota
 time to fixed-shape accumulators (``init``), so a pass over the data can be checkpointed and resumed anywhere,
 and turns them into :class:`~flatbma.curvature.structures.Blocks` with ``H = (n / n_seen) · Σ_seen`` (``n`` =
 data size, ``n_seen`` = examples accumulated): the per-example mean scaled to the data size, exact when every
-example was seen once.
-
-* :class:`DiagEstimator`: ``diag H = Σ_ik r_ik²`` per parameter.
-* :class:`KfacEstimator`: ``B ⊗ A`` for Linear/Conv2d weights (:mod:`flatbma.curvature.kfac`), the bias's
-  exact dense block, the exact diagonal of every other parameter.
-* :class:`FullEstimator`: ``Σ_i R_iᵀ R_i`` ``[d, d]`` (primal form).
-* :class:`DualEstimator`: the rows ``W = [R_i]_i ∈ R^{nK×d}`` themselves, ``H = WᵀW`` (the dual form of
-  Khan et al. 2019, for ``nK < d``), eigendecomposed through the Gram matrix ``WWᵀ``.
+example was seen once. The forms are :class:`DiagEstimator`, :class:`KfacEstimator`, :class:`FullEstimator`
+(primal ``[d, d]``) and :class:`DualEstimator` (the rows ``W ∈ R^{nK×d}``, ``H = WᵀW``; Khan et al. 2019); what
+each structure holds: docs/methods.md §3.9.
 
 Accumulators are float64 (the dual rows: the parameters' dtype), on the parameters' device, keyed
 without prefix in sorted order. ``accumulate`` updates them in place and returns them. The model runs in
@@ -439,20 +434,11 @@ def estimator(
     """The estimator of ``H`` (structure ``hessian``, kind ``curvature``) over ``params`` of ``model``.
 
     ``hessian: full`` is the primal ``[d, d]`` matrix when ``d ≤ max_full``, the dual rows when
-    ``n·K ≤ max_full < d`` (``K = num_classes`` for the GGN, 1 for the empirical Fisher), and refused
-    otherwise.
-
-    Args:
-        hessian: ``diag``, ``kfac`` or ``full``.
-        curvature: ``ggn`` or ``ef``.
-        model: the network; called with ``functional_call`` on ``params`` and the given buffers.
-        params: the parameters ``H`` is taken over (by ``model.named_parameters()`` name); only their
-            names, shapes, dtypes and device are read here.
-        num_data: ``n``, the size of the data the pass runs over.
-        num_classes: ``C``, the number of logits.
-        max_full: the largest ``d`` (primal) or ``n·K`` (dual) for ``hessian: full``.
-        likelihood: the loss by its Hessian factor and gradient in the logits (e.g. :func:`squared_error`, ``L = I``).
-        chunk: examples whose rows are computed at once (``None``: as many as fit 64 MB of rows).
+    ``n·K ≤ max_full < d`` (``K = num_classes`` for the GGN, 1 for the empirical Fisher), and refused otherwise.
+    Of ``params`` (by ``model.named_parameters()`` name) only names, shapes, dtypes and device are read here;
+    ``num_data`` is ``n``, the size of the data the pass runs over; ``likelihood`` gives the loss's Hessian factor
+    and gradient in the logits (e.g. :func:`squared_error`); ``chunk`` examples have their rows computed at once
+    (``None``: as many as fit 64 MB of rows).
     """
     hessian = parse_choice(Hessian, hessian, "hessian")
     curvature = parse_choice(Curvature, curvature, "curvature")

@@ -7,9 +7,8 @@ the curvature ``H`` of the summed loss, the Laplace approximation of ``log p(D) 
 
     ``log Z(δ) = −Σ_i ℓ_i(w*) − ½ Σ_g δ_g ‖w*_g − w₀_g‖² + ½ Σ_g d_g log δ_g − ½ log det(H/T + diag δ)``,
 
-exact for a linear-Gaussian model at its posterior mode. ``H`` is block-diagonal, so with ``λ_gj ≥ 0``
-the eigenvalues of block ``g``, ``s_g = ‖w*_g − w₀_g‖²`` and ``t = log δ``, each block contributes
-``f_g(t)`` with
+exact for a linear-Gaussian model at its posterior mode. ``H`` is block-diagonal, so with ``λ_gj ≥ 0`` the eigenvalues
+of block ``g``, ``s_g = ‖w*_g − w₀_g‖²`` and ``t = log δ``, each block contributes ``f_g(t)`` with
 
     ``f_g'(t) = ½(γ_g(δ) − δ s_g)``,  ``γ_g = Σ_j (λ_gj/T) / (λ_gj/T + δ)``  (MacKay's effective number
     of parameters),  ``f_g''(t) = −½δ s_g − ½Σ_j (λ_gj/T)δ / (λ_gj/T + δ)² < 0``,
@@ -93,11 +92,10 @@ def optimize_prior(
 ) -> dict[str, float]:
     """The prior precisions ``δ_g`` maximizing :func:`log_evidence` (one for all blocks, or one per block).
 
-    Bisection on the sign of the decreasing ``f'(t)`` over ``t = log δ ∈ [log 1e−8, log 1e8]``, then a
-    Newton iteration safeguarded by the bracket, to ``|f'(t)| ≤ 10⁻¹⁰·d`` (``d`` the dimension of the
-    problem): ``δ‖w* − w₀‖² = γ``, with ``w₀ = prior_mean`` (``None``: 0). Where ``f'`` keeps its sign over
-    the bracket (``w*_g = w₀_g``: ``f' > 0``; no curvature, ``γ ≡ 0``: ``f' < 0``) the bracket's end is
-    returned (and logged).
+    Bisection on the sign of the decreasing ``f'(t)`` over ``t = log δ ∈ [log 1e−8, log 1e8]``, then a Newton iteration
+    safeguarded by the bracket, to ``|f'(t)| ≤ 10⁻¹⁰·d`` (``d`` the dimension of the problem): ``δ‖w* − w₀‖² = γ``, with
+    ``w₀ = prior_mean`` (``None``: 0). Where ``f'`` keeps its sign over the bracket (``w*_g = w₀_g``: ``f' > 0``; no
+    curvature, ``γ ≡ 0``: ``f' < 0``) the bracket's end is returned (and logged).
 
     Raises:
         FlatbmaError: ``layerwise`` with a block over several tensors (the full GGN).

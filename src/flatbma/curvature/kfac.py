@@ -14,9 +14,8 @@ inputs are the patches ``F.unfold(x, k, dilation, padding, stride)`` ``[B, C_in�
 rows are in the order of ``W.reshape(C_out, −1)``. A Linear layer applied to ``[B, *, in]`` counts the
 middle dimensions as locations. A bias gets its exact dense GGN block ``Σ_ik (Σ_t b_ikt)(Σ_t b_ikt)ᵀ``.
 
-The output gradients of every hooked layer come from one batched backward,
-``torch.autograd.grad(logits, outputs, s[K, B, C], is_grads_batched=True)``; examples do not mix
-because the model runs in eval mode.
+The output gradients of every hooked layer come from one batched backward (examples do not mix in eval mode),
+``torch.autograd.grad(logits, outputs, s[K, B, C], is_grads_batched=True)``.
 """
 
 from __future__ import annotations
@@ -132,10 +131,7 @@ def single_call(store: dict[str, list[tuple[Tensor, Tensor]]], layer: KfacLayer)
 def increments(layer: KfacLayer, inputs: Tensor, grads: Tensor) -> dict[str, Tensor]:
     """One batch's factor numerators (float64) of ``layer``.
 
-    Args:
-        layer: the layer.
-        inputs: its input ``[B, *, in]`` (Linear) or ``[B, C_in, H, W]`` (Conv2d).
-        grads: output gradients ``[K, B, *output shape]``.
+    ``inputs``: ``[B, *, in]`` (Linear) or ``[B, C_in, H, W]`` (Conv2d); ``grads``: ``[K, B, *output shape]``.
 
     Returns:
         ``"A"``: ``Σ_it a_it a_itᵀ / T`` (when the weight is chosen), ``"B"``: ``Σ_ikt b_ikt b_iktᵀ`` (weight),

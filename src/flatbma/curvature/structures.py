@@ -11,13 +11,12 @@ GGN, one block over every tensor), and every block is held in eigen form, in flo
 * low rank ``V diag λ Vᵀ``: ``(d−r) log δ + Σ log(λ/T+δ)``; ``(z−VVᵀz)/√δ + V[(Vᵀz)/√(λ/T+δ)]``;
   ``(1−Σ_r V²)/δ + Σ_r V²/(λ/T+δ)``;
 
-with ``B = U_B diag b U_Bᵀ``, ``A = U_A diag a U_Aᵀ`` (the eigenvalues of ``B⊗A`` are the products
-``b_i a_k`` with eigenvectors ``u_i ⊗ v_k``; Martens & Grosse 2015, §6.3), ``V`` orthonormal ``d×r``
-(the dual form of Khan et al. 2019: ``H = WᵀW``, ``WWᵀ = U diag λ Uᵀ``, ``V = WᵀUλ^{−1/2}``). A Kronecker
-block of a weight ``W ∈ R^{out×in}`` (a convolution's ``in = C_in·k_h·k_w``) acts on ``W`` flattened row
-major, so ``(B⊗A) vec W = vec(B W A)``. The functional variance ``diag(J P⁻¹ Jᵀ)`` of per-example
-Jacobians uses the same pieces: ``Σ J²/(h/T+δ)``, ``Σ_ik (U_Bᵀ J U_A)²_ik/(b_i a_k/T+δ)``,
-``Σ (JQ)²/(λ/T+δ)`` and ``(‖J‖² − ‖JV‖²)/δ + Σ (JV)²/(λ/T+δ)``.
+with ``B = U_B diag b U_Bᵀ``, ``A = U_A diag a U_Aᵀ`` (the eigenvalues of ``B⊗A`` are the products ``b_i a_k`` with
+eigenvectors ``u_i ⊗ v_k``; Martens & Grosse 2015, §6.3), ``V`` orthonormal ``d×r`` (the dual form of Khan et al. 2019:
+``H = WᵀW``, ``WWᵀ = U diag λ Uᵀ``, ``V = WᵀUλ^{−1/2}``). A Kronecker block of a weight ``W ∈ R^{out×in}`` (a
+convolution's ``in = C_in·k_h·k_w``) acts on ``W`` flattened row major, so ``(B⊗A) vec W = vec(B W A)``. The functional
+variance ``diag(J P⁻¹ Jᵀ)`` of per-example Jacobians uses the same pieces: ``Σ J²/(h/T+δ)``,
+``Σ_ik (U_Bᵀ J U_A)²_ik/(b_i a_k/T+δ)``, ``Σ (JQ)²/(λ/T+δ)`` and ``(‖J‖² − ‖JV‖²)/δ + Σ (JV)²/(λ/T+δ)``.
 """
 
 from __future__ import annotations
@@ -323,8 +322,7 @@ class Blocks:
     ) -> list[Params]:
         """``n`` draws ``Δ ~ N(0, P⁻¹)``, by parameter name in the parameters' dtypes.
 
-        Each draw takes ``z ~ N(0, I)`` from ``generator`` with
-        :func:`flatbma.gaussian.standard_normal_like`, parameters in sorted name order, in their dtypes.
+        Each takes ``z ~ N(0, I)`` from ``generator`` by :func:`flatbma.gaussian.standard_normal_like`, sorted names.
         """
         like = {k: torch.empty(s, dtype=self.dtypes[k], device=self._device) for k, s in sorted(self._shapes.items())}
         draws = []

@@ -1,10 +1,7 @@
-"""Low-level readers for the on-disk formats of the built-in datasets.
+"""Low-level readers for the on-disk formats of the built-in datasets: idx (MNIST), pickle (CIFAR) and ``.npy``.
 
-* **idx** (MNIST, Fashion-MNIST): a big-endian header (magic number, one ``uint32`` per dimension), then the
-  raw array; every size is checked, so a truncated download is reported as such, not as a reshape error.
-* **pickle** (CIFAR-10/100, Animal-MNIST): an arbitrary pickle is arbitrary code, so :func:`load_data_pickle`'s
-  ``find_class`` admits only the numpy globals that rebuild a plain ``ndarray`` (and a latin-1-only
-  ``_codecs.encode``, how protocol-2 pickles store ``bytes``); any other global is refused before it is called.
+Every size is checked against the file, so a truncated download is reported as such, not as a reshape error. An
+arbitrary pickle is arbitrary code, so :func:`load_data_pickle` admits only the globals that rebuild plain arrays.
 """
 
 from __future__ import annotations
@@ -68,12 +65,8 @@ class _DataUnpickler(pickle.Unpickler):
 def load_data_pickle(path: Path, *, compressed: bool = False, source: str, max_bytes: int = 1 << 30) -> Any:
     """Load a pickle that may contain only dicts, lists, bytes, str, numbers and numpy arrays.
 
-    Args:
-        path: The pickle file.
-        compressed: Whether the file is gzip-compressed.
-        source: Where a good copy of the file comes from; appended to error messages.
-        max_bytes: The most bytes the (decompressed) pickle may hold: a gzip bomb is refused after reading
-            ``max_bytes + 1`` bytes.
+    ``source`` (where a good copy of the file comes from) is appended to error messages; ``max_bytes`` bounds the
+    (decompressed) pickle, so a gzip bomb is refused after reading ``max_bytes + 1`` bytes.
 
     Raises:
         FlatbmaError: The file is missing, truncated, too large, not a pickle, or names a disallowed global.
@@ -120,12 +113,8 @@ def read_idx(path: Path, *, ndim: int, source: str) -> np.ndarray:
     The header is ``0, 0, type, ndim`` and ``ndim`` big-endian ``uint32`` sizes (magic ``0x00000803`` for images,
     ``0x00000801`` for labels). The declared data size ``∏ sizes`` (Python integers: no overflow) is compared with
     the file before the data is read — its length, or for ``.gz`` at most one byte more than declared
-    decompressed — so a damaged header never allocates what it declares.
-
-    Args:
-        path: The file; a name ending in ``.gz`` is decompressed first.
-        ndim: Expected number of dimensions (3 for images, 1 for labels).
-        source: Where a good copy of the file comes from; appended to error messages.
+    decompressed — so a damaged header never allocates what it declares. ``ndim`` is 3 for images, 1 for labels;
+    ``source`` (where a good copy of the file comes from) is appended to error messages.
 
     Raises:
         FlatbmaError: Wrong magic number, element type or rank, or a size mismatch (e.g. a truncated download).
@@ -242,10 +231,7 @@ def read_npy(path: Path, *, source: str) -> np.ndarray:
     The header (version 1.0 or 2.0) is read with ``numpy.lib.format``. The array is accepted only with a plain
     boolean, integer or floating-point dtype (no object arrays, records or sub-arrays), sizes ``>= 0`` and
     ``∏ shape × itemsize`` equal to the bytes after the header; only then is it mapped (``mmap_mode="r"``).
-
-    Args:
-        path: The file.
-        source: Where a good copy of the file comes from; appended to error messages.
+    ``source`` (where a good copy of the file comes from) is appended to error messages.
 
     Raises:
         FlatbmaError: Missing or unreadable, not ``.npy``, unsupported version or dtype, or a size mismatch.

@@ -86,11 +86,7 @@ class ArrayDataset(Dataset[tuple[Tensor, int]]):
         return int(channels), int(height), int(width)
 
     def subset(self, indices: Tensor | Sequence[int] | np.ndarray) -> ArrayDataset:
-        """Return the examples at ``indices`` (in that order), with the same classes and transform.
-
-        Args:
-            indices: Non-negative integer indices (not a boolean mask).
-        """
+        """The examples at non-negative integer ``indices`` (in order; no mask), with the same classes and transform."""
         idx = torch.as_tensor(np.asarray(indices) if not isinstance(indices, Tensor) else indices)
         if idx.ndim != 1 or (idx.numel() and (idx.dtype == torch.bool or idx.dtype.is_floating_point)):
             raise FlatbmaError(
@@ -151,10 +147,8 @@ class DatasetSplits:
 def check_learnable(splits: DatasetSplits) -> None:
     """Refuse data a classifier cannot be trained on: fewer than two classes, or a class without a training example.
 
-    Such data (a class folder with only test images, a partial copy) would report numbers for unseen classes.
-
-    Raises:
-        FlatbmaError: naming the classes, and what to do.
+    Such data (a class folder with only test images, a partial copy) would report numbers for unseen classes; the
+    ``FlatbmaError`` names the classes and what to do.
     """
     classes = splits.train.classes
     if len(classes) < 2:

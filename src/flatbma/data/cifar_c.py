@@ -1,10 +1,9 @@
 """Reader for the published CIFAR-10-C and CIFAR-100-C files (Hendrycks & Dietterich, ICLR 2019).
 
-The published directory (``CIFAR-10-C/`` or ``CIFAR-100-C/``) holds ``<corruption>.npy``,
-``uint8 [5 * n, H, W, 3]`` (the ``n`` test images at severity 1, then 2, ..., 5), and ``labels.npy``, integer
-``[5 * n]`` (or ``[n]``). Files are memory-mapped, so only the requested severity's rows are read. Nothing is
-downloaded: get the archives from Zenodo (CIFAR-10-C: https://zenodo.org/records/2535967, CIFAR-100-C:
-https://zenodo.org/records/3555552).
+The published directory (``CIFAR-10-C/`` or ``CIFAR-100-C/``) holds ``<corruption>.npy``, ``uint8 [5 * n, H, W, 3]``
+(the ``n`` test images at severity 1, then 2, ..., 5), and ``labels.npy``, integer ``[5 * n]`` (or ``[n]``),
+memory-mapped so that only the requested severity's rows are read. Nothing is downloaded: get the archives from
+Zenodo (CIFAR-10-C: https://zenodo.org/records/2535967, CIFAR-100-C: https://zenodo.org/records/3555552).
 """
 
 from __future__ import annotations
@@ -88,8 +87,7 @@ def _stems(directory: Path) -> list[str]:
 def cifar_c_corruptions(root: str | Path) -> list[str]:
     """List the corruptions whose ``.npy`` file is present under ``root``: published order first, then others sorted.
 
-    Args:
-        root: The CIFAR-10-C / CIFAR-100-C folder, or the directory containing it.
+    ``root`` is the CIFAR-10-C / CIFAR-100-C folder, or the directory containing it.
 
     Raises:
         FlatbmaError: ``root`` is not a directory or has no ``labels.npy``.
@@ -110,15 +108,10 @@ def load_cifar_c(
 ) -> ArrayDataset:
     """Load one corruption at one severity of CIFAR-10-C or CIFAR-100-C as an :class:`ArrayDataset`.
 
-    The ``n`` test images of block ``severity`` as ``uint8 [n, 3, H, W]`` with their labels (items read as float).
-
-    Args:
-        root: The CIFAR-10-C / CIFAR-100-C folder, or the directory containing it.
-        corruption: A file stem present under ``root`` (see :func:`cifar_c_corruptions`), e.g.
-            ``"gaussian_noise"``; case-insensitive, ``-`` and spaces read as ``_``.
-        severity: 1 to 5.
-        classes: Class names in label order; ``None``: :data:`CIFAR10_CLASSES`. For CIFAR-100-C pass the 100
-            names (e.g. ``load_cifar100(root).test.classes``).
+    The ``n`` test images of block ``severity`` (1 to 5) as ``uint8 [n, 3, H, W]`` with their labels (items read as
+    float). ``root`` as for :func:`cifar_c_corruptions`; ``corruption`` is a file stem present there, e.g.
+    ``"gaussian_noise"`` (case-insensitive, ``-`` and spaces read as ``_``); ``classes`` defaults to
+    :data:`CIFAR10_CLASSES`: for CIFAR-100-C pass the 100 names (e.g. ``load_cifar100(root).test.classes``).
 
     Raises:
         FlatbmaError: Missing files, unknown corruption, bad severity, arrays or label counts, labels out of range.

@@ -1,15 +1,12 @@
 """Common image corruptions at five severities, in plain torch (CIFAR-10-C style).
 
-Over 500 lines on purpose: the eighteen corruptions and their shared filters, warps and colour maps
-form one table of constants that must be read against the reference script as a whole.
+Over 500 lines on purpose: eighteen corruptions and their shared filters are one table of constants.
 
 Re-implements Hendrycks & Dietterich, "Benchmarking Neural Network Robustness to Common Corruptions and
 Perturbations" (ICLR 2019) with the severity constants of their ``make_cifar_c.py``
 (github.com/hendrycks/robustness), in torch (numpy for the pixel shuffle and plasma fractal, Pillow for JPEG
-and box resampling; no OpenCV, scikit-image, ImageMagick or torchvision). Same maths and constants, so the
-same kind and strength of corruption, but not bit-identical to the published files (other random streams,
-and the approximations below): benchmark numbers use the published CIFAR-10-C / CIFAR-100-C files
-(:func:`flatbma.data.load_cifar_c`); these are for datasets without a published corrupted version.
+and box resampling). Same maths and constants, not bit-identical to the published files (other random streams,
+the approximations below): benchmark numbers use the published files (:func:`flatbma.data.load_cifar_c`).
 
 Constants per severity 1..5 (pixel units are for 32x32 CIFAR images and are used as they are for other
 sizes, except where a size fraction ``s = min(H, W)`` is given):
@@ -44,11 +41,9 @@ jpeg_compression   Pillow JPEG quality 80, 65, 58, 50, 40
 
 Approximations (beyond the random streams):
 
-* **frost**: the published frost blends in crops of five photographs, not shipped here; a procedural frost
-  (plasma-fractal patches plus needle streaks, in the photos' mean colour and spread) replaces them, so frost
-  errors are *not* comparable to published CIFAR-10-C frost numbers (the blend and constants are published).
-* **motion_blur** and the snow streaks re-implement ImageMagick's ``MotionBlurImage`` (a one-sided Gaussian of
-  ``2 * ceil(radius) + 1`` taps, rounded to whole pixels, edges repeated); borders differ slightly.
+* **frost**: a procedural frost (plasma-fractal patches plus needle streaks, in the photos' mean colour and spread)
+  replaces the five published photographs (not shipped), so frost errors are *not* comparable to published ones.
+* **motion_blur** and the snow streaks re-implement ImageMagick's ``MotionBlurImage``; borders differ slightly.
 * **zoom_blur** and the snow zoom are bilinear about the centre (published: ``scipy.ndimage.zoom`` of a crop,
   sub-pixel offsets apart); **elastic_transform** reflects half-sample-symmetrically (published: OpenCV's
   ``BORDER_REFLECT_101``), with size-fraction constants valid for any size.
@@ -59,11 +54,10 @@ Approximations (beyond the random streams):
   to 8 bits on the way, as published); :func:`corrupt_dataset` keeps 8-bit datasets 8-bit.
 
 Severities kept as published though not ordered by how much they change an image (the tests check these):
-``saturate`` lowers saturation at 1-2 and raises it at 3-5 (3 changes less than 2); ``glass_blur`` 1-3 shuffle
-once and differ only in blur; ``elastic_transform``'s affine warp shrinks with severity, so 1 moves pixels most;
-``pixelate``'s whole-pixel box windows can make 32 -> 28 -> 32 change more than 32 -> 27 -> 32; ``motion_blur``
-3/4 and ``snow`` 2/3 nearly tie; ``frost``'s darkening by ``1 - a`` and bright layer cancel in a mean absolute
-difference (its decorrelation grows with ``b / a``).
+``saturate`` lowers saturation at 1-2 and raises it at 3-5; ``glass_blur`` 1-3 differ only in blur;
+``elastic_transform``'s affine warp shrinks with severity; ``pixelate``'s whole-pixel windows can make 32 -> 28 -> 32
+change more than 32 -> 27 -> 32; ``motion_blur`` 3/4 and ``snow`` 2/3 nearly tie; ``frost``'s darkening by
+``1 - a`` and bright layer cancel in a mean absolute difference.
 """
 
 from __future__ import annotations
@@ -137,9 +131,8 @@ _JPEG_QUALITY = (80, 65, 58, 50, 40)
 
 # ITU-R 601 luma weights (OpenCV's RGB2GRAY, used by the published snow).
 _LUMA = (0.299, 0.587, 0.114)
-# Mean RGB colour of the published frost photos frost1-5 (0.2x downscaled, as the CIFAR script uses
-# them; measured on the copies shipped in the imagecorruptions package), and the pixel spread the
-# procedural texture gets (their within-photo standard deviation is about 0.05-0.14).
+# Mean RGB colour of the published frost photos (0.2x downscaled, as the CIFAR script uses them), and the
+# pixel spread the procedural texture gets (the photos' own standard deviation is about 0.05-0.14).
 _FROST_COLOUR = (0.57, 0.66, 0.70)
 _FROST_SPREAD = 0.55
 

@@ -1,11 +1,9 @@
 """In-memory image datasets and loaders for the formats flatbma reads.
 
-Over 500 lines on purpose: the registry :data:`DATASETS` and the seven readers it names, short functions over
-shared checks (directories, labels, stratified splits, bounded decoding) that the registry must all see.
+Over 500 lines on purpose: the registry :data:`DATASETS` and the seven readers it names, over shared checks.
 
 Every loader reads only local files (nothing is downloaded) and returns a :class:`DatasetSplits` of two
-:class:`ArrayDataset` objects (:mod:`flatbma.data.arrays`, re-exported here) sharing one class list.
-:data:`DATASETS`, used by configs and the CLI, maps a name to its loader:
+:class:`ArrayDataset` objects sharing one class list. :data:`DATASETS` (configs, the CLI) maps a name to its loader:
 
 ============== ======================================================================================
 name           source
@@ -149,10 +147,7 @@ def load_digits(root: str | Path | None = None) -> DatasetSplits:
     """Load scikit-learn's 8x8 handwritten digits (1,797 images, 10 classes).
 
     Pixels (0-16) are divided by 16: float32 images ``[N, 1, 8, 8]`` in ``[0, 1]``. A stratified third of each
-    class is held out for testing (seed 0, the same on every machine).
-
-    Args:
-        root: Must be ``None``: the data ships with scikit-learn.
+    class is held out for testing (seed 0, the same on every machine). ``root`` must be ``None``.
     """
     if root is not None:
         raise FlatbmaError("dataset 'digits' ships with scikit-learn and takes no root; leave root unset.")
@@ -177,11 +172,8 @@ def load_animal_mnist(root: str | Path | None = None) -> DatasetSplits:
 
     Reads the gzipped numpy pickles of the ``animal-mnist`` PyPI package (found without importing it: it imports
     TensorFlow) with a restricted unpickler that rebuilds numpy arrays only. Images ``uint8 [N, 1, 28, 28]``; a
-    stratified 20 % of each class is held out (seed 0: 8,000 train / 2,000 test).
-
-    Args:
-        root: Directory holding ``animal_data_version_3.gz`` and ``animal_label_version_3.gz``;
-            defaults to ``<animal_mnist package>/data/Animal_MNIST``.
+    stratified 20 % of each class is held out (seed 0: 8,000 train / 2,000 test). ``root`` holds
+    ``animal_data_version_3.gz`` and ``animal_label_version_3.gz`` (default: the installed package's).
     """
     if root is None:
         spec = importlib.util.find_spec("animal_mnist")
@@ -298,10 +290,7 @@ def load_idx(root: str | Path | None = None, *, classes: Sequence[str] | None = 
     Files are found by name in ``root``, ``root/raw`` or ``root/<name>/raw`` (torchvision's layout):
     ``train*images-idx3-ubyte``, ``train*labels-idx1-ubyte`` and their ``t10k*``/``test*`` pair, optionally
     gzipped. Headers and sizes are checked (truncated files are reported). Images are ``uint8 [N, 1, H, W]``.
-
-    Args:
-        root: The directory holding the idx files.
-        classes: Class names; defaults to ``"0"`` .. ``str(max label)``.
+    ``classes`` defaults to ``"0"`` .. ``str(max label)``.
     """
     root = _existing_dir(root, "idx", _IDX_LAYOUT)
     return _load_idx(root, classes, "idx", "")
@@ -310,9 +299,7 @@ def load_idx(root: str | Path | None = None, *, classes: Sequence[str] | None = 
 def load_fashion_mnist(root: str | Path | None = None) -> DatasetSplits:
     """Load Fashion-MNIST (60,000 train / 10,000 test, 28x28 grayscale, 10 classes) from idx files.
 
-    Args:
-        root: The directory; defaults to :data:`FASHION_MNIST_ROOT`, where Debian's
-            ``dataset-fashion-mnist`` package installs it.
+    ``root`` defaults to :data:`FASHION_MNIST_ROOT`, where Debian's ``dataset-fashion-mnist`` package installs it.
     """
     root = _existing_dir(FASHION_MNIST_ROOT if root is None else root, "fashion-mnist", _FASHION_HELP)
     return _load_idx(root, FASHION_MNIST_CLASSES, "fashion-mnist", _FASHION_HELP)
@@ -399,10 +386,8 @@ def load_cifar10(root: str | Path | None = None) -> DatasetSplits:
     """Load CIFAR-10 (50,000 train / 10,000 test, 32x32 RGB, 10 classes) from the official pickles.
 
     A restricted unpickler rebuilds only built-in containers and plain numpy arrays, so a tampered file cannot
-    run code. Images are ``uint8 [N, 3, 32, 32]``; class names come from ``batches.meta``.
-
-    Args:
-        root: ``cifar-10-batches-py`` or the directory containing it.
+    run code. Images are ``uint8 [N, 3, 32, 32]``; class names come from ``batches.meta``. ``root`` is
+    ``cifar-10-batches-py`` or the directory containing it.
     """
     train = [f"data_batch_{i}" for i in range(1, 6)]
     directory = _cifar_dir(
@@ -415,10 +400,8 @@ def load_cifar10(root: str | Path | None = None) -> DatasetSplits:
 def load_cifar100(root: str | Path | None = None) -> DatasetSplits:
     """Load CIFAR-100 (50,000 train / 10,000 test, 32x32 RGB, 100 fine classes) from the official pickles.
 
-    Read like :func:`load_cifar10`, with ``fine_labels`` and ``meta``'s ``fine_label_names``.
-
-    Args:
-        root: ``cifar-100-python`` or the directory containing it.
+    Read like :func:`load_cifar10`, with ``fine_labels`` and ``meta``'s ``fine_label_names``; ``root`` is
+    ``cifar-100-python`` or the directory containing it.
     """
     directory = _cifar_dir(root, "cifar100", "cifar-100-python", ["train", "test", "meta"], _CIFAR100_HELP)
     classes = _cifar_names(directory / "meta", "fine_label_names", _CIFAR100_HELP)
@@ -431,8 +414,7 @@ _FOLDER_HELP = (
 )
 _SIXTEEN_BIT_GREY = frozenset({"I;16", "I;16L", "I;16B", "I;16N", "I"})
 _GREY_MODES = frozenset({"1", "L", "LA"}) | _SIXTEEN_BIT_GREY
-# What PIL's decoders raise on a damaged file besides OSError: header parsing (struct, indexing), checks
-# (ValueError, SyntaxError), unimplemented variants (found by tests/data/test_bad_headers.py and fuzzing).
+# What PIL's decoders raise on a damaged file besides OSError (tests/data/test_bad_headers.py).
 _DECODE_ERRORS = (
     OSError,
     ValueError,
@@ -452,9 +434,8 @@ _BOMB_PIXELS = re.compile(r"\((\d+) pixels\)")
 def _decoded(path: Path, use: Callable[[Image.Image], T]) -> T:
     """``use(image)`` for the image file ``path`` opened with PIL; every decoding failure is a :class:`FlatbmaError`.
 
-    PIL's decompression-bomb warning (over ``PIL.Image.MAX_IMAGE_PIXELS``) is an error here, so a bomb is refused
-    from its header before any pixel is decoded. PIL's other warnings and log records about damaged files are
-    dropped. Only the PNG, JPEG and BMP decoders are used, so e.g. TIFF data is refused by name.
+    A decompression bomb (over ``PIL.Image.MAX_IMAGE_PIXELS``) is refused from its header; PIL's other warnings and
+    log records are dropped. Only the PNG, JPEG and BMP decoders are used.
     """
     pil_log = logging.getLogger("PIL")  # its plugins log to child loggers, which inherit this level
     level = pil_log.level
@@ -514,12 +495,8 @@ def load_image_folder(root: str | Path | None = None, *, size: int | None = None
     Images become ``uint8 [N, C, H, W]``: single-channel ``L`` if every image is grayscale, else ``RGB``
     (16-bit greyscale scaled to 8 bits, ``v·255/65535``). Files are decoded as PNG, JPEG or BMP whatever their
     extension; a damaged file, another format or a decompression bomb (over ``PIL.Image.MAX_IMAGE_PIXELS``)
-    is a :class:`FlatbmaError` naming the file.
-
-    Args:
-        root: The directory holding ``train`` and ``test``.
-        size: Resize every image to ``size x size`` (bilinear, antialiased by PIL when shrinking).
-            Required when the images differ in size.
+    is a :class:`FlatbmaError` naming the file. ``size`` resizes every image to ``size x size`` (bilinear,
+    antialiased when shrinking); it is required when the images differ in size.
     """
     root = _existing_dir(root, "image-folder", _FOLDER_HELP)
     if size is not None:
@@ -609,10 +586,7 @@ def dataset_names() -> list[str]:
 def load_dataset(name: str, root: str | Path | None = None, **options: Any) -> DatasetSplits:
     """Load a registered dataset by name (case-insensitive, ``_`` read as ``-``).
 
-    Args:
-        name: One of :func:`dataset_names`.
-        root: Where the files are; see the loader of that name.
-        **options: Extra keyword arguments of that loader (e.g. ``size`` for ``image-folder``).
+    ``root`` and ``**options`` (e.g. ``size`` for ``image-folder``) go to the loader of that name.
 
     Raises:
         FlatbmaError: Unknown name or option, or the loader's own errors (missing files, wrong format).

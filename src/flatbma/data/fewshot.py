@@ -1,11 +1,9 @@
 """Reproducible class-stratified sampling: k-shot subsets and train/test splits.
 
 Few-shot protocol (docs/methods.md §6 and §10.1 item 5): exactly ``k`` training images per class, drawn without
-replacement by a ``torch.Generator`` seeded with ``seed``. Validation takes ``val_per_class`` of them *out of
-the k-shot budget*, so model selection never sees more labels than the setting allows (``0``: no validation),
-or ``val_pool`` images per class from *outside* them (as the FP-BMA authors' 10% split: less noisy selection,
-with labels a strict few-shot setting lacks). Each class, in label order, draws one ``randperm`` of its full
-size, so for a fixed seed the k-shot sets are nested (5-shot ⊂ 10-shot, with ``val_per_class=0``).
+replacement by a seeded ``torch.Generator``; validation comes *out of the k-shot budget* (``val_per_class``) or,
+with labels a strict few-shot setting lacks, from *outside* it (``val_pool``). Each class, in label order, draws
+one ``randperm`` of its full size, so for a fixed seed the k-shot sets are nested (5-shot ⊂ 10-shot).
 """
 
 from __future__ import annotations
@@ -176,10 +174,7 @@ def few_shot(
 def stratified_split(labels: Tensor, fraction: float, seed: int) -> tuple[Tensor, Tensor]:
     """Split indices into (kept, held-out), ``floor(fraction · n_c + 1/2)`` of each class ``c`` held out at random.
 
-    Args:
-        labels: 1-D integer class labels.
-        fraction: Held-out fraction per class, strictly between 0 and 1.
-        seed: Seed of the ``torch.Generator`` of the draw.
+    ``fraction`` lies strictly between 0 and 1; ``seed`` seeds the ``torch.Generator`` of the draw.
 
     Returns:
         ``(kept_indices, held_out_indices)``: sorted, disjoint int64 indices covering all examples.

@@ -9,9 +9,8 @@ diabetes  scikit-learn's bundled diabetes data (442 patients, 10 features, a dis
           score a year later; Efron et al. 2004), split 80/20 by a permutation of seed 0
 ========= ===========================================================================================
 
-Loaders return raw features and targets; :func:`standardized` rescales every split by the *training* mean and
-standard deviation (per feature column and the target): nothing of the held-out examples leaks into training,
-and RMSE, MAE and NLL are in standard deviations of the training targets.
+Loaders return raw data; :func:`standardized` rescales every split by the *training* mean and standard deviation,
+so nothing held out leaks into training and RMSE, MAE and NLL are in standard deviations of the training targets.
 """
 
 from __future__ import annotations

@@ -66,11 +66,7 @@ class Compose:
 
 
 class Resize:
-    """Resize to a fixed ``(height, width)`` (an int: square) by bilinear interpolation, antialiased when shrinking.
-
-    Args:
-        size: Output size, an int or ``(height, width)``.
-    """
+    """Resize to a fixed ``(height, width)`` (an int: square) by bilinear interpolation, antialiased when shrinking."""
 
     def __init__(self, size: int | Sequence[int]) -> None:
         self.size = _pair(size, "Resize size")
@@ -113,12 +109,7 @@ class GrayscaleToRGB:
 
 
 class Normalize:
-    """Standardize each channel: ``(x - mean[c]) / std[c]``.
-
-    Args:
-        mean: One value per channel.
-        std: One positive value per channel.
-    """
+    """Standardize each channel: ``(x - mean[c]) / std[c]``, one ``mean`` and one positive ``std`` per channel."""
 
     def __init__(self, mean: Sequence[float], std: Sequence[float]) -> None:
         self.mean = tuple(float(m) for m in mean)
@@ -157,12 +148,7 @@ class Normalize:
 
 
 class RandomHorizontalFlip:
-    """Mirror left-right with probability ``p`` (independently per image of a batch).
-
-    Args:
-        p: Flip probability in ``[0, 1]``.
-        generator: Source of randomness; the global generator when ``None``.
-    """
+    """Mirror left-right with probability ``p`` in ``[0, 1]`` (independently per image of a batch)."""
 
     def __init__(self, p: float = 0.5, generator: torch.Generator | None = None) -> None:
         if not 0.0 <= p <= 1.0:
@@ -182,12 +168,10 @@ class RandomHorizontalFlip:
 
 
 class RandomCrop:
-    """Zero-pad every side by ``padding`` pixels, then crop a random ``size`` window.
+    """Zero-pad every side by ``padding`` pixels, then crop a random ``size`` window (an int: square).
 
-    Args:
-        size: Crop size, an int or ``(height, width)``; ``None``: the input's size ("pad and crop back").
-        padding: Zero padding per side; ``None``: 1/8 of the input's smaller side, at least 1 (4 on CIFAR).
-        generator: Source of randomness; the global generator when ``None``.
+    ``size`` ``None``: the input's size ("pad and crop back"); ``padding`` ``None``: 1/8 of the input's smaller side,
+    at least 1 (4 on CIFAR).
     """
 
     def __init__(
@@ -242,17 +226,10 @@ def build_transform(
 ) -> Compose:
     """Build the standard :class:`Compose` pipeline: to RGB, resize, augment, normalize (each optional; none: identity).
 
-    Augmentation (pad-and-crop back to the same size, then a horizontal flip with probability 1/2) runs after
-    resizing (padding in output pixels) and before normalization (padding is black).
-
-    Args:
-        size: Resize to this size (int for square, or ``(height, width)``); ``None`` keeps the size.
-        to_rgb: Repeat grayscale images to three channels.
-        normalize: ``"imagenet"`` to standardize with :data:`IMAGENET_MEAN` / :data:`IMAGENET_STD`
-            (three channels required), or ``None``.
-        augment: Add random crop and flip (training only).
-        crop_padding: Zero padding on each side before the random crop; ``None``: 1/8 of the side.
-        generator: Source of randomness for the augmentation.
+    Augmentation (``augment``, training only: pad-and-crop back to the same size, then a horizontal flip with
+    probability 1/2) runs after resizing (padding in output pixels) and before normalization (padding is black).
+    ``normalize="imagenet"`` standardizes with :data:`IMAGENET_MEAN` / :data:`IMAGENET_STD` (three channels
+    required); ``crop_padding`` ``None``: 1/8 of the side.
     """
     steps: list[Transform] = []
     if to_rgb:

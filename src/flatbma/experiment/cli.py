@@ -232,11 +232,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 FLAGGED = 3
-"""The exit code of a command that did its work and wrote its results, but whose run a training-health rule
-flags (:mod:`flatbma.health`), or a comparison with a flagged or diverged row: its numbers
-describe a failed fit. Distinct from 0, so that a script sees it; distinct from 2, since nothing was refused
-and everything was written (``scripts/demo.sh`` accepts it, saying so). Under ``torchrun`` the processes exit 0
-(torchrun reports any other code as a crashed process); the warning lines still say it."""
+"""The exit code of a command that wrote its results but whose run a training-health rule flags
+(:mod:`flatbma.health`), or of a comparison with a flagged or diverged row. Under ``torchrun`` the processes exit 0
+(torchrun reports any other code as a crash); the warning lines still say it."""
 
 
 _OUTPUT_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO)
@@ -287,10 +285,7 @@ def _show_warning(message: Warning | str, category: type[Warning], *args: object
 
 @contextlib.contextmanager
 def _warnings_as_lines() -> Iterator[None]:
-    """The warnings of flatbma (:class:`~flatbma.errors.FlatbmaWarning`) as one line each; no other library's.
-
-    Other libraries' warnings say nothing a user of the command can act on.
-    """
+    """The warnings of flatbma (:class:`~flatbma.errors.FlatbmaWarning`) as one line each; no other library's."""
     with warnings.catch_warnings():
         warnings.showwarning = _show_warning
         yield

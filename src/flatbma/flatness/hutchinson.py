@@ -50,12 +50,8 @@ def hutchinson_trace(
 ) -> TraceEstimate:
     """``tr A ≈ (1/m) Σ_i z_iᵀ A z_i`` with Rademacher ``z_i`` (module docstring).
 
-    Args:
-        matvec: ``v ↦ A v`` on float64 vectors of length ``dim``.
-        dim: dimension ``d``.
-        num_samples: number ``m ≥ 2`` of probe vectors.
-        generator: CPU generator for the probes.
-        device: where the probes go.
+    ``matvec`` is ``v ↦ A v`` on float64 vectors of length ``dim``; the ``m = num_samples ≥ 2`` probes are drawn
+    with the CPU ``generator`` and moved to ``device``.
     """
     if not isinstance(num_samples, int) or num_samples < 2:
         raise FlatbmaError(f"num_samples must be an integer >= 2 for a standard error (got {num_samples!r})")

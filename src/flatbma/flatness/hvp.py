@@ -1,31 +1,17 @@
 """Hessian-vector products of the mean training loss, as a linear operator on flat vectors.
 
-Over 500 lines on purpose: the operator, its two product modes and the leaner second-order graphs are used only
-by the double-backward product and are correct only under the conditions it sets up (eval mode, the chosen
-parameters differentiated).
+Over 500 lines on purpose: the operator, its two product modes and the leaner second-order graphs are correct only
+together, under the conditions the operator sets up (eval mode, the chosen parameters differentiated).
 
-For data ``S`` split into batches ``B_1 … B_J`` of sizes ``n_j`` (``n = Σ_j n_j``) and a loss function that
-returns the *mean* loss of a batch,
+For batches ``B_j`` of sizes ``n_j`` (``n = Σ_j n_j``) and a loss function that returns the *mean* loss of a batch,
 
     L_S(w) = Σ_j (n_j / n) · L_{B_j}(w),        H v = Σ_j (n_j / n) · ∇²L_{B_j}(w) v,
 
-accumulated batch by batch (memory bounded by one batch), and within a batch over chunks of at most
-``chunk_size`` examples (:func:`hvp_fn`; :data:`CPU_CHUNK_SIZE` on CPU by default), each with its own gradient
-graph. Each chunk's product is computed by
-
-* ``"double_backward"`` (reverse-over-reverse): ``∇_w ⟨∇_w L_B(w), v⟩`` with :func:`torch.autograd.grad` and
-  ``create_graph=True``; when the data is one batch its chunks' gradient graphs are built once and reused by
-  every product (as PyHessian does), or
-* ``"func"`` (forward-over-reverse): ``jvp(grad(L_B), (w,), (v,))`` with :mod:`torch.func` over
-  :func:`torch.func.functional_call`.
-
-The model runs in eval mode (BatchNorm on running statistics, no dropout), so the loss is a deterministic
-function of ``w``; its mode is restored after each product. Only the chosen parameters are differentiated.
-
-Double backward builds leaner second-order graphs, the same function to rounding (float64 to 1e-15): a convolution
-whose weight is not chosen runs through :class:`_FrozenWeightConv` (double backward: one grouped convolution), an
-eval-mode BatchNorm as the affine map ``x ↦ γ (x − μ)/√(σ² + ε) + β`` (:func:`_affine_batch_norm`); a product on
-the demo's MobileNetV2 transfer model is ~2.3× faster on CPU.
+accumulated batch by batch and within a batch over chunks (:func:`hvp_fn`), each with its own gradient graph, with
+the model in eval mode (docs/methods.md §8.1). A chunk's product is ``"double_backward"``, ``∇_w ⟨∇_w L_B(w), v⟩``
+(one batch's graphs are built once and reused), or ``"func"``, ``jvp(grad(L_B), (w,), (v,))`` with :mod:`torch.func`.
+Double backward runs a convolution whose weight is not chosen through :class:`_FrozenWeightConv` and an eval-mode
+BatchNorm as an affine map (:func:`_affine_batch_norm`): the same function to rounding, leaner second-order graphs.
 """
 
 from __future__ import annotations
@@ -366,9 +352,8 @@ def _affine_batch_norm(module: _BatchNorm, x: Tensor) -> Tensor:
 class _ChannelAffine(torch.autograd.Function):
     """``x·s + b`` (one :func:`torch.addcmul`) with the backward of ``addcmul`` minus its copy of ``x``.
 
-    PyTorch's backward forms ``grad · (x · 1)``, and under ``create_graph`` the second-order graph keeps that copy
-    of the activation per BatchNorm layer; this one forms ``grad · x`` from the saved ``x`` — the same numbers,
-    bit for bit.
+    PyTorch's backward forms ``grad · (x · 1)``, a copy of the activation kept by the second-order graph; this one
+    forms ``grad · x`` from the saved ``x``, bit for bit the same.
     """
 
     @staticmethod
@@ -446,14 +431,12 @@ def hvp_fn(
             ``drop_last`` with shuffling).
         loss_fn: ``loss_fn(logits, y)`` returning the *mean* loss over the batch; cross-entropy when ``None``.
         params: the parameters to differentiate (:data:`ParamSelection`); the others stay fixed.
-        weights: parameters and/or buffers by module name at which to evaluate, e.g. a posterior sample; tensors
-            not given keep the model's values. Without it, when a :class:`~flatbma.predictor.BMA` holds the module
-            and the module does not hold that posterior's mean, a :class:`~flatbma.errors.FlatbmaWarning` says so.
+        weights: parameters and/or buffers by module name at which to evaluate (e.g. a posterior sample); the
+            rest keep the model's values. Without it, a FlatbmaWarning says when the module is not its BMA's mean.
         hvp: :class:`HVPMethod`.
-        chunk_size: most examples per gradient graph: a larger batch is split into ``⌈n_b / chunk_size⌉``
-            near-equal chunks, each with its own graph, and the product accumulated over them; a product's memory
-            then scales with a chunk, and the sum equals the whole batch's product to rounding (float32: < 1e-6
-            relative). ``None``: whole batches. ``"auto"``: :data:`CPU_CHUNK_SIZE` on CPU, whole batches elsewhere.
+        chunk_size: most examples per gradient graph (a larger batch is split into near-equal chunks; memory
+            scales with a chunk, the sum equals the batch's product to rounding). ``None``: whole batches.
+            ``"auto"``: :data:`CPU_CHUNK_SIZE` on CPU, whole batches elsewhere.
 
     Raises:
         FlatbmaError: on empty data, unknown or duplicate parameter names, shape mismatches, or an unused parameter set.
@@ -462,13 +445,8 @@ def hvp_fn(
 
 
 CPU_CHUNK_SIZE = 20
-"""Examples per gradient graph on CPU when ``chunk_size="auto"`` (:func:`hvp_fn`).
-
-Measured with one thread: the time of a product is the same within noise for graphs of 100, 50, 34,
-25 and 20 examples on the demo's transfer model (MobileNetV2 48×48, ``norm+classifier``) and 15%
-longer at 16; for 32 and 16 examples on the small CNN and ResNet-18 width 16 of ``bench/hessian.py``.
-The transient memory of a product is proportional to the chunk: 233 MiB for 100 images of the
-transfer model, 47 MiB for chunks of 20."""
+"""Examples per gradient graph on CPU when ``chunk_size="auto"`` (:func:`hvp_fn`): the smallest chunk as fast per
+example as whole batches; a product's transient memory is proportional to the chunk."""
 
 
 def _chunk_size(value: int | str | None, device: torch.device) -> int | None:
@@ -546,11 +524,7 @@ def _reiterable(data: Any) -> Iterable[Batch]:
 
 
 def _unpack(batch: Any) -> Batch:
-    """``(x, y)`` of a batch of the Hessian data: a pair, or a dict read by :func:`flatbma.types.split_batch`.
-
-    A dict holds its inputs under the first of :data:`~flatbma.types.INPUT_KEYS` it has and its targets under the
-    first of :data:`~flatbma.types.TARGET_KEYS`, as in training.
-    """
+    """``(x, y)`` of a Hessian data batch: a pair, or a dict read as in training (:func:`flatbma.types.split_batch`)."""
     if isinstance(batch, Mapping):
         x, y = split_batch(batch)
         if y is None:

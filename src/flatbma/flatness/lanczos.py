@@ -1,22 +1,14 @@
 """The largest eigenvalues of a symmetric operator, and of the training-loss Hessian.
 
-* :func:`lanczos` — Lanczos with full reorthogonalization. After ``m`` products with ``A`` it holds an orthonormal
-  basis ``V_m`` of the Krylov space ``span{v, Av, …, A^{m−1}v}`` and the tridiagonal ``T_m = V_mᵀ A V_m``; the Ritz
-  pairs ``(θ_i, y_i = V_m s_i)`` of ``T_m s_i = θ_i s_i`` have residuals ``‖A y_i − θ_i y_i‖ = β_m |e_mᵀ s_i|``.
-  For symmetric ``A`` some eigenvalue lies within that residual of ``θ_i``, so the test
-  ``β_m |e_mᵀ s_i| ≤ tol · max(|θ_i|, √eps · max_j |θ_j|)`` on the ``k`` largest Ritz values bounds their relative
-  error by ``tol`` (an absolute one below ``√eps`` times the spectral radius, ``eps`` the products' machine
-  epsilon). Each new vector is orthogonalized twice against the whole basis (classical Gram–Schmidt twice), so no
-  spurious copies of converged Ritz values appear. When the Krylov space becomes invariant (``β_m`` at rounding
-  level) the process goes on from a new random vector orthogonal to the basis, so eigenvalues outside the start
-  vector's Krylov space are still found; an eigenvalue of multiplicity > 1 *inside* a non-invariant Krylov space
-  is seen once (:func:`power_iteration` finds every copy). With ``basis_size`` the basis is bounded and
-  thick-restarted; :func:`hessian_eigenvalues` uses :func:`default_basis_size`.
-
-  Precision: the basis is in ``dtype`` (the parameters' dtype for the Hessian); ``α``, ``β``, ``T``, its
-  eigendecomposition and the Ritz values are float64 (dot products and norms accumulate in float64 by blocks,
-  without a float64 copy of a whole vector). Eigenvalues are resolved to ``max(tol, ~√d · eps_dtype)`` relative to
-  ``‖A‖``.
+* :func:`lanczos` — Lanczos with full reorthogonalization (Gram–Schmidt twice). After ``m`` products with ``A`` it
+  holds an orthonormal basis ``V_m`` of the Krylov space ``span{v, Av, …, A^{m−1}v}`` and ``T_m = V_mᵀ A V_m``; the
+  Ritz pairs ``(θ_i, V_m s_i)`` have residuals ``β_m |e_mᵀ s_i|``, and the test
+  ``β_m |e_mᵀ s_i| ≤ tol · max(|θ_i|, √eps · max_j |θ_j|)`` on the ``k`` largest bounds their relative error by
+  ``tol`` (docs/methods.md §8.2). An invariant Krylov space (``β_m`` at rounding level) is left from a new random
+  vector orthogonal to the basis; an eigenvalue of multiplicity > 1 inside a non-invariant Krylov space is seen
+  once (:func:`power_iteration` finds every copy). ``basis_size`` bounds the basis by thick restarts. The basis is
+  in ``dtype``, ``α``, ``β``, ``T`` and the Ritz values in float64; eigenvalues are resolved to
+  ``max(tol, ~√d · eps_dtype)`` relative to ``‖A‖``.
 * :func:`power_iteration` — the reference: power iteration with deflation by projection, as in PyHessian
   (Yao et al., 2020).
 
@@ -119,9 +111,7 @@ def lanczos(
     Thick restart (``basis_size`` reached before convergence): the ``ℓ = k + ⌈(basis_size − k)/2⌉ − 1`` largest
     Ritz vectors ``Y = V_m S_ℓ`` replace the basis in place, followed by the pending vector ``v_{m+1}``, and ``T``
     restarts as the arrowhead ``[[Θ_ℓ, σ], [σᵀ, ·]]`` with ``σ = β_m S_ℓᵀ e_m``, so ``A V = V T + β v eᵀ`` and the
-    residual estimate ``β |e_mᵀ s_i|`` still hold. ``S_ℓᵀ V_m`` is formed in float64 and rounded once to ``dtype``,
-    so the relation holds to ``dtype``'s precision. A run that converges before the basis is full gives an
-    unbounded run's numbers, bit for bit.
+    residual estimate ``β |e_mᵀ s_i|`` still hold (to ``dtype``'s precision).
 
     Args:
         matvec: ``v ↦ A v`` on vectors of length ``dim`` in ``dtype``.
@@ -316,10 +306,7 @@ _BLOCK = 1 << 16  # entries per block of _dot and _norm: float64 temporaries of 
 
 
 def _dot(a: Tensor, b: Tensor) -> float:
-    """``aᵀb`` accumulated in float64 (products of float32 numbers are exact there).
-
-    Vectors longer than :data:`_BLOCK` are converted a block at a time, so no float64 copy of a whole vector is held.
-    """
+    """``aᵀb`` accumulated in float64, a block of :data:`_BLOCK` at a time (no float64 copy of a whole vector)."""
     if a.dtype == torch.float64 and b.dtype == torch.float64:
         return float(a @ b)
     if a.numel() <= _BLOCK:
@@ -417,8 +404,7 @@ def _warn_unconverged(name: str, result: EigenResult, max_iter: int) -> None:
 def default_basis_size(k: int) -> int:
     """Lanczos vectors held at once for ``k`` Hessian eigenvalues: ``max(8, k + 3)``.
 
-    A thick restart then keeps at least ``k + 1`` Ritz vectors and adds at least two new directions per cycle; on
-    ``bench/hessian.py`` the top-5 take 1–4 more products than unbounded Lanczos, and λ₁ needs no restart.
+    A thick restart then keeps at least ``k + 1`` Ritz vectors and adds at least two new directions per cycle.
     """
     return max(8, k + 3)
 
@@ -447,8 +433,7 @@ def hessian_eigenvalues(
 
     Args:
         model: the module (see :func:`~flatbma.flatness.hvp_fn`).
-        data: ``(x, y)`` batches of the training data, or one batch; a dict batch is read as in training
-            (:func:`flatbma.types.split_batch`).
+        data: ``(x, y)`` (or dict) batches of the training data, or one batch.
         k: number of eigenvalues.
         loss_fn: mean loss ``loss_fn(logits, y)``; cross-entropy when ``None``.
         params: the parameters of the Hessian (a dict, a list of names, or all trainable ones).

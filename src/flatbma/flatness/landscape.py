@@ -5,19 +5,15 @@ batch size, as in :func:`~flatbma.flatness.hvp_fn`),
 
     1-D:  f(α) = L_S(w + α d₁),        2-D:  f(α, β) = L_S(w + α d₁ + β d₂),
 
-evaluated in eval mode (BatchNorm on the running statistics of ``w`` or the model, unchanged along the direction;
-no dropout). For a posterior, every sample ``w_m`` moves along the *same* direction and the curve is reported as
-mean ± standard deviation over samples. Directions:
+evaluated in eval mode (BatchNorm on the running statistics, unchanged along the direction). For a posterior, every
+sample ``w_m`` moves along the *same* direction, reported as mean ± standard deviation over samples. Directions:
 
 * :func:`random_direction` — a Gaussian direction, *filter-normalized* (Li et al., "Visualizing the Loss Landscape
-  of Neural Nets", NeurIPS 2018): for every filter ``i`` (the slice ``w[i]`` along the output dimension)
-  ``d[i] ← d[i] / ‖d[i]‖ · ‖w[i]‖``, which removes the scale invariance of ReLU/BatchNorm networks from the
-  plot; one-dimensional tensors (biases, BatchNorm) follow :class:`BiasBNPolicy`.
+  of Neural Nets", NeurIPS 2018), which removes the scale invariance of ReLU/BatchNorm networks from the plot.
 * :func:`top_eigen_direction` — the unit eigenvector of the largest Hessian eigenvalue ``λ₁``, along which
   ``f(α) ≈ L_S(w) + α gᵀv + ½ λ₁ α²``.
 
-:mod:`flatbma.plotting` draws the values (:func:`~flatbma.plotting.plot_landscape_1d`,
-:func:`~flatbma.plotting.plot_landscape_2d`).
+:mod:`flatbma.plotting` draws the values.
 """
 
 from __future__ import annotations

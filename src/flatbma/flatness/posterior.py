@@ -1,25 +1,14 @@
 """Flatness of a posterior: per-sample Hessian spectra, distribution-level measures, and their protocol.
 
-Over 500 lines on purpose: the measures and the protocol that combines them share its rules (distinct samples
-only, unconverged eigenvalues never averaged); the solvers live in :mod:`~flatbma.flatness.lanczos` and
-:mod:`~flatbma.flatness.hvp`.
-
-Flatness is reported both per sample and for the distribution:
-
 * :func:`sample_spectra` — ``λ_1 … λ_k`` of ``∇²L_S(w_m)`` for each sample ``w_m ~ q``;
-* :func:`distribution_spectrum` — the top eigenvalues of the Hessian of ``E_q[L_S(w)]`` in the posterior's
-  location: with the noise of ``w_m = μ + ξ_m`` held fixed, ``∇²_μ (1/S) Σ_m L_S(μ + ξ_m) = (1/S) Σ_m ∇²L_S(w_m)``,
-  the *averaged Hessian*, whose λ₁ is at most the average per-sample λ₁ (λ₁ is convex in the matrix), with
-  equality only when the samples' sharp directions align;
-* :func:`sam_sharpness` — ``max_{‖ε‖≤ρ} L_S(w+ε) − L_S(w)`` per sample with the first-order maximizer
-  ``ε = ρ ∇L_S(w)/‖∇L_S(w)‖`` (Foret et al., ICLR 2021).
+* :func:`distribution_spectrum` — the top eigenvalues of the *averaged Hessian*
+  ``∇²_μ (1/S) Σ_m L_S(μ + ξ_m) = (1/S) Σ_m ∇²L_S(w_m)`` (noise held fixed), whose λ₁ is at most the average
+  per-sample λ₁ (docs/methods.md §8.4);
+* :func:`sam_sharpness` — ``L_S(w + ρ g/‖g‖) − L_S(w)``, ``g = ∇L_S(w)``, per sample (Foret et al., ICLR 2021).
 
-The protocol (:func:`flatness_report`, the same for every method): every eigenvalue comes from Lanczos to a
-residual tolerance with its convergence flag, and an unconverged one is reported as such, never averaged;
-per-sample λ₁ (heavy-tailed) is summarized by mean, median and a seeded percentile-bootstrap interval of the mean
-(:func:`flatbma.stats.summarize`); λ₁ at the posterior mean, the averaged-Hessian spectrum, Hutchinson's trace and
-the SAM sharpness complete it. :func:`repeatability` compares two measurements of one posterior. Samples that are
-the same weights (the same tensors, e.g. MC dropout's copies of one network) are measured once.
+:func:`flatness_report` is the protocol, the same for every method (docs/methods.md §8.5): every eigenvalue from
+Lanczos to a residual tolerance, an unconverged one reported and never averaged; per-sample λ₁ summarized by mean,
+median and a bootstrap interval; distinct samples only. :func:`repeatability` compares two measurements.
 """
 
 from __future__ import annotations
@@ -67,9 +56,7 @@ _DISTRIBUTION_STREAM = -2
 
 @dataclass(frozen=True)
 class SpectrumOptions:
-    """How the flatness entry points measure a Hessian spectrum: the keywords they all take, in one place.
-
-    The defaults are the protocol's (:func:`flatness_report`).
+    """The keywords every flatness entry point takes to measure a spectrum; the defaults are the protocol's.
 
     Attributes:
         k: eigenvalues per spectrum.
@@ -462,19 +449,14 @@ def repeatability(
     """Whether two measurements of the same posterior's λ₁ agree within their reported intervals.
 
     ``first`` and ``second`` are :class:`~flatbma.stats.Summary` objects or their ``to_dict`` forms, with means
-    ``m₁, m₂`` and ``level`` intervals. With ``h₁``, ``h₂`` the half-widths of the two intervals on the sides facing
-    each other, they **agree** when ``|m₁ − m₂| ≤ √(h₁² + h₂²)``, the two-sample test at the intervals' level (for
-    normal means ``h = z·se``): honest intervals agree with their repetition with probability ``level``. Also
-    reported: ``means_in_other_interval`` (``|m₁ − m₂| ≤ min(h₁, h₂)``, which fails about one time in three even
-    for honest intervals of ~8 samples) and ``intervals_overlap``.
+    ``m₁, m₂``; with ``h₁``, ``h₂`` the half-widths of their intervals on the facing sides, they **agree** when
+    ``|m₁ − m₂| ≤ √(h₁² + h₂²)`` (docs/methods.md §8.7). Also reported: ``means_in_other_interval``
+    (``|m₁ − m₂| ≤ min(h₁, h₂)``) and ``intervals_overlap``. Without intervals (one distinct sample) the values
+    agree when they differ by at most ``2·tol`` relatively; no converged λ₁ agrees with nothing.
 
-    Without intervals (one distinct sample) the two values agree when they differ by at most ``2·tol``
-    relatively, as two Lanczos runs that met the tolerance ``tol`` can; no converged λ₁ agrees with nothing.
-
-    Since a heavy-tailed λ₁ gives intervals wide enough to hold any repetition, the measurement is **repeatable**
-    (:func:`repeatable`) when the means agree *and* the two means, and the two medians, lie within a factor
-    :data:`HEAVY_TAIL_FACTOR` of each other (``mean_ratio``, ``median_ratio``: larger magnitude over smaller,
-    ``inf`` across signs or zero).
+    The measurement is **repeatable** (:func:`repeatable`) when the means agree *and* the two means, and the two
+    medians, lie within :data:`HEAVY_TAIL_FACTOR` of each other (``mean_ratio``, ``median_ratio``: larger
+    magnitude over smaller, ``inf`` across signs or zero), since a heavy-tailed λ₁ has wide intervals.
 
     Returns:
         ``{"first", "second" (the summaries), "agree", "means_in_other_interval", "intervals_overlap",
@@ -510,8 +492,7 @@ def repeatability(
 
 HEAVY_TAIL_FACTOR = 2.0
 """Two measurements of one posterior's λ₁ whose means (or medians) differ by more than this factor are not
-repeatable, whatever their intervals say: an interval reaching across a factor of two pins down no
-difference between methods (whose λ₁ in flatbma's studies differ by less)."""
+repeatable, whatever their intervals say."""
 
 
 def _ratio(x: Any, y: Any) -> float | None:

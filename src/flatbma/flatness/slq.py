@@ -67,15 +67,9 @@ def stochastic_lanczos_quadrature(
 ) -> SpectralDensity:
     """SLQ nodes and weights of a symmetric operator (module docstring).
 
-    Args:
-        matvec: ``v ↦ A v`` on float64 vectors of length ``dim``.
-        dim: dimension ``d``.
-        num_vectors: number ``n_v`` of Rademacher probe vectors.
-        num_steps: Lanczos steps per probe (capped at ``d``); costs ``n_v · m`` products.
-        eps: relative precision of ``matvec`` (see :func:`~flatbma.flatness.lanczos_tridiagonal`).
-        generator: CPU generator for the probes.
-        device: where the Lanczos basis lives.
-        dtype: of the Lanczos basis (``num_steps × d``).
+    ``matvec`` is ``v ↦ A v`` on float64 vectors of length ``dim``. Each of the ``n_v = num_vectors`` Rademacher
+    probes (drawn with the CPU ``generator``) runs ``m = num_steps`` Lanczos steps (capped at ``d``; ``n_v · m``
+    products in all) on a ``m × d`` basis in ``dtype`` on ``device``; ``eps`` is ``matvec``'s relative precision.
     """
     for key, value in (("num_vectors", num_vectors), ("num_steps", num_steps)):
         if not isinstance(value, int) or value < 1:

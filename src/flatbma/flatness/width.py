@@ -1,13 +1,9 @@
 """The width of a posterior over the Bayesian subset: ``tr Σ`` and the median marginal standard deviation.
 
-A flatness comparison needs the width beside it: samples of a wider posterior lie further from its mode, in
-sharper places. For the diagonal ``v = diag Σ`` of the posterior covariance over the trained parameters,
-
-    ``tr Σ = Σ_i v_i``,        median marginal std ``= median_i √v_i``.
-
-``v`` is exact where the posterior gives it in closed form (:attr:`flatbma.types.Posterior.marginal_variance`)
-and otherwise estimated from ``S`` samples by the unbiased per-coordinate variance
-``v̂_i = Σ_s (w_{s,i} − w̄_i)² / (S − 1)`` (``0`` for ``S = 1``).
+Samples of a wider posterior lie in sharper places, so a flatness comparison needs the width beside it
+(docs/methods.md §8.6). For ``v = diag Σ`` over the trained parameters, ``tr Σ = Σ_i v_i`` and the median marginal
+std is ``median_i √v_i``; ``v`` is exact where the posterior gives it in closed form
+(:attr:`flatbma.types.Posterior.marginal_variance`), else the unbiased per-coordinate variance of the samples.
 """
 
 from __future__ import annotations

@@ -5,11 +5,9 @@
     ``w = μ + (1/√2)(σ ⊙ z₁ + L z₂ / √(K − 1))``,  ``z₁ ~ N(0, I_d)``, ``z₂ ~ N(0, I_K)`` (mean 0),
 
 exactly the SWAG sampler (Maddox et al. 2019), so a SWAG posterior converts to it exactly
-(:func:`init_from_swag`). For every trained parameter ``<name>`` of shape ``S``, ``θ`` holds ``"mean/<name>"``
-(``μ``) and ``"log_std/<name>"`` (``log σ``), both of shape ``S``, and ``"factor/<name>"`` of shape ``[K, *S]``,
-whose row ``k`` is ``<name>``'s part of column ``k`` of ``L``. As a dict of named tensors, ``θ`` works unchanged
-with optimizers, checkpoints and subset selection; :func:`dense_covariance` assembles ``Σ`` (sorted names) where
-linear algebra needs it. ``z₂`` is shared by all parameters (one global ``L``).
+(:func:`init_from_swag`); docs/methods.md §3.4. ``θ`` is a dict of named tensors (``mean/<name>``,
+``log_std/<name>``, ``factor/<name>``), so it works unchanged with optimizers, checkpoints and subset selection;
+``z₂`` is shared by all parameters (one global ``L``).
 
 The maths shared by low-rank VI, FP-BMA's Fisher-ball ascent and SWAG's Gaussian, depending on none of them:
 

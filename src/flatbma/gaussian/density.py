@@ -1,11 +1,8 @@
 """The log-density of ``q_θ`` at given weights, its score, and the size of a move of ``θ``.
 
-* :func:`log_density` — ``log q_θ(w) = −½[(w−μ)ᵀΣ⁻¹(w−μ) + log det Σ + d log 2π]`` in ``O(dK²)`` by the
-  Woodbury identity and the determinant lemma (:mod:`flatbma.gaussian.geometry`), differentiable in ``θ``;
-* :func:`score` — ``s = ∇_θ log q_θ(w)`` at fixed ``w``: the direction of the SA-BMA authors' ascent step
-  (:class:`flatbma.optim.FisherBall` with ``direction: score``);
-* :func:`step_size` — how far a step ``θ → θ'`` moved ``q``: ``‖μ' − μ‖₂``, ``KL(q_θ' ‖ q_θ)`` and the share of
-  the mean alone ``½δμᵀΣ⁻¹δμ``, recorded for every step of FP-BMA's ascent.
+``log q_θ(w) = −½[(w−μ)ᵀΣ⁻¹(w−μ) + log det Σ + d log 2π]`` in ``O(dK²)``; the score ``∇_θ log q_θ(w)`` is the
+direction of the SA-BMA authors' ascent step (:class:`flatbma.optim.FisherBall` with ``direction: score``), and
+:func:`step_size` is recorded for every step of FP-BMA's ascent.
 """
 
 from __future__ import annotations

@@ -119,9 +119,8 @@ def natural_covariance_gradient(
     """``grads`` with its ``log σ`` row multiplied by ``scale/2`` and clipped to ``[−1, 1]``, packed like ``θ``.
 
     ``2`` is the Fisher information of ``q_θ`` in ``log σᵢ`` when the factor adds little to ``Σᵢᵢ``
-    (``F_logσᵢ = ½(σᵢ²(Σ⁻¹)ᵢᵢ)²``, 2 for ``Σ = ½ diag σ²``): the natural step of the family's mean-field part
-    (:class:`flatbma.posteriors.gaussian_vi.VarianceStep`). The clip bounds a ``log σ`` step to one learning rate
-    against the heavy tail of the single-sample estimate; the rows of ``μ`` and ``L`` are unchanged.
+    (``F_logσᵢ = ½(σᵢ²(Σ⁻¹)ᵢᵢ)²``; docs/methods.md §3.4): the natural step of the family's mean-field part. The clip
+    bounds a ``log σ`` step to one learning rate against the heavy tail of the single-sample estimate.
     """
     matrix = rows(grads)
     out = matrix.clone()

@@ -72,12 +72,8 @@ def kl_lowrank(theta_q: Mapping[str, Tensor], prior_theta: Mapping[str, Tensor])
     ``KL = ½[tr(Σ_p⁻¹Σ_q) + (μ_p − μ_q)ᵀΣ_p⁻¹(μ_p − μ_q) − d + log det Σ_p − log det Σ_q]``, computed in the
     coordinates whitened by ``A_p`` (``Ũ_p = A_p^{-1/2}U_p``, capacitance ``C_p = I + Ũ_pᵀŨ_p``):
     ``Σ_p⁻¹ = A_p^{-1/2}(I − Ũ_pC_p⁻¹Ũ_pᵀ)A_p^{-1/2}`` (Woodbury) and ``log det Σ = Σ log aᵢ + log det C``
-    (matrix determinant lemma). The ranks may differ; differentiable in ``theta_q`` and ``prior_theta``;
-    evaluated in double precision, returned in ``q``'s dtype.
-
-    Args:
-        theta_q: ``q``'s ``mean/``, ``log_std/``, ``factor/`` parameters.
-        prior_theta: ``p``'s, for the same parameter names and shapes.
+    (matrix determinant lemma). The ranks may differ; ``prior_theta`` must cover the same parameter names and
+    shapes as ``theta_q``. Differentiable in both; evaluated in double precision, returned in ``q``'s dtype.
     """
     names_q = list(check_sections(theta_q, PREFIXES, "kl_lowrank (q)"))
     mean_p = check_sections(prior_theta, PREFIXES, "kl_lowrank (prior)")
@@ -187,17 +183,11 @@ def kl_lowrank_grad(
 ) -> Mapping[str, Tensor]:
     """``∇_θ KL(q_θ ‖ p)`` in closed form for a low-rank plus diagonal prior ``p``, packed like ``θ``.
 
-    With ``∇_{Σ_q} KL = ½(Σ_p⁻¹ − Σ_q⁻¹)``: ``∇_μ = Σ_p⁻¹(μ_q − μ_p)``,
-    ``∇_logσ = a_q ⊙ (diag Σ_p⁻¹ − diag Σ_q⁻¹)`` (``a = σ²/2``) and
-    ``∇_L = (Σ_p⁻¹ − Σ_q⁻¹)L/(2(K_q−1))``; ``Σ_p⁻¹`` is :meth:`PriorPrecision.apply` and ``q``'s Woodbury
-    quantities are shared with the ascent (:func:`~flatbma.gaussian.geometry.geometry`). Double
-    precision, as :func:`kl_lowrank`.
-
-    Args:
-        theta: ``q``'s ``mean/``, ``log_std/``, ``factor/`` parameters.
-        prior_theta: ``p``'s, for the same parameter names and shapes.
-        precision: :func:`prior_precision` of ``prior_theta`` when computed already (a fixed prior's, once);
-            used when it is on ``θ``'s device, else (or ``None``) computed here, on ``θ``'s device.
+    With ``∇_{Σ_q} KL = ½(Σ_p⁻¹ − Σ_q⁻¹)``: ``∇_μ = Σ_p⁻¹(μ_q − μ_p)``, ``∇_logσ = a_q ⊙ (diag Σ_p⁻¹ − diag Σ_q⁻¹)``
+    (``a = σ²/2``) and ``∇_L = (Σ_p⁻¹ − Σ_q⁻¹)L/(2(K_q−1))``; ``Σ_p⁻¹`` is :meth:`PriorPrecision.apply` and ``q``'s
+    Woodbury quantities are shared with the ascent (:func:`~flatbma.gaussian.geometry.geometry`). Double precision, as
+    :func:`kl_lowrank`. ``precision``: :func:`prior_precision` of ``prior_theta`` when computed already (a fixed
+    prior's, once), used when it is on ``θ``'s device; else (or ``None``) computed here.
     """
     mu, _, factor = blocks(theta)
     geo = geometry(theta, torch.float64)

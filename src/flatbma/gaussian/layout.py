@@ -189,12 +189,12 @@ def init_from_swag(
     *,
     scale: float = 1.0,
 ) -> Params:
-    """Variational parameters whose ``q_θ`` is the SWAG Gaussian (Maddox et al. 2019).
+    """Variational parameters ``θ`` (``mean/``, ``log_std/``, ``factor/``) whose ``q_θ`` is the SWAG Gaussian.
 
-    SWAG's covariance ``scale · ½(diag σ²_SWAG + D Dᵀ/(K−1))``, ``D ∈ R^{d×K}`` with columns ``w_k − w̄``, has this
-    family's shape: ``μ = w̄``, ``σ = √(scale·σ²_SWAG)``, ``L = √scale · D`` reproduce it exactly (variances below
-    :data:`MIN_VARIANCE` are raised to it). Pass the result to a low-rank posterior's ``init`` in place of the
-    model weights, with the method's ``rank`` equal to ``K``.
+    SWAG's covariance (Maddox et al. 2019) ``scale · ½(diag σ²_SWAG + D Dᵀ/(K−1))``, ``D ∈ R^{d×K}`` with columns
+    ``w_k − w̄``, has this family's shape: ``μ = w̄``, ``σ = √(scale·σ²_SWAG)``, ``L = √scale · D`` reproduce it
+    exactly (variances below :data:`MIN_VARIANCE` are raised to it). Pass the result to a low-rank posterior's
+    ``init`` in place of the model weights, with the method's ``rank`` equal to ``K``.
 
     Args:
         mean: SWAG mean ``w̄`` — a flat ``[d]`` vector (in ``like``'s key order) or a dict by name.
@@ -202,9 +202,6 @@ def init_from_swag(
         deviations: ``[K, d]`` matrix whose rows are the deviations, or a dict of ``[K, *shape]``.
         like: the model weights by name (shapes and order).
         scale: SWAG's covariance scale.
-
-    Returns:
-        ``θ`` with ``mean/``, ``log_std/`` and ``factor/`` entries.
     """
     if not isinstance(scale, (int, float)) or not 0 < scale < float("inf"):
         raise FlatbmaError(f"init_from_swag: scale must be a positive number (got {scale!r})")

@@ -116,12 +116,8 @@ def _flat_noise(z1: Mapping[str, Tensor], names: list[str], batch: torch.Size) -
 def sample_weights(theta: Mapping[str, Tensor], z1: Mapping[str, Tensor], z2: Tensor) -> Params:
     """``w = μ + (1/√2)(σ ⊙ z₁ + L z₂ / √(K−1))`` by parameter name, differentiable in ``θ``.
 
-    So ``w ~ N(μ, ½(diag σ² + LLᵀ/(K−1)))``: the SWAG sampler (Maddox et al. 2019).
-
-    Args:
-        theta: variational parameters (``mean/``, ``log_std/``, ``factor/``).
-        z1: ``N(0, I)`` noise shaped like the weights, by name; may carry leading sample dimensions.
-        z2: ``N(0, I_K)`` noise of shape ``[K]``, or ``[*batch, K]`` matching ``z1``'s leading dimensions.
+    So ``w ~ N(μ, ½(diag σ² + LLᵀ/(K−1)))``: the SWAG sampler (Maddox et al. 2019). ``z1`` (by name) and ``z2``
+    (``[K]``) may carry the same leading sample dimensions ``[*batch]``.
     """
     names, shapes = names_and_shapes(theta)
     k = z2.shape[-1]

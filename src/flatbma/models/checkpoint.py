@@ -46,13 +46,10 @@ def load_state_dict_file(path: str | os.PathLike[str]) -> StateDict:
 def load_matching(model: nn.Module, state_dict: Mapping[str, Tensor], *, source: str, head: str) -> bool:
     """Load ``state_dict`` into ``model``: every tensor must match, except possibly the classifier.
 
-    Keys must correspond one to one with equal shapes (missing ``num_batches_tracked`` counters are tolerated).
-    The only allowed difference is the *shape* of the classifier ``head``'s tensors (another class count): the
-    head is then re-drawn with ``reset_parameters()`` from the current RNG and everything else is loaded.
-    Loaded parameters are marked :func:`is_pretrained`.
-
-    ``source`` names the checkpoint in error messages (usually its path); ``head`` is the qualified name of the
-    classifier module (:func:`flatbma.models.classifier_of`). Returns whether the head was re-initialized.
+    Keys must correspond one to one with equal shapes (missing ``num_batches_tracked`` counters are tolerated),
+    except the *shape* of the classifier ``head``'s tensors (its qualified name): that head is then re-drawn with
+    ``reset_parameters()`` from the current RNG. Loaded parameters are marked :func:`is_pretrained`. ``source``
+    names the checkpoint in messages. Returns whether the head was re-initialized.
 
     Raises:
         FlatbmaError: listing the missing, unexpected and mismatched keys if the checkpoint does not fit.

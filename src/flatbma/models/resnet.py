@@ -19,13 +19,7 @@ _STEMS = ("cifar", "imagenet")
 
 
 class BasicBlock(nn.Module):
-    """Two 3×3 conv-BN layers with an identity (or 1×1 conv-BN ``downsample``) shortcut.
-
-    Args:
-        in_planes: input channels.
-        planes: output channels.
-        stride: stride of the first convolution (and of the shortcut).
-    """
+    """Two 3×3 conv-BN layers with an identity (or 1×1 conv-BN ``downsample``) shortcut; ``stride`` is the first's."""
 
     expansion = 1
 
@@ -53,14 +47,9 @@ class BasicBlock(nn.Module):
 class ResNet(nn.Module):
     """A ResNet of :class:`BasicBlock` stages with channels ``width·(1, 2, 4, 8)``.
 
-    Args:
-        blocks: number of blocks per stage, e.g. ``(2, 2, 2, 2)`` for ResNet-18.
-        num_classes: number of output logits.
-        in_channels: number of input channels.
-        width: channels of the stem and of the first stage.
-        stem: ``"cifar"`` — a 3×3 stride-1 convolution and no max-pool (for 32×32 inputs);
-            ``"imagenet"`` — a 7×7 stride-2 convolution followed by a 3×3 stride-2 max-pool.
-        dropout: dropout probability before ``fc``.
+    ``blocks`` counts the blocks per stage (``(2, 2, 2, 2)`` for ResNet-18); ``width`` is the channels of the stem
+    and the first stage; ``stem`` is ``"cifar"`` (a 3×3 stride-1 convolution, no max-pool, for 32×32 inputs) or
+    ``"imagenet"`` (a 7×7 stride-2 convolution, then a 3×3 stride-2 max-pool); ``dropout`` acts before ``fc``.
     """
 
     def __init__(

@@ -13,12 +13,7 @@ class MLP(nn.Module):
     """A ReLU multi-layer perceptron on flattened inputs.
 
     Layout: ``features`` = ``Flatten`` then, per hidden layer, ``Linear → ReLU → Dropout``; then ``classifier``.
-
-    Args:
-        in_features: number of input features after flattening (``C·H·W`` for images).
-        num_classes: number of output logits.
-        hidden: widths of the hidden layers (may be empty: a linear model).
-        dropout: dropout probability after each hidden activation.
+    ``in_features`` counts the flattened inputs (``C·H·W`` for images); ``hidden`` may be empty (a linear model).
     """
 
     def __init__(
@@ -49,12 +44,6 @@ class SmallCNN(nn.Module):
 
     Channels ``width, 2·width, 4·width``; the second and third blocks have stride 2, and any input of at least 1×1
     pixels works. Layout: ``features`` (the blocks), ``pool``, ``dropout``, ``classifier`` (``nn.Linear``).
-
-    Args:
-        in_channels: number of input channels.
-        num_classes: number of output logits.
-        width: channels of the first block.
-        dropout: dropout probability before the classifier.
     """
 
     def __init__(self, in_channels: int, num_classes: int, width: int = 32, dropout: float = 0.0) -> None:

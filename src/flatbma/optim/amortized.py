@@ -1,50 +1,32 @@
 """The second pass of any ascent step, taken only every ``k`` steps and on a fraction of the batch.
 
-:class:`Amortized` wraps any ascent step — :class:`~flatbma.optim.SAM`, :class:`~flatbma.optim.ASAM`,
-:class:`~flatbma.optim.FisherSAM` on weights, :class:`~flatbma.optim.FisherBall` on a variational posterior's
-``θ`` — and takes its second forward/backward pass only at every ``ascent_every``-th step, reusing in between what
-the last one learned, optionally on a fraction of the batch.
+:class:`Amortized` wraps any ascent step (SAM, ASAM, FisherSAM on weights, FisherBall on a variational posterior's
+``θ``) and takes its second forward/backward pass only at every ``ascent_every``-th step, reusing in between what
+the last one learned (derivation: docs/methods.md §4.5).
 
-**LookSAM** (Liu et al., CVPR 2022, Algorithm 1). With ``g = ∇L_B(w)``, SAM's gradient is ``g_s = ∇L_B(w + ε)``,
-``ε = ρg/‖g‖``. Split ``g_s = c·g + g_v`` with ``g_vᵀg = 0``:
+**LookSAM** (Liu et al., CVPR 2022, Algorithm 1). With ``g = ∇L_B(w)`` and SAM's ``g_s = ∇L_B(w + ε)``, the part
+of ``g_s`` orthogonal to ``g`` is stored at the steps ``t ≡ 0 (mod k)`` and reused at the ``k − 1`` in between:
 
-    ``g_v = g_s − (gᵀg_s / ‖g‖²)·g``.
+    ``g_v = g_s − (gᵀg_s / ‖g‖²)·g``,        ``g̃ = g + α·(‖g‖/‖g_v‖)·g_v``,
 
-``g_v`` steers towards flatter regions and changes slowly over steps. At the steps ``t ≡ 0 (mod k)`` both passes
-run and ``g_v`` is stored; at the ``k − 1`` steps in between only ``g`` is computed and the descent gradient is
+with ``α = reuse_alpha``, over the whole parameter vector.
 
-    ``g̃ = g + α·(‖g‖/‖g_v‖)·g_v``,
+**Any ascent step: the dual metric.** Each step maximizes the linearized loss over a ball ``εᵀMε ≤ ρ²`` of its own
+metric ``M``, so the split is made orthogonal in ``⟨a, b⟩_* = aᵀM⁻¹b`` (no solve, since ``M⁻¹g ∝ ε``); the dual
+norms are read off the step, ``ε(a)ᵀa = ρ‖a‖_*``, and ``‖g‖_*`` is carried to a reuse step by ``‖g‖/‖g₀‖``
+(``g₀`` the first-pass gradient of the ascent step):
 
-with ``α = reuse_alpha`` (0.7, the reference implementations' default), over the whole parameter vector.
+    ``g_v = g_s − (εᵀg_s / εᵀg₀)·g₀``,        ``g̃ = g + α·(‖g‖/‖g₀‖)·(ε(g₀)ᵀg₀ / ε(g_v)ᵀg_v)·g_v``,
 
-**Any ascent step: the dual metric.** Each ascent step maximizes the linearized loss over a ball ``εᵀMε ≤ ρ²`` of
-its own metric ``M`` (SAM ``I``; ASAM ``T_w⁻²``; Fisher-SAM ``diag(1 + ηg⊙g)``; FisherBall the damped Fisher
-``F_λ(θ)`` of ``q_θ`` with ``ρ = √(2γ)``), so ``ε = ρM⁻¹g/‖g‖_*`` with the dual norm ``‖g‖_* = √(gᵀM⁻¹g)``.
-The split, made orthogonal in ``⟨a, b⟩_* = aᵀM⁻¹b``, needs no solve since ``M⁻¹g ∝ ε``:
-
-    ``g_v = g_s − (εᵀg_s / εᵀg)·g``,   i.e. ``εᵀg_v = 0``.
-
-Dual norms are read off the ascent step, ``ε(a)ᵀa = ρ‖a‖_*`` for ``ε(a) = ascent.perturb(w, a)``: at the ascent
-step (first-pass gradient ``g₀``) ``‖g₀‖_*/‖g_v‖_* = ε(g₀)ᵀg₀ / ε(g_v)ᵀg_v`` costs one more ``perturb``; at a
-reuse step ``‖g‖_*`` is carried over by the Euclidean norm, ``‖g‖_* ≈ ‖g₀‖_*·‖g‖/‖g₀‖``, so
-
-    ``g̃ = g + α·(‖g‖/‖g₀‖)·(ε(g₀)ᵀg₀ / ε(g_v)ᵀg_v)·g_v``,
-
-with one stored scalar beside ``g_v``; for SAM this is LookSAM's formula exactly. For FisherBall (on
-``θ = (μ, log σ, L)``, ``g`` the data term's gradient; the KL gradient is added after, unchanged) the split is the
-``F⁻¹``-orthogonal one and the extra ``perturb`` one Fisher solve; where its trust region shortens a ``δ``, or its
-projection makes ``√(aᵀF_λ⁻¹a)`` a seminorm, the ratio is that of its pairings (a ``g_v`` with
-``δ(g_v)ᵀg_v = 0`` adds nothing).
+with one stored scalar beside ``g_v``; for SAM this is LookSAM's formula exactly. For FisherBall the split is the
+``F⁻¹``-orthogonal one, and the KL gradient is added after, unchanged.
 
 **Batch fraction** (ESAM, Du et al., ICLR 2022). With ``ascent_fraction = f < 1`` the second pass runs on the first
-``⌈f·B⌉`` examples of the batch (at least two, for train-mode BatchNorm), cutting its cost by ``1 − f``. Unlike
-ESAM's sharpness-sensitive selection the subset is fixed: uniformly random as the loader shuffles, and exact on
-resumption. The first pass always sees the whole batch.
+``⌈f·B⌉`` examples of the batch (at least two), a fixed subset: random as the loader shuffles, exact on resumption.
 
-**State.** The memory (cycle position, ``g_v`` and its scale) is created by :meth:`Amortized.init` and lives in the
-method state's ``aux`` (:data:`flatbma.optim.ascent.MEMORY`), updated in place, so a run resumed mid-cycle
-continues bit-identically. With ``ascent_every = 1`` and ``ascent_fraction = 1`` the descent gradients are exactly
-the wrapped step's.
+**State.** The memory (cycle position, ``g_v`` and its scale) lives in the method state's ``aux``
+(:data:`flatbma.optim.ascent.MEMORY`), updated in place, so a run resumed mid-cycle continues bit-identically. With
+``ascent_every = 1`` and ``ascent_fraction = 1`` the descent gradients are exactly the wrapped step's.
 """
 
 from __future__ import annotations

@@ -52,10 +52,7 @@ def has_memory(ascent: Ascent | None) -> bool:
 
 
 def needs_sample(ascent: Ascent | None) -> bool:
-    """Whether ``ascent`` is taken from the drawn weight sample rather than a first pass's gradient.
-
-    Such a step (:class:`flatbma.optim.FisherBall` with ``direction: score``) has ``perturb_sample(θ, w)``.
-    """
+    """Whether ``ascent`` is taken from the drawn weight sample (``perturb_sample(θ, w)``), not a first pass."""
     return bool(getattr(ascent, "needs_sample", False))
 
 

@@ -66,9 +66,9 @@ class OptimConfig:
             raise FlatbmaError(f"momentum must be in [0, 1), got {self.momentum!r}")
 
     def check_length(self, epochs: int, where: str = "optim", epochs_key: str = "train.epochs") -> None:
-        """Refuse a warm-up longer than the ``epochs`` it warms up (``where``: the section's name in messages).
+        """Refuse a warm-up longer than the run's ``epochs``: it would never reach ``lr``.
 
-        Such a warm-up never reaches ``lr``: the whole run would train at a fraction of the rate it asks for.
+        ``where`` and ``epochs_key`` name the section and the epochs' key in the message.
 
         Raises:
             FlatbmaError: one line naming both keys.

@@ -1,50 +1,34 @@
 """The FP-BMA / SA-BMA ascent step on variational parameters (Lim et al., UAI 2025).
 
-Over 500 lines on purpose: the Fisher of the low-rank plus diagonal Gaussian, its preconditioned CG solve, the
-rotation projection and the step are one derivation whose pieces are only correct together; the Gaussian's own
-geometry lives in :mod:`flatbma.gaussian`.
+Over 500 lines on purpose: the variational Fisher, its preconditioned CG solve, the rotation projection and the
+step are one derivation whose pieces are only correct together.
 
-FP-BMA perturbs the *distribution* ``q_θ`` inside a KL ball:
+FP-BMA perturbs the *distribution* ``q_θ`` inside a KL ball, ``max_{δ: KL(q_{θ+δ} ‖ q_θ) ≤ γ} E_{q_{θ+δ}} L_B``
+with ``KL(q_{θ+δ} ‖ q_θ) ≈ ½ δᵀF(θ)δ``, whose linearized solution is
 
-    ``max_{δ: KL(q_{θ+δ} ‖ q_θ) ≤ γ} E_{q_{θ+δ}} L_B``,  ``KL(q_{θ+δ} ‖ q_θ) ≈ ½ δᵀF(θ)δ``,
+    ``δ* = √(2γ) F⁻¹g / √(gᵀF⁻¹g)``,   ``g = ∇_θ E_z L_B(w(θ, z))`` (the reparameterized *data-loss* gradient),
 
-whose linearized solution is ``δ* = √(2γ) F⁻¹g / √(gᵀF⁻¹g)`` with ``g = ∇_θ E_z L_B(w(θ, z))`` the
-reparameterized *data-loss* gradient and ``F(θ)`` the Fisher information of the variational family (not the data
-Fisher). :class:`FisherBall` computes ``δ*`` for the low-rank plus diagonal Gaussian of :mod:`flatbma.gaussian`,
+``F(θ)`` the Fisher information of the variational family (not the data Fisher). :class:`FisherBall` computes ``δ*``
+for the low-rank plus diagonal Gaussian of :mod:`flatbma.gaussian`,
 
-    ``Σ = ½(diag σ² + LLᵀ/(K−1)) = A + UUᵀ``,  ``A = diag(σ²/2)``,  ``U = L/√(2(K−1))``,
+    ``Σ = ½(diag σ² + LLᵀ/(K−1)) = A + UUᵀ``,  ``A = diag(σ²/2)``,  ``U = L/√(2(K−1))``,  ``θ = (μ, log σ, L)``:
 
-with ``θ = (μ, log σ, L)``. The Fisher is block-diagonal between the mean and the covariance parameters,
-``F_ij = ∂_iμᵀΣ⁻¹∂_jμ + ½ tr(Σ⁻¹∂_iΣ Σ⁻¹∂_jΣ)``:
+the mean block exactly (``F_μ⁻¹g_μ = Σg_μ``); the covariance block, ``(Fv)_logσ = ½σ²⊙diag(M)`` and
+``(Fv)_L = ½ML/(K−1)`` with ``M = Σ⁻¹dΣ[v]Σ⁻¹`` for ``v = (v_logσ, V)``, by preconditioned conjugate gradients on
+``O(dK²)`` Fisher products (:func:`whitened_fisher_product`, no ``d×d`` matrix), after projecting ``g_L`` off the
+factor's rotations (the block's null space, which a damped inverse would amplify by ``1/λ``), with Tikhonov damping
+``λB`` in each block's curvature scale (:func:`damping_scale`), which bounds the step along degenerate factor
+directions (``‖δ_L A^{-1/2}‖/√(2(K−1)) ≤ √(2γ/λ)``). ``δ*`` is normalized in the damped metric, so
+``½δ*ᵀF_λδ* = γ`` exactly (derivation: docs/methods.md §5).
 
-* mean block ``F_μ = Σ⁻¹``, so ``F_μ⁻¹g_μ = Σg_μ = ½(σ²⊙g + L(Lᵀg)/(K−1))`` exactly;
-* covariance block, for ``v = (v_logσ, V)``: ``dΣ[v] = diag(σ²⊙v_logσ) + (VLᵀ + LVᵀ)/(2(K−1))``,
-  ``M = Σ⁻¹dΣ[v]Σ⁻¹``, ``(Fv)_logσ = ½σ²⊙diag(M)`` and ``(Fv)_L = ½ML/(K−1)``, formed in ``O(dK²)`` by the
-  Woodbury identity in the coordinates whitened by ``A`` (``Ũ = A^{-1/2}U``, capacitance ``C = I + ŨᵀŨ``), with
-  no ``d×d`` matrix. ``F_cov⁻¹g_cov`` is solved by conjugate gradients, preconditioned with the exact diagonal of
-  ``F_cov`` plus an exact coarse solve on the factor directions ``V = SL`` (``S`` symmetric), until the relative
-  preconditioned residual reaches ``cg_tol`` or after ``cg_iters`` iterations. A small fixed count is not enough
-  (one iteration can leave the ``log σ`` block at cosine −0.99 to the exact solve); the default stop keeps every
-  block within cosine 0.98 on ``bench/fisher_ball_cg.py``, and at large ``d`` takes 1–4 iterations (~1% of a step).
-
-The covariance block is singular: rotations of the factor (``V = ΩL``, ``Ω`` skew) leave ``Σ`` unchanged. A
-single-sample gradient has a noise component along them that any damped inverse would amplify by ``1/λ``, so
-``g_L`` is first projected off the rotations (a ``K×K`` Sylvester solve). The remaining ill-conditioning (factor
-columns much smaller than ``σ``) is handled by Tikhonov damping in whitened units: the solve is
-``(F_cov + λB)x = g_cov`` with ``λ = damping`` and ``B = diag(1 on log σ, 1/(2(K−1)aᵢ) on L)``, each block's
-curvature scale, which makes ``λ`` dimensionless and bounds the step along degenerate factor directions
-(``‖δ_L A^{-1/2}‖/√(2(K−1)) ≤ √(2γ/λ)``). ``δ*`` is normalized in the same damped metric, so ``½δ*ᵀF_λδ* = γ``
-exactly.
-
-Metrics (:class:`BallMetric`): ``"fisher"`` (the above), ``"euclidean"`` (``F = I``: SAM on ``θ`` with
-``ρ = √(2γ)``) and ``"data-fisher"`` (``F = 1 + η g⊙g`` on every block: Fisher-SAM's metric on ``θ``). The step
-acts on ``θ`` (``FisherBall.space`` is :attr:`~flatbma.types.AscentSpace.THETA`), so a Gaussian VI posterior built
-with it takes the θ-level sharpness-aware step
+Metrics (:class:`BallMetric`): ``"fisher"``, ``"euclidean"`` (``F = I``: SAM on ``θ`` with ``ρ = √(2γ)``) and
+``"data-fisher"`` (Fisher-SAM's metric on ``θ``). The step acts on ``θ`` (``FisherBall.space`` is ``THETA``), so a
+Gaussian VI posterior built with it takes the θ-level step
 (:func:`flatbma.posteriors.gaussian_vi.theta_sharpness_value_and_grad`): that composition is FP-BMA.
 
-Precision: never under autocast. The geometry (:func:`geometry`), the ``K×K`` algebra, the mean block and the trust
-region run in float64; the conjugate gradients' ``[K, d]`` operands in float32 under ``precision: auto`` when
-:func:`float32_error` allows (sums in float64, :func:`gram`). ``δ*`` returns in ``θ``'s dtype.
+Precision: never under autocast. The geometry, the ``K×K`` algebra, the mean block and the trust region run in
+float64; the conjugate gradients' ``[K, d]`` operands in float32 under ``precision: auto`` when
+:func:`float32_error` allows (sums in float64, :func:`gram`).
 """
 
 from __future__ import annotations
@@ -298,8 +282,7 @@ def _preconditioner(geo: LowRankGeometry, damping: float) -> _Preconditioner:
 
 FLOAT32_ERROR_CONSTANT = 4.0
 """``c`` of :func:`float32_error`: four times the largest ``‖f̂ − F̃_λy‖/(u₃₂(1 + a)²‖y‖)`` measured against
-float64 (0.97, over the problems of ``bench/fisher_ball_cg.py`` and adversarial ones with spread factor columns:
-``tests/optim/test_fisher_ball_precision.py``)."""
+float64 (``tests/optim/test_fisher_ball_precision.py``)."""
 
 
 def float32_error(geo: LowRankGeometry, damping: float) -> float:
@@ -346,8 +329,8 @@ def solve_covariance_fisher(
     ``B`` is :func:`damping_scale`; the preconditioner ``M`` is :func:`_preconditioner`. The iteration stops at the
     first iterate whose relative preconditioned residual ``√(rᵀMr / gᵀMg)`` is at most ``cg_tol`` (one host
     synchronization per iteration), after ``cg_iters`` iterations, or at zero curvature. Every iterate satisfies
-    ``xᵀ(F_cov + λB)x = gᵀx``, so the damped quadratic form is ``gᵀx`` at any stopping point. ``cg_iters = 1`` costs
-    one preconditioner application and one Fisher product. ``dtype``: of the ``[K, d]`` operands (default ``g``'s).
+    ``xᵀ(F_cov + λB)x = gᵀx``, so the damped quadratic form is ``gᵀx`` at any stopping point. ``dtype``: of the
+    ``[K, d]`` operands (default ``g``'s).
     """
     if cg_iters < 1:
         raise ValueError(f"cg_iters must be >= 1, got {cg_iters}")
@@ -478,8 +461,7 @@ def _leaves_quadratic_regime(theta: Mapping[str, Tensor], x: Mapping[str, Tensor
 
 DEFAULT_RADIUS = 0.05
 """The default ascent step of :class:`FisherBall`, in the weights' units: SAM's default ``ρ`` (Foret et al.,
-ICLR 2021), so that FP-BMA and SAM move the weights by the same Euclidean length per step on every model, whatever
-``q``'s width (a fixed ``γ`` moves ``μ`` by ``√(2γ)·σ̄``, which depends on it)."""
+ICLR 2021), so FP-BMA and SAM move the weights equally far per step whatever ``q``'s width (docs/methods.md §5.1)."""
 
 
 @dataclass(frozen=True)
@@ -490,11 +472,9 @@ class FisherBall:
     ``γ``, ``KL(q_{θ+δ*} ‖ q_θ) ≈ γ``. ``g`` must be the reparameterized data-loss gradient
     ``∇_θ E_z L_B(w(θ, z))`` (see :func:`flatbma.posteriors.gaussian_vi.theta_sharpness_value_and_grad`).
 
-    **The scale of γ.** A mean shift ``δμ`` costs ``KL = ½δμᵀΣ⁻¹δμ``, so the step moves ``μ`` by at most
-    ``√(2γ)·σ̄`` (``σ̄`` a marginal std of ``q`` along the move): the same ``γ`` means less as ``q`` narrows and more
-    as it widens (docs/methods.md §5.1). ``radius`` states the step in the weights' units instead: ``γ`` is then set
-    at every step so that ``‖δμ‖₂ = radius``. The posterior records every step's size
-    (:func:`flatbma.gaussian.step_size`: ``‖δμ‖₂``, the exact ``KL(q_{θ+δ} ‖ q_θ)`` and the mean's share).
+    **The scale of γ.** The step moves ``μ`` by at most ``√(2γ)·σ̄`` (``σ̄`` a marginal std of ``q`` along the move),
+    so ``γ`` means less as ``q`` narrows (docs/methods.md §5.1); ``radius`` states the step in the weights' units.
+    The posterior records every step's size (:func:`flatbma.gaussian.step_size`).
 
     Attributes:
         space: :attr:`AscentSpace.THETA <flatbma.types.AscentSpace.THETA>`: the step perturbs ``θ``.
@@ -511,19 +491,16 @@ class FisherBall:
         eta: ``η`` of the ``"data-fisher"`` metric.
         max_kl_ratio: trust region on the exact divergence (``"fisher"`` only): when ``KL(q_{θ+δ*} ‖ q_θ)`` exceeds
             ``max_kl_ratio · γ``, ``δ*`` is scaled by the largest ``t ∈ [0, 1]`` (bisection to 2⁻¹²) that keeps it
-            within; checked only for steps that move some ``log σ`` by more than 0.1 or the factor by more than 10%.
-            The quadratic model can badly underestimate the KL along directions the damping dominates; ``inf``
-            turns it off.
+            within; checked only for steps that move some ``log σ`` by more than 0.1 or the factor by more than 10%;
+            ``inf`` turns it off.
         radius: the step in the weights' units (``"fisher"`` only; not with ``gamma``). With ``direction: loss``,
             ``γ`` is chosen at every step so that ``‖δμ‖₂ = radius`` (the trust region then bounds the exact KL by
             ``max_kl_ratio`` times that step's ``½δᵀF_λδ``); with ``direction: score``, every block's step norm.
         direction: a :class:`Direction`. ``"loss"`` (the paper): ``F⁻¹g`` above. ``"score"`` (the authors' code,
-            ``SABMA_optim.first_step``, not the paper): ``δ_b = radius·s_b/‖s_b‖`` per block ``b`` of ``θ``, with
-            ``s = ∇_θ log q_θ(w)`` at the drawn sample ``w`` (:func:`flatbma.gaussian.score`) and the same noise
-            re-used at ``θ + δ``; needs ``radius`` and the sample (:meth:`perturb_sample`).
+            not the paper; docs/methods.md §5.2): ``δ_b = radius·s_b/‖s_b‖`` per block ``b`` of ``θ``, with
+            ``s = ∇_θ log q_θ(w)`` at the drawn sample; needs ``radius`` and the sample (:meth:`perturb_sample`).
         blocks: a :class:`BallBlocks`. ``"all"``; ``"mean"``: only ``μ`` is perturbed, ``δμ = t·Σg_μ`` with ``t``
-            from ``½δμᵀΣ⁻¹δμ = γ`` (exact) or from ``radius``; the covariance, where a large ``γ`` otherwise goes
-            (it is cheapest there in KL), is left alone.
+            from ``½δμᵀΣ⁻¹δμ = γ`` (exact) or from ``radius``.
         precision: a :class:`SolvePrecision` (``"fisher"`` only): ``"auto"`` runs the solve on float32 ``[K, d]``
             operands when :func:`float32_error` is at most ``cg_tol``; ``"float64"`` always in float64.
     """

@@ -1,16 +1,11 @@
 """fp16's dynamic loss scale for any method: :class:`LossScaled`, a functional ``torch.amp.GradScaler``.
 
-Under fp16 autocast small gradients underflow in the backward pass, so the method's losses are multiplied by a
-scale ``S`` before differentiation and the gradients divided by it again
-(:meth:`flatbma.params.Objective.value_and_grad`). ``S`` adapts as in ``GradScaler`` (Micikevicius et al., ICLR
-2018): a step whose gradient is not finite is skipped and ``S`` halved; after ``growth_interval`` finite steps in a
-row ``S`` doubles.
-
-A skipped step is skipped whole (an overflow in either pass skips the ascent and the update): parameters, method
-state and BatchNorm statistics are restored from a copy taken before it, with ``step`` advanced by one so
-schedules follow the batches. Every step reports ``amp/skipped`` (1 or 0) and ``amp/scale`` (the scale it used).
-The scale and the count of finite steps live in the method state (``aux``: :data:`SCALE`, :data:`GROWTH`), so
-checkpoints hold them.
+The method's losses are multiplied by a scale ``S`` before differentiation and the gradients divided by it again
+(:meth:`flatbma.params.Objective.value_and_grad`), so small fp16 gradients do not underflow. As in ``GradScaler``
+(Micikevicius et al., ICLR 2018), a step whose gradient is not finite (in either pass) is skipped whole, its state
+restored with ``step`` advanced by one, and ``S`` halved; after ``growth_interval`` finite steps in a row ``S``
+doubles. Every step reports ``amp/skipped`` and ``amp/scale``; ``S`` and the count live in the method state's
+``aux`` (:data:`SCALE`, :data:`GROWTH`), so checkpoints hold them.
 """
 
 from __future__ import annotations
@@ -102,10 +97,7 @@ class LossScaled:
 
 
 def _hiding(function: Callable[..., Any]) -> Callable[..., Any]:
-    """``function(state, ...)`` called with the state without the scale's entries.
-
-    A :func:`~flatbma.types.view` of the state: what the method derives from it is kept with the state.
-    """
+    """``function(state, ...)`` called with a :func:`~flatbma.types.view` of the state without the scale's entries."""
 
     def hidden(state: State, *args: Any) -> Any:
         return function(view(state, "unscaled", state.params, state.buffers, _unscaled(state)), *args)

@@ -3,8 +3,7 @@
 Weight decay is an L2 prior on the *weights*. When the optimized tensors are not all weights (a Gaussian
 posterior's ``θ`` holds ``mean/`` beside ``log_std/``, ``factor/`` or ``rho/``), the decay is restricted by a
 :data:`DecayMask`, a predicate on the keys, composed with an optimizer by :func:`with_decay_mask`; without a mask
-it acts on every tensor. On a packed dict (:mod:`flatbma.packed`) the decayed entries are slices of the one
-buffer, merged where contiguous.
+it acts on every tensor.
 """
 
 from __future__ import annotations
@@ -59,10 +58,7 @@ class _Both:
 
 @functools.lru_cache(maxsize=16)
 def _decayed_views(layout: Layout, mask: DecayMask) -> tuple[tuple[tuple[int, ...], tuple[int, ...], int], ...]:
-    """``(shape, stride, offset)`` of the parts of a packed buffer that ``mask`` selects, merged where contiguous.
-
-    Contiguous selected tensors that follow each other in the buffer become one 1-D run.
-    """
+    """``(shape, stride, offset)`` of the parts of a packed buffer that ``mask`` selects, merged where contiguous."""
     views: list[tuple[tuple[int, ...], tuple[int, ...], int]] = []
     run_start = run_end = None
     for key, shape, stride, offset in zip(layout.keys, layout.shapes, layout.strides, layout.offsets, strict=True):
@@ -86,10 +82,7 @@ def _decayed_views(layout: Layout, mask: DecayMask) -> tuple[tuple[tuple[int, ..
 def _decay_targets(
     mask: DecayMask | None, keys: Sequence[str], params: Mapping[str, Tensor], *lists: list[Tensor]
 ) -> tuple[list[Tensor], ...]:
-    """The parts of each list (as :func:`flatbma.packed.coalesce` returned it for ``keys``) that decay acts on.
-
-    Views of the given tensors, so in-place updates reach them.
-    """
+    """Views of the parts of each list (:func:`flatbma.packed.coalesce`'s for ``keys``) that decay acts on."""
     if mask is None:
         return lists
     if len(lists[0]) == len(keys):  # one tensor per key (a single packed key selects all or nothing alike)
@@ -132,10 +125,7 @@ class SGD:
 
     @torch.no_grad()
     def apply(self, params: Params, grads: Mapping[str, Tensor], state: Params, step: int) -> Params:
-        """Update ``params`` in place with one SGD step; return the new momentum state.
-
-        Packed parameters, gradients and momenta (:mod:`flatbma.packed`) are updated as one tensor each.
-        """
+        """Update ``params`` in place with one SGD step (a packed buffer as one tensor); return the momentum state."""
         keys = list(grads)
         lists = [params, grads]
         if self.momentum:
@@ -199,10 +189,7 @@ class Adam:
 
     @torch.no_grad()
     def apply(self, params: Params, grads: Mapping[str, Tensor], state: Params, step: int) -> Params:
-        """Update ``params`` in place with one Adam step; return the new moment state.
-
-        Packed parameters, gradients and moments (:mod:`flatbma.packed`) are updated as one tensor each.
-        """
+        """Update ``params`` in place with one Adam step (a packed buffer as one tensor); return the moment state."""
         keys = list(grads)
         w, g, m, v = packed.coalesce(
             keys,

@@ -1,7 +1,6 @@
 """Bayesian SAM (bSAM; Möllenhoff & Khan, "SAM as an Optimal Relaxation of Bayes", ICLR 2023).
 
-A diagonal Gaussian posterior ``q(w) = N(m, diag(1/(N s)))`` trained by the paper's Algorithm 1 (a natural-gradient,
-Adam-like update on the relaxed Bayes objective whose inner maximization is a SAM step):
+A diagonal Gaussian ``q(w) = N(m, diag(1/(N s)))`` trained by the paper's Algorithm 1 (docs/methods.md §4.4):
 
     ``w = m + e``,  ``e ~ N(0, diag(1/(N s)))``               noisy weights
     ``g = ∇L_B(w)``                                            gradient at the noisy weights
@@ -11,12 +10,11 @@ Adam-like update on the relaxed Bayes objective whose inner maximization is a SA
     ``s ← β₂ s + (1 − β₂)(√s ⊙ |g| + δ + γ)``                  precision
     ``m ← m − α_t g_m / s``
 
-elementwise, where ``N = data_factor · objective.num_data`` (``data_factor``: the authors' augmentation heuristic,
-4 on augmented CIFAR), ``δ = λ₀ / N`` for the prior ``N(0, I/λ₀)`` (``λ₀ = prior_precision``), ``γ`` the damping and
-``α_t = optimizer.learning_rate(step)``: the only thing bSAM takes from ``optimizer``. It has its own ascent step
-(``ρ``), so it takes none. The mean is updated with the new ``s``, as in Algorithm 1. BatchNorm running statistics
-are updated by the first (noisy) pass only. Layout: ``θ = {"mean/<name>": m, "precision/<name>": s}``; ``aux``
-holds the momentum ``"bsam/momentum/<name>"`` (:class:`Momentum`) and the noise seed.
+elementwise, where ``N = data_factor · objective.num_data`` (the authors use 4 on augmented CIFAR), ``δ = λ₀ / N``
+for the prior ``N(0, I/λ₀)``, ``γ`` the damping and ``α_t = optimizer.learning_rate(step)``, the only thing bSAM
+takes from ``optimizer``; ``ρ`` is its own ascent step. The mean is updated with the new ``s``. BatchNorm statistics
+are updated by the first (noisy) pass only. ``θ = {"mean/<name>": m, "precision/<name>": s}``; ``aux`` holds the
+momentum ``"bsam/momentum/<name>"`` (:class:`Momentum`) and the noise seed.
 """
 
 from __future__ import annotations
@@ -44,11 +42,7 @@ NAME = "bsam"
 
 
 class Momentum(NamedTuple):
-    """bSAM's own state (component :data:`NAME` of ``aux``).
-
-    Attributes:
-        momentum: ``g_m`` by weight name.
-    """
+    """bSAM's own state (component :data:`NAME` of ``aux``): ``momentum``, ``g_m`` by weight name."""
 
     momentum: dict[str, Tensor]
 

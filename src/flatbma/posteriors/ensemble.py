@@ -37,27 +37,11 @@ def build(
 
     Every member ``m`` takes the step ``w^m_{t+1} = opt(w^m_t, ∇L_B(w^m_t + ε^m_t))`` with
     ``ε^m_t = ascent.perturb(w^m_t, ∇L_B(w^m_t))`` on the same mini-batch ``B`` (``ε = 0`` without an ascent; with
-    SAM this is the F-ensemble). Diversity comes from the independent initializations (and dropout masks, if any);
-    the data order is shared. It is ``multi.build(objective, point.build(objective, optimizer, ascent),
-    members=size, seed=seed, seed_single=True)`` (:func:`flatbma.posteriors.multi.build`) without ``mean`` and
-    ``marginal_variance``:
-
-    * Initialization: member 0 is the given ``params``; member ``m ≥ 1`` re-initializes every fully trainable
-      module of ``objective.model`` under a seed drawn from ``seed`` (``None``: from torch's global generator)
-      (:func:`~flatbma.posteriors.members.member_initializations`); the template module is not touched.
-    * State: ``params``, ``buffers`` and ``aux`` under ``member<m>/``, each member with its own BatchNorm
-      statistics, optimizer state and ascent memory.
-    * Randomness (dropout masks): member ``m``'s step runs under global generators seeded by a hash of
-      ``(s_t, m)``, ``s_t`` one draw per step, so its draws do not depend on the other members (also for
-      ``size == 1``).
-    * ``update`` reports the mean member loss and, as logits, ``log (1/M) Σ_m softmax(f(x; w^m))``.
-      ``sample(state, n, generator)`` returns the first ``min(n, size)`` members, whatever the generator.
-    * :attr:`Capabilities.members` ``= size``: ``split``, ``update`` and ``sample`` act on the members a state holds.
-
-    There is no ``mean`` hook, as for SG-MCMC: the members are samples from separate basins, and their weight
-    average is typically a high-loss network. The width is then the unbiased variance over the BMA's distinct
-    samples, and the weights "at the mean" are the average of the BMA's samples
-    (:func:`flatbma.predictor.posterior_mean`), an estimate labelled as such.
+    SAM this is the F-ensemble). It is ``multi.build(objective, point.build(objective, optimizer, ascent),
+    members=size, seed=seed, seed_single=True)`` (:func:`flatbma.posteriors.multi.build`: initializations, the
+    ``member<m>/`` state, per-member randomness, ``split``) without ``mean`` and ``marginal_variance``: the members
+    are samples from separate basins, whose weight average is typically a high-loss network (docs/methods.md §3.6).
+    ``sample(state, n, generator)`` returns the first ``min(n, size)`` members, whatever the generator.
 
     Raises:
         FlatbmaError: ``size < 1`` or a ``seed`` that is not a non-negative integer or ``None``.

@@ -1,19 +1,15 @@
 """FP-BMA / SA-BMA: flat-posterior-aware Bayesian model averaging (Lim et al., UAI 2025).
 
 FP-BMA is a composition, not a family of its own: the low-rank plus diagonal Gaussian of
-:mod:`flatbma.posteriors.lowrank_vi` (same ``θ`` layout ``mean/``, ``log_std/``, ``factor/``, same sampler) with
-the Fisher-ball ascent step :class:`flatbma.optim.FisherBall` on ``θ``. It trains
+:mod:`flatbma.posteriors.lowrank_vi` with the Fisher-ball ascent :class:`flatbma.optim.FisherBall` on ``θ``. It trains
 
     ``min_θ  max_{θ': KL(q_θ' ‖ q_θ) ≤ γ}  E_{w~q_θ'} L_B(w)  +  κ · KL(q_θ ‖ p) / n``
 
-with the two-pass step of :func:`flatbma.posteriors.gaussian_vi.theta_sharpness_value_and_grad`: the ascent
-``δ* = √(2γ)F⁻¹g/√(gᵀF⁻¹g)`` along the data gradient ``g = ∇_θ E_z L_B(w(θ, z))`` in the Fisher metric of ``q_θ``,
-then the descent gradient at ``θ + δ*`` with the same noise, plus the KL gradient at ``θ``. :func:`build` uses the
-prior ``p = N(0, s²I)``; :func:`build_with_prior` takes a low-rank plus diagonal Gaussian ``p`` (e.g. a source-task
-SWAG posterior).
-
-Unlike the authors' public code (docs/methods.md §10.1), the perturbation follows the data-loss gradient ``g`` (not
-the score of ``log q``), ``z₂`` has mean 0, and the Fisher matches the sampler's ``Σ = ½(diag σ² + LLᵀ/(K−1))``.
+with :func:`flatbma.posteriors.gaussian_vi.theta_sharpness_value_and_grad`: the ascent ``δ* = √(2γ)F⁻¹g/√(gᵀF⁻¹g)``
+along the data gradient ``g = ∇_θ E_z L_B(w(θ, z))`` in the Fisher metric of ``q_θ``, then the descent gradient at
+``θ + δ*`` with the same noise, plus the KL gradient at ``θ`` (derivation: docs/methods.md §5; where the authors'
+code differs: §10.1). :func:`build` uses the prior ``p = N(0, s²I)``; :func:`build_with_prior` a low-rank plus
+diagonal Gaussian ``p`` (e.g. a source-task SWAG posterior).
 """
 
 from __future__ import annotations
@@ -104,11 +100,10 @@ def build_with_prior(
 
     As :func:`build`, with ``KL(q_θ ‖ p)`` (:func:`~flatbma.gaussian.kl_lowrank`) for the prior
     ``p = N(μ_p, ½(diag σ_p² + L_pL_pᵀ/(K_p−1)))`` given as ``prior_theta``: ``mean/``, ``log_std/``, ``factor/``
-    tensors for exactly the trainable parameters, of any rank ``K_p ≥ 2`` (e.g. a source-task SWAG posterior,
-    ``init_from_swag(...)``, which may also be passed to ``init`` to start ``q`` there if ``rank`` equals its ``K``).
-    The prior is not stored in the state: to resume training, build again with it. ``options`` are
-    :class:`~flatbma.posteriors.lowrank_vi.Options` (``prior_std`` does not apply); ``ascent=None`` gives low-rank
-    VI with that prior.
+    tensors for exactly the trainable parameters, of any rank ``K_p ≥ 2`` (e.g. ``init_from_swag(...)``, which may
+    also be passed to ``init`` if ``rank`` equals its ``K``). The prior is not stored in the state: to resume, build
+    again with it. ``options`` are :class:`~flatbma.posteriors.lowrank_vi.Options` (``prior_std`` does not apply);
+    ``ascent=None`` gives low-rank VI with that prior.
 
     Raises:
         FlatbmaError: ``prior_theta`` is not a ``θ``-layout dict of finite tensors of rank ``≥ 2`` matching ``mean/``.

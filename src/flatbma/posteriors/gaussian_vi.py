@@ -16,10 +16,6 @@ State: ``params`` = ``θ``, ``buffers`` = the model's buffers, ``aux`` = the opt
 ``optimizer/``, the noise seed ``rng/seed`` and the ascent step's memories under ``ascent/``. The training noise of
 a step comes from a generator seeded by ``(rng/seed, step)``, so a reloaded state resumes with exactly the noise it
 would have drawn; ``sample`` uses the caller's generator.
-
-Over 500 lines on purpose: the one negative-ELBO update that mean-field VI, low-rank VI, FP-BMA and their
-flat-seeking variants share lives here once, so that the families differ only in their
-:class:`ReparameterizedFamily`.
 """
 
 from __future__ import annotations
@@ -70,25 +66,18 @@ from flatbma.types import (
 class VarianceStep(str, Enum):
     """How the optimizer steps the variance parameters (``method.variance_step``; strings and members accepted).
 
-    ``ℒ`` is the ELBO *per example*, so its gradient in a variance parameter is ``O(1/n)`` where ``σ`` is small: for
-    mean-field ``q`` with data curvature ``h_i``, ``∂ℒ/∂log σ_i = σ_i²h_i + κ(σ_i²/s² − 1)/n``, and a plain step
-    ``−η·∂ℒ/∂log σ_i`` moves ``log σ_i`` by about ``ηκ/n`` per update: ``σ`` hardly leaves ``init_std``.
-
     ``NATURAL`` (the default) steps the diagonal variance parameters (mean-field ``ρ``, low-rank ``log σ``) along
     their natural gradient (Amari 1998) of the tempered ELBO ``(n/κ)·ℒ``: that block's gradient times
-    ``(n/κ)·F⁻¹/G``, clipped to ``[−1, 1]`` (the family's ``natural_variance``), with ``F`` the Fisher of ``q`` in it
-    (2 in ``log σ``) and ``G`` the optimizer's gain on a constant gradient (:func:`flatbma.optim.sgd.steady_gain`:
-    ``1/(1−μ)`` for heavy-ball SGD). In ``log σ`` the step is
+    ``(n/κ)·F⁻¹/G``, clipped to ``[−1, 1]`` (the family's ``natural_variance``), ``F`` the Fisher of ``q`` in it
+    (2 in ``log σ``) and ``G`` the optimizer's gain on a constant gradient (:func:`flatbma.optim.sgd.steady_gain`).
+    In ``log σ``, with ``h_i`` the data curvature,
 
         ``Δ log σ_i = −η·clip(½((n/κ)σ_i²h_i + σ_i²/s² − 1))``,
 
     a contraction to the mean-field optimum ``σ_i² = 1/((n/κ)h_i + 1/s²)`` at rate ``η`` per update whatever ``n``
-    and ``σ``, the rate of natural-gradient VI (Khan et al. 2018; Khan & Rue 2023; Shen et al. 2024, IVON). Both the
-    clip and the division by ``G`` are needed: without either, the noisy single-sample estimate of ``h_i`` drives
-    the loss to NaN. The mean and a low-rank factor keep the optimizer's plain step. Adam is invariant to the
-    scaling, not to the clip.
-
-    ``PLAIN``: the optimizer's step on the plain gradient in every block (Blundell et al. 2015).
+    and ``σ``. The mean and a low-rank factor keep the optimizer's plain step. ``PLAIN``: the optimizer's step on
+    the plain gradient in every block (Blundell et al. 2015), which moves a small ``σ`` by only about ``ηκ/n`` per
+    update (why, and why both the clip and ``G`` are needed: docs/methods.md §3.3).
     """
 
     NATURAL = "natural"
@@ -177,16 +166,9 @@ def elbo_value_and_grad(
     and ``n = objective.num_data``. Each vector-Jacobian product ``(∂w_m/∂θ)ᵀg_m`` is the family's
     closed-form ``pullback`` when it has one, else autograd; the KL gradient is :func:`kl_grad`.
 
-    Args:
-        objective: model and mean mini-batch loss ``L_B``.
-        family: the variational family.
-        theta: variational parameters.
-        buffers: model buffers, updated in place (BatchNorm) by the first, unperturbed pass of the first sample.
-        batch: ``(x, y)``.
-        noises: one :class:`GaussianNoise` per Monte-Carlo sample (``M = len(noises) ≥ 1``).
-        ascent: ascent step applied to each sampled ``w``, or ``None``.
-        kl_weight: ``κ``.
-        memories: the ascent step's memory for each sample (:func:`weight_memories`), for a step that has one.
+    ``noises`` holds one :class:`GaussianNoise` per sample (``M = len(noises) ≥ 1``), ``memories`` the ascent step's
+    memory per sample (:func:`weight_memories`); ``buffers`` are updated in place (BatchNorm) by the first,
+    unperturbed pass of the first sample.
 
     Returns:
         ``(mean over samples of L_B(w_m), logits of the first sample, gradient by key of θ)``.
@@ -215,10 +197,7 @@ def elbo_value_and_grad(
 
 
 def _pullback(family: ReparameterizedFamily, theta: Params, noise: GaussianNoise, g: Params) -> Params:
-    """``(∂w/∂θ)ᵀ g`` for ``w = family.reparameterize(θ, noise)``.
-
-    ``family.pullback`` when the family has it in closed form (cheaper: no autograd graph), else autograd.
-    """
+    """``(∂w/∂θ)ᵀ g`` for ``w = family.reparameterize(θ, noise)``: ``family.pullback`` if it has one, else autograd."""
     closed_form = getattr(family, "pullback", None)
     if closed_form is not None and (noise.z2 is None or noise.z2.dim() == 1):
         return closed_form(theta, noise, g)
@@ -253,10 +232,10 @@ def theta_sharpness_value_and_grad(
     memory: Mapping[str, Tensor] | None = None,
     record: dict[str, Tensor] | None = None,
 ) -> tuple[Tensor, Tensor, Params]:
-    """The sharpness-aware step applied to the variational parameters ``θ`` themselves (FP-BMA).
+    """The sharpness-aware step applied to the variational parameters ``θ`` themselves (FP-BMA; Lim et al. 2025).
 
-    The θ-level counterpart of :func:`flatbma.optim.ascent.sharpness_aware_value_and_grad` (Lim et al., UAI 2025):
-    with the same noise ``z_m`` in both passes,
+    :func:`flatbma.optim.ascent.two_pass` on ``θ``, with the same noise ``z_m`` in both passes (so an ascent step with
+    a ``memory``, :class:`flatbma.optim.Amortized`, schedules the second pass as on weights):
 
     1. ``g = ∇_θ (1/M) Σ_m L_B(w(θ, z_m))`` — the reparameterized data-loss gradient, no KL;
     2. ``δ = ascent.perturb(θ, g)`` (e.g. :class:`flatbma.optim.FisherBall`);
@@ -264,15 +243,11 @@ def theta_sharpness_value_and_grad(
        unperturbed ``θ``, ``n = objective.num_data``.
 
     Without an ascent step this is :func:`elbo_value_and_grad`. BatchNorm running statistics are updated once, by
-    the first sample of the first pass. Steps 1–3 are :func:`flatbma.optim.ascent.two_pass` on ``θ``, so an ascent
-    step with a ``memory`` (:class:`flatbma.optim.Amortized`) schedules the second pass as on weights.
+    the first sample of the first pass. An ascent step taken from the drawn sample
+    (:func:`flatbma.optim.ascent.needs_sample`: FisherBall's ``direction: score``) replaces steps 1–2 by
+    ``δ = ascent.perturb_sample(θ, w(θ, z))`` for the one noise sample ``z``; the first pass is then forward only.
 
-    An ascent step taken from the drawn sample (:func:`flatbma.optim.ascent.needs_sample`: FisherBall's
-    ``direction: score``) replaces steps 1–2 by ``δ = ascent.perturb_sample(θ, w(θ, z))`` for the one noise sample
-    ``z``; the first pass is then forward only.
-
-    ``record``: when given, filled with the family's ``step_size(θ, θ + δ)`` (:func:`flatbma.gaussian.step_size`)
-    at every step that takes the second pass, if the family has one.
+    ``record``, when given, receives the family's ``step_size(θ, θ + δ)`` (if any) at every step with a second pass.
 
     Returns:
         ``(mean over samples of L_B(w(θ, z_m)), logits of the first sample at θ, gradient by key of θ)``.
@@ -326,11 +301,7 @@ def _sample_ascent(
 
 
 def _repacked(family: ReparameterizedFamily, state: State) -> State:
-    """``state`` with ``θ`` and its optimizer state packed in ``family.layout`` (:mod:`flatbma.packed`).
-
-    A state from ``init`` is packed already; one loaded from a checkpoint or moved to another device is packed here
-    (same values, other storage).
-    """
+    """``state`` with ``θ`` and its optimizer state packed in ``family.layout`` (a loaded or moved state's, once)."""
     if not hasattr(family, "layout") or packed.layout_of(state.params) is not None:
         return state
     params, aux = packed.pack_with_mirrors(state.params, state.aux, family.layout(state.params))
@@ -433,10 +404,7 @@ def update(
     kl_weight: float,
     variance_scale: float | None,
 ) -> tuple[State, StepOutput]:
-    """``θ ← optimizer(θ, P ∇_θ ℒ)`` on ``M`` noise samples drawn from the generator of ``(seed, step)``.
-
-    ``P``: the identity, or with ``variance_scale = s`` the family's ``natural_variance`` with ``s`` (:func:`build`).
-    """
+    """``θ ← optimizer(θ, P ∇_θ ℒ)`` (:func:`build`) on ``M`` noise samples from the generator of ``(seed, step)``."""
     on_theta = ascent_space(ascent) is AscentSpace.THETA
     value_and_grad = theta_sharpness_value_and_grad if on_theta else elbo_value_and_grad
     state = _repacked(family, state)

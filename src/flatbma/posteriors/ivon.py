@@ -13,22 +13,17 @@ the cost of one gradient per Monte-Carlo sample. Step ``t = 1, 2, …`` with ``M
     ``m ← m − α_t · clip((g/(1 − β₁ᵗ) + δ m)/(h + δ), −ξ, ξ)``          mean (bias-corrected momentum)
 
 then ``σ = 1/√(λ(h + δ))`` with the new ``h``; ``σ`` and ``(θ_j − m)/σ²`` in ``ĥ`` are those of the ``h`` the
-samples were drawn with. ``λ`` (``ess``, default ``N``, the training-set size) is the effective sample size: ``q``
-then approximates the posterior of ``N`` examples under the prior ``N(0, I/(λδ))``, ``δ`` the weight decay. ``h``
-starts at ``h₀`` (``hess_init``), ``g`` at 0. With ``rescale_lr`` (``ivon-opt``'s default) ``α_t = (h₀ + δ)·η_t``,
-so the first steps are SGD-sized; ``ξ`` (``clip_radius``) clips every coordinate of the step, ``None`` for none.
+samples were drawn with. ``λ = ess`` (default ``N``, the training-set size), so ``q`` approximates the posterior of
+``N`` examples under the prior ``N(0, I/(λδ))``; ``h`` starts at ``h₀ = hess_init``, ``g`` at 0; ``rescale_lr`` gives
+``α_t = (h₀ + δ)·η_t``; ``ξ = clip_radius`` (``None``: no clip). IVON is its own optimizer: from flatbma's SGD it
+reads ``η_t = optimizer.learning_rate(step)``, ``β₁ = optimizer.momentum`` and ``δ = optimizer.weight_decay``. With
+an ascent step on weights (F-IVON) the gradient at each sample is ``∇L_B(θ_j + ε_j)``,
+``ε_j = ascent.perturb(θ_j, ∇L_B(θ_j))``, in both ``ĝ`` and ``ĥ``.
 
-IVON is its own optimizer: from flatbma's SGD it reads ``η_t = optimizer.learning_rate(step)``,
-``β₁ = optimizer.momentum`` and ``δ = optimizer.weight_decay``; Adam and Nesterov momentum are refused. The BMA
-samples ``w ~ N(m, σ²)``; the posterior mean is ``m``. With an ascent step on weights (F-IVON) the gradient at
-each sample is ``∇L_B(θ_j + ε_j)``, ``ε_j = ascent.perturb(θ_j, ∇L_B(θ_j))``, in both ``ĝ`` and ``ĥ``.
-
-State: ``params`` = ``{"mean/<name>": m, "hess/<name>": h}`` (packed as one ``[2, d]`` buffer, names sorted),
-``aux`` = ``{"ivon/momentum/<name>": g}`` (:class:`Momentum`, one ``[d]`` buffer), the noise seed ``rng/seed`` and
-an amortized ascent step's memories ``ascent/sample<j>/…``; ``t`` is :attr:`State.step` + 1. Step ``t``'s noise is
-drawn from the generator of ``(rng/seed, t − 1)`` (:func:`flatbma.rng.seeded_generator`), one ``[d]`` draw per
-``z_j``, so a resumed state draws what it would have. Data-parallel runs all-reduce every ``∇L_B(θ_j)`` and draw
-the same ``z_j`` on every rank: ``ĝ`` and ``ĥ`` are those of the global batch (the reference's ``sync=True``).
+State: ``params`` = ``{"mean/<name>": m, "hess/<name>": h}`` (one packed ``[2, d]`` buffer), ``aux`` = the momentum
+``ivon/momentum/<name>`` (:class:`Momentum`), the noise seed ``rng/seed`` and an amortized ascent step's memories
+``ascent/sample<j>/…``. Step ``t``'s noise comes from the generator of ``(rng/seed, t − 1)``; data-parallel runs
+all-reduce every ``∇L_B(θ_j)`` and draw the same ``z_j`` on every rank (docs/methods.md §3.10).
 """
 
 from __future__ import annotations
@@ -82,11 +77,7 @@ NAME = "ivon"
 
 
 class Momentum(NamedTuple):
-    """IVON's own state (component :data:`NAME` of ``aux``).
-
-    Attributes:
-        momentum: the gradient momentum ``g`` by weight name, as views of one ``[d]`` buffer laid out as ``θ``'s rows.
-    """
+    """IVON's own state (component :data:`NAME` of ``aux``): ``momentum``, ``g`` by weight name (one ``[d]`` buffer)."""
 
     momentum: dict[str, Tensor]
 
@@ -97,18 +88,15 @@ KIND = "ivon"
 
 @dataclass(frozen=True)
 class Options:
-    """IVON's options (:func:`build`); ``β₁``, ``δ`` and ``η_t`` come from the optimizer (``optim``).
-
-    The defaults are ``ivon-opt`` 0.1.3's, with ``λ = N`` as in Algorithm 1.
+    """IVON's options (:func:`build`; ``β₁``, ``δ``, ``η_t`` come from ``optim``): ``ivon-opt`` 0.1.3's defaults.
 
     Attributes:
         ess: ``λ``, the effective sample size; ``None``: ``N``, the training-set size. A larger ``λ`` narrows ``q``.
-        hess_init: ``h₀ > 0``, the initial Hessian estimate, so the initial ``σ = 1/√(λ(h₀ + δ))`` (the authors'
-            CIFAR ResNets use 0.5, ImageNet 0.05, GPT-2 0.001).
+        hess_init: ``h₀ > 0``, the initial Hessian estimate, so the initial ``σ = 1/√(λ(h₀ + δ))``.
         beta2: ``β₂``, the Hessian's decay; ``h`` moves by ``≈ (1 − β₂)(ĥ − h)`` per step, so a run of ``T``
             steps moves ``σ`` only when ``T(1 − β₂)`` is not small.
         mc_samples: ``M``, samples (gradients) per step.
-        clip_radius: ``ξ``, the elementwise clip of the step; ``None`` for none (the authors' GPT-2 runs: ``10⁻³``).
+        clip_radius: ``ξ``, the elementwise clip of the step; ``None`` for none.
         rescale_lr: ``α_t = (h₀ + δ)·η_t`` (Algorithm 1's optional rescaling); ``False``: ``α_t = η_t``.
     """
 

@@ -1,16 +1,12 @@
 """The Laplace approximation around a MAP trained in the same run: ``q(w) = N(w*, (H/T + δ)⁻¹)``.
 
-Over 500 lines on purpose: the family's two stages (the MAP and the curvature pass), its prior-precision choice
-and its option checks all read the same ``Options`` and ``Fit``; the curvature itself lives in
-:mod:`flatbma.curvature`.
+Over 500 lines on purpose: its two stages, prior-precision choice and option checks read one ``Options`` and ``Fit``.
 
-``w*`` is a point estimate (:func:`flatbma.posteriors.point.step`: SGD, or SAM/ASAM/Fisher-SAM: F-Laplace), ``H``
-the generalized Gauss-Newton (or empirical Fisher) of the summed training loss at ``w*`` in a diagonal,
-Kronecker-factored or full structure, ``δ`` the precision of the prior ``N(w₀, δ⁻¹I)`` — fixed, or maximizing the
-Laplace evidence (MacKay 1992; Immer et al. 2021) — with ``w₀ = 0`` or the pretrained weights (L2-SP; Li,
-Grandvalet & Davoine 2018), and ``T`` a temperature. The predictive is the network linearized at ``w*`` (GLM;
-Immer, Korzepa & Bauer 2021), its probit approximation, or the network on the samples
-(:class:`flatbma.types.Predictive`; Daxberger et al. 2021, "Laplace Redux").
+``w*`` is a point estimate (SGD, or SAM/ASAM/Fisher-SAM: F-Laplace), ``H`` the generalized Gauss-Newton (or
+empirical Fisher) of the summed training loss at ``w*`` (:mod:`flatbma.curvature`), ``δ`` the precision of the prior
+``N(w₀, δ⁻¹I)``, fixed or maximizing the Laplace evidence (MacKay 1992; Immer et al. 2021), and ``T`` a temperature.
+The predictive is the network linearized at ``w*`` (GLM), its probit approximation, or the network on the samples
+(:class:`flatbma.types.Predictive`; Daxberger et al. 2021, "Laplace Redux"). The maths: docs/methods.md §3.9.
 """
 
 from __future__ import annotations
@@ -65,8 +61,7 @@ from flatbma.types import (
 )
 
 POINT = point_name
-"""Name of the MAP's component of ``State.aux``: the point update's state (its optimizer's, ``point/optimizer/``),
-:mod:`flatbma.named`."""
+"""Name of the MAP's component of ``State.aux``: the point update's state (its optimizer's, ``point/optimizer/``)."""
 LAPLACE = "laplace"
 """Name of the curvature's component of ``State.aux``: an :class:`Accumulated` (:mod:`flatbma.named`)."""
 SEEN = f"{LAPLACE}/seen"
@@ -121,10 +116,7 @@ class Subset(str, Enum):
 MAP = Phase("map")
 """Laplace's first phase (:func:`phase`): its first ``start_step`` updates train the MAP ``w*`` (``train.epochs``)."""
 CURVATURE = Phase("curvature", epochs=1)
-"""Laplace's second phase: one epoch after the MAP's accumulates the curvature at ``w*`` (:func:`curvature_step`).
-
-The posterior (:func:`fitted`) is the curvature phase's accumulators at the state's MAP, fitted on first use.
-"""
+"""Laplace's second phase: one epoch after the MAP's accumulates the curvature at ``w*`` (:func:`curvature_step`)."""
 
 
 @dataclass(frozen=True)
@@ -187,23 +179,18 @@ def build(
     """A MAP phase, then a curvature phase, then ``N(w*, P⁻¹)`` with ``P = H/T + δ``.
 
     MAP phase: updates ``1..start_step`` are exactly :func:`flatbma.posteriors.point.step` (with ``ascent``, SAM
-    gives F-Laplace), so the state's ``w`` then equals the point method's with the same optimizer and data.
-
-    Curvature phase: every later update leaves ``w = w*`` and the optimizer state alone and adds the batch's
-    ``Σ_{i∈B} J_iᵀ Λ_i J_i`` (GGN of the cross-entropy, ``Λ_i = diag p_i − p_i p_iᵀ``; or the empirical Fisher
-    ``Σ_i g_i g_iᵀ``) to the accumulators (:func:`curvature_step`). After ``n_seen`` examples
+    gives F-Laplace). Curvature phase: every later update leaves ``w = w*`` and the optimizer state alone and adds
+    the batch's ``Σ_{i∈B} J_iᵀ Λ_i J_i`` (GGN, ``Λ_i = diag p_i − p_i p_iᵀ``; or the empirical Fisher
+    ``Σ_i g_i g_iᵀ``) to the accumulators (:func:`curvature_step`); after ``n_seen`` examples
     ``H = (n/n_seen)·Σ_seen`` (``n = objective.num_data``).
-
-    The prior mean ``w₀`` (:class:`PriorMean`) is kept in the state (``aux["laplace/prior_mean/<name>"]``); the
-    posterior mean stays ``w*``: ``w₀`` enters only through ``δ`` and the evidence.
 
     Posterior (computed on first use, :func:`fitted`; never saved): ``δ`` is ``prior_precision``, or the maximizer
     of the Laplace evidence (MacKay 1992)
     ``log Z(δ) = −Σ_i ℓ_i(w*) − ½ Σ_g δ_g‖w*_g − w₀_g‖² + ½ Σ_g d_g log δ_g − ½ log det(H/T + diag δ)``,
-    where ``δ‖w* − w₀‖² = γ`` (:func:`flatbma.curvature.optimize_prior`). ``sample`` returns ``w* + Δ_m``,
-    ``Δ_m ~ N(0, P⁻¹)``; ``marginal_variance`` is ``diag P⁻¹`` and ``functional_variance`` ``diag(J P⁻¹ Jᵀ)``,
-    both exact for the structure; ``diagnostics`` report ``δ``, ``log Z(δ)`` and ``γ``. ``w*`` is the posterior
-    mode only when ``δ = n·weight_decay`` (coupled SGD decay).
+    where ``δ‖w* − w₀‖² = γ`` (:func:`flatbma.curvature.optimize_prior`). The prior mean ``w₀`` (:class:`PriorMean`,
+    kept in the state) enters only ``δ`` and the evidence: the posterior mean stays ``w*``. ``sample`` returns
+    ``w* + Δ_m``, ``Δ_m ~ N(0, P⁻¹)``; ``marginal_variance`` is ``diag P⁻¹`` and ``functional_variance``
+    ``diag(J P⁻¹ Jᵀ)``, both exact for the structure; ``diagnostics`` report ``δ``, ``log Z(δ)`` and ``γ``.
 
     Raises:
         FlatbmaError: an option out of range, a loss other than cross-entropy, and (at ``init``) a
@@ -339,8 +326,6 @@ def curvature_step(state: State, batch: Batch, *, options: Options, objective: O
 
 def fitted(state: State, *, options: Options, objective: Objective) -> Fit:
     """The state's posterior :class:`Fit`, computed on first use and kept with it (:func:`~flatbma.types.derive`).
-
-    ``H = (n/n_seen)·Σ_seen`` in eigen form, ``δ`` (fixed, or maximizing the evidence), ``log Z(δ)`` and ``γ``.
 
     Raises:
         FlatbmaError: the state accumulated no curvature yet (it is in its MAP phase).
@@ -598,8 +583,7 @@ def _whole_map(map_steps: int) -> int:
 
 
 PRIOR_PRECISION_GRID = tuple(10.0 ** (k / 5) for k in range(-20, 21))
-"""Laplace's ``prior_precision: val`` grid: 41 values ``10^(k/5)``, 1e-4 to 1e4 (laplace-torch's grid search spans
-the same ``10^-4 … 10^4``, in 100 steps by default; Daxberger et al. 2021, "Laplace Redux", §2.4)."""
+"""Laplace's ``prior_precision: val`` grid: 41 values ``10^(k/5)``, 1e-4 to 1e4 (laplace-torch's range)."""
 
 
 def _full_hessian(method: Section) -> bool:
@@ -607,10 +591,7 @@ def _full_hessian(method: Section) -> bool:
 
 
 def advice(method: Section, prior: bool, diagnostics: Mapping[str, Any]) -> str:
-    """What to change when Laplace's BMA is worse than its MAP (:attr:`Family.advice`).
-
-    The last layer, a larger prior precision (on validation data), the linearized predictive: those it lacks.
-    """
+    """What to change when Laplace's BMA is worse than its MAP: the last layer, a larger δ, the GLM predictive."""
     o, tips = method.options, []
     if Subset(o["subset"]) is Subset.ALL:
         tips.append("subset: last-layer")

@@ -6,12 +6,9 @@
 
 exactly the SWAG sampler (Maddox et al. 2019), so a SWAG posterior can initialize it (:func:`init_from_swag`).
 ``θ`` holds ``"mean/<name>"``, ``"log_std/<name>"`` and ``"factor/<name>"`` (shape ``[K, *S]``) for every trained
-parameter of shape ``S``; the family's maths is :mod:`flatbma.gaussian`, re-exported here.
-
+parameter of shape ``S``; the family's maths is :mod:`flatbma.gaussian` (re-exported here), docs/methods.md §3.4.
 The prior is ``p = N(0, s² I)`` (:func:`build`) or another low-rank plus diagonal Gaussian
-(:func:`flatbma.posteriors.fp_bma.build_with_prior`). The ascent step chooses the method: none, low-rank VI; SAM on
-weights, F-low-rank-VI (Nguyen et al., NeurIPS 2023); the Fisher ball on ``θ`` (:class:`flatbma.optim.FisherBall`),
-FP-BMA (Lim et al., UAI 2025).
+(:func:`flatbma.posteriors.fp_bma.build_with_prior`).
 """
 
 from __future__ import annotations
@@ -101,10 +98,9 @@ class LowRankGaussian:
     prior_std: float
 
     def init_theta(self, params: Params, generator: torch.Generator) -> Params:
-        """``μ = w₀``, ``σ = init_std``, ``L_ik ~ N(0, init_std²(K−1)/K)``.
+        """``μ = w₀``, ``σ = init_std``, ``L_ik ~ N(0, init_std²(K−1)/K)`` (so ``E[Σ] = init_std² I``).
 
-        Then ``E[Σ] = init_std² I``. ``L`` starts random because ``L = 0`` is a stationary point of the expected
-        objective (``E[z₂] = 0``).
+        ``L`` starts random because ``L = 0`` is a stationary point of the expected objective (``E[z₂] = 0``).
         """
         k = self.rank
         c = self.init_std * math.sqrt((k - 1) / k)
@@ -238,9 +234,8 @@ class Options:
         init_std: initial marginal standard deviation of every weight.
         prior_std: prior standard deviation ``s`` (of the default prior ``N(0, s²I)``).
         kl_weight: ``κ`` (1 is the ELBO; smaller values temper the KL).
-        variance_step: :class:`~flatbma.posteriors.gaussian_vi.VarianceStep` (or its name): ``natural`` steps
-            ``log σ`` along the natural gradient of the ELBO; ``plain`` takes the optimizer's step on the plain
-            gradient. The factor ``L`` takes the plain step either way.
+        variance_step: :class:`~flatbma.posteriors.gaussian_vi.VarianceStep` (or its name) of ``log σ``; the
+            factor ``L`` takes the plain step either way.
     """
 
     NOTES: ClassVar[str] = """
@@ -263,14 +258,9 @@ def build(
     """Low-rank plus diagonal Gaussian VI; with an ascent step, F-low-rank-VI or FP-BMA.
 
     Minimizes ``E_{z₁,z₂}[L_B(w(θ, z))] + κ·KL(q_θ ‖ N(0, s²I)) / n`` over ``θ = (μ, log σ, L)`` with
-    ``optimizer`` (``n = objective.num_data``); with ``variance_step: natural`` (the default) the ``log σ`` gradient
-    is first scaled to its natural step (:func:`~flatbma.gaussian.natural_covariance_gradient`). An ascent step acts:
-
-    * on weights (e.g. :class:`~flatbma.optim.SAM`; registered as ``f-lowrank-vi``): each sampled ``w`` is
-      perturbed by ``ε = ascent.perturb(w, ∇L_B(w))`` and ``∇L_B(w + ε)`` is back-propagated to ``θ``;
-    * on ``θ`` (:class:`~flatbma.optim.FisherBall`; registered as ``fp-bma`` and ``sa-bma``):
-      ``θ ← optimizer(θ, ∇_θ E_z L_B(w(θ + δ*, z)) + κ ∇_θ KL(q_θ ‖ p) / n`` with
-      ``δ* = ascent.perturb(θ, ∇_θ E_z L_B(w(θ, z)))``, the same ``z`` in both passes (Lim et al. 2025).
+    ``optimizer`` (``n = objective.num_data``) by ``gaussian_vi.build``. The ascent step
+    chooses the method: none, low-rank VI; SAM on weights, F-low-rank-VI (Nguyen et al. 2023), each sampled ``w``
+    perturbed; the Fisher ball on ``θ`` (:class:`~flatbma.optim.FisherBall`), FP-BMA (Lim et al. 2025).
 
     ``init`` also accepts a ``θ`` from :func:`init_from_swag`. The optimizer's weight decay acts on ``μ`` only. The
     expected gradient in ``L`` is second order (``∝ H L``, Stein's lemma) but its noise first order, so under Adam

@@ -34,8 +34,7 @@ class Options:
 
     Attributes:
         rate: dropout probability ``p`` in ``[0, 1)``.
-        override_existing: set the dropout probability of the model's own dropout layers to ``rate``
-            (otherwise their rates are kept).
+        override_existing: set the model's own dropout layers to ``rate`` (otherwise their rates are kept).
     """
 
     rate: float = 0.1
@@ -65,8 +64,7 @@ def build(
     passes in :func:`predict_mode`.
 
     Raises:
-        FlatbmaError: ``rate`` outside ``[0, 1)``, or a dropout layer is needed but the model is a
-            bare ``nn.Linear``.
+        FlatbmaError: ``rate`` outside ``[0, 1)``, or a dropout layer is needed but the model is a bare ``nn.Linear``.
     """
     o = Options(**options)
     if not is_number(o.rate) or not 0 <= o.rate < 1:
@@ -130,9 +128,8 @@ def dropout_weight_variance(model: nn.Module, params: Params) -> Params:
     """The marginal variances of MC dropout's weight distribution, by trained parameter name.
 
     An ``nn.Linear`` right after an ``nn.Dropout(p)`` in an ``nn.Sequential`` (the classifier :func:`build` inserts,
-    or a torchvision-style head) computes ``(W diag(z)/(1−p)) x`` with ``z_j ~ Bernoulli(1−p)``: its weights
-    ``W_ij z_j/(1−p)`` have mean ``W_ij`` and variance ``W_ij² p/(1−p)``. Every other trained parameter has
-    variance 0; dropout on activations elsewhere has no weight-space form and is not counted.
+    or a torchvision-style head) has weights ``W_ij z_j/(1−p)``, ``z_j ~ Bernoulli(1−p)``: variance ``W_ij² p/(1−p)``.
+    Every other trained parameter has variance 0 (dropout elsewhere has no weight-space form).
     """
     variance = {k: torch.zeros_like(v) for k, v in params.items()}
     for name, module in model.named_modules():
@@ -148,11 +145,10 @@ def dropout_weight_variance(model: nn.Module, params: Params) -> Params:
 
 
 def prepare_dropout(model: nn.Module, rate: float, *, override_existing: bool = True) -> list[str]:
-    """Make ``model`` a dropout network with rate ``rate`` (see :func:`build`); return the renamed modules.
+    """Make ``model`` a dropout network with rate ``rate``, in place (see :func:`build`); return the renamed modules.
 
-    ``model`` is modified in place. Returns the names of classifiers wrapped into
-    ``nn.Sequential(nn.Dropout(rate), linear)`` (empty when the model already had an active dropout layer or
-    ``rate`` is 0).
+    The names of classifiers wrapped into ``nn.Sequential(nn.Dropout(rate), linear)``: none when the model already had
+    an active dropout layer or ``rate`` is 0.
     """
     layers = [m for m in model.modules() if isinstance(m, _DropoutNd)]
     if override_existing:

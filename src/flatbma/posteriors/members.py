@@ -150,11 +150,7 @@ def member_seed(seed: int, m: int) -> int:
 
 
 def mixture_output(outs: Sequence[StepOutput]) -> StepOutput:
-    """The step output of a uniform mixture of the members that produced ``outs``.
-
-    The mean loss and, as logits, the mixture's predictive log-probabilities ``log (1/m) Σ_j softmax(logits_j)``
-    (their argmax is the mixture's prediction), as :attr:`~flatbma.types.Capabilities.members` requires.
-    """
+    """The step output of a uniform mixture: the mean loss and, as logits, ``log (1/m) Σ_j softmax(logits_j)``."""
     loss = torch.stack([o.loss for o in outs]).mean()
     log_probs = torch.stack([F.log_softmax(o.logits, dim=-1) for o in outs])
     return StepOutput(loss, torch.logsumexp(log_probs, dim=0) - math.log(len(outs)))

@@ -98,9 +98,8 @@ class MeanFieldGaussian:
 def natural_rho_gradient(theta: Mapping[str, Tensor], grads: Mapping[str, Tensor], scale: float) -> Params:
     """``grads`` with every ``rho/<name>`` multiplied by ``scale · F_ρ⁻¹ = scale · σ²/(2 sigmoid(ρ)²)``, clipped to ±1.
 
-    The Fisher of ``N(μ, σ²)`` in ``σ`` is ``2/σ²`` and ``dσ/dρ = sigmoid(ρ)``, so ``F_ρ = 2 sigmoid(ρ)²/σ²`` exactly
-    (the mean-field Fisher is diagonal). For ``ρ ≪ 0`` the factor is ``scale/2``, the natural step of ``log σ``.
-    ``scale = n/(κG)`` gives the natural gradient of the tempered ELBO in ``ρ`` at the optimizer's rate
+    ``F_ρ`` is the exact Fisher of ``N(μ, σ²)`` in ``ρ``; for ``ρ ≪ 0`` the factor is ``scale/2``, the natural step of
+    ``log σ``. ``scale = n/(κG)`` gives the natural gradient of the tempered ELBO in ``ρ`` at the optimizer's rate
     (:class:`~flatbma.posteriors.gaussian_vi.VarianceStep`). ``μ``'s entries are unchanged.
     """
     out = dict(grads)
@@ -119,9 +118,8 @@ class Options:
         init_std: ``σ`` at initialization.
         prior_std: prior standard deviation ``s``.
         kl_weight: ``κ`` (1 is the ELBO; smaller values temper the KL).
-        variance_step: :class:`~flatbma.posteriors.gaussian_vi.VarianceStep` (or its name): ``natural`` steps ``ρ``
-            along the natural gradient of the ELBO; ``plain`` takes the optimizer's step on the plain gradient
-            (Blundell et al. 2015), under which ``σ`` stays near ``init_std`` on thousands of examples.
+        variance_step: :class:`~flatbma.posteriors.gaussian_vi.VarianceStep` (or its name) of ``ρ``: ``natural``, or
+            ``plain`` (Blundell et al. 2015), under which ``σ`` stays near ``init_std`` on thousands of examples.
     """
 
     NOTES: ClassVar[str] = """
@@ -143,11 +141,10 @@ def build(
     """Bayes by backprop (MFVI), or F-MFVI with an ascent step.
 
     Minimizes ``E_{z~N(0,I)}[L_B(μ + σ⊙z)] + κ·KL(q_θ ‖ N(0, s²I)) / n`` over ``θ = (μ, ρ)`` with ``optimizer``,
-    ``n = objective.num_data``. With ``variance_step: natural`` (the default) the ``ρ`` gradient is first multiplied
-    by ``n·F_ρ⁻¹`` (:func:`natural_rho_gradient`), so that ``σ`` reaches the ELBO's optimum
-    ``σ_i² = 1/(n h_i + 1/s²)`` at a rate set by the learning rate (docs/methods.md §3.3). With an ascent step each
-    sampled ``w`` is perturbed by ``ε = ascent.perturb(w, ∇L_B(w))`` and ``∇L_B(w + ε)`` is back-propagated to ``θ``.
-    Adam is the usual ``optimizer``; its weight decay acts on ``μ`` only.
+    ``n = objective.num_data``; with ``variance_step: natural`` (the default) the ``ρ`` gradient is first scaled by
+    :func:`natural_rho_gradient` (docs/methods.md §3.3). With an ascent step each sampled ``w`` is perturbed by
+    ``ε = ascent.perturb(w, ∇L_B(w))`` and ``∇L_B(w + ε)`` is back-propagated to ``θ``. Adam is the usual
+    ``optimizer``; its weight decay acts on ``μ`` only.
     """
     o = Options(**options)
     step = gaussian_vi.check_options(

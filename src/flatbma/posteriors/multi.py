@@ -55,41 +55,29 @@ class Options:
 def build(
     objective: Objective, base: Posterior | Sequence[Posterior], *, seed_single: bool = False, **options
 ) -> Posterior:
-    """The uniform mixture of ``members`` independently trained posteriors ``base``.
+    """The uniform mixture of ``members`` independently trained posteriors ``base`` (docs/methods.md §3.8).
 
-    Initialization: member ``m`` starts at the weights of a deep ensemble
+    ``base`` is the family of every member, or ``members`` posteriors of one family: member ``m``'s own prior, as in
+    a two-stage run (MultiSWAG → Multi-FP-BMA) whose member ``m`` takes the first stage's member ``m`` as its prior.
+
+    Member ``m`` starts at the weights of a deep ensemble of ``objective.model``
     (:func:`flatbma.posteriors.members.member_initializations` under ``seed``; ``None``: one draw from torch's global
-    generator), or at its own entries of a start whose every key is a member's (``member<m>/...``); its state is
-    ``base.init`` of them under global generators seeded by a hash of ``(seed, m)`` (restored afterwards).
-
-    Training: every member takes ``base.update`` on the same mini-batch under global generators seeded by a hash of
-    ``(s_t, m)``, ``s_t`` one draw per step, so a member's draws do not depend on the others. It reports the mean
-    member loss and the log-predictive ``log (1/M) Σ_m softmax(f_m)``.
-
-    Sampling (``sample(state, n, g)``): round-robin, sample ``i`` from member ``i mod M``, member ``m`` with its own
-    generator seeded from ``(s, m)``, ``s`` one draw from ``g``. ``recompute_bn`` and ``predict_mode`` are the
-    family's, the latter entered with the last member's generator, ``(s, M − 1)``.
+    generator), or at its own entries of a start whose every key is a member's (``member<m>/...``). Its ``init``
+    runs under global generators (restored afterwards) seeded by a hash of ``(seed, m)``, every ``update`` on the
+    same mini-batch under ones seeded by ``(s_t, m)``, ``s_t`` one draw per step: no member depends on the others.
+    ``update`` reports the mean member loss and the log-predictive ``log (1/M) Σ_m softmax(f_m)``. Sampling is
+    round-robin, sample ``i`` from member ``i mod M`` with its generator seeded from ``(s, m)``, ``s`` one draw from
+    the caller's generator; ``predict_mode`` (the family's) gets the last member's, ``(s, M − 1)``.
 
     ``members == 1`` is the family itself, bit for bit, predictive included (keys prefixed ``member0/``; no seed
     drawn unless ``seed_single``). More members average their samples (a linearized predictive is refused); a
     family's ``diagnostics`` are reported per member (``member<m>/...``).
 
     Mean and width, when the family has them: ``E_q[w] = (1/M) Σ_m μ_m`` (with member 0's buffers) and, by the law
-    of total variance, ``Var_q[w_i] = (1/M) Σ_m Var_{q_m}[w_i] + (1/M) Σ_m (μ_{m,i} − μ̄_i)²``. With Gaussian
-    members, ``gaussian(state)`` is every member's ``θ_m`` under its prefix ``member<m>/``: one Gaussian per member.
-
-    Two-stage runs (MultiSWAG → Multi-FP-BMA): the first stage is ``multi`` of the prior's method with the same
-    ``M`` and ``seed``, and member ``m`` takes that stage's member ``m`` as its prior (and, with ``prior.init``, its
-    start). A shared prior, fitted in one basin, would pull every member into it, so it is not offered.
-
-    :attr:`Capabilities.members` ``= M``: ``split(state, indices)`` keeps the ``member<m>/`` entries of
-    ``indices``; ``update``, ``sample``, ``mean`` and ``marginal_variance`` act on the members a state holds.
-
-    Args:
-        objective: model and mini-batch loss (its model gives the members' initializations).
-        base: the family of every member, or ``members`` posteriors of one family (member ``m``'s own prior).
-        seed_single: with ``members == 1``, seed ``init`` and every step as with more members; ignored otherwise.
-        options: the fields of :class:`Options`.
+    of total variance, ``Var_q[w_i] = (1/M) Σ_m Var_{q_m}[w_i] + (1/M) Σ_m (μ_{m,i} − μ̄_i)²``. Gaussian members
+    give ``gaussian(state)``: every member's ``θ_m`` under its prefix. :attr:`Capabilities.members` ``= M``:
+    ``split(state, indices)`` keeps the ``member<m>/`` entries of ``indices``; ``update``, ``sample``, ``mean`` and
+    ``marginal_variance`` act on the members a state holds.
 
     Raises:
         FlatbmaError: ``members < 1``, a ``seed`` that is not a non-negative integer or ``None``, a ``base``

@@ -37,10 +37,8 @@ def build(
     """Train a point estimate ``w`` with ``optimizer``, optionally sharpness-aware.
 
     ``w_{t+1} = opt(w_t, ∇L_B(w_t + ε_t))`` with ``ε_t = ascent.perturb(w_t, ∇L_B(w_t))`` (``ε_t = 0`` without an
-    ascent step: plain SGD/MAP). With :class:`~flatbma.optim.SAM` this is SAM (Foret et al. 2021); with
-    :class:`~flatbma.optim.ASAM`, ASAM; with :class:`~flatbma.optim.FisherSAM`, Fisher-SAM; with
-    :class:`~flatbma.optim.Amortized` around one of them, the second pass every ``k`` steps (LookSAM), its memory in
-    ``aux``. There are no ``options``.
+    ascent step: plain SGD/MAP), else SAM, ASAM or Fisher-SAM (docs/methods.md §4.2), each with its second pass
+    every ``k`` steps under :class:`~flatbma.optim.Amortized` (its memory in ``aux``). There are no ``options``.
     """
     Options(**options)
     return Posterior(
@@ -103,15 +101,8 @@ def step(
 ) -> tuple[Params, StepOutput]:
     """One (sharpness-aware) optimizer step on ``params``, in place: the update of :func:`build`.
 
-    Args:
-        objective: model and mini-batch loss.
-        optimizer: the descent step.
-        ascent: the ascent step, or ``None``.
-        params: the weights, updated in place.
-        buffers: model buffers, updated in place by BatchNorm in train mode.
-        opt_state: the optimizer state of ``params`` and the ascent step's memory (:func:`init_aux`).
-        step: index of this step (schedules, bias corrections).
-        batch: ``(x, y)``.
+    ``buffers`` are updated in place too (BatchNorm in train mode); ``opt_state`` is the optimizer state of ``params``
+    and the ascent step's memory (:func:`init_aux`); ``step`` the index of this step (schedules, bias corrections).
 
     Returns:
         ``(new optimizer state, StepOutput(L_B(w), logits at w))``.

@@ -150,21 +150,16 @@ def build(
         ∇Û(w + δ) = n ∇L_B(w + δ) + w/σ²,
 
     where ``δ_t = ascent.perturb(w, ∇L_B(w))`` (``δ = 0`` without an ascent step; the prior term is taken at
-    ``w``). For small ``ε`` the iterates follow ``p_T(w|S) ∝ exp(−U(w)/T)``: ``T = 1`` is the Bayesian posterior,
-    ``T < 1`` a cold one. The noise comes from torch's global RNG (under data parallelism every process must be
-    seeded alike).
+    ``w``). For small ``ε`` the iterates follow ``p_T(w|S)``: ``T = 1`` is the Bayesian posterior, ``T < 1`` a cold
+    one. The noise comes from torch's global RNG (under data parallelism every process must be seeded alike).
 
-    Step size: ``η_t = optimizer.learning_rate(t)``. With ``lr_scale="potential"``, ``ε_t = η_t`` multiplies the
-    gradient of the full-data potential ``U``, so ``η`` must be small (an SGD-sized rate divided by ``n``;
-    ``η·λ_max(∇²U) < 2``). With ``lr_scale="mean"``, ``ε_t = η_t/n``: ``η_t`` multiplies the gradient of
-    ``U/n = L_B + ‖w‖²/(2nσ²)`` as an SGD learning rate does, and the noise scale is ``√(2 η_t T/n)`` (Zhang et
-    al.'s code). Only the schedule of ``optimizer`` is used: its momentum, weight decay and state are ignored (the
-    prior is the weight decay).
+    Step size: ``ε_t = η_t/n`` (``lr_scale="mean"``, an SGD-sized ``η``, as Zhang et al.'s code) or ``ε_t = η_t``
+    (``"potential"``: ``η·λ_max(∇²U) < 2``), ``η_t = optimizer.learning_rate(t)``. Only the schedule of
+    ``optimizer`` is used: its momentum, weight decay and state are ignored (the prior is the weight decay).
 
-    Samples: after ``t + 1`` steps the iterate is stored when ``t + 1 > burn_in`` and ``thin`` divides
-    ``t + 1 − burn_in``; a ring buffer keeps the latest ``max_samples``. ``sample(state, n, generator)`` returns
-    ``min(n, S)`` of the ``S`` stored iterates, evenly spaced oldest to latest (the latest for ``n = 1``), with the
-    current buffers (``recompute_bn``); the generator is not used.
+    Samples: the iterate after ``burn_in + k·thin`` steps (``k ≥ 1``) is stored, a ring buffer keeping the latest
+    ``max_samples``. ``sample(state, n, generator)`` returns ``min(n, S)`` of the ``S`` stored iterates, evenly
+    spaced oldest to latest (the latest for ``n = 1``), with the current buffers; the generator is not used.
 
     Raises:
         FlatbmaError: on an invalid option, or an optimizer without ``learning_rate``.

@@ -3,10 +3,10 @@
 The weights are trained by a point estimate's update (:func:`flatbma.posteriors.point.build`); every
 ``collect_every`` updates after the first ``start_step``, the current iterate ``w`` is a *snapshot* that updates the
 running moments and the deviation ring buffer. Along a SAM trajectory this is F-SWAG (Nguyen et al., NeurIPS 2023).
+The maths: docs/methods.md §3.2.
 
-State (``d`` trained weights, ``K = rank``): ``params`` is the current iterate ``w``, ``buffers`` its BatchNorm
-statistics; ``aux["swag/..."]`` holds the :class:`Moments` and ``aux["point/<key>"]`` the point update's own state
-(optimizer, ascent memory).
+State: ``params`` is the current iterate ``w``, ``buffers`` its BatchNorm statistics, ``aux["swag/..."]`` the
+:class:`Moments` and ``aux["point/<key>"]`` the point update's own state (optimizer, ascent memory).
 """
 
 from __future__ import annotations
@@ -49,8 +49,7 @@ class Moments(NamedTuple):
 
     Attributes:
         mean: running mean ``w̄`` of the snapshots, by weight name.
-        m2: their sum of squared deviations ``Σ_i (w_i − w̄_{i−1})⊙(w_i − w̄_i)`` (Welford's update: ``m2/n`` keeps
-            its float32 accuracy where ``mean(w⊙w) − w̄⊙w̄`` cancels).
+        m2: their sum of squared deviations ``Σ_i (w_i − w̄_{i−1})⊙(w_i − w̄_i)`` (Welford's, accurate in float32).
         deviations: ``[K, d]`` ring buffer of the last ``K`` deviations ``w_i − w̄_i`` (``w̄_i`` the mean *including*
             snapshot ``i``, as in the paper), flattened in sorted-name order; ``None`` for the diagonal-only variant.
         n_collected: number of snapshots (0-d int64).
@@ -111,8 +110,7 @@ docs/methods.md §3.2.
 
 
 AUTO_SNAPSHOTS = Options.rank
-"""The snapshots ``collect_every: auto`` spreads over the window of SWAG-Diagonal, which has no ``rank``: SWAG's
-default ``rank``."""
+"""The snapshots ``collect_every: auto`` spreads over SWAG-Diagonal's window (it has no ``rank``): SWAG's default."""
 
 
 @dataclass(frozen=True)
@@ -140,8 +138,7 @@ def build(
 
         w̄' = w̄ + (w − w̄)/(n+1),   m₂ ← m₂ + (w − w̄)⊙(w − w̄'),   D[n mod K] ← w − w̄',   w̄ ← w̄',   n ← n+1.
 
-    (Maddox et al. collect once per epoch from epoch ``swa_start``: ``start_step = swa_start·E``,
-    ``collect_every = E``.) Sampling draws ``z₁ ~ N(0, I_d)``, ``z₂ ~ N(0, I_{K_eff})`` from the generator::
+    Sampling draws ``z₁ ~ N(0, I_d)``, ``z₂ ~ N(0, I_{K_eff})`` from the generator::
 
         w = w̄ + √scale · ( σ⊙z₁/√2 + Dᵀz₂/√(2(K_eff − 1)) ),   σ² = clamp(m₂/n, 1e-30),
 
@@ -149,8 +146,7 @@ def build(
     ``D`` term. ``K_eff = min(n, K)``; sampling needs ``n ≥ 2`` snapshots. The ½ is in the sampler: Maddox et al.'s
     ``scale=0.5`` is ``scale=1`` here.
 
-    The samples' BatchNorm statistics are those of the last iterate and must be recomputed (``recompute_bn``). The
-    mean is ``w̄``, the marginal variances ``scale · ½(σ² + Σ_k D_k²/(K_eff − 1))`` (``scale · ½σ²`` diagonal-only).
+    The samples' BatchNorm statistics are the last iterate's, to be recomputed (``recompute_bn``); the mean is ``w̄``.
 
     Raises:
         FlatbmaError: for an invalid option (the message names the ``method.*`` key).
@@ -382,10 +378,8 @@ def _check_schedule(start_step: int, collect_every: int) -> None:
 def last_quarter(map_steps: int) -> int:
     """SWAG's default ``start_step``: the collection window is the last 25% of the run's updates, ``T − ⌊T/4⌋``.
 
-    With :attr:`~flatbma.family.Family.hold_lr` the learning rate is constant over that window, Maddox et al.'s
-    protocol (decaying schedule, then snapshots at a constant ``swa_lr``; their CIFAR runs collect over the last
-    47% of epochs at ``swa_lr/lr_init`` = 0.2 or 0.5). Here ``swa_lr`` is the rate the schedule has reached where the
-    window opens: ``½(1 + cos(3π/4))·optim.lr ≈ 0.146·optim.lr`` for cosine, ``optim.lr`` for ``constant``.
+    With :attr:`~flatbma.family.Family.hold_lr` the learning rate is held over that window at the value the schedule
+    reached where it opens (Maddox et al.'s ``swa_lr``): ``≈ 0.146·optim.lr`` for cosine (docs/methods.md §3.2).
     """
     return map_steps - map_steps // 4
 

@@ -1,15 +1,10 @@
 """Compare entries as written: candidate grids and the run config sections of one candidate.
 
 A ``compare.methods`` entry is a method section with optional ``label``, ``prior`` and ``optim`` keys
-(:func:`run_sections`). Any option of scalar type (number, flag or name) may be a list of values: a method option
-(``rho``, ``gamma``, ``rank``, …), a key of its ``optim`` section, or an option of a nested method ``of``::
-
-    {name: sam, rho: [0.01, 0.05, 0.1], optim: {lr: [0.01, 0.05]}}
-    {name: multi-fp-bma, members: 3, of: {name: fp-bma, gamma: [0.01, 0.1]}}   # candidates of.gamma=…
-
-Every combination (the Cartesian product in the order written, :func:`points`) is a *candidate*, a run of its
-own, scored on validation data by :mod:`flatbma.experiment.study.selection`. A tuple-typed option, and anything
-in ``prior``, is a value, never a grid. The module works on the raw config mappings.
+(:func:`run_sections`). Any scalar option of the method, of its ``optim`` or of a nested method ``of`` may be a
+list of values, e.g. ``{name: sam, rho: [0.01, 0.05], optim: {lr: [0.01, 0.05]}}``; never a tuple-typed option or
+anything in ``prior``. Every combination, in the order written (:func:`points`), is a *candidate*, a run of its
+own (docs/cli.md, "Hyperparameter selection on validation data"). The module works on the raw config mappings.
 """
 
 from __future__ import annotations

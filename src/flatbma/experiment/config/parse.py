@@ -1,8 +1,4 @@
-"""Read configs: YAML (:func:`load_yaml`) and ``--set`` overrides (:func:`set_dotted`).
-
-:func:`load_yaml` uses the safe loader with a budget on the alias-expanded size, so an expansion bomb ("billion
-laughs") is refused before anything iterates it.
-"""
+"""Read configs: YAML (:func:`load_yaml`, safe, with an alias-expansion budget) and ``--set`` (:func:`set_dotted`)."""
 
 from __future__ import annotations
 

@@ -46,10 +46,7 @@ class RunConfig:
 
     @property
     def epochs(self) -> int:
-        """Epochs the run trains: ``train.epochs`` (the optimizer's schedule) plus the method's extra phases'.
-
-        The extra ones are :meth:`~flatbma.methods.MethodConfig.phases_after` (e.g. Laplace's curvature pass).
-        """
+        """Epochs the run trains: ``train.epochs`` (the schedule's) plus the method's extra ones (e.g. Laplace's)."""
         return self.train.epochs + self.method.extra_epochs()
 
     def to_dict(self) -> dict[str, Any]:
@@ -64,11 +61,7 @@ class RunConfig:
 
 
 def missing_options(stored: Any, resolved: Mapping[str, Any], where: str = "") -> list[str]:
-    """The dotted keys of ``resolved`` (a run's :meth:`RunConfig.to_dict`) that the ``stored`` config lacks.
-
-    A stored config lacking an option was written by an older flatbma; its run is refused, never read with a
-    default it may not have trained with.
-    """
+    """The dotted keys of ``resolved`` (a run's :meth:`RunConfig.to_dict`) that the ``stored`` config lacks."""
     if not isinstance(stored, Mapping):
         return []
     missing = []
@@ -82,10 +75,7 @@ def missing_options(stored: Any, resolved: Mapping[str, Any], where: str = "") -
 
 
 def run_identity(resolved: Any) -> Any:
-    """A resolved config without ``output_dir`` and ``train.log``: what must match for two configs to be the same run.
-
-    Neither changes a number, so a run directory holds the same run after it is moved or copied, whatever its logs.
-    """
+    """A resolved config without ``output_dir`` and ``train.log`` (no number depends on them): the run's identity."""
     if not isinstance(resolved, dict):
         return resolved
     out = {k: v for k, v in resolved.items() if k != "output_dir"}

@@ -69,8 +69,7 @@ class DataConfig:
         to_rgb: repeat a single grey channel to three (for ImageNet backbones).
         normalize: ``"imagenet"`` mean/std normalization, or none.
         augment: random crop (padding 1/8 of the size) and horizontal flip during training.
-        batch_size: training mini-batch size.
-        eval_batch_size: evaluation batch size.
+        batch_size, eval_batch_size: the training mini-batch and the evaluation batch sizes.
         test_limit: evaluate on a seeded stratified subset of this many test images (``None`` = all).
         val_fraction: share of each class of the training split held out for validation without ``k_shot``;
             drawn by ``seed``, stratified, in ``[0, 1)``.
@@ -174,10 +173,8 @@ class Criterion(str, Enum):
     NLL = "nll"
     """The BMA's negative log-likelihood ``−mean log (1/M) Σ_m p(y|x, w_m)``."""
     LOSS = "loss"
-    """The mean over the samples of each sample's cross-entropy, ``−mean (1/M) Σ_m log p(y|x, w_m)``
-    (the expected loss ``E_q[L_val]``; for a point estimate the same as ``nll``). A regression run
-    (``model.likelihood: gaussian``) watches the same two with the Gaussian likelihood ``N(y; μ_m, σ_m²)``:
-    the mixture's NLL and each sample's, averaged (:func:`flatbma.experiment.run.evaluate.regression_validation`)."""
+    """Each sample's cross-entropy, averaged: ``−mean (1/M) Σ_m log p(y|x, w_m)`` (``E_q[L_val]``; a point estimate's
+    equals ``nll``). A regression run's two criteria use the Gaussian ``N(y; μ_m, σ_m²)`` instead."""
 
 
 @dataclass(frozen=True)
@@ -188,13 +185,7 @@ class EarlyStopping:
     samples (BatchNorm statistics recomputed); the best state (smallest ``criterion``, first on ties) is kept in
     ``best.safetensors``, training stops ``patience`` epochs after it, and the run is evaluated at it. The values go
     to ``log.csv`` (``val/nll``, ``val/loss``, ``val/accuracy`` or ``val/rmse``), the best epoch to ``metrics.json``.
-    A resumed run stops and keeps exactly what the uninterrupted one did.
-
-    Attributes:
-        criterion: a :class:`Criterion` (``nll`` or ``loss``).
-        patience: epochs without a better evaluation before training stops (the authors': 50 of 150).
-        every: evaluate every this many epochs.
-        samples: posterior samples per evaluation (the authors': 3).
+    The authors used ``patience`` 50 of 150 epochs and 3 ``samples``.
     """
 
     criterion: Criterion = Criterion.NLL
@@ -318,9 +309,8 @@ class EvalConfig:
     def check(self, shape: RunShape, *, flatness: bool) -> None:
         """Refuse settings the run's data sizes make meaningless or impossible (before it trains).
 
-        ``n_bins`` must not exceed the test examples (more bins leave ECE's bins empty: binning noise, not
-        calibration), the OOD set must fit the run's channels, and with ``flatness`` ``hessian_k`` must not exceed
-        the number of trained weights (when ``shape`` knows it).
+        ``n_bins`` above the test examples (empty bins: binning noise, not calibration), an OOD set unfit for the
+        run's channels, and with ``flatness`` a ``hessian_k`` above the trained weights (when ``shape`` knows them).
 
         Raises:
             FlatbmaError: naming the setting and a value that works.

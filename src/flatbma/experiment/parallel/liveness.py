@@ -1,21 +1,13 @@
 """Collective timeouts under ``torchrun``: a stopped or hung process ends the job with one line naming it.
 
-:func:`flatbma.experiment.parallel.processes.init_from_env` creates the process group with a timeout of
-:func:`collective_timeout` seconds (``$FLATBMA_COLLECTIVE_TIMEOUT``, default :data:`DEFAULT_TIMEOUT`, 300 s), so
-a stopped or hung process does not make the others wait forever in their next collective. It is a property of
-the launch, not a config key: it never changes a result, so it is in no run's fingerprint.
-
-To name the process that did not answer, every process runs a :class:`Heartbeat`, a daemon thread that counts up
-``alive/<rank>`` in the rendezvous store every ``interval = min(5 s, timeout/10)`` and publishes how many
-collectives its process has entered. On a timeout :func:`diagnose` reads the counters twice, ``2.5·interval``
-apart: a process whose counter stood still is stopped or gone; when all are alive, the one that entered fewer
-collectives is stuck elsewhere or much slower. The store lives in ``torchrun``'s agent (or rank 0), so it
-answers while a worker is stopped. Waits that are long by design (``flatbma compare`` waiting for its slowest
-process) use :meth:`Heartbeat.agree`, which waits as long as the others are alive.
-
-Tested with gloo on CPU. With NCCL (untested) the watchdog (``TORCH_NCCL_ASYNC_ERROR_HANDLING``) aborts a
-process whose collective times out before Python sees an error, so the line naming the rank may not appear;
-with ``TORCH_NCCL_BLOCKING_WAIT=1`` the timeout is raised as a ``DistBackendError`` and diagnosed here.
+The process group waits at most :func:`collective_timeout` seconds in a collective (``$FLATBMA_COLLECTIVE_TIMEOUT``,
+a property of the launch: in no run's fingerprint). To name the process that did not answer, every process runs a
+:class:`Heartbeat`, a daemon thread that counts up ``alive/<rank>`` in the rendezvous store every
+``interval = min(5 s, timeout/10)`` and publishes how many collectives its process has entered. On a timeout
+``diagnose`` reads the counters twice, ``2.5·interval`` apart: a process whose counter stood still is stopped or
+gone; when all are alive, the one that entered fewer collectives is stuck elsewhere or much slower. The store lives
+in ``torchrun``'s agent (or rank 0), so it answers while a worker is stopped. Tested with gloo on CPU; NCCL's
+watchdog may abort the process before the line is written (``TORCH_NCCL_BLOCKING_WAIT=1``: docs/distributed.md).
 """
 
 from __future__ import annotations
@@ -72,10 +64,8 @@ def is_timeout(error: BaseException) -> bool:
 class Heartbeat:
     """This process's sign of life in the rendezvous store, and what it tells about the others.
 
-    Args:
-        store: the rendezvous store of the group (keys go under the prefix ``flatbma/``).
-        timeout: the collective timeout in seconds.
-        sequence: how many collectives this process has entered (``None``: unknown).
+    Keys go under the prefix ``flatbma/`` of the group's ``store``; ``timeout`` is the collective timeout in seconds,
+    ``sequence`` how many collectives this process has entered (``None``: unknown).
     """
 
     def __init__(

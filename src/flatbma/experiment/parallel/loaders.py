@@ -1,13 +1,10 @@
 """The data loaders of a run's processes: shards of the same global batches, and evaluation shards.
 
-Data: ``data.batch_size`` is the global batch and must be divisible by the number of processes ``N``.
-:class:`ShardedBatchSampler` draws the global batches exactly as one process does and gives rank ``r`` the
-``r``-th contiguous slice of each. Shards always have equal sizes: the epoch's trailing partial batch of ``q``
-examples is cut to ``N·⌊q/N⌋`` (at most ``N − 1`` examples, different each epoch, are left out) and dropped when
-that leaves fewer than two examples per process (one process drops only a trailing batch of one). Resuming
-works as in one process: the loader's generator is shared by the sampler and restored by the runner.
-
-Evaluation: the test set is split into contiguous shards (:func:`shard_loader`), one per process.
+``data.batch_size`` is the global batch, divisible by the number of processes ``N``. :class:`ShardedBatchSampler`
+draws the global batches exactly as one process does and gives rank ``r`` the ``r``-th contiguous slice of each.
+Shards always have equal sizes: the epoch's trailing partial batch of ``q`` examples is cut to ``N·⌊q/N⌋`` and
+dropped when that leaves fewer than two examples per process (one process drops only a trailing batch of one).
+The test set is split into contiguous shards (:func:`shard_loader`), one per process.
 """
 
 from __future__ import annotations
@@ -25,8 +22,7 @@ def global_batch_sizes(num_examples: int, batch_size: int, world: int = 1) -> li
     """Sizes of the global batches of one epoch, every one a multiple of ``world`` (see the module doc).
 
     Raises:
-        FlatbmaError: if ``batch_size`` is not divisible by ``world`` or the data cannot give every
-            process an example.
+        FlatbmaError: if ``batch_size`` is not divisible by ``world`` or the data cannot give every process an example.
     """
     if batch_size % world:
         raise FlatbmaError(
@@ -48,15 +44,7 @@ class ShardedBatchSampler(Sampler[list[int]]):
     The global batches are drawn by ``BatchSampler(RandomSampler(range(n), generator=generator), batch_size)``,
     as ``DataLoader(shuffle=True, generator=generator)`` does in one process, and cut to
     :func:`global_batch_sizes`; rank ``r`` of ``N`` gets examples ``[r·b/N, (r+1)·b/N)`` of a global batch of
-    size ``b``.
-
-    Args:
-        num_examples: size ``n`` of the data set.
-        batch_size: global batch size (divisible by ``world_size``).
-        generator: the shuffling generator (also pass it to the ``DataLoader``, which draws its base
-            seed from it as in one process).
-        rank: this process's rank.
-        world_size: number of processes ``N``.
+    size ``b``. Pass ``generator`` to the ``DataLoader`` too: it draws its base seed from it as in one process.
     """
 
     def __init__(

@@ -1,14 +1,9 @@
 """The process group of a ``torchrun`` launch: joining it, ranks, collectives that agree or time out.
 
-Launch ``flatbma train`` (or ``flatbma evaluate``, ``flatbma compare``) under ``torchrun``; every process
-runs the same command with the same config::
-
-    torchrun --nproc_per_node=4 -m flatbma train --config configs/digits-sam.yaml
-
-Process group: with ``WORLD_SIZE > 1`` (set by ``torchrun``) :func:`process_group` joins the group and leaves it
-at the end; library code is data-parallel whenever a default group of more than one process is initialized. A
-process that stops or hangs ends the block with a :class:`FlatbmaError` naming its rank after
-``$FLATBMA_COLLECTIVE_TIMEOUT`` seconds (default 300; gloo tested, NCCL untested).
+Under ``torchrun`` every process runs the same command (launches: docs/distributed.md). With ``WORLD_SIZE > 1``
+:func:`process_group` joins the group and leaves it at the end; library code is data-parallel whenever a default
+group of more than one process is initialized. A process that stops or hangs ends the block with a
+:class:`FlatbmaError` naming its rank after ``$FLATBMA_COLLECTIVE_TIMEOUT`` seconds (default 300).
 
 The tensor collectives (:func:`all_reduce_mean`, :func:`all_reduce_metrics`, :func:`average_buffers`,
 :func:`check_replicas`) live here; how a run is shared is its strategy (:mod:`flatbma.experiment.parallel.strategies`).
@@ -148,9 +143,7 @@ def init_from_env(device: torch.device) -> bool:
     Backend NCCL for a CUDA ``device`` (after ``torch.cuda.set_device(LOCAL_RANK)``), gloo otherwise; rendezvous
     ``env://``. The rendezvous and every collective wait at most
     :func:`~flatbma.experiment.parallel.liveness.collective_timeout` seconds; a heartbeat runs until :func:`destroy`.
-
-    Args:
-        device: the run's resolved ``train.device``.
+    ``device`` is the run's resolved ``train.device``.
 
     Returns:
         Whether a group was created here (``False`` in one process or when one already exists).

@@ -1,42 +1,21 @@
 """How the processes of a ``torchrun`` launch share a run, for every method: the run's parallel strategy.
 
-Strategy: a run picks its parallel mode once, when its experiment is built (:func:`strategy`: :class:`Strategy`
-for one process, :class:`DataParallel`, :class:`Members`), and asks it for every process-dependent part, so the
-run itself has no parallel branches.
+A run picks its parallel mode once, when its experiment is built (:func:`strategy`: :class:`Strategy` for one
+process, :class:`DataParallel`, :class:`Members`), and asks it for every process-dependent part, so the run itself
+has no parallel branches. What each mode guarantees, and how it was tested: docs/distributed.md.
 
-Gradients: :func:`data_parallel` sets ``Objective.reduce_grads`` to
-:func:`~flatbma.experiment.parallel.processes.all_reduce_mean`, ``ḡ = (1/N) Σ_r ∇L_{B_r}(w)`` — the gradient of
-the global batch, as the shards have equal sizes — with one flattened ``all_reduce`` per gradient evaluation.
-The hook runs before any ascent step, so SAM-family perturbations ``ε = ρ ḡ/‖ḡ‖`` use the all-reduced gradient
-(the "m = global batch" SAM, not per-rank m-sharpness); VI/FP-BMA reduce each Monte-Carlo sample's weight-space
-gradient before the chain rule to ``θ``. BatchNorm uses per-rank batch statistics (no SyncBatchNorm); running
-statistics are averaged over the ranks (:func:`average_buffers`) in every checkpoint and before evaluation (the
-EMA is linear, so this does not change the final average).
+Data: :func:`data_parallel` reduces every gradient evaluation to ``ḡ = (1/N) Σ_r ∇L_{B_r}(w)``, the gradient of the
+global batch (equal shards), with one flattened ``all_reduce``, before any ascent step: SAM's ``ε = ρ ḡ/‖ḡ‖`` uses
+``ḡ``, and VI/FP-BMA reduce each Monte-Carlo sample's weight-space gradient before the chain rule to ``θ``. Every
+rank seeds identically, so parameter-space noise is identical and the replicas stay equal (:func:`check_replicas`);
+BatchNorm uses per-rank batch statistics, its running statistics averaged (:func:`average_buffers`) in every
+checkpoint and before evaluation. Each rank evaluates a contiguous test shard (:func:`shard_loader`) and
+:func:`all_reduce_metrics` sums the metric states; rank 0 alone writes files.
 
-Randomness: every rank seeds identically, so parameter-space noise (VI's ``z``, SGLD's ``ξ``, bSAM's noise,
-posterior sampling) is identical and the replicas stay equal (:func:`check_replicas`). Per-example draws
-(augmentation, dropout masks) come from the same stream on each rank's own examples: the ``k``-th example of every
-shard gets the same draw, the single-process one only when the draw does not depend on the batch shape.
-
-State and files: SWAG moments and SG-MCMC samples follow from the identical parameters. Only rank 0 writes
-``config.yaml``, checkpoints and ``metrics.json``; every rank reads the run directory on ``--resume``/``evaluate``,
-so multi-node runs need an ``output_dir`` all nodes share. Training history is averaged over the ranks.
-
-Evaluation: each rank accumulates :class:`~flatbma.metrics.StreamingMetrics` on a contiguous test shard
-(:func:`shard_loader`) and :func:`all_reduce_metrics` sums their states: the single-process metrics up to float
-rounding. BatchNorm recomputation (:func:`flatbma.experiment.run.build.statistics_loader`) and flatness
-diagnostics run identically on every rank; rank 0 writes them.
-
-Members (``train.parallel: members``, :class:`MemberParallel`): a posterior with independent components
-(:attr:`~flatbma.types.Capabilities.members`, e.g. an ensemble's ``M`` members) can instead give each process a
-disjoint contiguous block of them (:func:`member_share`, so ``N ≤ M``), trained on all the data with the
-single-process loader and no gradient all-reduce. A member's initialization, data and draws do not depend on the
-others, so the trained members equal those of one process. Checkpoints hold the merged full state and the global
-position, so a run resumes with any number of processes.
-
-Runs (``flatbma compare``): under ``torchrun`` the (method, seed) runs are dealt out round-robin, each an ordinary
-single-process run (:func:`~flatbma.experiment.parallel.processes.single_process`); rank 0 then collects the
-result rows and writes the reports.
+Members (:class:`MemberParallel`): each process trains a disjoint contiguous block of a posterior's independent
+members (:func:`member_share`) on all the data, with no gradient all-reduce, so the trained members equal those of
+one process. ``flatbma compare`` deals its (method, seed) runs out round-robin, each a single-process run
+(:func:`~flatbma.experiment.parallel.processes.single_process`).
 """
 
 from __future__ import annotations
@@ -180,12 +159,8 @@ class MemberParallel:
     with (its ``update`` combines the step outputs of all ranks), :meth:`merge` rebuilds the full state on every
     rank. With rank ``r`` holding ``m_r`` members, mean loss ``ℓ_r`` and mixture log-predictive ``log p_r``, the
     combined outputs are ``ℓ = Σ_r m_r ℓ_r / M`` and ``log p = logsumexp_r(log p_r + log m_r) − log M``.
-    In one process it trains all members and changes nothing.
-
-    Args:
-        method: a posterior with ``members > 0`` and ``split`` (:class:`~flatbma.types.Posterior`).
-        state: its full state, identical on every rank.
-        name: the method's name, for messages.
+    In one process it trains all members and changes nothing. ``method`` needs ``members > 0`` and ``split``
+    (:class:`~flatbma.types.Posterior`), ``state`` is its full state (identical on every rank), ``name`` for messages.
 
     Raises:
         FlatbmaError: the method has no independent members, or there are more processes than members.

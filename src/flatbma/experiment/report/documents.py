@@ -1,9 +1,7 @@
 """The documents of a comparison: ``results.csv``, ``figures/*.png``, ``report.md`` and a self-contained HTML report.
 
-:func:`write_reports` writes, into one folder, ``results.csv`` (one row per run, flat columns, :func:`csv_rows`),
-``figures/*.png``, ``report.md`` (findings, tables, and the figures by relative path) and ``report.html``, which
-is self-contained: its figures are embedded as base64 PNG data URIs. Figures need matplotlib
-(``pip install flatbma[plots]``).
+:func:`write_reports` writes them into one folder; ``report.html`` embeds its figures as base64 PNG data URIs.
+Figures need matplotlib (``pip install flatbma[plots]``).
 """
 
 from __future__ import annotations
@@ -101,12 +99,8 @@ def _csv_text(results: Mapping[str, Any]) -> str:
 def write_reports(results: Mapping[str, Any], out_dir: str | Path) -> dict[str, Path]:
     """Write ``results.csv``, ``figures/<name>.png``, ``report.md`` and a self-contained ``report.html``.
 
-    The findings are generated anew from ``results`` (:func:`findings`), never copied from it.
-
-    Args:
-        results: the ``results.json`` dict.
-        out_dir: the folder to write into (created if missing). A figure that is skipped for lack
-            of data has its stale PNG from an earlier report removed.
+    The findings are generated anew from ``results`` (the ``results.json`` dict, :func:`findings`), never copied
+    from it. ``out_dir`` is created if missing; a figure skipped for lack of data has its stale PNG removed.
 
     Returns:
         The written files by path relative to ``out_dir`` (``"results.csv"``, ``"report.md"``,

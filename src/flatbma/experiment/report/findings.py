@@ -1,21 +1,13 @@
 """Paired comparisons of the methods of a comparison, and the findings generated from them.
 
-Statistics (:mod:`flatbma.stats`, level 95%):
-
-* **Paired differences** against the reference (``compare.reference``, default the first method): for each
-  other method and each metric of :data:`~flatbma.experiment.report.rows.COMPARED`, ``d_s = x_s − x_s(reference)``
-  over the seeds both ran, their mean and t interval (:func:`flatbma.stats.paired_difference`; a seed fixes the
-  k-shot training set and initialization, so pairing removes that variation). For a metric bounded to
-  ``[low, high]`` the interval is clipped to ``±(high − low)``.
-* **Listed pairs** (``compare.pairs: [[a, b], ...]``): ``d_s = x_s(a) − x_s(b)``, likewise (:func:`pair_comparisons`).
-* **Detectable difference**: the smallest true mean difference that the two-sided paired t test at 5% detects
-  with 80% power over those seeds (:func:`flatbma.stats.detectable_difference`, noncentral t;
-  ``≈ (t_{0.975, n−1} + t_{0.8, n−1}) s/√n``), in the metric's units.
-* **Findings** (:func:`findings`): one line per (method, metric): "better"/"worse" when the interval excludes 0
-  ("flatter"/"sharper" for λ₁, "narrower"/"wider" for the width tr Σ, "covers more"/"covers less" for a
-  regression coverage), else "no difference larger than δ detected", ``δ`` the detectable difference; with one
-  seed nothing is claimed. λ₁ is compared only where both runs report their width, and its line is followed by
-  the width's (a wider posterior puts samples in sharper places whatever its flatness).
+Every other method against the reference (``compare.reference``, default the first method), and each listed pair
+``a − b`` of ``compare.pairs``, on every metric of :data:`~flatbma.experiment.report.rows.COMPARED`: the paired
+differences ``d_s = x_s − x_s(reference)`` over the seeds both ran, their mean, 95% t interval (clipped to
+``±(high − low)`` for a metric bounded to ``[low, high]``) and detectable difference
+(:func:`flatbma.stats.detectable_difference`). A finding (:func:`findings`) says "better"/"worse" (or "flatter",
+"narrower", "covers more", …) when the interval excludes 0, else "no difference larger than δ detected"; with one
+seed nothing is claimed. λ₁ is compared only where both runs report their width, and its line is followed by the
+width's (the rules and their reasons: docs/methods.md §9).
 """
 
 from __future__ import annotations
@@ -126,8 +118,7 @@ class Comparison:
         seeds: the seeds of the pairs (both runs have the value; for λ₁ both also have their width).
         difference: ``mean(x_s − x_s(reference))`` with its t interval and detectable difference (``None``
             without pairs).
-        verdict: "better", "worse", "flatter", …, "no difference larger than δ detected", or why none is
-            claimed.
+        verdict: "better", "worse", "flatter", …, "no difference larger than δ detected", or why none is claimed.
     """
 
     method: str

@@ -1,9 +1,7 @@
 """The report's words on measurement repeatability: whether a repeated λ₁ measurement repeated, and why not.
 
-A run with ``eval.repeatability`` measures λ₁ twice (another measurement seed and another draw of samples;
-:func:`flatbma.flatness.posterior.repeatability`); :func:`flatbma.flatness.posterior.repeatable` decides what
-repeats. :func:`repeatability_lines` gives the flatness table's line per method, :func:`repeat_disagreement`
-the line ``flatbma evaluate --flatness`` prints when a measurement did not repeat.
+A run with ``eval.repeatability`` measures λ₁ twice (another measurement seed and another draw of samples);
+:func:`flatbma.flatness.posterior.repeatable` decides what repeats (docs/methods.md §8.7).
 """
 
 from __future__ import annotations

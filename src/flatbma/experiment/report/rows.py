@@ -24,18 +24,10 @@ A row whose training diverged (a *failed row*) has only ``{"method", "method_opt
 difference, and :func:`diverged_lines` names the seeds that diverged. Any field may be missing or null: tables
 then show "–" and a figure without data is skipped with a note.
 
-Statistics (:mod:`flatbma.stats`, level 95%), per method and metric, over the seeds whose run has the value:
-with two or more, the mean ± sample std (``ddof = 1``) and Student's t interval ``x̄ ± t_{0.975, n−1} s/√n``;
-with one seed, the value alone. Intervals are clipped to the metric's range (:attr:`Metric.bounds`: accuracy,
-ECE and AECE in [0, 1], Brier in [0, 2], NLL, tr Σ and times ≥ 0); λ₁, of a possibly indefinite Hessian, is
-never clipped.
-
-A run's λ₁ (:data:`LAMBDA1`) is the **median** over its posterior samples, since per-sample λ₁ is heavy-tailed
-(the mean, :data:`LAMBDA1_MEAN`, is shown beside it); its interval is the seeded percentile bootstrap of the
-median (:func:`lambda1_median_interval`) of the converged per-sample values, when the run records them.
-
-Brier score (:func:`flatbma.metrics.brier`) sums over all classes, ``(1/n) Σ_i Σ_c (p_ic − 1[y_i = c])²`` — on
-a binary problem twice scikit-learn's ``brier_score_loss``.
+Per method and metric, over the seeds whose run has the value: the mean ± sample std and Student's t interval
+(95%), clipped to the metric's range (:attr:`Metric.bounds`); with one seed, the value alone (docs/methods.md §9).
+A run's λ₁ is the median over its posterior samples (:data:`LAMBDA1`); the Brier score sums over all classes, so
+on a binary problem it is twice scikit-learn's ``brier_score_loss`` (docs/methods.md §7).
 """
 
 from __future__ import annotations
@@ -235,8 +227,7 @@ class Metric:
         key: its name in ``results["findings"]``.
         label: its column header.
         get: its value in one run (``None`` when the run lacks it).
-        lower: what a significantly lower value means ("better", "worse", "flatter", "narrower");
-            ``""``: not compared.
+        lower: what a significantly lower value means ("better", "worse", "flatter", "narrower"); ``""``: not compared.
         higher: what a significantly higher value means.
         bounds: ``(low, high)``: the range the metric's definition confines it to (``None``: unbounded);
             intervals are clipped to it (:func:`summary_of`).
@@ -301,10 +292,9 @@ COMPARED: tuple[Metric, ...] = (
     *(ACCURACY, NLL, RMSE, MAE, COVERAGE["0.9"], CALIBRATION_ERROR, ECE, BRIER),
     *(LAMBDA1, TRACE_COV),
 )
-"""The metrics compared with the reference, in the order of the findings (λ₁ followed by its width).
-
-A classifier's rows have accuracy, NLL, ECE, Brier; a regression run's NLL, RMSE, MAE, the coverage of the
-central 90% interval and the calibration error (each pair is compared on the metrics both runs measured)."""
+"""The metrics compared with the reference, in the order of the findings (λ₁ followed by its width); a pair is
+compared on those both runs measured (a classifier's: accuracy, NLL, ECE, Brier; a regression run's: NLL, RMSE,
+MAE, coverage 0.9, calibration error)."""
 EXTRA_METRICS: tuple[Metric, ...] = tuple(_from_table(n.key, Group.OTHER) for n in NAMES if n.group is Group.OTHER)
 
 

@@ -1,18 +1,13 @@
 """The tables of a comparison's report: results with intervals, paired differences, flatness, corruptions.
 
 Over 500 lines on purpose: every table shares one layout (:class:`Table`, the cell text, the bold-best rule,
-the one-seed titles, the empty-column rule) and each is a short function over it; the rows, statistics,
-findings and repeatability lines they lay out are modules of their own.
+the one-seed titles, the empty-column rule) and each is a short function over it.
 
 Input is the ``results.json`` dict of ``flatbma compare`` as read by :mod:`flatbma.experiment.report.rows`;
 :func:`report_tables` and :func:`summary_table` lay out the tables, :mod:`flatbma.experiment.report.documents`
 writes them. Paired differences are tabled against the reference and for each ``compare.pairs`` entry ``a − b``.
-When every method has two or more seeds, the best mean of a column with a better end (higher accuracy; lower
-NLL, ECE, AECE, Brier) is bold; with one seed per method the cells are the runs' values and the titles say "one
-seed; no interval". λ₁ is the median over a run's posterior samples (the mean beside it); intervals of bounded
-metrics are clipped to their range. A column with no value in any row is left out, except the width tr Σ beside
-λ₁ ("–": not measured). Chosen hyperparameters and temperature-scaled metrics have tables of their own. The
-Brier score sums over all classes (:data:`BRIER_NOTE`).
+With one seed per method the cells are the runs' values and the titles say "one seed; no interval". The Brier
+score sums over all classes (:data:`BRIER_NOTE`).
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """An experiment: a run config assembled into data loaders, the model and the method (seeded).
 
 :func:`build_experiment` seeds every generator first and records the global RNG state it leaves
-(:attr:`Experiment.rng`), so evaluation draws the same numbers right after building or after training.
-
-Over 500 lines on purpose: the data a run draws (k-shot, validation, test subset, Hessian examples), its network
-and its loaders are one deterministic sequence of random draws, whose order the runs' numbers depend on.
+(:attr:`Experiment.rng`), so evaluation draws the same numbers right after building or after training. The data
+drawn, the network and the loaders are one deterministic sequence of draws, whose order the runs' numbers depend on.
 """
 
 from __future__ import annotations
@@ -335,12 +333,8 @@ def _build_classifier(cfg: RunConfig, train: ArrayDataset) -> torch.nn.Module:
 class DataRow:
     """How a run of one likelihood reads, draws, transforms and tests its data and builds its network (:data:`DATA`).
 
-    Attributes:
-        load: ``load(data section)``: the data set's splits as read (:func:`load_data`).
-        select: ``select(cfg, splits)``: the examples the run uses (:func:`select_data`).
-        transforms: ``transforms(data section)``: the training and evaluation transforms (:func:`transforms`).
-        network: ``network(cfg, train)``: the run's network (:func:`build_network`).
-        test_loader: ``test_loader(strategy, test, batch_size)``: the loader the test metrics read.
+    ``load``, ``select``, ``transforms`` and ``network`` implement :func:`load_data`, :func:`select_data`,
+    :func:`transforms` and :func:`build_network`; ``test_loader(strategy, test, batch_size)``: the test metrics'.
     """
 
     load: Callable[[DataConfig], Any]
@@ -384,15 +378,13 @@ def _check_one_scale(strategy: Strategy) -> None:
 class Inputs:
     """What every stage of a run shares, read and built once (:func:`prepare`): its data and its network.
 
-    A run's stages differ in method and optimizer, not in data, network or seed; each stage's experiment is
-    assembled from these (:func:`build_experiment`), bit for bit the one a build of its own would give.
+    Each stage's experiment is assembled from these (:func:`build_experiment`), bit for bit the one a build of its
+    own would give.
 
     Attributes:
-        device: where the run trains.
         data: the examples drawn (:func:`select_data`), without transforms.
-        train: the training examples with the training transform (it may augment).
-        test: the test examples with the evaluation transform.
-        val: the validation examples with the evaluation transform, or ``None``.
+        train: the training examples with the training transform (it may augment); ``test`` and ``val`` (or
+            ``None``) with the evaluation transform.
         statistics: the training examples without augmentation (BatchNorm statistics, the Hessian's examples).
         num_classes: classes of the training data (0 for a regression data set's).
         model: the network at its initial weights (each experiment gets a copy: :func:`flatbma.models.copied`).

@@ -1,17 +1,10 @@
 """Saving and loading method states without unpickling: safetensors tensors + JSON metadata.
 
-A checkpoint is one ``.safetensors`` file whose tensors are the state's ``params/…``, ``buffers/…`` and
-``aux/…`` entries and whose string metadata holds ``step`` and a format tag. Files are written to a temporary
-name and renamed, so a crash never leaves a half-written checkpoint (:func:`remove_stale_temps` clears what a
-killed write left); a failed write ends in one :class:`~flatbma.errors.FlatbmaError` line.
-
-A run's checkpoint also holds the loop position (:func:`save_position`), the training history, who wrote it
-(:class:`~flatbma.experiment.run.provenance.Provenance`) and the run it belongs to (:class:`RunRecord`);
-:func:`load_position` checks all of it, so another run's, an altered or a damaged checkpoint ends in one line
-naming both sides. ``--resume --set`` may change only the keys of :data:`RESUMABLE`.
-
-Over 500 lines on purpose: the writer and every check of the reader share one file layout (key
-prefixes, metadata names, checksums); split apart, each half would restate it.
+A checkpoint is one ``.safetensors`` file: the state's ``params/…``, ``buffers/…`` and ``aux/…`` tensors, with
+``step`` and a format tag in its string metadata, written to a temporary name and renamed. A run's checkpoint also
+holds the loop position, the training history, who wrote it and the run it belongs to (:func:`save_position`);
+:func:`load_position` checks all of it, refusing another run's, an altered or a damaged checkpoint in one line
+(docs/reliability.md). ``--resume --set`` may change only the keys of :data:`RESUMABLE`.
 """
 
 from __future__ import annotations
@@ -287,10 +280,7 @@ def save_position(
     written_by: Provenance,
     run: RunRecord,
 ) -> None:
-    """Save ``state`` with the loop ``position`` and ``history`` it was reached with (:func:`load_position`).
-
-    ``written_by`` and ``run`` are recorded for :func:`load_position` to check.
-    """
+    """Save ``state`` with its loop ``position``, ``history``, ``written_by`` and ``run``, for :func:`load_position`."""
     extra = {"torch_rng": position.torch_rng}
     if position.loader_rng is not None:
         extra["loader_rng"] = position.loader_rng
@@ -517,11 +507,9 @@ RESUMABLE = (
     "train.device",
     "eval.*",
 )
-"""The config keys ``flatbma train --resume RUN --set key=value`` may change: the learning rate and its
-schedule, the number of epochs (not below those done), the checkpoint cadence, the progress bar, the
-logs, the device (a checkpoint written on a GPU continues on the CPU and the reverse: the same state, its
-arithmetic then the other device's, and a method's noise drawn from that device's generator) and the
-evaluation. They change how training goes on, not what the saved state means."""
+"""The config keys ``flatbma train --resume RUN --set key=value`` may change (``train.epochs`` not below those
+done): they change how training goes on, not what the saved state means. Another ``train.device`` continues the
+same state with that device's arithmetic and generator."""
 
 
 def resumable(key: str) -> bool:

@@ -1,10 +1,8 @@
 """Early stopping on validation (``train.early_stopping``): evaluate, keep the best state, stop on patience.
 
-The loop (:func:`flatbma.loop.fit`) calls :meth:`Monitor.after_epoch` after every epoch, before its checkpoint,
-and :meth:`Monitor.stop` before every epoch. All the rule (:class:`~flatbma.experiment.config.sections.EarlyStopping`)
-needs is in the checkpoint's history (:attr:`~flatbma.loop.EpochLog.validation`) and in ``best.safetensors``,
-written before the checkpoint that records it, so a run resumed from any checkpoint evaluates, keeps and stops
-exactly as the uninterrupted one.
+The loop calls :meth:`Monitor.after_epoch` after every epoch (before its checkpoint) and :meth:`Monitor.stop`
+before every epoch. All the rule needs is in the checkpoint's history and in ``best.safetensors``, written before
+the checkpoint that records it, so a resumed run evaluates, keeps and stops exactly as the uninterrupted one.
 """
 
 from __future__ import annotations
@@ -42,13 +40,7 @@ def stopped(history: History, options: EarlyStopping) -> bool:
 
 @dataclass
 class Monitor:
-    """Early stopping of one stage: the loop's ``after_epoch`` and ``stop`` (module docstring).
-
-    Attributes:
-        exp: the stage's experiment (its validation split).
-        options: the ``train.early_stopping`` section.
-        run_dir: the run directory, which holds :data:`BEST_FILE`.
-    """
+    """Early stopping of stage ``exp`` by ``options`` (``train.early_stopping``), :data:`BEST_FILE` in ``run_dir``."""
 
     exp: Experiment
     options: EarlyStopping

@@ -1,24 +1,12 @@
 """Evaluation in one place: a trained (experiment, state) → metrics.
 
-* :func:`posterior_samples` — the ``eval.num_samples`` weight samples of the BMA, BatchNorm statistics recomputed
-  for every method (point estimates included), the same for the BMA and the flatness;
-* :func:`bma_metrics` — accuracy, NLL, ECE, adaptive ECE and Brier score of the BMA predictive
-  ``log p(y|x) = logsumexp_m log softmax(f(x; w_m))_y − log M``, or of the Laplace family's linearized
-  predictive (``glm``, ``probit``: statistics recomputed once, at the posterior mean), with the method's
-  ``diagnostics``;
-* :func:`bma_curve_metrics` — the same for the BMA of the first ``m`` samples, every ``m`` of a list, in one pass;
-* temperature scaling on the validation split (Guo et al. 2017), corrupted test sets (Hendrycks &
-  Dietterich 2019), OOD detection, a 1-D loss landscape;
-* :func:`flatness_metrics` — the flatness protocol (:func:`flatbma.flatness.flatness_report`), the same for
-  every method;
-* :func:`evaluate_state` (``flatbma train``/``evaluate``) and :func:`measure` (``flatbma compare``) put them
-  together.
+The BMA predictive ``log p(y|x) = logsumexp_m log softmax(f(x; w_m))_y − log M`` (or the Laplace family's
+linearized one), BatchNorm statistics recomputed for every method; temperature scaling (Guo et al. 2017),
+corrupted test sets (Hendrycks & Dietterich 2019), OOD detection, the flatness protocol, a 1-D loss landscape.
+:func:`evaluate_state` (``train``/``evaluate``) and :func:`measure` (``compare``) draw from the build's RNG state
+(:attr:`Experiment.rng`) under a fork, so a state's metrics do not depend on what ran before in the process.
 
-Both entry points draw their random numbers from the build's RNG state (:attr:`Experiment.rng`) under a fork, so
-the metrics of a state do not depend on what ran before in the process (after training or from a checkpoint).
-
-Over 500 lines on purpose: ``train``, ``evaluate`` and ``compare`` measure a state with the same code; the maths
-lives below (:mod:`flatbma.predict`, :mod:`flatbma.flatness`, :func:`flatbma.predictor.bma_predictions`).
+Over 500 lines on purpose: ``train``, ``evaluate`` and ``compare`` measure a state with the same code.
 """
 
 from __future__ import annotations
@@ -84,8 +72,7 @@ BN_RECOMPUTED = "recomputed (un-augmented training set)"
 BN_NONE = "none (the model has no BatchNorm)"
 """``bn_statistics`` of a model without BatchNorm."""
 BN_AT_MEAN = "recomputed at the posterior mean (un-augmented training set), linearized there"
-"""``bn_statistics`` of a linearized predictive (``glm``, ``probit``): one recomputation, at ``w̄``; the
-flatness protocol's samples still get their own."""
+"""``bn_statistics`` of ``glm`` and ``probit``: recomputed once, at ``w̄`` (the flatness samples: each their own)."""
 
 REPEAT_STREAM = 1
 """Stream of the run's seed (:func:`flatbma.rng.splitmix64`) that seeds the repeated flatness measurement."""
@@ -97,10 +84,7 @@ def posterior_samples(exp: Experiment, state: State, n: int | None = None, *, se
 
 
 def draw_samples(exp: Experiment, state: State, n: int | None = None, *, seed: int | None = None) -> list[Params]:
-    """``n`` posterior samples (default ``eval.num_samples``) as the method draws them.
-
-    From a CPU generator seeded with ``seed`` (default: the run's seed); their BatchNorm statistics are the state's.
-    """
+    """``n`` samples (default ``eval.num_samples``) drawn from a CPU generator of ``seed`` (default the run's)."""
     generator = torch.Generator(device="cpu").manual_seed(exp.config.seed if seed is None else seed)
     return exp.method.sample(state, exp.config.eval.num_samples if n is None else n, generator)
 
@@ -147,20 +131,12 @@ def forward_precision(exp: Experiment) -> AbstractContextManager[Any]:
 
 
 def posterior_mean(exp: Experiment, state: State, samples: list[Params]) -> Params:
-    """The weights at the posterior mean, with recomputed BatchNorm statistics.
-
-    :attr:`flatbma.types.Posterior.mean` when the method has it, else the average of ``samples`` over the trained
-    parameters (with the first sample's other tensors).
-    """
+    """The posterior mean (the method's, else the average of ``samples``) with recomputed BatchNorm statistics."""
     return with_bn_statistics(exp, [mean_weights(exp.method, state, samples, _trained_names(exp))])[0]
 
 
 def posterior_width(exp: Experiment, state: State, samples: list[Params]) -> dict[str, Any]:
-    """``tr Σ`` and the median marginal std over the trained parameters (:mod:`flatbma.flatness.width`).
-
-    Exact (:attr:`flatbma.types.Posterior.marginal_variance`) where the method has it, else the per-coordinate
-    variance over the distinct ``samples``.
-    """
+    """``tr Σ`` and median marginal std over the trained weights: exact where the method has them, else from samples."""
     if exp.method.marginal_variance is not None:
         return width(exp.method.marginal_variance(state), exact=True, source="closed form").to_dict()
     distinct = distinct_samples(samples)
@@ -197,13 +173,11 @@ def bma_metrics(exp: Experiment, samples: Predictions) -> dict[str, Any]:
 def flatness_metrics(exp: Experiment, state: State, samples: list[Params]) -> dict[str, Any]:
     """The flatness protocol of ``state``, its posterior width and the measurement's repeatability.
 
-    The Hessian is that of the mean training loss (no augmentation) over the trained parameters, on
-    :attr:`Experiment.hessian_loader`, every sample with the BMA's BatchNorm statistics. The loss is the one the run
-    trained on: mean cross-entropy, or the Gaussian NLL ``(1/n) Σᵢ [½ log(2π σ²(xᵢ)) + (yᵢ − μ(xᵢ))²/(2σ²(xᵢ))]``.
-    λ₁ is measured per sample on the first ``eval.flatness_samples`` samples (drawn anew when the BMA has fewer)
-    and at the posterior mean, plus the extras ``eval.trace`` and ``eval.distribution_spectrum`` ask for
-    (:func:`flatbma.flatness.flatness_report`). With ``eval.repeatability`` λ₁ per sample is measured again on
-    another draw with another seed (stream :data:`REPEAT_STREAM` of the run's seed) and the summaries compared.
+    The Hessian of the run's mean training loss (cross-entropy or Gaussian NLL, un-augmented; docs/methods.md §8.1)
+    over the trained parameters on :attr:`Experiment.hessian_loader`, every sample with the BMA's BatchNorm
+    statistics. λ₁ per sample on the first ``eval.flatness_samples`` samples (drawn anew when the BMA has fewer) and
+    at the posterior mean, plus what ``eval.trace`` and ``eval.distribution_spectrum`` ask for. With
+    ``eval.repeatability`` λ₁ is measured again on another draw and seed (stream :data:`REPEAT_STREAM`).
     """
     e = exp.config.eval
     start = time.perf_counter()
@@ -284,15 +258,13 @@ def against_mean(
 ) -> dict[str, Any] | None:
     """The BMA's NLL and accuracy beside its reference network's, for the health rule ``worse_than_mean``.
 
-    The reference (:func:`flatbma.predictor.reference_point`): the posterior mean where the method has one, a
-    mixture's member 0 (an average of means lies in none of its basins), SG-MCMC's sample average — evaluated as a
-    point estimate with recomputed BatchNorm statistics. On the validation split when the run has one (the BMA
-    too), else on the training ``batches`` :func:`training_fit` scored into ``fit``.
+    The reference (:func:`flatbma.predictor.reference_point`: the posterior mean, a mixture's ``"member 0"`` or
+    SG-MCMC's ``"sample average"``) is evaluated as a point estimate with recomputed BatchNorm statistics, on the
+    validation split when the run has one (the BMA too), else on the training ``batches`` :func:`training_fit` scored.
 
     Returns:
         ``{"data": "validation" | "training", "examples", "num_classes", "reference", "bma_nll", "bma_accuracy",
-        "mean_nll", "mean_accuracy"}`` (``reference``: ``"mean"``, ``"member 0"`` or ``"sample average"``) and, on
-        validation data, ``nll_diff_se`` (:func:`flatbma.predict.paired_nll`).
+        "mean_nll", "mean_accuracy"}``, on validation data with ``nll_diff_se`` (:func:`flatbma.predict.paired_nll`).
     """
     if isinstance(predictions, LinearizedPredictive):  # linearized at the mean, with the mean's statistics
         at_mean, reference = [dict(predictions.mean)], "mean"
@@ -365,10 +337,7 @@ def metric_keys(record: Any) -> tuple[str, ...]:
 
 
 def regression_metrics(exp: Experiment, samples: list[Params]) -> dict[str, Any]:
-    """The mixture predictive ``(1/M) Σ_m N(y; μ_m, σ_m²)`` of ``samples`` on the test set, scored.
-
-    By :func:`flatbma.regression.mixture_metrics`: NLL, RMSE, MAE, coverage, calibration error, the variances.
-    """
+    """The test-set mixture ``(1/M) Σ_m N(y; μ_m, σ_m²)`` of ``samples``: :func:`flatbma.regression.mixture_metrics`."""
     return mixture_metrics(*regression_moments(exp, samples, exp.test_loader))
 
 
@@ -598,10 +567,7 @@ def ood_record(exp: Experiment, predictions: Predictions) -> dict[str, Any]:
 
 
 def landscape_metrics(exp: Experiment, samples: list[Params]) -> dict[str, list[float]]:
-    """Training loss of the samples along one filter-normalized random direction (mean ± std over samples).
-
-    The loss of :func:`flatness_metrics`, over the distinct samples among the first ``eval.flatness_samples``.
-    """
+    """The training loss along one filter-normalized random direction: mean ± std over the distinct flatness samples."""
     names = _trained_names(exp)
     chosen = distinct_samples(samples[: exp.config.eval.flatness_samples])
     data = [(x.to(exp.device), y.to(exp.device)) for x, y in exp.hessian_loader]
@@ -735,12 +701,9 @@ def validation_nll(exp: Experiment, state: State) -> float:
 class Evaluation:
     """How a run of one likelihood is evaluated (a row of :data:`EVALUATIONS`).
 
-    Attributes:
-        state: :func:`evaluate_state`'s ``(exp, state, flatness)``.
-        validation: :func:`validation_metrics`' ``(exp, state, n)``.
-        validation_nll: :func:`validation_nll`'s ``(exp, state)``.
-        measure: :func:`measure`'s, with its keyword arguments.
-        keys: the test metrics a run's record holds (:func:`metric_keys`).
+    ``state``, ``validation``, ``validation_nll`` and ``measure`` implement :func:`evaluate_state`,
+    :func:`validation_metrics`, :func:`validation_nll` and :func:`measure`; ``keys``: the test metrics a run's record
+    holds (:func:`metric_keys`).
     """
 
     state: Callable[[Experiment, State, bool], dict[str, Any]]

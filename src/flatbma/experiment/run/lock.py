@@ -1,15 +1,9 @@
 """One writer per directory: the lock a command holds on a run or comparison directory while it works there.
 
-``flatbma train`` (``--resume`` too), ``evaluate`` and ``compare`` hold the lock of every directory they write,
-from before they read it until they are done (:func:`hold`). It is an advisory ``fcntl.flock`` on a descriptor
-of the directory itself, so the operating system releases it however the process ends (``SIGKILL`` too), and
-nothing deleted inside the directory lets a second writer in. The file :data:`LOCK_FILE` holds the holder's
-process id and command; a second command is refused in one line naming them. When the last block ends the file
-is emptied, and a directory the lock created is removed again if nothing else was written into it.
-
-The lock is re-entrant within a process; under ``torchrun`` only rank 0 holds it. Where a file system cannot lock
-a directory, :data:`LOCK_FILE` is locked instead (holding against all but its deletion); where neither can be
-opened or the file system has no locks, the command goes on without it, and the write that fails says so.
+An advisory ``fcntl.flock`` on a descriptor of the directory itself (:func:`hold`), which the operating system
+releases however the process ends; :data:`LOCK_FILE` names the holder, so a second command is refused in one line.
+Re-entrant within a process, held by rank 0 under ``torchrun``. Where a directory cannot be locked, the lock file
+is; where neither can, the command goes on without it (docs/reliability.md, "One writer per directory").
 """
 
 from __future__ import annotations

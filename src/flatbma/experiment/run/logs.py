@@ -1,13 +1,10 @@
 """The training logs of a run: a line per epoch on ``stderr``, ``log.csv`` and TensorBoard (``train.log``).
 
-An :class:`EpochLogger` is called at every checkpoint with the :class:`~flatbma.loop.History` saved and logs the
-epochs it has not logged yet; under ``torchrun`` only rank 0 saves, with the history averaged over the processes.
-
-A log always equals the history of the checkpoint it continues from: on ``--resume`` ``log.csv`` keeps its rows up
-to the checkpoint's last finished epoch, rows it lacks are written from the history, and TensorBoard hides later
-events (``purge_step``). Each row holds the epoch's mean training loss and accuracy (of the unperturbed pass; a
-regression run's RMSE instead) and steps as the history has them, the schedule's learning rate at the epoch's
-last step, and the epoch's wall time (empty for a row rewritten from a checkpoint).
+An :class:`EpochLogger` is called at every checkpoint (on rank 0) with the history saved. A log always equals the
+history of the checkpoint it continues from: on ``--resume`` ``log.csv`` keeps its rows up to the checkpoint's last
+finished epoch, rows it lacks are written from the history, and TensorBoard hides later events (``purge_step``).
+A row: the epoch's mean training loss and accuracy (of the unperturbed pass; a regression run's RMSE) and steps,
+the learning rate at its last step, and its wall time (empty for a row rewritten from a checkpoint).
 """
 
 from __future__ import annotations
@@ -29,10 +26,8 @@ from flatbma.training import EpochLines
 CSV_FILE = "log.csv"
 TENSORBOARD_DIR = "tensorboard"
 COLUMNS = ("epoch", "loss", "accuracy", "steps", "lr", "time_s")
-"""The first columns of ``log.csv``: ``epoch``, ``loss``, ``accuracy`` and ``steps`` are the history's. After
-them come the epoch's step statistics (e.g. ``ascent/mean_shift``) and validation values (``val/nll``) of a
-run that has them (:attr:`~flatbma.loop.EpochLog.stats`, ``validation``), in the order first
-seen; an earlier row lacks a column that appeared later (empty cell)."""
+"""The first columns of ``log.csv``; after them come the run's step statistics (``ascent/mean_shift``) and
+validation values (``val/nll``) in the order first seen, empty in the rows before they appeared."""
 REGRESSION_COLUMNS = ("epoch", "loss", "rmse", "steps", "lr", "time_s")
 """The first columns of a regression run's ``log.csv`` (``model.likelihood: gaussian``): its targets have no
 accuracy; ``rmse`` is the epoch's training RMSE of the mean (:attr:`~flatbma.loop.EpochLog.rmse`)."""
@@ -57,11 +52,10 @@ def check_available(logs: Iterable[TrainLog]) -> None:
 class EpochLogger(EpochLines):
     """Logs each finished epoch of a run: its line (:class:`~flatbma.training.EpochLines`), ``log.csv``, TensorBoard.
 
-    Call it with the history after every checkpoint; it logs the epochs it has not logged yet. Create it right
-    before the loop starts, or at its first checkpoint with ``started`` (the first epoch's time counts from then),
-    and :meth:`close` it after. ``logs``: the files to write into ``run_dir`` (``train.log``); ``lines``: the
-    arguments of :class:`~flatbma.training.EpochLines`, where ``accuracy=False`` (regression) writes the RMSE
-    (:data:`REGRESSION_COLUMNS`) in place of the accuracy (:data:`COLUMNS`).
+    Call it with the history after every checkpoint: it logs the epochs not logged yet. Create it before the loop,
+    or at its first checkpoint with ``started`` (the first epoch's time counts from then), and :meth:`close` it
+    after. ``logs``: the ``train.log`` files to write into ``run_dir``; ``lines``: the arguments of
+    :class:`~flatbma.training.EpochLines` (``accuracy=False``: :data:`REGRESSION_COLUMNS`).
     """
 
     def __init__(self, run_dir: Path, logs: Sequence[TrainLog], **lines: Any) -> None:

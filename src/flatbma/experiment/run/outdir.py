@@ -1,17 +1,10 @@
 """Where ``flatbma train`` and ``flatbma compare`` may write: the one check of an ``output_dir``.
 
-Before anything is written (``--force`` overwrites files of flatbma's names), the directory must be one of
-
-* **missing** — it is created;
-* **empty** — but for the temporary files of a killed flatbma write (``.<name>.<8 chars>.tmp``) and flatbma's
-  lock file (:mod:`flatbma.experiment.run.lock`);
-* **a flatbma directory of the command's kind** — a *run directory* holds a regular file ``config.yaml`` that is a
-  YAML mapping with every key of :data:`RUN_KEYS` (the name is common, so its content decides); a *compare
-  directory* holds a regular file ``compare_config.yaml``. The command's own checks then decide whether it holds
-  the same config (else ``--force``);
-* anything else — only with ``--force``.
-
-Never, even with ``--force``: a file system root (``/``), a mount point or the user's home directory,
+Before anything is written the directory must be missing (it is created), empty but for flatbma's lock file and
+the temporary files of killed writes (``.<name>.<8 chars>.tmp``), or a flatbma directory of the command's kind: a
+*run directory* holds a regular file ``config.yaml`` that is a YAML mapping with every key of :data:`RUN_KEYS` (the
+name is common, so its content decides), a *compare directory* a regular file ``compare_config.yaml``. Anything
+else only with ``--force``; never, even with it, a file system root, a mount point or the user's home directory,
 whatever the spelling (``..``, symlinks).
 """
 

@@ -1,8 +1,6 @@
 """A run: config → (the prior stage of a two-stage run) → its own stage → BMA evaluation → metrics.json.
 
-It puts the parts (:mod:`~flatbma.experiment.run.build`, :mod:`~flatbma.experiment.run.stage`,
-:mod:`~flatbma.experiment.run.prior`, :mod:`~flatbma.experiment.run.evaluate`) together for ``flatbma train`` and
-``flatbma evaluate``.
+It puts ``build``, ``stage``, ``prior`` and ``evaluate`` together for ``flatbma train`` and ``flatbma evaluate``.
 """
 
 from __future__ import annotations
@@ -75,19 +73,15 @@ def train(
 ) -> Trained:
     """Train ``cfg`` into its output directory and write ``metrics.json``; return the trained stage.
 
-    With ``resume``, continue from the directory's checkpoint exactly where it stopped (same data order, same
-    random draws). A two-stage run (``cfg.prior``) first fits its prior stage
-    (:func:`~flatbma.experiment.run.prior.fit_prior`), then trains its method with that prior and, with
-    ``prior.init``, from it. Without ``evaluate`` the BMA evaluation is left to the caller.
+    With ``resume``, continue from the directory's checkpoint exactly where it stopped; ``resumed``: the change
+    ``--resume --set`` makes (:func:`resume_config`), written only once every check has passed. A two-stage run
+    first fits its prior stage (:func:`~flatbma.experiment.run.prior.fit_prior`). Without ``evaluate`` the BMA
+    evaluation is left to the caller.
 
-    Holds the directory's lock throughout (:func:`flatbma.experiment.run.lock.hold`). Without ``resume`` and
-    ``force``, this config's finished run (:func:`~flatbma.experiment.run.stage.finished_run`) is returned as it is
-    (:attr:`Trained.reused`) and an interrupted one is refused with the ``--resume`` command that continues it;
-    with ``force`` the old run is replaced only at the new one's first checkpoint. ``resumed``: the change
-    ``--resume --set`` makes (:func:`resume_config`), written only once every check has passed.
-
-    Under ``torchrun`` every rank trains its shard of each global batch (with ``train.parallel: members``, its
-    share of the members, :class:`~flatbma.experiment.parallel.strategies.Members`); only rank 0 writes files.
+    Holds the directory's lock throughout. Without ``resume`` and ``force``, this config's finished run is returned
+    as it is (:attr:`Trained.reused`) and an interrupted one is refused with the ``--resume`` command that continues
+    it; with ``force`` the old run is replaced only at the new one's first checkpoint. Under ``torchrun`` every rank
+    trains its shard of each global batch (or its share of the members); only rank 0 writes files.
     """
     run_dir = Path(cfg.output_dir)
     check_available(cfg.train.log)  # before a first stage trains or anything is written
@@ -203,10 +197,7 @@ def load_run_config(run_dir: str | Path) -> RunConfig:
 
 
 def load_run(cfg: RunConfig) -> tuple[Experiment, State]:
-    """The experiment of a finished run ``cfg`` and its trained state (``trained_state``).
-
-    The experiment is built without the run's fitted prior: sampling and evaluation do not need it.
-    """
+    """The experiment of a finished run ``cfg`` (built without its fitted prior, not needed) and its trained state."""
     exp = build_experiment(cfg)
     return exp, trained_state(exp)
 

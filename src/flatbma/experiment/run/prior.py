@@ -1,10 +1,8 @@
 """Two-stage runs (a ``prior`` section): fit a Gaussian posterior on the target data, then train with it as prior.
 
-The Bayesian transfer-learning pipeline of SA-BMA / FP-BMA (Lim et al., UAI 2025): the first stage (e.g. SWAG)
-trains into ``<output_dir>/prior``, a run directory of its own reused when finished with the same config; its
-posterior, a low-rank plus diagonal Gaussian in ``θ`` layout with ``σ`` floored at ``prior.min_std``, becomes the
-second stage's prior ``p`` in ``KL(q_θ ‖ p)`` and, with ``prior.init``, its starting point. A mixture
-(``multi``) has one prior per member: member ``m`` of the second stage takes member ``m``'s fitted Gaussian.
+The Bayesian transfer-learning pipeline of SA-BMA / FP-BMA (Lim et al., UAI 2025; docs/cli.md, "Two-stage runs"):
+the first stage's low-rank plus diagonal Gaussian (``σ`` floored at ``prior.min_std``) becomes the second stage's
+prior ``p`` in ``KL(q_θ ‖ p)`` and, with ``prior.init``, its start; a mixture's member ``m`` takes member ``m``'s.
 """
 
 from __future__ import annotations

@@ -43,11 +43,7 @@ def fingerprint(value: Any) -> str:
 
 
 def model_fingerprint(model: nn.Module, config: Mapping[str, Any]) -> str:
-    """:func:`fingerprint` of the model's structure and config.
-
-    The structure is every parameter's and buffer's name, shape, dtype and whether it is trained
-    (sorted by name); the config is the run's ``model`` section.
-    """
+    """:func:`fingerprint` of the ``model`` section and each parameter's/buffer's name, shape, dtype, trained flag."""
     structure = sorted(
         [f"param:{k}", list(v.shape), dtype_name(v), bool(v.requires_grad)] for k, v in model.named_parameters()
     ) + sorted([f"buffer:{k}", list(v.shape), dtype_name(v)] for k, v in model.named_buffers())

@@ -2,13 +2,9 @@
 
 A run directory holds the resolved ``config.yaml``, ``checkpoint.safetensors`` (the state with its loop
 position) and ``metrics.json`` (with the record of the checkpoint it was computed from). A stage trains holding
-the directory's lock (:mod:`flatbma.experiment.run.lock`) and writes nothing before its first checkpoint
-(:func:`start_run`); a run is finished only as :func:`finished_run` says. A two-stage run
-(:mod:`flatbma.experiment.run.prior`) trains its first stage into ``<output_dir>/prior``, then its own, started
-from the :class:`FittedPrior`.
-
-Over 500 lines on purpose: starting, resuming, checkpointing and finishing a run directory are one protocol
-(what is written when, under which lock, and what a crash at any point leaves).
+the directory's lock and writes nothing before its first checkpoint (:func:`start_run`); a run is finished only as
+:func:`finished_run` says (what a crash leaves: docs/reliability.md). A two-stage run
+(:mod:`flatbma.experiment.run.prior`) trains its first stage into ``<output_dir>/prior``, then its own.
 """
 
 from __future__ import annotations
@@ -82,10 +78,7 @@ def same_config(run_dir: Path, cfg: RunConfig) -> bool:
 
 
 def finished_run(run_dir: Path, cfg: RunConfig, data: str | None = None) -> bool:
-    """Whether ``run_dir`` holds a finished run of ``cfg`` (trained on the data set of fingerprint ``data``).
-
-    Finished: :func:`unfinished` finds nothing wrong (in metadata only; loading checks the checkpoint in depth).
-    """
+    """Whether :func:`unfinished` finds nothing wrong in ``run_dir`` (metadata only; loading checks the checkpoint)."""
     return unfinished(run_dir, cfg, data) is None
 
 
@@ -150,10 +143,7 @@ def read_metrics(run_dir: Path) -> dict[str, Any] | None:
 
 
 def read_metrics_checked(run_dir: Path) -> tuple[dict[str, Any] | None, str]:
-    """``(metrics, "")`` of ``run_dir``'s ``metrics.json``, or ``(None, what is wrong with it)``.
-
-    It must be a JSON object whose seal matches (:func:`flatbma.state_io.seal_problem`).
-    """
+    """``(metrics, "")`` of ``run_dir``'s ``metrics.json`` (a JSON object, its seal intact), or ``(None, why not)``."""
     path = run_dir / METRICS_FILE
     if not os.path.lexists(path):
         return None, "missing"
@@ -461,10 +451,7 @@ def _diverged(e: DivergenceError, cfg: RunConfig, *, kept: bool) -> str:
 
 
 def step_stats(history: History) -> dict[str, dict[str, float]]:
-    """Every step statistic of ``history`` (:attr:`EpochLog.stats`): its median over the epochs' means, first, last.
-
-    Over the per-epoch means (the loop keeps no single steps); first and last show how the scale changed.
-    """
+    """Every step statistic of ``history`` (:attr:`EpochLog.stats`): the median, first and last of its epoch means."""
     names = dict.fromkeys(k for h in history.epochs for k in h.stats)
     out = {}
     for name in names:
@@ -476,10 +463,8 @@ def step_stats(history: History) -> dict[str, dict[str, float]]:
 def training_record(exp: Experiment, state: State, meta: Mapping[str, str]) -> dict[str, Any]:
     """What a finished run's ``metrics.json`` records of its training, as its checkpoint and ``log.csv`` hold it.
 
-    For ``flatbma evaluate`` to rebuild a lost ``metrics.json``: the method, seed and steps, the loss ``history``,
-    the ``environment``, the training time (the sum of ``log.csv``'s epoch times, when every epoch has one), the
-    step statistics, the early-stopping record and ``prior_run``. Not restored: ``kl_from_start`` (it needs the
-    starting posterior) and ``world_size``.
+    For ``flatbma evaluate`` to rebuild a lost ``metrics.json`` (docs/reliability.md, "Finished means finished");
+    not restored: ``kl_from_start`` (it needs the starting posterior) and ``world_size``.
     """
     cfg, run_dir = exp.config, Path(exp.config.output_dir)
     history = history_of(meta) or History()

@@ -1,15 +1,10 @@
 """Everything a config demands of its run, checked against the data sizes before anything trains or is written.
 
 Parsing checks each value on its own; this module checks what depends on the run's *shape* (its updates, training
-and test examples), known once the data set is read: SWAG's snapshots against its rank, SG-MCMC's burn-in and
-thinning against the run's length, ECE's bins against the test set, the Hessian's eigenvalues against its
-dimension, the learning rate against the KL to a fitted prior. Otherwise such a config fails only after training.
-
-Each part of a config checks itself given a :class:`RunShape` (a method through
-:attr:`~flatbma.family.Family.check`, the evaluation through
-:meth:`~flatbma.experiment.config.sections.EvalConfig.check`); :func:`check_run` asks every stage of a run.
-:func:`validate_run` serves ``flatbma train``, :func:`validate_runs` ``flatbma compare``. Every refusal is one
-:class:`~flatbma.errors.FlatbmaError` line naming the key, the numbers and the fix.
+and test examples), known once the data set is read (the checks: docs/cli.md). Each part of a config checks itself
+given a :class:`RunShape` (a method through :attr:`~flatbma.family.Family.check`, the evaluation through
+:meth:`~flatbma.experiment.config.sections.EvalConfig.check`); :func:`check_run` asks every stage of a run. Every
+refusal is one :class:`~flatbma.errors.FlatbmaError` line naming the key, the numbers and the fix.
 """
 
 from __future__ import annotations

@@ -3,10 +3,7 @@
 A row's measurements are cached beside its run in ``compare.json`` (:data:`RUN_CACHE`) with the key of the
 comparison's measurement settings (:meth:`~flatbma.experiment.study.plan.Plan.row_key`) and the record of
 the checkpoint and data they were computed from (:func:`source`); a candidate's validation score in
-``candidate.json`` (:data:`CANDIDATE_FILE`). A cached row is reused only while it is :func:`fresh`, a
-run only while it is :func:`finished` on the data as it is now; a damaged file is refused by name
-(:func:`read_cache`). A finished run of the same config elsewhere in the comparison is copied in rather
-than trained again (:func:`adopt`).
+``candidate.json`` (:data:`CANDIDATE_FILE`). A damaged file is refused by name (:func:`read_cache`).
 """
 
 from __future__ import annotations

@@ -1,48 +1,19 @@
 """``flatbma compare``: methods × seeds through the one runner, evaluated for calibration, shift and flatness.
 
-Over 500 lines on purpose: the compare loop — planning, running or reusing each (method, seed), recording
-failures, measuring and reporting progress — decides in one place which run is skipped, retried or refused;
-what could stand alone (plan, caches, candidate selection, width matching, report) has its own module.
-
-A compare config is a run config (shared data/model/optim/train/eval sections and a default ``method``) plus a
-``compare`` section listing what varies::
-
-    compare:
-      methods: [{name: sgd}, {name: sam, rho: 0.05}, {name: fp-bma, rank: 5}]
-      seeds: [0, 1, 2]
-      corruptions: [gaussian_noise, defocus_blur, contrast]
-      severities: [1, 3, 5]
-      bma_curve: [1, 2, 5, 10, 20, 30]
-      flatness: true
-      landscape: true
-      reference: sgd        # the others' paired differences and findings are against it (default: the first)
-      pairs: [[fp-bma, swag], [sam, sgd]]   # further paired differences, each a − b (in addition)
-      quick: {methods: [sgd, sam], seeds: [0], set: [train.epochs=2]}
-
-Each (method, seed) is an ordinary run directory ``OUT/runs/<method>/seed<s>``, trained by
+A compare config is a run config plus a ``compare`` section listing what varies, e.g.
+``compare: {methods: [{name: sgd}, {name: sam, rho: 0.05}], seeds: [0, 1, 2], reference: sgd}`` (every key,
+candidate lists, ``match_width`` and ``pairs``: docs/cli.md). Each (method, seed) is an ordinary run directory
+``OUT/runs/<method>/seed<s>`` (each candidate of an entry that lists values: ``.../cand-<options>``), trained by
 :func:`flatbma.experiment.run.pipeline.train` and measured by :func:`flatbma.experiment.run.evaluate.measure`;
 its measurements are cached beside it in ``compare.json`` with the hash of their config, so a rerun reuses
 every finished (method, seed). The output directory records its compare config and refuses to mix in results
 of a different one unless ``--force`` is given.
 
-An entry may carry its own ``optim`` section (overriding the shared one's keys) and lists of candidate values,
-e.g. ``{name: sam, rho: [0.01, 0.05, 0.1], optim: {lr: [0.01, 0.05]}}``: each combination is a run in
-``OUT/runs/<method>/seed<s>/cand-<options>``, and the row is the candidate with the best validation NLL, the
-only one measured on the test set (``selection`` in the row records every candidate's score).
-
-**Width-matched posteriors.** An entry whose posterior is a low-rank plus diagonal Gaussian (``swag``,
-``lowrank-vi``, ``fp-bma``, …: :attr:`MethodSpec.gaussian`) may name an earlier entry in ``match_width``, e.g.
-``{name: swag, label: swag-wide, rank: 5, match_width: fp-bma}``. It trains and selects as usual but is measured
-as ``N(μ, cΣ)`` with ``c = tr Σ_ref / tr Σ`` (``tr Σ_ref``: ``width.trace_cov`` of the referenced entry's row for
-the same seed), so a flatness comparison of the two rows is not confounded by width. The scaled posterior is
-sampled through the posterior's Gaussian hook (:func:`flatbma.posteriors.gaussians.rescaled`); the row records
-``width_matched: {to, factor, ...}``.
-
-**Diverged rows.** A candidate whose training diverges (:class:`~flatbma.errors.DivergenceError`) gives a
-*failed row* ``{method, method_options, optim, prior, seed, run_dir, error}`` without metrics, recorded in
-:data:`ROW_ERROR` beside its run and reused by a rerun while the row key, config and source match (``--force``
-trains it again). A row width-matched to a failed row fails too. The report leaves failed rows out of every
-mean and paired difference and names the seeds that diverged.
+A row with candidates is the one with the best validation NLL, the only one measured on the test set. A ``match_width``
+row is measured as ``N(μ, cΣ)`` with ``c = tr Σ_ref / tr Σ``. A candidate whose training diverges
+(:class:`~flatbma.errors.DivergenceError`) gives a *failed row*, its identity and ``error`` without metrics, recorded in
+:data:`ROW_ERROR` beside its run and reused by a rerun while the row key, config and source match (``--force`` trains it
+again); a row width-matched to a failed row fails too. The report leaves failed rows out of every mean.
 """
 
 from __future__ import annotations
@@ -131,16 +102,14 @@ def run_compare(plan: Plan, *, force: bool = False, progress: bool = True) -> di
     split (:func:`~flatbma.experiment.study.selection.train_candidates`), then measures the best
     (:func:`_run_selected`). Width-matched rows run in a second round, after every other row.
 
-    Under ``torchrun`` with ``N`` processes each piece is an ordinary single-process run: process ``r`` trains the
-    candidate groups ``r, r+N, …`` (a group: the candidates sharing a first stage), then, once all have finished,
-    the rows ``r, r+N, …`` of :meth:`Plan.jobs` (methods outer, seeds inner). Every process then reads the others'
-    rows from their caches (``output_dir`` must be on a shared file system) and returns the same results; rank 0
-    alone writes ``compare_config.yaml`` (first), ``results.json`` and the reports.
+    Under ``torchrun`` process ``r`` of ``N`` trains the candidate groups ``r, r+N, …`` (candidates sharing a first
+    stage), then the rows ``r, r+N, …`` of :meth:`Plan.jobs`, each as a single-process run; every process then reads
+    the others' rows from their caches and returns the same results, and rank 0 alone writes ``compare_config.yaml``
+    (first), ``results.json`` and the reports (docs/distributed.md).
 
-    Rank 0 holds the output directory's lock throughout, every process the lock of each run directory it works in.
-    A row is reused only when its run finished on the current data
-    (:func:`~flatbma.experiment.run.build.data_fingerprint`) and its cache was measured from that run's checkpoint
-    (:func:`fresh`); a changed data set trains the rows again.
+    Rank 0 holds the output directory's lock throughout, every process the lock of each run directory it works in. A row
+    is reused only when its run finished on the current data (:func:`~flatbma.experiment.run.build.data_fingerprint`)
+    and its cache was measured from that run's checkpoint (:func:`fresh`); a changed data set trains the rows again.
     """
     with contextlib.ExitStack() as owned:  # rank 0 holds the output directory's lock throughout
         return _run_compare(plan, force, progress, owned)
@@ -257,8 +226,7 @@ def _progress(
     """``items`` with a progress bar, or without a terminal (a log file, CI) one line on stderr per item done.
 
     ``me``/``world``: this process's rank and the process count (only rank 0 shows a bar; none with ``--quiet``).
-    The time left is learned from the items done (:class:`~flatbma.experiment.study.eta.TimeLeft`): the measured
-    cost of each ``kind`` of item, and for a kind not yet timed its ``work`` per phase at the rates seen so far.
+    The time left: :class:`~flatbma.experiment.study.eta.TimeLeft`, learned from the items done (``kind``, ``work``).
     """
     reporter = progress.current()
     # a bar shows this estimate in place of tqdm's, which assumes every item costs the same

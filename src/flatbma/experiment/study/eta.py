@@ -2,16 +2,14 @@
 
 A row (a method and a seed) is training plus the evaluation's phases (BMA, corruptions, flatness, ...), each
 timed by :meth:`flatbma.progress.Reporter.phase`. Their costs differ by orders of magnitude between methods (a
-point estimate has one distinct sample, so its BMA needs no BatchNorm recomputation per sample and its flatness
-one Hessian spectrum, not ``eval.flatness_samples``), so a row's work is counted per phase in units its config
-gives (:func:`row_work`: epochs, distinct samples, corrupted sets × samples), and :class:`TimeLeft` estimates
+point estimate has one distinct sample), so a row's work is counted per phase in units its config gives
+(:func:`row_work`), and :class:`TimeLeft` estimates
 
 * a row of a method already timed: the mean time of that method's rows;
 * any other row: ``Σ_phase units · rate(phase) + rest``, with ``rate(phase)`` the costliest time per unit
   that phase took in the rows so far and ``rest`` the costliest time a row spent outside its phases.
 
-It is re-estimated after every row. A row that ran no timed phase was read whole from its cache (a resumed
-comparison): its time says nothing of a row's cost and is not learned.
+It is re-estimated after every row; a row that ran no timed phase was read whole from its cache and is not learned.
 """
 
 from __future__ import annotations

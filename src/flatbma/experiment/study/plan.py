@@ -55,11 +55,9 @@ class CompareConfig:
     """The ``compare`` section.
 
     Attributes:
-        methods: method sections (``{name: ..., options...}``); an entry may carry a ``prior`` section (a two-stage
-            run), an ``optim`` section (overriding the shared one's keys; a first stage without ``prior.optim``
-            trains with it too), a ``label`` (its name in tables and plots), lists of candidate values for scalar
-            options and ``optim`` keys (chosen per seed on the validation split) and ``match_width`` (the label of
-            an earlier entry whose posterior width this Gaussian one is measured at).
+        methods: method sections (``{name: ..., options...}``); an entry may carry a ``prior`` section, an ``optim``
+            section (overriding the shared one's keys, for a first stage without ``prior.optim`` too), a ``label``,
+            lists of candidate values and ``match_width`` (docs/cli.md).
         seeds: each (method, seed) is one run.
         corruptions: corruption names evaluated on the test set (``flatbma.data.corruption_names()``).
         severities: corruption severities in 1..5.
@@ -69,9 +67,8 @@ class CompareConfig:
         flatness: measure Hessian spectra and distribution-level flatness.
         landscape: record a 1-D loss landscape of the posterior along a filter-normalized direction.
         reference: the label of the method every other one is compared with (``None``: the first method).
-        pairs: further comparisons ``[a, b]`` of two method labels, each reported as the paired difference
-            ``a − b`` over the seeds both ran. Like ``reference``, it only shapes the report: it is in no
-            fingerprint, study or row cache key.
+        pairs: further ``[a, b]`` of two method labels, each reported as ``a − b`` over the seeds both ran; like
+            ``reference``, it only shapes the report (in no fingerprint, study or row cache key).
         quick: the reduced setting of ``--quick`` (written to ``<output_dir>-quick``, beside the full run).
     """
 

@@ -1,20 +1,14 @@
 """Hyperparameter selection on validation data: the score of ``flatbma compare``'s candidates and the choice.
 
-A compare method entry may give a list of values for any scalar option (a number, a flag or a name): a method
-option (``rho``, ``gamma``, ``rank``, …) or a key of the entry's own ``optim`` section::
-
-    {name: sam, rho: [0.01, 0.05, 0.1], optim: {lr: [0.01, 0.05]}}
-
-Every combination (the Cartesian product of the lists, in the order written) is a *candidate*, an ordinary run.
-Per method and seed, the candidate whose BMA predictive has the smallest validation NLL is chosen,
+A compare entry may list values for any scalar method option or ``optim`` key, e.g.
+``{name: sam, rho: [0.01, 0.05, 0.1], optim: {lr: [0.01, 0.05]}}`` (docs/cli.md); every combination (the Cartesian
+product, in the order written) is a *candidate*, an ordinary run. Per method and seed, the candidate whose BMA
+predictive has the smallest validation NLL over the run's ``eval.num_samples`` posterior samples is chosen,
 
     NLL_val = −(1/N) Σᵢ log p(yᵢ | xᵢ),   log p(y | x) = logsumexp_m log softmax f(x; w_m)_y − log M,
 
-over the validation split (``data.val_per_class`` images per class held out of the k-shot budget, or
-``data.val_pool`` drawn from outside it) and the run's ``eval.num_samples`` posterior samples. Only the chosen
-candidate is evaluated on the test set, as in the methods' papers (SAM's ρ, Foret et al. 2021; FP-BMA's γ, Lim
-et al. 2025). A list-typed option (a tuple annotation) is a value, never a grid; so is anything in an entry's
-``prior`` section.
+and only it is evaluated on the test set, as in the methods' papers (SAM's ρ, Foret et al. 2021; FP-BMA's γ, Lim
+et al. 2025). A list-typed option (a tuple annotation) is a value, never a grid; so is anything in ``prior``.
 """
 
 from __future__ import annotations
@@ -108,8 +102,7 @@ def unplaced(selection: Any) -> Any:
 def candidate_record(cfg: RunConfig, data: str | None = None) -> dict[str, Any] | None:
     """The validation record of candidate ``cfg`` (``candidate.json``) if it belongs to exactly this config.
 
-    With ``data`` (the data set's fingerprint), also to the run's current checkpoint and that data
-    (:func:`source`).
+    With ``data`` (the data set's fingerprint), also to the run's current checkpoint and that data (:func:`source`).
     """
     run_dir = Path(cfg.output_dir)
     record = read_cache(run_dir / CANDIDATE_FILE, is_candidate_record, sealed_in=run_dir)

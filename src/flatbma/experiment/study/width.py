@@ -1,9 +1,8 @@
 """Width-matched posteriors (``match_width``): a Gaussian posterior measured at another row's width ``tr Σ``.
 
-An entry of a method whose posterior is a low-rank plus diagonal Gaussian may name an earlier entry in
-``match_width``; it trains (and selects) as usual but is measured as ``N(μ, cΣ)`` with
-``c = tr Σ_ref / tr Σ`` (module docstring of :mod:`flatbma.experiment.study.compare`). Everything here goes
-through the posterior's Gaussian (:attr:`~flatbma.types.Capabilities.gaussian`,
+An entry whose posterior is a low-rank plus diagonal Gaussian may name an earlier entry in ``match_width``; it
+trains (and selects) as usual but is measured as ``N(μ, cΣ)`` with ``c = tr Σ_ref / tr Σ`` (docs/cli.md).
+Everything here goes through the posterior's Gaussian (:attr:`~flatbma.types.Capabilities.gaussian`,
 :mod:`flatbma.posteriors.gaussians`): no method or family is named.
 """
 
@@ -34,9 +33,8 @@ SAMPLER = "low-rank Gaussian sampler over the scaled θ (SWAG's sampler distribu
 def check_match_width(compare: Any) -> None:
     """Refuse a ``match_width`` the comparison cannot honour, before anything trains.
 
-    The entry's posterior must be a low-rank plus diagonal Gaussian with its options (:func:`gaussian_posterior`),
-    the label that of an earlier entry measured as trained, and the comparison must measure widths
-    (``compare.flatness``).
+    The entry's posterior must be a low-rank plus diagonal Gaussian with its options (:func:`gaussian_posterior`), the
+    label that of an earlier entry measured as trained, and the comparison must measure widths (``compare.flatness``).
     """
     earlier: dict[str, dict[str, Any]] = {}
     for i, entry in enumerate(compare.methods):
