@@ -274,36 +274,19 @@ def test_a_saved_tuple_model_loads_predicting_as_fitted(tmp_path):
     assert not other._forward_hooks
 
 
-def _as_saved_before_the_record(path) -> None:
-    """Rewrite a predictor file as versions before bdef782 wrote it: the same state, no ``logits`` record.
-
-    The old format is built here, from a freshly saved file, by dropping the record (and writing the file
-    again, so that its checksums cover the settings as they are): those versions wrote no other difference.
-    """
+@pytest.mark.parametrize("record", ["logits", "architecture"])
+def test_a_predictor_file_of_an_older_layout_is_refused(tmp_path, record):
+    """A file without the ``logits`` or ``architecture`` record (an older flatbma's, rewritten here with its
+    checksums intact) is refused in one line, never loaded by guess."""
     from flatbma.predictor_file import read_file, write_file
 
-    state, settings = read_file(path)
-    del settings["logits"]
-    write_file(path, state, settings)
-
-
-@pytest.mark.parametrize("tupled", [True, False], ids=["tuple-output", "tensor-output"])
-def test_a_predictor_saved_before_the_logits_record_loads_predicting_as_fitted(tmp_path, tupled):
-    """A file without the ``logits`` record: the module gets the hook that passes a tensor through (issue #25)."""
-    from flatbma.predictor_file import read_file
-
-    make = _WithFeatures if tupled else _net
-    fitted = _fit(make(), DataLoader(TensorDataset(*_data()), batch_size=48))
     path = tmp_path / "old.safetensors"
-    fitted.save(path)
-    _as_saved_before_the_record(path)
-    assert "logits" not in read_file(path)[1]
-    fresh = make()
-    loaded = flatbma.load_posterior(path, fresh)
-    x, y = _data(20, seed=5)
-    assert torch.equal(loaded.predict_proba(x), fitted.predict_proba(x))
-    assert loaded.evaluate([(x, y)]) == fitted.evaluate([(x, y)])
-    assert fresh.eval()(x).shape == (20, 3)
+    _fit(_WithFeatures(), DataLoader(TensorDataset(*_data()), batch_size=48)).save(path)
+    state, settings = read_file(path)
+    del settings[record]
+    write_file(path, state, settings)
+    with pytest.raises(flatbma.FlatbmaError, match="predictor settings are damaged or of another version"):
+        flatbma.load_posterior(path, _WithFeatures())
 
 
 def test_a_predictor_file_with_an_unknown_logits_record_is_refused(tmp_path):
