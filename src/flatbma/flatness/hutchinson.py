@@ -2,7 +2,7 @@
 
 With Rademacher ``z`` (entries ±1 with probability ½), ``E[zᵀ A z] = tr A`` and ``Var[zᵀ A z] = 2 Σ_{i≠j} A_ij²``;
 the estimate is the mean of ``m`` independent ``zᵀ A z``, its standard error their sample std over ``√m``.
-Rademacher probes give the smallest variance of this form (Hutchinson, 1990); as in PyHessian (Yao et al., 2020).
+Rademacher probes give the smallest variance of this form (Hutchinson, 1990); PyHessian (Yao et al., 2020) uses them.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ the cost of one gradient per Monte-Carlo sample. Step ``t = 1, 2, …`` with ``M
 
 then ``σ = 1/√(λ(h + δ))`` with the new ``h``; ``σ`` and ``(θ_j − m)/σ²`` in ``ĥ`` are those of the ``h`` the
 samples were drawn with. ``λ = ess`` (default ``N``, the training-set size), so ``q`` approximates the posterior of
-``N`` examples under the prior ``N(0, I/(λδ))``; ``h`` starts at ``h₀ = hess_init``, ``g`` at 0; ``rescale_lr`` gives
+``λ`` examples under the prior ``N(0, I/(λδ))``; ``h`` starts at ``h₀ = hess_init``, ``g`` at 0; ``rescale_lr`` gives
 ``α_t = (h₀ + δ)·η_t``; ``ξ = clip_radius`` (``None``: no clip). IVON is its own optimizer: from flatbma's SGD it
 reads ``η_t = optimizer.learning_rate(step)``, ``β₁ = optimizer.momentum`` and ``δ = optimizer.weight_decay``. With
 an ascent step on weights (F-IVON) the gradient at each sample is ``∇L_B(θ_j + ε_j)``,

@@ -5,8 +5,9 @@ Over 500 lines on purpose: its two stages, prior-precision choice and option che
 ``w*`` is a point estimate (SGD, or SAM/ASAM/Fisher-SAM: F-Laplace), ``H`` the generalized Gauss-Newton (or
 empirical Fisher) of the summed training loss at ``w*`` (:mod:`flatbma.curvature`), ``δ`` the precision of the prior
 ``N(w₀, δ⁻¹I)``, fixed or maximizing the Laplace evidence (MacKay 1992; Immer et al. 2021), and ``T`` a temperature.
-The predictive is the network linearized at ``w*`` (GLM), its probit approximation, or the network on the samples
-(:class:`flatbma.types.Predictive`; Daxberger et al. 2021, "Laplace Redux"). The maths: docs/methods.md §3.9.
+The predictive is the network linearized at ``w*`` (GLM; Immer, Korzepa & Bauer 2021), its probit approximation, or
+the network on the samples (:class:`flatbma.types.Predictive`; Daxberger et al. 2021, "Laplace Redux"); the maths:
+docs/methods.md §3.9.
 """
 
 from __future__ import annotations

@@ -66,8 +66,8 @@ def member_initializations(
     (:func:`flatbma.models.is_pretrained`) is re-initialized, with its buffers; the rest is shared with member 0.
     Members thus differ where the single model was randomly initialized.
 
-    Member ``m`` is drawn on CPU copies under a forked RNG (the global stream is untouched) seeded from ``(seed, m)``,
-    so the members are the same numbers on any device. ``model`` itself is not touched.
+    Member ``m`` is drawn on CPU copies under a forked RNG (the global stream is untouched) seeded by the ``m``-th
+    integer drawn from a generator seeded with ``seed``: the same numbers on any device. ``model`` is not touched.
     """
     trainable = set(params)
     head = _head_name(model)

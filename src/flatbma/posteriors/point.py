@@ -37,8 +37,8 @@ def build(
     """Train a point estimate ``w`` with ``optimizer``, optionally sharpness-aware.
 
     ``w_{t+1} = opt(w_t, ∇L_B(w_t + ε_t))`` with ``ε_t = ascent.perturb(w_t, ∇L_B(w_t))`` (``ε_t = 0`` without an
-    ascent step: plain SGD/MAP), else SAM, ASAM or Fisher-SAM (docs/methods.md §4.2), each with its second pass
-    every ``k`` steps under :class:`~flatbma.optim.Amortized` (its memory in ``aux``). There are no ``options``.
+    ascent step: plain SGD/MAP); with one, SAM (Foret et al. 2021), ASAM or Fisher-SAM (docs/methods.md §4.2), each
+    with its second pass every ``k`` steps under :class:`~flatbma.optim.Amortized` (memory in ``aux``). No ``options``.
     """
     Options(**options)
     return Posterior(

@@ -285,7 +285,7 @@ def snapshots(steps: int, *, start_step: int, collect_every: int) -> int:
 def auto_collect_every(window: int, snapshots: int) -> int:
     """``collect_every: auto`` for a window of ``window`` updates: ``max(1, ⌊window/snapshots⌋)``.
 
-    A window of at least ``snapshots`` updates then collects between ``snapshots`` and ``2·snapshots`` of them,
+    A window of at least ``snapshots`` updates then collects at least ``snapshots`` and fewer than ``2·snapshots``,
     spread evenly up to its end; a shorter window collects one per update.
     """
     return max(1, window // snapshots)
