@@ -17,11 +17,13 @@ checkpoint and metrics but is flagged by these rules (their reasons and examples
 A regression run (a Gaussian likelihood: no classes) replaces ``at_chance`` and ``worse_than_mean`` with:
 
 * **no better than the mean predictor** (``at_mean_predictor``): the BMA's RMSE on the validation split (else on
-  up to :data:`HEALTH_EXAMPLES` training examples) is at least their targets' standard deviation: ``R² ≤ 0``.
-* **learned nothing** (``learned_nothing``): the last epoch's training RMSE is within :data:`NO_PROGRESS` of the
-  first's. Not compared for one epoch, or from fitted weights (``prior.init``, ``model.pretrained``).
+  up to :data:`HEALTH_EXAMPLES` training examples) is at least their targets' standard deviation: ``R² ≤ 0``
+  (their own mean knows it in advance, so the rule errs towards not flagging).
+* **learned nothing** (``learned_nothing``): the last epoch's training RMSE, over the same examples each epoch, is
+  within :data:`NO_PROGRESS` of the first's, as when weights do not move. Not compared for one epoch, or from
+  fitted weights (``prior.init``, ``model.pretrained``).
 * **RMSE blow-up** (``rmse_blowup``): the test RMSE exceeds :data:`RMSE_BLOWUP` times the targets' standard
-  deviation.
+  deviation (a Gaussian target lies within 3σ of its mean but for 0.3% of the time).
 
 :func:`assess` gives the ``health`` entry of ``metrics.json`` and a compare row; ``warn_if_flagged`` is its one
 line; :func:`flagged_text` the reports' and findings' wording.

@@ -90,7 +90,7 @@ class Packed(Mapping[str, Tensor]):
 
     Looking a key up creates all the views once (:meth:`Layout.views`); ``dict(packed)`` is a packed dict of
     views. ``derived`` caches what code computes from the values (e.g. :func:`flatbma.gaussian.geometry` of a
-    ``θ``), so a mapping is never updated in place while in use.
+    ``θ``): valid since a mapping, one step's value, is never updated in place while in use.
     """
 
     __slots__ = ("_views", "derived", "flat", "layout")

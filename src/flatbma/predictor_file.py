@@ -58,8 +58,8 @@ def read_file(path: str | Path) -> tuple[State, dict[str, Any]]:
     """``(state, settings)`` written by :func:`write_file`, the state on the CPU.
 
     Raises:
-        FlatbmaError: a missing, truncated, damaged (its checksums differ) or foreign file, or a state file
-            without predictor settings.
+        FlatbmaError: a missing, truncated, damaged (its checksums differ) or foreign file, one of an older layout
+            (format tag, checksums, logits or architecture record), or a state file without predictor settings.
     """
     path = Path(path)
     if path.is_dir():

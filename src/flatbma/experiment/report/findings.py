@@ -327,7 +327,7 @@ def findings(results: Mapping[str, Any]) -> dict[str, Any]:
     Returns:
         ``{"reference", "level", "power", "test", "detectable_difference", "claimed", "comparisons":
         [Comparison.to_dict()], "text": [lines]}``, with ``compare.pairs`` also ``"pairs"`` (each ``a − b``,
-        ``reference`` = b), and the lists ``"diverged"`` and ``"health"``. ``text`` has one line per method with
+        ``reference`` = b), and when non-empty ``"diverged"`` and ``"health"``. ``text`` has one line per method with
         diverged seeds, then one per row flagged by :mod:`flatbma.health`, then one per comparison (the
         reference's, then the pairs'; a pair whose ``b`` is the reference adds none). A method sharing fewer than
         two seeds with its counterpart gets a line claiming nothing; with one seed overall, or one method, the
