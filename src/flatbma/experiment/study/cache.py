@@ -34,7 +34,7 @@ CANDIDATE_FILE = "candidate.json"
 
 def cached_result(row_dir: Path, row_key: str) -> dict[str, Any]:
     """The row another process wrote into ``row_dir`` (its ``compare.json``)."""
-    cached = read_cache(row_dir / RUN_CACHE, is_row_cache, sealed_in=row_dir)
+    cached = read_cache(row_dir / RUN_CACHE, is_row_cache, sealed=True)
     if not isinstance(cached, dict) or cached.get("fingerprint") != row_key or "result" not in cached:
         raise FlatbmaError(
             f"{row_dir / RUN_CACHE} holds no result of this comparison although another process finished that "
@@ -43,13 +43,12 @@ def cached_result(row_dir: Path, row_key: str) -> dict[str, Any]:
     return cached["result"]
 
 
-def read_cache(path: Path, check: Callable[[Any], bool], *, sealed_in: Path | None = None) -> Any:
+def read_cache(path: Path, check: Callable[[Any], bool], *, sealed: bool = False) -> Any:
     """What ``path`` (a file of an earlier compare) holds, or ``None`` if it does not exist.
 
     ``check`` says whether the content has the shape flatbma writes there. A file that cannot be read, is not
-    JSON or YAML, or fails ``check`` is refused by name, so a damaged directory never goes unnoticed. With
-    ``sealed_in`` (the run directory whose checkpoint the record belongs to) its seal must match
-    (:func:`flatbma.state_io.seal_problem`): an edited number is refused like a damaged file.
+    JSON or YAML, or fails ``check`` is refused by name, so a damaged directory never goes unnoticed. A ``sealed``
+    record's seal must match (:func:`flatbma.state_io.seal_problem`): an edited number is refused like a damaged file.
     """
     if not path.exists():
         return None
@@ -60,7 +59,7 @@ def read_cache(path: Path, check: Callable[[Any], bool], *, sealed_in: Path | No
         raise _damaged(path, str(e).splitlines()[0] if str(e).strip() else type(e).__name__) from None
     if not check(content):
         raise _damaged(path, "not what flatbma writes there")
-    problem = seal_problem(content) if sealed_in is not None else None
+    problem = seal_problem(content) if sealed else None
     if problem:
         raise _damaged(path, problem)
     return content
@@ -106,7 +105,7 @@ def _is_number(value: Any) -> bool:
 
 def read_train_metrics(run_dir: Path) -> dict[str, Any]:
     """The ``metrics.json`` of a finished run that compare reuses."""
-    return read_cache(run_dir / METRICS_FILE, lambda content: isinstance(content, dict), sealed_in=run_dir) or {}
+    return read_cache(run_dir / METRICS_FILE, lambda content: isinstance(content, dict), sealed=True) or {}
 
 
 def finished(run_dir: Path, cfg: RunConfig, data: str | None = None) -> bool:

@@ -292,7 +292,7 @@ def _run_one(
         if not force:
             adopt(cfg, trained_elsewhere, data)
         if not force and finished(run_dir, cfg, data):
-            cached = read_cache(cache, is_row_cache, sealed_in=run_dir)
+            cached = read_cache(cache, is_row_cache, sealed=True)
             if fresh(cached, row_key, width_to, source(run_dir, data)):
                 verify_checkpoint(run_dir / CHECKPOINT_FILE)  # the row's numbers are of an intact checkpoint
                 (run_dir / ROW_ERROR).unlink(missing_ok=True)  # an earlier failure of this row is out of date
@@ -360,7 +360,7 @@ def _is_failure_record(content: Any) -> bool:
 
 def _reused_failure(run_dir: Path, row_key: str, cfg: RunConfig, data: str) -> dict[str, Any] | None:
     """The failed row recorded in ``run_dir`` by a training that diverged on this config and data, or ``None``."""
-    record = read_cache(run_dir / ROW_ERROR, _is_failure_record, sealed_in=run_dir)
+    record = read_cache(run_dir / ROW_ERROR, _is_failure_record, sealed=True)
     if record is None or record["fingerprint"] != row_key or record.get("cause") != "training":
         return None
     now = _failure_source(run_dir, cfg, data)
@@ -371,7 +371,7 @@ def _reused_failure(run_dir: Path, row_key: str, cfg: RunConfig, data: str) -> d
 
 def _stored_row(job: Job, row_key: str) -> dict[str, Any]:
     """The row another process (or an earlier turn) left in ``job.row_dir``: a failed row's record, else the cache."""
-    record = read_cache(job.row_dir / ROW_ERROR, _is_failure_record, sealed_in=job.row_dir)
+    record = read_cache(job.row_dir / ROW_ERROR, _is_failure_record, sealed=True)
     if record is not None and record["fingerprint"] == row_key:  # _run_one, _run_selected remove it
         return record["result"]
     return cached_result(job.row_dir, row_key)
@@ -487,7 +487,7 @@ def _run_selected(
     cfg = chosen.config
     run_dir = Path(cfg.output_dir)
     with hold(job.row_dir, "compare"), hold(run_dir, "compare"):
-        cached = None if force else read_cache(cache, is_row_cache, sealed_in=run_dir)
+        cached = None if force else read_cache(cache, is_row_cache, sealed=True)
         if not force and fresh(cached, row_key, width_to, source(run_dir, data)):
             verify_checkpoint(run_dir / CHECKPOINT_FILE)  # the row's numbers are of an intact checkpoint
             if selection.unplaced((cached.get("result") or {}).get("selection")) == selection.unplaced(

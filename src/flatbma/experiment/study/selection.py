@@ -105,7 +105,7 @@ def candidate_record(cfg: RunConfig, data: str | None = None) -> dict[str, Any] 
     With ``data`` (the data set's fingerprint), also to the run's current checkpoint and that data (:func:`source`).
     """
     run_dir = Path(cfg.output_dir)
-    record = read_cache(run_dir / CANDIDATE_FILE, is_candidate_record, sealed_in=run_dir)
+    record = read_cache(run_dir / CANDIDATE_FILE, is_candidate_record, sealed=True)
     resolved = json.loads(json.dumps(cfg.to_dict()))
     if not isinstance(record, dict) or run_identity(record.get("config")) != run_identity(resolved):
         return None
